@@ -1,0 +1,1 @@
+"""The promotion API (FastAPI). Only this package and ``app.promotion`` import FastAPI."""

@@ -1,0 +1,1 @@
+"""Settings, database engine, telemetry and the error hierarchy shared by every process."""

@@ -1,0 +1,130 @@
+"""Service settings, one ``BaseSettings`` per concern, all under the ``FLYWHEEL_`` env prefix.
+
+Resolution order (highest first): explicit environment variables, then the local stack's
+``$FLYWHEEL_HOME/stack.env`` written by ``flywheel stack up``, then the defaults below. Settings are
+read once per process through the cached :func:`get_settings`; tests call
+``get_settings.cache_clear()`` after changing the environment.
+"""
+
+from __future__ import annotations
+
+import os
+from functools import lru_cache
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, SecretStr
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+def flywheel_home() -> Path:
+    """The directory that holds local state (embedded stack data, checkpoints, reports).
+
+    ``FLYWHEEL_HOME`` if set, else ``.flywheel`` under the current working directory.
+    """
+    return Path(os.environ.get("FLYWHEEL_HOME", ".flywheel")).resolve()
+
+
+def _env_files() -> tuple[Path, ...]:
+    return (flywheel_home() / "stack.env",)
+
+
+class _Base(BaseSettings):
+    model_config = SettingsConfigDict(env_file_encoding="utf-8", extra="ignore")
+
+    @classmethod
+    def load(cls):
+        """Build from the environment and the local stack's env file, if present."""
+        return cls(_env_file=_env_files())  # type: ignore[call-arg]
+
+
+class DatabaseSettings(_Base):
+    """Postgres connection. ``url`` is a SQLAlchemy URL; the driver is forced to psycopg 3."""
+
+    model_config = SettingsConfigDict(env_prefix="FLYWHEEL_DATABASE_", extra="ignore")
+    url: SecretStr | None = Field(default=None, description="e.g. postgresql://user@host:5432/db")
+    pool_size: int = Field(default=5, ge=1)
+    echo: bool = False
+
+
+class KafkaSettings(_Base):
+    """Kafka-protocol broker and the topics flywheel uses."""
+
+    model_config = SettingsConfigDict(env_prefix="FLYWHEEL_KAFKA_", extra="ignore")
+    bootstrap: str | None = Field(default=None, description="host:port[,host:port]")
+    interactions_topic: str = "editor.interactions"
+    dlq_topic: str = "editor.interactions.dlq"
+    lifecycle_topic: str = "flywheel.lifecycle"
+    partitions: int = Field(default=4, ge=1, description="partitions of the interactions topic")
+    consumer_group: str = "flywheel-ingest"
+    max_event_bytes: int = Field(default=1_048_576, ge=1024, description="larger events are dead-lettered (bytes)")
+
+
+class TelemetrySettings(_Base):
+    """OpenTelemetry exporter choice."""
+
+    model_config = SettingsConfigDict(env_prefix="FLYWHEEL_TELEMETRY_", extra="ignore")
+    exporter: Literal["none", "console", "otlp"] = "none"
+    otlp_endpoint: str = "http://127.0.0.1:4318"
+
+
+class CelerySettings(_Base):
+    """Celery broker: Redis when ``FLYWHEEL_REDIS_URL`` is set, else kombu's SQLAlchemy transport
+    on the flywheel Postgres (so the embedded stack needs nothing more)."""
+
+    model_config = SettingsConfigDict(env_prefix="FLYWHEEL_", extra="ignore")
+    redis_url: str | None = None
+    train_interval: float = Field(default=5 * 3600.0, gt=0, description="seconds between training cycles")
+    eval_scan_interval: float = Field(default=300.0, gt=0, description="seconds between scans for unevaluated candidates")
+    outbox_interval: float = Field(default=2.0, gt=0, description="seconds between outbox relay runs")
+
+
+class StoreSettings(_Base):
+    """Where checkpoints and reports live."""
+
+    model_config = SettingsConfigDict(env_prefix="FLYWHEEL_", extra="ignore")
+    checkpoint_dir: Path | None = Field(default=None, description="default $FLYWHEEL_HOME/checkpoints")
+    report_dir: Path | None = Field(default=None, description="default $FLYWHEEL_HOME/reports")
+
+    def checkpoints(self) -> Path:
+        return (self.checkpoint_dir or flywheel_home() / "checkpoints").resolve()
+
+    def reports(self) -> Path:
+        return (self.report_dir or flywheel_home() / "reports").resolve()
+
+
+class ServingSettings(_Base):
+    """Inference engine selection."""
+
+    model_config = SettingsConfigDict(env_prefix="FLYWHEEL_SERVING_", extra="ignore")
+    engine: Literal["torch", "vllm"] = "torch"
+    url: str | None = Field(default=None, description="base URL of an OpenAI-compatible server (vLLM or `flywheel serve`)")
+    api_key: SecretStr | None = None
+
+
+class ApiSettings(_Base):
+    """Promotion API."""
+
+    model_config = SettingsConfigDict(env_prefix="FLYWHEEL_API_", extra="ignore")
+    host: str = "127.0.0.1"
+    port: int = Field(default=8000, ge=0, le=65535)
+    url: str | None = Field(default=None, description="base URL clients use; default http://host:port")
+
+
+class Settings:
+    """All settings of a process, one attribute per concern."""
+
+    def __init__(self) -> None:
+        self.database = DatabaseSettings.load()
+        self.kafka = KafkaSettings.load()
+        self.telemetry = TelemetrySettings.load()
+        self.celery = CelerySettings.load()
+        self.store = StoreSettings.load()
+        self.serving = ServingSettings.load()
+        self.api = ApiSettings.load()
+
+
+@lru_cache(maxsize=1)
+def get_settings() -> Settings:
+    """Process-wide settings, read once. Call ``get_settings.cache_clear()`` to re-read."""
+    return Settings()

@@ -1,0 +1,103 @@
+"""OpenTelemetry: one tracer/meter provider per process, and W3C trace context in Kafka headers.
+
+``configure_telemetry`` is idempotent per process (saleor's celeryconf habit): Celery workers call it
+from ``worker_process_init``, CLIs at start. Kafka headers are kafka-python's
+``list[tuple[str, bytes]]``.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable, Sequence
+
+from opentelemetry import metrics, propagate, trace
+from opentelemetry.context import Context
+from opentelemetry.propagators.textmap import Getter, Setter
+
+from app.core.settings import get_settings
+
+KafkaHeaders = list[tuple[str, bytes]]
+
+_lock = threading.Lock()
+_configured: str | None = None
+
+
+def configure_telemetry(service_name: str, exporter: str | None = None) -> None:
+    """Install tracer and meter providers for this process (once; later calls are no-ops).
+
+    Args:
+        service_name: ``service.name`` resource attribute (e.g. ``flywheel-consumer``).
+        exporter: ``none`` | ``console`` | ``otlp``; default from ``FLYWHEEL_TELEMETRY_EXPORTER``.
+    """
+    global _configured
+    with _lock:
+        if _configured is not None:
+            return
+        from opentelemetry.sdk.metrics import MeterProvider
+        from opentelemetry.sdk.resources import Resource
+        from opentelemetry.sdk.trace import TracerProvider
+        from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter
+
+        settings = get_settings().telemetry
+        kind = exporter or settings.exporter
+        resource = Resource.create({"service.name": service_name})
+        tracer_provider = TracerProvider(resource=resource)
+        readers = []
+        if kind == "console":
+            tracer_provider.add_span_processor(BatchSpanProcessor(ConsoleSpanExporter()))
+        elif kind == "otlp":
+            from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
+            from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+            from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
+
+            base = settings.otlp_endpoint.rstrip("/")
+            tracer_provider.add_span_processor(
+                BatchSpanProcessor(OTLPSpanExporter(endpoint=f"{base}/v1/traces"))
+            )
+            readers.append(PeriodicExportingMetricReader(OTLPMetricExporter(endpoint=f"{base}/v1/metrics")))
+        trace.set_tracer_provider(tracer_provider)
+        metrics.set_meter_provider(MeterProvider(resource=resource, metric_readers=readers))
+        _configured = service_name
+
+
+def shutdown_telemetry() -> None:
+    """Flush spans (console exporter output appears on stdout)."""
+    provider = trace.get_tracer_provider()
+    if hasattr(provider, "force_flush"):
+        provider.force_flush()
+
+
+class _HeaderSetter(Setter[KafkaHeaders]):
+    def set(self, carrier: KafkaHeaders, key: str, value: str) -> None:
+        carrier.append((key, value.encode()))
+
+
+class _HeaderGetter(Getter[Sequence[tuple[str, bytes]]]):
+    def get(self, carrier: Sequence[tuple[str, bytes]], key: str) -> list[str] | None:
+        vals = [v.decode("utf-8", "replace") for k, v in carrier or () if k == key and v is not None]
+        return vals or None
+
+    def keys(self, carrier: Sequence[tuple[str, bytes]]) -> list[str]:
+        return [k for k, _ in carrier or ()]
+
+
+def inject_headers(headers: KafkaHeaders | None = None, context: Context | None = None) -> KafkaHeaders:
+    """Append the current (or given) trace context as W3C ``traceparent``/``tracestate`` headers."""
+    headers = list(headers or [])
+    propagate.inject(headers, context=context, setter=_HeaderSetter())
+    return headers
+
+
+def extract_context(headers: Iterable[tuple[str, bytes]] | None) -> Context:
+    """The trace context carried by Kafka headers (empty context when none)."""
+    return propagate.extract(list(headers or ()), getter=_HeaderGetter())
+
+
+def tracer(name: str) -> trace.Tracer:
+    """A tracer for a flywheel module."""
+    return trace.get_tracer(name)
+
+
+def meter(name: str) -> metrics.Meter:
+    """A meter for a flywheel module."""
+    return metrics.get_meter(name)

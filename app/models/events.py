@@ -1,0 +1,104 @@
+"""Event store tables: the append-only ``event_log``, consumer offsets, dead letters, privacy
+tombstones and the transactional outbox.
+
+``event_log`` is append-only: a trigger refuses UPDATE; DELETE is allowed only for erasure (the
+erasure path sets ``flywheel.erasure = on`` in its transaction).
+"""
+
+from __future__ import annotations
+
+import uuid
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import BigInteger, DateTime, Index, Integer, LargeBinary, String, Text, UniqueConstraint
+from sqlalchemy.dialects.postgresql import JSONB, UUID
+from sqlalchemy.orm import Mapped, mapped_column
+
+from app.models.base import Base, created_at_column
+
+
+class EventLog(Base):
+    """One stored event (the source of truth projections are rebuilt from)."""
+
+    __tablename__ = "event_log"
+
+    seq: Mapped[int] = mapped_column(BigInteger, primary_key=True, autoincrement=True)
+    event_id: Mapped[uuid.UUID] = mapped_column(UUID(as_uuid=True), unique=True, nullable=False)
+    type: Mapped[str] = mapped_column(String(64), nullable=False)
+    schema_version: Mapped[int] = mapped_column(Integer, nullable=False)
+    occurred_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), nullable=False)
+    session_id: Mapped[str] = mapped_column(String(128), nullable=False)
+    user_id: Mapped[str] = mapped_column(String(128), nullable=False)
+    org_id: Mapped[str] = mapped_column(String(128), nullable=False)
+    payload: Mapped[dict[str, Any]] = mapped_column(JSONB, nullable=False)
+    topic: Mapped[str | None] = mapped_column(String(255))
+    partition: Mapped[int | None] = mapped_column(Integer)
+    offset: Mapped[int | None] = mapped_column(BigInteger)
+    trace_id: Mapped[str | None] = mapped_column(String(32))
+    ingested_at: Mapped[datetime] = created_at_column()
+
+    __table_args__ = (
+        Index("ix_event_log_session_seq", "session_id", "seq"),
+        Index("ix_event_log_user_id", "user_id"),
+        Index("ix_event_log_type", "type"),
+    )
+
+
+class ConsumerOffset(Base):
+    """The next offset a consumer group will read, written in the same transaction as its effects."""
+
+    __tablename__ = "consumer_offset"
+
+    group_id: Mapped[str] = mapped_column(String(255), primary_key=True)
+    topic: Mapped[str] = mapped_column(String(255), primary_key=True)
+    partition: Mapped[int] = mapped_column(Integer, primary_key=True)
+    next_offset: Mapped[int] = mapped_column(BigInteger, nullable=False)
+    updated_at: Mapped[datetime] = created_at_column()
+
+
+class DeadLetter(Base):
+    """A message that failed to decode or validate, kept with its raw bytes and the reason."""
+
+    __tablename__ = "dead_letter"
+
+    id: Mapped[int] = mapped_column(BigInteger, primary_key=True, autoincrement=True)
+    topic: Mapped[str] = mapped_column(String(255), nullable=False)
+    partition: Mapped[int] = mapped_column(Integer, nullable=False)
+    offset: Mapped[int] = mapped_column(BigInteger, nullable=False)
+    key: Mapped[bytes | None] = mapped_column(LargeBinary)
+    raw: Mapped[bytes | None] = mapped_column(LargeBinary)
+    headers: Mapped[list[Any] | None] = mapped_column(JSONB)
+    reason: Mapped[str] = mapped_column(String(64), nullable=False)
+    detail: Mapped[str] = mapped_column(Text, nullable=False, default="")
+    created_at: Mapped[datetime] = created_at_column()
+
+    __table_args__ = (UniqueConstraint("topic", "partition", "offset"), Index("ix_dead_letter_reason", "reason"))
+
+
+class PrivacyTombstone(Base):
+    """Counts the events of a privacy-mode session; nothing else of the session is stored."""
+
+    __tablename__ = "privacy_tombstone"
+
+    session_id: Mapped[str] = mapped_column(String(128), primary_key=True)
+    events_dropped: Mapped[int] = mapped_column(BigInteger, nullable=False, default=0)
+    first_seen_at: Mapped[datetime] = created_at_column()
+    last_seen_at: Mapped[datetime] = created_at_column()
+
+
+class Outbox(Base):
+    """A message to publish, written in the same transaction as the state change it announces."""
+
+    __tablename__ = "outbox"
+
+    id: Mapped[int] = mapped_column(BigInteger, primary_key=True, autoincrement=True)
+    topic: Mapped[str] = mapped_column(String(255), nullable=False)
+    key: Mapped[str | None] = mapped_column(String(255))
+    event_type: Mapped[str] = mapped_column(String(64), nullable=False)
+    payload: Mapped[dict[str, Any]] = mapped_column(JSONB, nullable=False)
+    headers: Mapped[list[Any] | None] = mapped_column(JSONB)
+    created_at: Mapped[datetime] = created_at_column()
+    sent_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+
+    __table_args__ = (Index("ix_outbox_unsent", "id", postgresql_where="sent_at IS NULL"),)

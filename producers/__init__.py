@@ -1,0 +1,2 @@
+"""What the product backend embeds: the event producer SDK (light: no torch, no SQLAlchemy),
+plus the outbox relay and the editor simulator."""

@@ -1,0 +1,95 @@
+"""The event contract: round trips, schema versions, rejections with reasons."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from app.core.errors import InvalidEventError
+from app.events import EVENT_CLASSES, decode_event, encode_event, event_json_schema
+from app.events.types import (ModelResponded, ModelRespondedEvent, SessionEnded, SessionEndedEvent,
+                              ToolCall)
+
+
+def _responded(**kw) -> ModelRespondedEvent:
+    payload = dict(request_id="r1", segment_index=0, turn_index=0, checkpoint_id="base",
+                   prompt_token_ids=[1, 2, 3], completion_token_ids=[4, 5], completion_logprobs=[-0.5, -1.25],
+                   latency_s=0.3, tool_calls=[ToolCall(call_id="c1", name="run", arguments={"cmd": "pytest"})])
+    payload.update(kw)
+    return ModelRespondedEvent(session_id="s1", user_id="u1", payload=ModelResponded(**payload))
+
+
+@given(
+    tokens=st.lists(st.integers(0, 2**31 - 1), max_size=64),
+    prompt=st.lists(st.integers(0, 49_151), max_size=64),
+)
+@settings(max_examples=50, deadline=None)
+def test_model_responded_round_trips_exactly(tokens, prompt):
+    logprobs = [-(i % 7) / 3 for i in range(len(tokens))]
+    event = _responded(completion_token_ids=tokens, completion_logprobs=logprobs, prompt_token_ids=prompt)
+    decoded = decode_event(encode_event(event))
+    assert decoded == event
+    assert decoded.payload.completion_token_ids == tuple(tokens)
+
+
+def test_token_arrays_are_binary_packed_not_json_lists():
+    wire = json.loads(encode_event(_responded(completion_token_ids=list(range(100)),
+                                              completion_logprobs=[-1.0] * 100)))
+    assert isinstance(wire["payload"]["completion_token_ids"], str)
+    assert isinstance(wire["payload"]["completion_logprobs"], str)
+
+
+def test_event_ids_are_uuid7_and_time_ordered():
+    a, b = _responded(), _responded()
+    assert a.event_id.version == 7 and a.event_id < b.event_id
+
+
+def test_events_are_frozen():
+    event = _responded()
+    with pytest.raises(Exception):
+        event.session_id = "other"  # type: ignore[misc]
+
+
+@pytest.mark.parametrize(
+    ("raw", "reason"),
+    [
+        (b"{not json", "bad_json"),
+        (b"\xff\xfe", "bad_json"),
+        (b"[1, 2]", "not_object"),
+        (json.dumps({"type": "model.exploded", "session_id": "s", "user_id": "u"}).encode(), "unknown_type"),
+        (json.dumps({"type": "session.ended", "schema_version": 99, "session_id": "s", "user_id": "u",
+                     "payload": {}}).encode(), "schema_version"),
+        (json.dumps({"type": "session.ended", "schema_version": 1, "user_id": "u", "payload": {}}).encode(),
+         "validation"),
+        (b"x" * 2000, "oversized"),
+    ],
+)
+def test_decode_rejects_with_reason(raw, reason):
+    with pytest.raises(InvalidEventError) as info:
+        decode_event(raw, max_bytes=1500)
+    assert info.value.reason == reason
+    assert isinstance(info.value, ValueError)
+
+
+def test_logprobs_length_must_match_tokens():
+    with pytest.raises(ValueError, match="completion_logprobs"):
+        _responded(completion_token_ids=[1, 2, 3], completion_logprobs=[-1.0])
+
+
+def test_naive_timestamps_are_rejected_and_aware_ones_normalized_to_utc():
+    data = json.loads(encode_event(SessionEndedEvent(session_id="s", user_id="u", payload=SessionEnded())))
+    data["occurred_at"] = "2026-01-01T10:00:00"
+    with pytest.raises(InvalidEventError):
+        decode_event(json.dumps(data).encode())
+    data["occurred_at"] = "2026-01-01T12:00:00+02:00"
+    assert decode_event(json.dumps(data).encode()).occurred_at.isoformat() == "2026-01-01T10:00:00+00:00"
+
+
+def test_json_schema_covers_every_event_type():
+    schema = json.dumps(event_json_schema())
+    for etype in EVENT_CLASSES:
+        assert etype in schema
+    assert len(EVENT_CLASSES) == 12
