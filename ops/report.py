@@ -1,0 +1,286 @@
+"""The loop report: every number is read from the database and files the loop wrote.
+
+Used by ``flywheel demo`` (terminal + HTML + PNG under ``$FLYWHEEL_HOME/reports/``) and
+``flywheel report``. Pass-rate intervals are Wilson score intervals (Wilson 1927).
+"""
+
+from __future__ import annotations
+
+import html
+import json
+import math
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session
+
+
+def wilson_interval(passed: int, n: int, z: float = 1.959964) -> tuple[float, float]:
+    """Wilson score interval of a binomial proportion (Wilson 1927, JASA 22:209).
+
+    Args:
+        passed: successes; n: trials; z: normal quantile (1.96 for 95 %).
+    Returns:
+        ``(low, high)`` in [0, 1]; ``(0, 1)`` when ``n == 0``.
+    """
+    if n == 0:
+        return 0.0, 1.0
+    p = passed / n
+    denom = 1 + z * z / n
+    centre = (p + z * z / (2 * n)) / denom
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / denom
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+@dataclass
+class SuiteResult:
+    """Pass rate of one checkpoint on one suite."""
+
+    checkpoint_id: str
+    suite: str
+    passed: int
+    total: int
+    low: float
+    high: float
+    mean_completion_tokens: float
+    tool_call_errors: int
+
+    @property
+    def rate(self) -> float:
+        return self.passed / self.total if self.total else 0.0
+
+
+@dataclass
+class LoopReport:
+    """What the loop did, read back from Postgres and the checkpoint store."""
+
+    generated_at: str
+    events_by_type: dict[str, int]
+    dead_letters_by_reason: dict[str, int]
+    privacy_events_dropped: int
+    trajectories_by_status: dict[str, int]
+    reward_spec: str | None
+    rewards: list[float]
+    candidate_id: str | None
+    candidate_parent_id: str | None
+    candidate_status: str | None
+    training_metrics: dict[str, Any]
+    trajectories_trained: int
+    suites: list[SuiteResult] = field(default_factory=list)
+    gate_passed: bool | None = None
+    gate_reasons: list[str] = field(default_factory=list)
+    gate_report_path: str | None = None
+    production_id: str | None = None
+    audit: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def total_events(self) -> int:
+        return sum(self.events_by_type.values())
+
+
+def _reason_text(reason: Any) -> str:
+    if isinstance(reason, str):
+        return reason
+    if isinstance(reason, dict):
+        msg = reason.get("message") or reason.get("reason") or json.dumps(reason, default=str)
+        ok = reason.get("ok", reason.get("passed"))
+        return f"{'PASS' if ok else 'FAIL' if ok is not None else '-'}  {msg}"
+    return str(reason)
+
+
+def collect_report(session: Session, candidate_id: str | None = None) -> LoopReport:
+    """Read the loop's state. ``candidate_id`` defaults to the newest trained checkpoint."""
+    from app.models import (AuditLog, Checkpoint, DeadLetter, EvalResult, EvalRun, EventLog, GateDecision,
+                            PrivacyTombstone, RewardLabel, Trajectory)
+
+    events = dict(session.execute(select(EventLog.type, func.count()).group_by(EventLog.type)).all())
+    dead = dict(session.execute(select(DeadLetter.reason, func.count()).group_by(DeadLetter.reason)).all())
+    dropped = session.scalar(select(func.coalesce(func.sum(PrivacyTombstone.events_dropped), 0))) or 0
+    trajs = dict(session.execute(select(Trajectory.status, func.count()).group_by(Trajectory.status)).all())
+
+    if candidate_id is None:
+        candidate_id = session.scalar(
+            select(Checkpoint.id).where(Checkpoint.parent_id.is_not(None)).order_by(Checkpoint.created_at.desc())
+        )
+    cand = session.get(Checkpoint, candidate_id) if candidate_id else None
+    spec = cand.reward_spec if cand and cand.reward_spec else session.scalar(
+        select(RewardLabel.spec).order_by(RewardLabel.created_at.desc()))
+    rewards = [float(r) for r in session.scalars(select(RewardLabel.reward).where(RewardLabel.spec == spec))] \
+        if spec else []
+    production = session.scalar(select(Checkpoint.id).where(Checkpoint.status == "production"))
+
+    report = LoopReport(
+        generated_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        events_by_type=events, dead_letters_by_reason=dead, privacy_events_dropped=int(dropped),
+        trajectories_by_status=trajs, reward_spec=spec, rewards=rewards,
+        candidate_id=cand.id if cand else None, candidate_parent_id=cand.parent_id if cand else None,
+        candidate_status=cand.status if cand else None,
+        training_metrics=dict(cand.metrics or {}) if cand else {},
+        trajectories_trained=cand.num_trajectories if cand else 0, production_id=production,
+    )
+    if cand is None:
+        return report
+
+    decision = session.scalars(select(GateDecision).where(GateDecision.candidate_id == cand.id)
+                               .order_by(GateDecision.created_at.desc())).first()
+    compared = [cand.id] + ([decision.production_id] if decision else ([cand.parent_id] if cand.parent_id else []))
+    for ckpt in compared:
+        runs = session.scalars(select(EvalRun).where(EvalRun.checkpoint_id == ckpt)
+                               .order_by(EvalRun.started_at.desc())).all()
+        seen: set[str] = set()
+        for run in runs:
+            if run.suite in seen:
+                continue
+            seen.add(run.suite)
+            rows = session.execute(
+                select(func.count(), func.count().filter(EvalResult.passed),
+                       func.coalesce(func.avg(EvalResult.completion_tokens), 0.0),
+                       func.coalesce(func.sum(EvalResult.tool_call_errors), 0))
+                .where(EvalResult.run_id == run.id)).one()
+            total, passed, mean_tokens, errors = int(rows[0]), int(rows[1]), float(rows[2]), int(rows[3])
+            low, high = wilson_interval(passed, total)
+            report.suites.append(SuiteResult(ckpt, run.suite, passed, total, low, high, mean_tokens, errors))
+    if decision is not None:
+        report.gate_passed = decision.passed
+        report.gate_reasons = [_reason_text(r) for r in decision.reasons or []]
+        report.gate_report_path = decision.report_path
+    audit = session.scalars(select(AuditLog).order_by(AuditLog.id.desc()).limit(10)).all()
+    report.audit = [{"at": a.created_at.isoformat(timespec="seconds"), "actor": a.actor, "action": a.action,
+                     "target": a.target} for a in audit]
+    return report
+
+
+def _scalar_metrics(metrics: dict[str, Any]) -> dict[str, float]:
+    out = {}
+    for k, v in metrics.items():
+        if isinstance(v, (int, float)) and not isinstance(v, bool):
+            out[k] = float(v)
+    return out
+
+
+def render_terminal(report: LoopReport) -> None:
+    """Print the report with rich."""
+    from rich.console import Console
+    from rich.table import Table
+
+    con = Console()
+    con.rule("[bold]flywheel loop report")
+    con.print(f"events stored: [bold]{report.total_events}[/]  "
+              + ", ".join(f"{k} {v}" for k, v in sorted(report.events_by_type.items())))
+    con.print(f"dead letters: {sum(report.dead_letters_by_reason.values())} {report.dead_letters_by_reason or ''}  "
+              f"privacy-mode events dropped: {report.privacy_events_dropped}")
+    con.print("trajectories: " + ", ".join(f"{k} {v}" for k, v in sorted(report.trajectories_by_status.items())))
+    if report.rewards:
+        r = sorted(report.rewards)
+        mean = sum(r) / len(r)
+        con.print(f"rewards ({report.reward_spec}): n={len(r)} mean={mean:+.3f} min={r[0]:+.3f} "
+                  f"median={r[len(r) // 2]:+.3f} max={r[-1]:+.3f}")
+    if report.candidate_id:
+        con.print(f"candidate [bold]{report.candidate_id}[/] (parent {report.candidate_parent_id}, "
+                  f"{report.trajectories_trained} trajectories, status {report.candidate_status})")
+        metrics = _scalar_metrics(report.training_metrics)
+        if metrics:
+            con.print("training: " + ", ".join(f"{k}={v:.4g}" for k, v in sorted(metrics.items())))
+    if report.suites:
+        table = Table("suite", "checkpoint", "pass rate", "95% CI (Wilson)", "n", "mean tokens", "tool errors")
+        for s in sorted(report.suites, key=lambda s: (s.suite, s.checkpoint_id)):
+            table.add_row(s.suite, s.checkpoint_id, f"{s.rate:.1%}", f"[{s.low:.1%}, {s.high:.1%}]", str(s.total),
+                          f"{s.mean_completion_tokens:.0f}", str(s.tool_call_errors))
+        con.print(table)
+    if report.gate_passed is not None:
+        con.print(f"gate: {'[green]PASSED[/]' if report.gate_passed else '[red]FAILED[/]'}")
+        for reason in report.gate_reasons:
+            con.print(f"  - {reason}")
+    con.print(f"serving now (production): [bold]{report.production_id}[/]")
+
+
+def render_png(report: LoopReport, path: Path) -> Path:
+    """Reward histogram, training metrics and pass rates with intervals, in one PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    ax = axes[0]
+    if report.rewards:
+        ax.hist(report.rewards, bins=min(20, max(5, len(report.rewards) // 2)), color="#4C72B0")
+    ax.set_title(f"rewards ({report.reward_spec or 'none'})")
+    ax.set_xlabel("reward")
+    ax = axes[1]
+    curves = {k: v for k, v in report.training_metrics.items()
+              if isinstance(v, list) and v and all(isinstance(x, (int, float)) for x in v)}
+    for name, values in list(curves.items())[:4]:
+        ax.plot(range(1, len(values) + 1), values, marker="o", label=name)
+    if curves:
+        ax.legend(fontsize=8)
+    ax.set_title("training (per step)")
+    ax.set_xlabel("step")
+    ax = axes[2]
+    suites = sorted({s.suite for s in report.suites})
+    ckpts = sorted({s.checkpoint_id for s in report.suites})
+    width = 0.8 / max(1, len(ckpts))
+    for i, ckpt in enumerate(ckpts):
+        xs, ys, lo, hi = [], [], [], []
+        for j, suite in enumerate(suites):
+            for s in report.suites:
+                if s.suite == suite and s.checkpoint_id == ckpt:
+                    xs.append(j + i * width)
+                    ys.append(s.rate)
+                    lo.append(s.rate - s.low)
+                    hi.append(s.high - s.rate)
+        ax.bar(xs, ys, width=width, yerr=[lo, hi], capsize=4, label=ckpt)
+    ax.set_xticks([j + width * (len(ckpts) - 1) / 2 for j in range(len(suites))], suites)
+    ax.set_ylim(0, 1)
+    ax.set_title("pass rate, 95% Wilson CI")
+    if ckpts:
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def render_html(report: LoopReport, png_name: str, path: Path) -> Path:
+    """A self-contained HTML page next to the PNG."""
+    e = html.escape
+    rows = "".join(
+        f"<tr><td>{e(s.suite)}</td><td>{e(s.checkpoint_id)}</td><td>{s.rate:.1%}</td>"
+        f"<td>[{s.low:.1%}, {s.high:.1%}]</td><td>{s.total}</td><td>{s.mean_completion_tokens:.0f}</td></tr>"
+        for s in sorted(report.suites, key=lambda s: (s.suite, s.checkpoint_id)))
+    metrics = "".join(f"<li>{e(k)} = {v:.4g}</li>" for k, v in sorted(_scalar_metrics(report.training_metrics).items()))
+    reasons = "".join(f"<li>{e(r)}</li>" for r in report.gate_reasons)
+    events = "".join(f"<li>{e(k)}: {v}</li>" for k, v in sorted(report.events_by_type.items()))
+    gate = "not decided" if report.gate_passed is None else ("PASSED" if report.gate_passed else "FAILED")
+    page = f"""<!doctype html><html><head><meta charset="utf-8"><title>flywheel loop report</title>
+<style>body{{font-family:system-ui,sans-serif;max-width:1100px;margin:2em auto}}td,th{{padding:4px 10px;border-bottom:1px solid #ddd}}</style>
+</head><body><h1>flywheel loop report</h1><p>generated {e(report.generated_at)}</p>
+<h2>events</h2><p>{report.total_events} stored; {sum(report.dead_letters_by_reason.values())} dead letters;
+{report.privacy_events_dropped} privacy-mode events dropped</p><ul>{events}</ul>
+<h2>trajectories</h2><p>{e(json.dumps(report.trajectories_by_status))}; rewards ({e(str(report.reward_spec))}): n={len(report.rewards)}</p>
+<h2>training</h2><p>candidate {e(str(report.candidate_id))} from {e(str(report.candidate_parent_id))},
+{report.trajectories_trained} trajectories</p><ul>{metrics}</ul>
+<h2>evals</h2><table><tr><th>suite</th><th>checkpoint</th><th>pass rate</th><th>95% CI</th><th>n</th><th>mean tokens</th></tr>{rows}</table>
+<h2>gate: {gate}</h2><ul>{reasons}</ul>
+<h2>serving now: {e(str(report.production_id))}</h2>
+<img src="{e(png_name)}" style="max-width:100%"></body></html>"""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(page)
+    return path
+
+
+def write_report(session: Session, out_dir: Path, candidate_id: str | None = None) -> tuple[LoopReport, Path]:
+    """Collect, print, and write ``report.html`` + ``report.png`` + ``report.json`` into ``out_dir``."""
+    report = collect_report(session, candidate_id)
+    render_terminal(report)
+    render_png(report, out_dir / "report.png")
+    html_path = render_html(report, "report.png", out_dir / "report.html")
+    from dataclasses import asdict
+
+    (out_dir / "report.json").write_text(json.dumps(asdict(report), indent=2, default=str))
+    return report, html_path
+
