@@ -1,0 +1,237 @@
+"""Typed configs of the eval side: suites (``evals/suites/*.toml``) and the gate (``evals/gate.toml``).
+
+Invariant: every knob that changes which tasks run or how they are scored lives in a validated,
+``extra="forbid"`` model, and a suite's *effective version* (:func:`SuiteConfig.fingerprint`)
+changes whenever any of those knobs change, so cached results are never reused across a change.
+Hand-written TOML in, resolved JSON out (stored in ``eval_run.config`` and gate reports).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import tomllib
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from app.core.errors import ConfigurationError
+
+SUITES_DIR = Path(__file__).parent / "suites"
+GATE_TOML = Path(__file__).parent / "gate.toml"
+
+MonitorName = Literal[
+    "invalid_tool_call_rate", "clarifying_question_rate", "edit_rate",
+    "mean_completion_tokens", "mean_latency_s", "p90_latency_s",
+]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+# ---- suites --------------------------------------------------------------------------------------
+
+class BudgetConfig(_Strict):
+    """Per-session agent budget (mirrors ``evals.harness.agent.AgentBudget``)."""
+
+    max_turns: int = Field(default=8, ge=1)
+    """Model turns before the session is cut off."""
+    max_completion_tokens: int = Field(default=2048, ge=1)
+    """Completion tokens over the whole session (tokens)."""
+    context_tokens: int = Field(default=4096, ge=256)
+    """Context window the harness keeps before it self-summarizes (tokens)."""
+    max_tokens_per_turn: int = Field(default=512, ge=1)
+    """Completion tokens of one model turn (tokens)."""
+
+
+class SamplingConfig(_Strict):
+    """Decoding for eval sessions (mirrors ``ops.serving.engine.SamplingParams``)."""
+
+    temperature: float = Field(default=0.0, ge=0.0)
+    """0 means greedy; use > 0 with ``samples_per_task`` > 1."""
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    """Nucleus sampling mass."""
+
+
+class GradingConfig(_Strict):
+    """Sandbox limits for the hidden tests (mirrors ``evals.harness.sandbox.SandboxLimits``)."""
+
+    timeout_s: float = Field(default=60.0, gt=0)
+    """Wall-clock limit of one hidden-test run (seconds)."""
+    memory_mb: int = Field(default=2048, ge=64)
+    """Address-space limit of the test process (MiB)."""
+
+
+class SuiteConfig(_Strict):
+    """One eval suite: where its tasks come from and how each is run."""
+
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[a-z0-9_\-]+$")
+    """Suite name (the TOML file stem)."""
+    version: str = Field(min_length=1, max_length=32)
+    """Human version; bump when the suite's meaning changes (the fingerprint catches the rest)."""
+    description: str = ""
+    """What the suite measures."""
+    source: Literal["dataframebench", "humaneval", "mined"]
+    """Task source: a ``evals.tasks`` adapter, or ``mined`` (the ``eval_task`` table)."""
+    split: str = "test"
+    """Split of the source; DataFrameBench's ``train`` is for training and refused here."""
+    samples_per_task: int = Field(default=1, ge=1, le=64)
+    """Independent agent sessions per task (paired by ``sample_index`` in the gate)."""
+    limit: int | None = Field(default=None, ge=1)
+    """Maximum number of tasks (a seeded subset); None runs every task."""
+    seed: int = 0
+    """Seed of the task subset and of per-sample sampling seeds."""
+    budget: BudgetConfig = BudgetConfig()
+    """Agent turn and token budgets."""
+    sampling: SamplingConfig = SamplingConfig()
+    """Decoding parameters."""
+    grading: GradingConfig = GradingConfig()
+    """Hidden-test sandbox limits."""
+
+    @model_validator(mode="after")
+    def _no_training_split(self) -> "SuiteConfig":
+        if self.source == "dataframebench" and self.split == "train":
+            raise ValueError("DataFrameBench's train split is for training; evaluate on test or val")
+        return self
+
+    def with_limit(self, limit: int | None) -> "SuiteConfig":
+        """A copy with another task limit (``None`` keeps the suite's own)."""
+        return self if limit is None else self.model_copy(update={"limit": limit})
+
+    def fingerprint(self, task_keys: list[str]) -> str:
+        """The effective suite version: ``<version>-<12 hex>`` over the resolved config and the
+        ordered task keys (task id plus content hash), so results are cached only for an identical
+        plan (``eval_run.suite_version``)."""
+        blob = json.dumps({"config": self.model_dump(mode="json"), "tasks": task_keys}, sort_keys=True)
+        return f"{self.version}-{hashlib.sha256(blob.encode()).hexdigest()[:12]}"
+
+
+def suite_path(name: str, suites_dir: Path | None = None) -> Path:
+    """The TOML file of suite ``name``."""
+    return (suites_dir or SUITES_DIR) / f"{name}.toml"
+
+
+def load_suite(name_or_path: str | Path, suites_dir: Path | None = None) -> SuiteConfig:
+    """Load a suite by name (``evals/suites/<name>.toml``) or by path.
+
+    Raises:
+        ConfigurationError: no such suite, or the TOML is invalid.
+    """
+    path = Path(name_or_path)
+    if path.suffix != ".toml":
+        path = suite_path(str(name_or_path), suites_dir)
+    if not path.exists():
+        known = ", ".join(list_suites(suites_dir)) or "none"
+        raise ConfigurationError(f"unknown suite {name_or_path!r} (known: {known})")
+    data = tomllib.loads(path.read_text())
+    data.setdefault("name", path.stem)
+    try:
+        return SuiteConfig.model_validate(data)
+    except ValueError as exc:
+        raise ConfigurationError(f"invalid suite {path.name}: {exc}") from None
+
+
+def list_suites(suites_dir: Path | None = None) -> list[str]:
+    """Names of the shipped (or given directory's) suites, sorted."""
+    d = suites_dir or SUITES_DIR
+    return sorted(p.stem for p in d.glob("*.toml")) if d.exists() else []
+
+
+# ---- gate ----------------------------------------------------------------------------------------
+
+class MonitorBound(_Strict):
+    """A behaviour monitor: how far the candidate may drift from production in the bad direction.
+
+    The allowed drift is ``max(abs_tolerance, rel_tolerance * |production|)`` over the tolerances
+    that are set (an absolute tolerance keeps a relative bound from tripping on a tiny baseline);
+    ``limit`` is an absolute bound on the candidate's own value (a ceiling when ``worse`` is
+    ``increase``, a floor when ``decrease``).
+    """
+
+    metric: MonitorName
+    """Which behaviour statistic (see ``evals.gate.monitor_values``)."""
+    worse: Literal["increase", "decrease"] = "increase"
+    """The direction that is a regression (e.g. ``decrease`` for the edit rate)."""
+    abs_tolerance: float | None = Field(default=None, ge=0)
+    """Allowed drift in the metric's own unit (a rate, tokens, seconds)."""
+    rel_tolerance: float | None = Field(default=None, ge=0)
+    """Allowed drift as a fraction of production's value."""
+    limit: float | None = None
+    """Absolute bound on the candidate's value regardless of production."""
+
+    @model_validator(mode="after")
+    def _some_bound(self) -> "MonitorBound":
+        if self.abs_tolerance is None and self.rel_tolerance is None and self.limit is None:
+            raise ValueError(f"monitor {self.metric}: set abs_tolerance, rel_tolerance or limit")
+        return self
+
+
+class SuiteGate(_Strict):
+    """Per-suite gate settings; unset fields fall back to the gate-wide defaults."""
+
+    gated: bool = True
+    """Whether this suite decides the gate (ungated suites are reported only)."""
+    tolerance: float | None = Field(default=None, ge=0, le=1)
+    """Non-inferiority margin (pass-rate points as a fraction, 0.02 = 2 points)."""
+    floor: float = Field(default=0.0, ge=0, le=1)
+    """Absolute minimum pass rate of the candidate."""
+    min_pairs: int | None = Field(default=None, ge=1)
+    """Fewest paired (task, sample) outcomes that can support a decision."""
+    allow_empty: bool = False
+    """Pass (with a reason) when the suite's plan holds no task on both sides, e.g. ``mined`` before
+    any task was mined; otherwise an empty suite fails closed."""
+
+
+class GateConfig(_Strict):
+    """The promotion gate: statistical non-inferiority, floors and behaviour monitors."""
+
+    method: Literal["bootstrap", "mcnemar"] = "bootstrap"
+    """Interval for the paired difference: task-clustered percentile bootstrap, or the exact
+    conditional (McNemar / Clopper-Pearson on discordant pairs) interval."""
+    confidence: float = Field(default=0.95, gt=0.5, lt=1.0)
+    """Confidence level of the interval."""
+    two_sided: bool = False
+    """False: the lower bound is one-sided at ``confidence`` (a non-inferiority test at level
+    1 - confidence); True: the lower end of a two-sided interval (stricter)."""
+    tolerance: float = Field(default=0.02, ge=0, le=1)
+    """Default non-inferiority margin: pass if lower bound of (candidate - production) > -tolerance."""
+    bootstrap_resamples: int = Field(default=10_000, ge=200, le=1_000_000)
+    """Bootstrap replicates (B)."""
+    seed: int = 0
+    """Seed of the bootstrap (with the suite name, so each suite's stream is fixed)."""
+    min_pairs: int = Field(default=1, ge=1)
+    """Default fewest paired outcomes per suite."""
+    max_error_fraction: float = Field(default=0.0, ge=0, le=1)
+    """Largest fraction of samples whose session errored (harness/infrastructure) before the gate
+    fails closed for that suite."""
+    suites: dict[str, SuiteGate] = Field(default_factory=dict)
+    """Suites by name; every suite with ``gated = true`` must have paired results to pass."""
+    monitors: list[MonitorBound] = Field(default_factory=list)
+    """Behaviour monitors applied to every gated suite."""
+
+    def gated_suites(self) -> list[str]:
+        """Names of the suites that decide the gate, sorted."""
+        return sorted(n for n, s in self.suites.items() if s.gated)
+
+    def for_suite(self, name: str) -> SuiteGate:
+        """The resolved settings of one suite (defaults filled in)."""
+        s = self.suites.get(name, SuiteGate())
+        return s.model_copy(update={"tolerance": self.tolerance if s.tolerance is None else s.tolerance,
+                                    "min_pairs": self.min_pairs if s.min_pairs is None else s.min_pairs})
+
+
+def load_gate_config(path: Path | None = None) -> GateConfig:
+    """Load the gate policy (default: the shipped ``evals/gate.toml``).
+
+    Raises:
+        ConfigurationError: missing file or invalid TOML.
+    """
+    path = path or GATE_TOML
+    if not path.exists():
+        raise ConfigurationError(f"gate config {path} not found")
+    try:
+        return GateConfig.model_validate(tomllib.loads(path.read_text()))
+    except ValueError as exc:
+        raise ConfigurationError(f"invalid gate config {path.name}: {exc}") from None

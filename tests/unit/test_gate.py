@@ -1,0 +1,218 @@
+"""The gate's decisions on constructed result tables, and its intervals against known values."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from evals.config import GateConfig, MonitorBound, SuiteGate
+from evals.gate import (Outcome, SuiteOutcomes, decide_gate, mcnemar_exact_interval, monitor_values,
+                        paired_bootstrap_interval, wilson_interval)
+
+
+def config(**kw) -> GateConfig:
+    base = dict(suites={"s": SuiteGate()}, bootstrap_resamples=2000, monitors=[])
+    base.update(kw)
+    return GateConfig(**base)
+
+
+def table(b: int, c: int, both: int, neither: int, *, samples: int = 1, **prod_kw):
+    """Candidate and production outcomes with b candidate-only passes, c production-only passes."""
+    pattern = [(True, False)] * b + [(False, True)] * c + [(True, True)] * both + [(False, False)] * neither
+    cand, prod = [], []
+    for i, (x, y) in enumerate(pattern):
+        task, sample = f"t{i // samples:04d}", i % samples
+        cand.append(Outcome(task, sample, x, completion_tokens=100, latency_s=1.0, tool_calls=4, edited=True))
+        prod.append(Outcome(task, sample, y, completion_tokens=100, latency_s=1.0, tool_calls=4, edited=True,
+                            **prod_kw))
+    return cand, prod
+
+
+def decide(cand, prod, cfg=None, *, version=("v1", "v1"), planned=None):
+    cfg = cfg or config()
+    return decide_gate({"s": SuiteOutcomes("s", version[0], cand, planned=planned)},
+                       {"s": SuiteOutcomes("s", version[1], prod, planned=planned)}, cfg)
+
+
+def checks(result, passed=None):
+    return {r.check for r in result.reasons if passed is None or r.passed == passed}
+
+
+@pytest.mark.parametrize("method", ["bootstrap", "mcnemar"])
+def test_clear_win_passes(method):
+    r = decide(*table(b=40, c=5, both=60, neither=95), config(method=method))
+    assert r.passed, [x.message for x in r.failures()]
+    s = r.suites["s"]
+    assert s.diff == pytest.approx(35 / 200)
+    assert s.diff_low > 0.0 and s.candidate_only == 40 and s.production_only == 5
+    assert "non_inferiority" in checks(r, passed=True) and "floor" in checks(r, passed=True)
+    assert len(s.newly_solved) == 40 and len(s.newly_broken) == 5
+
+
+@pytest.mark.parametrize("method", ["bootstrap", "mcnemar"])
+def test_clear_loss_fails(method):
+    r = decide(*table(b=3, c=30, both=60, neither=107), config(method=method))
+    assert not r.passed
+    fail = [x for x in r.failures() if x.check == "non_inferiority"]
+    assert fail and fail[0].value < -0.02 and fail[0].details["production_only"] == 30
+    assert "lower bound" in fail[0].message
+
+
+@pytest.mark.parametrize("method", ["bootstrap", "mcnemar"])
+def test_noise_level_difference_passes_with_enough_pairs(method):
+    # 1,000 pairs, 10 vs 12 discordant: -0.2 points, well inside the 2-point margin.
+    r = decide(*table(b=10, c=12, both=500, neither=478), config(method=method))
+    assert r.passed, [x.message for x in r.failures()]
+    assert -0.02 < r.suites["s"].diff_low < -0.002
+
+
+@pytest.mark.parametrize("method", ["bootstrap", "mcnemar"])
+def test_noise_level_difference_on_few_pairs_is_inconclusive_and_fails(method):
+    # Same point estimate sign, but 40 pairs cannot rule out a 2-point regression.
+    r = decide(*table(b=3, c=4, both=15, neither=18), config(method=method))
+    assert not r.passed
+    assert checks(r, passed=False) == {"non_inferiority"}
+
+
+def test_identical_results_pass_and_report_zero_interval():
+    r = decide(*table(b=0, c=0, both=30, neither=20))
+    assert r.passed
+    assert (r.suites["s"].diff_low, r.suites["s"].diff_high) == (0.0, 0.0)
+
+
+def test_monitor_breach_fails_even_when_pass_rate_is_better():
+    cand, prod = table(b=40, c=0, both=60, neither=100)
+    # The candidate stops editing on half the tasks and asks questions instead.
+    cand = [Outcome(o.task_id, 0, o.passed, 100, 1.0, 4, 0, asked_question=i % 2 == 0, edited=i % 2 == 1)
+            for i, o in enumerate(cand)]
+    cfg = config(monitors=[MonitorBound(metric="edit_rate", worse="decrease", abs_tolerance=0.05),
+                           MonitorBound(metric="clarifying_question_rate", abs_tolerance=0.05),
+                           MonitorBound(metric="mean_completion_tokens", rel_tolerance=0.25)])
+    r = decide(cand, prod, cfg)
+    assert not r.passed
+    breached = {x.metric for x in r.failures() if x.check == "monitor"}
+    assert breached == {"edit_rate", "clarifying_question_rate"}
+    ok = [x for x in r.reasons if x.check == "monitor" and x.passed]
+    assert [x.metric for x in ok] == ["mean_completion_tokens"]
+    assert "BREACH" in next(x.message for x in r.failures() if x.metric == "edit_rate")
+
+
+def test_monitor_relative_and_absolute_bounds():
+    cand, prod = table(b=0, c=0, both=50, neither=50)
+    slow = [Outcome(o.task_id, 0, o.passed, completion_tokens=140, latency_s=1.2, tool_calls=4, tool_call_errors=1,
+                    edited=True) for o in cand]
+    cfg = config(monitors=[MonitorBound(metric="mean_completion_tokens", rel_tolerance=0.25),
+                           MonitorBound(metric="mean_latency_s", rel_tolerance=0.1, abs_tolerance=0.5),
+                           MonitorBound(metric="invalid_tool_call_rate", abs_tolerance=0.5, limit=0.2)])
+    r = decide(slow, prod, cfg)
+    verdict = {x.metric: x.passed for x in r.reasons if x.check == "monitor"}
+    # +40 % tokens > 25 %; +0.2 s latency < max(0.1 s, 0.5 s); error rate 0.25 over the 0.2 ceiling.
+    assert verdict == {"mean_completion_tokens": False, "mean_latency_s": True, "invalid_tool_call_rate": False}
+
+
+def test_missing_planned_tasks_fail_closed():
+    cand, prod = table(b=10, c=0, both=50, neither=40)
+    planned = [o.key for o in cand] + [("t9999", 0)]
+    r = decide(cand, prod, planned=planned)
+    assert not r.passed
+    missing = [x for x in r.failures() if x.check == "missing_results"]
+    assert {x.details["side"] for x in missing} == {"candidate", "production"}
+    assert "t9999#0" in missing[0].message
+
+
+def test_unpaired_outcomes_fail_closed():
+    cand, prod = table(b=10, c=0, both=50, neither=40)
+    r = decide(cand[:-3], prod)
+    assert not r.passed
+    assert "unpaired" in checks(r, passed=False)
+    assert r.suites["s"].n_pairs == 97  # statistics are still reported on what pairs
+
+
+def test_missing_suite_and_version_mismatch_fail_closed():
+    cand, prod = table(b=10, c=0, both=50, neither=40)
+    r = decide_gate({}, {"s": SuiteOutcomes("s", "v1", prod)}, config())
+    assert not r.passed and checks(r, passed=False) == {"missing_suite"}
+    r = decide(cand, prod, version=("v1", "v2"))
+    assert not r.passed and "version_mismatch" in checks(r, passed=False)
+
+
+def test_errored_sessions_and_too_few_pairs_fail_closed():
+    cand, prod = table(b=5, c=0, both=5, neither=0)
+    cand[0] = Outcome(cand[0].task_id, 0, False, error="sandbox crashed")
+    r = decide(cand, prod, config(suites={"s": SuiteGate(min_pairs=20)}))
+    assert not r.passed
+    assert {"errors", "too_few_pairs"} <= checks(r, passed=False)
+
+
+def test_floor_and_ungated_suites():
+    cand, prod = table(b=0, c=0, both=10, neither=90)
+    cfg = config(suites={"s": SuiteGate(floor=0.2), "extra": SuiteGate(gated=False)})
+    r = decide_gate({"s": SuiteOutcomes("s", "v", cand), "extra": SuiteOutcomes("extra", "v", cand[:3])},
+                    {"s": SuiteOutcomes("s", "v", prod), "extra": SuiteOutcomes("extra", "v", prod)}, cfg)
+    assert not r.passed
+    assert [x.check for x in r.failures()] == ["floor"]
+    assert not r.suites["extra"].gated and not r.suites["extra"].passed  # reported, not decisive
+
+
+def test_empty_suite_only_when_allowed_and_no_gated_suite_fails():
+    empty = SuiteOutcomes("s", "v", [], planned=[])
+    assert not decide_gate({"s": empty}, {"s": empty}, config()).passed
+    assert decide_gate({"s": empty}, {"s": empty}, config(suites={"s": SuiteGate(allow_empty=True)})).passed
+    r = decide_gate({}, {}, config(suites={}))
+    assert not r.passed and r.reasons[0].check == "no_gated_suites"
+
+
+def test_samples_of_one_task_are_resampled_together():
+    # 4 samples per task; the clustered bootstrap interval is wider than treating 400 pairs as independent.
+    cand, prod = table(b=40, c=20, both=200, neither=140, samples=4)
+    keys = [o.task_id for o in cand]
+    diffs = [int(x.passed) - int(y.passed) for x, y in zip(cand, prod)]
+    clustered = paired_bootstrap_interval(keys, diffs, resamples=4000, seed=1)
+    independent = paired_bootstrap_interval([str(i) for i in range(len(keys))], diffs, resamples=4000, seed=1)
+    assert clustered[1] - clustered[0] > independent[1] - independent[0]
+    assert paired_bootstrap_interval(keys, diffs, resamples=4000, seed=1) == clustered  # seeded
+
+
+def test_known_interval_values():
+    # Wilson (1927) for 0/10: upper 0.2775; for 5/10: (0.2366, 0.7634).
+    assert wilson_interval(0, 10) == pytest.approx((0.0, 0.27753), abs=1e-4)
+    assert wilson_interval(5, 10) == pytest.approx((0.23659, 0.76341), abs=1e-4)
+    # Exact conditional interval: b=0 discordant of 5, n=100; Clopper-Pearson upper for p at 95 %
+    # one-sided is 1 - 0.05**(1/5) = 0.4507, so the difference's upper bound is 0.05 * (2*0.4507 - 1).
+    lo, hi = mcnemar_exact_interval(0, 5, 100)
+    assert lo == pytest.approx(-0.05) and hi == pytest.approx(0.05 * (2 * (1 - 0.05 ** 0.2) - 1), abs=1e-9)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(0, 60), st.integers(0, 60), st.integers(0, 200), st.sampled_from([True, False]))
+def test_mcnemar_interval_contains_the_point_estimate(b, c, concordant, two_sided):
+    n = b + c + concordant
+    if n == 0:
+        return
+    lo, hi = mcnemar_exact_interval(b, c, n, two_sided=two_sided)
+    assert -1.0 <= lo <= (b - c) / n + 1e-12 <= hi + 2e-12 <= 1.0 + 2e-12
+
+
+@pytest.mark.parametrize("method,sims", [("mcnemar", 300), ("bootstrap", 60)])
+def test_a_real_regression_rarely_passes(method, sims):
+    """With a true 4-point regression on 400 pairs the gate should pass well under 5 % of the time."""
+    rng = np.random.default_rng(7)
+    cfg = config(method=method, bootstrap_resamples=500)
+    passes = 0
+    for _ in range(sims):
+        u = rng.random(400)
+        # P(candidate-only) = 0.03, P(production-only) = 0.07: true difference -0.04.
+        b, c = int((u < 0.03).sum()), int(((u >= 0.03) & (u < 0.10)).sum())
+        passes += decide(*table(b=b, c=c, both=200, neither=400 - b - c - 200), cfg).passed
+    assert passes / sims <= 0.05
+
+
+def test_monitor_values_units():
+    outs = [Outcome("a", 0, True, completion_tokens=10, latency_s=1.0, tool_calls=4, tool_call_errors=1,
+                    asked_question=True, edited=False),
+            Outcome("b", 0, False, completion_tokens=30, latency_s=3.0, tool_calls=0, edited=True)]
+    v = monitor_values(outs)
+    assert v["invalid_tool_call_rate"] == 0.25 and v["clarifying_question_rate"] == 0.5
+    assert v["edit_rate"] == 0.5 and v["mean_completion_tokens"] == 20 and v["mean_latency_s"] == 2.0

@@ -1,0 +1,55 @@
+"""Suite and gate configs: the shipped TOMLs load, typos are refused, fingerprints track every knob."""
+
+from __future__ import annotations
+
+import pytest
+
+from app.core.errors import ConfigurationError
+from evals.config import SuiteConfig, list_suites, load_gate_config, load_suite
+
+
+def test_shipped_suites_load():
+    assert {"dataframebench", "humaneval", "mined"} <= set(list_suites())
+    dfb = load_suite("dataframebench")
+    assert (dfb.source, dfb.split) == ("dataframebench", "test")
+    assert load_suite("humaneval").source == "humaneval"
+    assert load_suite("mined").source == "mined"
+
+
+def test_shipped_gate_gates_every_shipped_suite():
+    gate = load_gate_config()
+    assert set(gate.gated_suites()) == {"dataframebench", "humaneval", "mined"}
+    assert gate.confidence == 0.95 and gate.tolerance == 0.02
+    assert {m.metric for m in gate.monitors} >= {"invalid_tool_call_rate", "clarifying_question_rate", "edit_rate",
+                                                 "mean_completion_tokens", "mean_latency_s"}
+    assert gate.for_suite("dataframebench").min_pairs == 20
+    assert gate.for_suite("unknown").tolerance == 0.02
+
+
+def test_training_split_and_unknown_keys_are_refused(tmp_path):
+    with pytest.raises(ValueError, match="train split"):
+        SuiteConfig(name="x", version="1", source="dataframebench", split="train")
+    bad = tmp_path / "typo.toml"
+    bad.write_text('version = "1"\nsource = "humaneval"\nsample_per_task = 3\n')
+    with pytest.raises(ConfigurationError, match="sample_per_task"):
+        load_suite(bad)
+    with pytest.raises(ConfigurationError, match="unknown suite"):
+        load_suite("no-such-suite")
+
+
+def test_gate_config_refuses_unbounded_monitor(tmp_path):
+    p = tmp_path / "gate.toml"
+    p.write_text('[suites.a]\n[[monitors]]\nmetric = "edit_rate"\n')
+    with pytest.raises(ConfigurationError, match="abs_tolerance"):
+        load_gate_config(p)
+
+
+def test_fingerprint_tracks_config_and_task_set():
+    s = load_suite("humaneval")
+    keys = ["HumanEval/0:abc", "HumanEval/1:def"]
+    fp = s.fingerprint(keys)
+    assert fp.startswith(f"{s.version}-") and fp == s.fingerprint(list(keys))
+    assert s.fingerprint(keys[:1]) != fp
+    assert s.with_limit(5).fingerprint(keys) != fp
+    assert s.model_copy(update={"samples_per_task": 2}).fingerprint(keys) != fp
+    assert s.with_limit(None) is s
