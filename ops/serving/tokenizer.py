@@ -47,6 +47,7 @@ def publish_dir(build, final: Path) -> Path:
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=final.parent))
     try:
         build(tmp)
+        os.chmod(tmp, 0o755)  # mkdtemp makes it 0700; the cache is shared by every process of the user
         try:
             os.rename(tmp, final)
         except OSError:  # lost the race: someone else published it
