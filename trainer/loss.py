@@ -1,0 +1,222 @@
+"""The off-policy policy-gradient loss of the continual trainer, as pure functions.
+
+Invariant: this module imports only torch; no database, broker or config loader. Every function
+maps tensors to tensors, so the math is testable against hand-computed cases.
+
+Three policies meet in one token's loss:
+
+* ``mu`` -- the behaviour policy: the serving checkpoint that sampled the token, with the serving
+  engine's numerics. Its log-prob was recorded at serving time (``model.responded``).
+* ``pi_old`` -- the trainer's policy at the start of the cycle (the parent checkpoint, recomputed
+  by the trainer before the first update).
+* ``pi_theta`` -- the policy being optimized.
+
+Per token ``t`` of a trajectory with advantage ``A``:
+
+    w_t   = min(pi_old(t) / mu(t), C)                       (truncated importance weight, no grad)
+    r_t   = pi_theta(t) / pi_old(t)
+    L_t   = -w_t * min(r_t A, clip(r_t, 1 - eps_low, 1 + eps_high) A) + beta * KL_t
+    loss  = sum_t mask_t L_t / Z                             (Z a constant, not the token count)
+
+* Advantages: ``A = R - mean(R over the trajectory's group)`` with no division by the group's
+  standard deviation, and a constant normalizer ``Z`` -- Dr. GRPO (Liu et al. 2025, "Understanding
+  R1-Zero-Like Training: A Critical Perspective", arXiv:2503.20783), which shows that the std and
+  per-sequence length normalizations of GRPO (Shao et al. 2024) bias optimization towards easy
+  groups and long wrong answers.
+* ``w_t``: the decoupled off-policy correction. Data was sampled by ``mu`` (an older checkpoint,
+  and a different inference stack), so the surrogate is reweighted by ``pi_old / mu``, truncated at
+  ``C`` (default 2) to bound the variance -- IMPALA's truncated importance weights (Espeholt et al.
+  2018, "IMPALA", V-trace ``rho_bar``), applied per token to the rollout/trainer mismatch as in Yao
+  et al. 2025, "Your Efficient RL Framework Secretly Brings You Off-Policy RL Training" (TIS). The
+  split into ``w_t`` and a PPO ratio against ``pi_old`` is the decoupled PPO objective of Hilton et
+  al. 2022 ("Batch size-invariance for policy optimization").
+* ``r_t`` with clipping: PPO's clipped surrogate (Schulman et al. 2017, eq. 7) against the policy
+  at the start of the cycle, so several optimizer steps on one cycle's data stay in a trust region;
+  ``eps_high > eps_low`` gives DAPO's clip-higher (Yu et al. 2025).
+* ``KL_t`` (optional, ``beta = 0`` by default): the k1 (``log pi_theta - log pi_ref``) or k3
+  (``exp(d) - d - 1`` with ``d = log pi_ref - log pi_theta``) estimator of
+  ``KL(pi_theta || pi_ref)`` from Schulman 2020, "Approximating KL Divergence" (blog).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+KLEstimator = Literal["k1", "k3"]
+
+
+def compute_advantages(rewards: Tensor, group_ids: Tensor, *, singleton_baseline: Literal["zero", "batch_mean"]
+                       = "batch_mean") -> Tensor:
+    """Advantage of each trajectory: its reward minus its group's mean reward (no std scaling).
+
+    Dr. GRPO (Liu et al. 2025, eq. 4 without the ``1/std`` factor). A group of one has no peers: its
+    advantage is 0 under ``zero``, or its reward minus the mean reward of the whole batch under
+    ``batch_mean`` (a plain REINFORCE baseline, Williams 1992), so product sessions on unique tasks
+    still carry signal.
+
+    Args:
+        rewards: ``[G]`` float, one reward per trajectory.
+        group_ids: ``[G]`` int64; equal ids share a task (one group).
+        singleton_baseline: what a trajectory alone in its group is compared with.
+
+    Returns:
+        ``[G]`` float32 advantages.
+
+    Raises:
+        ValueError: shapes differ or rewards are not finite.
+    """
+    if rewards.shape != group_ids.shape or rewards.dim() != 1:
+        raise ValueError(f"rewards {tuple(rewards.shape)} and group_ids {tuple(group_ids.shape)} must be equal 1-D")
+    if not torch.isfinite(rewards).all():
+        raise ValueError("rewards must be finite")
+    rewards = rewards.float()
+    if rewards.numel() == 0:
+        return rewards
+    _, inverse = torch.unique(group_ids, return_inverse=True)
+    n_groups = int(inverse.max()) + 1
+    sums = torch.zeros(n_groups, dtype=torch.float32).index_add_(0, inverse, rewards)
+    counts = torch.zeros(n_groups, dtype=torch.float32).index_add_(0, inverse, torch.ones_like(rewards))
+    baseline = (sums / counts)[inverse]
+    alone = counts[inverse] == 1
+    if singleton_baseline == "batch_mean":
+        baseline = torch.where(alone, rewards.mean(), baseline)
+    elif singleton_baseline != "zero":
+        raise ValueError(f"unknown singleton_baseline {singleton_baseline!r}")
+    return rewards - baseline
+
+
+@dataclass(frozen=True)
+class LossInputs:
+    """Per-token tensors of one micro-batch. All share one shape ``S`` (e.g. ``[N]`` trainable
+    tokens, or ``[B, T]``); log-probs are natural-log, fp32.
+
+    Attributes:
+        logprobs: ``S`` log pi_theta(token | prefix), differentiable.
+        old_logprobs: ``S`` log pi_old, the policy at the start of the cycle (no grad).
+        behaviour_logprobs: ``S`` log mu, recorded by the serving engine (no grad).
+        advantages: ``S`` the token's trajectory advantage (broadcast over its tokens).
+        loss_mask: ``S`` bool or {0, 1}: 1 on the model's own (sampled) tokens.
+        ref_logprobs: ``S`` log pi_ref for the KL penalty, or None.
+    """
+
+    logprobs: Tensor
+    old_logprobs: Tensor
+    behaviour_logprobs: Tensor
+    advantages: Tensor
+    loss_mask: Tensor
+    ref_logprobs: Tensor | None = None
+
+
+@dataclass(frozen=True)
+class LossOutputs:
+    """The loss to backpropagate and per-micro-batch sums for metrics (divide by ``tokens``).
+
+    Attributes:
+        loss: ``[]`` scalar, ``sum(mask * L_t) / normalizer``.
+        tokens: ``[]`` number of masked tokens.
+        pg_loss_sum: ``[]`` sum of the policy-gradient terms (before normalization).
+        kl_sum: ``[]`` sum of the KL estimator to the reference (0 when none).
+        is_clipped: ``[]`` count of tokens whose ``pi_old / mu`` exceeded the cap.
+        ppo_clipped: ``[]`` count of tokens where the clipped branch of the surrogate was taken.
+        ratio_sum: ``[]`` sum of ``pi_theta / pi_old``.
+        is_weight_sum: ``[]`` sum of the truncated weights ``w_t``.
+        mismatch_kl_sum: ``[]`` sum of k3 estimates of ``KL(mu || pi_old)`` (serving/trainer drift).
+    """
+
+    loss: Tensor
+    tokens: Tensor
+    pg_loss_sum: Tensor
+    kl_sum: Tensor
+    is_clipped: Tensor
+    ppo_clipped: Tensor
+    ratio_sum: Tensor
+    is_weight_sum: Tensor
+    mismatch_kl_sum: Tensor
+
+
+def kl_estimate(logprobs: Tensor, ref_logprobs: Tensor, estimator: KLEstimator = "k3") -> Tensor:
+    """Per-token estimate of ``KL(pi || pi_ref)`` from tokens sampled by ``pi`` (Schulman 2020).
+
+    ``k1 = log pi - log pi_ref`` (unbiased, high variance, can be negative);
+    ``k3 = exp(d) - d - 1`` with ``d = log pi_ref - log pi`` (unbiased, low variance, >= 0).
+
+    Args:
+        logprobs, ref_logprobs: same shape ``S``, natural log.
+
+    Returns:
+        ``S`` per-token estimates (nats).
+    """
+    if estimator == "k1":
+        return logprobs - ref_logprobs
+    if estimator == "k3":
+        d = ref_logprobs - logprobs
+        return torch.expm1(d) - d
+    raise ValueError(f"unknown KL estimator {estimator!r}")
+
+
+def policy_loss(inputs: LossInputs, *, normalizer: float, is_cap: float = 2.0, clip_eps_low: float = 0.2,
+                clip_eps_high: float = 0.2, kl_coef: float = 0.0, kl_estimator: KLEstimator = "k3") -> LossOutputs:
+    """The truncated-importance-weighted, PPO-clipped policy-gradient loss (see the module docstring).
+
+    Args:
+        inputs: per-token tensors of one micro-batch.
+        normalizer: the constant ``Z`` (tokens); the same for every micro-batch of a step so that
+            gradient accumulation sums to one step's loss (Dr. GRPO).
+        is_cap: ``C``, the truncation of ``pi_old / mu`` (IMPALA's ``rho_bar``); ``inf`` disables it.
+        clip_eps_low, clip_eps_high: PPO clip range ``[1 - eps_low, 1 + eps_high]``.
+        kl_coef: ``beta``; requires ``inputs.ref_logprobs`` when positive.
+        kl_estimator: ``k1`` or ``k3``.
+
+    Returns:
+        :class:`LossOutputs`; ``loss`` is differentiable through ``inputs.logprobs`` only.
+
+    Raises:
+        ValueError: non-positive normalizer or cap, or a KL coefficient without reference log-probs.
+    """
+    if normalizer <= 0 or is_cap <= 0:
+        raise ValueError("normalizer and is_cap must be positive")
+    if kl_coef > 0 and inputs.ref_logprobs is None:
+        raise ValueError("kl_coef > 0 needs ref_logprobs")
+    mask = inputs.loss_mask.bool()
+    logp = inputs.logprobs
+    old = inputs.old_logprobs.detach()
+    # Unmasked positions (prompt, tool output) carry no behaviour log-prob: neutralize them so
+    # nothing there can overflow into a NaN gradient.
+    behaviour = torch.where(mask, inputs.behaviour_logprobs.detach(), old)
+    adv = inputs.advantages.detach().to(logp.dtype)
+
+    def masked_sum(x: Tensor) -> Tensor:
+        return torch.where(mask, x, torch.zeros_like(x)).sum()
+
+    log_is = old - behaviour
+    raw_is = torch.exp(log_is)
+    is_weight = torch.clamp(raw_is, max=is_cap)
+    ratio = torch.exp(logp - old)
+    clipped_ratio = torch.clamp(ratio, 1.0 - clip_eps_low, 1.0 + clip_eps_high)
+    surrogate = torch.minimum(ratio * adv, clipped_ratio * adv)
+    pg = -is_weight * surrogate
+    per_token = pg
+    kl = torch.zeros_like(logp)
+    if inputs.ref_logprobs is not None:
+        kl = kl_estimate(logp, inputs.ref_logprobs.detach(), kl_estimator)
+        if kl_coef > 0:
+            per_token = per_token + kl_coef * kl
+    loss = masked_sum(per_token) / normalizer
+
+    with torch.no_grad():
+        took_clip = ((adv > 0) & (ratio > 1.0 + clip_eps_high)) | ((adv < 0) & (ratio < 1.0 - clip_eps_low))
+        return LossOutputs(
+            loss=loss,
+            tokens=mask.sum().to(torch.float32),
+            pg_loss_sum=masked_sum(pg.detach()),
+            kl_sum=masked_sum(kl.detach()),
+            is_clipped=masked_sum((raw_is > is_cap).float()),
+            ppo_clipped=masked_sum(took_clip.float()),
+            ratio_sum=masked_sum(ratio.detach()),
+            is_weight_sum=masked_sum(is_weight),
+            mismatch_kl_sum=masked_sum(torch.expm1(log_is) - log_is),
+        )
