@@ -1,6 +1,8 @@
 """API tokens, promotions and the append-only audit log (owned by ``app/api`` and ``app/promotion``).
 
-``audit_log`` refuses UPDATE and DELETE at the database (a trigger), not only in code.
+Invariants kept at the database, not only in code: ``audit_log`` refuses UPDATE, DELETE and
+TRUNCATE (a trigger); at most one live (unrevoked) token has a given name (a partial unique index),
+so ``flywheel tokens revoke NAME`` is unambiguous; only the sha256 of a token is stored.
 """
 
 from __future__ import annotations
@@ -9,7 +11,7 @@ import uuid
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import BigInteger, DateTime, ForeignKey, Index, String, Text
+from sqlalchemy import BigInteger, DateTime, ForeignKey, Index, String, Text, text
 from sqlalchemy.dialects.postgresql import JSONB, UUID
 from sqlalchemy.orm import Mapped, mapped_column
 
@@ -30,6 +32,10 @@ class ApiToken(Base):
     created_at: Mapped[datetime] = created_at_column()
     revoked_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
 
+    __table_args__ = (
+        Index("uq_api_token_live_name", "name", unique=True, postgresql_where=text("revoked_at IS NULL")),
+    )
+
 
 class Promotion(Base):
     """A change of production: a promotion or a rollback (a promotion of an earlier checkpoint)."""
@@ -45,7 +51,10 @@ class Promotion(Base):
     gate_decision_id: Mapped[uuid.UUID | None] = mapped_column(UUID(as_uuid=True))
     created_at: Mapped[datetime] = created_at_column()
 
-    __table_args__ = (Index("ix_promotion_created", "created_at"),)
+    __table_args__ = (
+        Index("ix_promotion_created", "created_at"),
+        Index("ix_promotion_checkpoint_id", "checkpoint_id"),
+    )
 
 
 class AuditLog(Base):

@@ -1,0 +1,81 @@
+"""Error responses, mapped once: every error answer is ``{"error": {"code", "message", "reasons"}}``.
+
+Domain errors (``app.core.errors.FlywheelError`` subclasses) carry their HTTP status; request
+validation errors become 422 with one reason per invalid field; anything else is a 500 whose
+details go to the log, never to the client.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from app.api.schemas import ErrorBody
+from app.core.errors import (AuthError, ConflictError, FlywheelError, ForbiddenError, InfrastructureError,
+                             NotFoundError)
+
+log = logging.getLogger("flywheel.api")
+
+_CODES: tuple[tuple[type[FlywheelError], str], ...] = (
+    (AuthError, "unauthorized"), (ForbiddenError, "forbidden"), (NotFoundError, "not_found"),
+    (ConflictError, "conflict"), (InfrastructureError, "unavailable"),
+)
+_STATUS_CODES = {400: "bad_request", 401: "unauthorized", 403: "forbidden", 404: "not_found",
+                 405: "method_not_allowed", 406: "not_acceptable", 409: "conflict", 413: "too_large",
+                 415: "unsupported_media_type", 422: "invalid_request", 503: "unavailable"}
+
+
+def error_response(status: int, code: str, message: str, reasons: list[str] | None = None,
+                   headers: dict[str, str] | None = None) -> JSONResponse:
+    """A JSON error answer in the API's one error shape."""
+    body = ErrorBody.model_validate({"error": {"code": code, "message": message, "reasons": reasons or []}})
+    return JSONResponse(body.model_dump(), status_code=status, headers=headers)
+
+
+def _code_for(exc: FlywheelError) -> str:
+    for cls, code in _CODES:
+        if isinstance(exc, cls):
+            return code
+    return _STATUS_CODES.get(exc.status_code, "internal_error" if exc.status_code >= 500 else "error")
+
+
+async def _flywheel_error(request: Request, exc: FlywheelError) -> JSONResponse:
+    if exc.status_code >= 500:
+        log.error("request %s %s failed: %s", request.method, request.url.path, exc, exc_info=exc)
+    headers = {"WWW-Authenticate": "Bearer"} if isinstance(exc, AuthError) else None
+    return error_response(exc.status_code, _code_for(exc), exc.message, [str(r) for r in exc.reasons], headers)
+
+
+async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+    reasons = [f"{'.'.join(str(p) for p in err.get('loc', ()))}: {err.get('msg', '')}" for err in exc.errors()]
+    return error_response(422, "invalid_request", "the request is invalid", reasons)
+
+
+async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    return error_response(exc.status_code, _STATUS_CODES.get(exc.status_code, "error"), str(exc.detail),
+                          headers=getattr(exc, "headers", None))
+
+
+async def _unhandled(request: Request, exc: Exception) -> JSONResponse:
+    log.error("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
+    return error_response(500, "internal_error", "internal server error")
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Register the handlers above on ``app`` (once, in the app factory)."""
+    app.add_exception_handler(FlywheelError, _flywheel_error)
+    app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_exception_handler(StarletteHTTPException, _http_error)
+    app.add_exception_handler(Exception, _unhandled)
+
+
+#: OpenAPI ``responses=`` entries for the error answers of authenticated routes.
+AUTH_RESPONSES = {401: {"model": ErrorBody, "description": "missing, unknown or revoked token"},
+                  403: {"model": ErrorBody, "description": "the token's role lacks the permission"},
+                  422: {"model": ErrorBody, "description": "invalid request"}}
+NOT_FOUND = {404: {"model": ErrorBody, "description": "no such entity"}}
+CONFLICT = {409: {"model": ErrorBody, "description": "refused, with every reason"}}

@@ -1,0 +1,53 @@
+"""The promotion API's app factory (``flywheel api`` serves ``create_app()`` with uvicorn).
+
+Invariant: error shapes are mapped once here (``app.api.errors``); every route except ``/``,
+``/healthz`` and ``/readyz`` requires a bearer token; all resources live under ``/v1``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import APIRouter, FastAPI
+
+from app.api.errors import install_error_handlers
+from app.api.routers import audit, checkpoints, dashboard, health, promotions
+from app.core.errors import ConfigurationError
+from app.core.telemetry import configure_telemetry
+
+DESCRIPTION = """\
+The release manager's API: read checkpoints and their gate reports, promote a gate-passed
+checkpoint, roll back, reject, read the append-only audit log.
+
+Authenticate with `Authorization: Bearer <token>` (`flywheel tokens create --role ROLE --name NAME`).
+Roles: `viewer` reads; `service` reads and rejects; `release_manager` reads, rejects, promotes and
+rolls back. Errors are `{"error": {"code", "message", "reasons"}}`.
+"""
+
+
+@asynccontextmanager
+async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+    """Telemetry once per process; dispose the database pool at shutdown."""
+    configure_telemetry("flywheel-api")
+    yield
+    from app.core.db import get_engine
+
+    try:
+        get_engine().dispose()
+    except ConfigurationError:  # never configured: nothing to dispose
+        pass
+
+
+def create_app() -> FastAPI:
+    """A new FastAPI app (routers under ``/v1``, dashboard at ``/``, health at the root)."""
+    app = FastAPI(title="flywheel promotion API", version="1", description=DESCRIPTION, lifespan=lifespan)
+    install_error_handlers(app)
+    v1 = APIRouter(prefix="/v1")
+    v1.include_router(checkpoints.router)
+    v1.include_router(promotions.router)
+    v1.include_router(audit.router)
+    app.include_router(v1)
+    app.include_router(health.router)
+    app.include_router(dashboard.router)
+    return app

@@ -1,0 +1,1 @@
+"""The API's routers, one per resource family, all mounted under ``/v1`` (health at the root)."""

@@ -1,0 +1,48 @@
+"""``/healthz`` (the process answers) and ``/readyz`` (database and broker reachable)."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter
+from sqlalchemy import text
+
+from app.api.errors import error_response
+from app.api.schemas import ErrorBody, Health, Readiness
+from app.core.db import get_engine
+from app.core.settings import get_settings
+
+router = APIRouter(tags=["health"])
+
+
+@router.get("/healthz", response_model=Health, summary="Liveness")
+def healthz() -> Health:
+    """Always ``ok`` while the process serves requests (no dependency is checked)."""
+    return Health(status="ok")
+
+
+def _check_database() -> str | None:
+    try:
+        with get_engine().connect() as conn:
+            conn.execute(text("SELECT 1"))
+        return None
+    except Exception as exc:  # any failure means "not ready"; the reason is reported
+        return f"database: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+
+
+def _check_broker() -> str | None:
+    from ops.stack import broker_healthy
+
+    bootstrap = get_settings().kafka.bootstrap
+    if not bootstrap:
+        return "broker: FLYWHEEL_KAFKA_BOOTSTRAP is not configured"
+    return None if broker_healthy(bootstrap, timeout_s=2.0) else f"broker: {bootstrap} does not answer"
+
+
+@router.get("/readyz", response_model=Readiness, summary="Readiness",
+            responses={503: {"model": ErrorBody, "description": "a dependency is unreachable"}})
+def readyz():
+    """``ready`` when the database answers ``SELECT 1`` and the broker answers a metadata request;
+    else 503 with the failing checks as reasons."""
+    failures = [f for f in (_check_database(), _check_broker()) if f]
+    if failures:
+        return error_response(503, "unavailable", "not ready", failures)
+    return Readiness(status="ready", checks={"database": "ok", "broker": "ok"})

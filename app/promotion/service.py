@@ -1,0 +1,245 @@
+"""Promotion, rollback and rejection of checkpoints: the transactions behind the API and the CLI.
+
+Invariants (with the database's help):
+
+- exactly one checkpoint is ``production``: production changes are serialised by a transaction-
+  scoped advisory lock, the production row is locked ``FOR UPDATE``, and the partial unique index
+  ``uq_checkpoint_one_production`` refuses a second one whatever happens;
+- a promotion needs a passed gate (the latest ``gate_decision`` for the candidate passed, against
+  the checkpoint that is production now, and its status is ``gate_passed``), a STABLE directory,
+  and the caller's ``expected_production_id`` equal to the current production (optimistic
+  concurrency: of two concurrent promotions exactly one wins, the other gets a 409);
+- each change writes, in the caller's ONE transaction: the ``promotion`` row, the status changes,
+  an ``audit_log`` entry and an ``outbox`` lifecycle message.
+
+Functions flush and never commit: the boundary (HTTP request, CLI command) commits. No FastAPI here.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+
+from sqlalchemy import literal, select, text
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session
+
+from app.checkpoint_store import STABLE
+from app.core.errors import ConflictError, NotFoundError
+from app.models import Checkpoint, GateDecision, Promotion
+from app.promotion.audit import record_audit
+from app.promotion.outbox import enqueue_lifecycle
+from app.repositories.checkpoints import get_production
+
+#: pg_advisory_xact_lock key serialising production changes ("flyw" << 32 | 1).
+PRODUCTION_LOCK_KEY = (0x666C7977 << 32) | 1
+REJECTABLE = ("candidate", "gate_passed", "gate_failed")
+MAX_LINEAGE = 256
+
+
+@dataclass(frozen=True)
+class ProductionChange:
+    """The outcome of a promotion or rollback."""
+
+    promotion: Promotion
+    checkpoint: Checkpoint
+    previous: Checkpoint | None
+
+
+def _lock_production(session: Session) -> Checkpoint | None:
+    session.execute(text("SELECT pg_advisory_xact_lock(:k)"), {"k": PRODUCTION_LOCK_KEY})
+    return get_production(session, for_update=True)
+
+
+def _lock_checkpoint(session: Session, checkpoint_id: str) -> Checkpoint:
+    row = session.scalars(
+        select(Checkpoint).where(Checkpoint.id == checkpoint_id).with_for_update()
+        .execution_options(populate_existing=True)
+    ).one_or_none()
+    if row is None:
+        raise NotFoundError(f"checkpoint {checkpoint_id!r} not found")
+    return row
+
+
+def latest_gate_decision(session: Session, checkpoint_id: str) -> GateDecision | None:
+    """The most recent gate decision for a candidate, or None."""
+    return session.scalars(
+        select(GateDecision).where(GateDecision.candidate_id == checkpoint_id)
+        .order_by(GateDecision.created_at.desc(), GateDecision.id.desc()).limit(1)
+    ).first()
+
+
+def is_stable(row: Checkpoint) -> bool:
+    """Whether the row says STABLE and the directory still carries the ``STABLE`` marker."""
+    return bool(row.stable) and (Path(row.path) / STABLE).exists()
+
+
+def lineage(session: Session, checkpoint_id: str, limit: int = MAX_LINEAGE) -> list[Checkpoint]:
+    """The checkpoint and its ancestors, child first (a recursive CTE over ``parent_id``)."""
+    chain = (select(Checkpoint.id, Checkpoint.parent_id, literal(1).label("depth"))
+             .where(Checkpoint.id == checkpoint_id).cte("chain", recursive=True))
+    parent = select(Checkpoint.id, Checkpoint.parent_id, (chain.c.depth + 1).label("depth")) \
+        .join(chain, Checkpoint.id == chain.c.parent_id).where(chain.c.depth < limit)
+    chain = chain.union_all(parent)
+    ids = [r.id for r in session.execute(select(chain.c.id, chain.c.depth).order_by(chain.c.depth))]
+    rows = {r.id: r for r in session.scalars(select(Checkpoint).where(Checkpoint.id.in_(ids)))}
+    return [rows[i] for i in ids if i in rows]
+
+
+def _serving_fields(session: Session, row: Checkpoint) -> dict:
+    # What the serving watcher needs to move the engine without a database: where each checkpoint
+    # of the lineage lives, so it can apply the delta chain from the checkpoint it serves.
+    return {"path": row.path, "parent_id": row.parent_id,
+            "lineage": [{"id": c.id, "path": c.path} for c in lineage(session, row.id)]}
+
+
+def _switch_production(session: Session, *, new: Checkpoint, previous: Checkpoint | None) -> None:
+    now = datetime.now(timezone.utc)
+    if previous is not None:
+        previous.status = "retired"
+        session.flush()  # the partial unique index must see the old row leave 'production' first
+    new.status = "production"
+    new.promoted_at = now
+    try:
+        with session.begin_nested():
+            session.flush()
+    except IntegrityError:  # a writer that bypassed the advisory lock made another production
+        raise ConflictError("another checkpoint became production concurrently",
+                            reasons=["retry with the current production as expected_production_id"]) from None
+
+
+def _check_expected(current: Checkpoint | None, expected: str | None, reasons: list[str]) -> None:
+    current_id = current.id if current else None
+    if expected != current_id:
+        reasons.append(f"expected production {expected!r} but production is {current_id!r}")
+
+
+def promote_checkpoint(session: Session, *, checkpoint_id: str, expected_production_id: str | None,
+                       actor: str, reason: str) -> ProductionChange:
+    """Make a gate-passed, STABLE candidate the production checkpoint (see module invariants).
+
+    Raises:
+        NotFoundError: no such checkpoint.
+        ConflictError: with every reason the promotion is refused (gate missing/failed/stale,
+            wrong status, not STABLE, trained on erased data, stale ``expected_production_id``).
+    """
+    current = _lock_production(session)
+    row = _lock_checkpoint(session, checkpoint_id)
+    reasons: list[str] = []
+    if current is not None and current.id == row.id:
+        raise ConflictError(f"checkpoint {row.id} is already production", reasons=["already production"])
+    gate = latest_gate_decision(session, row.id)
+    if gate is None:
+        reasons.append("no gate decision: the candidate has not been evaluated")
+    else:
+        if not gate.passed:
+            reasons.append("the latest gate decision failed: " + "; ".join(str(r) for r in gate.reasons or []))
+        if current is not None and gate.production_id != current.id:
+            reasons.append(f"the gate compared against {gate.production_id}, but production is now "
+                           f"{current.id}: re-run the gate")
+    if row.status != "gate_passed":
+        reasons.append(f"checkpoint status is {row.status!r}, not 'gate_passed'")
+    if not is_stable(row):
+        reasons.append(f"checkpoint directory is not STABLE at {row.path}")
+    if row.trained_on_erased:
+        reasons.append("checkpoint trained on data of an erased user")
+    _check_expected(current, expected_production_id, reasons)
+    if reasons:
+        raise ConflictError(f"promotion of {row.id} refused", reasons=reasons)
+
+    _switch_production(session, new=row, previous=current)
+    promo = Promotion(id=uuid.uuid4(), kind="promotion", checkpoint_id=row.id,
+                      previous_production_id=current.id if current else None, actor=actor, reason=reason,
+                      gate_decision_id=gate.id if gate else None)
+    session.add(promo)
+    session.flush()
+    details = {"reason": reason, "promotion_id": str(promo.id),
+               "previous_production_id": promo.previous_production_id,
+               "gate_decision_id": str(promo.gate_decision_id) if promo.gate_decision_id else None}
+    record_audit(session, actor=actor, action="checkpoint.promoted", target=f"checkpoint:{row.id}", details=details)
+    enqueue_lifecycle(session, "checkpoint.promoted", row.id, actor=actor, **details, **_serving_fields(session, row))
+    return ProductionChange(promotion=promo, checkpoint=row, previous=current)
+
+
+def earlier_productions(session: Session) -> set[str]:
+    """Ids of every checkpoint that has been production (per the promotion history)."""
+    ids = set(session.scalars(select(Promotion.checkpoint_id)))
+    ids |= {i for i in session.scalars(select(Promotion.previous_production_id)) if i}
+    return ids
+
+
+def previous_production_id(session: Session, current_id: str) -> str | None:
+    """The checkpoint production had before ``current_id`` became production (latest change)."""
+    return session.scalar(
+        select(Promotion.previous_production_id).where(Promotion.checkpoint_id == current_id)
+        .order_by(Promotion.created_at.desc()).limit(1)
+    )
+
+
+def rollback_production(session: Session, *, expected_production_id: str | None, actor: str, reason: str,
+                        checkpoint_id: str | None = None) -> ProductionChange:
+    """Return production to an earlier production checkpoint (default: the one before the current).
+
+    No gate is required (the target served before), but it must still be STABLE and clean.
+
+    Raises:
+        NotFoundError: the named checkpoint does not exist.
+        ConflictError: no production or no earlier production, the target never was production, is
+            not STABLE or trained on erased data, or ``expected_production_id`` is stale.
+    """
+    current = _lock_production(session)
+    reasons: list[str] = []
+    if current is None:
+        raise ConflictError("nothing to roll back: no production checkpoint")
+    target_id = checkpoint_id or previous_production_id(session, current.id)
+    if target_id is None:
+        raise ConflictError(f"no earlier production checkpoint before {current.id}",
+                            reasons=["production has never changed"])
+    row = _lock_checkpoint(session, target_id)
+    if row.id == current.id:
+        reasons.append(f"{row.id} is already production")
+    elif row.id not in earlier_productions(session):
+        reasons.append(f"{row.id} has never been production")
+    if row.status not in ("retired", "production"):
+        reasons.append(f"checkpoint status is {row.status!r}, not 'retired'")
+    if not is_stable(row):
+        reasons.append(f"checkpoint directory is not STABLE at {row.path}")
+    if row.trained_on_erased:
+        reasons.append("checkpoint trained on data of an erased user")
+    _check_expected(current, expected_production_id, reasons)
+    if reasons:
+        raise ConflictError(f"rollback to {row.id} refused", reasons=reasons)
+
+    _switch_production(session, new=row, previous=current)
+    promo = Promotion(id=uuid.uuid4(), kind="rollback", checkpoint_id=row.id, previous_production_id=current.id,
+                      actor=actor, reason=reason)
+    session.add(promo)
+    session.flush()
+    details = {"reason": reason, "promotion_id": str(promo.id), "previous_production_id": current.id}
+    record_audit(session, actor=actor, action="checkpoint.rolled_back", target=f"checkpoint:{row.id}",
+                 details=details)
+    enqueue_lifecycle(session, "checkpoint.rolled_back", row.id, actor=actor, **details,
+                      **_serving_fields(session, row))
+    return ProductionChange(promotion=promo, checkpoint=row, previous=current)
+
+
+def reject_checkpoint(session: Session, *, checkpoint_id: str, actor: str, reason: str) -> Checkpoint:
+    """Take a checkpoint out of the running for good (status ``rejected``).
+
+    Raises:
+        NotFoundError: no such checkpoint.
+        ConflictError: it is production, retired or already rejected.
+    """
+    row = _lock_checkpoint(session, checkpoint_id)
+    if row.status not in REJECTABLE:
+        raise ConflictError(f"cannot reject {row.id}",
+                            reasons=[f"status is {row.status!r}; only {', '.join(REJECTABLE)} can be rejected"])
+    previous_status = row.status
+    row.status = "rejected"
+    session.flush()
+    details = {"reason": reason, "previous_status": previous_status}
+    record_audit(session, actor=actor, action="checkpoint.rejected", target=f"checkpoint:{row.id}", details=details)
+    enqueue_lifecycle(session, "checkpoint.rejected", row.id, actor=actor, **details)
+    return row
