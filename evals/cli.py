@@ -1,10 +1,228 @@
 """CLI commands of this package (registered on the main ``flywheel`` app). Import heavy modules
-inside the command functions, never at module level."""
+inside the command functions, never at module level.
+
+``flywheel eval CHECKPOINT --suite NAME`` runs a suite (``eval`` is a group whose default command is
+``run``, so ``flywheel eval contamination`` / ``mine`` / ``suites`` are subcommands);
+``flywheel gate CANDIDATE`` evaluates and decides.
+"""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
+import click
 import typer
+from typer.core import TyperGroup
+
+
+class _DefaultRunGroup(TyperGroup):
+    """A group that treats an unknown first word as the argument of its ``run`` command."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        if args and args[0] not in self.commands and args[0] not in ("--help", "-h"):
+            args = ["run", *args]
+        return super().parse_args(ctx, args)
+
+
+eval_app = typer.Typer(cls=_DefaultRunGroup, no_args_is_help=True,
+                       help="Run eval suites (flywheel eval CHECKPOINT --suite NAME), mine tasks, check contamination.")
+
+LIMIT = typer.Option(None, "--limit", "-n", min=1, help="seeded subset of N tasks (changes the suite fingerprint)")
+WORKERS = typer.Option(1, "--workers", "-w", min=1, help="concurrent sandboxes")
+MAX_TURNS = typer.Option(None, "--max-turns", min=1, help="override the suite's turn budget")
+MAX_TOKENS = typer.Option(None, "--max-tokens", min=1, help="override completion tokens per turn")
+
+
+def _overrides(max_turns: int | None, max_tokens: int | None) -> dict[str, int]:
+    return {k: v for k, v in (("max_turns", max_turns), ("max_tokens_per_turn", max_tokens)) if v is not None}
+
+
+@eval_app.command("run")
+def eval_run(checkpoint: str = typer.Argument(..., help="checkpoint id, e.g. base"),
+             suite: list[str] = typer.Option(..., "--suite", "-s", help="suite name (repeatable)"),
+             limit: int | None = LIMIT, workers: int = WORKERS, max_turns: int | None = MAX_TURNS,
+             max_tokens: int | None = MAX_TOKENS,
+             force: bool = typer.Option(False, help="re-run even if a succeeded run of this plan exists"),
+             as_json: bool = typer.Option(False, "--json", help="print one JSON line per suite")) -> None:
+    """Run SUITE against CHECKPOINT in the agent harness; resumes an interrupted run of the same plan."""
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from evals.config import load_suite
+    from evals.runner import run_suite
+
+    console = Console(stderr=as_json)
+    summaries = []
+    for name in suite:
+        cfg = load_suite(name).with_overrides(limit=limit, **_overrides(max_turns, max_tokens))
+        with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[rate]}"),
+                      TimeElapsedColumn(), console=console, transient=as_json) as progress:
+            bar = progress.add_task(f"{checkpoint} · {name}", total=None, rate="")
+            passed = [0, 0]
+
+            def on_plan(plan, todo, bar=bar):
+                progress.update(bar, total=len(plan.planned), completed=len(plan.planned) - todo)
+
+            def on_result(task_id, sample, fields, bar=bar, passed=passed):
+                passed[0] += bool(fields["passed"])
+                passed[1] += 1
+                progress.update(bar, advance=1, rate=f"{passed[0]}/{passed[1]} passed this session")
+
+            summaries.append(run_suite(checkpoint, cfg, workers=workers, force=force, on_plan=on_plan,
+                                       on_result=on_result))
+    if as_json:
+        for s in summaries:
+            typer.echo(json.dumps(s.as_dict(), default=str))
+    else:
+        console.print(_runs_table(summaries))
+    if any(s.status != "succeeded" for s in summaries):
+        for s in summaries:
+            for e in s.errors:
+                console.print(f"[red]error[/red] {s.suite}: {e}")
+        raise typer.Exit(1)
+
+
+def _runs_table(summaries):
+    from rich.table import Table
+
+    t = Table(title="eval runs (95% Wilson intervals)")
+    for col in ("checkpoint", "suite", "version", "status", "done", "pass rate", "95% CI", "ran / reused",
+                "tool err", "asked", "edited", "tokens", "latency s"):
+        t.add_column(col, justify="right" if col not in ("checkpoint", "suite", "version", "status") else "left")
+    for s in summaries:
+        m = s.monitors or {}
+        t.add_row(s.checkpoint_id, s.suite, s.suite_version, s.status, f"{s.done}/{s.planned}",
+                  f"{s.pass_rate:.1%}", f"[{s.low:.1%}, {s.high:.1%}]",
+                  "cached" if s.cached else f"{s.ran} / {s.reused}",
+                  f"{m.get('invalid_tool_call_rate', 0):.1%}", f"{m.get('clarifying_question_rate', 0):.1%}",
+                  f"{m.get('edit_rate', 0):.1%}", f"{m.get('mean_completion_tokens', 0):.0f}",
+                  f"{m.get('mean_latency_s', 0):.1f}")
+    return t
+
+
+@eval_app.command("suites")
+def eval_suites() -> None:
+    """List the shipped suites and whether the gate uses them."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from evals.config import list_suites, load_gate_config, load_suite
+
+    gate = load_gate_config()
+    t = Table(title="eval suites")
+    for col in ("suite", "version", "source", "split", "samples", "limit", "turns", "tokens", "gated"):
+        t.add_column(col)
+    for name in list_suites():
+        s = load_suite(name)
+        t.add_row(name, s.version, s.source, s.split, str(s.samples_per_task), str(s.limit or "all"),
+                  str(s.budget.max_turns), str(s.budget.max_completion_tokens),
+                  "yes" if name in gate.gated_suites() else "no")
+    Console().print(t)
+
+
+@eval_app.command("mine")
+def eval_mine(min_persistence: float = typer.Option(0.8, min=0.0, max=1.0,
+                                                    help="mean fraction of accepted edits still present"),
+              limit: int | None = typer.Option(None, min=1, help="most trajectories to examine")) -> None:
+    """Mine held-out eval tasks from finalized production trajectories (and reserve them)."""
+    from app.core.db import session_scope
+    from evals.mined import mine_tasks
+
+    with session_scope() as session:
+        report = mine_tasks(session, min_persistence=min_persistence, limit=limit)
+    typer.echo(f"examined {report.examined} trajectories, mined {len(report.mined)} tasks, reserved "
+               f"{report.reserved_trajectories} more trajectories")
+    for reason, n in sorted(report.skipped.items()):
+        typer.echo(f"  skipped {n:5d}  {reason}")
+
+
+@eval_app.command("contamination")
+def eval_contamination(static: bool = typer.Option(True, "--static/--no-static",
+                                                   help="also check the DataFrameBench test and HumanEval task ids")) -> None:
+    """Verify no eval task appears in any checkpoint's training lineage or manifest; exit 1 if one does."""
+    from app.core.db import session_scope
+    from evals.mined import find_contamination
+
+    extra: list[str] = []
+    if static:
+        from evals.config import load_suite
+        from evals.runner import load_suite_tasks
+
+        for name in ("dataframebench", "humaneval"):
+            extra += [t.id for t in load_suite_tasks(load_suite(name))]
+    with session_scope() as session:
+        found = find_contamination(session, extra)
+    if not found:
+        typer.secho(f"clean: no eval task in any checkpoint's training data ({len(extra)} static task ids checked "
+                    "plus every mined task)", fg="green")
+        return
+    for c in found:
+        typer.secho(f"CONTAMINATED {c.checkpoint_id}: {c.task_id} (via {c.via})", fg="red")
+    raise typer.Exit(1)
+
+
+def gate_cmd(candidate: str = typer.Argument(..., help="candidate checkpoint id"),
+             production: str | None = typer.Option(None, "--production", help="baseline (default: production)"),
+             suite: list[str] | None = typer.Option(None, "--suite", "-s", help="suites to run (default: gated ones)"),
+             limit: int | None = LIMIT, workers: int = WORKERS, max_turns: int | None = MAX_TURNS,
+             max_tokens: int | None = MAX_TOKENS,
+             config: Path | None = typer.Option(None, "--config", exists=True, dir_okay=False,
+                                                help="gate policy TOML (default evals/gate.toml)"),
+             strict: bool = typer.Option(False, "--strict", help="exit 1 when the gate fails"),
+             as_json: bool = typer.Option(False, "--json", help="print the decision as one JSON line")) -> None:
+    """Evaluate CANDIDATE and production on every gated suite (reusing cached runs), decide and explain."""
+    from rich.console import Console
+
+    from evals.config import load_gate_config
+    from evals.gating import gate_candidate
+
+    console = Console(stderr=as_json)
+
+    def on_run(name, role, s):
+        how = "cached" if s.cached else f"ran {s.ran}, reused {s.reused}"
+        console.print(f"  {name:<15} {role:<10} {s.checkpoint_id}: {s.passed}/{s.done} passed ({how})")
+
+    console.print(f"gating [bold]{candidate}[/bold]")
+    outcome = gate_candidate(candidate, production_id=production, config=load_gate_config(config),
+                             suites=suite or None, limit=limit, overrides=_overrides(max_turns, max_tokens),
+                             workers=workers, on_run=on_run)
+    explain(console, outcome)
+    if as_json:
+        typer.echo(json.dumps({"decision_id": outcome.decision_id, "candidate_id": candidate,
+                               "production_id": outcome.production_id, "passed": outcome.result.passed,
+                               "failures": [r.message for r in outcome.result.failures()],
+                               "report_path": outcome.report_path}))
+    if strict and not outcome.result.passed:
+        raise typer.Exit(1)
+
+
+def explain(console, outcome) -> None:
+    """Print a gate outcome: per-suite table, every reason, the report location."""
+    from rich.table import Table
+
+    r = outcome.result
+    t = Table(title=f"gate {outcome.candidate_id} vs {outcome.production_id}")
+    for col in ("suite", "gated", "pairs", "candidate", "production", "diff", "diff CI", "solved / broken", "verdict"):
+        t.add_column(col)
+    for s in r.suites.values():
+        fmt = (lambda p: f"{p.rate:.1%} [{p.low:.0%}, {p.high:.0%}]" if p else "-")
+        t.add_row(s.suite, "yes" if s.gated else "no", str(s.n_pairs), fmt(s.candidate), fmt(s.production),
+                  "-" if s.diff is None else f"{s.diff:+.1%}",
+                  "-" if s.diff_low is None else f"[{s.diff_low:+.1%}, {s.diff_high:+.1%}]",
+                  f"{len(s.newly_solved)} / {len(s.newly_broken)}",
+                  "[green]pass[/green]" if s.passed else "[red]fail[/red]")
+    console.print(t)
+    for reason in r.reasons:
+        mark = "[green]✓[/green]" if reason.passed else ("[red]✗[/red]" if reason.gated else "[yellow]·[/yellow]")
+        console.print(f" {mark} {reason.message}", highlight=False)
+    verdict = "[bold green]PASSED[/bold green]" if r.passed else "[bold red]FAILED[/bold red]"
+    console.print(f"gate {verdict} → checkpoint {outcome.candidate_id} is now "
+                  f"{'gate_passed' if r.passed else 'gate_failed'}; decision {outcome.decision_id}")
+    console.print(f"report: {outcome.report_path}/report.json, gate.png, tasks.md")
 
 
 def register(app: typer.Typer) -> None:
     """Add this package's commands to the main app."""
+    app.add_typer(eval_app, name="eval")
+    app.command("gate")(gate_cmd)

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from app.core.errors import ConfigurationError
 
@@ -99,6 +100,25 @@ class SuiteConfig(_Strict):
     def with_limit(self, limit: int | None) -> "SuiteConfig":
         """A copy with another task limit (``None`` keeps the suite's own)."""
         return self if limit is None else self.model_copy(update={"limit": limit})
+
+    def with_overrides(self, *, limit: int | None = None, max_turns: int | None = None,
+                       max_tokens_per_turn: int | None = None) -> "SuiteConfig":
+        """A validated copy with a task limit and/or smaller budgets (smoke runs on a CPU).
+
+        ``max_tokens_per_turn`` also caps the session budget at ``max_turns * max_tokens_per_turn``.
+        """
+        budget = self.budget.model_dump()
+        if max_turns is not None:
+            budget["max_turns"] = max_turns
+        if max_tokens_per_turn is not None:
+            budget["max_tokens_per_turn"] = max_tokens_per_turn
+            budget["max_completion_tokens"] = min(budget["max_completion_tokens"],
+                                                  budget["max_turns"] * max_tokens_per_turn)
+        data = self.model_dump()
+        data["budget"] = budget
+        if limit is not None:
+            data["limit"] = limit
+        return SuiteConfig.model_validate(data)
 
     def fingerprint(self, task_keys: list[str]) -> str:
         """The effective suite version: ``<version>-<12 hex>`` over the resolved config and the
@@ -235,3 +255,30 @@ def load_gate_config(path: Path | None = None) -> GateConfig:
         return GateConfig.model_validate(tomllib.loads(path.read_text()))
     except ValueError as exc:
         raise ConfigurationError(f"invalid gate config {path.name}: {exc}") from None
+
+
+# ---- automation ----------------------------------------------------------------------------------
+
+class EvalSettings(BaseSettings):
+    """How the Celery automation gates candidates (``FLYWHEEL_EVAL_*``)."""
+
+    model_config = SettingsConfigDict(env_prefix="FLYWHEEL_EVAL_", extra="ignore")
+    gate_config: Path | None = None
+    """Gate policy TOML; default the shipped ``evals/gate.toml``."""
+    limit: int | None = Field(default=None, ge=1)
+    """Task limit per suite for automated gates (None: the suites' own)."""
+    workers: int = Field(default=1, ge=1)
+    """Concurrent sandboxes per run."""
+    max_turns: int | None = Field(default=None, ge=1)
+    """Turn budget override (smoke deployments on CPUs)."""
+    max_tokens_per_turn: int | None = Field(default=None, ge=1)
+    """Per-turn completion token override."""
+    scan_batch: int = Field(default=1, ge=1)
+    """Candidates dispatched per beat scan."""
+
+
+def eval_settings() -> EvalSettings:
+    """The ``FLYWHEEL_EVAL_*`` settings (environment, then the local stack's env file)."""
+    from app.core.settings import flywheel_home
+
+    return EvalSettings(_env_file=(flywheel_home() / "stack.env",))  # type: ignore[call-arg]

@@ -1,0 +1,73 @@
+"""Celery tasks that gate new candidates: thin wrappers over :func:`evals.gating.gate_candidate`.
+
+``flywheel.evals.evaluate_candidate(checkpoint_id)`` gates one checkpoint (enqueue it after a
+``checkpoint.created``); ``flywheel.evals.scan_candidates`` (beat, every
+``FLYWHEEL_EVAL_SCAN_INTERVAL`` seconds) dispatches candidates that have no gate decision yet, so a
+lost trigger only delays a gate. Invariant: a candidate is gated by at most one worker at a time
+(the gate's advisory lock); a duplicate dispatch returns ``skipped`` instead of running twice. The
+task is the transaction boundary: :func:`gate_candidate` commits the decision itself.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from app.core.db import session_scope
+from app.core.errors import ConflictError
+from evals import store
+from evals.config import eval_settings, load_gate_config
+
+
+def evaluate(checkpoint_id: str, **kwargs: Any) -> dict[str, Any]:
+    """Gate one candidate with the ``FLYWHEEL_EVAL_*`` settings (keyword arguments override them).
+
+    Returns:
+        ``{"checkpoint_id", "decision_id", "passed", "failures", "report_path"}``, or
+        ``{"checkpoint_id", "skipped": reason}`` when it is already being gated, no longer a
+        candidate, or already decided.
+    """
+    from evals.gating import gate_candidate
+
+    s = eval_settings()
+    with session_scope() as session:
+        decided = store.latest_decision(session, checkpoint_id)
+    if decided is not None and not kwargs.pop("regate", False):
+        return {"checkpoint_id": checkpoint_id, "skipped": f"already decided ({decided.id})"}
+    opts: dict[str, Any] = {"config": load_gate_config(s.gate_config), "limit": s.limit, "workers": s.workers,
+                            "overrides": {k: v for k, v in (("max_turns", s.max_turns),
+                                                            ("max_tokens_per_turn", s.max_tokens_per_turn)) if v}}
+    opts.update(kwargs)
+    try:
+        outcome = gate_candidate(checkpoint_id, **opts)
+    except ConflictError as exc:
+        return {"checkpoint_id": checkpoint_id, "skipped": exc.message}
+    return {"checkpoint_id": checkpoint_id, "decision_id": outcome.decision_id, "passed": outcome.result.passed,
+            "failures": [r.message for r in outcome.result.failures()], "report_path": outcome.report_path}
+
+
+def scan(dispatch: Callable[[str], Any], limit: int | None = None) -> list[str]:
+    """Dispatch every STABLE candidate without a gate decision (oldest first, at most ``limit``)."""
+    with session_scope() as session:
+        ids = store.candidates_without_decision(session, limit=limit or eval_settings().scan_batch)
+    for checkpoint_id in ids:
+        dispatch(checkpoint_id)
+    return ids
+
+
+try:
+    from ops.celery_app import celery_app
+except ImportError:  # the Celery app is optional for CLI-only installs; the functions above still work
+    celery_app = None
+
+if celery_app is not None:
+
+    @celery_app.task(name="flywheel.evals.evaluate_candidate", acks_late=True)
+    def evaluate_candidate(checkpoint_id: str) -> dict[str, Any]:
+        """Gate ``checkpoint_id`` (see :func:`evaluate`)."""
+        return evaluate(checkpoint_id)
+
+    @celery_app.task(name="flywheel.evals.scan_candidates")
+    def scan_candidates() -> list[str]:
+        """Enqueue ``evaluate_candidate`` for candidates with no gate decision."""
+        return scan(lambda cid: evaluate_candidate.delay(cid))

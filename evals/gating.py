@@ -1,0 +1,148 @@
+"""Gating a candidate: make sure both checkpoints have runs of every gated suite, decide, record.
+
+This is the one function behind ``flywheel gate`` and the Celery tasks in ``evals.automation``.
+
+Invariants:
+- Candidate and production run the *same plan* per suite (the plan is fixed once and handed to both
+  runs), so their results pair; production's succeeded run of a plan is reused (cached per suite
+  fingerprint), never re-run.
+- The ``gate_decision`` row, the checkpoint's new status (``gate_passed`` | ``gate_failed``), its
+  audit entry and the ``gate.decided`` outbox message commit in one transaction; the report files
+  are written first, so a decision never points at a missing report.
+- One gate per candidate at a time (advisory lock).
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from app.core.db import session_scope
+from app.core.errors import ConfigurationError, ConflictError
+from app.models import EvalRun
+from evals import store
+from evals.config import GateConfig, load_gate_config, load_suite
+from evals.gate import GateResult, SuiteOutcomes, decide_gate
+from evals.runner import RunSummary, plan_run, run_suite
+
+if TYPE_CHECKING:
+    from evals.tasks.model import Task
+    from ops.serving.engine import InferenceEngine
+
+EngineFactory = Callable[[str], "InferenceEngine"]
+
+
+@dataclass
+class GateOutcome:
+    """What :func:`gate_candidate` did: the decision, the runs it used, where the report is."""
+
+    decision_id: str
+    candidate_id: str
+    production_id: str
+    result: GateResult
+    report_path: str
+    runs: dict[str, dict[str, RunSummary]] = field(default_factory=dict)
+
+
+def _resolve(candidate_id: str, production_id: str | None) -> str:
+    from app.repositories.checkpoints import get_checkpoint, get_production
+
+    with session_scope() as session:
+        cand = get_checkpoint(session, candidate_id)
+        if cand.status not in store.GATEABLE:
+            raise ConflictError(f"checkpoint {candidate_id} is {cand.status}; only "
+                                f"{', '.join(store.GATEABLE)} checkpoints are gated")
+        if production_id is None:
+            prod = get_production(session)
+            if prod is None:
+                raise ConfigurationError("no production checkpoint to compare against (flywheel model init)")
+            production_id = prod.id
+        else:
+            get_checkpoint(session, production_id)
+    if production_id == candidate_id:
+        raise ConflictError(f"checkpoint {candidate_id} is the production checkpoint; nothing to gate")
+    return production_id
+
+
+def gate_candidate(candidate_id: str, *, production_id: str | None = None, config: GateConfig | None = None,
+                   suites: list[str] | None = None, limit: int | None = None,
+                   overrides: dict[str, int] | None = None, workers: int = 1,
+                   engine_factory: EngineFactory | None = None, tasks: dict[str, list["Task"]] | None = None,
+                   on_run: Callable[[str, str, RunSummary], None] | None = None,
+                   run_kwargs: dict[str, Any] | None = None) -> GateOutcome:
+    """Evaluate ``candidate_id`` against production on every gated suite and record the decision.
+
+    Args:
+        candidate_id: a ``candidate`` (or previously gated) checkpoint.
+        production_id: baseline; default the current production checkpoint.
+        config: gate policy; default ``evals/gate.toml``.
+        suites: suites to run (default: the config's gated suites; a gated suite left out fails closed).
+        limit: task limit per suite (changes the suite fingerprint for both sides alike).
+        overrides: budget overrides (``max_turns``, ``max_tokens_per_turn``), both sides alike.
+        workers: concurrent sandboxes per run.
+        engine_factory: ``checkpoint_id -> engine`` (tests); default the configured engine.
+        tasks: explicit tasks per suite instead of the suites' sources (tests).
+        on_run: called after each run with ``(suite, "candidate" | "production", summary)``.
+        run_kwargs: extra keyword arguments for :func:`evals.runner.run_suite` (e.g. ``on_result``).
+
+    Returns:
+        A :class:`GateOutcome`. The decision is stored whatever it is.
+
+    Raises:
+        NotFoundError: unknown checkpoint. ConflictError: not gateable, or gated elsewhere right now.
+    """
+    from app.promotion.audit import record_audit
+    from app.promotion.outbox import enqueue_lifecycle
+    from app.repositories.checkpoints import get_checkpoint
+    from evals.report import write_report
+
+    config = config or load_gate_config()
+    production_id = _resolve(candidate_id, production_id)
+    names = suites or config.gated_suites()
+    runs: dict[str, dict[str, RunSummary]] = {}
+    cand_out: dict[str, SuiteOutcomes] = {}
+    prod_out: dict[str, SuiteOutcomes] = {}
+    with store.advisory_lock("gate", candidate_id):
+        for name in names:
+            suite = load_suite(name).with_overrides(limit=limit, **(overrides or {}))
+            plan = plan_run(suite, (tasks or {}).get(name))
+            runs[name] = {}
+            for role, ckpt in (("production", production_id), ("candidate", candidate_id)):
+                summary = run_suite(ckpt, plan.suite, tasks=plan.tasks, workers=workers,
+                                    engine=engine_factory(ckpt) if engine_factory else None, **(run_kwargs or {}))
+                runs[name][role] = summary
+                if on_run is not None:
+                    on_run(name, role, summary)
+            with session_scope() as session:
+                for role, target in (("candidate", cand_out), ("production", prod_out)):
+                    run = session.get(EvalRun, uuid.UUID(runs[name][role].run_id))
+                    target[name] = store.outcomes(session, run)
+        result = decide_gate(cand_out, prod_out, config)
+        decision_id = uuid.uuid4()
+        run_ids = {s: {r: v.run_id for r, v in d.items()} for s, d in runs.items()}
+        report, path = write_report(str(decision_id), candidate_id, production_id, result, run_ids)
+        failed = [r.message for r in result.failures()]
+        with session_scope() as session:
+            row = get_checkpoint(session, candidate_id)
+            if row.status not in store.GATEABLE:  # promoted or rejected while we evaluated
+                raise ConflictError(f"checkpoint {candidate_id} became {row.status} during the gate")
+            decision = store.add_gate_decision(session, decision_id=decision_id, candidate_id=candidate_id,
+                                               production_id=production_id, passed=result.passed,
+                                               reasons=[r.model_dump(mode="json") for r in result.reasons],
+                                               report=report)
+            decision.report_path = str(path)
+            previous = row.status
+            row.status = "gate_passed" if result.passed else "gate_failed"
+            details = {"decision_id": str(decision_id), "production_id": production_id, "passed": result.passed,
+                       "previous_status": previous, "failures": failed[:20], "report_path": str(path)}
+            record_audit(session, actor="evals:gate", action="gate.decided", target=f"checkpoint:{candidate_id}",
+                         details=details)
+            enqueue_lifecycle(session, "gate.decided", candidate_id, production_id=production_id,
+                              decision_id=str(decision_id), passed=result.passed, failures=failed[:20],
+                              report_path=str(path))
+    return GateOutcome(decision_id=str(decision_id), candidate_id=candidate_id, production_id=production_id,
+                       result=result, report_path=str(path), runs=runs)
+

@@ -1,0 +1,229 @@
+"""Mining CursorBench-style eval tasks from production sessions, and keeping them out of training.
+
+Invariants:
+- A task is mined only from a *finalized* trajectory whose edits persisted (mean
+  ``edit.persistence_measured`` fraction >= threshold) and whose session ran tests; its request is
+  the session's first ``agent.requested`` text and its hidden test is the test the session ran
+  (for simulated sessions on DataFrameBench/HumanEval tasks: the source task's test command and
+  files, looked up by ``task_id``). Product sessions whose repository is not reconstructible are
+  skipped with a reason, never guessed.
+- Tasks are deduplicated by content hash and by source task id (``eval_task`` unique keys).
+- A mined task is held out for good: every trajectory on its ``task_id`` is marked
+  ``reserved_for_eval`` (and the trainer skips task ids in ``eval_task``). A task some checkpoint
+  already trained on is never mined (it would be contaminated from the start);
+  :func:`find_contamination` re-checks every checkpoint's lineage and manifest.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+import re
+import uuid
+from collections import Counter
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from functools import lru_cache
+from typing import TYPE_CHECKING, Any
+
+from sqlalchemy import exists, select, update
+from sqlalchemy.dialects.postgresql import insert
+from sqlalchemy.orm import Session
+
+from app.models import Checkpoint, CheckpointTrajectory, EvalTask, EventLog, Trajectory
+
+if TYPE_CHECKING:
+    from evals.tasks.model import Task
+
+MINED_SUITE = "mined"
+#: Sources whose tasks can be rebuilt from ``task_id`` (splits searched, in order).
+SOURCE_SPLITS = {"dataframebench": ("train", "val", "test"), "humaneval": ("test",)}
+
+
+@dataclass
+class MiningReport:
+    """What one mining pass did: tasks added and why the other trajectories were skipped."""
+
+    examined: int = 0
+    mined: list[str] = field(default_factory=list)
+    skipped: Counter = field(default_factory=Counter)
+    reserved_trajectories: int = 0
+
+
+def content_hash(request: str, files: dict[str, str], test_command: str, test_files: dict[str, str]) -> str:
+    """sha256 over the normalized request (whitespace collapsed, case folded) and the task's files and
+    hidden test: two sessions asking the same thing of the same code are one task."""
+    norm = re.sub(r"\s+", " ", request).strip().casefold()
+    blob = json.dumps({"request": norm, "files": files, "test_command": test_command, "test_files": test_files},
+                      sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()
+
+
+@lru_cache(maxsize=8)
+def _source_index(source: str) -> dict[str, "Task"]:
+    from evals.tasks import load_tasks
+
+    index: dict[str, Task] = {}
+    for split in SOURCE_SPLITS[source]:
+        for task in load_tasks(source, split):
+            index.setdefault(task.id, task)
+    return index
+
+
+def source_task(source: str | None, task_id: str | None) -> "Task | None":
+    """The DataFrameBench/HumanEval task a simulated session worked on, or None (unknown source)."""
+    if source not in SOURCE_SPLITS or not task_id:
+        return None
+    return _source_index(source).get(task_id)
+
+
+def _session_facts(session: Session, session_id: str) -> dict[str, Any]:
+    rows = session.execute(
+        select(EventLog.type, EventLog.payload).where(EventLog.session_id == session_id,
+                                                      EventLog.type.in_(("agent.requested", "tool.executed",
+                                                                         "edit.persistence_measured")))
+        .order_by(EventLog.seq)).all()
+    request = next((p.get("text") for t, p in rows if t == "agent.requested"), None)
+    fractions = [float(p["fraction_persisted"]) for t, p in rows if t == "edit.persistence_measured"]
+    tests = [p.get("command") or "" for t, p in rows if t == "tool.executed" and p.get("ran_tests")]
+    return {"request": request, "persistence": fractions, "test_commands": tests}
+
+
+def _trained_task_ids(session: Session) -> set[str]:
+    return set(session.scalars(select(CheckpointTrajectory.task_id).where(CheckpointTrajectory.task_id.is_not(None))))
+
+
+def mine_tasks(session: Session, *, min_persistence: float = 0.8, limit: int | None = None) -> MiningReport:
+    """Turn qualifying finalized trajectories into held-out ``eval_task`` rows; flush.
+
+    Args:
+        min_persistence: mean fraction of accepted edits still present at measurement, in [0, 1].
+        limit: most trajectories to examine in this pass (oldest finalized first).
+
+    Returns:
+        A :class:`MiningReport` (skip reasons: ``no_request``, ``no_persistence``,
+        ``edits_not_persisted``, ``no_tests``, ``no_source_task``, ``already_trained``,
+        ``duplicate``).
+    """
+    report = MiningReport()
+    trained_tasks = _trained_task_ids(session)
+    stmt = (select(Trajectory).where(Trajectory.status == "finalized", Trajectory.reserved_for_eval.is_(False))
+            .order_by(Trajectory.finalized_at, Trajectory.id))
+    if limit:
+        stmt = stmt.limit(limit)
+    mined_task_ids: set[str] = set()
+    for traj in session.scalars(stmt).all():
+        report.examined += 1
+        facts = _session_facts(session, traj.session_id)
+        request = facts["request"] or traj.request_text
+        skip = None
+        if not request:
+            skip = "no_request"
+        elif not facts["persistence"]:
+            skip = "no_persistence"
+        elif sum(facts["persistence"]) / len(facts["persistence"]) < min_persistence:
+            skip = "edits_not_persisted"
+        elif not (traj.ran_tests or facts["test_commands"]):
+            skip = "no_tests"
+        if skip is None and (src := source_task(traj.task_source, traj.task_id)) is None:
+            skip = "no_source_task"
+        if skip is None and (traj.task_id in trained_tasks or session.scalar(
+                select(exists().where(CheckpointTrajectory.trajectory_id == traj.id)))):
+            skip = "already_trained"
+        if skip is not None:
+            report.skipped[skip] += 1
+            continue
+        chash = content_hash(request, src.files, src.test_command, src.test_files)
+        spec = src.model_copy(update={"id": traj.task_id, "source": MINED_SUITE, "split": "test",
+                                      "request": request, "reference_files": dict(src.reference_files),
+                                      "metadata": {**src.metadata, "source_task_id": src.id,
+                                                   "source": traj.task_source, "session_id": traj.session_id,
+                                                   "trajectory_id": str(traj.id),
+                                                   "persistence": facts["persistence"],
+                                                   "tests_ran": facts["test_commands"] or traj.test_commands}})
+        inserted = session.execute(
+            insert(EvalTask).values(task_id=traj.task_id, suite=MINED_SUITE, source_session_id=traj.session_id,
+                                    source_trajectory_id=traj.id, content_hash=chash,
+                                    spec=spec.model_dump(mode="json"))
+            .on_conflict_do_nothing()).rowcount
+        if inserted:
+            report.mined.append(traj.task_id)
+            mined_task_ids.add(traj.task_id)
+        else:
+            report.skipped["duplicate"] += 1
+        # Either way the session itself is eval material now: never train on it.
+        traj.reserved_for_eval = True
+    if mined_task_ids:
+        report.reserved_trajectories = session.execute(
+            update(Trajectory).where(Trajectory.task_id.in_(mined_task_ids), Trajectory.reserved_for_eval.is_(False))
+            .values(reserved_for_eval=True)).rowcount
+    session.flush()
+    return report
+
+
+def load_mined_tasks(session: Session, *, limit: int | None = None, seed: int = 0) -> list["Task"]:
+    """The mined suite's tasks (a seeded subset of ``limit`` when given), ordered by id."""
+    from evals.tasks.model import Task
+
+    rows = session.scalars(select(EvalTask).where(EvalTask.suite == MINED_SUITE).order_by(EvalTask.task_id)).all()
+    tasks = [Task.model_validate(r.spec) for r in rows]
+    if limit is not None and limit < len(tasks):
+        tasks = sorted(random.Random(seed).sample(tasks, limit), key=lambda t: t.id)
+    return tasks
+
+
+@dataclass(frozen=True)
+class Contamination:
+    """An eval task found in what a checkpoint trained on."""
+
+    checkpoint_id: str
+    task_id: str
+    via: str  # checkpoint_trajectory.task_id | checkpoint_trajectory.trajectory_id | manifest
+
+
+def _manifest_ids(obj: Any, tasks: set[str], trajs: set[str]) -> None:
+    """Collect every task id and trajectory id a manifest names, whatever its nesting."""
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            if k in ("task_id", "task_ids"):
+                tasks.update([v] if isinstance(v, str) else [x for x in v or () if isinstance(x, str)])
+            elif k in ("trajectory_id", "trajectory_ids"):
+                trajs.update([str(v)] if isinstance(v, str) else [str(x) for x in v or ()])
+            elif k == "trajectories" and isinstance(v, list):
+                trajs.update(str(x) for x in v if isinstance(x, str))
+            _manifest_ids(v, tasks, trajs)
+    elif isinstance(obj, list):
+        for v in obj:
+            _manifest_ids(v, tasks, trajs)
+
+
+def find_contamination(session: Session, extra_task_ids: Iterable[str] = ()) -> list[Contamination]:
+    """Every (checkpoint, eval task) pair where the checkpoint trained on the task.
+
+    Checks ``eval_task`` (plus ``extra_task_ids``, e.g. the static suites' task ids) against each
+    checkpoint's ``checkpoint_trajectory`` rows (task id and source trajectory id) and against the ids
+    its stored manifest names.
+    """
+    held = {r.task_id: r.source_trajectory_id for r in session.scalars(select(EvalTask))}
+    eval_ids = set(held) | set(extra_task_ids)
+    by_traj = {str(t): task for task, t in held.items() if t is not None}
+    found: set[Contamination] = set()
+    if eval_ids:
+        for ckpt, task in session.execute(select(CheckpointTrajectory.checkpoint_id, CheckpointTrajectory.task_id)
+                                          .where(CheckpointTrajectory.task_id.in_(eval_ids))):
+            found.add(Contamination(ckpt, task, "checkpoint_trajectory.task_id"))
+    if by_traj:
+        ids = [uuid.UUID(t) for t in by_traj]
+        for ckpt, traj in session.execute(select(CheckpointTrajectory.checkpoint_id, CheckpointTrajectory.trajectory_id)
+                                          .where(CheckpointTrajectory.trajectory_id.in_(ids))):
+            found.add(Contamination(ckpt, by_traj[str(traj)], "checkpoint_trajectory.trajectory_id"))
+    for ckpt_id, manifest in session.execute(select(Checkpoint.id, Checkpoint.manifest)):
+        tasks: set[str] = set()
+        trajs: set[str] = set()
+        _manifest_ids(manifest or {}, tasks, trajs)
+        for task in tasks & eval_ids:
+            found.add(Contamination(ckpt_id, task, "manifest"))
+        for traj in trajs & set(by_traj):
+            found.add(Contamination(ckpt_id, by_traj[traj], "manifest"))
+    return sorted(found, key=lambda c: (c.checkpoint_id, c.task_id, c.via))

@@ -1,0 +1,286 @@
+"""The eval runner: a suite through the production agent harness and sandbox, resumably.
+
+Invariants:
+- The plan (which tasks, how many samples, which budgets) is fixed before the first session and
+  its fingerprint is the run's ``suite_version``; a restarted run with the same checkpoint, suite
+  and fingerprint reuses the unfinished ``eval_run`` and runs only the (task, sample) pairs that
+  have no stored result. Every result is committed as soon as its task is graded.
+- Sessions run through :func:`evals.harness.agent.run_agent_session` (the simulator's harness, with
+  ``emit=None``: eval sessions never reach the event stream or training) and are graded by the hidden
+  tests in the sandbox (:func:`evals.harness.agent.grade`). An exception escaping a session is
+  infrastructure, not a model failure: it is *not* stored, the run ends ``failed`` and a rerun
+  retries exactly those samples (the gate fails closed on the missing results meanwhile).
+- One process at a time per (checkpoint, suite, fingerprint) (a Postgres advisory lock).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import shutil
+import tempfile
+import time
+import uuid
+from collections.abc import Callable
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from app.core.db import session_scope
+from app.core.errors import ConfigurationError
+from app.core.settings import flywheel_home
+from evals import store
+from evals.config import SuiteConfig, load_suite
+from evals.gate import monitor_values, wilson_interval
+
+if TYPE_CHECKING:
+    from evals.tasks.model import Task
+    from ops.serving.engine import InferenceEngine
+
+ResultCallback = Callable[[str, int, dict[str, Any]], None]
+
+
+@dataclass
+class RunPlan:
+    """What a run will execute: tasks, (task, sample) keys, and the effective suite version."""
+
+    suite: SuiteConfig
+    tasks: list["Task"]
+    planned: list[tuple[str, int]]
+    suite_version: str
+
+    def config_json(self) -> dict[str, Any]:
+        """The resolved plan as stored in ``eval_run.config``."""
+        return {"suite": self.suite.model_dump(mode="json"), "planned": [list(k) for k in self.planned],
+                "task_hashes": {t.id: task_hash(t) for t in self.tasks}}
+
+
+@dataclass
+class RunSummary:
+    """The state of a run after :func:`run_suite` returns."""
+
+    run_id: str
+    checkpoint_id: str
+    suite: str
+    suite_version: str
+    status: str
+    planned: int
+    done: int
+    passed: int
+    pass_rate: float
+    low: float
+    high: float
+    ran: int = 0
+    reused: int = 0
+    cached: bool = False
+    errors: list[str] = field(default_factory=list)
+    monitors: dict[str, float] = field(default_factory=dict)
+    elapsed_s: float = 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def task_hash(task: "Task") -> str:
+    """12 hex of sha256 over the task's full content (request, files, hidden tests)."""
+    return hashlib.sha256(task.model_dump_json().encode()).hexdigest()[:12]
+
+
+def load_suite_tasks(suite: SuiteConfig) -> list["Task"]:
+    """The suite's tasks: a source adapter's split, or the mined ``eval_task`` rows."""
+    if suite.source == "mined":
+        from evals.mined import load_mined_tasks
+
+        with session_scope() as session:
+            return load_mined_tasks(session, limit=suite.limit, seed=suite.seed)
+    from evals.tasks import load_tasks
+
+    return load_tasks(suite.source, suite.split, limit=suite.limit, seed=suite.seed)
+
+
+def plan_run(suite: SuiteConfig, tasks: list["Task"] | None = None) -> RunPlan:
+    """Fix the plan of a suite run (tasks loaded unless given)."""
+    tasks = load_suite_tasks(suite) if tasks is None else tasks
+    ids = [t.id for t in tasks]
+    if len(set(ids)) != len(ids):
+        raise ConfigurationError(f"suite {suite.name}: duplicate task ids")
+    planned = [(t.id, s) for t in tasks for s in range(suite.samples_per_task)]
+    version = suite.fingerprint([f"{t.id}:{task_hash(t)}" for t in tasks])
+    return RunPlan(suite=suite, tasks=tasks, planned=planned, suite_version=version)
+
+
+def sample_seed(suite: SuiteConfig, task_id: str, sample_index: int) -> int:
+    """Sampling seed of one (task, sample): stable across runs and checkpoints, so samples pair."""
+    digest = hashlib.sha256(f"{suite.seed}:{task_id}:{sample_index}".encode()).digest()
+    return int.from_bytes(digest[:4], "big") & 0x7FFFFFFF
+
+
+def _harness_args(suite: SuiteConfig, seed: int):
+    from evals.harness.agent import AgentBudget
+    from evals.harness.sandbox import SandboxLimits
+    from ops.serving.engine import SamplingParams
+
+    b = suite.budget
+    budget = AgentBudget(max_turns=b.max_turns, max_completion_tokens=b.max_completion_tokens,
+                         context_tokens=b.context_tokens, max_tokens_per_turn=b.max_tokens_per_turn)
+    sampling = SamplingParams(max_tokens=b.max_tokens_per_turn, temperature=suite.sampling.temperature,
+                              top_p=suite.sampling.top_p, seed=seed)
+    limits = SandboxLimits(timeout_s=suite.grading.timeout_s, memory_mb=suite.grading.memory_mb)
+    return budget, sampling, limits
+
+
+def run_sample(engine: "InferenceEngine", suite: SuiteConfig, task: "Task", sample_index: int, work_root: Path,
+               run_id: str) -> dict[str, Any]:
+    """One agent session on a fresh copy of the task, graded by its hidden tests in the sandbox.
+
+    Returns:
+        The ``eval_result`` fields: passed, attempts (the agent's test runs), turns, completion
+        tokens, latency (seconds), tool calls and errors, asked_question, edited, detail.
+    """
+    from evals.harness.agent import grade, run_agent_session
+
+    budget, sampling, limits = _harness_args(suite, sample_seed(suite, task.id, sample_index))
+    safe = re.sub(r"[^A-Za-z0-9_.-]+", "_", task.id)[:80]
+    workdir = Path(tempfile.mkdtemp(prefix=f"{safe}-{sample_index}-", dir=work_root))
+    try:
+        started = time.perf_counter()
+        result = run_agent_session(engine, task, workdir, budget, sampling, emit=None,
+                                   session_id=f"eval-{run_id[:8]}-{safe}-{sample_index}", user_id="eval")
+        passed = bool(grade(task, workdir, limits))
+        return {
+            "passed": passed, "attempts": result.test_runs, "turns": result.turns,
+            "completion_tokens": result.completion_tokens, "latency_s": float(result.latency_s),
+            "tool_calls": result.tool_calls, "tool_call_errors": result.tool_call_errors,
+            "asked_question": bool(result.asked_question), "edited": bool(result.edited),
+            "detail": {"segments": result.segments, "agent_tests_passed": result.passed,
+                       "wall_s": time.perf_counter() - started},
+        }
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _summarize(run, plan: RunPlan, errors: list[str]) -> dict[str, Any]:
+    with session_scope() as session:
+        outs = store.outcomes(session, session.merge(run)).outcomes
+    k, n = sum(o.passed for o in outs), len(outs)
+    low, high = wilson_interval(k, n)
+    return {"planned": len(plan.planned), "done": n, "passed": k, "pass_rate": k / n if n else 0.0,
+            "low": low, "high": high, "errors": errors[:20], "monitors": monitor_values(outs)}
+
+
+def run_suite(checkpoint_id: str, suite: SuiteConfig | str, *, limit: int | None = None, workers: int = 1,
+              engine: "InferenceEngine | None" = None, tasks: list["Task"] | None = None, force: bool = False,
+              on_result: ResultCallback | None = None, on_plan: Callable[[RunPlan, int], None] | None = None
+              ) -> RunSummary:
+    """Run (or resume, or reuse) ``suite`` against ``checkpoint_id``.
+
+    Args:
+        checkpoint_id: a registered checkpoint (the engine serves its weights).
+        suite: a :class:`SuiteConfig` or a suite name.
+        limit: override the suite's task limit (changes the fingerprint).
+        workers: concurrent sessions (sandboxes); the engine serializes or batches generation.
+        engine: an engine already serving the checkpoint (tests pass a scripted one); default
+            :func:`ops.serving.engine.setup_engine` for the checkpoint, built only if work remains.
+        tasks: explicit tasks instead of the suite's source (tests).
+        force: start a new run even if a succeeded run of the same plan exists.
+        on_result: called in the main thread after each stored result ``(task_id, sample, fields)``.
+        on_plan: called once with the plan and the number of samples still to run.
+
+    Returns:
+        A :class:`RunSummary`; ``cached`` when an existing succeeded run was reused.
+
+    Raises:
+        NotFoundError: unknown checkpoint. ConflictError: the same run is active elsewhere.
+    """
+    from app.repositories.checkpoints import get_checkpoint
+
+    t0 = time.perf_counter()
+    suite = load_suite(suite) if isinstance(suite, str) else suite
+    plan = plan_run(suite.with_limit(limit), tasks)
+    with session_scope() as session:
+        get_checkpoint(session, checkpoint_id)
+    with store.advisory_lock("eval", checkpoint_id, plan.suite.name, plan.suite_version):
+        with session_scope() as session:
+            done_run = None if force else store.find_run(session, checkpoint_id, plan.suite.name,
+                                                         plan.suite_version, status="succeeded")
+            if done_run is not None:
+                s = done_run.summary
+                return RunSummary(run_id=str(done_run.id), checkpoint_id=checkpoint_id, suite=plan.suite.name,
+                                  suite_version=plan.suite_version, status="succeeded", planned=s.get("planned", 0),
+                                  done=s.get("done", 0), passed=s.get("passed", 0), pass_rate=s.get("pass_rate", 0.0),
+                                  low=s.get("low", 0.0), high=s.get("high", 1.0), cached=True,
+                                  monitors=s.get("monitors", {}), elapsed_s=time.perf_counter() - t0)
+            run = (store.find_run(session, checkpoint_id, plan.suite.name, plan.suite_version, status="running")
+                   or store.find_run(session, checkpoint_id, plan.suite.name, plan.suite_version, status="failed"))
+            if run is None:
+                run = store.create_run(session, checkpoint_id, plan.suite.name, plan.suite_version, plan.config_json())
+            run.status = "running"
+            done = store.done_keys(session, run.id)
+        todo = [(t, s) for t in plan.tasks for s in range(plan.suite.samples_per_task) if (t.id, s) not in done]
+        if on_plan is not None:
+            on_plan(plan, len(todo))
+        errors = _execute(run, plan, todo, checkpoint_id, workers, engine, on_result)
+        summary = _summarize(run, plan, errors)
+        complete = summary["done"] == len(plan.planned)
+        with session_scope() as session:
+            store.finish_run(session, session.merge(run), "succeeded" if complete else "failed", summary)
+    return RunSummary(run_id=str(run.id), checkpoint_id=checkpoint_id, suite=plan.suite.name,
+                      suite_version=plan.suite_version, status="succeeded" if complete else "failed",
+                      planned=summary["planned"], done=summary["done"], passed=summary["passed"],
+                      pass_rate=summary["pass_rate"], low=summary["low"], high=summary["high"], ran=len(todo),
+                      reused=len(done), errors=errors, monitors=summary["monitors"],
+                      elapsed_s=time.perf_counter() - t0)
+
+
+def _execute(run, plan: RunPlan, todo: list[tuple["Task", int]], checkpoint_id: str, workers: int,
+             engine: "InferenceEngine | None", on_result: ResultCallback | None) -> list[str]:
+    """Run the remaining samples on a thread pool, committing each result as it completes."""
+    if not todo:
+        return []
+    own_engine = engine is None
+    if own_engine:
+        from ops.serving.engine import setup_engine
+
+        engine = setup_engine(checkpoint_id=checkpoint_id)
+    work_root = flywheel_home() / "evals" / "work" / str(run.id)
+    work_root.mkdir(parents=True, exist_ok=True)
+    errors: list[str] = []
+    try:
+        with ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="eval") as pool:
+            pending: dict[Future, tuple[str, int]] = {}
+            queue = list(todo)
+            # Submit lazily (at most 2 x workers in flight) so an interrupted run leaves little
+            # half-done work and results land in plan order.
+            while queue or pending:
+                while queue and len(pending) < 2 * max(1, workers):
+                    task, s = queue.pop(0)
+                    pending[pool.submit(run_sample, engine, plan.suite, task, s, work_root, str(run.id))] = (task.id, s)
+                finished, _ = wait(pending, return_when=FIRST_COMPLETED)
+                for fut in finished:
+                    task_id, s = pending.pop(fut)
+                    exc = fut.exception()
+                    if exc is not None:
+                        errors.append(f"{task_id}#{s}: {type(exc).__name__}: {exc}")
+                        continue
+                    fields = fut.result()
+                    with session_scope() as session:
+                        store.add_result(session, run.id, task_id, s, **fields)
+                    if on_result is not None:
+                        on_result(task_id, s, fields)
+    finally:
+        if own_engine and engine is not None:
+            engine.close()
+        shutil.rmtree(work_root, ignore_errors=True)
+    return errors
+
+
+def new_run_id() -> str:
+    """A fresh run id (exposed for callers that pre-allocate)."""
+    return str(uuid.uuid4())
+
+
+def default_workers() -> int:
+    """Default sandbox concurrency: the CPU count, at most 4."""
+    return max(1, min(4, os.cpu_count() or 1))

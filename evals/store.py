@@ -1,0 +1,150 @@
+"""DB access for eval runs, per-task results and gate decisions (flush, never commit).
+
+Invariants: at most one ``running`` eval_run per (checkpoint, suite, suite version) is resumed
+(:func:`find_run`); a result is written once per (run, task, sample) (``ON CONFLICT DO NOTHING``), so
+a resumed or duplicated worker cannot double-count; a gate decision, the checkpoint's new status and
+its ``gate.decided`` outbox row are written by the caller in one transaction.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import datetime, timezone
+from typing import Any
+
+from sqlalchemy import func, select, text
+from sqlalchemy.dialects.postgresql import insert
+from sqlalchemy.orm import Session
+
+from app.core.errors import ConflictError
+from app.models import Checkpoint, EvalResult, EvalRun, GateDecision
+from evals.gate import Outcome, SuiteOutcomes
+
+RESULT_FIELDS = ("passed", "attempts", "turns", "completion_tokens", "latency_s", "tool_calls", "tool_call_errors",
+                 "asked_question", "edited", "error", "detail")
+#: Statuses a checkpoint may be gated from (a production/retired/rejected checkpoint is not re-gated).
+GATEABLE = ("candidate", "gate_passed", "gate_failed")
+
+
+def find_run(session: Session, checkpoint_id: str, suite: str, suite_version: str, *,
+             status: str) -> EvalRun | None:
+    """The newest run of this checkpoint on this exact suite version with ``status``."""
+    return session.scalars(
+        select(EvalRun).where(EvalRun.checkpoint_id == checkpoint_id, EvalRun.suite == suite,
+                              EvalRun.suite_version == suite_version, EvalRun.status == status)
+        .order_by(EvalRun.started_at.desc()).limit(1)
+    ).first()
+
+
+def create_run(session: Session, checkpoint_id: str, suite: str, suite_version: str,
+               config: dict[str, Any]) -> EvalRun:
+    """Insert a ``running`` eval_run; flush."""
+    run = EvalRun(id=uuid.uuid4(), checkpoint_id=checkpoint_id, suite=suite, suite_version=suite_version,
+                  status="running", config=config, summary={})
+    session.add(run)
+    session.flush()
+    return run
+
+
+def done_keys(session: Session, run_id: uuid.UUID) -> set[tuple[str, int]]:
+    """(task_id, sample_index) of every result already stored for the run."""
+    rows = session.execute(select(EvalResult.task_id, EvalResult.sample_index).where(EvalResult.run_id == run_id))
+    return {(t, i) for t, i in rows}
+
+
+def add_result(session: Session, run_id: uuid.UUID, task_id: str, sample_index: int, **fields: Any) -> bool:
+    """Store one sample's outcome unless already present. Returns whether a row was inserted."""
+    values = {k: v for k, v in fields.items() if k in RESULT_FIELDS}
+    values.setdefault("detail", {})
+    stmt = (insert(EvalResult).values(run_id=run_id, task_id=task_id, sample_index=sample_index, **values)
+            .on_conflict_do_nothing(index_elements=["run_id", "task_id", "sample_index"]))
+    return session.execute(stmt).rowcount == 1
+
+
+def results(session: Session, run_id: uuid.UUID) -> list[EvalResult]:
+    """Every result of a run, ordered by task and sample."""
+    return list(session.scalars(select(EvalResult).where(EvalResult.run_id == run_id)
+                                .order_by(EvalResult.task_id, EvalResult.sample_index)))
+
+
+def finish_run(session: Session, run: EvalRun, status: str, summary: dict[str, Any]) -> None:
+    """Close a run (``succeeded`` or ``failed``) with its summary; flush."""
+    run.status = status
+    run.summary = summary
+    run.finished_at = datetime.now(timezone.utc)
+    session.flush()
+
+
+def outcomes(session: Session, run: EvalRun) -> SuiteOutcomes:
+    """A run's results as the gate's input; ``planned`` comes from the run's stored plan."""
+    planned = [(t, int(i)) for t, i in run.config.get("planned", [])]
+    outs = [Outcome(task_id=r.task_id, sample_index=r.sample_index, passed=r.passed,
+                    completion_tokens=r.completion_tokens, latency_s=r.latency_s, tool_calls=r.tool_calls,
+                    tool_call_errors=r.tool_call_errors, asked_question=r.asked_question, edited=r.edited,
+                    error=r.error) for r in results(session, run.id)]
+    return SuiteOutcomes(suite=run.suite, suite_version=run.suite_version, outcomes=outs, planned=planned,
+                         run_id=str(run.id), checkpoint_id=run.checkpoint_id)
+
+
+def _lock_key(*parts: str) -> int:
+    digest = hashlib.sha256("\x1f".join(parts).encode()).digest()
+    return int.from_bytes(digest[:8], "big", signed=True)
+
+
+@contextmanager
+def advisory_lock(*parts: str) -> Iterator[None]:
+    """Hold a Postgres session-level advisory lock named by ``parts`` for the block.
+
+    The lock lives on its own autocommit connection (no transaction stays open while an eval runs for
+    minutes), so two processes (a CLI and a Celery worker) never run the same eval or gate at once;
+    the lock dies with the process if it is killed.
+
+    Raises:
+        ConflictError: another process holds it.
+    """
+    from app.core.db import get_engine
+
+    key = _lock_key(*parts)
+    with get_engine().connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+        if not conn.execute(text("SELECT pg_try_advisory_lock(:k)"), {"k": key}).scalar():
+            raise ConflictError(f"{'/'.join(parts)} is already running in another process")
+        try:
+            yield
+        finally:
+            conn.execute(text("SELECT pg_advisory_unlock(:k)"), {"k": key})
+
+
+def candidates_without_decision(session: Session, limit: int = 10) -> list[str]:
+    """STABLE ``candidate`` checkpoints that no gate decision mentions yet, oldest first."""
+    decided = select(GateDecision.candidate_id)
+    stmt = (select(Checkpoint.id).where(Checkpoint.status == "candidate", Checkpoint.stable.is_(True),
+                                        Checkpoint.id.not_in(decided))
+            .order_by(Checkpoint.created_at).limit(limit))
+    return list(session.scalars(stmt))
+
+
+def add_gate_decision(session: Session, *, candidate_id: str, production_id: str, passed: bool,
+                      reasons: list[dict[str, Any]], report: dict[str, Any],
+                      decision_id: uuid.UUID | None = None) -> GateDecision:
+    """Insert a gate decision; flush."""
+    row = GateDecision(id=decision_id or uuid.uuid4(), candidate_id=candidate_id, production_id=production_id,
+                       passed=passed, reasons=reasons, report=report)
+    session.add(row)
+    session.flush()
+    return row
+
+
+def latest_decision(session: Session, candidate_id: str) -> GateDecision | None:
+    """The newest gate decision on a candidate."""
+    return session.scalars(select(GateDecision).where(GateDecision.candidate_id == candidate_id)
+                           .order_by(GateDecision.created_at.desc()).limit(1)).first()
+
+
+def run_counts(session: Session, run_id: uuid.UUID) -> tuple[int, int]:
+    """(results stored, results passed) of a run."""
+    n, k = session.execute(select(func.count(), func.count().filter(EvalResult.passed))
+                           .where(EvalResult.run_id == run_id)).one()
+    return int(n), int(k)
