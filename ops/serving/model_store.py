@@ -168,8 +168,12 @@ def register_model(path: Path, checkpoint_id: str, status: str = "candidate", *,
 
 
 def _register_row(checkpoint_id: str, final: Path, status: str, store: CheckpointStore, actor: str) -> None:
+    from datetime import datetime, timezone
+
     from app.core.db import session_scope
-    from app.models import AuditLog, Checkpoint, Promotion
+    from app.models import Checkpoint, Promotion
+    from app.promotion.audit import record_audit
+    from app.promotion.outbox import enqueue_lifecycle
     from app.repositories.checkpoints import add_checkpoint, get_production
 
     with session_scope() as session:
@@ -177,23 +181,25 @@ def _register_row(checkpoint_id: str, final: Path, status: str, store: Checkpoin
             return
         want_production = status == "production"
         if want_production and get_production(session, for_update=True) is not None:
-            status = "candidate"
-            want_production = False
-        add_checkpoint(session, checkpoint_id=checkpoint_id, path=str(final), status=status,
-                       manifest=store.manifest(checkpoint_id), stable=True)
-        session.add(AuditLog(actor=actor, action="checkpoint.registered", target=checkpoint_id,
-                             details={"path": str(final), "status": status}))
+            status, want_production = "candidate", False
+        row = add_checkpoint(session, checkpoint_id=checkpoint_id, path=str(final), status=status,
+                             manifest=store.manifest(checkpoint_id), stable=True)
+        record_audit(session, actor=actor, action="checkpoint.registered", target=f"checkpoint:{checkpoint_id}",
+                     details={"path": str(final), "status": status})
+        enqueue_lifecycle(session, "checkpoint.created", checkpoint_id, parent_id=None, path=str(final),
+                          status=status)
         if want_production:
-            from datetime import datetime, timezone
-
-            row = session.get(Checkpoint, checkpoint_id)
             row.promoted_at = datetime.now(timezone.utc)
-            session.add(Promotion(id=uuid.uuid4(), kind="initial", checkpoint_id=checkpoint_id,
-                                  previous_production_id=None, actor=actor,
-                                  reason="first production checkpoint"))
-            session.add(AuditLog(actor=actor, action="checkpoint.promoted", target=checkpoint_id,
-                                 details={"kind": "initial", "previous_production_id": None}))
-        session.flush()
+            promo = Promotion(id=uuid.uuid4(), kind="initial", checkpoint_id=checkpoint_id,
+                              previous_production_id=None, actor=actor, reason="first production checkpoint")
+            session.add(promo)
+            session.flush()
+            details = {"reason": promo.reason, "promotion_id": str(promo.id), "previous_production_id": None,
+                       "gate_decision_id": None, "kind": "initial"}
+            record_audit(session, actor=actor, action="checkpoint.promoted", target=f"checkpoint:{checkpoint_id}",
+                         details=details)
+            enqueue_lifecycle(session, "checkpoint.promoted", checkpoint_id, actor=actor, **details,
+                              path=str(final), parent_id=None, lineage=[{"id": checkpoint_id, "path": str(final)}])
 
 
 def init_base(store: CheckpointStore | None = None) -> Path:

@@ -66,11 +66,14 @@ class _RouterRecorder:
         self.last, self._batch = [], batch
 
     def _hook(self, module, args, output) -> None:
+        if not self._batch:  # a forward pass outside generate (e.g. a teacher-forced check)
+            return
         idx = output[-1] if isinstance(output, tuple) else output.topk(module.top_k, dim=-1).indices
         self.last.append(idx.reshape(self._batch, -1, idx.shape[-1])[:, -1, :].to(torch.int32))
 
     def step_experts(self) -> torch.Tensor:
-        """``[B, layers, top_k]`` expert ids of the last forward call."""
+        """``[B, layers, top_k]`` expert ids of the last forward call; stops recording."""
+        self._batch = 0
         return torch.stack(self.last, dim=1)
 
 
@@ -223,6 +226,7 @@ class TorchEngine(InferenceEngine):
                     finish[row] = "stop" if is_stop[row] else "length"
                     latency[row] = now
             if bool(done.all()):
+                routers.start_step(0)
                 break
             mask = torch.cat([mask, torch.ones((bsz, 1), dtype=torch.long)], dim=1)
             routers.start_step(bsz)
