@@ -73,8 +73,15 @@ class TrainingCycle(Base):
     parent_checkpoint_id: Mapped[str | None] = mapped_column(String(128))
     checkpoint_id: Mapped[str | None] = mapped_column(String(128))
     watermark_seq: Mapped[int | None] = mapped_column(BigInteger, comment="max event_log.seq of trajectories used")
-    watermark_finalized_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    watermark_finalized_at: Mapped[datetime | None] = mapped_column(
+        DateTime(timezone=True), comment="trajectories finalized after (finalized_at, id) > watermark are new")
+    watermark_trajectory_id: Mapped[uuid.UUID | None] = mapped_column(
+        UUID(as_uuid=True), comment="tie-breaker of the watermark among equal finalized_at")
     num_trajectories: Mapped[int] = mapped_column(Integer, nullable=False, default=0)
     detail: Mapped[str] = mapped_column(Text, nullable=False, default="")
+    metrics: Mapped[dict[str, Any]] = mapped_column(JSONB, nullable=False, default=dict,
+                                                    comment="summary metrics, exclusion counts")
     started_at: Mapped[datetime] = created_at_column()
     finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+
+    __table_args__ = (Index("ix_training_cycle_status_finished", "status", "finished_at"),)

@@ -44,13 +44,16 @@ def upgrade() -> None:
     sa.Column('parent_checkpoint_id', sa.String(length=128), nullable=True),
     sa.Column('checkpoint_id', sa.String(length=128), nullable=True),
     sa.Column('watermark_seq', sa.BigInteger(), nullable=True, comment='max event_log.seq of trajectories used'),
-    sa.Column('watermark_finalized_at', sa.DateTime(timezone=True), nullable=True),
+    sa.Column('watermark_finalized_at', sa.DateTime(timezone=True), nullable=True, comment='trajectories finalized after (finalized_at, id) > watermark are new'),
+    sa.Column('watermark_trajectory_id', sa.UUID(), nullable=True, comment='tie-breaker of the watermark among equal finalized_at'),
     sa.Column('num_trajectories', sa.Integer(), nullable=False),
     sa.Column('detail', sa.Text(), nullable=False),
+    sa.Column('metrics', postgresql.JSONB(astext_type=sa.Text()), nullable=False, comment='summary metrics, exclusion counts'),
     sa.Column('started_at', sa.DateTime(timezone=True), server_default=sa.text('now()'), nullable=False),
     sa.Column('finished_at', sa.DateTime(timezone=True), nullable=True),
     sa.PrimaryKeyConstraint('id', name=op.f('pk_training_cycle'))
     )
+    op.create_index('ix_training_cycle_status_finished', 'training_cycle', ['status', 'finished_at'], unique=False)
     op.create_table('checkpoint_trajectory',
     sa.Column('checkpoint_id', sa.String(length=128), nullable=False),
     sa.Column('trajectory_id', sa.UUID(), nullable=False),
@@ -69,6 +72,7 @@ def downgrade() -> None:
     op.drop_index('ix_checkpoint_trajectory_user_id', table_name='checkpoint_trajectory')
     op.drop_index('ix_checkpoint_trajectory_trajectory_id', table_name='checkpoint_trajectory')
     op.drop_table('checkpoint_trajectory')
+    op.drop_index('ix_training_cycle_status_finished', table_name='training_cycle')
     op.drop_table('training_cycle')
     op.drop_index('uq_checkpoint_one_production', table_name='checkpoint', postgresql_where=sa.text("status = 'production'"))
     op.drop_index('ix_checkpoint_status_created', table_name='checkpoint')

@@ -1,0 +1,158 @@
+"""Typed configuration of a training cycle (after prime-rl's ``configs/trainer.py``).
+
+Invariant: a config is either fully valid or refused at load time. Every model forbids unknown
+keys (a typo in the TOML is an error, not a silently ignored knob), every number has bounds, and the
+resolved config (defaults filled in) is written as ``trainer_config.json`` next to each checkpoint.
+
+Hand-written TOML in: ``trainer/configs/default.toml`` (small CPU defaults) or ``--config FILE``.
+"""
+
+from __future__ import annotations
+
+import json
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from app.core.errors import ConfigurationError
+
+DEFAULT_CONFIG = Path(__file__).parent / "configs" / "default.toml"
+
+
+class _Config(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+
+
+class DataConfig(_Config):
+    """Which trajectories a cycle trains on and how they are batched."""
+
+    reward_spec: str = Field(default="implicit@1", pattern=r"^[\w.-]+@[\w.-]+$")
+    """Reward spec ``name@version`` whose ``reward_label`` rows are the rewards."""
+    min_new_trajectories: int = Field(default=8, ge=1)
+    """Skip the cycle when fewer usable trajectories arrived since the last one."""
+    max_trajectories: int = Field(default=2048, ge=1)
+    """At most this many trajectories per cycle (oldest first); the rest wait for the next cycle."""
+    max_staleness_generations: int = Field(default=2, ge=0)
+    """Drop a trajectory served by a checkpoint more than this many generations older than the
+    checkpoint being trained (0: only on-policy data)."""
+    max_age_hours: float = Field(default=48.0, gt=0)
+    """Drop a trajectory whose last event is older than this (hours); also bounds the window
+    whose trajectories are enumerated in the manifest."""
+    settle_seconds: float = Field(default=5.0, ge=0)
+    """Trajectories finalized in the last ``settle_seconds`` are left for the next cycle, so a
+    consumer transaction still in flight cannot commit behind the watermark."""
+    max_seq_len: int = Field(default=2048, ge=16)
+    """Segments longer than this (tokens) are truncated; later tokens are not trained on."""
+    micro_batch_tokens: int = Field(default=2048, ge=16)
+    """Padded tokens (rows x longest row) per micro-batch; bounds activation memory."""
+    singleton_baseline: Literal["zero", "batch_mean"] = "batch_mean"
+    """Baseline of a trajectory alone in its task group: 0 advantage, or reward minus batch mean."""
+
+
+class LossConfig(_Config):
+    """The policy loss (see ``trainer/loss.py`` for the equations and papers)."""
+
+    is_cap: float = Field(default=2.0, gt=0)
+    """Truncation ``C`` of the importance weight ``pi_old / mu`` (IMPALA / TIS)."""
+    clip_eps_low: float = Field(default=0.2, ge=0, lt=1)
+    """PPO clip range below 1."""
+    clip_eps_high: float = Field(default=0.2, ge=0)
+    """PPO clip range above 1 (> clip_eps_low: DAPO's clip-higher)."""
+    kl_coef: float = Field(default=0.0, ge=0)
+    """Weight of the KL penalty to the parent checkpoint (0: off; KL is still reported)."""
+    kl_estimator: Literal["k1", "k3"] = "k3"
+    """KL estimator (Schulman 2020)."""
+    normalizer_tokens: int | None = Field(default=None, ge=1)
+    """Constant loss normalizer ``Z`` in tokens (Dr. GRPO); default micro_batch_tokens x grad_accum."""
+    temperature: float = Field(default=0.7, gt=0)
+    """Sampling temperature of the serving engine: the trainer's log-probs are of
+    ``softmax(logits / temperature)``, the distribution the behaviour log-probs came from."""
+
+
+class OptimConfig(_Config):
+    """AdamW (Loshchilov & Hutter 2019) with global-norm gradient clipping."""
+
+    lr: float = Field(default=2e-6, gt=0, le=1e-2)
+    """Peak learning rate."""
+    warmup_steps: int = Field(default=0, ge=0)
+    """Linear warmup steps (then constant)."""
+    betas: tuple[float, float] = (0.9, 0.95)
+    """Adam betas."""
+    eps: float = Field(default=1e-8, gt=0)
+    """Adam epsilon."""
+    weight_decay: float = Field(default=0.0, ge=0)
+    """Decoupled weight decay (0: none; RL fine-tuning steps are few)."""
+    max_grad_norm: float = Field(default=1.0, gt=0)
+    """Clip the global gradient norm to this."""
+
+    @model_validator(mode="after")
+    def _betas_in_range(self) -> "OptimConfig":
+        if not all(0.0 <= b < 1.0 for b in self.betas):
+            raise ValueError(f"betas must lie in [0, 1), got {self.betas}")
+        return self
+
+
+class TrainerConfig(_Config):
+    """One training cycle: data, loss, optimizer and run settings."""
+
+    steps: int = Field(default=4, ge=1)
+    """Optimizer steps per cycle (upper bound; see max_epochs)."""
+    grad_accum: int = Field(default=2, ge=1)
+    """Micro-batches accumulated per optimizer step."""
+    max_epochs: int = Field(default=2, ge=1)
+    """Stop after this many passes over the cycle's micro-batches even if steps remain."""
+    seed: int = 0
+    """Seed of the micro-batch order."""
+    threads: int = Field(default=2, ge=1, le=256)
+    """torch intra-op threads."""
+    logprob_backend: Literal["auto", "torch", "triton"] = "auto"
+    """Log-prob path: Triton kernel on CUDA, chunked torch elsewhere (``auto``)."""
+    logprob_chunk_size: int = Field(default=1024, ge=16)
+    """Tokens per chunk of the torch log-prob path (vocab tile for Triton)."""
+    gradient_checkpointing: bool = False
+    """Recompute decoder activations in backward (less memory, ~30% more compute)."""
+    save_optimizer: bool = False
+    """Also write ``optimizer.pt`` (AdamW state) into the checkpoint."""
+    plot_curves: bool = True
+    """Write ``curves.png`` (per-step metrics) into the checkpoint."""
+    data: DataConfig = DataConfig()
+    loss: LossConfig = LossConfig()
+    optim: OptimConfig = OptimConfig()
+
+    def normalizer(self) -> float:
+        """The constant loss normalizer ``Z`` (tokens)."""
+        return float(self.loss.normalizer_tokens or self.data.micro_batch_tokens * self.grad_accum)
+
+    def to_json(self) -> str:
+        """The resolved config as JSON (what ``trainer_config.json`` holds)."""
+        return json.dumps(self.model_dump(mode="json"), indent=2, sort_keys=True)
+
+
+def load_config(path: Path | None = None, overrides: dict[str, Any] | None = None) -> TrainerConfig:
+    """Read a TOML trainer config (default: the packaged ``default.toml``) and apply overrides.
+
+    Args:
+        path: TOML file; ``None`` for ``trainer/configs/default.toml``.
+        overrides: dotted keys to values, e.g. ``{"steps": 2, "optim.lr": 1e-6}`` (CLI flags).
+
+    Raises:
+        ConfigurationError: unreadable TOML, unknown keys or out-of-bounds values (every reason).
+    """
+    path = Path(path) if path else DEFAULT_CONFIG
+    try:
+        raw = tomllib.loads(path.read_text())
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise ConfigurationError(f"cannot read trainer config {path}: {exc}") from None
+    for dotted, value in (overrides or {}).items():
+        node = raw
+        *parents, leaf = dotted.split(".")
+        for key in parents:
+            node = node.setdefault(key, {})
+        node[leaf] = value
+    try:
+        return TrainerConfig.model_validate(raw)
+    except ValidationError as exc:
+        reasons = [f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors()]
+        raise ConfigurationError(f"invalid trainer config {path}", reasons=reasons) from None
