@@ -1,0 +1,311 @@
+"""The producer's disk spool: a FIFO of Kafka records on local disk, in numbered segment files.
+
+Invariant: records leave the spool in the order they are meant to be delivered. ``append`` adds to
+the tail (the newest segment), ``prepend`` writes a new segment *below* the lowest one (records that
+were older than everything spooled, e.g. a batch the broker refused), ``read`` returns records from
+the head without removing them, and ``commit`` removes them once the broker acknowledged them.
+A record is therefore removed only after delivery: a crash between send and commit re-delivers it
+(consumers deduplicate on ``event_id``), never loses it.
+
+Layout of one spool lane (``<root>/lane-<i>/``): ``<n:020d>.log`` segment files of frames
+``u32 body_len | u32 crc32(body) | body`` and ``<n:020d>.ack`` holding the byte offset up to which a
+segment has been delivered. A torn frame at the end of a segment (crash mid-write) fails its CRC or
+length check and is truncated on open. Each producer process locks one lane with ``flock``; a new
+producer takes the first free lane, so it picks up what a dead producer on that lane left behind.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+import struct
+import threading
+import zlib
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import NamedTuple
+
+from app.core.errors import ConfigurationError
+
+log = logging.getLogger(__name__)
+
+_FRAME = struct.Struct("<II")  # body length (bytes), crc32 of body
+_U16 = struct.Struct("<H")
+_U32 = struct.Struct("<I")
+_FIRST_SEGMENT = 10**12  # room below for prepended segments
+_SUFFIX = ".log"
+
+
+class Record(NamedTuple):
+    """One Kafka record as the producer sends it (value already encoded)."""
+
+    topic: str
+    key: bytes | None
+    headers: list[tuple[str, bytes]]
+    value: bytes
+
+
+class ReadToken(NamedTuple):
+    """Where a ``read`` ended: commit it to remove the records read."""
+
+    segment: int
+    end_offset: int
+    count: int
+
+
+def encode_record(rec: Record) -> bytes:
+    """A record as one length-prefixed, CRC-checked frame."""
+    topic = rec.topic.encode()
+    key = rec.key if rec.key is not None else b""
+    parts = [_U16.pack(len(topic)), topic, _U32.pack(len(key) if rec.key is not None else 0xFFFFFFFF), key,
+             _U16.pack(len(rec.headers))]
+    for hk, hv in rec.headers:
+        hkb = hk.encode()
+        parts += [_U16.pack(len(hkb)), hkb, _U32.pack(len(hv)), hv]
+    parts.append(rec.value)
+    body = b"".join(parts)
+    return _FRAME.pack(len(body), zlib.crc32(body)) + body
+
+
+def _decode_body(body: bytes) -> Record:
+    pos = 0
+
+    def take(n: int) -> bytes:
+        nonlocal pos
+        out = body[pos:pos + n]
+        pos += n
+        return out
+
+    (tlen,) = _U16.unpack(take(2))
+    topic = take(tlen).decode()
+    (klen,) = _U32.unpack(take(4))
+    key = None if klen == 0xFFFFFFFF else take(klen)
+    (nh,) = _U16.unpack(take(2))
+    headers = []
+    for _ in range(nh):
+        (hl,) = _U16.unpack(take(2))
+        hk = take(hl).decode()
+        (vl,) = _U32.unpack(take(4))
+        headers.append((hk, take(vl)))
+    return Record(topic, key, headers, body[pos:])
+
+
+def decode_frames(buf: bytes, max_records: int | None = None) -> tuple[list[Record], int]:
+    """Decode whole, valid frames from ``buf``. Returns the records and the bytes consumed; stops
+    at the first torn or corrupt frame (the caller decides whether that is the end of the file)."""
+    out: list[Record] = []
+    pos, n = 0, len(buf)
+    while pos + _FRAME.size <= n and (max_records is None or len(out) < max_records):
+        length, crc = _FRAME.unpack_from(buf, pos)
+        end = pos + _FRAME.size + length
+        if end > n:
+            break
+        body = buf[pos + _FRAME.size:end]
+        if zlib.crc32(body) != crc:
+            break
+        out.append(_decode_body(body))
+        pos = end
+    return out, pos
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class Spool:
+    """A disk FIFO of :class:`Record` for one producer process (thread-safe).
+
+    Args:
+        root: the spool directory (``$FLYWHEEL_HOME/spool`` by default in the producer).
+        segment_bytes: roll the tail to a new segment file past this size (bytes).
+        max_lanes: how many producer processes may share ``root`` at once.
+
+    Raises:
+        ConfigurationError: every lane under ``root`` is locked by another producer.
+    """
+
+    def __init__(self, root: Path, *, segment_bytes: int = 64 << 20, max_lanes: int = 64) -> None:
+        root.mkdir(parents=True, exist_ok=True)
+        self.segment_bytes = segment_bytes
+        self._lock = threading.Lock()
+        self._lock_fd: int | None = None
+        for i in range(max_lanes):
+            lane = root / f"lane-{i}"
+            lane.mkdir(exist_ok=True)
+            fd = os.open(lane / "LOCK", os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                continue
+            self._lock_fd, self.dir = fd, lane
+            break
+        else:
+            raise ConfigurationError(f"all {max_lanes} spool lanes under {root} are in use")
+        self._segments: list[int] = sorted(int(p.stem) for p in self.dir.glob(f"*{_SUFFIX}"))
+        self._acked: dict[int, int] = {n: self._read_ack(n) for n in self._segments}
+        self._writer = None
+        self._writer_seg: int | None = None
+        self._dirty = False
+        self._pending = sum(self._recover(n) for n in self._segments)
+        if self._pending:
+            log.info("spool %s holds %d undelivered records", self.dir, self._pending)
+
+    # ---- state ------------------------------------------------------------------------------
+
+    @property
+    def pending(self) -> int:
+        """Records spooled and not yet committed as delivered."""
+        return self._pending
+
+    @property
+    def dirty(self) -> bool:
+        """Whether appended records may not be on disk yet (``sync`` clears it)."""
+        return self._dirty
+
+    def _path(self, n: int, suffix: str = _SUFFIX) -> Path:
+        return self.dir / f"{n:020d}{suffix}"
+
+    def _read_ack(self, n: int) -> int:
+        try:
+            return int(self._path(n, ".ack").read_text().strip() or 0)
+        except (OSError, ValueError):
+            return 0
+
+    def _recover(self, n: int) -> int:
+        """Count undelivered records of segment ``n`` and truncate a torn tail."""
+        path = self._path(n)
+        data = path.read_bytes()
+        start = min(self._acked[n], len(data))
+        records, used = decode_frames(data[start:])
+        if start + used < len(data):
+            log.warning("spool segment %s: dropping %d torn bytes at its end", path.name, len(data) - start - used)
+            with open(path, "r+b") as f:
+                f.truncate(start + used)
+                os.fsync(f.fileno())
+        return len(records)
+
+    # ---- writing ----------------------------------------------------------------------------
+
+    def append(self, records: Sequence[Record]) -> None:
+        """Add records at the tail (buffered; call :meth:`sync` to make them durable)."""
+        if not records:
+            return
+        data = b"".join(encode_record(r) for r in records)
+        with self._lock:
+            if self._writer is None or self._writer.tell() >= self.segment_bytes:
+                self._open_tail()
+            self._writer.write(data)
+            self._pending += len(records)
+            self._dirty = True
+
+    def _open_tail(self) -> None:
+        if self._writer is not None:
+            self._writer.flush()
+            os.fsync(self._writer.fileno())
+            self._writer.close()
+        n = self._segments[-1] + 1 if self._segments else _FIRST_SEGMENT
+        self._writer = open(self._path(n), "ab")
+        self._writer_seg = n
+        self._segments.append(n)
+        self._acked[n] = 0
+        _fsync_dir(self.dir)
+
+    def prepend(self, records: Iterable[Record]) -> None:
+        """Put records at the head, ahead of everything spooled; durable when this returns."""
+        data = b"".join(encode_record(r) for r in records)
+        if not data:
+            return
+        count = len(decode_frames(data)[0])
+        with self._lock:
+            n = self._segments[0] - 1 if self._segments else _FIRST_SEGMENT
+            tmp = self._path(n, ".tmp")
+            with open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, self._path(n))
+            _fsync_dir(self.dir)
+            self._segments.insert(0, n)
+            self._acked[n] = 0
+            self._pending += count
+
+    def sync(self) -> None:
+        """Flush and fsync the tail segment: every appended record is durable after this."""
+        with self._lock:
+            if self._writer is not None and self._dirty:
+                self._writer.flush()
+                os.fsync(self._writer.fileno())
+            self._dirty = False
+
+    # ---- reading ----------------------------------------------------------------------------
+
+    def read(self, max_records: int) -> tuple[list[Record], ReadToken | None]:
+        """Up to ``max_records`` from the head (not removed until :meth:`commit`)."""
+        with self._lock:
+            while self._segments:
+                n = self._segments[0]
+                if n == self._writer_seg:
+                    self._writer.flush()
+                    size = self._writer.tell()
+                else:
+                    size = self._path(n).stat().st_size
+                start = self._acked[n]
+                if start >= size:
+                    self._drop_segment(n)
+                    continue
+                with open(self._path(n), "rb") as f:
+                    f.seek(start)
+                    # A bounded window; a frame larger than it is read whole below.
+                    records, used = decode_frames(f.read(max(1 << 20, max_records * 4096)), max_records)
+                    if not records:
+                        f.seek(start)
+                        records, used = decode_frames(f.read(), max_records)
+                if records:
+                    return records, ReadToken(n, start + used, len(records))
+                # Unreachable unless the file was damaged after it was opened: skip the rest.
+                log.error("spool segment %s is corrupt after offset %d; skipping it", n, start)
+                self._drop_segment(n)
+            return [], None
+
+    def commit(self, token: ReadToken) -> None:
+        """Remove the records a :meth:`read` returned (they were delivered)."""
+        with self._lock:
+            n = token.segment
+            if n not in self._acked:
+                return
+            self._acked[n] = token.end_offset
+            self._pending -= token.count
+            size = self._writer.tell() if n == self._writer_seg else self._path(n).stat().st_size
+            if token.end_offset >= size:
+                self._drop_segment(n)
+            else:
+                tmp = self._path(n, ".ack.tmp")
+                tmp.write_text(str(token.end_offset))
+                os.replace(tmp, self._path(n, ".ack"))
+
+    def _drop_segment(self, n: int) -> None:
+        if n == self._writer_seg:
+            self._writer.close()
+            self._writer, self._writer_seg, self._dirty = None, None, False
+        self._path(n).unlink(missing_ok=True)
+        self._path(n, ".ack").unlink(missing_ok=True)
+        self._segments.remove(n)
+        self._acked.pop(n, None)
+
+    def close(self) -> None:
+        """Sync, close files and release the lane lock."""
+        self.sync()
+        with self._lock:
+            if self._writer is not None:
+                self._writer.close()
+                self._writer, self._writer_seg = None, None
+            if self._lock_fd is not None:
+                fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
+                os.close(self._lock_fd)
+                self._lock_fd = None
