@@ -122,7 +122,7 @@ def candidates_without_decision(session: Session, limit: int = 10) -> list[str]:
     decided = select(GateDecision.candidate_id)
     stmt = (select(Checkpoint.id).where(Checkpoint.status == "candidate", Checkpoint.stable.is_(True),
                                         Checkpoint.id.not_in(decided))
-            .order_by(Checkpoint.created_at).limit(limit))
+            .order_by(Checkpoint.created_at, Checkpoint.id).limit(limit))
     return list(session.scalars(stmt))
 
 
