@@ -1,0 +1,114 @@
+"""The auth matrix of the promotion API, on real Postgres: no token -> 401, wrong role -> 403,
+right role -> the endpoint's own answer; plus the token CLI (printed once, stored hashed, revocable)."""
+
+from __future__ import annotations
+
+import hashlib
+
+import pytest
+from sqlalchemy import select
+
+from app.models import ApiToken, AuditLog
+from tests.integration.test_api_support import auth, base, client, make_token, store  # noqa: F401
+
+pytestmark = pytest.mark.integration
+
+# (method, path, json body, {role: expected status}) -- a role absent from the map gets 403.
+# Writes target a checkpoint that does not exist, so passing auth shows as 404/409, not a change.
+MATRIX = [
+    ("GET", "/v1/checkpoints", None, {"viewer": 200, "service": 200, "release_manager": 200}),
+    ("GET", "/v1/checkpoints/base", None, {"viewer": 200, "service": 200, "release_manager": 200}),
+    ("GET", "/v1/checkpoints/base/evals", None, {"viewer": 200, "service": 200, "release_manager": 200}),
+    ("GET", "/v1/production", None, {"viewer": 200, "service": 200, "release_manager": 200}),
+    ("GET", "/v1/promotions", None, {"viewer": 200, "service": 200, "release_manager": 200}),
+    ("GET", "/v1/audit", None, {"viewer": 200, "service": 200, "release_manager": 200}),
+    ("GET", "/v1/me", None, {"viewer": 200, "service": 200, "release_manager": 200}),
+    ("GET", "/v1/reports/00000000-0000-0000-0000-000000000000/report.png", None,
+     {"viewer": 404, "service": 404, "release_manager": 404}),
+    ("POST", "/v1/promotions", {"checkpoint_id": "nope", "reason": "r", "expected_production_id": "base"},
+     {"release_manager": 404}),
+    ("POST", "/v1/rollbacks", {"reason": "r", "expected_production_id": "base"}, {"release_manager": 409}),
+    ("POST", "/v1/checkpoints/nope/reject", {"reason": "r"}, {"service": 404, "release_manager": 404}),
+]
+
+
+@pytest.fixture
+def tokens(session):
+    return {role: make_token(session, role, name=f"{role}-token") for role in ("viewer", "service", "release_manager")}
+
+
+def _assert_error(resp, status: int, code: str) -> None:
+    assert resp.status_code == status, resp.text
+    body = resp.json()
+    assert set(body) == {"error"} and body["error"]["code"] == code
+    assert isinstance(body["error"]["message"], str) and isinstance(body["error"]["reasons"], list)
+
+
+@pytest.mark.parametrize("method,path,body,allowed", MATRIX, ids=[f"{m} {p}" for m, p, _, _ in MATRIX])
+def test_auth_matrix(client, base, tokens, method, path, body, allowed):
+    no_token = client.request(method, path, json=body)
+    _assert_error(no_token, 401, "unauthorized")
+    assert no_token.headers["www-authenticate"] == "Bearer"
+    _assert_error(client.request(method, path, json=body, headers=auth("fw_not-a-real-token")), 401, "unauthorized")
+    _assert_error(client.request(method, path, json=body, headers={"Authorization": "Basic dXNlcjpwYXNz"}),
+                  401, "unauthorized")
+    for role, token in tokens.items():
+        resp = client.request(method, path, json=body, headers=auth(token))
+        expected = allowed.get(role, 403)
+        assert resp.status_code == expected, (role, resp.text)
+        if expected == 403:
+            _assert_error(resp, 403, "forbidden")
+
+
+def test_revoked_token_stops_working_and_writes_are_attributed(client, base, session, tokens):
+    from app.promotion.tokens import revoke_token
+
+    headers = auth(tokens["service"])
+    assert client.get("/v1/me", headers=headers).json() == {
+        "name": "service-token", "role": "service", "permissions": ["read", "reject"]}
+    revoke_token(session, "service-token", actor="test-admin")
+    session.commit()
+    _assert_error(client.get("/v1/me", headers=headers), 401, "unauthorized")
+    actions = [(a.actor, a.action, a.target) for a in session.scalars(select(AuditLog).order_by(AuditLog.id))]
+    assert ("test-admin", "token.revoked", "token:service-token") in actions
+
+
+def test_tokens_cli_prints_once_stores_hash_and_revokes(db, session):
+    from typer.testing import CliRunner
+
+    from app.cli import app
+
+    runner = CliRunner()
+    created = runner.invoke(app, ["tokens", "create", "--role", "release_manager", "--name", "alice"])
+    assert created.exit_code == 0, created.output
+    raw = created.stdout.strip().splitlines()[0]
+    assert raw.startswith("fw_") and len(raw) > 40
+    row = session.scalars(select(ApiToken).where(ApiToken.name == "alice")).one()
+    assert row.token_hash == hashlib.sha256(raw.encode()).hexdigest() and raw not in row.token_hash
+    assert row.role == "release_manager"
+
+    duplicate = runner.invoke(app, ["tokens", "create", "--role", "viewer", "--name", "alice"])
+    assert duplicate.exit_code != 0
+    bad_role = runner.invoke(app, ["tokens", "create", "--role", "admin", "--name", "bob"])
+    assert bad_role.exit_code != 0
+
+    listed = runner.invoke(app, ["tokens", "list"])
+    assert "alice" in listed.stdout and raw not in listed.stdout
+    revoked = runner.invoke(app, ["tokens", "revoke", "alice"])
+    assert revoked.exit_code == 0, revoked.output
+    session.expire_all()
+    assert session.get(ApiToken, row.id).revoked_at is not None
+    again = runner.invoke(app, ["tokens", "revoke", "alice"])
+    assert again.exit_code != 0
+    # The name is free again once revoked.
+    assert runner.invoke(app, ["tokens", "create", "--role", "viewer", "--name", "alice"]).exit_code == 0
+    audit = [a.action for a in session.scalars(select(AuditLog).order_by(AuditLog.id))]
+    assert audit == ["token.created", "token.revoked", "token.created"]
+
+
+def test_health_and_dashboard_need_no_token(client):
+    assert client.get("/healthz").json() == {"status": "ok"}
+    page = client.get("/")
+    assert page.status_code == 200 and "text/html" in page.headers["content-type"]
+    missing = client.get("/v1/does-not-exist")
+    _assert_error(missing, 404, "not_found")

@@ -1,0 +1,79 @@
+"""Serving follows production end to end: HTTP promotion -> outbox -> relay -> broker -> watcher ->
+engine moved (delta chain or full load) -> serving.json -> GET /v1/production reports it."""
+
+from __future__ import annotations
+
+import pytest
+
+from ops.serving.watcher import ServingWatcher
+from producers.relay import OutboxRelay
+from tests.integration.test_api_support import (auth, base, client, lifecycle_topic, make_token,  # noqa: F401
+                                                 seed_checkpoint, seed_gate, store)
+from tests.unit.test_api_units import RecordingEngine
+
+pytestmark = pytest.mark.integration
+
+
+def _poll_until_moved(watcher: ServingWatcher, engine: RecordingEngine, calls: int, timeout_polls: int = 40) -> None:
+    for _ in range(timeout_polls):
+        watcher.poll_once(timeout_ms=250)
+        if len(engine.calls) >= calls:
+            return
+    raise AssertionError(f"engine did not move: {engine.calls}")
+
+
+def test_serving_follows_promotions_and_rollbacks(client, session, store, base, lifecycle_topic, kafka_bootstrap,
+                                                  tmp_path, monkeypatch):
+    monkeypatch.setenv("FLYWHEEL_HOME", str(tmp_path))  # serving.json lands here; the API reads it here
+    rm = auth(make_token(session, "release_manager", name="alice"))
+    seed_checkpoint(session, store, "ckpt-0001", parent_id="base", generation=1)
+    seed_gate(session, "ckpt-0001", "base", passed=True)
+    seed_checkpoint(session, store, "ckpt-0002", parent_id="ckpt-0001", generation=2)
+
+    def promote(cid: str, expected: str) -> None:
+        r = client.post("/v1/promotions", headers=rm,
+                        json={"checkpoint_id": cid, "reason": "gate passed", "expected_production_id": expected})
+        assert r.status_code == 201, r.text
+
+    promote("ckpt-0001", "base")
+    seed_gate(session, "ckpt-0002", "ckpt-0001", passed=True)
+    promote("ckpt-0002", "ckpt-0001")
+    with OutboxRelay() as relay:
+        assert relay.relay_pending() == 2
+
+    engine = RecordingEngine("base")
+    watcher = ServingWatcher(engine, store=store)
+    try:
+        _poll_until_moved(watcher, engine, 2)
+        # Both promotions arrived in one batch: straight to ckpt-0002 along the delta chain.
+        assert engine.calls == [("delta", "ckpt-0001"), ("delta", "ckpt-0002")]
+        prod = client.get("/v1/production", headers=rm).json()
+        assert prod["checkpoint"]["id"] == prod["serving_checkpoint_id"] == "ckpt-0002" and prod["serving_in_sync"]
+
+        r = client.post("/v1/rollbacks", headers=rm, json={"reason": "p99 latency", "expected_production_id": "ckpt-0002"})
+        assert r.status_code == 201
+        with OutboxRelay() as relay:
+            assert relay.relay_pending() == 1
+        _poll_until_moved(watcher, engine, 3)
+        assert engine.calls[-1] == ("full", "ckpt-0001")  # a rollback goes backwards: full load
+        assert client.get("/v1/production", headers=rm).json()["serving_checkpoint_id"] == "ckpt-0001"
+    finally:
+        watcher.stop()
+
+    # A restarted watcher resumes from its saved positions: nothing is applied twice.
+    again = ServingWatcher(engine, store=store)
+    try:
+        for _ in range(4):
+            again.poll_once(timeout_ms=250)
+        assert len(engine.calls) == 3
+    finally:
+        again.stop()
+    # A watcher without saved state replays the topic but only acts on the newest change.
+    fresh_home = tmp_path / "replica-2"
+    replica = RecordingEngine("base")
+    other = ServingWatcher(replica, store=store, home=fresh_home)
+    try:
+        _poll_until_moved(other, replica, 1)
+        assert replica.calls == [("delta", "ckpt-0001")]  # base -> ckpt-0001 is one delta
+    finally:
+        other.stop()

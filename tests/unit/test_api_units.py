@@ -1,0 +1,136 @@
+"""Unit tests of the promotion area's pure parts: intervals, cursors, the serving watcher's plan and
+dedupe (checkpoint directories on disk, a recording engine; no database, no broker)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from app.checkpoint_store import CheckpointStore
+from app.promotion.queries import InvalidCursorError, decode_cursor, encode_cursor
+from app.promotion.stats import newcombe_diff_interval, wilson_interval
+from ops.serving.watcher import Deduper, ProductionFollower, plan_move
+
+
+def test_wilson_interval_matches_reference_values():
+    # Newcombe (1998), Table I: 81/263 -> 0.2553..0.3662; 0/10 -> 0..0.2775.
+    low, high = wilson_interval(81, 263)
+    assert low == pytest.approx(0.2553, abs=1e-4) and high == pytest.approx(0.3662, abs=1e-4)
+    low, high = wilson_interval(0, 10)
+    assert low == 0.0 and high == pytest.approx(0.2775, abs=1e-4)
+    assert wilson_interval(0, 0) == (0.0, 1.0)
+    with pytest.raises(ValueError):
+        wilson_interval(3, 2)
+
+
+def test_newcombe_difference_interval_matches_reference_values():
+    # Newcombe (1998), Table II, example (a): 56/70 - 48/80 -> 0.0524..0.3339 (method 10).
+    low, high = newcombe_diff_interval(56, 70, 48, 80)
+    assert low == pytest.approx(0.0524, abs=1e-4) and high == pytest.approx(0.3339, abs=1e-4)
+    # Example (e): 0/10 - 0/20 -> -0.1611..0.2775.
+    low, high = newcombe_diff_interval(0, 10, 0, 20)
+    assert low == pytest.approx(-0.1611, abs=1e-4) and high == pytest.approx(0.2775, abs=1e-4)
+    assert newcombe_diff_interval(1, 0, 1, 2) == (-1.0, 1.0)
+
+
+def test_cursor_round_trip_and_rejects_foreign_cursors():
+    c = encode_cursor(["2026-11-21T10:00:00+00:00", "ckpt-0001"])
+    assert decode_cursor(c, 2) == ["2026-11-21T10:00:00+00:00", "ckpt-0001"]
+    for bad in ("garbage!", encode_cursor([1]), encode_cursor({"a": 1})):
+        with pytest.raises(InvalidCursorError):
+            decode_cursor(bad, 2)
+
+
+class RecordingEngine:
+    """The engine interface the watcher drives; refuses a delta whose parent is not what it serves."""
+
+    def __init__(self, checkpoint_id: str) -> None:
+        self.checkpoint_id = checkpoint_id
+        self.calls: list[tuple[str, str]] = []
+
+    def load_checkpoint(self, checkpoint_id: str, path: Path) -> None:
+        assert (path / "STABLE").exists()
+        self.calls.append(("full", checkpoint_id))
+        self.checkpoint_id = checkpoint_id
+
+    def apply_delta(self, checkpoint_id: str, delta_path: Path, parent_id: str) -> None:
+        assert parent_id == self.checkpoint_id and delta_path.name == "delta.zst"
+        self.calls.append(("delta", checkpoint_id))
+        self.checkpoint_id = checkpoint_id
+
+
+@pytest.fixture
+def chain(tmp_path) -> tuple[CheckpointStore, dict[str, dict]]:
+    """base <- c1 <- c2 (each with a delta.zst), and a sibling s1 of c1 without one."""
+    store = CheckpointStore(tmp_path / "ckpts")
+    parents = {"base": None, "c1": "base", "c2": "c1", "s1": "base"}
+    for cid, parent in parents.items():
+        with store.writer(cid) as d:
+            (d / "manifest.json").write_text(json.dumps({"parent_id": parent}))
+            if parent and cid != "s1":
+                (d / "delta.zst").write_bytes(b"delta")
+
+    def payload(cid: str, outbox_id: int, kind: str = "checkpoint.promoted") -> dict:
+        lineage, cur = [], cid
+        while cur:
+            lineage.append({"id": cur, "path": str(store.path(cur))})
+            cur = parents[cur]
+        return {"type": kind, "event_id": f"ev-{outbox_id}", "outbox_id": outbox_id, "checkpoint_id": cid,
+                "path": str(store.path(cid)), "lineage": lineage}
+
+    return store, payload
+
+
+def test_plan_move_prefers_the_delta_chain(chain):
+    store, payload = chain
+    move = plan_move("base", payload("c2", 1), store)
+    assert move.method == "delta" and [(c, p) for c, _, p in move.steps] == [("c1", "base"), ("c2", "c1")]
+    assert plan_move("c2", payload("c2", 1), store).method == "noop"
+    assert plan_move("c2", payload("c1", 1), store).method == "full"  # rollback to an ancestor
+    assert plan_move("c1", payload("s1", 1), store).method == "full"  # another branch
+    assert plan_move("base", payload("s1", 1), store).method == "full"  # no delta.zst
+    assert plan_move(None, payload("c1", 1), store).method == "full"
+
+
+def test_follower_dedupes_and_jumps_to_the_newest_change(chain, tmp_path):
+    store, payload = chain
+    engine = RecordingEngine("base")
+    follower = ProductionFollower(engine, store=store, home=tmp_path)
+    move = follower.handle_batch([(payload("c1", 1), None), (payload("c2", 2), None),
+                                  ({"type": "checkpoint.rejected", "checkpoint_id": "s1"}, None)])
+    assert move.method == "delta" and engine.calls == [("delta", "c1"), ("delta", "c2")]
+    # A re-published copy (same event id) and a stale change (older outbox id) do nothing.
+    assert follower.handle_batch([(payload("c1", 1), None), (payload("c2", 2), None)]) is None
+    stale = payload("c1", 1)
+    stale["event_id"] = "ev-other"
+    assert follower.handle_batch([(stale, None)]) is None
+    follower.handle_batch([(payload("c1", 3, "checkpoint.rolled_back"), None)])
+    assert engine.calls[-1] == ("full", "c1")
+    state = json.loads((tmp_path / "serving.json").read_text())
+    assert state["checkpoint_id"] == "c1" and state["applied_outbox_id"] == 3 and state["method"] == "full"
+    # A restarted follower remembers what it applied.
+    again = ProductionFollower(engine, store=store, home=tmp_path)
+    assert again.handle_batch([(payload("c2", 2), None), (payload("c1", 3), None)]) is None
+
+
+def test_follower_falls_back_to_a_full_load_when_a_delta_fails(chain, tmp_path):
+    from app.core.errors import CheckpointError
+
+    store, payload = chain
+
+    class BrokenDeltas(RecordingEngine):
+        def apply_delta(self, checkpoint_id, delta_path, parent_id):
+            raise CheckpointError("delta does not match parent weights")
+
+    engine = BrokenDeltas("base")
+    assert ProductionFollower(engine, store=store, home=tmp_path).handle_batch([(payload("c2", 1), None)]).method == "full"
+    assert engine.calls == [("full", "c2")]
+
+
+def test_deduper_is_bounded():
+    d = Deduper(capacity=3)
+    assert all(d.first_time(i) for i in "abcd")
+    assert d.ids() == ["b", "c", "d"] and not d.first_time("d") and d.first_time("a")
+    assert d.first_time(None) and d.first_time(None)
