@@ -1,0 +1,98 @@
+"""The vLLM client code path against ``flywheel serve`` over real HTTP (uvicorn on a free port)."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Iterator
+
+import httpx
+import pytest
+import torch
+
+from ops.serving.engine import SamplingParams
+from ops.serving.openai_engine import OpenAICompatEngine
+from ops.serving.server import create_app
+from ops.serving.torch_engine import TorchEngine, teacher_forced_logprobs
+
+PROMPTS = [[1, 5, 6, 7, 8, 9, 10, 11], [1, 100, 200]]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def served(tiny_model_dir) -> Iterator[tuple[str, TorchEngine]]:
+    import uvicorn
+
+    engine = TorchEngine(tiny_model_dir, checkpoint_id="tiny-a", num_threads=2)
+    port = _free_port()
+    server = uvicorn.Server(uvicorn.Config(create_app(engine, api_key="k3y"), host="127.0.0.1", port=port,
+                                           log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.time() + 20
+    while not server.started:
+        assert time.time() < deadline, "uvicorn did not start"
+        time.sleep(0.05)
+    try:
+        yield f"http://127.0.0.1:{port}", engine
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+
+
+def test_client_generates_with_behaviour_logprobs(served):
+    url, engine = served
+    client = OpenAICompatEngine(url, api_key="k3y")
+    assert client.checkpoint_id == "tiny-a" and client.tokenizer.eos_token_id == 2
+    gens = client.generate(PROMPTS, SamplingParams(max_tokens=6, temperature=0.8, seed=3))
+    local = engine.generate(PROMPTS, SamplingParams(max_tokens=6, temperature=0.8, seed=3))
+    for prompt, g, ref in zip(PROMPTS, gens, local):
+        assert g.token_ids == ref.token_ids and g.finish_reason == "length"
+        tf = teacher_forced_logprobs(engine.model, prompt, g.token_ids, 0.8)
+        assert torch.allclose(torch.tensor(g.logprobs), tf, atol=1e-4)
+    client.close()
+
+
+def test_wrong_api_key_is_refused(served):
+    from app.core.errors import InfrastructureError
+
+    url, _ = served
+    with pytest.raises(InfrastructureError, match="401"):
+        OpenAICompatEngine(url, api_key="nope")
+
+
+def test_text_prompt_and_token_strings(served):
+    url, _ = served
+    r = httpx.post(f"{url}/v1/completions", headers={"Authorization": "Bearer k3y"},
+                   json={"prompt": "hello", "max_tokens": 3, "logprobs": 0, "temperature": 0})
+    choice = r.json()["choices"][0]
+    assert r.status_code == 200 and len(choice["logprobs"]["tokens"]) == 3
+    assert not choice["logprobs"]["tokens"][0].startswith("token_id:")
+
+
+def test_reload_through_collective_rpc(served, tmp_path, tiny_model_dir):
+    from ops.serving.testing import build_tiny_model
+
+    url, engine = served
+    other = build_tiny_model(tmp_path / "tiny-b", seed=5)
+    client = OpenAICompatEngine(url, api_key="k3y")
+    before = client.generate([PROMPTS[0]], SamplingParams(max_tokens=5, temperature=0.0))[0]
+    client.load_checkpoint("tiny-b", other)
+    after = client.generate([PROMPTS[0]], SamplingParams(max_tokens=5, temperature=0.0))[0]
+    assert client.checkpoint_id == "tiny-b" and engine.checkpoint_id == "tiny-b"
+    assert before.token_ids != after.token_ids
+    # A delta must name the checkpoint the server serves.
+    from app.core.errors import CheckpointError
+
+    with pytest.raises(CheckpointError):
+        client.apply_delta("tiny-c", other / "delta.zst", parent_id="tiny-a")
+    client.load_checkpoint("tiny-a", tiny_model_dir)
+    assert engine.model_dir == tiny_model_dir
+    again = client.generate([PROMPTS[0]], SamplingParams(max_tokens=5, temperature=0.0))[0]
+    assert again.token_ids == before.token_ids
