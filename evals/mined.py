@@ -146,8 +146,8 @@ def mine_tasks(session: Session, *, min_persistence: float = 0.8, limit: int | N
             insert(EvalTask).values(task_id=traj.task_id, suite=MINED_SUITE, source_session_id=traj.session_id,
                                     source_trajectory_id=traj.id, content_hash=chash,
                                     spec=spec.model_dump(mode="json"))
-            .on_conflict_do_nothing()).rowcount
-        if inserted:
+            .on_conflict_do_nothing().returning(EvalTask.task_id)).first()
+        if inserted is not None:
             report.mined.append(traj.task_id)
             mined_task_ids.add(traj.task_id)
         else:

@@ -60,8 +60,8 @@ def add_result(session: Session, run_id: uuid.UUID, task_id: str, sample_index: 
     values = {k: v for k, v in fields.items() if k in RESULT_FIELDS}
     values.setdefault("detail", {})
     stmt = (insert(EvalResult).values(run_id=run_id, task_id=task_id, sample_index=sample_index, **values)
-            .on_conflict_do_nothing(index_elements=["run_id", "task_id", "sample_index"]))
-    return session.execute(stmt).rowcount == 1
+            .on_conflict_do_nothing(index_elements=["run_id", "task_id", "sample_index"]).returning(EvalResult.id))
+    return session.execute(stmt).first() is not None
 
 
 def results(session: Session, run_id: uuid.UUID) -> list[EvalResult]:

@@ -1,0 +1,122 @@
+"""Mining held-out tasks from production trajectories, and the contamination check (real Postgres)."""
+
+from __future__ import annotations
+
+import uuid
+from datetime import datetime, timedelta, timezone
+
+import pytest
+from sqlalchemy import select
+from typer.testing import CliRunner
+
+from app.core.db import session_scope
+from app.models import CheckpointTrajectory, EvalTask, EventLog, Trajectory
+from app.repositories.checkpoints import add_checkpoint
+from evals import mined
+from tests.integration.test_eval_runner_resume import StubTask
+
+pytestmark = pytest.mark.integration
+
+T0 = datetime(2026, 11, 1, tzinfo=timezone.utc)
+SOURCE = {tid: StubTask(id=tid, source="dataframebench", split="train", request=f"full spec of {tid}",
+                        files={"solution.py": "def f():\n    pass\n"}, test_command="python -m pytest -q",
+                        test_files={"test_solution.py": f"# hidden tests of {tid}\n"},
+                        reference_files={"solution.py": "def f():\n    return 1\n"})
+          for tid in ("dfb/A", "dfb/B", "dfb/C", "dfb/D")}
+
+
+def add_session(s, n: int, task_id: str, *, source: str = "dataframebench", persisted: list[float] = (0.9,),
+                ran_tests: bool = True, status: str = "finalized", request: str = "make f return 1") -> Trajectory:
+    sid = f"sess-{n}"
+    traj = Trajectory(id=uuid.uuid4(), session_id=sid, user_id=f"u{n}", org_id="o", task_id=task_id,
+                      task_source=source, status=status, ran_tests=ran_tests, request_text=request,
+                      finalized_at=T0 + timedelta(minutes=n) if status == "finalized" else None,
+                      test_commands=["python -m pytest -q"] if ran_tests else [])
+    s.add(traj)
+    events = [("agent.requested", {"request_id": "r", "text": request})]
+    if ran_tests:
+        events.append(("tool.executed", {"call_id": "c", "name": "run", "ok": True, "ran_tests": True,
+                                         "command": "python -m pytest -q"}))
+    events += [("edit.persistence_measured", {"edit_id": f"e{i}", "fraction_persisted": f, "delay_s": 60.0})
+               for i, f in enumerate(persisted)]
+    for typ, payload in events:
+        s.add(EventLog(event_id=uuid.uuid4(), type=typ, schema_version=1, occurred_at=T0, session_id=sid,
+                       user_id=f"u{n}", org_id="o", payload=payload))
+    s.flush()
+    return traj
+
+
+@pytest.fixture
+def sessions(db, monkeypatch):
+    monkeypatch.setattr(mined, "source_task", lambda source, task_id: SOURCE.get(task_id)
+                        if source == "dataframebench" else None)
+    with session_scope() as s:
+        add_checkpoint(s, checkpoint_id="old", path="/x/old")
+        t = {
+            "late_A": add_session(s, 0, "dfb/A", persisted=[0.2]),          # not persisted, same task as good
+            "good": add_session(s, 1, "dfb/A", persisted=[1.0, 0.8]),
+            "dup": add_session(s, 2, "dfb/A", request="Make  F return 1 "),  # same content, other session
+            "unpersisted": add_session(s, 3, "dfb/B", persisted=[0.5, 0.4]),
+            "no_tests": add_session(s, 4, "dfb/C", ran_tests=False),
+            "product": add_session(s, 5, "repo-x/issue-9", source="product"),
+            "provisional": add_session(s, 6, "dfb/A", status="provisional"),
+            "trained": add_session(s, 7, "dfb/D"),
+            "no_signal": add_session(s, 8, "dfb/B", persisted=[]),
+        }
+        s.add(CheckpointTrajectory(checkpoint_id="old", trajectory_id=uuid.uuid4(), user_id="u", task_id="dfb/D"))
+    return {k: v.id for k, v in t.items()}
+
+
+def test_mining_selects_dedups_and_reserves(sessions):
+    with session_scope() as s:
+        report = mined.mine_tasks(s, min_persistence=0.8)
+    assert report.mined == ["dfb/A"]
+    assert report.examined == 8  # the provisional one is not eligible
+    assert dict(report.skipped) == {"edits_not_persisted": 2, "duplicate": 1, "no_tests": 1, "no_source_task": 1,
+                                    "already_trained": 1, "no_persistence": 1}
+    with session_scope() as s:
+        (task,) = s.scalars(select(EvalTask)).all()
+        assert (task.suite, task.source_trajectory_id, task.source_session_id) == ("mined", sessions["good"], "sess-1")
+        assert task.spec["request"] == "make f return 1"  # the session's request, not the source's spec
+        assert task.spec["test_files"] == SOURCE["dfb/A"].test_files  # the tests the session ran
+        assert task.spec["metadata"]["source_task_id"] == "dfb/A"
+        reserved = {t.id for t in s.scalars(select(Trajectory).where(Trajectory.reserved_for_eval))}
+    # Every trajectory on the mined task (even the provisional and the unpersisted ones) is held out.
+    assert reserved == {sessions[k] for k in ("late_A", "good", "dup", "provisional")}
+    with session_scope() as s:
+        again = mined.mine_tasks(s)
+    assert again.mined == [] and again.examined == 5
+
+
+def test_content_hash_normalizes_the_request():
+    a = mined.content_hash("Make f  return 1\n", {"a.py": "x"}, "pytest", {})
+    assert a == mined.content_hash("make F return 1", {"a.py": "x"}, "pytest", {})
+    assert a != mined.content_hash("make f return 2", {"a.py": "x"}, "pytest", {})
+    assert a != mined.content_hash("make f return 1", {"a.py": "y"}, "pytest", {})
+
+
+def test_contamination_check_finds_eval_tasks_in_lineage_and_manifests(sessions):
+    from app.cli import app
+
+    with session_scope() as s:
+        mined.mine_tasks(s)
+        assert mined.find_contamination(s) == []
+    cli = CliRunner()
+    assert cli.invoke(app, ["eval", "contamination", "--no-static"]).exit_code == 0
+    with session_scope() as s:
+        add_checkpoint(s, checkpoint_id="leaky", path="/x/leaky")
+        s.add(CheckpointTrajectory(checkpoint_id="leaky", trajectory_id=sessions["good"], user_id="u1",
+                                   task_id="dfb/A"))
+        add_checkpoint(s, checkpoint_id="manifest-only", path="/x/m",
+                       manifest={"trajectories": [{"trajectory_id": str(sessions["good"]), "seq": 3}],
+                                 "data": {"task_ids": ["HumanEval/7"]}})
+        s.add(CheckpointTrajectory(checkpoint_id="old", trajectory_id=uuid.uuid4(), user_id="u", task_id="HumanEval/3"))
+    with session_scope() as s:
+        found = {(c.checkpoint_id, c.task_id, c.via) for c in mined.find_contamination(s, ["HumanEval/3", "HumanEval/7"])}
+    assert found == {("leaky", "dfb/A", "checkpoint_trajectory.task_id"),
+                     ("leaky", "dfb/A", "checkpoint_trajectory.trajectory_id"),
+                     ("manifest-only", "dfb/A", "manifest"),
+                     ("manifest-only", "HumanEval/7", "manifest"),
+                     ("old", "HumanEval/3", "checkpoint_trajectory.task_id")}
+    result = cli.invoke(app, ["eval", "contamination", "--no-static"])
+    assert result.exit_code == 1 and "CONTAMINATED leaky: dfb/A" in result.output
