@@ -135,3 +135,52 @@ def test_the_same_run_cannot_execute_twice_at_once(ckpt, monkeypatch):
         with pytest.raises(ConflictError, match="already running"):
             runner.run_suite(ckpt, SUITE, tasks=TASKS, engine=object())
     assert runner.run_suite(ckpt, SUITE, tasks=TASKS, engine=object()).status == "succeeded"
+
+
+KILLED_RUN = """
+import sys, time
+from evals import runner
+from evals.config import SuiteConfig
+from tests.integration.test_eval_runner_resume import SUITE, TASKS, Sessions
+
+inner = Sessions()
+def slow(*args):
+    time.sleep(0.3)
+    return inner(*args)
+runner.run_sample = slow
+runner.run_suite("c1", SUITE, tasks=TASKS, engine=object())
+"""
+
+
+def test_a_killed_process_is_resumed_by_the_next_run(ckpt, monkeypatch, tmp_path):
+    """SIGKILL mid-run: committed results survive, the advisory lock dies with the process, and the
+    next run executes only the samples without a result."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from app.core.db import database_url
+
+    env = {**os.environ, "FLYWHEEL_DATABASE_URL": database_url()}
+    proc = subprocess.Popen([sys.executable, "-c", KILLED_RUN], env=env, cwd=os.getcwd())
+    deadline = time.monotonic() + 60
+    done: set = set()
+    while time.monotonic() < deadline and len(done) < 3:
+        time.sleep(0.1)
+        with session_scope() as s:
+            run = s.scalars(select(EvalRun)).first()
+            done = store.done_keys(s, run.id) if run else set()
+        assert proc.poll() is None, "the run finished before it could be killed"
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=10)
+    with session_scope() as s:
+        done = store.done_keys(s, s.scalars(select(EvalRun)).one().id)
+    assert 3 <= len(done) < 10
+
+    rest = Sessions()
+    monkeypatch.setattr(runner, "run_sample", rest)
+    summary = runner.run_suite(ckpt, SUITE, tasks=TASKS, engine=object())
+    assert summary.status == "succeeded" and summary.reused == len(done)
+    assert set(rest.calls) == {(t.id, s) for t in TASKS for s in range(2)} - done
