@@ -3,8 +3,62 @@ inside the command functions, never at module level."""
 
 from __future__ import annotations
 
+import json
+import time
+from pathlib import Path
+
 import typer
 
 
 def register(app: typer.Typer) -> None:
     """Add this package's commands to the main app."""
+    app.command("train")(train)
+
+
+def train(
+    once: bool = typer.Option(False, "--once", help="run one cycle and exit (else loop every FLYWHEEL_TRAIN_INTERVAL)"),
+    config: Path | None = typer.Option(None, "--config", "-c", help="trainer TOML (default: trainer/configs/default.toml)"),
+    steps: int | None = typer.Option(None, "--steps", help="override `steps`"),
+    lr: float | None = typer.Option(None, "--lr", help="override `optim.lr`"),
+    min_new: int | None = typer.Option(None, "--min-new", help="override `data.min_new_trajectories`"),
+    dry_run: bool = typer.Option(False, "--dry-run", help="select data and report; train and write nothing"),
+    as_json: bool = typer.Option(False, "--json", help="print the cycle result as one JSON line"),
+    progress: bool = typer.Option(True, "--progress/--no-progress", help="rich progress bar"),
+) -> None:
+    """Run the continual trainer: production checkpoint + new finalized trajectories -> candidate."""
+    from app.core.settings import get_settings
+    from app.core.telemetry import configure_telemetry, shutdown_telemetry
+    from trainer.config import load_config
+    from trainer.cycle import run_cycle
+
+    overrides = {k: v for k, v in (("steps", steps), ("optim.lr", lr), ("data.min_new_trajectories", min_new))
+                 if v is not None}
+    cfg = load_config(config, overrides)
+    configure_telemetry("flywheel-trainer")
+    interval = get_settings().celery.train_interval
+    try:
+        while True:
+            result = run_cycle(cfg, progress=progress and not as_json, dry_run=dry_run)
+            if as_json:
+                typer.echo(json.dumps(result.to_dict(), default=str))
+            else:
+                _print_result(result)
+            if once or dry_run:
+                break
+            time.sleep(interval)
+    finally:
+        shutdown_telemetry()
+
+
+def _print_result(result) -> None:
+    colour = {"succeeded": "green", "skipped": "yellow", "locked": "yellow"}.get(result.status, "red")
+    typer.secho(f"{result.status}: {result.detail}", fg=colour)
+    if result.checkpoint_id:
+        m = result.metrics
+        final = m.get("final", {})
+        typer.echo(f"  checkpoint {result.checkpoint_id} at {result.path}")
+        typer.echo(f"  trajectories {result.num_trajectories}, steps {m.get('steps')}, "
+                   f"tokens/s {m.get('tokens_per_s', 0):.0f}, loss {final.get('loss', 0):+.4f}, "
+                   f"kl {final.get('kl', 0):.2e}, delta {m.get('delta', {}).get('ratio', 0):.2%} of bf16 weights")
+    if result.excluded:
+        typer.echo("  excluded: " + ", ".join(f"{k}={v}" for k, v in result.excluded.items()))

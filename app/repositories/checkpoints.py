@@ -42,3 +42,15 @@ def add_checkpoint(session: Session, *, checkpoint_id: str, path: str, status: s
     session.add(row)
     session.flush()
     return row
+
+
+def add_checkpoint_trajectories(session: Session, checkpoint_id: str,
+                                rows: list[tuple[Any, str, str | None]]) -> int:
+    """Record which trajectories a checkpoint trained on: ``rows`` of ``(trajectory_id, user_id,
+    task_id)``. Flushes; returns the number of rows added."""
+    from app.models import CheckpointTrajectory
+
+    session.add_all([CheckpointTrajectory(checkpoint_id=checkpoint_id, trajectory_id=tid, user_id=user, task_id=task)
+                     for tid, user, task in rows])
+    session.flush()
+    return len(rows)

@@ -1,0 +1,136 @@
+"""Data selection against a real Postgres: every finalized trajectory in the window is used or
+excluded with its reason (staleness in generations and hours, eval tasks and reserved sessions,
+missing rewards, erasure), the watermark advances, and the per-cycle cap defers the rest."""
+
+from __future__ import annotations
+
+import uuid
+from datetime import datetime, timedelta, timezone
+
+import pytest
+
+from trainer.config import DataConfig
+from trainer.data import select_cycle_data
+from trainer.testing import insert_trajectory, make_segment
+
+pytestmark = pytest.mark.integration
+
+SEG = make_segment([1, 5, 6], [7, 8, 9], [0, 0, 0, -1.0, -2.0, -0.5])
+
+
+@pytest.fixture
+def lineage(session):
+    """base (gen 0) -> c1 (gen 1) -> c2 (gen 2) -> c3 (gen 3, production)."""
+    from app.repositories.checkpoints import add_checkpoint
+
+    parent = None
+    for gen, cid in enumerate(["base", "c1", "c2", "c3"]):
+        add_checkpoint(session, checkpoint_id=cid, path=f"/nowhere/{cid}", parent_id=parent, generation=gen,
+                       status="production" if cid == "c3" else "retired")
+        parent = cid
+    session.commit()
+    from app.models import Checkpoint
+
+    return session.get(Checkpoint, "c3")
+
+
+def test_every_trajectory_used_or_excluded_with_reason(session, lineage):
+    from app.models import ErasureRequest, EvalTask
+
+    now = datetime.now(timezone.utc)
+    ids = {
+        "ok": insert_trajectory(session, segments=[SEG, SEG], reward=1.0, checkpoint_id="c2", task_id="t1"),
+        "ok_c1": insert_trajectory(session, segments=[SEG], reward=0.0, checkpoint_id="c1", task_id="t1"),
+        "reserved": insert_trajectory(session, segments=[SEG], reward=1.0, checkpoint_id="c3", reserved_for_eval=True),
+        "eval_task": insert_trajectory(session, segments=[SEG], reward=1.0, checkpoint_id="c3", task_id="held-out"),
+        "no_reward": insert_trajectory(session, segments=[SEG], reward=None, checkpoint_id="c3"),
+        "stale_gen": insert_trajectory(session, segments=[SEG], reward=1.0, checkpoint_id="base"),
+        "unknown": insert_trajectory(session, segments=[SEG], reward=1.0, checkpoint_id="ghost"),
+        "stale_hours": insert_trajectory(session, segments=[SEG], reward=1.0, checkpoint_id="c3",
+                                         finalized_at=now - timedelta(hours=1), last_event_at=now - timedelta(hours=30)),
+        "erased": insert_trajectory(session, segments=[SEG], reward=1.0, checkpoint_id="c3", user_id="gone"),
+        "no_tokens": insert_trajectory(session, segments=[make_segment([1, 2, 3], [])], reward=1.0, checkpoint_id="c3"),
+        "no_segments": insert_trajectory(session, segments=[], reward=1.0, checkpoint_id="c3"),
+        "wrong_spec": insert_trajectory(session, segments=[SEG], reward=1.0, checkpoint_id="c3", spec="other@2"),
+        "after_window": insert_trajectory(session, segments=[SEG], reward=1.0, checkpoint_id="c3",
+                                          finalized_at=now - timedelta(seconds=1)),
+    }
+    provisional = insert_trajectory(session, segments=[SEG], reward=1.0, checkpoint_id="c3", status="provisional")
+    ancient = insert_trajectory(session, segments=[SEG], reward=1.0, checkpoint_id="c3",
+                                finalized_at=now - timedelta(hours=100))
+    session.add(EvalTask(task_id="held-out", suite="mined", content_hash="h1", spec={}))
+    session.add(ErasureRequest(request_id="r1", user_id="gone", trajectory_ids=[], checkpoints_flagged=[]))
+    session.commit()
+
+    cfg = DataConfig(max_staleness_generations=2, max_age_hours=24, settle_seconds=30)
+    data = select_cycle_data(session, cfg, lineage)
+
+    assert [t.id for t in data.used] == [ids["ok"], ids["ok_c1"]]
+    expected = {"reserved": "reserved_for_eval", "eval_task": "eval_task", "no_reward": "no_reward",
+                "stale_gen": "stale_generations", "unknown": "unknown_checkpoint", "stale_hours": "stale_hours",
+                "erased": "erased", "no_tokens": "no_completion_tokens", "no_segments": "no_segments",
+                "wrong_spec": "no_reward", "after_window": "after_window"}
+    assert data.excluded == {str(ids[k]): v for k, v in expected.items()}
+    assert str(provisional) not in data.excluded and str(ancient) not in data.excluded
+    assert data.older_than_window == 1
+    ok = data.used[0]
+    assert len(ok.segments) == 2 and ok.reward == 1.0 and ok.group == "t1"
+    assert ok.completion_tokens == 6 and len(ok.event_ids) == 2
+    assert ok.offsets == {"editor.interactions:0": [0, 15]}
+    # the watermark is the last trajectory considered in (finalized_at, id) order, before the settle cutoff
+    last = max((t for k, t in ids.items() if k not in ("after_window",)),
+               key=lambda i: (data_finalized(session, i), i))
+    assert data.watermark == (data_finalized(session, last), last)
+    section = data.manifest_section()
+    assert section["excluded_counts"]["no_reward"] == 2 and len(section["trajectories"]) == 2
+
+
+def data_finalized(session, tid):
+    from app.models import Trajectory
+
+    return session.get(Trajectory, tid).finalized_at
+
+
+def test_watermark_and_cap(session, lineage):
+    from app.models import TrainingCycle
+
+    now = datetime.now(timezone.utc)
+    ts = [insert_trajectory(session, segments=[SEG], reward=float(i), checkpoint_id="c3",
+                            finalized_at=now - timedelta(minutes=50 - i)) for i in range(6)]
+    session.commit()
+    cfg = DataConfig(max_trajectories=3, settle_seconds=0)
+    first = select_cycle_data(session, cfg, lineage)
+    assert [t.id for t in first.used] == ts[:3]
+    assert first.excluded == {str(t): "deferred" for t in ts[3:]}
+    assert first.watermark[1] == ts[2]
+    # a succeeded cycle at that watermark: the next selection starts after it
+    session.add(TrainingCycle(id=uuid.uuid4(), status="succeeded", parent_checkpoint_id="c3", num_trajectories=3,
+                              detail="", metrics={}, watermark_finalized_at=first.watermark[0],
+                              watermark_trajectory_id=first.watermark[1], finished_at=now))
+    # a failed cycle's watermark does not count
+    session.add(TrainingCycle(id=uuid.uuid4(), status="failed", parent_checkpoint_id="c3", num_trajectories=0,
+                              detail="", metrics={}, watermark_finalized_at=now, finished_at=now))
+    session.commit()
+    second = select_cycle_data(session, cfg, lineage)
+    assert [t.id for t in second.used] == ts[3:]
+    assert second.excluded == {str(t): "earlier_cycle" for t in ts[:3]}
+    assert second.previous_watermark == first.watermark
+
+
+def test_equal_finalized_at_is_split_by_id(session, lineage):
+    # one consumer transaction finalizes many trajectories at the same now(): the cap must not
+    # lose or repeat any of them
+    at = datetime.now(timezone.utc) - timedelta(minutes=5)
+    ts = sorted(insert_trajectory(session, segments=[SEG], reward=1.0, checkpoint_id="c3", finalized_at=at)
+                for _ in range(4))
+    session.commit()
+    from app.models import TrainingCycle
+
+    cfg = DataConfig(max_trajectories=2, settle_seconds=0)
+    first = select_cycle_data(session, cfg, lineage)
+    session.add(TrainingCycle(id=uuid.uuid4(), status="succeeded", num_trajectories=2, detail="", metrics={},
+                              watermark_finalized_at=first.watermark[0], watermark_trajectory_id=first.watermark[1],
+                              finished_at=datetime.now(timezone.utc)))
+    session.commit()
+    second = select_cycle_data(session, cfg, lineage)
+    assert [t.id for t in first.used] + [t.id for t in second.used] == ts

@@ -1,0 +1,78 @@
+"""The RL step end to end on a tiny random policy (no database): a reward that favours one token
+sequence raises that sequence's log-prob within a few steps, and lowers the disfavoured one."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from trainer.batching import group_ids, pack_micro_batches
+from trainer.config import TrainerConfig
+from trainer.loss import compute_advantages
+from trainer.step import compute_old_logprobs, make_optimizer, micro_batch_schedule, train_steps
+from trainer.testing import make_segment, make_trajectory, sequence_logprobs, tiny_policy
+
+PROMPT = [1, 40, 41, 42, 43]
+GOOD = [100, 101, 102, 103, 104, 2]
+BAD = [200, 201, 202, 203, 204, 2]
+
+
+def _completion_logprob(model, completion, temperature=1.0) -> float:
+    return float(sequence_logprobs(model, PROMPT + completion, temperature)[len(PROMPT):].sum())
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_fixed_reward_raises_favoured_sequence(temperature):
+    torch.manual_seed(0)
+    model = tiny_policy(seed=0)
+    trajectories = []
+    for k in range(3):
+        for completion, reward in ((GOOD, 1.0), (BAD, 0.0)):
+            behaviour = sequence_logprobs(model, PROMPT + completion, temperature)
+            trajectories.append(make_trajectory([make_segment(PROMPT, completion, behaviour)], reward, task_id="t"))
+    config = TrainerConfig.model_validate({
+        "steps": 4, "grad_accum": 2, "max_epochs": 10, "logprob_chunk_size": 5,
+        "data": {"micro_batch_tokens": 22}, "loss": {"temperature": temperature}, "optim": {"lr": 3e-3}})
+    adv = compute_advantages(torch.tensor([t.reward for t in trajectories]), group_ids(trajectories))
+    assert adv.tolist() == pytest.approx([0.5, -0.5] * 3)
+    batches = pack_micro_batches(trajectories, adv, micro_batch_tokens=22, pad_id=2)
+    assert len(batches) == 3 and all(b.input_ids.shape[0] == 2 for b in batches)
+    good0, bad0 = _completion_logprob(model, GOOD, temperature), _completion_logprob(model, BAD, temperature)
+
+    mismatch = compute_old_logprobs(model, batches, config)
+    assert mismatch["mismatch_kl"] == pytest.approx(0.0, abs=1e-5)  # behaviour = parent: on-policy
+    history = train_steps(model, batches, config, make_optimizer(model, config))
+
+    assert len(history) == 4
+    assert history[0].ratio == pytest.approx(1.0, abs=1e-5) and history[0].is_clip_frac == 0.0
+    assert history[-1].kl > 0 and all(h.grad_norm > 0 for h in history)
+    good1, bad1 = _completion_logprob(model, GOOD, temperature), _completion_logprob(model, BAD, temperature)
+    assert good1 > good0 + 0.5, (good0, good1)
+    assert bad1 < bad0 - 0.5, (bad0, bad1)
+
+
+def test_schedule_respects_steps_and_epochs():
+    batches = list(range(3))
+    cfg = TrainerConfig.model_validate({"steps": 10, "grad_accum": 2, "max_epochs": 2})
+    groups = list(micro_batch_schedule(batches, cfg))
+    assert sum(len(g) for g in groups) == 6 and len(groups) == 3
+    flat = [b for g in groups for b in g]
+    assert sorted(flat) == [0, 0, 1, 1, 2, 2]
+    cfg = TrainerConfig.model_validate({"steps": 2, "grad_accum": 2, "max_epochs": 5})
+    assert [len(g) for g in micro_batch_schedule(batches, cfg)] == [2, 2]
+
+
+def test_packing_keeps_every_trainable_token_once():
+    segs = [make_segment([1, 2, 3], [4, 5]), make_segment([1] * 10, [6, 7, 8]), make_segment([9], [10])]
+    trajs = [make_trajectory([segs[0], segs[1]], 1.0, "a"), make_trajectory([segs[2]], 0.0, None)]
+    adv = torch.tensor([0.25, -0.75])
+    batches = pack_micro_batches(trajs, adv, micro_batch_tokens=16)
+    targets = sorted(t for b in batches for t in b.targets.tolist())
+    assert targets == [4, 5, 6, 7, 8, 10]
+    for b in batches:
+        assert b.input_ids.numel() <= 16 or b.input_ids.shape[0] == 1
+        flat = b.input_ids.reshape(-1)
+        # the hidden state at index i predicts the token at i + 1 of the same row
+        assert torch.equal(flat[b.hidden_index + 1], b.targets)
+        for t, a in zip(b.trajectory_index.tolist(), b.advantages.tolist()):
+            assert a == pytest.approx(adv[t].item())

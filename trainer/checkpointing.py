@@ -1,0 +1,99 @@
+"""Loading the policy from a checkpoint directory and writing a trained checkpoint atomically.
+
+Invariant: a trained checkpoint becomes visible only through ``CheckpointStore.writer`` -- every
+file (fp32 master safetensors, config, tokenizer, trainer config, metrics, curves, bf16 delta vs
+the parent, manifest) is written into a staging directory, hashed, renamed into place and marked
+STABLE; a process killed at any point leaves only staging debris that ``sweep_staging`` removes.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import shutil
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from app.checkpoint_store import MANIFEST, CheckpointStore
+from app.core.errors import CheckpointError
+from trainer.config import TrainerConfig
+from trainer.delta import DeltaStats, write_delta
+
+DELTA_FILE = "delta.zst"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
+                   "merges.txt", "added_tokens.json", "chat_template.jinja", "tokenizer.model",
+                   "generation_config.json")
+
+
+def new_checkpoint_id(now: datetime | None = None) -> str:
+    """A fresh checkpoint id ``ckpt-YYYYmmddHHMMSS-<6 hex>`` (UTC; sortable by creation time)."""
+    now = now or datetime.now(timezone.utc)
+    return f"ckpt-{now:%Y%m%d%H%M%S}-{secrets.token_hex(3)}"
+
+
+def load_policy(path: Path) -> torch.nn.Module:
+    """The fp32 causal LM of a checkpoint directory, in train mode, with tied weights kept tied.
+
+    Raises:
+        CheckpointError: the directory is not a Hugging Face model folder.
+    """
+    from transformers import AutoModelForCausalLM
+
+    path = Path(path)
+    if not (path / "config.json").exists():
+        raise CheckpointError(f"{path} is not a Hugging Face model folder (no config.json)")
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    model.train()
+    return model
+
+
+def write_checkpoint(store: CheckpointStore, checkpoint_id: str, *, model: torch.nn.Module, parent_dir: Path,
+                     parent_serving: dict[str, torch.Tensor], manifest: dict[str, Any], config: TrainerConfig,
+                     metrics: dict[str, Any], curves: bool = True, optimizer: torch.optim.Optimizer | None = None
+                     ) -> tuple[Path, DeltaStats]:
+    """Write and publish a trained checkpoint; returns ``(STABLE directory, delta stats)``.
+
+    Args:
+        store: the checkpoint store.
+        checkpoint_id: the new id (see :func:`new_checkpoint_id`).
+        model: the trained policy (its fp32 weights become ``model.safetensors``).
+        parent_dir: the parent's directory (tokenizer and generation config are copied from it).
+        parent_serving: the parent's bf16 serving weights (``delta.serving_state_dict``).
+        manifest: lineage (parent, data window, trajectories, exclusions); ``delta`` and file
+            hashes are added here and by the store.
+        config: the resolved trainer config (written as ``trainer_config.json``).
+        metrics: the cycle's metrics (``metrics.json``); ``history`` entries feed ``curves.png``.
+        curves: also write ``curves.png``.
+        optimizer: when given, its state is saved as ``optimizer.pt``.
+
+    Raises:
+        CheckpointError: ``checkpoint_id`` already exists, or the delta cannot be built.
+    """
+    from trainer.delta import serving_state_dict
+
+    with store.writer(checkpoint_id) as staging:
+        model.save_pretrained(staging, safe_serialization=True)
+        for name in TOKENIZER_FILES:
+            if (Path(parent_dir) / name).is_file():
+                shutil.copy2(Path(parent_dir) / name, staging / name)
+        (staging / "trainer_config.json").write_text(config.to_json() + "\n")
+        stats = write_delta(parent_serving, serving_state_dict(model), staging / DELTA_FILE,
+                            parent_id=manifest.get("parent_id"), checkpoint_id=checkpoint_id)
+        metrics = {**metrics, "delta": stats.to_dict()}
+        (staging / "metrics.json").write_text(json.dumps(metrics, indent=2, sort_keys=True, default=str) + "\n")
+        if curves and metrics.get("history"):
+            from trainer.metrics import plot_curves
+            from trainer.step import StepMetrics
+
+            history = [StepMetrics(**{k: v for k, v in h.items()}) for h in metrics["history"]]
+            plot_curves(history, staging / "curves.png", title=f"{checkpoint_id} (parent {manifest.get('parent_id')})")
+        if optimizer is not None:
+            torch.save(optimizer.state_dict(), staging / "optimizer.pt")
+        full = {**manifest, "checkpoint_id": checkpoint_id, "kind": "trained", "dtype": "float32",
+                "serving_dtype": "bfloat16", "trainer_config": "trainer_config.json",
+                "delta": {"file": DELTA_FILE, "parent_id": manifest.get("parent_id"), **stats.to_dict()}}
+        (staging / MANIFEST).write_text(json.dumps(full, indent=2, sort_keys=True, default=str))
+    return store.stable_path(checkpoint_id), stats

@@ -1,0 +1,221 @@
+"""One training cycle: production checkpoint + new trajectories -> a registered candidate.
+
+Invariants:
+- Single-flight: a cycle runs only while holding the trainer's advisory lock; a second caller
+  returns ``locked`` at once.
+- Crash-safe: a cycle killed at any point leaves no visible partial checkpoint (the store publishes
+  directories atomically) and no half-registered one (registration is one transaction). The next
+  cycle marks the dead cycle ``failed``, sweeps staging debris and unregistered trained
+  directories, and starts clean from the last succeeded cycle's watermark.
+- A candidate is always ``generation = parent.generation + 1`` and names its parent, data window,
+  trajectories (with event ids and offsets), exclusions, reward spec and resolved config.
+"""
+
+from __future__ import annotations
+
+import math
+import shutil
+import time
+import uuid
+from dataclasses import asdict, dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from app.checkpoint_store import STABLE, CheckpointStore
+from app.core.errors import CheckpointError, ConfigurationError
+from app.core.telemetry import tracer
+from trainer.config import TrainerConfig, load_config
+
+_tracer = tracer("flywheel.trainer")
+MAX_SPAN_IDS = 256  # trajectory ids put on the span (the manifest has them all)
+
+
+@dataclass
+class CycleResult:
+    """What a cycle did. ``status``: ``succeeded`` | ``skipped`` | ``locked``."""
+
+    status: str
+    detail: str
+    cycle_id: str | None = None
+    parent_id: str | None = None
+    checkpoint_id: str | None = None
+    path: str | None = None
+    num_trajectories: int = 0
+    excluded: dict[str, int] = field(default_factory=dict)
+    metrics: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready dict (the CLI's ``--json`` output and the Celery task's result)."""
+        return asdict(self)
+
+
+def sweep_unregistered(store: CheckpointStore, session) -> list[str]:
+    """Remove staging debris and STABLE *trained* directories whose cycle never registered them
+    (a cycle killed between publishing and its transaction). Call only while holding the lock.
+
+    Returns:
+        Ids of removed checkpoint directories.
+    """
+    from app.models import Checkpoint
+    from trainer.records import succeeded_cycle_ids
+
+    store.sweep_staging()
+    removed = []
+    for checkpoint_id in store.list_stable():
+        manifest = store.manifest(checkpoint_id)
+        if manifest.get("kind") != "trained" or session.get(Checkpoint, checkpoint_id) is not None:
+            continue
+        if manifest.get("cycle_id") in succeeded_cycle_ids(session, [manifest.get("cycle_id")] if manifest.get("cycle_id") else []):
+            continue
+        path = store.path(checkpoint_id)
+        (path / STABLE).unlink(missing_ok=True)  # invisible first, then gone
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(checkpoint_id)
+    return removed
+
+
+def run_cycle(config: TrainerConfig | None = None, *, store: CheckpointStore | None = None,
+              progress: bool = False, now: datetime | None = None, dry_run: bool = False) -> CycleResult:
+    """Run one cycle (see the module docstring).
+
+    Args:
+        config: trainer config (default: ``trainer/configs/default.toml``).
+        store: checkpoint store (default: from settings).
+        progress: show a rich progress bar.
+        now: the cycle's clock for data selection (default: the database's).
+        dry_run: select data and report, without training or writing anything.
+
+    Returns:
+        :class:`CycleResult`.
+
+    Raises:
+        ConfigurationError: no production checkpoint or no database.
+        CheckpointError: the production checkpoint's directory is missing or not STABLE.
+    """
+    import torch
+
+    from app.core.db import get_engine, session_scope
+    from app.repositories.checkpoints import get_production
+    from trainer.data import select_cycle_data
+    from trainer.records import cycle_lock, fail_interrupted_cycles, finish_cycle, start_cycle
+
+    config = config or load_config()
+    store = store or CheckpointStore.from_settings()
+    torch.set_num_threads(config.threads)
+    with _tracer.start_as_current_span("trainer.cycle") as span, cycle_lock(get_engine()) as held:
+        if not held:
+            span.set_attribute("flywheel.cycle.status", "locked")
+            return CycleResult(status="locked", detail="another training cycle holds the lock")
+        with session_scope() as session:
+            interrupted = 0 if dry_run else fail_interrupted_cycles(session)
+            swept = [] if dry_run else sweep_unregistered(store, session)
+            parent = get_production(session)
+            if parent is None:
+                raise ConfigurationError("no production checkpoint: run `flywheel model init` first")
+            session.expunge(parent)
+            data = select_cycle_data(session, config.data, parent, now=now)
+        span.set_attributes({"flywheel.parent_id": parent.id, "flywheel.trajectories.used": len(data.used),
+                             "flywheel.trajectories.excluded": len(data.excluded)})
+        cycle_id = uuid.uuid4()
+        base = dict(cycle_id=str(cycle_id), parent_id=parent.id, num_trajectories=len(data.used),
+                    excluded=data.excluded_counts())
+        housekeeping = {"interrupted_cycles": interrupted, "swept": swept}
+        if dry_run:
+            return CycleResult(status="skipped", detail="dry run", **{**base, "cycle_id": None},
+                               metrics={**housekeeping, "watermark": data.manifest_section()["watermark"]})
+        if len(data.used) < config.data.min_new_trajectories:
+            detail = f"{len(data.used)} usable trajectories < min_new_trajectories={config.data.min_new_trajectories}"
+            with session_scope() as session:
+                finish_cycle(session, cycle_id, status="skipped", detail=detail, parent_id=parent.id,
+                             metrics={"excluded": data.excluded_counts(), **housekeeping})
+            span.set_attribute("flywheel.cycle.status", "skipped")
+            return CycleResult(status="skipped", detail=detail, **base, metrics=housekeeping)
+        with session_scope() as session:
+            start_cycle(session, cycle_id, parent.id)
+        span.set_attribute("flywheel.cycle_id", str(cycle_id))
+        try:
+            result = _train_and_register(config, store, parent, data, cycle_id, progress)
+        except Exception as exc:
+            with session_scope() as session:
+                finish_cycle(session, cycle_id, status="failed", detail=f"{type(exc).__name__}: {exc}"[:4000])
+            raise
+        result.metrics.update(housekeeping)
+        span.set_attributes({"flywheel.checkpoint_id": result.checkpoint_id, "flywheel.cycle.status": result.status})
+        return result
+
+
+def _parent_dir(store: CheckpointStore, parent) -> Path:
+    path = Path(parent.path)
+    if (path / STABLE).exists():
+        return path
+    if store.is_stable(parent.id):
+        return store.stable_path(parent.id)
+    raise CheckpointError(f"production checkpoint {parent.id} has no STABLE directory at {parent.path}")
+
+
+def _train_and_register(config: TrainerConfig, store: CheckpointStore, parent, data, cycle_id: uuid.UUID,
+                        progress: bool) -> CycleResult:
+    import torch
+
+    from app.core.db import session_scope
+    from app.models import Checkpoint
+    from trainer.batching import group_ids, pack_micro_batches
+    from trainer.checkpointing import load_policy, new_checkpoint_id, write_checkpoint
+    from trainer.delta import serving_state_dict
+    from trainer.loss import compute_advantages
+    from trainer.metrics import data_summary, step_progress, summarize
+    from trainer.records import register_candidate
+    from trainer.step import compute_old_logprobs, make_optimizer, train_steps
+
+    started = time.perf_counter()
+    parent_dir = _parent_dir(store, parent)
+    with _tracer.start_as_current_span("trainer.load") as span:
+        span.set_attribute("flywheel.parent_id", parent.id)
+        model = load_policy(parent_dir)
+        if config.gradient_checkpointing:
+            model.gradient_checkpointing_enable()
+        parent_serving = serving_state_dict(model)
+    groups = group_ids(data.used)
+    rewards = torch.tensor([t.reward for t in data.used], dtype=torch.float32)
+    advantages = compute_advantages(rewards, groups, singleton_baseline=config.data.singleton_baseline)
+    pad_id = model.config.pad_token_id if isinstance(model.config.pad_token_id, int) else 0
+    batches = pack_micro_batches(data.used, advantages, micro_batch_tokens=config.data.micro_batch_tokens,
+                                 pad_id=pad_id, seed=config.seed)
+    with _tracer.start_as_current_span("trainer.old_logprobs") as span:
+        mismatch = compute_old_logprobs(model, batches, config)
+        span.set_attributes({f"flywheel.{k}": v for k, v in mismatch.items()})
+    optimizer = make_optimizer(model, config)
+    total_steps = math.ceil(min(config.steps * config.grad_accum, config.max_epochs * len(batches)) / config.grad_accum)
+    with _tracer.start_as_current_span("trainer.train") as span, step_progress(total_steps, progress) as advance:
+        span.set_attribute("flywheel.trajectory_ids", [str(t.id) for t in data.used[:MAX_SPAN_IDS]])
+
+        def on_step(m) -> None:
+            advance(m)
+            span.add_event("step", {"step": m.step, "loss": m.loss, "kl": m.kl, "entropy": m.entropy,
+                                    "is_clip_frac": m.is_clip_frac, "tokens_per_s": m.tokens_per_s})
+
+        history = train_steps(model, batches, config, optimizer, on_step=on_step)
+    metrics = summarize(history, data=data_summary(rewards.tolist(), advantages.tolist(), int(groups.max()) + 1),
+                        mismatch=mismatch, seconds=time.perf_counter() - started)
+    checkpoint_id = new_checkpoint_id()
+    section = data.manifest_section()
+    for entry, adv in zip(section["trajectories"], advantages.tolist()):
+        entry["advantage"] = adv
+    manifest = {"parent_id": parent.id, "generation": parent.generation + 1, "cycle_id": str(cycle_id),
+                "created_at": datetime.now(timezone.utc).isoformat(), **section}
+    with _tracer.start_as_current_span("trainer.write_checkpoint") as span:
+        span.set_attribute("flywheel.checkpoint_id", checkpoint_id)
+        path, stats = write_checkpoint(store, checkpoint_id, model=model, parent_dir=parent_dir,
+                                       parent_serving=parent_serving, manifest=manifest, config=config,
+                                       metrics=metrics, curves=config.plot_curves,
+                                       optimizer=optimizer if config.save_optimizer else None)
+    metrics["delta"] = stats.to_dict()
+    with _tracer.start_as_current_span("trainer.register"), session_scope() as session:
+        register_candidate(session, cycle_id=cycle_id, checkpoint_id=checkpoint_id, path=str(path),
+                           parent=session.get(Checkpoint, parent.id), data=data,
+                           manifest=store.manifest(checkpoint_id), metrics=metrics)
+    summary = {k: v for k, v in metrics.items() if k != "history"}
+    return CycleResult(status="succeeded", detail=f"candidate {checkpoint_id} from {parent.id}",
+                       cycle_id=str(cycle_id), parent_id=parent.id, checkpoint_id=checkpoint_id, path=str(path),
+                       num_trajectories=len(data.used), excluded=data.excluded_counts(), metrics=summary)

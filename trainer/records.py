@@ -1,0 +1,116 @@
+"""Database side of a training cycle: the single-flight lock, cycle rows, and candidate registration.
+
+Invariants:
+- At most one cycle runs at a time: ``cycle_lock`` holds a session-level
+  ``pg_try_advisory_lock`` on its own connection for the whole cycle (released on exit, and by
+  Postgres if the process dies).
+- A candidate is registered all-or-nothing: the ``checkpoint`` row, its ``checkpoint_trajectory``
+  lineage rows, the ``training_cycle`` update (status, watermark) and the ``checkpoint.created``
+  outbox message are written in ONE transaction. Functions here flush, never commit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import uuid
+from collections.abc import Iterator
+from datetime import datetime, timezone
+from typing import Any
+
+from sqlalchemy import select, text, update
+from sqlalchemy.orm import Session
+
+from app.models import Checkpoint, TrainingCycle
+from app.repositories.checkpoints import add_checkpoint, add_checkpoint_trajectories
+from trainer.data import CycleData
+
+#: pg advisory lock key of the trainer ("flyw" << 32 | 5; see app/promotion and producers/relay).
+CYCLE_LOCK_KEY = (0x666C7977 << 32) | 5
+
+
+@contextlib.contextmanager
+def cycle_lock(engine) -> Iterator[bool]:
+    """Try to take the trainer's advisory lock; yields whether this process holds it.
+
+    The lock lives on a dedicated connection (session-level lock), so the cycle's own
+    transactions can commit freely while it is held.
+    """
+    with engine.connect() as conn:
+        got = bool(conn.execute(text("SELECT pg_try_advisory_lock(:k)"), {"k": CYCLE_LOCK_KEY}).scalar())
+        conn.commit()
+        try:
+            yield got
+        finally:
+            if got:
+                conn.execute(text("SELECT pg_advisory_unlock(:k)"), {"k": CYCLE_LOCK_KEY})
+                conn.commit()
+
+
+def fail_interrupted_cycles(session: Session) -> int:
+    """Mark ``running`` cycles as failed (only called while holding the lock: they are dead)."""
+    result = session.execute(update(TrainingCycle).where(TrainingCycle.status == "running")
+                             .values(status="failed", finished_at=datetime.now(timezone.utc),
+                                     detail="interrupted: the process died before finishing"))
+    return result.rowcount or 0
+
+
+def succeeded_cycle_ids(session: Session, cycle_ids: list[str]) -> set[str]:
+    """Which of ``cycle_ids`` (strings) belong to succeeded cycles."""
+    ids = [uuid.UUID(c) for c in cycle_ids]
+    if not ids:
+        return set()
+    return {str(i) for i in session.scalars(select(TrainingCycle.id).where(
+        TrainingCycle.id.in_(ids), TrainingCycle.status == "succeeded"))}
+
+
+def start_cycle(session: Session, cycle_id: uuid.UUID, parent_id: str) -> TrainingCycle:
+    """Insert a ``running`` cycle row; flush."""
+    row = TrainingCycle(id=cycle_id, status="running", parent_checkpoint_id=parent_id, num_trajectories=0,
+                        detail="", metrics={})
+    session.add(row)
+    session.flush()
+    return row
+
+
+def finish_cycle(session: Session, cycle_id: uuid.UUID, *, status: str, detail: str,
+                 metrics: dict[str, Any] | None = None, parent_id: str | None = None) -> None:
+    """Record a cycle that ended without a candidate (``skipped`` or ``failed``); flush."""
+    row = session.get(TrainingCycle, cycle_id)
+    if row is None:
+        row = TrainingCycle(id=cycle_id, parent_checkpoint_id=parent_id, num_trajectories=0)
+        session.add(row)
+    row.status, row.detail, row.metrics = status, detail, metrics or {}
+    row.finished_at = datetime.now(timezone.utc)
+    session.flush()
+
+
+def register_candidate(session: Session, *, cycle_id: uuid.UUID, checkpoint_id: str, path: str,
+                       parent: Checkpoint, data: CycleData, manifest: dict[str, Any],
+                       metrics: dict[str, Any]) -> Checkpoint:
+    """Insert the candidate, its lineage, the cycle's success and ``checkpoint.created``; flush.
+
+    The caller's transaction makes the four writes atomic (see module docstring).
+    """
+    from app.promotion.outbox import enqueue_lifecycle
+
+    summary = {k: v for k, v in metrics.items() if k != "history"}
+    row = add_checkpoint(session, checkpoint_id=checkpoint_id, path=path, status="candidate", parent_id=parent.id,
+                         generation=parent.generation + 1, manifest=manifest, metrics=summary,
+                         reward_spec=data.reward_spec, num_trajectories=len(data.used), stable=True)
+    add_checkpoint_trajectories(session, checkpoint_id,
+                                [(t.id, t.user_id, t.task_id) for t in data.used])
+    cycle = session.get(TrainingCycle, cycle_id)
+    cycle.status, cycle.checkpoint_id = "succeeded", checkpoint_id
+    cycle.num_trajectories = len(data.used)
+    cycle.watermark_finalized_at, cycle.watermark_trajectory_id = data.watermark or (None, None)
+    cycle.watermark_seq = data.watermark_seq
+    cycle.metrics = {"excluded": data.excluded_counts(), **{k: v for k, v in summary.items() if k != "data"},
+                     "data": summary.get("data", {})}
+    cycle.detail = f"candidate {checkpoint_id} from {parent.id} on {len(data.used)} trajectories"
+    cycle.finished_at = datetime.now(timezone.utc)
+    enqueue_lifecycle(session, "checkpoint.created", checkpoint_id, parent_id=parent.id,
+                      generation=parent.generation + 1, path=path, reward_spec=data.reward_spec,
+                      num_trajectories=len(data.used), delta=manifest.get("delta", {}).get("file"),
+                      cycle_id=str(cycle_id))
+    session.flush()
+    return row

@@ -1,0 +1,177 @@
+"""The RL step: one cycle's optimizer steps on production trajectories, readable on one screen.
+
+Textbook GRPO (Shao et al. 2024, DeepSeekMath) samples G completions per prompt from the current
+policy, normalizes rewards by the group's mean and std, averages the clipped surrogate per
+sequence, and adds a KL penalty to a frozen reference. Our setting differs -- the data are
+developers' sessions collected by *earlier* checkpoints over hours -- so this loop deviates
+(after karpathy/nanochat ``scripts/chat_rl.py``, which lists its own deviations the same way):
+
+1. **Off-policy data, not fresh samples.** Tokens were sampled by the serving checkpoint(s), up to
+   ``max_staleness_generations`` behind, through a different inference stack. Each token's loss is
+   reweighted by ``min(pi_old / mu, C)`` with ``mu`` the behaviour log-prob recorded at serving
+   time (truncated importance sampling: IMPALA; Yao et al. 2025).
+2. **pi_old is recomputed, not remembered.** Before the first update the trainer scores every
+   trainable token under the parent checkpoint (``compute_old_logprobs``), so the PPO ratio and
+   its clip are against the policy at the start of the cycle. That pass also measures the
+   serving/trainer mismatch ``KL(mu || pi_old)`` before anything is trained.
+3. **Groups are tasks, and may be singletons.** A group is every trajectory on one task; a task seen
+   once is compared with the batch mean (REINFORCE baseline) instead of giving zero advantage.
+4. **No std normalization, constant normalizer** (Dr. GRPO, Liu et al. 2025): loss sums over tokens
+   and divides by a fixed token count, the same for every micro-batch and step.
+5. **No KL to a frozen reference by default** (``kl_coef = 0``; the trust region is the clip and
+   the gate). KL to the parent is always *reported*; ``kl_coef > 0`` adds it (k1 or k3).
+6. **Multi-turn, tool-using trajectories.** Only the model's own tokens are trained (loss mask);
+   prompts, tool outputs and the developer's text are context. A session split by
+   self-summarization is several rows sharing one reward.
+7. **Log-probs never materialize [tokens x vocab] logits**: hidden states of the trainable positions
+   go through :func:`kernels.chunked_logprobs` with the LM head (Triton on GPU, chunked torch on
+   CPU), divided by the serving temperature first.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from kernels import chunked_logprobs
+from trainer.batching import MicroBatch
+from trainer.config import TrainerConfig
+from trainer.loss import LossInputs, policy_loss
+
+
+def token_logprobs(model: torch.nn.Module, mb: MicroBatch, config: TrainerConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-probs and entropies of a micro-batch's trainable tokens under ``model``.
+
+    Returns:
+        ``(logprobs [N], entropy [N])`` fp32, nats, of ``softmax(logits / temperature)``.
+
+    Raises:
+        ValueError: the LM head has a bias (not supported by the fused path).
+    """
+    decoder = model.get_decoder()
+    head = model.get_output_embeddings()
+    if getattr(head, "bias", None) is not None:
+        raise ValueError("LM heads with a bias are not supported")
+    hidden = decoder(input_ids=mb.input_ids, attention_mask=mb.attention_mask).last_hidden_state
+    hidden = hidden.reshape(-1, hidden.shape[-1]).index_select(0, mb.hidden_index)
+    if config.loss.temperature != 1.0:
+        hidden = hidden / config.loss.temperature  # logits / T == (h / T) W^T
+    return chunked_logprobs(hidden, head.weight, mb.targets, config.logprob_chunk_size, config.logprob_backend)
+
+
+@torch.no_grad()
+def compute_old_logprobs(model: torch.nn.Module, batches: list[MicroBatch], config: TrainerConfig) -> dict[str, float]:
+    """Fill ``mb.old_logprobs`` with the parent policy's log-probs; return mismatch statistics.
+
+    Returns:
+        ``{"mismatch_kl", "mismatch_is_clip_frac", "old_entropy"}`` averaged over trainable tokens.
+    """
+    was_training = model.training
+    model.eval()
+    kl = clipped = ent = n = 0.0
+    for mb in batches:
+        lp, entropy = token_logprobs(model, mb, config)
+        mb.old_logprobs = lp.detach()
+        log_is = mb.old_logprobs - mb.behaviour_logprobs
+        kl += float((torch.expm1(log_is) - log_is).sum())
+        clipped += float((log_is > math.log(config.loss.is_cap)).sum())
+        ent += float(entropy.sum())
+        n += mb.num_trainable
+    model.train(was_training)
+    n = max(n, 1.0)
+    return {"mismatch_kl": kl / n, "mismatch_is_clip_frac": clipped / n, "old_entropy": ent / n}
+
+
+@dataclass
+class StepMetrics:
+    """Metrics of one optimizer step (token-weighted means over its micro-batches)."""
+
+    step: int
+    loss: float = 0.0
+    pg_loss: float = 0.0
+    kl: float = 0.0
+    mismatch_kl: float = 0.0
+    is_clip_frac: float = 0.0
+    ppo_clip_frac: float = 0.0
+    ratio: float = 0.0
+    entropy: float = 0.0
+    advantage_mean: float = 0.0
+    advantage_abs: float = 0.0
+    grad_norm: float = 0.0
+    lr: float = 0.0
+    trainable_tokens: int = 0
+    tokens: int = 0
+    seconds: float = 0.0
+    tokens_per_s: float = 0.0
+    extra: dict[str, float] = field(default_factory=dict)
+
+
+def micro_batch_schedule(batches: list[MicroBatch], config: TrainerConfig) -> Iterator[list[MicroBatch]]:
+    """Groups of ``grad_accum`` micro-batches, one per step: epochs over ``batches`` reshuffled per
+    epoch, at most ``steps`` groups and ``max_epochs`` passes."""
+    total = min(config.steps * config.grad_accum, config.max_epochs * len(batches))
+    g = torch.Generator().manual_seed(config.seed)
+    order: list[int] = []
+    while len(order) < total:
+        order.extend(torch.randperm(len(batches), generator=g).tolist())
+    order = order[:total]
+    for s in range(0, total, config.grad_accum):
+        yield [batches[i] for i in order[s:s + config.grad_accum]]
+
+
+def make_optimizer(model: torch.nn.Module, config: TrainerConfig) -> torch.optim.Optimizer:
+    """AdamW over the trainable parameters (tied weights once)."""
+    o = config.optim
+    return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=o.lr, betas=o.betas,
+                             eps=o.eps, weight_decay=o.weight_decay)
+
+
+def train_steps(model: torch.nn.Module, batches: list[MicroBatch], config: TrainerConfig,
+                optimizer: torch.optim.Optimizer, *,
+                on_step: Callable[[StepMetrics], None] | None = None) -> list[StepMetrics]:
+    """Run the cycle's optimizer steps (needs ``old_logprobs`` filled). Returns per-step metrics."""
+    model.train()
+    history = []
+    normalizer = config.normalizer()
+    for step, group in enumerate(micro_batch_schedule(batches, config), start=1):
+        lr = config.optim.lr * min(1.0, step / config.optim.warmup_steps) if config.optim.warmup_steps else config.optim.lr
+        for pg in optimizer.param_groups:
+            pg["lr"] = lr
+        start = time.perf_counter()
+        optimizer.zero_grad(set_to_none=True)
+        m = StepMetrics(step=step, lr=lr)
+        sums = dict.fromkeys(("pg", "kl", "mkl", "isc", "ppoc", "ratio", "ent", "adv", "advabs"), 0.0)
+        for mb in group:
+            logp, entropy = token_logprobs(model, mb, config)
+            out = policy_loss(
+                LossInputs(logprobs=logp, old_logprobs=mb.old_logprobs, behaviour_logprobs=mb.behaviour_logprobs,
+                           advantages=mb.advantages, loss_mask=torch.ones_like(logp, dtype=torch.bool),
+                           ref_logprobs=mb.old_logprobs),
+                normalizer=normalizer, is_cap=config.loss.is_cap, clip_eps_low=config.loss.clip_eps_low,
+                clip_eps_high=config.loss.clip_eps_high, kl_coef=config.loss.kl_coef,
+                kl_estimator=config.loss.kl_estimator)
+            out.loss.backward()
+            m.loss += float(out.loss.detach())
+            for key, value in (("pg", out.pg_loss_sum), ("kl", out.kl_sum), ("mkl", out.mismatch_kl_sum),
+                               ("isc", out.is_clipped), ("ppoc", out.ppo_clipped), ("ratio", out.ratio_sum),
+                               ("ent", entropy.detach().sum()), ("adv", mb.advantages.sum()),
+                               ("advabs", mb.advantages.abs().sum())):
+                sums[key] += float(value)
+            m.trainable_tokens += mb.num_trainable
+            m.tokens += mb.num_tokens
+        m.grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), config.optim.max_grad_norm))
+        optimizer.step()
+        m.seconds = time.perf_counter() - start
+        n = max(m.trainable_tokens, 1)
+        m.pg_loss, m.kl, m.mismatch_kl = sums["pg"] / n, sums["kl"] / n, sums["mkl"] / n
+        m.is_clip_frac, m.ppo_clip_frac, m.ratio = sums["isc"] / n, sums["ppoc"] / n, sums["ratio"] / n
+        m.entropy, m.advantage_mean, m.advantage_abs = sums["ent"] / n, sums["adv"] / n, sums["advabs"] / n
+        m.tokens_per_s = m.tokens / max(m.seconds, 1e-9)
+        history.append(m)
+        if on_step is not None:
+            on_step(m)
+    return history

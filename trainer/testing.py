@@ -1,0 +1,138 @@
+"""Test helpers for the trainer: tiny policies, behaviour log-probs, and trajectory rows.
+
+Used by the trainer's unit and integration tests and benches; not imported by the service.
+Trajectories are written straight into ``trajectory`` / ``trajectory_segment`` / ``reward_label``
+the way the consumers project them (token arrays packed with ``app.events.packing``).
+"""
+
+from __future__ import annotations
+
+import uuid
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from app.events.packing import pack_floats, pack_ints
+from trainer.data import Segment, TrajectoryData
+
+
+def tiny_policy(seed: int = 0, vocab_size: int = 512, hidden_size: int = 64, num_layers: int = 2):
+    """A tiny random ``LlamaForCausalLM`` (fp32, tied embeddings) built in memory."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
+                      num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2,
+                      max_position_embeddings=1024, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2,
+                      pad_token_id=2)
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(cfg)
+    return model
+
+
+def tiny_policy_dir(directory: Path, seed: int = 0) -> Path:
+    """A tiny random Llama HF folder: the serving area's ``build_tiny_model`` (SmolLM2 tokenizer)
+    when available, else an in-memory :func:`tiny_policy` saved without tokenizer."""
+    try:
+        from ops.serving.testing import build_tiny_model
+    except ImportError:
+        directory.mkdir(parents=True, exist_ok=True)
+        tiny_policy(seed).save_pretrained(directory, safe_serialization=True)
+        return directory
+    return build_tiny_model(directory, seed=seed)
+
+
+@torch.no_grad()
+def sequence_logprobs(model, token_ids: list[int], temperature: float = 1.0) -> np.ndarray:
+    """``[T]`` float32 log-probs of each token given its prefix under ``model`` (0 for token 0)."""
+    ids = torch.tensor([token_ids])
+    logits = model(input_ids=ids).logits[0, :-1].float() / temperature
+    lp = torch.log_softmax(logits, -1).gather(1, ids[0, 1:, None]).squeeze(1)
+    return np.concatenate([[0.0], lp.numpy()]).astype(np.float32)
+
+
+def make_segment(prompt: list[int], completion: list[int], behaviour: np.ndarray | None = None) -> Segment:
+    """A one-turn segment: ``prompt + completion`` with the loss mask on the completion.
+
+    ``behaviour`` is the ``[T]`` log-prob array of the whole sequence (only completion positions
+    are kept); zeros when omitted.
+    """
+    ids = np.asarray(prompt + completion, dtype=np.int32)
+    mask = np.zeros(len(ids), dtype=np.uint8)
+    mask[len(prompt):] = 1
+    lp = np.zeros(len(ids), dtype=np.float32) if behaviour is None else np.asarray(behaviour, dtype=np.float32).copy()
+    lp[mask == 0] = 0.0
+    return Segment(ids, mask, lp)
+
+
+def make_trajectory(segments: list[Segment], reward: float, task_id: str | None = "task-0") -> TrajectoryData:
+    """An in-memory :class:`TrajectoryData` (no database)."""
+    tid = uuid.uuid4()
+    return TrajectoryData(id=tid, session_id=f"s-{tid.hex[:8]}", user_id="u", task_id=task_id, reward=reward,
+                          group=task_id or f"session:{tid}", finalized_at=datetime.now(timezone.utc),
+                          segments=segments, event_ids=[], offsets={}, max_event_seq=None,
+                          serving_checkpoints=["base"])
+
+
+def insert_trajectory(session, *, segments: list[Segment], reward: float | None, task_id: str | None = "task-0",
+                      checkpoint_id: str = "base", spec: str = "implicit@1", user_id: str = "user-1",
+                      finalized_at: datetime | None = None, last_event_at: datetime | None = None,
+                      status: str = "finalized", reserved_for_eval: bool = False,
+                      max_event_seq: int | None = None) -> uuid.UUID:
+    """Insert a trajectory, its segments and (unless ``reward`` is None) its reward label; flush.
+
+    Returns:
+        The trajectory id.
+    """
+    from app.models import RewardLabel, Trajectory, TrajectorySegment
+
+    now = datetime.now(timezone.utc)
+    finalized_at = finalized_at or now - timedelta(minutes=10)
+    tid = uuid.uuid4()
+    event_ids = [uuid.uuid4() for _ in segments]
+    session.add(Trajectory(
+        id=tid, session_id=f"sess-{tid.hex[:12]}", user_id=user_id, org_id="org", task_id=task_id,
+        task_source="test", checkpoint_id=checkpoint_id, status=status, started_at=finalized_at - timedelta(minutes=5),
+        ended_at=finalized_at - timedelta(minutes=1), last_event_at=last_event_at or finalized_at - timedelta(minutes=1),
+        finalized_at=finalized_at if status == "finalized" else None, num_segments=len(segments),
+        num_turns=len(segments), completion_tokens=int(sum(int(s.loss_mask.sum()) for s in segments)),
+        ran_tests=False, test_commands=[], expected_signals=[], signals={}, event_ids=event_ids,
+        max_event_seq=max_event_seq, reserved_for_eval=reserved_for_eval))
+    session.flush()
+    for i, seg in enumerate(segments):
+        session.add(TrajectorySegment(
+            trajectory_id=tid, segment_index=i, checkpoint_id=checkpoint_id, token_ids=pack_ints(seg.token_ids),
+            loss_mask=seg.loss_mask.astype(np.uint8).tobytes(), behaviour_logprobs=pack_floats(seg.behaviour_logprobs),
+            num_tokens=len(seg.token_ids), num_completion_tokens=int(seg.loss_mask.sum()), num_turns=1,
+            tool_calls=[], tool_results=[], event_ids=[event_ids[i]],
+            min_offset={"editor.interactions:0": 10 * i}, max_offset={"editor.interactions:0": 10 * i + 5}))
+    if reward is not None:
+        session.add(RewardLabel(trajectory_id=tid, spec=spec, reward=reward, components={"test": reward}))
+    session.flush()
+    return tid
+
+
+def register_checkpoint_dir(session, store, src: Path, checkpoint_id: str = "base", *, status: str = "production",
+                            generation: int = 0, parent_id: str | None = None) -> Path:
+    """Publish a HF folder into ``store`` as ``checkpoint_id`` and insert its row; flush.
+
+    Returns:
+        The STABLE directory.
+    """
+    import json
+    import shutil
+
+    from app.repositories.checkpoints import add_checkpoint
+
+    with store.writer(checkpoint_id) as staging:
+        for f in Path(src).iterdir():
+            if f.is_file():
+                shutil.copy2(f, staging / f.name)
+        (staging / "manifest.json").write_text(json.dumps({"checkpoint_id": checkpoint_id, "kind": "base",
+                                                           "parent_id": parent_id}))
+    path = store.stable_path(checkpoint_id)
+    add_checkpoint(session, checkpoint_id=checkpoint_id, path=str(path), status=status, parent_id=parent_id,
+                   generation=generation, manifest=store.manifest(checkpoint_id))
+    return path
