@@ -102,6 +102,7 @@ class EventProducer:
         self._down = False                   # last broker attempt failed
         self._retry_at = 0.0
         self._backoff = 0.0
+        self._attempts = 0                   # delivery attempts concluded (flush waits for one)
         self._flushing = 0
         self._stop = False
         self._wake = threading.Event()
@@ -163,19 +164,23 @@ class EventProducer:
 
     def flush(self, timeout_s: float | None = None) -> None:
         """Block until every event emitted before this call is acknowledged by the broker — or,
-        while the broker is unreachable, durably spooled (fsync'd) — or ``timeout_s`` seconds
-        pass. Never raises for broker faults."""
+        if a delivery attempt made after this call fails, durably spooled (fsync'd) — or
+        ``timeout_s`` seconds pass. Never raises for broker faults."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         with self._lock:
             target = self._counts["sent"] + len(self._buffer) + self._inflight + self._spool.pending
+        attempts = self._attempts
         with self._progress:
             self._flushing += 1
+        self._retry_at = 0.0  # a flush retries a down broker now rather than after the backoff
         self._wake.set()
         try:
             with self._progress:
                 while self._thread.is_alive():
-                    if self._counts["sent"] >= target or (self._down and self._durable()):
+                    if self._counts["sent"] >= target:
                         return
+                    if self._down and self._attempts > attempts and self._durable():
+                        return  # the broker refused an attempt made after this call
                     remaining = None if deadline is None else deadline - time.monotonic()
                     if remaining is not None and remaining <= 0:
                         return
@@ -305,6 +310,7 @@ class EventProducer:
             self._fault(exc or RuntimeError(f"{len(failed)} records not acknowledged"))
         else:
             self._down, self._backoff = False, 0.0
+            self._attempts += 1
 
     def _send(self, records: list[Record]) -> tuple[list[Record], Exception | None]:
         """Send a batch and wait for its acknowledgements. Returns the records not acknowledged."""
@@ -347,6 +353,7 @@ class EventProducer:
         self._down = True
         self._backoff = min(self.max_backoff_s, max(0.25, self._backoff * 2))
         self._retry_at = time.monotonic() + self._backoff
+        self._attempts += 1
         log.warning("broker fault (%s: %s); spooling, retry in %.2fs", type(exc).__name__, exc, self._backoff)
         if self._on_error is not None:
             try:
