@@ -78,4 +78,5 @@ AUTH_RESPONSES = {401: {"model": ErrorBody, "description": "missing, unknown or 
                   403: {"model": ErrorBody, "description": "the token's role lacks the permission"},
                   422: {"model": ErrorBody, "description": "invalid request"}}
 NOT_FOUND = {404: {"model": ErrorBody, "description": "no such entity"}}
-CONFLICT = {409: {"model": ErrorBody, "description": "refused, with every reason"}}
+CONFLICT = {409: {"model": ErrorBody, "description": "refused, with every reason"},
+            400: {"model": ErrorBody, "description": "the body is not JSON"}}

@@ -112,3 +112,15 @@ def test_health_and_dashboard_need_no_token(client):
     assert page.status_code == 200 and "text/html" in page.headers["content-type"]
     missing = client.get("/v1/does-not-exist")
     _assert_error(missing, 404, "not_found")
+
+
+def test_readyz_reports_each_unreachable_dependency(client, kafka_bootstrap, monkeypatch):
+    from app.core.settings import get_settings
+
+    get_settings.cache_clear()
+    assert client.get("/readyz").json() == {"status": "ready", "checks": {"database": "ok", "broker": "ok"}}
+    monkeypatch.setenv("FLYWHEEL_KAFKA_BOOTSTRAP", "127.0.0.1:1")
+    get_settings.cache_clear()
+    resp = client.get("/readyz")
+    _assert_error(resp, 503, "unavailable")
+    assert resp.json()["error"]["reasons"] == ["broker: 127.0.0.1:1 does not answer"]

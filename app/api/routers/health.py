@@ -29,11 +29,15 @@ def _check_database() -> str | None:
 
 
 def _check_broker() -> str | None:
-    from ops.stack import broker_healthy
+    from ops.stack import broker_healthy, port_open
 
     bootstrap = get_settings().kafka.bootstrap
     if not bootstrap:
         return "broker: FLYWHEEL_KAFKA_BOOTSTRAP is not configured"
+    # A TCP probe first: kafka-python's client waits ~30 s for a dead bootstrap, a probe must not.
+    hosts = [h.strip().rsplit(":", 1) for h in bootstrap.split(",") if h.strip()]
+    if not any(len(h) == 2 and h[1].isdigit() and port_open(h[0].strip("[]"), int(h[1]), timeout=1.0) for h in hosts):
+        return f"broker: {bootstrap} does not answer"
     return None if broker_healthy(bootstrap, timeout_s=2.0) else f"broker: {bootstrap} does not answer"
 
 
