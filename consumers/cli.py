@@ -1,10 +1,159 @@
-"""CLI commands of this package (registered on the main ``flywheel`` app). Import heavy modules
-inside the command functions, never at module level."""
+"""CLI commands of this package (registered on the main ``flywheel`` app): ``consume``, ``finalize``,
+``relabel``, ``replay``, ``erase``, ``rewards``. Heavy modules are imported inside the commands."""
 
 from __future__ import annotations
 
+import json
+
 import typer
+
+rewards_app = typer.Typer(no_args_is_help=True, help="Reward specs (TOML, name@version).")
+
+
+def _setup(service: str) -> None:
+    import logging
+
+    from app.core.telemetry import configure_telemetry
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("kafka").setLevel(logging.WARNING)
+    configure_telemetry(service)
+
+
+def consume(
+    group: str = typer.Option(None, help="consumer group (default FLYWHEEL_KAFKA_CONSUMER_GROUP)"),
+    topic: str = typer.Option(None, help="topic (default FLYWHEEL_KAFKA_INTERACTIONS_TOPIC)"),
+    idle_exit: float = typer.Option(None, help="exit after this many seconds without records"),
+    stop_after: int = typer.Option(None, help="exit after this many records"),
+) -> None:
+    """Run one ingest consumer: Kafka -> event_log + trajectories + offsets, one transaction per batch.
+    Start several to split the partitions. SIGTERM/SIGINT finish the current batch and leave the group."""
+    import signal
+
+    from consumers.ingest import IngestConsumer
+
+    _setup("flywheel-consumer")
+    consumer = IngestConsumer(topic=topic, group_id=group)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: consumer.stop())
+    stats = consumer.run(idle_exit_s=idle_exit, stop_after=stop_after)
+    typer.echo(json.dumps({"messages": stats.messages, "stored": stats.stored, "duplicates": stats.duplicates,
+                           "stale": stats.stale, "dead_letters": dict(stats.dead_letters),
+                           "finalized": dict(stats.finalized), "batches": stats.batches,
+                           "processing_errors": stats.processing_errors}))
+
+
+def finalize() -> None:
+    """Finalize provisional trajectories whose late-signal window has closed, and label them."""
+    from consumers.finalize import finalize_due
+    from consumers.ingest import projector_from_settings
+    from consumers.settings import get_consumer_settings
+
+    _setup("flywheel-finalize")
+    done = finalize_due(projector_from_settings(), get_consumer_settings().finalize_grace_s)
+    typer.echo(json.dumps({"finalized": dict(done)}))
+
+
+def relabel(
+    spec: str = typer.Option(..., "--spec", help="reward spec name@version, e.g. implicit@2"),
+    baseline: str = typer.Option(None, help="spec whose labels are 'before' (default: the same spec, or the first active one)"),
+    as_json: bool = typer.Option(False, "--json", help="print the report as JSON"),
+) -> None:
+    """Recompute labels of finalized trajectories from event_log (late signals included) and show how
+    the reward distribution moved."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from consumers.relabel import relabel as run_relabel
+
+    report = run_relabel(spec, baseline=baseline)
+    if as_json:
+        typer.echo(json.dumps(report.to_dict()))
+        return
+    table = Table("", f"before ({report.baseline})", f"after ({report.spec})", "delta",
+                  title=f"relabeled {report.relabeled} trajectories, {report.changed} changed, "
+                        f"{report.late_signals_used} late signals now counted")
+    for k in ("n", "mean", "std", "min", "p10", "p25", "p50", "p75", "p90", "max"):
+        b, a = report.before.get(k), report.after.get(k)
+        table.add_row(k, f"{b:.4f}" if k != "n" else str(b), f"{a:.4f}" if k != "n" else str(a),
+                      f"{a - b:+.4f}" if k != "n" else f"{a - b:+d}")
+    Console().print(table)
+
+
+def replay(
+    schema: str = typer.Option(None, help="rebuild into this new schema (live tables untouched) instead of in place"),
+    verify: bool = typer.Option(False, help="rebuild into a scratch schema, diff with the live tables, drop it"),
+) -> None:
+    """Rebuild trajectories, segments and labels from event_log into empty tables."""
+    import uuid
+
+    from app.core.db import session_scope
+    from consumers.ingest import projector_from_settings
+    from consumers.replay import compare_projections, drop_schema, dump_projection, replay as run_replay
+    from consumers.settings import get_consumer_settings
+
+    grace = get_consumer_settings().finalize_grace_s
+    if verify:
+        schema = f"replay_{uuid.uuid4().hex[:8]}"
+    report = run_replay(projector_from_settings(), grace_s=grace, schema=schema)
+    result = {"events": report.events, "trajectories": report.trajectories,
+              "finalized_by_window": report.finalized_by_window, "schema": schema,
+              "skipped_invalid": len(report.skipped_invalid)}
+    if verify:
+        with session_scope() as s:
+            diffs = compare_projections(dump_projection(s), dump_projection(s, schema))
+            drop_schema(s, schema)  # type: ignore[arg-type]
+        result["identical"] = not diffs
+        result["differences"] = diffs
+    typer.echo(json.dumps(result))
+    if verify and diffs:
+        raise typer.Exit(1)
+
+
+def erase(
+    user: str = typer.Argument(..., help="pseudonymous user id"),
+    request_id: str = typer.Option(None, help="idempotency key (default: a new uuid)"),
+) -> None:
+    """Erase a user now (same path as a user.erasure_requested event): events, trajectories, dead
+    letters; flag checkpoints trained on them."""
+    import uuid
+    from datetime import datetime, timezone
+
+    from app.core.db import session_scope
+    from consumers.erasure import erase_user
+
+    with session_scope() as s:
+        out = erase_user(s, user, request_id or str(uuid.uuid4()), datetime.now(timezone.utc))
+    typer.echo(json.dumps({"request_id": out.request_id, "events_deleted": out.events_deleted,
+                           "trajectories_deleted": out.trajectories_deleted,
+                           "dead_letters_deleted": out.dead_letters_deleted,
+                           "checkpoints_flagged": out.checkpoints_flagged, "already_done": out.already_done}))
+
+
+@rewards_app.command("list")
+def rewards_list() -> None:
+    """Available reward specs (shipped and FLYWHEEL_CONSUMER_REWARD_SPEC_DIR), active ones marked."""
+    from consumers.rewards.spec import available_specs
+    from consumers.settings import get_consumer_settings
+
+    active = set(get_consumer_settings().reward_specs)
+    for spec_id, spec in sorted(available_specs().items()):
+        typer.echo(f"{'*' if spec_id in active else ' '} {spec_id:20s} {spec.digest()}  {spec.description}")
+
+
+@rewards_app.command("show")
+def rewards_show(spec: str = typer.Argument(..., help="name@version")) -> None:
+    """The resolved spec as JSON."""
+    from consumers.rewards.spec import load_spec
+
+    typer.echo(json.dumps(load_spec(spec).model_dump(mode="json"), indent=2))
 
 
 def register(app: typer.Typer) -> None:
     """Add this package's commands to the main app."""
+    app.command("consume")(consume)
+    app.command("finalize")(finalize)
+    app.command("relabel")(relabel)
+    app.command("replay")(replay)
+    app.command("erase")(erase)
+    app.add_typer(rewards_app, name="rewards")

@@ -13,7 +13,7 @@ from datetime import datetime
 from typing import Any
 
 from sqlalchemy import (BigInteger, Boolean, DateTime, Float, ForeignKey, Index, Integer,
-                        LargeBinary, String, Text)
+                        LargeBinary, String, Text, text)
 from sqlalchemy.dialects.postgresql import ARRAY, JSONB, UUID
 from sqlalchemy.orm import Mapped, mapped_column
 
@@ -50,9 +50,18 @@ class Trajectory(Base):
     event_ids: Mapped[list[uuid.UUID]] = mapped_column(ARRAY(UUID(as_uuid=True)), nullable=False, default=list)
     max_event_seq: Mapped[int | None] = mapped_column(BigInteger, comment="highest event_log.seq folded in")
     reserved_for_eval: Mapped[bool] = mapped_column(Boolean, nullable=False, default=False)
+    window_closes_at: Mapped[datetime | None] = mapped_column(
+        DateTime(timezone=True),
+        comment="ingestion-clock instant after which a provisional trajectory is finalized by the window")
+    finalized_by: Mapped[str | None] = mapped_column(String(16), comment="signals | window | abandoned")
+    late_event_ids: Mapped[list[uuid.UUID]] = mapped_column(
+        ARRAY(UUID(as_uuid=True)), nullable=False, default=list,
+        comment="events that arrived after finalization (kept in event_log, ignored by this label)")
 
     __table_args__ = (
         Index("ix_trajectory_status_finalized", "status", "finalized_at"),
+        Index("ix_trajectory_provisional_window", "window_closes_at",
+              postgresql_where=text("status = 'provisional'")),
         Index("ix_trajectory_user_id", "user_id"),
         Index("ix_trajectory_task_id", "task_id"),
     )
@@ -68,6 +77,10 @@ class TrajectorySegment(Base):
     )
     segment_index: Mapped[int] = mapped_column(Integer, primary_key=True)
     checkpoint_id: Mapped[str | None] = mapped_column(String(128), comment="serving checkpoint of its turns")
+    turn_checkpoint_ids: Mapped[list[str]] = mapped_column(
+        ARRAY(Text), nullable=False, default=list, comment="serving checkpoint of each turn, in order")
+    turn_token_offsets: Mapped[list[int]] = mapped_column(
+        ARRAY(Integer), nullable=False, default=list, comment="start of each turn's prompt piece in token_ids")
     token_ids: Mapped[bytes] = mapped_column(LargeBinary, nullable=False, default=b"")
     loss_mask: Mapped[bytes] = mapped_column(LargeBinary, nullable=False, default=b"")
     behaviour_logprobs: Mapped[bytes] = mapped_column(LargeBinary, nullable=False, default=b"")
@@ -108,4 +121,9 @@ class ErasureRequest(Base):
     trajectories_deleted: Mapped[int] = mapped_column(Integer, nullable=False, default=0)
     trajectory_ids: Mapped[list[uuid.UUID]] = mapped_column(ARRAY(UUID(as_uuid=True)), nullable=False, default=list)
     checkpoints_flagged: Mapped[list[str]] = mapped_column(ARRAY(Text), nullable=False, default=list)
+    dead_letters_deleted: Mapped[int] = mapped_column(Integer, nullable=False, default=0)
+    requested_at: Mapped[datetime | None] = mapped_column(
+        DateTime(timezone=True), comment="occurred_at of the request; older events of the user are dropped")
     created_at: Mapped[datetime] = created_at_column()
+
+    __table_args__ = (Index("ix_erasure_request_user_id", "user_id"),)

@@ -26,10 +26,13 @@ def upgrade() -> None:
     sa.Column('trajectories_deleted', sa.Integer(), nullable=False),
     sa.Column('trajectory_ids', postgresql.ARRAY(sa.UUID()), nullable=False),
     sa.Column('checkpoints_flagged', postgresql.ARRAY(sa.Text()), nullable=False),
+    sa.Column('dead_letters_deleted', sa.Integer(), nullable=False),
+    sa.Column('requested_at', sa.DateTime(timezone=True), nullable=True, comment='occurred_at of the request; older events of the user are dropped'),
     sa.Column('created_at', sa.DateTime(timezone=True), server_default=sa.text('now()'), nullable=False),
     sa.PrimaryKeyConstraint('id', name=op.f('pk_erasure_request')),
     sa.UniqueConstraint('request_id', name=op.f('uq_erasure_request_request_id'))
     )
+    op.create_index('ix_erasure_request_user_id', 'erasure_request', ['user_id'], unique=False)
     op.create_table('trajectory',
     sa.Column('id', sa.UUID(), nullable=False),
     sa.Column('session_id', sa.String(length=128), nullable=False),
@@ -55,10 +58,14 @@ def upgrade() -> None:
     sa.Column('event_ids', postgresql.ARRAY(sa.UUID()), nullable=False),
     sa.Column('max_event_seq', sa.BigInteger(), nullable=True, comment='highest event_log.seq folded in'),
     sa.Column('reserved_for_eval', sa.Boolean(), nullable=False),
+    sa.Column('window_closes_at', sa.DateTime(timezone=True), nullable=True, comment='ingestion-clock instant after which a provisional trajectory is finalized by the window'),
+    sa.Column('finalized_by', sa.String(length=16), nullable=True, comment='signals | window | abandoned'),
+    sa.Column('late_event_ids', postgresql.ARRAY(sa.UUID()), nullable=False, comment='events that arrived after finalization (kept in event_log, ignored by this label)'),
     sa.PrimaryKeyConstraint('id', name=op.f('pk_trajectory')),
     sa.UniqueConstraint('session_id', name=op.f('uq_trajectory_session_id'))
     )
     op.create_index('ix_trajectory_status_finalized', 'trajectory', ['status', 'finalized_at'], unique=False)
+    op.create_index('ix_trajectory_provisional_window', 'trajectory', ['window_closes_at'], unique=False, postgresql_where=sa.text("status = 'provisional'"))
     op.create_index('ix_trajectory_task_id', 'trajectory', ['task_id'], unique=False)
     op.create_index('ix_trajectory_user_id', 'trajectory', ['user_id'], unique=False)
     op.create_table('reward_label',
@@ -74,6 +81,8 @@ def upgrade() -> None:
     sa.Column('trajectory_id', sa.UUID(), nullable=False),
     sa.Column('segment_index', sa.Integer(), nullable=False),
     sa.Column('checkpoint_id', sa.String(length=128), nullable=True, comment='serving checkpoint of its turns'),
+    sa.Column('turn_checkpoint_ids', postgresql.ARRAY(sa.Text()), nullable=False, comment='serving checkpoint of each turn, in order'),
+    sa.Column('turn_token_offsets', postgresql.ARRAY(sa.Integer()), nullable=False, comment="start of each turn's prompt piece in token_ids"),
     sa.Column('token_ids', sa.LargeBinary(), nullable=False),
     sa.Column('loss_mask', sa.LargeBinary(), nullable=False),
     sa.Column('behaviour_logprobs', sa.LargeBinary(), nullable=False),
@@ -89,6 +98,10 @@ def upgrade() -> None:
     sa.PrimaryKeyConstraint('trajectory_id', 'segment_index', name=op.f('pk_trajectory_segment'))
     )
     # ### end Alembic commands ###
+    # Token ids and log-probs are incompressible: store them out of line without trying pglz on
+    # every rewrite of an open segment.
+    op.execute("ALTER TABLE trajectory_segment ALTER COLUMN token_ids SET STORAGE EXTERNAL, "
+               "ALTER COLUMN behaviour_logprobs SET STORAGE EXTERNAL")
 
 
 def downgrade() -> None:
@@ -97,7 +110,9 @@ def downgrade() -> None:
     op.drop_table('reward_label')
     op.drop_index('ix_trajectory_user_id', table_name='trajectory')
     op.drop_index('ix_trajectory_task_id', table_name='trajectory')
+    op.drop_index('ix_trajectory_provisional_window', table_name='trajectory', postgresql_where=sa.text("status = 'provisional'"))
     op.drop_index('ix_trajectory_status_finalized', table_name='trajectory')
     op.drop_table('trajectory')
+    op.drop_index('ix_erasure_request_user_id', table_name='erasure_request')
     op.drop_table('erasure_request')
     # ### end Alembic commands ###

@@ -1,0 +1,238 @@
+"""Event store writes and reads: batched ``event_log`` appends, consumer offsets, dead letters,
+privacy tombstones (flush-free: they run on the session's connection and never commit).
+
+Invariant: ``event_log`` rows are only ever inserted with ``ON CONFLICT (event_id) DO NOTHING``, so a
+redelivered event is a no-op and :func:`append_events` reports which ids were new; the caller folds
+only those into projections. Offsets are read ``FOR UPDATE`` and written in the caller's transaction,
+so effects and the position they came from commit together.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any, Literal
+
+import psycopg
+from psycopg.types.json import Jsonb
+from sqlalchemy.orm import Session
+
+EVENT_COLUMNS = ("event_id", "type", "schema_version", "occurred_at", "session_id", "user_id", "org_id",
+                 "payload", "topic", "partition", "offset", "trace_id")
+
+
+def raw_connection(session: Session) -> psycopg.Connection:
+    """The psycopg connection under ``session``'s current transaction (for COPY and arrays)."""
+    return session.connection().connection.driver_connection  # type: ignore[return-value]
+
+
+@dataclass(frozen=True)
+class EventRow:
+    """One ``event_log`` row to insert; ``payload`` is JSON text."""
+
+    event_id: uuid.UUID
+    type: str
+    schema_version: int
+    occurred_at: datetime
+    session_id: str
+    user_id: str
+    org_id: str
+    payload: str
+    topic: str | None
+    partition: int | None
+    offset: int | None
+    trace_id: str | None
+
+
+_TEMP_DDL = """CREATE TEMP TABLE IF NOT EXISTS _event_batch (
+    ord int, event_id uuid, type text, schema_version int, occurred_at timestamptz, session_id text,
+    user_id text, org_id text, payload jsonb, topic text, partition int, "offset" bigint, trace_id text
+) ON COMMIT DELETE ROWS"""
+_COLS = ", ".join(f'"{c}"' for c in EVENT_COLUMNS)
+
+
+def append_events(session: Session, rows: Sequence[EventRow],
+                  method: Literal["copy", "copy_upsert", "unnest"] = "copy") -> dict[uuid.UUID, int]:
+    """Append rows to ``event_log``; rows whose ``event_id`` is already stored (or repeated in
+    ``rows``) are skipped. ``ingested_at`` is the transaction's ``now()``; ``seq`` follows ``rows``.
+
+    Methods (``bench/ingest.py`` measures them): ``copy`` looks up which ids exist, reserves ``seq``
+    values and COPYs the new rows straight into ``event_log`` (fastest; a concurrent insert of the
+    same id between lookup and COPY fails the transaction with a unique violation, and the
+    consumer's per-record fallback then uses ``copy_upsert``); ``copy_upsert`` COPYs into a temp
+    table then ``INSERT .. SELECT .. ON CONFLICT (event_id) DO NOTHING``; ``unnest`` does the same
+    from array parameters in one statement.
+
+    Returns:
+        ``{event_id: seq}`` of the rows actually inserted.
+    Raises:
+        psycopg.Error: database faults (the caller retries the whole transaction).
+    """
+    if not rows:
+        return {}
+    conn = raw_connection(session)
+    with conn.cursor() as cur:
+        if method == "copy":
+            return _append_direct(cur, rows)
+        if method == "copy_upsert":
+            cur.execute(_TEMP_DDL)
+            with cur.copy(f"COPY _event_batch (ord, {_COLS}) FROM STDIN") as copy:
+                for i, r in enumerate(rows):
+                    copy.write_row((i, *_values(r)))
+            cur.execute(f"INSERT INTO event_log ({_COLS}) SELECT {_COLS} FROM _event_batch ORDER BY ord "
+                        "ON CONFLICT (event_id) DO NOTHING RETURNING event_id, seq")
+            inserted = dict(cur.fetchall())
+            cur.execute("TRUNCATE _event_batch")  # ON COMMIT DELETE ROWS only helps after commit
+            return inserted
+        cols = list(zip(*[_values(r) for r in rows]))
+        cur.execute(
+            f"INSERT INTO event_log ({_COLS}) SELECT {_COLS} FROM unnest("
+            "%s::uuid[], %s::text[], %s::int[], %s::timestamptz[], %s::text[], %s::text[], %s::text[], "
+            "%s::text[]::jsonb[], %s::text[], %s::int[], %s::bigint[], %s::text[]) WITH ORDINALITY "
+            f"AS b({_COLS}, ord) ORDER BY ord ON CONFLICT (event_id) DO NOTHING RETURNING event_id, seq",
+            [list(c) for c in cols])
+        return dict(cur.fetchall())
+
+
+def _values(r: EventRow) -> tuple:
+    return (r.event_id, r.type, r.schema_version, r.occurred_at, r.session_id, r.user_id, r.org_id, r.payload,
+            r.topic, r.partition, r.offset, r.trace_id)
+
+
+def _append_direct(cur: psycopg.Cursor, rows: Sequence[EventRow]) -> dict[uuid.UUID, int]:
+    cur.execute("SELECT event_id FROM event_log WHERE event_id = ANY(%s)", ([r.event_id for r in rows],))
+    seen = {r[0] for r in cur.fetchall()}
+    new: list[EventRow] = []
+    for r in rows:
+        if r.event_id not in seen:
+            seen.add(r.event_id)
+            new.append(r)
+    if not new:
+        return {}
+    cur.execute("SELECT nextval(pg_get_serial_sequence('event_log', 'seq')) FROM generate_series(1, %s)",
+                (len(new),))
+    seqs = sorted(r[0] for r in cur.fetchall())
+    with cur.copy(f"COPY event_log (seq, {_COLS}) FROM STDIN") as copy:
+        for seq, r in zip(seqs, new):
+            copy.write_row((seq, *_values(r)))
+    return {r.event_id: seq for seq, r in zip(seqs, new)}
+
+
+def lock_offsets(session: Session, group_id: str, first: dict[tuple[str, int], int]) -> dict[tuple[str, int], int]:
+    """Lock this group's offset rows for the given partitions (creating missing rows at the batch's
+    first offset) and return the stored next offsets. A concurrent consumer of the same partition
+    (a zombie after a rebalance) waits here, so the later one sees what the earlier committed."""
+    if not first:
+        return {}
+    conn = raw_connection(session)
+    keys = sorted(first)
+    with conn.cursor() as cur:
+        cur.execute(
+            "INSERT INTO consumer_offset (group_id, topic, partition, next_offset) "
+            "SELECT %s, t, p, o FROM unnest(%s::text[], %s::int[], %s::bigint[]) AS u(t, p, o) "
+            "ON CONFLICT DO NOTHING",
+            (group_id, [k[0] for k in keys], [k[1] for k in keys], [first[k] for k in keys]))
+        cur.execute(
+            "SELECT topic, partition, next_offset FROM consumer_offset WHERE group_id = %s "
+            "AND (topic, partition) IN (SELECT * FROM unnest(%s::text[], %s::int[])) "
+            "ORDER BY topic, partition FOR UPDATE",
+            (group_id, [k[0] for k in keys], [k[1] for k in keys]))
+        return {(t, p): o for t, p, o in cur.fetchall()}
+
+
+def store_offsets(session: Session, group_id: str, next_offsets: dict[tuple[str, int], int]) -> None:
+    """Advance this group's next offsets (never backwards)."""
+    if not next_offsets:
+        return
+    keys = sorted(next_offsets)
+    with raw_connection(session).cursor() as cur:
+        cur.execute(
+            "INSERT INTO consumer_offset (group_id, topic, partition, next_offset) "
+            "SELECT %s, t, p, o FROM unnest(%s::text[], %s::int[], %s::bigint[]) AS u(t, p, o) "
+            "ON CONFLICT (group_id, topic, partition) DO UPDATE SET "
+            "next_offset = GREATEST(consumer_offset.next_offset, EXCLUDED.next_offset), updated_at = now()",
+            (group_id, [k[0] for k in keys], [k[1] for k in keys], [next_offsets[k] for k in keys]))
+
+
+def stored_offsets(session: Session, group_id: str, topic: str) -> dict[int, int]:
+    """``{partition: next_offset}`` stored for a group and topic."""
+    with raw_connection(session).cursor() as cur:
+        cur.execute("SELECT partition, next_offset FROM consumer_offset WHERE group_id = %s AND topic = %s",
+                    (group_id, topic))
+        return dict(cur.fetchall())
+
+
+@dataclass(frozen=True)
+class DeadLetterRow:
+    """A message that cannot be stored as an event, with the reason (see ``consumers.deadletter``)."""
+
+    topic: str
+    partition: int
+    offset: int
+    key: bytes | None
+    raw: bytes | None
+    headers: list[list[str]] | None
+    reason: str
+    detail: str
+
+
+def insert_dead_letters(session: Session, rows: Sequence[DeadLetterRow]) -> int:
+    """Insert dead letters (a redelivered one, same topic/partition/offset, is skipped). Returns rows inserted."""
+    if not rows:
+        return 0
+    with raw_connection(session).cursor() as cur:
+        cur.executemany(
+            'INSERT INTO dead_letter (topic, partition, "offset", key, raw, headers, reason, detail) '
+            "VALUES (%s, %s, %s, %s, %s, %s, %s, %s) ON CONFLICT DO NOTHING",
+            [(r.topic, r.partition, r.offset, r.key, r.raw, Jsonb(r.headers) if r.headers is not None else None,
+              r.reason, r.detail) for r in rows])
+        return len(rows)
+
+
+def private_sessions(session: Session, session_ids: Sequence[str]) -> set[str]:
+    """Which of ``session_ids`` are privacy-mode sessions (have a tombstone)."""
+    if not session_ids:
+        return set()
+    with raw_connection(session).cursor() as cur:
+        cur.execute("SELECT session_id FROM privacy_tombstone WHERE session_id = ANY(%s)", (list(session_ids),))
+        return {r[0] for r in cur.fetchall()}
+
+
+def count_tombstones(session: Session, dropped: dict[str, int]) -> None:
+    """Add ``dropped[session_id]`` to each privacy-mode session's tombstone count."""
+    if not dropped:
+        return
+    keys = sorted(dropped)
+    with raw_connection(session).cursor() as cur:
+        cur.execute(
+            "INSERT INTO privacy_tombstone (session_id, events_dropped) "
+            "SELECT s, n FROM unnest(%s::text[], %s::bigint[]) AS u(s, n) "
+            "ON CONFLICT (session_id) DO UPDATE SET events_dropped = privacy_tombstone.events_dropped "
+            "+ EXCLUDED.events_dropped, last_seen_at = now()",
+            (keys, [dropped[k] for k in keys]))
+
+
+def erased_users(session: Session, user_ids: Sequence[str]) -> dict[str, datetime]:
+    """``{user_id: latest requested_at}`` for users of ``user_ids`` with a processed erasure."""
+    if not user_ids:
+        return {}
+    with raw_connection(session).cursor() as cur:
+        cur.execute("SELECT user_id, max(coalesce(requested_at, created_at)) FROM erasure_request "
+                    "WHERE user_id = ANY(%s) GROUP BY user_id", (list(user_ids),))
+        return dict(cur.fetchall())
+
+
+def iter_event_rows(conn: psycopg.Connection, *, where: str = "TRUE", params: Sequence[Any] = (),
+                    order: str = "seq", chunk: int = 5000) -> Iterator[list[tuple]]:
+    """Stream ``event_log`` rows (``seq, ingested_at`` + :data:`EVENT_COLUMNS`) in chunks through a
+    server-side cursor. ``where``/``order`` are trusted SQL fragments written by callers in this repo."""
+    with conn.cursor(name=f"events_{uuid.uuid4().hex[:8]}") as cur:
+        cur.itersize = chunk
+        cur.execute(f"SELECT seq, ingested_at, {_COLS} FROM event_log WHERE {where} ORDER BY {order}", params)
+        while True:
+            rows = cur.fetchmany(chunk)
+            if not rows:
+                return
+            yield rows

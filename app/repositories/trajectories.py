@@ -1,0 +1,177 @@
+"""Trajectory projection reads and writes on the session's connection (never commits).
+
+Invariant: a trajectory is read ``FOR UPDATE`` before it is folded and written back as a whole row,
+so the finalization sweep and the ingest batch never overwrite each other's changes. Writes replace
+full rows (``ON CONFLICT DO UPDATE`` every column): the stored row is exactly the folded state.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable, Iterable, Sequence
+from datetime import datetime
+from typing import Any, Protocol, TypeVar
+
+from psycopg.rows import dict_row
+from psycopg.types.json import Jsonb
+from sqlalchemy.orm import Session
+
+from app.models.trajectories import Trajectory, TrajectorySegment
+from app.repositories.events import raw_connection
+
+TRAJECTORY_COLUMNS = tuple(c.name for c in Trajectory.__table__.columns)
+SEGMENT_COLUMNS = tuple(c.name for c in TrajectorySegment.__table__.columns if c.name != "trajectory_id")
+
+
+class Label(Protocol):
+    """A reward label to store (``consumers.rewards.math.RewardResult``)."""
+
+    spec: str
+    reward: float
+    components: dict[str, float]
+
+
+class TrajectoryLike(Protocol):
+    """The folded state of a trajectory: an attribute per ``trajectory`` column, plus ``segments``
+    (index -> object with an attribute per segment column and ``dirty``), ``dirty`` and ``labels``."""
+
+    id: uuid.UUID
+    finalized_at: datetime | None
+    segments: dict[int, Any]
+    dirty: bool
+    labels: list[Any]
+
+_JSON_TRAJECTORY = {"signals"}
+_JSON_SEGMENT = {"tool_calls", "tool_results", "min_offset", "max_offset"}
+_BYTES_SEGMENT = {"token_ids", "loss_mask", "behaviour_logprobs"}
+_T_COLS = ", ".join(TRAJECTORY_COLUMNS)
+_S_COLS = ", ".join(SEGMENT_COLUMNS)
+
+
+T = TypeVar("T")
+S = TypeVar("S")
+
+
+def _segment_from_row(row: dict[str, Any], factory: Callable[..., S]) -> S:
+    row = dict(row)
+    row.pop("trajectory_id", None)
+    for k in _BYTES_SEGMENT:
+        row[k] = bytearray(row[k] or b"")
+    return factory(**row)
+
+
+def load_trajectories(session: Session, ids: Iterable[uuid.UUID], factory: Callable[..., T], *,
+                      lock: bool = True) -> dict[uuid.UUID, T]:
+    """Stored trajectories by id (missing ids are absent), locked ``FOR UPDATE`` in id order;
+    ``factory(**columns)`` builds each."""
+    ids = sorted(set(ids))
+    if not ids:
+        return {}
+    suffix = " FOR UPDATE" if lock else ""
+    with raw_connection(session).cursor(row_factory=dict_row) as cur:
+        cur.execute(f"SELECT {_T_COLS} FROM trajectory WHERE id = ANY(%s) ORDER BY id{suffix}", (ids,))
+        return {r["id"]: factory(**r) for r in cur.fetchall()}
+
+
+def load_open_segments(session: Session, ids: Iterable[uuid.UUID], factory: Callable[..., S]) -> dict[uuid.UUID, S]:
+    """The highest-index segment of each trajectory (the one new turns append to)."""
+    ids = sorted(set(ids))
+    if not ids:
+        return {}
+    with raw_connection(session).cursor(row_factory=dict_row) as cur:
+        cur.execute(f"SELECT DISTINCT ON (trajectory_id) trajectory_id, {_S_COLS} FROM trajectory_segment "
+                    "WHERE trajectory_id = ANY(%s) ORDER BY trajectory_id, segment_index DESC", (ids,))
+        return {r["trajectory_id"]: _segment_from_row(r, factory) for r in cur.fetchall()}
+
+
+def load_segment(session: Session, trajectory_id: uuid.UUID, index: int, factory: Callable[..., S]) -> S | None:
+    """One stored segment, or None."""
+    with raw_connection(session).cursor(row_factory=dict_row) as cur:
+        cur.execute(f"SELECT {_S_COLS} FROM trajectory_segment WHERE trajectory_id = %s AND segment_index = %s",
+                    (trajectory_id, index))
+        row = cur.fetchone()
+        return _segment_from_row(row, factory) if row else None
+
+
+def _trajectory_values(t: TrajectoryLike) -> tuple:
+    return tuple(Jsonb(getattr(t, c)) if c in _JSON_TRAJECTORY else getattr(t, c) for c in TRAJECTORY_COLUMNS)
+
+
+def _segment_values(tid: uuid.UUID, s: Any) -> tuple:
+    vals: list[Any] = [tid]
+    for c in SEGMENT_COLUMNS:
+        v = getattr(s, c)
+        vals.append(Jsonb(v) if c in _JSON_SEGMENT else bytes(v) if c in _BYTES_SEGMENT else v)
+    return tuple(vals)
+
+
+def save_trajectories(session: Session, states: Sequence[TrajectoryLike],
+                      label_time: datetime | None = None) -> tuple[int, int, int]:
+    """Upsert dirty trajectories, their dirty segments and any labels a finalization produced.
+
+    Labels are inserted with ``created_at`` = the trajectory's ``finalized_at`` (so replay rebuilds
+    the same rows) unless ``label_time`` is given. Clears the dirty flags and pending labels.
+
+    Returns:
+        (trajectories written, segments written, labels written)
+    """
+    dirty = [t for t in states if t.dirty]
+    if not dirty:
+        return 0, 0, 0
+    segs = [(t.id, s) for t in dirty for s in t.segments.values() if s.dirty]
+    labels = [(t.id, lab, label_time or t.finalized_at) for t in dirty for lab in t.labels]
+    conn = raw_connection(session)
+    with conn.cursor() as cur:
+        updates = ", ".join(f"{c} = EXCLUDED.{c}" for c in TRAJECTORY_COLUMNS if c != "id")
+        cur.executemany(
+            f"INSERT INTO trajectory ({_T_COLS}) VALUES ({', '.join(['%s'] * len(TRAJECTORY_COLUMNS))}) "
+            f"ON CONFLICT (id) DO UPDATE SET {updates}", [_trajectory_values(t) for t in dirty])
+        if segs:
+            supd = ", ".join(f"{c} = EXCLUDED.{c}" for c in SEGMENT_COLUMNS if c != "segment_index")
+            cur.executemany(
+                f"INSERT INTO trajectory_segment (trajectory_id, {_S_COLS}) "
+                f"VALUES ({', '.join(['%s'] * (len(SEGMENT_COLUMNS) + 1))}) "
+                f"ON CONFLICT (trajectory_id, segment_index) DO UPDATE SET {supd}",
+                [_segment_values(tid, s) for tid, s in segs])
+        if labels:
+            cur.executemany(
+                "INSERT INTO reward_label (trajectory_id, spec, reward, components, created_at) "
+                "VALUES (%s, %s, %s, %s, %s) ON CONFLICT (trajectory_id, spec) DO NOTHING",
+                [(tid, lab.spec, lab.reward, Jsonb(lab.components), at) for tid, lab, at in labels])
+    for t in dirty:
+        t.dirty = False
+        t.labels = []
+        for s in t.segments.values():
+            s.dirty = False
+    return len(dirty), len(segs), len(labels)
+
+
+def due_for_window(session: Session, now: datetime, grace_s: float, factory: Callable[..., T],
+                   limit: int = 500) -> dict[uuid.UUID, T]:
+    """Provisional trajectories whose window closed at least ``grace_s`` seconds before ``now``, locked
+    ``FOR UPDATE SKIP LOCKED`` (a batch folding into one of them is left alone until next sweep)."""
+    with raw_connection(session).cursor(row_factory=dict_row) as cur:
+        cur.execute(f"SELECT {_T_COLS} FROM trajectory WHERE status = 'provisional' "
+                    "AND window_closes_at < %s - make_interval(secs => %s) ORDER BY window_closes_at, id "
+                    "LIMIT %s FOR UPDATE SKIP LOCKED", (now, grace_s, limit))
+        return {r["id"]: factory(**r) for r in cur.fetchall()}
+
+
+def upsert_labels(session: Session, labels: Sequence[tuple[uuid.UUID, Label]]) -> int:
+    """Insert or replace labels (relabel). Returns rows written."""
+    if not labels:
+        return 0
+    with raw_connection(session).cursor() as cur:
+        cur.executemany(
+            "INSERT INTO reward_label (trajectory_id, spec, reward, components) VALUES (%s, %s, %s, %s) "
+            "ON CONFLICT (trajectory_id, spec) DO UPDATE SET reward = EXCLUDED.reward, "
+            "components = EXCLUDED.components, created_at = now()",
+            [(tid, lab.spec, lab.reward, Jsonb(lab.components)) for tid, lab in labels])
+    return len(labels)
+
+
+def rewards_for_spec(session: Session, spec: str) -> list[float]:
+    """Every stored reward under ``spec``."""
+    with raw_connection(session).cursor() as cur:
+        cur.execute("SELECT reward FROM reward_label WHERE spec = %s", (spec,))
+        return [r[0] for r in cur.fetchall()]

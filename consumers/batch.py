@@ -1,0 +1,159 @@
+"""One Kafka batch -> one Postgres transaction: events, projections, dead letters, offsets.
+
+Invariants (exactly-once effect):
+
+- The batch's consumer offsets are locked ``FOR UPDATE`` first; a record below the stored next
+  offset was already applied (by this process before a crash, or by another member of the group
+  before a rebalance) and is skipped. Offsets advance in the same transaction as the effects.
+- ``event_log`` appends use ``ON CONFLICT (event_id) DO NOTHING``; only newly stored events are
+  folded into the projections, in ``seq`` order, so a producer's duplicate is a no-op too.
+- Privacy-mode sessions are never stored: their events only increment ``privacy_tombstone``.
+- ``user.erasure_requested`` is applied at its place in the batch (events before it are stored,
+  then erased with the rest of the user's data).
+- Every batch transaction holds ``pg_advisory_xact_lock_shared(PROJECTION_LOCK)``; an in-place
+  replay takes it exclusively, so it never interleaves with ingest.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections import Counter
+from dataclasses import dataclass, field
+from datetime import datetime
+
+from sqlalchemy.orm import Session
+
+from app.repositories import trajectories as trepo
+from app.repositories.events import (append_events, count_tombstones, erased_users, insert_dead_letters,
+                                     lock_offsets, private_sessions, raw_connection, store_offsets)
+from consumers.deadletter import Decoded, dead_letter_row
+from consumers.erasure import ErasureOutcome, erase_user
+from consumers.projection import (Projector, SegmentState, StoredEvent, TrajectoryState, new_trajectory,
+                                  trajectory_id_for)
+
+PROJECTION_LOCK = 0x666C7977  # "flyw"
+
+
+@dataclass
+class BatchOutcome:
+    """Counts of what one batch did (for metrics and tests)."""
+
+    messages: int = 0
+    stale: int = 0
+    stored: int = 0
+    duplicates: int = 0
+    dead_letters: Counter = field(default_factory=Counter)
+    privacy_dropped: int = 0
+    erased_dropped: int = 0
+    erasures: list[ErasureOutcome] = field(default_factory=list)
+    finalized: Counter = field(default_factory=Counter)
+    trajectories: int = 0
+    next_offsets: dict[tuple[str, int], int] = field(default_factory=dict)
+
+
+def project_events(session: Session, projector: Projector, events: list[StoredEvent],
+                   finalized: Counter | None = None) -> int:
+    """Fold stored events (any order; folded by ``seq``) into their trajectories and write them back.
+
+    Returns:
+        trajectories written.
+    """
+    if not events:
+        return 0
+    events = sorted(events, key=lambda e: e.seq)
+    tids = {sid: trajectory_id_for(sid) for sid in {se.event.session_id for se in events}}
+    ids = set(tids.values())
+    states = trepo.load_trajectories(session, ids, TrajectoryState)
+    stored_max: dict[uuid.UUID, int] = {}
+    for tid, seg in trepo.load_open_segments(session, states, SegmentState).items():
+        states[tid].segments[seg.segment_index] = seg
+        stored_max[tid] = seg.segment_index
+    # Only an index below the stored open segment can exist unloaded (out-of-order turns).
+    projector.load_segment = (lambda tid, idx: trepo.load_segment(session, tid, idx, SegmentState)
+                              if idx < stored_max.get(tid, -1) else None)
+    for se in events:
+        tid = tids[se.event.session_id]
+        t = states.get(tid)
+        if t is None:
+            t = states[tid] = new_trajectory(se.event)
+        was = t.status
+        projector.apply(t, se)
+        if finalized is not None and t.status == "finalized" and was != "finalized":
+            finalized[t.finalized_by] += 1
+    written, _, _ = trepo.save_trajectories(session, list(states.values()))
+    return written
+
+
+def _store_and_project(session: Session, projector: Projector, chunk: list[Decoded], now: datetime,
+                       method: str, out: BatchOutcome) -> None:
+    if not chunk:
+        return
+    inserted = append_events(session, [d.row for d in chunk], method)  # type: ignore[misc]
+    seen: set[uuid.UUID] = set()
+    stored: list[StoredEvent] = []
+    for d in chunk:
+        eid = d.event.event_id  # type: ignore[union-attr]
+        if eid in inserted and eid not in seen:
+            seen.add(eid)
+            stored.append(StoredEvent(d.event, inserted[eid], now, d.msg.topic, d.msg.partition, d.msg.offset))
+    out.stored += len(stored)
+    out.duplicates += len(chunk) - len(stored)
+    out.trajectories += project_events(session, projector, stored, out.finalized)
+
+
+def apply_batch(session: Session, group_id: str, batch: list[Decoded], projector: Projector,
+                insert_method: str = "copy") -> BatchOutcome:
+    """Apply classified records (in partition order) in the caller's transaction.
+
+    Raises:
+        psycopg.Error / sqlalchemy.exc.DBAPIError: database faults; nothing of the batch is kept.
+    """
+    out = BatchOutcome(messages=len(batch))
+    if not batch:
+        return out
+    conn = raw_connection(session)
+    now = conn.execute("SELECT now(), pg_advisory_xact_lock_shared(%s)", (PROJECTION_LOCK,)).fetchone()[0]
+    first: dict[tuple[str, int], int] = {}
+    last: dict[tuple[str, int], int] = {}
+    for d in batch:
+        k = (d.msg.topic, d.msg.partition)
+        first[k] = min(first.get(k, d.msg.offset), d.msg.offset)
+        last[k] = max(last.get(k, d.msg.offset), d.msg.offset)
+    stored_next = lock_offsets(session, group_id, first)
+    fresh = [d for d in batch if d.msg.offset >= stored_next.get((d.msg.topic, d.msg.partition), 0)]
+    out.stale = len(batch) - len(fresh)
+
+    dead = [d for d in fresh if d.reason is not None]
+    insert_dead_letters(session, [dead_letter_row(d) for d in dead])
+    out.dead_letters.update(d.reason for d in dead)
+
+    events = [d for d in fresh if d.event is not None]
+    private = private_sessions(session, list({d.event.session_id for d in events}))  # type: ignore[union-attr]
+    erased = erased_users(session, list({d.event.user_id for d in events}))  # type: ignore[union-attr]
+    tombstones: Counter = Counter()
+    chunk: list[Decoded] = []
+    for d in events:
+        ev = d.event
+        assert ev is not None
+        if ev.type == "user.erasure_requested":
+            _store_and_project(session, projector, chunk, now, insert_method, out)
+            chunk = []
+            res = erase_user(session, ev.user_id, ev.payload.request_id, ev.occurred_at)  # type: ignore[attr-defined]
+            out.erasures.append(res)
+            erased[ev.user_id] = max(erased.get(ev.user_id, ev.occurred_at), ev.occurred_at)
+            continue
+        if ev.privacy_mode or ev.session_id in private:
+            private.add(ev.session_id)
+            tombstones[ev.session_id] += 1
+            continue
+        requested = erased.get(ev.user_id)
+        if requested is not None and ev.occurred_at <= requested:
+            out.erased_dropped += 1
+            continue
+        chunk.append(d)
+    _store_and_project(session, projector, chunk, now, insert_method, out)
+    count_tombstones(session, dict(tombstones))
+    out.privacy_dropped = sum(tombstones.values())
+    out.next_offsets = {k: v + 1 for k, v in last.items()}
+    store_offsets(session, group_id, out.next_offsets)
+    return out

@@ -1,0 +1,153 @@
+"""Turning Kafka records into storable events or dead letters.
+
+Invariant: :func:`classify` never raises for any input bytes. A record is either an event that
+Postgres can store as it is (``EventRow`` + the typed event) or a dead letter with a reason:
+``oversized``, ``bad_json``, ``not_object``, ``unknown_type``, ``schema_version``, ``validation``
+(the codec's reasons) or ``unstorable`` (valid JSON Postgres would refuse: a ``\\u0000`` or a lone
+surrogate in a string, a non-finite number). Dead letters go to the ``dead_letter`` table in the
+batch's transaction and to the DLQ topic (at least once) with the reason in headers.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from app.core.errors import InvalidEventError
+from app.events import decode_event
+from app.events.types import EventBase
+from app.repositories.events import DeadLetterRow, EventRow
+
+_SUSPECT = re.compile(rb"\\u|NaN|Infinity")
+MAX_SEGMENT_INDEX = 100_000
+"""Segments per trajectory the projection accepts (an int4 column; real sessions have a handful)."""
+_TRACEPARENT = re.compile(r"^[0-9a-f]{2}-([0-9a-f]{32})-[0-9a-f]{16}-[0-9a-f]{2}$")
+
+
+@dataclass(frozen=True)
+class Message:
+    """A consumed Kafka record, independent of the client library."""
+
+    topic: str
+    partition: int
+    offset: int
+    key: bytes | None
+    value: bytes | None
+    headers: list[tuple[str, bytes]] = field(default_factory=list)
+
+    @classmethod
+    def from_record(cls, rec: Any) -> "Message":
+        """From a kafka-python ``ConsumerRecord``."""
+        return cls(rec.topic, rec.partition, rec.offset, rec.key, rec.value, list(rec.headers or []))
+
+
+@dataclass
+class Decoded:
+    """The outcome of :func:`classify`: exactly one of ``event``/``reason`` is set."""
+
+    msg: Message
+    event: EventBase | None = None
+    row: EventRow | None = None
+    reason: str | None = None
+    detail: str = ""
+
+
+def _bad_value(v: Any) -> str | None:
+    """Why Postgres would refuse a parsed JSON value, or None."""
+    if isinstance(v, str):
+        if "\x00" in v:
+            return "NUL character in a string"
+        try:
+            v.encode("utf-8")
+        except UnicodeEncodeError:
+            return "lone surrogate in a string"
+    elif isinstance(v, float):
+        if not math.isfinite(v):
+            return "non-finite number"
+    elif isinstance(v, dict):
+        for k, x in v.items():
+            why = _bad_value(k) or _bad_value(x)
+            if why:
+                return why
+    elif isinstance(v, list):
+        for x in v:
+            why = _bad_value(x)
+            if why:
+                return why
+    return None
+
+
+def trace_id_of(headers: list[tuple[str, bytes]]) -> str | None:
+    """The producer's trace id from a W3C ``traceparent`` header, if well formed."""
+    for k, v in headers:
+        if k == "traceparent" and v:
+            m = _TRACEPARENT.match(v.decode("ascii", "replace"))
+            if m:
+                return m.group(1)
+    return None
+
+
+def classify(msg: Message, max_bytes: int) -> Decoded:
+    """Decode one record into a storable event or a dead letter (never raises)."""
+    try:
+        event = decode_event(msg.value, max_bytes=max_bytes)
+    except InvalidEventError as exc:
+        return Decoded(msg, reason=exc.reason, detail=exc.message[:2000])
+    except Exception as exc:  # noqa: BLE001 -- input must never crash the consumer
+        return Decoded(msg, reason="validation", detail=f"{type(exc).__name__}: {exc}"[:2000])
+    try:
+        payload = event.payload.model_dump_json()  # type: ignore[attr-defined]
+    except Exception as exc:  # noqa: BLE001
+        return Decoded(msg, reason="unstorable", detail=f"payload does not serialize: {exc}"[:2000])
+    p = event.payload  # type: ignore[attr-defined]
+    index = getattr(p, "segment_index", None) if event.type == "model.responded" else \
+        getattr(p, "new_segment_index", None) if event.type == "context.summarized" else None
+    if index is not None and index > MAX_SEGMENT_INDEX:
+        return Decoded(msg, reason="validation", detail=f"segment index {index} > {MAX_SEGMENT_INDEX}")
+    if _SUSPECT.search(msg.value or b""):  # rare: only then walk the values
+        why = _bad_value(json.loads(msg.value))
+        if why:
+            return Decoded(msg, reason="unstorable", detail=why)
+    row = EventRow(event_id=event.event_id, type=event.type, schema_version=event.schema_version,
+                   occurred_at=event.occurred_at, session_id=event.session_id, user_id=event.user_id,
+                   org_id=event.org_id, payload=payload, topic=msg.topic, partition=msg.partition,
+                   offset=msg.offset, trace_id=trace_id_of(msg.headers))
+    return Decoded(msg, event=event, row=row)
+
+
+def _header_text(v: bytes | None) -> str:
+    if v is None:
+        return ""
+    try:
+        text = v.decode("utf-8")
+        return text if "\x00" not in text else "base64:" + base64.b64encode(v).decode()
+    except UnicodeDecodeError:
+        return "base64:" + base64.b64encode(v).decode()
+
+
+def dead_letter_row(d: Decoded) -> DeadLetterRow:
+    """The ``dead_letter`` row of a classified record (headers as ``[[key, text]]``)."""
+    m = d.msg
+    headers = [[_header_text(k.encode("utf-8", "replace") if isinstance(k, str) else k), _header_text(v)]
+               for k, v in m.headers]
+    return DeadLetterRow(topic=m.topic, partition=m.partition, offset=m.offset, key=m.key, raw=m.value,
+                         headers=headers, reason=d.reason or "validation", detail=d.detail.replace("\x00", ""))
+
+
+def dlq_record(d: Decoded, max_bytes: int) -> tuple[bytes | None, bytes, list[tuple[str, bytes]]]:
+    """(key, value, headers) to publish on the DLQ topic: the raw bytes (truncated past ``max_bytes``)
+    with the reason, detail and source position in headers."""
+    m = d.msg
+    raw = m.value or b""
+    headers = [(k, v) for k, v in m.headers if isinstance(k, str) and v is not None]
+    headers += [("dlq-reason", (d.reason or "validation").encode()),
+                ("dlq-detail", d.detail[:500].encode("utf-8", "replace")),
+                ("dlq-source", f"{m.topic}:{m.partition}:{m.offset}".encode())]
+    if len(raw) > max_bytes:
+        headers.append(("dlq-truncated-from", str(len(raw)).encode()))
+        raw = raw[:max_bytes]
+    return m.key, raw, headers

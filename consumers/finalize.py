@@ -1,0 +1,50 @@
+"""The window sweep: finalize provisional trajectories whose late-signal window has closed.
+
+Invariant: the sweep only materializes what the fold already decided (see ``consumers.projection``):
+a trajectory whose window closed at ``window_closes_at`` is finalized *at* that instant with the
+signals it had, whoever gets there first (the sweep, or a batch meeting a late event). It runs in
+the consume loop every ``finalize_interval_s`` and as ``flywheel finalize``; several consumers may
+sweep at once (``FOR UPDATE SKIP LOCKED``), and it leaves alone windows closed less than
+``finalize_grace_s`` ago, so no in-flight batch that started before the close can race it.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from app.core.db import session_scope
+from app.repositories import trajectories as trepo
+from app.repositories.events import raw_connection
+from consumers.projection import Projector, TrajectoryState
+
+
+def finalize_due_once(session, projector: Projector, grace_s: float, limit: int = 500) -> Counter:
+    """Finalize up to ``limit`` due trajectories in the caller's transaction.
+
+    Returns:
+        Counter of finalizations by kind (``window`` / ``abandoned``).
+    """
+    now = raw_connection(session).execute("SELECT now()").fetchone()[0]
+    due = trepo.due_for_window(session, now, grace_s, TrajectoryState, limit=limit)
+    done: Counter = Counter()
+    for t in due.values():
+        # The window closed before `now - grace`, so any instant past it triggers the close.
+        if projector.close_if_due(t, now):
+            done[t.finalized_by] += 1
+    trepo.save_trajectories(session, list(due.values()))
+    return done
+
+
+def finalize_due(projector: Projector, grace_s: float, limit: int = 500) -> Counter:
+    """Sweep until nothing is due, one transaction per ``limit`` trajectories.
+
+    Raises:
+        sqlalchemy.exc.OperationalError: the database is unreachable (callers retry).
+    """
+    total: Counter = Counter()
+    while True:
+        with session_scope() as session:
+            done = finalize_due_once(session, projector, grace_s, limit)
+        total.update(done)
+        if sum(done.values()) < limit:
+            return total

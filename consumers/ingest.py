@@ -1,0 +1,345 @@
+"""The ingest consumer (``flywheel consume``): Kafka consumer group -> Postgres, exactly-once effect.
+
+Loop: poll up to ``batch_max_records`` -> classify each record (event or dead letter) -> publish dead
+letters to the DLQ topic -> ONE Postgres transaction (``consumers.batch.apply_batch``: events,
+projections, dead letters, offsets) -> commit the same offsets to Kafka (advisory: Postgres is the
+source of truth; on every assignment the consumer seeks to the offsets stored in Postgres).
+
+Failure handling (the consumer never crashes on input):
+
+- transient database or broker faults are retried with exponential backoff (tenacity) until they
+  pass; the batch is kept in memory meanwhile, never dead-lettered. If the outage outlasts
+  ``max_poll_interval_ms`` the group moves our partitions; the offset rows locked in the batch
+  transaction make the late write skip whatever the new owner already applied.
+- a batch that fails for any other reason is applied again record by record, each in a savepoint;
+  a record that still fails is dead-lettered as ``processing_error`` and the batch goes on.
+- SIGKILL at any point loses nothing: uncommitted work is redelivered from the stored offsets.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from tenacity import Retrying, retry_if_exception, wait_exponential_jitter
+
+from app.core.db import session_scope
+from app.core.settings import get_settings
+from app.core.telemetry import tracer
+from consumers.batch import BatchOutcome, apply_batch
+from consumers.deadletter import Decoded, Message, classify, dlq_record
+from consumers.finalize import finalize_due
+from consumers.projection import ProjectionConfig, Projector
+from consumers.rewards.spec import active_specs
+from consumers.settings import ConsumerSettings, get_consumer_settings
+from consumers.telemetry import ConsumerMetrics, producer_links
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+def is_transient(exc: BaseException) -> bool:
+    """Whether a fault is infrastructure (retry) rather than input: lost connections, restarts,
+    deadlocks/serialization failures, a missing schema during a deploy, broker errors."""
+    import psycopg
+    from kafka.errors import KafkaError
+    from sqlalchemy import exc as sa_exc
+
+    from app.core.errors import InfrastructureError
+
+    if isinstance(exc, sa_exc.DBAPIError):
+        if exc.connection_invalidated:
+            return True
+        exc = exc.orig or exc
+    if isinstance(exc, (sa_exc.OperationalError, sa_exc.InterfaceError, sa_exc.DisconnectionError,
+                        sa_exc.TimeoutError)):
+        return True
+    return isinstance(exc, (psycopg.OperationalError, psycopg.InterfaceError, psycopg.errors.UndefinedTable,
+                            psycopg.errors.ReadOnlySqlTransaction, psycopg.errors.InsufficientPrivilege,
+                            InfrastructureError, KafkaError, ConnectionError, TimeoutError))
+
+
+def projector_from_settings(cs: ConsumerSettings | None = None) -> Projector:
+    """The projector with the configured window and active reward specs."""
+    cs = cs or get_consumer_settings()
+    return Projector(ProjectionConfig(signal_window_s=cs.signal_window_s, abandon_after_s=cs.abandon_after_s,
+                                      eval_reserve_fraction=cs.eval_reserve_fraction), active_specs())
+
+
+@dataclass
+class IngestStats:
+    """Totals of one ``run``."""
+
+    messages: int = 0
+    stored: int = 0
+    duplicates: int = 0
+    stale: int = 0
+    dead_letters: Counter = field(default_factory=Counter)
+    finalized: Counter = field(default_factory=Counter)
+    batches: int = 0
+    processing_errors: int = 0
+
+    def add(self, o: BatchOutcome) -> None:
+        self.messages += o.messages
+        self.stored += o.stored
+        self.duplicates += o.duplicates
+        self.stale += o.stale
+        self.dead_letters.update(o.dead_letters)
+        self.finalized.update(o.finalized)
+        self.batches += 1
+
+
+class IngestConsumer:
+    """One member of the ingest consumer group. ``run()`` until ``stop()`` (or idle / a count)."""
+
+    def __init__(self, *, bootstrap: str | None = None, topic: str | None = None, group_id: str | None = None,
+                 dlq_topic: str | None = None, settings: ConsumerSettings | None = None,
+                 client_id: str = "flywheel-ingest") -> None:
+        ks = get_settings().kafka
+        self.settings = settings or get_consumer_settings()
+        self.bootstrap = bootstrap or ks.bootstrap
+        if not self.bootstrap:
+            from app.core.errors import ConfigurationError
+
+            raise ConfigurationError("no Kafka bootstrap: set FLYWHEEL_KAFKA_BOOTSTRAP or run `flywheel stack up`")
+        self.topic = topic or ks.interactions_topic
+        self.dlq_topic = dlq_topic or ks.dlq_topic
+        self.group_id = group_id or ks.consumer_group
+        self.max_event_bytes = ks.max_event_bytes
+        self.client_id = client_id
+        self.projector = projector_from_settings(self.settings)
+        self.metrics = ConsumerMetrics(self.topic, self.group_id)
+        self.stats = IngestStats()
+        self._stop = threading.Event()
+        self._consumer: Any = None
+        self._producer: Any = None
+        self._tracer = tracer("flywheel.consumers.ingest")
+        self._next: dict[int, int] = {}
+        self._assigned_at: float | None = None
+
+    # ---- plumbing ---------------------------------------------------------------------------
+
+    def stop(self) -> None:
+        """Ask ``run`` to return after the current batch (signal-safe)."""
+        self._stop.set()
+
+    def retry(self, fn: Callable[[], T], what: str) -> T:
+        """Run ``fn`` until it succeeds, backing off on transient faults; give up only on ``stop()``.
+
+        Raises:
+            the last exception if it is not transient, or if stopped while retrying.
+        """
+        def _log(rs) -> None:
+            log.warning("%s failed (attempt %d), retrying: %s", what, rs.attempt_number, rs.outcome.exception())
+
+        return Retrying(retry=retry_if_exception(is_transient), reraise=True,
+                        wait=wait_exponential_jitter(initial=0.1, max=self.settings.retry_max_wait_s),
+                        stop=lambda _rs: self._stop.is_set(), sleep=self._stop.wait,
+                        before_sleep=_log)(fn)
+
+    def _kafka_consumer(self):
+        from kafka import KafkaConsumer
+        from kafka.consumer.subscription_state import ConsumerRebalanceListener
+
+        s = self.settings
+        consumer = KafkaConsumer(
+            bootstrap_servers=self.bootstrap, group_id=self.group_id, client_id=self.client_id,
+            enable_auto_commit=False, auto_offset_reset="earliest", max_poll_records=s.batch_max_records,
+            max_poll_interval_ms=s.max_poll_interval_ms, session_timeout_ms=s.session_timeout_ms,
+            heartbeat_interval_ms=s.heartbeat_interval_ms, fetch_max_bytes=s.fetch_max_bytes,
+            max_partition_fetch_bytes=max(1_048_576, self.max_event_bytes + 65_536))
+        owner = self
+
+        class _SeekToStored(ConsumerRebalanceListener):
+            def on_partitions_revoked(self, revoked) -> None:
+                # Nothing buffered: each polled batch is committed to Postgres before the next poll.
+                log.info("partitions revoked: %s", sorted(tp.partition for tp in revoked))
+
+            def on_partitions_assigned(self, assigned) -> None:
+                owner._seek_to_stored(consumer, assigned)
+
+        consumer.subscribe([self.topic], listener=_SeekToStored())
+        return consumer
+
+    def _seek_to_stored(self, consumer, assigned) -> None:
+        from app.repositories.events import stored_offsets
+
+        def read() -> dict[int, int]:
+            with session_scope() as s:
+                return stored_offsets(s, self.group_id, self.topic)
+
+        stored = self.retry(read, "reading stored offsets")
+        self._assigned_at = time.monotonic()
+        for tp in assigned:
+            if tp.partition in stored:
+                consumer.seek(tp, stored[tp.partition])
+                self._next[tp.partition] = stored[tp.partition]
+            else:
+                consumer.seek_to_beginning(tp)
+        log.info("partitions assigned: %s (stored offsets %s)", sorted(tp.partition for tp in assigned),
+                 {tp.partition: stored.get(tp.partition) for tp in assigned})
+
+    def _dlq_producer(self):
+        if self._producer is None:
+            from kafka import KafkaProducer
+
+            self._producer = KafkaProducer(bootstrap_servers=self.bootstrap, acks="all", linger_ms=5,
+                                           max_request_size=self.settings.dlq_max_bytes + 131_072,
+                                           client_id=f"{self.client_id}-dlq")
+        return self._producer
+
+    def _publish_dead_letters(self, dead: list[Decoded]) -> None:
+        def send() -> None:
+            producer = self._dlq_producer()
+            futures = [producer.send(self.dlq_topic, key=k, value=v, headers=h)
+                       for k, v, h in (dlq_record(d, self.settings.dlq_max_bytes) for d in dead)]
+            producer.flush(timeout=30)
+            for f in futures:
+                f.get(timeout=30)
+
+        self.retry(send, "publishing to the DLQ topic")
+
+    # ---- one batch -------------------------------------------------------------------------
+
+    def _apply(self, decoded: list[Decoded]) -> BatchOutcome:
+        with session_scope() as session:
+            return apply_batch(session, self.group_id, decoded, self.projector, self.settings.insert_method)
+
+    def _apply_isolated(self, decoded: list[Decoded]) -> BatchOutcome:
+        """Record by record, each in a savepoint; failures become ``processing_error`` dead letters."""
+        total = BatchOutcome(messages=len(decoded))
+        with session_scope() as session:
+            for d in decoded:
+                try:
+                    with session.begin_nested():  # conflict-safe insert: see append_events
+                        o = apply_batch(session, self.group_id, [d], self.projector, "copy_upsert")
+                except Exception as exc:  # noqa: BLE001 -- route the bad record, keep the batch going
+                    if is_transient(exc):
+                        raise
+                    log.exception("record %s:%s:%s failed; dead-lettering it", d.msg.topic, d.msg.partition,
+                                  d.msg.offset)
+                    bad = Decoded(d.msg, reason="processing_error", detail=f"{type(exc).__name__}: {exc}"[:2000])
+                    self._publish_dead_letters([bad])
+                    with session.begin_nested():
+                        o = apply_batch(session, self.group_id, [bad], self.projector, "copy_upsert")
+                    self.stats.processing_errors += 1
+                total.stale += o.stale
+                total.stored += o.stored
+                total.duplicates += o.duplicates
+                total.dead_letters.update(o.dead_letters)
+                total.finalized.update(o.finalized)
+                total.erasures += o.erasures
+                total.privacy_dropped += o.privacy_dropped
+                total.erased_dropped += o.erased_dropped
+                total.trajectories += o.trajectories
+                for k, v in o.next_offsets.items():
+                    total.next_offsets[k] = max(total.next_offsets.get(k, 0), v)
+        return total
+
+    def process(self, messages: list[Message]) -> BatchOutcome:
+        """Classify, dead-letter and apply one batch (retrying transient faults). No Kafka commit."""
+        started = time.perf_counter()
+        decoded = [classify(m, self.max_event_bytes) for m in messages]
+        dead = [d for d in decoded if d.reason is not None]
+        links = producer_links((m.headers for m in messages), self.settings.max_span_links)
+        with self._tracer.start_as_current_span(
+                "consumers.ingest.batch", links=links,
+                attributes={"messaging.system": "kafka", "messaging.destination.name": self.topic,
+                            "messaging.consumer.group.name": self.group_id,
+                            "messaging.batch.message_count": len(messages)}) as span:
+            if dead:
+                self._publish_dead_letters(dead)
+            try:
+                outcome = self.retry(lambda: self._apply(decoded), "batch transaction")
+            except Exception as exc:  # noqa: BLE001
+                if is_transient(exc):
+                    raise
+                log.warning("batch failed (%s); applying it record by record", exc)
+                outcome = self.retry(lambda: self._apply_isolated(decoded), "isolated batch transaction")
+            span.set_attribute("flywheel.events.stored", outcome.stored)
+            span.set_attribute("flywheel.dead_letters", sum(outcome.dead_letters.values()))
+        self.metrics.record_batch(outcome, time.perf_counter() - started)
+        self.stats.add(outcome)
+        return outcome
+
+    # ---- the loop --------------------------------------------------------------------------
+
+    def _commit_kafka(self, next_offsets: dict[tuple[str, int], int]) -> None:
+        from kafka import TopicPartition
+        from kafka.structs import OffsetAndMetadata
+
+        offsets = {TopicPartition(t, p): OffsetAndMetadata(o, "", -1) for (t, p), o in next_offsets.items()}
+        for (_, p), o in next_offsets.items():
+            self._next[p] = o
+
+        def done(_offsets, result) -> None:
+            if isinstance(result, Exception):  # advisory only: Postgres holds the offsets
+                log.debug("kafka offset commit failed: %s", result)
+
+        try:
+            self._consumer.commit_async(offsets, callback=done)
+        except Exception as exc:  # noqa: BLE001 -- e.g. a rebalance in progress; Postgres is the truth
+            log.debug("kafka offset commit refused: %s", exc)
+
+    def _update_lag(self) -> None:
+        lag = {}
+        for tp in self._consumer.assignment():
+            hw = self._consumer.highwater(tp)
+            if hw is not None:
+                lag[tp.partition] = max(0, hw - self._next.get(tp.partition, 0))
+        self.metrics.set_lag(lag)
+
+    def run(self, *, idle_exit_s: float | None = None, stop_after: int | None = None) -> IngestStats:
+        """Consume until ``stop()``, ``idle_exit_s`` seconds without records, or ``stop_after`` records.
+
+        Raises:
+            Exception: only non-transient faults outside input handling (e.g. a bad configuration).
+        """
+        self._consumer = self._kafka_consumer()
+        last_record = last_sweep = time.monotonic()
+        try:
+            while not self._stop.is_set():
+                polled = self._consumer.poll(timeout_ms=self.settings.poll_timeout_ms,
+                                             max_records=self.settings.batch_max_records)
+                messages = [Message.from_record(r) for recs in polled.values() for r in recs]
+                now = time.monotonic()
+                if messages:
+                    outcome = self.process(messages)
+                    self._commit_kafka(outcome.next_offsets)
+                    last_record = now
+                self._update_lag()
+                if now - last_sweep >= self.settings.finalize_interval_s:
+                    done = self.retry(lambda: finalize_due(self.projector, self.settings.finalize_grace_s),
+                                      "finalize sweep")
+                    self.metrics.record_finalized(done)
+                    self.stats.finalized.update(done)
+                    last_sweep = now
+                if stop_after is not None and self.stats.messages >= stop_after:
+                    break
+                # idle time counts from the later of the last record and the last (re)assignment
+                if idle_exit_s is not None and self._assigned_at is not None \
+                        and now - max(last_record, self._assigned_at) >= idle_exit_s:
+                    break
+        finally:
+            self.close()
+        return self.stats
+
+    def close(self) -> None:
+        """Leave the group and close clients (idempotent)."""
+        if self._consumer is not None:
+            try:
+                self._consumer.close(autocommit=False)
+            except Exception:  # noqa: BLE001 -- closing a dead connection
+                log.debug("consumer close failed", exc_info=True)
+            self._consumer = None
+        if self._producer is not None:
+            try:
+                self._producer.close(timeout=5)
+            except Exception:  # noqa: BLE001
+                log.debug("producer close failed", exc_info=True)
+            self._producer = None

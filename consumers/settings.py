@@ -1,0 +1,74 @@
+"""Settings of the ingest consumer, projection and reward labeling (``FLYWHEEL_CONSUMER_*``).
+
+Kafka connection and topic names stay in ``app.core.settings.KafkaSettings``; this module only holds
+what the consumers decide: batch sizes, group timeouts, the late-signal window and the active reward
+specs. Changing ``signal_window_s``/``abandon_after_s`` changes what ``flywheel replay`` rebuilds, so
+replay with the settings the live consumer ran with.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from app.core.settings import flywheel_home
+
+
+class ConsumerSettings(BaseSettings):
+    """Knobs of ``flywheel consume`` / ``finalize`` / ``relabel`` / ``replay``."""
+
+    model_config = SettingsConfigDict(env_prefix="FLYWHEEL_CONSUMER_", extra="ignore",
+                                      env_file_encoding="utf-8")
+
+    batch_max_records: int = Field(default=1000, ge=1, le=100_000,
+                                   description="messages per poll, i.e. per Postgres transaction")
+    poll_timeout_ms: int = Field(default=100, ge=0, description="longest wait for a batch to fill (ms)")
+    max_poll_interval_ms: int = Field(
+        default=5000, ge=1000,
+        description="kafka-python also takes the group's rebalance timeout from this (ms); small keeps "
+                    "joins fast (a join waits for the rebalance timeout on tansu)")
+    session_timeout_ms: int = Field(default=6000, ge=1000, description="group session timeout (ms)")
+    heartbeat_interval_ms: int = Field(default=1000, ge=100, description="group heartbeat interval (ms)")
+    fetch_max_bytes: int = Field(default=52_428_800, ge=1024, description="bytes per fetch response")
+    insert_method: Literal["copy", "copy_upsert", "unnest"] = Field(
+        default="copy", description="event_log batch insert (see app.repositories.events.append_events)")
+    signal_window_s: float = Field(
+        default=3600.0, ge=0,
+        description="seconds after session.ended (ingestion clock) during which late signals still count")
+    abandon_after_s: float = Field(
+        default=86_400.0, gt=0,
+        description="a session with no session.ended is finalized this many seconds after its last event")
+    finalize_interval_s: float = Field(default=5.0, gt=0,
+                                       description="seconds between window-expiry sweeps in the consume loop")
+    finalize_grace_s: float = Field(
+        default=5.0, ge=0,
+        description="the sweep finalizes only windows closed at least this long ago (seconds), so a batch "
+                    "transaction that started before the close can never race it")
+    reward_specs: list[str] = Field(default_factory=lambda: ["implicit@1"],
+                                    description="active reward specs (name@version) labeled at finalization")
+    reward_spec_dir: Path | None = Field(default=None,
+                                         description="extra directory of reward spec TOML files")
+    eval_reserve_fraction: float = Field(
+        default=0.0, ge=0.0, le=1.0,
+        description="fraction of tasks (hash of task_id) whose trajectories are reserved for evals")
+    retry_max_wait_s: float = Field(default=10.0, gt=0,
+                                    description="longest backoff between retries of a transient fault (s)")
+    dlq_max_bytes: int = Field(default=900_000, ge=1024,
+                               description="raw bytes beyond this are truncated on the DLQ topic (the table "
+                                           "keeps them whole)")
+    max_span_links: int = Field(default=128, ge=0, description="producer trace contexts linked per batch span")
+
+    @classmethod
+    def load(cls) -> "ConsumerSettings":
+        """From the environment and the local stack's env file."""
+        return cls(_env_file=(flywheel_home() / "stack.env",))  # type: ignore[call-arg]
+
+
+@lru_cache(maxsize=1)
+def get_consumer_settings() -> ConsumerSettings:
+    """Process-wide consumer settings (``get_consumer_settings.cache_clear()`` re-reads)."""
+    return ConsumerSettings.load()
