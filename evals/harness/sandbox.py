@@ -73,6 +73,7 @@ class SandboxResult:
         duration_s: wall-clock seconds.
         truncated: stdout or stderr was cut to ``output_bytes``.
         network_isolated: the command ran in its own (empty) network namespace.
+        extra: details, e.g. ``uid`` (the sandbox uid when run as root).
     """
 
     exit_code: int
@@ -177,8 +178,10 @@ def _kill_uid(uid: int) -> None:
 _WORLD_WRITABLE = ("/tmp", "/var/tmp", "/dev/shm")
 
 
-def _sweep_world_writable(uid: int) -> None:
-    """Remove what the sandbox uid left in world-writable directories (it can write nowhere else)."""
+def _sweep_world_writable(uid: int, keep: tuple[Path, ...]) -> None:
+    """Remove what the sandbox uid left in world-writable directories (it can write nowhere else),
+    except ``keep`` (the task directory and the scratch directory)."""
+    kept = {str(k) for k in keep}
     for top in _WORLD_WRITABLE:
         try:
             entries = list(os.scandir(top))
@@ -186,7 +189,7 @@ def _sweep_world_writable(uid: int) -> None:
             continue
         for entry in entries:
             try:
-                if entry.stat(follow_symlinks=False).st_uid != uid:
+                if entry.path in kept or entry.stat(follow_symlinks=False).st_uid != uid:
                     continue
                 if entry.is_dir(follow_symlinks=False):
                     shutil.rmtree(entry.path, ignore_errors=True)
@@ -196,14 +199,59 @@ def _sweep_world_writable(uid: int) -> None:
                 continue
 
 
-def _chown_tree(root: Path, uid: int) -> None:
-    os.chown(root, uid, uid)
+def _chown_tree(root: Path, uid: int, gid: int | None = None) -> None:
+    gid = uid if gid is None else gid
+    os.chown(root, uid, gid)
     for dirpath, dirnames, filenames in os.walk(root):
         for name in dirnames + filenames:
             try:
-                os.chown(os.path.join(dirpath, name), uid, uid, follow_symlinks=False)
+                os.chown(os.path.join(dirpath, name), uid, gid, follow_symlinks=False)
             except FileNotFoundError:
                 continue
+
+
+def sync_tree(src: Path, dst: Path, max_files: int = 10_000) -> None:
+    """Make ``dst`` mirror ``src`` (files, directories, symlinks as links; at most ``max_files``)."""
+    seen: set[str] = set()
+    for dirpath, dirnames, filenames in os.walk(src):
+        rel_dir = Path(dirpath).relative_to(src)
+        for name in dirnames + filenames:
+            if len(seen) >= max_files:
+                break
+            rel = rel_dir / name
+            seen.add(str(rel))
+            s_path, d_path = src / rel, dst / rel
+            if s_path.is_dir() and not s_path.is_symlink():
+                if d_path.is_symlink() or (d_path.exists() and not d_path.is_dir()):
+                    d_path.unlink()
+                d_path.mkdir(exist_ok=True)
+                continue
+            if d_path.is_dir() and not d_path.is_symlink():
+                shutil.rmtree(d_path)
+            elif d_path.is_symlink() or d_path.exists():
+                if not s_path.is_symlink() and not d_path.is_symlink() and _same_file(s_path, d_path):
+                    continue
+                d_path.unlink()
+            if s_path.is_symlink():
+                os.symlink(os.readlink(s_path), d_path)
+            else:
+                shutil.copyfile(s_path, d_path)
+    for dirpath, dirnames, filenames in os.walk(dst, topdown=False):
+        rel_dir = Path(dirpath).relative_to(dst)
+        for name in filenames + dirnames:
+            rel = rel_dir / name
+            if str(rel) not in seen:
+                target = dst / rel
+                if target.is_dir() and not target.is_symlink():
+                    shutil.rmtree(target, ignore_errors=True)
+                else:
+                    target.unlink(missing_ok=True)
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    if a.stat().st_size != b.stat().st_size:
+        return False
+    return a.read_bytes() == b.read_bytes()
 
 
 def run_in_sandbox(cmd: str | list[str], cwd: Path, limits: SandboxLimits | None = None) -> SandboxResult:
@@ -241,15 +289,20 @@ def run_in_sandbox(cmd: str | list[str], cwd: Path, limits: SandboxLimits | None
         (scratch / sub).mkdir()
     out_path, err_path = scratch / "stdout", scratch / "stderr"
     user_kwargs = {}
+    run_cwd = cwd
     if as_root:
+        # The sandbox uid works on a copy of the repository inside its own scratch directory: the
+        # task directory's ancestors may be closed to it (e.g. 0700 temp dirs), and the harness's
+        # files never change owner. The copy is synced back after the run.
+        run_cwd = scratch / "repo"
+        shutil.copytree(cwd, run_cwd, symlinks=True)
         _chown_tree(scratch, uid)
-        _chown_tree(cwd, uid)
         user_kwargs = {"user": uid, "group": uid, "extra_groups": []}
     started = time.perf_counter()
     timed_out = False
     try:
         with open(out_path, "wb") as out, open(err_path, "wb") as err:
-            proc = subprocess.Popen(argv, cwd=cwd, stdin=subprocess.DEVNULL, stdout=out, stderr=err,
+            proc = subprocess.Popen(argv, cwd=run_cwd, stdin=subprocess.DEVNULL, stdout=out, stderr=err,
                                     env=_env(scratch), start_new_session=True, preexec_fn=set_limits,
                                     close_fds=True, **user_kwargs)
             try:
@@ -263,7 +316,6 @@ def run_in_sandbox(cmd: str | list[str], cwd: Path, limits: SandboxLimits | None
                 proc.wait()
         if as_root:
             _kill_uid(uid)  # stragglers: background jobs, setsid escapes
-            _sweep_world_writable(uid)
         else:
             try:
                 os.killpg(proc.pid, signal.SIGKILL)
@@ -273,11 +325,16 @@ def run_in_sandbox(cmd: str | list[str], cwd: Path, limits: SandboxLimits | None
         stdout, cut_out = _read_capped(out_path, limits.output_bytes)
         stderr, cut_err = _read_capped(err_path, limits.output_bytes)
     finally:
+        if as_root:
+            _sweep_world_writable(uid, keep=(scratch,))
+            if run_cwd.is_dir():
+                sync_tree(run_cwd, cwd)
         shutil.rmtree(scratch, ignore_errors=True)
     code = proc.returncode
     return SandboxResult(exit_code=code, stdout=stdout, stderr=stderr, timed_out=timed_out,
                          killed_reason=_reason(code, timed_out, stderr), duration_s=duration,
-                         truncated=cut_out or cut_err, network_isolated=isolated)
+                         truncated=cut_out or cut_err, network_isolated=isolated,
+                         extra={"uid": uid} if uid is not None else {})
 
 
 def _reason(code: int, timed_out: bool, stderr: str) -> str | None:

@@ -1,0 +1,68 @@
+"""Task sources: one ``Task`` format (``evals.tasks.model``), adapters per source.
+
+``load_tasks(source, split)`` is the only entry point the simulator and the eval runner use;
+``verify_reference(task)`` proves a task is solvable in our sandbox (its reference passes).
+"""
+
+from __future__ import annotations
+
+import random
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from evals.harness.sandbox import SandboxLimits, SandboxResult
+    from evals.tasks.model import Task
+
+SOURCES = ("dataframebench", "humaneval", "mined")
+
+
+def load_tasks(source: str, split: str, limit: int | None = None, seed: int = 0) -> list["Task"]:
+    """Tasks of ``source``/``split``; with ``limit``, a seeded random subset ordered by id.
+
+    ``mined`` reads the ``eval_task`` table (``split`` is ignored; needs the database).
+
+    Raises:
+        ConfigurationError: unknown source or split (e.g. DataFrameBench ``val``).
+    """
+    from app.core.errors import ConfigurationError
+
+    if source == "dataframebench":
+        from evals.tasks import dataframebench
+
+        tasks = dataframebench.load(split)
+    elif source == "humaneval":
+        from evals.tasks import humaneval
+
+        tasks = humaneval.load(split)
+    elif source == "mined":
+        from app.core.db import session_scope
+        from evals.mined import load_mined_tasks
+
+        with session_scope() as session:
+            return load_mined_tasks(session, limit=limit, seed=seed)
+    else:
+        raise ConfigurationError(f"unknown task source {source!r}; expected one of {', '.join(SOURCES)}")
+    if limit is not None and limit < len(tasks):
+        tasks = sorted(random.Random(seed).sample(tasks, limit), key=lambda t: t.id)
+    return tasks
+
+
+def verify_reference(task: "Task", limits: "SandboxLimits | None" = None) -> "SandboxResult":
+    """Run the task's hidden tests on its reference solution in the sandbox.
+
+    Returns:
+        The sandbox result (``.ok`` means the reference passes).
+    """
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    from evals.harness.sandbox import SandboxLimits, run_in_sandbox
+    from evals.harness.workspace import write_files
+
+    work = Path(tempfile.mkdtemp(prefix="flywheel-ref-"))
+    try:
+        write_files(work, {**task.files, **task.reference_files, **task.test_files})
+        return run_in_sandbox(task.test_command, work, limits or SandboxLimits(timeout_s=60))
+    finally:
+        shutil.rmtree(work, ignore_errors=True)

@@ -1,0 +1,299 @@
+"""The product's agent loop — the same code serves editor sessions (simulator) and evals.
+
+Invariants:
+- Every event of the contract a session produces goes through ``emit`` (when given) in causal
+  order: ``session.started``, ``agent.requested``, then per turn ``model.responded`` followed by
+  its ``tool.executed`` (and ``edit.proposed``) events, ``context.summarized`` at a segment
+  boundary, and last ``session.ended``.
+- ``model.responded`` carries the real token ids and behaviour log-probs; its
+  ``prompt_token_ids`` are exactly the tokens appended since the previous turn of the same
+  segment (see ``chat.py``), so ``concat(prompt_i + completion_i)`` over a segment's turns is the
+  token sequence the model saw. ``turn_index`` counts turns within a segment.
+- The context never exceeds ``AgentBudget.context_tokens`` plus one summary turn: when the next
+  turn would not fit, the model is asked to summarize, the context restarts from the summary
+  (and the pending tool results), and a new segment begins.
+- An invalid tool call is answered with an error observation and counted; the session goes on.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from app.events.types import (
+    AgentRequested, AgentRequestedEvent, ContextSummarized, ContextSummarizedEvent, EditProposed,
+    EditProposedEvent, EventBase, ModelResponded, ModelRespondedEvent, SessionEnded, SessionEndedEvent,
+    SessionStarted, SessionStartedEvent, ToolCall, ToolExecuted, ToolExecutedEvent,
+)
+from evals.harness.chat import SUMMARY_REQUEST, SYSTEM_PROMPT, ChatML, repository_message
+from evals.harness.sandbox import SandboxLimits, SandboxResult, run_in_sandbox
+from evals.harness.toolcalls import parse_tool_calls
+from evals.harness.tools import execute_tool
+from evals.harness.workspace import snapshot, write_files
+from ops.serving.engine import InferenceEngine, SamplingParams
+
+
+@dataclass(frozen=True)
+class AgentBudget:
+    """Limits of one session.
+
+    Attributes:
+        max_turns: model turns (summary turns included).
+        max_completion_tokens: completion tokens over the session.
+        context_tokens: the context the harness keeps before it self-summarizes (tokens).
+        max_tokens_per_turn: completion tokens of one turn.
+        summary_tokens: completion tokens of a summary turn.
+        tool_output_chars: characters of one tool observation shown to the model.
+    """
+
+    max_turns: int = 8
+    max_completion_tokens: int = 2048
+    context_tokens: int = 4096
+    max_tokens_per_turn: int = 512
+    summary_tokens: int = 200
+    tool_output_chars: int = 3000
+
+
+@dataclass
+class SessionResult:
+    """What happened in a session (the eval runner and the simulator read it).
+
+    ``passed`` is the outcome of the agent's last test run (None: it ran none) — not the hidden
+    grade, which :func:`grade` computes. ``edits`` lists successful ``edit_file`` calls
+    (``edit_id``, ``path``, ``lines_added``, ``lines_removed``, ``added`` lines).
+    """
+
+    passed: bool | None
+    edited: bool
+    asked_question: bool
+    turns: int
+    completion_tokens: int
+    latency_s: float
+    tool_calls: int
+    tool_call_errors: int
+    test_runs: int
+    segments: int
+    final_files: dict[str, str]
+    events: list[EventBase]
+    reason: str = "finished"
+    edits: list[dict] = field(default_factory=list)
+    final_message: str = ""
+
+
+def run_agent_session(engine: InferenceEngine, task, workdir: Path, budget: AgentBudget, sampling: SamplingParams,
+                      *, emit: Callable[[EventBase], None] | None = None, session_id: str, user_id: str,
+                      org_id: str = "default", privacy_mode: bool = False, limits: SandboxLimits | None = None,
+                      on_end: Callable[[SessionResult], Sequence[str]] | None = None) -> SessionResult:
+    """Run the agent on ``task`` in ``workdir`` (the task's files are written there first).
+
+    Args:
+        engine: the serving policy (or a ``ScriptedPolicy``).
+        task: an ``evals.tasks.model.Task``.
+        workdir: an empty or scratch directory; it holds the repository after the session.
+        budget, sampling: limits and decoding (``sampling.max_tokens`` is capped per turn).
+        emit: receives every event (``EventProducer.emit`` in the simulator; None in evals).
+        limits: sandbox limits of the ``run`` tool (default 30 s, 2 GiB).
+        on_end: computes ``session.ended.expected_signals`` from the result (the simulator says
+            which late signals will follow).
+
+    Returns:
+        The :class:`SessionResult` (``events`` holds every event, emitted or not).
+    """
+    run = _Session(engine, task, Path(workdir), budget, sampling, emit, limits or SandboxLimits(),
+                   dict(session_id=session_id, user_id=user_id, org_id=org_id, privacy_mode=privacy_mode))
+    try:
+        run.loop()
+    except BaseException:
+        run.end("error", ())
+        raise
+    result = run.result()
+    run.end(run.reason, tuple(on_end(result)) if on_end else ())
+    result.events = run.events
+    return result
+
+
+@dataclass
+class _Reply:
+    token_ids: list[int]
+    finish_reason: str
+    calls: list
+    message: str
+    tool_calls: tuple[ToolCall, ...]
+
+
+class _Session:
+    def __init__(self, engine, task, workdir, budget, sampling, emit, limits, envelope) -> None:
+        self.engine, self.task, self.workdir, self.budget = engine, task, workdir, budget
+        self.sampling, self._emit, self.limits, self.envelope = sampling, emit, limits, envelope
+        self.chat = ChatML(engine.tokenizer)
+        self.events: list[EventBase] = []
+        self.segment, self.turn_in_segment, self.turns = 0, 0, 0
+        self.context: list[int] = []
+        self.completion_tokens, self.latency_s = 0, 0.0
+        self.tool_calls = self.tool_errors = self.test_runs = 0
+        self.last_test_ok: bool | None = None
+        self.asked_question, self.reason, self.final_message = False, "turns", ""
+        self.edits: list[dict] = []
+        self._ended = False
+
+    # ---- events --------------------------------------------------------------------------
+
+    def emit(self, event: EventBase) -> None:
+        self.events.append(event)
+        if self._emit is not None:
+            self._emit(event)
+
+    def end(self, reason: str, expected: tuple[str, ...]) -> None:
+        if self._ended:
+            return
+        self._ended = True
+        self.emit(SessionEndedEvent(**self.envelope, payload=SessionEnded(
+            reason=reason, turns=self.turns, ran_tests=self.test_runs > 0, expected_signals=expected)))
+
+    # ---- loop ----------------------------------------------------------------------------
+
+    def loop(self) -> None:
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        write_files(self.workdir, self.task.files)
+        self.emit(SessionStartedEvent(**self.envelope, payload=SessionStarted(
+            task_id=self.task.id, task_source=self.task.source, checkpoint_id=self.engine.checkpoint_id)))
+        self.emit(AgentRequestedEvent(**self.envelope, payload=AgentRequested(request_id="r0", text=self.task.request)))
+        pending = self.chat.first_prompt(SYSTEM_PROMPT, repository_message(self.task.request, self.workdir))
+        last_completion: list[int] = []
+        observations: str | None = None
+        while True:
+            if self.turns >= self.budget.max_turns:
+                self.reason = "turns"
+                return
+            remaining = self.budget.max_completion_tokens - self.completion_tokens
+            if remaining <= 0:
+                self.reason = "budget"
+                return
+            max_new = min(self.budget.max_tokens_per_turn, self.sampling.max_tokens, remaining)
+            if len(self.context) + len(pending) + max_new > self.budget.context_tokens:
+                if self.context:  # summarize, then restart the context in a new segment
+                    pending = self.summarize(last_completion, observations)
+                    last_completion = []
+                    continue
+                max_new = self.budget.context_tokens - len(pending)
+                if max_new < 16:
+                    self.reason = "context"
+                    return
+            completion = self.respond(pending, max_new)
+            last_completion = completion.token_ids
+            outcome = self.act(completion)
+            if outcome is None:  # finished, or answered without a tool call
+                return
+            observations = outcome
+            pending = self.chat.continuation(last_completion, observations)
+
+    def respond(self, pending: list[int], max_new: int, tool_free: bool = False):
+        params = replace(self.sampling, max_tokens=max_new,
+                         seed=None if self.sampling.seed is None else self.sampling.seed + self.turns)
+        gen = self.engine.generate([self.context + pending], params)[0]
+        self.context += pending + gen.token_ids
+        self.completion_tokens += len(gen.token_ids)
+        self.latency_s += gen.latency_s
+        text = self.chat.decode_reply(gen.token_ids)
+        calls, message = ([], text) if tool_free else parse_tool_calls(text)
+        reply = _Reply(gen.token_ids, gen.finish_reason, calls, message, tuple(
+            ToolCall(call_id=f"call-{self.turns}-{i}", name=c.name, arguments=c.arguments, valid=c.valid)
+            for i, c in enumerate(calls)))
+        experts = {}
+        if gen.routed_experts:
+            layers, k = len(gen.routed_experts[0]), len(gen.routed_experts[0][0])
+            experts = dict(routed_experts=[e for tok in gen.routed_experts for layer in tok for e in layer],
+                           routed_experts_shape=(layers, k))
+        self.emit(ModelRespondedEvent(**self.envelope, payload=ModelResponded(
+            request_id="r0", segment_index=self.segment, turn_index=self.turn_in_segment,
+            checkpoint_id=self.engine.checkpoint_id, prompt_token_ids=pending,
+            completion_token_ids=gen.token_ids, completion_logprobs=gen.logprobs, latency_s=gen.latency_s,
+            tool_calls=reply.tool_calls, finish_reason=gen.finish_reason, **experts)))
+        self.turns += 1
+        self.turn_in_segment += 1
+        return reply
+
+    def act(self, gen: "_Reply") -> str | None:
+        """Run the reply's tool calls; the observation text, or None when the session ends."""
+        if not gen.calls:
+            self.final_message = gen.message
+            self.asked_question = "?" in gen.message
+            self.reason = "finished"
+            return None
+        parts, finished = [], False
+        for call, tc in zip(gen.calls, gen.tool_calls):
+            self.tool_calls += 1
+            if not call.valid:
+                self.tool_errors += 1
+                hint = "" if gen.finish_reason != "length" else " (the reply hit the per-turn token limit)"
+                text = (f"error: invalid tool call: {call.error}{hint}. Write "
+                        '<tool_call>{"name": "<tool>", "arguments": {...}}</tool_call>')
+                self.emit(ToolExecutedEvent(**self.envelope, payload=ToolExecuted(
+                    call_id=tc.call_id, name=tc.name, ok=False, output=text)))
+                parts.append(f"<tool_response>\n{text}\n</tool_response>")
+                continue
+            out = execute_tool(call, self.workdir, self.limits, max_output_chars=self.budget.tool_output_chars)
+            if out.ran_tests:
+                self.test_runs += 1
+                self.last_test_ok = out.ok
+            self.emit(ToolExecutedEvent(**self.envelope, payload=ToolExecuted(
+                call_id=tc.call_id, name=call.name, ok=out.ok, exit_code=out.exit_code, output=out.output,
+                duration_s=out.duration_s, ran_tests=out.ran_tests, command=out.command)))
+            if out.edit:
+                edit_id = f"edit-{tc.call_id}"
+                self.edits.append({"edit_id": edit_id, **out.edit})
+                self.emit(EditProposedEvent(**self.envelope, payload=EditProposed(
+                    edit_id=edit_id, path=out.edit["path"], lines_added=out.edit["lines_added"],
+                    lines_removed=out.edit["lines_removed"], diff=out.edit["diff"])))
+            parts.append(f"<tool_response>\n[{call.name}] {out.output}\n</tool_response>")
+            if out.finished:
+                finished = True
+                self.final_message = call.arguments.get("message", "")
+                break
+        if finished:
+            self.reason = "finished"
+            return None
+        return "\n".join(parts)
+
+    def summarize(self, last_completion: list[int], observations: str | None) -> list[int]:
+        """Ask for a summary (a turn of the old segment), emit ``context.summarized``, and return the
+        first prompt of the new segment."""
+        request = self.chat.continuation(last_completion, SUMMARY_REQUEST)
+        gen = self.respond(request, self.budget.summary_tokens, tool_free=True)
+        summary = gen.message.strip() or "(no summary)"
+        replaced = len(self.context)
+        self.segment += 1
+        self.turn_in_segment = 0
+        self.context = []
+        self.emit(ContextSummarizedEvent(**self.envelope, payload=ContextSummarized(
+            new_segment_index=self.segment, summary=summary[:100_000], summarized_tokens=replaced)))
+        user = repository_message(self.task.request, self.workdir, summary=summary, observations=observations)
+        return self.chat.first_prompt(SYSTEM_PROMPT, user)
+
+    def result(self) -> SessionResult:
+        return SessionResult(
+            passed=self.last_test_ok, edited=bool(self.edits), asked_question=self.asked_question, turns=self.turns,
+            completion_tokens=self.completion_tokens, latency_s=self.latency_s, tool_calls=self.tool_calls,
+            tool_call_errors=self.tool_errors, test_runs=self.test_runs, segments=self.segment + 1,
+            final_files=snapshot(self.workdir), events=self.events, reason=self.reason, edits=self.edits,
+            final_message=self.final_message)
+
+
+def grade_result(task, workdir: Path, limits: SandboxLimits | None = None) -> SandboxResult:
+    """Run the task's hidden tests on a copy of ``workdir`` (the agent's repository is untouched)."""
+    scratch = Path(tempfile.mkdtemp(prefix="flywheel-grade-"))
+    try:
+        write_files(scratch, snapshot(workdir))
+        write_files(scratch, task.test_files)  # hidden files win over same-named agent files
+        return run_in_sandbox(task.test_command, scratch, limits or SandboxLimits(timeout_s=60))
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def grade(task, workdir: Path, limits: SandboxLimits | None = None) -> bool:
+    """Whether the repository in ``workdir`` passes the task's hidden tests (in the sandbox)."""
+    return grade_result(task, workdir, limits).ok
+

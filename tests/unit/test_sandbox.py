@@ -1,0 +1,99 @@
+"""Sandbox limits: each abuse is contained and reported, never raised, and leaves nothing behind."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from evals.harness.sandbox import SandboxLimits, network_isolation_available, run_in_sandbox
+from evals.harness.workspace import PathEscapeError, resolve_inside
+
+LIMITS = SandboxLimits(timeout_s=5, memory_mb=1024, file_size_mb=8, max_processes=32, output_bytes=4000)
+
+
+@pytest.fixture
+def box(tmp_path) -> Path:
+    d = tmp_path / "repo"
+    d.mkdir()
+    (d / "a.py").write_text("print(sum(range(10)))\n")
+    return d
+
+
+def test_runs_python_in_the_directory_and_keeps_its_changes(box):
+    (box / "old.txt").write_text("old")
+    r = run_in_sandbox("python a.py && mkdir -p out && echo new > out/new.txt && rm old.txt", box, LIMITS)
+    assert r.ok and r.stdout == "45\n"
+    assert (box / "out" / "new.txt").read_text() == "new\n" and not (box / "old.txt").exists()
+
+
+def test_infinite_loop_is_killed_at_the_wall_clock(box):
+    r = run_in_sandbox("while true; do :; done", box, SandboxLimits(timeout_s=1.5))
+    assert r.timed_out and r.killed_reason == "timeout" and not r.ok and r.duration_s < 5
+
+
+def test_cpu_limit_fires_before_the_wall_clock(box):
+    r = run_in_sandbox("python -c 'while True: pass'", box, SandboxLimits(timeout_s=20, cpu_s=1))
+    assert r.killed_reason == "cpu_time" and not r.timed_out and r.duration_s < 10
+
+
+def test_fork_bomb_is_contained_and_cleaned_up(box):
+    r = run_in_sandbox(":(){ :|:& };:", box, SandboxLimits(timeout_s=3, max_processes=32))
+    assert r.duration_s < 20
+    if os.geteuid() == 0:  # every process of the sandbox uid was killed
+        ps = subprocess.run(["ps", "-eo", "uid="], capture_output=True, text=True).stdout.split()
+        assert str(r.extra["uid"]) not in ps
+
+
+def test_background_process_does_not_outlive_the_run(box):
+    r = run_in_sandbox("sleep 60 & echo started", box, LIMITS)
+    assert r.ok and "started" in r.stdout
+    ps = subprocess.run(["ps", "-eo", "args="], capture_output=True, text=True).stdout
+    assert "sleep 60" not in ps
+
+
+def test_memory_limit(box):
+    r = run_in_sandbox("python -c 'x = bytearray(4 * 1024**3)'", box, LIMITS)
+    assert not r.ok and r.killed_reason == "memory"
+
+
+def test_huge_output_is_bounded_and_truncated(box):
+    r = run_in_sandbox("yes flywheel", box, LIMITS)
+    assert not r.ok and r.killed_reason == "file_size" and r.truncated
+    assert len(r.stdout) < 5000 and "truncated" in r.stdout
+
+
+def test_writing_outside_the_directory_is_refused(box):
+    outside = box.parent / "escaped.txt"
+    r = run_in_sandbox(f"echo x > {outside}; echo x > ../escaped2.txt; echo ok > inside.txt", box, LIMITS)
+    assert (box / "inside.txt").read_text() == "ok\n"
+    if os.geteuid() == 0:  # the sandbox uid owns only the repository
+        assert not outside.exists() and not (box.parent / "escaped2.txt").exists()
+        assert "Permission denied" in r.stderr
+    assert (box / "inside.txt").stat().st_uid == os.geteuid()  # synced back, owned by the harness
+
+
+def test_no_network_when_the_kernel_allows(box):
+    r = run_in_sandbox("python -c \"import socket; socket.create_connection(('1.1.1.1', 53), timeout=2)\"", box, LIMITS)
+    if network_isolation_available():
+        assert r.network_isolated and not r.ok and "unreachable" in r.stderr.lower()
+
+
+def test_environment_is_scrubbed(box, monkeypatch):
+    monkeypatch.setenv("FLYWHEEL_DATABASE_URL", "postgresql://secret")
+    r = run_in_sandbox("env", box, LIMITS)
+    assert "FLYWHEEL" not in r.stdout and "secret" not in r.stdout
+
+
+@pytest.mark.parametrize("path", ["../x.py", "/etc/passwd", "a/../../x", "link/passwd"])
+def test_tool_paths_cannot_escape(box, path):
+    (box / "link").symlink_to("/etc")
+    with pytest.raises(PathEscapeError):
+        resolve_inside(box, path)
+
+
+def test_tool_paths_inside_are_allowed(box):
+    assert resolve_inside(box, "pkg/../a.py") == box / "a.py"
+    assert resolve_inside(box, str(box / "a.py")) == box / "a.py"
