@@ -17,8 +17,15 @@ target_metadata = Base.metadata
 _only = {t for t in os.environ.get("FLYWHEEL_AUTOGEN_TABLES", "").split(",") if t}
 
 
+_FOREIGN_PREFIXES = ("kombu_", "celery_")  # created by kombu's SQL broker / Celery's result backend
+
+
 def include_object(obj, name, type_, reflected, compare_to):
-    """During authoring, ``FLYWHEEL_AUTOGEN_TABLES`` limits autogenerate to one area's tables."""
+    """During authoring, ``FLYWHEEL_AUTOGEN_TABLES`` limits autogenerate to one area's tables.
+    Tables Celery creates for itself on the same database are never Alembic's."""
+    table_name = obj.name if type_ == "table" else getattr(getattr(obj, "table", None), "name", None)
+    if reflected and compare_to is None and (table_name or "").startswith(_FOREIGN_PREFIXES):
+        return False
     if not _only:
         return True
     table = obj.name if type_ == "table" else getattr(getattr(obj, "table", None), "name", None)

@@ -47,6 +47,36 @@ def stack_status_cmd() -> None:
         raise typer.Exit(1)
 
 
+# ---- Celery ---------------------------------------------------------------------------------
+
+def worker_cmd(
+    concurrency: int = typer.Option(1, "--concurrency", "-c", min=1, help="tasks run at once"),
+    pool: str | None = typer.Option(None, help="solo | prefork | threads (default: solo for 1, else prefork)"),
+    queues: str | None = typer.Option(None, "--queues", "-Q", help="comma-separated queues to consume"),
+    beat: bool = typer.Option(False, "--beat", "-B", help="also run the beat scheduler in this process"),
+    loglevel: str = typer.Option("INFO", "--loglevel", "-l"),
+) -> None:
+    """Run a Celery worker for flywheel's tasks (training cycles, eval gating, outbox relay)."""
+    from ops.celery_app import celery_app
+
+    argv = ["worker", f"--pool={pool or ('solo' if concurrency == 1 else 'prefork')}",
+            f"--concurrency={concurrency}", f"--loglevel={loglevel}"]
+    if queues:
+        argv.append(f"--queues={queues}")
+    if beat:
+        argv.append("--beat")
+    celery_app.worker_main(argv)
+
+
+def beat_cmd(loglevel: str = typer.Option("INFO", "--loglevel", "-l")) -> None:
+    """Run the Celery beat scheduler (one per deployment; schedule in ops/schedule.py)."""
+    from ops.celery_app import celery_app
+
+    celery_app.start(["beat", f"--loglevel={loglevel}"])
+
+
 def register(app: typer.Typer) -> None:
-    """Add ``stack`` (and, as they land, worker/beat/up/demo) to the main app."""
+    """Add ``stack``, ``worker`` and ``beat`` (and, as they land, up/demo) to the main app."""
     app.add_typer(stack_app, name="stack")
+    app.command("worker")(worker_cmd)
+    app.command("beat")(beat_cmd)
