@@ -33,18 +33,16 @@ from typing import Any
 
 from app.core.errors import ConfigurationError, InvalidEventError
 from app.core.settings import flywheel_home, get_settings
-from app.core.telemetry import inject_headers, meter
+from app.core.telemetry import inject_headers
 from app.events.codec import encode_event, validate_event
 from app.events.types import EVENT_CLASSES, EventBase
 from producers.client import DEFAULT_BATCH_BYTES, default_compression, kafka_config
+from producers.metrics import ProducerCounters
 from producers.spool import Record, Spool
 
 log = logging.getLogger(__name__)
 
 ErrorCallback = Callable[[Exception, EventBase | None], None]
-
-_COUNTERS = ("emitted", "sent", "spooled", "errors", "invalid")
-
 
 class EventProducer:
     """Emit editor-interaction events to Kafka without ever blocking or failing the caller on the
@@ -54,7 +52,8 @@ class EventProducer:
         bootstrap: ``host:port[,host:port]``; default ``FLYWHEEL_KAFKA_BOOTSTRAP``.
         topic: default ``FLYWHEEL_KAFKA_INTERACTIONS_TOPIC``.
         spool_dir: disk spool root; default ``$FLYWHEEL_HOME/spool``.
-        on_error: called from the sender thread as ``on_error(exc, None)`` on each broker fault.
+        on_error: called as ``on_error(exc, None)`` from the sender thread on each broker fault,
+            and as ``on_error(exc, event)`` from ``emit`` if an event had to be dropped.
         buffer_size: events held in memory before new ones go to the disk spool.
         linger_ms: extra wait (milliseconds) for a batch to fill when the FIFO is short.
         batch_max: most records per acknowledged batch.
@@ -93,10 +92,8 @@ class EventProducer:
         self._lock = threading.Lock()        # guards _buffer, _spooling, _closed and spool appends
         self._spooling = self._spool.pending > 0  # a previous process's spool goes out first
         self._closed = False
-        self._counts = dict.fromkeys(_COUNTERS, 0)
-        self._published = dict.fromkeys(_COUNTERS, 0)
-        self._otel = meter("flywheel.producer").create_counter(
-            "flywheel.producer.events", unit="{event}", description="producer events by outcome")
+        self._counters = ProducerCounters()
+        self._counts = self._counters.counts
         self._client = None
         self._inflight = 0
         self._down = False                   # last broker attempt failed
@@ -138,6 +135,7 @@ class EventProducer:
             raise InvalidEventError("oversized", f"event is {len(value)} bytes, limit {self.max_event_bytes}")
         headers = inject_headers([("event-type", ev.type.encode())])
         rec = Record(self.topic, ev.session_id.encode(), headers, value)
+        spool_error = None
         with self._lock:
             if self._closed:
                 raise RuntimeError("EventProducer is closed")
@@ -147,14 +145,22 @@ class EventProducer:
             else:
                 # Spool mode (or memory full): the tail of the spool is the tail of the queue.
                 self._spooling = True
-                self._spool.append((rec,))
-                self._counts["spooled"] += 1
+                try:
+                    self._spool.append((rec,))
+                    self._counts["spooled"] += 1
+                except OSError as exc:  # disk full: the one case an event is dropped, loudly
+                    self._counts["dropped"] += 1
+                    spool_error = exc
+        if spool_error is not None:
+            log.error("event %s dropped: spool write failed: %s", ev.event_id, spool_error)
+            self._report(spool_error, ev)
         if not self._wake.is_set():
             self._wake.set()
 
     @property
     def metrics(self) -> dict[str, int]:
-        """Counters since start (``emitted``, ``sent``, ``spooled``, ``errors``, ``invalid``) and
+        """Counters since start (``emitted``, ``sent``, ``spooled``, ``errors``, ``invalid``,
+        ``dropped``: memory full and the spool write failed, e.g. disk full) and
         gauges (``buffered``: events in memory, ``spool_pending``: events on disk, ``broker_down``)."""
         out = dict(self._counts)
         out["buffered"] = len(self._buffer) + self._inflight
@@ -226,40 +232,50 @@ class EventProducer:
     def _run(self) -> None:
         try:
             while True:
-                self._wake.clear()
-                has_work = bool(self._buffer) or self._spool.pending > 0
-                if not has_work:
-                    with self._lock:  # leave spool mode only when both queues are empty
-                        if not self._buffer and self._spool.pending == 0:
-                            self._spooling = False
-                    self._spool.sync()
-                    self._publish_metrics()
-                    self._notify()
-                    if self._stop:
+                try:
+                    if self._step():
                         return
-                    self._wake.wait(0.5)
-                    continue
-                if self._stop and (self._down or not self._flushing):
-                    return  # close(): flush already gave delivery its chance
-                if self._down and time.monotonic() < self._retry_at:
-                    self._spool_buffer()
-                    self._spool.sync()
-                    self._publish_metrics()
-                    self._notify()
-                    self._wake.wait(min(0.2, max(0.0, self._retry_at - time.monotonic())))
-                    continue
-                self._deliver_next()
-                self._publish_metrics()
-                self._notify()
-        except Exception:  # a bug here must not lose events silently: keep them on disk
-            log.exception("producer sender thread crashed; events stay in the spool")
-            self._spool_buffer()
+                except Exception as exc:  # e.g. a full disk: never let the sender die silently
+                    log.exception("producer sender error; retrying in 1 s")
+                    self._counts["errors"] += 1
+                    self._report(exc)
+                    self._wake.wait(1.0)
         finally:
+            try:
+                self._spool_buffer()
+                self._spool.sync()
+            finally:
+                if self._client is not None:
+                    self._close_client(timeout=2)
+                self._notify()
+
+    def _step(self) -> bool:
+        """One turn of the sender loop; True when it should exit."""
+        self._wake.clear()
+        if not self._buffer and self._spool.pending == 0:
+            with self._lock:  # leave spool mode only when both queues are empty
+                if not self._buffer and self._spool.pending == 0:
+                    self._spooling = False
+            self._spool.sync()
+            self._publish_metrics()
+            self._notify()
+            if self._stop:
+                return True
+            self._wake.wait(0.5)
+            return False
+        if self._stop and (self._down or not self._flushing):
+            return True  # close(): flush already gave delivery its chance
+        if self._down and time.monotonic() < self._retry_at:
             self._spool_buffer()
             self._spool.sync()
-            if self._client is not None:
-                self._close_client(timeout=2)
+            self._publish_metrics()
             self._notify()
+            self._wake.wait(min(0.2, max(0.0, self._retry_at - time.monotonic())))
+            return False
+        self._deliver_next()
+        self._publish_metrics()
+        self._notify()
+        return False
 
     def _spool_buffer(self) -> None:
         """Move the memory FIFO to the head of the spool (it is older than anything spooled)."""
@@ -270,8 +286,18 @@ class EventProducer:
                 self._counts["spooled"] += len(records)
                 self._inflight += len(records)  # in neither queue until the prepend returns
         if records:
-            self._spool.prepend(records)
-            self._inflight -= len(records)
+            try:
+                self._spool.prepend(records)
+            except OSError:
+                self._requeue_front(records)
+                raise
+            finally:
+                self._inflight -= len(records)
+
+    def _requeue_front(self, records: list[Record]) -> None:
+        """Put records that could not be spooled back at the head of the memory FIFO."""
+        with self._lock:
+            self._buffer.extendleft(reversed(records))
 
     def _deliver_next(self) -> None:
         if self._client is None:
@@ -303,7 +329,12 @@ class EventProducer:
                 self._spooling = True
                 self._counts["spooled"] += len(failed) + len(rest)
                 self._inflight += len(rest)
-            self._spool.prepend(failed + rest)
+            try:
+                self._spool.prepend(failed + rest)
+            except OSError:
+                self._inflight = 0
+                self._requeue_front(failed + rest)
+                raise
         self._counts["sent"] += len(records) - len(failed)
         self._inflight = 0
         if failed:
@@ -355,19 +386,17 @@ class EventProducer:
         self._retry_at = time.monotonic() + self._backoff
         self._attempts += 1
         log.warning("broker fault (%s: %s); spooling, retry in %.2fs", type(exc).__name__, exc, self._backoff)
+        self._report(exc)
+
+    def _report(self, exc: Exception, event: EventBase | None = None) -> None:
         if self._on_error is not None:
             try:
-                self._on_error(exc, None)
+                self._on_error(exc, event)
             except Exception:  # the callback is the caller's code: never let it kill the sender
                 log.exception("EventProducer on_error callback raised")
 
     def _publish_metrics(self) -> None:
-        for name in _COUNTERS:
-            value = self._counts[name]
-            delta = value - self._published[name]
-            if delta:
-                self._otel.add(delta, {"outcome": name})
-                self._published[name] = value
+        self._counters.publish()
 
 
 def _close_at_exit(ref: "weakref.ReferenceType[EventProducer]") -> None:

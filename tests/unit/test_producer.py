@@ -181,3 +181,20 @@ def test_producer_module_imports_neither_torch_nor_sqlalchemy():
             "print(bad); sys.exit(1 if bad else 0)")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_a_failed_spool_write_drops_the_event_loudly_but_never_raises(producer_factory, monkeypatch):
+    import errno
+
+    reported = []
+    producer = producer_factory(buffer_size=0, on_error=lambda exc, ev: reported.append((exc, ev)))
+
+    def disk_full(records):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(producer._spool, "append", disk_full)
+    event = _event(0)
+    producer.emit(event)  # memory "full" (size 0) and the spool cannot be written
+    m = producer.metrics
+    assert m["dropped"] == 1 and m["emitted"] == 1 and m["spooled"] == 0
+    assert reported and reported[0][1] is event and reported[0][0].errno == errno.ENOSPC
