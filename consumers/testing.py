@@ -172,3 +172,48 @@ def produce(bootstrap: str, topic: str, records: Iterable[tuple[bytes | None, by
     finally:
         producer.close(timeout=10)
     return n
+
+
+# ---- running consumers in tests and benches ----------------------------------------------------
+
+def consumer_process(env: dict[str, str], *, group: str | None = None, idle_exit_s: float | None = None,
+                     log_path=None):
+    """Start ``flywheel consume`` as a subprocess (its own process group) with ``env``."""
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-c", "from app.cli import main; main()", "consume"]
+    if group:
+        cmd += ["--group", group]
+    if idle_exit_s is not None:
+        cmd += ["--idle-exit", str(idle_exit_s)]
+    out = open(log_path, "ab") if log_path else subprocess.DEVNULL
+    return subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                            start_new_session=True)
+
+
+def wait_for(predicate, timeout_s: float, interval_s: float = 0.25, what: str = "condition"):
+    """Poll ``predicate()`` until truthy; return its value.
+
+    Raises:
+        TimeoutError: not true within ``timeout_s`` seconds.
+    """
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what} not reached in {timeout_s}s (last: {value!r})")
+        time.sleep(interval_s)
+
+
+def scalar(url: str, sql: str, params: tuple = ()):
+    """First column of the first row of ``sql`` on ``url`` (libpq URL), in autocommit."""
+    import psycopg
+
+    with psycopg.connect(url.replace("postgresql+psycopg://", "postgresql://"), autocommit=True) as conn:
+        row = conn.execute(sql, params).fetchone()
+        return row[0] if row else None

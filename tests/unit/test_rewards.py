@@ -1,0 +1,111 @@
+"""Reward specs (TOML, versioned) and the reward math."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from app.core.errors import ConfigurationError
+from consumers.rewards import RewardInputs, compute_reward, inputs_from_signals, load_spec
+from consumers.rewards.math import length_penalty
+from consumers.rewards.spec import SPEC_DIR, available_specs, read_spec_file
+
+
+@pytest.fixture(scope="module")
+def implicit1():
+    return load_spec("implicit@1")
+
+
+def test_default_spec_is_implicit_1_and_every_shipped_spec_is_valid():
+    specs = available_specs()
+    assert "implicit@1" in specs and "implicit@2" in specs
+    assert read_spec_file(SPEC_DIR / "default.toml").id == "implicit@1"
+    assert specs["implicit@1"].digest() != specs["implicit@2"].digest()
+
+
+def test_a_spec_with_an_unknown_field_is_refused_with_the_reason(tmp_path):
+    (tmp_path / "bad.toml").write_text('name = "x"\nversion = 1\n[components.length]\ncoef = 1\nshape = "cubic"\n')
+    with pytest.raises(ConfigurationError) as err:
+        read_spec_file(tmp_path / "bad.toml")
+    assert any("shape" in r for r in err.value.reasons)
+
+
+def test_two_files_with_one_id_and_different_numbers_is_an_error(tmp_path):
+    (tmp_path / "clash.toml").write_text('name = "implicit"\nversion = 1\n[components.length]\ncoef = 9\n')
+    with pytest.raises(ConfigurationError, match="defined twice"):
+        available_specs(tmp_path)
+
+
+def test_unknown_spec_lists_what_exists():
+    with pytest.raises(ConfigurationError, match="implicit@1"):
+        load_spec("implicit@99")
+
+
+@given(t=st.integers(0, 200_000), d=st.integers(1, 5_000), gap=st.integers(1, 200_000),
+       kind=st.sampled_from(["log1p", "sqrt"]))
+@settings(max_examples=200, deadline=None)
+def test_length_penalty_is_decreasing_and_concave(t, d, gap, kind):
+    f = lambda x: length_penalty(x, kind, 0.15, 512.0)  # noqa: E731
+    assert f(0) == 0.0
+    assert f(t + d) <= f(t)
+    # the marginal cost of d more tokens falls as the trajectory grows
+    assert (f(t) - f(t + d)) >= (f(t + gap) - f(t + gap + d)) - 1e-12
+
+
+def test_marginal_length_cost_falls_an_order_of_magnitude(implicit1):
+    short = compute_reward(implicit1, RewardInputs(completion_tokens=100)).components["length"] \
+        - compute_reward(implicit1, RewardInputs(completion_tokens=200)).components["length"]
+    long = compute_reward(implicit1, RewardInputs(completion_tokens=10_000)).components["length"] \
+        - compute_reward(implicit1, RewardInputs(completion_tokens=10_100)).components["length"]
+    assert short > 10 * long > 0
+
+
+def test_accepted_and_persisted_beats_rejected(implicit1):
+    good = compute_reward(implicit1, RewardInputs(accepted=2, persistence=(1.0, 0.9), completion_tokens=300))
+    reverted = compute_reward(implicit1, RewardInputs(accepted=2, persistence=(0.0, 0.1), completion_tokens=300))
+    rejected = compute_reward(implicit1, RewardInputs(rejected=2, completion_tokens=300))
+    assert good.reward > reverted.reward > rejected.reward
+    assert good.components["edit_accepted"] == 1.0 and rejected.components["edit_rejected"] == -1.0
+    assert reverted.components["edit_persistence"] < 0 < good.components["edit_persistence"]
+
+
+def test_components_sum_to_the_reward_and_penalties_are_capped(implicit1):
+    r = compute_reward(implicit1, RewardInputs(accepted=1, rejected=1, persistence=(0.5,), dissatisfied_followups=10,
+                                               latency_s=1000.0, completion_tokens=2048))
+    assert r.components["dissatisfied_followups"] == -0.5 * 3  # cap = 3
+    assert r.components["latency"] == pytest.approx(-0.1 * 3.0)  # max_units = 3
+    assert r.reward == pytest.approx(sum(r.components.values()))
+    assert r.components["length"] == pytest.approx(-0.15 * math.log1p(4.0))
+
+
+def test_test_outcome_only_in_the_spec_that_enables_it():
+    inputs = RewardInputs(last_test_passed=True)
+    assert "test_outcome" not in compute_reward(load_spec("implicit@1"), inputs).components
+    assert compute_reward(load_spec("implicit@2"), inputs).components["test_outcome"] == 0.5
+
+
+@given(accepted=st.integers(0, 50), rejected=st.integers(0, 50),
+       persistence=st.lists(st.floats(0, 1), max_size=10), dissatisfied=st.integers(0, 100),
+       latency=st.floats(0, 1e6), tokens=st.integers(0, 10**7), passed=st.sampled_from([None, True, False]))
+@settings(max_examples=200, deadline=None)
+def test_reward_is_finite_and_inside_the_clip(accepted, rejected, persistence, dissatisfied, latency, tokens, passed):
+    for spec_id in ("implicit@1", "implicit@2"):
+        spec = load_spec(spec_id)
+        r = compute_reward(spec, RewardInputs(accepted, rejected, tuple(persistence), dissatisfied, latency, tokens, passed))
+        assert math.isfinite(r.reward) and spec.clip[0] <= r.reward <= spec.clip[1]
+        assert r == compute_reward(spec, RewardInputs(accepted, rejected, tuple(persistence), dissatisfied, latency,
+                                                      tokens, passed))
+
+
+def test_inputs_from_signals_uses_the_last_decision_and_only_measured_accepted_edits():
+    signals = {"edits": {"a": {"decision": "accepted", "persisted": 0.8},
+                         "b": {"decision": "rejected", "persisted": 0.3},
+                         "c": {"decision": "accepted", "persisted": None},
+                         "d": {"decision": None, "persisted": None}},
+               "dissatisfied_followups": 2, "latency_s": 12.5, "last_test_passed": False}
+    i = inputs_from_signals(signals, completion_tokens=77)
+    assert (i.accepted, i.rejected, i.persistence, i.dissatisfied_followups, i.latency_s, i.completion_tokens,
+            i.last_test_passed) == (2, 1, (0.8,), 2, 12.5, 77, False)
