@@ -11,7 +11,8 @@ import logging
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from app.api.schemas import ErrorBody
@@ -27,6 +28,13 @@ _CODES: tuple[tuple[type[FlywheelError], str], ...] = (
 _STATUS_CODES = {400: "bad_request", 401: "unauthorized", 403: "forbidden", 404: "not_found",
                  405: "method_not_allowed", 406: "not_acceptable", 409: "conflict", 413: "too_large",
                  415: "unsupported_media_type", 422: "invalid_request", 503: "unavailable"}
+
+
+def model_response(model: BaseModel, status_code: int = 200) -> Response:
+    """A JSON response serialised straight from a pydantic model (Rust serializer), skipping
+    FastAPI's dump-then-revalidate of the return value; the route keeps ``response_model`` for the
+    OpenAPI schema. Used on the hot read paths (lists, production)."""
+    return Response(model.model_dump_json(), status_code=status_code, media_type="application/json")
 
 
 def error_response(status: int, code: str, message: str, reasons: list[str] | None = None,

@@ -15,7 +15,7 @@ from datetime import datetime
 from typing import Any
 
 from sqlalchemy import func, select, tuple_
-from sqlalchemy.orm import Session
+from sqlalchemy.orm import Session, defer
 
 from app.core.errors import FlywheelError
 from app.models import (Checkpoint, CheckpointTrajectory, EvalResult, EvalRun, GateDecision, Promotion,
@@ -59,7 +59,9 @@ def list_checkpoints(session: Session, *, limit: int, status: str | None = None,
     Raises:
         InvalidCursorError: a malformed cursor.
     """
-    stmt = select(Checkpoint).order_by(Checkpoint.created_at.desc(), Checkpoint.id.desc()).limit(limit + 1)
+    # A listing never shows manifests or metrics: skip loading and decoding that JSONB.
+    stmt = (select(Checkpoint).options(defer(Checkpoint.manifest), defer(Checkpoint.metrics))
+            .order_by(Checkpoint.created_at.desc(), Checkpoint.id.desc()).limit(limit + 1))
     if status:
         stmt = stmt.where(Checkpoint.status == status)
     if cursor:

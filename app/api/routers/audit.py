@@ -10,7 +10,7 @@ from fastapi import APIRouter, Query
 from fastapi.responses import FileResponse
 
 from app.api.deps import PrincipalDep, SessionDep, ViewerDep
-from app.api.errors import AUTH_RESPONSES, NOT_FOUND
+from app.api.errors import AUTH_RESPONSES, NOT_FOUND, model_response
 from app.api.schemas import AuditEntry, Me, Page
 from app.core.errors import NotFoundError
 from app.core.settings import get_settings
@@ -25,7 +25,7 @@ router = APIRouter(tags=["audit"], responses=AUTH_RESPONSES)
 def audit(session: SessionDep, _: ViewerDep, limit: Annotated[int, Query(ge=1, le=500)] = 100,
           cursor: Annotated[str | None, Query(max_length=512)] = None,
           action: Annotated[str | None, Query(max_length=64, pattern=r"^[a-z_.]+$",
-                                              description="e.g. checkpoint.promoted")] = None) -> Page[AuditEntry]:
+                                              description="e.g. checkpoint.promoted")] = None):
     """Every change with its actor, newest first. The database refuses UPDATE and DELETE on it."""
     before = None
     if cursor:
@@ -34,7 +34,8 @@ def audit(session: SessionDep, _: ViewerDep, limit: Annotated[int, Query(ge=1, l
             raise queries.InvalidCursorError("invalid cursor")
     rows = list_audit(session, limit=limit + 1, before_id=before, action=action)
     nxt = queries.encode_cursor([rows[limit - 1].id]) if len(rows) > limit else None
-    return Page[AuditEntry](items=[AuditEntry.model_validate(r) for r in rows[:limit]], next_cursor=nxt)
+    return model_response(Page[AuditEntry](items=[AuditEntry.model_validate(r) for r in rows[:limit]],
+                                           next_cursor=nxt))
 
 
 @router.get("/me", response_model=Me, summary="Who the token belongs to")

@@ -7,7 +7,7 @@ from typing import Annotated
 from fastapi import APIRouter, Path, Query
 
 from app.api.deps import RejecterDep, SessionDep, ViewerDep
-from app.api.errors import AUTH_RESPONSES, CONFLICT, NOT_FOUND
+from app.api.errors import AUTH_RESPONSES, CONFLICT, NOT_FOUND, model_response
 from app.api.schemas import (CHECKPOINT_ID_PATTERN, CheckpointDetail, CheckpointStatus, CheckpointSummary,
                              EvalReport, GateSummary, Lineage, Page, RejectRequest)
 from app.models import GateDecision
@@ -35,10 +35,11 @@ def list_checkpoints(session: SessionDep, _: ViewerDep,
                      status: Annotated[CheckpointStatus | None, Query(description="only this status")] = None,
                      limit: Annotated[int, Query(ge=1, le=200)] = 50,
                      cursor: Annotated[str | None, Query(max_length=512, description="next_cursor of the previous page")] = None,
-                     ) -> Page[CheckpointSummary]:
+                     ):
     """Checkpoints ordered by creation time, newest first, keyset-paginated."""
     rows, nxt = queries.list_checkpoints(session, limit=limit, status=status, cursor=cursor)
-    return Page[CheckpointSummary](items=[CheckpointSummary.model_validate(r) for r in rows], next_cursor=nxt)
+    return model_response(Page[CheckpointSummary](items=[CheckpointSummary.model_validate(r) for r in rows],
+                                                  next_cursor=nxt))
 
 
 @router.get("/{checkpoint_id}", response_model=CheckpointDetail, responses=NOT_FOUND,

@@ -5,9 +5,10 @@ from __future__ import annotations
 from typing import Annotated
 
 from fastapi import APIRouter, Query, Response, status
+from sqlalchemy import select
 
 from app.api.deps import ActorDep, SessionDep, ViewerDep
-from app.api.errors import AUTH_RESPONSES, CONFLICT, NOT_FOUND
+from app.api.errors import AUTH_RESPONSES, CONFLICT, NOT_FOUND, model_response
 from app.api.schemas import (CheckpointSummary, Page, ProductionOut, PromotionOut, PromotionRequest,
                              RollbackRequest)
 from app.models import Promotion
@@ -15,17 +16,16 @@ from app.promotion import queries
 from app.promotion.service import promote_checkpoint, rollback_production
 from app.promotion.serving_state import read_serving_state
 from app.repositories.checkpoints import get_production
-from sqlalchemy import select
 
 router = APIRouter(tags=["promotions"], responses=AUTH_RESPONSES)
 
 
 @router.get("/promotions", response_model=Page[PromotionOut], summary="Production changes, newest first")
 def list_promotions(session: SessionDep, _: ViewerDep, limit: Annotated[int, Query(ge=1, le=200)] = 50,
-                    cursor: Annotated[str | None, Query(max_length=512)] = None) -> Page[PromotionOut]:
+                    cursor: Annotated[str | None, Query(max_length=512)] = None):
     """Every promotion and rollback, newest first."""
     rows, nxt = queries.list_promotions(session, limit=limit, before=cursor)
-    return Page[PromotionOut](items=[PromotionOut.model_validate(r) for r in rows], next_cursor=nxt)
+    return model_response(Page[PromotionOut](items=[PromotionOut.model_validate(r) for r in rows], next_cursor=nxt))
 
 
 @router.post("/promotions", response_model=PromotionOut, status_code=status.HTTP_201_CREATED,
@@ -58,7 +58,7 @@ def create_rollback(body: RollbackRequest, session: SessionDep, principal: Actor
 
 
 @router.get("/production", response_model=ProductionOut, summary="The production checkpoint and what serves")
-def production(session: SessionDep, _: ViewerDep) -> ProductionOut:
+def production(session: SessionDep, _: ViewerDep):
     """The production checkpoint, the change that made it production, and the checkpoint the serving
     watcher last reported loading (``serving_in_sync`` when they agree)."""
     row = get_production(session)
@@ -68,7 +68,8 @@ def production(session: SessionDep, _: ViewerDep) -> ProductionOut:
                                .order_by(Promotion.created_at.desc()).limit(1)).first()
     serving = read_serving_state() or {}
     serving_id = serving.get("checkpoint_id")
-    return ProductionOut(checkpoint=CheckpointSummary.model_validate(row) if row else None,
-                         last_change=PromotionOut.model_validate(last) if last else None,
-                         serving_checkpoint_id=serving_id, serving_updated_at=serving.get("updated_at"),
-                         serving_in_sync=bool(row and serving_id == row.id))
+    return model_response(ProductionOut(
+        checkpoint=CheckpointSummary.model_validate(row) if row else None,
+        last_change=PromotionOut.model_validate(last) if last else None,
+        serving_checkpoint_id=serving_id, serving_updated_at=serving.get("updated_at"),
+        serving_in_sync=bool(row and serving_id == row.id)))
