@@ -122,3 +122,13 @@ def test_relay_is_single_flight(session, store, base, topics, lifecycle_topic, k
         t.join(10)
     with OutboxRelay() as relay:
         assert relay.relay_pending() == 2
+
+
+def test_celery_task_runs_one_relay_pass(session, store, base, topics, lifecycle_topic, kafka_bootstrap):
+    from producers.relay_tasks import relay_outbox
+
+    _changes(session, store)
+    assert relay_outbox.name == "flywheel.outbox.relay"
+    assert relay_outbox.apply().get() == 2  # executed in-process, as a worker would
+    assert pending_count() == 0
+    assert relay_outbox.apply().get() == 0
