@@ -14,6 +14,10 @@ Delivery contract (at-least-once + dedupe = exactly-once effect):
   and the ``event-id`` / ``outbox-id`` headers — and consumers dedupe on it
   (``ops/serving/watcher.py`` does). Kafka transactions could not help here: the mark lives in
   Postgres, not in Kafka.
+- Order is ``outbox.id`` order among committed rows. Ids are drawn at insert, so a long transaction
+  can commit a lower id after a higher one was published; writers that need a strict order
+  serialise themselves (production changes hold an advisory lock while they write), and consumers
+  order by the ``outbox_id`` of those messages, not by arrival.
 - If the broker refuses a message, the acknowledged prefix of the batch is still marked and the
   relay raises :class:`InfrastructureError` (the loop backs off; the Celery task retries).
 
