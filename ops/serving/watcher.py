@@ -77,15 +77,23 @@ class Deduper:
         self.capacity = capacity
         self._seen: dict[str, None] = dict.fromkeys(list(seen)[-capacity:])
 
-    def first_time(self, message_id: str | None) -> bool:
-        """True the first time an id is seen (ids of None always pass); records it."""
-        if message_id is None:
-            return True
-        if message_id in self._seen:
-            return False
+    def seen(self, message_id: str | None) -> bool:
+        """Whether an id was recorded (None never was)."""
+        return message_id is not None and message_id in self._seen
+
+    def add(self, message_id: str | None) -> None:
+        """Record an id (evicting the oldest beyond ``capacity``)."""
+        if message_id is None or message_id in self._seen:
+            return
         self._seen[message_id] = None
         while len(self._seen) > self.capacity:
             self._seen.pop(next(iter(self._seen)))
+
+    def first_time(self, message_id: str | None) -> bool:
+        """True the first time an id is seen (ids of None always pass); records it."""
+        if self.seen(message_id):
+            return False
+        self.add(message_id)
         return True
 
     def ids(self) -> list[str]:
@@ -151,10 +159,11 @@ class ProductionFollower:
         self.moves: list[Move] = []
 
     def accept(self, payload: dict[str, Any], headers: Iterable[tuple[str, bytes]] | None = None) -> bool:
-        """Whether a message is a production change not seen before and newer than the applied one."""
+        """Whether a message is a production change not applied before and newer than the applied one
+        (nothing is recorded: a batch whose move fails is accepted again when it is re-read)."""
         if payload.get("type") not in PRODUCTION_CHANGES or not payload.get("checkpoint_id"):
             return False
-        if not self.deduper.first_time(message_identity(payload, headers)):
+        if self.deduper.seen(message_identity(payload, headers)):
             return False
         outbox_id = payload.get("outbox_id")
         return not (isinstance(outbox_id, int) and outbox_id <= self.applied_outbox_id)
@@ -178,6 +187,7 @@ class ProductionFollower:
             self.engine.load_checkpoint(move.target_id, move.path)
         if isinstance(payload.get("outbox_id"), int):
             self.applied_outbox_id = max(self.applied_outbox_id, payload["outbox_id"])
+        self.deduper.add(message_identity(payload))
         self.moves.append(move)
         log.info("serving %s (%s, after %s)", move.target_id, move.method, payload.get("type"))
         self.report(last_event=payload, method=move.method)
@@ -185,11 +195,15 @@ class ProductionFollower:
 
     def handle_batch(self, messages: Sequence[tuple[dict[str, Any], Sequence[tuple[str, bytes]] | None]]) -> Move | None:
         """Apply only the newest accepted production change of a batch (see module docstring)."""
-        accepted = [p for p, h in messages if self.accept(p, h)]
+        accepted = [(p, h) for p, h in messages if self.accept(p, h)]
         if not accepted:
             return None
-        newest = max(accepted, key=lambda p: (p.get("outbox_id") or 0))
-        return self.apply(newest)
+        newest = max((p for p, _ in accepted), key=lambda p: (p.get("outbox_id") or 0))
+        move = self.apply(newest)
+        for p, h in accepted:  # superseded changes of the batch count as handled too
+            self.deduper.add(message_identity(p, h))
+        self.report(last_event=newest, method=move.method)
+        return move
 
     def report(self, *, last_event: dict[str, Any] | None = None, method: str | None = None) -> None:
         """Write ``serving.json``: what serves, how it got there, and the resume state."""
@@ -276,15 +290,21 @@ class ServingWatcher:
         self.follower.report()
         return move
 
+    def caught_up(self) -> bool:
+        """Whether every assigned partition has been read to its current end offset."""
+        if self._consumer is None:
+            self._consumer = self._connect()
+        ends = self._consumer.end_offsets(list(self._consumer.assignment()))
+        return all(self._consumer.position(tp) >= end for tp, end in ends.items())
+
     def run(self, *, idle_exit: bool = False, poll_ms: int = 1000) -> None:
-        """Poll until :meth:`stop` (or, with ``idle_exit``, until a poll returns nothing)."""
+        """Poll until :meth:`stop` (or, with ``idle_exit``, until the topic is read to its end)."""
         backoff = 1.0
         while not self._stop.is_set():
             try:
-                records_before = dict(self.follower.offsets)
                 self.poll_once(timeout_ms=poll_ms)
                 backoff = 1.0
-                if idle_exit and self.follower.offsets == records_before:
+                if idle_exit and self.caught_up():
                     return
             except CheckpointError as exc:  # retry at this boundary: the directory may not be synced yet
                 log.warning("cannot move serving yet (%s); retrying in %.0fs", exc, backoff)

@@ -134,3 +134,18 @@ def test_deduper_is_bounded():
     assert all(d.first_time(i) for i in "abcd")
     assert d.ids() == ["b", "c", "d"] and not d.first_time("d") and d.first_time("a")
     assert d.first_time(None) and d.first_time(None)
+
+
+def test_a_failed_move_is_retried_not_forgotten(chain, tmp_path):
+    from app.core.errors import CheckpointError
+
+    store, payload = chain
+    msg = payload("c1", 1, "checkpoint.rolled_back")
+    engine = RecordingEngine("c2")
+    follower = ProductionFollower(engine, store=store, home=tmp_path)
+    (store.path("c1") / "STABLE").rename(store.path("c1") / "STABLE.hidden")  # not synced to this node yet
+    with pytest.raises(CheckpointError):
+        follower.handle_batch([(msg, None)])
+    assert engine.calls == []
+    (store.path("c1") / "STABLE.hidden").rename(store.path("c1") / "STABLE")
+    assert follower.handle_batch([(msg, None)]).method == "full" and engine.checkpoint_id == "c1"
