@@ -140,16 +140,18 @@ def apply_batch(session: Session, group_id: str, batch: list[Decoded], projector
             chunk = []
             res = erase_user(session, ev.user_id, ev.payload.request_id, ev.occurred_at)  # type: ignore[attr-defined]
             out.erasures.append(res)
-            erased[ev.user_id] = max(erased.get(ev.user_id, ev.occurred_at), ev.occurred_at)
+            at, tids = erased.get(ev.user_id, (ev.occurred_at, set()))
+            erased[ev.user_id] = (max(at, ev.occurred_at), tids | set(res.trajectory_ids))
             continue
         if ev.privacy_mode or ev.session_id in private:
             private.add(ev.session_id)
             tombstones[ev.session_id] += 1
             continue
-        requested = erased.get(ev.user_id)
-        if requested is not None and ev.occurred_at <= requested:
-            out.erased_dropped += 1
-            continue
+        if ev.user_id in erased:
+            requested_at, erased_ids = erased[ev.user_id]
+            if ev.occurred_at <= requested_at or trajectory_id_for(ev.session_id) in erased_ids:
+                out.erased_dropped += 1
+                continue
         chunk.append(d)
     _store_and_project(session, projector, chunk, now, insert_method, out)
     count_tombstones(session, dict(tombstones))

@@ -10,9 +10,12 @@ Invariants:
 - The request is stored minimally: one ``erasure_request`` row (request id, pseudonymous user id,
   counts, affected trajectory ids and checkpoints, when it was requested). The request event is
   not put in ``event_log``, and its free-text ``reason`` is not kept.
-- Across partitions: a user's other sessions may sit in partitions consumed later, so the ingest
-  batch drops any event of a user whose ``occurred_at`` is at or before a processed request's
-  ``requested_at`` (``app.repositories.events.erased_users``). Events after it are new data.
+- What a request covers: every session of the user with an event at or before ``requested_at``
+  (the request's ``occurred_at``), whole. A session entirely after it is new data and stays.
+- Across partitions: a user's sessions may sit in partitions consumed later, so the ingest batch
+  drops an event of an erased user if it occurred at or before the request, or belongs to an
+  erased session (its trajectory id, ``uuid5(session_id)``, is in the request's
+  ``trajectory_ids``; no session id is kept). See ``app.repositories.events.erased_users``.
 """
 
 from __future__ import annotations
@@ -53,11 +56,18 @@ def erase_user(session: Session, user_id: str, request_id: str, requested_at: da
         if cur.fetchone():
             out.already_done = True
             return out
+        # The sessions the request covers: any with an event at or before it (a session wholly
+        # after the request is new data; another partition may already have delivered it).
+        cur.execute("SELECT DISTINCT session_id FROM event_log WHERE user_id = %s AND occurred_at <= %s "
+                    "UNION SELECT session_id FROM trajectory WHERE user_id = %s "
+                    "AND coalesce(started_at, last_event_at) <= %s", (user_id, requested_at, user_id, requested_at))
+        sessions = [r[0] for r in cur.fetchall()]
         cur.execute("SELECT set_config('flywheel.erasure', 'on', true)")
-        cur.execute("DELETE FROM event_log WHERE user_id = %s", (user_id,))
+        cur.execute("DELETE FROM event_log WHERE user_id = %s AND session_id = ANY(%s)", (user_id, sessions))
         out.events_deleted = cur.rowcount
         cur.execute("SELECT set_config('flywheel.erasure', 'off', true)")
-        cur.execute("DELETE FROM trajectory WHERE user_id = %s RETURNING id", (user_id,))  # cascades
+        cur.execute("DELETE FROM trajectory WHERE user_id = %s AND session_id = ANY(%s) RETURNING id",
+                    (user_id, sessions))  # cascades to segments and labels
         out.trajectory_ids = sorted(r[0] for r in cur.fetchall())
         out.trajectories_deleted = len(out.trajectory_ids)
         # Dead letters are raw bytes: remove any that carries the user id as a JSON string.

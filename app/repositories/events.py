@@ -214,14 +214,19 @@ def count_tombstones(session: Session, dropped: dict[str, int]) -> None:
             (keys, [dropped[k] for k in keys]))
 
 
-def erased_users(session: Session, user_ids: Sequence[str]) -> dict[str, datetime]:
-    """``{user_id: latest requested_at}`` for users of ``user_ids`` with a processed erasure."""
+def erased_users(session: Session, user_ids: Sequence[str]) -> dict[str, tuple[datetime, set[uuid.UUID]]]:
+    """``{user_id: (latest requested_at, erased trajectory ids)}`` for users of ``user_ids`` with a
+    processed erasure request."""
     if not user_ids:
         return {}
     with raw_connection(session).cursor() as cur:
-        cur.execute("SELECT user_id, max(coalesce(requested_at, created_at)) FROM erasure_request "
-                    "WHERE user_id = ANY(%s) GROUP BY user_id", (list(user_ids),))
-        return dict(cur.fetchall())
+        cur.execute("SELECT user_id, coalesce(requested_at, created_at), trajectory_ids FROM erasure_request "
+                    "WHERE user_id = ANY(%s)", (list(user_ids),))
+        out: dict[str, tuple[datetime, set[uuid.UUID]]] = {}
+        for user, at, tids in cur.fetchall():
+            prev_at, prev_ids = out.get(user, (at, set()))
+            out[user] = (max(prev_at, at), prev_ids | set(tids))
+        return out
 
 
 def iter_event_rows(conn: psycopg.Connection, *, where: str = "TRUE", params: Sequence[Any] = (),

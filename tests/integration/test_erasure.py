@@ -1,0 +1,119 @@
+"""Right to erasure and privacy mode, through the real broker and consumer."""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta, timezone
+
+import numpy as np
+import psycopg
+import pytest
+
+from app.events.types import UserErasureRequested, UserErasureRequestedEvent
+from consumers.projection import trajectory_id_for
+from consumers.testing import generate_session, kafka_record, produce
+
+pytestmark = pytest.mark.integration
+T0 = datetime.now(timezone.utc) - timedelta(hours=1)
+
+
+def _sessions(rng, user: str, n: int, start: datetime, prefix: str, **kw):
+    return [e for i in range(n) for e in generate_session(rng, session_id=f"{prefix}-{user}-{i}", user_id=user,
+                                                          start=start + timedelta(seconds=i), **kw)]
+
+
+def _consume():
+    from consumers.ingest import IngestConsumer
+
+    return IngestConsumer().run(idle_exit_s=1.5)
+
+
+def test_erasure_removes_the_users_rows_and_flags_checkpoints(db, topics, kafka_bootstrap):
+    rng = np.random.default_rng(3)
+    alice = _sessions(rng, "u-alice", 6, T0, "a")
+    bob = _sessions(rng, "u-bob", 6, T0, "b")
+    records = [kafka_record(e) for e in alice + bob]
+    records.append((b"a-u-alice-0", b'{"user_id": "u-alice", "type": "nope"}', []))  # a dead letter of alice's
+    produce(kafka_bootstrap, topics["interactions"], records)
+    _consume()
+
+    from app.core.db import session_scope
+    from app.models import CheckpointTrajectory
+    from app.repositories.checkpoints import add_checkpoint
+
+    with session_scope() as s:  # what the trainer records from its manifests
+        add_checkpoint(s, checkpoint_id="base", path="/b", status="production")
+        add_checkpoint(s, checkpoint_id="ck-1", path="/c1", parent_id="base", generation=1)
+        add_checkpoint(s, checkpoint_id="ck-2", path="/c2", parent_id="base", generation=1)
+        s.add_all([CheckpointTrajectory(checkpoint_id="ck-1", trajectory_id=trajectory_id_for("a-u-alice-0"),
+                                        user_id="u-alice"),
+                   CheckpointTrajectory(checkpoint_id="ck-1", trajectory_id=trajectory_id_for("b-u-bob-0"),
+                                        user_id="u-bob"),
+                   CheckpointTrajectory(checkpoint_id="ck-2", trajectory_id=trajectory_id_for("b-u-bob-1"),
+                                        user_id="u-bob")])
+    with psycopg.connect(db, autocommit=True) as conn:
+        assert conn.execute("SELECT count(*) FROM trajectory WHERE user_id = 'u-alice'").fetchone()[0] == 6
+        assert conn.execute("SELECT count(*) FROM dead_letter").fetchone()[0] == 1
+        with pytest.raises(psycopg.errors.RaiseException, match="append-only"):
+            conn.execute("DELETE FROM event_log WHERE user_id = 'u-alice'")
+
+    request = UserErasureRequestedEvent(session_id="erasure-1", user_id="u-alice",
+                                        payload=UserErasureRequested(request_id="req-1", reason="GDPR art. 17"))
+    # After the request: a straggler of an old session (occurred before it) on another key, and a new session.
+    straggler = generate_session(rng, session_id="a-u-alice-late", user_id="u-alice", start=T0)[:3]
+    after = generate_session(rng, session_id="a-u-alice-new", user_id="u-alice",
+                             start=datetime.now(timezone.utc) + timedelta(seconds=5))
+    produce(kafka_bootstrap, topics["interactions"], [kafka_record(request)])
+    produce(kafka_bootstrap, topics["interactions"], [kafka_record(e) for e in straggler + after])
+    stats = _consume()
+    assert stats.dead_letters == {}
+
+    with psycopg.connect(db) as conn:
+        q = lambda sql, *p: conn.execute(sql, p).fetchall()  # noqa: E731
+        sessions = {r[0] for r in q("SELECT DISTINCT session_id FROM event_log WHERE user_id = 'u-alice'")}
+        assert sessions == {"a-u-alice-new"}  # old events gone, the straggler dropped, new data kept
+        assert q("SELECT count(*) FROM event_log WHERE session_id = 'erasure-1'") == [(0,)]  # stored minimally
+        assert q("SELECT session_id FROM trajectory WHERE user_id = 'u-alice'") == [("a-u-alice-new",)]
+        assert q("SELECT count(*) FROM trajectory_segment s JOIN trajectory t ON t.id = s.trajectory_id "
+                 "WHERE t.user_id = 'u-alice' AND t.session_id <> 'a-u-alice-new'") == [(0,)]
+        assert q("SELECT count(*) FROM reward_label WHERE trajectory_id = %s", trajectory_id_for("a-u-alice-0")) \
+            == [(0,)]
+        assert q("SELECT count(*) FROM dead_letter") == [(0,)]
+        (req,) = q("SELECT user_id, events_deleted, trajectories_deleted, checkpoints_flagged, dead_letters_deleted, "
+                   "cardinality(trajectory_ids), requested_at FROM erasure_request WHERE request_id = 'req-1'")
+        # the straggler is erased with the rest if its partition delivered it before the request,
+        # dropped at ingest if after
+        straggled = req[2] - 6
+        assert straggled in (0, 1) and req[1] == len(alice) + 3 * straggled
+        assert req[:1] + req[3:6] == ("u-alice", ["ck-1"], 1, 6 + straggled)
+        assert req[6] == request.occurred_at
+        flags = dict((r[0], (r[1], r[2] is not None)) for r in q(
+            "SELECT id, trained_on_erased, erasure_flagged_at FROM checkpoint"))
+        assert flags == {"base": (False, False), "ck-1": (True, True), "ck-2": (False, False)}
+        assert q("SELECT count(*) FROM event_log WHERE user_id = 'u-bob'") == [(len(bob),)]
+        assert q("SELECT count(*) FROM trajectory WHERE user_id = 'u-bob'") == [(6,)]
+
+    # a redelivered request is a no-op; the projections still replay to the same rows
+    from typer.testing import CliRunner
+
+    from app.cli import app
+
+    out = CliRunner().invoke(app, ["erase", "u-alice", "--request-id", "req-1"])
+    assert out.exit_code == 0 and '"already_done": true' in out.output
+    out = CliRunner().invoke(app, ["replay", "--verify"])
+    assert out.exit_code == 0 and '"identical": true' in out.output, out.output
+
+
+def test_privacy_mode_sessions_leave_only_a_tombstone(db, topics, kafka_bootstrap):
+    rng = np.random.default_rng(4)
+    private = generate_session(rng, session_id="p-1", user_id="u-p", start=T0, privacy_mode=True)
+    # a producer that flags only the first event: the whole session stays private
+    mixed = generate_session(rng, session_id="p-2", user_id="u-p", start=T0)
+    mixed[0] = mixed[0].model_copy(update={"privacy_mode": True})
+    public = generate_session(rng, session_id="o-1", user_id="u-p", start=T0)
+    produce(kafka_bootstrap, topics["interactions"], [kafka_record(e) for e in private + mixed + public])
+    _consume()
+    with psycopg.connect(db) as conn:
+        assert conn.execute("SELECT DISTINCT session_id FROM event_log").fetchall() == [("o-1",)]
+        assert conn.execute("SELECT session_id FROM trajectory").fetchall() == [("o-1",)]
+        tomb = dict(conn.execute("SELECT session_id, events_dropped FROM privacy_tombstone").fetchall())
+    assert tomb == {"p-1": len(private), "p-2": len(mixed)}
