@@ -23,9 +23,10 @@ developers' sessions collected by *earlier* checkpoints over hours -- so this lo
 6. **Multi-turn, tool-using trajectories.** Only the model's own tokens are trained (loss mask);
    prompts, tool outputs and the developer's text are context. A session split by
    self-summarization is several rows sharing one reward.
-7. **Log-probs never materialize [tokens x vocab] logits**: hidden states of the trainable positions
-   go through :func:`kernels.chunked_logprobs` with the LM head (Triton on GPU, chunked torch on
-   CPU), divided by the serving temperature first.
+7. **Log-probs never materialize [tokens x vocab] logits**, and only trainable positions reach the
+   LM head: their hidden states, divided by the serving temperature, go through
+   :func:`kernels.logprob_loss.chunked_logprob_loss`, which forms each token chunk's gradients while
+   its logits are in memory (Triton kernel with autograd on GPU).
 """
 
 from __future__ import annotations
@@ -38,9 +39,24 @@ from dataclasses import dataclass, field
 import torch
 
 from kernels import chunked_logprobs
+from kernels.logprob_loss import chunked_logprob_loss
 from trainer.batching import MicroBatch
 from trainer.config import TrainerConfig
 from trainer.loss import LossInputs, policy_loss
+
+
+def _trainable_hidden(model: torch.nn.Module, mb: MicroBatch, config: TrainerConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(hidden [N, H] of the positions predicting trainable tokens, divided by the temperature,
+    LM head weight [V, H])``."""
+    decoder = model.get_decoder()
+    head = model.get_output_embeddings()
+    if getattr(head, "bias", None) is not None:
+        raise ValueError("LM heads with a bias are not supported")
+    hidden = decoder(input_ids=mb.input_ids, attention_mask=mb.attention_mask).last_hidden_state
+    hidden = hidden.reshape(-1, hidden.shape[-1]).index_select(0, mb.hidden_index)
+    if config.loss.temperature != 1.0:
+        hidden = hidden / config.loss.temperature  # logits / T == (h / T) W^T
+    return hidden, head.weight
 
 
 def token_logprobs(model: torch.nn.Module, mb: MicroBatch, config: TrainerConfig) -> tuple[torch.Tensor, torch.Tensor]:
@@ -52,15 +68,37 @@ def token_logprobs(model: torch.nn.Module, mb: MicroBatch, config: TrainerConfig
     Raises:
         ValueError: the LM head has a bias (not supported by the fused path).
     """
-    decoder = model.get_decoder()
-    head = model.get_output_embeddings()
-    if getattr(head, "bias", None) is not None:
-        raise ValueError("LM heads with a bias are not supported")
-    hidden = decoder(input_ids=mb.input_ids, attention_mask=mb.attention_mask).last_hidden_state
-    hidden = hidden.reshape(-1, hidden.shape[-1]).index_select(0, mb.hidden_index)
-    if config.loss.temperature != 1.0:
-        hidden = hidden / config.loss.temperature  # logits / T == (h / T) W^T
-    return chunked_logprobs(hidden, head.weight, mb.targets, config.logprob_chunk_size, config.logprob_backend)
+    hidden, weight = _trainable_hidden(model, mb, config)
+    return chunked_logprobs(hidden, weight, mb.targets, config.logprob_chunk_size, config.logprob_backend)
+
+
+def micro_batch_loss(model: torch.nn.Module, mb: MicroBatch, config: TrainerConfig
+                     ) -> tuple[torch.Tensor, dict[str, float]]:
+    """The policy loss of one micro-batch, fused with the LM head (:mod:`kernels.logprob_loss`).
+
+    Returns:
+        ``(loss [] differentiable, sums)`` where ``sums`` adds up :class:`LossOutputs` fields and
+        the entropy over the micro-batch's trainable tokens.
+    """
+    hidden, weight = _trainable_hidden(model, mb, config)
+    sums: dict[str, float] = {}
+
+    def token_loss(lp: torch.Tensor, sl: slice) -> torch.Tensor:
+        out = policy_loss(
+            LossInputs(logprobs=lp, old_logprobs=mb.old_logprobs[sl], behaviour_logprobs=mb.behaviour_logprobs[sl],
+                       advantages=mb.advantages[sl], loss_mask=torch.ones_like(lp, dtype=torch.bool),
+                       ref_logprobs=mb.old_logprobs[sl]),
+            normalizer=config.normalizer(), is_cap=config.loss.is_cap, clip_eps_low=config.loss.clip_eps_low,
+            clip_eps_high=config.loss.clip_eps_high, kl_coef=config.loss.kl_coef,
+            kl_estimator=config.loss.kl_estimator)
+        for key in ("pg_loss_sum", "kl_sum", "mismatch_kl_sum", "is_clipped", "ppo_clipped", "ratio_sum"):
+            sums[key] = sums.get(key, 0.0) + float(getattr(out, key))
+        return out.loss
+
+    loss, _, entropy = chunked_logprob_loss(hidden, weight, mb.targets, token_loss, config.logprob_chunk_size,
+                                            config.logprob_backend)
+    sums["entropy_sum"] = float(entropy.sum())
+    return loss, sums
 
 
 @torch.no_grad()
@@ -144,32 +182,24 @@ def train_steps(model: torch.nn.Module, batches: list[MicroBatch], config: Train
         start = time.perf_counter()
         optimizer.zero_grad(set_to_none=True)
         m = StepMetrics(step=step, lr=lr)
-        sums = dict.fromkeys(("pg", "kl", "mkl", "isc", "ppoc", "ratio", "ent", "adv", "advabs"), 0.0)
+        sums: dict[str, float] = {}
         for mb in group:
-            logp, entropy = token_logprobs(model, mb, config)
-            out = policy_loss(
-                LossInputs(logprobs=logp, old_logprobs=mb.old_logprobs, behaviour_logprobs=mb.behaviour_logprobs,
-                           advantages=mb.advantages, loss_mask=torch.ones_like(logp, dtype=torch.bool),
-                           ref_logprobs=mb.old_logprobs),
-                normalizer=normalizer, is_cap=config.loss.is_cap, clip_eps_low=config.loss.clip_eps_low,
-                clip_eps_high=config.loss.clip_eps_high, kl_coef=config.loss.kl_coef,
-                kl_estimator=config.loss.kl_estimator)
-            out.loss.backward()
-            m.loss += float(out.loss.detach())
-            for key, value in (("pg", out.pg_loss_sum), ("kl", out.kl_sum), ("mkl", out.mismatch_kl_sum),
-                               ("isc", out.is_clipped), ("ppoc", out.ppo_clipped), ("ratio", out.ratio_sum),
-                               ("ent", entropy.detach().sum()), ("adv", mb.advantages.sum()),
-                               ("advabs", mb.advantages.abs().sum())):
-                sums[key] += float(value)
+            loss, mb_sums = micro_batch_loss(model, mb, config)
+            loss.backward()
+            m.loss += float(loss.detach())
+            mb_sums["adv"], mb_sums["advabs"] = float(mb.advantages.sum()), float(mb.advantages.abs().sum())
+            for key, value in mb_sums.items():
+                sums[key] = sums.get(key, 0.0) + value
             m.trainable_tokens += mb.num_trainable
             m.tokens += mb.num_tokens
         m.grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), config.optim.max_grad_norm))
         optimizer.step()
         m.seconds = time.perf_counter() - start
         n = max(m.trainable_tokens, 1)
-        m.pg_loss, m.kl, m.mismatch_kl = sums["pg"] / n, sums["kl"] / n, sums["mkl"] / n
-        m.is_clip_frac, m.ppo_clip_frac, m.ratio = sums["isc"] / n, sums["ppoc"] / n, sums["ratio"] / n
-        m.entropy, m.advantage_mean, m.advantage_abs = sums["ent"] / n, sums["adv"] / n, sums["advabs"] / n
+        m.pg_loss, m.kl, m.mismatch_kl = sums["pg_loss_sum"] / n, sums["kl_sum"] / n, sums["mismatch_kl_sum"] / n
+        m.is_clip_frac, m.ppo_clip_frac = sums["is_clipped"] / n, sums["ppo_clipped"] / n
+        m.ratio, m.entropy = sums["ratio_sum"] / n, sums["entropy_sum"] / n
+        m.advantage_mean, m.advantage_abs = sums["adv"] / n, sums["advabs"] / n
         m.tokens_per_s = m.tokens / max(m.seconds, 1e-9)
         history.append(m)
         if on_step is not None:
