@@ -1,10 +1,56 @@
-"""CLI commands of this package (registered on the main ``flywheel`` app). Import heavy modules
-inside the command functions, never at module level."""
+"""``flywheel simulate``: the editor simulator (heavy imports stay inside the command)."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import typer
 
 
+def simulate(
+    sessions: int = typer.Option(8, "--sessions", help="agent sessions to run"),
+    tasks: int = typer.Option(None, "--tasks", help="distinct tasks (default: sessions / group size)"),
+    group_size: int = typer.Option(4, "--group-size", help="sessions per task, run side by side"),
+    max_turns: int = typer.Option(6, "--max-turns", help="model turns per session"),
+    max_tokens: int = typer.Option(1024, "--max-tokens", help="completion tokens per session"),
+    max_tokens_per_turn: int = typer.Option(256, "--max-tokens-per-turn"),
+    context_tokens: int = typer.Option(3072, "--context-tokens", help="context before self-summarization"),
+    temperature: float = typer.Option(1.0, "--temperature"),
+    privacy_rate: float = typer.Option(0.1, "--privacy-rate", help="share of sessions in privacy mode"),
+    followup_rate: float = typer.Option(0.6, "--followup-rate"),
+    persistence_delay: float = typer.Option(5.0, "--persistence-delay", help="seconds before edit persistence is measured"),
+    source: str = typer.Option("dataframebench", "--source", help="task source (train split)"),
+    seed: int = typer.Option(0, "--seed"),
+    model_dir: Path = typer.Option(None, "--model-dir", help="serve this HF folder instead of the production checkpoint"),
+    checkpoint: str = typer.Option(None, "--checkpoint", help="checkpoint id (default: production)"),
+    threads: int = typer.Option(2, "--threads", help="torch CPU threads (torch engine)"),
+) -> None:
+    """Play the product backend: real agent sessions on training tasks, every event to the broker."""
+    import json
+
+    import torch
+
+    from ops.serving.engine import setup_engine
+    from producers.producer import EventProducer
+    from producers.simulator import SimulatorConfig, run_simulation
+
+    torch.set_num_threads(threads)
+    config = SimulatorConfig(sessions=sessions, tasks=tasks, group_size=group_size, max_turns=max_turns,
+                             max_tokens=max_tokens, max_tokens_per_turn=max_tokens_per_turn,
+                             context_tokens=context_tokens, temperature=temperature, privacy_rate=privacy_rate,
+                             followup_rate=followup_rate, persistence_delay_s=persistence_delay, source=source,
+                             seed=seed)
+    engine = setup_engine(checkpoint_id=checkpoint, model_dir=model_dir)
+    typer.echo(f"simulating {sessions} sessions with checkpoint {engine.checkpoint_id}")
+    with EventProducer() as producer:
+        summaries = run_simulation(config, engine, producer.emit,
+                                   progress=lambda s: typer.echo(json.dumps(s)))
+        producer.flush(timeout_s=60)
+        metrics = producer.metrics
+    typer.echo(json.dumps({"sessions": len(summaries), "errors": sum(1 for s in summaries if "error" in s),
+                           "passed": sum(1 for s in summaries if s.get("passed")), "producer": metrics}))
+
+
 def register(app: typer.Typer) -> None:
     """Add this package's commands to the main app."""
+    app.command("simulate")(simulate)

@@ -1,7 +1,10 @@
 """In-process torch inference engine (transformers model, fp32 on the CPU, batched, KV cache).
 
 Invariant (see ``engine.py``): every returned log-prob is of the sampled token under the
-distribution it was sampled from. Prompts of different lengths are LEFT-padded; the attention
+distribution it was sampled from. Serving weights are the bf16 rounding of the checkpoint's
+weights (``serving_dtype``; the trainer's deltas are bf16 serving-weight deltas), held in fp32
+so the CPU computes in fp32: a full load of checkpoint C and ``apply_delta`` from C's parent serve
+bit-identical weights. Prompts of different lengths are LEFT-padded; the attention
 mask hides the padding and position ids count only real tokens, so a prompt's completion and
 log-probs do not depend on what else is in its batch (up to float rounding, ~1e-6).
 """
@@ -85,12 +88,14 @@ class TorchEngine(InferenceEngine):
         checkpoint_id: name to report (default: the folder name).
         max_batch_size: prompts per forward batch; larger requests are split.
         num_threads: ``torch.set_num_threads`` (None leaves the process setting).
+        serving_dtype: round weights to this precision at load (``bfloat16``), None keeps them as stored.
 
     Thread-safe: one ``generate`` / load at a time (a lock), so the HTTP server can share it.
     """
 
     def __init__(self, model_dir: Path, checkpoint_id: str | None = None, *, max_batch_size: int = 16,
-                 num_threads: int | None = None) -> None:
+                 num_threads: int | None = None, serving_dtype: str | None = "bfloat16") -> None:
+        self.serving_dtype = getattr(torch, serving_dtype) if serving_dtype else None
         if num_threads is not None:
             torch.set_num_threads(num_threads)
         self.max_batch_size = max_batch_size
@@ -113,6 +118,11 @@ class TorchEngine(InferenceEngine):
             raise CheckpointError(f"{path} is not a Hugging Face model folder (no config.json)")
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
         model.eval()
+        if self.serving_dtype is not None:
+            with torch.no_grad():
+                for t in model.parameters():  # weights only: rotary buffers are not serving weights
+                    if t.is_floating_point():
+                        t.copy_(t.to(self.serving_dtype))
         tokenizer = AutoTokenizer.from_pretrained(path)
         with self._lock:
             self.model, self.tokenizer, self.checkpoint_id, self.model_dir = model, tokenizer, checkpoint_id, path

@@ -104,3 +104,55 @@ def test_load_checkpoint_swaps_weights(engine, tmp_path):
     eng.load_checkpoint("b", other)
     after = eng.generate([PROMPTS[0]], SamplingParams(max_tokens=5, temperature=0.0))[0]
     assert eng.checkpoint_id == "b" and before.token_ids != after.token_ids
+
+
+def test_batching_engine_gives_each_caller_its_own_completion(engine):
+    import threading
+
+    from ops.serving.batching import BatchingEngine
+
+    batcher = BatchingEngine(engine, max_batch=4, window_s=2.0, expected=3)
+    limits = [4, 9, 6]
+    out: dict[int, object] = {}
+
+    def call(i):
+        out[i] = batcher.generate([PROMPTS[i]], SamplingParams(max_tokens=limits[i], temperature=0.0))[0]
+
+    threads = [threading.Thread(target=call, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    for i in range(3):
+        alone = engine.generate([PROMPTS[i]], SamplingParams(max_tokens=limits[i], temperature=0.0))[0]
+        assert out[i].token_ids == alone.token_ids and out[i].finish_reason == alone.finish_reason == "length"
+        assert max(abs(a - b) for a, b in zip(out[i].logprobs, alone.logprobs)) < 1e-4
+
+
+def test_apply_delta_serves_the_same_weights_as_a_full_load(tiny_model_dir, tmp_path):
+    from app.core.errors import CheckpointError
+    from ops.serving.testing import build_tiny_model
+    from trainer.delta import serving_state_dict, write_delta
+
+    child_dir = tmp_path / "child"
+    build_tiny_model(child_dir, seed=0)
+    from transformers import AutoModelForCausalLM
+
+    parent = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    child = AutoModelForCausalLM.from_pretrained(child_dir)
+    with torch.no_grad():  # a small "training step": nudge a few weights
+        child.model.layers[0].mlp.up_proj.weight[:3] += 0.05
+    child.save_pretrained(child_dir)
+    write_delta(serving_state_dict(parent), serving_state_dict(child), child_dir / "delta.zst",
+                parent_id="parent", checkpoint_id="child")
+
+    via_delta = TorchEngine(tiny_model_dir, checkpoint_id="parent")
+    with pytest.raises(CheckpointError, match="serves parent"):
+        via_delta.apply_delta("child", child_dir / "delta.zst", parent_id="other")
+    via_delta.apply_delta("child", child_dir / "delta.zst", parent_id="parent")
+    full = TorchEngine(child_dir, checkpoint_id="child")
+    assert via_delta.checkpoint_id == "child"
+    for (name, a), (_, b) in zip(via_delta.model.state_dict().items(), full.model.state_dict().items()):
+        assert torch.equal(a, b), name
+    params = SamplingParams(max_tokens=5, temperature=0.0)
+    assert via_delta.generate(PROMPTS, params)[0].token_ids == full.generate(PROMPTS, params)[0].token_ids
