@@ -339,6 +339,8 @@ def stack_up(home: Path | None = None, partitions: int | None = None) -> StackSt
                 and broker_healthy(previous.kafka_bootstrap):
             state.kafka_bootstrap, state.broker_pid = previous.kafka_bootstrap, previous.broker_pid
         else:
+            if previous and previous.broker_pid and pid_alive(previous.broker_pid):
+                stop_pid(previous.broker_pid)  # alive but not answering: never orphan it
             broker = start_broker(home / "logs")
             state.kafka_bootstrap, state.broker_pid = broker.bootstrap, broker.pid
     if previous:

@@ -27,10 +27,10 @@ def consume_all(bootstrap: str, topic: str, expected: int, timeout_s: float = 30
                              auto_offset_reset="earliest")
     try:
         deadline = time.monotonic() + timeout_s
-        parts = None
-        while parts is None and time.monotonic() < deadline:
+        parts: set[int] = set()
+        while not parts and time.monotonic() < deadline:  # empty when a metadata fetch timed out
             parts = consumer.partitions_for_topic(topic)
-            if parts is None:
+            if not parts:
                 time.sleep(0.2)
         assert parts, f"topic {topic} has no partitions"
         consumer.assign([TopicPartition(topic, p) for p in sorted(parts)])

@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -23,8 +24,20 @@ def flywheel(home, *args: str, timeout: float = 180) -> subprocess.CompletedProc
                           env=env, capture_output=True, text=True, timeout=timeout)
 
 
-def test_stack_up_status_down(tmp_path):
-    home = tmp_path / "home"
+@pytest.fixture
+def home():
+    # Not under pytest's basetemp: a concurrent pytest run resets /tmp/pytest-of-<user> to 0700,
+    # which locks out the unprivileged user embedded Postgres runs as when we are root.
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    path = Path(tempfile.mkdtemp(prefix="flywheel-stack-test-"))
+    yield path / "home"
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def test_stack_up_status_down(home):
     up = flywheel(home, "stack", "up", "--partitions", "2")
     try:
         assert up.returncode == 0, up.stdout + up.stderr[-3000:]
@@ -44,9 +57,16 @@ def test_stack_up_status_down(tmp_path):
 
         consumer = KafkaConsumer(bootstrap_servers=state["kafka_bootstrap"])
         try:
-            assert consumer.partitions_for_topic("editor.interactions") == {0, 1}
-            assert consumer.partitions_for_topic("editor.interactions.dlq") == {0}
-            assert consumer.partitions_for_topic("flywheel.lifecycle") == {0}
+            def partitions(topic: str) -> set[int]:
+                for _ in range(50):  # empty when a metadata fetch timed out on a busy machine
+                    if found := consumer.partitions_for_topic(topic):
+                        return found
+                    time.sleep(0.2)
+                return set()
+
+            assert partitions("editor.interactions") == {0, 1}
+            assert partitions("editor.interactions.dlq") == {0}
+            assert partitions("flywheel.lifecycle") == {0}
         finally:
             consumer.close()
         import psycopg
