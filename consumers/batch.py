@@ -50,6 +50,20 @@ class BatchOutcome:
     trajectories: int = 0
     next_offsets: dict[tuple[str, int], int] = field(default_factory=dict)
 
+    def merge(self, o: "BatchOutcome") -> None:
+        """Add another outcome's counts (its ``messages`` excluded: the caller counted them)."""
+        self.stale += o.stale
+        self.stored += o.stored
+        self.duplicates += o.duplicates
+        self.dead_letters.update(o.dead_letters)
+        self.privacy_dropped += o.privacy_dropped
+        self.erased_dropped += o.erased_dropped
+        self.erasures += o.erasures
+        self.finalized.update(o.finalized)
+        self.trajectories += o.trajectories
+        for k, v in o.next_offsets.items():
+            self.next_offsets[k] = max(self.next_offsets.get(k, 0), v)
+
 
 def project_events(session: Session, projector: Projector, events: list[StoredEvent],
                    finalized: Counter | None = None) -> int:

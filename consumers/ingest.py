@@ -1,32 +1,38 @@
 """The ingest consumer (``flywheel consume``): Kafka consumer group -> Postgres, exactly-once effect.
 
-Loop: poll up to ``batch_max_records`` -> classify each record (event or dead letter) -> publish dead
-letters to the DLQ topic -> ONE Postgres transaction (``consumers.batch.apply_batch``: events,
-projections, dead letters, offsets) -> commit the same offsets to Kafka (advisory: Postgres is the
-source of truth; on every assignment the consumer seeks to the offsets stored in Postgres).
+Two threads, a two-stage pipeline (Postgres works on batch k while Kafka fetches and Python
+decodes batch k+1):
+
+- the *poll* thread owns the ``KafkaConsumer``: poll up to ``batch_max_records`` -> classify each
+  record (event or dead letter) -> hand the batch to the DB thread (a queue ``pipeline_depth``
+  deep) -> commit to Kafka the offsets of batches the DB thread has committed (advisory: Postgres
+  is the source of truth; every assignment seeks to the offsets stored there). While the queue is
+  full it pauses its partitions and keeps polling, so it stays in the group through a long
+  database outage instead of being evicted;
+- the *DB* thread, per batch: publish dead letters to the DLQ topic, then ONE Postgres
+  transaction (``consumers.batch.apply_batch``: events, projections, dead letters, offsets); and
+  every ``finalize_interval_s`` the window sweep.
 
 Failure handling (the consumer never crashes on input):
 
-- transient database or broker faults are retried with exponential backoff (tenacity) until they
-  pass; the batch is kept in memory meanwhile, never dead-lettered. If the outage outlasts
-  ``max_poll_interval_ms`` the group moves our partitions; the offset rows locked in the batch
-  transaction make the late write skip whatever the new owner already applied.
+- transient database or broker faults are retried with exponential backoff until they pass
+  (``consumers.retry``); the batch waits in memory, never dead-lettered;
 - a batch that fails for any other reason is applied again record by record, each in a savepoint;
-  a record that still fails is dead-lettered as ``processing_error`` and the batch goes on.
-- SIGKILL at any point loses nothing: uncommitted work is redelivered from the stored offsets.
+  a record that still fails is dead-lettered as ``processing_error`` and the batch goes on;
+- SIGKILL at any point loses nothing: uncommitted work is redelivered from the stored offsets,
+  and records below a stored offset are skipped (so a zombie member after a rebalance, or a
+  batch still queued when its partition moved, cannot apply anything twice).
 """
 
 from __future__ import annotations
 
 import logging
+import queue
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
-
-from tenacity import Retrying, retry_if_exception, wait_exponential_jitter
+from typing import Any
 
 from app.core.db import session_scope
 from app.core.settings import get_settings
@@ -35,33 +41,13 @@ from consumers.batch import BatchOutcome, apply_batch
 from consumers.deadletter import Decoded, Message, classify, dlq_record
 from consumers.finalize import finalize_due
 from consumers.projection import ProjectionConfig, Projector
+from consumers.retry import is_transient, retry_transient
 from consumers.rewards.spec import active_specs
 from consumers.settings import ConsumerSettings, get_consumer_settings
 from consumers.telemetry import ConsumerMetrics, producer_links
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
-
-
-def is_transient(exc: BaseException) -> bool:
-    """Whether a fault is infrastructure (retry) rather than input: lost connections, restarts,
-    deadlocks/serialization failures, a missing schema during a deploy, broker errors."""
-    import psycopg
-    from kafka.errors import KafkaError
-    from sqlalchemy import exc as sa_exc
-
-    from app.core.errors import InfrastructureError
-
-    if isinstance(exc, sa_exc.DBAPIError):
-        if exc.connection_invalidated:
-            return True
-        exc = exc.orig or exc
-    if isinstance(exc, (sa_exc.OperationalError, sa_exc.InterfaceError, sa_exc.DisconnectionError,
-                        sa_exc.TimeoutError)):
-        return True
-    return isinstance(exc, (psycopg.OperationalError, psycopg.InterfaceError, psycopg.errors.UndefinedTable,
-                            psycopg.errors.ReadOnlySqlTransaction, psycopg.errors.InsufficientPrivilege,
-                            InfrastructureError, KafkaError, ConnectionError, TimeoutError))
+_STOP = object()
 
 
 def projector_from_settings(cs: ConsumerSettings | None = None) -> Projector:
@@ -83,8 +69,13 @@ class IngestStats:
     finalized: Counter = field(default_factory=Counter)
     batches: int = 0
     processing_errors: int = 0
+    first_record_at: float | None = None
+    """``time.monotonic()`` when the first record was polled (after the group join)."""
+    last_batch_at: float | None = None
+    """``time.monotonic()`` when the last batch was committed."""
 
     def add(self, o: BatchOutcome) -> None:
+        """Fold one batch's counts in."""
         self.messages += o.messages
         self.stored += o.stored
         self.duplicates += o.duplicates
@@ -115,32 +106,27 @@ class IngestConsumer:
         self.projector = projector_from_settings(self.settings)
         self.metrics = ConsumerMetrics(self.topic, self.group_id)
         self.stats = IngestStats()
-        self._stop = threading.Event()
+        self._stop = threading.Event()      # finish what is queued, then return
+        self._abort = threading.Event()     # give up retrying (shutdown during an outage)
         self._consumer: Any = None
         self._producer: Any = None
         self._tracer = tracer("flywheel.consumers.ingest")
         self._next: dict[int, int] = {}
         self._assigned_at: float | None = None
+        self._work: queue.Queue = queue.Queue(maxsize=self.settings.pipeline_depth)
+        self._done: queue.Queue = queue.Queue()
+        self._worker_error: BaseException | None = None
+        self._last_sweep = time.monotonic()
 
     # ---- plumbing ---------------------------------------------------------------------------
 
     def stop(self) -> None:
-        """Ask ``run`` to return after the current batch (signal-safe)."""
+        """Ask ``run`` to stop polling, apply what is queued and return (signal-safe)."""
         self._stop.set()
 
-    def retry(self, fn: Callable[[], T], what: str) -> T:
-        """Run ``fn`` until it succeeds, backing off on transient faults; give up only on ``stop()``.
-
-        Raises:
-            the last exception if it is not transient, or if stopped while retrying.
-        """
-        def _log(rs) -> None:
-            log.warning("%s failed (attempt %d), retrying: %s", what, rs.attempt_number, rs.outcome.exception())
-
-        return Retrying(retry=retry_if_exception(is_transient), reraise=True,
-                        wait=wait_exponential_jitter(initial=0.1, max=self.settings.retry_max_wait_s),
-                        stop=lambda _rs: self._stop.is_set(), sleep=self._stop.wait,
-                        before_sleep=_log)(fn)
+    def retry(self, fn, what: str):
+        """``consumers.retry.retry_transient`` bound to this consumer's abort flag."""
+        return retry_transient(fn, what, self._abort, self.settings.retry_max_wait_s)
 
     def _kafka_consumer(self):
         from kafka import KafkaConsumer
@@ -157,7 +143,9 @@ class IngestConsumer:
 
         class _SeekToStored(ConsumerRebalanceListener):
             def on_partitions_revoked(self, revoked) -> None:
-                # Nothing buffered: each polled batch is committed to Postgres before the next poll.
+                # Let queued batches land first so the next owner starts where we stopped (if they
+                # do not in time, the offset rows they lock make the later write skip what was done).
+                owner._drain(timeout_s=owner.settings.max_poll_interval_ms / 2000)
                 log.info("partitions revoked: %s", sorted(tp.partition for tp in revoked))
 
             def on_partitions_assigned(self, assigned) -> None:
@@ -204,7 +192,7 @@ class IngestConsumer:
 
         self.retry(send, "publishing to the DLQ topic")
 
-    # ---- one batch -------------------------------------------------------------------------
+    # ---- one batch (DB thread) -----------------------------------------------------------------
 
     def _apply(self, decoded: list[Decoded]) -> BatchOutcome:
         with session_scope() as session:
@@ -228,23 +216,14 @@ class IngestConsumer:
                     with session.begin_nested():
                         o = apply_batch(session, self.group_id, [bad], self.projector, "copy_upsert")
                     self.stats.processing_errors += 1
-                total.stale += o.stale
-                total.stored += o.stored
-                total.duplicates += o.duplicates
-                total.dead_letters.update(o.dead_letters)
-                total.finalized.update(o.finalized)
-                total.erasures += o.erasures
-                total.privacy_dropped += o.privacy_dropped
-                total.erased_dropped += o.erased_dropped
-                total.trajectories += o.trajectories
-                for k, v in o.next_offsets.items():
-                    total.next_offsets[k] = max(total.next_offsets.get(k, 0), v)
+                total.merge(o)
         return total
 
-    def process(self, messages: list[Message]) -> BatchOutcome:
-        """Classify, dead-letter and apply one batch (retrying transient faults). No Kafka commit."""
+    def process(self, messages: list[Message], decoded: list[Decoded] | None = None) -> BatchOutcome:
+        """Dead-letter and apply one batch (retrying transient faults). No Kafka commit."""
         started = time.perf_counter()
-        decoded = [classify(m, self.max_event_bytes) for m in messages]
+        if decoded is None:
+            decoded = [classify(m, self.max_event_bytes) for m in messages]
         dead = [d for d in decoded if d.reason is not None]
         links = producer_links((m.headers for m in messages), self.settings.max_span_links)
         with self._tracer.start_as_current_span(
@@ -267,22 +246,73 @@ class IngestConsumer:
         self.stats.add(outcome)
         return outcome
 
-    # ---- the loop --------------------------------------------------------------------------
+    def _sweep_if_due(self) -> None:
+        if time.monotonic() - self._last_sweep < self.settings.finalize_interval_s:
+            return
+        done = self.retry(lambda: finalize_due(self.projector, self.settings.finalize_grace_s), "finalize sweep")
+        self.metrics.record_finalized(done)
+        self.stats.finalized.update(done)
+        self._last_sweep = time.monotonic()
 
-    def _commit_kafka(self, next_offsets: dict[tuple[str, int], int]) -> None:
+    def _db_loop(self) -> None:
+        try:
+            while True:
+                try:
+                    item = self._work.get(timeout=0.2)
+                except queue.Empty:
+                    self._sweep_if_due()
+                    continue
+                try:
+                    if item is _STOP:
+                        return
+                    messages, decoded = item
+                    self._done.put(self.process(messages, decoded).next_offsets)
+                    self._sweep_if_due()
+                finally:
+                    self._work.task_done()
+        except BaseException as exc:  # noqa: BLE001 -- handed to the poll thread, which raises it
+            self._worker_error = exc
+            self._stop.set()
+            while True:  # unblock a poll thread waiting on a full queue
+                try:
+                    self._work.get_nowait()
+                    self._work.task_done()
+                except queue.Empty:
+                    break
+
+    # ---- the poll thread -------------------------------------------------------------------
+
+    def _drain(self, timeout_s: float) -> None:
+        """Wait (at most ``timeout_s``) until the DB thread has applied every queued batch."""
+        deadline = time.monotonic() + timeout_s
+        while self._work.unfinished_tasks and time.monotonic() < deadline and self._worker_error is None:
+            time.sleep(0.01)
+        self._commit_done()
+
+    def _commit_done(self) -> None:
+        """Commit to Kafka the offsets of batches the DB thread has committed."""
+        offsets: dict[tuple[str, int], int] = {}
+        while True:
+            try:
+                for k, v in self._done.get_nowait().items():
+                    offsets[k] = max(offsets.get(k, 0), v)
+            except queue.Empty:
+                break
+        if not offsets or self._consumer is None:
+            return
         from kafka import TopicPartition
         from kafka.structs import OffsetAndMetadata
 
-        offsets = {TopicPartition(t, p): OffsetAndMetadata(o, "", -1) for (t, p), o in next_offsets.items()}
-        for (_, p), o in next_offsets.items():
-            self._next[p] = o
+        for (_, p), o in offsets.items():
+            self._next[p] = max(self._next.get(p, 0), o)
 
         def done(_offsets, result) -> None:
             if isinstance(result, Exception):  # advisory only: Postgres holds the offsets
                 log.debug("kafka offset commit failed: %s", result)
 
         try:
-            self._consumer.commit_async(offsets, callback=done)
+            self._consumer.commit_async({TopicPartition(t, p): OffsetAndMetadata(o, "", -1)
+                                         for (t, p), o in offsets.items()}, callback=done)
         except Exception as exc:  # noqa: BLE001 -- e.g. a rebalance in progress; Postgres is the truth
             log.debug("kafka offset commit refused: %s", exc)
 
@@ -295,39 +325,73 @@ class IngestConsumer:
         self.metrics.set_lag(lag)
 
     def run(self, *, idle_exit_s: float | None = None, stop_after: int | None = None) -> IngestStats:
-        """Consume until ``stop()``, ``idle_exit_s`` seconds without records, or ``stop_after`` records.
+        """Consume until ``stop()``, ``idle_exit_s`` seconds without records, or ``stop_after`` records;
+        then apply what is queued, leave the group and return the totals.
 
         Raises:
-            Exception: only non-transient faults outside input handling (e.g. a bad configuration).
+            Exception: a fault the DB thread could not handle (not input: input is dead-lettered).
         """
         self._consumer = self._kafka_consumer()
-        last_record = last_sweep = time.monotonic()
+        worker = threading.Thread(target=self._db_loop, name="flywheel-ingest-db", daemon=True)
+        worker.start()
+        last_record, polled = time.monotonic(), 0
         try:
             while not self._stop.is_set():
-                polled = self._consumer.poll(timeout_ms=self.settings.poll_timeout_ms,
-                                             max_records=self.settings.batch_max_records)
-                messages = [Message.from_record(r) for recs in polled.values() for r in recs]
+                self._commit_done()
+                assignment = self._consumer.assignment()
+                if self._work.full():  # backpressure: stay in the group, fetch nothing
+                    self._consumer.pause(*assignment)
+                elif self._consumer.paused():
+                    self._consumer.resume(*self._consumer.paused())
+                records = self._consumer.poll(timeout_ms=self.settings.poll_timeout_ms,
+                                              max_records=self.settings.batch_max_records)
+                messages = [Message.from_record(r) for recs in records.values() for r in recs]
                 now = time.monotonic()
                 if messages:
-                    outcome = self.process(messages)
-                    self._commit_kafka(outcome.next_offsets)
+                    if self.stats.first_record_at is None:
+                        self.stats.first_record_at = now
+                    decoded = [classify(m, self.max_event_bytes) for m in messages]
+                    while not self._stop.is_set():  # paused above if full, so this wait is short
+                        try:
+                            self._work.put((messages, decoded), timeout=0.1)
+                            break
+                        except queue.Full:
+                            continue
+                    polled += len(messages)
                     last_record = now
                 self._update_lag()
-                if now - last_sweep >= self.settings.finalize_interval_s:
-                    done = self.retry(lambda: finalize_due(self.projector, self.settings.finalize_grace_s),
-                                      "finalize sweep")
-                    self.metrics.record_finalized(done)
-                    self.stats.finalized.update(done)
-                    last_sweep = now
-                if stop_after is not None and self.stats.messages >= stop_after:
+                if stop_after is not None and polled >= stop_after:
                     break
                 # idle time counts from the later of the last record and the last (re)assignment
-                if idle_exit_s is not None and self._assigned_at is not None \
+                if idle_exit_s is not None and self._assigned_at is not None and not self._work.unfinished_tasks \
                         and now - max(last_record, self._assigned_at) >= idle_exit_s:
                     break
         finally:
+            self._shutdown(worker)
+            self.stats.last_batch_at = time.monotonic()
+            self._commit_done()
             self.close()
+        if self._worker_error is not None and not self._abort.is_set():
+            raise self._worker_error
         return self.stats
+
+    def _shutdown(self, worker: threading.Thread) -> None:
+        """Let the DB thread apply what is queued; past ``shutdown_grace_s`` (an outage), abandon it:
+        uncommitted batches are redelivered to whoever owns the partitions next."""
+        deadline = time.monotonic() + self.settings.shutdown_grace_s
+        while worker.is_alive():
+            try:
+                self._work.put(_STOP, timeout=0.2)
+                break
+            except queue.Full:
+                if time.monotonic() > deadline:
+                    break
+        worker.join(timeout=max(0.0, deadline - time.monotonic()))
+        if worker.is_alive():
+            log.warning("abandoning queued batches after %.0fs (they will be redelivered)",
+                        self.settings.shutdown_grace_s)
+            self._abort.set()
+            worker.join()
 
     def close(self) -> None:
         """Leave the group and close clients (idempotent)."""

@@ -60,6 +60,10 @@ class ConsumerSettings(BaseSettings):
     dlq_max_bytes: int = Field(default=900_000, ge=1024,
                                description="raw bytes beyond this are truncated on the DLQ topic (the table "
                                            "keeps them whole)")
+    pipeline_depth: int = Field(default=2, ge=1, le=16,
+                                description="polled batches waiting for the DB thread before polling pauses")
+    shutdown_grace_s: float = Field(default=10.0, ge=0,
+                                    description="seconds a stopping consumer waits for queued batches to commit")
     max_span_links: int = Field(default=128, ge=0, description="producer trace contexts linked per batch span")
 
     @classmethod

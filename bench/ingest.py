@@ -1,0 +1,214 @@
+"""End-to-end ingest throughput: Kafka -> Postgres (event_log + trajectory projections + offsets, one
+transaction per batch, exactly-once) next to a bare kafka-python consume loop over the same messages.
+
+Set-up: a tansu broker started here (memory storage, 4 partitions), a scratch Postgres database
+(``FLYWHEEL_DATABASE_URL`` if set, else a new database on the local server 127.0.0.1:5432, else an
+embedded server), migrated. ``consumers.testing.generate_stream`` produces realistic sessions (100k
+events; 20k with ``--quick``): ``model.responded`` turns with real-sized token arrays, tool calls,
+edits, context summaries, ends and late signals; a share of sessions withholds an expected signal so
+their trajectories finalize by the window.
+
+Measured in one run, each from its first polled record to its last (the group join, ~3 s on tansu,
+is excluded from both):
+
+- *warm-up*: a bare pass over the topic (not counted: tansu serves its first read of fresh data
+  slower);
+- *baseline*: a bare ``KafkaConsumer`` poll loop (same group settings, same ``max_poll_records``)
+  that touches every record's value and does nothing else;
+- *ours*: ``flywheel consume`` in this process (``--consumers N`` > 1: N subprocesses of the
+  group, timed from the first stored row to the last commit), then checks every event is in
+  ``event_log`` exactly once;
+- *finalize*: after the 1 s signal window has closed, the time ``flywheel finalize`` takes to
+  finalize and label every remaining provisional trajectory.
+
+Ends with one JSON line; ratio = ours / baseline events/s, target >= 0.5.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+TARGET = 0.5
+GROUP_SETTINGS = dict(max_poll_interval_ms=5000, session_timeout_ms=6000, heartbeat_interval_ms=1000)
+
+
+def scratch_database(tmp: Path):
+    """(libpq url, cleanup) of a fresh migrated database."""
+    import psycopg
+
+    from app.core.migrate import upgrade
+
+    if os.environ.get("FLYWHEEL_DATABASE_URL"):
+        url = os.environ["FLYWHEEL_DATABASE_URL"]
+        upgrade(url=url)
+        return url, lambda: None
+    admin = os.environ.get("FLYWHEEL_TEST_ADMIN_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
+    try:
+        psycopg.connect(admin, connect_timeout=2).close()
+        stop = None
+    except psycopg.Error:
+        from ops.stack import start_postgres, stop_postgres
+
+        server = start_postgres(tmp / "pgdata", database="postgres")
+        admin = f"postgresql://postgres@127.0.0.1:{server.port}/postgres"
+        stop = lambda: stop_postgres(tmp / "pgdata")  # noqa: E731
+    name = f"flywheel_bench_{uuid.uuid4().hex[:8]}"
+    with psycopg.connect(admin, autocommit=True) as conn:
+        conn.execute(f'CREATE DATABASE "{name}"')
+    url = admin.rsplit("/", 1)[0] + f"/{name}"
+    upgrade(url=url)
+
+    def cleanup() -> None:
+        from app.core.db import reset_engines
+
+        reset_engines()
+        with psycopg.connect(admin, autocommit=True) as conn:
+            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        if stop:
+            stop()
+
+    return url, cleanup
+
+
+def bare_consume(bootstrap: str, topic: str, n: int, max_records: int) -> float:
+    """events/s of a bare kafka-python loop over ``n`` records (first record to last)."""
+    from kafka import KafkaConsumer
+
+    c = KafkaConsumer(topic, bootstrap_servers=bootstrap, group_id=f"bare-{uuid.uuid4().hex[:6]}",
+                      auto_offset_reset="earliest", enable_auto_commit=False, max_poll_records=max_records,
+                      fetch_max_bytes=52_428_800, **GROUP_SETTINGS)
+    seen, nbytes, start = 0, 0, None
+    while seen < n:
+        for recs in c.poll(timeout_ms=100, max_records=max_records).values():
+            start = start or time.monotonic()
+            for r in recs:
+                nbytes += len(r.value or b"")
+            seen += len(recs)
+    elapsed = time.monotonic() - start
+    c.close(autocommit=False)
+    return seen / elapsed
+
+
+def ours_in_process(n: int) -> tuple[float, dict]:
+    from consumers.ingest import IngestConsumer
+
+    stats = IngestConsumer(client_id="bench").run(stop_after=n)
+    elapsed = stats.last_batch_at - stats.first_record_at
+    return stats.messages / elapsed, {"batches": stats.batches, "dead_letters": sum(stats.dead_letters.values())}
+
+
+def ours_processes(n: int, k: int, url: str, log: Path) -> tuple[float, dict]:
+    from consumers.testing import consumer_process, scalar
+
+    env = {**os.environ, "FLYWHEEL_DATABASE_URL": url}
+    procs = [consumer_process(env, log_path=log) for _ in range(k)]
+    first = None
+    try:
+        while True:
+            count = scalar(url, "SELECT count(*) FROM event_log")
+            now = time.monotonic()
+            if count and first is None:
+                first = now - 0.05  # half the polling interval: the first batch landed in between
+            if count >= n:
+                break
+            time.sleep(0.1)
+    finally:
+        import signal
+
+        for p in procs:
+            os.killpg(p.pid, signal.SIGTERM)
+        for p in procs:
+            p.wait(timeout=30)
+    return n / (now - first), {}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="20k events instead of 100k")
+    ap.add_argument("--events", type=int, default=None)
+    ap.add_argument("--consumers", type=int, default=1, help="consumer processes in the group")
+    ap.add_argument("--insert-method", default="copy", choices=["copy", "copy_upsert", "unnest"])
+    ap.add_argument("--batch", type=int, default=None, help="records per poll / transaction")
+    args = ap.parse_args()
+    n_target = args.events or (20_000 if args.quick else 100_000)
+
+    tmp = Path(tempfile.mkdtemp(prefix="flywheel-bench-ingest-"))
+    os.environ["FLYWHEEL_HOME"] = str(tmp)
+    os.environ.setdefault("FLYWHEEL_TELEMETRY_EXPORTER", "none")
+    os.environ["FLYWHEEL_CONSUMER_INSERT_METHOD"] = args.insert_method
+    os.environ["FLYWHEEL_CONSUMER_SIGNAL_WINDOW_S"] = "1"
+    os.environ["FLYWHEEL_CONSUMER_FINALIZE_INTERVAL_S"] = "3600"  # the finalize phase is timed separately
+    os.environ["FLYWHEEL_CONSUMER_FINALIZE_GRACE_S"] = "0"
+    if args.batch:
+        os.environ["FLYWHEEL_CONSUMER_BATCH_MAX_RECORDS"] = str(args.batch)
+    from ops.stack import create_topics, start_broker, stop_pid
+
+    broker = start_broker(tmp / "logs")
+    url, cleanup = scratch_database(tmp)
+    try:
+        topic = "bench.interactions"
+        os.environ.update(FLYWHEEL_DATABASE_URL=url, FLYWHEEL_KAFKA_BOOTSTRAP=broker.bootstrap,
+                          FLYWHEEL_KAFKA_INTERACTIONS_TOPIC=topic, FLYWHEEL_KAFKA_DLQ_TOPIC="bench.dlq")
+        from app.core.settings import get_settings
+        from consumers.settings import get_consumer_settings
+
+        get_settings.cache_clear()
+        get_consumer_settings.cache_clear()
+        create_topics(broker.bootstrap, {topic: 4, "bench.dlq": 1})
+        from consumers.testing import generate_stream, kafka_record, produce, scalar
+
+        events = generate_stream(n_target, seed=42, withhold_fraction=0.1)
+        n = len(events)
+        records = [kafka_record(e) for e in events]
+        mean_bytes = sum(len(r[1]) for r in records) / n
+        del events
+        t = time.monotonic()
+        produce(broker.bootstrap, topic, records)
+        produce_s = time.monotonic() - t
+        del records
+        max_records = get_consumer_settings().batch_max_records
+
+        bare_consume(broker.bootstrap, topic, n, max_records)  # warm-up, not counted
+        baseline = bare_consume(broker.bootstrap, topic, n, max_records)
+        if args.consumers == 1:
+            ours, extra = ours_in_process(n)
+        else:
+            ours, extra = ours_processes(n, args.consumers, url, tmp / "consumers.log")
+        stored = scalar(url, "SELECT count(*) FROM event_log")
+        distinct = scalar(url, "SELECT count(DISTINCT event_id) FROM event_log")
+        assert stored == distinct == n, f"exactly-once violated: {stored} rows, {distinct} distinct, {n} sent"
+
+        from consumers.finalize import finalize_due
+        from consumers.ingest import projector_from_settings
+
+        time.sleep(1.2)  # let every 1 s window close
+        pending = scalar(url, "SELECT count(*) FROM trajectory WHERE status = 'provisional'")
+        t = time.monotonic()
+        done = finalize_due(projector_from_settings(), grace_s=0.0)
+        finalize_s = time.monotonic() - t
+        trajectories = scalar(url, "SELECT count(*) FROM trajectory")
+        labels = scalar(url, "SELECT count(*) FROM reward_label")
+        ratio = ours / baseline
+        print(f"# {n} events ({mean_bytes:.0f} B mean) produced at {n / produce_s:,.0f}/s; bare {baseline:,.0f}/s, "
+              f"ours {ours:,.0f}/s ({args.consumers} consumer(s), {args.insert_method}); "
+              f"{trajectories} trajectories, {pending} finalized by the sweep in {finalize_s:.2f}s", file=sys.stderr)
+        print(json.dumps({
+            "bench": "ingest", "ours": round(ours, 1), "baseline": round(baseline, 1), "unit": "events/s",
+            "ratio": round(ratio, 3), "target": TARGET, "pass": ratio >= TARGET, "events": n,
+            "mean_event_bytes": round(mean_bytes), "consumers": args.consumers, "insert_method": args.insert_method,
+            "batch": max_records, "trajectories": trajectories, "labels": labels,
+            "finalize_s": round(finalize_s, 3), "finalized_by_sweep": sum(done.values()), **extra}))
+    finally:
+        cleanup()
+        stop_pid(broker.pid)
+
+
+if __name__ == "__main__":
+    main()

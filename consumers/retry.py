@@ -1,0 +1,53 @@
+"""Transient-fault classification and retry with backoff (tenacity) for the consumer boundaries.
+
+Invariant: only infrastructure faults are retried (lost or refused connections, server restarts,
+deadlocks and serialization failures, a missing schema during a deploy, broker errors); anything
+else propagates so the caller can isolate and dead-letter the record that caused it.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from typing import TypeVar
+
+from tenacity import Retrying, retry_if_exception, wait_exponential_jitter
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+def is_transient(exc: BaseException) -> bool:
+    """Whether ``exc`` is an infrastructure fault worth retrying rather than a bad input."""
+    import psycopg
+    from kafka.errors import KafkaError
+    from sqlalchemy import exc as sa_exc
+
+    from app.core.errors import InfrastructureError
+
+    if isinstance(exc, sa_exc.DBAPIError):
+        if exc.connection_invalidated:
+            return True
+        exc = exc.orig or exc
+    if isinstance(exc, (sa_exc.OperationalError, sa_exc.InterfaceError, sa_exc.DisconnectionError,
+                        sa_exc.TimeoutError)):
+        return True
+    return isinstance(exc, (psycopg.OperationalError, psycopg.InterfaceError, psycopg.errors.UndefinedTable,
+                            psycopg.errors.ReadOnlySqlTransaction, psycopg.errors.InsufficientPrivilege,
+                            InfrastructureError, KafkaError, ConnectionError, TimeoutError))
+
+
+def retry_transient(fn: Callable[[], T], what: str, stop: threading.Event, max_wait_s: float) -> T:
+    """Run ``fn`` until it succeeds, backing off exponentially (0.1 s doubling, jittered, at most
+    ``max_wait_s``) on transient faults; give up only when ``stop`` is set.
+
+    Raises:
+        the last exception if it is not transient, or if ``stop`` was set while retrying.
+    """
+    def _log(rs) -> None:
+        log.warning("%s failed (attempt %d), retrying: %s", what, rs.attempt_number, rs.outcome.exception())
+
+    return Retrying(retry=retry_if_exception(is_transient), reraise=True,
+                    wait=wait_exponential_jitter(initial=0.1, max=max_wait_s),
+                    stop=lambda _rs: stop.is_set(), sleep=stop.wait, before_sleep=_log)(fn)
