@@ -283,6 +283,13 @@ def stop_pid(pid: int, timeout_s: float = 10.0) -> None:
         time.sleep(0.1)
     if pid_alive(pid):
         os.kill(pid, signal.SIGKILL)
+    for _ in range(20):  # reap it if it is our child, so no zombie outlives the test or CLI
+        try:
+            if os.waitpid(pid, os.WNOHANG)[0]:
+                break
+        except ChildProcessError:
+            break
+        time.sleep(0.05)
 
 
 # ---- the stack as a whole -------------------------------------------------------------------------
