@@ -84,21 +84,24 @@ def eval_run(checkpoint: str = typer.Argument(..., help="checkpoint id, e.g. bas
 
 
 def _runs_table(summaries):
+    from rich.console import Group
     from rich.table import Table
 
-    t = Table(title="eval runs (95% Wilson intervals)")
-    for col in ("checkpoint", "suite", "version", "status", "done", "pass rate", "95% CI", "ran / reused",
-                "tool err", "asked", "edited", "tokens", "latency s"):
-        t.add_column(col, justify="right" if col not in ("checkpoint", "suite", "version", "status") else "left")
+    t = Table(title="eval runs")
+    for col in ("suite", "checkpoint", "status", "done", "pass rate", "95% CI", "sessions"):
+        t.add_column(col, justify="right" if col in ("done", "pass rate") else "left", overflow="fold")
+    b = Table(title="behaviour")
+    for col in ("suite", "checkpoint", "tool-call errors", "asked", "edited", "tokens", "latency s"):
+        b.add_column(col, overflow="fold")
     for s in summaries:
         m = s.monitors or {}
-        t.add_row(s.checkpoint_id, s.suite, s.suite_version, s.status, f"{s.done}/{s.planned}",
-                  f"{s.pass_rate:.1%}", f"[{s.low:.1%}, {s.high:.1%}]",
-                  "cached" if s.cached else f"{s.ran} / {s.reused}",
-                  f"{m.get('invalid_tool_call_rate', 0):.1%}", f"{m.get('clarifying_question_rate', 0):.1%}",
-                  f"{m.get('edit_rate', 0):.1%}", f"{m.get('mean_completion_tokens', 0):.0f}",
-                  f"{m.get('mean_latency_s', 0):.1f}")
-    return t
+        t.add_row(s.suite, s.checkpoint_id, s.status, f"{s.done}/{s.planned}", f"{s.pass_rate:.1%}",
+                  f"[{s.low:.1%}, {s.high:.1%}]",
+                  "cached run" if s.cached else f"{s.ran} ran, {s.reused} reused")
+        b.add_row(s.suite, s.checkpoint_id, f"{m.get('invalid_tool_call_rate', 0):.1%}",
+                  f"{m.get('clarifying_question_rate', 0):.1%}", f"{m.get('edit_rate', 0):.1%}",
+                  f"{m.get('mean_completion_tokens', 0):.0f}", f"{m.get('mean_latency_s', 0):.1f}")
+    return Group(t, b, *(f"{s.suite}: run {s.run_id}, suite version {s.suite_version}" for s in summaries))
 
 
 @eval_app.command("suites")

@@ -21,7 +21,6 @@ import re
 import shutil
 import tempfile
 import time
-import uuid
 from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import asdict, dataclass, field
@@ -89,12 +88,8 @@ def task_hash(task: "Task") -> str:
 
 
 def load_suite_tasks(suite: SuiteConfig) -> list["Task"]:
-    """The suite's tasks: a source adapter's split, or the mined ``eval_task`` rows."""
-    if suite.source == "mined":
-        from evals.mined import load_mined_tasks
-
-        with session_scope() as session:
-            return load_mined_tasks(session, limit=suite.limit, seed=suite.seed)
+    """The suite's tasks (``evals.tasks.load_tasks``: a source adapter's split, or the mined
+    ``eval_task`` rows), a seeded subset when the suite has a limit."""
     from evals.tasks import load_tasks
 
     return load_tasks(suite.source, suite.split, limit=suite.limit, seed=suite.seed)
@@ -139,23 +134,26 @@ def run_sample(engine: "InferenceEngine", suite: SuiteConfig, task: "Task", samp
         The ``eval_result`` fields: passed, attempts (the agent's test runs), turns, completion
         tokens, latency (seconds), tool calls and errors, asked_question, edited, detail.
     """
-    from evals.harness.agent import grade, run_agent_session
+    from evals.harness.agent import grade_result, run_agent_session
 
     budget, sampling, limits = _harness_args(suite, sample_seed(suite, task.id, sample_index))
     safe = re.sub(r"[^A-Za-z0-9_.-]+", "_", task.id)[:80]
     workdir = Path(tempfile.mkdtemp(prefix=f"{safe}-{sample_index}-", dir=work_root))
     try:
         started = time.perf_counter()
-        result = run_agent_session(engine, task, workdir, budget, sampling, emit=None,
+        result = run_agent_session(engine, task, workdir / "repo", budget, sampling, emit=None, limits=limits,
                                    session_id=f"eval-{run_id[:8]}-{safe}-{sample_index}", user_id="eval")
-        passed = bool(grade(task, workdir, limits))
+        graded = grade_result(task, workdir / "repo", limits)
         return {
-            "passed": passed, "attempts": result.test_runs, "turns": result.turns,
+            "passed": graded.ok, "attempts": result.test_runs, "turns": result.turns,
             "completion_tokens": result.completion_tokens, "latency_s": float(result.latency_s),
             "tool_calls": result.tool_calls, "tool_call_errors": result.tool_call_errors,
             "asked_question": bool(result.asked_question), "edited": bool(result.edited),
-            "detail": {"segments": result.segments, "agent_tests_passed": result.passed,
-                       "wall_s": time.perf_counter() - started},
+            "detail": {"end_reason": result.reason, "segments": result.segments,
+                       "agent_tests_passed": result.passed, "grade_exit_code": graded.exit_code,
+                       "grade_killed": graded.killed_reason, "grade_s": round(graded.duration_s, 3),
+                       "grade_output": graded.observation(1500) if not graded.ok else "",
+                       "wall_s": round(time.perf_counter() - started, 3)},
         }
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
@@ -274,11 +272,6 @@ def _execute(run, plan: RunPlan, todo: list[tuple["Task", int]], checkpoint_id: 
             engine.close()
         shutil.rmtree(work_root, ignore_errors=True)
     return errors
-
-
-def new_run_id() -> str:
-    """A fresh run id (exposed for callers that pre-allocate)."""
-    return str(uuid.uuid4())
 
 
 def default_workers() -> int:
