@@ -79,3 +79,7 @@ def main() -> None:
         for reason in exc.reasons:
             typer.secho(f"  - {reason}", fg="red", err=True)
         raise SystemExit(2) from None
+
+
+if __name__ == "__main__":
+    main()
