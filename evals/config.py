@@ -94,7 +94,7 @@ class SuiteConfig(_Strict):
     @model_validator(mode="after")
     def _no_training_split(self) -> "SuiteConfig":
         if self.source == "dataframebench" and self.split == "train":
-            raise ValueError("DataFrameBench's train split is for training; evaluate on test or val")
+            raise ValueError("DataFrameBench's train split is for training; evaluate on its test split")
         return self
 
     def with_limit(self, limit: int | None) -> "SuiteConfig":

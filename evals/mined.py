@@ -38,7 +38,7 @@ if TYPE_CHECKING:
 
 MINED_SUITE = "mined"
 #: Sources whose tasks can be rebuilt from ``task_id`` (splits searched, in order).
-SOURCE_SPLITS = {"dataframebench": ("train", "val", "test"), "humaneval": ("test",)}
+SOURCE_SPLITS = {"dataframebench": ("train", "test"), "humaneval": ("test",)}
 
 
 @dataclass

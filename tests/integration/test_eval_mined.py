@@ -120,3 +120,24 @@ def test_contamination_check_finds_eval_tasks_in_lineage_and_manifests(sessions)
                      ("old", "HumanEval/3", "checkpoint_trajectory.task_id")}
     result = cli.invoke(app, ["eval", "contamination", "--no-static"])
     assert result.exit_code == 1 and "CONTAMINATED leaky: dfb/A" in result.output
+
+
+def test_mined_tasks_load_as_the_mined_suite(sessions):
+    from evals.tasks import load_tasks
+    from evals.tasks.model import Task
+
+    with session_scope() as s:
+        mined.mine_tasks(s)
+    (task,) = load_tasks("mined", "test")
+    assert isinstance(task, Task) and task.id == "dfb/A" and task.source == "mined"
+    assert task.request == "make f return 1" and task.reference_files == SOURCE["dfb/A"].reference_files
+
+
+def test_simulated_sessions_resolve_their_source_task():
+    from evals.tasks import load_tasks
+
+    train = load_tasks("dataframebench", "train", limit=1)[0]
+    assert mined.source_task("dataframebench", train.id) == train
+    assert mined.source_task("humaneval", "HumanEval/3").id == "HumanEval/3"
+    assert mined.source_task("product", "repo/issue") is None
+    assert mined.source_task("dataframebench", "DFB/nope") is None
