@@ -7,14 +7,16 @@ changed positions and their XOR (``sparse``: uint32 gaps between changed indices
 values), or nothing (``same``), and the whole file is one zstd stream.
 
 Invariant: ``apply_delta(parent, write_delta(parent, child))`` equals ``child`` bit for bit, or
-raises. Each tensor records sha256 of the parent's and of the expected child's bf16 bytes; applying
-to any other parent, or a corrupt payload, raises :class:`~app.core.errors.CheckpointError` rather
-than serving wrong weights.
+raises. Each tensor records a checksum of the parent's and of the expected child's bf16 bytes
+(xxh3-128 when the ``xxhash`` package is installed -- ~15x faster than sha256 on 270 MB of
+weights -- else sha256; the header names the algorithm) and the zstd frame carries its own content
+checksum; applying to any other parent, or a corrupt payload, raises
+:class:`~app.core.errors.CheckpointError` rather than serving wrong weights.
 
 File layout (inside the zstd stream): ``b"FWDELTA1"``, a little-endian ``uint32`` header length,
-the JSON header (``{"format", "parent_id", "checkpoint_id", "tensors": [{"name", "shape",
-"encoding", "nnz", "nbytes", "parent_sha256", "child_sha256"}, ...]}``), then each tensor's payload
-in header order.
+the JSON header (``{"format", "checksum", "parent_id", "checkpoint_id", "tensors": [{"name",
+"shape", "encoding", "nnz", "nbytes", "parent_checksum", "child_checksum"}, ...]}``), then each
+tensor's payload in header order.
 """
 
 from __future__ import annotations
@@ -109,8 +111,26 @@ def _bits(t: torch.Tensor) -> np.ndarray:
     return t.detach().to(device="cpu", dtype=torch.bfloat16).contiguous().view(torch.int16).numpy().view(np.uint16).reshape(-1)
 
 
-def _sha256(bits: np.ndarray) -> str:
-    return hashlib.sha256(memoryview(bits).cast("B")).hexdigest()
+def _default_checksum() -> str:
+    try:
+        import xxhash  # noqa: F401
+    except ImportError:
+        return "sha256"
+    return "xxh3_128"
+
+
+def _checksum(bits: np.ndarray, algorithm: str) -> str:
+    """Hex digest of a tensor's raw bytes with ``algorithm`` (``xxh3_128`` or ``sha256``)."""
+    data = memoryview(np.ascontiguousarray(bits)).cast("B")
+    if algorithm == "sha256":
+        return hashlib.sha256(data).hexdigest()
+    if algorithm == "xxh3_128":
+        try:
+            import xxhash
+        except ImportError:
+            raise CheckpointError("this delta uses xxh3_128 checksums: pip install xxhash") from None
+        return xxhash.xxh3_128(data).hexdigest()
+    raise CheckpointError(f"unknown delta checksum {algorithm!r}")
 
 
 def _encode(xor: np.ndarray) -> tuple[str, int, bytes]:
@@ -124,22 +144,24 @@ def _encode(xor: np.ndarray) -> tuple[str, int, bytes]:
     return "xor", nnz, xor.astype("<u2").tobytes()
 
 
-def _decode(encoding: str, nnz: int, payload: bytes, numel: int) -> np.ndarray:
-    xor = np.zeros(numel, dtype=np.uint16)
+def _apply(encoding: str, nnz: int, payload: bytes, parent_bits: np.ndarray) -> np.ndarray:
+    """The child's bits: a copy of ``parent_bits`` with the XOR payload applied."""
+    child = parent_bits.copy()
     if encoding == "same":
-        return xor
+        return child
     if encoding == "xor":
-        if len(payload) != 2 * numel:
+        if len(payload) != 2 * child.size:
             raise CheckpointError("corrupt delta: dense payload has the wrong size")
-        return np.frombuffer(payload, dtype="<u2").astype(np.uint16)
+        child ^= np.frombuffer(payload, dtype="<u2")
+        return child
     if encoding == "sparse":
         if len(payload) != 6 * nnz:
             raise CheckpointError("corrupt delta: sparse payload has the wrong size")
-        idx = np.cumsum(np.frombuffer(payload[: 4 * nnz], dtype="<u4").astype(np.int64))
-        if nnz and (idx[-1] >= numel):
+        idx = np.cumsum(np.frombuffer(payload[: 4 * nnz], dtype="<u4"), dtype=np.int64)
+        if nnz and idx[-1] >= child.size:
             raise CheckpointError("corrupt delta: changed index out of range")
-        xor[idx] = np.frombuffer(payload[4 * nnz:], dtype="<u2")
-        return xor
+        child[idx] ^= np.frombuffer(payload[4 * nnz:], dtype="<u2")
+        return child
     raise CheckpointError(f"corrupt delta: unknown encoding {encoding!r}")
 
 
@@ -164,6 +186,7 @@ def write_delta(parent: dict[str, torch.Tensor], child: dict[str, torch.Tensor],
     if set(p_state) != set(c_state):
         missing = sorted(set(p_state) ^ set(c_state))[:5]
         raise CheckpointError(f"parent and child have different tensors (e.g. {missing})")
+    algorithm = _default_checksum()
     entries, payloads = [], []
     changed_elements = total = changed_tensors = 0
     for name, c in c_state.items():
@@ -173,16 +196,17 @@ def write_delta(parent: dict[str, torch.Tensor], child: dict[str, torch.Tensor],
         pb, cb = _bits(p), _bits(c)
         encoding, nnz, payload = _encode(pb ^ cb)
         entries.append({"name": name, "shape": list(c.shape), "encoding": encoding, "nnz": nnz,
-                        "nbytes": len(payload), "parent_sha256": _sha256(pb), "child_sha256": _sha256(cb)})
+                        "nbytes": len(payload), "parent_checksum": _checksum(pb, algorithm),
+                        "child_checksum": _checksum(cb, algorithm)})
         payloads.append(payload)
         changed_elements += nnz
         total += cb.size
         changed_tensors += nnz > 0
-    header = json.dumps({"format": FORMAT, "dtype": "bfloat16", "parent_id": parent_id,
+    header = json.dumps({"format": FORMAT, "dtype": "bfloat16", "checksum": algorithm, "parent_id": parent_id,
                          "checkpoint_id": checkpoint_id, "tensors": entries}).encode()
     path = Path(path)
     with open(path, "wb") as f:
-        with zstandard.ZstdCompressor(level=ZSTD_LEVEL).stream_writer(f, closefd=False) as w:
+        with zstandard.ZstdCompressor(level=ZSTD_LEVEL, write_checksum=True).stream_writer(f, closefd=False) as w:
             w.write(MAGIC + struct.pack("<I", len(header)) + header)
             for payload in payloads:
                 w.write(payload)
@@ -194,7 +218,10 @@ def write_delta(parent: dict[str, torch.Tensor], child: dict[str, torch.Tensor],
 def _read_exact(reader, n: int) -> bytes:
     chunks, left = [], n
     while left:
-        block = reader.read(left)
+        try:
+            block = reader.read(left)
+        except zstandard.ZstdError as exc:
+            raise CheckpointError(f"corrupt delta: {exc}") from None
         if not block:
             raise CheckpointError("corrupt delta: truncated stream")
         chunks.append(block)
@@ -238,12 +265,13 @@ def apply_delta(parent_state: dict[str, torch.Tensor], delta_path: Path) -> dict
 
     Raises:
         CheckpointError: the parent is not the one the delta was made against (tensor set or any
-            tensor's sha256 differs), or the delta is corrupt (the result's sha256 differs).
+            tensor's checksum differs), or the delta is corrupt (zstd frame or result checksum).
     """
     unique, aliases = _dedupe(parent_state)
     out: dict[str, torch.Tensor] = {}
     with open(delta_path, "rb") as f, zstandard.ZstdDecompressor().stream_reader(f) as r:
         header = _read_header(r, Path(delta_path))
+        algorithm = header.get("checksum", "sha256")
         names = [e["name"] for e in header["tensors"]]
         if set(names) != set(unique):
             extra, missing = sorted(set(unique) - set(names))[:5], sorted(set(names) - set(unique))[:5]
@@ -255,14 +283,19 @@ def apply_delta(parent_state: dict[str, torch.Tensor], delta_path: Path) -> dict
                 raise CheckpointError(f"delta {delta_path}: tensor {e['name']} has shape {tuple(p.shape)}, "
                                       f"expected {tuple(e['shape'])}: wrong parent")
             pb = _bits(p)
-            if _sha256(pb) != e["parent_sha256"]:
+            if _checksum(pb, algorithm) != e["parent_checksum"]:
                 raise CheckpointError(f"delta {delta_path} was made against another parent "
                                       f"({header.get('parent_id')}): tensor {e['name']} differs")
-            xor = _decode(e["encoding"], e["nnz"], _read_exact(r, e["nbytes"]), pb.size)
-            cb = pb ^ xor
-            if _sha256(cb) != e["child_sha256"]:
+            cb = _apply(e["encoding"], e["nnz"], _read_exact(r, e["nbytes"]), pb)
+            if _checksum(cb, algorithm) != e["child_checksum"]:
                 raise CheckpointError(f"delta {delta_path} is corrupt: tensor {e['name']} checksum mismatch")
             out[e["name"]] = torch.from_numpy(cb.view(np.int16)).view(torch.bfloat16).reshape(e["shape"])
+        try:  # reading to the end makes zstd verify the frame's content checksum
+            trailing = r.read(1)
+        except zstandard.ZstdError as exc:
+            raise CheckpointError(f"corrupt delta: {exc}") from None
+        if trailing:
+            raise CheckpointError(f"corrupt delta {delta_path}: trailing data after the last tensor")
     for alias, canonical in aliases.items():
         out[alias] = out[canonical]
     return {name: out[name] for name in parent_state}

@@ -33,7 +33,11 @@ def _rl_like_step(model, lr=1e-6, dense_name=None):
     return child.state_dict()
 
 
-def test_round_trip_is_bit_exact(tmp_path):
+@pytest.mark.parametrize("checksum", ["xxh3_128", "sha256"])
+def test_round_trip_is_bit_exact(tmp_path, monkeypatch, checksum):
+    if checksum == "xxh3_128":
+        pytest.importorskip("xxhash")
+    monkeypatch.setattr("trainer.delta._default_checksum", lambda: checksum)
     model = _tiny_llama(0)
     parent = model.state_dict()
     child = _rl_like_step(model, dense_name="model.layers.0.mlp.up_proj.weight")
@@ -44,7 +48,7 @@ def test_round_trip_is_bit_exact(tmp_path):
     assert encodings["model.layers.0.mlp.up_proj.weight"] == "xor"
     assert "sparse" in encodings.values()
     assert "lm_head.weight" not in encodings  # tied to the embeddings: stored once
-    assert header["parent_id"] == "p" and header["checkpoint_id"] == "c"
+    assert header["parent_id"] == "p" and header["checkpoint_id"] == "c" and header["checksum"] == checksum
 
     rebuilt = apply_delta(serving_state_dict(parent), tmp_path / "delta.zst")
     expected = serving_state_dict(child)
