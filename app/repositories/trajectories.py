@@ -14,6 +14,8 @@ from typing import Any, Protocol, TypeVar
 
 from psycopg.rows import dict_row
 from psycopg.types.json import Jsonb
+from sqlalchemy import (ARRAY, BigInteger, Boolean, Column, DateTime, Float, Integer, LargeBinary)
+from sqlalchemy.dialects.postgresql import JSONB, UUID
 from sqlalchemy.orm import Session
 
 from app.models.trajectories import Trajectory, TrajectorySegment
@@ -94,15 +96,46 @@ def load_segment(session: Session, trajectory_id: uuid.UUID, index: int, factory
 
 
 def _trajectory_values(t: TrajectoryLike) -> tuple:
-    return tuple(Jsonb(getattr(t, c)) if c in _JSON_TRAJECTORY else getattr(t, c) for c in TRAJECTORY_COLUMNS)
+    return tuple(getattr(t, c) for c in TRAJECTORY_COLUMNS)
 
 
 def _segment_values(tid: uuid.UUID, s: Any) -> tuple:
     vals: list[Any] = [tid]
     for c in SEGMENT_COLUMNS:
         v = getattr(s, c)
-        vals.append(Jsonb(v) if c in _JSON_SEGMENT else bytes(v) if c in _BYTES_SEGMENT else v)
+        vals.append(bytes(v) if c in _BYTES_SEGMENT else v)
     return tuple(vals)
+
+
+def _pg_type(col) -> str:
+    """The binary-COPY type name of a column."""
+    t = col.type
+    if isinstance(t, ARRAY):
+        return _pg_type(Column("x", t.item_type)) + "[]"
+    for kind, name in ((UUID, "uuid"), (JSONB, "jsonb"), (LargeBinary, "bytea"), (Boolean, "bool"),
+                       (BigInteger, "int8"), (Integer, "int4"), (DateTime, "timestamptz"), (Float, "float8")):
+        if isinstance(t, kind):
+            return name
+    return "text"
+
+
+def _copy_upsert(cur, table, key: tuple[str, ...], rows: list[tuple]) -> None:
+    """Upsert whole rows in one statement: binary COPY into a temp table shaped like ``table``, then
+    ``INSERT .. SELECT .. ON CONFLICT (key) DO UPDATE`` every column (one executor run for the batch
+    instead of one per row; bytea travels raw, not hex)."""
+    cols = [c.name for c in table.columns]
+    tmp = f"_upsert_{table.name}"
+    cur.execute(f"CREATE TEMP TABLE IF NOT EXISTS {tmp} (LIKE {table.name} INCLUDING DEFAULTS) "
+                "ON COMMIT DELETE ROWS")
+    names = ", ".join(cols)
+    with cur.copy(f"COPY {tmp} ({names}) FROM STDIN (FORMAT BINARY)") as copy:
+        copy.set_types([_pg_type(c) for c in table.columns])
+        for r in rows:
+            copy.write_row(r)
+    updates = ", ".join(f"{c} = EXCLUDED.{c}" for c in cols if c not in key)
+    cur.execute(f"INSERT INTO {table.name} ({names}) SELECT {names} FROM {tmp} "
+                f"ON CONFLICT ({', '.join(key)}) DO UPDATE SET {updates}")
+    cur.execute(f"DELETE FROM {tmp}")  # several saves may share one transaction (replay)
 
 
 def save_trajectories(session: Session, states: Sequence[TrajectoryLike],
@@ -122,17 +155,10 @@ def save_trajectories(session: Session, states: Sequence[TrajectoryLike],
     labels = [(t.id, lab, label_time or t.finalized_at) for t in dirty for lab in t.labels]
     conn = raw_connection(session)
     with conn.cursor() as cur:
-        updates = ", ".join(f"{c} = EXCLUDED.{c}" for c in TRAJECTORY_COLUMNS if c != "id")
-        cur.executemany(
-            f"INSERT INTO trajectory ({_T_COLS}) VALUES ({', '.join(['%s'] * len(TRAJECTORY_COLUMNS))}) "
-            f"ON CONFLICT (id) DO UPDATE SET {updates}", [_trajectory_values(t) for t in dirty])
+        _copy_upsert(cur, Trajectory.__table__, ("id",), [_trajectory_values(t) for t in dirty])
         if segs:
-            supd = ", ".join(f"{c} = EXCLUDED.{c}" for c in SEGMENT_COLUMNS if c != "segment_index")
-            cur.executemany(
-                f"INSERT INTO trajectory_segment (trajectory_id, {_S_COLS}) "
-                f"VALUES ({', '.join(['%s'] * (len(SEGMENT_COLUMNS) + 1))}) "
-                f"ON CONFLICT (trajectory_id, segment_index) DO UPDATE SET {supd}",
-                [_segment_values(tid, s) for tid, s in segs])
+            _copy_upsert(cur, TrajectorySegment.__table__, ("trajectory_id", "segment_index"),
+                         [_segment_values(tid, s) for tid, s in segs])
         if labels:
             cur.executemany(
                 "INSERT INTO reward_label (trajectory_id, spec, reward, components, created_at) "

@@ -60,7 +60,6 @@ def upgrade() -> None:
     sa.UniqueConstraint('event_id', name=op.f('uq_event_log_event_id'))
     )
     op.create_index('ix_event_log_session_seq', 'event_log', ['session_id', 'seq'], unique=False)
-    op.create_index('ix_event_log_type', 'event_log', ['type'], unique=False)
     op.create_index('ix_event_log_user_id', 'event_log', ['user_id'], unique=False)
     op.create_table('outbox',
     sa.Column('id', sa.BigInteger(), autoincrement=True, nullable=False),
@@ -110,7 +109,6 @@ def downgrade() -> None:
     op.drop_index('ix_outbox_unsent', table_name='outbox', postgresql_where='sent_at IS NULL')
     op.drop_table('outbox')
     op.drop_index('ix_event_log_user_id', table_name='event_log')
-    op.drop_index('ix_event_log_type', table_name='event_log')
     op.drop_index('ix_event_log_session_seq', table_name='event_log')
     op.drop_table('event_log')
     op.drop_index('ix_dead_letter_reason', table_name='dead_letter')

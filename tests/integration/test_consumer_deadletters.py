@@ -97,11 +97,11 @@ def malformed(draw) -> tuple[bytes | None, set[str]]:
     if kind in ("nul", "surrogate"):
         path = draw(st.sampled_from(_strings(base)))
         bad = "\x00" if kind == "nul" else "\ud800"
-        return _dumps(_set(base, path, "ab" + bad)), {"unstorable", "validation"}
+        return _dumps(_set(base, path, "ab" + bad)), {"unstorable", "validation", "bad_json"}
     if kind == "non_finite":
         fields = [k for k, v in base["payload"].items() if isinstance(v, float)] or ["latency_s"]
         value = draw(st.sampled_from([float("nan"), float("inf"), float("-inf")]))
-        return _dumps(_set(base, ("payload", draw(st.sampled_from(fields))), value)), {"unstorable", "validation"}
+        return _dumps(_set(base, ("payload", draw(st.sampled_from(fields))), value)), {"unstorable", "validation", "bad_json"}
     if kind == "oversized":
         return _dumps(_set(base, ("session_id",), "s" * (MAX_BYTES + draw(st.integers(1, 5000))))), {"oversized"}
     mr = next(b for b in BASES if b["type"] == "model.responded")
