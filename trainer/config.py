@@ -40,9 +40,6 @@ class DataConfig(_Config):
     max_age_hours: float = Field(default=48.0, gt=0)
     """Drop a trajectory whose last event is older than this (hours); also bounds the window
     whose trajectories are enumerated in the manifest."""
-    settle_seconds: float = Field(default=5.0, ge=0)
-    """Trajectories finalized in the last ``settle_seconds`` are left for the next cycle, so a
-    consumer transaction still in flight cannot commit behind the watermark."""
     max_seq_len: int = Field(default=2048, ge=16)
     """Segments longer than this (tokens) are truncated; later tokens are not trained on."""
     micro_batch_tokens: int = Field(default=2048, ge=16)

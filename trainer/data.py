@@ -1,15 +1,21 @@
 """Which trajectories a training cycle learns from, and why the others are left out.
 
-Invariant: every finalized trajectory in the cycle's window is either *used* (trained on, listed in
-the manifest with its events and offsets) or *excluded* with a stated reason; none is silently
-dropped. The window is ``(watermark, now - settle_seconds]`` ordered by ``(finalized_at, id)``,
-where the watermark is the last succeeded cycle's. Finalized trajectories of the last
-``max_age_hours`` outside the window are listed too (``earlier_cycle`` / ``after_window``), older
-ones are only counted.
+Invariant: every finalized trajectory of the last ``max_age_hours`` is either *used* (trained on,
+listed in the manifest with its events and offsets) or *excluded* with a stated reason; none is
+silently dropped, and none is trained twice. Older finalized trajectories are only counted.
+
+"New" is decided by lineage, not by a timestamp: a trajectory is new until a registered checkpoint
+lists it in ``checkpoint_trajectory`` (written in the same transaction that marks its cycle
+succeeded). ``finalized_at`` is not a commit-order watermark -- a trajectory closed by its signal
+window is stamped with the window's close, possibly minutes before the sweep that commits it -- so
+a timestamp watermark could skip it forever. The cycle still records the ``(finalized_at, id)`` and
+``event_log.seq`` high-water marks of what it used, for operators. Used trajectories are taken
+oldest first in ``(finalized_at, id)`` order, up to ``max_trajectories``.
 
 Exclusion reasons, checked in this order (the first that applies is recorded):
 
 ==========================  =====================================================================
+``earlier_cycle``           a registered checkpoint already trained on it
 ``reserved_for_eval``       the session is held out for evals
 ``eval_task``               its task is in ``eval_task`` (held-out tasks are never trained on)
 ``erased``                  its user asked for erasure after the session started
@@ -21,7 +27,7 @@ Exclusion reasons, checked in this order (the first that applies is recorded):
 ``no_segments``             no token data
 ``malformed_segment``       token ids, loss mask and behaviour log-probs disagree in length
 ``no_completion_tokens``    nothing the model generated is left to train on
-``deferred``                over ``max_trajectories``; stays after the watermark for the next cycle
+``deferred``                over ``max_trajectories``; stays new for the next cycle
 ==========================  =====================================================================
 """
 
@@ -38,8 +44,8 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from app.events.packing import unpack_floats, unpack_ints
-from app.models import (Checkpoint, ErasureRequest, EvalTask, RewardLabel, Trajectory, TrainingCycle,
-                        TrajectorySegment)
+from app.models import (Checkpoint, CheckpointTrajectory, ErasureRequest, EvalTask, RewardLabel, Trajectory,
+                        TrainingCycle, TrajectorySegment)
 from trainer.config import DataConfig
 
 
@@ -91,7 +97,7 @@ class TrajectoryData:
 
 @dataclass
 class CycleData:
-    """The outcome of selection: used trajectories, exclusions with reasons, the new watermark."""
+    """The outcome of selection: used trajectories, exclusions with reasons, high-water marks."""
 
     reward_spec: str
     parent_id: str
@@ -123,7 +129,7 @@ class CycleData:
         return {
             "reward_spec": self.reward_spec,
             "data_window": {"finalized_after": self.window_start.isoformat() if self.window_start else None,
-                            "finalized_until": self.window_end.isoformat(),
+                            "selected_at": self.window_end.isoformat(),
                             "previous_watermark": _wm_json(self.previous_watermark)},
             "watermark": {**(_wm_json(wm) or {}), "event_seq": self.watermark_seq},
             "trajectories": [t.manifest_entry() for t in self.used],
@@ -138,7 +144,8 @@ def _wm_json(wm: tuple[datetime, uuid.UUID] | None) -> dict[str, str] | None:
 
 
 def last_watermark(session: Session) -> tuple[datetime, uuid.UUID] | None:
-    """``(finalized_at, trajectory_id)`` watermark of the last succeeded cycle, or None."""
+    """``(finalized_at, trajectory_id)`` high-water mark of the last succeeded cycle, or None
+    (reported in the manifest; selection itself goes by lineage, see the module docstring)."""
     row = session.execute(
         select(TrainingCycle.watermark_finalized_at, TrainingCycle.watermark_trajectory_id)
         .where(TrainingCycle.status == "succeeded", TrainingCycle.watermark_finalized_at.is_not(None))
@@ -164,27 +171,24 @@ def select_cycle_data(session: Session, config: DataConfig, parent: Checkpoint, 
     """
     now = now or session.scalar(select(func.now()))
     age_floor = now - timedelta(hours=config.max_age_hours)
-    cutoff = now - timedelta(seconds=config.settle_seconds)
     previous = last_watermark(session)
     data = CycleData(reward_spec=config.reward_spec, parent_id=parent.id, parent_generation=parent.generation,
-                     window_start=previous[0] if previous else None, window_end=cutoff,
-                     previous_watermark=previous, watermark=previous)
+                     window_start=age_floor, window_end=now, previous_watermark=previous)
     data.older_than_window = session.scalar(
         select(func.count()).select_from(Trajectory)
         .where(Trajectory.status == "finalized", Trajectory.finalized_at <= age_floor)) or 0
+    trained = select(CheckpointTrajectory.trajectory_id).where(
+        CheckpointTrajectory.trajectory_id == Trajectory.id).exists()
     rows = session.execute(
-        select(Trajectory, RewardLabel.reward)
+        select(Trajectory, RewardLabel.reward, trained.label("trained"))
         .outerjoin(RewardLabel, (RewardLabel.trajectory_id == Trajectory.id) & (RewardLabel.spec == config.reward_spec))
         .where(Trajectory.status == "finalized", Trajectory.finalized_at > age_floor)
         .order_by(Trajectory.finalized_at, Trajectory.id)
     ).all()
     considered = []
-    for traj, reward in rows:
-        k = (traj.finalized_at, traj.id)
-        if previous is not None and k <= previous:
+    for traj, reward, already in rows:
+        if already:
             data.excluded[str(traj.id)] = "earlier_cycle"
-        elif traj.finalized_at > cutoff:
-            data.excluded[str(traj.id)] = "after_window"
         else:
             considered.append((traj, reward))
     if not considered:
@@ -198,13 +202,13 @@ def select_cycle_data(session: Session, config: DataConfig, parent: Checkpoint, 
         if len(data.used) >= config.max_trajectories:
             data.excluded[str(traj.id)] = "deferred"
             continue
-        data.watermark = (traj.finalized_at, traj.id)
         reason, item = _classify(traj, reward, segments.get(traj.id, []), config, data.parent_generation,
                                  eval_tasks, erased, generations, age_floor)
         if reason is not None:
             data.excluded[str(traj.id)] = reason
         else:
             data.used.append(item)
+            data.watermark = (traj.finalized_at, traj.id)
     return data
 
 

@@ -74,7 +74,7 @@ class TrainingCycle(Base):
     checkpoint_id: Mapped[str | None] = mapped_column(String(128))
     watermark_seq: Mapped[int | None] = mapped_column(BigInteger, comment="max event_log.seq of trajectories used")
     watermark_finalized_at: Mapped[datetime | None] = mapped_column(
-        DateTime(timezone=True), comment="trajectories finalized after (finalized_at, id) > watermark are new")
+        DateTime(timezone=True), comment="high-water mark of the trajectories used (newness is decided by checkpoint_trajectory)")
     watermark_trajectory_id: Mapped[uuid.UUID | None] = mapped_column(
         UUID(as_uuid=True), comment="tie-breaker of the watermark among equal finalized_at")
     num_trajectories: Mapped[int] = mapped_column(Integer, nullable=False, default=0)

@@ -44,7 +44,7 @@ def upgrade() -> None:
     sa.Column('parent_checkpoint_id', sa.String(length=128), nullable=True),
     sa.Column('checkpoint_id', sa.String(length=128), nullable=True),
     sa.Column('watermark_seq', sa.BigInteger(), nullable=True, comment='max event_log.seq of trajectories used'),
-    sa.Column('watermark_finalized_at', sa.DateTime(timezone=True), nullable=True, comment='trajectories finalized after (finalized_at, id) > watermark are new'),
+    sa.Column('watermark_finalized_at', sa.DateTime(timezone=True), nullable=True, comment='high-water mark of the trajectories used (newness is decided by checkpoint_trajectory)'),
     sa.Column('watermark_trajectory_id', sa.UUID(), nullable=True, comment='tie-breaker of the watermark among equal finalized_at'),
     sa.Column('num_trajectories', sa.Integer(), nullable=False),
     sa.Column('detail', sa.Text(), nullable=False),

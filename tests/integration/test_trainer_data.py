@@ -52,8 +52,6 @@ def test_every_trajectory_used_or_excluded_with_reason(session, lineage):
         "no_tokens": insert_trajectory(session, segments=[make_segment([1, 2, 3], [])], reward=1.0, checkpoint_id="c3"),
         "no_segments": insert_trajectory(session, segments=[], reward=1.0, checkpoint_id="c3"),
         "wrong_spec": insert_trajectory(session, segments=[SEG], reward=1.0, checkpoint_id="c3", spec="other@2"),
-        "after_window": insert_trajectory(session, segments=[SEG], reward=1.0, checkpoint_id="c3",
-                                          finalized_at=now - timedelta(seconds=1)),
     }
     provisional = insert_trajectory(session, segments=[SEG], reward=1.0, checkpoint_id="c3", status="provisional")
     ancient = insert_trajectory(session, segments=[SEG], reward=1.0, checkpoint_id="c3",
@@ -62,14 +60,14 @@ def test_every_trajectory_used_or_excluded_with_reason(session, lineage):
     session.add(ErasureRequest(request_id="r1", user_id="gone", trajectory_ids=[], checkpoints_flagged=[]))
     session.commit()
 
-    cfg = DataConfig(max_staleness_generations=2, max_age_hours=24, settle_seconds=30)
+    cfg = DataConfig(max_staleness_generations=2, max_age_hours=24)
     data = select_cycle_data(session, cfg, lineage)
 
     assert [t.id for t in data.used] == [ids["ok"], ids["ok_c1"]]
     expected = {"reserved": "reserved_for_eval", "eval_task": "eval_task", "no_reward": "no_reward",
                 "stale_gen": "stale_generations", "unknown": "unknown_checkpoint", "stale_hours": "stale_hours",
                 "erased": "erased", "no_tokens": "no_completion_tokens", "no_segments": "no_segments",
-                "wrong_spec": "no_reward", "after_window": "after_window"}
+                "wrong_spec": "no_reward"}
     assert data.excluded == {str(ids[k]): v for k, v in expected.items()}
     assert str(provisional) not in data.excluded and str(ancient) not in data.excluded
     assert data.older_than_window == 1
@@ -77,10 +75,8 @@ def test_every_trajectory_used_or_excluded_with_reason(session, lineage):
     assert len(ok.segments) == 2 and ok.reward == 1.0 and ok.group == "t1"
     assert ok.completion_tokens == 6 and len(ok.event_ids) == 2
     assert ok.offsets == {"editor.interactions:0": [0, 15]}
-    # the watermark is the last trajectory considered in (finalized_at, id) order, before the settle cutoff
-    last = max((t for k, t in ids.items() if k not in ("after_window",)),
-               key=lambda i: (data_finalized(session, i), i))
-    assert data.watermark == (data_finalized(session, last), last)
+    # the high-water mark is the last used trajectory in (finalized_at, id) order
+    assert data.watermark == max((data_finalized(session, t.id), t.id) for t in data.used)
     section = data.manifest_section()
     assert section["excluded_counts"]["no_reward"] == 2 and len(section["trajectories"]) == 2
 
@@ -91,46 +87,47 @@ def data_finalized(session, tid):
     return session.get(Trajectory, tid).finalized_at
 
 
-def test_watermark_and_cap(session, lineage):
-    from app.models import TrainingCycle
+def _register(session, checkpoint_id, parent_id, trajectories):
+    """What a succeeded cycle leaves behind: the candidate row and its lineage rows."""
+    from app.repositories.checkpoints import add_checkpoint, add_checkpoint_trajectories
 
+    add_checkpoint(session, checkpoint_id=checkpoint_id, path=f"/nowhere/{checkpoint_id}", parent_id=parent_id,
+                   generation=4)
+    add_checkpoint_trajectories(session, checkpoint_id, [(t.id, t.user_id, t.task_id) for t in trajectories])
+    session.commit()
+
+
+def test_cap_defers_and_lineage_marks_used(session, lineage):
     now = datetime.now(timezone.utc)
     ts = [insert_trajectory(session, segments=[SEG], reward=float(i), checkpoint_id="c3",
                             finalized_at=now - timedelta(minutes=50 - i)) for i in range(6)]
     session.commit()
-    cfg = DataConfig(max_trajectories=3, settle_seconds=0)
+    cfg = DataConfig(max_trajectories=3)
     first = select_cycle_data(session, cfg, lineage)
     assert [t.id for t in first.used] == ts[:3]
     assert first.excluded == {str(t): "deferred" for t in ts[3:]}
     assert first.watermark[1] == ts[2]
-    # a succeeded cycle at that watermark: the next selection starts after it
-    session.add(TrainingCycle(id=uuid.uuid4(), status="succeeded", parent_checkpoint_id="c3", num_trajectories=3,
-                              detail="", metrics={}, watermark_finalized_at=first.watermark[0],
-                              watermark_trajectory_id=first.watermark[1], finished_at=now))
-    # a failed cycle's watermark does not count
-    session.add(TrainingCycle(id=uuid.uuid4(), status="failed", parent_checkpoint_id="c3", num_trajectories=0,
-                              detail="", metrics={}, watermark_finalized_at=now, finished_at=now))
+    _register(session, "cand-1", "c3", first.used)
+
+    # a trajectory finalized *behind* the first cycle's high-water mark (closed by its signal
+    # window, committed late) is still new: lineage, not a timestamp, decides
+    late = insert_trajectory(session, segments=[SEG], reward=1.0, checkpoint_id="c3",
+                             finalized_at=now - timedelta(minutes=55))
     session.commit()
-    second = select_cycle_data(session, cfg, lineage)
-    assert [t.id for t in second.used] == ts[3:]
+    second = select_cycle_data(session, DataConfig(max_trajectories=10), lineage)
+    assert [t.id for t in second.used] == [late] + ts[3:]
     assert second.excluded == {str(t): "earlier_cycle" for t in ts[:3]}
-    assert second.previous_watermark == first.watermark
 
 
 def test_equal_finalized_at_is_split_by_id(session, lineage):
-    # one consumer transaction finalizes many trajectories at the same now(): the cap must not
+    # one consumer transaction finalizes many trajectories at the same instant: the cap must not
     # lose or repeat any of them
     at = datetime.now(timezone.utc) - timedelta(minutes=5)
     ts = sorted(insert_trajectory(session, segments=[SEG], reward=1.0, checkpoint_id="c3", finalized_at=at)
                 for _ in range(4))
     session.commit()
-    from app.models import TrainingCycle
-
-    cfg = DataConfig(max_trajectories=2, settle_seconds=0)
+    cfg = DataConfig(max_trajectories=2)
     first = select_cycle_data(session, cfg, lineage)
-    session.add(TrainingCycle(id=uuid.uuid4(), status="succeeded", num_trajectories=2, detail="", metrics={},
-                              watermark_finalized_at=first.watermark[0], watermark_trajectory_id=first.watermark[1],
-                              finished_at=datetime.now(timezone.utc)))
-    session.commit()
+    _register(session, "cand-1", "c3", first.used)
     second = select_cycle_data(session, cfg, lineage)
     assert [t.id for t in first.used] + [t.id for t in second.used] == ts

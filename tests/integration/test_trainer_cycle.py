@@ -1,0 +1,196 @@
+"""A training cycle against real Postgres on a tiny random model: candidate registered atomically
+with lineage and outbox message, delta reproduces the serving weights, single-flight lock, crash
+safety (SIGKILL during the checkpoint write), and skipping when there is no new data."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from app.checkpoint_store import CheckpointStore
+from trainer.config import TrainerConfig
+
+pytestmark = pytest.mark.integration
+
+PROMPT = [1, 40, 41, 42, 43]
+CONFIG = {"steps": 2, "grad_accum": 2, "max_epochs": 2, "plot_curves": True,
+          "data": {"min_new_trajectories": 2, "micro_batch_tokens": 64},
+          "loss": {"temperature": 1.0}, "optim": {"lr": 1e-3}}
+
+
+@pytest.fixture(scope="module")
+def policy_dir(tmp_path_factory) -> Path:
+    from trainer.testing import tiny_policy_dir
+
+    return tiny_policy_dir(tmp_path_factory.mktemp("tiny-policy"), seed=0)
+
+
+@pytest.fixture
+def store(tmp_path) -> CheckpointStore:
+    return CheckpointStore(tmp_path / "checkpoints")
+
+
+@pytest.fixture
+def production(session, store, policy_dir):
+    from trainer.testing import register_checkpoint_dir
+
+    path = register_checkpoint_dir(session, store, policy_dir, "base")
+    session.commit()
+    return path
+
+
+def _insert_sessions(session, policy_dir, n_tasks=2, checkpoint_id="base"):
+    from transformers import AutoModelForCausalLM
+
+    from trainer.testing import insert_trajectory, make_segment, sequence_logprobs
+
+    model = AutoModelForCausalLM.from_pretrained(policy_dir, dtype=torch.float32)
+    ids = []
+    for k in range(n_tasks):
+        for completion, reward in (([100 + k, 101, 102, 2], 1.0), ([200 + k, 201, 202, 2], 0.0)):
+            behaviour = sequence_logprobs(model, PROMPT + completion)
+            second = make_segment([1, 7, 8], [300, 301], sequence_logprobs(model, [1, 7, 8, 300, 301]))
+            ids.append(insert_trajectory(session, segments=[make_segment(PROMPT, completion, behaviour), second],
+                                         reward=reward, task_id=f"task-{k}", checkpoint_id=checkpoint_id,
+                                         max_event_seq=100 + len(ids)))
+    reserved = insert_trajectory(session, segments=[make_segment(PROMPT, [5, 6], [0] * 7)], reward=1.0,
+                                 reserved_for_eval=True, checkpoint_id=checkpoint_id)
+    session.commit()
+    return ids, reserved
+
+
+def test_cycle_produces_registered_candidate(session, store, production, policy_dir):
+    from safetensors.torch import load_file
+
+    from app.models import Checkpoint, CheckpointTrajectory, Outbox, TrainingCycle
+    from trainer.cycle import run_cycle
+    from trainer.delta import apply_delta, serving_state_dict
+
+    used, reserved = _insert_sessions(session, policy_dir)
+    result = run_cycle(TrainerConfig.model_validate(CONFIG), store=store)
+    assert result.status == "succeeded", result.detail
+    cid = result.checkpoint_id
+    assert cid.startswith("ckpt-") and result.num_trajectories == 4
+    session.expire_all()
+
+    row = session.get(Checkpoint, cid)
+    assert (row.status, row.parent_id, row.generation, row.reward_spec) == ("candidate", "base", 1, "implicit@1")
+    assert row.stable and row.num_trajectories == 4 and row.metrics["steps"] == 2
+    assert {r.trajectory_id for r in session.query(CheckpointTrajectory).filter_by(checkpoint_id=cid)} == set(used)
+    cycle = session.get(TrainingCycle, __import__("uuid").UUID(result.cycle_id))
+    assert cycle.status == "succeeded" and cycle.checkpoint_id == cid and cycle.watermark_seq == 103
+    outbox = session.query(Outbox).filter_by(key=cid).one()
+    assert outbox.event_type == "checkpoint.created" and outbox.payload["parent_id"] == "base"
+
+    # the directory: STABLE, intact, complete, lineage in the manifest
+    path = store.stable_path(cid)
+    assert store.verify(cid) == []
+    for name in ("config.json", "model.safetensors", "trainer_config.json", "metrics.json", "curves.png",
+                 "delta.zst", "manifest.json"):
+        assert (path / name).is_file(), name
+    manifest = store.manifest(cid)
+    assert manifest["parent_id"] == "base" and manifest["kind"] == "trained"
+    assert {t["id"] for t in manifest["trajectories"]} == {str(u) for u in used}
+    assert manifest["excluded"] == {str(reserved): "reserved_for_eval"}
+    assert all(t["event_ids"] and t["offsets"] for t in manifest["trajectories"])
+    assert TrainerConfig.model_validate_json((path / "trainer_config.json").read_text()).steps == 2
+    metrics = json.loads((path / "metrics.json").read_text())
+    assert len(metrics["history"]) == 2 and metrics["data"]["groups"] == 2
+
+    # weights moved, and the delta reproduces the candidate's serving weights bit-exactly
+    parent_state = load_file(production / "model.safetensors")
+    child_state = load_file(path / "model.safetensors")
+    assert any(not torch.equal(parent_state[k], child_state[k]) for k in child_state)
+    rebuilt = apply_delta(parent_state, path / "delta.zst")
+    expected = serving_state_dict(child_state)
+    assert all(torch.equal(rebuilt[k].view(torch.int16), expected[k].view(torch.int16)) for k in expected)
+
+    # nothing new: the next cycle skips and leaves the watermark alone
+    again = run_cycle(TrainerConfig.model_validate(CONFIG), store=store)
+    assert again.status == "skipped" and again.num_trajectories == 0
+    assert again.excluded == {"earlier_cycle": 4, "reserved_for_eval": 1}
+
+
+def test_second_cycle_is_locked_out(session, store, production, policy_dir, database_url):
+    import psycopg
+
+    from trainer.cycle import run_cycle
+    from trainer.records import CYCLE_LOCK_KEY
+
+    _insert_sessions(session, policy_dir)
+    with psycopg.connect(database_url, autocommit=True) as other:
+        other.execute("SELECT pg_advisory_lock(%s)", (CYCLE_LOCK_KEY,))
+        result = run_cycle(TrainerConfig.model_validate(CONFIG), store=store)
+        assert result.status == "locked"
+    assert store.list_stable() == ["base"]
+    assert run_cycle(TrainerConfig.model_validate(CONFIG), store=store).status == "succeeded"
+
+
+KILL_SCRIPT = textwrap.dedent("""
+    import sys, time
+    from pathlib import Path
+    import trainer.checkpointing as ck
+    from app.checkpoint_store import CheckpointStore
+    from trainer.config import TrainerConfig
+    from trainer.cycle import run_cycle
+
+    original = ck.write_delta
+    def write_delta_then_hang(*args, **kwargs):
+        stats = original(*args, **kwargs)
+        print("WRITING", flush=True)
+        time.sleep(120)
+        return stats
+    ck.write_delta = write_delta_then_hang
+    run_cycle(TrainerConfig.model_validate_json(sys.argv[2]), store=CheckpointStore(Path(sys.argv[1])))
+""")
+
+
+def test_kill_during_checkpoint_write_leaves_nothing_visible(session, store, production, policy_dir, database_url):
+    from app.models import Checkpoint, TrainingCycle
+    from trainer.cycle import run_cycle
+
+    _insert_sessions(session, policy_dir)
+    env = {**os.environ, "FLYWHEEL_DATABASE_URL": database_url}
+    proc = subprocess.Popen([sys.executable, "-c", KILL_SCRIPT, str(store.root), json.dumps(CONFIG)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        line = proc.stdout.readline()
+        assert line.strip() == "WRITING", proc.stderr.read()
+        staged = list((store.root / ".staging").iterdir())
+        assert len(staged) == 1 and (staged[0] / "model.safetensors").exists()
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    # nothing visible: no new STABLE directory, no candidate row; the cycle row is left running
+    assert store.list_stable() == ["base"]
+    session.expire_all()
+    assert session.query(Checkpoint).count() == 1
+    assert [c.status for c in session.query(TrainingCycle)] == ["running"]
+
+    result = run_cycle(TrainerConfig.model_validate(CONFIG), store=store)
+    assert result.status == "succeeded" and result.metrics["interrupted_cycles"] == 1
+    assert not any((store.root / ".staging").iterdir())
+    assert store.list_stable() == sorted(["base", result.checkpoint_id])
+    session.expire_all()
+    assert sorted(c.status for c in session.query(TrainingCycle)) == ["failed", "succeeded"]
+
+
+def test_unregistered_trained_directory_is_swept(session, store, production):
+    from trainer.cycle import sweep_unregistered
+
+    with store.writer("ckpt-orphan") as staging:
+        (staging / "manifest.json").write_text(json.dumps({"kind": "trained", "cycle_id": str(__import__("uuid").uuid4())}))
+    (store.root / ".staging" / "debris").mkdir(parents=True)
+    assert sweep_unregistered(store, session) == ["ckpt-orphan"]
+    assert store.list_stable() == ["base"] and not (store.root / "ckpt-orphan").exists()
+    assert not any((store.root / ".staging").iterdir())
