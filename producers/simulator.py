@@ -99,14 +99,19 @@ class DeveloperReaction:
         self.config, self.rng, self.task, self.workdir = config, rng, task, workdir
         self.envelope, self.emit, self.schedule = envelope, emit, schedule
         self.passed: bool | None = None
+        self.grade_detail: dict | None = None
 
     def __call__(self, result) -> list[str]:
         """``on_end`` hook: grade, accept/reject edits now, schedule late signals, return their types."""
-        from evals.harness.agent import grade
+        from evals.harness.agent import grade_result
         from evals.harness.sandbox import SandboxLimits
 
-        self.passed = grade(self.task, self.workdir, SandboxLimits(timeout_s=self.config.run_timeout_s)) \
-            if result.edited else False
+        self.passed = False
+        if result.edited:
+            graded = grade_result(self.task, self.workdir, SandboxLimits(timeout_s=self.config.run_timeout_s))
+            self.passed = graded.ok
+            self.grade_detail = {"exit_code": graded.exit_code, "killed_reason": graded.killed_reason,
+                                 "duration_s": round(graded.duration_s, 2), "tail": graded.stderr[-300:]}
         expected: list[str] = []
         final = result.final_files
         for edit in result.edits:
@@ -228,7 +233,7 @@ def run_simulation(config: SimulatorConfig, engine, emit: Callable[[EventBase], 
                                "reason": result.reason, "turns": result.turns, "segments": result.segments,
                                "completion_tokens": result.completion_tokens, "tool_calls": result.tool_calls,
                                "tool_call_errors": result.tool_call_errors, "edited": result.edited,
-                               "passed": dev.passed, "privacy_mode": spec["privacy"],
+                               "passed": dev.passed, "grade": dev.grade_detail, "privacy_mode": spec["privacy"],
                                "wall_s": round(time.perf_counter() - started, 1)}
                 except Exception as exc:  # one broken session must not stop the others (it emitted its end)
                     log.exception("session %s failed", spec["session_id"])
