@@ -25,8 +25,8 @@ from app.core.telemetry import meter
 class ConsumerMetrics:
     """The ingest consumer's instruments; ``record_*`` methods are cheap and thread-safe."""
 
-    def __init__(self, topic: str, group_id: str) -> None:
-        m = meter("flywheel.consumers")
+    def __init__(self, topic: str, group_id: str, meter_=None) -> None:
+        m = meter_ or meter("flywheel.consumers")
         self._attrs = {"topic": topic, "group": group_id}
         self.events = m.create_counter("flywheel.consumer.events", unit="{event}",
                                        description="records handled, by outcome")

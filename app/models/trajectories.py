@@ -3,7 +3,17 @@
 A trajectory is one session; it is made of segments (a ``context.summarized`` event starts a new
 one). Token arrays are raw little-endian bytes (see ``app.events.packing``): ``token_ids`` int32
 ``[T]``, ``loss_mask`` uint8 ``[T]`` (1 on the model's own completion tokens), ``behaviour_logprobs``
-float32 ``[T]`` (0 where the mask is 0).
+float32 ``[T]`` (0 where the mask is 0); ``turn_token_offsets[i]`` is where turn ``i``'s prompt piece
+starts in them.
+
+Invariants (kept by ``consumers.projection``): every row is a pure function of ``event_log`` (replay
+rebuilds them identically); ``status`` goes ``provisional`` -> ``finalized`` once, at ``finalized_at``
+(an ingestion-clock instant: when the last expected signal was ingested, or ``window_closes_at``),
+and a finalized trajectory and its ``reward_label`` rows never change afterwards except for
+``late_event_ids`` (a relabel writes new label rows/values, from ``event_log``). Trainers read
+``status = 'finalized' AND NOT reserved_for_eval`` joined to ``reward_label`` for their spec; note
+that ``finalized_at`` of a window finalization is the close instant, up to a sweep interval before
+the row became visible, so select "finalized and not yet trained on" rather than by a time watermark.
 """
 
 from __future__ import annotations

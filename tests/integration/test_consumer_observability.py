@@ -1,0 +1,61 @@
+"""Observability of the ingest consumer: one span per batch linked to the producers' trace contexts,
+and metrics for events by outcome, dead letters by reason, finalized trajectories, lag and rate."""
+
+from __future__ import annotations
+
+import pytest
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+from consumers.telemetry import ConsumerMetrics, producer_links
+from consumers.testing import generate_stream, kafka_record, produce, traceparent_for
+
+pytestmark = pytest.mark.integration
+
+
+def test_producer_links_parse_w3c_traceparent_and_skip_garbage():
+    good = traceparent_for("s-1")
+    links = producer_links([[("traceparent", good)], [("traceparent", good)], [("traceparent", b"00-zz")],
+                            [("traceparent", b"00-" + b"0" * 32 + b"-" + b"0" * 16 + b"-01")], []], limit=10)
+    assert len(links) == 1  # duplicates collapse, malformed and all-zero (invalid) contexts are dropped
+    assert format(links[0].context.trace_id, "032x") == good.decode().split("-")[1]
+    assert links[0].context.is_remote
+
+
+def test_batch_spans_link_producer_traces_and_metrics_are_recorded(db, topics, kafka_bootstrap):
+    from consumers.ingest import IngestConsumer
+
+    events = generate_stream(400, seed=12)
+    records = [kafka_record(e) for e in events] + [(b"k", b"not json", [])] * 3
+    produce(kafka_bootstrap, topics["interactions"], records)
+
+    exporter, reader = InMemorySpanExporter(), InMemoryMetricReader()
+    tracer_provider = TracerProvider()
+    tracer_provider.add_span_processor(SimpleSpanProcessor(exporter))
+    consumer = IngestConsumer()
+    consumer._tracer = tracer_provider.get_tracer("test")
+    consumer.metrics = ConsumerMetrics(consumer.topic, consumer.group_id,
+                                       MeterProvider(metric_readers=[reader]).get_meter("test"))
+    stats = consumer.run(idle_exit_s=1.5)
+
+    spans = [s for s in exporter.get_finished_spans() if s.name == "consumers.ingest.batch"]
+    assert len(spans) == stats.batches >= 1
+    linked = {format(link.context.trace_id, "032x") for s in spans for link in s.links}
+    assert linked == {traceparent_for(e.session_id).decode().split("-")[1] for e in events}
+    assert sum(s.attributes["messaging.batch.message_count"] for s in spans) == len(records)
+
+    points = {}
+    for rm in reader.get_metrics_data().resource_metrics:
+        for sm in rm.scope_metrics:
+            for metric in sm.metrics:
+                points[metric.name] = list(metric.data.data_points)
+    by_outcome = {p.attributes["outcome"]: p.value for p in points["flywheel.consumer.events"]}
+    assert by_outcome["stored"] == len(events) and by_outcome["dead_letter"] == 3
+    assert [(p.attributes["reason"], p.value) for p in points["flywheel.consumer.dead_letters"]] == [("bad_json", 3)]
+    assert sum(p.value for p in points["flywheel.consumer.trajectories_finalized"]) == stats.finalized["signals"] > 0
+    assert {p.attributes["partition"] for p in points["flywheel.consumer.lag"]} == {0, 1, 2, 3}
+    assert all(p.value == 0 for p in points["flywheel.consumer.lag"])  # caught up
+    assert "flywheel.consumer.events_per_second" in points and "flywheel.consumer.batch_duration" in points
