@@ -17,6 +17,7 @@ from app.core.db import session_scope
 from app.core.errors import ConflictError
 from evals import store
 from evals.config import eval_settings, load_gate_config
+from ops.celery_app import celery_app
 
 
 def evaluate(checkpoint_id: str, **kwargs: Any) -> dict[str, Any]:
@@ -55,19 +56,13 @@ def scan(dispatch: Callable[[str], Any], limit: int | None = None) -> list[str]:
     return ids
 
 
-try:
-    from ops.celery_app import celery_app
-except ImportError:  # the Celery app is optional for CLI-only installs; the functions above still work
-    celery_app = None
+@celery_app.task(name="flywheel.evals.evaluate_candidate")
+def evaluate_candidate(checkpoint_id: str) -> dict[str, Any]:
+    """Gate ``checkpoint_id`` (see :func:`evaluate`); idempotent: a decided candidate is skipped."""
+    return evaluate(checkpoint_id)
 
-if celery_app is not None:
 
-    @celery_app.task(name="flywheel.evals.evaluate_candidate", acks_late=True)
-    def evaluate_candidate(checkpoint_id: str) -> dict[str, Any]:
-        """Gate ``checkpoint_id`` (see :func:`evaluate`)."""
-        return evaluate(checkpoint_id)
-
-    @celery_app.task(name="flywheel.evals.scan_candidates")
-    def scan_candidates() -> list[str]:
-        """Enqueue ``evaluate_candidate`` for candidates with no gate decision."""
-        return scan(lambda cid: evaluate_candidate.delay(cid))
+@celery_app.task(name="flywheel.evals.scan_candidates")
+def scan_candidates() -> list[str]:
+    """Enqueue ``evaluate_candidate`` for STABLE candidates with no gate decision."""
+    return scan(lambda cid: evaluate_candidate.delay(cid))

@@ -60,7 +60,9 @@ def render_png(result: GateResult, path: Path, title: str) -> Path:
         rates = [getattr(s, role) for s in suites]
         vals = np.array([r.rate for r in rates])
         err = np.array([[r.rate - r.low for r in rates], [r.high - r.rate for r in rates]]).reshape(2, -1)
-        ax1.bar(x + off, vals, width=0.36, color=color, label=role, yerr=err if len(rates) else None, capsize=4)
+        ax1.bar(x + off, vals, width=0.36, color=color, alpha=0.8, label=role)
+        if len(rates):  # the marker keeps a 0 % rate visible
+            ax1.errorbar(x + off, vals, yerr=err, fmt="o", color="black", markersize=4, capsize=4)
     for i, s in enumerate(suites):
         ax1.annotate(f"Δ {s.diff:+.1%}\n[{s.diff_low:+.1%}, {s.diff_high:+.1%}]", (i, 1.02), ha="center",
                      va="bottom", fontsize=8, color="tab:green" if s.passed else "tab:red",

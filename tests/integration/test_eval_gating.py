@@ -132,3 +132,17 @@ def test_automation_scans_and_evaluates_each_candidate_once(checkpoints, monkeyp
     assert automation.evaluate("good", **kw)["skipped"].startswith("already decided")
     assert automation.scan(dispatched.append, limit=10) == ["bad"]
     assert dispatched == ["bad", "good", "bad"]
+
+
+def test_celery_tasks_are_thin_wrappers(checkpoints, monkeypatch):
+    from ops.celery_app import celery_app
+
+    assert {"flywheel.evals.evaluate_candidate", "flywheel.evals.scan_candidates"} <= set(celery_app.tasks)
+    gated: list[str] = []
+    monkeypatch.setattr(automation, "evaluate", lambda cid: gated.append(cid) or {"checkpoint_id": cid})
+    assert automation.evaluate_candidate.apply(args=["good"]).get() == {"checkpoint_id": "good"}
+    sent: list[str] = []
+    monkeypatch.setattr(automation.evaluate_candidate, "delay", sent.append)
+    monkeypatch.setenv("FLYWHEEL_EVAL_SCAN_BATCH", "5")
+    assert automation.scan_candidates.apply().get() == ["bad", "good"]
+    assert sent == ["bad", "good"] and gated == ["good"]
