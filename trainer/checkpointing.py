@@ -41,7 +41,9 @@ def load_policy(path: Path) -> torch.nn.Module:
         CheckpointError: the directory is not a Hugging Face model folder.
     """
     from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.disable_progress_bar()  # the trainer draws its own progress
     path = Path(path)
     if not (path / "config.json").exists():
         raise CheckpointError(f"{path} is not a Hugging Face model folder (no config.json)")

@@ -57,7 +57,11 @@ def _print_result(result) -> None:
         m = result.metrics
         final = m.get("final", {})
         typer.echo(f"  checkpoint {result.checkpoint_id} at {result.path}")
-        typer.echo(f"  trajectories {result.num_trajectories}, steps {m.get('steps')}, "
+        data = m.get("data", {})
+        typer.echo(f"  trajectories {result.num_trajectories} in {data.get('groups')} groups, mean reward "
+                   f"{data.get('reward_mean', 0):.3f}, mismatch KL(mu||pi_old) "
+                   f"{m.get('mismatch_before_training', {}).get('mismatch_kl', 0):.2e}")
+        typer.echo(f"  steps {m.get('steps')}, "
                    f"tokens/s {m.get('tokens_per_s', 0):.0f}, loss {final.get('loss', 0):+.4f}, "
                    f"kl {final.get('kl', 0):.2e}, delta {m.get('delta', {}).get('ratio', 0):.2%} of bf16 weights")
     if result.excluded:

@@ -13,7 +13,6 @@ Invariants:
 
 from __future__ import annotations
 
-import math
 import shutil
 import time
 import uuid
@@ -166,7 +165,7 @@ def _train_and_register(config: TrainerConfig, store: CheckpointStore, parent, d
     from trainer.loss import compute_advantages
     from trainer.metrics import data_summary, step_progress, summarize
     from trainer.records import register_candidate
-    from trainer.step import compute_old_logprobs, make_optimizer, train_steps
+    from trainer.step import compute_old_logprobs, make_optimizer, planned_steps, train_steps
 
     started = time.perf_counter()
     parent_dir = _parent_dir(store, parent)
@@ -186,7 +185,7 @@ def _train_and_register(config: TrainerConfig, store: CheckpointStore, parent, d
         mismatch = compute_old_logprobs(model, batches, config)
         span.set_attributes({f"flywheel.{k}": v for k, v in mismatch.items()})
     optimizer = make_optimizer(model, config)
-    total_steps = math.ceil(min(config.steps * config.grad_accum, config.max_epochs * len(batches)) / config.grad_accum)
+    total_steps = planned_steps(len(batches), config)
     with _tracer.start_as_current_span("trainer.train") as span, step_progress(total_steps, progress) as advance:
         span.set_attribute("flywheel.trajectory_ids", [str(t.id) for t in data.used[:MAX_SPAN_IDS]])
 

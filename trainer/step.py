@@ -148,17 +148,24 @@ class StepMetrics:
     extra: dict[str, float] = field(default_factory=dict)
 
 
-def micro_batch_schedule(batches: list[MicroBatch], config: TrainerConfig) -> Iterator[list[MicroBatch]]:
-    """Groups of ``grad_accum`` micro-batches, one per step: epochs over ``batches`` reshuffled per
-    epoch, at most ``steps`` groups and ``max_epochs`` passes."""
-    total = min(config.steps * config.grad_accum, config.max_epochs * len(batches))
+def micro_batch_schedule(batches: list, config: TrainerConfig) -> Iterator[list]:
+    """Micro-batches per optimizer step: each epoch shuffles ``batches`` and splits them into steps
+    of ``grad_accum`` (a step never holds a micro-batch twice nor spans two epochs); stops after
+    ``steps`` steps or ``max_epochs`` epochs."""
     g = torch.Generator().manual_seed(config.seed)
-    order: list[int] = []
-    while len(order) < total:
-        order.extend(torch.randperm(len(batches), generator=g).tolist())
-    order = order[:total]
-    for s in range(0, total, config.grad_accum):
-        yield [batches[i] for i in order[s:s + config.grad_accum]]
+    done = 0
+    for _ in range(config.max_epochs):
+        order = torch.randperm(len(batches), generator=g).tolist()
+        for s in range(0, len(order), config.grad_accum):
+            if done == config.steps:
+                return
+            yield [batches[i] for i in order[s:s + config.grad_accum]]
+            done += 1
+
+
+def planned_steps(num_batches: int, config: TrainerConfig) -> int:
+    """How many optimizer steps :func:`micro_batch_schedule` yields for ``num_batches``."""
+    return min(config.steps, config.max_epochs * math.ceil(num_batches / config.grad_accum))
 
 
 def make_optimizer(model: torch.nn.Module, config: TrainerConfig) -> torch.optim.Optimizer:

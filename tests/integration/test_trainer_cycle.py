@@ -194,3 +194,33 @@ def test_unregistered_trained_directory_is_swept(session, store, production):
     assert sweep_unregistered(store, session) == ["ckpt-orphan"]
     assert store.list_stable() == ["base"] and not (store.root / "ckpt-orphan").exists()
     assert not any((store.root / ".staging").iterdir())
+
+
+def test_cli_dry_run_and_once(session, store, production, policy_dir, monkeypatch):
+    from typer.testing import CliRunner
+
+    from app.cli import app
+
+    monkeypatch.setenv("FLYWHEEL_CHECKPOINT_DIR", str(store.root))
+    _insert_sessions(session, policy_dir, n_tasks=1)
+    runner = CliRunner()
+    dry = runner.invoke(app, ["train", "--dry-run", "--json", "--min-new", "1"])
+    assert dry.exit_code == 0, dry.output
+    out = json.loads(dry.output.strip().splitlines()[-1])
+    assert out["status"] == "skipped" and out["num_trajectories"] == 2 and store.list_stable() == ["base"]
+    config = store.root.parent / "trainer.toml"
+    config.write_text("steps = 1\ngrad_accum = 1\n[data]\nmin_new_trajectories = 1\n[optim]\nlr = 1e-4\n")
+    once = runner.invoke(app, ["train", "--once", "--config", str(config), "--no-progress"])
+    assert once.exit_code == 0, once.output
+    assert "succeeded: candidate ckpt-" in once.output and "excluded: reserved_for_eval=1" in once.output
+    bad = runner.invoke(app, ["train", "--once", "--config", str(config), "--lr", "5"])
+    assert bad.exit_code != 0
+
+
+def test_celery_task_is_registered():
+    pytest.importorskip("ops.celery_app")
+    from ops.celery_app import celery_app
+
+    import trainer.tasks  # noqa: F401
+
+    assert "flywheel.trainer.run_cycle" in celery_app.tasks
