@@ -13,6 +13,8 @@ Invariants:
   turn would not fit, the model is asked to summarize, the context restarts from the summary
   (and the pending tool results), and a new segment begins.
 - An invalid tool call is answered with an error observation and counted; the session goes on.
+- A final reply without tool calls ends the session; code in it that defines the task's entry
+  point is applied to the main file as an edit (``apply.py``), like an editor's Apply button.
 """
 
 from __future__ import annotations
@@ -30,7 +32,8 @@ from app.events.types import (
 )
 from evals.harness.chat import SUMMARY_REQUEST, SYSTEM_PROMPT, ChatML, repository_message
 from evals.harness.sandbox import SandboxLimits, SandboxResult, run_in_sandbox
-from evals.harness.toolcalls import parse_tool_calls
+from evals.harness.apply import apply_target, extract_code
+from evals.harness.toolcalls import ParsedCall, parse_tool_calls
 from evals.harness.tools import execute_tool
 from evals.harness.workspace import snapshot, write_files
 from ops.serving.engine import InferenceEngine, SamplingParams
@@ -86,7 +89,8 @@ class SessionResult:
 def run_agent_session(engine: InferenceEngine, task, workdir: Path, budget: AgentBudget, sampling: SamplingParams,
                       *, emit: Callable[[EventBase], None] | None = None, session_id: str, user_id: str,
                       org_id: str = "default", privacy_mode: bool = False, limits: SandboxLimits | None = None,
-                      on_end: Callable[[SessionResult], Sequence[str]] | None = None) -> SessionResult:
+                      on_end: Callable[[SessionResult], Sequence[str]] | None = None,
+                      apply_code: bool = True) -> SessionResult:
     """Run the agent on ``task`` in ``workdir`` (the task's files are written there first).
 
     Args:
@@ -98,12 +102,15 @@ def run_agent_session(engine: InferenceEngine, task, workdir: Path, budget: Agen
         limits: sandbox limits of the ``run`` tool (default 30 s, 2 GiB).
         on_end: computes ``session.ended.expected_signals`` from the result (the simulator says
             which late signals will follow).
+        apply_code: a final reply without tool calls that holds code defining the entry point is
+            applied to the main file (the editor's Apply button; see ``apply.py``).
 
     Returns:
         The :class:`SessionResult` (``events`` holds every event, emitted or not).
     """
     run = _Session(engine, task, Path(workdir), budget, sampling, emit, limits or SandboxLimits(),
                    dict(session_id=session_id, user_id=user_id, org_id=org_id, privacy_mode=privacy_mode))
+    run.apply_code = apply_code
     try:
         run.loop()
     except BaseException:
@@ -137,6 +144,7 @@ class _Session:
         self.last_test_ok: bool | None = None
         self.asked_question, self.reason, self.final_message = False, "turns", ""
         self.edits: list[dict] = []
+        self.apply_code = True
         self._ended = False
 
     # ---- events --------------------------------------------------------------------------
@@ -220,8 +228,9 @@ class _Session:
         """Run the reply's tool calls; the observation text, or None when the session ends."""
         if not gen.calls:
             self.final_message = gen.message
-            self.asked_question = "?" in gen.message
             self.reason = "finished"
+            if not (self.apply_code and self.apply_reply(gen.message)):
+                self.asked_question = "?" in gen.message
             return None
         parts, finished = [], False
         for call, tc in zip(gen.calls, gen.tool_calls):
@@ -257,6 +266,22 @@ class _Session:
             self.reason = "finished"
             return None
         return "\n".join(parts)
+
+    def apply_reply(self, message: str) -> bool:
+        """Apply the reply's code to the main file (see ``apply.py``); whether an edit was made."""
+        target = apply_target(self.task.files)
+        code = extract_code(message, self.task.metadata.get("entry_point")) if target else None
+        if code is None:
+            return False
+        out = execute_tool(ParsedCall("edit_file", {"path": target, "content": code}), self.workdir, self.limits)
+        if not out.edit:
+            return False
+        edit_id = f"apply-{self.turns - 1}"
+        self.edits.append({"edit_id": edit_id, "applied": True, **out.edit})
+        self.emit(EditProposedEvent(**self.envelope, payload=EditProposed(
+            edit_id=edit_id, path=out.edit["path"], lines_added=out.edit["lines_added"],
+            lines_removed=out.edit["lines_removed"], diff=out.edit["diff"])))
+        return True
 
     def summarize(self, last_completion: list[int], observations: str | None) -> list[int]:
         """Ask for a summary (a turn of the old segment), emit ``context.summarized``, and return the

@@ -19,10 +19,12 @@ IM_START, IM_END = "<|im_start|>", "<|im_end|>"
 
 SYSTEM_PROMPT = (
     "You are a coding agent inside a code editor. You change a small Python repository to do what the "
-    "developer asks. Act by calling tools, one or more per reply, each written exactly as:\n"
-    '<tool_call>{"name": "<tool>", "arguments": {...}}</tool_call>\n'
+    "developer asks. Act by calling tools, one or more per reply, each written exactly like this example:\n"
+    '<tool_call>{"name": "edit_file", "arguments": {"path": "solution.py", "content": "def add(a, b):\\n'
+    '    return a + b\\n"}}</tool_call>\n'
     "Tools:\n" + TOOL_DOCS + "\n"
-    "Read the code, edit it, check it with run, then call finish. Keep replies short."
+    "Read the code, edit it, check it with run, then call finish. A reply without a tool call ends your "
+    "turn; a python code block in it is applied to solution.py."
 )
 
 SUMMARY_REQUEST = (

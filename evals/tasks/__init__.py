@@ -53,6 +53,16 @@ def verify_reference(task: "Task", limits: "SandboxLimits | None" = None) -> "Sa
     Returns:
         The sandbox result (``.ok`` means the reference passes).
     """
+    return _run_hidden(task, task.reference_files, limits)
+
+
+def verify_stub(task: "Task", limits: "SandboxLimits | None" = None) -> "SandboxResult":
+    """Run the hidden tests on the untouched repository. ``.ok`` here means the task does not
+    discriminate (a few DataFrameBench tasks pass with the bare stub): graders should know."""
+    return _run_hidden(task, {}, limits)
+
+
+def _run_hidden(task: "Task", overlay: dict[str, str], limits: "SandboxLimits | None") -> "SandboxResult":
     import shutil
     import tempfile
     from pathlib import Path
@@ -62,7 +72,7 @@ def verify_reference(task: "Task", limits: "SandboxLimits | None" = None) -> "Sa
 
     work = Path(tempfile.mkdtemp(prefix="flywheel-ref-"))
     try:
-        write_files(work, {**task.files, **task.reference_files, **task.test_files})
+        write_files(work, {**task.files, **overlay, **task.test_files})
         return run_in_sandbox(task.test_command, work, limits or SandboxLimits(timeout_s=60))
     finally:
         shutil.rmtree(work, ignore_errors=True)

@@ -17,9 +17,18 @@ from evals.tasks.model import HIDDEN_RUNNER, Task, hidden_runner
 SOURCE = "dataframebench"
 SPLITS = ("train", "test")
 TEST_FILE = "test_hidden.py"
-_PRELUDE = "import matplotlib\nmatplotlib.use('Agg')\n\n"
-_EPILOGUE = ("\n\nif __name__ == '__main__':\n    import unittest as _unittest\n"
-             "    _unittest.main(argv=['harness'], exit=True, verbosity=2)\n")
+# Some test files end with their own unittest.main() (which would exit first, also with 0 tests):
+# it is disabled so the epilogue below runs the suite once.
+_PRELUDE = ("import matplotlib\nmatplotlib.use('Agg')\n"
+            "import unittest as _unittest_mod\n_unittest_mod.main = lambda *a, **k: None\n\n")
+# unittest.main() would load tests from sys.modules['__main__'] (the runner file, not these exec'd
+# globals) and pass with "Ran 0 tests"; collect the TestCases from globals and fail on zero tests.
+_EPILOGUE = ("\n\nif __name__ == '__main__':\n    import sys as _sys, unittest as _unittest\n"
+             "    _cases = [v for v in list(globals().values())\n"
+             "              if isinstance(v, type) and issubclass(v, _unittest.TestCase)]\n"
+             "    _suite = _unittest.TestSuite(_unittest.defaultTestLoader.loadTestsFromTestCase(c) for c in _cases)\n"
+             "    _res = _unittest.TextTestRunner(verbosity=2).run(_suite)\n"
+             "    _sys.exit(0 if _res.wasSuccessful() and _res.testsRun > 0 else 1)\n")
 
 
 @lru_cache(maxsize=4)

@@ -17,6 +17,7 @@ TASK = Task(
     test_files={"test_hidden.py": "assert add(2, 3) == 5\nassert add(-1, 1) == 0\n",
                 HIDDEN_RUNNER: hidden_runner("", "\n", "test_hidden.py")},
     reference_files={"solution.py": "def add(a, b):\n    return a + b\n"},
+    metadata={"entry_point": "add"},
 )
 
 
@@ -139,3 +140,16 @@ def test_real_engine_logprobs_in_events_match_the_reconstructed_sequence(tiny_mo
     assert p.checkpoint_id == "tiny" and len(p.completion_token_ids) == 12
     ref = teacher_forced_logprobs(engine.model, list(p.prompt_token_ids), list(p.completion_token_ids), 1.0)
     assert torch.allclose(torch.tensor(p.completion_logprobs), ref, atol=1e-4)
+
+
+def test_code_in_a_final_reply_is_applied_like_the_editors_apply_button(tokenizer, tmp_path):
+    reply = "Here is the fix:\n```python\ndef add(a, b):\n    return a + b\n```\nDoes that help?"
+    result = run(ScriptedPolicy(tokenizer, [reply]), tmp_path)
+    assert result.edited and result.tool_calls == 0 and result.tool_call_errors == 0
+    assert not result.asked_question  # the code was applied: an answer, not a question
+    (edit,) = [e.payload for e in result.events if e.type == "edit.proposed"]
+    assert edit.edit_id.startswith("apply-") and edit.path == "solution.py"
+    assert grade(TASK, tmp_path / "repo")
+    unapplied = run(ScriptedPolicy(tokenizer, ["```python\ndef subtract(a, b):\n    return a - b\n```"]),
+                    tmp_path / "b")
+    assert not unapplied.edited  # it does not define the entry point
