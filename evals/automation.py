@@ -35,7 +35,7 @@ def evaluate(checkpoint_id: str, **kwargs: Any) -> dict[str, Any]:
         decided = store.latest_decision(session, checkpoint_id)
     if decided is not None and not kwargs.pop("regate", False):
         return {"checkpoint_id": checkpoint_id, "skipped": f"already decided ({decided.id})"}
-    opts: dict[str, Any] = {"config": load_gate_config(s.gate_config), "limit": s.limit, "workers": s.workers,
+    opts: dict[str, Any] = {"config": load_gate_config(s.gate_config).with_min_pairs(s.min_pairs), "limit": s.limit, "workers": s.workers,
                             "overrides": {k: v for k, v in (("max_turns", s.max_turns),
                                                             ("max_tokens_per_turn", s.max_tokens_per_turn)) if v}}
     opts.update(kwargs)

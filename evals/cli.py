@@ -172,6 +172,8 @@ def gate_cmd(candidate: str = typer.Argument(..., help="candidate checkpoint id"
              max_tokens: int | None = MAX_TOKENS,
              config: Path | None = typer.Option(None, "--config", exists=True, dir_okay=False,
                                                 help="gate policy TOML (default evals/gate.toml)"),
+             min_pairs: int | None = typer.Option(None, "--min-pairs", min=1,
+                                                  help="override every suite's minimum paired outcomes (smoke runs)"),
              strict: bool = typer.Option(False, "--strict", help="exit 1 when the gate fails"),
              as_json: bool = typer.Option(False, "--json", help="print the decision as one JSON line")) -> None:
     """Evaluate CANDIDATE and production on every gated suite (reusing cached runs), decide and explain."""
@@ -187,7 +189,7 @@ def gate_cmd(candidate: str = typer.Argument(..., help="candidate checkpoint id"
         console.print(f"  {name:<15} {role:<10} {s.checkpoint_id}: {s.passed}/{s.done} passed ({how})")
 
     console.print(f"gating [bold]{candidate}[/bold]")
-    outcome = gate_candidate(candidate, production_id=production, config=load_gate_config(config),
+    outcome = gate_candidate(candidate, production_id=production, config=load_gate_config(config).with_min_pairs(min_pairs),
                              suites=suite or None, limit=limit, overrides=_overrides(max_turns, max_tokens),
                              workers=workers, on_run=on_run)
     explain(console, outcome)

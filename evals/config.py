@@ -231,6 +231,14 @@ class GateConfig(_Strict):
     monitors: list[MonitorBound] = Field(default_factory=list)
     """Behaviour monitors applied to every gated suite."""
 
+    def with_min_pairs(self, min_pairs: int | None) -> "GateConfig":
+        """A copy whose every suite needs ``min_pairs`` paired outcomes (smoke runs on few tasks);
+        None keeps the policy. The resolved config is stored with each decision."""
+        if min_pairs is None:
+            return self
+        suites = {n: s.model_copy(update={"min_pairs": min_pairs}) for n, s in self.suites.items()}
+        return self.model_copy(update={"min_pairs": min_pairs, "suites": suites})
+
     def gated_suites(self) -> list[str]:
         """Names of the suites that decide the gate, sorted."""
         return sorted(n for n, s in self.suites.items() if s.gated)
@@ -275,6 +283,8 @@ class EvalSettings(BaseSettings):
     """Per-turn completion token override."""
     scan_batch: int = Field(default=1, ge=1)
     """Candidates dispatched per beat scan."""
+    min_pairs: int | None = Field(default=None, ge=1)
+    """Override every suite's ``min_pairs`` (smoke deployments with a small ``limit``)."""
 
 
 def eval_settings() -> EvalSettings:

@@ -53,3 +53,9 @@ def test_fingerprint_tracks_config_and_task_set():
     assert s.with_limit(5).fingerprint(keys) != fp
     assert s.model_copy(update={"samples_per_task": 2}).fingerprint(keys) != fp
     assert s.with_limit(None) is s
+
+
+def test_min_pairs_override_applies_to_every_suite():
+    gate = load_gate_config().with_min_pairs(2)
+    assert {gate.for_suite(n).min_pairs for n in ("dataframebench", "humaneval", "mined", "other")} == {2}
+    assert load_gate_config().with_min_pairs(None) == load_gate_config()
