@@ -75,8 +75,97 @@ def beat_cmd(loglevel: str = typer.Option("INFO", "--loglevel", "-l")) -> None:
     celery_app.start(["beat", f"--loglevel={loglevel}"])
 
 
+@stack_app.command("topics")
+def stack_topics_cmd(partitions: int = typer.Option(None, help="partitions of the interactions topic")) -> None:
+    """Create flywheel's topics on the configured broker (production set-up; `stack up` does it locally)."""
+    from app.core.errors import ConfigurationError
+    from app.core.settings import get_settings
+    from ops.stack import create_topics
+
+    kafka = get_settings().kafka
+    if not kafka.bootstrap:
+        raise ConfigurationError("set FLYWHEEL_KAFKA_BOOTSTRAP")
+    created = create_topics(kafka.bootstrap, {kafka.interactions_topic: partitions or kafka.partitions,
+                                              kafka.dlq_topic: 1, kafka.lifecycle_topic: 1})
+    typer.echo("created: " + (", ".join(created) if created else "nothing (all exist)"))
+
+
+def up_cmd(
+    services: list[str] = typer.Option(None, "--service", "-s",
+                                       help="subset of consumer, worker, beat, api, relay, watcher"),
+    detach: bool = typer.Option(False, "--detach", "-d", help="start and return; `flywheel stack down` stops them"),
+) -> None:
+    """Run the loop's long-lived processes on the local stack so it turns by itself: consumers,
+    Celery worker and beat (training every FLYWHEEL_TRAIN_INTERVAL seconds, the eval trigger),
+    the API, the outbox relay and the serving watcher."""
+    import time
+
+    from rich.console import Console
+
+    from app.core.migrate import upgrade
+    from app.core.settings import flywheel_home, get_settings
+    from ops.processes import LOOP_SERVICES, service_status, start_service
+    from ops.stack import stack_down, stack_up
+
+    unknown = set(services or ()) - set(LOOP_SERVICES)
+    if unknown:
+        raise typer.BadParameter(f"unknown service(s) {sorted(unknown)}; choose from {sorted(LOOP_SERVICES)}")
+    con = Console()
+    state = stack_up()
+    get_settings.cache_clear()
+    upgrade(url=state.database_url)
+    home = flywheel_home()
+    for name in services or LOOP_SERVICES:
+        pid = start_service(name, LOOP_SERVICES[name], home)
+        con.print(f"{name:9s} pid {pid}  log {home / 'logs' / (name + '.log')}")
+    con.print(f"training every {get_settings().celery.train_interval:.0f}s (FLYWHEEL_TRAIN_INTERVAL); "
+              f"API on http://{get_settings().api.host}:{get_settings().api.port}/")
+    if detach:
+        return
+    try:
+        while True:
+            time.sleep(5)
+            dead = [n for n, (_, alive) in service_status(home).items() if not alive]
+            if dead:
+                con.print(f"[red]stopped unexpectedly: {', '.join(dead)}[/] (see logs); stopping the rest")
+                break
+    except KeyboardInterrupt:
+        pass
+    con.print("stopped: " + ", ".join(stack_down()))
+
+
+def demo_cmd(
+    sessions: int = typer.Option(8, help="simulated editor sessions (DataFrameBench train tasks)"),
+    group_size: int = typer.Option(4, help="sessions per task (the trainer's groups)"),
+    max_turns: int = typer.Option(3, help="agent turns per simulated session"),
+    max_tokens_per_turn: int = typer.Option(160, help="completion tokens per turn"),
+    steps: int = typer.Option(4, help="optimizer steps of the training cycle"),
+    eval_tasks: int = typer.Option(4, help="held-out tasks per eval suite (DataFrameBench test, HumanEval)"),
+    eval_max_turns: int = typer.Option(2, help="agent turns per eval task"),
+    model_dir: str = typer.Option(None, help="register this HF folder as the base model instead of SmolLM2"),
+    trace: bool = typer.Option(False, "--trace", help="print OpenTelemetry spans (console exporter)"),
+    seed: int = typer.Option(0),
+    down: bool = typer.Option(False, "--down", help="stop everything the demo started, then exit"),
+) -> None:
+    """Run the whole loop once on the embedded stack: simulate sessions, ingest, finalize, train,
+    evaluate, gate, and promote or reject through the API; ends with a report. Re-running picks up
+    where an interrupted run stopped."""
+    from ops.demo import DemoOptions, run_demo, stop_demo
+
+    if down:
+        stopped = stop_demo()
+        typer.echo("stopped: " + (", ".join(stopped) if stopped else "nothing"))
+        return
+    run_demo(DemoOptions(sessions=sessions, group_size=group_size, max_turns=max_turns,
+                         max_tokens_per_turn=max_tokens_per_turn, train_steps=steps, eval_tasks=eval_tasks,
+                         eval_max_turns=eval_max_turns, eval_max_tokens=max_tokens_per_turn,
+                         model_dir=model_dir, trace=trace, seed=seed))
+
+
 def register(app: typer.Typer) -> None:
-    """Add ``stack``, ``worker`` and ``beat`` (and, as they land, up/demo) to the main app."""
+    """Add ``stack``, ``worker``, ``beat``, ``up`` and ``demo`` to the main app."""
     app.add_typer(stack_app, name="stack")
     app.command("worker")(worker_cmd)
     app.command("beat")(beat_cmd)
+    app.command("up")(up_cmd)
+    app.command("demo")(demo_cmd)

@@ -43,14 +43,16 @@ class DemoOptions:
     sessions: int = 8
     group_size: int = 4
     max_turns: int = 3
-    max_tokens: int = 160
+    max_tokens_per_turn: int = 160
     train_steps: int = 4
     eval_tasks: int = 4
-    humaneval_tasks: int = 4
-    finalize_window_s: float = 5.0
+    eval_max_turns: int = 2
+    eval_max_tokens: int = 160
+    finalize_window_s: float = 10.0
     trace: bool = False
     model_dir: str | None = None
     seed: int = 0
+    finalize_timeout_s: float = 300.0
 
 
 class DemoState:
@@ -78,7 +80,11 @@ class DemoState:
 def _env(opts: DemoOptions) -> dict[str, str]:
     env = dict(os.environ)
     env["FLYWHEEL_HOME"] = str(flywheel_home())
-    env["FLYWHEEL_FINALIZE_WINDOW"] = str(opts.finalize_window_s)
+    # Late signals (edit persistence, follow-ups) arrive within seconds in the simulator; a short
+    # window lets the demo finalize trajectories in minutes rather than the production hour.
+    env.setdefault("FLYWHEEL_CONSUMER_SIGNAL_WINDOW_S", str(opts.finalize_window_s))
+    env.setdefault("FLYWHEEL_CONSUMER_FINALIZE_INTERVAL_S", "2")
+    env.setdefault("FLYWHEEL_CONSUMER_FINALIZE_GRACE_S", "1")
     if opts.trace:
         env["FLYWHEEL_TELEMETRY_EXPORTER"] = "console"
     return env
@@ -98,3 +104,216 @@ def flywheel(args: list[str], opts: DemoOptions, *, capture: bool = False, check
         detail = (proc.stderr or "")[-2000:] if capture else ""
         raise FlywheelError(f"`flywheel {' '.join(args)}` exited with {proc.returncode}\n{detail}")
     return proc
+
+
+def _db_scalar(sql: str, **params: Any) -> Any:
+    from sqlalchemy import text
+
+    from app.core.db import session_scope
+
+    with session_scope() as session:
+        return session.execute(text(sql), params).scalar()
+
+
+def _api_url() -> str:
+    s = get_settings().api
+    return (s.url or f"http://{s.host}:{s.port}").rstrip("/")
+
+
+def step_stack(opts: DemoOptions, state: DemoState, home: Path) -> str:
+    """Start (or reuse) the embedded stack and migrate."""
+    from app.core.migrate import upgrade
+    from ops.stack import free_port, stack_up
+
+    st = stack_up()
+    get_settings.cache_clear()
+    upgrade(url=st.database_url)
+    port = state.data.get("api_port") or free_port()
+    state.data["api_port"] = port
+    state.save()
+    return f"postgres {st.database_url}, kafka {st.kafka_bootstrap}"
+
+
+def step_model(opts: DemoOptions, state: DemoState, home: Path) -> str:
+    """Materialize SmolLM2-135M-Instruct (or register ``--model-dir``) as production ``base``."""
+    production = _db_scalar("SELECT id FROM checkpoint WHERE status = 'production'")
+    if production:
+        return f"production is {production}"
+    if opts.model_dir:
+        flywheel(["model", "register", opts.model_dir, "--id", "base", "--status", "production"], opts)
+    else:
+        flywheel(["model", "init"], opts)
+    return "registered base as production"
+
+
+def step_services(opts: DemoOptions, state: DemoState, home: Path) -> str:
+    """The ingest consumer, the promotion API and the outbox relay in the background."""
+    from ops.processes import start_service, wait_http
+
+    env = _env(opts)
+    env["FLYWHEEL_API_PORT"] = str(state.data["api_port"])
+    started = {
+        "consumer": start_service("consumer", ["consume"], home, env),
+        "api": start_service("api", ["api", "--port", str(state.data["api_port"])], home, env),
+        "relay": start_service("relay", ["relay"], home, env),
+    }
+    wait_http(f"http://127.0.0.1:{state.data['api_port']}/healthz")
+    return ", ".join(f"{k} pid {v}" for k, v in started.items())
+
+
+def step_simulate(opts: DemoOptions, state: DemoState, home: Path) -> str:
+    """Simulated editor sessions on DataFrameBench train tasks (only the ones not yet run)."""
+    done = int(_db_scalar("SELECT count(DISTINCT session_id) FROM event_log WHERE type = 'session.started'") or 0)
+    done += int(_db_scalar("SELECT count(*) FROM privacy_tombstone") or 0)
+    remaining = opts.sessions - done
+    if remaining <= 0:
+        return f"{done} sessions already simulated"
+    group = min(opts.group_size, remaining)
+    flywheel(["simulate", "--sessions", str(remaining), "--group-size", str(group),
+              "--max-turns", str(opts.max_turns), "--max-tokens-per-turn", str(opts.max_tokens_per_turn),
+              "--max-tokens", str(opts.max_turns * opts.max_tokens_per_turn),
+              "--seed", str(opts.seed + done)], opts)
+    return f"{remaining} sessions simulated"
+
+
+def step_finalize(opts: DemoOptions, state: DemoState, home: Path) -> str:
+    """Wait until the consumer has stored every session and every trajectory is finalized."""
+    from rich.progress import Progress
+
+    deadline = time.monotonic() + opts.finalize_timeout_s
+    with Progress(transient=True) as progress:
+        task = progress.add_task("finalizing trajectories", total=None)
+        while True:
+            total = int(_db_scalar("SELECT count(*) FROM trajectory") or 0)
+            provisional = int(_db_scalar("SELECT count(*) FROM trajectory WHERE status <> 'finalized'") or 0)
+            progress.update(task, total=max(total, 1), completed=total - provisional)
+            if total and not provisional:
+                return f"{total} trajectories finalized"
+            if time.monotonic() > deadline:
+                raise FlywheelError(f"{provisional} of {total} trajectories still provisional after "
+                                    f"{opts.finalize_timeout_s:.0f}s; is the consumer running? see logs/consumer.log")
+            if provisional:
+                flywheel(["finalize"], opts, capture=True)
+            time.sleep(2.0)
+
+
+def step_train(opts: DemoOptions, state: DemoState, home: Path) -> str:
+    """One training cycle from production on the finalized trajectories."""
+    existing = _db_scalar("SELECT id FROM checkpoint WHERE parent_id IS NOT NULL ORDER BY created_at DESC LIMIT 1")
+    if existing:
+        state.data["candidate_id"] = existing
+        return f"candidate {existing} exists"
+    proc = flywheel(["train", "--once", "--steps", str(opts.train_steps), "--min-new", "1", "--json"], opts,
+                    capture=True)
+    line = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")][-1]
+    result = json.loads(line)
+    candidate = result.get("checkpoint_id")
+    if not candidate:
+        raise FlywheelError(f"the training cycle produced no checkpoint: {result}")
+    state.data["candidate_id"] = candidate
+    return f"candidate {candidate}"
+
+
+def step_gate(opts: DemoOptions, state: DemoState, home: Path) -> str:
+    """Evals of candidate and production on held-out tasks, then the gate decision."""
+    candidate = state.data["candidate_id"]
+    decided = _db_scalar("SELECT passed FROM gate_decision WHERE candidate_id = :c ORDER BY created_at DESC LIMIT 1",
+                         c=candidate)
+    if decided is not None:
+        return f"gate already decided: {'passed' if decided else 'failed'}"
+    flywheel(["gate", candidate, "-s", "dataframebench", "-s", "humaneval", "--limit", str(opts.eval_tasks),
+              "--max-turns", str(opts.eval_max_turns), "--max-tokens", str(opts.eval_max_tokens),
+              "--min-pairs", str(opts.eval_tasks), "--workers", "2"], opts)
+    decided = _db_scalar("SELECT passed FROM gate_decision WHERE candidate_id = :c ORDER BY created_at DESC LIMIT 1",
+                         c=candidate)
+    return f"gate {'passed' if decided else 'failed'}"
+
+
+def step_release(opts: DemoOptions, state: DemoState, home: Path) -> str:
+    """As a release manager, through the promotion API: promote if the gate passed, else reject."""
+    import httpx
+
+    candidate = state.data["candidate_id"]
+    if "rm_token" not in state.data:
+        proc = flywheel(["tokens", "create", "--role", "release_manager", "--name",
+                         f"demo-release-manager-{int(time.time())}"], opts, capture=True)
+        token = proc.stdout.strip().splitlines()[-1].strip()
+        state.data["rm_token"] = token
+        state.save()
+    headers = {"Authorization": f"Bearer {state.data['rm_token']}"}
+    base = f"http://127.0.0.1:{state.data['api_port']}/v1"
+    with httpx.Client(base_url=base, headers=headers, timeout=30.0) as client:
+        ckpt = client.get(f"/checkpoints/{candidate}").raise_for_status().json()
+        status = ckpt.get("status")
+        if status in ("production", "rejected", "retired"):
+            return f"candidate already {status}"
+        production = client.get("/production").raise_for_status().json()
+        production_id = (production.get("checkpoint") or {}).get("id")
+        if status == "gate_passed":
+            resp = client.post("/promotions", json={
+                "checkpoint_id": candidate, "expected_production_id": production_id,
+                "reason": "demo: gate passed on held-out DataFrameBench and HumanEval tasks"})
+            verb = "promoted"
+        else:
+            resp = client.post(f"/checkpoints/{candidate}/reject",
+                               json={"reason": f"demo: gate not passed (status {status})"})
+            verb = "rejected"
+        if resp.status_code >= 400:
+            raise FlywheelError(f"release failed: {resp.status_code} {resp.text}")
+    # The relay publishes the outbox row; give it a moment so the lifecycle topic has it.
+    flywheel(["relay", "--once"], opts, capture=True)
+    return f"{verb} {candidate}"
+
+
+def step_report(opts: DemoOptions, state: DemoState, home: Path) -> str:
+    """Terminal report plus HTML and PNG under ``$FLYWHEEL_HOME/reports/demo``."""
+    from app.core.db import session_scope
+    from ops.report import write_report
+
+    out = get_settings().store.reports() / "demo"
+    with session_scope() as session:
+        _, html_path = write_report(session, out, state.data.get("candidate_id"))
+    return f"report: {html_path}"
+
+
+STEP_FUNCS = {
+    "stack": step_stack, "model": step_model, "services": step_services, "simulate": step_simulate,
+    "finalize": step_finalize, "train": step_train, "gate": step_gate, "release": step_release,
+    "report": step_report,
+}
+
+
+def run_demo(opts: DemoOptions) -> None:
+    """Run every step not yet done (see the module docstring).
+
+    Raises:
+        FlywheelError: a step failed; re-running continues from that step.
+    """
+    from rich.console import Console
+
+    home = flywheel_home()
+    state = DemoState(home)
+    con = Console()
+    if opts.trace:
+        os.environ["FLYWHEEL_TELEMETRY_EXPORTER"] = "console"
+    started = time.monotonic()
+    for i, step in enumerate(STEPS, 1):
+        # "services" and "report" always run: processes die with the machine, reports are cheap.
+        if state.done(step) and step not in ("services", "stack", "report"):
+            con.print(f"[dim][{i}/{len(STEPS)}] {step}: done earlier[/]")
+            continue
+        t0 = time.monotonic()
+        con.print(f"[bold cyan][{i}/{len(STEPS)}] {step}[/]: {STEP_FUNCS[step].__doc__.splitlines()[0]}")
+        get_settings.cache_clear()
+        summary = STEP_FUNCS[step](opts, state, home)
+        state.mark(step)
+        con.print(f"    {summary} [dim]({time.monotonic() - t0:.0f}s)[/]")
+    con.print(f"[bold green]demo finished in {time.monotonic() - started:.0f}s[/]; "
+              f"`flywheel demo --down` stops what it started")
+
+
+def stop_demo() -> list[str]:
+    """Stop every process the demo (and the stack) started."""
+    from ops.stack import stack_down
+
+    return stack_down()
