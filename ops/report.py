@@ -69,6 +69,7 @@ class LoopReport:
     candidate_status: str | None
     training_metrics: dict[str, Any]
     trajectories_trained: int
+    training_history: list[dict[str, Any]] = field(default_factory=list)
     suites: list[SuiteResult] = field(default_factory=list)
     gate_passed: bool | None = None
     gate_reasons: list[str] = field(default_factory=list)
@@ -123,6 +124,10 @@ def collect_report(session: Session, candidate_id: str | None = None) -> LoopRep
     )
     if cand is None:
         return report
+    metrics_file = Path(cand.path) / "metrics.json"
+    if metrics_file.exists():  # per-step curves live next to the checkpoint, written by the trainer
+        history = json.loads(metrics_file.read_text()).get("history") or []
+        report.training_history = [h for h in history if isinstance(h, dict)]
 
     decision = session.scalars(select(GateDecision).where(GateDecision.candidate_id == cand.id)
                                .order_by(GateDecision.created_at.desc())).first()
@@ -211,9 +216,10 @@ def render_png(report: LoopReport, path: Path) -> Path:
     ax.set_title(f"rewards ({report.reward_spec or 'none'})")
     ax.set_xlabel("reward")
     ax = axes[1]
-    curves = {k: v for k, v in report.training_metrics.items()
-              if isinstance(v, list) and v and all(isinstance(x, (int, float)) for x in v)}
-    for name, values in list(curves.items())[:4]:
+    curves = {name: [h[name] for h in report.training_history if isinstance(h.get(name), (int, float))]
+              for name in ("loss", "entropy", "is_clip_frac", "kl")}
+    curves = {k: v for k, v in curves.items() if v}
+    for name, values in curves.items():
         ax.plot(range(1, len(values) + 1), values, marker="o", label=name)
     if curves:
         ax.legend(fontsize=8)
