@@ -135,7 +135,10 @@ def promote_checkpoint(session: Session, *, checkpoint_id: str, expected_product
         reasons.append("no gate decision: the candidate has not been evaluated")
     else:
         if not gate.passed:
-            reasons.append("the latest gate decision failed: " + "; ".join(str(r) for r in gate.reasons or []))
+            # gate reasons are dicts (evals.gate.GateReason): list only the failing, gating ones
+            failed = [r.get("message", str(r)) if isinstance(r, dict) else str(r) for r in gate.reasons or []
+                      if not isinstance(r, dict) or (not r.get("passed") and r.get("gated", True))]
+            reasons.append("the latest gate decision failed: " + "; ".join(failed))
         if current is not None and gate.production_id != current.id:
             reasons.append(f"the gate compared against {gate.production_id}, but production is now "
                            f"{current.id}: re-run the gate")
