@@ -117,13 +117,12 @@ def erase(
     """Erase a user now (same path as a user.erasure_requested event): events, trajectories, dead
     letters; flag checkpoints trained on them."""
     import uuid
-    from datetime import datetime, timezone
 
     from app.core.db import session_scope
-    from consumers.erasure import erase_user
+    from consumers.erasure import erase_now
 
     with session_scope() as s:
-        out = erase_user(s, user, request_id or str(uuid.uuid4()), datetime.now(timezone.utc))
+        out = erase_now(s, user, request_id or str(uuid.uuid4()))
     typer.echo(json.dumps({"request_id": out.request_id, "events_deleted": out.events_deleted,
                            "trajectories_deleted": out.trajectories_deleted,
                            "dead_letters_deleted": out.dead_letters_deleted,

@@ -43,6 +43,17 @@ class ErasureOutcome:
     already_done: bool = False
 
 
+def erase_now(session: Session, user_id: str, request_id: str) -> ErasureOutcome:
+    """An operator's erasure outside the stream (``flywheel erase``): everything of the user up to now.
+    Takes the projection lock exclusively, so no ingest batch is half-way through the user's events.
+    """
+    conn = raw_connection(session)
+    from consumers.batch import PROJECTION_LOCK
+
+    now = conn.execute("SELECT now(), pg_advisory_xact_lock(%s)", (PROJECTION_LOCK,)).fetchone()[0]
+    return erase_user(session, user_id, request_id, now)
+
+
 def erase_user(session: Session, user_id: str, request_id: str, requested_at: datetime) -> ErasureOutcome:
     """Erase ``user_id`` in the caller's transaction (idempotent per ``request_id``).
 

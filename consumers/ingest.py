@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import sys
 import threading
 import time
 from collections import Counter
@@ -199,25 +200,34 @@ class IngestConsumer:
             return apply_batch(session, self.group_id, decoded, self.projector, self.settings.insert_method)
 
     def _apply_isolated(self, decoded: list[Decoded]) -> BatchOutcome:
-        """Record by record, each in a savepoint; failures become ``processing_error`` dead letters."""
+        """Bisect the batch in savepoints until the failing records are alone; each of those becomes a
+        ``processing_error`` dead letter (O(k log n) savepoints for k bad records in n)."""
         total = BatchOutcome(messages=len(decoded))
         with session_scope() as session:
-            for d in decoded:
-                try:
-                    with session.begin_nested():  # conflict-safe insert: see append_events
-                        o = apply_batch(session, self.group_id, [d], self.projector, "copy_upsert")
-                except Exception as exc:  # noqa: BLE001 -- route the bad record, keep the batch going
-                    if is_transient(exc):
-                        raise
-                    log.exception("record %s:%s:%s failed; dead-lettering it", d.msg.topic, d.msg.partition,
-                                  d.msg.offset)
-                    bad = Decoded(d.msg, reason="processing_error", detail=f"{type(exc).__name__}: {exc}"[:2000])
-                    self._publish_dead_letters([bad])
-                    with session.begin_nested():
-                        o = apply_batch(session, self.group_id, [bad], self.projector, "copy_upsert")
-                    self.stats.processing_errors += 1
-                total.merge(o)
+            self._bisect(session, decoded, total)
         return total
+
+    def _bisect(self, session, part: list[Decoded], total: BatchOutcome) -> None:
+        try:
+            with session.begin_nested():  # conflict-safe insert: see append_events
+                total.merge(apply_batch(session, self.group_id, part, self.projector, "copy_upsert"))
+            return
+        except Exception as exc:  # noqa: BLE001 -- route the bad record, keep the batch going
+            if is_transient(exc):
+                raise
+            if len(part) > 1:
+                mid = len(part) // 2
+                self._bisect(session, part[:mid], total)
+                self._bisect(session, part[mid:], total)
+                return
+            d = part[0]
+            log.error("record %s:%s:%s failed (%s: %s); dead-lettering it", d.msg.topic, d.msg.partition,
+                      d.msg.offset, type(exc).__name__, exc)
+            bad = Decoded(d.msg, reason="processing_error", detail=f"{type(exc).__name__}: {exc}"[:2000])
+        self._publish_dead_letters([bad])
+        with session.begin_nested():
+            total.merge(apply_batch(session, self.group_id, [bad], self.projector, "copy_upsert"))
+        self.stats.processing_errors += 1
 
     def process(self, messages: list[Message], decoded: list[Decoded] | None = None) -> BatchOutcome:
         """Dead-letter and apply one batch (retrying transient faults). No Kafka commit."""
@@ -331,6 +341,17 @@ class IngestConsumer:
         Raises:
             Exception: a fault the DB thread could not handle (not input: input is dead-lettered).
         """
+        # The poll thread is CPU-bound (decoding) while the DB thread makes ~20 short round trips per
+        # batch; with the default 5 ms GIL switch interval each round trip waits up to 5 ms for the
+        # GIL (measured here: 0.07 ms -> 3 ms per round trip). 0.5 ms keeps both threads moving.
+        switch = sys.getswitchinterval()
+        sys.setswitchinterval(min(switch, 0.0005))
+        try:
+            return self._run(idle_exit_s, stop_after)
+        finally:
+            sys.setswitchinterval(switch)
+
+    def _run(self, idle_exit_s: float | None, stop_after: int | None) -> IngestStats:
         self._consumer = self._kafka_consumer()
         worker = threading.Thread(target=self._db_loop, name="flywheel-ingest-db", daemon=True)
         worker.start()

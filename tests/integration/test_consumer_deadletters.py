@@ -181,3 +181,30 @@ def test_malformed_messages_are_dead_lettered_and_valid_ones_around_them_stored(
     reasons = Counter(dict(m.headers)["dlq-reason"].decode() for m in dlq)
     dlq.close()
     assert reasons == Counter(reason for _, reason in bad)
+
+
+@pytest.mark.integration
+def test_a_record_that_breaks_processing_is_dead_lettered_and_the_batch_goes_on(db, topics, kafka_bootstrap,
+                                                                                monkeypatch):
+    from consumers.ingest import IngestConsumer
+    from consumers.projection import Projector
+
+    events = generate_stream(300, seed=13)
+    poison = next(e for e in events if e.type == "tool.executed")
+    apply = Projector.apply
+
+    def failing_apply(self, t, se):  # a projection bug that only this record triggers
+        if se.event.event_id == poison.event_id:
+            raise RuntimeError("projection bug")
+        return apply(self, t, se)
+
+    monkeypatch.setattr(Projector, "apply", failing_apply)
+    produce(kafka_bootstrap, topics["interactions"], [kafka_record(e) for e in events])
+    stats = IngestConsumer().run(idle_exit_s=1.5)
+    assert stats.processing_errors == 1
+    with psycopg.connect(db) as conn:
+        rows = conn.execute("SELECT reason, detail, raw FROM dead_letter").fetchall()
+        stored = {r[0] for r in conn.execute("SELECT event_id FROM event_log")}
+    assert [(r[0], bytes(r[2])) for r in rows] == [("processing_error", encode_event(poison))]
+    assert "projection bug" in rows[0][1]
+    assert stored == {e.event_id for e in events} - {poison.event_id}
