@@ -11,9 +11,10 @@ rebuilds them identically); ``status`` goes ``provisional`` -> ``finalized`` onc
 (an ingestion-clock instant: when the last expected signal was ingested, or ``window_closes_at``),
 and a finalized trajectory and its ``reward_label`` rows never change afterwards except for
 ``late_event_ids`` (a relabel writes new label rows/values, from ``event_log``). Trainers read
-``status = 'finalized' AND NOT reserved_for_eval`` joined to ``reward_label`` for their spec; note
-that ``finalized_at`` of a window finalization is the close instant, up to a sweep interval before
-the row became visible, so select "finalized and not yet trained on" rather than by a time watermark.
+``status = 'finalized' AND NOT reserved_for_eval`` joined to ``reward_label`` for their spec. Select
+"finalized and not yet trained on" rather than by a watermark: ``finalized_at`` of a window
+finalization is the close instant, up to a sweep interval before the row became visible, and with
+several consumers a lower ``event_log.seq`` can commit after a higher one.
 """
 
 from __future__ import annotations
