@@ -1,0 +1,122 @@
+"""The whole loop, as the README's main job runs it, with a tiny random model and few tasks.
+
+Runs ``flywheel demo`` in a subprocess on its own FLYWHEEL_HOME (its own tansu broker, a fresh
+database on the test Postgres server) and then checks the loop's invariants from what it wrote:
+every simulated event is stored (or tombstoned for privacy mode), every finalized trajectory is in
+the candidate's manifest or excluded for a stated reason, the gate decision is stored, and the
+promotion or rejection is in the audit log and on the lifecycle topic.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import psycopg
+import pytest
+
+pytestmark = [pytest.mark.e2e, pytest.mark.integration]
+
+
+@pytest.fixture
+def loop_home(tmp_path_factory, pg_admin_url, tiny_model_dir):
+    """A FLYWHEEL_HOME and a fresh database for one demo run; everything stopped afterwards."""
+    home = tmp_path_factory.mktemp("loop-home")
+    name = f"flywheel_e2e_{uuid.uuid4().hex[:8]}"
+    with psycopg.connect(pg_admin_url, autocommit=True) as conn:
+        conn.execute(f'CREATE DATABASE "{name}"')
+    url = pg_admin_url.rsplit("/", 1)[0] + f"/{name}"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FLYWHEEL_")}
+    env.update(FLYWHEEL_HOME=str(home), FLYWHEEL_DATABASE_URL=url, FLYWHEEL_TELEMETRY_EXPORTER="none")
+    yield home, url, env
+    subprocess.run([sys.executable, "-m", "app.cli", "demo", "--down"], env=env, capture_output=True, timeout=120)
+    with psycopg.connect(pg_admin_url, autocommit=True) as conn:
+        conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+def _run_demo(env: dict[str, str], model_dir: Path) -> subprocess.CompletedProcess[str]:
+    args = [sys.executable, "-m", "app.cli", "demo", "--model-dir", str(model_dir), "--sessions", "4",
+            "--group-size", "2", "--max-turns", "2", "--max-tokens-per-turn", "24", "--steps", "1",
+            "--eval-tasks", "2", "--eval-max-turns", "1"]
+    return subprocess.run(args, env=env, capture_output=True, text=True, timeout=1200)
+
+
+def _lifecycle_messages(bootstrap: str, topic: str = "flywheel.lifecycle") -> list[dict]:
+    from kafka import KafkaConsumer, TopicPartition
+
+    consumer = KafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False, consumer_timeout_ms=3000)
+    try:
+        tp = TopicPartition(topic, 0)
+        consumer.assign([tp])
+        consumer.seek_to_beginning(tp)
+        return [json.loads(m.value) for m in consumer]
+    finally:
+        consumer.close()
+
+
+def test_demo_loop_keeps_its_invariants(loop_home, tiny_model_dir):
+    home, url, env = loop_home
+    proc = _run_demo(env, tiny_model_dir)
+    assert proc.returncode == 0, f"demo failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+
+    # Simulator summary: how many events the producer emitted.
+    summary = next(json.loads(line) for line in proc.stdout.splitlines()
+                   if line.startswith("{") and '"producer"' in line)
+    emitted = summary["producer"]["emitted"]
+    assert summary["producer"]["sent"] == emitted and summary["producer"]["dropped"] == 0
+
+    with psycopg.connect(url) as conn:
+        stored = conn.execute("SELECT count(*), count(DISTINCT event_id) FROM event_log").fetchone()
+        dropped = conn.execute("SELECT coalesce(sum(events_dropped), 0) FROM privacy_tombstone").fetchone()[0]
+        dead = conn.execute("SELECT count(*) FROM dead_letter").fetchone()[0]
+        # 1. every simulated event is in event_log (privacy-mode ones only as a tombstone count), once.
+        assert stored[0] == stored[1]
+        assert dead == 0
+        assert stored[0] + dropped == emitted
+
+        candidate, path, status = conn.execute(
+            "SELECT id, path, status FROM checkpoint WHERE parent_id IS NOT NULL ORDER BY created_at DESC"
+        ).fetchone()
+        finalized = {str(r[0]) for r in conn.execute("SELECT id FROM trajectory WHERE status = 'finalized'")}
+        assert finalized, "no trajectory was finalized"
+
+        # 2. every finalized trajectory is in the manifest or excluded with a stated reason.
+        manifest = json.loads((Path(path) / "manifest.json").read_text())
+        used = {t["id"] for t in manifest["trajectories"]}
+        excluded = manifest["excluded"]
+        assert finalized <= used | set(excluded), finalized - used - set(excluded)
+        assert all(isinstance(reason, str) and reason for reason in excluded.values())
+        assert (Path(path) / "STABLE").exists()
+
+        # 3. the gate decision is stored and the checkpoint's status follows it.
+        gate = conn.execute("SELECT passed, reasons FROM gate_decision WHERE candidate_id = %s", (candidate,)).fetchone()
+        assert gate is not None and gate[1]
+        expected_status = "production" if gate[0] else "rejected"
+        assert status == expected_status
+
+        # 4. the promotion (or rejection) is in the audit log ...
+        audit = conn.execute("SELECT action, actor FROM audit_log WHERE target = %s ORDER BY id",
+                             (f"checkpoint:{candidate}",)).fetchall()
+        release = "checkpoint.promoted" if gate[0] else "checkpoint.rejected"
+        assert "gate.decided" in [a for a, _ in audit], audit
+        # ... by the release manager's token, through the API.
+        assert any(a == release and actor.startswith("demo-release-manager") for a, actor in audit), audit
+
+    # ... and on the lifecycle topic, published by the outbox relay.
+    stack_env = dict(line.split("=", 1) for line in (home / "stack.env").read_text().split())
+    messages = _lifecycle_messages(stack_env["FLYWHEEL_KAFKA_BOOTSTRAP"])
+    kinds = {m.get("type") for m in messages if m.get("checkpoint_id") == candidate}
+    assert ("checkpoint.promoted" if gate[0] else "checkpoint.rejected") in kinds, messages
+    assert (home / "reports" / "demo" / "report.html").exists()
+    assert (home / "reports" / "demo" / "report.png").stat().st_size > 10_000
+
+    # Re-running picks up where it stopped: every step is already done, nothing new is trained.
+    again = _run_demo(env, tiny_model_dir)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    with psycopg.connect(url) as conn:
+        assert conn.execute("SELECT count(*) FROM checkpoint WHERE parent_id IS NOT NULL").fetchone()[0] == 1
+        assert conn.execute("SELECT count(*) FROM event_log").fetchone()[0] == stored[0]
