@@ -19,7 +19,7 @@ from collections.abc import Callable
 
 import torch
 
-from kernels.reference import DEFAULT_CHUNK_SIZE, _check_inputs
+from kernels.reference import DEFAULT_CHUNK_SIZE, _check_inputs, chunk_buffers, chunk_forward
 
 TokenLoss = Callable[[torch.Tensor, slice], torch.Tensor]
 """``token_loss(logprobs_chunk [n] fp32 requiring grad, token_slice) -> scalar`` contribution of the
@@ -37,17 +37,13 @@ class _FusedLogProbLoss(torch.autograd.Function):
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         grad_hidden = torch.empty_like(hidden) if need_h else None
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
+        x_buf, e_buf = chunk_buffers(min(chunk_size, n), weight.shape[0], hidden.device)
         for s in range(0, n, chunk_size):
             e = min(s + chunk_size, n)
             h, y = hidden[s:e], targets[s:e]
-            logits = (h @ weight.t()).float()
-            lse = torch.logsumexp(logits, dim=-1)
-            lp = (logits.gather(1, y[:, None]).squeeze(1) - lse).detach()
-            probs = logits.sub(lse[:, None]).exp_()
-            # entropy = lse - E_p[z]; a batched dot product avoids another [n, V] temporary
-            entropy[s:e] = lse - torch.bmm(probs.unsqueeze(1), logits.unsqueeze(2)).view(-1)
-            del logits
-            logprobs[s:e] = lp
+            _, lp, ent, total, _, ex = chunk_forward(h, weight, y, x_buf, e_buf)
+            lp = lp.detach()
+            logprobs[s:e], entropy[s:e] = lp, ent
             with torch.enable_grad():
                 leaf = lp.clone().requires_grad_()
                 chunk_loss = token_loss(leaf, slice(s, e))
@@ -55,9 +51,10 @@ class _FusedLogProbLoss(torch.autograd.Function):
             loss += chunk_loss.detach().float()
             if g is None or not (need_h or need_w):
                 continue
-            # d loss / d z_j = g (1[j = y] - p_j)
-            grad_logits = probs.mul_(-g[:, None].float())
-            grad_logits.scatter_add_(1, y[:, None], g[:, None].float())
+            g = g.float()
+            # d loss / d z_j = g (1[j = y] - p_j), with p = e / sum(e): one in-place pass
+            grad_logits = ex.mul_((-g / total)[:, None])
+            grad_logits.scatter_add_(1, y[:, None], g[:, None])
             grad_logits = grad_logits.to(weight.dtype)
             if need_h:
                 torch.mm(grad_logits, weight, out=grad_hidden[s:e])
@@ -66,7 +63,8 @@ class _FusedLogProbLoss(torch.autograd.Function):
                     grad_weight.addmm_(grad_logits.t(), h)
                 else:
                     grad_weight.add_((grad_logits.t() @ h).float())
-            del grad_logits, probs
+            del grad_logits
+        del x_buf, e_buf
         ctx.save_for_backward(grad_hidden if need_h else None,
                               grad_weight.to(weight.dtype) if need_w else None)
         ctx.mark_non_differentiable(logprobs, entropy)

@@ -29,18 +29,38 @@ def _check_inputs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Ten
                          f"targets {tuple(targets.shape)}")
 
 
-def _chunk_stats(h: torch.Tensor, weight: torch.Tensor, y: torch.Tensor):
-    """(logsumexp, target logit, E_p[z]) of one chunk, computed in fp32.
+def chunk_buffers(rows: int, vocab: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two ``[rows, V]`` fp32 buffers reused by every chunk (fresh large allocations would
+    page-fault and zero hundreds of MB per chunk)."""
+    x = torch.empty((rows, vocab), dtype=torch.float32, device=device)
+    return x, torch.empty_like(x)
 
-    Shapes: ``h`` [n, H], ``weight`` [V, H], ``y`` [n] -> three [n] fp32 tensors. Holds at most two
-    ``[n, V]`` fp32 buffers at a time.
+
+def chunk_forward(h: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, x_buf: torch.Tensor,
+                  e_buf: torch.Tensor):
+    """Statistics of one token chunk, computed in the given buffers.
+
+    Shapes: ``h`` [n, H], ``weight`` [V, H], ``y`` [n]; buffers at least ``[n, V]`` fp32.
+
+    Returns:
+        ``(lse [n], logprob [n], entropy [n], total [n], x, ex)`` where ``x = z - max(z)`` and
+        ``ex = exp(x)`` are views of the buffers and ``total = sum(ex)``, so ``p = ex / total``.
     """
-    logits = (h @ weight.t()).float()
-    lse = torch.logsumexp(logits, dim=-1)
-    target = logits.gather(1, y[:, None]).squeeze(1)
-    weighted = logits.sub(lse[:, None]).exp_().mul_(logits)  # p_j z_j
-    mean_logit = weighted.sum(-1)
-    return lse, target, mean_logit
+    n = h.shape[0]
+    x = x_buf[:n]
+    if h.dtype == torch.float32 and weight.dtype == torch.float32:
+        torch.mm(h, weight.t(), out=x)
+    else:
+        x.copy_(h @ weight.t())
+    m = x.amax(dim=-1)
+    target = x.gather(1, y[:, None]).squeeze(1)
+    x.sub_(m[:, None])
+    ex = torch.exp(x, out=e_buf[:n])
+    total = ex.sum(-1)
+    log_total = total.log()
+    # entropy = lse - E_p[z] = log(sum e) - sum(e x) / sum(e); a batched dot product, no temporary
+    entropy = log_total - torch.bmm(ex.unsqueeze(1), x.unsqueeze(2)).view(-1) / total
+    return m + log_total, target - m - log_total, entropy, total, x, ex
 
 
 class _ChunkedLogProbs(torch.autograd.Function):
@@ -52,13 +72,13 @@ class _ChunkedLogProbs(torch.autograd.Function):
         logprobs = torch.empty(n, dtype=torch.float32, device=hidden.device)
         entropy = torch.empty(n, dtype=torch.float32, device=hidden.device)
         lse_all = torch.empty(n, dtype=torch.float32, device=hidden.device)
+        x_buf, e_buf = chunk_buffers(min(chunk_size, n), weight.shape[0], hidden.device)
         with torch.no_grad():
             for s in range(0, n, chunk_size):
                 e = min(s + chunk_size, n)
-                lse, target, mean_logit = _chunk_stats(hidden[s:e], weight, targets[s:e])
-                logprobs[s:e] = target - lse
-                entropy[s:e] = lse - mean_logit
-                lse_all[s:e] = lse
+                lse, lp, ent, _, _, _ = chunk_forward(hidden[s:e], weight, targets[s:e], x_buf, e_buf)
+                logprobs[s:e], entropy[s:e], lse_all[s:e] = lp, ent, lse
+        del x_buf, e_buf
         ctx.save_for_backward(hidden, weight, targets, lse_all, entropy)
         ctx.chunk_size = chunk_size
         ctx.set_materialize_grads(False)  # an unused output (often entropy) then costs nothing
@@ -73,25 +93,24 @@ class _ChunkedLogProbs(torch.autograd.Function):
         grad_hidden = torch.empty_like(hidden) if need_h else None
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
         n = hidden.shape[0]
+        x_buf, e_buf = chunk_buffers(min(ctx.chunk_size, n), weight.shape[0], hidden.device)
         for s in range(0, n, ctx.chunk_size):
             e = min(s + ctx.chunk_size, n)
             h, y = hidden[s:e], targets[s:e]
-            logits = (h @ weight.t()).float()
-            probs = logits.sub(lse_all[s:e, None]).exp_()
+            # recompute: x = z - max, ex = exp(x), p = ex / total
+            _, _, _, total, x, ex = chunk_forward(h, weight, y, x_buf, e_buf)
+            probs = ex.div_(total[:, None])
             if grad_entropy is not None:
-                mean_logit = lse_all[s:e] - entropy[s:e]
-                # d entropy / d z_j = p_j (E_p[z] - z_j)
-                grad_logits = logits.neg_().add_(mean_logit[:, None]).mul_(probs)
-                grad_logits.mul_(grad_entropy[s:e, None].float())
+                # d entropy / d z_j = p_j (E_p[z] - z_j) = p_j (E_p[x] - x_j)
+                mean_x = torch.bmm(probs.unsqueeze(1), x.unsqueeze(2)).view(-1)
+                grad_logits = x.neg_().add_(mean_x[:, None]).mul_(probs).mul_(grad_entropy[s:e, None].float())
                 if grad_logprobs is not None:
                     # d logprob / d z_j = 1[j = y] - p_j
                     grad_logits.addcmul_(probs, grad_logprobs[s:e, None].float(), value=-1.0)
             else:
-                del logits
                 grad_logits = probs.mul_(-grad_logprobs[s:e, None].float())
             if grad_logprobs is not None:
                 grad_logits.scatter_add_(1, y[:, None], grad_logprobs[s:e, None].float())
-            del probs
             grad_logits = grad_logits.to(weight.dtype)
             if need_h:
                 torch.mm(grad_logits, weight, out=grad_hidden[s:e])
@@ -101,6 +120,7 @@ class _ChunkedLogProbs(torch.autograd.Function):
                 else:
                     grad_weight.add_((grad_logits.t() @ h).float())
             del grad_logits
+        del x_buf, e_buf
         if grad_weight is not None:
             grad_weight = grad_weight.to(weight.dtype)
         return grad_hidden, grad_weight, None, None
@@ -114,7 +134,7 @@ def chunked_logprobs_reference(hidden: torch.Tensor, weight: torch.Tensor, targe
         hidden: ``[N, H]`` final hidden states (any float dtype; logits are computed in fp32).
         weight: ``[V, H]`` LM head weight (same dtype as ``hidden``).
         targets: ``[N]`` int64 token ids in ``[0, V)``.
-        chunk_size: tokens per chunk; peak extra memory is about ``3 x chunk_size x V x 4`` bytes.
+        chunk_size: tokens per chunk; peak extra memory is about ``2 x chunk_size x V x 4`` bytes.
 
     Returns:
         ``(logprobs [N] fp32, entropy [N] fp32)`` in nats; both differentiable w.r.t. ``hidden``
