@@ -102,14 +102,12 @@ def _store_and_project(session: Session, projector: Projector, chunk: list[Decod
                        method: str, out: BatchOutcome) -> None:
     if not chunk:
         return
-    inserted = append_events(session, [d.row for d in chunk], method)  # type: ignore[misc]
-    seen: set[uuid.UUID] = set()
+    inserted = {k.int: v for k, v in append_events(session, [d.row for d in chunk], method).items()}  # type: ignore[misc]
     stored: list[StoredEvent] = []
     for d in chunk:
-        eid = d.event.event_id  # type: ignore[union-attr]
-        if eid in inserted and eid not in seen:
-            seen.add(eid)
-            stored.append(StoredEvent(d.event, inserted[eid], now, d.msg.topic, d.msg.partition, d.msg.offset))
+        seq = inserted.pop(d.event.event_id.int, None)  # type: ignore[union-attr]  # pop: a repeat in the batch is a duplicate
+        if seq is not None:
+            stored.append(StoredEvent(d.event, seq, now, d.msg.topic, d.msg.partition, d.msg.offset))
     out.stored += len(stored)
     out.duplicates += len(chunk) - len(stored)
     out.trajectories += project_events(session, projector, stored, out.finalized)

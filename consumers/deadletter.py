@@ -13,8 +13,9 @@ from __future__ import annotations
 import base64
 import math
 import re
-from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 import orjson
 
@@ -29,21 +30,20 @@ MAX_SEGMENT_INDEX = 100_000
 _TRACEPARENT = re.compile(r"^[0-9a-f]{2}-([0-9a-f]{32})-[0-9a-f]{16}-[0-9a-f]{2}$")
 
 
-@dataclass(frozen=True)
-class Message:
-    """A consumed Kafka record, independent of the client library."""
+class Message(NamedTuple):
+    """A consumed Kafka record, independent of the client library (a tuple: one per record)."""
 
     topic: str
     partition: int
     offset: int
     key: bytes | None
     value: bytes | None
-    headers: list[tuple[str, bytes]] = field(default_factory=list)
+    headers: Sequence[tuple[str, bytes]] = ()
 
     @classmethod
     def from_record(cls, rec: Any) -> "Message":
         """From a kafka-python ``ConsumerRecord``."""
-        return cls(rec.topic, rec.partition, rec.offset, rec.key, rec.value, list(rec.headers or []))
+        return cls(rec.topic, rec.partition, rec.offset, rec.key, rec.value, rec.headers or ())
 
 
 @dataclass
@@ -82,7 +82,7 @@ def _bad_value(v: Any) -> str | None:
     return None
 
 
-def trace_id_of(headers: list[tuple[str, bytes]]) -> str | None:
+def trace_id_of(headers: Sequence[tuple[str, bytes]]) -> str | None:
     """The producer's trace id from a W3C ``traceparent`` header, if well formed."""
     for k, v in headers:
         if k == "traceparent" and v:

@@ -29,7 +29,7 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
-from typing import Any
+from typing import Any, NamedTuple
 
 from app.events.types import EventBase
 from consumers.rewards.math import RewardResult, compute_reward, inputs_from_signals
@@ -53,8 +53,7 @@ def reserved_for_eval(task_id: str | None, fraction: float) -> bool:
     return h / 2**64 < fraction
 
 
-@dataclass(frozen=True)
-class StoredEvent:
+class StoredEvent(NamedTuple):
     """An event as stored in ``event_log`` (or about to be): where and when it was ingested."""
 
     event: EventBase

@@ -13,7 +13,7 @@ import uuid
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import psycopg
 from psycopg.types.json import Jsonb
@@ -28,9 +28,9 @@ def raw_connection(session: Session) -> psycopg.Connection:
     return session.connection().connection.driver_connection  # type: ignore[return-value]
 
 
-@dataclass(frozen=True)
-class EventRow:
-    """One ``event_log`` row to insert; ``payload`` is JSON text."""
+class EventRow(NamedTuple):
+    """One ``event_log`` row to insert, fields in :data:`EVENT_COLUMNS` order; ``payload`` is JSON
+    text. (A tuple: one is built per consumed record.)"""
 
     event_id: uuid.UUID
     type: str
@@ -97,17 +97,17 @@ def append_events(session: Session, rows: Sequence[EventRow],
 
 
 def _values(r: EventRow) -> tuple:
-    return (r.event_id, r.type, r.schema_version, r.occurred_at, r.session_id, r.user_id, r.org_id, r.payload,
-            r.topic, r.partition, r.offset, r.trace_id)
+    return r  # EventRow's fields are EVENT_COLUMNS, in order
 
 
 def _append_direct(cur: psycopg.Cursor, rows: Sequence[EventRow]) -> dict[uuid.UUID, int]:
     cur.execute("SELECT event_id FROM event_log WHERE event_id = ANY(%s)", ([r.event_id for r in rows],))
-    seen = {r[0] for r in cur.fetchall()}
+    seen = {r[0].int for r in cur.fetchall()}  # int keys: uuid.UUID hashes in Python, ints in C
     new: list[EventRow] = []
     for r in rows:
-        if r.event_id not in seen:
-            seen.add(r.event_id)
+        key = r.event_id.int
+        if key not in seen:
+            seen.add(key)
             new.append(r)
     if not new:
         return {}

@@ -7,6 +7,7 @@ full rows (``ON CONFLICT DO UPDATE`` every column): the stored row is exactly th
 
 from __future__ import annotations
 
+import struct
 import uuid
 from collections.abc import Callable, Iterable, Sequence
 from datetime import datetime
@@ -119,6 +120,26 @@ def _pg_type(col) -> str:
     return "text"
 
 
+_UUID_OID = 2950
+_UUID_LEN = struct.pack("!i", 16)
+
+
+def uuid_array_binary(ids: Sequence[uuid.UUID]) -> bytes:
+    """A ``uuid[]`` in Postgres' binary array format (``array_send``: ndim, has-null flag, element
+    oid, then per dimension its size and lower bound, then each element as length + bytes).
+
+    Lineage arrays are rewritten with every batch; building them here is ~20x cheaper than the
+    generic list dumper, and binary COPY hands the bytes to ``array_recv`` of the target column.
+    """
+    if not ids:
+        return struct.pack("!iiI", 0, 0, _UUID_OID)
+    return struct.pack("!iiIii", 1, 0, _UUID_OID, len(ids), 1) + b"".join(_UUID_LEN + u.bytes for u in ids)
+
+
+def _is_uuid_array(col) -> bool:
+    return isinstance(col.type, ARRAY) and isinstance(col.type.item_type, UUID)
+
+
 def _copy_upsert(cur, table, key: tuple[str, ...], rows: list[tuple]) -> None:
     """Upsert whole rows in one statement: binary COPY into a temp table shaped like ``table``, then
     ``INSERT .. SELECT .. ON CONFLICT (key) DO UPDATE`` every column (one executor run for the batch
@@ -128,9 +149,15 @@ def _copy_upsert(cur, table, key: tuple[str, ...], rows: list[tuple]) -> None:
     cur.execute(f"CREATE TEMP TABLE IF NOT EXISTS {tmp} (LIKE {table.name} INCLUDING DEFAULTS) "
                 "ON COMMIT DELETE ROWS")
     names = ", ".join(cols)
+    uuid_arrays = [i for i, c in enumerate(table.columns) if _is_uuid_array(c)]
     with cur.copy(f"COPY {tmp} ({names}) FROM STDIN (FORMAT BINARY)") as copy:
-        copy.set_types([_pg_type(c) for c in table.columns])
+        # pre-encoded uuid[] values pass through psycopg's bytea dumper untouched
+        copy.set_types(["bytea" if i in uuid_arrays else _pg_type(c) for i, c in enumerate(table.columns)])
         for r in rows:
+            if uuid_arrays:
+                r = list(r)
+                for i in uuid_arrays:
+                    r[i] = uuid_array_binary(r[i])
             copy.write_row(r)
     updates = ", ".join(f"{c} = EXCLUDED.{c}" for c in cols if c not in key)
     cur.execute(f"INSERT INTO {table.name} ({names}) SELECT {names} FROM {tmp} "
