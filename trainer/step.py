@@ -181,7 +181,6 @@ def train_steps(model: torch.nn.Module, batches: list[MicroBatch], config: Train
     """Run the cycle's optimizer steps (needs ``old_logprobs`` filled). Returns per-step metrics."""
     model.train()
     history = []
-    normalizer = config.normalizer()
     for step, group in enumerate(micro_batch_schedule(batches, config), start=1):
         lr = config.optim.lr * min(1.0, step / config.optim.warmup_steps) if config.optim.warmup_steps else config.optim.lr
         for pg in optimizer.param_groups:

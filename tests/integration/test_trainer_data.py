@@ -4,7 +4,6 @@ missing rewards, erasure), the watermark advances, and the per-cycle cap defers 
 
 from __future__ import annotations
 
-import uuid
 from datetime import datetime, timedelta, timezone
 
 import pytest
