@@ -29,6 +29,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
+from datetime import datetime, timezone
 from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -171,7 +172,7 @@ class LateEvents:
                 time.sleep(min(due - now, 1.0))
                 continue
             # The event's occurred_at is its emission time (the measurement happens now).
-            self._emit(event.model_copy(update={"occurred_at": event.occurred_at.__class__.now(event.occurred_at.tzinfo)}))
+            self._emit(event.model_copy(update={"occurred_at": datetime.now(timezone.utc)}))
             sent += 1
 
 
