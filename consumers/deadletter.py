@@ -166,3 +166,43 @@ def dlq_record(d: Decoded, max_bytes: int) -> tuple[bytes | None, bytes, list[tu
         headers.append(("dlq-truncated-from", str(len(raw)).encode()))
         raw = raw[:max_bytes]
     return m.key, raw, headers
+
+
+class DeadLetterPublisher:
+    """Publishes dead letters to the DLQ topic and waits for the broker's acks (at least once: a
+    retried batch may publish a record twice; the ``dead_letter`` table holds each exactly once).
+    The Kafka client is rebuilt after a failure, so a retry starts from a clean connection."""
+
+    def __init__(self, bootstrap: str, topic: str, max_bytes: int, client_id: str = "flywheel-dlq") -> None:
+        self.bootstrap, self.topic, self.max_bytes, self.client_id = bootstrap, topic, max_bytes, client_id
+        self._producer: Any = None
+
+    def publish(self, dead: Sequence[Decoded], timeout_s: float = 30.0) -> None:
+        """Send and wait for every ack.
+
+        Raises:
+            kafka.errors.KafkaError: the broker did not take them (transient: callers retry).
+        """
+        from kafka import KafkaProducer
+
+        if self._producer is None:
+            self._producer = KafkaProducer(bootstrap_servers=self.bootstrap, acks="all", linger_ms=5,
+                                           max_request_size=self.max_bytes + 131_072, client_id=self.client_id)
+        try:
+            futures = [self._producer.send(self.topic, key=k, value=v, headers=h)
+                       for k, v, h in (dlq_record(d, self.max_bytes) for d in dead)]
+            self._producer.flush(timeout=timeout_s)
+            for f in futures:
+                f.get(timeout=timeout_s)
+        except Exception:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        """Close the client (idempotent)."""
+        if self._producer is not None:
+            try:
+                self._producer.close(timeout=5)
+            except Exception:  # noqa: BLE001 -- closing a broken client
+                pass
+            self._producer = None

@@ -39,7 +39,7 @@ from app.core.db import session_scope
 from app.core.settings import get_settings
 from app.core.telemetry import tracer
 from consumers.batch import BatchOutcome, apply_batch
-from consumers.deadletter import Decoded, Message, classify, dlq_record
+from consumers.deadletter import Decoded, DeadLetterPublisher, Message, classify
 from consumers.finalize import finalize_due
 from consumers.projection import ProjectionConfig, Projector
 from consumers.retry import is_transient, retry_transient
@@ -110,10 +110,12 @@ class IngestConsumer:
         self._stop = threading.Event()      # finish what is queued, then return
         self._abort = threading.Event()     # give up retrying (shutdown during an outage)
         self._consumer: Any = None
-        self._producer: Any = None
+        self._dlq = DeadLetterPublisher(self.bootstrap, self.dlq_topic, self.settings.dlq_max_bytes,
+                                        client_id=f"{client_id}-dlq")
         self._tracer = tracer("flywheel.consumers.ingest")
         self._next: dict[int, int] = {}
         self._assigned_at: float | None = None
+        self._joining_since: float | None = time.monotonic()
         self._work: queue.Queue = queue.Queue(maxsize=self.settings.pipeline_depth)
         self._done: queue.Queue = queue.Queue()
         self._worker_error: BaseException | None = None
@@ -147,6 +149,7 @@ class IngestConsumer:
                 # Let queued batches land first so the next owner starts where we stopped (if they
                 # do not in time, the offset rows they lock make the later write skip what was done).
                 owner._drain(timeout_s=owner.settings.max_poll_interval_ms / 2000)
+                owner._joining_since = time.monotonic()
                 log.info("partitions revoked: %s", sorted(tp.partition for tp in revoked))
 
             def on_partitions_assigned(self, assigned) -> None:
@@ -164,6 +167,7 @@ class IngestConsumer:
 
         stored = self.retry(read, "reading stored offsets")
         self._assigned_at = time.monotonic()
+        self._joining_since = None
         for tp in assigned:
             if tp.partition in stored:
                 consumer.seek(tp, stored[tp.partition])
@@ -173,25 +177,8 @@ class IngestConsumer:
         log.info("partitions assigned: %s (stored offsets %s)", sorted(tp.partition for tp in assigned),
                  {tp.partition: stored.get(tp.partition) for tp in assigned})
 
-    def _dlq_producer(self):
-        if self._producer is None:
-            from kafka import KafkaProducer
-
-            self._producer = KafkaProducer(bootstrap_servers=self.bootstrap, acks="all", linger_ms=5,
-                                           max_request_size=self.settings.dlq_max_bytes + 131_072,
-                                           client_id=f"{self.client_id}-dlq")
-        return self._producer
-
     def _publish_dead_letters(self, dead: list[Decoded]) -> None:
-        def send() -> None:
-            producer = self._dlq_producer()
-            futures = [producer.send(self.dlq_topic, key=k, value=v, headers=h)
-                       for k, v, h in (dlq_record(d, self.settings.dlq_max_bytes) for d in dead)]
-            producer.flush(timeout=30)
-            for f in futures:
-                f.get(timeout=30)
-
-        self.retry(send, "publishing to the DLQ topic")
+        self.retry(lambda: self._dlq.publish(dead), "publishing to the DLQ topic")
 
     # ---- one batch (DB thread) -----------------------------------------------------------------
 
@@ -248,7 +235,7 @@ class IngestConsumer:
             except Exception as exc:  # noqa: BLE001
                 if is_transient(exc):
                     raise
-                log.warning("batch failed (%s); applying it record by record", exc)
+                log.warning("batch failed (%s); bisecting it to isolate the record(s) at fault", exc)
                 outcome = self.retry(lambda: self._apply_isolated(decoded), "isolated batch transaction")
             span.set_attribute("flywheel.events.stored", outcome.stored)
             span.set_attribute("flywheel.dead_letters", sum(outcome.dead_letters.values()))
@@ -326,6 +313,20 @@ class IngestConsumer:
         except Exception as exc:  # noqa: BLE001 -- e.g. a rebalance in progress; Postgres is the truth
             log.debug("kafka offset commit refused: %s", exc)
 
+    def _rejoin_if_stuck(self, now: float) -> None:
+        """A group join that has not finished after ``join_timeout_s`` is abandoned and started over
+        with a fresh client (seen on tansu after members were SIGKILLed mid-rebalance)."""
+        if self._joining_since is None or now - self._joining_since < self.settings.join_timeout_s:
+            return
+        log.warning("group join not finished after %.0fs; rejoining with a new client", now - self._joining_since)
+        self._drain(timeout_s=self.settings.shutdown_grace_s)
+        try:
+            self._consumer.close(autocommit=False)
+        except Exception:  # noqa: BLE001 -- the old client is being discarded anyway
+            log.debug("closing the stuck consumer failed", exc_info=True)
+        self._consumer = self._kafka_consumer()
+        self._joining_since = time.monotonic()
+
     def _update_lag(self) -> None:
         lag = {}
         for tp in self._consumer.assignment():
@@ -381,6 +382,7 @@ class IngestConsumer:
                     polled += len(messages)
                     last_record = now
                 self._update_lag()
+                self._rejoin_if_stuck(now)
                 if stop_after is not None and polled >= stop_after:
                     break
                 # idle time counts from the later of the last record and the last (re)assignment
@@ -422,9 +424,4 @@ class IngestConsumer:
             except Exception:  # noqa: BLE001 -- closing a dead connection
                 log.debug("consumer close failed", exc_info=True)
             self._consumer = None
-        if self._producer is not None:
-            try:
-                self._producer.close(timeout=5)
-            except Exception:  # noqa: BLE001
-                log.debug("producer close failed", exc_info=True)
-            self._producer = None
+        self._dlq.close()

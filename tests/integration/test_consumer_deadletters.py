@@ -4,6 +4,7 @@ while every valid event around them is stored."""
 
 from __future__ import annotations
 
+import uuid
 import base64
 import json
 import random
@@ -19,6 +20,14 @@ from hypothesis import strategies as st
 from app.events import EVENT_CLASSES, encode_event
 from consumers.deadletter import Message, classify
 from consumers.testing import generate_session, generate_stream, kafka_record, produce
+
+
+@pytest.fixture(autouse=True)
+def _own_consumer_group(monkeypatch):
+    """A consumer group per test: the session's broker keeps every group's membership, and a group
+    whose members were SIGKILLed by an earlier test must not slow this test's join."""
+    monkeypatch.setenv("FLYWHEEL_KAFKA_CONSUMER_GROUP", f"ingest-{uuid.uuid4().hex[:8]}")
+
 
 MAX_BYTES = 16_384
 SENTINEL = {"x": [1]}  # no field of the contract accepts an object with this shape

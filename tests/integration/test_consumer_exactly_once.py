@@ -23,6 +23,13 @@ from consumers.testing import consumer_process, generate_stream, kafka_record, p
 
 pytestmark = pytest.mark.integration
 
+
+@pytest.fixture(autouse=True)
+def _own_consumer_group(monkeypatch):
+    """A consumer group per test: the session's broker keeps every group's membership, and a group
+    whose members were SIGKILLed by an earlier test must not slow this test's join."""
+    monkeypatch.setenv("FLYWHEEL_KAFKA_CONSUMER_GROUP", f"ingest-{uuid.uuid4().hex[:8]}")
+
 # Columns stamped by the ingestion clock or by seq interleaving across partitions: equal within one
 # database (replay), not across two runs.
 RUN_DEPENDENT = {"trajectory": {"finalized_at", "window_closes_at", "max_event_seq"},
@@ -104,7 +111,8 @@ def test_sigkilled_consumers_leave_every_event_once_and_the_same_trajectories(db
     other = pg_admin_url.rsplit("/", 1)[0] + f"/{name}"
     try:
         upgrade(url=other)
-        proc = consumer_process({**env, "FLYWHEEL_DATABASE_URL": other}, group="uninterrupted", log_path=logs)
+        proc = consumer_process({**env, "FLYWHEEL_DATABASE_URL": other}, group=f"uninterrupted-{uuid.uuid4().hex[:6]}",
+                                log_path=logs)
         try:
             wait_for(lambda: scalar(other, "SELECT count(*) FROM event_log") == len(events), 180,
                      what="uninterrupted run stored all events")

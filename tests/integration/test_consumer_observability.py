@@ -3,6 +3,7 @@ and metrics for events by outcome, dead letters by reason, finalized trajectorie
 
 from __future__ import annotations
 
+import uuid
 import pytest
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
@@ -14,6 +15,13 @@ from consumers.telemetry import ConsumerMetrics, producer_links
 from consumers.testing import generate_stream, kafka_record, produce, traceparent_for
 
 pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(autouse=True)
+def _own_consumer_group(monkeypatch):
+    """A consumer group per test: the session's broker keeps every group's membership, and a group
+    whose members were SIGKILLed by an earlier test must not slow this test's join."""
+    monkeypatch.setenv("FLYWHEEL_KAFKA_CONSUMER_GROUP", f"ingest-{uuid.uuid4().hex[:8]}")
 
 
 def test_producer_links_parse_w3c_traceparent_and_skip_garbage():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import uuid
 from datetime import datetime, timedelta, timezone
 
 import numpy as np
@@ -13,6 +14,13 @@ from consumers.projection import trajectory_id_for
 from consumers.testing import generate_session, kafka_record, produce
 
 pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(autouse=True)
+def _own_consumer_group(monkeypatch):
+    """A consumer group per test: the session's broker keeps every group's membership, and a group
+    whose members were SIGKILLed by an earlier test must not slow this test's join."""
+    monkeypatch.setenv("FLYWHEEL_KAFKA_CONSUMER_GROUP", f"ingest-{uuid.uuid4().hex[:8]}")
 T0 = datetime.now(timezone.utc) - timedelta(hours=1)
 
 

@@ -8,6 +8,7 @@ the distribution moved.
 
 from __future__ import annotations
 
+import uuid
 import json
 import time
 
@@ -18,6 +19,13 @@ from typer.testing import CliRunner
 from consumers.testing import generate_stream, kafka_record, produce
 
 pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(autouse=True)
+def _own_consumer_group(monkeypatch):
+    """A consumer group per test: the session's broker keeps every group's membership, and a group
+    whose members were SIGKILLed by an earlier test must not slow this test's join."""
+    monkeypatch.setenv("FLYWHEEL_KAFKA_CONSUMER_GROUP", f"ingest-{uuid.uuid4().hex[:8]}")
 
 
 @pytest.fixture
