@@ -158,19 +158,29 @@ def _read_capped(path: Path, limit: int) -> tuple[str, bool]:
             + tail.decode("utf-8", "replace")), True
 
 
+def _live_pids(uid: int) -> list[int]:
+    """Pids of ``uid``'s processes that are not zombies (a killed orphan is a zombie until reaped)."""
+    pids = []
+    for p in Path("/proc").iterdir():
+        if not p.name.isdigit():
+            continue
+        try:
+            if p.stat().st_uid != uid:
+                continue
+            state = (p / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            continue
+        if state != "Z":
+            pids.append(int(p.name))
+    return pids
+
+
 def _kill_uid(uid: int) -> None:
     """SIGKILL every process of ``uid`` (a fork bomb may escape its process group with setsid)."""
-    for _ in range(20):
+    for _ in range(50):
         subprocess.run(["kill", "-KILL", "-1"], user=uid, group=uid, extra_groups=[],
                        capture_output=True, timeout=10)
-        alive = False
-        for p in Path("/proc").iterdir():
-            if p.name.isdigit():
-                try:
-                    alive |= p.stat().st_uid == uid
-                except OSError:
-                    continue
-        if not alive:
+        if not _live_pids(uid):
             return
         time.sleep(0.05)
 
