@@ -146,6 +146,8 @@ def collect_report(session: Session, candidate_id: str | None = None) -> LoopRep
                        func.coalesce(func.sum(EvalResult.tool_call_errors), 0))
                 .where(EvalResult.run_id == run.id)).one()
             total, passed, mean_tokens, errors = int(rows[0]), int(rows[1]), float(rows[2]), int(rows[3])
+            if total == 0:  # an empty suite (e.g. mined before any task is mined) has no rate to show
+                continue
             low, high = wilson_interval(passed, total)
             report.suites.append(SuiteResult(ckpt, run.suite, passed, total, low, high, mean_tokens, errors))
     if decision is not None:
@@ -238,7 +240,10 @@ def render_png(report: LoopReport, path: Path) -> Path:
                     ys.append(s.rate)
                     lo.append(s.rate - s.low)
                     hi.append(s.high - s.rate)
-        ax.bar(xs, ys, width=width, yerr=[lo, hi], capsize=4, label=ckpt)
+        bars = ax.bar(xs, ys, width=width, yerr=[lo, hi], capsize=4, label=ckpt)
+        counts = [f"{s.passed}/{s.total}" for suite in suites for s in report.suites
+                  if s.suite == suite and s.checkpoint_id == ckpt]
+        ax.bar_label(bars, labels=counts, padding=2, fontsize=8)
     ax.set_xticks([j + width * (len(ckpts) - 1) / 2 for j in range(len(suites))], suites)
     ax.set_ylim(0, 1)
     ax.set_title("pass rate, 95% Wilson CI")
