@@ -3,7 +3,8 @@ transaction per batch, exactly-once) next to a bare kafka-python consume loop ov
 
 Set-up: a tansu broker started here (memory storage, 4 partitions), a scratch Postgres database
 (created on the server of ``FLYWHEEL_DATABASE_URL`` if set, else on the local server 127.0.0.1:5432,
-else on an embedded server started here), migrated, dropped at the end. ``consumers.testing.generate_stream`` produces realistic sessions (100k
+else on an embedded server started here), migrated, dropped at the end.
+``consumers.testing.generate_stream`` produces realistic sessions (100k
 events; 20k with ``--quick``): ``model.responded`` turns with real-sized token arrays, tool calls,
 edits, context summaries, ends and late signals; a share of sessions withholds an expected signal so
 their trajectories finalize by the window.
@@ -24,6 +25,13 @@ is excluded from both):
   finalize and label every remaining provisional trajectory.
 
 Ends with one JSON line; ratio = ours / baseline events/s, target >= 0.5.
+
+Where the time goes (CPU per event, measured on the 2-core development box): kafka-python fetch and
+record parsing ~13 us (all the bare loop does), decoding and validating the event ~20 us (pydantic;
+~27 us for a ``model.responded`` with ~400 token ids), folding it into its trajectory and writing
+rows from Python ~35-50 us, Postgres itself ~45 us (COPY into ``event_log`` ~17 us, the trajectory
+and segment upserts, WAL). Ours is CPU-bound at roughly 5x the bare loop's work per event; the
+pipeline overlaps Postgres with Python, and more consumer processes (partitions) add cores.
 """
 
 from __future__ import annotations

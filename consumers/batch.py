@@ -102,10 +102,12 @@ def _store_and_project(session: Session, projector: Projector, chunk: list[Decod
                        method: str, out: BatchOutcome) -> None:
     if not chunk:
         return
-    inserted = {k.int: v for k, v in append_events(session, [d.row for d in chunk], method).items()}  # type: ignore[misc]
+    rows = [d.row for d in chunk]
+    inserted = {k.int: v for k, v in append_events(session, rows, method).items()}  # type: ignore[arg-type]
     stored: list[StoredEvent] = []
     for d in chunk:
-        seq = inserted.pop(d.event.event_id.int, None)  # type: ignore[union-attr]  # pop: a repeat in the batch is a duplicate
+        # pop: a second record with the same id in this batch is a duplicate, not a new event
+        seq = inserted.pop(d.event.event_id.int, None)  # type: ignore[union-attr]
         if seq is not None:
             stored.append(StoredEvent(d.event, seq, now, d.msg.topic, d.msg.partition, d.msg.offset))
     out.stored += len(stored)

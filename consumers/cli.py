@@ -56,7 +56,8 @@ def finalize() -> None:
 
 def relabel(
     spec: str = typer.Option(..., "--spec", help="reward spec name@version, e.g. implicit@2"),
-    baseline: str = typer.Option(None, help="spec whose labels are 'before' (default: the same spec, or the first active one)"),
+    baseline: str = typer.Option(None, help="spec whose labels are 'before' "
+                                            "(default: the same spec, or the first active one)"),
     as_json: bool = typer.Option(False, "--json", help="print the report as JSON"),
 ) -> None:
     """Recompute labels of finalized trajectories from event_log (late signals included) and show how
