@@ -220,42 +220,54 @@ def _chown_tree(root: Path, uid: int, gid: int | None = None) -> None:
                 continue
 
 
-def sync_tree(src: Path, dst: Path, max_files: int = 10_000) -> None:
-    """Make ``dst`` mirror ``src`` (files, directories, symlinks as links; at most ``max_files``)."""
-    seen: set[str] = set()
-    for dirpath, dirnames, filenames in os.walk(src):
-        rel_dir = Path(dirpath).relative_to(src)
+MAX_TREE_ENTRIES = 20_000
+
+
+def tree_entries(root: Path, limit: int = MAX_TREE_ENTRIES) -> set[str]:
+    """Relative paths of every file, directory and symlink under ``root`` (symlinks not followed).
+
+    Raises:
+        ValueError: more than ``limit`` entries (not a task repository).
+    """
+    out: set[str] = set()
+    for dirpath, dirnames, filenames in os.walk(root):
+        rel_dir = Path(dirpath).relative_to(root)
         for name in dirnames + filenames:
-            if len(seen) >= max_files:
-                break
-            rel = rel_dir / name
-            seen.add(str(rel))
-            s_path, d_path = src / rel, dst / rel
-            if s_path.is_dir() and not s_path.is_symlink():
-                if d_path.is_symlink() or (d_path.exists() and not d_path.is_dir()):
-                    d_path.unlink()
-                d_path.mkdir(exist_ok=True)
-                continue
-            if d_path.is_dir() and not d_path.is_symlink():
-                shutil.rmtree(d_path)
-            elif d_path.is_symlink() or d_path.exists():
-                if not s_path.is_symlink() and not d_path.is_symlink() and _same_file(s_path, d_path):
-                    continue
+            out.add(str(rel_dir / name))
+        if len(out) > limit:
+            raise ValueError(f"{root} has more than {limit} entries: not a task repository")
+    return out
+
+
+def sync_tree(src: Path, dst: Path, before: set[str], max_files: int = MAX_TREE_ENTRIES) -> None:
+    """Apply the sandbox's changes to ``dst``: what ``src`` holds is copied over (symlinks as links,
+    at most ``max_files`` entries), and what was in ``before`` (the tree copied in) but is gone from
+    ``src`` is deleted. Entries of ``dst`` the sandbox never saw are left alone."""
+    after = sorted(tree_entries(src, limit=10 * max_files))[:max_files]
+    for rel in after:
+        s_path, d_path = src / rel, dst / rel
+        if s_path.is_dir() and not s_path.is_symlink():
+            if d_path.is_symlink() or (d_path.exists() and not d_path.is_dir()):
                 d_path.unlink()
-            if s_path.is_symlink():
-                os.symlink(os.readlink(s_path), d_path)
-            else:
-                shutil.copyfile(s_path, d_path)
-    for dirpath, dirnames, filenames in os.walk(dst, topdown=False):
-        rel_dir = Path(dirpath).relative_to(dst)
-        for name in filenames + dirnames:
-            rel = rel_dir / name
-            if str(rel) not in seen:
-                target = dst / rel
-                if target.is_dir() and not target.is_symlink():
-                    shutil.rmtree(target, ignore_errors=True)
-                else:
-                    target.unlink(missing_ok=True)
+            d_path.mkdir(parents=True, exist_ok=True)
+            continue
+        if d_path.is_dir() and not d_path.is_symlink():
+            shutil.rmtree(d_path)
+        elif d_path.is_symlink() or d_path.exists():
+            if not s_path.is_symlink() and not d_path.is_symlink() and _same_file(s_path, d_path):
+                continue
+            d_path.unlink()
+        d_path.parent.mkdir(parents=True, exist_ok=True)
+        if s_path.is_symlink():
+            os.symlink(os.readlink(s_path), d_path)
+        else:
+            shutil.copyfile(s_path, d_path)
+    for rel in sorted(before - set(after), key=lambda r: -r.count(os.sep)):  # deepest first
+        target = dst / rel
+        if target.is_dir() and not target.is_symlink():
+            shutil.rmtree(target, ignore_errors=True)
+        else:
+            target.unlink(missing_ok=True)
 
 
 def _same_file(a: Path, b: Path) -> bool:
@@ -272,11 +284,14 @@ def run_in_sandbox(cmd: str | list[str], cwd: Path, limits: SandboxLimits | None
 
     Raises:
         FileNotFoundError: ``cwd`` does not exist.
+        ValueError: ``cwd`` is ``/``, a home or a world-writable top directory, or too large.
     """
     limits = limits or SandboxLimits()
     cwd = Path(cwd).resolve()
     if not cwd.is_dir():
         raise FileNotFoundError(f"sandbox directory {cwd} does not exist")
+    if str(cwd) in ("/", str(Path.home()), *_WORLD_WRITABLE):
+        raise ValueError(f"refusing to sandbox {cwd}: give the task's own directory")
     argv = ["/bin/bash", "-c", cmd] if isinstance(cmd, str) else list(cmd)
     isolated = not limits.network and network_isolation_available()
     if isolated:
@@ -305,6 +320,7 @@ def run_in_sandbox(cmd: str | list[str], cwd: Path, limits: SandboxLimits | None
         # task directory's ancestors may be closed to it (e.g. 0700 temp dirs), and the harness's
         # files never change owner. The copy is synced back after the run.
         run_cwd = scratch / "repo"
+        before = tree_entries(cwd)
         shutil.copytree(cwd, run_cwd, symlinks=True)
         _chown_tree(scratch, uid)
         user_kwargs = {"user": uid, "group": uid, "extra_groups": []}
@@ -338,7 +354,7 @@ def run_in_sandbox(cmd: str | list[str], cwd: Path, limits: SandboxLimits | None
         if as_root:
             _sweep_world_writable(uid, keep=(scratch,))
             if run_cwd.is_dir():
-                sync_tree(run_cwd, cwd)
+                sync_tree(run_cwd, cwd, before)
         shutil.rmtree(scratch, ignore_errors=True)
     code = proc.returncode
     return SandboxResult(exit_code=code, stdout=stdout, stderr=stderr, timed_out=timed_out,

@@ -97,3 +97,25 @@ def test_tool_paths_cannot_escape(box, path):
 def test_tool_paths_inside_are_allowed(box):
     assert resolve_inside(box, "pkg/../a.py") == box / "a.py"
     assert resolve_inside(box, str(box / "a.py")) == box / "a.py"
+
+
+def test_sync_back_touches_only_what_the_sandbox_saw(box):
+    import threading
+    import time as _time
+
+    def writer():  # the harness (or anyone) writes into the directory while the command runs
+        _time.sleep(0.3)
+        (box / "late.txt").write_text("kept")
+
+    t = threading.Thread(target=writer)
+    t.start()
+    r = run_in_sandbox("sleep 1; rm a.py", box, LIMITS)
+    t.join()
+    assert r.ok and not (box / "a.py").exists()  # the sandbox's deletion is applied
+    assert (box / "late.txt").read_text() == "kept"  # an entry it never saw is left alone
+
+
+@pytest.mark.parametrize("where", ["/", "/tmp"])
+def test_refuses_shared_directories(where):
+    with pytest.raises(ValueError, match="refusing"):
+        run_in_sandbox("true", Path(where), LIMITS)
