@@ -167,6 +167,8 @@ class Projector:
         self.config = config
         self.specs = specs
         self.load_segment = load_segment or (lambda _tid, _idx: None)
+        self._handlers = {name[4:].replace("_", ".", 1): getattr(self, name)
+                          for name in dir(self) if name.startswith("_on_")}
 
     # ---- finalization ---------------------------------------------------------------------
 
@@ -206,7 +208,7 @@ class Projector:
         if t.ended_at is not None and ev.type != "session.ended":
             after = t.signals["received_after_end"]
             after[ev.type] = after.get(ev.type, 0) + 1
-        handler = getattr(self, "_on_" + ev.type.replace(".", "_"), None)
+        handler = self._handlers.get(ev.type)
         if handler is not None:
             handler(t, se)
         if self.config.relabel:
