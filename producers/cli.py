@@ -15,7 +15,7 @@ def simulate(
     max_tokens: int = typer.Option(1024, "--max-tokens", help="completion tokens per session"),
     max_tokens_per_turn: int = typer.Option(256, "--max-tokens-per-turn"),
     context_tokens: int = typer.Option(3072, "--context-tokens", help="context before self-summarization"),
-    temperature: float = typer.Option(1.0, "--temperature"),
+    temperature: float = typer.Option(0.7, "--temperature", help="must match the trainer's loss.temperature"),
     privacy_rate: float = typer.Option(0.1, "--privacy-rate", help="share of sessions in privacy mode"),
     followup_rate: float = typer.Option(0.6, "--followup-rate"),
     persistence_delay: float = typer.Option(5.0, "--persistence-delay", help="seconds before edit persistence is measured"),

@@ -68,8 +68,10 @@ class SimulatorConfig(BaseModel):
     """Completion tokens per turn."""
     context_tokens: int = Field(default=3072, ge=256)
     """Context kept before self-summarization (tokens)."""
-    temperature: float = Field(default=1.0, ge=0.0)
-    """Sampling temperature of the behaviour policy (recorded log-probs are of this distribution)."""
+    temperature: float = Field(default=0.7, ge=0.0)
+    """Sampling temperature of the behaviour policy (recorded log-probs are of this distribution).
+    Keep it equal to the trainer's ``loss.temperature`` (trainer/configs/default.toml): the trainer
+    evaluates ``softmax(logits / T)`` against these log-probs."""
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     """Nucleus mass."""
     privacy_rate: float = Field(default=0.1, ge=0.0, le=1.0)
