@@ -49,9 +49,11 @@ def eval_run(checkpoint: str = typer.Argument(..., help="checkpoint id, e.g. bas
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+    from app.core.telemetry import configure_telemetry
     from evals.config import load_suite
     from evals.runner import run_suite
 
+    configure_telemetry("flywheel-evals")
     console = Console(stderr=as_json)
     summaries = []
     for name in suite:
@@ -179,9 +181,11 @@ def gate_cmd(candidate: str = typer.Argument(..., help="candidate checkpoint id"
     """Evaluate CANDIDATE and production on every gated suite (reusing cached runs), decide and explain."""
     from rich.console import Console
 
+    from app.core.telemetry import configure_telemetry
     from evals.config import load_gate_config
     from evals.gating import gate_candidate
 
+    configure_telemetry("flywheel-evals")
     console = Console(stderr=as_json)
 
     def on_run(name, role, s):

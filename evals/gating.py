@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 from app.core.db import session_scope
 from app.core.errors import ConfigurationError, ConflictError
 from app.models import EvalRun
+from app.core.telemetry import traced
 from evals import store
 from evals.config import GateConfig, load_gate_config, load_suite
 from evals.gate import GateResult, SuiteOutcomes, decide_gate
@@ -66,6 +67,7 @@ def _resolve(candidate_id: str, production_id: str | None) -> str:
     return production_id
 
 
+@traced("evals.gate", attrs=("candidate_id", "production_id"))
 def gate_candidate(candidate_id: str, *, production_id: str | None = None, config: GateConfig | None = None,
                    suites: list[str] | None = None, limit: int | None = None,
                    overrides: dict[str, int] | None = None, workers: int = 1,

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 from app.core.db import session_scope
 from app.core.errors import ConfigurationError
 from app.core.settings import flywheel_home
+from app.core.telemetry import traced
 from evals import store
 from evals.config import SuiteConfig, load_suite
 from evals.gate import monitor_values, wilson_interval
@@ -168,6 +169,7 @@ def _summarize(run, plan: RunPlan, errors: list[str]) -> dict[str, Any]:
             "low": low, "high": high, "errors": errors[:20], "monitors": monitor_values(outs)}
 
 
+@traced("evals.run", attrs=("checkpoint_id", "suite"))
 def run_suite(checkpoint_id: str, suite: SuiteConfig | str, *, limit: int | None = None, workers: int = 1,
               engine: "InferenceEngine | None" = None, tasks: list["Task"] | None = None, force: bool = False,
               on_result: ResultCallback | None = None, on_plan: Callable[[RunPlan, int], None] | None = None

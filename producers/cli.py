@@ -34,6 +34,9 @@ def simulate(
     from producers.producer import EventProducer
     from producers.simulator import SimulatorConfig, run_simulation
 
+    from app.core.telemetry import configure_telemetry, shutdown_telemetry
+
+    configure_telemetry("flywheel-simulator")
     torch.set_num_threads(threads)
     config = SimulatorConfig(sessions=sessions, tasks=tasks, group_size=group_size, max_turns=max_turns,
                              max_tokens=max_tokens, max_tokens_per_turn=max_tokens_per_turn,
@@ -47,6 +50,7 @@ def simulate(
                                    progress=lambda s: typer.echo(json.dumps(s)))
         producer.flush(timeout_s=60)
         metrics = producer.metrics
+    shutdown_telemetry()
     typer.echo(json.dumps({"sessions": len(summaries), "errors": sum(1 for s in summaries if "error" in s),
                            "passed": sum(1 for s in summaries if s.get("passed")), "producer": metrics}))
 

@@ -32,7 +32,10 @@ from collections.abc import Callable
 from datetime import datetime, timezone
 from pathlib import Path
 
+from opentelemetry import context as otel_context
 from pydantic import BaseModel, ConfigDict, Field
+
+from app.core.telemetry import tracer
 
 from app.events.types import (
     EditAccepted, EditAcceptedEvent, EditPersistenceMeasured, EditPersistenceMeasuredEvent, EditRejected,
@@ -40,6 +43,7 @@ from app.events.types import (
 )
 
 log = logging.getLogger(__name__)
+_tracer = tracer("flywheel.producers.simulator")
 
 FOLLOWUPS = ("This doesn't work, the tests still fail.", "That broke it. Please redo this.",
              "No, that's not what I asked for.")
@@ -153,9 +157,12 @@ class LateEvents:
         self._emit, self._heap, self._lock, self._n = emit, [], threading.Lock(), 0
 
     def schedule(self, delay_s: float, event: EventBase) -> None:
+        """Emit ``event`` after ``delay_s`` seconds, inside the trace context current now (the
+        session's span), so a session's late signals join its trace."""
+        ctx = otel_context.get_current()
         with self._lock:
             self._n += 1
-            heapq.heappush(self._heap, (time.monotonic() + delay_s, self._n, event))
+            heapq.heappush(self._heap, (time.monotonic() + delay_s, self._n, event, ctx))
 
     def emit_due(self, *, wait_all: bool = False) -> int:
         """Emit events that are due (all of them, sleeping as needed, when ``wait_all``)."""
@@ -164,7 +171,7 @@ class LateEvents:
             with self._lock:
                 if not self._heap:
                     return sent
-                due, _, event = self._heap[0]
+                due, _, event, ctx = self._heap[0]
                 now = time.monotonic()
                 if due > now and not wait_all:
                     return sent
@@ -174,7 +181,11 @@ class LateEvents:
                 time.sleep(min(due - now, 1.0))
                 continue
             # The event's occurred_at is its emission time (the measurement happens now).
-            self._emit(event.model_copy(update={"occurred_at": datetime.now(timezone.utc)}))
+            token = otel_context.attach(ctx)
+            try:
+                self._emit(event.model_copy(update={"occurred_at": datetime.now(timezone.utc)}))
+            finally:
+                otel_context.detach(token)
             sent += 1
 
 
@@ -225,6 +236,17 @@ def run_simulation(config: SimulatorConfig, engine, emit: Callable[[EventBase], 
                                 privacy_mode=spec["privacy"])
                 dev = DeveloperReaction(config, spec["rng"], spec["task"], workdir, envelope, emit, late.schedule)
                 started = time.perf_counter()
+                # One trace per session: the producer injects this span's context into every event's
+                # headers, and the consumer links its batch spans to it.
+                with _tracer.start_as_current_span("simulator.session", attributes={
+                        "flywheel.session_id": spec["session_id"], "flywheel.task_id": spec["task"].id}):
+                    summary = _run_one(spec, workdir, dev, started)
+                with lock:
+                    summaries.append(summary)
+                if progress:
+                    progress(summary)
+
+            def _run_one(spec: dict, workdir: Path, dev: "DeveloperReaction", started: float) -> dict:
                 try:
                     result = run_agent_session(
                         batcher, spec["task"], workdir, budget,
@@ -246,10 +268,7 @@ def run_simulation(config: SimulatorConfig, engine, emit: Callable[[EventBase], 
                     with lock:
                         remaining[0] -= 1
                         batcher.set_expected(remaining[0])
-                with lock:
-                    summaries.append(summary)
-                if progress:
-                    progress(summary)
+                return summary
 
             batcher.set_expected(len(specs))
             threads = [threading.Thread(target=one, args=(s,), name=f"session-{s['index']}") for s in specs]

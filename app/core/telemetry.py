@@ -101,3 +101,26 @@ def tracer(name: str) -> trace.Tracer:
 def meter(name: str) -> metrics.Meter:
     """A meter for a flywheel module."""
     return metrics.get_meter(name)
+
+
+def traced(span_name: str, *, attrs: tuple[str, ...] = ()):
+    """Decorator: run the function in a span named ``span_name`` whose attributes
+    ``flywheel.<arg>`` are the named arguments' values (bound by signature; str-converted), so a
+    training cycle, eval run or promotion is linked to the checkpoints it touched."""
+    import functools
+    import inspect
+
+    def wrap(fn):
+        sig = inspect.signature(fn)
+
+        @functools.wraps(fn)
+        def inner(*args, **kwargs):
+            bound = sig.bind_partial(*args, **kwargs)
+            attributes = {f"flywheel.{a}": str(getattr(bound.arguments[a], "name", bound.arguments[a]))
+                          for a in attrs if bound.arguments.get(a) is not None}
+            with tracer(fn.__module__).start_as_current_span(span_name, attributes=attributes):
+                return fn(*args, **kwargs)
+
+        return inner
+
+    return wrap

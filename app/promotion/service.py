@@ -32,6 +32,7 @@ from app.models import Checkpoint, GateDecision, Promotion
 from app.promotion.audit import record_audit
 from app.promotion.outbox import enqueue_lifecycle
 from app.repositories.checkpoints import get_production
+from app.core.telemetry import traced
 
 #: pg_advisory_xact_lock key serialising production changes ("flyw" << 32 | 1).
 PRODUCTION_LOCK_KEY = (0x666C7977 << 32) | 1
@@ -116,6 +117,7 @@ def _check_expected(current: Checkpoint | None, expected: str | None, reasons: l
         reasons.append(f"expected production {expected!r} but production is {current_id!r}")
 
 
+@traced("promotion.promote", attrs=("checkpoint_id", "expected_production_id", "actor"))
 def promote_checkpoint(session: Session, *, checkpoint_id: str, expected_production_id: str | None,
                        actor: str, reason: str) -> ProductionChange:
     """Make a gate-passed, STABLE candidate the production checkpoint (see module invariants).
@@ -181,6 +183,7 @@ def previous_production_id(session: Session, current_id: str) -> str | None:
     )
 
 
+@traced("promotion.rollback", attrs=("expected_production_id", "actor"))
 def rollback_production(session: Session, *, expected_production_id: str | None, actor: str, reason: str,
                         checkpoint_id: str | None = None) -> ProductionChange:
     """Return production to an earlier production checkpoint (default: the one before the current).
@@ -228,6 +231,7 @@ def rollback_production(session: Session, *, expected_production_id: str | None,
     return ProductionChange(promotion=promo, checkpoint=row, previous=current)
 
 
+@traced("promotion.reject", attrs=("checkpoint_id", "actor"))
 def reject_checkpoint(session: Session, *, checkpoint_id: str, actor: str, reason: str) -> Checkpoint:
     """Take a checkpoint out of the running for good (status ``rejected``).
 
