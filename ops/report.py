@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import html
 import json
-import math
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -17,22 +16,7 @@ from typing import Any
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-
-def wilson_interval(passed: int, n: int, z: float = 1.959964) -> tuple[float, float]:
-    """Wilson score interval of a binomial proportion (Wilson 1927, JASA 22:209).
-
-    Args:
-        passed: successes; n: trials; z: normal quantile (1.96 for 95 %).
-    Returns:
-        ``(low, high)`` in [0, 1]; ``(0, 1)`` when ``n == 0``.
-    """
-    if n == 0:
-        return 0.0, 1.0
-    p = passed / n
-    denom = 1 + z * z / n
-    centre = (p + z * z / (2 * n)) / denom
-    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / denom
-    return max(0.0, centre - half), min(1.0, centre + half)
+from app.promotion.stats import wilson_interval
 
 
 @dataclass
