@@ -6,9 +6,9 @@ decodes batch k+1):
 - the *poll* thread owns the ``KafkaConsumer``: poll up to ``batch_max_records`` -> classify each
   record (event or dead letter) -> hand the batch to the DB thread (a queue ``pipeline_depth``
   deep) -> commit to Kafka the offsets of batches the DB thread has committed (advisory: Postgres
-  is the source of truth; every assignment seeks to the offsets stored there). While the queue is
-  full it pauses its partitions and keeps polling, so it stays in the group through a long
-  database outage instead of being evicted;
+  is the source of truth; every assignment seeks to the offsets stored there). If the queue stays
+  full (the DB thread retrying through an outage) it pauses its partitions and keeps polling, so it
+  stays in the group instead of being evicted;
 - the *DB* thread, per batch: publish dead letters to the DLQ topic, then ONE Postgres
   transaction (``consumers.batch.apply_batch``: events, projections, dead letters, offsets); and
   every ``finalize_interval_s`` the window sweep.
@@ -313,6 +313,29 @@ class IngestConsumer:
         except Exception as exc:  # noqa: BLE001 -- e.g. a rebalance in progress; Postgres is the truth
             log.debug("kafka offset commit refused: %s", exc)
 
+    def _hand_over(self, item) -> None:
+        """Queue a batch for the DB thread. Normally a slot frees within one batch time; if the DB
+        stage is stuck (an outage being retried), keep the group membership alive with paused polls
+        (no fetching, so nothing piles up) instead of being evicted after ``max_poll_interval_ms``."""
+        keepalive_s = self.settings.max_poll_interval_ms / 2000
+        last_poll, paused = time.monotonic(), False
+        while not self._stop.is_set():
+            try:
+                self._work.put(item, timeout=0.1)
+                break
+            except queue.Full:
+                if time.monotonic() - last_poll < keepalive_s:
+                    continue
+                if not paused:
+                    self._consumer.pause(*self._consumer.assignment())
+                    paused = True
+                extra = self._consumer.poll(timeout_ms=0)
+                for tp, recs in extra.items():  # partitions assigned by a rebalance meanwhile
+                    self._consumer.seek(tp, recs[0].offset)  # not taken: fetch them again later
+                last_poll = time.monotonic()
+        if paused:
+            self._consumer.resume(*self._consumer.paused())
+
     def _rejoin_if_stuck(self, now: float) -> None:
         """A group join that has not finished after ``join_timeout_s`` is abandoned and started over
         with a fresh client (seen on tansu after members were SIGKILLed mid-rebalance)."""
@@ -360,11 +383,6 @@ class IngestConsumer:
         try:
             while not self._stop.is_set():
                 self._commit_done()
-                assignment = self._consumer.assignment()
-                if self._work.full():  # backpressure: stay in the group, fetch nothing
-                    self._consumer.pause(*assignment)
-                elif self._consumer.paused():
-                    self._consumer.resume(*self._consumer.paused())
                 records = self._consumer.poll(timeout_ms=self.settings.poll_timeout_ms,
                                               max_records=self.settings.batch_max_records)
                 messages = [Message.from_record(r) for recs in records.values() for r in recs]
@@ -373,12 +391,7 @@ class IngestConsumer:
                     if self.stats.first_record_at is None:
                         self.stats.first_record_at = now
                     decoded = [classify(m, self.max_event_bytes) for m in messages]
-                    while not self._stop.is_set():  # paused above if full, so this wait is short
-                        try:
-                            self._work.put((messages, decoded), timeout=0.1)
-                            break
-                        except queue.Full:
-                            continue
+                    self._hand_over((messages, decoded))
                     polled += len(messages)
                     last_record = now
                 self._update_lag()
