@@ -339,7 +339,9 @@ class IngestConsumer:
     def _rejoin_if_stuck(self, now: float) -> None:
         """A group join that has not finished after ``join_timeout_s`` is abandoned and started over
         with a fresh client (seen on tansu after members were SIGKILLed mid-rebalance)."""
-        if self._joining_since is None or now - self._joining_since < self.settings.join_timeout_s:
+        # A healthy join may take the rebalance timeout (= max_poll_interval in kafka-python).
+        timeout_s = max(self.settings.join_timeout_s, 3 * self.settings.max_poll_interval_ms / 1000)
+        if self._joining_since is None or now - self._joining_since < timeout_s:
             return
         log.warning("group join not finished after %.0fs; rejoining with a new client", now - self._joining_since)
         self._drain(timeout_s=self.settings.shutdown_grace_s)

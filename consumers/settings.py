@@ -34,7 +34,8 @@ class ConsumerSettings(BaseSettings):
     session_timeout_ms: int = Field(default=6000, ge=1000, description="group session timeout (ms)")
     heartbeat_interval_ms: int = Field(default=1000, ge=100, description="group heartbeat interval (ms)")
     join_timeout_s: float = Field(default=30.0, gt=0,
-                                  description="a group join unfinished after this many seconds starts over")
+                                  description="a group join unfinished after this many seconds (at least "
+                                              "3x max_poll_interval) starts over with a new client")
     fetch_max_bytes: int = Field(default=52_428_800, ge=1024, description="bytes per fetch response")
     insert_method: Literal["copy", "copy_upsert", "unnest"] = Field(
         default="copy", description="event_log batch insert (see app.repositories.events.append_events)")
