@@ -67,3 +67,26 @@ def test_batch_spans_link_producer_traces_and_metrics_are_recorded(db, topics, k
     assert {p.attributes["partition"] for p in points["flywheel.consumer.lag"]} == {0, 1, 2, 3}
     assert all(p.value == 0 for p in points["flywheel.consumer.lag"])  # caught up
     assert "flywheel.consumer.events_per_second" in points and "flywheel.consumer.batch_duration" in points
+
+
+def test_a_stuck_group_join_is_abandoned_for_a_fresh_client(monkeypatch):
+    from consumers.ingest import IngestConsumer
+
+    monkeypatch.setenv("FLYWHEEL_KAFKA_BOOTSTRAP", "127.0.0.1:1")  # never contacted here
+    consumer = IngestConsumer()
+    closed = []
+
+    class Stuck:
+        def close(self, autocommit):
+            closed.append(autocommit)
+
+    consumer._consumer = Stuck()
+    monkeypatch.setattr(consumer, "_kafka_consumer", lambda: "fresh client")
+    consumer._joining_since = 100.0
+    consumer._rejoin_if_stuck(100.0 + 14.0)  # < 3 x max_poll_interval (5 s): a join may take that long
+    assert consumer._consumer.__class__ is Stuck and closed == []
+    consumer._rejoin_if_stuck(100.0 + 31.0)
+    assert consumer._consumer == "fresh client" and closed == [False]  # left without committing
+    consumer._joining_since = None  # joined: nothing to watch
+    consumer._rejoin_if_stuck(10_000.0)
+    assert consumer._consumer == "fresh client"
