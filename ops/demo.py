@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from app.core.errors import FlywheelError, InfrastructureError
+from app.core.errors import FlywheelError
 from app.core.settings import flywheel_home, get_settings
 
 STEPS = ("stack", "model", "services", "simulate", "finalize", "train", "gate", "release", "report")
@@ -113,11 +113,6 @@ def _db_scalar(sql: str, **params: Any) -> Any:
 
     with session_scope() as session:
         return session.execute(text(sql), params).scalar()
-
-
-def _api_url() -> str:
-    s = get_settings().api
-    return (s.url or f"http://{s.host}:{s.port}").rstrip("/")
 
 
 def step_stack(opts: DemoOptions, state: DemoState, home: Path) -> str:
@@ -295,8 +290,6 @@ def run_demo(opts: DemoOptions) -> None:
     home = flywheel_home()
     state = DemoState(home)
     con = Console()
-    if opts.trace:
-        os.environ["FLYWHEEL_TELEMETRY_EXPORTER"] = "console"
     started = time.monotonic()
     for i, step in enumerate(STEPS, 1):
         # "services" and "report" always run: processes die with the machine, reports are cheap.
