@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from app.core.errors import CheckpointError
+from app.core.files import fsync_dir
 
 STABLE = "STABLE"
 MANIFEST = "manifest.json"
@@ -34,14 +35,6 @@ def sha256_file(path: Path, chunk_bytes: int = 1 << 20) -> str:
         while block := f.read(chunk_bytes):
             h.update(block)
     return h.hexdigest()
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class CheckpointStore:
@@ -111,9 +104,9 @@ class CheckpointStore:
             if final.exists():  # an unmarked leftover of a killed writer: never visible, replace it
                 shutil.rmtree(final)
             os.replace(staging, final)
-            _fsync_dir(self.root)
+            fsync_dir(self.root)
             (final / STABLE).write_text(checkpoint_id + "\n")
-            _fsync_dir(final)
+            fsync_dir(final)
         except BaseException:
             shutil.rmtree(staging, ignore_errors=True)
             raise

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from app.core.errors import ConfigurationError
+from app.core.files import fsync_dir
 
 log = logging.getLogger(__name__)
 
@@ -107,14 +108,6 @@ def decode_frames(buf: bytes, max_records: int | None = None) -> tuple[list[Reco
         out.append(_decode_body(body))
         pos = end
     return out, pos
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class Spool:
@@ -214,7 +207,7 @@ class Spool:
         self._writer_seg = n
         self._segments.append(n)
         self._acked[n] = 0
-        _fsync_dir(self.dir)
+        fsync_dir(self.dir)
 
     def prepend(self, records: Iterable[Record]) -> None:
         """Put records at the head, ahead of everything spooled; durable when this returns."""
@@ -230,7 +223,7 @@ class Spool:
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(tmp, self._path(n))
-            _fsync_dir(self.dir)
+            fsync_dir(self.dir)
             self._segments.insert(0, n)
             self._acked[n] = 0
             self._pending += count
