@@ -117,6 +117,36 @@ def _check_expected(current: Checkpoint | None, expected: str | None, reasons: l
         reasons.append(f"expected production {expected!r} but production is {current_id!r}")
 
 
+def _check_servable(row: Checkpoint, current: Checkpoint | None, expected: str | None,
+                    reasons: list[str]) -> None:
+    """Refusals shared by promotion and rollback: the target must be STABLE, clean of erased data,
+    and ``expected`` must name the current production (optimistic concurrency)."""
+    if not is_stable(row):
+        reasons.append(f"checkpoint directory is not STABLE at {row.path}")
+    if row.trained_on_erased:
+        reasons.append("checkpoint trained on data of an erased user")
+    _check_expected(current, expected, reasons)
+
+
+def _commit_production_change(session: Session, *, kind: str, action: str, row: Checkpoint,
+                              current: Checkpoint | None, actor: str, reason: str,
+                              gate_decision_id: uuid.UUID | None = None,
+                              extra_details: dict | None = None) -> ProductionChange:
+    """The one transaction shape of every production change: status switch, promotion row, audit
+    entry and lifecycle outbox row, all in the caller's transaction."""
+    _switch_production(session, new=row, previous=current)
+    promo = Promotion(id=uuid.uuid4(), kind=kind, checkpoint_id=row.id,
+                      previous_production_id=current.id if current else None, actor=actor, reason=reason,
+                      gate_decision_id=gate_decision_id)
+    session.add(promo)
+    session.flush()
+    details = {"reason": reason, "promotion_id": str(promo.id),
+               "previous_production_id": promo.previous_production_id, **(extra_details or {})}
+    record_audit(session, actor=actor, action=action, target=f"checkpoint:{row.id}", details=details)
+    enqueue_lifecycle(session, action, row.id, actor=actor, **details, **_serving_fields(session, row))
+    return ProductionChange(promotion=promo, checkpoint=row, previous=current)
+
+
 @traced("promotion.promote", attrs=("checkpoint_id", "expected_production_id", "actor"))
 def promote_checkpoint(session: Session, *, checkpoint_id: str, expected_production_id: str | None,
                        actor: str, reason: str) -> ProductionChange:
@@ -146,26 +176,13 @@ def promote_checkpoint(session: Session, *, checkpoint_id: str, expected_product
                            f"{current.id}: re-run the gate")
     if row.status != "gate_passed":
         reasons.append(f"checkpoint status is {row.status!r}, not 'gate_passed'")
-    if not is_stable(row):
-        reasons.append(f"checkpoint directory is not STABLE at {row.path}")
-    if row.trained_on_erased:
-        reasons.append("checkpoint trained on data of an erased user")
-    _check_expected(current, expected_production_id, reasons)
+    _check_servable(row, current, expected_production_id, reasons)
     if reasons:
         raise ConflictError(f"promotion of {row.id} refused", reasons=reasons)
-
-    _switch_production(session, new=row, previous=current)
-    promo = Promotion(id=uuid.uuid4(), kind="promotion", checkpoint_id=row.id,
-                      previous_production_id=current.id if current else None, actor=actor, reason=reason,
-                      gate_decision_id=gate.id if gate else None)
-    session.add(promo)
-    session.flush()
-    details = {"reason": reason, "promotion_id": str(promo.id),
-               "previous_production_id": promo.previous_production_id,
-               "gate_decision_id": str(promo.gate_decision_id) if promo.gate_decision_id else None}
-    record_audit(session, actor=actor, action="checkpoint.promoted", target=f"checkpoint:{row.id}", details=details)
-    enqueue_lifecycle(session, "checkpoint.promoted", row.id, actor=actor, **details, **_serving_fields(session, row))
-    return ProductionChange(promotion=promo, checkpoint=row, previous=current)
+    gate_id = gate.id if gate else None
+    return _commit_production_change(session, kind="promotion", action="checkpoint.promoted", row=row,
+                                     current=current, actor=actor, reason=reason, gate_decision_id=gate_id,
+                                     extra_details={"gate_decision_id": str(gate_id) if gate_id else None})
 
 
 def earlier_productions(session: Session) -> set[str]:
@@ -210,25 +227,11 @@ def rollback_production(session: Session, *, expected_production_id: str | None,
         reasons.append(f"{row.id} has never been production")
     if row.status not in ("retired", "production"):
         reasons.append(f"checkpoint status is {row.status!r}, not 'retired'")
-    if not is_stable(row):
-        reasons.append(f"checkpoint directory is not STABLE at {row.path}")
-    if row.trained_on_erased:
-        reasons.append("checkpoint trained on data of an erased user")
-    _check_expected(current, expected_production_id, reasons)
+    _check_servable(row, current, expected_production_id, reasons)
     if reasons:
         raise ConflictError(f"rollback to {row.id} refused", reasons=reasons)
-
-    _switch_production(session, new=row, previous=current)
-    promo = Promotion(id=uuid.uuid4(), kind="rollback", checkpoint_id=row.id, previous_production_id=current.id,
-                      actor=actor, reason=reason)
-    session.add(promo)
-    session.flush()
-    details = {"reason": reason, "promotion_id": str(promo.id), "previous_production_id": current.id}
-    record_audit(session, actor=actor, action="checkpoint.rolled_back", target=f"checkpoint:{row.id}",
-                 details=details)
-    enqueue_lifecycle(session, "checkpoint.rolled_back", row.id, actor=actor, **details,
-                      **_serving_fields(session, row))
-    return ProductionChange(promotion=promo, checkpoint=row, previous=current)
+    return _commit_production_change(session, kind="rollback", action="checkpoint.rolled_back", row=row,
+                                     current=current, actor=actor, reason=reason)
 
 
 @traced("promotion.reject", attrs=("checkpoint_id", "actor"))
