@@ -6,9 +6,9 @@ session with :func:`session_scope`, repositories only ``flush``.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
-from functools import lru_cache
 
 from sqlalchemy import Engine, create_engine
 from sqlalchemy.engine import make_url
@@ -44,15 +44,20 @@ def database_url() -> str:
     return normalize_url(url.get_secret_value())
 
 
-@lru_cache(maxsize=4)
-def _engine_for(url: str, pool_size: int, echo: bool) -> Engine:
-    return create_engine(url, pool_size=pool_size, pool_pre_ping=True, echo=echo, future=True)
+_engines: dict[tuple[str, int, bool], Engine] = {}
+_engines_lock = threading.Lock()
 
 
 def get_engine() -> Engine:
-    """The process-wide engine for the configured database."""
+    """The process-wide engine for the configured database (one per URL and pool settings)."""
     s = get_settings().database
-    return _engine_for(database_url(), s.pool_size, s.echo)
+    key = (database_url(), s.pool_size, s.echo)
+    with _engines_lock:
+        engine = _engines.get(key)
+        if engine is None:
+            engine = _engines[key] = create_engine(key[0], pool_size=s.pool_size, pool_pre_ping=True,
+                                                   echo=s.echo)
+    return engine
 
 
 def get_sessionmaker() -> sessionmaker[Session]:
@@ -69,15 +74,9 @@ def session_scope() -> Iterator[Session]:
 
 
 def reset_engines() -> None:
-    """Dispose cached engines (tests switch databases; forked workers must not share sockets)."""
-    for eng in list(_engine_cache_values()):
-        eng.dispose()
-    _engine_for.cache_clear()
-
-
-def _engine_cache_values():
-    # lru_cache has no public iteration; rebuild from the current settings' engine if cached.
-    try:
-        yield get_engine()
-    except ConfigurationError:
-        return
+    """Dispose every engine this process created (tests switch databases; forked workers must
+    not share sockets)."""
+    with _engines_lock:
+        for engine in _engines.values():
+            engine.dispose()
+        _engines.clear()
