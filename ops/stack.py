@@ -12,7 +12,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -417,8 +416,3 @@ def register_pid(name: str, pid: int, home: Path | None = None) -> None:
         raise ConfigurationError("no local stack: run `flywheel stack up` first")
     state.extra_pids[name] = pid
     state.save(home)
-
-
-def which(name: str) -> str | None:
-    """``shutil.which`` re-exported for CLI checks."""
-    return shutil.which(name)
