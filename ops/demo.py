@@ -187,8 +187,7 @@ def step_finalize(opts: DemoOptions, state: DemoState, home: Path) -> str:
             if time.monotonic() > deadline:
                 raise FlywheelError(f"{provisional} of {total} trajectories still provisional after "
                                     f"{opts.finalize_timeout_s:.0f}s; is the consumer running? see logs/consumer.log")
-            if provisional:
-                flywheel(["finalize"], opts, capture=True)
+            # The consumer started in "services" sweeps closed windows every 2 s (see _env).
             time.sleep(2.0)
 
 
