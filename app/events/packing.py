@@ -2,20 +2,30 @@
 
 Token ids travel as base64 of little-endian ``int32`` and log-probs as base64 of little-endian
 ``float32`` (4 bytes per token instead of ~6-20 characters of a JSON list); Postgres stores the same
-raw bytes in ``bytea`` columns. In Python they are tuples so events stay hashable and frozen.
+raw bytes in ``bytea`` columns.
+
+In Python they stay packed: :class:`TokenArray` / :class:`LogProbArray` hold the raw bytes and read
+as an immutable sequence of Python numbers (``len``, indexing, iteration, ``==`` with any sequence,
+``+`` to a tuple, ``numpy()``). Decoding an event is then one base64 decode per array, and the
+projection appends the bytes to its segment as they came (a ``model.responded`` with a few hundred
+tokens validates ~2x faster than as a tuple of ints, and holds 4 bytes per token instead of ~36).
 """
 
 from __future__ import annotations
 
 import base64
-from typing import Annotated, Any
+from collections.abc import Sequence
+from typing import Annotated, Any, ClassVar
 
 import numpy as np
-from pydantic import BeforeValidator, PlainSerializer, WithJsonSchema
+from pydantic import GetCoreSchemaHandler, WithJsonSchema
+from pydantic_core import PydanticCustomError, core_schema
 
 
 def pack_ints(values) -> bytes:
     """Token ids -> raw bytes (``<i4``, 4 bytes per token)."""
+    if isinstance(values, PackedArray):
+        return values.raw
     return np.asarray(values, dtype="<i4").tobytes()
 
 
@@ -28,6 +38,8 @@ def unpack_ints(raw: bytes | memoryview | None) -> np.ndarray:
 
 def pack_floats(values) -> bytes:
     """Log-probs -> raw bytes (``<f4``, 4 bytes per token)."""
+    if isinstance(values, PackedArray):
+        return values.raw
     return np.asarray(values, dtype="<f4").tobytes()
 
 
@@ -38,49 +50,150 @@ def unpack_floats(raw: bytes | memoryview | None) -> np.ndarray:
     return np.frombuffer(bytes(raw), dtype="<f4").astype(np.float32)
 
 
-def _decoder(dtype: str, cast):
-    def decode(value: Any):
+class PackedArray(Sequence):
+    """An immutable array of 4-byte little-endian numbers kept as its raw bytes (``raw``).
+
+    Reads as a sequence of Python numbers; equal to any sequence with the same values (and to an
+    array of the same class with the same bytes); hashable. Build one with :meth:`of` (values or
+    another array) or :meth:`from_base64` (the wire form).
+    """
+
+    __slots__ = ("raw",)
+    dtype: ClassVar[str] = ""
+    kind: ClassVar[str] = ""
+
+    def __init__(self, raw: bytes) -> None:
+        if len(raw) % 4:
+            raise ValueError(f"packed {self.kind} array length {len(raw)} is not a multiple of 4")
+        self.raw = bytes(raw)
+
+    @classmethod
+    def of(cls, values: Any) -> "PackedArray":
+        """From a sequence of numbers (canonicalized through the wire dtype, so the decoded event
+        equals the one that was sent) or an array of this class.
+
+        Raises:
+            ValueError: raw bytes (pass base64 or values), a token id outside int32, a non-number.
+        """
+        if isinstance(values, cls):
+            return values
+        if isinstance(values, (bytes, bytearray, memoryview, str)):
+            raise ValueError("pass a base64 string or a sequence of numbers, not raw bytes")
+        arr = np.asarray(list(values))
+        if arr.size and arr.dtype.kind not in "biuf":
+            raise ValueError(f"expected numbers, got {arr.dtype}")
+        if arr.size and cls.dtype == "<i4":
+            if arr.dtype.kind == "f" and not np.all(arr == np.floor(arr)):
+                raise ValueError("token ids must be integers")
+            if arr.min() < -(2**31) or arr.max() >= 2**31:
+                raise ValueError("token id out of int32 range")
+        return cls(arr.astype(cls.dtype).tobytes())
+
+    @classmethod
+    def from_base64(cls, text: str) -> "PackedArray":
+        """From the wire form (base64 of the little-endian bytes).
+
+        Raises:
+            ValueError: not base64, or a length that is not a multiple of 4 bytes.
+        """
+        try:
+            raw = base64.b64decode(text, validate=True)
+        except ValueError as exc:  # binascii.Error is a ValueError; so is non-ASCII text
+            raise ValueError(f"not base64: {exc}") from None
+        return cls(raw)
+
+    def to_base64(self) -> str:
+        """The wire form."""
+        return base64.b64encode(self.raw).decode("ascii")
+
+    def numpy(self) -> np.ndarray:
+        """A read-only view, shape ``[len(self)]``, dtype :attr:`dtype`."""
+        return np.frombuffer(self.raw, dtype=self.dtype)
+
+    def tolist(self) -> list:
+        """The values as Python numbers."""
+        return self.numpy().tolist()
+
+    def __len__(self) -> int:
+        return len(self.raw) >> 2
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return tuple(self.numpy()[index].tolist())
+        return self.numpy()[index].item()
+
+    def __iter__(self):
+        return iter(self.tolist())
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, PackedArray):
+            return type(other) is type(self) and other.raw == self.raw
+        if isinstance(other, (list, tuple)):
+            return len(other) == len(self) and self.tolist() == list(other)
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash((self.kind, self.raw))
+
+    def __add__(self, other):
+        return tuple(self) + tuple(other)
+
+    def __radd__(self, other):
+        return type(other)(list(other) + self.tolist()) if isinstance(other, (list, tuple)) else NotImplemented
+
+    def __repr__(self) -> str:
+        values = self.tolist()
+        shown = ", ".join(map(repr, values[:8])) + (", ..." if len(values) > 8 else "")
+        return f"{type(self).__name__}([{shown}], n={len(values)})"
+
+    def __reduce__(self):
+        return (type(self), (self.raw,))
+
+    @classmethod
+    def _validate(cls, value: Any) -> "PackedArray":
         if isinstance(value, str):
+            return cls.from_base64(value)
+        return cls.of(value)
+
+    @classmethod
+    def __get_pydantic_core_schema__(cls, _source: Any, _handler: GetCoreSchemaHandler) -> core_schema.CoreSchema:
+        def validate(value: Any) -> "PackedArray":
             try:
-                raw = base64.b64decode(value.encode("ascii"), validate=True)
-            except ValueError as exc:  # binascii.Error is a ValueError
-                raise ValueError(f"not base64: {exc}") from None
-            if len(raw) % 4:
-                raise ValueError(f"packed {dtype} array length {len(raw)} is not a multiple of 4")
-            # tolist() already yields Python ints/floats; skipping a per-element cast is ~5x faster.
-            return tuple(np.frombuffer(raw, dtype=dtype).tolist())
-        if isinstance(value, (bytes, bytearray, memoryview)):
-            raise ValueError("pass a base64 string or a sequence, not raw bytes")
-        # Canonicalize through the wire dtype so a decoded event equals the one that was sent.
-        arr = np.asarray(list(value))
-        if arr.size and dtype == "<i4" and (arr.min() < -(2**31) or arr.max() >= 2**31):
-            raise ValueError("token id out of int32 range")
-        return tuple(cast(x) for x in arr.astype(dtype).tolist())
+                return cls._validate(value)
+            except (ValueError, TypeError) as exc:
+                raise PydanticCustomError("packed_array", "{error}", {"error": str(exc)}) from None
 
-    return decode
+        return core_schema.no_info_plain_validator_function(
+            validate, serialization=core_schema.plain_serializer_function_ser_schema(
+                lambda v: v.to_base64(), when_used="json"))
 
 
-def _encoder(dtype: str):
-    def encode(value) -> str:
-        return base64.b64encode(np.asarray(value, dtype=dtype).tobytes()).decode("ascii")
+class TokenArray(PackedArray):
+    """Token ids: little-endian ``int32``."""
 
-    return encode
+    __slots__ = ()
+    dtype = "<i4"
+    kind = "<i4"
+
+
+class LogProbArray(PackedArray):
+    """Per-token log-probs (natural log): little-endian ``float32``."""
+
+    __slots__ = ()
+    dtype = "<f4"
+    kind = "<f4"
 
 
 TokenIds = Annotated[
-    tuple[int, ...],
-    BeforeValidator(_decoder("<i4", int)),
-    PlainSerializer(_encoder("<i4"), return_type=str, when_used="json"),
+    TokenArray,
     WithJsonSchema({"type": "string", "contentEncoding": "base64",
                     "description": "little-endian int32 token ids, base64"}),
 ]
-"""Token ids: a tuple of ints in Python, base64 ``<i4`` on the wire."""
+"""Token ids: a :class:`TokenArray` in Python (built from any sequence of ints), base64 ``<i4`` on the wire."""
 
 LogProbs = Annotated[
-    tuple[float, ...],
-    BeforeValidator(_decoder("<f4", float)),
-    PlainSerializer(_encoder("<f4"), return_type=str, when_used="json"),
+    LogProbArray,
     WithJsonSchema({"type": "string", "contentEncoding": "base64",
                     "description": "little-endian float32 log-probs (nats), base64"}),
 ]
-"""Per-token log-probs (natural log): a tuple of floats in Python, base64 ``<f4`` on the wire."""
+"""Per-token log-probs (nats): a :class:`LogProbArray` in Python, base64 ``<f4`` on the wire."""

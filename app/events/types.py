@@ -18,7 +18,7 @@ from app.events.packing import LogProbs, TokenIds
 
 
 class _Frozen(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
 
 
 class ToolCall(_Frozen):

@@ -194,10 +194,24 @@ def test_folding_in_batches_equals_folding_at_once(seed, cuts, out_of_order):
         assert sum(s.loss_mask) == s.num_completion_tokens
 
 
-def test_struct_packing_matches_the_wire_dtype():
+def test_packed_arrays_keep_the_wire_bytes_and_read_as_sequences():
+    from app.events.packing import LogProbArray, TokenArray
+
     ids, lps = (0, 49_151, 2**31 - 1), (-0.1, -3.25, 0.0)
-    assert struct.pack("<3i", *ids) == np.asarray(ids, "<i4").tobytes()
-    assert struct.pack("<3f", *lps) == np.asarray(lps, "<f4").tobytes()
+    t, lp = TokenArray.of(ids), LogProbArray.of(lps)
+    assert t.raw == np.asarray(ids, "<i4").tobytes() and lp.raw == np.asarray(lps, "<f4").tobytes()
+    assert TokenArray.from_base64(t.to_base64()) == t and hash(TokenArray.of(list(ids))) == hash(t)
+    assert len(t) == 3 and t[1] == 49_151 and t[-1] == 2**31 - 1 and t[:2] == (0, 49_151)
+    assert t == ids and t == list(ids) and t != (0, 1, 2) and t != LogProbArray(t.raw)
+    assert list(t) + [5] == [0, 49_151, 2**31 - 1, 5] and t + (5,) == (*ids, 5)
+    assert lp.tolist() == np.asarray(lps, "<f4").tolist()
+    for bad in ([2**31], [1.5], ["x"], b"\x00" * 4):
+        with pytest.raises(ValueError):
+            TokenArray.of(bad)
+    with pytest.raises(ValueError, match="multiple of 4"):
+        TokenArray(b"\x00" * 5)
+    with pytest.raises(ValueError, match="not base64"):
+        TokenArray.from_base64("@@@@")
 
 
 def test_reserved_for_eval_is_a_stable_function_of_the_task():
