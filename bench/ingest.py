@@ -114,21 +114,35 @@ def ours_in_process(n: int) -> tuple[float, dict]:
     return stats.messages / elapsed, {"batches": stats.batches, "dead_letters": sum(stats.dead_letters.values())}
 
 
-def ours_processes(n: int, k: int, url: str, log: Path) -> tuple[float, dict]:
-    from consumers.testing import consumer_process, scalar
+def ours_processes(n: int, k: int, url: str, log: Path, group: str, topic: str) -> tuple[float, dict]:
+    """events/s of ``k`` ``flywheel consume`` processes, from the first committed batch to the batch
+    that stores the last event, with the CPU seconds each side used meanwhile.
+
+    Progress is read from the group's stored offsets (committed in the same transaction as the
+    events, so they count exactly what is stored) on one connection: a ``count(*)`` over
+    ``event_log`` every 100 ms would itself cost a noticeable share of a core.
+    """
+    import psycopg
+    import psutil
+
+    from consumers.testing import consumer_process
 
     env = {**os.environ, "FLYWHEEL_DATABASE_URL": url}
     procs = [consumer_process(env, log_path=log) for _ in range(k)]
-    first = None
+    first = first_cpu = None
     try:
-        while True:
-            count = scalar(url, "SELECT count(*) FROM event_log")
-            now = time.monotonic()
-            if count and first is None:
-                first = now - 0.05  # half the polling interval: the first batch landed in between
-            if count >= n:
-                break
-            time.sleep(0.1)
+        with psycopg.connect(url, autocommit=True) as conn:
+            while True:
+                done = conn.execute("SELECT coalesce(sum(next_offset), 0) FROM consumer_offset "
+                                    "WHERE group_id = %s AND topic = %s", (group, topic)).fetchone()[0]
+                now = time.monotonic()
+                if done and first is None:
+                    first = now - 0.025  # half the polling interval: the first batch landed in between
+                    first_cpu = _cpu_seconds(procs)
+                if done >= n:
+                    break
+                time.sleep(0.05)
+        cpu = {k: round(v - first_cpu[k], 2) for k, v in _cpu_seconds(procs).items()}
     finally:
         import signal
 
@@ -136,7 +150,28 @@ def ours_processes(n: int, k: int, url: str, log: Path) -> tuple[float, dict]:
             os.killpg(p.pid, signal.SIGTERM)
         for p in procs:
             p.wait(timeout=30)
-    return n / (now - first), {}
+    elapsed = now - first
+    return n / elapsed, {"elapsed_s": round(elapsed, 2), "cpu_s": cpu,
+                         "cpu_us_per_event": round(sum(cpu.values()) / n * 1e6, 1)}
+
+
+def _cpu_seconds(procs) -> dict[str, float]:
+    """user+system CPU seconds of the consumer processes and of the Postgres and tansu servers."""
+    import psutil
+
+    out = {"consumers": 0.0, "postgres": 0.0, "broker": 0.0}
+    pids = {p.pid for p in procs}
+    for proc in psutil.process_iter(["name", "pid"]):
+        try:
+            name = proc.info["name"] or ""
+            kind = "consumers" if proc.info["pid"] in pids else "postgres" if name.startswith("postgres") \
+                else "broker" if "tansu" in name else None
+            if kind:
+                t = proc.cpu_times()
+                out[kind] += t.user + t.system
+        except psutil.Error:
+            continue
+    return out
 
 
 def main() -> None:
@@ -192,7 +227,8 @@ def main() -> None:
         if args.consumers == 1:
             ours, extra = ours_in_process(n)
         else:
-            ours, extra = ours_processes(n, args.consumers, url, tmp / "consumers.log")
+            ours, extra = ours_processes(n, args.consumers, url, tmp / "consumers.log",
+                                         get_settings().kafka.consumer_group, topic)
         stored = scalar(url, "SELECT count(*) FROM event_log")
         distinct = scalar(url, "SELECT count(DISTINCT event_id) FROM event_log")
         assert stored == distinct == n, f"exactly-once violated: {stored} rows, {distinct} distinct, {n} sent"
