@@ -157,15 +157,18 @@ class PackedArray(Sequence):
 
     @classmethod
     def __get_pydantic_core_schema__(cls, _source: Any, _handler: GetCoreSchemaHandler) -> core_schema.CoreSchema:
+        """From JSON, pydantic-core decodes the base64 (models set ``val_json_bytes="base64"``) and
+        only the length check runs in Python; from Python, any of :meth:`_validate`'s inputs."""
         def validate(value: Any) -> "PackedArray":
             try:
                 return cls._validate(value)
             except (ValueError, TypeError) as exc:
                 raise PydanticCustomError("packed_array", "{error}", {"error": str(exc)}) from None
 
-        return core_schema.no_info_plain_validator_function(
-            validate, serialization=core_schema.plain_serializer_function_ser_schema(
-                lambda v: v.to_base64(), when_used="json"))
+        return core_schema.json_or_python_schema(
+            json_schema=core_schema.no_info_after_validator_function(cls, core_schema.bytes_schema()),
+            python_schema=core_schema.no_info_plain_validator_function(validate),
+            serialization=core_schema.plain_serializer_function_ser_schema(lambda v: v.to_base64(), when_used="json"))
 
 
 class TokenArray(PackedArray):
