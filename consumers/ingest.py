@@ -376,7 +376,7 @@ class IngestConsumer:
         # Each batch allocates ~50k short-lived objects that reference counting frees; at the default
         # threshold (700) the cycle collector would run ~70 times a batch, rescanning what is alive
         # (the batches in the pipeline). Freezing what start-up built and collecting young objects
-        # less often took ~10% of the consumer's CPU off (bench/ingest.py).
+        # less often took ~8% of the consumer's CPU off (bench/ingest.py).
         threshold = gc.get_threshold()
         gc.freeze()
         gc.set_threshold(50_000, *threshold[1:])
