@@ -48,7 +48,7 @@ class EventRow(NamedTuple):
 
 _TEMP_DDL = """CREATE TEMP TABLE IF NOT EXISTS _event_batch (
     ord int, event_id uuid, type text, schema_version int, occurred_at timestamptz, session_id text,
-    user_id text, org_id text, payload jsonb, topic text, partition int, "offset" bigint, trace_id text
+    user_id text, org_id text, payload json, topic text, partition int, "offset" bigint, trace_id text
 ) ON COMMIT DELETE ROWS"""
 _COLS = ", ".join(f'"{c}"' for c in EVENT_COLUMNS)
 
@@ -90,7 +90,7 @@ def append_events(session: Session, rows: Sequence[EventRow],
         cur.execute(
             f"INSERT INTO event_log ({_COLS}) SELECT {_COLS} FROM unnest("
             "%s::uuid[], %s::text[], %s::int[], %s::timestamptz[], %s::text[], %s::text[], %s::text[], "
-            "%s::text[]::jsonb[], %s::text[], %s::int[], %s::bigint[], %s::text[]) WITH ORDINALITY "
+            "%s::text[]::json[], %s::text[], %s::int[], %s::bigint[], %s::text[]) WITH ORDINALITY "
             f"AS b({_COLS}, ord) ORDER BY ord ON CONFLICT (event_id) DO NOTHING RETURNING event_id, seq",
             [list(c) for c in cols])
         return dict(cur.fetchall())
@@ -100,7 +100,7 @@ def _values(r: EventRow) -> tuple:
     return r  # EventRow's fields are EVENT_COLUMNS, in order
 
 
-_BINARY_TYPES = ["int8", "uuid", "text", "int4", "timestamptz", "text", "text", "text", "bytea", "text", "int4",
+_BINARY_TYPES = ["int8", "uuid", "text", "int4", "timestamptz", "text", "text", "text", "text", "text", "int4",
                  "int8", "text"]
 
 
@@ -118,12 +118,12 @@ def _append_direct(cur: psycopg.Cursor, rows: Sequence[EventRow]) -> dict[uuid.U
     cur.execute("SELECT nextval(pg_get_serial_sequence('event_log', 'seq')) FROM generate_series(1, %s)",
                 (len(new),))
     seqs = sorted(r[0] for r in cur.fetchall())
-    # Binary COPY halves the client's work; the payload is already JSON text, so it goes as
-    # jsonb's binary format (version byte 1 + the text) through psycopg's pass-through bytea dumper.
+    # Binary COPY halves the client's work; the payload is already JSON text, which is json's
+    # binary format too.
     with cur.copy(f"COPY event_log (seq, {_COLS}) FROM STDIN (FORMAT BINARY)") as copy:
         copy.set_types(_BINARY_TYPES)
         for seq, r in zip(seqs, new):
-            copy.write_row((seq, *r[:7], b"\x01" + r.payload.encode(), *r[8:]))
+            copy.write_row((seq, *r))
     return {r.event_id: seq for seq, r in zip(seqs, new)}
 
 
