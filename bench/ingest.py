@@ -144,7 +144,7 @@ def ours_processes(n: int, k: int, url: str, log: Path, group: str, topic: str) 
                 if done >= n:
                     break
                 time.sleep(0.05)
-        cpu = {k: round(v - first_cpu[k], 2) for k, v in _cpu_seconds(procs).items()}
+        cpu = {kind: round(v - first_cpu[kind], 2) for kind, v in _cpu_seconds(procs).items()}
     finally:
         import signal
 

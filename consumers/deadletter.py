@@ -91,36 +91,24 @@ def trace_id_of(headers: Sequence[tuple[str, bytes]]) -> str | None:
     return None
 
 
-_RARE = (b"\\u0000", b"NaN", b"Infinity")
-"""Byte strings whose presence sends a record through the strict check (orjson: no NaN/Infinity;
-no NUL in a string, which Postgres refuses)."""
-
-
-def _strict_check(raw: bytes) -> tuple[str, str] | None:
-    """(reason, detail) if ``raw`` holds a value Postgres or strict JSON would refuse, else None."""
-    try:
-        data = orjson.loads(raw)
-    except orjson.JSONDecodeError as exc:
-        return "bad_json", f"not strict JSON: {exc}"
-    why = _bad_value(data)
-    return ("unstorable", why) if why else None
+_NUL_ESCAPE = b"\\u0000"
 
 
 def classify(msg: Message, max_bytes: int) -> Decoded:
     """Decode one record into a storable event or a dead letter (never raises).
 
-    The checks and reasons of ``app.events.decode_event`` (one-pass parse and validation), plus:
-    ``NaN``/``Infinity`` literals are ``bad_json`` and a NUL in a string is ``unstorable`` (a cheap
-    byte search decides whether to look). The stored payload is the validated payload re-serialized
-    with the fields the producer set (the replay path validates it again).
+    The checks and reasons of ``app.events.decode_event`` (one-pass parse and validation), plus a
+    NUL in a string is ``unstorable`` (Postgres refuses it; a byte search decides whether to look).
+    The stored payload is the validated payload re-serialized with the fields the producer set (the
+    replay path validates it again).
     """
     raw = msg.value
     try:
         event = decode_event(raw, max_bytes)
-        if any(r in raw for r in _RARE):  # type: ignore[operator]  # rare: only then parse strictly
-            bad = _strict_check(raw)  # type: ignore[arg-type]
-            if bad:
-                return Decoded(msg, reason=bad[0], detail=bad[1])
+        if _NUL_ESCAPE in raw:  # type: ignore[operator]  # rare: only then walk the values
+            why = _bad_value(orjson.loads(raw))  # type: ignore[arg-type]
+            if why:
+                return Decoded(msg, reason="unstorable", detail=why)
         payload = event.payload.model_dump_json(exclude_unset=True)  # type: ignore[attr-defined]
     except InvalidEventError as exc:
         return Decoded(msg, reason=exc.reason, detail=exc.message[:2000])
@@ -134,7 +122,7 @@ def classify(msg: Message, max_bytes: int) -> Decoded:
     row = EventRow(event_id=event.event_id, type=event.type, schema_version=event.schema_version,
                    occurred_at=event.occurred_at, session_id=event.session_id, user_id=event.user_id,
                    org_id=event.org_id, payload=payload, topic=msg.topic, partition=msg.partition,
-                   offset=msg.offset, trace_id=trace_id_of(msg.headers) if msg.headers else None)
+                   offset=msg.offset, trace_id=trace_id_of(msg.headers))
     return Decoded(msg, event=event, row=row)
 
 

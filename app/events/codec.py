@@ -3,13 +3,16 @@
 ``decode_event`` never raises anything but :class:`InvalidEventError`, whose ``reason`` is one of
 ``oversized``, ``bad_json``, ``not_object``, ``unknown_type``, ``schema_version``, ``validation``.
 It parses and validates in one pass (pydantic-core's JSON parser straight into the typed models,
-no intermediate dict): the consumers decode every event, so this is on the hot path.
+no intermediate dict): the consumers decode every event, so this is on the hot path. That parser
+accepts ``NaN``/``Infinity``, which are not JSON; a record holding those bytes is parsed again
+strictly (orjson) and refused as ``bad_json``.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import orjson
 from pydantic import TypeAdapter, ValidationError
 
 from app.core.errors import InvalidEventError
@@ -81,9 +84,15 @@ def decode_event(raw: bytes | None, max_bytes: int = DEFAULT_MAX_EVENT_BYTES) ->
     if len(raw) > max_bytes:
         raise InvalidEventError("oversized", f"event is {len(raw)} bytes, limit {max_bytes}")
     try:
-        return _ADAPTER.validate_json(raw)
+        event = _ADAPTER.validate_json(raw)
     except ValidationError as exc:
         raise _invalid(exc) from None
+    if b"NaN" in raw or b"Infinity" in raw:  # rare: only then parse strictly
+        try:
+            orjson.loads(raw)
+        except orjson.JSONDecodeError as exc:
+            raise InvalidEventError("bad_json", f"not strict JSON: {exc}") from None
+    return event
 
 
 def event_json_schema() -> dict[str, Any]:

@@ -24,7 +24,7 @@ from pydantic_core import PydanticCustomError, core_schema
 
 def pack_ints(values) -> bytes:
     """Token ids -> raw bytes (``<i4``, 4 bytes per token)."""
-    if isinstance(values, PackedArray):
+    if isinstance(values, TokenArray):
         return values.raw
     return np.asarray(values, dtype="<i4").tobytes()
 
@@ -38,7 +38,7 @@ def unpack_ints(raw: bytes | memoryview | None) -> np.ndarray:
 
 def pack_floats(values) -> bytes:
     """Log-probs -> raw bytes (``<f4``, 4 bytes per token)."""
-    if isinstance(values, PackedArray):
+    if isinstance(values, LogProbArray):
         return values.raw
     return np.asarray(values, dtype="<f4").tobytes()
 
@@ -60,11 +60,11 @@ class PackedArray(Sequence):
 
     __slots__ = ("raw",)
     dtype: ClassVar[str] = ""
-    kind: ClassVar[str] = ""
+    """numpy dtype of the elements (set by each subclass)."""
 
     def __init__(self, raw: bytes) -> None:
         if len(raw) % 4:
-            raise ValueError(f"packed {self.kind} array length {len(raw)} is not a multiple of 4")
+            raise ValueError(f"packed {self.dtype} array length {len(raw)} is not a multiple of 4")
         self.raw = bytes(raw)
 
     @classmethod
@@ -133,7 +133,7 @@ class PackedArray(Sequence):
         return NotImplemented
 
     def __hash__(self) -> int:
-        return hash((self.kind, self.raw))
+        return hash((self.dtype, self.raw))
 
     def __add__(self, other):
         return tuple(self) + tuple(other)
@@ -176,7 +176,6 @@ class TokenArray(PackedArray):
 
     __slots__ = ()
     dtype = "<i4"
-    kind = "<i4"
 
 
 class LogProbArray(PackedArray):
@@ -184,7 +183,6 @@ class LogProbArray(PackedArray):
 
     __slots__ = ()
     dtype = "<f4"
-    kind = "<f4"
 
 
 TokenIds = Annotated[

@@ -8,7 +8,7 @@ field keeps the version; removing or retyping a field bumps it.
 from __future__ import annotations
 
 from datetime import datetime, timezone
-from typing import Annotated, Any, ClassVar, Literal, Union
+from typing import Annotated, Any, Literal, Union
 from uuid import UUID
 
 from pydantic import AwareDatetime, BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -177,8 +177,6 @@ class EventBase(_Frozen):
     ``event_id`` is a UUIDv7 (time-ordered) and the idempotency key end to end.
     """
 
-    SCHEMA_VERSION: ClassVar[int] = 1
-
     event_id: UUID = Field(default_factory=uuid7)
     type: str
     schema_version: Literal[1] = Field(
@@ -193,7 +191,6 @@ class EventBase(_Frozen):
     @classmethod
     def _utc(cls, v: datetime) -> datetime:
         return v.astimezone(timezone.utc)
-
 
 
 class SessionStartedEvent(EventBase):

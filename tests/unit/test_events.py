@@ -65,6 +65,8 @@ def test_events_are_frozen():
         (json.dumps({"type": "session.ended", "schema_version": 1, "user_id": "u", "payload": {}}).encode(),
          "validation"),
         (b"x" * 2000, "oversized"),
+        # NaN is not JSON, even where the contract takes any value (a tool call's arguments)
+        (encode_event(_responded()).replace(b'{"cmd":"pytest"}', b'{"cmd":NaN}'), "bad_json"),
     ],
 )
 def test_decode_rejects_with_reason(raw, reason):
