@@ -94,6 +94,8 @@ class SegmentState:
     min_offset: dict[str, int] = field(default_factory=dict)
     max_offset: dict[str, int] = field(default_factory=dict)
     dirty: bool = False
+    stored: bool = False
+    """The row exists in ``trajectory_segment`` (loaded from it or written in this transaction)."""
 
 
 @dataclass
@@ -130,13 +132,15 @@ class TrajectoryState:
     # not columns:
     segments: dict[int, SegmentState] = field(default_factory=dict)
     dirty: bool = False
+    stored: bool = False
+    """The row exists in ``trajectory`` (loaded from it or written in this transaction)."""
     labels: list[RewardResult] = field(default_factory=list)
     """Labels computed by a finalization in this fold (to insert)."""
 
 
 TRAJECTORY_COLUMNS = tuple(f for f in TrajectoryState.__dataclass_fields__
-                           if f not in ("segments", "dirty", "labels"))
-SEGMENT_COLUMNS = tuple(f for f in SegmentState.__dataclass_fields__ if f != "dirty")
+                           if f not in ("segments", "dirty", "stored", "labels"))
+SEGMENT_COLUMNS = tuple(f for f in SegmentState.__dataclass_fields__ if f not in ("dirty", "stored"))
 
 SegmentLoader = Callable[[uuid.UUID, int], "SegmentState | None"]
 

@@ -104,6 +104,17 @@ _BINARY_TYPES = ["int8", "uuid", "text", "int4", "timestamptz", "text", "text", 
                  "int8", "text"]
 
 
+def _reserve_seqs(cur: psycopg.Cursor, n: int) -> list[int]:
+    """``n`` increasing, unused ``seq`` values in one round trip. ``event_log.seq``'s sequence
+    increments by 1024 (migration 0007), so one ``nextval`` reserves the block ``[v, v + 1023]``;
+    this takes ceil(n / increment) of them (read from the sequence: 1 before that migration)."""
+    cur.execute("SELECT s.seqincrement, nextval(s.seqrelid) FROM pg_sequence s CROSS JOIN LATERAL "
+                "generate_series(1, (%s + s.seqincrement - 1) / s.seqincrement) "
+                "WHERE s.seqrelid = pg_get_serial_sequence('event_log', 'seq')::regclass", (n,))
+    blocks = sorted(cur.fetchall())
+    return [v for block, start in blocks for v in range(start, start + block)][:n]
+
+
 def _append_direct(cur: psycopg.Cursor, rows: Sequence[EventRow]) -> dict[uuid.UUID, int]:
     cur.execute("SELECT event_id FROM event_log WHERE event_id = ANY(%s)", ([r.event_id for r in rows],))
     seen = {r[0].int for r in cur.fetchall()}  # int keys: uuid.UUID hashes in Python, ints in C
@@ -115,9 +126,7 @@ def _append_direct(cur: psycopg.Cursor, rows: Sequence[EventRow]) -> dict[uuid.U
             new.append(r)
     if not new:
         return {}
-    cur.execute("SELECT nextval(pg_get_serial_sequence('event_log', 'seq')) FROM generate_series(1, %s)",
-                (len(new),))
-    seqs = sorted(r[0] for r in cur.fetchall())
+    seqs = _reserve_seqs(cur, len(new))
     # Binary COPY halves the client's work; the payload is already JSON text, which is json's
     # binary format too.
     with cur.copy(f"COPY event_log (seq, {_COLS}) FROM STDIN (FORMAT BINARY)") as copy:

@@ -38,12 +38,14 @@ class Label(Protocol):
 
 class TrajectoryLike(Protocol):
     """The folded state of a trajectory: an attribute per ``trajectory`` column, plus ``segments``
-    (index -> object with an attribute per segment column and ``dirty``), ``dirty`` and ``labels``."""
+    (index -> object with an attribute per segment column, ``dirty`` and ``stored``), ``dirty``,
+    ``stored`` (the row was loaded from, or already written to, the table) and ``labels``."""
 
     id: uuid.UUID
     finalized_at: datetime | None
     segments: dict[int, Any]
     dirty: bool
+    stored: bool
     labels: list[Any]
 
 _JSON_TRAJECTORY = {"signals"}
@@ -62,20 +64,20 @@ def _segment_from_row(row: dict[str, Any], factory: Callable[..., S]) -> S:
     row.pop("trajectory_id", None)
     for k in _BYTES_SEGMENT:
         row[k] = bytearray(row[k] or b"")
-    return factory(**row)
+    return factory(**row, stored=True)
 
 
 def load_trajectories(session: Session, ids: Iterable[uuid.UUID], factory: Callable[..., T], *,
                       lock: bool = True) -> dict[uuid.UUID, T]:
     """Stored trajectories by id (missing ids are absent), locked ``FOR UPDATE`` in id order;
-    ``factory(**columns)`` builds each."""
+    ``factory(**columns, stored=True)`` builds each."""
     ids = sorted(set(ids))
     if not ids:
         return {}
     suffix = " FOR UPDATE" if lock else ""
     with raw_connection(session).cursor(row_factory=dict_row) as cur:
         cur.execute(f"SELECT {_T_COLS} FROM trajectory WHERE id = ANY(%s) ORDER BY id{suffix}", (ids,))
-        return {r["id"]: factory(**r) for r in cur.fetchall()}
+        return {r["id"]: factory(**r, stored=True) for r in cur.fetchall()}
 
 
 def load_open_segments(session: Session, ids: Iterable[uuid.UUID], factory: Callable[..., S]) -> dict[uuid.UUID, S]:
@@ -150,30 +152,50 @@ def _is_uuid_array(col) -> bool:
     return isinstance(col.type, ARRAY) and isinstance(col.type.item_type, UUID)
 
 
-def _copy_upsert(cur, table, key: tuple[str, ...], rows: list[tuple]) -> None:
-    """Upsert whole rows in one statement: binary COPY into a temp table shaped like ``table``, then
-    ``INSERT .. SELECT .. ON CONFLICT (key) DO UPDATE`` every column (one executor run for the batch
-    instead of one per row; bytea travels raw, not hex)."""
-    cols = [c.name for c in table.columns]
-    tmp = f"_upsert_{table.name}"
-    cur.execute(f"CREATE TEMP TABLE IF NOT EXISTS {tmp} (LIKE {table.name} INCLUDING DEFAULTS) "
-                "ON COMMIT DELETE ROWS")
-    names = ", ".join(cols)
-    # uuid[] and jsonb values are pre-encoded in their binary formats (faster than psycopg's generic
-    # dumpers) and pass through its bytea dumper untouched; the server decodes them by column type.
+def _copy_rows(cur, target: str, table, rows: list[tuple]) -> None:
+    """Binary COPY whole rows shaped like ``table`` into ``target`` (``table`` itself or its temp twin).
+
+    uuid[] and jsonb values are pre-encoded in their binary formats (faster than psycopg's generic
+    dumpers) and pass through its bytea dumper untouched; the server decodes them by column type.
+    """
+    names = ", ".join(c.name for c in table.columns)
     encoders = {i: uuid_array_binary if _is_uuid_array(c) else jsonb_binary
                 for i, c in enumerate(table.columns) if _is_uuid_array(c) or isinstance(c.type, JSONB)}
-    with cur.copy(f"COPY {tmp} ({names}) FROM STDIN (FORMAT BINARY)") as copy:
+    with cur.copy(f"COPY {target} ({names}) FROM STDIN (FORMAT BINARY)") as copy:
         copy.set_types(["bytea" if i in encoders else _pg_type(c) for i, c in enumerate(table.columns)])
         for r in rows:
             r = list(r)
             for i, encode in encoders.items():
                 r[i] = encode(r[i])
             copy.write_row(r)
+
+
+def _copy_upsert(cur, table, key: tuple[str, ...], rows: list[tuple]) -> None:
+    """Upsert whole rows in one statement: binary COPY into a temp table shaped like ``table``, then
+    ``INSERT .. SELECT .. ON CONFLICT (key) DO UPDATE`` every column (one executor run for the batch
+    instead of one per row; bytea travels raw, not hex). The temp table keeps the columns' storage
+    (no compression attempts on token bytes there either)."""
+    cols = [c.name for c in table.columns]
+    tmp = f"_upsert_{table.name}"
+    cur.execute(f"CREATE TEMP TABLE IF NOT EXISTS {tmp} (LIKE {table.name} INCLUDING DEFAULTS INCLUDING STORAGE) "
+                "ON COMMIT DELETE ROWS")
+    _copy_rows(cur, tmp, table, rows)
+    names = ", ".join(cols)
     updates = ", ".join(f"{c} = EXCLUDED.{c}" for c in cols if c not in key)
     cur.execute(f"INSERT INTO {table.name} ({names}) SELECT {names} FROM {tmp} "
                 f"ON CONFLICT ({', '.join(key)}) DO UPDATE SET {updates}")
     cur.execute(f"DELETE FROM {tmp}")  # several saves may share one transaction (replay)
+
+
+def _write_rows(cur, table, key: tuple[str, ...], new: list[tuple], stored: list[tuple]) -> None:
+    """Rows not loaded from the table go straight in by COPY (most rows of a batch: a trajectory or
+    segment is usually new in the batch that starts it); loaded ones are upserted. Were a "new" row
+    inserted concurrently after all, the COPY fails with a unique violation and the consumer redoes
+    the batch (isolated, in a fresh transaction that loads the row)."""
+    if new:
+        _copy_rows(cur, table.name, table, new)
+    if stored:
+        _copy_upsert(cur, table, key, stored)
 
 
 def save_trajectories(session: Session, states: Sequence[TrajectoryLike],
@@ -193,20 +215,22 @@ def save_trajectories(session: Session, states: Sequence[TrajectoryLike],
     labels = [(t.id, lab, label_time or t.finalized_at) for t in dirty for lab in t.labels]
     conn = raw_connection(session)
     with conn.cursor() as cur:
-        _copy_upsert(cur, Trajectory.__table__, ("id",), [_trajectory_values(t) for t in dirty])
-        if segs:
-            _copy_upsert(cur, TrajectorySegment.__table__, ("trajectory_id", "segment_index"),
-                         [_segment_values(tid, s) for tid, s in segs])
+        _write_rows(cur, Trajectory.__table__, ("id",), [_trajectory_values(t) for t in dirty if not t.stored],
+                    [_trajectory_values(t) for t in dirty if t.stored])
+        _write_rows(cur, TrajectorySegment.__table__, ("trajectory_id", "segment_index"),
+                    [_segment_values(tid, s) for tid, s in segs if not s.stored],
+                    [_segment_values(tid, s) for tid, s in segs if s.stored])
         if labels:
             cur.executemany(
                 "INSERT INTO reward_label (trajectory_id, spec, reward, components, created_at) "
                 "VALUES (%s, %s, %s, %s, %s) ON CONFLICT (trajectory_id, spec) DO NOTHING",
                 [(tid, lab.spec, lab.reward, Jsonb(lab.components), at) for tid, lab, at in labels])
     for t in dirty:
-        t.dirty = False
+        t.dirty, t.stored = False, True
         t.labels = []
         for s in t.segments.values():
             s.dirty = False
+            s.stored = True
     return len(dirty), len(segs), len(labels)
 
 
@@ -218,7 +242,7 @@ def due_for_window(session: Session, now: datetime, grace_s: float, factory: Cal
         cur.execute(f"SELECT {_T_COLS} FROM trajectory WHERE status = 'provisional' "
                     "AND window_closes_at < %s - make_interval(secs => %s) ORDER BY window_closes_at, id "
                     "LIMIT %s FOR UPDATE SKIP LOCKED", (now, grace_s, limit))
-        return {r["id"]: factory(**r) for r in cur.fetchall()}
+        return {r["id"]: factory(**r, stored=True) for r in cur.fetchall()}
 
 
 def upsert_labels(session: Session, labels: Sequence[tuple[uuid.UUID, Label]]) -> int:

@@ -190,3 +190,21 @@ def test_every_insert_method_stores_a_batch_once_and_skips_duplicates(db, method
         assert len(ids) == len(set(ids)) == len(events)
         assert conn.execute("SELECT next_offset FROM consumer_offset WHERE group_id = 'g'").fetchone() == \
             (len(batch),)
+
+
+def test_seq_values_are_reserved_in_blocks_and_never_overlap(db):
+    """``event_log.seq`` comes from whole blocks of the sequence (its increment): one ``nextval`` per
+    1024 events, values unique and increasing from one reservation to the next; a sequence still
+    incrementing by 1 (before migration 0007) gives consecutive values."""
+    from app.repositories.events import _reserve_seqs
+
+    with psycopg.connect(db) as conn, conn.cursor() as cur:
+        a, b, c = _reserve_seqs(cur, 2500), _reserve_seqs(cur, 3), _reserve_seqs(cur, 1024)
+        assert (len(a), len(b), len(c)) == (2500, 3, 1024)
+        both = a + b + c
+        assert both == sorted(both) and len(set(both)) == len(both)
+        cur.execute("SELECT last_value FROM event_log_seq_seq")
+        assert cur.fetchone()[0] == c[0]  # 3 + 1 + 1 blocks, c took the last one whole
+        cur.execute(f"ALTER SEQUENCE event_log_seq_seq INCREMENT BY 1 RESTART WITH {c[-1] + 1}")
+        assert _reserve_seqs(cur, 5) == list(range(c[-1] + 1, c[-1] + 6))
+        conn.rollback()
