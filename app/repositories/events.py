@@ -19,6 +19,8 @@ import psycopg
 from psycopg.types.json import Jsonb
 from sqlalchemy.orm import Session
 
+from app.repositories.binary import UuidArray
+
 EVENT_COLUMNS = ("event_id", "type", "schema_version", "occurred_at", "session_id", "user_id", "org_id",
                  "payload", "topic", "partition", "offset", "trace_id")
 
@@ -116,7 +118,7 @@ def _reserve_seqs(cur: psycopg.Cursor, n: int) -> list[int]:
 
 
 def _append_direct(cur: psycopg.Cursor, rows: Sequence[EventRow]) -> dict[uuid.UUID, int]:
-    cur.execute("SELECT event_id FROM event_log WHERE event_id = ANY(%s)", ([r.event_id for r in rows],))
+    cur.execute("SELECT event_id FROM event_log WHERE event_id = ANY(%b)", (UuidArray.of([r.event_id for r in rows]),))
     seen = {r[0].int for r in cur.fetchall()}  # int keys: uuid.UUID hashes in Python, ints in C
     new: list[EventRow] = []
     for r in rows:

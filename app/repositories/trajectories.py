@@ -7,14 +7,11 @@ full rows (``ON CONFLICT DO UPDATE`` every column): the stored row is exactly th
 
 from __future__ import annotations
 
-import json
-import struct
 import uuid
 from collections.abc import Callable, Iterable, Sequence
 from datetime import datetime
 from typing import Any, Protocol, TypeVar
 
-import orjson
 from psycopg.rows import dict_row
 from psycopg.types.json import Jsonb
 from sqlalchemy import (ARRAY, BigInteger, Boolean, Column, DateTime, Float, Integer, LargeBinary)
@@ -22,6 +19,7 @@ from sqlalchemy.dialects.postgresql import JSONB, UUID
 from sqlalchemy.orm import Session
 
 from app.models.trajectories import Trajectory, TrajectorySegment
+from app.repositories.binary import UuidArray, jsonb_binary, uuid_array_binary
 from app.repositories.events import raw_connection
 
 TRAJECTORY_COLUMNS = tuple(c.name for c in Trajectory.__table__.columns)
@@ -76,7 +74,7 @@ def load_trajectories(session: Session, ids: Iterable[uuid.UUID], factory: Calla
         return {}
     suffix = " FOR UPDATE" if lock else ""
     with raw_connection(session).cursor(row_factory=dict_row) as cur:
-        cur.execute(f"SELECT {_T_COLS} FROM trajectory WHERE id = ANY(%s) ORDER BY id{suffix}", (ids,))
+        cur.execute(f"SELECT {_T_COLS} FROM trajectory WHERE id = ANY(%b) ORDER BY id{suffix}", (UuidArray.of(ids),))
         return {r["id"]: factory(**r, stored=True) for r in cur.fetchall()}
 
 
@@ -87,7 +85,7 @@ def load_open_segments(session: Session, ids: Iterable[uuid.UUID], factory: Call
         return {}
     with raw_connection(session).cursor(row_factory=dict_row) as cur:
         cur.execute(f"SELECT DISTINCT ON (trajectory_id) trajectory_id, {_S_COLS} FROM trajectory_segment "
-                    "WHERE trajectory_id = ANY(%s) ORDER BY trajectory_id, segment_index DESC", (ids,))
+                    "WHERE trajectory_id = ANY(%b) ORDER BY trajectory_id, segment_index DESC", (UuidArray.of(ids),))
         return {r["trajectory_id"]: _segment_from_row(r, factory) for r in cur.fetchall()}
 
 
@@ -124,28 +122,8 @@ def _pg_type(col) -> str:
     return "text"
 
 
-_UUID_OID = 2950
-_UUID_LEN = struct.pack("!i", 16)
-
-
-def uuid_array_binary(ids: Sequence[uuid.UUID]) -> bytes:
-    """A ``uuid[]`` in Postgres' binary array format (``array_send``: ndim, has-null flag, element
-    oid, then per dimension its size and lower bound, then each element as length + bytes).
-
-    Lineage arrays are rewritten with every batch; building them here is ~20x cheaper than the
-    generic list dumper, and binary COPY hands the bytes to ``array_recv`` of the target column.
-    """
-    if not ids:
-        return struct.pack("!iiI", 0, 0, _UUID_OID)
-    return struct.pack("!iiIii", 1, 0, _UUID_OID, len(ids), 1) + b"".join(_UUID_LEN + u.bytes for u in ids)
-
-
-def jsonb_binary(value: Any) -> bytes:
-    """A value in jsonb's binary format (version byte 1 + JSON text), serialized by orjson."""
-    try:
-        return b"\x01" + orjson.dumps(value)
-    except TypeError:  # e.g. an integer beyond 64 bits: the standard library handles any JSON
-        return b"\x01" + json.dumps(value).encode()
+def _json_text(value: Any) -> str:
+    return jsonb_binary(value)[1:].decode()
 
 
 def _is_uuid_array(col) -> bool:
@@ -220,11 +198,14 @@ def save_trajectories(session: Session, states: Sequence[TrajectoryLike],
         _write_rows(cur, TrajectorySegment.__table__, ("trajectory_id", "segment_index"),
                     [_segment_values(tid, s) for tid, s in segs if not s.stored],
                     [_segment_values(tid, s) for tid, s in segs if s.stored])
-        if labels:
-            cur.executemany(
+        if labels:  # one statement for the batch's labels
+            cur.execute(
                 "INSERT INTO reward_label (trajectory_id, spec, reward, components, created_at) "
-                "VALUES (%s, %s, %s, %s, %s) ON CONFLICT (trajectory_id, spec) DO NOTHING",
-                [(tid, lab.spec, lab.reward, Jsonb(lab.components), at) for tid, lab, at in labels])
+                "SELECT t, s, r, c::jsonb, a FROM unnest(%b, %s::text[], %s::float8[], %s::text[], "
+                "%s::timestamptz[]) AS u(t, s, r, c, a) ON CONFLICT (trajectory_id, spec) DO NOTHING",
+                (UuidArray.of([tid for tid, _, _ in labels]), [lab.spec for _, lab, _ in labels],
+                 [lab.reward for _, lab, _ in labels], [_json_text(lab.components) for _, lab, _ in labels],
+                 [at for _, _, at in labels]))
     for t in dirty:
         t.dirty, t.stored = False, True
         t.labels = []
