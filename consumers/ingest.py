@@ -402,6 +402,7 @@ class IngestConsumer:
                 if messages:
                     if self.stats.first_record_at is None:
                         self.stats.first_record_at = now
+                        log.info("first record polled at %.6f (unix s)", time.time())
                     decoded = [classify(m, self.max_event_bytes) for m in messages]
                     self._hand_over((messages, decoded))
                     polled += len(messages)
