@@ -30,11 +30,12 @@ is excluded from both):
 Ends with one JSON line; ratio = ours / baseline events/s, target >= 0.5.
 
 Where the time goes (CPU per event, from the run's ``cpu_s``/``cpu_us_per_event`` and py-spy, on the
-2-core development box): ~100 us in all, against ~15 us for the bare loop. The consumer process
-~65 us: kafka-python fetch and record parsing ~12-15 us (all the bare loop does), decoding,
-validating and re-serializing the payload ~12 us (~28 us for a ``model.responded`` of ~250 tokens),
-folding into trajectories and writing rows ~25 us, threads and the rest. Postgres ~32 us: the
-``event_log`` COPY (three indexes, WAL) about half, the trajectory and segment upserts the rest.
+2-core development box, 2,000 records a batch): ~70 us in all, against ~14 us for the bare loop.
+The consumer process ~50 us: kafka-python fetch and record parsing ~13 us (all the bare loop does),
+decoding, validating and re-serializing the payload ~17 us on average (~29 us for a
+``model.responded`` of ~250 tokens), folding into trajectories and writing rows ~15 us, threads and
+the rest. Postgres ~20 us, most of it the ``event_log`` COPY (four indexes, WAL) and the direct COPY
+of new trajectory and segment rows.
 """
 
 from __future__ import annotations
