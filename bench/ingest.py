@@ -19,11 +19,11 @@ is excluded from both):
 - *ours*: the ingest consumer group as deployed, one ``flywheel consume`` process per partition (4;
   ``--consumers 1`` runs one in this process), timed from the first record any of them polled (each
   logs when) to the batch that stores the last event (progress read from the group's offsets in
-  Postgres, which commit with the events), then checks every event is in ``event_log`` exactly once. The bare loop is a single
-  process: a Python consumer that validates, stores and projects every event is CPU-bound, and
-  scaling out over partitions is how it is meant to run. More processes than cores pays here
-  because each one waits on its own Postgres round trips (measured on 2 cores: 4 processes
-  ~19k events/s, 2 processes ~15k);
+  Postgres, which commit with the events), then checks every event is in ``event_log`` exactly
+  once. The bare loop is a single process: a Python consumer that validates, stores and projects
+  every event is CPU-bound, and scaling out over partitions is how it is meant to run. More
+  processes than cores pays here because each one waits on its own Postgres round trips (measured
+  on 2 cores at 1,000 records a batch: 4 processes ~19k events/s, 2 processes ~15k);
 - *finalize*: after the 1 s signal window has closed, the time ``flywheel finalize`` takes to
   finalize and label every remaining provisional trajectory.
 
