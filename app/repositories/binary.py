@@ -35,12 +35,17 @@ def uuid_array_binary(ids: Sequence[uuid.UUID]) -> bytes:
     return struct.pack("!iiIii", 1, 0, UUID_OID, len(ids), 1) + b"".join(_UUID_LEN + u.bytes for u in ids)
 
 
-def jsonb_binary(value: Any) -> bytes:
-    """A value in jsonb's binary format (version byte 1 + JSON text), serialized by orjson."""
+def json_bytes(value: Any) -> bytes:
+    """A value as compact UTF-8 JSON text, serialized by orjson."""
     try:
-        return b"\x01" + orjson.dumps(value)
+        return orjson.dumps(value)
     except TypeError:  # e.g. an integer beyond 64 bits: the standard library handles any JSON
-        return b"\x01" + json.dumps(value).encode()
+        return json.dumps(value).encode()
+
+
+def jsonb_binary(value: Any) -> bytes:
+    """A value in jsonb's binary format (version byte 1 + JSON text)."""
+    return b"\x01" + json_bytes(value)
 
 
 class UuidArray(bytes):

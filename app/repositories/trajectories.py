@@ -19,7 +19,7 @@ from sqlalchemy.dialects.postgresql import JSONB, UUID
 from sqlalchemy.orm import Session
 
 from app.models.trajectories import Trajectory, TrajectorySegment
-from app.repositories.binary import UuidArray, jsonb_binary, uuid_array_binary
+from app.repositories.binary import UuidArray, json_bytes, jsonb_binary, uuid_array_binary
 from app.repositories.events import raw_connection
 
 TRAJECTORY_COLUMNS = tuple(c.name for c in Trajectory.__table__.columns)
@@ -122,10 +122,6 @@ def _pg_type(col) -> str:
     return "text"
 
 
-def _json_text(value: Any) -> str:
-    return jsonb_binary(value)[1:].decode()
-
-
 def _is_uuid_array(col) -> bool:
     return isinstance(col.type, ARRAY) and isinstance(col.type.item_type, UUID)
 
@@ -204,7 +200,7 @@ def save_trajectories(session: Session, states: Sequence[TrajectoryLike],
                 "SELECT t, s, r, c::jsonb, a FROM unnest(%b, %s::text[], %s::float8[], %s::text[], "
                 "%s::timestamptz[]) AS u(t, s, r, c, a) ON CONFLICT (trajectory_id, spec) DO NOTHING",
                 (UuidArray.of([tid for tid, _, _ in labels]), [lab.spec for _, lab, _ in labels],
-                 [lab.reward for _, lab, _ in labels], [_json_text(lab.components) for _, lab, _ in labels],
+                 [lab.reward for _, lab, _ in labels], [json_bytes(lab.components).decode() for _, lab, _ in labels],
                  [at for _, _, at in labels]))
     for t in dirty:
         t.dirty, t.stored = False, True
