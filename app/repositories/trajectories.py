@@ -13,7 +13,6 @@ from datetime import datetime
 from typing import Any, Protocol, TypeVar
 
 from psycopg.rows import dict_row
-from psycopg.types.json import Jsonb
 from sqlalchemy import (ARRAY, BigInteger, Boolean, Column, DateTime, Float, Integer, LargeBinary)
 from sqlalchemy.dialects.postgresql import JSONB, UUID
 from sqlalchemy.orm import Session
@@ -172,6 +171,20 @@ def _write_rows(cur, table, key: tuple[str, ...], new: list[tuple], stored: list
         _copy_upsert(cur, table, key, stored)
 
 
+def _insert_labels(cur, labels: Sequence[tuple[uuid.UUID, Label, datetime | None]], on_conflict: str) -> None:
+    """Insert ``(trajectory_id, label, created_at or None for now())`` rows in one statement,
+    ``ON CONFLICT (trajectory_id, spec)`` then ``on_conflict`` (one label per trajectory and spec)."""
+    if not labels:
+        return
+    cur.execute(
+        "INSERT INTO reward_label (trajectory_id, spec, reward, components, created_at) "
+        "SELECT t, s, r, c::jsonb, coalesce(a, now()) FROM unnest(%b, %s::text[], %s::float8[], %s::text[], "
+        f"%s::timestamptz[]) AS u(t, s, r, c, a) ON CONFLICT (trajectory_id, spec) {on_conflict}",
+        (UuidArray.of([tid for tid, _, _ in labels]), [lab.spec for _, lab, _ in labels],
+         [lab.reward for _, lab, _ in labels], [json_bytes(lab.components).decode() for _, lab, _ in labels],
+         [at for _, _, at in labels]))
+
+
 def save_trajectories(session: Session, states: Sequence[TrajectoryLike],
                       label_time: datetime | None = None) -> tuple[int, int, int]:
     """Upsert dirty trajectories, their dirty segments and any labels a finalization produced.
@@ -194,14 +207,7 @@ def save_trajectories(session: Session, states: Sequence[TrajectoryLike],
         _write_rows(cur, TrajectorySegment.__table__, ("trajectory_id", "segment_index"),
                     [_segment_values(tid, s) for tid, s in segs if not s.stored],
                     [_segment_values(tid, s) for tid, s in segs if s.stored])
-        if labels:  # one statement for the batch's labels
-            cur.execute(
-                "INSERT INTO reward_label (trajectory_id, spec, reward, components, created_at) "
-                "SELECT t, s, r, c::jsonb, a FROM unnest(%b, %s::text[], %s::float8[], %s::text[], "
-                "%s::timestamptz[]) AS u(t, s, r, c, a) ON CONFLICT (trajectory_id, spec) DO NOTHING",
-                (UuidArray.of([tid for tid, _, _ in labels]), [lab.spec for _, lab, _ in labels],
-                 [lab.reward for _, lab, _ in labels], [json_bytes(lab.components).decode() for _, lab, _ in labels],
-                 [at for _, _, at in labels]))
+        _insert_labels(cur, labels, "DO NOTHING")
     for t in dirty:
         t.dirty, t.stored = False, True
         t.labels = []
@@ -227,11 +233,8 @@ def upsert_labels(session: Session, labels: Sequence[tuple[uuid.UUID, Label]]) -
     if not labels:
         return 0
     with raw_connection(session).cursor() as cur:
-        cur.executemany(
-            "INSERT INTO reward_label (trajectory_id, spec, reward, components) VALUES (%s, %s, %s, %s) "
-            "ON CONFLICT (trajectory_id, spec) DO UPDATE SET reward = EXCLUDED.reward, "
-            "components = EXCLUDED.components, created_at = now()",
-            [(tid, lab.spec, lab.reward, Jsonb(lab.components)) for tid, lab in labels])
+        _insert_labels(cur, [(tid, lab, None) for tid, lab in labels],
+                       "DO UPDATE SET reward = EXCLUDED.reward, components = EXCLUDED.components, created_at = now()")
     return len(labels)
 
 
