@@ -20,13 +20,13 @@ from typing import Any, NamedTuple
 import orjson
 
 from app.core.errors import InvalidEventError
-from app.events import decode_event
+from app.events import decode_event_payload
 from app.events.types import EventBase
 from app.repositories.events import DeadLetterRow, EventRow
 
 MAX_SEGMENT_INDEX = 100_000
 """Segments per trajectory the projection accepts (an int4 column; real sessions have a handful)."""
-_TRACEPARENT = re.compile(r"^[0-9a-f]{2}-([0-9a-f]{32})-[0-9a-f]{16}-[0-9a-f]{2}$")
+_TRACEPARENT = re.compile(rb"[0-9a-f]{2}-([0-9a-f]{32})-[0-9a-f]{16}-[0-9a-f]{2}\Z")
 
 
 class Message(NamedTuple):
@@ -85,9 +85,9 @@ def trace_id_of(headers: Sequence[tuple[str, bytes]]) -> str | None:
     """The producer's trace id from a W3C ``traceparent`` header, if well formed."""
     for k, v in headers:
         if k == "traceparent" and v:
-            m = _TRACEPARENT.match(v.decode("ascii", "replace"))
+            m = _TRACEPARENT.match(v)
             if m:
-                return m.group(1)
+                return m.group(1).decode("ascii")
     return None
 
 
@@ -99,17 +99,16 @@ def classify(msg: Message, max_bytes: int) -> Decoded:
 
     The checks and reasons of ``app.events.decode_event`` (one-pass parse and validation), plus a
     NUL in a string is ``unstorable`` (Postgres refuses it; a byte search decides whether to look).
-    The stored payload is the validated payload re-serialized with the fields the producer set (the
-    replay path validates it again).
+    The stored payload is the payload object as the producer sent it, compact JSON
+    (``app.events.decode_event_payload``; the replay path validates it again).
     """
     raw = msg.value
     try:
-        event = decode_event(raw, max_bytes)
+        event, payload = decode_event_payload(raw, max_bytes)
         if _NUL_ESCAPE in raw:  # type: ignore[operator]  # rare: only then walk the values
             why = _bad_value(orjson.loads(raw))  # type: ignore[arg-type]
             if why:
                 return Decoded(msg, reason="unstorable", detail=why)
-        payload = event.payload.model_dump_json(exclude_unset=True)  # type: ignore[attr-defined]
     except InvalidEventError as exc:
         return Decoded(msg, reason=exc.reason, detail=exc.message[:2000])
     except Exception as exc:  # noqa: BLE001 -- input must never crash the consumer

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from app.core.errors import InvalidEventError
-from app.events import EVENT_CLASSES, decode_event, encode_event, event_json_schema
+from app.events import EVENT_CLASSES, decode_event, decode_event_payload, encode_event, event_json_schema
 from app.events.types import (ModelResponded, ModelRespondedEvent, SessionEnded, SessionEndedEvent,
                               ToolCall)
 
@@ -69,11 +69,27 @@ def test_events_are_frozen():
         (encode_event(_responded()).replace(b'{"cmd":"pytest"}', b'{"cmd":NaN}'), "bad_json"),
     ],
 )
-def test_decode_rejects_with_reason(raw, reason):
+@pytest.mark.parametrize("decode", [decode_event, decode_event_payload])
+def test_decode_rejects_with_reason(raw, reason, decode):
     with pytest.raises(InvalidEventError) as info:
-        decode_event(raw, max_bytes=1500)
+        decode(raw, max_bytes=1500)
     assert info.value.reason == reason
     assert isinstance(info.value, ValueError)
+
+
+def test_stored_payload_is_the_payload_as_sent():
+    sent = {"type": "tool.executed", "session_id": "s", "user_id": "u",
+            "payload": {"ok": True, "name": "run", "call_id": "c1", "duration_s": 2, "output": "\u00e9t\u00e9"}}
+    event, payload = decode_event_payload(json.dumps(sent).encode())
+    # the producer's fields, order and numbers; compact, UTF-8 text
+    assert payload == '{"ok":true,"name":"run","call_id":"c1","duration_s":2,"output":"été"}'
+    assert event.payload.duration_s == 2.0 and "exit_code" not in json.loads(payload)
+    # orjson cannot encode an integer beyond 64 bits: the validated payload is serialized instead
+    big = 123456789012345678901234567890
+    raw = encode_event(_responded()).replace(b'{"cmd":"pytest"}', b'{"n":%d}' % big)
+    event, payload = decode_event_payload(raw)
+    assert json.loads(payload)["tool_calls"][0]["arguments"] == {"n": big}
+    assert decode_event(raw) == event
 
 
 def test_logprobs_length_must_match_tokens():
