@@ -55,7 +55,11 @@ class KafkaSettings(_Base):
     interactions_topic: str = "editor.interactions"
     dlq_topic: str = "editor.interactions.dlq"
     lifecycle_topic: str = "flywheel.lifecycle"
-    partitions: int = Field(default=4, ge=1, description="partitions of the interactions topic")
+    partitions: int = Field(
+        default=8, ge=1,
+        description="partitions of the interactions topic, created with it: at most this many consumer processes "
+                    "share the load, and two per process even out uneven session keys (bench/ingest.py, 4 "
+                    "processes on 2 cores: 8 partitions ~5% faster than 4)")
     consumer_group: str = "flywheel-ingest"
     max_event_bytes: int = Field(default=1_048_576, ge=1024, description="larger events are dead-lettered (bytes)")
 
