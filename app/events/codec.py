@@ -5,7 +5,8 @@
 It parses and validates in one pass (pydantic-core's JSON parser straight into the typed models,
 no intermediate dict): the consumers decode every event, so this is on the hot path. That parser
 accepts ``NaN``/``Infinity``, which are not JSON; a record holding those bytes is parsed again
-strictly (orjson) and refused as ``bad_json``.
+strictly (orjson) and refused as ``bad_json``. The consumers use ``decode_event_payload``, whose
+strict second parse also yields the payload to store.
 """
 
 from __future__ import annotations
