@@ -97,10 +97,10 @@ _NUL_ESCAPE = b"\\u0000"
 def classify(msg: Message, max_bytes: int) -> Decoded:
     """Decode one record into a storable event or a dead letter (never raises).
 
-    The checks and reasons of ``app.events.decode_event`` (one-pass parse and validation), plus a
-    NUL in a string is ``unstorable`` (Postgres refuses it; a byte search decides whether to look).
-    The stored payload is the payload object as the producer sent it, compact JSON
-    (``app.events.decode_event_payload``; the replay path validates it again).
+    The checks and reasons of ``app.events.decode_event_payload`` (validation straight from the
+    bytes, then a strict parse that also gives the payload to store: the payload object as the
+    producer sent it, compact JSON; the replay path validates it again), plus a NUL in a string is
+    ``unstorable`` (Postgres refuses it; a byte search decides whether to look).
     """
     raw = msg.value
     try:

@@ -32,7 +32,8 @@ class EventLog(Base):
     user_id: Mapped[str] = mapped_column(String(128), nullable=False)
     org_id: Mapped[str] = mapped_column(String(128), nullable=False)
     payload: Mapped[dict[str, Any]] = mapped_column(JSON, nullable=False)
-    """The validated payload's JSON text (``json``, not ``jsonb``: written once, read whole)."""
+    """The payload's JSON text as the producer sent it, validated, re-encoded compactly
+    (``app.events.decode_event_payload``; ``json``, not ``jsonb``: written once, read whole)."""
     topic: Mapped[str | None] = mapped_column(String(255))
     partition: Mapped[int | None] = mapped_column(Integer)
     offset: Mapped[int | None] = mapped_column(BigInteger)
