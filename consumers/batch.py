@@ -7,6 +7,9 @@ Invariants (exactly-once effect):
   before a rebalance) and is skipped. Offsets advance in the same transaction as the effects.
 - ``event_log`` appends use ``ON CONFLICT (event_id) DO NOTHING``; only newly stored events are
   folded into the projections, in ``seq`` order, so a producer's duplicate is a no-op too.
+- Each trajectory folds its events in ``seq`` order, as replay does, even when a session's events
+  arrive on two partitions (two members): the batch locks the stored trajectories it touches before
+  it reserves ``seq`` values, and two members creating the same trajectory collide on its key.
 - Privacy-mode sessions are never stored: their events only increment ``privacy_tombstone``.
 - ``user.erasure_requested`` is applied at its place in the batch (events before it are stored,
   then erased with the rest of the user's data).
@@ -66,8 +69,12 @@ class BatchOutcome:
 
 
 def project_events(session: Session, projector: Projector, events: list[StoredEvent],
-                   finalized: Counter | None = None) -> int:
+                   finalized: Counter | None = None,
+                   states: dict[uuid.UUID, TrajectoryState] | None = None) -> int:
     """Fold stored events (any order; folded by ``seq``) into their trajectories and write them back.
+
+    ``states``: the events' stored trajectories, already loaded (and locked) by the caller; loaded
+    here (locked ``FOR UPDATE``) if None.
 
     Returns:
         trajectories written.
@@ -76,8 +83,8 @@ def project_events(session: Session, projector: Projector, events: list[StoredEv
         return 0
     events = sorted(events, key=lambda e: e.seq)
     tids = {sid: trajectory_id_for(sid) for sid in {se.event.session_id for se in events}}
-    ids = set(tids.values())
-    states = trepo.load_trajectories(session, ids, TrajectoryState)
+    if states is None:
+        states = trepo.load_trajectories(session, set(tids.values()), TrajectoryState)
     stored_max: dict[uuid.UUID, int] = {}
     for tid, seg in trepo.load_open_segments(session, states, SegmentState).items():
         states[tid].segments[seg.segment_index] = seg
@@ -102,6 +109,14 @@ def _store_and_project(session: Session, projector: Projector, chunk: list[Decod
                        method: str, out: BatchOutcome) -> None:
     if not chunk:
         return
+    # Lock the chunk's stored trajectories BEFORE reserving ``seq`` values for its events. Another
+    # group member folding into one of them (a session split over partitions) has then either
+    # committed before our lock (its events have lower seq values and are already folded in) or
+    # waits for our commit (its seq values will be higher): each trajectory folds its events in seq
+    # order, as replay does. A trajectory both create is settled by the unique key (see
+    # ``trajectories._write_rows``): the loser redoes its batch and reserves later seq values.
+    tids = {trajectory_id_for(d.event.session_id) for d in chunk}  # type: ignore[union-attr]
+    states = trepo.load_trajectories(session, tids, TrajectoryState)
     rows = [d.row for d in chunk]
     inserted = {k.int: v for k, v in append_events(session, rows, method).items()}  # type: ignore[arg-type]
     stored: list[StoredEvent] = []
@@ -112,7 +127,7 @@ def _store_and_project(session: Session, projector: Projector, chunk: list[Decod
             stored.append(StoredEvent(d.event, seq, now, d.msg.topic, d.msg.partition, d.msg.offset))
     out.stored += len(stored)
     out.duplicates += len(chunk) - len(stored)
-    out.trajectories += project_events(session, projector, stored, out.finalized)
+    out.trajectories += project_events(session, projector, stored, out.finalized, states)
 
 
 def apply_batch(session: Session, group_id: str, batch: list[Decoded], projector: Projector,

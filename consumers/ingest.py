@@ -43,7 +43,7 @@ from consumers.batch import BatchOutcome, apply_batch
 from consumers.deadletter import Decoded, DeadLetterPublisher, Message, classify
 from consumers.finalize import finalize_due
 from consumers.projection import ProjectionConfig, Projector
-from consumers.retry import is_transient, retry_transient
+from consumers.retry import is_transient, is_unique_violation, retry_transient
 from consumers.rewards.spec import active_specs
 from consumers.settings import ConsumerSettings, get_consumer_settings
 from consumers.telemetry import ConsumerMetrics, producer_links
@@ -236,7 +236,11 @@ class IngestConsumer:
             except Exception as exc:  # noqa: BLE001
                 if is_transient(exc):
                     raise
-                log.warning("batch failed (%s); bisecting it to isolate the record(s) at fault", exc)
+                if is_unique_violation(exc):
+                    log.info("batch raced another group member for the same rows (%s); redoing it record-isolated",
+                             str(exc).splitlines()[0])
+                else:
+                    log.warning("batch failed (%s); bisecting it to isolate the record(s) at fault", exc)
                 outcome = self.retry(lambda: self._apply_isolated(decoded), "isolated batch transaction")
             span.set_attribute("flywheel.events.stored", outcome.stored)
             span.set_attribute("flywheel.dead_letters", sum(outcome.dead_letters.values()))

@@ -38,6 +38,18 @@ def is_transient(exc: BaseException) -> bool:
                             InfrastructureError, KafkaError, ConnectionError, TimeoutError))
 
 
+def is_unique_violation(exc: BaseException) -> bool:
+    """Whether ``exc`` is a unique-key violation: in a batch transaction, the sign that another member
+    of the group stored the same rows first (a session split over partitions, a producer's duplicate
+    on another partition), which a redo in a new transaction settles."""
+    import psycopg
+    from sqlalchemy import exc as sa_exc
+
+    if isinstance(exc, sa_exc.DBAPIError):
+        exc = exc.orig or exc
+    return isinstance(exc, psycopg.errors.UniqueViolation)
+
+
 def retry_transient(fn: Callable[[], T], what: str, stop: threading.Event, max_wait_s: float) -> T:
     """Run ``fn`` until it succeeds, backing off exponentially (0.1 s doubling, jittered, at most
     ``max_wait_s``) on transient faults; give up only when ``stop`` is set.
