@@ -12,7 +12,8 @@ Invariants (exactly-once effect):
   it reserves ``seq`` values, and two members creating the same trajectory collide on its key.
 - Privacy-mode sessions are never stored: their events only increment ``privacy_tombstone``.
 - ``user.erasure_requested`` is applied at its place in the batch (events before it are stored,
-  then erased with the rest of the user's data).
+  then erased with the rest of the user's data), holding the projection lock exclusively: no other
+  member's batch is half-way through the user's events when it deletes them.
 - Every batch transaction holds ``pg_advisory_xact_lock_shared(PROJECTION_LOCK)``; an in-place
   replay takes it exclusively, so it never interleaves with ingest.
 """
@@ -141,7 +142,13 @@ def apply_batch(session: Session, group_id: str, batch: list[Decoded], projector
     if not batch:
         return out
     conn = raw_connection(session)
-    now = conn.execute("SELECT now(), pg_advisory_xact_lock_shared(%s)", (PROJECTION_LOCK,)).fetchone()[0]
+    # A batch with an erasure request takes the projection lock exclusively: it waits for every other
+    # member's batch in flight (one may hold the user's events, uncommitted, that the erasure must
+    # delete) and holds back the next ones until it commits (they then see the request in
+    # erased_users). Taken up front, not upgraded from shared: two upgrades would deadlock.
+    erasing = any(d.event is not None and d.event.type == "user.erasure_requested" for d in batch)
+    lock = "pg_advisory_xact_lock" if erasing else "pg_advisory_xact_lock_shared"
+    now = conn.execute(f"SELECT now(), {lock}(%s)", (PROJECTION_LOCK,)).fetchone()[0]
     first: dict[tuple[str, int], int] = {}
     last: dict[tuple[str, int], int] = {}
     for d in batch:

@@ -1,7 +1,12 @@
-"""Sessions whose events arrive on two partitions at once (a producer that does not key by session,
-or the topic's partition count raised while sessions are live), applied by two group members in
+"""Group members applying batches concurrently, on a real Postgres.
+
+Sessions whose events arrive on two partitions at once (a producer that does not key by session,
+or the topic's partition count raised while sessions are live), applied by two members in
 concurrent batch transactions: every event is stored once, nothing is lost, and the trajectories
-equal a replay of ``event_log`` (which folds by ``seq``), whatever the interleaving."""
+equal a replay of ``event_log`` (which folds by ``seq``), whatever the interleaving. An erasure
+request applied by one member while another is half-way through a batch of the same user's events
+leaves none of them behind.
+"""
 
 from __future__ import annotations
 
@@ -158,3 +163,69 @@ def test_two_members_creating_the_same_trajectories_settle_without_dead_letters(
     assert members[0].stats.stored + members[1].stats.stored == len(events)
     _every_event_once(db, len(events))
     _live_equals_replay(db)
+
+
+def test_an_erasure_waits_for_a_concurrent_batch_of_the_users_events(db, monkeypatch):
+    """Member B has stored (not committed) events of a user's session and pauses; member A applies
+    that user's erasure request meanwhile. The erasure must not commit around B's batch: none of the
+    user's events or trajectories may survive it."""
+    from datetime import datetime, timedelta, timezone
+
+    import numpy as np
+
+    from app.events.types import UserErasureRequested, UserErasureRequestedEvent
+    from consumers.deadletter import Message
+    from consumers.testing import generate_session
+
+    rng = np.random.default_rng(33)
+    t0 = datetime.now(timezone.utc) - timedelta(hours=1)
+    mine = generate_session(rng, session_id="s-erased", user_id="u-erased", start=t0)
+    other = generate_session(rng, session_id="s-kept", user_id="u-kept", start=t0)
+    request = UserErasureRequestedEvent(session_id="erasure-u", user_id="u-erased",
+                                        payload=UserErasureRequested(request_id="req-race"))
+    b_msgs = [Message("t", 1, i, *kafka_record(e)) for i, e in enumerate(mine + other)]
+    a_msgs = [Message("t", 0, 0, *kafka_record(request))]
+    _race(monkeypatch, _apply(b_msgs), _apply(a_msgs))
+    with psycopg.connect(db) as conn:
+        assert conn.execute("SELECT count(*) FROM event_log WHERE user_id = 'u-erased'").fetchone()[0] == 0
+        assert conn.execute("SELECT count(*) FROM trajectory WHERE user_id = 'u-erased'").fetchone()[0] == 0
+        assert conn.execute("SELECT count(*) FROM event_log WHERE user_id = 'u-kept'").fetchone()[0] == len(other)
+        assert conn.execute("SELECT events_deleted FROM erasure_request").fetchone()[0] == len(mine)
+
+
+def test_two_members_applying_erasures_at_once_both_finish(db, monkeypatch, caplog):
+    """Two erasure requests in concurrent batches (one after events of a third user) both take the
+    projection lock exclusively: one waits for the other, neither deadlocks, both finish."""
+    from datetime import datetime, timedelta, timezone
+
+    import numpy as np
+
+    from app.events.types import UserErasureRequested, UserErasureRequestedEvent
+    from consumers.deadletter import Message
+    from consumers.ingest import IngestConsumer
+    from consumers.testing import generate_session
+
+    rng = np.random.default_rng(34)
+    t0 = datetime.now(timezone.utc) - timedelta(hours=1)
+    users = {p: f"u-{p}" for p in (0, 1)}
+    sessions = {p: generate_session(rng, session_id=f"s-{p}", user_id=users[p], start=t0) for p in users}
+    requests = {p: UserErasureRequestedEvent(session_id=f"erasure-{p}", user_id=users[p],
+                                             payload=UserErasureRequested(request_id=f"req-{p}")) for p in users}
+    _apply([Message("t", 9, i, *kafka_record(e)) for i, e in enumerate(sessions[0] + sessions[1])])()
+    kept = generate_session(rng, session_id="s-kept", user_id="u-kept", start=t0)
+    parts = {0: [Message("t", 0, 0, *kafka_record(requests[0]))],
+             1: [Message("t", 1, i, *kafka_record(e)) for i, e in enumerate(kept + [requests[1]])]}
+    members = {p: IngestConsumer(bootstrap="127.0.0.1:9", topic="t", group_id="g", client_id=f"m{p}")
+               for p in parts}
+    try:
+        _race(monkeypatch, lambda: members[1].process(parts[1]), lambda: members[0].process(parts[0]))
+    finally:
+        for m in members.values():
+            m.close()
+    assert "retrying" not in caplog.text  # no deadlock to retry
+    with psycopg.connect(db) as conn:
+        assert conn.execute("SELECT count(*) FROM event_log WHERE user_id IN ('u-0', 'u-1')").fetchone()[0] == 0
+        assert conn.execute("SELECT count(*) FROM trajectory WHERE user_id IN ('u-0', 'u-1')").fetchone()[0] == 0
+        assert conn.execute("SELECT count(*) FROM event_log WHERE user_id = 'u-kept'").fetchone()[0] == len(kept)
+        assert dict(conn.execute("SELECT request_id, events_deleted FROM erasure_request").fetchall()) == \
+            {"req-0": len(sessions[0]), "req-1": len(sessions[1])}
