@@ -14,8 +14,9 @@ Invariants (exactly-once effect):
 - ``user.erasure_requested`` is applied at its place in the batch (events before it are stored,
   then erased with the rest of the user's data), holding the projection lock exclusively: no other
   member's batch is half-way through the user's events when it deletes them.
-- Every batch transaction holds ``pg_advisory_xact_lock_shared(PROJECTION_LOCK)``; an in-place
-  replay takes it exclusively, so it never interleaves with ingest.
+- Every batch transaction holds the projection lock (``PROJECTION_LOCK``, an advisory lock): shared,
+  or exclusive if the batch holds an erasure request; an in-place replay takes it exclusively, so it
+  never interleaves with ingest.
 """
 
 from __future__ import annotations
