@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import uuid
 from collections import defaultdict
 
 import psycopg
@@ -50,16 +51,17 @@ def _live_equals_replay(db) -> None:
     from consumers.ingest import projector_from_settings
     from consumers.replay import compare_projections, drop_schema, dump_projection, replay
 
+    schema = f"replay_{uuid.uuid4().hex[:8]}"  # its own: a run killed half-way leaves one behind
     with session_scope() as s:
         live = dump_projection(s)
-    replay(projector_from_settings(), grace_s=0.0, schema="split_replay")
+    replay(projector_from_settings(), grace_s=0.0, schema=schema)
     try:
         with session_scope() as s:
-            rebuilt = dump_projection(s, "split_replay")
+            rebuilt = dump_projection(s, schema)
         assert compare_projections(live, rebuilt) == []
     finally:
         with session_scope() as s:
-            drop_schema(s, "split_replay")
+            drop_schema(s, schema)
 
 
 def _race(monkeypatch, b_apply, a_apply) -> None:
