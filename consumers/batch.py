@@ -117,8 +117,8 @@ def _store_and_project(session: Session, projector: Projector, chunk: list[Decod
     # waits for our commit (its seq values will be higher): each trajectory folds its events in seq
     # order, as replay does. A trajectory both create is settled by the unique key (see
     # ``trajectories._write_rows``): the loser redoes its batch and reserves later seq values.
-    tids = {trajectory_id_for(d.event.session_id) for d in chunk}  # type: ignore[union-attr]
-    states = trepo.load_trajectories(session, tids, TrajectoryState)
+    sessions = {d.event.session_id for d in chunk}  # type: ignore[union-attr]
+    states = trepo.load_trajectories(session, map(trajectory_id_for, sessions), TrajectoryState)  # uuid5 per session
     rows = [d.row for d in chunk]
     inserted = {k.int: v for k, v in append_events(session, rows, method).items()}  # type: ignore[arg-type]
     stored: list[StoredEvent] = []
