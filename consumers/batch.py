@@ -10,6 +10,12 @@ Invariants (exactly-once effect):
 - Each trajectory folds its events in ``seq`` order, as replay does, even when a session's events
   arrive on two partitions (two members): the batch locks the stored trajectories it touches before
   it reserves ``seq`` values, and two members creating the same trajectory collide on its key.
+- A trajectory the window sweep finalized at an instant this batch's ingestion time is not past
+  (the batch began before the close, then waited on a lock while the sweep ran) would take the
+  batch's events as late, where a replay, judging them by their ``ingested_at``, folds them in: the
+  batch is redone in a new transaction instead (:class:`SweepOvertook`, retried as transient), whose
+  later ingestion time makes the events late in both. So the sweep's grace period only makes this
+  rare; correctness does not depend on it.
 - Privacy-mode sessions are never stored: their events only increment ``privacy_tombstone``.
 - ``user.erasure_requested`` is applied at its place in the batch (events before it are stored,
   then erased with the rest of the user's data), holding the projection lock exclusively: no other
@@ -37,6 +43,12 @@ from consumers.projection import (Projector, SegmentState, StoredEvent, Trajecto
                                   trajectory_id_for)
 
 PROJECTION_LOCK = 0x666C7977  # "flyw"
+
+
+class SweepOvertook(Exception):
+    """The window sweep finalized a trajectory of this batch at or after the batch's ingestion time
+    (``now()``): folding the batch's events would diverge from a replay. Transient: redo the batch
+    in a new transaction (``consumers.retry.is_transient``)."""
 
 
 @dataclass
@@ -119,6 +131,10 @@ def _store_and_project(session: Session, projector: Projector, chunk: list[Decod
     # ``trajectories._write_rows``): the loser redoes its batch and reserves later seq values.
     sessions = {d.event.session_id for d in chunk}  # type: ignore[union-attr]
     states = trepo.load_trajectories(session, map(trajectory_id_for, sessions), TrajectoryState)  # uuid5 per session
+    for t in states.values():
+        if t.status == "finalized" and t.finalized_by != "signals" and t.finalized_at >= now:
+            raise SweepOvertook(f"trajectory {t.id} was finalized by its window at {t.finalized_at.isoformat()}, "
+                                f"not before this batch's ingestion time {now.isoformat()}")
     rows = [d.row for d in chunk]
     inserted = {k.int: v for k, v in append_events(session, rows, method).items()}  # type: ignore[arg-type]
     stored: list[StoredEvent] = []
@@ -138,6 +154,7 @@ def apply_batch(session: Session, group_id: str, batch: list[Decoded], projector
 
     Raises:
         psycopg.Error / sqlalchemy.exc.DBAPIError: database faults; nothing of the batch is kept.
+        SweepOvertook: the window sweep raced the batch (redo it in a new transaction).
     """
     out = BatchOutcome(messages=len(batch))
     if not batch:

@@ -4,8 +4,11 @@ Invariant: the sweep only materializes what the fold already decided (see ``cons
 a trajectory whose window closed at ``window_closes_at`` is finalized *at* that instant with the
 signals it had, whoever gets there first (the sweep, or a batch meeting a late event). It runs in
 the consume loop every ``finalize_interval_s`` and as ``flywheel finalize``; several consumers may
-sweep at once (``FOR UPDATE SKIP LOCKED``), and it leaves alone windows closed less than
-``finalize_grace_s`` ago, so no in-flight batch that started before the close can race it.
+sweep at once (``FOR UPDATE SKIP LOCKED``). It leaves alone windows closed less than
+``finalize_grace_s`` ago, so a batch that began before the close has normally committed by then; one
+that has not (it waited on a lock) and meets the finalized trajectory is redone with a later
+ingestion time (``consumers.batch.SweepOvertook``): the grace makes that redo rare, it is not what
+keeps the live rows equal to a replay.
 """
 
 from __future__ import annotations

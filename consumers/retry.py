@@ -1,7 +1,8 @@
 """Transient-fault classification and retry with backoff (tenacity) for the consumer boundaries.
 
 Invariant: only infrastructure faults are retried (lost or refused connections, server restarts,
-deadlocks and serialization failures, a missing schema during a deploy, broker errors); anything
+deadlocks and serialization failures, a missing schema during a deploy, broker errors) and a
+batch the window sweep overtook (``consumers.batch.SweepOvertook``, which a redo settles); anything
 else propagates so the caller can isolate and dead-letter the record that caused it.
 """
 
@@ -25,6 +26,7 @@ def is_transient(exc: BaseException) -> bool:
     from sqlalchemy import exc as sa_exc
 
     from app.core.errors import InfrastructureError
+    from consumers.batch import SweepOvertook
 
     if isinstance(exc, sa_exc.DBAPIError):
         if exc.connection_invalidated:
@@ -35,7 +37,7 @@ def is_transient(exc: BaseException) -> bool:
         return True
     return isinstance(exc, (psycopg.OperationalError, psycopg.InterfaceError, psycopg.errors.UndefinedTable,
                             psycopg.errors.ReadOnlySqlTransaction, psycopg.errors.InsufficientPrivilege,
-                            InfrastructureError, KafkaError, ConnectionError, TimeoutError))
+                            InfrastructureError, SweepOvertook, KafkaError, ConnectionError, TimeoutError))
 
 
 def is_unique_violation(exc: BaseException) -> bool:

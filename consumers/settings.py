@@ -52,7 +52,8 @@ class ConsumerSettings(BaseSettings):
     finalize_grace_s: float = Field(
         default=5.0, ge=0,
         description="the sweep finalizes only windows closed at least this long ago (seconds), so a batch "
-                    "transaction that started before the close can never race it")
+                    "transaction that started before the close has normally committed (one that has not is "
+                    "redone with a later ingestion time)")
     reward_specs: list[str] = Field(default_factory=lambda: ["implicit@1"],
                                     description="active reward specs (name@version) labeled at finalization")
     reward_spec_dir: Path | None = Field(default=None,

@@ -5,7 +5,8 @@ or the topic's partition count raised while sessions are live), applied by two m
 concurrent batch transactions: every event is stored once, nothing is lost, and the trajectories
 equal a replay of ``event_log`` (which folds by ``seq``), whatever the interleaving. An erasure
 request applied by one member while another is half-way through a batch of the same user's events
-leaves none of them behind.
+leaves none of them behind. A window sweep that finalizes a trajectory while a batch that began
+before the close waits on a lock does not make the batch's events late where a replay would not.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ def _classify(msgs):
     return [classify(m, 1 << 20) for m in msgs]
 
 
-def _live_equals_replay(db) -> None:
+def _live_equals_replay(db, settings=None) -> None:
     from app.core.db import session_scope
     from consumers.ingest import projector_from_settings
     from consumers.replay import compare_projections, drop_schema, dump_projection, replay
@@ -54,7 +55,7 @@ def _live_equals_replay(db) -> None:
     schema = f"replay_{uuid.uuid4().hex[:8]}"  # its own: a run killed half-way leaves one behind
     with session_scope() as s:
         live = dump_projection(s)
-    replay(projector_from_settings(), grace_s=0.0, schema=schema)
+    replay(projector_from_settings(settings), grace_s=0.0, schema=schema)
     try:
         with session_scope() as s:
             rebuilt = dump_projection(s, schema)
@@ -231,3 +232,76 @@ def test_two_members_applying_erasures_at_once_both_finish(db, monkeypatch, capl
         assert conn.execute("SELECT count(*) FROM event_log WHERE user_id = 'u-kept'").fetchone()[0] == len(kept)
         assert dict(conn.execute("SELECT request_id, events_deleted FROM erasure_request").fetchall()) == \
             {"req-0": len(sessions[0]), "req-1": len(sessions[1])}
+
+
+def test_a_batch_the_window_sweep_overtook_is_redone_with_a_later_ingestion_time(db, monkeypatch, caplog):
+    """Member B's batch (a late signal) begins before its trajectory's window closes, then waits (here:
+    paused) while the sweep finalizes that trajectory at the close. Folding B's signal as late would
+    differ from a replay, which judges it by its ``ingested_at`` (before the close) and folds it in.
+    B is redone in a new transaction instead: its signal is then late in both, and live == replay."""
+    import time
+    from datetime import datetime, timedelta, timezone
+
+    import numpy as np
+
+    import consumers.batch as batch_mod
+    from app.core.db import session_scope
+    from app.events.types import FollowupSent, FollowupSentEvent
+    from consumers.deadletter import Message
+    from consumers.finalize import finalize_due
+    from consumers.ingest import IngestConsumer, projector_from_settings
+    from consumers.settings import ConsumerSettings
+    from consumers.testing import generate_session
+
+    cs = ConsumerSettings(signal_window_s=1.0)
+    rng = np.random.default_rng(35)
+    events = generate_session(rng, session_id="s-swept", user_id="u", withhold_signal=True,
+                              start=datetime.now(timezone.utc) - timedelta(hours=1))
+    end = next(i for i, e in enumerate(events) if e.type == "session.ended")
+    late = events[end + 1:] + [FollowupSentEvent(session_id="s-swept", user_id="u", payload=FollowupSent(
+        text="still broken", dissatisfied=True))]
+    msgs = [Message("t", 0, i, *kafka_record(e)) for i, e in enumerate(events[:end + 1] + late)]
+    with session_scope() as s:  # the session ends: its window closes 1 s from now (ingestion clock)
+        batch_mod.apply_batch(s, "g", _classify(msgs[:end + 1]), projector_from_settings(cs))
+    window_closed_at = time.monotonic() + cs.signal_window_s
+
+    b_waiting, swept = threading.Event(), threading.Event()
+    real_lock_offsets = batch_mod.lock_offsets
+
+    def lock_offsets_then_wait(session, group_id, first):
+        if threading.current_thread().name == "member-b" and not b_waiting.is_set():
+            b_waiting.set()  # B's transaction (and its now()) began before the close
+            swept.wait(10)
+        return real_lock_offsets(session, group_id, first)
+
+    monkeypatch.setattr(batch_mod, "lock_offsets", lock_offsets_then_wait)
+    member = IngestConsumer(bootstrap="127.0.0.1:9", topic="t", group_id="g", client_id="mb", settings=cs)
+    caplog.set_level(logging.INFO, logger="consumers.retry")
+    errors: list[BaseException] = []
+
+    def run_b() -> None:
+        try:
+            member.process(msgs[end + 1:])
+        except BaseException as exc:  # noqa: BLE001 -- reported below
+            errors.append(exc)
+
+    tb = threading.Thread(target=run_b, name="member-b")
+    try:
+        tb.start()
+        assert b_waiting.wait(30)
+        time.sleep(max(0.0, window_closed_at - time.monotonic()) + 0.2)
+        assert finalize_due(projector_from_settings(cs), grace_s=0.0) == {"window": 1}
+        swept.set()
+        tb.join(60)
+    finally:
+        swept.set()
+        member.close()
+    assert not errors, errors
+    assert "was finalized by its window" in caplog.text  # the race did happen, and B was redone
+    assert member.stats.stored == len(late)
+    with psycopg.connect(db) as conn:
+        status, by, late_ids = conn.execute("SELECT status, finalized_by, late_event_ids FROM trajectory").fetchone()
+    assert (status, by) == ("finalized", "window")
+    assert sorted(late_ids) == sorted(e.event_id for e in late)
+    _every_event_once(db, len(msgs))
+    _live_equals_replay(db, cs)

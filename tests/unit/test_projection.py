@@ -4,7 +4,6 @@ property that folding batch by batch (state stored in between) equals folding at
 from __future__ import annotations
 
 import copy
-import struct
 from datetime import datetime, timedelta, timezone
 
 import numpy as np
