@@ -135,13 +135,35 @@ def _header_text(v: bytes | None) -> str:
         return "base64:" + base64.b64encode(v).decode()
 
 
-def dead_letter_row(d: Decoded) -> DeadLetterRow:
-    """The ``dead_letter`` row of a classified record (headers as ``[[key, text]]``)."""
+MAX_USER_ID_CHARS = 128
+"""``dead_letter.user_id`` width (the contract's limit on ``user_id``)."""
+
+
+def claimed_user_id(raw: bytes | None, max_bytes: int) -> str | None:
+    """The ``user_id`` a dead letter's raw bytes claim: the top-level string field of a JSON object of
+    at most ``max_bytes`` bytes, 1 to 128 characters, storable; else None (the erasure then finds the
+    row by searching its bytes). Never raises."""
+    if not raw or len(raw) > max_bytes:
+        return None
+    try:
+        obj = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        return None
+    uid = obj.get("user_id") if isinstance(obj, dict) else None
+    if not isinstance(uid, str) or not 0 < len(uid) <= MAX_USER_ID_CHARS or _bad_value(uid):
+        return None
+    return uid
+
+
+def dead_letter_row(d: Decoded, max_bytes: int = 1_048_576) -> DeadLetterRow:
+    """The ``dead_letter`` row of a classified record (headers as ``[[key, text]]``; ``user_id`` as
+    :func:`claimed_user_id`, not looked for in an oversized record or past ``max_bytes`` bytes)."""
     m = d.msg
     headers = [[_header_text(k.encode("utf-8", "replace") if isinstance(k, str) else k), _header_text(v)]
                for k, v in m.headers]
     return DeadLetterRow(topic=m.topic, partition=m.partition, offset=m.offset, key=m.key, raw=m.value,
-                         headers=headers, reason=d.reason or "validation", detail=d.detail.replace("\x00", ""))
+                         headers=headers, reason=d.reason or "validation", detail=d.detail.replace("\x00", ""),
+                         user_id=None if d.reason == "oversized" else claimed_user_id(m.value, max_bytes))
 
 
 def dlq_record(d: Decoded, max_bytes: int) -> tuple[bytes | None, bytes, list[tuple[str, bytes]]]:

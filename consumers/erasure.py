@@ -7,6 +7,9 @@ Invariants:
 - Every checkpoint that trained on one of the user's trajectories (``checkpoint_trajectory``, which
   the trainer writes from its manifest and keeps after erasure) gets ``trained_on_erased = true``
   and ``erasure_flagged_at``; nothing else about the checkpoint changes (a release manager decides).
+- Dead letters: those whose raw JSON claims the user (``dead_letter.user_id``, indexed), and any
+  unattributed one (not JSON, oversized, no usable ``user_id``) whose bytes carry the quoted user
+  id. A dead letter that claims another user is that user's, even if it mentions this one.
 - The request is stored minimally: one ``erasure_request`` row (request id, pseudonymous user id,
   counts, affected trajectory ids and checkpoints, when it was requested). The request event is
   not put in ``event_log``, and its free-text ``reason`` is not kept.
@@ -27,6 +30,11 @@ from datetime import datetime
 from sqlalchemy.orm import Session
 
 from app.repositories.events import raw_connection
+
+
+DELETE_DEAD_LETTERS = ("DELETE FROM dead_letter WHERE user_id = %(user_id)s "
+                       "OR (user_id IS NULL AND position(%(quoted)s::bytea in raw) > 0)")
+"""A user's dead letters (see the module invariants); ``quoted`` is the user id as a JSON string's bytes."""
 
 
 @dataclass
@@ -81,9 +89,9 @@ def erase_user(session: Session, user_id: str, request_id: str, requested_at: da
                     (user_id, sessions))  # cascades to segments and labels
         out.trajectory_ids = sorted(r[0] for r in cur.fetchall())
         out.trajectories_deleted = len(out.trajectory_ids)
-        # Dead letters are raw bytes: remove any that carries the user id as a JSON string.
-        cur.execute("DELETE FROM dead_letter WHERE position(%s::bytea in raw) > 0",
-                    (b'"' + user_id.encode() + b'"',))
+        # Dead letters are raw bytes: those that claim the user (dead_letter.user_id, indexed), and
+        # among the unattributed ones (a partial index) any that carries the user id as a JSON string.
+        cur.execute(DELETE_DEAD_LETTERS, {"user_id": user_id, "quoted": b'"' + user_id.encode() + b'"'})
         out.dead_letters_deleted = cur.rowcount
         cur.execute(
             "UPDATE checkpoint SET trained_on_erased = true, erasure_flagged_at = coalesce(erasure_flagged_at, now()) "

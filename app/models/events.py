@@ -11,7 +11,8 @@ import uuid
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import JSON, BigInteger, DateTime, Index, Integer, LargeBinary, String, Text, UniqueConstraint
+from sqlalchemy import (JSON, BigInteger, DateTime, Index, Integer, LargeBinary, String, Text, UniqueConstraint,
+                        text)
 from sqlalchemy.dialects.postgresql import JSONB, UUID
 from sqlalchemy.orm import Mapped, mapped_column
 
@@ -72,9 +73,13 @@ class DeadLetter(Base):
     headers: Mapped[list[Any] | None] = mapped_column(JSONB)
     reason: Mapped[str] = mapped_column(String(64), nullable=False)
     detail: Mapped[str] = mapped_column(Text, nullable=False, default="")
+    user_id: Mapped[str | None] = mapped_column(
+        String(128), comment="top-level user_id of the raw JSON object, if any (erasure)")
     created_at: Mapped[datetime] = created_at_column()
 
-    __table_args__ = (UniqueConstraint("topic", "partition", "offset"), Index("ix_dead_letter_reason", "reason"))
+    __table_args__ = (UniqueConstraint("topic", "partition", "offset"), Index("ix_dead_letter_reason", "reason"),
+                      Index("ix_dead_letter_user_id", "user_id"),
+                      Index("ix_dead_letter_unattributed", "id", postgresql_where=text("user_id IS NULL")))
 
 
 class PrivacyTombstone(Base):

@@ -194,6 +194,8 @@ class DeadLetterRow:
     headers: list[list[str]] | None
     reason: str
     detail: str
+    user_id: str | None = None
+    """The top-level ``user_id`` the raw JSON object carries, if any (what an erasure looks up)."""
 
 
 def insert_dead_letters(session: Session, rows: Sequence[DeadLetterRow]) -> int:
@@ -202,10 +204,10 @@ def insert_dead_letters(session: Session, rows: Sequence[DeadLetterRow]) -> int:
         return 0
     with raw_connection(session).cursor() as cur:
         cur.executemany(
-            'INSERT INTO dead_letter (topic, partition, "offset", key, raw, headers, reason, detail) '
-            "VALUES (%s, %s, %s, %s, %s, %s, %s, %s) ON CONFLICT DO NOTHING",
+            'INSERT INTO dead_letter (topic, partition, "offset", key, raw, headers, reason, detail, user_id) '
+            "VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s) ON CONFLICT DO NOTHING",
             [(r.topic, r.partition, r.offset, r.key, r.raw, Jsonb(r.headers) if r.headers is not None else None,
-              r.reason, r.detail) for r in rows])
+              r.reason, r.detail, r.user_id) for r in rows])
         return len(rows)
 
 

@@ -41,6 +41,8 @@ def test_erasure_removes_the_users_rows_and_flags_checkpoints(db, topics, kafka_
     bob = _sessions(rng, "u-bob", 6, T0, "b")
     records = [kafka_record(e) for e in alice + bob]
     records.append((b"a-u-alice-0", b'{"user_id": "u-alice", "type": "nope"}', []))  # a dead letter of alice's
+    records.append((b"a-u-alice-1", b'{"user_id": "u-alice", "type": "session.st', []))  # hers, not JSON
+    records.append((b"b-u-bob-0", b'{"user_id": "u-bob", "type": "nope", "to": "u-alice"}', []))  # bob's
     produce(kafka_bootstrap, topics["interactions"], records)
     _consume()
 
@@ -60,7 +62,8 @@ def test_erasure_removes_the_users_rows_and_flags_checkpoints(db, topics, kafka_
                                         user_id="u-bob")])
     with psycopg.connect(db, autocommit=True) as conn:
         assert conn.execute("SELECT count(*) FROM trajectory WHERE user_id = 'u-alice'").fetchone()[0] == 6
-        assert conn.execute("SELECT count(*) FROM dead_letter").fetchone()[0] == 1
+        assert sorted(conn.execute("SELECT reason, user_id FROM dead_letter").fetchall(), key=str) == \
+            [("bad_json", None), ("unknown_type", "u-alice"), ("unknown_type", "u-bob")]
         with pytest.raises(psycopg.errors.RaiseException, match="append-only"):
             conn.execute("DELETE FROM event_log WHERE user_id = 'u-alice'")
 
@@ -85,14 +88,14 @@ def test_erasure_removes_the_users_rows_and_flags_checkpoints(db, topics, kafka_
                  "WHERE t.user_id = 'u-alice' AND t.session_id <> 'a-u-alice-new'") == [(0,)]
         assert q("SELECT count(*) FROM reward_label WHERE trajectory_id = %s", trajectory_id_for("a-u-alice-0")) \
             == [(0,)]
-        assert q("SELECT count(*) FROM dead_letter") == [(0,)]
+        assert q("SELECT user_id FROM dead_letter") == [("u-bob",)]  # alice's two gone; bob's merely names her
         (req,) = q("SELECT user_id, events_deleted, trajectories_deleted, checkpoints_flagged, dead_letters_deleted, "
                    "cardinality(trajectory_ids), requested_at FROM erasure_request WHERE request_id = 'req-1'")
         # the straggler is erased with the rest if its partition delivered it before the request,
         # dropped at ingest if after
         straggled = req[2] - 6
         assert straggled in (0, 1) and req[1] == len(alice) + 3 * straggled
-        assert req[:1] + req[3:6] == ("u-alice", ["ck-1"], 1, 6 + straggled)
+        assert req[:1] + req[3:6] == ("u-alice", ["ck-1"], 2, 6 + straggled)
         assert req[6] == request.occurred_at
         flags = dict((r[0], (r[1], r[2] is not None)) for r in q(
             "SELECT id, trained_on_erased, erasure_flagged_at FROM checkpoint"))
@@ -125,3 +128,16 @@ def test_privacy_mode_sessions_leave_only_a_tombstone(db, topics, kafka_bootstra
         assert conn.execute("SELECT session_id FROM trajectory").fetchall() == [("o-1",)]
         tomb = dict(conn.execute("SELECT session_id, events_dropped FROM privacy_tombstone").fetchall())
     assert tomb == {"p-1": len(private), "p-2": len(mixed)}
+
+
+def test_an_erasure_finds_dead_letters_through_indexes(db):
+    """The erasure's dead-letter delete has an index path (the user's attributed rows, then only the
+    unattributed ones are searched byte-wise): it need not scan ``dead_letter`` while it holds the
+    projection lock exclusively."""
+    from consumers.erasure import DELETE_DEAD_LETTERS
+
+    with psycopg.connect(db) as conn:
+        conn.execute("SET enable_seqscan = off")  # a seq scan is then chosen only if nothing else exists
+        plan = "\n".join(r[0] for r in conn.execute("EXPLAIN " + DELETE_DEAD_LETTERS,
+                                                    {"user_id": "u", "quoted": b'"u"'}))
+    assert "Seq Scan" not in plan and "ix_dead_letter_user_id" in plan and "ix_dead_letter_unattributed" in plan, plan
