@@ -82,6 +82,34 @@ class BatchOutcome:
             self.next_offsets[k] = max(self.next_offsets.get(k, 0), v)
 
 
+@dataclass
+class IngestStats:
+    """Totals of one ``run``."""
+
+    messages: int = 0
+    stored: int = 0
+    duplicates: int = 0
+    stale: int = 0
+    dead_letters: Counter = field(default_factory=Counter)
+    finalized: Counter = field(default_factory=Counter)
+    batches: int = 0
+    processing_errors: int = 0
+    first_record_at: float | None = None
+    """``time.monotonic()`` when the first record was polled (after the group join)."""
+    last_batch_at: float | None = None
+    """``time.monotonic()`` when the last batch was committed."""
+
+    def add(self, o: BatchOutcome) -> None:
+        """Fold one batch's counts in."""
+        self.messages += o.messages
+        self.stored += o.stored
+        self.duplicates += o.duplicates
+        self.stale += o.stale
+        self.dead_letters.update(o.dead_letters)
+        self.finalized.update(o.finalized)
+        self.batches += 1
+
+
 def project_events(session: Session, projector: Projector, events: list[StoredEvent],
                    finalized: Counter | None = None,
                    states: dict[uuid.UUID, TrajectoryState] | None = None) -> int:

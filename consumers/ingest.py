@@ -17,8 +17,9 @@ Failure handling (the consumer never crashes on input):
 
 - transient database or broker faults are retried with exponential backoff until they pass
   (``consumers.retry``); the batch waits in memory, never dead-lettered;
-- a batch that fails for any other reason is applied again record by record, each in a savepoint;
-  a record that still fails is dead-lettered as ``processing_error`` and the batch goes on;
+- a batch that fails for any other reason is applied again bisected in savepoints
+  (``consumers.isolation``); a record that fails alone is dead-lettered as ``processing_error`` and
+  the batch goes on;
 - SIGKILL at any point loses nothing: uncommitted work is redelivered from the stored offsets,
   and records below a stored offset are skipped (so a zombie member after a rebalance, or a
   batch still queued when its partition moved, cannot apply anything twice).
@@ -32,16 +33,15 @@ import queue
 import sys
 import threading
 import time
-from collections import Counter
-from dataclasses import dataclass, field
 from typing import Any
 
 from app.core.db import session_scope
 from app.core.settings import get_settings
 from app.core.telemetry import tracer
-from consumers.batch import BatchOutcome, apply_batch
+from consumers.batch import BatchOutcome, IngestStats, apply_batch
 from consumers.deadletter import Decoded, DeadLetterPublisher, Message, classify
 from consumers.finalize import finalize_due
+from consumers.isolation import apply_isolated
 from consumers.projection import ProjectionConfig, Projector
 from consumers.retry import is_transient, is_unique_violation, retry_transient
 from consumers.rewards.spec import active_specs
@@ -57,34 +57,6 @@ def projector_from_settings(cs: ConsumerSettings | None = None) -> Projector:
     cs = cs or get_consumer_settings()
     return Projector(ProjectionConfig(signal_window_s=cs.signal_window_s, abandon_after_s=cs.abandon_after_s,
                                       eval_reserve_fraction=cs.eval_reserve_fraction), active_specs())
-
-
-@dataclass
-class IngestStats:
-    """Totals of one ``run``."""
-
-    messages: int = 0
-    stored: int = 0
-    duplicates: int = 0
-    stale: int = 0
-    dead_letters: Counter = field(default_factory=Counter)
-    finalized: Counter = field(default_factory=Counter)
-    batches: int = 0
-    processing_errors: int = 0
-    first_record_at: float | None = None
-    """``time.monotonic()`` when the first record was polled (after the group join)."""
-    last_batch_at: float | None = None
-    """``time.monotonic()`` when the last batch was committed."""
-
-    def add(self, o: BatchOutcome) -> None:
-        """Fold one batch's counts in."""
-        self.messages += o.messages
-        self.stored += o.stored
-        self.duplicates += o.duplicates
-        self.stale += o.stale
-        self.dead_letters.update(o.dead_letters)
-        self.finalized.update(o.finalized)
-        self.batches += 1
 
 
 class IngestConsumer:
@@ -187,36 +159,6 @@ class IngestConsumer:
         with session_scope() as session:
             return apply_batch(session, self.group_id, decoded, self.projector, self.settings.insert_method)
 
-    def _apply_isolated(self, decoded: list[Decoded]) -> BatchOutcome:
-        """Bisect the batch in savepoints until the failing records are alone; each of those becomes a
-        ``processing_error`` dead letter (O(k log n) savepoints for k bad records in n)."""
-        total = BatchOutcome(messages=len(decoded))
-        with session_scope() as session:
-            self._bisect(session, decoded, total)
-        return total
-
-    def _bisect(self, session, part: list[Decoded], total: BatchOutcome) -> None:
-        try:
-            with session.begin_nested():  # conflict-safe insert: see append_events
-                total.merge(apply_batch(session, self.group_id, part, self.projector, "copy_upsert"))
-            return
-        except Exception as exc:  # noqa: BLE001 -- route the bad record, keep the batch going
-            if is_transient(exc):
-                raise
-            if len(part) > 1:
-                mid = len(part) // 2
-                self._bisect(session, part[:mid], total)
-                self._bisect(session, part[mid:], total)
-                return
-            d = part[0]
-            log.error("record %s:%s:%s failed (%s: %s); dead-lettering it", d.msg.topic, d.msg.partition,
-                      d.msg.offset, type(exc).__name__, exc)
-            bad = Decoded(d.msg, reason="processing_error", detail=f"{type(exc).__name__}: {exc}"[:2000])
-        self._publish_dead_letters([bad])
-        with session.begin_nested():
-            total.merge(apply_batch(session, self.group_id, [bad], self.projector, "copy_upsert"))
-        self.stats.processing_errors += 1
-
     def process(self, messages: list[Message], decoded: list[Decoded] | None = None) -> BatchOutcome:
         """Dead-letter and apply one batch (retrying transient faults). No Kafka commit."""
         started = time.perf_counter()
@@ -241,7 +183,10 @@ class IngestConsumer:
                              str(exc).splitlines()[0])
                 else:
                     log.warning("batch failed (%s); bisecting it to isolate the record(s) at fault", exc)
-                outcome = self.retry(lambda: self._apply_isolated(decoded), "isolated batch transaction")
+                outcome, errors = self.retry(lambda: apply_isolated(self.group_id, decoded, self.projector,
+                                                                    self._publish_dead_letters),
+                                             "isolated batch transaction")
+                self.stats.processing_errors += errors
             span.set_attribute("flywheel.events.stored", outcome.stored)
             span.set_attribute("flywheel.dead_letters", sum(outcome.dead_letters.values()))
         self.metrics.record_batch(outcome, time.perf_counter() - started)
