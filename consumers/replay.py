@@ -113,7 +113,8 @@ def replay(projector: Projector, *, grace_s: float, schema: str | None = None, c
         conn = raw_connection(session)
         if schema is not None:
             create_shadow_schema(session, schema)
-            conn.execute(f'SET LOCAL search_path = "{schema}", ' + conn.execute("SELECT current_schema()").fetchone()[0])
+            home = conn.execute("SELECT current_schema()").fetchone()[0]
+            conn.execute(f'SET LOCAL search_path = "{schema}", ' + home)
         else:
             conn.execute("SELECT pg_advisory_xact_lock(%s)", (PROJECTION_LOCK,))
             conn.execute("TRUNCATE " + ", ".join(PROJECTION_TABLES))
@@ -138,7 +139,8 @@ def dump_projection(session: Session, schema: str | None = None,
             "ORDER BY ordinal_position", (schema, t)).fetchall()
             if r[0] not in (exclude or {}).get(t, set())]
         sel = ", ".join(f'"{c}"' for c in cols)
-        out[t] = [tuple(r) for r in conn.execute(f'SELECT {sel} FROM "{_check_ident(schema)}".{t} ORDER BY {_ORDER[t]}')]
+        rows = conn.execute(f'SELECT {sel} FROM "{_check_ident(schema)}".{t} ORDER BY {_ORDER[t]}')
+        out[t] = [tuple(r) for r in rows]
     return out
 
 

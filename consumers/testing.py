@@ -29,7 +29,8 @@ VOCAB = 49_152
 def _uuid7_like(rng: np.random.Generator, ms: int) -> uuid.UUID:
     """A UUIDv7 from a millisecond timestamp and the seeded RNG (deterministic, time-ordered)."""
     rand = int.from_bytes(rng.bytes(10), "big")
-    value = (ms & ((1 << 48) - 1)) << 80 | 0x7 << 76 | (rand >> 68 & 0xFFF) << 64 | 0b10 << 62 | (rand & ((1 << 62) - 1))
+    value = ((ms & ((1 << 48) - 1)) << 80 | 0x7 << 76 | (rand >> 68 & 0xFFF) << 64 | 0b10 << 62
+             | (rand & ((1 << 62) - 1)))
     return uuid.UUID(int=value)
 
 
@@ -86,7 +87,8 @@ def generate_session(rng: np.random.Generator, *, session_id: str, user_id: str,
     for e in range(int(rng.integers(0, 3))):
         edit_id = f"e{e}"
         events.append(EditProposedEvent(**at(0.3), payload=EditProposed(
-            edit_id=edit_id, path="df.py", lines_added=int(rng.integers(1, 40)), lines_removed=int(rng.integers(0, 20)))))
+            edit_id=edit_id, path="df.py", lines_added=int(rng.integers(1, 40)),
+            lines_removed=int(rng.integers(0, 20)))))
         if rng.random() < 0.75:
             events.append(EditAcceptedEvent(**at(2.0), payload=EditAccepted(edit_id=edit_id)))
             expected.append("edit.persistence_measured")
