@@ -9,6 +9,7 @@ from sqlalchemy import create_engine, pool
 
 import app.models  # noqa: F401  (registers every table)
 from app.core.db import database_url, normalize_url
+from app.core.migrate import is_celery_object, table_of
 from app.models.base import Base
 
 config = context.config
@@ -17,19 +18,14 @@ target_metadata = Base.metadata
 _only = {t for t in os.environ.get("FLYWHEEL_AUTOGEN_TABLES", "").split(",") if t}
 
 
-_FOREIGN_PREFIXES = ("kombu_", "celery_")  # created by kombu's SQL broker / Celery's result backend
-
-
 def include_object(obj, name, type_, reflected, compare_to):
     """During authoring, ``FLYWHEEL_AUTOGEN_TABLES`` limits autogenerate to one area's tables.
     Tables Celery creates for itself on the same database are never Alembic's."""
-    table_name = obj.name if type_ == "table" else getattr(getattr(obj, "table", None), "name", None)
-    if reflected and compare_to is None and (table_name or "").startswith(_FOREIGN_PREFIXES):
+    if is_celery_object(obj, name, type_, reflected, compare_to):
         return False
     if not _only:
         return True
-    table = obj.name if type_ == "table" else getattr(getattr(obj, "table", None), "name", None)
-    return table in _only
+    return table_of(obj, type_) in _only
 
 
 def _url() -> str:

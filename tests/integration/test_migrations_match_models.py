@@ -12,18 +12,15 @@ def test_migrated_database_matches_the_models(db):
     from alembic.autogenerate import compare_metadata
     from alembic.migration import MigrationContext
 
+    from app.core.migrate import is_celery_object
     from app.models import Base
-
-    def ours(obj, name, type_, reflected, compare_to) -> bool:
-        """Not the tables Celery's SQL broker and result backend create for themselves (as migrations/env.py)."""
-        table = obj.name if type_ == "table" else getattr(getattr(obj, "table", None), "name", "")
-        return not (reflected and compare_to is None and (table or "").startswith(("kombu_", "celery_")))
 
     engine = sa.create_engine(db.replace("postgresql://", "postgresql+psycopg://", 1))
     try:
         with engine.connect() as conn:
             conn.execute(sa.text("CREATE TABLE kombu_probe (id int)"))  # as if Celery had run first
-            diff = compare_metadata(MigrationContext.configure(conn, opts={"include_object": ours}), Base.metadata)
+            ours = {"include_object": lambda *obj: not is_celery_object(*obj)}  # as migrations/env.py
+            diff = compare_metadata(MigrationContext.configure(conn, opts=ours), Base.metadata)
             conn.rollback()
     finally:
         engine.dispose()
