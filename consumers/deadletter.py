@@ -21,6 +21,7 @@ import orjson
 
 from app.core.errors import InvalidEventError
 from app.events import decode_event_payload
+from app.events.codec import DEFAULT_MAX_EVENT_BYTES
 from app.events.types import EventBase
 from app.repositories.events import DeadLetterRow, EventRow
 
@@ -155,7 +156,7 @@ def claimed_user_id(raw: bytes | None, max_bytes: int) -> str | None:
     return uid
 
 
-def dead_letter_row(d: Decoded, max_bytes: int = 1_048_576) -> DeadLetterRow:
+def dead_letter_row(d: Decoded, max_bytes: int = DEFAULT_MAX_EVENT_BYTES) -> DeadLetterRow:
     """The ``dead_letter`` row of a classified record (headers as ``[[key, text]]``; ``user_id`` as
     :func:`claimed_user_id`, not looked for in an oversized record or past ``max_bytes`` bytes)."""
     m = d.msg
