@@ -65,6 +65,19 @@ def _live_equals_replay(db, settings=None) -> None:
             drop_schema(s, schema)
 
 
+def _guarded(fn, errors: list[BaseException], done: threading.Event | None = None):
+    """``fn`` as a thread target that appends what it raises to ``errors`` and sets ``done`` when it ends."""
+    def run() -> None:
+        try:
+            fn()
+        except BaseException as exc:  # noqa: BLE001 -- the test asserts ``errors`` is empty
+            errors.append(exc)
+        finally:
+            if done is not None:
+                done.set()
+    return run
+
+
 def _race(monkeypatch, b_apply, a_apply) -> None:
     """Run ``b_apply`` in thread member-b, which pauses (up to 2 s) right after storing its events
     in ``event_log``; start ``a_apply`` in thread member-a during that pause; wait for both.
@@ -86,22 +99,10 @@ def _race(monkeypatch, b_apply, a_apply) -> None:
 
     monkeypatch.setattr(batch_mod, "append_events", append_then_pause)
     errors: list[BaseException] = []
-
-    def guarded(fn, done: threading.Event | None = None):
-        def run() -> None:
-            try:
-                fn()
-            except BaseException as exc:  # noqa: BLE001 -- reported below
-                errors.append(exc)
-            finally:
-                if done is not None:
-                    done.set()
-        return run
-
-    tb = threading.Thread(target=guarded(b_apply), name="member-b")
+    tb = threading.Thread(target=_guarded(b_apply, errors), name="member-b")
     tb.start()
     assert b_stored.wait(30)
-    ta = threading.Thread(target=guarded(a_apply, a_done), name="member-a")
+    ta = threading.Thread(target=_guarded(a_apply, errors, a_done), name="member-a")
     ta.start()
     tb.join(60)
     ta.join(60)
@@ -278,14 +279,7 @@ def test_a_batch_the_window_sweep_overtook_is_redone_with_a_later_ingestion_time
     member = IngestConsumer(bootstrap="127.0.0.1:9", topic="t", group_id="g", client_id="mb", settings=cs)
     caplog.set_level(logging.INFO, logger="consumers.retry")
     errors: list[BaseException] = []
-
-    def run_b() -> None:
-        try:
-            member.process(msgs[end + 1:])
-        except BaseException as exc:  # noqa: BLE001 -- reported below
-            errors.append(exc)
-
-    tb = threading.Thread(target=run_b, name="member-b")
+    tb = threading.Thread(target=_guarded(lambda: member.process(msgs[end + 1:]), errors), name="member-b")
     try:
         tb.start()
         assert b_waiting.wait(30)
