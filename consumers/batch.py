@@ -19,7 +19,9 @@ Invariants (exactly-once effect):
 - Privacy-mode sessions are never stored: their events only increment ``privacy_tombstone``.
 - ``user.erasure_requested`` is applied at its place in the batch (events before it are stored,
   then erased with the rest of the user's data), holding the projection lock exclusively: no other
-  member's batch is half-way through the user's events when it deletes them.
+  member's batch is half-way through the user's events when it deletes them. After it, the user's
+  events it covers are dropped at ingest, and the dead letters it covers (by what their bytes claim)
+  are stored without their bytes.
 - Every batch transaction holds the projection lock (``PROJECTION_LOCK``, an advisory lock): shared,
   or exclusive if the batch holds an erasure request; an in-place replay takes it exclusively, so it
   never interleaves with ingest.
@@ -35,9 +37,10 @@ from datetime import datetime
 from sqlalchemy.orm import Session
 
 from app.repositories import trajectories as trepo
-from app.repositories.events import (append_events, count_tombstones, erased_users, insert_dead_letters,
-                                     lock_offsets, private_sessions, raw_connection, store_offsets)
-from consumers.deadletter import Decoded, dead_letter_row
+from app.repositories.events import (DeadLetterRow, append_events, count_tombstones, erased_users,
+                                     insert_dead_letters, lock_offsets, private_sessions, raw_connection,
+                                     store_offsets)
+from consumers.deadletter import Decoded, claim_of_dead_letter, covered_by_erasure, dead_letter_row, redacted
 from consumers.erasure import ErasureOutcome, erase_user
 from consumers.projection import (Projector, SegmentState, StoredEvent, TrajectoryState, new_trajectory,
                                   trajectory_id_for)
@@ -205,21 +208,29 @@ def apply_batch(session: Session, group_id: str, batch: list[Decoded], projector
     fresh = [d for d in batch if d.msg.offset >= stored_next.get((d.msg.topic, d.msg.partition), 0)]
     out.stale = len(batch) - len(fresh)
 
-    dead = [d for d in fresh if d.reason is not None]
-    insert_dead_letters(session, [dead_letter_row(d) for d in dead])
-    out.dead_letters.update(d.reason for d in dead)
-
+    # A dead letter is stored at its place in the batch relative to erasure requests, like an event:
+    # one before a request is erased with the user's rows; one after it that the request covers (by
+    # what its bytes claim) keeps its place and reason, not its bytes.
+    claims = [claim_of_dead_letter(d) if d.reason is not None else None for d in fresh]
     events = [d for d in fresh if d.event is not None]
     private = private_sessions(session, list({d.event.session_id for d in events}))  # type: ignore[union-attr]
-    erased = erased_users(session, list({d.event.user_id for d in events}))  # type: ignore[union-attr]
+    erased = erased_users(session, list({d.event.user_id for d in events}  # type: ignore[union-attr]
+                                        | {c.user_id for c in claims if c is not None and c.user_id is not None}))
     tombstones: Counter = Counter()
     chunk: list[Decoded] = []
-    for d in events:
+    dead: list[DeadLetterRow] = []
+    for d, claim in zip(fresh, claims):
+        if claim is not None:
+            row, requested_at = dead_letter_row(d, claim=claim), covered_by_erasure(claim, erased)
+            dead.append(row if requested_at is None else redacted(row, requested_at))
+            out.dead_letters[d.reason] += 1
+            continue
         ev = d.event
         assert ev is not None
         if ev.type == "user.erasure_requested":
             _store_and_project(session, projector, chunk, now, insert_method, out)
-            chunk = []
+            insert_dead_letters(session, dead)
+            chunk, dead = [], []
             res = erase_user(session, ev.user_id, ev.payload.request_id, ev.occurred_at)  # type: ignore[attr-defined]
             out.erasures.append(res)
             at, tids = erased.get(ev.user_id, (ev.occurred_at, set()))
@@ -235,6 +246,7 @@ def apply_batch(session: Session, group_id: str, batch: list[Decoded], projector
                 out.erased_dropped += 1
                 continue
         chunk.append(d)
+    insert_dead_letters(session, dead)
     _store_and_project(session, projector, chunk, now, insert_method, out)
     count_tombstones(session, dict(tombstones))
     out.privacy_dropped = sum(tombstones.values())

@@ -13,8 +13,10 @@ from __future__ import annotations
 import base64
 import math
 import re
-from collections.abc import Sequence
-from dataclasses import dataclass
+import uuid
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass, replace
+from datetime import datetime
 from typing import Any, NamedTuple
 
 import orjson
@@ -24,6 +26,7 @@ from app.events import decode_event_payload
 from app.events.codec import DEFAULT_MAX_EVENT_BYTES
 from app.events.types import EventBase
 from app.repositories.events import DeadLetterRow, EventRow
+from consumers.projection import trajectory_id_for
 
 MAX_SEGMENT_INDEX = 100_000
 """Segments per trajectory the projection accepts (an int4 column; real sessions have a handful)."""
@@ -140,31 +143,92 @@ MAX_USER_ID_CHARS = 128
 """``dead_letter.user_id`` width (the contract's limit on ``user_id``)."""
 
 
-def claimed_user_id(raw: bytes | None, max_bytes: int) -> str | None:
-    """The ``user_id`` a dead letter's raw bytes claim: the top-level string field of a JSON object of
-    at most ``max_bytes`` bytes, 1 to 128 characters, storable; else None (the erasure then finds the
-    row by searching its bytes). Never raises."""
-    if not raw or len(raw) > max_bytes:
+class Claim(NamedTuple):
+    """Whose event a dead letter's raw bytes say it is: the top-level ``user_id``, ``session_id`` and
+    ``occurred_at`` of a JSON object, each None when absent or unusable. Unvalidated: only used to
+    find the row for an erasure and to decide whether an erasure covers it."""
+
+    user_id: str | None = None
+    session_id: str | None = None
+    occurred_at: datetime | None = None
+
+
+def _claimed_str(obj: dict, key: str) -> str | None:
+    v = obj.get(key)
+    if not isinstance(v, str) or not 0 < len(v) <= MAX_USER_ID_CHARS or _bad_value(v):
         return None
+    return v
+
+
+def claim_of(raw: bytes | None, max_bytes: int) -> Claim:
+    """The :class:`Claim` of a record's raw bytes: fields of a JSON object of at most ``max_bytes``
+    bytes; ids 1 to 128 characters and storable; ``occurred_at`` an ISO 8601 time with a UTC offset
+    (a naive or unparseable time is None). Never raises."""
+    if not raw or len(raw) > max_bytes:
+        return Claim()
     try:
         obj = orjson.loads(raw)
     except orjson.JSONDecodeError:
-        return None
-    uid = obj.get("user_id") if isinstance(obj, dict) else None
-    if not isinstance(uid, str) or not 0 < len(uid) <= MAX_USER_ID_CHARS or _bad_value(uid):
-        return None
-    return uid
+        return Claim()
+    if not isinstance(obj, dict):
+        return Claim()
+    at = obj.get("occurred_at")
+    try:
+        when = datetime.fromisoformat(at) if isinstance(at, str) else None
+    except ValueError:
+        when = None
+    return Claim(_claimed_str(obj, "user_id"), _claimed_str(obj, "session_id"),
+                 when if when is not None and when.tzinfo is not None else None)
 
 
-def dead_letter_row(d: Decoded, max_bytes: int = DEFAULT_MAX_EVENT_BYTES) -> DeadLetterRow:
+def claimed_user_id(raw: bytes | None, max_bytes: int) -> str | None:
+    """The ``user_id`` a dead letter's raw bytes claim (:func:`claim_of`), or None (the erasure then
+    finds the row by searching its bytes). Never raises."""
+    return claim_of(raw, max_bytes).user_id
+
+
+def covered_by_erasure(claim: Claim, erased: Mapping[str, tuple[datetime, Collection[uuid.UUID]]]) -> datetime | None:
+    """When the erasure that covers a dead letter was requested, or None if none does.
+
+    ``erased``: ``{user_id: (latest requested_at, erased trajectory ids)}``
+    (``app.repositories.events.erased_users``). The ingest rule for events, applied to what the bytes
+    claim: the claimed user was erased and the record occurred at or before the request, or belongs
+    to a session whose trajectory the erasure deleted; a record that does not say when it occurred,
+    or of which session, is taken as covered.
+    """
+    if claim.user_id is None or claim.user_id not in erased:
+        return None
+    requested_at, trajectory_ids = erased[claim.user_id]
+    if claim.occurred_at is None or claim.session_id is None or claim.occurred_at <= requested_at \
+            or trajectory_id_for(claim.session_id) in trajectory_ids:
+        return requested_at
+    return None
+
+
+def redacted(row: DeadLetterRow, requested_at: datetime) -> DeadLetterRow:
+    """The dead letter of an erased user's record, as stored: its position, reason, detail and user id
+    (a later erasure of the user deletes it), without its key, bytes or headers."""
+    return replace(row, key=None, raw=None, headers=None,
+                   detail=f"raw bytes not kept: the user's erasure was requested at {requested_at.isoformat()}; "
+                          + row.detail)
+
+
+def dead_letter_row(d: Decoded, max_bytes: int = DEFAULT_MAX_EVENT_BYTES,
+                    claim: Claim | None = None) -> DeadLetterRow:
     """The ``dead_letter`` row of a classified record (headers as ``[[key, text]]``; ``user_id`` as
-    :func:`claimed_user_id`, not looked for in an oversized record or past ``max_bytes`` bytes)."""
+    :func:`claimed_user_id`, not looked for in an oversized record or past ``max_bytes`` bytes;
+    ``claim``: the record's :func:`claim_of`, if the caller has it)."""
     m = d.msg
     headers = [[_header_text(k.encode("utf-8", "replace") if isinstance(k, str) else k), _header_text(v)]
                for k, v in m.headers]
     return DeadLetterRow(topic=m.topic, partition=m.partition, offset=m.offset, key=m.key, raw=m.value,
                          headers=headers, reason=d.reason or "validation", detail=d.detail.replace("\x00", ""),
-                         user_id=None if d.reason == "oversized" else claimed_user_id(m.value, max_bytes))
+                         user_id=(claim if claim is not None else claim_of_dead_letter(d, max_bytes)).user_id)
+
+
+def claim_of_dead_letter(d: Decoded, max_bytes: int = DEFAULT_MAX_EVENT_BYTES) -> Claim:
+    """:func:`claim_of` a dead letter's bytes (none for an ``oversized`` one: it is not parsed)."""
+    return Claim() if d.reason == "oversized" else claim_of(d.msg.value, max_bytes)
 
 
 def dlq_record(d: Decoded, max_bytes: int) -> tuple[bytes | None, bytes, list[tuple[str, bytes]]]:

@@ -74,9 +74,17 @@ def test_erasure_removes_the_users_rows_and_flags_checkpoints(db, topics, kafka_
     after = generate_session(rng, session_id="a-u-alice-new", user_id="u-alice",
                              start=datetime.now(timezone.utc) + timedelta(seconds=5))
     produce(kafka_bootstrap, topics["interactions"], [kafka_record(request)])
-    produce(kafka_bootstrap, topics["interactions"], [kafka_record(e) for e in straggler + after])
+    # Her malformed records after the request (its key: the same partition, so surely after it in the
+    # stream): of an old session, and of one that does not say when (both covered by the erasure:
+    # stored without their bytes), and of her new session (kept whole).
+    later = [(b"erasure-1", b'{"user_id": "u-alice", "session_id": "a-u-alice-0", "occurred_at": "'
+              + T0.isoformat().encode() + b'", "type": "nope", "text": "her secret"}', []),
+             (b"erasure-1", b'{"user_id": "u-alice", "type": "nope", "text": "her secret"}', []),
+             (b"erasure-1", b'{"user_id": "u-alice", "session_id": "a-u-alice-new", "occurred_at": "'
+              + (datetime.now(timezone.utc) + timedelta(seconds=30)).isoformat().encode() + b'", "type": "nope"}', [])]
+    produce(kafka_bootstrap, topics["interactions"], [kafka_record(e) for e in straggler + after] + later)
     stats = _consume()
-    assert stats.dead_letters == {}
+    assert stats.dead_letters == {"unknown_type": 3}
 
     with psycopg.connect(db) as conn:
         q = lambda sql, *p: conn.execute(sql, p).fetchall()  # noqa: E731
@@ -88,7 +96,14 @@ def test_erasure_removes_the_users_rows_and_flags_checkpoints(db, topics, kafka_
                  "WHERE t.user_id = 'u-alice' AND t.session_id <> 'a-u-alice-new'") == [(0,)]
         assert q("SELECT count(*) FROM reward_label WHERE trajectory_id = %s", trajectory_id_for("a-u-alice-0")) \
             == [(0,)]
-        assert q("SELECT user_id FROM dead_letter") == [("u-bob",)]  # alice's two gone; bob's merely names her
+        # alice's two before the request are gone; bob's merely names her; her later ones are kept as above
+        kept = q("SELECT user_id, key, raw IS NOT NULL, headers IS NOT NULL, left(detail, 18) FROM dead_letter")
+        assert sorted(kept, key=str) == [("u-alice", None, False, False, "raw bytes not kept"),
+                                         ("u-alice", None, False, False, "raw bytes not kept"),
+                                         ("u-alice", b"erasure-1", True, True, "unknown or missing"),
+                                         ("u-bob", b"b-u-bob-0", True, True, "unknown or missing")]
+        assert q("SELECT count(*) FROM dead_letter WHERE position('her secret' in convert_from(raw, 'UTF8')) > 0") \
+            == [(0,)]
         (req,) = q("SELECT user_id, events_deleted, trajectories_deleted, checkpoints_flagged, dead_letters_deleted, "
                    "cardinality(trajectory_ids), requested_at FROM erasure_request WHERE request_id = 'req-1'")
         # the straggler is erased with the rest if its partition delivered it before the request,

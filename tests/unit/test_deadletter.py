@@ -1,10 +1,15 @@
-"""Which user a dead letter claims to be from (what an erasure looks it up by)."""
+"""Which user a dead letter claims to be from (what an erasure looks it up by), and whether an erasure
+covers it."""
 
 from __future__ import annotations
 
+from datetime import datetime, timedelta, timezone
+
 import pytest
 
-from consumers.deadletter import Decoded, Message, claimed_user_id, dead_letter_row
+from consumers.deadletter import (Claim, Decoded, Message, claim_of, claimed_user_id, covered_by_erasure,
+                                  dead_letter_row, redacted)
+from consumers.projection import trajectory_id_for
 
 
 @pytest.mark.parametrize("raw,expected", [
@@ -33,3 +38,39 @@ def test_an_oversized_record_is_not_parsed_for_its_user():
     msg = Message("t", 0, 5, None, raw)
     assert dead_letter_row(Decoded(msg, reason="oversized", detail="too big")).user_id is None
     assert dead_letter_row(Decoded(msg, reason="validation", detail="bad")).user_id == "u-1"
+
+
+def test_claim_of_reads_session_and_an_aware_occurred_at():
+    raw = b'{"user_id": "u-1", "session_id": "s-1", "occurred_at": "2026-11-21T10:00:00Z", "type": "nope"}'
+    assert claim_of(raw, 1024) == Claim("u-1", "s-1", datetime(2026, 11, 21, 10, tzinfo=timezone.utc))
+    assert claim_of(b'{"user_id": "u-1", "occurred_at": "2026-11-21T10:00:00"}', 1024).occurred_at is None  # naive
+    assert claim_of(b'{"user_id": "u-1", "occurred_at": "yesterday"}', 1024) == Claim("u-1")
+    assert claim_of(b'{"user_id": "u-1", "occurred_at": 1700000000}', 1024) == Claim("u-1")
+    assert claim_of(b'{"session_id": ["s"]}', 1024) == Claim()
+
+
+REQUESTED = datetime(2026, 11, 21, 12, tzinfo=timezone.utc)
+ERASED = {"u-1": (REQUESTED, {trajectory_id_for("s-old")})}
+
+
+@pytest.mark.parametrize("claim,covered", [
+    (Claim("u-1", "s-new", REQUESTED - timedelta(seconds=1)), True),   # occurred before the request
+    (Claim("u-1", "s-new", REQUESTED), True),
+    (Claim("u-1", "s-old", REQUESTED + timedelta(hours=1)), True),     # a session the erasure deleted
+    (Claim("u-1", None, REQUESTED + timedelta(hours=1)), True),        # says neither which session...
+    (Claim("u-1", "s-new", None), True),                               # ...nor when: taken as covered
+    (Claim("u-1", "s-new", REQUESTED + timedelta(seconds=1)), False),  # a new session after the request
+    (Claim("u-2", "s-old", REQUESTED - timedelta(hours=1)), False),    # another user
+    (Claim(None, "s-old", None), False),
+])
+def test_covered_by_erasure_follows_the_ingest_rule_for_events(claim, covered):
+    assert covered_by_erasure(claim, ERASED) == (REQUESTED if covered else None)
+
+
+def test_a_redacted_dead_letter_keeps_its_place_not_its_bytes():
+    raw = b'{"user_id": "u-1", "session_id": "s-old", "type": "nope"}'
+    msg = Message("t", 3, 9, b"s-old", raw, [("traceparent", b"00-" + b"a" * 32 + b"-" + b"b" * 16 + b"-01")])
+    row = redacted(dead_letter_row(Decoded(msg, reason="unknown_type", detail="unknown type 'nope'")), REQUESTED)
+    assert (row.topic, row.partition, row.offset, row.reason, row.user_id) == ("t", 3, 9, "unknown_type", "u-1")
+    assert row.key is None and row.raw is None and row.headers is None
+    assert row.detail.startswith("raw bytes not kept") and row.detail.endswith("unknown type 'nope'")
