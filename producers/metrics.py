@@ -13,7 +13,7 @@ from app.core.telemetry import meter
 COUNTERS = ("emitted", "sent", "spooled", "errors", "invalid", "dropped")
 """emitted: accepted by ``emit``; sent: acknowledged by the broker; spooled: written to the disk
 spool; errors: broker faults (and sender errors); invalid: rejected by ``emit`` (``ValueError``);
-dropped: could not be spooled (disk full)."""
+dropped: could not be spooled (disk full, or the spool at its ``spool_max_bytes`` bound)."""
 
 
 class ProducerCounters:

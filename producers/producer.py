@@ -63,6 +63,9 @@ class EventProducer:
         connect_timeout_s: seconds to wait for the broker when (re)connecting.
         max_backoff_s: ceiling of the exponential backoff between reconnects (seconds).
         max_event_bytes: larger encoded events are rejected with ``ValueError``; default from settings.
+        spool_max_bytes: once the disk spool holds this many undelivered bytes, new events that do not
+            fit in memory are dropped (counted, logged and passed to ``on_error`` as
+            :class:`producers.spool.SpoolFullError`); default ``FLYWHEEL_KAFKA_SPOOL_MAX_BYTES`` (1 GiB).
 
     Raises:
         ConfigurationError: no bootstrap configured, or every spool lane is in use.
@@ -74,7 +77,7 @@ class EventProducer:
                  batch_bytes: int = DEFAULT_BATCH_BYTES,
                  compression: str | None = None, delivery_timeout_s: float = 10.0,
                  connect_timeout_s: float = 5.0, max_backoff_s: float = 5.0,
-                 max_event_bytes: int | None = None) -> None:
+                 max_event_bytes: int | None = None, spool_max_bytes: int | None = None) -> None:
         kafka = get_settings().kafka
         self.bootstrap = bootstrap or kafka.bootstrap
         if not self.bootstrap:
@@ -87,7 +90,8 @@ class EventProducer:
         self.delivery_timeout_s, self.connect_timeout_s = delivery_timeout_s, connect_timeout_s
         self.max_backoff_s = max_backoff_s
         self._on_error = on_error
-        self._spool = Spool(spool_dir or flywheel_home() / "spool")
+        self._spool = Spool(spool_dir or flywheel_home() / "spool",
+                            max_bytes=spool_max_bytes or kafka.spool_max_bytes)
         self._buffer: deque[Record] = deque()
         self._lock = threading.Lock()        # guards _buffer, _spooling, _closed and spool appends
         self._spooling = self._spool.pending > 0  # a previous process's spool goes out first
@@ -148,7 +152,7 @@ class EventProducer:
                 try:
                     self._spool.append((rec,))
                     self._counts["spooled"] += 1
-                except OSError as exc:  # disk full: the one case an event is dropped, loudly
+                except OSError as exc:  # disk full or spool at its bound: the one case an event is dropped, loudly
                     self._counts["dropped"] += 1
                     spool_error = exc
         if spool_error is not None:
@@ -160,11 +164,13 @@ class EventProducer:
     @property
     def metrics(self) -> dict[str, int]:
         """Counters since start (``emitted``, ``sent``, ``spooled``, ``errors``, ``invalid``,
-        ``dropped``: memory full and the spool write failed, e.g. disk full) and
-        gauges (``buffered``: events in memory, ``spool_pending``: events on disk, ``broker_down``)."""
+        ``dropped``: memory full and the spool write failed, e.g. disk full or the spool at
+        ``spool_max_bytes``) and gauges (``buffered``: events in memory, ``spool_pending``: events on
+        disk, ``spool_pending_bytes``, ``broker_down``)."""
         out = dict(self._counts)
         out["buffered"] = len(self._buffer) + self._inflight
         out["spool_pending"] = self._spool.pending
+        out["spool_pending_bytes"] = self._spool.pending_bytes
         out["broker_down"] = int(self._down)
         return out
 

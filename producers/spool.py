@@ -10,12 +10,19 @@ A record is therefore removed only after delivery: a crash between send and comm
 Layout of one spool lane (``<root>/lane-<i>/``): ``<n:020d>.log`` segment files of frames
 ``u32 body_len | u32 crc32(body) | body`` and ``<n:020d>.ack`` holding the byte offset up to which a
 segment has been delivered. A torn frame at the end of a segment (crash mid-write) fails its CRC or
-length check and is truncated on open. Each producer process locks one lane with ``flock``; a new
-producer takes the first free lane, so it picks up what a dead producer on that lane left behind.
+length check and is truncated on open.
+
+Bound: ``append`` refuses records (:class:`SpoolFullError`) once the undelivered bytes would pass
+``max_bytes``; ``prepend`` never does (its records were already accepted and were only in memory),
+so the spool can pass the bound by what the producer holds in memory.
+
+Each producer process locks one lane with ``flock``; a new producer takes the first free lane, so it
+picks up what a dead producer on that lane left behind.
 """
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import logging
 import os
@@ -36,6 +43,10 @@ _U16 = struct.Struct("<H")
 _U32 = struct.Struct("<I")
 _FIRST_SEGMENT = 10**12  # room below for prepended segments
 _SUFFIX = ".log"
+
+
+class SpoolFullError(OSError):
+    """The spool already holds ``max_bytes`` of undelivered records: the new ones are not written."""
 
 
 class Record(NamedTuple):
@@ -117,14 +128,16 @@ class Spool:
         root: the spool directory (``$FLYWHEEL_HOME/spool`` by default in the producer).
         segment_bytes: roll the tail to a new segment file past this size (bytes).
         max_lanes: how many producer processes may share ``root`` at once.
+        max_bytes: undelivered bytes past which :meth:`append` refuses records (None: no bound).
 
     Raises:
         ConfigurationError: every lane under ``root`` is locked by another producer.
     """
 
-    def __init__(self, root: Path, *, segment_bytes: int = 64 << 20, max_lanes: int = 64) -> None:
+    def __init__(self, root: Path, *, segment_bytes: int = 64 << 20, max_lanes: int = 64,
+                 max_bytes: int | None = None) -> None:
         root.mkdir(parents=True, exist_ok=True)
-        self.segment_bytes = segment_bytes
+        self.segment_bytes, self.max_bytes = segment_bytes, max_bytes
         self._lock = threading.Lock()
         self._lock_fd: int | None = None
         for i in range(max_lanes):
@@ -145,9 +158,11 @@ class Spool:
         self._writer = None
         self._writer_seg: int | None = None
         self._dirty = False
-        self._pending = sum(self._recover(n) for n in self._segments)
+        recovered = [self._recover(n) for n in self._segments]
+        self._pending = sum(count for count, _ in recovered)
+        self._pending_bytes = sum(nbytes for _, nbytes in recovered)
         if self._pending:
-            log.info("spool %s holds %d undelivered records", self.dir, self._pending)
+            log.info("spool %s holds %d undelivered records (%d bytes)", self.dir, self._pending, self._pending_bytes)
 
     # ---- state ------------------------------------------------------------------------------
 
@@ -155,6 +170,11 @@ class Spool:
     def pending(self) -> int:
         """Records spooled and not yet committed as delivered."""
         return self._pending
+
+    @property
+    def pending_bytes(self) -> int:
+        """Bytes of the records spooled and not yet committed as delivered (frames included)."""
+        return self._pending_bytes
 
     @property
     def dirty(self) -> bool:
@@ -170,8 +190,8 @@ class Spool:
         except (OSError, ValueError):
             return 0
 
-    def _recover(self, n: int) -> int:
-        """Count undelivered records of segment ``n`` and truncate a torn tail."""
+    def _recover(self, n: int) -> tuple[int, int]:
+        """(records, bytes) undelivered in segment ``n``; a torn tail is truncated."""
         path = self._path(n)
         data = path.read_bytes()
         start = min(self._acked[n], len(data))
@@ -181,20 +201,29 @@ class Spool:
             with open(path, "r+b") as f:
                 f.truncate(start + used)
                 os.fsync(f.fileno())
-        return len(records)
+        return len(records), used
 
     # ---- writing ----------------------------------------------------------------------------
 
     def append(self, records: Sequence[Record]) -> None:
-        """Add records at the tail (buffered; call :meth:`sync` to make them durable)."""
+        """Add records at the tail (buffered; call :meth:`sync` to make them durable).
+
+        Raises:
+            SpoolFullError: they would take the undelivered bytes past ``max_bytes``; none is written.
+            OSError: the write failed (e.g. disk full).
+        """
         if not records:
             return
         data = b"".join(encode_record(r) for r in records)
         with self._lock:
+            if self.max_bytes is not None and self._pending_bytes + len(data) > self.max_bytes:
+                raise SpoolFullError(errno.ENOSPC, f"spool {self.dir} holds {self._pending_bytes} undelivered bytes "
+                                                   f"(limit {self.max_bytes})")
             if self._writer is None or self._writer.tell() >= self.segment_bytes:
                 self._open_tail()
             self._writer.write(data)
             self._pending += len(records)
+            self._pending_bytes += len(data)
             self._dirty = True
 
     def _open_tail(self) -> None:
@@ -227,6 +256,7 @@ class Spool:
             self._segments.insert(0, n)
             self._acked[n] = 0
             self._pending += count
+            self._pending_bytes += len(data)
 
     def sync(self) -> None:
         """Flush and fsync the tail segment: every appended record is durable after this."""
@@ -263,6 +293,7 @@ class Spool:
                     return records, ReadToken(n, start + used, len(records))
                 # Unreachable unless the file was damaged after it was opened: skip the rest.
                 log.error("spool segment %s is corrupt after offset %d; skipping it", n, start)
+                self._pending_bytes = max(0, self._pending_bytes - (size - start))
                 self._drop_segment(n)
             return [], None
 
@@ -272,6 +303,7 @@ class Spool:
             n = token.segment
             if n not in self._acked:
                 return
+            self._pending_bytes -= token.end_offset - self._acked[n]
             self._acked[n] = token.end_offset
             self._pending -= token.count
             size = self._writer.tell() if n == self._writer_seg else self._path(n).stat().st_size

@@ -62,6 +62,10 @@ class KafkaSettings(_Base):
                     "processes on 2 cores: 8 partitions ~5% faster than 4)")
     consumer_group: str = "flywheel-ingest"
     max_event_bytes: int = Field(default=1_048_576, ge=1024, description="larger events are dead-lettered (bytes)")
+    spool_max_bytes: int = Field(
+        default=1 << 30, ge=1 << 20,
+        description="the producer's disk spool refuses new events past this many undelivered bytes (they are "
+                    "dropped, counted and reported) so a long broker outage cannot fill the disk")
 
 
 class TelemetrySettings(_Base):

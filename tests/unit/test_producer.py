@@ -198,3 +198,31 @@ def test_a_failed_spool_write_drops_the_event_loudly_but_never_raises(producer_f
     m = producer.metrics
     assert m["dropped"] == 1 and m["emitted"] == 1 and m["spooled"] == 0
     assert reported and reported[0][1] is event and reported[0][0].errno == errno.ENOSPC
+
+
+def test_a_spool_at_its_bound_drops_new_events_loudly_and_keeps_the_older_ones(producer_factory, tmp_path):
+    from producers.spool import SpoolFullError, encode_record
+
+    reported = []
+    one = len(encode_record(_spooled_record(_event(0))))
+    producer = producer_factory(buffer_size=0, spool_max_bytes=3 * one + one // 2,  # room for 3 of them
+                                on_error=lambda exc, ev: reported.append((exc, ev)))
+    events = [_event(i) for i in range(5)]
+    for ev in events:
+        producer.emit(ev)  # broker down, memory "full" (size 0): straight to the spool
+    m = producer.metrics
+    assert (m["emitted"], m["spooled"], m["dropped"]) == (5, 3, 2)
+    assert m["spool_pending"] == 3 and abs(m["spool_pending_bytes"] - 3 * one) < 30  # an occurred_at may be shorter
+    assert [ev for _, ev in reported] == events[3:] and all(isinstance(e, SpoolFullError) for e, _ in reported)
+    producer.close(timeout_s=10)
+    assert [decode_event(r.value).payload.edit_id for r in _spooled(tmp_path / "spool")] == ["e0", "e1", "e2"]
+
+
+def _spooled_record(event: EventBase):
+    """The spool record ``emit`` writes for ``event``."""
+    from app.core.telemetry import inject_headers
+    from app.events import encode_event
+    from producers.spool import Record
+
+    headers = inject_headers([("event-type", event.type.encode())])
+    return Record("editor.interactions", event.session_id.encode(), headers, encode_event(event))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from producers.spool import Record, Spool, decode_frames, encode_record
+from producers.spool import Record, Spool, SpoolFullError, decode_frames, encode_record
 
 
 def _rec(i: int, key: bytes | None = b"s1") -> Record:
@@ -88,3 +88,40 @@ def test_no_free_lane_is_a_configuration_error(tmp_path):
     with pytest.raises(ConfigurationError):
         Spool(tmp_path, max_lanes=1)
     a.close()
+
+
+def test_append_stops_at_max_bytes_prepend_does_not_and_delivery_frees_room(tmp_path):
+    frame = len(encode_record(_rec(0)))
+    spool = Spool(tmp_path, max_bytes=3 * frame)
+    spool.append([_rec(0), _rec(1)])
+    with pytest.raises(SpoolFullError):
+        spool.append([_rec(2), _rec(3)])             # all or none: neither is written
+    spool.append([_rec(2)])
+    assert (spool.pending, spool.pending_bytes) == (3, 3 * frame)
+    with pytest.raises(SpoolFullError):
+        spool.append([_rec(3)])
+    spool.prepend([_rec(9)])                          # already accepted: never refused
+    assert (spool.pending, spool.pending_bytes) == (4, 4 * frame)
+    for expected in (b"value-9", b"value-0"):        # deliver the two oldest
+        records, token = spool.read(1)
+        assert [r.value for r in records] == [expected]
+        spool.commit(token)
+    assert spool.pending_bytes == 2 * frame
+    spool.append([_rec(3)])
+    assert [r.value for r in _drain(spool)] == [f"value-{i}".encode() for i in (1, 2, 3)]
+    assert spool.pending_bytes == 0
+    spool.close()
+
+
+def test_pending_bytes_survive_reopen(tmp_path):
+    frame = len(encode_record(_rec(0)))
+    spool = Spool(tmp_path)
+    spool.append([_rec(i) for i in range(5)])
+    records, token = spool.read(2)
+    spool.commit(token)
+    spool.close()
+    reopened = Spool(tmp_path, max_bytes=4 * frame)
+    assert (reopened.pending, reopened.pending_bytes) == (3, 3 * frame)
+    with pytest.raises(SpoolFullError):
+        reopened.append([_rec(5), _rec(6)])
+    reopened.close()
