@@ -27,6 +27,7 @@ Failure handling (the consumer never crashes on input):
 
 from __future__ import annotations
 
+import functools
 import gc
 import logging
 import queue
@@ -57,6 +58,14 @@ def projector_from_settings(cs: ConsumerSettings | None = None) -> Projector:
     cs = cs or get_consumer_settings()
     return Projector(ProjectionConfig(signal_window_s=cs.signal_window_s, abandon_after_s=cs.abandon_after_s,
                                       eval_reserve_fraction=cs.eval_reserve_fraction), active_specs())
+
+
+def kafka_net_client(slow_step_warn_s: float):
+    """kafka-python's network client factory (its ``kafka_client`` option) with the loop's slow-step
+    warning at ``slow_step_warn_s`` seconds (0 turns it off) instead of its 0.1 s default."""
+    from kafka.net.compat import KafkaNetClient
+
+    return functools.partial(KafkaNetClient, slow_task_threshold_secs=slow_step_warn_s)
 
 
 class IngestConsumer:
@@ -114,7 +123,8 @@ class IngestConsumer:
             enable_auto_commit=False, auto_offset_reset="earliest", max_poll_records=s.batch_max_records,
             max_poll_interval_ms=s.max_poll_interval_ms, session_timeout_ms=s.session_timeout_ms,
             heartbeat_interval_ms=s.heartbeat_interval_ms, fetch_max_bytes=s.fetch_max_bytes,
-            max_partition_fetch_bytes=max(1_048_576, self.max_event_bytes + 65_536))
+            max_partition_fetch_bytes=max(1_048_576, self.max_event_bytes + 65_536),
+            kafka_client=kafka_net_client(s.slow_io_step_warn_s))
         owner = self
 
         class _SeekToStored(ConsumerRebalanceListener):

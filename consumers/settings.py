@@ -71,6 +71,12 @@ class ConsumerSettings(BaseSettings):
     shutdown_grace_s: float = Field(default=10.0, ge=0,
                                     description="seconds a stopping consumer waits for queued batches to commit")
     max_span_links: int = Field(default=128, ge=0, description="producer trace contexts linked per batch span")
+    slow_io_step_warn_s: float = Field(
+        default=1.0, ge=0,
+        description="kafka-python logs a WARNING when one step of its network loop runs longer than this (s; 0: "
+                    "never). Its own default, 0.1 s, fires whenever the poll thread waits that long for the GIL "
+                    "behind the batch thread, which is routine at full CPU and harmless next to the group's "
+                    "session timeout")
 
     @classmethod
     def load(cls) -> "ConsumerSettings":
