@@ -28,6 +28,7 @@ import argparse
 import asyncio
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -247,6 +248,7 @@ def main() -> None:
             from ops.stack import stop_postgres
 
             stop_postgres(embedded)
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 if __name__ == "__main__":

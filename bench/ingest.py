@@ -47,6 +47,7 @@ import argparse
 import json
 import os
 import re
+import shutil
 import sys
 import tempfile
 import time
@@ -215,6 +216,7 @@ def main() -> None:
 
     broker = start_broker(tmp / "logs")
     url, cleanup = scratch_database(tmp)
+    finished = False
     try:
         topic = "bench.interactions"
         os.environ.update(FLYWHEEL_DATABASE_URL=url, FLYWHEEL_KAFKA_BOOTSTRAP=broker.bootstrap,
@@ -272,9 +274,14 @@ def main() -> None:
             "insert_method": args.insert_method, "batch": max_records, "trajectories": trajectories, "labels": labels,
             "finalize_s": round(finalize_s, 3), "finalized_by_sweep": sum(done.values()),
             "baseline_passes": [round(b) for b in bare], **extra}))
+        finished = True
     finally:
         cleanup()
         stop_pid(broker.pid)
+        if finished:
+            shutil.rmtree(tmp, ignore_errors=True)
+        else:
+            print(f"# broker and consumer logs kept in {tmp}", file=sys.stderr)
 
 
 if __name__ == "__main__":
