@@ -194,7 +194,8 @@ def covered_by_erasure(claim: Claim, erased: Mapping[str, tuple[datetime, Collec
     (``app.repositories.events.erased_users``). The ingest rule for events, applied to what the bytes
     claim: the claimed user was erased and the record occurred at or before the request, or belongs
     to a session whose trajectory the erasure deleted; a record that does not say when it occurred,
-    or of which session, is taken as covered.
+    or of which session, is taken as covered. A record that names no user (not a JSON object, or not
+    parsed: oversized) is not covered.
     """
     if claim.user_id is None or claim.user_id not in erased:
         return None
