@@ -1,5 +1,6 @@
 """CLI commands of this package (registered on the main ``flywheel`` app): ``consume``, ``finalize``,
-``relabel``, ``replay``, ``erase``, ``rewards``. Heavy modules are imported inside the commands."""
+``relabel``, ``replay``, ``erase``, ``rewards``, ``deadletters``. Heavy modules are imported inside
+the commands."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import json
 import typer
 
 rewards_app = typer.Typer(no_args_is_help=True, help="Reward specs (TOML, name@version).")
+deadletters_app = typer.Typer(no_args_is_help=True,
+                              help="Dead letters: counts by reason, listing, redrive to the source topic.")
 
 
 def _setup(service: str) -> None:
@@ -149,6 +152,53 @@ def rewards_show(spec: str = typer.Argument(..., help="name@version")) -> None:
     typer.echo(json.dumps(load_spec(spec).model_dump(mode="json"), indent=2))
 
 
+@deadletters_app.command("stats")
+def deadletters_stats() -> None:
+    """Dead letters by reason: how many, how many never redriven, first and last stored (JSON lines)."""
+    from app.core.db import session_scope
+    from consumers.redrive import dead_letter_stats
+
+    with session_scope() as s:
+        for row in dead_letter_stats(s):
+            typer.echo(json.dumps(row))
+
+
+@deadletters_app.command("list")
+def deadletters_list(
+    reason: str = typer.Option(None, help="only this reason (bad_json, validation, processing_error, ...)"),
+    pending: bool = typer.Option(False, help="only dead letters never redriven"),
+    limit: int = typer.Option(50, min=1, max=10_000, help="at most this many rows"),
+    after: int = typer.Option(0, min=0, help="rows with a larger id (page on from the last id shown)"),
+) -> None:
+    """Dead letters oldest first (JSON lines): position, reason, detail, claimed user, size."""
+    from app.core.db import session_scope
+    from consumers.redrive import list_dead_letters
+
+    with session_scope() as s:
+        for row in list_dead_letters(s, reason=reason, pending_only=pending, limit=limit, after_id=after):
+            typer.echo(json.dumps(row))
+
+
+@deadletters_app.command("redrive")
+def deadletters_redrive(
+    reason: list[str] = typer.Option(None, "--reason", help="redrive dead letters with this reason (repeatable)"),
+    ids: list[int] = typer.Option(None, "--id", help="redrive this dead letter (repeatable)"),
+    select_all: bool = typer.Option(False, "--all", help="redrive every dead letter"),
+    again: bool = typer.Option(False, help="include dead letters already redriven"),
+    dry_run: bool = typer.Option(False, help="report what would be published; publish nothing"),
+    topic: str = typer.Option(None, help="publish here instead of each dead letter's source topic"),
+) -> None:
+    """Publish dead letters' raw bytes back to their source topic for the consumers to decide again
+    (e.g. after a fix). At least once; stored events deduplicate on event_id."""
+    from consumers.redrive import redrive
+
+    if not (reason or ids or select_all):
+        raise typer.BadParameter("choose what to redrive: --reason REASON, --id ID or --all")
+    report = redrive(reasons=reason or (), ids=ids or (), select_all=select_all, again=again, dry_run=dry_run,
+                     topic=topic)
+    typer.echo(json.dumps(report.to_dict()))
+
+
 def register(app: typer.Typer) -> None:
     """Add this package's commands to the main app."""
     app.command("consume")(consume)
@@ -157,3 +207,4 @@ def register(app: typer.Typer) -> None:
     app.command("replay")(replay)
     app.command("erase")(erase)
     app.add_typer(rewards_app, name="rewards")
+    app.add_typer(deadletters_app, name="deadletters")

@@ -76,6 +76,8 @@ class DeadLetter(Base):
     user_id: Mapped[str | None] = mapped_column(
         String(128), comment="top-level user_id of the raw JSON object, if any (erasure)")
     created_at: Mapped[datetime] = created_at_column()
+    redriven_at: Mapped[datetime | None] = mapped_column(
+        DateTime(timezone=True), comment="when the raw bytes were last published back to the topic")
 
     __table_args__ = (UniqueConstraint("topic", "partition", "offset"), Index("ix_dead_letter_reason", "reason"),
                       Index("ix_dead_letter_user_id", "user_id"),
