@@ -14,7 +14,7 @@ import base64
 import math
 import re
 import uuid
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from datetime import datetime
 from typing import Any, NamedTuple
@@ -248,19 +248,36 @@ def dlq_record(d: Decoded, max_bytes: int) -> tuple[bytes | None, bytes, list[tu
 
 
 class DeadLetterPublisher:
-    """Publishes dead letters to the DLQ topic and waits for the broker's acks (at least once: a
-    retried batch may publish a record twice; the ``dead_letter`` table holds each exactly once).
-    The Kafka client is rebuilt after a failure, so a retry starts from a clean connection."""
+    """Publishes dead letters to the DLQ topic (or, with :meth:`send`, any records, as the redrive
+    does) and waits for the broker's acks (at least once: a retried batch may publish a record twice;
+    the ``dead_letter`` table holds each exactly once). The Kafka client is rebuilt after a failure,
+    so a retry starts from a clean connection.
 
-    def __init__(self, bootstrap: str, topic: str, max_bytes: int, client_id: str = "flywheel-dlq") -> None:
+    Args:
+        topic: the DLQ topic (:meth:`publish`); None for a publisher used only through :meth:`send`.
+        max_bytes: DLQ records' raw bytes are truncated past this; the client's request limit is
+            this plus 128 KiB.
+    """
+
+    def __init__(self, bootstrap: str, topic: str | None, max_bytes: int, client_id: str = "flywheel-dlq") -> None:
         self.bootstrap, self.topic, self.max_bytes, self.client_id = bootstrap, topic, max_bytes, client_id
         self._producer: Any = None
 
     def publish(self, dead: Sequence[Decoded], timeout_s: float = 30.0) -> None:
-        """Send and wait for every ack.
+        """Send dead letters to the DLQ topic (:func:`dlq_record`) and wait for every ack.
 
         Raises:
             kafka.errors.KafkaError: the broker did not take them (transient: callers retry).
+        """
+        self.send(((self.topic, *dlq_record(d, self.max_bytes)) for d in dead), timeout_s)
+
+    def send(self, records: Iterable[tuple[str, bytes | None, bytes, list[tuple[str, bytes]]]],
+             timeout_s: float = 30.0) -> None:
+        """Send ``(topic, key, value, headers)`` records and wait for every ack (``timeout_s`` seconds
+        for the flush, and again for each ack).
+
+        Raises:
+            kafka.errors.KafkaError: the broker did not take them.
         """
         from kafka import KafkaProducer
 
@@ -268,8 +285,7 @@ class DeadLetterPublisher:
             self._producer = KafkaProducer(bootstrap_servers=self.bootstrap, acks="all", linger_ms=5,
                                            max_request_size=self.max_bytes + 131_072, client_id=self.client_id)
         try:
-            futures = [self._producer.send(self.topic, key=k, value=v, headers=h)
-                       for k, v, h in (dlq_record(d, self.max_bytes) for d in dead)]
+            futures = [self._producer.send(t, key=k, value=v, headers=h) for t, k, v, h in records]
             self._producer.flush(timeout=timeout_s)
             for f in futures:
                 f.get(timeout=timeout_s)

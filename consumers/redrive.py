@@ -32,6 +32,7 @@ from sqlalchemy.orm import Session
 from app.core.db import session_scope
 from app.core.errors import InfrastructureError
 from app.repositories.events import raw_connection
+from consumers.deadletter import DeadLetterPublisher
 
 REDRIVE_HEADER = "flywheel-redrive-of"
 """Header a redriven record carries: ``topic:partition:offset`` of the dead letter it came from."""
@@ -137,7 +138,7 @@ def redrive(*, reasons: Sequence[str] = (), ids: Sequence[int] = (), select_all:
     if not again:
         where += " AND redriven_at IS NULL"
     params: dict[str, Any] = {"reasons": list(reasons), "ids": list(ids), "batch": batch, "after": 0}
-    producer = None
+    publisher = None
     try:
         while True:
             with session_scope() as session:
@@ -162,37 +163,30 @@ def redrive(*, reasons: Sequence[str] = (), ids: Sequence[int] = (), select_all:
                     if not chosen:
                         continue
                     if not dry_run:
-                        producer = producer or _producer(bootstrap or kafka.bootstrap, max_bytes)
-                        _publish(producer, chosen, topic, timeout_s)
+                        publisher = publisher or _publisher(bootstrap or kafka.bootstrap, max_bytes)
+                        _publish(publisher, chosen, topic, timeout_s)
                         cur.execute("UPDATE dead_letter SET redriven_at = now() WHERE id = ANY(%s)",
                                     ([r[0] for r in chosen],))
                     report.published += len(chosen)
                     report.ids += [r[0] for r in chosen]
     finally:
-        if producer is not None:
-            producer.close(timeout=5)
+        if publisher is not None:
+            publisher.close()
     return report
 
 
-def _producer(bootstrap: str | None, max_bytes: int):
-    from kafka import KafkaProducer
-
+def _publisher(bootstrap: str | None, max_bytes: int) -> DeadLetterPublisher:
     if not bootstrap:
         raise InfrastructureError("no Kafka bootstrap: set FLYWHEEL_KAFKA_BOOTSTRAP")
-    return KafkaProducer(bootstrap_servers=bootstrap, acks="all", linger_ms=5, client_id="flywheel-redrive",
-                         max_request_size=max_bytes + 131_072)
+    return DeadLetterPublisher(bootstrap, topic=None, max_bytes=max_bytes, client_id="flywheel-redrive")
 
 
-def _publish(producer, rows: list[tuple], topic: str | None, timeout_s: float) -> None:
+def _publish(publisher: DeadLetterPublisher, rows: list[tuple], topic: str | None, timeout_s: float) -> None:
     from kafka.errors import KafkaError
 
     try:
-        futures = [producer.send(topic or t, key=key, value=bytes(raw),
-                                 headers=redrive_headers(headers, f"{t}:{p}:{o}"))
-                   for _, t, p, o, key, raw, headers in rows]
-        producer.flush(timeout=timeout_s)
-        for f in futures:
-            f.get(timeout=timeout_s)
+        publisher.send(((topic or t, key, bytes(raw), redrive_headers(headers, f"{t}:{p}:{o}"))
+                        for _, t, p, o, key, raw, headers in rows), timeout_s)
     except KafkaError as exc:
         raise InfrastructureError(f"the broker did not acknowledge the redrive ({exc}); this batch of "
                                   f"{len(rows)} is not marked: run the redrive again") from exc
