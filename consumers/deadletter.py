@@ -181,12 +181,6 @@ def claim_of(raw: bytes | None, max_bytes: int) -> Claim:
                  when if when is not None and when.tzinfo is not None else None)
 
 
-def claimed_user_id(raw: bytes | None, max_bytes: int) -> str | None:
-    """The ``user_id`` a dead letter's raw bytes claim (:func:`claim_of`), or None (the erasure then
-    finds the row by searching its bytes). Never raises."""
-    return claim_of(raw, max_bytes).user_id
-
-
 def covered_by_erasure(claim: Claim, erased: Mapping[str, tuple[datetime, Collection[uuid.UUID]]]) -> datetime | None:
     """When the erasure that covers a dead letter was requested, or None if none does.
 
@@ -217,7 +211,8 @@ def redacted(row: DeadLetterRow, requested_at: datetime) -> DeadLetterRow:
 def dead_letter_row(d: Decoded, max_bytes: int = DEFAULT_MAX_EVENT_BYTES,
                     claim: Claim | None = None) -> DeadLetterRow:
     """The ``dead_letter`` row of a classified record (headers as ``[[key, text]]``; ``user_id`` as
-    :func:`claimed_user_id`, not looked for in an oversized record or past ``max_bytes`` bytes;
+    :func:`claim_of` (the erasure finds a row without one by searching its bytes), not looked for in
+    an oversized record or past ``max_bytes`` bytes;
     ``claim``: the record's :func:`claim_of`, if the caller has it)."""
     m = d.msg
     headers = [[_header_text(k.encode("utf-8", "replace") if isinstance(k, str) else k), _header_text(v)]

@@ -3,7 +3,7 @@
 An erasure used to find a user's dead letters by searching every row's raw bytes for the quoted user
 id (``position(... in raw)``), a full scan and de-TOAST of ``dead_letter`` while the erasure holds
 the projection lock exclusively (the whole consumer group waits). Now a dead letter whose raw bytes
-are a JSON object with a string ``user_id`` records it (``consumers.deadletter.claimed_user_id``),
+are a JSON object with a string ``user_id`` records it (``consumers.deadletter.claim_of``),
 and the erasure deletes ``user_id = X`` through ``ix_dead_letter_user_id`` plus, among the
 unattributed rows only (``ix_dead_letter_unattributed``: not JSON, oversized, no usable user id,
 or stored before this migration), those whose bytes carry the quoted id.

@@ -7,7 +7,7 @@ from datetime import datetime, timedelta, timezone
 
 import pytest
 
-from consumers.deadletter import (Claim, Decoded, Message, claim_of, claimed_user_id, covered_by_erasure,
+from consumers.deadletter import (Claim, Decoded, Message, claim_of, covered_by_erasure,
                                   dead_letter_row, redacted)
 from consumers.projection import trajectory_id_for
 
@@ -28,13 +28,13 @@ from consumers.projection import trajectory_id_for
     (None, None),
 ])
 def test_claimed_user_id(raw, expected):
-    assert claimed_user_id(raw, 1024) == expected
+    assert claim_of(raw, 1024).user_id == expected
 
 
 def test_an_oversized_record_is_not_parsed_for_its_user():
     raw = b'{"user_id": "u-1", "pad": "' + b"x" * 2000 + b'"}'
-    assert claimed_user_id(raw, 1024) is None
-    assert claimed_user_id(raw, 4096) == "u-1"
+    assert claim_of(raw, 1024).user_id is None
+    assert claim_of(raw, 4096).user_id == "u-1"
     msg = Message("t", 0, 5, None, raw)
     assert dead_letter_row(Decoded(msg, reason="oversized", detail="too big")).user_id is None
     assert dead_letter_row(Decoded(msg, reason="validation", detail="bad")).user_id == "u-1"
