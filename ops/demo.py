@@ -38,7 +38,7 @@ STEPS = ("stack", "model", "services", "simulate", "finalize", "train", "gate", 
 
 @dataclass
 class DemoOptions:
-    """Knobs of the demo. Defaults finish in about 15 minutes on 2 CPU cores."""
+    """Knobs of the demo. Defaults finish in 4 to 7 minutes on 2 CPU cores (README)."""
 
     sessions: int = 8
     group_size: int = 4
