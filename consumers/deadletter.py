@@ -129,14 +129,24 @@ def classify(msg: Message, max_bytes: int) -> Decoded:
     return Decoded(msg, event=event, row=row)
 
 
-def _header_text(v: bytes | None) -> str:
+BASE64_PREFIX = "base64:"
+"""A stored header text that starts with this is the base64 of the header's bytes (see :func:`header_text`)."""
+
+
+def header_text(v: bytes | None) -> str:
+    """A Kafka header key or value as text a ``jsonb`` column can hold, and back with
+    ``consumers.redrive.header_bytes``: its UTF-8 text, or :data:`BASE64_PREFIX` + base64 of its bytes
+    when they are not UTF-8, hold a NUL (Postgres refuses it), or are text that itself starts with
+    the prefix (so a stored text with the prefix is always an encoding). ``None`` -> ``""``."""
     if v is None:
         return ""
     try:
         text = v.decode("utf-8")
-        return text if "\x00" not in text else "base64:" + base64.b64encode(v).decode()
     except UnicodeDecodeError:
-        return "base64:" + base64.b64encode(v).decode()
+        text = None
+    if text is not None and "\x00" not in text and not text.startswith(BASE64_PREFIX):
+        return text
+    return BASE64_PREFIX + base64.b64encode(v).decode()
 
 
 MAX_USER_ID_CHARS = 128
@@ -215,7 +225,7 @@ def dead_letter_row(d: Decoded, max_bytes: int = DEFAULT_MAX_EVENT_BYTES,
     an oversized record or past ``max_bytes`` bytes;
     ``claim``: the record's :func:`claim_of`, if the caller has it)."""
     m = d.msg
-    headers = [[_header_text(k.encode("utf-8", "replace") if isinstance(k, str) else k), _header_text(v)]
+    headers = [[header_text(k.encode("utf-8", "replace") if isinstance(k, str) else k), header_text(v)]
                for k, v in m.headers]
     return DeadLetterRow(topic=m.topic, partition=m.partition, offset=m.offset, key=m.key, raw=m.value,
                          headers=headers, reason=d.reason or "validation", detail=d.detail.replace("\x00", ""),

@@ -32,7 +32,7 @@ from sqlalchemy.orm import Session
 from app.core.db import session_scope
 from app.core.errors import InfrastructureError
 from app.repositories.events import raw_connection
-from consumers.deadletter import DeadLetterPublisher
+from consumers.deadletter import BASE64_PREFIX, DeadLetterPublisher
 
 REDRIVE_HEADER = "flywheel-redrive-of"
 """Header a redriven record carries: ``topic:partition:offset`` of the dead letter it came from."""
@@ -89,11 +89,15 @@ def list_dead_letters(session: Session, *, reason: str | None = None, pending_on
 
 
 def header_bytes(text: str) -> bytes:
-    """A stored header value back to bytes: ``base64:<b64>`` for values that were not UTF-8 text
-    (``consumers.deadletter.dead_letter_row``), else the UTF-8 text."""
-    if text.startswith("base64:"):
+    """A stored header text back to the header's bytes: the inverse of
+    ``consumers.deadletter.header_text`` (``base64:<b64>`` decodes, any other text is its UTF-8).
+
+    Rows stored before the prefix was escaped may hold a literal text starting with ``base64:``:
+    one that is not valid base64 comes back as its text; one that is cannot be told from an encoding.
+    """
+    if text.startswith(BASE64_PREFIX):
         try:
-            return base64.b64decode(text[7:], validate=True)
+            return base64.b64decode(text[len(BASE64_PREFIX):], validate=True)
         except binascii.Error:
             pass
     return text.encode("utf-8")
@@ -102,7 +106,8 @@ def header_bytes(text: str) -> bytes:
 def redrive_headers(stored: list[list[str]] | None, source: str) -> list[tuple[str, bytes]]:
     """The headers a redriven record carries: the stored ones (without an earlier redrive's
     :data:`REDRIVE_HEADER`) plus :data:`REDRIVE_HEADER` = ``source``."""
-    out = [(k, header_bytes(v)) for k, v in (stored or []) if k != REDRIVE_HEADER]
+    out = [(key, header_bytes(v)) for key, v in ((header_bytes(k).decode("utf-8", "replace"), v)
+                                                 for k, v in (stored or [])) if key != REDRIVE_HEADER]
     out.append((REDRIVE_HEADER, source.encode()))
     return out
 

@@ -3,12 +3,16 @@ covers it."""
 
 from __future__ import annotations
 
+import base64
 from datetime import datetime, timedelta, timezone
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from consumers.deadletter import (Claim, Decoded, Message, claim_of, covered_by_erasure,
-                                  dead_letter_row, redacted)
+                                  dead_letter_row, header_text, redacted)
+from consumers.redrive import header_bytes, redrive_headers
 from consumers.projection import trajectory_id_for
 
 
@@ -74,3 +78,24 @@ def test_a_redacted_dead_letter_keeps_its_place_not_its_bytes():
     assert (row.topic, row.partition, row.offset, row.reason, row.user_id) == ("t", 3, 9, "unknown_type", "u-1")
     assert row.key is None and row.raw is None and row.headers is None
     assert row.detail.startswith("raw bytes not kept") and row.detail.endswith("unknown type 'nope'")
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.one_of(st.binary(max_size=64), st.text(max_size=32).map(lambda t: t.encode("utf-8", "surrogatepass")),
+                 st.binary(max_size=24).map(lambda b: b"base64:" + b),
+                 st.binary(max_size=24).map(lambda b: b"base64:" + base64.b64encode(b))))
+def test_stored_header_text_round_trips_to_the_same_bytes(value: bytes):
+    """What ``dead_letter`` stores of a header (text a jsonb column holds: no NUL) comes back as the
+    header's bytes on redrive, even a text that itself looks like the base64 encoding."""
+    text = header_text(value)
+    assert "\x00" not in text
+    text.encode("utf-8")  # no lone surrogate either
+    assert header_bytes(text) == value
+
+
+def test_a_header_text_with_the_base64_prefix_is_escaped_and_redriven_as_sent():
+    sent = [("base64:aGk=", b"base64:aGk="), ("trace", b"\xff\x00")]
+    row = dead_letter_row(Decoded(Message("t", 0, 1, None, b"x", sent), reason="bad_json"))
+    assert row.headers == [["base64:" + base64.b64encode(b"base64:aGk=").decode()] * 2,
+                           ["trace", "base64:" + base64.b64encode(b"\xff\x00").decode()]]
+    assert redrive_headers(row.headers, "t:0:1")[:2] == sent
