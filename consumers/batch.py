@@ -69,6 +69,9 @@ class BatchOutcome:
     finalized: Counter = field(default_factory=Counter)
     trajectories: int = 0
     next_offsets: dict[tuple[str, int], int] = field(default_factory=dict)
+    dead_letter_positions: list[tuple[str, int, int]] = field(default_factory=list)
+    """(topic, partition, offset) of the dead letters the batch stored (an erasure later in the batch may
+    have deleted some again): what the caller publishes to the DLQ topic before it commits."""
 
     def merge(self, o: "BatchOutcome") -> None:
         """Add another outcome's counts (its ``messages`` excluded: the caller counted them)."""
@@ -81,6 +84,7 @@ class BatchOutcome:
         self.erasures += o.erasures
         self.finalized.update(o.finalized)
         self.trajectories += o.trajectories
+        self.dead_letter_positions += o.dead_letter_positions
         for k, v in o.next_offsets.items():
             self.next_offsets[k] = max(self.next_offsets.get(k, 0), v)
 
@@ -224,6 +228,7 @@ def apply_batch(session: Session, group_id: str, batch: list[Decoded], projector
             row, requested_at = dead_letter_row(d, claim=claim), covered_by_erasure(claim, erased)
             dead.append(row if requested_at is None else redacted(row, requested_at))
             out.dead_letters[d.reason] += 1
+            out.dead_letter_positions.append((d.msg.topic, d.msg.partition, d.msg.offset))
             continue
         ev = d.event
         assert ev is not None

@@ -11,6 +11,7 @@ batch's transaction and to the DLQ topic (at least once) with the reason in head
 from __future__ import annotations
 
 import base64
+import binascii
 import math
 import re
 import uuid
@@ -237,19 +238,37 @@ def claim_of_dead_letter(d: Decoded, max_bytes: int = DEFAULT_MAX_EVENT_BYTES) -
     return Claim() if d.reason == "oversized" else claim_of(d.msg.value, max_bytes)
 
 
-def dlq_record(d: Decoded, max_bytes: int) -> tuple[bytes | None, bytes, list[tuple[str, bytes]]]:
-    """(key, value, headers) to publish on the DLQ topic: the raw bytes (truncated past ``max_bytes``)
-    with the reason, detail and source position in headers."""
-    m = d.msg
-    raw = m.value or b""
-    headers = [(k, v) for k, v in m.headers if isinstance(k, str) and v is not None]
-    headers += [("dlq-reason", (d.reason or "validation").encode()),
-                ("dlq-detail", d.detail[:500].encode("utf-8", "replace")),
-                ("dlq-source", f"{m.topic}:{m.partition}:{m.offset}".encode())]
+def header_bytes(text: str) -> bytes:
+    """A stored header text back to the header's bytes: the inverse of :func:`header_text`
+    (``base64:<b64>`` decodes, any other text is its UTF-8).
+
+    Rows stored before the prefix was escaped may hold a literal text starting with ``base64:``:
+    one that is not valid base64 comes back as its text; one that is cannot be told from an encoding.
+    """
+    if text.startswith(BASE64_PREFIX):
+        try:
+            return base64.b64decode(text[len(BASE64_PREFIX):], validate=True)
+        except binascii.Error:
+            pass
+    return text.encode("utf-8")
+
+
+def dlq_record(row: DeadLetterRow, max_bytes: int) -> tuple[bytes | None, bytes, list[tuple[str, bytes]]]:
+    """(key, value, headers) to publish on the DLQ topic for a stored dead letter: its raw bytes
+    (truncated past ``max_bytes``) and headers, with the reason, detail and source position added.
+    A row stored without its bytes (an erasure covers it) is published without them too: an empty
+    value, no key, and a ``dlq-redacted`` header."""
+    raw = row.raw or b""
+    headers = [(header_bytes(k).decode("utf-8", "replace"), header_bytes(v)) for k, v in row.headers or ()]
+    headers += [("dlq-reason", row.reason.encode()),
+                ("dlq-detail", row.detail[:500].encode("utf-8", "replace")),
+                ("dlq-source", f"{row.topic}:{row.partition}:{row.offset}".encode())]
+    if row.raw is None and row.headers is None:
+        headers.append(("dlq-redacted", b"erasure"))
     if len(raw) > max_bytes:
         headers.append(("dlq-truncated-from", str(len(raw)).encode()))
         raw = raw[:max_bytes]
-    return m.key, raw, headers
+    return row.key, raw, headers
 
 
 class DeadLetterPublisher:
@@ -268,13 +287,13 @@ class DeadLetterPublisher:
         self.bootstrap, self.topic, self.max_bytes, self.client_id = bootstrap, topic, max_bytes, client_id
         self._producer: Any = None
 
-    def publish(self, dead: Sequence[Decoded], timeout_s: float = 30.0) -> None:
-        """Send dead letters to the DLQ topic (:func:`dlq_record`) and wait for every ack.
+    def publish(self, rows: Sequence[DeadLetterRow], timeout_s: float = 30.0) -> None:
+        """Send stored dead letters to the DLQ topic (:func:`dlq_record`) and wait for every ack.
 
         Raises:
             kafka.errors.KafkaError: the broker did not take them (transient: callers retry).
         """
-        self.send(((self.topic, *dlq_record(d, self.max_bytes)) for d in dead), timeout_s)
+        self.send(((self.topic, *dlq_record(r, self.max_bytes)) for r in rows), timeout_s)
 
     def send(self, records: Iterable[tuple[str, bytes | None, bytes, list[tuple[str, bytes]]]],
              timeout_s: float = 30.0) -> None:

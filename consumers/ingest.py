@@ -9,8 +9,9 @@ decodes batch k+1):
   is the source of truth; every assignment seeks to the offsets stored there). If the queue stays
   full (the DB thread retrying through an outage) it pauses its partitions and keeps polling, so it
   stays in the group instead of being evicted;
-- the *DB* thread, per batch: publish dead letters to the DLQ topic, then ONE Postgres
-  transaction (``consumers.batch.apply_batch``: events, projections, dead letters, offsets); and
+- the *DB* thread, per batch: ONE Postgres transaction (``consumers.batch.apply_batch``: events,
+  projections, dead letters, offsets), which before it commits publishes the dead letters it stored
+  to the DLQ topic (as stored: an erasure in the batch may have removed or stripped some); and
   every ``finalize_interval_s`` the window sweep.
 
 Failure handling (the consumer never crashes on input):
@@ -34,11 +35,12 @@ import queue
 import sys
 import threading
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from app.core.db import session_scope
 from app.core.settings import get_settings
 from app.core.telemetry import tracer
+from app.repositories.events import stored_dead_letters
 from consumers.batch import BatchOutcome, IngestStats, apply_batch
 from consumers.deadletter import Decoded, DeadLetterPublisher, Message, classify
 from consumers.finalize import finalize_due
@@ -48,6 +50,9 @@ from consumers.retry import is_transient, is_unique_violation, retry_transient
 from consumers.rewards.spec import active_specs
 from consumers.settings import ConsumerSettings, get_consumer_settings
 from consumers.telemetry import ConsumerMetrics, producer_links
+
+if TYPE_CHECKING:
+    from sqlalchemy.orm import Session
 
 log = logging.getLogger(__name__)
 _STOP = object()
@@ -160,29 +165,34 @@ class IngestConsumer:
         log.info("partitions assigned: %s (stored offsets %s)", sorted(tp.partition for tp in assigned),
                  {tp.partition: stored.get(tp.partition) for tp in assigned})
 
-    def _publish_dead_letters(self, dead: list[Decoded]) -> None:
-        self.retry(lambda: self._dlq.publish(dead), "publishing to the DLQ topic")
+    def _publish_dead_letters(self, session: Session, outcome: BatchOutcome) -> None:
+        """Publish the batch's stored dead letters to the DLQ topic, as the transaction about to
+        commit holds them, and wait for the acks. Run before the commit (a failure rolls the batch
+        back and it is retried whole: at least once on the topic, exactly once in the table), while
+        the projection lock keeps erasures out: an erasure in the batch has deleted or stripped
+        what it covers, and the topic gets the same."""
+        if outcome.dead_letter_positions:
+            self._dlq.publish(stored_dead_letters(session, outcome.dead_letter_positions))
 
     # ---- one batch (DB thread) -----------------------------------------------------------------
 
     def _apply(self, decoded: list[Decoded]) -> BatchOutcome:
         with session_scope() as session:
-            return apply_batch(session, self.group_id, decoded, self.projector, self.settings.insert_method)
+            outcome = apply_batch(session, self.group_id, decoded, self.projector, self.settings.insert_method)
+            self._publish_dead_letters(session, outcome)
+            return outcome
 
     def process(self, messages: list[Message], decoded: list[Decoded] | None = None) -> BatchOutcome:
         """Dead-letter and apply one batch (retrying transient faults). No Kafka commit."""
         started = time.perf_counter()
         if decoded is None:
             decoded = [classify(m, self.max_event_bytes) for m in messages]
-        dead = [d for d in decoded if d.reason is not None]
         links = producer_links((m.headers for m in messages), self.settings.max_span_links)
         with self._tracer.start_as_current_span(
                 "consumers.ingest.batch", links=links,
                 attributes={"messaging.system": "kafka", "messaging.destination.name": self.topic,
                             "messaging.consumer.group.name": self.group_id,
                             "messaging.batch.message_count": len(messages)}) as span:
-            if dead:
-                self._publish_dead_letters(dead)
             try:
                 outcome = self.retry(lambda: self._apply(decoded), "batch transaction")
             except Exception as exc:  # noqa: BLE001
@@ -194,7 +204,7 @@ class IngestConsumer:
                 else:
                     log.warning("batch failed (%s); bisecting it to isolate the record(s) at fault", exc)
                 outcome, errors = self.retry(lambda: apply_isolated(self.group_id, decoded, self.projector,
-                                                                    self._publish_dead_letters),
+                                                                    before_commit=self._publish_dead_letters),
                                              "isolated batch transaction")
                 self.stats.processing_errors += errors
             span.set_attribute("flywheel.events.stored", outcome.stored)

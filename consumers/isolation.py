@@ -12,6 +12,8 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
+from sqlalchemy.orm import Session
+
 from app.core.db import session_scope
 from consumers.batch import BatchOutcome, apply_batch
 from consumers.deadletter import Decoded
@@ -21,10 +23,12 @@ from consumers.retry import is_transient
 log = logging.getLogger(__name__)
 
 
-def apply_isolated(group_id: str, decoded: list[Decoded], projector: Projector,
-                   publish_dead_letters: Callable[[list[Decoded]], None]) -> tuple[BatchOutcome, int]:
+def apply_isolated(group_id: str, decoded: list[Decoded], projector: Projector, *,
+                   before_commit: Callable[[Session, BatchOutcome], None] = lambda s, o: None,
+                   ) -> tuple[BatchOutcome, int]:
     """Apply ``decoded`` record-isolated in a new transaction: O(k log n) savepoints for k bad records
-    in n. Each bad record is published with ``publish_dead_letters`` before it is stored.
+    in n. ``before_commit(session, outcome)`` runs last in the transaction (the consumer publishes the
+    batch's dead letters there, as with a batch applied whole).
 
     Returns:
         (the batch's outcome, how many records were dead-lettered as ``processing_error``).
@@ -51,11 +55,11 @@ def apply_isolated(group_id: str, decoded: list[Decoded], projector: Projector,
             log.error("record %s:%s:%s failed (%s: %s); dead-lettering it", d.msg.topic, d.msg.partition,
                       d.msg.offset, type(exc).__name__, exc)
             bad = Decoded(d.msg, reason="processing_error", detail=f"{type(exc).__name__}: {exc}"[:2000])
-        publish_dead_letters([bad])
         with session.begin_nested():
             total.merge(apply_batch(session, group_id, [bad], projector, "copy_upsert"))
         errors[0] += 1
 
     with session_scope() as session:
         bisect(session, decoded)
+        before_commit(session, total)
     return total, errors[0]

@@ -20,8 +20,6 @@ Invariants:
 
 from __future__ import annotations
 
-import base64
-import binascii
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -32,7 +30,7 @@ from sqlalchemy.orm import Session
 from app.core.db import session_scope
 from app.core.errors import InfrastructureError
 from app.repositories.events import raw_connection
-from consumers.deadletter import BASE64_PREFIX, DeadLetterPublisher
+from consumers.deadletter import DeadLetterPublisher, header_bytes
 
 REDRIVE_HEADER = "flywheel-redrive-of"
 """Header a redriven record carries: ``topic:partition:offset`` of the dead letter it came from."""
@@ -86,21 +84,6 @@ def list_dead_letters(session: Session, *, reason: str | None = None, pending_on
         return [{"id": i, "topic": t, "partition": p, "offset": o, "reason": r, "detail": d, "user_id": u,
                  "bytes": n, "created_at": c.isoformat(), "redriven_at": x.isoformat() if x else None}
                 for i, t, p, o, r, d, u, n, c, x in cur.fetchall()]
-
-
-def header_bytes(text: str) -> bytes:
-    """A stored header text back to the header's bytes: the inverse of
-    ``consumers.deadletter.header_text`` (``base64:<b64>`` decodes, any other text is its UTF-8).
-
-    Rows stored before the prefix was escaped may hold a literal text starting with ``base64:``:
-    one that is not valid base64 comes back as its text; one that is cannot be told from an encoding.
-    """
-    if text.startswith(BASE64_PREFIX):
-        try:
-            return base64.b64decode(text[len(BASE64_PREFIX):], validate=True)
-        except binascii.Error:
-            pass
-    return text.encode("utf-8")
 
 
 def redrive_headers(stored: list[list[str]] | None, source: str) -> list[tuple[str, bytes]]:

@@ -211,6 +211,24 @@ def insert_dead_letters(session: Session, rows: Sequence[DeadLetterRow]) -> int:
         return len(rows)
 
 
+def stored_dead_letters(session: Session, positions: Sequence[tuple[str, int, int]]) -> list[DeadLetterRow]:
+    """The ``dead_letter`` rows at ``positions`` (topic, partition, offset) as this transaction sees
+    them (an erasure may have deleted some, or they may be stored without their bytes), in
+    partition and offset order."""
+    if not positions:
+        return []
+    topics, partitions, offsets = (list(c) for c in zip(*positions))
+    with raw_connection(session).cursor() as cur:
+        cur.execute('SELECT d.topic, d.partition, d."offset", d.key, d.raw, d.headers, d.reason, d.detail, d.user_id '
+                    "FROM dead_letter d JOIN unnest(%s::text[], %s::int[], %s::bigint[]) AS p(t, n, o) "
+                    'ON d.topic = p.t AND d.partition = p.n AND d."offset" = p.o '
+                    'ORDER BY d.topic, d.partition, d."offset"', (topics, partitions, offsets))
+        return [DeadLetterRow(topic=t, partition=n, offset=o, key=bytes(k) if k is not None else None,
+                              raw=bytes(r) if r is not None else None, headers=h, reason=reason, detail=detail,
+                              user_id=u)
+                for t, n, o, k, r, h, reason, detail, u in cur.fetchall()]
+
+
 def private_sessions(session: Session, session_ids: Sequence[str]) -> set[str]:
     """Which of ``session_ids`` are privacy-mode sessions (have a tombstone)."""
     if not session_ids:

@@ -12,6 +12,7 @@ import pytest
 from app.events.types import UserErasureRequested, UserErasureRequestedEvent
 from consumers.projection import trajectory_id_for
 from consumers.testing import generate_session, kafka_record, produce
+from tests.fixtures.broker import read_topic
 
 pytestmark = pytest.mark.integration
 
@@ -104,6 +105,16 @@ def test_erasure_removes_the_users_rows_and_flags_checkpoints(db, topics, kafka_
                                          ("u-bob", b"b-u-bob-0", True, True, "unknown or missing")]
         assert q("SELECT count(*) FROM dead_letter WHERE position('her secret' in convert_from(raw, 'UTF8')) > 0") \
             == [(0,)]
+    # The DLQ topic got what the table holds: her two before the request whole (published before it),
+    # the two it covers without key or bytes, her new session's and bob's whole.
+    dlq = read_topic(kafka_bootstrap, topics["dlq"])
+    assert not [m for m in dlq if b"her secret" in m.value or any(b"her secret" in v for _, v in m.headers)]
+    redacted = [m for m in dlq if dict(m.headers).get("dlq-redacted") == b"erasure"]
+    assert [(m.key, m.value) for m in redacted] == [(None, b"")] * 2
+    assert sorted(m.key for m in dlq if m not in redacted) == [b"a-u-alice-0", b"a-u-alice-1", b"b-u-bob-0",
+                                                               b"erasure-1"]
+    with psycopg.connect(db) as conn:
+        q = lambda sql, *p: conn.execute(sql, p).fetchall()  # noqa: E731
         (req,) = q("SELECT user_id, events_deleted, trajectories_deleted, checkpoints_flagged, dead_letters_deleted, "
                    "cardinality(trajectory_ids), requested_at FROM erasure_request WHERE request_id = 'req-1'")
         # the straggler is erased with the rest if its partition delivered it before the request,
