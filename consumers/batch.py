@@ -16,7 +16,12 @@ Invariants (exactly-once effect):
   batch is redone in a new transaction instead (:class:`SweepOvertook`, retried as transient), whose
   later ingestion time makes the events late in both. So the sweep's grace period only makes this
   rare; correctness does not depend on it.
-- Privacy-mode sessions are never stored: their events only increment ``privacy_tombstone``.
+- Privacy-mode sessions are never stored: their events only increment ``privacy_tombstone``. A
+  session flagged part-way (privacy turned on mid-session) is private whole: at its first flagged
+  event, what was stored of it (events, trajectory) is deleted and counted in its tombstone.
+  Between group members this holds for a session's events on one partition (the SDK keys by
+  session); a session split over partitions may keep the events another member commits while
+  the flag's batch runs.
 - ``user.erasure_requested`` is applied at its place in the batch (events before it are stored,
   then erased with the rest of the user's data), holding the projection lock exclusively: no other
   member's batch is half-way through the user's events when it deletes them. After it, the user's
@@ -41,7 +46,7 @@ from app.repositories.events import (DeadLetterRow, append_events, count_tombsto
                                      insert_dead_letters, lock_offsets, private_sessions, raw_connection,
                                      store_offsets)
 from consumers.deadletter import Decoded, claim_of_dead_letter, covered_by_erasure, dead_letter_row, redacted
-from consumers.erasure import ErasureOutcome, erase_user
+from consumers.erasure import ErasureOutcome, erase_user, purge_private_sessions
 from consumers.projection import (Projector, SegmentState, StoredEvent, TrajectoryState, new_trajectory,
                                   trajectory_id_for)
 
@@ -221,6 +226,7 @@ def apply_batch(session: Session, group_id: str, batch: list[Decoded], projector
     erased = erased_users(session, list({d.event.user_id for d in events}  # type: ignore[union-attr]
                                         | {c.user_id for c in claims if c is not None and c.user_id is not None}))
     tombstones: Counter = Counter()
+    newly_private: set[str] = set()
     chunk: list[Decoded] = []
     dead: list[DeadLetterRow] = []
     for d, claim in zip(fresh, claims):
@@ -242,6 +248,8 @@ def apply_batch(session: Session, group_id: str, batch: list[Decoded], projector
             erased[ev.user_id] = (max(at, ev.occurred_at), tids | set(res.trajectory_ids))
             continue
         if ev.privacy_mode or ev.session_id in private:
+            if ev.session_id not in private:  # the session's first flag: what was stored of it goes too
+                newly_private.add(ev.session_id)
             private.add(ev.session_id)
             tombstones[ev.session_id] += 1
             continue
@@ -253,6 +261,9 @@ def apply_batch(session: Session, group_id: str, batch: list[Decoded], projector
         chunk.append(d)
     insert_dead_letters(session, dead)
     _store_and_project(session, projector, chunk, now, insert_method, out)
+    # A session flagged part-way (its events before the flag stored, here or by earlier batches)
+    # becomes private whole: those events and its trajectory are deleted and counted as dropped.
+    tombstones.update(purge_private_sessions(session, newly_private))
     count_tombstones(session, dict(tombstones))
     out.privacy_dropped = sum(tombstones.values())
     out.next_offsets = {k: v + 1 for k, v in last.items()}

@@ -24,6 +24,8 @@ Invariants:
 from __future__ import annotations
 
 import uuid
+from collections import Counter
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from datetime import datetime
 
@@ -104,3 +106,32 @@ def erase_user(session: Session, user_id: str, request_id: str, requested_at: da
             (request_id, user_id, out.events_deleted, out.trajectories_deleted, out.trajectory_ids,
              out.checkpoints_flagged, out.dead_letters_deleted, requested_at))
     return out
+
+
+def purge_private_sessions(session: Session, session_ids: Collection[str]) -> dict[str, int]:
+    """Delete what is stored of sessions just found to be privacy-mode sessions (privacy turned on
+    part-way through: the events before the flag were stored as ordinary ones), in the caller's
+    transaction: their ``event_log`` rows, trajectories (with segments and labels), and flag every
+    checkpoint that trained on one of those trajectories as an erasure does.
+
+    Returns:
+        ``{session_id: events deleted}`` for the sessions that had any.
+    Raises:
+        psycopg.Error: database faults (the caller's transaction rolls back as a whole).
+    """
+    if not session_ids:
+        return {}
+    ids = sorted(session_ids)
+    with raw_connection(session).cursor() as cur:
+        cur.execute("SELECT set_config('flywheel.erasure', 'on', true)")
+        cur.execute("DELETE FROM event_log WHERE session_id = ANY(%s) RETURNING session_id", (ids,))
+        deleted = Counter(r[0] for r in cur.fetchall())
+        cur.execute("SELECT set_config('flywheel.erasure', 'off', true)")
+        cur.execute("DELETE FROM trajectory WHERE session_id = ANY(%s) RETURNING id", (ids,))
+        trajectories = [r[0] for r in cur.fetchall()]
+        if trajectories:
+            cur.execute("UPDATE checkpoint SET trained_on_erased = true, "
+                        "erasure_flagged_at = coalesce(erasure_flagged_at, now()) WHERE id IN "
+                        "(SELECT checkpoint_id FROM checkpoint_trajectory WHERE trajectory_id = ANY(%s))",
+                        (trajectories,))
+    return dict(deleted)

@@ -156,6 +156,47 @@ def test_privacy_mode_sessions_leave_only_a_tombstone(db, topics, kafka_bootstra
     assert tomb == {"p-1": len(private), "p-2": len(mixed)}
 
 
+def test_a_session_flagged_private_part_way_is_deleted_whole(db, topics, kafka_bootstrap):
+    """Privacy turned on mid-session: the events stored before the flag (by an earlier batch, or
+    earlier in the same batch) go with the trajectory, and the tombstone counts them."""
+    rng = np.random.default_rng(5)
+    earlier = generate_session(rng, session_id="p-late", user_id="u-p", start=T0)
+    same_batch = generate_session(rng, session_id="p-same", user_id="u-p", start=T0)
+    public = generate_session(rng, session_id="o-2", user_id="u-p", start=T0)
+    cut = len(earlier) // 2
+    produce(kafka_bootstrap, topics["interactions"], [kafka_record(e) for e in earlier[:cut] + public])
+    _consume()
+
+    from app.core.db import session_scope
+    from app.models import CheckpointTrajectory
+    from app.repositories.checkpoints import add_checkpoint
+
+    with session_scope() as s:  # a checkpoint trained on the part stored before the flag
+        add_checkpoint(s, checkpoint_id="ck-p", path="/p", parent_id=None, generation=1)
+        s.add(CheckpointTrajectory(checkpoint_id="ck-p", trajectory_id=trajectory_id_for("p-late"), user_id="u-p"))
+    with psycopg.connect(db) as conn:
+        assert conn.execute("SELECT count(*) FROM event_log WHERE session_id = 'p-late'").fetchone() == (cut,)
+    flag = lambda events: [e.model_copy(update={"privacy_mode": True}) for e in events]  # noqa: E731
+    rest = flag(earlier[cut:cut + 1]) + earlier[cut + 1:]
+    mixed = same_batch[:3] + flag(same_batch[3:4]) + same_batch[4:]
+    produce(kafka_bootstrap, topics["interactions"], [kafka_record(e) for e in rest + mixed])
+    _consume()
+    with psycopg.connect(db) as conn:
+        assert conn.execute("SELECT DISTINCT session_id FROM event_log").fetchall() == [("o-2",)]
+        assert conn.execute("SELECT session_id FROM trajectory").fetchall() == [("o-2",)]
+        tomb = dict(conn.execute("SELECT session_id, events_dropped FROM privacy_tombstone").fetchall())
+        flagged = conn.execute("SELECT trained_on_erased FROM checkpoint WHERE id = 'ck-p'").fetchone()
+    assert tomb == {"p-late": len(earlier), "p-same": len(same_batch)}
+    assert flagged == (True,)
+
+    from typer.testing import CliRunner
+
+    from app.cli import app
+
+    out = CliRunner().invoke(app, ["replay", "--verify"])
+    assert out.exit_code == 0 and '"identical": true' in out.output, out.output
+
+
 def test_an_erasure_finds_dead_letters_through_indexes(db):
     """The erasure's dead-letter delete has an index path (the user's attributed rows, then only the
     unattributed ones are searched byte-wise): it need not scan ``dead_letter`` while it holds the
