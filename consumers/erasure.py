@@ -83,23 +83,14 @@ def erase_user(session: Session, user_id: str, request_id: str, requested_at: da
                     "UNION SELECT session_id FROM trajectory WHERE user_id = %s "
                     "AND coalesce(started_at, last_event_at) <= %s", (user_id, requested_at, user_id, requested_at))
         sessions = [r[0] for r in cur.fetchall()]
-        cur.execute("SELECT set_config('flywheel.erasure', 'on', true)")
-        cur.execute("DELETE FROM event_log WHERE user_id = %s AND session_id = ANY(%s)", (user_id, sessions))
-        out.events_deleted = cur.rowcount
-        cur.execute("SELECT set_config('flywheel.erasure', 'off', true)")
-        cur.execute("DELETE FROM trajectory WHERE user_id = %s AND session_id = ANY(%s) RETURNING id",
-                    (user_id, sessions))  # cascades to segments and labels
-        out.trajectory_ids = sorted(r[0] for r in cur.fetchall())
+        events, out.trajectory_ids = _delete_sessions(cur, sessions, user_id)
+        out.events_deleted = sum(events.values())
         out.trajectories_deleted = len(out.trajectory_ids)
         # Dead letters are raw bytes: those that claim the user (dead_letter.user_id, indexed), and
         # among the unattributed ones (a partial index) any that carries the user id as a JSON string.
         cur.execute(DELETE_DEAD_LETTERS, {"user_id": user_id, "quoted": b'"' + user_id.encode() + b'"'})
         out.dead_letters_deleted = cur.rowcount
-        cur.execute(
-            "UPDATE checkpoint SET trained_on_erased = true, erasure_flagged_at = coalesce(erasure_flagged_at, now()) "
-            "WHERE id IN (SELECT checkpoint_id FROM checkpoint_trajectory WHERE user_id = %s "
-            "OR trajectory_id = ANY(%s)) RETURNING id", (user_id, out.trajectory_ids))
-        out.checkpoints_flagged = sorted(r[0] for r in cur.fetchall())
+        out.checkpoints_flagged = _flag_checkpoints(cur, out.trajectory_ids, user_id)
         cur.execute(
             "INSERT INTO erasure_request (request_id, user_id, events_deleted, trajectories_deleted, trajectory_ids, "
             "checkpoints_flagged, dead_letters_deleted, requested_at) VALUES (%s, %s, %s, %s, %s, %s, %s, %s)",
@@ -121,17 +112,36 @@ def purge_private_sessions(session: Session, session_ids: Collection[str]) -> di
     """
     if not session_ids:
         return {}
-    ids = sorted(session_ids)
     with raw_connection(session).cursor() as cur:
-        cur.execute("SELECT set_config('flywheel.erasure', 'on', true)")
-        cur.execute("DELETE FROM event_log WHERE session_id = ANY(%s) RETURNING session_id", (ids,))
-        deleted = Counter(r[0] for r in cur.fetchall())
-        cur.execute("SELECT set_config('flywheel.erasure', 'off', true)")
-        cur.execute("DELETE FROM trajectory WHERE session_id = ANY(%s) RETURNING id", (ids,))
-        trajectories = [r[0] for r in cur.fetchall()]
+        events, trajectories = _delete_sessions(cur, sorted(session_ids))
         if trajectories:
-            cur.execute("UPDATE checkpoint SET trained_on_erased = true, "
-                        "erasure_flagged_at = coalesce(erasure_flagged_at, now()) WHERE id IN "
-                        "(SELECT checkpoint_id FROM checkpoint_trajectory WHERE trajectory_id = ANY(%s))",
-                        (trajectories,))
-    return dict(deleted)
+            _flag_checkpoints(cur, trajectories)
+    return dict(events)
+
+
+def _delete_sessions(cur, sessions: list[str], user_id: str | None = None) -> tuple[Counter, list[uuid.UUID]]:
+    """Delete the ``event_log`` rows of ``sessions`` (the one DELETE the append-only trigger lets
+    through: ``flywheel.erasure`` is on for it alone) and their trajectories (cascading to segments
+    and labels); only ``user_id``'s rows if given.
+
+    Returns:
+        (events deleted per session id, the deleted trajectories' ids, sorted).
+    """
+    only = "" if user_id is None else " AND user_id = %(user_id)s"
+    params = {"sessions": sessions, "user_id": user_id}
+    cur.execute("SELECT set_config('flywheel.erasure', 'on', true)")
+    cur.execute(f"DELETE FROM event_log WHERE session_id = ANY(%(sessions)s){only} RETURNING session_id", params)
+    events = Counter(r[0] for r in cur.fetchall())
+    cur.execute("SELECT set_config('flywheel.erasure', 'off', true)")
+    cur.execute(f"DELETE FROM trajectory WHERE session_id = ANY(%(sessions)s){only} RETURNING id", params)
+    return events, sorted(r[0] for r in cur.fetchall())
+
+
+def _flag_checkpoints(cur, trajectory_ids: list[uuid.UUID], user_id: str | None = None) -> list[str]:
+    """Set ``trained_on_erased`` (and ``erasure_flagged_at``, once) on every checkpoint that trained on
+    one of ``trajectory_ids`` or, if given, on any trajectory of ``user_id``. Returns their ids, sorted."""
+    cur.execute("UPDATE checkpoint SET trained_on_erased = true, "
+                "erasure_flagged_at = coalesce(erasure_flagged_at, now()) "
+                "WHERE id IN (SELECT checkpoint_id FROM checkpoint_trajectory WHERE user_id = %s "
+                "OR trajectory_id = ANY(%s)) RETURNING id", (user_id, trajectory_ids))
+    return sorted(r[0] for r in cur.fetchall())
