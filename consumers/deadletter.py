@@ -136,7 +136,7 @@ BASE64_PREFIX = "base64:"
 
 def header_text(v: bytes | None) -> str:
     """A Kafka header key or value as text a ``jsonb`` column can hold, and back with
-    ``consumers.redrive.header_bytes``: its UTF-8 text, or :data:`BASE64_PREFIX` + base64 of its bytes
+    :func:`header_bytes`: its UTF-8 text, or :data:`BASE64_PREFIX` + base64 of its bytes
     when they are not UTF-8, hold a NUL (Postgres refuses it), or are text that itself starts with
     the prefix (so a stored text with the prefix is always an encoding). ``None`` -> ``""``."""
     if v is None:
@@ -253,13 +253,19 @@ def header_bytes(text: str) -> bytes:
     return text.encode("utf-8")
 
 
+def stored_headers(stored: Sequence[Sequence[str]] | None) -> list[tuple[str, bytes]]:
+    """A ``dead_letter`` row's ``headers`` (``[[key text, value text]]``, see :func:`header_text`) back
+    to Kafka headers: (key as ``str``, value bytes). None (not kept) -> ``[]``."""
+    return [(header_bytes(k).decode("utf-8", "replace"), header_bytes(v)) for k, v in stored or ()]
+
+
 def dlq_record(row: DeadLetterRow, max_bytes: int) -> tuple[bytes | None, bytes, list[tuple[str, bytes]]]:
     """(key, value, headers) to publish on the DLQ topic for a stored dead letter: its raw bytes
     (truncated past ``max_bytes``) and headers, with the reason, detail and source position added.
     A row stored without its bytes (an erasure covers it) is published without them too: an empty
     value, no key, and a ``dlq-redacted`` header."""
     raw = row.raw or b""
-    headers = [(header_bytes(k).decode("utf-8", "replace"), header_bytes(v)) for k, v in row.headers or ()]
+    headers = stored_headers(row.headers)
     headers += [("dlq-reason", row.reason.encode()),
                 ("dlq-detail", row.detail[:500].encode("utf-8", "replace")),
                 ("dlq-source", f"{row.topic}:{row.partition}:{row.offset}".encode())]

@@ -30,7 +30,7 @@ from sqlalchemy.orm import Session
 from app.core.db import session_scope
 from app.core.errors import InfrastructureError
 from app.repositories.events import raw_connection
-from consumers.deadletter import DeadLetterPublisher, header_bytes
+from consumers.deadletter import DeadLetterPublisher, stored_headers
 
 REDRIVE_HEADER = "flywheel-redrive-of"
 """Header a redriven record carries: ``topic:partition:offset`` of the dead letter it came from."""
@@ -89,8 +89,7 @@ def list_dead_letters(session: Session, *, reason: str | None = None, pending_on
 def redrive_headers(stored: list[list[str]] | None, source: str) -> list[tuple[str, bytes]]:
     """The headers a redriven record carries: the stored ones (without an earlier redrive's
     :data:`REDRIVE_HEADER`) plus :data:`REDRIVE_HEADER` = ``source``."""
-    out = [(key, header_bytes(v)) for key, v in ((header_bytes(k).decode("utf-8", "replace"), v)
-                                                 for k, v in (stored or [])) if key != REDRIVE_HEADER]
+    out = [(k, v) for k, v in stored_headers(stored) if k != REDRIVE_HEADER]
     out.append((REDRIVE_HEADER, source.encode()))
     return out
 

@@ -11,8 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from consumers.deadletter import (Claim, Decoded, Message, claim_of, covered_by_erasure,
-                                  dead_letter_row, header_text, redacted)
-from consumers.redrive import header_bytes, redrive_headers
+                                  dead_letter_row, header_bytes, header_text, redacted)
+from consumers.redrive import redrive_headers
 from consumers.projection import trajectory_id_for
 
 
