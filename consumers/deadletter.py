@@ -103,8 +103,8 @@ def classify(msg: Message, max_bytes: int) -> Decoded:
     """Decode one record into a storable event or a dead letter (never raises).
 
     The checks and reasons of ``app.events.decode_event_payload`` (validation straight from the
-    bytes, then a strict parse that also gives the payload to store: the payload object as the
-    producer sent it, compact JSON; the replay path validates it again), plus a NUL in a string is
+    bytes, then a strict pass that also gives the payload to store: the payload object's bytes as
+    the producer sent them; the replay path validates it again), plus a NUL in a string is
     ``unstorable`` (Postgres refuses it; a byte search decides whether to look).
     """
     raw = msg.value
@@ -123,10 +123,9 @@ def classify(msg: Message, max_bytes: int) -> Decoded:
         p.new_segment_index if event.type == "context.summarized" else None
     if index is not None and index > MAX_SEGMENT_INDEX:
         return Decoded(msg, reason="validation", detail=f"segment index {index} > {MAX_SEGMENT_INDEX}")
-    row = EventRow(event_id=event.event_id, type=event.type, schema_version=event.schema_version,
-                   occurred_at=event.occurred_at, session_id=event.session_id, user_id=event.user_id,
-                   org_id=event.org_id, payload=payload, topic=msg.topic, partition=msg.partition,
-                   offset=msg.offset, trace_id=trace_id_of(msg.headers))
+    row = EventRow(event.event_id, event.type, event.schema_version, event.occurred_at,  # positional: ~0.5 us less
+                   event.session_id, event.user_id, event.org_id, payload, msg.topic, msg.partition, msg.offset,
+                   trace_id_of(msg.headers))
     return Decoded(msg, event=event, row=row)
 
 

@@ -81,15 +81,30 @@ def test_stored_payload_is_the_payload_as_sent():
     sent = {"type": "tool.executed", "session_id": "s", "user_id": "u",
             "payload": {"ok": True, "name": "run", "call_id": "c1", "duration_s": 2, "output": "\u00e9t\u00e9"}}
     event, payload = decode_event_payload(json.dumps(sent).encode())
-    # the producer's fields, order and numbers; compact, UTF-8 text
-    assert payload == '{"ok":true,"name":"run","call_id":"c1","duration_s":2,"output":"été"}'
+    # the producer's bytes: fields, order, numbers, spacing and escapes
+    assert payload == json.dumps(sent["payload"])
+    assert json.loads(payload)["output"] == "été"
     assert event.payload.duration_s == 2.0 and "exit_code" not in json.loads(payload)
-    # orjson cannot encode an integer beyond 64 bits: the validated payload is serialized instead
+    # an integer beyond 64 bits is kept exactly
     big = 123456789012345678901234567890
     raw = encode_event(_responded()).replace(b'{"cmd":"pytest"}', b'{"n":%d}' % big)
     event, payload = decode_event_payload(raw)
     assert json.loads(payload)["tool_calls"][0]["arguments"] == {"n": big}
     assert decode_event(raw) == event
+    # a repeated key: the value validation took (the last), not the first
+    raw = json.dumps({**sent, "payload": {"x": 1}}).encode()[:-1] + b', "payload": ' + \
+        json.dumps(sent["payload"]).encode() + b"}"
+    event, payload = decode_event_payload(raw)
+    assert json.loads(payload) == sent["payload"] and event.payload.name == "run"
+
+
+def test_a_lone_surrogate_escape_is_bad_json():
+    # Postgres refuses it in json text; the stored payload is the producer's bytes, so it must not pass
+    sent = {"type": "followup.sent", "session_id": "s", "user_id": "u", "payload": {"text": "a"}}
+    raw = json.dumps(sent).encode().replace(b'"a"', b'"\\ud800"')
+    with pytest.raises(InvalidEventError) as info:
+        decode_event_payload(raw)
+    assert info.value.reason == "bad_json"
 
 
 def test_logprobs_length_must_match_tokens():
