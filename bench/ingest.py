@@ -31,14 +31,14 @@ is excluded from both):
 Ends with one JSON line; ratio = ours / baseline events/s, target >= 0.5.
 
 Where the time goes (CPU per event, from the run's ``cpu_s``/``cpu_us_per_event`` and py-spy, on the
-2-core development box, 2,000 records a batch): ~60-65 us in all, against ~11-12 us for the bare
-loop. The consumer process ~42-46 us: kafka-python fetch and record parsing ~11 us (all the bare
-loop does), decoding and validating ~9 us on average (~13 us for a ``model.responded`` of ~250
-tokens; the stored payload is the producer's, re-encoded, not the validated one serialized again),
-folding into trajectories and writing rows ~14 us, threads and the rest. Postgres ~15-17 us,
-most of it the ``event_log`` COPY (four indexes, WAL) and the direct COPY of new trajectory and
-segment rows. The target needs <= ~45 us per event on 2 cores; a Python consumer scales with cores
-(one process per 2 partitions here), the bare loop does not.
+2-core development box, 2,000 records a batch): ~73-86 us in all, against ~12-15 us for the bare
+loop. The consumer processes ~48-55 us: kafka-python fetch and record parsing ~8 us (all the bare
+loop does), decoding and validating ~16 us (pydantic-core ~10 us of it; the stored payload is the
+producer's bytes, sliced out, not re-encoded), folding into trajectories ~7 us, writing rows ~8 us,
+threads, telemetry and freeing the batch the rest. Postgres ~21-23 us, most of it the ``event_log``
+COPY (four indexes, WAL) and the direct COPY of new trajectory and segment rows. The target needs
+<= ~60 us per event on 2 cores; a Python consumer scales with cores (one process per 2 partitions
+here), the bare loop does not.
 """
 
 from __future__ import annotations
