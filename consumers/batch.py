@@ -18,7 +18,9 @@ Invariants (exactly-once effect):
   rare; correctness does not depend on it.
 - Privacy-mode sessions are never stored: their events only increment ``privacy_tombstone``. A
   session flagged part-way (privacy turned on mid-session) is private whole: at its first flagged
-  event, what was stored of it (events, trajectory) is deleted and counted in its tombstone.
+  event, what was stored of it (events, trajectory) is deleted and counted in its tombstone. Their
+  dead letters keep their place and reason, not their bytes: one whose bytes claim ``privacy_mode``
+  or a private session is stored so, and a session's first flag strips those already stored.
   Between group members this holds for a session's events on one partition (the SDK keys by
   session); a session split over partitions may keep the events another member commits while
   the flag's batch runs.
@@ -45,7 +47,8 @@ from app.repositories import trajectories as trepo
 from app.repositories.events import (DeadLetterRow, append_events, count_tombstones, erased_users,
                                      insert_dead_letters, lock_offsets, private_sessions, raw_connection,
                                      store_offsets)
-from consumers.deadletter import Decoded, claim_of_dead_letter, covered_by_erasure, dead_letter_row, redacted
+from consumers.deadletter import (Decoded, claim_of_dead_letter, covered_by_erasure, dead_letter_row, redacted,
+                                  redacted_private)
 from consumers.erasure import ErasureOutcome, erase_user, purge_private_sessions
 from consumers.projection import (Projector, SegmentState, StoredEvent, TrajectoryState, new_trajectory,
                                   trajectory_id_for)
@@ -222,7 +225,8 @@ def apply_batch(session: Session, group_id: str, batch: list[Decoded], projector
     # what its bytes claim) keeps its place and reason, not its bytes.
     claims = [claim_of_dead_letter(d) if d.reason is not None else None for d in fresh]
     events = [d for d in fresh if d.event is not None]
-    private = private_sessions(session, list({d.event.session_id for d in events}))  # type: ignore[union-attr]
+    private = private_sessions(session, list({d.event.session_id for d in events}  # type: ignore[union-attr]
+                                             | {c.session_id for c in claims if c is not None and c.session_id}))
     erased = erased_users(session, list({d.event.user_id for d in events}  # type: ignore[union-attr]
                                         | {c.user_id for c in claims if c is not None and c.user_id is not None}))
     tombstones: Counter = Counter()
@@ -232,7 +236,11 @@ def apply_batch(session: Session, group_id: str, batch: list[Decoded], projector
     for d, claim in zip(fresh, claims):
         if claim is not None:
             row, requested_at = dead_letter_row(d, claim=claim), covered_by_erasure(claim, erased)
-            dead.append(row if requested_at is None else redacted(row, requested_at))
+            if requested_at is not None:
+                row = redacted(row, requested_at)
+            elif claim.privacy_mode or claim.session_id in private:
+                row = redacted_private(row)
+            dead.append(row)
             out.dead_letters[d.reason] += 1
             out.dead_letter_positions.append((d.msg.topic, d.msg.partition, d.msg.offset))
             continue

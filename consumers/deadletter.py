@@ -155,12 +155,14 @@ MAX_USER_ID_CHARS = 128
 
 class Claim(NamedTuple):
     """Whose event a dead letter's raw bytes say it is: the top-level ``user_id``, ``session_id`` and
-    ``occurred_at`` of a JSON object, each None when absent or unusable. Unvalidated: only used to
-    find the row for an erasure and to decide whether an erasure covers it."""
+    ``occurred_at`` of a JSON object, each None when absent or unusable, and whether it asks for
+    ``privacy_mode``. Unvalidated: only used to find the row for an erasure or a privacy purge, and
+    to decide whether its bytes may be kept."""
 
     user_id: str | None = None
     session_id: str | None = None
     occurred_at: datetime | None = None
+    privacy_mode: bool = False
 
 
 def _claimed_str(obj: dict, key: str) -> str | None:
@@ -173,7 +175,8 @@ def _claimed_str(obj: dict, key: str) -> str | None:
 def claim_of(raw: bytes | None, max_bytes: int) -> Claim:
     """The :class:`Claim` of a record's raw bytes: fields of a JSON object of at most ``max_bytes``
     bytes; ids 1 to 128 characters and storable; ``occurred_at`` an ISO 8601 time with a UTC offset
-    (a naive or unparseable time is None). Never raises."""
+    (a naive or unparseable time is None); ``privacy_mode`` any value but absent, ``null``,
+    ``false`` or ``0`` (a malformed flag errs toward privacy). Never raises."""
     if not raw or len(raw) > max_bytes:
         return Claim()
     try:
@@ -188,7 +191,8 @@ def claim_of(raw: bytes | None, max_bytes: int) -> Claim:
     except ValueError:
         when = None
     return Claim(_claimed_str(obj, "user_id"), _claimed_str(obj, "session_id"),
-                 when if when is not None and when.tzinfo is not None else None)
+                 when if when is not None and when.tzinfo is not None else None,
+                 obj.get("privacy_mode") not in (None, False, 0))
 
 
 def covered_by_erasure(claim: Claim, erased: Mapping[str, tuple[datetime, Collection[uuid.UUID]]]) -> datetime | None:
@@ -213,9 +217,19 @@ def covered_by_erasure(claim: Claim, erased: Mapping[str, tuple[datetime, Collec
 def redacted(row: DeadLetterRow, requested_at: datetime) -> DeadLetterRow:
     """The dead letter of an erased user's record, as stored: its position, reason, detail and user id
     (a later erasure of the user deletes it), without its key, bytes or headers."""
-    return replace(row, key=None, raw=None, headers=None,
+    return replace(row, key=None, raw=None, headers=None, redacted="erasure",
                    detail=f"raw bytes not kept: the user's erasure was requested at {requested_at.isoformat()}; "
                           + row.detail)
+
+
+PRIVATE_DETAIL = "raw bytes not kept: the session is in privacy mode; "
+"""What a privacy-redacted dead letter's ``detail`` starts with (the SQL of ``consumers.erasure`` too)."""
+
+
+def redacted_private(row: DeadLetterRow) -> DeadLetterRow:
+    """The dead letter of a privacy-mode session's record, as stored: its position, reason, detail,
+    user and session ids, without its key, bytes or headers."""
+    return replace(row, key=None, raw=None, headers=None, redacted="privacy", detail=PRIVATE_DETAIL + row.detail)
 
 
 def dead_letter_row(d: Decoded, max_bytes: int = DEFAULT_MAX_EVENT_BYTES,
@@ -227,9 +241,10 @@ def dead_letter_row(d: Decoded, max_bytes: int = DEFAULT_MAX_EVENT_BYTES,
     m = d.msg
     headers = [[header_text(k.encode("utf-8", "replace") if isinstance(k, str) else k), header_text(v)]
                for k, v in m.headers]
+    claim = claim if claim is not None else claim_of_dead_letter(d, max_bytes)
     return DeadLetterRow(topic=m.topic, partition=m.partition, offset=m.offset, key=m.key, raw=m.value,
                          headers=headers, reason=d.reason or "validation", detail=d.detail.replace("\x00", ""),
-                         user_id=(claim if claim is not None else claim_of_dead_letter(d, max_bytes)).user_id)
+                         user_id=claim.user_id, session_id=claim.session_id)
 
 
 def claim_of_dead_letter(d: Decoded, max_bytes: int = DEFAULT_MAX_EVENT_BYTES) -> Claim:
@@ -261,15 +276,15 @@ def stored_headers(stored: Sequence[Sequence[str]] | None) -> list[tuple[str, by
 def dlq_record(row: DeadLetterRow, max_bytes: int) -> tuple[bytes | None, bytes, list[tuple[str, bytes]]]:
     """(key, value, headers) to publish on the DLQ topic for a stored dead letter: its raw bytes
     (truncated past ``max_bytes``) and headers, with the reason, detail and source position added.
-    A row stored without its bytes (an erasure covers it) is published without them too: an empty
-    value, no key, and a ``dlq-redacted`` header."""
+    A row stored without its bytes (an erasure covers it, or its session is in privacy mode) is
+    published without them too: an empty value, no key, and a ``dlq-redacted`` header saying why."""
     raw = row.raw or b""
     headers = stored_headers(row.headers)
     headers += [("dlq-reason", row.reason.encode()),
                 ("dlq-detail", row.detail[:500].encode("utf-8", "replace")),
                 ("dlq-source", f"{row.topic}:{row.partition}:{row.offset}".encode())]
-    if row.raw is None and row.headers is None:
-        headers.append(("dlq-redacted", b"erasure"))
+    if row.redacted or (row.raw is None and row.headers is None):
+        headers.append(("dlq-redacted", (row.redacted or "erasure").encode()))
     if len(raw) > max_bytes:
         headers.append(("dlq-truncated-from", str(len(raw)).encode()))
         raw = raw[:max_bytes]

@@ -32,6 +32,7 @@ from datetime import datetime
 from sqlalchemy.orm import Session
 
 from app.repositories.events import raw_connection
+from consumers.deadletter import PRIVATE_DETAIL
 
 
 DELETE_DEAD_LETTERS = ("DELETE FROM dead_letter WHERE user_id = %(user_id)s "
@@ -103,7 +104,9 @@ def purge_private_sessions(session: Session, session_ids: Collection[str]) -> di
     """Delete what is stored of sessions just found to be privacy-mode sessions (privacy turned on
     part-way through: the events before the flag were stored as ordinary ones), in the caller's
     transaction: their ``event_log`` rows, trajectories (with segments and labels), and flag every
-    checkpoint that trained on one of those trajectories as an erasure does.
+    checkpoint that trained on one of those trajectories as an erasure does. Their dead letters
+    (those whose bytes claim the session: ``dead_letter.session_id``) keep their place and reason
+    but lose their key, bytes and headers (``redacted = 'privacy'``).
 
     Returns:
         ``{session_id: events deleted}`` for the sessions that had any.
@@ -116,6 +119,9 @@ def purge_private_sessions(session: Session, session_ids: Collection[str]) -> di
         events, trajectories = _delete_sessions(cur, sorted(session_ids))
         if trajectories:
             _flag_checkpoints(cur, trajectories)
+        cur.execute("UPDATE dead_letter SET key = NULL, raw = NULL, headers = NULL, redacted = 'privacy', "
+                    "detail = %s || detail WHERE session_id = ANY(%s) AND redacted IS NULL",
+                    (PRIVATE_DETAIL, sorted(session_ids)))
     return dict(events)
 
 

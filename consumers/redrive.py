@@ -69,8 +69,9 @@ def dead_letter_stats(session: Session) -> list[dict[str, Any]]:
 def list_dead_letters(session: Session, *, reason: str | None = None, pending_only: bool = False,
                       limit: int = 50, after_id: int = 0) -> list[dict[str, Any]]:
     """Dead letters in ``id`` order (oldest first) after ``after_id``, at most ``limit``: position,
-    reason, ``detail`` (first 300 characters), claimed ``user_id``, ``bytes`` (raw length; None when
-    the bytes are not kept), ``created_at``, ``redriven_at``."""
+    reason, ``detail`` (first 300 characters), claimed ``user_id`` and ``session_id``, ``bytes`` (raw
+    length; None when the bytes are not kept), ``redacted`` (why not: ``erasure`` | ``privacy``),
+    ``created_at``, ``redriven_at``."""
     where, params = ["id > %s"], [after_id]
     if reason:
         where.append("reason = %s")
@@ -78,12 +79,13 @@ def list_dead_letters(session: Session, *, reason: str | None = None, pending_on
     if pending_only:
         where.append("redriven_at IS NULL")
     with raw_connection(session).cursor() as cur:
-        cur.execute(f'SELECT id, topic, partition, "offset", reason, left(detail, 300), user_id, length(raw), '
-                    f'created_at, redriven_at FROM dead_letter WHERE {" AND ".join(where)} ORDER BY id LIMIT %s',
-                    (*params, limit))
+        cur.execute(f'SELECT id, topic, partition, "offset", reason, left(detail, 300), user_id, session_id, '
+                    f'length(raw), redacted, created_at, redriven_at FROM dead_letter WHERE {" AND ".join(where)} '
+                    "ORDER BY id LIMIT %s", (*params, limit))
         return [{"id": i, "topic": t, "partition": p, "offset": o, "reason": r, "detail": d, "user_id": u,
-                 "bytes": n, "created_at": c.isoformat(), "redriven_at": x.isoformat() if x else None}
-                for i, t, p, o, r, d, u, n, c, x in cur.fetchall()]
+                 "session_id": sid, "bytes": n, "redacted": why, "created_at": c.isoformat(),
+                 "redriven_at": x.isoformat() if x else None}
+                for i, t, p, o, r, d, u, sid, n, why, c, x in cur.fetchall()]
 
 
 def redrive_headers(stored: list[list[str]] | None, source: str) -> list[tuple[str, bytes]]:

@@ -196,6 +196,10 @@ class DeadLetterRow:
     detail: str
     user_id: str | None = None
     """The top-level ``user_id`` the raw JSON object carries, if any (what an erasure looks up)."""
+    session_id: str | None = None
+    """The top-level ``session_id`` the raw JSON object carries, if any (what a privacy purge looks up)."""
+    redacted: str | None = None
+    """Why ``key``, ``raw`` and ``headers`` are not kept: ``erasure`` or ``privacy``; None if they are."""
 
 
 def insert_dead_letters(session: Session, rows: Sequence[DeadLetterRow]) -> int:
@@ -204,10 +208,10 @@ def insert_dead_letters(session: Session, rows: Sequence[DeadLetterRow]) -> int:
         return 0
     with raw_connection(session).cursor() as cur:
         cur.executemany(
-            'INSERT INTO dead_letter (topic, partition, "offset", key, raw, headers, reason, detail, user_id) '
-            "VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s) ON CONFLICT DO NOTHING",
+            'INSERT INTO dead_letter (topic, partition, "offset", key, raw, headers, reason, detail, user_id, '
+            "session_id, redacted) VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s) ON CONFLICT DO NOTHING",
             [(r.topic, r.partition, r.offset, r.key, r.raw, Jsonb(r.headers) if r.headers is not None else None,
-              r.reason, r.detail, r.user_id) for r in rows])
+              r.reason, r.detail, r.user_id, r.session_id, r.redacted) for r in rows])
         return len(rows)
 
 
@@ -219,14 +223,15 @@ def stored_dead_letters(session: Session, positions: Sequence[tuple[str, int, in
         return []
     topics, partitions, offsets = (list(c) for c in zip(*positions))
     with raw_connection(session).cursor() as cur:
-        cur.execute('SELECT d.topic, d.partition, d."offset", d.key, d.raw, d.headers, d.reason, d.detail, d.user_id '
+        cur.execute('SELECT d.topic, d.partition, d."offset", d.key, d.raw, d.headers, d.reason, d.detail, d.user_id, '
+                    "d.session_id, d.redacted "
                     "FROM dead_letter d JOIN unnest(%s::text[], %s::int[], %s::bigint[]) AS p(t, n, o) "
                     'ON d.topic = p.t AND d.partition = p.n AND d."offset" = p.o '
                     'ORDER BY d.topic, d.partition, d."offset"', (topics, partitions, offsets))
         return [DeadLetterRow(topic=t, partition=n, offset=o, key=bytes(k) if k is not None else None,
                               raw=bytes(r) if r is not None else None, headers=h, reason=reason, detail=detail,
-                              user_id=u)
-                for t, n, o, k, r, h, reason, detail, u in cur.fetchall()]
+                              user_id=u, session_id=sid, redacted=why)
+                for t, n, o, k, r, h, reason, detail, u, sid, why in cur.fetchall()]
 
 
 def private_sessions(session: Session, session_ids: Sequence[str]) -> set[str]:

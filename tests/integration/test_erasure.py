@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import uuid
 from datetime import datetime, timedelta, timezone
 
@@ -195,6 +196,53 @@ def test_a_session_flagged_private_part_way_is_deleted_whole(db, topics, kafka_b
 
     out = CliRunner().invoke(app, ["replay", "--verify"])
     assert out.exit_code == 0 and '"identical": true' in out.output, out.output
+
+
+def _malformed(event, secret: str, **top) -> tuple:
+    """The producer's record of ``event`` with a payload field the contract forbids (a dead letter
+    whose bytes still claim the event's user and session) carrying ``secret``."""
+    key, value, headers = kafka_record(event)
+    obj = json.loads(value)
+    obj["payload"]["secret"] = secret
+    return key, json.dumps({**obj, **top}).encode(), headers
+
+
+def test_a_private_sessions_dead_letters_keep_no_bytes(db, topics, kafka_bootstrap):
+    """A privacy-mode session's malformed records keep their place and reason, not their bytes:
+    stored before the session's flag (then stripped by it), after it, or claiming the flag themselves;
+    the DLQ topic gets those after the flag without bytes. Another session's are kept whole."""
+    rng = np.random.default_rng(9)
+    private = generate_session(rng, session_id="p-dl", user_id="u-q", start=T0)
+    public = generate_session(rng, session_id="o-3", user_id="u-q", start=T0)
+    produce(kafka_bootstrap, topics["interactions"],
+            [kafka_record(e) for e in private[:2]] + [_malformed(private[2], "private code 1")])
+    _consume()
+    with psycopg.connect(db) as conn:  # before the flag it is an ordinary session's dead letter
+        assert conn.execute("SELECT session_id, redacted, raw IS NOT NULL FROM dead_letter").fetchall() == \
+            [("p-dl", None, True)]
+    flagged = [e.model_copy(update={"privacy_mode": True}) for e in private[3:4]]
+    produce(kafka_bootstrap, topics["interactions"],
+            [kafka_record(e) for e in flagged] + [_malformed(private[4], "private code 2")]
+            + [_malformed(public[0], "private code 3", privacy_mode=True), _malformed(public[1], "public text")]
+            + [kafka_record(e) for e in public[2:]])
+    _consume()
+    with psycopg.connect(db) as conn:
+        rows = conn.execute("SELECT session_id, redacted, key IS NULL AND raw IS NULL AND headers IS NULL, detail "
+                            'FROM dead_letter ORDER BY session_id DESC, partition, "offset"').fetchall()
+        leaked = conn.execute("SELECT count(*) FROM dead_letter WHERE position('private code' in "
+                              "convert_from(raw, 'UTF8')) > 0").fetchone()
+        assert conn.execute("SELECT count(*) FROM event_log WHERE session_id = 'p-dl'").fetchone() == (0,)
+    stripped = "raw bytes not kept: the session is in privacy mode; "
+    assert [(sid, why, gone, detail.startswith(stripped)) for sid, why, gone, detail in rows] == [
+        ("p-dl", "privacy", True, True), ("p-dl", "privacy", True, True),   # before the flag, after it
+        ("o-3", "privacy", True, True), ("o-3", None, False, False)]        # claims the flag; does not
+    assert all("secret" in detail for *_, detail in rows)  # the reason is kept
+    assert leaked == (0,)
+    dlq = read_topic(kafka_bootstrap, topics["dlq"])
+    # the first was published whole by its batch, before anything said the session was private
+    assert [b"private code 1" in m.value for m in dlq].count(True) == 1
+    assert not [m for m in dlq if b"private code 2" in m.value or b"private code 3" in m.value]
+    assert [(m.key, m.value) for m in dlq if dict(m.headers).get("dlq-redacted") == b"privacy"] == [(None, b"")] * 2
 
 
 def test_an_erasure_finds_dead_letters_through_indexes(db):

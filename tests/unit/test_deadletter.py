@@ -10,8 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from consumers.deadletter import (Claim, Decoded, Message, claim_of, covered_by_erasure,
-                                  dead_letter_row, header_bytes, header_text, redacted)
+from consumers.deadletter import (Claim, Decoded, Message, claim_of, covered_by_erasure, dead_letter_row,
+                                  dlq_record, header_bytes, header_text, redacted, redacted_private)
 from consumers.redrive import redrive_headers
 from consumers.projection import trajectory_id_for
 
@@ -53,6 +53,15 @@ def test_claim_of_reads_session_and_an_aware_occurred_at():
     assert claim_of(b'{"session_id": ["s"]}', 1024) == Claim()
 
 
+@pytest.mark.parametrize("flag,private", [
+    ("true", True), ('"yes"', True), ('"false"', True), ("1", True),  # a malformed flag errs toward privacy
+    ("false", False), ("0", False), ("null", False), (None, False),
+])
+def test_claim_of_reads_the_privacy_flag(flag, private):
+    raw = b'{"session_id": "s-1"' + (b', "privacy_mode": ' + flag.encode() if flag else b"") + b"}"
+    assert claim_of(raw, 1024) == Claim(None, "s-1", None, private)
+
+
 REQUESTED = datetime(2026, 11, 21, 12, tzinfo=timezone.utc)
 ERASED = {"u-1": (REQUESTED, {trajectory_id_for("s-old")})}
 
@@ -78,6 +87,19 @@ def test_a_redacted_dead_letter_keeps_its_place_not_its_bytes():
     assert (row.topic, row.partition, row.offset, row.reason, row.user_id) == ("t", 3, 9, "unknown_type", "u-1")
     assert row.key is None and row.raw is None and row.headers is None
     assert row.detail.startswith("raw bytes not kept") and row.detail.endswith("unknown type 'nope'")
+    assert dlq_record(row, 1024)[:2] == (None, b"") and ("dlq-redacted", b"erasure") in dlq_record(row, 1024)[2]
+
+
+def test_a_private_sessions_dead_letter_keeps_its_place_and_session_not_its_bytes():
+    raw = b'{"user_id": "u-1", "session_id": "s-p", "privacy_mode": true, "type": "nope"}'
+    row = redacted_private(dead_letter_row(Decoded(Message("t", 3, 9, b"s-p", raw), reason="unknown_type",
+                                                   detail="unknown type 'nope'")))
+    assert (row.offset, row.reason, row.user_id, row.session_id, row.redacted) == (9, "unknown_type", "u-1", "s-p",
+                                                                                    "privacy")
+    assert row.key is None and row.raw is None and row.headers is None
+    assert row.detail.startswith("raw bytes not kept: the session is in privacy mode")
+    key, value, headers = dlq_record(row, 1024)
+    assert (key, value) == (None, b"") and ("dlq-redacted", b"privacy") in headers
 
 
 @settings(max_examples=300, deadline=None)
