@@ -214,12 +214,17 @@ def covered_by_erasure(claim: Claim, erased: Mapping[str, tuple[datetime, Collec
     return None
 
 
+def _without_bytes(row: DeadLetterRow, why: str, note: str) -> DeadLetterRow:
+    """``row`` as stored when its bytes may not be kept: no key, bytes or headers, ``redacted = why``
+    and ``note`` before its detail (``consumers.erasure.purge_private_sessions`` does the same in SQL)."""
+    return replace(row, key=None, raw=None, headers=None, redacted=why, detail=note + row.detail)
+
+
 def redacted(row: DeadLetterRow, requested_at: datetime) -> DeadLetterRow:
     """The dead letter of an erased user's record, as stored: its position, reason, detail and user id
     (a later erasure of the user deletes it), without its key, bytes or headers."""
-    return replace(row, key=None, raw=None, headers=None, redacted="erasure",
-                   detail=f"raw bytes not kept: the user's erasure was requested at {requested_at.isoformat()}; "
-                          + row.detail)
+    return _without_bytes(row, "erasure",
+                          f"raw bytes not kept: the user's erasure was requested at {requested_at.isoformat()}; ")
 
 
 PRIVATE_DETAIL = "raw bytes not kept: the session is in privacy mode; "
@@ -229,7 +234,7 @@ PRIVATE_DETAIL = "raw bytes not kept: the session is in privacy mode; "
 def redacted_private(row: DeadLetterRow) -> DeadLetterRow:
     """The dead letter of a privacy-mode session's record, as stored: its position, reason, detail,
     user and session ids, without its key, bytes or headers."""
-    return replace(row, key=None, raw=None, headers=None, redacted="privacy", detail=PRIVATE_DETAIL + row.detail)
+    return _without_bytes(row, "privacy", PRIVATE_DETAIL)
 
 
 def dead_letter_row(d: Decoded, max_bytes: int = DEFAULT_MAX_EVENT_BYTES,
@@ -283,8 +288,8 @@ def dlq_record(row: DeadLetterRow, max_bytes: int) -> tuple[bytes | None, bytes,
     headers += [("dlq-reason", row.reason.encode()),
                 ("dlq-detail", row.detail[:500].encode("utf-8", "replace")),
                 ("dlq-source", f"{row.topic}:{row.partition}:{row.offset}".encode())]
-    if row.redacted or (row.raw is None and row.headers is None):
-        headers.append(("dlq-redacted", (row.redacted or "erasure").encode()))
+    if row.redacted:  # every row stored without its bytes says why (migration 0010 marked the older ones)
+        headers.append(("dlq-redacted", row.redacted.encode()))
     if len(raw) > max_bytes:
         headers.append(("dlq-truncated-from", str(len(raw)).encode()))
         raw = raw[:max_bytes]
