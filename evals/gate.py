@@ -4,7 +4,8 @@ Invariant: the gate fails closed. A candidate passes only if every gated suite h
 paired results (same suite version, same (task, sample) keys on both sides) and, on those pairs,
 (1) the lower confidence bound of the pass-rate difference candidate - production is above
 ``-tolerance`` (non-inferiority), (2) the candidate's pass rate meets the suite's absolute floor,
-and (3) every behaviour monitor stays within its bound versus production. Anything missing,
+and (3) no behaviour monitor breaches its bound versus production (by default: the confidence
+interval of its drift lies beyond the allowance, see ``GateConfig.monitor_rule``). Anything missing,
 unpaired or errored beyond the allowance is a failure with a reason, never a silent skip.
 
 Intervals:
@@ -23,7 +24,7 @@ from __future__ import annotations
 import math
 import zlib
 from collections import defaultdict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -95,7 +96,12 @@ class PassRate(BaseModel):
 
 
 class MonitorReport(BaseModel):
-    """One behaviour statistic, candidate vs production, and its bound."""
+    """One behaviour statistic, candidate vs production, and its bound.
+
+    ``drift`` is the observed change in the bad direction (production - candidate when ``worse`` is
+    ``decrease``), in the metric's unit; ``drift_low``/``drift_high`` its confidence interval (None
+    under the point rule, or for ``p90_latency_s``); ``rule`` the comparison that decided (see
+    :attr:`evals.config.GateConfig.monitor_rule`)."""
 
     metric: str
     candidate: float
@@ -104,6 +110,10 @@ class MonitorReport(BaseModel):
     limit: float | None
     worse: str
     passed: bool
+    drift: float = 0.0
+    drift_low: float | None = None
+    drift_high: float | None = None
+    rule: str = "point"
 
 
 class SuiteReport(BaseModel):
@@ -255,18 +265,91 @@ def monitor_values(outcomes: Sequence[Outcome]) -> dict[str, float]:
     }
 
 
-def check_monitor(bound: MonitorBound, candidate: float, production: float) -> MonitorReport:
-    """Apply one monitor bound (see :class:`evals.config.MonitorBound` for the rule)."""
+_MONITOR_PARTS: dict[str, Callable[[Outcome], tuple[float, float]]] = {
+    "invalid_tool_call_rate": lambda o: (o.tool_call_errors, o.tool_calls),
+    "clarifying_question_rate": lambda o: (float(o.asked_question), 1.0),
+    "edit_rate": lambda o: (float(o.edited), 1.0),
+    "mean_completion_tokens": lambda o: (o.completion_tokens, 1.0),
+    "mean_latency_s": lambda o: (o.latency_s, 1.0),
+}
+"""Each monitor that is a ratio of sums over sessions: an outcome's (numerator, denominator) share
+(``p90_latency_s``, a quantile, is not one)."""
+
+
+def monitor_drift_interval(metric: str, worse: str, candidate: Sequence[Outcome], production: Sequence[Outcome], *,
+                           confidence: float = 0.95, two_sided: bool = False, resamples: int = 10_000,
+                           seed: int | np.random.SeedSequence = 0) -> tuple[float, float] | None:
+    """Percentile interval of a monitor's drift in the bad direction over paired outcomes,
+    resampling tasks (clusters) as :func:`paired_bootstrap_interval` does.
+
+    The monitor is a ratio of sums (``sum(numerator) / sum(denominator)``, 0 when the denominator
+    is 0, as in :func:`monitor_values`), computed on both sides of every replicate; the drift is
+    ``candidate - production`` (``worse = "increase"``) or its negative, in the metric's unit.
+    Efron & Tibshirani (1993) ch. 13 (percentile interval); Davison & Hinkley (1997) §3.8 (clusters).
+
+    Args:
+        candidate, production: ``[n]`` outcomes, paired by position (same task and sample).
+
+    Returns:
+        ``(low, high)``; None for a metric that is not a ratio of sums (``p90_latency_s``) or no pairs.
+
+    Raises:
+        ValueError: the sides differ in length.
+    """
+    if len(candidate) != len(production):
+        raise ValueError("candidate and production outcomes must be paired")
+    part = _MONITOR_PARTS.get(metric)
+    if part is None or not candidate:
+        return None
+    index: dict[str, int] = {}
+    sums = np.zeros((len({o.task_id for o in candidate}), 4))  # [tasks, (cand num, cand den, prod num, prod den)]
+    for c, p in zip(candidate, production):
+        row = sums[index.setdefault(c.task_id, len(index))]
+        row[0:2] += part(c)
+        row[2:4] += part(p)
+    sign = 1.0 if worse == "increase" else -1.0
+    if np.array_equal(sums[:, 0:2], sums[:, 2:4]):  # the same on every task: every replicate is exactly 0
+        return 0.0, 0.0
+    rng = np.random.default_rng(seed)
+    n_tasks = len(sums)
+    out = np.empty(resamples)
+    chunk = max(1, 4_000_000 // n_tasks)  # bound memory of the B x T count matrix
+    for start in range(0, resamples, chunk):
+        b = min(chunk, resamples - start)
+        tot = rng.multinomial(n_tasks, np.full(n_tasks, 1.0 / n_tasks), size=b).astype(np.float64) @ sums
+        with np.errstate(invalid="ignore", divide="ignore"):
+            c_val = np.where(tot[:, 1] > 0, tot[:, 0] / tot[:, 1], 0.0)
+            p_val = np.where(tot[:, 3] > 0, tot[:, 2] / tot[:, 3], 0.0)
+        out[start:start + b] = sign * (c_val - p_val)
+    tail = _tail(confidence, two_sided)
+    low, high = np.quantile(out, [tail, 1 - tail])
+    return float(low), float(high)
+
+
+def check_monitor(bound: MonitorBound, candidate: float, production: float,
+                  interval: tuple[float, float] | None = None) -> MonitorReport:
+    """Apply one monitor bound (see :class:`evals.config.MonitorBound`).
+
+    Args:
+        candidate, production: the metric's values (:func:`monitor_values`).
+        interval: the drift's confidence interval (:func:`monitor_drift_interval`): given, the
+            monitor breaches only if its low end is above the allowed drift (the ``significant``
+            rule); None, if the observed drift is (the ``point`` rule). ``limit`` always bounds the
+            candidate's observed value.
+    """
     drift = candidate - production if bound.worse == "increase" else production - candidate
     allowances = [a for a in (bound.abs_tolerance,
                               None if bound.rel_tolerance is None else bound.rel_tolerance * abs(production))
                   if a is not None]
     allowed = max(allowances) if allowances else None
-    ok = allowed is None or drift <= allowed + 1e-12
+    decisive = drift if interval is None else interval[0]
+    ok = allowed is None or decisive <= allowed + 1e-12
     if bound.limit is not None:
         ok = ok and (candidate <= bound.limit if bound.worse == "increase" else candidate >= bound.limit)
+    low, high = interval if interval is not None else (None, None)
     return MonitorReport(metric=bound.metric, candidate=candidate, production=production, allowed_drift=allowed,
-                         limit=bound.limit, worse=bound.worse, passed=ok)
+                         limit=bound.limit, worse=bound.worse, passed=ok, drift=drift, drift_low=low,
+                         drift_high=high, rule="point" if interval is None else "significant")
 
 
 # ---- the decision --------------------------------------------------------------------------------
@@ -363,13 +446,18 @@ def _evaluate_suite(name: str, gated: bool, cand: SuiteOutcomes | None, prod: Su
     cv, pv = monitor_values(c_out), monitor_values(p_out)
     monitors = []
     for bound in config.monitors:
-        m = check_monitor(bound, cv[bound.metric], pv[bound.metric])
+        interval = None if config.monitor_rule == "point" else monitor_drift_interval(
+            bound.metric, bound.worse, c_out, p_out, confidence=config.confidence, two_sided=config.two_sided,
+            resamples=config.bootstrap_resamples,
+            seed=np.random.SeedSequence([config.seed, zlib.crc32(name.encode()), zlib.crc32(bound.metric.encode())]))
+        m = check_monitor(bound, cv[bound.metric], pv[bound.metric], interval)
         monitors.append(m)
         allowed = "" if m.allowed_drift is None else f", allowed {m.worse} {m.allowed_drift:.4g}"
         lim = "" if m.limit is None else f", limit {m.limit:.4g}"
-        reason("monitor", m.passed, f"{name}: {m.metric} {m.candidate:.4g} vs production {m.production:.4g}"
-               f"{allowed}{lim} -> {'ok' if m.passed else 'BREACH'}", metric=m.metric, value=m.candidate,
-               bound=m.limit, details=m.model_dump())
+        bound_text = "" if m.drift_low is None else f" ({config.confidence:.0%} {side} lower bound {m.drift_low:+.4g})"
+        reason("monitor", m.passed, f"{name}: {m.metric} {m.candidate:.4g} vs production {m.production:.4g}, "
+               f"{m.worse} {m.drift:+.4g}{bound_text}{allowed}{lim} -> {'ok' if m.passed else 'BREACH'}",
+               metric=m.metric, value=m.candidate, bound=m.limit, details=m.model_dump())
 
     cs, ps = _task_solved(c_out), _task_solved(p_out)
     report = report.model_copy(update=dict(

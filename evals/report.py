@@ -72,27 +72,34 @@ def render_png(result: GateResult, path: Path, title: str) -> Path:
     ax1.set_ylabel("pass rate")
     ax1.legend(loc="upper right", fontsize=8)
     ax1.set_title("pass rate, 95% Wilson CI; Δ = paired difference CI", fontsize=9, pad=28)
-    labels, used, colors = [], [], []
+    labels, used, observed, colors = [], [], [], []
     for s in suites:
         for m in s.monitors:
             drift = m.candidate - m.production if m.worse == "increase" else m.production - m.candidate
+            # The bar is what decided (the drift's lower confidence bound under the significant
+            # rule, else the drift); the dot is the observed drift.
+            decisive = drift if m.drift_low is None else m.drift_low
             if m.allowed_drift:
-                u = drift / m.allowed_drift
+                u, o = decisive / m.allowed_drift, drift / m.allowed_drift
             elif m.limit:
-                u = m.candidate / m.limit if m.worse == "increase" else m.limit / max(m.candidate, 1e-9)
+                u = o = m.candidate / m.limit if m.worse == "increase" else m.limit / max(m.candidate, 1e-9)
             else:
-                u = 0.0
+                u = o = 0.0
             labels.append(f"{s.suite}: {m.metric}\n{m.production:.3g} → {m.candidate:.3g}")
             used.append(max(-1.5, min(2.5, u)))
+            observed.append(max(-1.5, min(2.5, o)))
             colors.append("tab:green" if m.passed else "tab:red")
     y = np.arange(len(labels))
     ax2.barh(y, used, color=colors)
-    ax2.set_xlim(min([-0.25, *used]) - 0.1, max([1.25, *used]) + 0.1)
+    if len(y):
+        ax2.plot(observed, y, "o", color="black", markersize=3, label="observed drift")
+        ax2.legend(loc="lower right", fontsize=7)
+    ax2.set_xlim(min([-0.25, *used, *observed]) - 0.1, max([1.25, *used, *observed]) + 0.1)
     ax2.axvline(1.0, color="tab:red", linestyle="--", linewidth=1)
     ax2.axvline(0.0, color="black", linewidth=0.5)
     ax2.set_yticks(y, labels, fontsize=7)
     ax2.invert_yaxis()
-    ax2.set_xlabel("drift in the bad direction / allowed drift (> 1 breaches)")
+    ax2.set_xlabel("bad-direction drift / allowed (> 1 breaches; bar: what decided, dot: observed)", fontsize=8)
     ax2.set_title("behaviour monitors (production → candidate)", fontsize=9)
     fig.tight_layout()
     tmp = path.with_name(f".{path.name}.tmp.png")
