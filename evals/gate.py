@@ -323,7 +323,7 @@ def monitor_drift_interval(metric: str, worse: str, candidate: Sequence[Outcome]
         out[start:start + b] = sign * (c_val - p_val)
     tail = _tail(confidence, two_sided)
     low, high = np.quantile(out, [tail, 1 - tail])
-    return float(low), float(high)
+    return float(low) + 0.0, float(high) + 0.0  # + 0.0: no "-0" in messages
 
 
 def check_monitor(bound: MonitorBound, candidate: float, production: float,
@@ -452,11 +452,11 @@ def _evaluate_suite(name: str, gated: bool, cand: SuiteOutcomes | None, prod: Su
             seed=np.random.SeedSequence([config.seed, zlib.crc32(name.encode()), zlib.crc32(bound.metric.encode())]))
         m = check_monitor(bound, cv[bound.metric], pv[bound.metric], interval)
         monitors.append(m)
-        allowed = "" if m.allowed_drift is None else f", allowed {m.worse} {m.allowed_drift:.4g}"
+        allowed = "" if m.allowed_drift is None else f", allowed {m.allowed_drift:.4g}"
         lim = "" if m.limit is None else f", limit {m.limit:.4g}"
         bound_text = "" if m.drift_low is None else f" ({config.confidence:.0%} {side} lower bound {m.drift_low:+.4g})"
-        reason("monitor", m.passed, f"{name}: {m.metric} {m.candidate:.4g} vs production {m.production:.4g}, "
-               f"{m.worse} {m.drift:+.4g}{bound_text}{allowed}{lim} -> {'ok' if m.passed else 'BREACH'}",
+        reason("monitor", m.passed, f"{name}: {m.metric} {m.candidate:.4g} vs production {m.production:.4g}: "
+               f"drift toward {m.worse} {m.drift:+.4g}{bound_text}{allowed}{lim} -> {'ok' if m.passed else 'BREACH'}",
                metric=m.metric, value=m.candidate, bound=m.limit, details=m.model_dump())
 
     cs, ps = _task_solved(c_out), _task_solved(p_out)
