@@ -10,7 +10,9 @@ token arrays, tool calls, edits, context summaries, ends and late signals; a sha
 withholds an expected signal so their trajectories finalize by the window.
 
 Measured in one run, each from its first polled record to its last (the group join, ~3 s on tansu,
-is excluded from both):
+is excluded from both; but a member whose follower ``SyncGroup`` reaches tansu before the leader's
+is answered ~1 s later than the others, seen in about one run in three, and that second counts
+against ours: its partitions start late. The single bare consumer leads its own group):
 
 - *warm-up*: a bare pass over the topic (not counted: tansu serves its first read of fresh data
   slower);
@@ -32,7 +34,8 @@ Ends with one JSON line; ratio = ours / baseline events/s, target >= 0.5.
 
 Where the time goes (CPU per event, from the run's ``cpu_s``/``cpu_us_per_event`` and py-spy, on the
 2-core development box, 2,000 records a batch): ~73-86 us in all, against ~12-15 us for the bare
-loop. The consumer processes ~48-55 us: kafka-python fetch and record parsing ~8 us (all the bare
+loop (on a faster 2-core machine: ~45-50 us, of which Postgres ~12-14, against ~8-9 us, ratio
+0.29-0.33 at 100k events). The consumer processes ~48-55 us: kafka-python fetch and record parsing ~8 us (all the bare
 loop does), decoding and validating ~16 us (pydantic-core ~10 us of it; the stored payload is the
 producer's bytes, sliced out, not re-encoded), folding into trajectories ~7 us, writing rows ~8 us,
 threads, telemetry and freeing the batch the rest. Postgres ~21-23 us, most of it the ``event_log``
