@@ -195,21 +195,30 @@ def paired_bootstrap_interval(task_ids: Sequence[str], diffs: Sequence[float], *
     for t, d in zip(task_ids, diffs):
         sums[t] += float(d)
         counts[t] += 1
-    s = np.fromiter(sums.values(), dtype=np.float64)
-    m = np.array([counts[t] for t in sums], dtype=np.float64)
-    if not s.any():  # no discordant pair anywhere: every replicate is exactly 0
+    per_task = np.array([(sums[t], counts[t]) for t in sums], dtype=np.float64)  # [tasks, (sum, pairs)]
+    if not per_task[:, 0].any():  # no discordant pair anywhere: every replicate is exactly 0
         return 0.0, 0.0
+    return _cluster_percentile_interval(per_task, lambda tot: tot[:, 0] / tot[:, 1], confidence=confidence,
+                                        two_sided=two_sided, resamples=resamples, seed=seed)
+
+
+def _cluster_percentile_interval(per_task: np.ndarray, statistic: Callable[[np.ndarray], np.ndarray], *,
+                                 confidence: float, two_sided: bool, resamples: int,
+                                 seed: int | np.random.SeedSequence) -> tuple[float, float]:
+    """Percentile interval of ``statistic`` over a task-cluster bootstrap: each replicate draws the
+    tasks with replacement (multinomial weights) and totals their rows of ``per_task`` (``[tasks, k]``
+    per-task sums); ``statistic`` maps replicate totals ``[B, k]`` to ``[B]`` values."""
     rng = np.random.default_rng(seed)
-    n_tasks = len(s)
-    stats_out = np.empty(resamples)
+    n_tasks = len(per_task)
+    out = np.empty(resamples)
     chunk = max(1, 4_000_000 // n_tasks)  # bound memory of the B x T count matrix
     for start in range(0, resamples, chunk):
         b = min(chunk, resamples - start)
         w = rng.multinomial(n_tasks, np.full(n_tasks, 1.0 / n_tasks), size=b).astype(np.float64)
-        stats_out[start:start + b] = (w @ s) / (w @ m)
+        out[start:start + b] = statistic(w @ per_task)
     tail = _tail(confidence, two_sided)
-    low, high = np.quantile(stats_out, [tail, 1 - tail])
-    return float(low), float(high)
+    low, high = np.quantile(out, [tail, 1 - tail])
+    return float(low) + 0.0, float(high) + 0.0  # + 0.0: no "-0" in messages
 
 
 def mcnemar_exact_interval(b: int, c: int, n: int, *, confidence: float = 0.95,
@@ -307,23 +316,18 @@ def monitor_drift_interval(metric: str, worse: str, candidate: Sequence[Outcome]
         row = sums[index.setdefault(c.task_id, len(index))]
         row[0:2] += part(c)
         row[2:4] += part(p)
-    sign = 1.0 if worse == "increase" else -1.0
     if np.array_equal(sums[:, 0:2], sums[:, 2:4]):  # the same on every task: every replicate is exactly 0
         return 0.0, 0.0
-    rng = np.random.default_rng(seed)
-    n_tasks = len(sums)
-    out = np.empty(resamples)
-    chunk = max(1, 4_000_000 // n_tasks)  # bound memory of the B x T count matrix
-    for start in range(0, resamples, chunk):
-        b = min(chunk, resamples - start)
-        tot = rng.multinomial(n_tasks, np.full(n_tasks, 1.0 / n_tasks), size=b).astype(np.float64) @ sums
+    sign = 1.0 if worse == "increase" else -1.0
+
+    def drift(tot: np.ndarray) -> np.ndarray:
         with np.errstate(invalid="ignore", divide="ignore"):
             c_val = np.where(tot[:, 1] > 0, tot[:, 0] / tot[:, 1], 0.0)
             p_val = np.where(tot[:, 3] > 0, tot[:, 2] / tot[:, 3], 0.0)
-        out[start:start + b] = sign * (c_val - p_val)
-    tail = _tail(confidence, two_sided)
-    low, high = np.quantile(out, [tail, 1 - tail])
-    return float(low) + 0.0, float(high) + 0.0  # + 0.0: no "-0" in messages
+        return sign * (c_val - p_val)
+
+    return _cluster_percentile_interval(sums, drift, confidence=confidence, two_sided=two_sided,
+                                        resamples=resamples, seed=seed)
 
 
 def check_monitor(bound: MonitorBound, candidate: float, production: float,
