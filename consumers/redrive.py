@@ -13,9 +13,9 @@ Invariants:
   them) and marked ``redriven_at`` in the same transaction, only after the broker acknowledged every
   record of the batch. A failure leaves the batch unmarked; running again publishes it again, which
   the consumer deduplicates.
-- Rows without bytes (an erasure covered them, or the message had no value) are never published,
-  and neither are oversized ones (the consumer would refuse them again): both are counted as
-  skipped.
+- Rows without bytes (an erasure covered them, their session is in privacy mode, or the message
+  had no value) are never published, and neither are oversized ones (the consumer would refuse
+  them again): both are counted as skipped.
 """
 
 from __future__ import annotations
