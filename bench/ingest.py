@@ -30,7 +30,12 @@ against ours: its partitions start late. The single bare consumer leads its own 
 - *finalize*: after the 1 s signal window has closed, the time ``flywheel finalize`` takes to
   finalize and label every remaining provisional trajectory.
 
-Ends with one JSON line; ratio = ours / baseline events/s, target >= 0.5.
+Ends with one JSON line; ratio = ours / baseline events/s, target >= 0.5. Next to it,
+``cpu_us_per_event`` (consumers + Postgres + broker, ours), ``baseline_cpu_us_per_event`` (the bare
+loop's process + broker) and ``ratio_cpu_bound``: the ratio ours would reach with every core busy at
+the CPU per event it measured, i.e. ``cores / (cpu_us_per_event * baseline)``; the gap between ratio
+and bound is start-up and tail, the gap between bound and target is CPU (on a 2-core box,
+100k events: ratio 0.377, bound 0.415, 110 us against 23 us per event).
 
 Where the time goes (CPU per event, from the run's ``cpu_s``/``cpu_us_per_event`` and py-spy, on the
 2-core development box, 2,000 records a batch): ~73-86 us in all, against ~12-15 us for the bare
@@ -99,23 +104,41 @@ def scratch_database(tmp: Path):
     return url, cleanup
 
 
-def bare_consume(bootstrap: str, topic: str, n: int, max_records: int) -> float:
-    """events/s of a bare kafka-python loop over ``n`` records (first record to last)."""
+def bare_consume(bootstrap: str, topic: str, n: int, max_records: int) -> tuple[float, float]:
+    """(events/s, CPU us per event) of a bare kafka-python loop over ``n`` records, both from the
+    first record to the last; the CPU is this process's (the loop and its client's threads) plus the
+    broker's."""
     from kafka import KafkaConsumer
 
     c = KafkaConsumer(topic, bootstrap_servers=bootstrap, group_id=f"bare-{uuid.uuid4().hex[:6]}",
                       auto_offset_reset="earliest", enable_auto_commit=False, max_poll_records=max_records,
                       fetch_max_bytes=52_428_800, **GROUP_SETTINGS)
-    seen, nbytes, start = 0, 0, None
+    seen, nbytes, start, cpu0 = 0, 0, None, None
     while seen < n:
         for recs in c.poll(timeout_ms=100, max_records=max_records).values():
-            start = start or time.monotonic()
+            if start is None:
+                start, cpu0, first = time.monotonic(), _bare_cpu_seconds(), len(recs)
             for r in recs:
                 nbytes += len(r.value or b"")
             seen += len(recs)
-    elapsed = time.monotonic() - start
+    elapsed, cpu = time.monotonic() - start, _bare_cpu_seconds() - cpu0
     c.close(autocommit=False)
-    return seen / elapsed
+    return seen / elapsed, cpu / max(1, seen - first) * 1e6
+
+
+def _bare_cpu_seconds() -> float:
+    """user+system CPU seconds of this process and the tansu broker."""
+    import psutil
+
+    total = time.process_time()
+    for proc in psutil.process_iter(["name"]):
+        try:
+            if "tansu" in (proc.info["name"] or ""):
+                t = proc.cpu_times()
+                total += t.user + t.system
+        except psutil.Error:
+            continue
+    return total
 
 
 def ours_in_process(n: int) -> tuple[float, dict]:
@@ -246,7 +269,7 @@ def main() -> None:
 
         bare_consume(broker.bootstrap, topic, n, max_records)  # warm-up, not counted
         bare = sorted(bare_consume(broker.bootstrap, topic, n, max_records) for _ in range(3))
-        baseline = bare[1]  # the median pass: a shared machine is noisy
+        baseline, bare_cpu_us = bare[1]  # the median pass: a shared machine is noisy
         if args.consumers == 1:
             ours, extra = ours_in_process(n)
         else:
@@ -267,6 +290,10 @@ def main() -> None:
         trajectories = scalar(url, "SELECT count(*) FROM trajectory")
         labels = scalar(url, "SELECT count(*) FROM reward_label")
         ratio = ours / baseline
+        # The most ours could reach here: every core busy at the CPU per event it measured (consumers,
+        # Postgres and broker), against the baseline as measured.
+        cores = os.cpu_count() or 1
+        bound = round(cores * 1e6 / extra["cpu_us_per_event"] / baseline, 3) if extra.get("cpu_us_per_event") else None
         print(f"# {n} events ({mean_bytes:.0f} B mean) produced at {n / produce_s:,.0f}/s; bare {baseline:,.0f}/s, "
               f"ours {ours:,.0f}/s ({args.consumers} consumer(s), {args.insert_method}); "
               f"{trajectories} trajectories, {pending} finalized by the sweep in {finalize_s:.2f}s", file=sys.stderr)
@@ -276,7 +303,8 @@ def main() -> None:
             "mean_event_bytes": round(mean_bytes), "consumers": args.consumers, "partitions": partitions,
             "insert_method": args.insert_method, "batch": max_records, "trajectories": trajectories, "labels": labels,
             "finalize_s": round(finalize_s, 3), "finalized_by_sweep": sum(done.values()),
-            "baseline_passes": [round(b) for b in bare], **extra}))
+            "baseline_passes": [round(b) for b, _ in bare], "baseline_cpu_us_per_event": round(bare_cpu_us, 1),
+            "cores": cores, "ratio_cpu_bound": bound, **extra}))
         finished = True
     finally:
         cleanup()
