@@ -159,7 +159,8 @@ class Spool:
         self._writer_seg: int | None = None
         self._dirty = False
         recovered = [self._recover(n) for n in self._segments]
-        self._pending = sum(count for count, _ in recovered)
+        self._seg_pending: dict[int, int] = {n: count for n, (count, _) in zip(self._segments, recovered)}
+        self._pending = sum(self._seg_pending.values())
         self._pending_bytes = sum(nbytes for _, nbytes in recovered)
         if self._pending:
             log.info("spool %s holds %d undelivered records (%d bytes)", self.dir, self._pending, self._pending_bytes)
@@ -223,6 +224,7 @@ class Spool:
                 self._open_tail()
             self._writer.write(data)
             self._pending += len(records)
+            self._seg_pending[self._writer_seg] += len(records)
             self._pending_bytes += len(data)
             self._dirty = True
 
@@ -236,6 +238,7 @@ class Spool:
         self._writer_seg = n
         self._segments.append(n)
         self._acked[n] = 0
+        self._seg_pending[n] = 0
         fsync_dir(self.dir)
 
     def prepend(self, records: Iterable[Record]) -> None:
@@ -255,6 +258,7 @@ class Spool:
             fsync_dir(self.dir)
             self._segments.insert(0, n)
             self._acked[n] = 0
+            self._seg_pending[n] = count
             self._pending += count
             self._pending_bytes += len(data)
 
@@ -292,7 +296,10 @@ class Spool:
                 if records:
                     return records, ReadToken(n, start + used, len(records))
                 # Unreachable unless the file was damaged after it was opened: skip the rest.
-                log.error("spool segment %s is corrupt after offset %d; skipping it", n, start)
+                lost = self._seg_pending.get(n, 0)
+                log.error("spool segment %s is corrupt after offset %d; skipping it and the %d undelivered "
+                          "records it held (%d bytes)", n, start, lost, size - start)
+                self._pending = max(0, self._pending - lost)
                 self._pending_bytes = max(0, self._pending_bytes - (size - start))
                 self._drop_segment(n)
             return [], None
@@ -306,6 +313,7 @@ class Spool:
             self._pending_bytes -= token.end_offset - self._acked[n]
             self._acked[n] = token.end_offset
             self._pending -= token.count
+            self._seg_pending[n] -= token.count
             size = self._writer.tell() if n == self._writer_seg else self._path(n).stat().st_size
             if token.end_offset >= size:
                 self._drop_segment(n)
@@ -322,6 +330,7 @@ class Spool:
         self._path(n, ".ack").unlink(missing_ok=True)
         self._segments.remove(n)
         self._acked.pop(n, None)
+        self._seg_pending.pop(n, None)
 
     def close(self) -> None:
         """Sync, close files and release the lane lock."""

@@ -125,3 +125,26 @@ def test_pending_bytes_survive_reopen(tmp_path):
     with pytest.raises(SpoolFullError):
         reopened.append([_rec(5), _rec(6)])
     reopened.close()
+
+
+def test_a_segment_damaged_while_open_is_skipped_and_its_records_leave_the_counts(tmp_path, caplog):
+    spool = Spool(tmp_path, segment_bytes=200)
+    for i in range(12):
+        spool.append([_rec(i)])
+    spool.sync()
+    first, second = sorted(spool.dir.glob("*.log"))[:2]
+    in_first = len(decode_frames(first.read_bytes())[0])
+    records, token = spool.read(1)
+    spool.commit(token)
+    data = bytearray(first.read_bytes())
+    data[-2] ^= 0xFF                                   # the disk flips a byte under a running producer
+    first.write_bytes(bytes(data))
+    with caplog.at_level("ERROR", logger="producers.spool"):
+        drained = _drain(spool)
+    # what preceded the damage is delivered, the rest of that segment is gone, later segments are whole
+    assert drained[0].value == b"value-1"
+    assert [r.value for r in drained][-(12 - in_first):] == [f"value-{i}".encode() for i in range(in_first, 12)]
+    assert spool.pending == 0 and spool.pending_bytes == 0
+    assert "undelivered records it held" in caplog.text
+    assert second.exists() is False
+    spool.close()
