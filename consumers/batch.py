@@ -62,6 +62,17 @@ class SweepOvertook(Exception):
     in a new transaction (``consumers.retry.is_transient``)."""
 
 
+_SUMMED = ("stale", "stored", "duplicates", "privacy_dropped", "erased_dropped", "trajectories")
+"""The integer counts a batch outcome and the run totals both add up."""
+
+
+def _add_counts(total, o: "BatchOutcome") -> None:
+    for name in _SUMMED:
+        setattr(total, name, getattr(total, name) + getattr(o, name))
+    total.dead_letters.update(o.dead_letters)
+    total.finalized.update(o.finalized)
+
+
 @dataclass
 class BatchOutcome:
     """Counts of what one batch did (for metrics and tests)."""
@@ -83,15 +94,8 @@ class BatchOutcome:
 
     def merge(self, o: "BatchOutcome") -> None:
         """Add another outcome's counts (its ``messages`` excluded: the caller counted them)."""
-        self.stale += o.stale
-        self.stored += o.stored
-        self.duplicates += o.duplicates
-        self.dead_letters.update(o.dead_letters)
-        self.privacy_dropped += o.privacy_dropped
-        self.erased_dropped += o.erased_dropped
+        _add_counts(self, o)
         self.erasures += o.erasures
-        self.finalized.update(o.finalized)
-        self.trajectories += o.trajectories
         self.dead_letter_positions += o.dead_letter_positions
         for k, v in o.next_offsets.items():
             self.next_offsets[k] = max(self.next_offsets.get(k, 0), v)
@@ -105,6 +109,12 @@ class IngestStats:
     stored: int = 0
     duplicates: int = 0
     stale: int = 0
+    privacy_dropped: int = 0
+    erased_dropped: int = 0
+    trajectories: int = 0
+    """trajectory writes (a trajectory counts once per batch that folded events into it)."""
+    erasures: int = 0
+    """erasure requests applied."""
     dead_letters: Counter = field(default_factory=Counter)
     finalized: Counter = field(default_factory=Counter)
     batches: int = 0
@@ -117,11 +127,8 @@ class IngestStats:
     def add(self, o: BatchOutcome) -> None:
         """Fold one batch's counts in."""
         self.messages += o.messages
-        self.stored += o.stored
-        self.duplicates += o.duplicates
-        self.stale += o.stale
-        self.dead_letters.update(o.dead_letters)
-        self.finalized.update(o.finalized)
+        _add_counts(self, o)
+        self.erasures += len(o.erasures)
         self.batches += 1
 
 

@@ -4,6 +4,7 @@ the commands."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import typer
@@ -40,10 +41,8 @@ def consume(
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: consumer.stop())
     stats = consumer.run(idle_exit_s=idle_exit, stop_after=stop_after)
-    typer.echo(json.dumps({"messages": stats.messages, "stored": stats.stored, "duplicates": stats.duplicates,
-                           "stale": stats.stale, "dead_letters": dict(stats.dead_letters),
-                           "finalized": dict(stats.finalized), "batches": stats.batches,
-                           "processing_errors": stats.processing_errors}))
+    typer.echo(json.dumps({**{k: v for k, v in dataclasses.asdict(stats).items() if isinstance(v, int)},
+                           "dead_letters": dict(stats.dead_letters), "finalized": dict(stats.finalized)}))
 
 
 def finalize() -> None:

@@ -149,7 +149,8 @@ def test_privacy_mode_sessions_leave_only_a_tombstone(db, topics, kafka_bootstra
     mixed[0] = mixed[0].model_copy(update={"privacy_mode": True})
     public = generate_session(rng, session_id="o-1", user_id="u-p", start=T0)
     produce(kafka_bootstrap, topics["interactions"], [kafka_record(e) for e in private + mixed + public])
-    _consume()
+    stats = _consume()  # the run's totals (what `flywheel consume` prints) count the dropped events
+    assert (stats.stored, stats.privacy_dropped, stats.erased_dropped) == (len(public), len(private + mixed), 0)
     with psycopg.connect(db) as conn:
         assert conn.execute("SELECT DISTINCT session_id FROM event_log").fetchall() == [("o-1",)]
         assert conn.execute("SELECT session_id FROM trajectory").fetchall() == [("o-1",)]
