@@ -21,9 +21,12 @@ Invariants (exactly-once effect):
   event, what was stored of it (events, trajectory) is deleted and counted in its tombstone. Their
   dead letters keep their place and reason, not their bytes: one whose bytes claim ``privacy_mode``
   or a private session is stored so, and a session's first flag strips those already stored.
-  Between group members this holds for a session's events on one partition (the SDK keys by
-  session); a session split over partitions may keep the events another member commits while
-  the flag's batch runs.
+  Between group members too, for a session split over partitions (a producer that does not key by
+  session): every batch takes a session lock (``PRIVACY_LOCK_SPACE``, one advisory lock per bucket
+  of session ids, in bucket order) on the sessions it touches, shared, or exclusive for a session it
+  is about to make private, and only then reads which sessions are private. The flag's batch
+  waits for another member's batch holding the session's events and then deletes them with the
+  rest; a batch that comes after waits for the flag's commit and sees the session private.
 - ``user.erasure_requested`` is applied at its place in the batch (events before it are stored,
   then erased with the rest of the user's data), holding the projection lock exclusively: no other
   member's batch is half-way through the user's events when it deletes them. After it, the user's
@@ -37,7 +40,9 @@ Invariants (exactly-once effect):
 from __future__ import annotations
 
 import uuid
+import zlib
 from collections import Counter
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from datetime import datetime
 
@@ -54,6 +59,10 @@ from consumers.projection import (Projector, SegmentState, StoredEvent, Trajecto
                                   trajectory_id_for)
 
 PROJECTION_LOCK = 0x666C7977  # "flyw"
+PRIVACY_LOCK_SPACE = 0x70727679  # "prvy": two-key advisory locks (space, bucket of session ids)
+PRIVACY_LOCK_BUCKETS = 256
+"""Session-lock buckets: a batch holds at most this many advisory locks (Postgres's lock table is
+shared, ``max_locks_per_transaction`` x connections); more buckets, fewer false waits."""
 
 
 class SweepOvertook(Exception):
@@ -198,6 +207,34 @@ def _store_and_project(session: Session, projector: Projector, chunk: list[Decod
     out.trajectories += project_events(session, projector, stored, out.finalized, states)
 
 
+def session_lock_bucket(session_id: str) -> int:
+    """The :data:`PRIVACY_LOCK_SPACE` lock key of a session id: CRC-32 of its UTF-8 bytes modulo
+    :data:`PRIVACY_LOCK_BUCKETS` (the same in every process, unlike ``hash``)."""
+    return zlib.crc32(session_id.encode("utf-8", "surrogatepass")) % PRIVACY_LOCK_BUCKETS
+
+
+def lock_sessions(conn, sessions: Collection[str], exclusive: Collection[str] = ()) -> None:
+    """Take the session locks of ``sessions`` (shared) and ``exclusive`` (exclusive) until the
+    transaction ends, in bucket order (so two batches never wait on each other in a cycle), in one
+    round trip. A bucket holding any exclusive session is taken exclusively.
+
+    Raises:
+        psycopg.Error: database faults.
+    """
+    buckets: dict[int, bool] = {}
+    for sid in sessions:
+        buckets.setdefault(session_lock_bucket(sid), False)
+    for sid in exclusive:
+        buckets[session_lock_bucket(sid)] = True
+    if not buckets:
+        return
+    keys = sorted(buckets)
+    conn.execute("SELECT CASE WHEN x THEN pg_advisory_xact_lock(%(space)s, k) "
+                 "ELSE pg_advisory_xact_lock_shared(%(space)s, k) END "
+                 "FROM unnest(%(keys)s::int[], %(x)s::bool[]) AS u(k, x)",
+                 {"space": PRIVACY_LOCK_SPACE, "keys": keys, "x": [buckets[k] for k in keys]}).fetchall()
+
+
 def apply_batch(session: Session, group_id: str, batch: list[Decoded], projector: Projector,
                 insert_method: str = "copy") -> BatchOutcome:
     """Apply classified records (in partition order) in the caller's transaction.
@@ -232,8 +269,10 @@ def apply_batch(session: Session, group_id: str, batch: list[Decoded], projector
     # what its bytes claim) keeps its place and reason, not its bytes.
     claims = [claim_of_dead_letter(d) if d.reason is not None else None for d in fresh]
     events = [d for d in fresh if d.event is not None]
-    private = private_sessions(session, list({d.event.session_id for d in events}  # type: ignore[union-attr]
-                                             | {c.session_id for c in claims if c is not None and c.session_id}))
+    sessions = {d.event.session_id for d in events} | {c.session_id for c in claims if c is not None and c.session_id}
+    flagged = {d.event.session_id for d in events if d.event.privacy_mode}  # type: ignore[union-attr]
+    lock_sessions(conn, sessions, flagged - private_sessions(session, list(flagged)))
+    private = private_sessions(session, list(sessions))  # after the lock: a flag committed meanwhile is seen
     erased = erased_users(session, list({d.event.user_id for d in events}  # type: ignore[union-attr]
                                         | {c.user_id for c in claims if c is not None and c.user_id is not None}))
     tombstones: Counter = Counter()

@@ -5,7 +5,8 @@ or the topic's partition count raised while sessions are live), applied by two m
 concurrent batch transactions: every event is stored once, nothing is lost, and the trajectories
 equal a replay of ``event_log`` (which folds by ``seq``), whatever the interleaving. An erasure
 request applied by one member while another is half-way through a batch of the same user's events
-leaves none of them behind. A window sweep that finalizes a trajectory while a batch that began
+leaves none of them behind; so does a privacy flag applied by one member while another holds the
+session's first events. A window sweep that finalizes a trajectory while a batch that began
 before the close waits on a lock does not make the batch's events late where a replay would not.
 """
 
@@ -195,6 +196,34 @@ def test_an_erasure_waits_for_a_concurrent_batch_of_the_users_events(db, monkeyp
         assert conn.execute("SELECT count(*) FROM trajectory WHERE user_id = 'u-erased'").fetchone()[0] == 0
         assert conn.execute("SELECT count(*) FROM event_log WHERE user_id = 'u-kept'").fetchone()[0] == len(other)
         assert conn.execute("SELECT events_deleted FROM erasure_request").fetchone()[0] == len(mine)
+
+
+def test_a_privacy_flag_waits_for_a_concurrent_batch_of_the_sessions_events(db, monkeypatch):
+    """A producer that does not key by session: member B has stored (not committed) the first events
+    of a session and pauses; member A applies the rest of it, flagged ``privacy_mode`` (privacy turned
+    on part-way), meanwhile. A must not commit around B's batch: nothing of the session may survive,
+    and its tombstone counts every one of its events."""
+    from datetime import datetime, timedelta, timezone
+
+    import numpy as np
+
+    from consumers.deadletter import Message
+    from consumers.testing import generate_session
+
+    rng = np.random.default_rng(35)
+    t0 = datetime.now(timezone.utc) - timedelta(hours=1)
+    private = generate_session(rng, session_id="s-private", user_id="u-p", start=t0)
+    other = generate_session(rng, session_id="s-open", user_id="u-o", start=t0)
+    cut = len(private) // 2
+    flagged = [e.model_copy(update={"privacy_mode": True}) for e in private[cut:]]
+    b_msgs = [Message("t", 1, i, *kafka_record(e)) for i, e in enumerate(private[:cut] + other)]
+    a_msgs = [Message("t", 0, i, *kafka_record(e)) for i, e in enumerate(flagged)]
+    _race(monkeypatch, _apply(b_msgs), _apply(a_msgs))
+    with psycopg.connect(db) as conn:
+        q = lambda sql: conn.execute(sql).fetchall()  # noqa: E731
+        assert q("SELECT session_id, count(*) FROM event_log GROUP BY 1") == [("s-open", len(other))]
+        assert q("SELECT session_id FROM trajectory") == [("s-open",)]
+        assert q("SELECT session_id, events_dropped FROM privacy_tombstone") == [("s-private", len(private))]
 
 
 def test_two_members_applying_erasures_at_once_both_finish(db, monkeypatch, caplog):
