@@ -160,17 +160,18 @@ class Spool:
         self._dirty = False
         recovered = [self._recover(n) for n in self._segments]
         self._seg_pending: dict[int, int] = {n: count for n, (count, _) in zip(self._segments, recovered)}
-        self._pending = sum(self._seg_pending.values())
+        """Undelivered records per segment (``pending`` is their sum)."""
         self._pending_bytes = sum(nbytes for _, nbytes in recovered)
-        if self._pending:
-            log.info("spool %s holds %d undelivered records (%d bytes)", self.dir, self._pending, self._pending_bytes)
+        if self.pending:
+            log.info("spool %s holds %d undelivered records (%d bytes)", self.dir, self.pending, self._pending_bytes)
 
     # ---- state ------------------------------------------------------------------------------
 
     @property
     def pending(self) -> int:
         """Records spooled and not yet committed as delivered."""
-        return self._pending
+        with self._lock:  # another thread may be adding or dropping a segment
+            return sum(self._seg_pending.values())
 
     @property
     def pending_bytes(self) -> int:
@@ -223,7 +224,6 @@ class Spool:
             if self._writer is None or self._writer.tell() >= self.segment_bytes:
                 self._open_tail()
             self._writer.write(data)
-            self._pending += len(records)
             self._seg_pending[self._writer_seg] += len(records)
             self._pending_bytes += len(data)
             self._dirty = True
@@ -259,7 +259,6 @@ class Spool:
             self._segments.insert(0, n)
             self._acked[n] = 0
             self._seg_pending[n] = count
-            self._pending += count
             self._pending_bytes += len(data)
 
     def sync(self) -> None:
@@ -299,7 +298,6 @@ class Spool:
                 lost = self._seg_pending.get(n, 0)
                 log.error("spool segment %s is corrupt after offset %d; skipping it and the %d undelivered "
                           "records it held (%d bytes)", n, start, lost, size - start)
-                self._pending = max(0, self._pending - lost)
                 self._pending_bytes = max(0, self._pending_bytes - (size - start))
                 self._drop_segment(n)
             return [], None
@@ -312,7 +310,6 @@ class Spool:
                 return
             self._pending_bytes -= token.end_offset - self._acked[n]
             self._acked[n] = token.end_offset
-            self._pending -= token.count
             self._seg_pending[n] -= token.count
             size = self._writer.tell() if n == self._writer_seg else self._path(n).stat().st_size
             if token.end_offset >= size:
