@@ -71,15 +71,15 @@ def upgrade() -> None:
         if not rows:
             return
         last = rows[-1][0]
-        for row_id, raw, user_id, session_id in rows:
+        for row_id, raw, stored_user, stored_session in rows:
             claimed_user, claimed_session, asks_privacy = claims(raw)
-            user_id, session_id = user_id or claimed_user, session_id or claimed_session
+            user_id, session_id = stored_user or claimed_user, stored_session or claimed_session
             if asks_privacy or (session_id is not None and session_id in private):
                 conn.execute(sa.text(
                     "UPDATE dead_letter SET user_id = :u, session_id = :s, key = NULL, raw = NULL, headers = NULL, "
                     "redacted = 'privacy', detail = :prefix || detail WHERE id = :id"),
                     {"u": user_id, "s": session_id, "prefix": PRIVATE_DETAIL, "id": row_id})
-            elif (user_id, session_id) != (None, None):
+            elif (user_id, session_id) != (stored_user, stored_session):  # a row with nothing new is not rewritten
                 conn.execute(sa.text("UPDATE dead_letter SET user_id = :u, session_id = :s WHERE id = :id"),
                              {"u": user_id, "s": session_id, "id": row_id})
 
