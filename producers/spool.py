@@ -10,7 +10,9 @@ A record is therefore removed only after delivery: a crash between send and comm
 Layout of one spool lane (``<root>/lane-<i>/``): ``<n:020d>.log`` segment files of frames
 ``u32 body_len | u32 crc32(body) | body`` and ``<n:020d>.ack`` holding the byte offset up to which a
 segment has been delivered. A torn frame at the end of a segment (crash mid-write) fails its CRC or
-length check and is truncated on open.
+length check and is truncated on open. Damage inside a segment (a flipped bit, a lost block) costs
+only the frames it hit: reading resyncs at the next valid frame and the segment is rewritten as its
+valid undelivered frames (:meth:`Spool._salvage`), on open or when a read meets it.
 
 Bound: ``append`` refuses records (:class:`SpoolFullError`) once the undelivered bytes would pass
 ``max_bytes``; ``prepend`` never does (its records were already accepted and were only in memory),
@@ -64,6 +66,10 @@ class ReadToken(NamedTuple):
     segment: int
     end_offset: int
     count: int
+    rewrite: int = 0
+    """How many times the segment had been salvaged (rewritten) when it was read: a token from
+    before a rewrite no longer names offsets of the file and commits nothing (its records are
+    delivered again)."""
 
 
 def encode_record(rec: Record) -> bytes:
@@ -121,6 +127,44 @@ def decode_frames(buf: bytes, max_records: int | None = None) -> tuple[list[Reco
     return out, pos
 
 
+def next_frame(buf: bytes, pos: int) -> int | None:
+    """Offset of the first valid frame (length fits, CRC-32 matches, body decodes) at or after
+    ``pos`` in ``buf``, or None: a resync past damaged bytes, one candidate offset at a time (a false
+    match needs a 32-bit CRC collision)."""
+    view, n = memoryview(buf), len(buf)
+    while pos + _FRAME.size <= n:
+        length, crc = _FRAME.unpack_from(buf, pos)
+        end = pos + _FRAME.size + length
+        if end <= n and zlib.crc32(view[pos + _FRAME.size:end]) == crc:
+            try:
+                _decode_body(bytes(view[pos + _FRAME.size:end]))
+                return pos
+            except (struct.error, UnicodeDecodeError):
+                pass
+        pos += 1
+    return None
+
+
+def salvage_frames(buf: bytes) -> tuple[bytes, int, int]:
+    """The valid frames of ``buf``, resynced past damage: (their bytes concatenated, how many, bytes
+    skipped). Bytes after the last valid frame (a torn tail) count as skipped."""
+    kept: list[bytes] = []
+    count = pos = skipped = 0
+    while pos < len(buf):
+        records, used = decode_frames(buf[pos:])
+        kept.append(buf[pos:pos + used])
+        count += len(records)
+        pos += used
+        if pos >= len(buf):
+            break
+        nxt = next_frame(buf, pos + 1)
+        skipped += (nxt if nxt is not None else len(buf)) - pos
+        if nxt is None:
+            break
+        pos = nxt
+    return b"".join(kept), count, skipped
+
+
 class Spool:
     """A disk FIFO of :class:`Record` for one producer process (thread-safe).
 
@@ -155,6 +199,7 @@ class Spool:
             raise ConfigurationError(f"all {max_lanes} spool lanes under {root} are in use")
         self._segments: list[int] = sorted(int(p.stem) for p in self.dir.glob(f"*{_SUFFIX}"))
         self._acked: dict[int, int] = {n: self._read_ack(n) for n in self._segments}
+        self._rewrites: dict[int, int] = {}
         self._writer = None
         self._writer_seg: int | None = None
         self._dirty = False
@@ -193,17 +238,50 @@ class Spool:
             return 0
 
     def _recover(self, n: int) -> tuple[int, int]:
-        """(records, bytes) undelivered in segment ``n``; a torn tail is truncated."""
+        """(records, bytes) undelivered in segment ``n``; a torn tail is truncated, damage inside the
+        segment salvaged (:meth:`_salvage`)."""
         path = self._path(n)
         data = path.read_bytes()
         start = min(self._acked[n], len(data))
         records, used = decode_frames(data[start:])
-        if start + used < len(data):
-            log.warning("spool segment %s: dropping %d torn bytes at its end", path.name, len(data) - start - used)
-            with open(path, "r+b") as f:
-                f.truncate(start + used)
-                os.fsync(f.fileno())
+        if start + used == len(data):
+            return len(records), used
+        if next_frame(data, start + used + 1) is not None:
+            return self._salvage(n, data[start:])
+        log.warning("spool segment %s: dropping %d torn bytes at its end", path.name, len(data) - start - used)
+        with open(path, "r+b") as f:
+            f.truncate(start + used)
+            os.fsync(f.fileno())
         return len(records), used
+
+    def _salvage(self, n: int, undelivered: bytes) -> tuple[int, int]:
+        """Rewrite segment ``n`` as the valid frames of its ``undelivered`` bytes, delivered from
+        offset 0; returns their (records, bytes). The acknowledged offset is reset before the file
+        is replaced: a crash in between re-delivers the segment's delivered records (consumers
+        deduplicate on ``event_id``), it never skips an undelivered one.
+
+        Raises:
+            OSError: the rewrite failed.
+        """
+        frames, count, skipped = salvage_frames(undelivered)
+        log.error("spool segment %s is damaged: skipped %d bytes, kept its %d valid undelivered records (%d bytes)",
+                  self._path(n).name, skipped, count, len(frames))
+        tmp = self._path(n, ".tmp")
+        with open(tmp, "wb") as f:
+            f.write(frames)
+            f.flush()
+            os.fsync(f.fileno())
+        self._write_ack(n, 0)
+        os.replace(tmp, self._path(n))
+        fsync_dir(self.dir)
+        self._acked[n] = 0
+        self._rewrites[n] = self._rewrites.get(n, 0) + 1
+        return count, len(frames)
+
+    def _write_ack(self, n: int, offset: int) -> None:
+        tmp = self._path(n, ".ack.tmp")
+        tmp.write_text(str(offset))
+        os.replace(tmp, self._path(n, ".ack"))
 
     # ---- writing ----------------------------------------------------------------------------
 
@@ -230,9 +308,7 @@ class Spool:
 
     def _open_tail(self) -> None:
         if self._writer is not None:
-            self._writer.flush()
-            os.fsync(self._writer.fileno())
-            self._writer.close()
+            self._close_writer()
         n = self._segments[-1] + 1 if self._segments else _FIRST_SEGMENT
         self._writer = open(self._path(n), "ab")
         self._writer_seg = n
@@ -272,7 +348,12 @@ class Spool:
     # ---- reading ----------------------------------------------------------------------------
 
     def read(self, max_records: int) -> tuple[list[Record], ReadToken | None]:
-        """Up to ``max_records`` from the head (not removed until :meth:`commit`)."""
+        """Up to ``max_records`` from the head (not removed until :meth:`commit`).
+
+        Raises:
+            OSError: reading, or rewriting a damaged segment, failed.
+        """
+        salvaged: set[int] = set()
         with self._lock:
             while self._segments:
                 n = self._segments[0]
@@ -293,20 +374,32 @@ class Spool:
                         f.seek(start)
                         records, used = decode_frames(f.read(), max_records)
                 if records:
-                    return records, ReadToken(n, start + used, len(records))
-                # Unreachable unless the file was damaged after it was opened: skip the rest.
-                lost = self._seg_pending.get(n, 0)
-                log.error("spool segment %s is corrupt after offset %d; skipping it and the %d undelivered "
-                          "records it held (%d bytes)", n, start, lost, size - start)
-                self._pending_bytes = max(0, self._pending_bytes - (size - start))
-                self._drop_segment(n)
+                    return records, ReadToken(n, start + used, len(records), self._rewrites.get(n, 0))
+                # The file was damaged after it was opened: keep what of it is still valid. (A second
+                # failure on the rewritten file means the disk is failing: skip the segment.)
+                held = self._seg_pending.get(n, 0)
+                if n == self._writer_seg:  # appends go on in a new segment
+                    self._close_writer()
+                if n in salvaged:
+                    count, nbytes = 0, 0
+                else:
+                    salvaged.add(n)
+                    with open(self._path(n), "rb") as f:
+                        f.seek(start)
+                        count, nbytes = self._salvage(n, f.read())
+                log.error("spool segment %s: %d of its %d undelivered records lost to damage", self._path(n).name,
+                          max(0, held - count), held)
+                self._pending_bytes = max(0, self._pending_bytes - (size - start) + nbytes)
+                self._seg_pending[n] = count
+                if not count:
+                    self._drop_segment(n)
             return [], None
 
     def commit(self, token: ReadToken) -> None:
         """Remove the records a :meth:`read` returned (they were delivered)."""
         with self._lock:
             n = token.segment
-            if n not in self._acked:
+            if n not in self._acked or token.rewrite != self._rewrites.get(n, 0):
                 return
             self._pending_bytes -= token.end_offset - self._acked[n]
             self._acked[n] = token.end_offset
@@ -315,9 +408,14 @@ class Spool:
             if token.end_offset >= size:
                 self._drop_segment(n)
             else:
-                tmp = self._path(n, ".ack.tmp")
-                tmp.write_text(str(token.end_offset))
-                os.replace(tmp, self._path(n, ".ack"))
+                self._write_ack(n, token.end_offset)
+
+    def _close_writer(self) -> None:
+        """Flush, fsync and close the tail segment's writer; the next append opens a new segment."""
+        self._writer.flush()
+        os.fsync(self._writer.fileno())
+        self._writer.close()
+        self._writer, self._writer_seg, self._dirty = None, None, False
 
     def _drop_segment(self, n: int) -> None:
         if n == self._writer_seg:
@@ -328,6 +426,7 @@ class Spool:
         self._segments.remove(n)
         self._acked.pop(n, None)
         self._seg_pending.pop(n, None)
+        self._rewrites.pop(n, None)
 
     def close(self) -> None:
         """Sync, close files and release the lane lock."""

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from producers.spool import Record, Spool, SpoolFullError, decode_frames, encode_record
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from producers.spool import Record, Spool, SpoolFullError, decode_frames, encode_record, salvage_frames
 
 
 def _rec(i: int, key: bytes | None = b"s1") -> Record:
@@ -127,24 +130,91 @@ def test_pending_bytes_survive_reopen(tmp_path):
     reopened.close()
 
 
-def test_a_segment_damaged_while_open_is_skipped_and_its_records_leave_the_counts(tmp_path, caplog):
-    spool = Spool(tmp_path, segment_bytes=200)
+def _flip(path, offset: int) -> None:
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def test_a_segment_damaged_while_open_loses_only_the_damaged_record_and_counts_stay_right(tmp_path, caplog):
+    frame = len(encode_record(_rec(0)))
+    spool = Spool(tmp_path, segment_bytes=6 * frame)
     for i in range(12):
         spool.append([_rec(i)])
     spool.sync()
     first, second = sorted(spool.dir.glob("*.log"))[:2]
-    in_first = len(decode_frames(first.read_bytes())[0])
+    assert len(decode_frames(first.read_bytes())[0]) == 6
     records, token = spool.read(1)
     spool.commit(token)
-    data = bytearray(first.read_bytes())
-    data[-2] ^= 0xFF                                   # the disk flips a byte under a running producer
-    first.write_bytes(bytes(data))
+    _flip(first, 3 * frame + 10)                       # the disk flips a byte of value-3 under a running producer
     with caplog.at_level("ERROR", logger="producers.spool"):
         drained = _drain(spool)
-    # what preceded the damage is delivered, the rest of that segment is gone, later segments are whole
-    assert drained[0].value == b"value-1"
-    assert [r.value for r in drained][-(12 - in_first):] == [f"value-{i}".encode() for i in range(in_first, 12)]
+    assert [r.value for r in drained] == [f"value-{i}".encode() for i in range(1, 12) if i != 3]
     assert spool.pending == 0 and spool.pending_bytes == 0
-    assert "undelivered records it held" in caplog.text
-    assert second.exists() is False
+    assert "1 of its 3 undelivered records lost to damage" in caplog.text  # read 2 by 2 from value-1
+    assert not first.exists() and not second.exists()
     spool.close()
+
+
+def test_a_segment_damaged_at_rest_is_salvaged_on_open(tmp_path, caplog):
+    frame = len(encode_record(_rec(0)))
+    spool = Spool(tmp_path)
+    spool.append([_rec(i) for i in range(8)])
+    records, token = spool.read(2)
+    spool.commit(token)
+    spool.close()
+    segment = next(spool.dir.glob("*.log"))
+    _flip(segment, 4 * frame + 1)                      # value-4's length field: the resync must find value-5
+    with caplog.at_level("ERROR", logger="producers.spool"):
+        reopened = Spool(tmp_path)
+    assert (reopened.pending, reopened.pending_bytes) == (5, 5 * frame)
+    assert "skipped %d bytes, kept its 5 valid undelivered records" % frame in caplog.text
+    reopened.close()
+    again = Spool(tmp_path)                            # the rewrite is durable: nothing is skipped twice
+    assert [r.value for r in _drain(again)] == [b"value-2", b"value-3", b"value-5", b"value-6", b"value-7"]
+    again.close()
+
+
+def test_damage_to_the_segment_being_written_moves_appends_to_a_new_segment(tmp_path):
+    spool = Spool(tmp_path)
+    spool.append([_rec(i) for i in range(4)])
+    spool.sync()
+    segment = next(spool.dir.glob("*.log"))
+    _flip(segment, 10)                                 # value-0
+    records, token = spool.read(10)                    # salvages the tail segment, closing its writer
+    spool.append([_rec(4)])
+    assert [r.value for r in records] == [b"value-1", b"value-2", b"value-3"]
+    assert len(list(spool.dir.glob("*.log"))) == 2 and spool.pending == 4
+    spool.commit(token)
+    assert [r.value for r in _drain(spool)] == [b"value-4"]
+    assert spool.pending == 0 and spool.pending_bytes == 0
+    spool.close()
+
+
+def test_a_token_from_before_a_salvage_commits_nothing(tmp_path):
+    spool = Spool(tmp_path)
+    spool.append([_rec(i) for i in range(6)])
+    spool.sync()
+    stale_records, stale = spool.read(2)
+    assert [r.value for r in stale_records] == [b"value-0", b"value-1"]
+    _flip(next(spool.dir.glob("*.log")), 10)          # value-0, before ``stale`` is committed
+    records, token = spool.read(10)                    # salvages the segment: value-1 now starts the file
+    assert [r.value for r in records] == [f"value-{i}".encode() for i in range(1, 6)]
+    spool.commit(stale)                                # offsets of the old file: void, nothing is removed
+    assert spool.pending == 5
+    spool.commit(token)
+    assert spool.pending == 0 and spool.pending_bytes == 0
+    spool.close()
+
+
+@settings(max_examples=200, deadline=None)
+@given(n=st.integers(2, 12), where=st.data())
+def test_one_flipped_byte_anywhere_costs_exactly_the_frame_it_hit(n, where):
+    frames = [encode_record(_rec(i, key=None if i % 3 == 0 else b"session-%d" % i)) for i in range(n)]
+    buf = bytearray(b"".join(frames))
+    at = where.draw(st.integers(0, len(buf) - 1))
+    buf[at] ^= where.draw(st.integers(1, 255))
+    hit = next(i for i in range(n) if sum(map(len, frames[:i + 1])) > at)
+    kept, count, skipped = salvage_frames(bytes(buf))
+    assert count == n - 1 and skipped == len(frames[hit])
+    assert [r.value for r in decode_frames(kept)[0]] == [f"value-{i}".encode() for i in range(n) if i != hit]
