@@ -28,6 +28,7 @@ import errno
 import fcntl
 import logging
 import os
+import re
 import struct
 import threading
 import zlib
@@ -43,6 +44,8 @@ log = logging.getLogger(__name__)
 _FRAME = struct.Struct("<II")  # body length (bytes), crc32 of body
 _U16 = struct.Struct("<H")
 _U32 = struct.Struct("<I")
+_MIN_BODY = 2 + 4 + 2  # topic length, key length, header count
+_NON_ZERO = re.compile(rb"[^\x00]")
 _FIRST_SEGMENT = 10**12  # room below for prepended segments
 _SUFFIX = ".log"
 
@@ -120,9 +123,12 @@ def decode_frames(buf: bytes, max_records: int | None = None) -> tuple[list[Reco
         if end > n:
             break
         body = buf[pos + _FRAME.size:end]
-        if zlib.crc32(body) != crc:
+        if length < _MIN_BODY or zlib.crc32(body) != crc:  # a zeroed header passes the CRC check
             break
-        out.append(_decode_body(body))
+        try:
+            out.append(_decode_body(body))
+        except (struct.error, UnicodeDecodeError):
+            break
         pos = end
     return out, pos
 
@@ -130,10 +136,18 @@ def decode_frames(buf: bytes, max_records: int | None = None) -> tuple[list[Reco
 def next_frame(buf: bytes, pos: int) -> int | None:
     """Offset of the first valid frame (length fits, CRC-32 matches, body decodes) at or after
     ``pos`` in ``buf``, or None: a resync past damaged bytes, one candidate offset at a time (a false
-    match needs a 32-bit CRC collision)."""
+    match needs a 32-bit CRC collision); runs of zero bytes (a crash on a file system that zero-fills)
+    are skipped whole."""
     view, n = memoryview(buf), len(buf)
     while pos + _FRAME.size <= n:
         length, crc = _FRAME.unpack_from(buf, pos)
+        if length < _MIN_BODY:
+            if length == 0:  # no frame starts here, nor before 3 bytes short of the next non-zero byte
+                nz = _NON_ZERO.search(buf, pos + 4)
+                pos = max(pos + 1, nz.start() - 3) if nz else n
+            else:
+                pos += 1
+            continue
         end = pos + _FRAME.size + length
         if end <= n and zlib.crc32(view[pos + _FRAME.size:end]) == crc:
             try:

@@ -116,6 +116,20 @@ def test_append_stops_at_max_bytes_prepend_does_not_and_delivery_frees_room(tmp_
     spool.close()
 
 
+def test_a_zero_filled_tail_is_truncated_on_open(tmp_path):
+    spool = Spool(tmp_path)
+    spool.append([_rec(i) for i in range(3)])
+    spool.close()
+    segment = next(spool.dir.glob("*.log"))
+    size = segment.stat().st_size
+    with open(segment, "ab") as f:                     # a crash after the file grew, before its data landed
+        f.write(bytes(4096))
+    reopened = Spool(tmp_path)
+    assert reopened.pending == 3 and segment.stat().st_size == size
+    assert [r.value for r in _drain(reopened)] == [b"value-0", b"value-1", b"value-2"]
+    reopened.close()
+
+
 def test_pending_bytes_survive_reopen(tmp_path):
     frame = len(encode_record(_rec(0)))
     spool = Spool(tmp_path)
@@ -218,3 +232,19 @@ def test_one_flipped_byte_anywhere_costs_exactly_the_frame_it_hit(n, where):
     kept, count, skipped = salvage_frames(bytes(buf))
     assert count == n - 1 and skipped == len(frames[hit])
     assert [r.value for r in decode_frames(kept)[0]] == [f"value-{i}".encode() for i in range(n) if i != hit]
+
+
+@settings(max_examples=200, deadline=None)
+@given(n=st.integers(2, 12), where=st.data())
+def test_a_zero_filled_run_costs_exactly_the_frames_it_overlaps(n, where):
+    # What a crash can leave on a file system that zero-fills blocks it had not written yet.
+    frames = [encode_record(_rec(i)) for i in range(n)]
+    buf = bytearray(b"".join(frames))
+    a = where.draw(st.integers(0, len(buf) - 1))
+    b = where.draw(st.integers(a + 1, len(buf)))
+    buf[a:b] = bytes(b - a)
+    starts = [sum(map(len, frames[:i])) for i in range(n)]
+    survivors = [i for i in range(n) if buf[starts[i]:starts[i] + len(frames[i])] == frames[i]]  # zeros over zeros
+    kept, count, _ = salvage_frames(bytes(buf))
+    assert [r.value for r in decode_frames(kept)[0]] == [f"value-{i}".encode() for i in survivors]
+    assert count == len(survivors)
