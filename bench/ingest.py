@@ -230,6 +230,8 @@ def main() -> None:
                     help="partitions of the bench topic (default: the interactions topic's setting, 8)")
     ap.add_argument("--insert-method", default="copy", choices=["copy", "copy_upsert", "unnest"])
     ap.add_argument("--batch", type=int, default=None, help="records per poll / transaction")
+    ap.add_argument("--privacy-fraction", type=float, default=0.0,
+                    help="share of sessions in privacy mode (their events are counted, not stored)")
     ap.add_argument("--passes", type=int, default=3, help="timed passes of each side; the medians are compared")
     args = ap.parse_args()
     n_target = args.events or (20_000 if args.quick else 100_000)
@@ -263,8 +265,9 @@ def main() -> None:
         from app.core.db import reset_engines
         from consumers.testing import generate_stream, kafka_record, produce, scalar
 
-        events = generate_stream(n_target, seed=42, withhold_fraction=0.1)
+        events = generate_stream(n_target, seed=42, withhold_fraction=0.1, privacy_fraction=args.privacy_fraction)
         n = len(events)
+        private = sum(e.privacy_mode for e in events)
         records = [kafka_record(e) for e in events]
         mean_bytes = sum(len(r[1]) for r in records) / n
         del events
@@ -293,7 +296,10 @@ def main() -> None:
                 rate, extra = ours_processes(n, args.consumers, url, tmp / "consumers.log", group, topic)
             stored = scalar(url, "SELECT count(*) FROM event_log")
             distinct = scalar(url, "SELECT count(DISTINCT event_id) FROM event_log")
-            assert stored == distinct == n, f"exactly-once violated: {stored} rows, {distinct} distinct, {n} sent"
+            tombstoned = scalar(url, "SELECT coalesce(sum(events_dropped), 0) FROM privacy_tombstone")
+            assert stored == distinct == n - private and tombstoned == private, \
+                f"exactly-once violated: {stored} rows, {distinct} distinct, {tombstoned} tombstoned, {n} sent " \
+                f"({private} in privacy mode)"
             passes.append((rate, i, url, extra))
         ours, median_i, url, extra = sorted(passes, key=lambda p: p[0])[len(passes) // 2]
         for i, d in enumerate(drops):
@@ -325,7 +331,7 @@ def main() -> None:
         print(json.dumps({
             "bench": "ingest", "ours": round(ours, 1), "baseline": round(baseline, 1), "unit": "events/s",
             "ratio": round(ratio, 3), "target": TARGET, "pass": ratio >= TARGET, "events": n,
-            "mean_event_bytes": round(mean_bytes), "consumers": args.consumers, "partitions": partitions,
+            "mean_event_bytes": round(mean_bytes), "privacy_events": private, "consumers": args.consumers, "partitions": partitions,
             "insert_method": args.insert_method, "batch": max_records, "trajectories": trajectories, "labels": labels,
             "finalize_s": round(finalize_s, 3), "finalized_by_sweep": sum(done.values()),
             "baseline_passes": [round(b) for b, _ in bare], "ours_passes": [round(p[0]) for p in passes],

@@ -22,11 +22,16 @@ Invariants (exactly-once effect):
   dead letters keep their place and reason, not their bytes: one whose bytes claim ``privacy_mode``
   or a private session is stored so, and a session's first flag strips those already stored.
   Between group members too, for a session split over partitions (a producer that does not key by
-  session): every batch takes a session lock (``PRIVACY_LOCK_SPACE``, one advisory lock per bucket
-  of session ids, in bucket order) on the sessions it touches, shared, or exclusive for a session it
-  is about to make private, and only then reads which sessions are private. The flag's batch
-  waits for another member's batch holding the session's events and then deletes them with the
-  rest; a batch that comes after waits for the flag's commit and sees the session private.
+  session), with session locks (``PRIVACY_LOCK_SPACE``, one advisory lock per bucket of session
+  ids, taken in bucket order): before a batch's transaction, :func:`publish_private_sessions` makes
+  the sessions its events flag private in a short transaction of its own, holding their locks
+  exclusively (it waits for the batches holding them, which then have committed, and deletes what
+  they stored of those sessions). A batch reads which sessions are private when it begins (their
+  events are dropped) and, after storing its events, takes the locks of the sessions it stored
+  shared until it commits and reads again: a session made private meanwhile is deleted by the batch
+  itself. So exclusive holds are short: the flag's batch no longer holds up the others for its
+  whole transaction. (:func:`apply_batch` without the publishing step first, as the record-isolating
+  path runs it, takes the exclusive locks itself for its whole transaction, as before.)
 - ``user.erasure_requested`` is applied at its place in the batch (events before it are stored,
   then erased with the rest of the user's data), holding the projection lock exclusively: no other
   member's batch is half-way through the user's events when it deletes them. After it, the user's
@@ -235,6 +240,33 @@ def lock_sessions(conn, sessions: Collection[str], exclusive: Collection[str] = 
                  {"space": PRIVACY_LOCK_SPACE, "keys": keys, "x": [buckets[k] for k in keys]}).fetchall()
 
 
+def publish_private_sessions(session: Session, batch: list[Decoded]) -> dict[str, int]:
+    """Make the sessions whose events in ``batch`` are flagged ``privacy_mode`` private, whole, in
+    the caller's transaction, which should hold nothing else and commit right after (the batch's
+    own transaction follows): locks their stored trajectories, then their session locks
+    exclusively (so a batch of another member holding their events has committed), deletes what is
+    stored of them (:func:`consumers.erasure.purge_private_sessions`) and records their tombstones,
+    counting what it deleted. Sessions already private are left alone.
+
+    Returns:
+        ``{session_id: events deleted}`` of the sessions it made private.
+    Raises:
+        psycopg.Error: database faults (nothing is published).
+    """
+    flagged = sorted({d.event.session_id for d in batch if d.event is not None and d.event.privacy_mode})
+    todo = sorted(set(flagged) - private_sessions(session, flagged)) if flagged else []
+    if not todo:
+        return {}
+    # Trajectory rows before session locks: a batch folding into one holds its row until it commits
+    # and takes session locks only at its end, so this order cannot close a cycle with it.
+    trepo.load_trajectories(session, map(trajectory_id_for, todo), TrajectoryState)
+    lock_sessions(raw_connection(session), (), todo)
+    todo = sorted(set(todo) - private_sessions(session, todo))  # another member's publishing won the race
+    purged = purge_private_sessions(session, todo)
+    count_tombstones(session, {sid: purged.get(sid, 0) for sid in todo})
+    return {sid: purged.get(sid, 0) for sid in todo}
+
+
 def apply_batch(session: Session, group_id: str, batch: list[Decoded], projector: Projector,
                 insert_method: str = "copy") -> BatchOutcome:
     """Apply classified records (in partition order) in the caller's transaction.
@@ -271,8 +303,11 @@ def apply_batch(session: Session, group_id: str, batch: list[Decoded], projector
     events = [d for d in fresh if d.event is not None]
     sessions = {d.event.session_id for d in events} | {c.session_id for c in claims if c is not None and c.session_id}
     flagged = {d.event.session_id for d in events if d.event.privacy_mode}  # type: ignore[union-attr]
-    lock_sessions(conn, sessions, flagged - private_sessions(session, list(flagged)))
+    unpublished = flagged - private_sessions(session, list(flagged))
+    if unpublished:  # not published ahead (publish_private_sessions): hold every session lock from here on
+        lock_sessions(conn, sessions, unpublished)
     private = private_sessions(session, list(sessions))  # after the lock: a flag committed meanwhile is seen
+    stored_sessions: set[str] = set()
     erased = erased_users(session, list({d.event.user_id for d in events}  # type: ignore[union-attr]
                                         | {c.user_id for c in claims if c is not None and c.user_id is not None}))
     tombstones: Counter = Counter()
@@ -313,11 +348,18 @@ def apply_batch(session: Session, group_id: str, batch: list[Decoded], projector
                 out.erased_dropped += 1
                 continue
         chunk.append(d)
+        stored_sessions.add(ev.session_id)
     insert_dead_letters(session, dead)
     _store_and_project(session, projector, chunk, now, insert_method, out)
     # A session flagged part-way (its events before the flag stored, here or by earlier batches)
     # becomes private whole: those events and its trajectory are deleted and counted as dropped.
     tombstones.update(purge_private_sessions(session, newly_private))
+    # A session another member made private since this batch read the private ones: deleted here,
+    # under its lock (the publisher waits for it, or this batch for the publisher's commit).
+    stored_sessions |= {c.session_id for c in claims if c is not None and c.session_id}  # dead letters' bytes
+    stored_sessions -= newly_private
+    lock_sessions(conn, stored_sessions)
+    tombstones.update(purge_private_sessions(session, private_sessions(session, list(stored_sessions))))
     count_tombstones(session, dict(tombstones))
     out.privacy_dropped = sum(tombstones.values())
     out.next_offsets = {k: v + 1 for k, v in last.items()}

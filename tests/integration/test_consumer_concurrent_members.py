@@ -226,6 +226,47 @@ def test_a_privacy_flag_waits_for_a_concurrent_batch_of_the_sessions_events(db, 
         assert q("SELECT session_id, events_dropped FROM privacy_tombstone") == [("s-private", len(private))]
 
 
+@pytest.mark.parametrize("stored_before", [False, True], ids=["new-session", "stored-trajectory"])
+def test_a_flag_published_ahead_deletes_what_a_concurrent_batch_stores_of_the_session(db, monkeypatch, caplog,
+                                                                                        stored_before):
+    """As above, but member A runs as deployed (``IngestConsumer.process``): it publishes the
+    session private in a short transaction of its own before its batch, and does not hold the
+    session lock for its batch. B (no flag, so no lock held while it stores) finds the session
+    private when it locks it after storing, and deletes its own rows. With the session's trajectory
+    stored before the race, B holds its row while paused: A's publishing waits for B's commit
+    and deletes B's rows itself. Either way nothing of the session survives, its tombstone counts
+    every one of its events, and no deadlock is retried."""
+    from datetime import datetime, timedelta, timezone
+
+    import numpy as np
+
+    from consumers.deadletter import Message
+    from consumers.ingest import IngestConsumer
+    from consumers.testing import generate_session
+
+    rng = np.random.default_rng(36)
+    t0 = datetime.now(timezone.utc) - timedelta(hours=1)
+    private = generate_session(rng, session_id="s-private", user_id="u-p", start=t0)
+    other = generate_session(rng, session_id="s-open", user_id="u-o", start=t0)
+    first, cut = (3 if stored_before else 0), len(private) // 2
+    if first:
+        _apply([Message("t", 2, i, *kafka_record(e)) for i, e in enumerate(private[:first])])()
+    flagged = [e.model_copy(update={"privacy_mode": True}) for e in private[cut:]]
+    b_msgs = [Message("t", 1, i, *kafka_record(e)) for i, e in enumerate(private[first:cut] + other)]
+    a_msgs = [Message("t", 0, i, *kafka_record(e)) for i, e in enumerate(flagged)]
+    member = IngestConsumer(bootstrap="127.0.0.1:9", topic="t", group_id="g", client_id="a")
+    try:
+        _race(monkeypatch, _apply(b_msgs), lambda: member.process(a_msgs))
+    finally:
+        member.close()
+    assert "retrying" not in caplog.text
+    with psycopg.connect(db) as conn:
+        q = lambda sql: conn.execute(sql).fetchall()  # noqa: E731
+        assert q("SELECT session_id, count(*) FROM event_log GROUP BY 1") == [("s-open", len(other))]
+        assert q("SELECT session_id FROM trajectory") == [("s-open",)]
+        assert q("SELECT session_id, events_dropped FROM privacy_tombstone") == [("s-private", len(private))]
+
+
 def test_two_members_applying_erasures_at_once_both_finish(db, monkeypatch, caplog):
     """Two erasure requests in concurrent batches (one after events of a third user) both take the
     projection lock exclusively: one waits for the other, neither deadlocks, both finish."""
