@@ -331,7 +331,8 @@ def main() -> None:
         print(json.dumps({
             "bench": "ingest", "ours": round(ours, 1), "baseline": round(baseline, 1), "unit": "events/s",
             "ratio": round(ratio, 3), "target": TARGET, "pass": ratio >= TARGET, "events": n,
-            "mean_event_bytes": round(mean_bytes), "privacy_events": private, "consumers": args.consumers, "partitions": partitions,
+            "mean_event_bytes": round(mean_bytes), "privacy_events": private, "consumers": args.consumers,
+            "partitions": partitions,
             "insert_method": args.insert_method, "batch": max_records, "trajectories": trajectories, "labels": labels,
             "finalize_s": round(finalize_s, 3), "finalized_by_sweep": sum(done.values()),
             "baseline_passes": [round(b) for b, _ in bare], "ours_passes": [round(p[0]) for p in passes],
