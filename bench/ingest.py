@@ -36,7 +36,7 @@ Ends with one JSON line; ratio = ours / baseline events/s, target >= 0.5. Next t
 loop's process + broker) and ``ratio_cpu_bound``: the ratio ours would reach with every core busy at
 the CPU per event it measured, i.e. ``cores / (cpu_us_per_event * baseline)``; the gap between ratio
 and bound is start-up and tail, the gap between bound and target is CPU (on a 2-core box,
-100k events: ratio 0.377, bound 0.415, 110 us against 23 us per event).
+100k events, medians of 3 passes: ratio 0.34-0.39, bound 0.41-0.46, 97-99 us against 21-24 us per event).
 
 Where the time goes (CPU per event, from the run's ``cpu_s``/``cpu_us_per_event`` and py-spy, on the
 2-core development box, 2,000 records a batch): ~73-86 us in all, against ~12-15 us for the bare
