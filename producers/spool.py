@@ -271,7 +271,7 @@ class Spool:
     def _salvage(self, n: int, undelivered: bytes) -> tuple[int, int]:
         """Rewrite segment ``n`` as the valid frames of its ``undelivered`` bytes, delivered from
         offset 0; returns their (records, bytes). The acknowledged offset is reset before the file
-        is replaced: a crash in between re-delivers the segment's delivered records (consumers
+        is written: a crash in between re-delivers the segment's delivered records (consumers
         deduplicate on ``event_id``), it never skips an undelivered one.
 
         Raises:
@@ -280,17 +280,21 @@ class Spool:
         frames, count, skipped = salvage_frames(undelivered)
         log.error("spool segment %s is damaged: skipped %d bytes, kept its %d valid undelivered records (%d bytes)",
                   self._path(n).name, skipped, count, len(frames))
-        tmp = self._path(n, ".tmp")
-        with open(tmp, "wb") as f:
-            f.write(frames)
-            f.flush()
-            os.fsync(f.fileno())
         self._write_ack(n, 0)
-        os.replace(tmp, self._path(n))
-        fsync_dir(self.dir)
+        self._write_segment(n, frames)
         self._acked[n] = 0
         self._rewrites[n] = self._rewrites.get(n, 0) + 1
         return count, len(frames)
+
+    def _write_segment(self, n: int, data: bytes) -> None:
+        """Make ``data`` segment ``n``'s file, durably: a temporary file, fsynced, renamed over it."""
+        tmp = self._path(n, ".tmp")
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self._path(n))
+        fsync_dir(self.dir)
 
     def _write_ack(self, n: int, offset: int) -> None:
         tmp = self._path(n, ".ack.tmp")
@@ -339,13 +343,7 @@ class Spool:
         count = len(decode_frames(data)[0])
         with self._lock:
             n = self._segments[0] - 1 if self._segments else _FIRST_SEGMENT
-            tmp = self._path(n, ".tmp")
-            with open(tmp, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, self._path(n))
-            fsync_dir(self.dir)
+            self._write_segment(n, data)
             self._segments.insert(0, n)
             self._acked[n] = 0
             self._seg_pending[n] = count
