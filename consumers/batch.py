@@ -263,8 +263,9 @@ def publish_private_sessions(session: Session, batch: list[Decoded]) -> dict[str
     lock_sessions(raw_connection(session), (), todo)
     todo = sorted(set(todo) - private_sessions(session, todo))  # another member's publishing won the race
     purged = purge_private_sessions(session, todo)
-    count_tombstones(session, {sid: purged.get(sid, 0) for sid in todo})
-    return {sid: purged.get(sid, 0) for sid in todo}
+    dropped = {sid: purged.get(sid, 0) for sid in todo}  # a tombstone even where nothing was stored yet
+    count_tombstones(session, dropped)
+    return dropped
 
 
 def apply_batch(session: Session, group_id: str, batch: list[Decoded], projector: Projector,
@@ -303,10 +304,10 @@ def apply_batch(session: Session, group_id: str, batch: list[Decoded], projector
     events = [d for d in fresh if d.event is not None]
     sessions = {d.event.session_id for d in events} | {c.session_id for c in claims if c is not None and c.session_id}
     flagged = {d.event.session_id for d in events if d.event.privacy_mode}  # type: ignore[union-attr]
-    unpublished = flagged - private_sessions(session, list(flagged))
-    if unpublished:  # not published ahead (publish_private_sessions): hold every session lock from here on
-        lock_sessions(conn, sessions, unpublished)
-    private = private_sessions(session, list(sessions))  # after the lock: a flag committed meanwhile is seen
+    private = private_sessions(session, list(sessions))
+    if flagged - private:  # not published ahead (publish_private_sessions): hold every session lock from here on
+        lock_sessions(conn, sessions, flagged - private)
+        private = private_sessions(session, list(sessions))  # after the lock: a flag committed meanwhile is seen
     stored_sessions: set[str] = set()
     erased = erased_users(session, list({d.event.user_id for d in events}  # type: ignore[union-attr]
                                         | {c.user_id for c in claims if c is not None and c.user_id is not None}))
