@@ -27,7 +27,7 @@ against ours: its partitions start late. The single bare consumer leads its own 
   projects every event is CPU-bound, and scaling out over partitions is how it is meant to run.
   More processes than cores lets one process decode while another waits on its Postgres round
   trips (on 2 cores at 1,000 records a batch: 4 processes ~19k events/s, 2 ~15k; at 2,000 records
-  a batch the two are within the run-to-run noise, ~27k);
+  a batch 2, 3 and 4 are within the run-to-run noise, ~15-17k on the development box);
 - *finalize*: after the 1 s signal window has closed, the time ``flywheel finalize`` takes to
   finalize and label every remaining provisional trajectory.
 
@@ -35,19 +35,21 @@ Ends with one JSON line; ratio = ours / baseline events/s, target >= 0.5. Next t
 ``cpu_us_per_event`` (consumers + Postgres + broker, ours), ``baseline_cpu_us_per_event`` (the bare
 loop's process + broker) and ``ratio_cpu_bound``: the ratio ours would reach with every core busy at
 the CPU per event it measured, i.e. ``cores / (cpu_us_per_event * baseline)``; the gap between ratio
-and bound is start-up and tail, the gap between bound and target is CPU (on a 2-core box,
-100k events, medians of 3 passes: ratio 0.34-0.39, bound 0.41-0.46, 97-99 us against 21-24 us per event).
+and bound is start-up and tail, the gap between bound and target is CPU. On the 2-core development
+box, 100k events, medians of 3 passes, over several days: ratio 0.27-0.40, bound 0.31-0.47, ours
+97-124 us of CPU per event against 19-25 us for the bare loop, which alone moves between ~36k and
+~60k events/s from run to run (more than any change on our side moved the ratio).
 
-Where the time goes (CPU per event, from the run's ``cpu_s``/``cpu_us_per_event`` and py-spy, on the
-2-core development box, 2,000 records a batch): ~73-86 us in all, against ~12-15 us for the bare
-loop (on a faster 2-core machine: ~45-50 us, of which Postgres ~12-14, against ~8-9 us, ratio
-0.29-0.33 at 100k events). The consumer processes ~48-55 us: kafka-python fetch and record parsing ~8 us (all the bare
-loop does), decoding and validating ~16 us (pydantic-core ~10 us of it; the stored payload is the
-producer's bytes, sliced out, not re-encoded), folding into trajectories ~7 us, writing rows ~8 us,
-threads, telemetry and freeing the batch the rest. Postgres ~21-23 us, most of it the ``event_log``
-COPY (four indexes, WAL) and the direct COPY of new trajectory and segment rows. The target needs
-<= ~60 us per event on 2 cores; a Python consumer scales with cores (one process per 2 partitions
-here), the bare loop does not.
+Where the time goes (``cpu_s``, py-spy over the consumer processes, ``pg_stat_statements``):
+consumers ~68-78 us per event (kafka-python fetch and record parsing, what the bare loop does;
+decoding and validating, pydantic-core most of it, the stored payload being the producer's bytes
+sliced out, not re-encoded; folding into trajectories; building and sending the COPY rows; the
+rest threads, telemetry and freeing the batch: a flat profile), Postgres ~25-38 us (of its
+statement time ~50 % the ``event_log`` COPY with its four indexes, ~30 % the binary COPY of new
+segments, ~9 % new trajectories, ~5 % the ``event_id`` lookup; ~2.1 kB of WAL per event, segments
+written about once each), the broker ~2-3 us. The target needs <= 4x the bare loop's CPU per
+event on 2 cores (~75-100 us); consumer count (2-4), batch size (2,000-4,000) and
+``synchronous_commit = off`` all land within the run-to-run noise.
 """
 
 from __future__ import annotations
