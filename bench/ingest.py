@@ -23,7 +23,9 @@ against ours: its partitions start late. The single bare consumer leads its own 
   polled (each logs when) to the batch that stores the last event (progress read from the group's
   offsets in Postgres, which commit with the events), then checks every event is in ``event_log``
   exactly once; the median of as many passes, each a new consumer group into a new database
-  (``ours_passes`` lists them all). The bare loop is a single process: a Python consumer that validates, stores and
+  (``ours_passes`` lists them all). The two sides' passes alternate (bare, ours, bare, ...), so a
+  machine whose speed drifts over minutes weighs on both alike; ``pair_ratios`` gives each pair's
+  ratio. The bare loop is a single process: a Python consumer that validates, stores and
   projects every event is CPU-bound, and scaling out over partitions is how it is meant to run.
   More processes than cores lets one process decode while another waits on its Postgres round
   trips (on 2 cores at 1,000 records a batch: 4 processes ~19k events/s, 2 ~15k; at 2,000 records
@@ -280,12 +282,13 @@ def main() -> None:
         max_records = get_consumer_settings().batch_max_records
 
         bare_consume(broker.bootstrap, topic, n, max_records)  # warm-up, not counted
-        bare = sorted(bare_consume(broker.bootstrap, topic, n, max_records) for _ in range(args.passes))
-        baseline, bare_cpu_us = bare[len(bare) // 2]  # the median pass: a shared machine is noisy
-        # Ours as many times, each pass a new consumer group into a new database: the median pass is
-        # reported (one pass in a few starts a member ~1 s late, see the module docstring).
-        passes = []
+        # The sides alternate, a bare pass then one of ours, so that a machine whose speed drifts over
+        # minutes (a shared host) weighs on both alike; each side reports its median pass. Each pass of
+        # ours is a new consumer group into a new database (one pass in a few starts a member ~1 s
+        # late, see the module docstring).
+        bare, passes = [], []
         for i in range(args.passes):
+            bare.append(bare_consume(broker.bootstrap, topic, n, max_records))
             url, drop = scratch_database(admin)
             drops.append(drop)
             group = f"bench-ingest-{uuid.uuid4().hex[:6]}"
@@ -303,6 +306,8 @@ def main() -> None:
                 f"exactly-once violated: {stored} rows, {distinct} distinct, {tombstoned} tombstoned, {n} sent " \
                 f"({private} in privacy mode)"
             passes.append((rate, i, url, extra))
+        pair_ratios = [round(p[0] / b[0], 3) for p, b in zip(passes, bare)]
+        baseline, bare_cpu_us = sorted(bare)[len(bare) // 2]  # the median pass: a shared machine is noisy
         ours, median_i, url, extra = sorted(passes, key=lambda p: p[0])[len(passes) // 2]
         for i, d in enumerate(drops):
             if i != median_i:
@@ -338,6 +343,7 @@ def main() -> None:
             "insert_method": args.insert_method, "batch": max_records, "trajectories": trajectories, "labels": labels,
             "finalize_s": round(finalize_s, 3), "finalized_by_sweep": sum(done.values()),
             "baseline_passes": [round(b) for b, _ in bare], "ours_passes": [round(p[0]) for p in passes],
+            "pair_ratios": pair_ratios,
             "baseline_cpu_us_per_event": round(bare_cpu_us, 1), "cores": cores, "ratio_cpu_bound": bound, **extra}))
         finished = True
     finally:
