@@ -136,17 +136,7 @@ def bare_consume(bootstrap: str, topic: str, n: int, max_records: int) -> tuple[
 
 def _bare_cpu_seconds() -> float:
     """user+system CPU seconds of this process and the tansu broker."""
-    import psutil
-
-    total = time.process_time()
-    for proc in psutil.process_iter(["name"]):
-        try:
-            if "tansu" in (proc.info["name"] or ""):
-                t = proc.cpu_times()
-                total += t.user + t.system
-        except psutil.Error:
-            continue
-    return total
+    return time.process_time() + _cpu_seconds(())["broker"]
 
 
 def ours_in_process(n: int) -> tuple[float, dict]:
