@@ -7,7 +7,9 @@ partitions, 8 by default), scratch Postgres databases (created on the server of
 started here), migrated, dropped at the end. ``consumers.testing.generate_stream`` produces
 realistic sessions (100k events; 20k with ``--quick``): ``model.responded`` turns with real-sized
 token arrays, tool calls, edits, context summaries, ends and late signals; a share of sessions
-withholds an expected signal so their trajectories finalize by the window.
+withholds an expected signal so their trajectories finalize by the window. They are produced
+compressed as the producer SDK sends them (zstd record batches; ``--compression`` to change), so
+both sides decompress what production's consumers would.
 
 Measured in one run, each from its first polled record to its last (the group join, ~3 s on tansu,
 is excluded from both; but a member whose follower ``SyncGroup`` reaches tansu before the leader's
@@ -227,8 +229,13 @@ def main() -> None:
     ap.add_argument("--privacy-fraction", type=float, default=0.0,
                     help="share of sessions in privacy mode (their events are counted, not stored)")
     ap.add_argument("--passes", type=int, default=3, help="timed passes of each side; the medians are compared")
+    ap.add_argument("--compression", default=None, choices=["none", "gzip", "zstd"],
+                    help="record batch codec (default: what the producer SDK sends, zstd)")
     args = ap.parse_args()
     n_target = args.events or (20_000 if args.quick else 100_000)
+    from producers.client import default_compression
+
+    compression = args.compression or default_compression()
 
     tmp = Path(tempfile.mkdtemp(prefix="flywheel-bench-ingest-"))
     os.environ["FLYWHEEL_HOME"] = str(tmp)
@@ -266,7 +273,7 @@ def main() -> None:
         mean_bytes = sum(len(r[1]) for r in records) / n
         del events
         t = time.monotonic()
-        produce(broker.bootstrap, topic, records)
+        produce(broker.bootstrap, topic, records, compression=compression)
         produce_s = time.monotonic() - t
         del records
         max_records = get_consumer_settings().batch_max_records
@@ -329,7 +336,7 @@ def main() -> None:
             "bench": "ingest", "ours": round(ours, 1), "baseline": round(baseline, 1), "unit": "events/s",
             "ratio": round(ratio, 3), "target": TARGET, "pass": ratio >= TARGET, "events": n,
             "mean_event_bytes": round(mean_bytes), "privacy_events": private, "consumers": args.consumers,
-            "partitions": partitions,
+            "partitions": partitions, "compression": compression,
             "insert_method": args.insert_method, "batch": max_records, "trajectories": trajectories, "labels": labels,
             "finalize_s": round(finalize_s, 3), "finalized_by_sweep": sum(done.values()),
             "baseline_passes": [round(b) for b, _ in bare], "ours_passes": [round(p[0]) for p in passes],

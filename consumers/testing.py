@@ -152,8 +152,11 @@ def kafka_record(event: EventBase) -> tuple[bytes, bytes, list[tuple[str, bytes]
 
 
 def produce(bootstrap: str, topic: str, records: Iterable[tuple[bytes | None, bytes | None, Sequence]],
-            *, linger_ms: int = 20) -> int:
+            *, linger_ms: int = 20, compression: str = "none") -> int:
     """Send (key, value, headers) records with a kafka-python producer and wait for every ack.
+
+    ``compression``: the record batches' codec, ``none`` | ``gzip`` | ``zstd`` (the producer SDK
+    sends ``zstd``: ``producers.client.default_compression``).
 
     Returns:
         records sent.
@@ -161,7 +164,8 @@ def produce(bootstrap: str, topic: str, records: Iterable[tuple[bytes | None, by
     from kafka import KafkaProducer
 
     producer = KafkaProducer(bootstrap_servers=bootstrap, acks="all", linger_ms=linger_ms,
-                             batch_size=256 * 1024, max_request_size=8 * 1024 * 1024)
+                             batch_size=256 * 1024, max_request_size=8 * 1024 * 1024,
+                             compression_type=None if compression == "none" else compression)
     n = 0
     try:
         futures = []
