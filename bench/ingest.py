@@ -41,8 +41,10 @@ loop's process + broker) and ``ratio_cpu_bound``: the ratio ours would reach wit
 the CPU per event it measured, i.e. ``cores / (cpu_us_per_event * baseline)``; the gap between ratio
 and bound is start-up and tail, the gap between bound and target is CPU. On the 2-core development
 box, 100k events, medians of 3 passes, over several days: ratio 0.27-0.40, bound 0.31-0.47, ours
-97-124 us of CPU per event against 19-25 us for the bare loop, which alone moves between ~36k and
-~60k events/s from run to run (more than any change on our side moved the ratio).
+97-183 us of CPU per event against 19-30 us for the bare loop, which alone moves between ~30k and
+~60k events/s from run to run (more than any change on our side moved the ratio; on a slow day
+every figure of both sides rises about alike). zstd record batches and uncompressed ones measure
+alike (0.29 and 0.30 the same hour): decompressing a batch is one C call per ~250 kB.
 
 Where the time goes (``cpu_s``, py-spy over the consumer processes, ``pg_stat_statements``):
 consumers ~68-78 us per event (kafka-python fetch and record parsing, what the bare loop does;
