@@ -45,8 +45,9 @@ box, 100k events, medians of 3 passes, over several days: ratio 0.27-0.40, bound
 ~60k events/s from run to run (more than any change on our side moved the ratio; on a slow day
 every figure of both sides rises about alike). The earlier of those figures read ours' CPU from the
 first committed batch, which left out the batches decoded ahead by then (up to ~15 % of 100k
-events); read from the first record polled, as now: ratio 0.31, bound 0.33, 154 us against 26 us. zstd record batches and uncompressed ones measure
-alike (0.29 and 0.30 the same hour): decompressing a batch is one C call per ~250 kB.
+events); read from the first record polled, as now: ratio 0.31, bound 0.33, 154 us against 26 us.
+zstd record batches and uncompressed ones measure alike (0.29 and 0.30 the same hour):
+decompressing a batch is one C call per ~250 kB.
 
 Where the time goes (``cpu_s``, py-spy over the consumer processes, ``pg_stat_statements``):
 consumers ~68-78 us per event (kafka-python fetch and record parsing, what the bare loop does;
