@@ -210,15 +210,13 @@ def ours_processes(n: int, k: int, url: str, log: Path, group: str, topic: str) 
 
 
 def cpu_at(samples: list[tuple[float, dict[str, float]]], t: float) -> dict[str, float]:
-    """CPU seconds per kind at unix time ``t``, linearly interpolated between the ``samples``
-    ((unix s, CPU s by kind), in time order) around it; the nearest sample outside their span."""
-    before = [x for x in samples if x[0] <= t]
-    after = [x for x in samples if x[0] > t]
-    if not before or not after:
-        return (before or after)[-1 if before else 0][1]
-    (t0, a), (t1, b) = before[-1], after[0]
-    w = (t - t0) / (t1 - t0)
-    return {k: a[k] + w * (b[k] - a[k]) for k in a}
+    """CPU seconds per kind at unix time ``t``, linearly interpolated (``numpy.interp``) between the
+    ``samples`` ((unix s, CPU s by kind), in time order) around it; the nearest sample outside their
+    span."""
+    import numpy as np
+
+    times = [at for at, _ in samples]
+    return {k: float(np.interp(t, times, [cpu[k] for _, cpu in samples])) for k in samples[0][1]}
 
 
 def _cpu_seconds(procs) -> dict[str, float]:
