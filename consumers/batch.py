@@ -94,6 +94,9 @@ class BatchOutcome:
     messages: int = 0
     stale: int = 0
     stored: int = 0
+    """events appended to ``event_log``, less those of sessions the batch itself then purged as private
+    (counted in ``privacy_dropped``, the sessions' tombstones); events an erasure request later in the
+    batch deleted count here and in that request's ``events_deleted``."""
     duplicates: int = 0
     dead_letters: Counter = field(default_factory=Counter)
     privacy_dropped: int = 0
@@ -184,9 +187,14 @@ def project_events(session: Session, projector: Projector, events: list[StoredEv
 
 
 def _store_and_project(session: Session, projector: Projector, chunk: list[Decoded], now: datetime,
-                       method: str, out: BatchOutcome) -> None:
+                       method: str, out: BatchOutcome) -> Counter:
+    """Append ``chunk``'s events, fold the new ones into their trajectories, count them in ``out``.
+
+    Returns:
+        events newly stored, per session id.
+    """
     if not chunk:
-        return
+        return Counter()
     # Lock the chunk's stored trajectories BEFORE reserving ``seq`` values for its events. Another
     # group member folding into one of them (a session split over partitions) has then either
     # committed before our lock (its events have lower seq values and are already folded in) or
@@ -210,6 +218,7 @@ def _store_and_project(session: Session, projector: Projector, chunk: list[Decod
     out.stored += len(stored)
     out.duplicates += len(chunk) - len(stored)
     out.trajectories += project_events(session, projector, stored, out.finalized, states)
+    return Counter(se.event.session_id for se in stored)
 
 
 def session_lock_bucket(session_id: str) -> int:
@@ -312,6 +321,7 @@ def apply_batch(session: Session, group_id: str, batch: list[Decoded], projector
     erased = erased_users(session, list({d.event.user_id for d in events}  # type: ignore[union-attr]
                                         | {c.user_id for c in claims if c is not None and c.user_id is not None}))
     tombstones: Counter = Counter()
+    stored_per_session: Counter = Counter()
     newly_private: set[str] = set()
     chunk: list[Decoded] = []
     dead: list[DeadLetterRow] = []
@@ -329,7 +339,7 @@ def apply_batch(session: Session, group_id: str, batch: list[Decoded], projector
         ev = d.event
         assert ev is not None
         if ev.type == "user.erasure_requested":
-            _store_and_project(session, projector, chunk, now, insert_method, out)
+            stored_per_session += _store_and_project(session, projector, chunk, now, insert_method, out)
             insert_dead_letters(session, dead)
             chunk, dead = [], []
             res = erase_user(session, ev.user_id, ev.payload.request_id, ev.occurred_at)  # type: ignore[attr-defined]
@@ -351,7 +361,7 @@ def apply_batch(session: Session, group_id: str, batch: list[Decoded], projector
         chunk.append(d)
         stored_sessions.add(ev.session_id)
     insert_dead_letters(session, dead)
-    _store_and_project(session, projector, chunk, now, insert_method, out)
+    stored_per_session += _store_and_project(session, projector, chunk, now, insert_method, out)
     # A session flagged part-way (its events before the flag stored, here or by earlier batches)
     # becomes private whole: those events and its trajectory are deleted and counted as dropped.
     tombstones.update(purge_private_sessions(session, newly_private))
@@ -360,9 +370,12 @@ def apply_batch(session: Session, group_id: str, batch: list[Decoded], projector
     stored_sessions |= {c.session_id for c in claims if c is not None and c.session_id}  # dead letters' bytes
     stored_sessions -= newly_private
     lock_sessions(conn, stored_sessions)
-    tombstones.update(purge_private_sessions(session, private_sessions(session, list(stored_sessions))))
+    purged_late = purge_private_sessions(session, private_sessions(session, list(stored_sessions)))
+    tombstones.update(purged_late)
     count_tombstones(session, dict(tombstones))
     out.privacy_dropped = sum(tombstones.values())
+    # What this batch stored of a session it then purged is counted once, as dropped (its tombstone).
+    out.stored -= sum(stored_per_session[sid] for sid in newly_private | purged_late.keys())
     out.next_offsets = {k: v + 1 for k, v in last.items()}
     store_offsets(session, group_id, out.next_offsets)
     return out

@@ -119,14 +119,17 @@ def _every_event_once(db, n: int) -> None:
         assert conn.execute("SELECT count(*) FROM dead_letter").fetchone()[0] == 0
 
 
-def _apply(msgs):
+def _apply(msgs, outcomes: list | None = None):
+    """A thread target applying ``msgs`` as one batch; its ``BatchOutcome`` is appended to ``outcomes``."""
     from app.core.db import session_scope
     from consumers.batch import apply_batch
     from consumers.ingest import projector_from_settings
 
     def run() -> None:
         with session_scope() as s:
-            apply_batch(s, "g", _classify(msgs), projector_from_settings())
+            out = apply_batch(s, "g", _classify(msgs), projector_from_settings())
+        if outcomes is not None:
+            outcomes.append(out)
     return run
 
 
@@ -218,12 +221,16 @@ def test_a_privacy_flag_waits_for_a_concurrent_batch_of_the_sessions_events(db, 
     flagged = [e.model_copy(update={"privacy_mode": True}) for e in private[cut:]]
     b_msgs = [Message("t", 1, i, *kafka_record(e)) for i, e in enumerate(private[:cut] + other)]
     a_msgs = [Message("t", 0, i, *kafka_record(e)) for i, e in enumerate(flagged)]
-    _race(monkeypatch, _apply(b_msgs), _apply(a_msgs))
+    a_out: list = []
+    b_out: list = []
+    _race(monkeypatch, _apply(b_msgs, b_out), _apply(a_msgs, a_out))
     with psycopg.connect(db) as conn:
         q = lambda sql: conn.execute(sql).fetchall()  # noqa: E731
         assert q("SELECT session_id, count(*) FROM event_log GROUP BY 1") == [("s-open", len(other))]
         assert q("SELECT session_id FROM trajectory") == [("s-open",)]
         assert q("SELECT session_id, events_dropped FROM privacy_tombstone") == [("s-private", len(private))]
+    # B deleted what it had stored of the session itself: counted once, as dropped, not also as stored
+    assert [(o.stored, o.privacy_dropped) for o in a_out + b_out] == [(0, len(flagged)), (len(other), cut)]
 
 
 @pytest.mark.parametrize("stored_before", [False, True], ids=["new-session", "stored-trajectory"])
