@@ -4,6 +4,9 @@ Invariant: a relabel reads only ``event_log`` (never Kafka) and folds EVERY stor
 session, late signals included (the live label ignored signals that arrived after finalization;
 a relabel is where they count). It writes ``reward_label`` rows for one spec in one transaction,
 so readers see the old labels or the new ones, never a mix, and reports how the distribution moved.
+While it scans, the new labels wait in a temporary table and no trajectory is locked: the group's
+erasures are not held up (an erasure holds up every ingest batch while it waits), and a trajectory
+erased meanwhile gets no label and counts nowhere in the report's ``after``, ``relabeled``, ``changed``.
 """
 
 from __future__ import annotations
@@ -55,6 +58,7 @@ def relabel(spec_id: str, *, baseline: str | None = None, chunk: int = 2000) -> 
     Args:
         baseline: the spec whose labels are "before"; default ``spec_id`` itself if it has labels,
             else the first active spec.
+        chunk: labels staged per statement while scanning.
     Raises:
         ConfigurationError: unknown spec.
     """
@@ -74,22 +78,19 @@ def relabel(spec_id: str, *, baseline: str | None = None, chunk: int = 2000) -> 
         late = {r[0]: set(r[1]) for r in conn.execute(
             "SELECT id, late_event_ids FROM trajectory WHERE status = 'finalized' "
             "AND cardinality(late_event_ids) > 0").fetchall()}
-        labels, after = [], []
-        current: TrajectoryState | None = None
+        labels: list = []
+        late_used: dict = {}  # trajectory id -> late signals its new label counted
 
         def close(t: TrajectoryState | None) -> None:
             if t is None:
                 return
-            result = projector.label(t)[0]
-            labels.append((t.id, result))
-            after.append(result.reward)
-            if t.id in before and abs(before[t.id] - result.reward) > 1e-9:
-                report.changed += 1
+            labels.append((t.id, projector.label(t)[0]))
             if len(labels) >= chunk:
-                report.relabeled += trepo.upsert_labels(session, labels)
+                trepo.stage_labels(session, labels)
                 labels.clear()
 
         where = "session_id IN (SELECT session_id FROM trajectory WHERE status = 'finalized')"
+        current: TrajectoryState | None = None
         for rows in iter_event_rows(conn, where=where, order="session_id, seq"):
             for row in rows:
                 se = stored_event_from_row(row)
@@ -100,8 +101,13 @@ def relabel(spec_id: str, *, baseline: str | None = None, chunk: int = 2000) -> 
                     current = new_trajectory(se.event)
                 projector.apply(current, se)
                 if se.event.event_id in late.get(current.id, ()):
-                    report.late_signals_used += 1
+                    late_used[current.id] = late_used.get(current.id, 0) + 1
         close(current)
-        report.relabeled += trepo.upsert_labels(session, labels)
-        report.after = distribution(after)
+        trepo.stage_labels(session, labels)
+        # Only now are trajectories locked (briefly, till the commit): a user erased meanwhile is skipped.
+        written = trepo.apply_staged_labels(session)
+        report.relabeled = len(written)
+        report.changed = sum(1 for tid, r in written if tid in before and abs(before[tid] - r) > 1e-9)
+        report.late_signals_used = sum(late_used.get(tid, 0) for tid, _ in written)
+        report.after = distribution([r for _, r in written])
     return report

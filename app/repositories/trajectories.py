@@ -171,13 +171,15 @@ def _write_rows(cur, table, key: tuple[str, ...], new: list[tuple], stored: list
         _copy_upsert(cur, table, key, stored)
 
 
-def _insert_labels(cur, labels: Sequence[tuple[uuid.UUID, Label, datetime | None]], on_conflict: str) -> None:
-    """Insert ``(trajectory_id, label, created_at or None for now())`` rows in one statement,
-    ``ON CONFLICT (trajectory_id, spec)`` then ``on_conflict`` (one label per trajectory and spec)."""
+def _insert_labels(cur, labels: Sequence[tuple[uuid.UUID, Label, datetime | None]], on_conflict: str,
+                   table: str = "reward_label") -> None:
+    """Insert ``(trajectory_id, label, created_at or None for now())`` rows into ``table`` in one
+    statement, ``ON CONFLICT (trajectory_id, spec)`` then ``on_conflict`` (one label per trajectory
+    and spec)."""
     if not labels:
         return
     cur.execute(
-        "INSERT INTO reward_label (trajectory_id, spec, reward, components, created_at) "
+        f"INSERT INTO {table} (trajectory_id, spec, reward, components, created_at) "
         "SELECT t, s, r, c::jsonb, coalesce(a, now()) FROM unnest(%b, %s::text[], %s::float8[], %s::text[], "
         f"%s::timestamptz[]) AS u(t, s, r, c, a) ON CONFLICT (trajectory_id, spec) {on_conflict}",
         (UuidArray.of([tid for tid, _, _ in labels]), [lab.spec for _, lab, _ in labels],
@@ -228,14 +230,50 @@ def due_for_window(session: Session, now: datetime, grace_s: float, factory: Cal
         return {r["id"]: factory(**r, stored=True) for r in cur.fetchall()}
 
 
-def upsert_labels(session: Session, labels: Sequence[tuple[uuid.UUID, Label]]) -> int:
-    """Insert or replace labels (relabel). Returns rows written."""
+RELABEL_STAGE = "relabel_stage"
+"""The temporary table (dropped at commit) :func:`stage_labels` fills and :func:`apply_staged_labels`
+copies into ``reward_label``."""
+
+
+def stage_labels(session: Session, labels: Sequence[tuple[uuid.UUID, Label]]) -> int:
+    """Stage labels of a relabel in :data:`RELABEL_STAGE`, created on first use in the caller's
+    transaction and dropped when it ends. Staged rows take no lock on ``trajectory`` (no foreign
+    key): an erasure while a relabel scans is neither blocked by it nor fails it. Returns rows staged.
+
+    Raises:
+        psycopg.Error: database faults.
+    """
     if not labels:
         return 0
     with raw_connection(session).cursor() as cur:
+        cur.execute(f"CREATE TEMP TABLE IF NOT EXISTS {RELABEL_STAGE} (trajectory_id uuid, spec text, "
+                    "reward float8 NOT NULL, components jsonb NOT NULL, created_at timestamptz NOT NULL, "
+                    "PRIMARY KEY (trajectory_id, spec)) ON COMMIT DROP")
         _insert_labels(cur, [(tid, lab, None) for tid, lab in labels],
-                       "DO UPDATE SET reward = EXCLUDED.reward, components = EXCLUDED.components, created_at = now()")
+                       "DO UPDATE SET reward = EXCLUDED.reward, components = EXCLUDED.components", RELABEL_STAGE)
     return len(labels)
+
+
+def apply_staged_labels(session: Session) -> list[tuple[uuid.UUID, float]]:
+    """Insert or replace the staged labels in ``reward_label``, in one statement, for the trajectories
+    that still exist: each is locked ``FOR KEY SHARE`` first, so one an erasure deleted since it was
+    staged (or is deleting: the statement waits for it) is skipped, not a foreign-key violation.
+
+    Returns:
+        (trajectory_id, reward) of every label written.
+    Raises:
+        psycopg.Error: database faults.
+    """
+    conn = raw_connection(session)
+    if conn.execute("SELECT to_regclass(%s)", (f"pg_temp.{RELABEL_STAGE}",)).fetchone()[0] is None:
+        return []  # nothing staged
+    return conn.execute(
+        "INSERT INTO reward_label (trajectory_id, spec, reward, components, created_at) "
+        f"SELECT s.trajectory_id, s.spec, s.reward, s.components, s.created_at FROM {RELABEL_STAGE} s "
+        "JOIN trajectory t ON t.id = s.trajectory_id FOR KEY SHARE OF t "
+        "ON CONFLICT (trajectory_id, spec) DO UPDATE SET reward = EXCLUDED.reward, "
+        "components = EXCLUDED.components, created_at = EXCLUDED.created_at "
+        "RETURNING trajectory_id, reward").fetchall()
 
 
 def rewards_for_spec(session: Session, spec: str) -> list[float]:

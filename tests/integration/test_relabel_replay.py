@@ -120,3 +120,50 @@ def test_late_signals_replay_and_relabel(db, topics, kafka_bootstrap, short_wind
         n2, with_tests = conn.execute("SELECT count(*), count(*) FILTER (WHERE components ? 'test_outcome') "
                                       "FROM reward_label WHERE spec = 'implicit@2'").fetchone()
     assert n2 == with_tests == len(labels)
+
+
+def test_an_erasure_while_a_relabel_scans_is_not_held_up_and_its_trajectories_get_no_label(db, monkeypatch):
+    """The operator relabels while the group ingests; a user's erasure arrives after the relabel has
+    labelled that user's trajectory. The erasure must not wait for the relabel's transaction (it holds
+    up every ingest batch while it waits): here it runs with a 5 s lock timeout. The relabel then
+    completes without a foreign-key error and writes no label for the erased trajectories."""
+    from app.core.db import session_scope
+    from app.repositories.events import raw_connection
+    from consumers.batch import apply_batch
+    from consumers.deadletter import Message, classify
+    from consumers.erasure import erase_now
+    from consumers.ingest import projector_from_settings
+    from consumers.projection import Projector
+    from consumers.relabel import relabel
+
+    events = generate_stream(600, seed=41)
+    msgs = [Message("t", 0, i, *kafka_record(e)) for i, e in enumerate(events)]
+    with session_scope() as s:
+        apply_batch(s, "g", [classify(m, 1 << 20) for m in msgs], projector_from_settings())
+    with psycopg.connect(db) as conn:
+        finalized = conn.execute("SELECT id, user_id FROM trajectory WHERE status = 'finalized' "
+                                 "ORDER BY session_id").fetchall()
+    assert len(finalized) >= 6
+    victim = finalized[0][1]  # the relabel scans sessions in this order: it labels this one first
+    erased = {tid for tid, user in finalized if user == victim}
+    assert len(erased) < len(finalized)
+
+    real_label, labelled, erasures = Projector.label, [], []
+
+    def label_then_erase(self, t):
+        labelled.append(t.id)
+        if len(labelled) == 4:  # with chunk=2, the first two labels are written by now
+            with session_scope() as s:
+                raw_connection(s).execute("SET LOCAL lock_timeout = '5s'")
+                erasures.append(erase_now(s, victim, "erasure-during-relabel"))
+        return real_label(self, t)
+
+    monkeypatch.setattr(Projector, "label", label_then_erase)
+    report = relabel("implicit@1", chunk=2)
+
+    assert erasures and erasures[0].trajectories_deleted >= 1
+    assert finalized[0][0] in labelled[:2]
+    assert report.relabeled == report.after["n"] == len(finalized) - len(erased)
+    with psycopg.connect(db) as conn:
+        labels = {r[0] for r in conn.execute("SELECT trajectory_id FROM reward_label WHERE spec = 'implicit@1'")}
+    assert labels == {tid for tid, _ in finalized} - erased
