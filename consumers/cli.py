@@ -85,29 +85,28 @@ def relabel(
 
 def replay(
     schema: str = typer.Option(None, help="rebuild into this new schema (live tables untouched) instead of in place"),
-    verify: bool = typer.Option(False, help="rebuild into a scratch schema, diff with the live tables, drop it"),
+    verify: bool = typer.Option(False, help="rebuild into a scratch schema and diff it with the live tables, both as "
+                                            "of one snapshot (safe beside running consumers); exit 1 if they differ"),
 ) -> None:
     """Rebuild trajectories, segments and labels from event_log into empty tables."""
-    import uuid
-
-    from app.core.db import session_scope
     from consumers.ingest import projector_from_settings
-    from consumers.replay import compare_projections, drop_schema, dump_projection, replay as run_replay
+    from consumers.replay import replay as run_replay, verify as run_verify
     from consumers.settings import get_consumer_settings
 
+    if verify and schema:
+        raise typer.BadParameter("--verify rebuilds into a scratch schema of its own; leave out --schema",
+                                 param_hint="--schema")
     grace = get_consumer_settings().finalize_grace_s
     if verify:
-        schema = f"replay_{uuid.uuid4().hex[:8]}"
-    report = run_replay(projector_from_settings(), grace_s=grace, schema=schema)
+        checked = run_verify(projector_from_settings(), grace_s=grace)
+        report, diffs = checked.replay, checked.differences
+    else:
+        report = run_replay(projector_from_settings(), grace_s=grace, schema=schema)
     result = {"events": report.events, "trajectories": report.trajectories,
-              "finalized_by_window": report.finalized_by_window, "schema": schema,
+              "finalized_by_window": report.finalized_by_window, "schema": report.schema,
               "skipped_invalid": len(report.skipped_invalid)}
     if verify:
-        with session_scope() as s:
-            diffs = compare_projections(dump_projection(s), dump_projection(s, schema))
-            drop_schema(s, schema)  # type: ignore[arg-type]
-        result["identical"] = not diffs
-        result["differences"] = diffs
+        result.update(identical=not diffs, differences=diffs, due_unswept=checked.due_unswept)
     typer.echo(json.dumps(result))
     if verify and diffs:
         raise typer.Exit(1)
