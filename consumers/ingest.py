@@ -16,8 +16,8 @@ decodes batch k+1):
 
 Failure handling (the consumer never crashes on input):
 
-- transient database or broker faults are retried with exponential backoff until they pass
-  (``consumers.retry``); the batch waits in memory, never dead-lettered;
+- transient database or broker faults (a broker not up yet at start too) are retried with exponential
+  backoff until they pass (``consumers.retry``); the batch waits in memory, never dead-lettered;
 - a batch that fails for any other reason is applied again bisected in savepoints
   (``consumers.isolation``); a record that fails alone is dead-lettered as ``processing_error`` and
   the batch goes on;
@@ -113,6 +113,8 @@ class IngestConsumer:
     def stop(self) -> None:
         """Ask ``run`` to stop polling, apply what is queued and return (signal-safe)."""
         self._stop.set()
+        if self._consumer is None:  # still reaching the broker: nothing is queued, stop retrying
+            self._abort.set()
 
     def retry(self, fn, what: str):
         """``consumers.retry.retry_transient`` bound to this consumer's abort flag."""
@@ -128,6 +130,7 @@ class IngestConsumer:
             enable_auto_commit=False, auto_offset_reset="earliest", max_poll_records=s.batch_max_records,
             max_poll_interval_ms=s.max_poll_interval_ms, session_timeout_ms=s.session_timeout_ms,
             heartbeat_interval_ms=s.heartbeat_interval_ms, fetch_max_bytes=s.fetch_max_bytes,
+            bootstrap_timeout_ms=s.bootstrap_timeout_ms,
             max_partition_fetch_bytes=max(1_048_576, self.max_event_bytes + 65_536),
             kafka_client=kafka_net_client(s.slow_io_step_warn_s))
         owner = self
@@ -360,7 +363,13 @@ class IngestConsumer:
             gc.unfreeze()
 
     def _run(self, idle_exit_s: float | None, stop_after: int | None) -> IngestStats:
-        self._consumer = self._kafka_consumer()
+        try:  # a broker that is down or restarting at start is a transient fault like any other
+            self._consumer = self.retry(self._kafka_consumer, f"reaching the Kafka broker at {self.bootstrap}")
+        except Exception:
+            if self._stop.is_set():  # stopped while retrying: nothing was consumed
+                self.close()
+                return self.stats
+            raise
         worker = threading.Thread(target=self._db_loop, name="flywheel-ingest-db", daemon=True)
         worker.start()
         last_record, polled = time.monotonic(), 0

@@ -61,6 +61,10 @@ class ConsumerSettings(BaseSettings):
     eval_reserve_fraction: float = Field(
         default=0.0, ge=0.0, le=1.0,
         description="fraction of tasks (hash of task_id) whose trajectories are reserved for evals")
+    bootstrap_timeout_ms: int = Field(
+        default=10_000, ge=100,
+        description="longest wait for the broker's first answer on start (ms); past it, the start is retried with "
+                    "backoff like any transient fault, until the broker answers or the consumer is stopped")
     retry_max_wait_s: float = Field(default=10.0, gt=0,
                                     description="longest backoff between retries of a transient fault (s)")
     dlq_max_bytes: int = Field(default=900_000, ge=1024,

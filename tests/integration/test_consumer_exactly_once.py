@@ -6,6 +6,8 @@ from __future__ import annotations
 import os
 import random
 import signal
+import socket
+import socketserver
 import threading
 import time
 import uuid
@@ -208,3 +210,80 @@ def test_seq_values_are_reserved_in_blocks_and_never_overlap(db):
         cur.execute(f"ALTER SEQUENCE event_log_seq_seq INCREMENT BY 1 RESTART WITH {c[-1] + 1}")
         assert _reserve_seqs(cur, 5) == list(range(c[-1] + 1, c[-1] + 6))
         conn.rollback()
+
+
+class _Relay(socketserver.ThreadingTCPServer):
+    """A TCP relay on ``port`` to ``target`` (host:port): the broker's address, reachable only while
+    the relay runs (a broker that comes up after its consumers)."""
+
+    daemon_threads = allow_reuse_address = True
+
+    def __init__(self, port: int, target: str) -> None:
+        host, tport = target.rsplit(":", 1)
+
+        class Pipe(socketserver.BaseRequestHandler):
+            def handle(self) -> None:
+                with socket.create_connection((host, int(tport))) as up:
+                    def pump(a, b):
+                        try:
+                            while data := a.recv(65536):
+                                b.sendall(data)
+                        except OSError:
+                            pass
+                        finally:
+                            for s in (a, b):
+                                try:
+                                    s.shutdown(socket.SHUT_RDWR)
+                                except OSError:
+                                    pass
+
+                    t = threading.Thread(target=pump, args=(up, self.request), daemon=True)
+                    t.start()
+                    pump(self.request, up)
+                    t.join()
+
+        super().__init__(("127.0.0.1", port), Pipe)
+
+
+def test_a_consumer_started_before_the_broker_retries_until_it_answers(db, topics, kafka_bootstrap):
+    """The broker is not reachable when the consumer starts (a deploy, a broker restart): the start is
+    retried with backoff instead of crashing the process; once the broker answers, the consumer
+    ingests everything. Stopped while retrying, it returns at once, having consumed nothing."""
+    from ops.stack import free_port
+    from consumers.ingest import IngestConsumer
+    from consumers.settings import get_consumer_settings
+
+    events = generate_stream(300, seed=44)
+    produce(kafka_bootstrap, topics["interactions"], [kafka_record(e) for e in events])
+    port = free_port()
+    settings = get_consumer_settings().model_copy(update={"bootstrap_timeout_ms": 300, "retry_max_wait_s": 0.5})
+
+    def start(consumer, out: dict) -> threading.Thread:
+        t = threading.Thread(target=lambda: out.update(stats=consumer.run(idle_exit_s=2.0)), daemon=True)
+        t.start()
+        return t
+
+    stopped: dict = {}
+    consumer = IngestConsumer(bootstrap=f"127.0.0.1:{port}", group_id=f"late-{uuid.uuid4().hex[:8]}",
+                              settings=settings)
+    t = start(consumer, stopped)
+    time.sleep(2.0)  # several failed starts
+    assert t.is_alive()
+    consumer.stop()
+    t.join(10)
+    assert not t.is_alive() and stopped["stats"].stored == 0
+
+    result: dict = {}
+    t = start(IngestConsumer(bootstrap=f"127.0.0.1:{port}", group_id=f"late-{uuid.uuid4().hex[:8]}",
+                             settings=settings), result)
+    time.sleep(2.0)
+    assert t.is_alive() and not result  # still retrying, not crashed
+    relay = _Relay(port, kafka_bootstrap)
+    threading.Thread(target=relay.serve_forever, daemon=True).start()
+    try:
+        t.join(120)
+    finally:
+        relay.shutdown()
+        relay.server_close()
+    assert not t.is_alive() and result["stats"].stored == len(events)
+    assert _event_ids(db) and len(set(_event_ids(db))) == len(events)
