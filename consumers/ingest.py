@@ -102,6 +102,8 @@ class IngestConsumer:
         self._tracer = tracer("flywheel.consumers.ingest")
         self._next: dict[int, int] = {}
         self._assigned_at: float | None = None
+        self._unseeked: set = set()  # assigned partitions paused until their stored offsets can be read
+        self._seek_retry_at, self._seek_backoff_s = 0.0, 0.0
         self._joining_since: float | None = time.monotonic()
         self._work: queue.Queue = queue.Queue(maxsize=self.settings.pipeline_depth)
         self._done: queue.Queue = queue.Queue()
@@ -141,6 +143,7 @@ class IngestConsumer:
                 # do not in time, the offset rows they lock make the later write skip what was done).
                 owner._drain(timeout_s=owner.settings.max_poll_interval_ms / 2000)
                 owner._joining_since = time.monotonic()
+                owner._unseeked.difference_update(revoked)
                 log.info("partitions revoked: %s", sorted(tp.partition for tp in revoked))
 
             def on_partitions_assigned(self, assigned) -> None:
@@ -149,16 +152,54 @@ class IngestConsumer:
         consumer.subscribe([self.topic], listener=_SeekToStored())
         return consumer
 
-    def _seek_to_stored(self, consumer, assigned) -> None:
+    def _read_stored_offsets(self) -> dict[int, int]:
         from app.repositories.events import stored_offsets
 
-        def read() -> dict[int, int]:
-            with session_scope() as s:
-                return stored_offsets(s, self.group_id, self.topic)
+        with session_scope() as s:
+            return stored_offsets(s, self.group_id, self.topic)
 
-        stored = self.retry(read, "reading stored offsets")
+    def _seek_to_stored(self, consumer, assigned) -> None:
+        """Seek newly assigned partitions to the offsets stored in Postgres. This runs inside the
+        rebalance callback, which blocks the client's heartbeats: if Postgres does not answer within
+        half the session timeout (an outage), the partitions are paused instead, so the member stays in
+        the group, and the poll loop seeks and resumes them once it answers (:meth:`_seek_paused`)."""
+        self._joining_since = None  # the join is done; what is left is ours to wait for
+        try:
+            stored = retry_transient(self._read_stored_offsets, "reading stored offsets", self._abort,
+                                     self.settings.retry_max_wait_s,
+                                     give_up_after_s=self.settings.session_timeout_ms / 2000)
+        except Exception as exc:
+            if not is_transient(exc) or self._abort.is_set():
+                raise
+            consumer.pause(*assigned)
+            self._unseeked.update(assigned)
+            self._seek_retry_at = time.monotonic()
+            log.warning("partitions %s paused: their stored offsets cannot be read yet (%s); they resume when "
+                        "Postgres answers", sorted(tp.partition for tp in assigned), str(exc).splitlines()[0])
+            return
+        self._apply_stored(consumer, assigned, stored)
+
+    def _seek_paused(self, now: float) -> None:
+        """One try (backing off between tries) at reading the stored offsets of the partitions
+        :meth:`_seek_to_stored` paused; on success, seek and resume them."""
+        if not self._unseeked or now < self._seek_retry_at:
+            return
+        try:
+            stored = self._read_stored_offsets()
+        except Exception as exc:
+            if not is_transient(exc):
+                raise
+            self._seek_backoff_s = min(max(0.1, 2 * self._seek_backoff_s), self.settings.retry_max_wait_s)
+            self._seek_retry_at = now + self._seek_backoff_s
+            log.debug("stored offsets still unreadable, next try in %.1fs: %s", self._seek_backoff_s, exc)
+            return
+        tps, self._seek_backoff_s = sorted(self._unseeked), 0.0
+        self._unseeked.clear()
+        self._apply_stored(self._consumer, tps, stored)
+        self._consumer.resume(*tps)
+
+    def _apply_stored(self, consumer, assigned, stored: dict[int, int]) -> None:
         self._assigned_at = time.monotonic()
-        self._joining_since = None
         for tp in assigned:
             if tp.partition in stored:
                 consumer.seek(tp, stored[tp.partition])
@@ -309,8 +350,8 @@ class IngestConsumer:
                 for tp, recs in extra.items():  # partitions assigned by a rebalance meanwhile
                     self._consumer.seek(tp, recs[0].offset)  # not taken: fetch them again later
                 last_poll = time.monotonic()
-        if paused:
-            self._consumer.resume(*self._consumer.paused())
+        if paused:  # not those still waiting for their stored offsets
+            self._consumer.resume(*(set(self._consumer.paused()) - self._unseeked))
 
     def _rejoin_if_stuck(self, now: float) -> None:
         """A group join that has not finished after ``join_timeout_s`` is abandoned and started over
@@ -325,7 +366,13 @@ class IngestConsumer:
             self._consumer.close(autocommit=False)
         except Exception:  # noqa: BLE001 -- the old client is being discarded anyway
             log.debug("closing the stuck consumer failed", exc_info=True)
-        self._consumer = self._kafka_consumer()
+        self._consumer, self._unseeked = None, set()
+        try:
+            self._consumer = self.retry(self._kafka_consumer, f"reaching the Kafka broker at {self.bootstrap}")
+        except Exception:
+            if self._stop.is_set():  # stopped while retrying: the poll loop ends here
+                return
+            raise
         self._joining_since = time.monotonic()
 
     def _update_lag(self) -> None:
@@ -388,13 +435,14 @@ class IngestConsumer:
                     self._hand_over((messages, decoded))
                     polled += len(messages)
                     last_record = now
+                self._seek_paused(now)
                 self._update_lag()
                 self._rejoin_if_stuck(now)
                 if stop_after is not None and polled >= stop_after:
                     break
                 # idle time counts from the later of the last record and the last (re)assignment
                 if idle_exit_s is not None and self._assigned_at is not None and not self._work.unfinished_tasks \
-                        and now - max(last_record, self._assigned_at) >= idle_exit_s:
+                        and not self._unseeked and now - max(last_record, self._assigned_at) >= idle_exit_s:
                     break
         finally:
             self._shutdown(worker)

@@ -52,16 +52,27 @@ def is_unique_violation(exc: BaseException) -> bool:
     return isinstance(exc, psycopg.errors.UniqueViolation)
 
 
-def retry_transient(fn: Callable[[], T], what: str, stop: threading.Event, max_wait_s: float) -> T:
+def retry_transient(fn: Callable[[], T], what: str, stop: threading.Event, max_wait_s: float,
+                    give_up_after_s: float | None = None) -> T:
     """Run ``fn`` until it succeeds, backing off exponentially (0.1 s doubling, jittered, at most
-    ``max_wait_s``) on transient faults; give up only when ``stop`` is set.
+    ``max_wait_s``) on transient faults; give up only when ``stop`` is set (or, if given, once
+    ``give_up_after_s`` seconds have passed since the first try).
 
     Raises:
-        the last exception if it is not transient, or if ``stop`` was set while retrying.
+        the last exception if it is not transient, or if ``stop`` was set (or the time was up) while
+        retrying.
     """
     def _log(rs) -> None:
         log.warning("%s failed (attempt %d), retrying: %s", what, rs.attempt_number, rs.outcome.exception())
 
-    return Retrying(retry=retry_if_exception(is_transient), reraise=True,
-                    wait=wait_exponential_jitter(initial=0.1, max=max_wait_s),
-                    stop=lambda _rs: stop.is_set(), sleep=stop.wait, before_sleep=_log)(fn)
+    backoff = wait_exponential_jitter(initial=0.1, max=max_wait_s)
+
+    def wait(rs) -> float:  # never sleep past the time to give up
+        if give_up_after_s is None:
+            return backoff(rs)
+        return max(0.0, min(backoff(rs), give_up_after_s - rs.seconds_since_start))
+
+    return Retrying(retry=retry_if_exception(is_transient), reraise=True, wait=wait,
+                    stop=lambda rs: stop.is_set() or (give_up_after_s is not None
+                                                       and rs.seconds_since_start >= give_up_after_s),
+                    sleep=stop.wait, before_sleep=_log)(fn)

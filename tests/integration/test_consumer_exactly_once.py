@@ -287,3 +287,38 @@ def test_a_consumer_started_before_the_broker_retries_until_it_answers(db, topic
         relay.server_close()
     assert not t.is_alive() and result["stats"].stored == len(events)
     assert _event_ids(db) and len(set(_event_ids(db))) == len(events)
+
+
+def test_a_consumer_started_while_the_database_is_down_stays_in_its_group_and_ingests_once_it_is_up(
+        topics, kafka_bootstrap, tmp_path):
+    """Postgres is down when the consumer joins its group: the stored offsets cannot be read in the
+    rebalance callback, which blocks the client's heartbeats. Rather than retrying there until the
+    session expires (and rejoining, again and again, through the outage), the member pauses the
+    partitions and keeps heartbeating; when Postgres is back it seeks them and ingests every event once."""
+    from ops.stack import free_port, start_postgres, stop_postgres
+
+    datadir, port = tmp_path / "pgdata", free_port()
+    url = start_postgres(datadir, port=port).url
+    try:
+        upgrade(url=url)
+        events = generate_stream(1_500, seed=45)
+        produce(kafka_bootstrap, topics["interactions"], [kafka_record(e) for e in events])
+        stop_postgres(datadir)
+        logs = tmp_path / "consumer.log"
+        proc = consumer_process({**os.environ, "FLYWHEEL_DATABASE_URL": url}, log_path=logs)
+        try:
+            wait_for(lambda: "paused" in logs.read_text(errors="replace"), 90, what="partitions paused")
+            time.sleep(8)  # longer than the session timeout (6 s)
+            assert proc.poll() is None
+            start_postgres(datadir, port=port)
+            wait_for(lambda: scalar(url, "SELECT count(*) FROM event_log") == len(events), 120,
+                     what="all events stored once Postgres is up")
+        finally:
+            _stop([proc])
+        ids = _event_ids(url)
+        assert len(ids) == len(set(ids)) == len(events)
+        text = logs.read_text(errors="replace")
+        assert "Heartbeat session expired" not in text, text[-3000:]
+        assert text.count("partitions assigned") == 1  # it never had to rejoin
+    finally:
+        stop_postgres(datadir)
