@@ -44,19 +44,20 @@ def database_url() -> str:
     return normalize_url(url.get_secret_value())
 
 
-_engines: dict[tuple[str, int, bool], Engine] = {}
+_engines: dict[tuple[str, int, bool, int], Engine] = {}
 _engines_lock = threading.Lock()
 
 
 def get_engine() -> Engine:
     """The process-wide engine for the configured database (one per URL and pool settings)."""
     s = get_settings().database
-    key = (database_url(), s.pool_size, s.echo)
+    key = (database_url(), s.pool_size, s.echo, s.connect_timeout_s)
     with _engines_lock:
         engine = _engines.get(key)
         if engine is None:
+            connect_args = {} if "connect_timeout=" in key[0] else {"connect_timeout": s.connect_timeout_s}
             engine = _engines[key] = create_engine(key[0], pool_size=s.pool_size, pool_pre_ping=True,
-                                                   echo=s.echo)
+                                                   echo=s.echo, connect_args=connect_args)
     return engine
 
 

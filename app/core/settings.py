@@ -44,6 +44,11 @@ class DatabaseSettings(_Base):
     model_config = SettingsConfigDict(env_prefix="FLYWHEEL_DATABASE_", extra="ignore")
     url: SecretStr | None = Field(default=None, description="e.g. postgresql://user@host:5432/db")
     pool_size: int = Field(default=5, ge=1)
+    connect_timeout_s: int = Field(
+        default=10, ge=2,
+        description="longest wait to open a connection (s; libpq's connect_timeout, unless the URL sets one): a "
+                    "server that does not answer (a network partition) fails the attempt, which callers retry, "
+                    "instead of blocking the caller for the operating system's TCP timeout")
     echo: bool = False
 
 
