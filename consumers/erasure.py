@@ -6,6 +6,7 @@ Invariants:
   ``SET LOCAL flywheel.erasure = 'on'`` (the append-only trigger refuses any other DELETE).
 - Every checkpoint that trained on one of the user's trajectories (``checkpoint_trajectory``, which
   the trainer writes from its manifest and keeps after erasure) gets ``trained_on_erased = true``
+  (one still training when the erasure commits is flagged by its registration, ``trainer.records``)
   and ``erasure_flagged_at``; nothing else about the checkpoint changes (a release manager decides).
 - Dead letters: those whose raw JSON claims the user (``dead_letter.user_id``, indexed), and any
   unattributed one (not JSON, oversized, no usable ``user_id``) whose bytes carry the quoted user

@@ -12,6 +12,7 @@ Invariants:
 from __future__ import annotations
 
 import contextlib
+import logging
 import uuid
 from collections.abc import Iterator
 from datetime import datetime, timezone
@@ -23,6 +24,8 @@ from sqlalchemy.orm import Session
 from app.models import Checkpoint, TrainingCycle
 from app.repositories.checkpoints import add_checkpoint, add_checkpoint_trajectories
 from trainer.data import CycleData
+
+log = logging.getLogger(__name__)
 
 #: pg advisory lock key of the trainer ("flyw" << 32 | 5; see app/promotion and producers/relay).
 CYCLE_LOCK_KEY = (0x666C7977 << 32) | 5
@@ -84,12 +87,31 @@ def finish_cycle(session: Session, cycle_id: uuid.UUID, *, status: str, detail: 
     session.flush()
 
 
+def _erasures_since_selection(session: Session, checkpoint_id: str, trajectory_ids: list[uuid.UUID]) -> list[str]:
+    """Erasure requests that deleted any of ``trajectory_ids`` (which existed when the cycle selected
+    them, so these came while it trained): they could not flag a checkpoint not yet registered, so
+    registration does, and adds it to their ``checkpoints_flagged``. Takes the projection lock shared
+    (an erasure holds it exclusively) until the caller commits: an erasure either committed before
+    this check, which then sees it, or waits for the lineage rows this transaction writes, which its
+    own flagging then sees. Returns the request ids, sorted."""
+    from consumers.batch import PROJECTION_LOCK
+
+    session.execute(text("SELECT pg_advisory_xact_lock_shared(:k)"), {"k": PROJECTION_LOCK})
+    rows = session.execute(
+        text("UPDATE erasure_request SET checkpoints_flagged = array_append(checkpoints_flagged, :cid) "
+             "WHERE trajectory_ids && CAST(:ids AS uuid[]) AND NOT (:cid = ANY(checkpoints_flagged)) "
+             "RETURNING request_id"), {"cid": checkpoint_id, "ids": trajectory_ids}).scalars().all()
+    return sorted(rows)
+
+
 def register_candidate(session: Session, *, cycle_id: uuid.UUID, checkpoint_id: str, path: str,
                        parent: Checkpoint, data: CycleData, manifest: dict[str, Any],
                        metrics: dict[str, Any]) -> Checkpoint:
-    """Insert the candidate, its lineage, the cycle's success and ``checkpoint.created``; flush.
+    """Insert the candidate, its lineage, the cycle's success and ``checkpoint.created``; flush. A
+    candidate that trained on trajectories an erasure deleted meanwhile is registered flagged
+    ``trained_on_erased`` (promotion refuses it), and the erasure requests name it.
 
-    The caller's transaction makes the four writes atomic (see module docstring).
+    The caller's transaction makes the writes atomic (see module docstring).
     """
     from app.promotion.outbox import enqueue_lifecycle
 
@@ -99,6 +121,11 @@ def register_candidate(session: Session, *, cycle_id: uuid.UUID, checkpoint_id: 
                          reward_spec=data.reward_spec, num_trajectories=len(data.used), stable=True)
     add_checkpoint_trajectories(session, checkpoint_id,
                                 [(t.id, t.user_id, t.task_id) for t in data.used])
+    erasures = _erasures_since_selection(session, checkpoint_id, [t.id for t in data.used])
+    if erasures:
+        row.trained_on_erased, row.erasure_flagged_at = True, datetime.now(timezone.utc)
+        log.warning("candidate %s trained on trajectories erased while it trained (erasure requests %s): "
+                    "registered flagged trained_on_erased, so it cannot be promoted", checkpoint_id, erasures)
     cycle = session.get(TrainingCycle, cycle_id)
     cycle.status, cycle.checkpoint_id = "succeeded", checkpoint_id
     cycle.num_trajectories = len(data.used)

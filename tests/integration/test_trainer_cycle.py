@@ -84,6 +84,7 @@ def test_cycle_produces_registered_candidate(session, store, production, policy_
     row = session.get(Checkpoint, cid)
     assert (row.status, row.parent_id, row.generation, row.reward_spec) == ("candidate", "base", 1, "implicit@1")
     assert row.stable and row.num_trajectories == 4 and row.metrics["steps"] == 2
+    assert not row.trained_on_erased and row.erasure_flagged_at is None
     assert {r.trajectory_id for r in session.query(CheckpointTrajectory).filter_by(checkpoint_id=cid)} == set(used)
     cycle = session.get(TrainingCycle, __import__("uuid").UUID(result.cycle_id))
     assert cycle.status == "succeeded" and cycle.checkpoint_id == cid and cycle.watermark_seq == 103
@@ -224,3 +225,40 @@ def test_celery_task_is_registered():
     import trainer.tasks  # noqa: F401
 
     assert "flywheel.trainer.run_cycle" in celery_app.tasks
+
+
+def test_a_user_erased_while_the_cycle_trains_leaves_the_candidate_flagged(session, store, production, policy_dir,
+                                                                           monkeypatch):
+    """The cycle selects its trajectories, then trains for minutes to hours; an erasure that deletes
+    some of them meanwhile cannot flag a checkpoint that is not registered yet. Registration must:
+    the candidate is ``trained_on_erased`` (promotion refuses it) and the request names it."""
+    import trainer.checkpointing as checkpointing
+    from app.core.db import session_scope
+    from app.models import Checkpoint
+    from app.promotion.service import _check_servable
+    from consumers.erasure import erase_now
+    from trainer.cycle import run_cycle
+
+    _insert_sessions(session, policy_dir)
+    real_write, outcome = checkpointing.write_checkpoint, []
+
+    def erase_then_write(*args, **kwargs):  # the user is erased after selection, before registration
+        with session_scope() as s:
+            outcome.append(erase_now(s, "user-1", "erasure-while-training"))
+        return real_write(*args, **kwargs)
+
+    monkeypatch.setattr(checkpointing, "write_checkpoint", erase_then_write)
+    result = run_cycle(TrainerConfig.model_validate(CONFIG), store=store)
+    assert result.status == "succeeded", result.detail
+    assert outcome and outcome[0].trajectories_deleted >= 4 and outcome[0].checkpoints_flagged == []
+    session.expire_all()
+    row = session.get(Checkpoint, result.checkpoint_id)
+    assert row.trained_on_erased and row.erasure_flagged_at is not None
+    reasons: list[str] = []
+    _check_servable(row, None, None, reasons)
+    assert "checkpoint trained on data of an erased user" in reasons
+    from sqlalchemy import text
+
+    flagged = session.execute(text("SELECT checkpoints_flagged FROM erasure_request "
+                                   "WHERE request_id = 'erasure-while-training'")).scalar_one()
+    assert flagged == [result.checkpoint_id]
