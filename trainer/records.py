@@ -87,29 +87,36 @@ def finish_cycle(session: Session, cycle_id: uuid.UUID, *, status: str, detail: 
     session.flush()
 
 
-def _erasures_since_selection(session: Session, checkpoint_id: str, trajectory_ids: list[uuid.UUID]) -> list[str]:
-    """Erasure requests that deleted any of ``trajectory_ids`` (which existed when the cycle selected
-    them, so these came while it trained): they could not flag a checkpoint not yet registered, so
-    registration does, and adds it to their ``checkpoints_flagged``. Takes the projection lock shared
-    (an erasure holds it exclusively) until the caller commits: an erasure either committed before
-    this check, which then sees it, or waits for the lineage rows this transaction writes, which its
-    own flagging then sees. Returns the request ids, sorted."""
-    from consumers.batch import PROJECTION_LOCK
+def _flag_if_deleted_since_selection(session: Session, checkpoint_id: str,
+                                     trajectory_ids: list[uuid.UUID]) -> tuple[list[uuid.UUID], list[str]]:
+    """The trajectories among ``trajectory_ids`` (all present when the cycle selected them) that an
+    erasure or a privacy purge deleted while it trained, and the erasure requests that did. Those
+    could not flag a checkpoint not yet registered, so registration does: the requests get it in
+    their ``checkpoints_flagged`` here, the caller sets ``trained_on_erased``. The surviving rows are
+    locked ``FOR KEY SHARE`` until the caller commits, so a deletion not committed yet waits for the
+    lineage rows this transaction writes, and its own flagging then sees them.
 
-    session.execute(text("SELECT pg_advisory_xact_lock_shared(:k)"), {"k": PROJECTION_LOCK})
-    rows = session.execute(
+    Returns:
+        (deleted trajectory ids, erasure request ids), both sorted.
+    """
+    present = set(session.execute(text("SELECT id FROM trajectory WHERE id = ANY(CAST(:ids AS uuid[])) "
+                                       "FOR KEY SHARE"), {"ids": trajectory_ids}).scalars())
+    gone = sorted(set(trajectory_ids) - present)
+    if not gone:
+        return [], []
+    requests = session.execute(
         text("UPDATE erasure_request SET checkpoints_flagged = array_append(checkpoints_flagged, :cid) "
              "WHERE trajectory_ids && CAST(:ids AS uuid[]) AND NOT (:cid = ANY(checkpoints_flagged)) "
-             "RETURNING request_id"), {"cid": checkpoint_id, "ids": trajectory_ids}).scalars().all()
-    return sorted(rows)
+             "RETURNING request_id"), {"cid": checkpoint_id, "ids": gone}).scalars().all()
+    return gone, sorted(requests)
 
 
 def register_candidate(session: Session, *, cycle_id: uuid.UUID, checkpoint_id: str, path: str,
                        parent: Checkpoint, data: CycleData, manifest: dict[str, Any],
                        metrics: dict[str, Any]) -> Checkpoint:
     """Insert the candidate, its lineage, the cycle's success and ``checkpoint.created``; flush. A
-    candidate that trained on trajectories an erasure deleted meanwhile is registered flagged
-    ``trained_on_erased`` (promotion refuses it), and the erasure requests name it.
+    candidate that trained on trajectories an erasure or a privacy purge deleted meanwhile is
+    registered flagged ``trained_on_erased`` (promotion refuses it), and the erasure requests name it.
 
     The caller's transaction makes the writes atomic (see module docstring).
     """
@@ -121,11 +128,12 @@ def register_candidate(session: Session, *, cycle_id: uuid.UUID, checkpoint_id: 
                          reward_spec=data.reward_spec, num_trajectories=len(data.used), stable=True)
     add_checkpoint_trajectories(session, checkpoint_id,
                                 [(t.id, t.user_id, t.task_id) for t in data.used])
-    erasures = _erasures_since_selection(session, checkpoint_id, [t.id for t in data.used])
-    if erasures:
+    gone, requests = _flag_if_deleted_since_selection(session, checkpoint_id, [t.id for t in data.used])
+    if gone:
         row.trained_on_erased, row.erasure_flagged_at = True, datetime.now(timezone.utc)
-        log.warning("candidate %s trained on trajectories erased while it trained (erasure requests %s): "
-                    "registered flagged trained_on_erased, so it cannot be promoted", checkpoint_id, erasures)
+        log.warning("candidate %s trained on %d trajectories erased or made private while it trained (erasure "
+                    "requests %s): registered flagged trained_on_erased, so it cannot be promoted",
+                    checkpoint_id, len(gone), requests or "none")
     cycle = session.get(TrainingCycle, cycle_id)
     cycle.status, cycle.checkpoint_id = "succeeded", checkpoint_id
     cycle.num_trajectories = len(data.used)

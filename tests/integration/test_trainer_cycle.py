@@ -227,38 +227,48 @@ def test_celery_task_is_registered():
     assert "flywheel.trainer.run_cycle" in celery_app.tasks
 
 
-def test_a_user_erased_while_the_cycle_trains_leaves_the_candidate_flagged(session, store, production, policy_dir,
-                                                                           monkeypatch):
-    """The cycle selects its trajectories, then trains for minutes to hours; an erasure that deletes
-    some of them meanwhile cannot flag a checkpoint that is not registered yet. Registration must:
-    the candidate is ``trained_on_erased`` (promotion refuses it) and the request names it."""
+@pytest.mark.parametrize("deletion", ["erasure", "privacy_purge"])
+def test_trajectories_deleted_while_the_cycle_trains_leave_the_candidate_flagged(session, store, production,
+                                                                                  policy_dir, monkeypatch, deletion):
+    """The cycle selects its trajectories, then trains for minutes to hours; an erasure (or a session
+    turning private, which purges it) that deletes some of them meanwhile cannot flag a checkpoint
+    that is not registered yet. Registration must: the candidate is ``trained_on_erased`` (promotion
+    refuses it) and an erasure request names it."""
+    from sqlalchemy import text
+
     import trainer.checkpointing as checkpointing
     from app.core.db import session_scope
-    from app.models import Checkpoint
+    from app.models import Checkpoint, Trajectory
     from app.promotion.service import _check_servable
-    from consumers.erasure import erase_now
+    from consumers.erasure import erase_now, purge_private_sessions
     from trainer.cycle import run_cycle
 
-    _insert_sessions(session, policy_dir)
+    used, _ = _insert_sessions(session, policy_dir)
+    victim = session.get(Trajectory, used[1]).session_id
     real_write, outcome = checkpointing.write_checkpoint, []
 
-    def erase_then_write(*args, **kwargs):  # the user is erased after selection, before registration
+    def delete_then_write(*args, **kwargs):  # after the selection, before the registration
         with session_scope() as s:
-            outcome.append(erase_now(s, "user-1", "erasure-while-training"))
+            if deletion == "erasure":
+                outcome.append(erase_now(s, "user-1", "erasure-while-training"))
+            else:
+                outcome.append(purge_private_sessions(s, [victim]))
         return real_write(*args, **kwargs)
 
-    monkeypatch.setattr(checkpointing, "write_checkpoint", erase_then_write)
+    monkeypatch.setattr(checkpointing, "write_checkpoint", delete_then_write)
     result = run_cycle(TrainerConfig.model_validate(CONFIG), store=store)
     assert result.status == "succeeded", result.detail
-    assert outcome and outcome[0].trajectories_deleted >= 4 and outcome[0].checkpoints_flagged == []
+    assert outcome
     session.expire_all()
     row = session.get(Checkpoint, result.checkpoint_id)
     assert row.trained_on_erased and row.erasure_flagged_at is not None
     reasons: list[str] = []
     _check_servable(row, None, None, reasons)
     assert "checkpoint trained on data of an erased user" in reasons
-    from sqlalchemy import text
-
-    flagged = session.execute(text("SELECT checkpoints_flagged FROM erasure_request "
-                                   "WHERE request_id = 'erasure-while-training'")).scalar_one()
-    assert flagged == [result.checkpoint_id]
+    if deletion == "erasure":
+        assert outcome[0].trajectories_deleted >= 4 and outcome[0].checkpoints_flagged == []
+        flagged = session.execute(text("SELECT checkpoints_flagged FROM erasure_request "
+                                       "WHERE request_id = 'erasure-while-training'")).scalar_one()
+        assert flagged == [result.checkpoint_id]
+    else:
+        assert session.get(Trajectory, used[1]) is None and session.get(Trajectory, used[0]) is not None
