@@ -117,7 +117,7 @@ def erase(
     request_id: str = typer.Option(None, help="idempotency key (default: a new uuid)"),
 ) -> None:
     """Erase a user now (same path as a user.erasure_requested event): events, trajectories, dead
-    letters; flag checkpoints trained on them."""
+    letters, eval tasks mined from their sessions; flag checkpoints trained on them."""
     import uuid
 
     from app.core.db import session_scope
@@ -128,6 +128,7 @@ def erase(
     typer.echo(json.dumps({"request_id": out.request_id, "events_deleted": out.events_deleted,
                            "trajectories_deleted": out.trajectories_deleted,
                            "dead_letters_deleted": out.dead_letters_deleted,
+                           "eval_tasks_deleted": out.eval_tasks_deleted,
                            "checkpoints_flagged": out.checkpoints_flagged, "already_done": out.already_done}))
 
 

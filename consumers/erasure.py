@@ -8,6 +8,9 @@ Invariants:
   the trainer writes from its manifest and keeps after erasure) gets ``trained_on_erased = true``
   (one still training when the erasure commits is flagged by its registration, ``trainer.records``)
   and ``erasure_flagged_at``; nothing else about the checkpoint changes (a release manager decides).
+- Eval tasks mined from a deleted trajectory (``eval_task.source_trajectory_id``, ``evals.mined``)
+  are deleted with it: they hold its session's request text and test. Past eval results keep only
+  the task id and outcomes.
 - Dead letters: those whose raw JSON claims the user (``dead_letter.user_id``, indexed), and any
   unattributed one (not JSON, oversized, no usable ``user_id``) whose bytes carry the quoted user
   id. A dead letter that claims another user is that user's, even if it mentions this one.
@@ -50,6 +53,8 @@ class ErasureOutcome:
     events_deleted: int = 0
     trajectories_deleted: int = 0
     dead_letters_deleted: int = 0
+    eval_tasks_deleted: int = 0
+    """eval tasks mined from the erased sessions (``evals.mined``: they hold the session's request)"""
     trajectory_ids: list[uuid.UUID] = field(default_factory=list)
     checkpoints_flagged: list[str] = field(default_factory=list)
     already_done: bool = False
@@ -85,7 +90,7 @@ def erase_user(session: Session, user_id: str, request_id: str, requested_at: da
                     "UNION SELECT session_id FROM trajectory WHERE user_id = %s "
                     "AND coalesce(started_at, last_event_at) <= %s", (user_id, requested_at, user_id, requested_at))
         sessions = [r[0] for r in cur.fetchall()]
-        events, out.trajectory_ids = _delete_sessions(cur, sessions, user_id)
+        events, out.trajectory_ids, out.eval_tasks_deleted = _delete_sessions(cur, sessions, user_id)
         out.events_deleted = sum(events.values())
         out.trajectories_deleted = len(out.trajectory_ids)
         # Dead letters are raw bytes: those that claim the user (dead_letter.user_id, indexed), and
@@ -95,16 +100,18 @@ def erase_user(session: Session, user_id: str, request_id: str, requested_at: da
         out.checkpoints_flagged = _flag_checkpoints(cur, out.trajectory_ids, user_id)
         cur.execute(
             "INSERT INTO erasure_request (request_id, user_id, events_deleted, trajectories_deleted, trajectory_ids, "
-            "checkpoints_flagged, dead_letters_deleted, requested_at) VALUES (%s, %s, %s, %s, %s, %s, %s, %s)",
+            "checkpoints_flagged, dead_letters_deleted, eval_tasks_deleted, requested_at) "
+            "VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s)",
             (request_id, user_id, out.events_deleted, out.trajectories_deleted, out.trajectory_ids,
-             out.checkpoints_flagged, out.dead_letters_deleted, requested_at))
+             out.checkpoints_flagged, out.dead_letters_deleted, out.eval_tasks_deleted, requested_at))
     return out
 
 
 def purge_private_sessions(session: Session, session_ids: Collection[str]) -> dict[str, int]:
     """Delete what is stored of sessions just found to be privacy-mode sessions (privacy turned on
     part-way through: the events before the flag were stored as ordinary ones), in the caller's
-    transaction: their ``event_log`` rows, trajectories (with segments and labels), and flag every
+    transaction: their ``event_log`` rows, trajectories (with segments, labels and the eval tasks
+    mined from them), and flag every
     checkpoint that trained on one of those trajectories as an erasure does. Their dead letters
     (those whose bytes claim the session: ``dead_letter.session_id``) keep their place and reason
     but lose their key, bytes and headers (``redacted = 'privacy'``).
@@ -117,7 +124,7 @@ def purge_private_sessions(session: Session, session_ids: Collection[str]) -> di
     if not session_ids:
         return {}
     with raw_connection(session).cursor() as cur:
-        events, trajectories = _delete_sessions(cur, sorted(session_ids))
+        events, trajectories, _ = _delete_sessions(cur, sorted(session_ids))
         if trajectories:
             _flag_checkpoints(cur, trajectories)
         cur.execute("UPDATE dead_letter SET key = NULL, raw = NULL, headers = NULL, redacted = 'privacy', "
@@ -126,13 +133,14 @@ def purge_private_sessions(session: Session, session_ids: Collection[str]) -> di
     return dict(events)
 
 
-def _delete_sessions(cur, sessions: list[str], user_id: str | None = None) -> tuple[Counter, list[uuid.UUID]]:
+def _delete_sessions(cur, sessions: list[str],
+                     user_id: str | None = None) -> tuple[Counter, list[uuid.UUID], int]:
     """Delete the ``event_log`` rows of ``sessions`` (the one DELETE the append-only trigger lets
-    through: ``flywheel.erasure`` is on for it alone) and their trajectories (cascading to segments
-    and labels); only ``user_id``'s rows if given.
+    through: ``flywheel.erasure`` is on for it alone), their trajectories (cascading to segments
+    and labels), only ``user_id``'s rows if given, and the eval tasks mined from those trajectories.
 
     Returns:
-        (events deleted per session id, the deleted trajectories' ids, sorted).
+        (events deleted per session id, the deleted trajectories' ids, sorted, eval tasks deleted).
     """
     only = "" if user_id is None else " AND user_id = %(user_id)s"
     params = {"sessions": sessions, "user_id": user_id}
@@ -141,7 +149,9 @@ def _delete_sessions(cur, sessions: list[str], user_id: str | None = None) -> tu
     events = Counter(r[0] for r in cur.fetchall())
     cur.execute("SELECT set_config('flywheel.erasure', 'off', true)")
     cur.execute(f"DELETE FROM trajectory WHERE session_id = ANY(%(sessions)s){only} RETURNING id", params)
-    return events, sorted(r[0] for r in cur.fetchall())
+    trajectories = sorted(r[0] for r in cur.fetchall())
+    cur.execute("DELETE FROM eval_task WHERE source_trajectory_id = ANY(%s)", (trajectories,))
+    return events, trajectories, cur.rowcount
 
 
 def _flag_checkpoints(cur, trajectory_ids: list[uuid.UUID], user_id: str | None = None) -> list[str]:

@@ -8,6 +8,8 @@ Invariants:
   files, looked up by ``task_id``). Product sessions whose repository is not reconstructible are
   skipped with a reason, never guessed.
 - Tasks are deduplicated by content hash and by source task id (``eval_task`` unique keys).
+- A mined task goes when its source session does (an erasure or a privacy purge deletes it,
+  ``consumers.erasure``).
 - A mined task is held out for good: every trajectory on its ``task_id`` is marked
   ``reserved_for_eval`` (and the trainer skips task ids in ``eval_task``). A task some checkpoint
   already trained on is never mined (it would be contaminated from the start);

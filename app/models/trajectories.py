@@ -133,6 +133,8 @@ class ErasureRequest(Base):
     trajectory_ids: Mapped[list[uuid.UUID]] = mapped_column(ARRAY(UUID(as_uuid=True)), nullable=False, default=list)
     checkpoints_flagged: Mapped[list[str]] = mapped_column(ARRAY(Text), nullable=False, default=list)
     dead_letters_deleted: Mapped[int] = mapped_column(Integer, nullable=False, default=0)
+    eval_tasks_deleted: Mapped[int] = mapped_column(Integer, nullable=False, server_default=text("0"),
+                                                    comment="eval tasks mined from the erased sessions")
     requested_at: Mapped[datetime | None] = mapped_column(
         DateTime(timezone=True), comment="occurred_at of the request; older events of the user are dropped")
     created_at: Mapped[datetime] = created_at_column()

@@ -37,6 +37,16 @@ def _consume():
     return IngestConsumer().run(idle_exit_s=1.5)
 
 
+def _mined_task(session_id: str):
+    """An ``eval_task`` row as ``evals.mined`` stores one from ``session_id``'s trajectory: it holds the
+    session's request text."""
+    from app.models import EvalTask
+
+    return EvalTask(task_id=f"mined-{session_id}", suite="mined", source_session_id=session_id,
+                    source_trajectory_id=trajectory_id_for(session_id), content_hash=f"hash-{session_id}",
+                    spec={"request": f"the request of {session_id}"})
+
+
 def test_erasure_removes_the_users_rows_and_flags_checkpoints(db, topics, kafka_bootstrap):
     rng = np.random.default_rng(3)
     alice = _sessions(rng, "u-alice", 6, T0, "a")
@@ -62,6 +72,7 @@ def test_erasure_removes_the_users_rows_and_flags_checkpoints(db, topics, kafka_
                                         user_id="u-bob"),
                    CheckpointTrajectory(checkpoint_id="ck-2", trajectory_id=trajectory_id_for("b-u-bob-1"),
                                         user_id="u-bob")])
+        s.add_all([_mined_task(sid) for sid in ("a-u-alice-0", "b-u-bob-0")])  # what `eval mine` stores
     with psycopg.connect(db, autocommit=True) as conn:
         assert conn.execute("SELECT count(*) FROM trajectory WHERE user_id = 'u-alice'").fetchone()[0] == 6
         assert sorted(conn.execute("SELECT reason, user_id FROM dead_letter").fetchall(), key=str) == \
@@ -117,13 +128,15 @@ def test_erasure_removes_the_users_rows_and_flags_checkpoints(db, topics, kafka_
     with psycopg.connect(db) as conn:
         q = lambda sql, *p: conn.execute(sql, p).fetchall()  # noqa: E731
         (req,) = q("SELECT user_id, events_deleted, trajectories_deleted, checkpoints_flagged, dead_letters_deleted, "
-                   "cardinality(trajectory_ids), requested_at FROM erasure_request WHERE request_id = 'req-1'")
+                   "cardinality(trajectory_ids), requested_at, eval_tasks_deleted FROM erasure_request "
+                   "WHERE request_id = 'req-1'")
         # the straggler is erased with the rest if its partition delivered it before the request,
         # dropped at ingest if after
         straggled = req[2] - 6
         assert straggled in (0, 1) and req[1] == len(alice) + 3 * straggled
         assert req[:1] + req[3:6] == ("u-alice", ["ck-1"], 2, 6 + straggled)
         assert req[6] == request.occurred_at
+        assert req[7] == 1 and q("SELECT source_session_id FROM eval_task") == [("b-u-bob-0",)]
         flags = dict((r[0], (r[1], r[2] is not None)) for r in q(
             "SELECT id, trained_on_erased, erasure_flagged_at FROM checkpoint"))
         assert flags == {"base": (False, False), "ck-1": (True, True), "ck-2": (False, False)}
@@ -176,6 +189,7 @@ def test_a_session_flagged_private_part_way_is_deleted_whole(db, topics, kafka_b
     with session_scope() as s:  # a checkpoint trained on the part stored before the flag
         add_checkpoint(s, checkpoint_id="ck-p", path="/p", parent_id=None, generation=1)
         s.add(CheckpointTrajectory(checkpoint_id="ck-p", trajectory_id=trajectory_id_for("p-late"), user_id="u-p"))
+        s.add_all([_mined_task("p-late"), _mined_task("o-2")])
     with psycopg.connect(db) as conn:
         assert conn.execute("SELECT count(*) FROM event_log WHERE session_id = 'p-late'").fetchone() == (cut,)
     flag = lambda events: [e.model_copy(update={"privacy_mode": True}) for e in events]  # noqa: E731
@@ -190,6 +204,8 @@ def test_a_session_flagged_private_part_way_is_deleted_whole(db, topics, kafka_b
         flagged = conn.execute("SELECT trained_on_erased FROM checkpoint WHERE id = 'ck-p'").fetchone()
     assert tomb == {"p-late": len(earlier), "p-same": len(same_batch)}
     assert flagged == (True,)
+    with psycopg.connect(db) as conn:  # the task mined from it went with it
+        assert conn.execute("SELECT source_session_id FROM eval_task").fetchall() == [("o-2",)]
 
     from typer.testing import CliRunner
 
