@@ -107,6 +107,11 @@ def replay(
               "skipped_invalid": len(report.skipped_invalid)}
     if verify:
         result.update(identical=not diffs, differences=diffs, due_unswept=checked.due_unswept)
+    elif schema is None:
+        result["labels_not_rebuilt"] = report.labels_not_rebuilt
+        for spec, n in report.labels_not_rebuilt.items():
+            typer.echo(f"{n} labels under {spec} (not an active spec: a relabel wrote them) were dropped with the old "
+                       f"rows; run `flywheel relabel --spec {spec}` again to restore them", err=True)
     typer.echo(json.dumps(result))
     if verify and diffs:
         raise typer.Exit(1)

@@ -79,6 +79,10 @@ class ReplayReport:
     finalized_by_window: int = 0
     schema: str | None = None
     skipped_invalid: list[int] = field(default_factory=list)
+    labels_not_rebuilt: dict[str, int] = field(default_factory=dict)
+    """In place only: labels the live table held under specs the projection does not label (a
+    ``flywheel relabel`` with an inactive spec wrote them), by spec; gone with the old rows. Run the
+    relabel again to restore them."""
 
 
 def rebuild(session: Session, projector: Projector, *, grace_s: float, chunk: int = 5000,
@@ -120,8 +124,12 @@ def replay(projector: Projector, *, grace_s: float, schema: str | None = None, c
             conn.execute(f'SET LOCAL search_path = "{schema}", ' + home)
         else:
             conn.execute("SELECT pg_advisory_xact_lock(%s)", (PROJECTION_LOCK,))
+            before = dict(conn.execute("SELECT spec, count(*) FROM reward_label GROUP BY spec").fetchall())
             conn.execute("TRUNCATE " + ", ".join(PROJECTION_TABLES))
         rebuild(session, projector, grace_s=grace_s, chunk=chunk, report=report)
+        if schema is None:
+            rebuilt = {r[0] for r in conn.execute("SELECT DISTINCT spec FROM reward_label").fetchall()}
+            report.labels_not_rebuilt = {spec: n for spec, n in sorted(before.items()) if spec not in rebuilt}
     return report
 
 

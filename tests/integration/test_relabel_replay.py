@@ -121,6 +121,15 @@ def test_late_signals_replay_and_relabel(db, topics, kafka_bootstrap, short_wind
                                       "FROM reward_label WHERE spec = 'implicit@2'").fetchone()
     assert n2 == with_tests == len(labels)
 
+    # an in-place replay rebuilds what the consumers write: implicit@2's labels (a relabel's) are not
+    # part of it, and it says so rather than drop them silently
+    out = runner.invoke(app, ["replay"])
+    assert out.exit_code == 0, out.output
+    rep = json.loads(out.output.strip().splitlines()[-1])
+    assert rep["labels_not_rebuilt"] == {"implicit@2": len(labels)}
+    assert "run `flywheel relabel --spec implicit@2` again" in out.output
+    assert compare_projections(live, _dump(db)) == []  # implicit@1 as the consumers labelled it, again
+
 
 def test_an_erasure_while_a_relabel_scans_is_not_held_up_and_its_trajectories_get_no_label(db, monkeypatch):
     """The operator relabels while the group ingests; a user's erasure arrives after the relabel has
