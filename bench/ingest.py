@@ -47,7 +47,9 @@ every figure of both sides rises about alike). The earlier of those figures read
 first committed batch, which left out the batches decoded ahead by then (up to ~15 % of 100k
 events); read from the first record polled, as now: ratio 0.31, bound 0.33, 154 us against 26 us.
 On a fast day (2026-11-22) the bare loop gained more than ours did, and the ratio fell:
-bare 95k events/s at 11 us, ours 21.6k at 84 us (consumers 55, Postgres 28, broker 1), ratio 0.23.
+bare 95k events/s at 11 us, ours 21.6k at 84 us (consumers 55, Postgres 28, broker 1), ratio 0.23;
+later that day bare 49-67k (15-21 us: fetch-bound, not CPU-bound), ours 18-21k at 89-101 us, ratio
+0.31-0.37. The bare loop's speed sets the budget: 2 cores / (0.5 x bare) = 42-81 us an event for ours.
 zstd record batches and uncompressed ones measure alike (0.29 and 0.30 the same hour):
 decompressing a batch is one C call per ~250 kB.
 
