@@ -13,7 +13,7 @@ import threading
 from collections.abc import Callable
 from typing import TypeVar
 
-from tenacity import Retrying, retry_if_exception, wait_exponential_jitter
+from tenacity import Retrying, retry_if_exception, stop_after_delay, stop_when_event_set, wait_exponential_jitter
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -72,7 +72,8 @@ def retry_transient(fn: Callable[[], T], what: str, stop: threading.Event, max_w
             return backoff(rs)
         return max(0.0, min(backoff(rs), give_up_after_s - rs.seconds_since_start))
 
-    return Retrying(retry=retry_if_exception(is_transient), reraise=True, wait=wait,
-                    stop=lambda rs: stop.is_set() or (give_up_after_s is not None
-                                                       and rs.seconds_since_start >= give_up_after_s),
+    until = stop_when_event_set(stop)
+    if give_up_after_s is not None:
+        until = until | stop_after_delay(give_up_after_s)
+    return Retrying(retry=retry_if_exception(is_transient), reraise=True, wait=wait, stop=until,
                     sleep=stop.wait, before_sleep=_log)(fn)
