@@ -158,6 +158,21 @@ class IngestConsumer:
         with session_scope() as s:
             return stored_offsets(s, self.group_id, self.topic)
 
+    def _connect(self) -> bool:
+        """Make ``self._consumer``, retrying (a broker that is down or restarting is a transient fault
+        like any other) until it answers; False if the consumer was stopped meanwhile.
+
+        Raises:
+            Exception: a fault that is not transient.
+        """
+        try:
+            self._consumer = self.retry(self._kafka_consumer, f"reaching the Kafka broker at {self.bootstrap}")
+        except Exception:
+            if self._stop.is_set():
+                return False
+            raise
+        return True
+
     def _seek_to_stored(self, consumer, assigned) -> None:
         """Seek newly assigned partitions to the offsets stored in Postgres. This runs inside the
         rebalance callback, which blocks the client's heartbeats: if Postgres does not answer within
@@ -367,13 +382,8 @@ class IngestConsumer:
         except Exception:  # noqa: BLE001 -- the old client is being discarded anyway
             log.debug("closing the stuck consumer failed", exc_info=True)
         self._consumer, self._unseeked = None, set()
-        try:
-            self._consumer = self.retry(self._kafka_consumer, f"reaching the Kafka broker at {self.bootstrap}")
-        except Exception:
-            if self._stop.is_set():  # stopped while retrying: the poll loop ends here
-                return
-            raise
-        self._joining_since = time.monotonic()
+        if self._connect():
+            self._joining_since = time.monotonic()
 
     def _update_lag(self) -> None:
         lag = {}
@@ -410,13 +420,9 @@ class IngestConsumer:
             gc.unfreeze()
 
     def _run(self, idle_exit_s: float | None, stop_after: int | None) -> IngestStats:
-        try:  # a broker that is down or restarting at start is a transient fault like any other
-            self._consumer = self.retry(self._kafka_consumer, f"reaching the Kafka broker at {self.bootstrap}")
-        except Exception:
-            if self._stop.is_set():  # stopped while retrying: nothing was consumed
-                self.close()
-                return self.stats
-            raise
+        if not self._connect():  # stopped while reaching the broker: nothing was consumed
+            self.close()
+            return self.stats
         worker = threading.Thread(target=self._db_loop, name="flywheel-ingest-db", daemon=True)
         worker.start()
         last_record, polled = time.monotonic(), 0
