@@ -65,6 +65,15 @@ def create_shadow_schema(session: Session, schema: str) -> None:
         conn.execute(f'CREATE TABLE "{schema}".{t} (LIKE "{home}".{t} INCLUDING ALL)')
 
 
+def _enter_shadow_schema(session: Session, schema: str) -> None:
+    """:func:`create_shadow_schema`, then resolve table names there first for the rest of the
+    transaction (the projection tables are the shadow's; every other table is the live one)."""
+    create_shadow_schema(session, schema)
+    conn = raw_connection(session)
+    home = conn.execute("SELECT current_schema()").fetchone()[0]
+    conn.execute(f'SET LOCAL search_path = "{schema}", ' + home)
+
+
 def drop_schema(session: Session, schema: str) -> None:
     """Drop a shadow schema and its tables."""
     raw_connection(session).execute(f'DROP SCHEMA IF EXISTS "{_check_ident(schema)}" CASCADE')
@@ -119,9 +128,7 @@ def replay(projector: Projector, *, grace_s: float, schema: str | None = None, c
     with session_scope() as session:
         conn = raw_connection(session)
         if schema is not None:
-            create_shadow_schema(session, schema)
-            home = conn.execute("SELECT current_schema()").fetchone()[0]
-            conn.execute(f'SET LOCAL search_path = "{schema}", ' + home)
+            _enter_shadow_schema(session, schema)
         else:
             conn.execute("SELECT pg_advisory_xact_lock(%s)", (PROJECTION_LOCK,))
             before = dict(conn.execute("SELECT spec, count(*) FROM reward_label GROUP BY spec").fetchall())
@@ -165,9 +172,7 @@ def verify(projector: Projector, *, grace_s: float, chunk: int = 5000, limit: in
             "SELECT id FROM trajectory WHERE status = 'provisional' AND window_closes_at < now() - "
             "make_interval(secs => %s)", (grace_s,)).fetchall()]
         live = dump_projection(session, skip_trajectories=unswept)
-        create_shadow_schema(session, schema)
-        home = conn.execute("SELECT current_schema()").fetchone()[0]
-        conn.execute(f'SET LOCAL search_path = "{schema}", ' + home)
+        _enter_shadow_schema(session, schema)
         rebuild(session, projector, grace_s=grace_s, chunk=chunk, report=report)
         shadow = dump_projection(session, schema, skip_trajectories=unswept)
         drop_schema(session, schema)
