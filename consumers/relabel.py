@@ -78,6 +78,7 @@ def relabel(spec_id: str, *, baseline: str | None = None, chunk: int = 2000) -> 
         late = {r[0]: set(r[1]) for r in conn.execute(
             "SELECT id, late_event_ids FROM trajectory WHERE status = 'finalized' "
             "AND cardinality(late_event_ids) > 0").fetchall()}
+        trepo.create_label_stage(session)
         labels: list = []
         late_used: dict = {}  # trajectory id -> late signals its new label counted
 

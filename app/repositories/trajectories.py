@@ -235,20 +235,28 @@ RELABEL_STAGE = "relabel_stage"
 copies into ``reward_label``."""
 
 
+def create_label_stage(session: Session) -> None:
+    """Create :data:`RELABEL_STAGE` in the caller's transaction; it is dropped when the transaction
+    ends. It has no foreign key: staged rows take no lock on ``trajectory``, so an erasure while a
+    relabel scans is neither blocked by it nor fails it.
+
+    Raises:
+        psycopg.Error: database faults (the table exists already in this transaction, say).
+    """
+    raw_connection(session).execute(
+        f"CREATE TEMP TABLE {RELABEL_STAGE} (trajectory_id uuid, spec text, reward float8 NOT NULL, "
+        "components jsonb NOT NULL, created_at timestamptz NOT NULL, PRIMARY KEY (trajectory_id, spec)) "
+        "ON COMMIT DROP")
+
+
 def stage_labels(session: Session, labels: Sequence[tuple[uuid.UUID, Label]]) -> int:
-    """Stage labels of a relabel in :data:`RELABEL_STAGE`, created on first use in the caller's
-    transaction and dropped when it ends. Staged rows take no lock on ``trajectory`` (no foreign
-    key): an erasure while a relabel scans is neither blocked by it nor fails it. Returns rows staged.
+    """Stage labels of a relabel in :data:`RELABEL_STAGE` (:func:`create_label_stage` first).
+    Returns rows staged.
 
     Raises:
         psycopg.Error: database faults.
     """
-    if not labels:
-        return 0
     with raw_connection(session).cursor() as cur:
-        cur.execute(f"CREATE TEMP TABLE IF NOT EXISTS {RELABEL_STAGE} (trajectory_id uuid, spec text, "
-                    "reward float8 NOT NULL, components jsonb NOT NULL, created_at timestamptz NOT NULL, "
-                    "PRIMARY KEY (trajectory_id, spec)) ON COMMIT DROP")
         _insert_labels(cur, [(tid, lab, None) for tid, lab in labels],
                        "DO UPDATE SET reward = EXCLUDED.reward, components = EXCLUDED.components", RELABEL_STAGE)
     return len(labels)
@@ -264,10 +272,7 @@ def apply_staged_labels(session: Session) -> list[tuple[uuid.UUID, float]]:
     Raises:
         psycopg.Error: database faults.
     """
-    conn = raw_connection(session)
-    if conn.execute("SELECT to_regclass(%s)", (f"pg_temp.{RELABEL_STAGE}",)).fetchone()[0] is None:
-        return []  # nothing staged
-    return conn.execute(
+    return raw_connection(session).execute(
         "INSERT INTO reward_label (trajectory_id, spec, reward, components, created_at) "
         f"SELECT s.trajectory_id, s.spec, s.reward, s.components, s.created_at FROM {RELABEL_STAGE} s "
         "JOIN trajectory t ON t.id = s.trajectory_id FOR KEY SHARE OF t "
