@@ -10,7 +10,7 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from sqlalchemy import Engine, create_engine
+from sqlalchemy import Engine, create_engine, make_url
 from sqlalchemy.engine import make_url
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -55,7 +55,8 @@ def get_engine() -> Engine:
     with _engines_lock:
         engine = _engines.get(key)
         if engine is None:
-            connect_args = {} if "connect_timeout=" in key[0] else {"connect_timeout": s.connect_timeout_s}
+            own = "connect_timeout" in make_url(key[0]).query  # the URL's own wins
+            connect_args = {} if own else {"connect_timeout": s.connect_timeout_s}
             engine = _engines[key] = create_engine(key[0], pool_size=s.pool_size, pool_pre_ping=True,
                                                    echo=s.echo, connect_args=connect_args)
     return engine
