@@ -76,6 +76,13 @@ def _event_ids(url: str) -> list[uuid.UUID]:
         return [r[0] for r in conn.execute("SELECT event_id FROM event_log")]
 
 
+def _each_event_once(url: str, n: int) -> list[uuid.UUID]:
+    """``event_log``'s event ids, after checking there are ``n`` of them, none twice."""
+    ids = _event_ids(url)
+    assert len(ids) == len(set(ids)) == n
+    return ids
+
+
 def test_sigkilled_consumers_leave_every_event_once_and_the_same_trajectories(db, topics, kafka_bootstrap,
                                                                               pg_admin_url, tmp_path):
     events = generate_stream(20_000, seed=7, concurrency=32)
@@ -98,8 +105,7 @@ def test_sigkilled_consumers_leave_every_event_once_and_the_same_trajectories(db
                  what="all events stored")
     finally:
         _stop(procs)
-    ids = _event_ids(db)
-    assert len(ids) == len(set(ids)) == len(events)
+    ids = _each_event_once(db, len(events))
     assert set(ids) == {e.event_id for e in events}
     stored_offsets = scalar(db, "SELECT sum(next_offset) FROM consumer_offset WHERE topic = %s",
                             (topics["interactions"],))
@@ -153,8 +159,7 @@ def test_a_database_restart_mid_stream_loses_nothing(topics, kafka_bootstrap, tm
                      what="all events stored after the restart")
         finally:
             _stop([proc])
-        ids = _event_ids(url)
-        assert len(ids) == len(set(ids)) == len(events)
+        _each_event_once(url, len(events))
         assert scalar(url, "SELECT count(*) FROM dead_letter") == 0
         text = Path(logs).read_text(errors="replace")
         assert "retrying" in text  # it did see the outage
@@ -286,7 +291,7 @@ def test_a_consumer_started_before_the_broker_retries_until_it_answers(db, topic
         relay.shutdown()
         relay.server_close()
     assert not t.is_alive() and result["stats"].stored == len(events)
-    assert _event_ids(db) and len(set(_event_ids(db))) == len(events)
+    _each_event_once(db, len(events))
 
 
 def test_a_consumer_started_while_the_database_is_down_stays_in_its_group_and_ingests_once_it_is_up(
@@ -315,8 +320,7 @@ def test_a_consumer_started_while_the_database_is_down_stays_in_its_group_and_in
                      what="all events stored once Postgres is up")
         finally:
             _stop([proc])
-        ids = _event_ids(url)
-        assert len(ids) == len(set(ids)) == len(events)
+        _each_event_once(url, len(events))
         text = logs.read_text(errors="replace")
         assert "Heartbeat session expired" not in text, text[-3000:]
         assert text.count("partitions assigned") == 1  # it never had to rejoin
