@@ -12,8 +12,10 @@ Invariants:
   ``consumers.erasure``).
 - A mined task is held out for good: every trajectory on its ``task_id`` is marked
   ``reserved_for_eval`` (and the trainer skips task ids in ``eval_task``). A task some checkpoint
-  already trained on is never mined (it would be contaminated from the start);
-  :func:`find_contamination` re-checks every checkpoint's lineage and manifest.
+  already trained on is never mined (it would be contaminated from the start), and a candidate
+  whose cycle selected its data before a task was mined retires that task when it registers
+  (``app.repositories.holdout``: both sides hold its lock); :func:`find_contamination` re-checks
+  every checkpoint's lineage and manifest.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.orm import Session
 
 from app.models import Checkpoint, CheckpointTrajectory, EvalTask, EventLog, Trajectory
+from app.repositories.holdout import lock_holdout
 
 if TYPE_CHECKING:
     from evals.tasks.model import Task
@@ -96,6 +99,12 @@ def _trained_task_ids(session: Session) -> set[str]:
     return set(session.scalars(select(CheckpointTrajectory.task_id).where(CheckpointTrajectory.task_id.is_not(None))))
 
 
+def _still_there(session: Session, trajectory_id: uuid.UUID) -> bool:
+    """Whether the trajectory still exists, locking it ``FOR KEY SHARE`` (a deletion waits for us)."""
+    return session.execute(select(Trajectory.id).where(Trajectory.id == trajectory_id)
+                           .with_for_update(read=True, key_share=True)).first() is not None
+
+
 def mine_tasks(session: Session, *, min_persistence: float = 0.8, limit: int | None = None) -> MiningReport:
     """Turn qualifying finalized trajectories into held-out ``eval_task`` rows; flush.
 
@@ -106,9 +115,17 @@ def mine_tasks(session: Session, *, min_persistence: float = 0.8, limit: int | N
     Returns:
         A :class:`MiningReport` (skip reasons: ``no_request``, ``no_persistence``,
         ``edits_not_persisted``, ``no_tests``, ``no_source_task``, ``already_trained``,
-        ``duplicate``).
+        ``duplicate``, ``erased``: deleted by an erasure or a privacy purge while the pass ran).
+    Raises:
+        sqlalchemy.exc.DBAPIError: database faults (the caller's transaction rolls back).
+
+    Holds the eval hold-out lock for the caller's transaction (``app.repositories.holdout``), so a
+    candidate registering meanwhile either sees these tasks (and retires any it trained on) or is
+    seen here (``already_trained``). A trajectory to hold out is locked ``FOR KEY SHARE`` first: an
+    erasure that deleted it is skipped (``erased``), one still to come waits and deletes the task too.
     """
     report = MiningReport()
+    lock_holdout(session)
     trained_tasks = _trained_task_ids(session)
     stmt = (select(Trajectory).where(Trajectory.status == "finalized", Trajectory.reserved_for_eval.is_(False))
             .order_by(Trajectory.finalized_at, Trajectory.id))
@@ -133,6 +150,8 @@ def mine_tasks(session: Session, *, min_persistence: float = 0.8, limit: int | N
         if skip is None and (traj.task_id in trained_tasks or session.scalar(
                 select(exists().where(CheckpointTrajectory.trajectory_id == traj.id)))):
             skip = "already_trained"
+        if skip is None and not _still_there(session, traj.id):
+            skip = "erased"
         if skip is not None:
             report.skipped[skip] += 1
             continue

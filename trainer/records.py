@@ -7,6 +7,9 @@ Invariants:
 - A candidate is registered all-or-nothing: the ``checkpoint`` row, its ``checkpoint_trajectory``
   lineage rows, the ``training_cycle`` update (status, watermark) and the ``checkpoint.created``
   outbox message are written in ONE transaction. Functions here flush, never commit.
+- A candidate is never gated on a task it trained on: registration holds the eval hold-out lock and
+  retires eval tasks mined (after its cycle selected its data) from what it trained on
+  (``app.repositories.holdout``).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from sqlalchemy.orm import Session
 
 from app.models import Checkpoint, TrainingCycle
 from app.repositories.checkpoints import add_checkpoint, add_checkpoint_trajectories
+from app.repositories.holdout import retire_trained_eval_tasks
 from trainer.data import CycleData
 
 log = logging.getLogger(__name__)
@@ -117,6 +121,8 @@ def register_candidate(session: Session, *, cycle_id: uuid.UUID, checkpoint_id: 
     """Insert the candidate, its lineage, the cycle's success and ``checkpoint.created``; flush. A
     candidate that trained on trajectories an erasure or a privacy purge deleted meanwhile is
     registered flagged ``trained_on_erased`` (promotion refuses it), and the erasure requests name it.
+    Eval tasks mined meanwhile from what it trained on are retired (``app.repositories.holdout``;
+    listed in the candidate's and the cycle's metrics as ``eval_tasks_retired``).
 
     The caller's transaction makes the writes atomic (see module docstring).
     """
@@ -134,6 +140,12 @@ def register_candidate(session: Session, *, cycle_id: uuid.UUID, checkpoint_id: 
         log.warning("candidate %s trained on %d trajectories erased or made private while it trained (erasure "
                     "requests %s): registered flagged trained_on_erased, so it cannot be promoted",
                     checkpoint_id, len(gone), requests or "none")
+    retired = retire_trained_eval_tasks(session, checkpoint_id)
+    if retired:
+        summary = {**summary, "eval_tasks_retired": retired}
+        row.metrics = summary  # a new dict: the JSON column does not track in-place changes
+        log.warning("candidate %s trained on %d eval tasks mined while it trained: retired from the eval suites "
+                    "(%s)", checkpoint_id, len(retired), ", ".join(retired[:10]))
     cycle = session.get(TrainingCycle, cycle_id)
     cycle.status, cycle.checkpoint_id = "succeeded", checkpoint_id
     cycle.num_trajectories = len(data.used)

@@ -141,3 +141,29 @@ def test_simulated_sessions_resolve_their_source_task():
     assert mined.source_task("humaneval", "HumanEval/3").id == "HumanEval/3"
     assert mined.source_task("product", "repo/issue") is None
     assert mined.source_task("dataframebench", "DFB/nope") is None
+
+
+def test_an_erasure_committed_while_mining_runs_is_skipped_not_mined(sessions, monkeypatch):
+    """Mining reads the trajectories, then examines them one by one; an erasure that commits in
+    between deletes a session mining then reaches. Mining must skip it (no task from an erased
+    session, no crash), not insert its task and fail on the vanished row."""
+    from consumers.erasure import erase_now
+
+    erased = []
+
+    def erase_then_look_up(source, task_id):
+        if not erased:  # the first qualifying session is "good", user u1
+            with session_scope() as other:
+                erased.append(erase_now(other, "u1", "erasure-while-mining"))
+        return SOURCE.get(task_id) if source == "dataframebench" else None
+
+    monkeypatch.setattr(mined, "source_task", erase_then_look_up)
+    with session_scope() as s:
+        report = mined.mine_tasks(s, min_persistence=0.8)
+    assert erased and erased[0].trajectories_deleted == 1
+    assert report.skipped["erased"] == 1
+    assert report.mined == ["dfb/A"]  # from the duplicate session of the same task instead
+    with session_scope() as s:
+        (task,) = s.scalars(select(EvalTask)).all()
+        assert task.source_trajectory_id == sessions["dup"] and task.source_session_id == "sess-2"
+        assert s.get(Trajectory, sessions["good"]) is None

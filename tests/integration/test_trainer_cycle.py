@@ -272,3 +272,53 @@ def test_trajectories_deleted_while_the_cycle_trains_leave_the_candidate_flagged
         assert flagged == [result.checkpoint_id]
     else:
         assert session.get(Trajectory, used[1]) is None and session.get(Trajectory, used[0]) is not None
+
+
+def test_an_eval_task_mined_while_the_cycle_trains_is_retired_at_registration(session, store, production,
+                                                                             policy_dir, monkeypatch):
+    """Mining during a cycle can hold out a task the cycle already selected (and trains on): the
+    gate would then score the candidate on its own training data. Registration retires that task."""
+    import uuid
+    from datetime import datetime, timezone
+
+    import trainer.checkpointing as checkpointing
+    from app.core.db import session_scope
+    from app.models import Checkpoint, EvalTask, EventLog, Trajectory, TrainingCycle
+    from evals import mined
+    from tests.integration.test_eval_runner_resume import StubTask
+    from trainer.cycle import run_cycle
+
+    used, _ = _insert_sessions(session, policy_dir)
+    mined_from = session.get(Trajectory, used[0])
+    assert mined_from.task_id == "task-0"
+    for typ, payload in (("agent.requested", {"request_id": "r", "text": "make f return 1"}),
+                         ("tool.executed", {"call_id": "c", "name": "run", "ok": True, "ran_tests": True,
+                                            "command": "python -m pytest -q"}),
+                         ("edit.persistence_measured", {"edit_id": "e", "fraction_persisted": 1.0, "delay_s": 60.0})):
+        session.add(EventLog(event_id=uuid.uuid4(), type=typ, schema_version=1, occurred_at=datetime.now(timezone.utc),
+                             session_id=mined_from.session_id, user_id="user-1", org_id="org", payload=payload))
+    session.commit()
+    source = StubTask(id="task-0", source="test", split="train", request="spec", files={"f.py": "x = 0\n"},
+                      test_command="python -m pytest -q", test_files={"test_f.py": "# hidden\n"})
+    monkeypatch.setattr(mined, "source_task", lambda src, task_id: source if task_id == "task-0" else None)
+    real_write, reports = checkpointing.write_checkpoint, []
+
+    def mine_then_write(*args, **kwargs):  # after the selection, before the registration
+        with session_scope() as s:
+            reports.append(mined.mine_tasks(s))
+        return real_write(*args, **kwargs)
+
+    monkeypatch.setattr(checkpointing, "write_checkpoint", mine_then_write)
+    result = run_cycle(TrainerConfig.model_validate(CONFIG), store=store)
+    assert result.status == "succeeded", result.detail
+    assert reports and reports[0].mined == ["task-0"]
+    session.expire_all()
+    assert session.get(EvalTask, "task-0") is None
+    row = session.get(Checkpoint, result.checkpoint_id)
+    assert row.metrics["eval_tasks_retired"] == ["task-0"]
+    assert session.get(TrainingCycle, uuid.UUID(result.cycle_id)).metrics["eval_tasks_retired"] == ["task-0"]
+    assert mined.find_contamination(session) == []
+    # the next pass does not mine it again: the candidate's lineage has it now
+    with session_scope() as s:
+        again = mined.mine_tasks(s)
+    assert again.mined == [] and session.get(EvalTask, "task-0") is None
