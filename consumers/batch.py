@@ -20,7 +20,9 @@ Invariants (exactly-once effect):
   session flagged part-way (privacy turned on mid-session) is private whole: at its first flagged
   event, what was stored of it (events, trajectory) is deleted and counted in its tombstone. Their
   dead letters keep their place and reason, not their bytes: one whose bytes claim ``privacy_mode``
-  or a private session is stored so, and a session's first flag strips those already stored.
+  or a private session is stored so, and a session's first flag strips those already stored. A dead
+  letter whose bytes claim ``privacy_mode`` for a session flags that session as a valid event would
+  (:func:`privacy_flagged_sessions`): the record failing validation does not void the request.
   Between group members too, for a session split over partitions (a producer that does not key by
   session), with session locks (``PRIVACY_LOCK_SPACE``, one advisory lock per bucket of session
   ids, taken in bucket order): before a batch's transaction, :func:`publish_private_sessions` makes
@@ -249,6 +251,17 @@ def lock_sessions(conn, sessions: Collection[str], exclusive: Collection[str] = 
                  {"space": PRIVACY_LOCK_SPACE, "keys": keys, "x": [buckets[k] for k in keys]}).fetchall()
 
 
+def privacy_flagged_sessions(batch: Collection[Decoded]) -> set[str]:
+    """The sessions that records of ``batch`` flag ``privacy_mode``: a valid event's flag, or what a
+    dead letter's bytes claim (``consumers.deadletter.claim_of``: unvalidated, but a request for
+    privacy errs toward privacy; the record failing validation does not make the user's wish void)."""
+    flagged = {d.event.session_id for d in batch if d.event is not None and d.event.privacy_mode}
+    for d in batch:
+        if d.reason is not None and (claim := claim_of_dead_letter(d)).privacy_mode and claim.session_id:
+            flagged.add(claim.session_id)
+    return flagged
+
+
 def publish_private_sessions(session: Session, batch: list[Decoded]) -> dict[str, int]:
     """Make the sessions whose events in ``batch`` are flagged ``privacy_mode`` private, whole, in
     the caller's transaction, which should hold nothing else and commit right after (the batch's
@@ -262,7 +275,7 @@ def publish_private_sessions(session: Session, batch: list[Decoded]) -> dict[str
     Raises:
         psycopg.Error: database faults (nothing is published).
     """
-    flagged = sorted({d.event.session_id for d in batch if d.event is not None and d.event.privacy_mode})
+    flagged = sorted(privacy_flagged_sessions(batch))
     todo = sorted(set(flagged) - private_sessions(session, flagged)) if flagged else []
     if not todo:
         return {}
@@ -313,6 +326,7 @@ def apply_batch(session: Session, group_id: str, batch: list[Decoded], projector
     events = [d for d in fresh if d.event is not None]
     sessions = {d.event.session_id for d in events} | {c.session_id for c in claims if c is not None and c.session_id}
     flagged = {d.event.session_id for d in events if d.event.privacy_mode}  # type: ignore[union-attr]
+    flagged |= {c.session_id for c in claims if c is not None and c.privacy_mode and c.session_id}
     private = private_sessions(session, list(sessions))
     if flagged - private:  # not published ahead (publish_private_sessions): hold every session lock from here on
         lock_sessions(conn, sessions, flagged - private)
@@ -332,6 +346,10 @@ def apply_batch(session: Session, group_id: str, batch: list[Decoded], projector
                 row = redacted(row, requested_at)
             elif claim.privacy_mode or claim.session_id in private:
                 row = redacted_private(row)
+                if claim.privacy_mode and claim.session_id and claim.session_id not in private:
+                    newly_private.add(claim.session_id)  # what was stored of it goes, as for an event's flag
+                    private.add(claim.session_id)
+                    tombstones[claim.session_id] += 0  # the session's tombstone, counting events only
             dead.append(row)
             out.dead_letters[d.reason] += 1
             out.dead_letter_positions.append((d.msg.topic, d.msg.partition, d.msg.offset))

@@ -41,7 +41,8 @@ from app.core.db import session_scope
 from app.core.settings import get_settings
 from app.core.telemetry import tracer
 from app.repositories.events import stored_dead_letters
-from consumers.batch import BatchOutcome, IngestStats, apply_batch, publish_private_sessions
+from consumers.batch import (BatchOutcome, IngestStats, apply_batch, privacy_flagged_sessions,
+                             publish_private_sessions)
 from consumers.deadletter import Decoded, DeadLetterPublisher, Message, classify
 from consumers.finalize import finalize_due
 from consumers.isolation import apply_isolated
@@ -236,7 +237,7 @@ class IngestConsumer:
     # ---- one batch (DB thread) -----------------------------------------------------------------
 
     def _apply(self, decoded: list[Decoded]) -> BatchOutcome:
-        if any(d.event is not None and d.event.privacy_mode for d in decoded):
+        if privacy_flagged_sessions(decoded):
             with session_scope() as session:  # its own short transaction, ahead of the batch's
                 publish_private_sessions(session, decoded)
         with session_scope() as session:

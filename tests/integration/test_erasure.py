@@ -227,20 +227,27 @@ def _malformed(event, secret: str, **top) -> tuple:
 def test_a_private_sessions_dead_letters_keep_no_bytes(db, topics, kafka_bootstrap):
     """A privacy-mode session's malformed records keep their place and reason, not their bytes:
     stored before the session's flag (then stripped by it), after it, or claiming the flag themselves;
-    the DLQ topic gets those after the flag without bytes. Another session's are kept whole."""
+    the DLQ topic gets those after the flag without bytes. Another session's are kept whole. A
+    malformed record that claims the flag makes its session private whole, as a valid flag would:
+    its valid events, stored by an earlier batch or around it in this one, go too."""
     rng = np.random.default_rng(9)
     private = generate_session(rng, session_id="p-dl", user_id="u-q", start=T0)
+    claimed = generate_session(rng, session_id="p-claim", user_id="u-q", start=T0)
     public = generate_session(rng, session_id="o-3", user_id="u-q", start=T0)
     produce(kafka_bootstrap, topics["interactions"],
-            [kafka_record(e) for e in private[:2]] + [_malformed(private[2], "private code 1")])
+            [kafka_record(e) for e in private[:2]] + [_malformed(private[2], "private code 1")]
+            + [kafka_record(e) for e in claimed[:2]])
     _consume()
     with psycopg.connect(db) as conn:  # before the flag it is an ordinary session's dead letter
         assert conn.execute("SELECT session_id, redacted, raw IS NOT NULL FROM dead_letter").fetchall() == \
             [("p-dl", None, True)]
+        assert conn.execute("SELECT count(*) FROM event_log WHERE session_id = 'p-claim'").fetchone() == (2,)
     flagged = [e.model_copy(update={"privacy_mode": True}) for e in private[3:4]]
     produce(kafka_bootstrap, topics["interactions"],
             [kafka_record(e) for e in flagged] + [_malformed(private[4], "private code 2")]
-            + [_malformed(public[0], "private code 3", privacy_mode=True), _malformed(public[1], "public text")]
+            + [kafka_record(claimed[2]), _malformed(claimed[3], "private code 3", privacy_mode=True)]
+            + [kafka_record(e) for e in claimed[4:]]
+            + [kafka_record(public[0]), _malformed(public[1], "public text")]
             + [kafka_record(e) for e in public[2:]])
     _consume()
     with psycopg.connect(db) as conn:
@@ -248,11 +255,16 @@ def test_a_private_sessions_dead_letters_keep_no_bytes(db, topics, kafka_bootstr
                             'FROM dead_letter ORDER BY session_id DESC, partition, "offset"').fetchall()
         leaked = conn.execute("SELECT count(*) FROM dead_letter WHERE position('private code' in "
                               "convert_from(raw, 'UTF8')) > 0").fetchone()
-        assert conn.execute("SELECT count(*) FROM event_log WHERE session_id = 'p-dl'").fetchone() == (0,)
+        stored = dict(conn.execute("SELECT session_id, count(*) FROM event_log GROUP BY session_id").fetchall())
+        trajectories = conn.execute("SELECT session_id FROM trajectory").fetchall()
+        tomb = dict(conn.execute("SELECT session_id, events_dropped FROM privacy_tombstone").fetchall())
+    assert stored == {"o-3": len(public) - 1} and trajectories == [("o-3",)]
+    assert tomb == {"p-dl": 3, "p-claim": len(claimed) - 1}  # events (not dead letters) stored or dropped
     stripped = "raw bytes not kept: the session is in privacy mode; "
     assert [(sid, why, gone, detail.startswith(stripped)) for sid, why, gone, detail in rows] == [
         ("p-dl", "privacy", True, True), ("p-dl", "privacy", True, True),   # before the flag, after it
-        ("o-3", "privacy", True, True), ("o-3", None, False, False)]        # claims the flag; does not
+        ("p-claim", "privacy", True, True),                                 # claims the flag
+        ("o-3", None, False, False)]                                        # does not
     assert all("secret" in detail for *_, detail in rows)  # the reason is kept
     assert leaked == (0,)
     dlq = read_topic(kafka_bootstrap, topics["dlq"])
@@ -260,6 +272,13 @@ def test_a_private_sessions_dead_letters_keep_no_bytes(db, topics, kafka_bootstr
     assert [b"private code 1" in m.value for m in dlq].count(True) == 1
     assert not [m for m in dlq if b"private code 2" in m.value or b"private code 3" in m.value]
     assert [(m.key, m.value) for m in dlq if dict(m.headers).get("dlq-redacted") == b"privacy"] == [(None, b"")] * 2
+
+    from typer.testing import CliRunner
+
+    from app.cli import app
+
+    out = CliRunner().invoke(app, ["replay", "--verify"])
+    assert out.exit_code == 0 and '"identical": true' in out.output, out.output
 
 
 def test_an_erasure_finds_dead_letters_through_indexes(db):
