@@ -225,5 +225,19 @@ def test_replay_verify_compares_one_snapshot_beside_a_live_group(db, monkeypatch
     assert result["differences"][0].startswith("trajectory id=")
     assert result["differences"][0].endswith(": num_turns differ")
 
+    with psycopg.connect(db) as conn:  # a label missing, and a segment's tokens and event ids changed
+        label = conn.execute("DELETE FROM reward_label WHERE trajectory_id = (SELECT min(trajectory_id::text)::uuid "
+                             "FROM reward_label) RETURNING trajectory_id, spec").fetchone()
+        segment = conn.execute("UPDATE trajectory_segment SET token_ids = token_ids || '\\x00'::bytea, "
+                               "event_ids = event_ids[2:] WHERE (trajectory_id, segment_index) = (SELECT "
+                               "trajectory_id, segment_index FROM trajectory_segment ORDER BY 1, 2 LIMIT 1) "
+                               "RETURNING trajectory_id, segment_index").fetchone()
+    out = CliRunner().invoke(app, ["replay", "--verify"])
+    assert out.exit_code == 1, out.output
+    assert set(json.loads(out.output.strip().splitlines()[-1])["differences"]) == {
+        result["differences"][0],
+        f"trajectory_segment trajectory_id={segment[0]}, segment_index={segment[1]}: token_ids, event_ids differ",
+        f"reward_label: 1 row(s) only in the replay, e.g. trajectory_id={label[0]}, spec={label[1]}"}
+
     out = CliRunner().invoke(app, ["replay", "--verify", "--schema", "x"])
     assert out.exit_code == 2 and "--schema" in out.output
