@@ -110,6 +110,7 @@ class IngestConsumer:
         self._done: queue.Queue = queue.Queue()
         self._worker_error: BaseException | None = None
         self._last_sweep = time.monotonic()
+        self._poll_faults, self._poll_faults_since, self._poll_warned_at = 0, 0.0, 0.0  # see _poll
 
     # ---- plumbing ---------------------------------------------------------------------------
 
@@ -173,6 +174,40 @@ class IngestConsumer:
                 return False
             raise
         return True
+
+    def _poll(self) -> dict:
+        """One ``KafkaConsumer.poll``. The broker going away mid-stream (a restart, a network fault)
+        makes polls raise, every other one or so: each such fault waits a backoff (0.1 s doubling, at
+        most ``retry_max_wait_s``, cut short by :meth:`stop`) and returns ``{}``; the client reconnects
+        and rejoins its group by itself, and reassigned partitions seek to the offsets stored in
+        Postgres. Meanwhile the DB thread applies what was polled before. Logged once, then at most
+        every 30 s, until records flow again.
+
+        Raises:
+            Exception: a fault that is not transient.
+        """
+        try:
+            records = self._consumer.poll(timeout_ms=self.settings.poll_timeout_ms,
+                                          max_records=self.settings.batch_max_records)
+        except Exception as exc:
+            if not is_transient(exc):
+                raise
+            now = time.monotonic()
+            if not self._poll_faults:
+                self._poll_faults_since = self._poll_warned_at = now
+                log.warning("polling the Kafka broker at %s failed, retrying until it answers: %s", self.bootstrap, exc)
+            elif now - self._poll_warned_at >= 30.0:
+                self._poll_warned_at = now
+                log.warning("the Kafka broker at %s still fails polls (%d in %.0fs), retrying: %s", self.bootstrap,
+                            self._poll_faults + 1, now - self._poll_faults_since, exc)
+            self._poll_faults += 1
+            self._stop.wait(min(0.1 * 2 ** min(self._poll_faults - 1, 16), self.settings.retry_max_wait_s))
+            return {}
+        if records and self._poll_faults:
+            log.info("the Kafka broker at %s answers again after %d failed polls in %.0fs", self.bootstrap,
+                     self._poll_faults, time.monotonic() - self._poll_faults_since)
+            self._poll_faults = 0
+        return records
 
     def _seek_to_stored(self, consumer, assigned) -> None:
         """Seek newly assigned partitions to the offsets stored in Postgres. This runs inside the
@@ -430,8 +465,7 @@ class IngestConsumer:
         try:
             while not self._stop.is_set():
                 self._commit_done()
-                records = self._consumer.poll(timeout_ms=self.settings.poll_timeout_ms,
-                                              max_records=self.settings.batch_max_records)
+                records = self._poll()
                 messages = [Message.from_record(r) for recs in records.values() for r in recs]
                 now = time.monotonic()
                 if messages:

@@ -97,8 +97,14 @@ class BrokerProcess:
         return f"{self.host}:{self.port}"
 
 
-def start_broker(log_dir: Path, port: int | None = None, timeout_s: float = 30.0) -> BrokerProcess:
+def start_broker(log_dir: Path, port: int | None = None, timeout_s: float = 30.0, *,
+                 advertised_port: int | None = None) -> BrokerProcess:
     """Start ``tansu`` (memory storage) on 127.0.0.1, detached from this process's session.
+
+    Args:
+        advertised_port: the port clients are told to connect to after bootstrapping (default
+            ``port``; another one puts, e.g., a proxy between the broker and its clients, which
+            must be up for the start to see the broker answer).
 
     Raises:
         InfrastructureError: the broker did not answer Kafka metadata within ``timeout_s`` seconds.
@@ -108,7 +114,8 @@ def start_broker(log_dir: Path, port: int | None = None, timeout_s: float = 30.0
     log = open(log_dir / f"broker-{port}.log", "ab")
     url = f"tcp://127.0.0.1:{port}"
     proc = subprocess.Popen(
-        [str(tansu_path()), "broker", "--listener-url", url, "--advertised-listener-url", url,
+        [str(tansu_path()), "broker", "--listener-url", url,
+         "--advertised-listener-url", f"tcp://127.0.0.1:{advertised_port or port}",
          "--storage-engine", "memory://tansu/"],
         stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
     )

@@ -10,6 +10,7 @@ import socket
 import socketserver
 import threading
 import time
+import traceback
 import uuid
 from pathlib import Path
 
@@ -22,6 +23,7 @@ from app.core.db import normalize_url
 from app.core.migrate import upgrade
 from consumers.replay import compare_projections, dump_projection
 from consumers.testing import consumer_process, generate_stream, kafka_record, produce, scalar, wait_for
+from tests.fixtures.broker import read_topic
 
 pytestmark = pytest.mark.integration
 
@@ -219,16 +221,23 @@ def test_seq_values_are_reserved_in_blocks_and_never_overlap(db):
 
 class _Relay(socketserver.ThreadingTCPServer):
     """A TCP relay on ``port`` to ``target`` (host:port): the broker's address, reachable only while
-    the relay runs (a broker that comes up after its consumers)."""
+    the relay runs (a broker that comes up after its consumers). :meth:`cut` drops every connection
+    and refuses new ones until :meth:`mend` (a broker outage mid-stream)."""
 
     daemon_threads = allow_reuse_address = True
 
     def __init__(self, port: int, target: str) -> None:
         host, tport = target.rsplit(":", 1)
+        self.open: set[socket.socket] = set()
+        self.refusing = False
+        relay = self
 
         class Pipe(socketserver.BaseRequestHandler):
             def handle(self) -> None:
+                if relay.refusing:
+                    return
                 with socket.create_connection((host, int(tport))) as up:
+                    relay.open.update((up, self.request))
                     def pump(a, b):
                         try:
                             while data := a.recv(65536):
@@ -248,6 +257,18 @@ class _Relay(socketserver.ThreadingTCPServer):
                     t.join()
 
         super().__init__(("127.0.0.1", port), Pipe)
+
+    def cut(self) -> None:
+        self.refusing = True
+        for sock in list(self.open):
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        self.open.clear()
+
+    def mend(self) -> None:
+        self.refusing = False
 
 
 def test_a_consumer_started_before_the_broker_retries_until_it_answers(db, topics, kafka_bootstrap):
@@ -292,6 +313,61 @@ def test_a_consumer_started_before_the_broker_retries_until_it_answers(db, topic
         relay.server_close()
     assert not t.is_alive() and result["stats"].stored == len(events)
     _each_event_once(db, len(events))
+
+
+def test_a_broker_outage_mid_stream_loses_nothing_and_the_consumer_rides_it_out(db, tmp_path):
+    """The broker becomes unreachable while the consumer ingests (every connection dropped, new ones
+    refused) for longer than the group's session timeout, then comes back: the consumer keeps
+    running (fetches, heartbeats and Kafka commits fail meanwhile; polls raise), reconnects, and every
+    event ends up in ``event_log`` exactly once, every dead letter in ``dead_letter`` and on the DLQ
+    topic once."""
+    from consumers.ingest import IngestConsumer
+    from consumers.settings import get_consumer_settings
+    from ops.stack import create_topics, free_port, start_broker, stop_pid
+
+    port, advertised = free_port(), free_port()
+    relay = _Relay(advertised, f"127.0.0.1:{port}")  # every client connection goes through the relay
+    threading.Thread(target=relay.serve_forever, daemon=True).start()
+    broker = start_broker(tmp_path / "broker", port, advertised_port=advertised)
+    bootstrap = f"127.0.0.1:{advertised}"
+    topic, dlq, consumer = "interactions", "interactions.dlq", None
+    try:
+        create_topics(bootstrap, {topic: 4, dlq: 1})
+        events = generate_stream(3000, seed=45)
+        records = [kafka_record(e) for e in events]
+        produce(bootstrap, topic, records[:1500] + [(b"k", b"{not json 1", [])])
+        settings = get_consumer_settings().model_copy(update={
+            "batch_max_records": 200, "retry_max_wait_s": 1.0, "session_timeout_ms": 6000})
+        consumer = IngestConsumer(bootstrap=bootstrap, topic=topic, group_id=f"outage-{uuid.uuid4().hex[:8]}",
+                                  dlq_topic=dlq, settings=settings)
+        result: dict = {}
+
+        def run() -> None:
+            try:
+                result["stats"] = consumer.run(idle_exit_s=15.0)
+            except BaseException as exc:  # noqa: BLE001 -- the assertions below report it
+                result["error"] = "".join(traceback.format_exception(exc))
+
+        t = threading.Thread(target=run, daemon=True)
+        t.start()
+        assert wait_for(lambda: scalar(db, "SELECT count(*) FROM event_log") > 0, 60)
+        relay.cut()
+        time.sleep(10)  # past the 6 s session timeout
+        assert t.is_alive(), result.get("error")
+        relay.mend()
+        produce(bootstrap, topic, records[1500:] + [(b"k", b"{not json 2", [])])
+        t.join(180)
+        assert not t.is_alive() and "error" not in result, result.get("error")
+        _each_event_once(db, len(events))
+        assert scalar(db, "SELECT count(*) FROM dead_letter") == 2
+        assert sorted(m.value for m in read_topic(bootstrap, dlq)) == [b"{not json 1", b"{not json 2"]
+    finally:
+        if consumer is not None:
+            consumer.stop()
+        relay.cut()
+        relay.shutdown()
+        relay.server_close()
+        stop_pid(broker.pid)
 
 
 def test_a_consumer_started_while_the_database_is_down_stays_in_its_group_and_ingests_once_it_is_up(
