@@ -262,6 +262,8 @@ class ServingWatcher:
         Raises:
             CheckpointError: the target is not available here; positions are not advanced, so the
                 batch is read again on the next poll.
+            Exception: the broker or the database failed (``kafka.errors.KafkaError``,
+                ``sqlalchemy.exc.DBAPIError``...); likewise nothing is advanced.
         """
         if self._consumer is None:
             self._consumer = self._connect()
@@ -281,7 +283,7 @@ class ServingWatcher:
             return None
         try:
             move = self.follower.handle_batch(batch)
-        except CheckpointError:
+        except Exception:
             for tp in self._consumer.assignment():  # re-read this batch next time
                 saved = self.follower.offsets.get(str(tp.partition))
                 self._consumer.seek(tp, int(saved)) if saved is not None else self._consumer.seek_to_beginning(tp)
@@ -298,7 +300,16 @@ class ServingWatcher:
         return all(self._consumer.position(tp) >= end for tp, end in ends.items())
 
     def run(self, *, idle_exit: bool = False, poll_ms: int = 1000) -> None:
-        """Poll until :meth:`stop` (or, with ``idle_exit``, until the topic is read to its end)."""
+        """Poll until :meth:`stop` (or, with ``idle_exit``, until the topic is read to its end). A
+        checkpoint not available here yet, or a broker or database fault (a restart, a network
+        partition), is retried with backoff (1 s doubling, at most 30 s): serving keeps the model it
+        has and moves once the fault clears, never skipping a production change.
+
+        Raises:
+            Exception: a fault that is not transient (``consumers.retry.is_transient``).
+        """
+        from consumers.retry import is_transient
+
         backoff = 1.0
         while not self._stop.is_set():
             try:
@@ -306,8 +317,14 @@ class ServingWatcher:
                 backoff = 1.0
                 if idle_exit and self.caught_up():
                     return
-            except CheckpointError as exc:  # retry at this boundary: the directory may not be synced yet
-                log.warning("cannot move serving yet (%s); retrying in %.0fs", exc, backoff)
+            except Exception as exc:
+                if isinstance(exc, CheckpointError):  # the directory may not be synced yet
+                    log.warning("cannot move serving yet (%s); retrying in %.0fs", exc, backoff)
+                elif is_transient(exc):
+                    log.warning("following production failed (%s: %s); retrying in %.0fs", type(exc).__name__,
+                                str(exc).splitlines()[0] if str(exc) else "", backoff)
+                else:
+                    raise
                 self._stop.wait(backoff)
                 backoff = min(30.0, backoff * 2)
 

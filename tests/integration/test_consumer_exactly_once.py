@@ -6,8 +6,6 @@ from __future__ import annotations
 import os
 import random
 import signal
-import socket
-import socketserver
 import threading
 import time
 import traceback
@@ -23,7 +21,7 @@ from app.core.db import normalize_url
 from app.core.migrate import upgrade
 from consumers.replay import compare_projections, dump_projection
 from consumers.testing import consumer_process, generate_stream, kafka_record, produce, scalar, wait_for
-from tests.fixtures.broker import read_topic
+from tests.fixtures.broker import Relay, read_topic
 
 pytestmark = pytest.mark.integration
 
@@ -219,58 +217,6 @@ def test_seq_values_are_reserved_in_blocks_and_never_overlap(db):
         conn.rollback()
 
 
-class _Relay(socketserver.ThreadingTCPServer):
-    """A TCP relay on ``port`` to ``target`` (host:port): the broker's address, reachable only while
-    the relay runs (a broker that comes up after its consumers). :meth:`cut` drops every connection
-    and refuses new ones until :meth:`mend` (a broker outage mid-stream)."""
-
-    daemon_threads = allow_reuse_address = True
-
-    def __init__(self, port: int, target: str) -> None:
-        host, tport = target.rsplit(":", 1)
-        self.open: set[socket.socket] = set()
-        self.refusing = False
-        relay = self
-
-        class Pipe(socketserver.BaseRequestHandler):
-            def handle(self) -> None:
-                if relay.refusing:
-                    return
-                with socket.create_connection((host, int(tport))) as up:
-                    relay.open.update((up, self.request))
-                    def pump(a, b):
-                        try:
-                            while data := a.recv(65536):
-                                b.sendall(data)
-                        except OSError:
-                            pass
-                        finally:
-                            for s in (a, b):
-                                try:
-                                    s.shutdown(socket.SHUT_RDWR)
-                                except OSError:
-                                    pass
-
-                    t = threading.Thread(target=pump, args=(up, self.request), daemon=True)
-                    t.start()
-                    pump(self.request, up)
-                    t.join()
-
-        super().__init__(("127.0.0.1", port), Pipe)
-
-    def cut(self) -> None:
-        self.refusing = True
-        for sock in list(self.open):
-            try:
-                sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-        self.open.clear()
-
-    def mend(self) -> None:
-        self.refusing = False
-
-
 def test_a_consumer_started_before_the_broker_retries_until_it_answers(db, topics, kafka_bootstrap):
     """The broker is not reachable when the consumer starts (a deploy, a broker restart): the start is
     retried with backoff instead of crashing the process; once the broker answers, the consumer
@@ -304,7 +250,7 @@ def test_a_consumer_started_before_the_broker_retries_until_it_answers(db, topic
                              settings=settings), result)
     time.sleep(2.0)
     assert t.is_alive() and not result  # still retrying, not crashed
-    relay = _Relay(port, kafka_bootstrap)
+    relay = Relay(port, kafka_bootstrap)
     threading.Thread(target=relay.serve_forever, daemon=True).start()
     try:
         t.join(120)
@@ -315,7 +261,7 @@ def test_a_consumer_started_before_the_broker_retries_until_it_answers(db, topic
     _each_event_once(db, len(events))
 
 
-def test_a_broker_outage_mid_stream_loses_nothing_and_the_consumer_rides_it_out(db, tmp_path):
+def test_a_broker_outage_mid_stream_loses_nothing_and_the_consumer_rides_it_out(db, relayed_broker):
     """The broker becomes unreachable while the consumer ingests (every connection dropped, new ones
     refused) for longer than the group's session timeout, then comes back: the consumer keeps
     running (fetches, heartbeats and Kafka commits fail meanwhile; polls raise), reconnects, and every
@@ -323,13 +269,9 @@ def test_a_broker_outage_mid_stream_loses_nothing_and_the_consumer_rides_it_out(
     topic once."""
     from consumers.ingest import IngestConsumer
     from consumers.settings import get_consumer_settings
-    from ops.stack import create_topics, free_port, start_broker, stop_pid
+    from ops.stack import create_topics
 
-    port, advertised = free_port(), free_port()
-    relay = _Relay(advertised, f"127.0.0.1:{port}")  # every client connection goes through the relay
-    threading.Thread(target=relay.serve_forever, daemon=True).start()
-    broker = start_broker(tmp_path / "broker", port, advertised_port=advertised)
-    bootstrap = f"127.0.0.1:{advertised}"
+    bootstrap, relay = relayed_broker.bootstrap, relayed_broker.relay
     topic, dlq, consumer = "interactions", "interactions.dlq", None
     try:
         create_topics(bootstrap, {topic: 4, dlq: 1})
@@ -364,10 +306,6 @@ def test_a_broker_outage_mid_stream_loses_nothing_and_the_consumer_rides_it_out(
     finally:
         if consumer is not None:
             consumer.stop()
-        relay.cut()
-        relay.shutdown()
-        relay.server_close()
-        stop_pid(broker.pid)
 
 
 def test_a_consumer_started_while_the_database_is_down_stays_in_its_group_and_ingests_once_it_is_up(

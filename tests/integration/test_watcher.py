@@ -77,3 +77,69 @@ def test_serving_follows_promotions_and_rollbacks(client, session, store, base, 
         assert replica.calls == [("delta", "ckpt-0001")]  # base -> ckpt-0001 is one delta
     finally:
         other.stop()
+
+
+def test_serving_rides_out_broker_and_inference_server_outages_and_then_follows_the_promotion(
+        client, session, store, base, relayed_broker, tmp_path, monkeypatch):
+    """The broker goes away while the watcher follows production (every connection dropped, new ones
+    refused), and the inference server is restarting when the promotion made meanwhile arrives (its
+    first two loads fail as ``OpenAICompatibleEngine`` reports an unreachable server): the watcher keeps
+    running, serving keeps its model, and it moves once both answer, without skipping the change."""
+    import threading
+    import time
+
+    from app.core.errors import InfrastructureError
+    from app.core.settings import get_settings
+    from consumers.testing import wait_for
+    from ops.stack import create_topics
+
+    class RestartingServer(RecordingEngine):
+        failures = 2
+
+        def apply_delta(self, checkpoint_id, delta_path, parent_id) -> None:
+            if self.failures:
+                self.failures -= 1
+                raise InfrastructureError("inference server unreachable at http://127.0.0.1:8000: connection refused")
+            super().apply_delta(checkpoint_id, delta_path, parent_id)
+
+    topic = "flywheel.lifecycle.outage"
+    create_topics(relayed_broker.bootstrap, {topic: 1})
+    monkeypatch.setenv("FLYWHEEL_KAFKA_BOOTSTRAP", relayed_broker.bootstrap)
+    monkeypatch.setenv("FLYWHEEL_KAFKA_LIFECYCLE_TOPIC", topic)
+    monkeypatch.setenv("FLYWHEEL_HOME", str(tmp_path))
+    get_settings.cache_clear()
+    rm = auth(make_token(session, "release_manager", name="alice"))
+    seed_checkpoint(session, store, "ckpt-0001", parent_id="base", generation=1)
+    seed_gate(session, "ckpt-0001", "base", passed=True)
+
+    engine = RestartingServer("base")
+    watcher = ServingWatcher(engine, store=store)
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            watcher.run(poll_ms=250)
+        except BaseException as exc:  # noqa: BLE001 -- asserted below
+            errors.append(exc)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    try:
+        wait_for(lambda: watcher._consumer is not None, 30, what="the watcher to connect")
+        time.sleep(1.0)
+        relayed_broker.relay.cut()
+        time.sleep(5.0)
+        assert thread.is_alive() and not errors, errors
+        r = client.post("/v1/promotions", headers=rm, json={"checkpoint_id": "ckpt-0001", "reason": "gate passed",
+                                                             "expected_production_id": "base"})
+        assert r.status_code == 201, r.text  # the promotion commits; its outbox message waits
+        relayed_broker.relay.mend()
+        with OutboxRelay() as relay:
+            assert relay.relay_pending() == 1
+        wait_for(lambda: engine.calls or errors, 90, what="serving to move")
+        assert engine.calls == [("delta", "ckpt-0001")] and engine.failures == 0 and not errors, errors
+        assert thread.is_alive()
+    finally:
+        watcher.stop()
+    thread.join(60)  # a poll in flight may take kafka-python's request timeout to give up after the outage
+    assert not thread.is_alive()
