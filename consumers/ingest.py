@@ -175,10 +175,11 @@ class IngestConsumer:
             raise
         return True
 
-    def _poll(self) -> dict:
-        """One ``KafkaConsumer.poll``. The broker going away mid-stream (a restart, a network fault)
-        makes polls raise, every other one or so: each such fault waits a backoff (0.1 s doubling, at
-        most ``retry_max_wait_s``, cut short by :meth:`stop`) and returns ``{}``; the client reconnects
+    def _poll(self, timeout_ms: int | None = None) -> dict:
+        """One ``KafkaConsumer.poll`` (``timeout_ms``: default ``poll_timeout_ms``). The broker going
+        away mid-stream (a restart, a network fault) makes polls raise, every other one or so: each
+        such fault waits a backoff (0.1 s doubling, at most ``retry_max_wait_s``, cut short by
+        :meth:`stop`) and returns ``{}``; the client reconnects
         and rejoins its group by itself, and reassigned partitions seek to the offsets stored in
         Postgres. Meanwhile the DB thread applies what was polled before. Logged once, then at most
         every 30 s, until records flow again.
@@ -187,8 +188,8 @@ class IngestConsumer:
             Exception: a fault that is not transient.
         """
         try:
-            records = self._consumer.poll(timeout_ms=self.settings.poll_timeout_ms,
-                                          max_records=self.settings.batch_max_records)
+            wait_ms = self.settings.poll_timeout_ms if timeout_ms is None else timeout_ms
+            records = self._consumer.poll(timeout_ms=wait_ms, max_records=self.settings.batch_max_records)
         except Exception as exc:
             if not is_transient(exc):
                 raise
@@ -397,7 +398,7 @@ class IngestConsumer:
                 if not paused:
                     self._consumer.pause(*self._consumer.assignment())
                     paused = True
-                extra = self._consumer.poll(timeout_ms=0)
+                extra = self._poll(timeout_ms=0)  # keeps the member in its group; rides out a broker fault
                 for tp, recs in extra.items():  # partitions assigned by a rebalance meanwhile
                     self._consumer.seek(tp, recs[0].offset)  # not taken: fetch them again later
                 last_poll = time.monotonic()
