@@ -1,8 +1,9 @@
 """Error responses, mapped once: every error answer is ``{"error": {"code", "message", "reasons"}}``.
 
 Domain errors (``app.core.errors.FlywheelError`` subclasses) carry their HTTP status; request
-validation errors become 422 with one reason per invalid field; anything else is a 500 whose
-details go to the log, never to the client.
+validation errors become 422 with one reason per invalid field; a database that does not answer
+(connection refused or lost, pool exhausted) is a 503 with ``Retry-After``; anything else is a 500
+whose details go to the log, never to the client.
 """
 
 from __future__ import annotations
@@ -68,6 +69,17 @@ async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResp
                           headers=getattr(exc, "headers", None))
 
 
+DATABASE_RETRY_AFTER_S = 5
+"""``Retry-After`` (seconds) of the 503 answered while the database does not answer."""
+
+
+async def _database_unavailable(request: Request, exc: Exception) -> JSONResponse:
+    log.warning("database unavailable on %s %s: %s", request.method, request.url.path,
+                str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+    return error_response(503, "unavailable", "the database is unavailable; retry shortly",
+                          headers={"Retry-After": str(DATABASE_RETRY_AFTER_S)})
+
+
 async def _unhandled(request: Request, exc: Exception) -> JSONResponse:
     log.error("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
     return error_response(500, "internal_error", "internal server error")
@@ -78,6 +90,13 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(FlywheelError, _flywheel_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)
+    import psycopg
+    from sqlalchemy import exc as sa_exc
+
+    # connection refused or lost, pool timeout; not a statement's error (those stay 500s)
+    for unavailable in (sa_exc.OperationalError, sa_exc.InterfaceError, sa_exc.TimeoutError, psycopg.OperationalError,
+                        psycopg.InterfaceError):
+        app.add_exception_handler(unavailable, _database_unavailable)
     app.add_exception_handler(Exception, _unhandled)
 
 

@@ -124,3 +124,23 @@ def test_readyz_reports_each_unreachable_dependency(client, kafka_bootstrap, mon
     resp = client.get("/readyz")
     _assert_error(resp, 503, "unavailable")
     assert resp.json()["error"]["reasons"] == ["broker: 127.0.0.1:1 does not answer"]
+
+
+def test_a_database_that_does_not_answer_is_a_503_not_a_500(client, monkeypatch):
+    """A request that needs Postgres while it is down (a restart, a failover): 503 ``unavailable``
+    with ``Retry-After``, which clients retry, not a 500 that reads as a bug of ours."""
+    from app.core.db import reset_engines
+    from app.core.settings import get_settings
+    from ops.stack import free_port
+
+    monkeypatch.setenv("FLYWHEEL_DATABASE_URL", f"postgresql+psycopg://postgres@127.0.0.1:{free_port()}/flywheel")
+    get_settings.cache_clear()
+    reset_engines()
+    try:
+        resp = client.get("/v1/production", headers={"Authorization": "Bearer fw_anything"})
+        _assert_error(resp, 503, "unavailable")
+        assert resp.headers["Retry-After"] == "5" and "database" in resp.json()["error"]["message"]
+    finally:
+        monkeypatch.undo()
+        get_settings.cache_clear()
+        reset_engines()
