@@ -87,3 +87,19 @@ def test_stack_up_status_down(home):
 
     status = flywheel(home, "stack", "status")
     assert status.returncode == 1, "status reports a stopped stack as unhealthy"
+
+
+def test_a_command_whose_database_does_not_answer_says_so_in_one_error(tmp_path):
+    """A one-shot command (here ``flywheel relabel``) run against a Postgres that is not up: the
+    reason and what to check on stderr, exit code 2, no traceback."""
+    from ops.stack import free_port
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FLYWHEEL_")}
+    env.update(FLYWHEEL_HOME=str(tmp_path), FLYWHEEL_TELEMETRY_EXPORTER="none",
+               FLYWHEEL_DATABASE_URL=f"postgresql+psycopg://postgres@127.0.0.1:{free_port()}/flywheel")
+    out = subprocess.run([sys.executable, "-c", "from app.cli import main; main()", "relabel", "--spec", "implicit@1"],
+                         env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2, out.stderr[-2000:]
+    lines = out.stderr.strip().splitlines()
+    assert lines[0].startswith("error: the database does not answer: connection failed") and "Traceback" not in out.stderr
+    assert "FLYWHEEL_DATABASE_URL" in lines[1] and len(lines) == 2
