@@ -68,21 +68,6 @@ def _register_all() -> None:
 _register_all()
 
 
-def _database_unreachable(exc: BaseException) -> str | None:
-    """The first line of a failure to reach Postgres at all (refused, timed out, connection lost:
-    no SQLSTATE), or None for anything else, a statement's error included."""
-    import psycopg
-    from sqlalchemy import exc as sa_exc
-
-    if isinstance(exc, (sa_exc.DBAPIError, sa_exc.TimeoutError)):
-        if isinstance(exc, sa_exc.TimeoutError):
-            return str(exc).splitlines()[0]
-        exc = exc.orig or exc
-    if isinstance(exc, (psycopg.OperationalError, psycopg.InterfaceError)) and exc.sqlstate is None:
-        return (str(exc).splitlines() or [type(exc).__name__])[0]
-    return None
-
-
 def main() -> None:
     """Console-script entry point: a :class:`FlywheelError`, or a database that cannot be reached,
     ends with its message on stderr and exit code 2 instead of a traceback."""
@@ -96,7 +81,9 @@ def main() -> None:
             typer.secho(f"  - {reason}", fg="red", err=True)
         raise SystemExit(2) from None
     except Exception as exc:
-        reason = _database_unreachable(exc)
+        from app.core.db import unreachable_reason
+
+        reason = unreachable_reason(exc)
         if reason is None:
             raise
         typer.secho(f"error: the database does not answer: {reason}", fg="red", err=True)

@@ -179,10 +179,10 @@ class IngestConsumer:
         """One ``KafkaConsumer.poll`` (``timeout_ms``: default ``poll_timeout_ms``). The broker going
         away mid-stream (a restart, a network fault) makes polls raise, every other one or so: each
         such fault waits a backoff (0.1 s doubling, at most ``retry_max_wait_s``, cut short by
-        :meth:`stop`) and returns ``{}``; the client reconnects
-        and rejoins its group by itself, and reassigned partitions seek to the offsets stored in
-        Postgres. Meanwhile the DB thread applies what was polled before. Logged once, then at most
-        every 30 s, until records flow again.
+        :meth:`stop`) and returns ``{}``. The client reconnects by itself (rejoining its group if its
+        membership expired: reassigned partitions seek to the offsets stored in Postgres); meanwhile
+        the DB thread applies what was polled before. Logged once, then at most every 30 s, until
+        records flow again.
 
         Raises:
             Exception: a fault that is not transient.

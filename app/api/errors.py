@@ -73,9 +73,13 @@ DATABASE_RETRY_AFTER_S = 5
 """``Retry-After`` (seconds) of the 503 answered while the database does not answer."""
 
 
-async def _database_unavailable(request: Request, exc: Exception) -> JSONResponse:
-    log.warning("database unavailable on %s %s: %s", request.method, request.url.path,
-                str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+async def _database_error(request: Request, exc: Exception) -> JSONResponse:
+    from app.core.db import unreachable_reason
+
+    reason = unreachable_reason(exc)
+    if reason is None:  # a statement's error: ours
+        return await _unhandled(request, exc)
+    log.warning("database unavailable on %s %s: %s", request.method, request.url.path, reason)
     return error_response(503, "unavailable", "the database is unavailable; retry shortly",
                           headers={"Retry-After": str(DATABASE_RETRY_AFTER_S)})
 
@@ -93,10 +97,10 @@ def install_error_handlers(app: FastAPI) -> None:
     import psycopg
     from sqlalchemy import exc as sa_exc
 
-    # connection refused or lost, pool timeout; not a statement's error (those stay 500s)
-    for unavailable in (sa_exc.OperationalError, sa_exc.InterfaceError, sa_exc.TimeoutError, psycopg.OperationalError,
-                        psycopg.InterfaceError):
-        app.add_exception_handler(unavailable, _database_unavailable)
+    # connection refused or lost, pool timeout -> 503; a statement's error stays a 500
+    for db_error in (sa_exc.OperationalError, sa_exc.InterfaceError, sa_exc.TimeoutError, psycopg.OperationalError,
+                     psycopg.InterfaceError):
+        app.add_exception_handler(db_error, _database_error)
     app.add_exception_handler(Exception, _unhandled)
 
 

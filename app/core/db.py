@@ -82,3 +82,19 @@ def reset_engines() -> None:
         for engine in _engines.values():
             engine.dispose()
         _engines.clear()
+
+
+def unreachable_reason(exc: BaseException) -> str | None:
+    """The first line of a failure to reach Postgres at all (refused, timed out, connection lost: a
+    driver error with no SQLSTATE, or the pool's timeout), or None for anything else, a statement's
+    error included. Callers answer it as "unavailable, retry", not as a bug."""
+    import psycopg
+    from sqlalchemy import exc as sa_exc
+
+    if isinstance(exc, sa_exc.TimeoutError):
+        return str(exc).splitlines()[0]
+    if isinstance(exc, sa_exc.DBAPIError):
+        exc = exc.orig or exc
+    if isinstance(exc, (psycopg.OperationalError, psycopg.InterfaceError)) and exc.sqlstate is None:
+        return (str(exc).splitlines() or [type(exc).__name__])[0]
+    return None
