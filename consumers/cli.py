@@ -83,25 +83,50 @@ def relabel(
     Console().print(table)
 
 
+def _shadow_schema_name(name: str | None) -> str | None:
+    from consumers.replay import _IDENT
+
+    if name is not None and not _IDENT.match(name):
+        raise typer.BadParameter(f"{name!r} is not a schema name replay creates: lower-case letters, digits and _, "
+                                 "not starting with a digit, at most 63 characters")
+    return name
+
+
 def replay(
-    schema: str = typer.Option(None, help="rebuild into this new schema (live tables untouched) instead of in place"),
+    schema: str = typer.Option(None, callback=_shadow_schema_name,
+                               help="rebuild into this new schema (live tables untouched) instead of in place"),
     verify: bool = typer.Option(False, help="rebuild into a scratch schema and diff it with the live tables, both as "
                                             "of one snapshot (safe beside running consumers); exit 1 if they differ"),
+    drop_schema: str = typer.Option(None, "--drop-schema", callback=_shadow_schema_name,
+                                    help="drop a schema an earlier `replay --schema` made, and nothing else"),
 ) -> None:
     """Rebuild trajectories, segments and labels from event_log into empty tables."""
+    import psycopg
+
+    from app.core.db import session_scope
     from consumers.ingest import projector_from_settings
-    from consumers.replay import replay as run_replay, verify as run_verify
+    from consumers.replay import drop_shadow_schema, replay as run_replay, verify as run_verify
     from consumers.settings import get_consumer_settings
 
-    if verify and schema:
-        raise typer.BadParameter("--verify rebuilds into a scratch schema of its own; leave out --schema",
+    if sum(map(bool, (verify, schema, drop_schema))) > 1:
+        raise typer.BadParameter("--schema, --verify and --drop-schema are separate uses; give one",
                                  param_hint="--schema")
+    if drop_schema:
+        with session_scope() as session:
+            drop_shadow_schema(session, drop_schema)
+        typer.echo(json.dumps({"dropped": drop_schema}))
+        return
     grace = get_consumer_settings().finalize_grace_s
     if verify:
         checked = run_verify(projector_from_settings(), grace_s=grace)
         report, diffs = checked.replay, checked.differences
     else:
-        report = run_replay(projector_from_settings(), grace_s=grace, schema=schema)
+        try:
+            report = run_replay(projector_from_settings(), grace_s=grace, schema=schema)
+        except psycopg.errors.DuplicateSchema:
+            raise typer.BadParameter(f"schema {schema!r} already exists: pick another name, or drop it first with "
+                                     f"`flywheel replay --drop-schema {schema}` if an earlier replay made it",
+                                     param_hint="--schema") from None
     result = {"events": report.events, "trajectories": report.trajectories,
               "finalized_by_window": report.finalized_by_window, "schema": report.schema,
               "skipped_invalid": len(report.skipped_invalid)}

@@ -79,6 +79,28 @@ def drop_schema(session: Session, schema: str) -> None:
     raw_connection(session).execute(f'DROP SCHEMA IF EXISTS "{_check_ident(schema)}" CASCADE')
 
 
+def drop_shadow_schema(session: Session, schema: str) -> None:
+    """Drop ``schema`` if it holds exactly the projection tables a replay creates (nothing else: not the
+    live schema, not one that gained other tables).
+
+    Raises:
+        NotFoundError: the schema does not exist.
+        ConflictError: it holds other tables than a replay's, or it is the live schema.
+    """
+    from app.core.errors import ConflictError, NotFoundError
+
+    conn = raw_connection(session)
+    if conn.execute("SELECT 1 FROM pg_namespace WHERE nspname = %s", (_check_ident(schema),)).fetchone() is None:
+        raise NotFoundError(f"schema {schema!r} does not exist")
+    tables = {r[0] for r in conn.execute(
+        "SELECT c.relname FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace "
+        "WHERE n.nspname = %s AND c.relkind IN ('r', 'p', 'v', 'm', 'f')", (schema,))}
+    if tables != set(PROJECTION_TABLES) or schema == conn.execute("SELECT current_schema()").fetchone()[0]:
+        raise ConflictError(f"schema {schema!r} is not a replay's shadow schema (it holds {len(tables)} tables, "
+                            f"not just {', '.join(PROJECTION_TABLES)}); left alone")
+    drop_schema(session, schema)
+
+
 @dataclass
 class ReplayReport:
     """What a replay rebuilt."""

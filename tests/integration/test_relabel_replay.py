@@ -241,3 +241,24 @@ def test_replay_verify_compares_one_snapshot_beside_a_live_group(db, monkeypatch
 
     out = CliRunner().invoke(app, ["replay", "--verify", "--schema", "x"])
     assert out.exit_code == 2 and "--schema" in out.output
+
+
+def test_a_shadow_schema_is_named_checked_and_dropped_from_the_cli(db):
+    """``replay --schema`` refuses a name it would not create and an existing schema with a usage
+    error (exit 2) naming the way out; ``--drop-schema`` drops a replay's shadow and nothing else."""
+    from app.cli import app
+    from app.core.errors import ConflictError, NotFoundError
+
+    cli = CliRunner()
+    out = cli.invoke(app, ["replay", "--schema", "Bad-Name"])
+    assert out.exit_code == 2 and "lower-case letters" in out.output
+    assert cli.invoke(app, ["replay", "--schema", "shadow_1"]).exit_code == 0
+    out = cli.invoke(app, ["replay", "--schema", "shadow_1"])
+    assert out.exit_code == 2 and "--drop-schema shadow_1" in " ".join(out.output.split()), out.output
+    out = cli.invoke(app, ["replay", "--drop-schema", "public"])
+    assert isinstance(out.exception, ConflictError) and "left alone" in out.exception.message
+    with psycopg.connect(db) as conn:
+        assert conn.execute("SELECT to_regclass('public.event_log') IS NOT NULL").fetchone()[0]
+    out = cli.invoke(app, ["replay", "--drop-schema", "shadow_1"])
+    assert out.exit_code == 0 and json.loads(out.output) == {"dropped": "shadow_1"}
+    assert isinstance(cli.invoke(app, ["replay", "--drop-schema", "shadow_1"]).exception, NotFoundError)
