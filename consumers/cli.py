@@ -76,11 +76,16 @@ def relabel(
     table = Table("", f"before ({report.baseline})", f"after ({report.spec})", "delta",
                   title=f"relabeled {report.relabeled} trajectories, {report.changed} changed, "
                         f"{report.late_signals_used} late signals now counted")
+    def cell(v, fmt: str) -> str:
+        return "-" if v is None else format(v, fmt)
+
     for k in ("n", "mean", "std", "min", "p10", "p25", "p50", "p75", "p90", "max"):
         b, a = report.before.get(k), report.after.get(k)
-        table.add_row(k, f"{b:.4f}" if k != "n" else str(b), f"{a:.4f}" if k != "n" else str(a),
-                      f"{a - b:+.4f}" if k != "n" else f"{a - b:+d}")
+        fmt = "d" if k == "n" else ".4f"
+        table.add_row(k, cell(b, fmt), cell(a, fmt), cell(None if a is None or b is None else a - b, "+" + fmt))
     Console().print(table)
+    if not report.relabeled:
+        typer.echo("no finalized trajectories to relabel yet", err=True)
 
 
 def _shadow_schema_name(name: str | None) -> str | None:
@@ -204,8 +209,22 @@ def deadletters_list(
     from consumers.redrive import list_dead_letters
 
     with session_scope() as s:
-        for row in list_dead_letters(s, reason=reason, pending_only=pending, limit=limit, after_id=after):
+        rows = list_dead_letters(s, reason=reason, pending_only=pending, limit=limit, after_id=after)
+        for row in rows:
             typer.echo(json.dumps(row))
+        if not rows and reason is not None:
+            _hint_reasons(s, [reason])
+
+
+def _hint_reasons(session, asked: list[str]) -> None:
+    """On stderr, which of ``asked`` no dead letter has, next to the reasons there are (a typo shows)."""
+    from sqlalchemy import text
+
+    seen = sorted(session.execute(text("SELECT DISTINCT reason FROM dead_letter")).scalars())
+    unknown = [r for r in asked if r not in seen]
+    if unknown:
+        typer.echo(f"no dead letter has reason {', '.join(unknown)}; reasons stored: {', '.join(seen) or 'none'}",
+                   err=True)
 
 
 @deadletters_app.command("redrive")
@@ -226,6 +245,11 @@ def deadletters_redrive(
     report = redrive(reasons=reason or (), ids=ids or (), select_all=select_all, again=again, dry_run=dry_run,
                      topic=topic)
     typer.echo(json.dumps(report.to_dict()))
+    if reason:
+        from app.core.db import session_scope
+
+        with session_scope() as s:
+            _hint_reasons(s, reason)
 
 
 def register(app: typer.Typer) -> None:

@@ -11,7 +11,6 @@ erased meanwhile gets no label and counts nowhere in the report's ``after``, ``r
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -24,10 +23,11 @@ from consumers.replay import stored_event_from_row
 from consumers.rewards.spec import RewardSpec, active_specs, load_spec
 
 
-def distribution(values: list[float]) -> dict[str, float]:
-    """n, mean, std, min, p10, p25, p50, p75, p90, max of ``values`` (NaN when empty)."""
+def distribution(values: list[float]) -> dict[str, float | None]:
+    """n, mean, std, min, p10, p25, p50, p75, p90, max of ``values`` (None, JSON ``null``, when
+    empty: no labels under the spec)."""
     if not values:
-        return {"n": 0, **{k: math.nan for k in ("mean", "std", "min", "p10", "p25", "p50", "p75", "p90", "max")}}
+        return {"n": 0, **{k: None for k in ("mean", "std", "min", "p10", "p25", "p50", "p75", "p90", "max")}}
     a = np.asarray(values, dtype=np.float64)
     q = np.quantile(a, [0.1, 0.25, 0.5, 0.75, 0.9])
     return {"n": int(a.size), "mean": float(a.mean()), "std": float(a.std()), "min": float(a.min()),
@@ -41,8 +41,8 @@ class RelabelReport:
 
     spec: str
     baseline: str
-    before: dict[str, float] = field(default_factory=dict)
-    after: dict[str, float] = field(default_factory=dict)
+    before: dict[str, float | None] = field(default_factory=dict)
+    after: dict[str, float | None] = field(default_factory=dict)
     relabeled: int = 0
     changed: int = 0
     late_signals_used: int = 0

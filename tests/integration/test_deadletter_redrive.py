@@ -103,3 +103,17 @@ def test_redrive_needs_a_selection(db):
 
     out = CliRunner().invoke(app, ["deadletters", "redrive"])
     assert out.exit_code == 2 and "choose what to redrive" in out.output
+
+
+def test_a_reason_no_dead_letter_has_is_named_with_those_stored(db):
+    """``--reason`` with a typo lists nothing; stderr says so and which reasons are stored."""
+    from app.cli import app
+
+    with psycopg.connect(db) as conn:
+        conn.execute("INSERT INTO dead_letter (topic, partition, \"offset\", raw, reason, detail) "
+                     "VALUES ('t', 0, 1, 'x', 'bad_json', 'not JSON')")
+    out = CliRunner().invoke(app, ["deadletters", "list", "--reason", "bad-json"])
+    assert out.exit_code == 0 and out.stdout == ""
+    assert "no dead letter has reason bad-json; reasons stored: bad_json" in out.stderr
+    out = CliRunner().invoke(app, ["deadletters", "list", "--reason", "bad_json"])
+    assert json.loads(out.stdout)["reason"] == "bad_json" and out.stderr == ""

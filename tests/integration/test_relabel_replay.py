@@ -262,3 +262,16 @@ def test_a_shadow_schema_is_named_checked_and_dropped_from_the_cli(db):
     out = cli.invoke(app, ["replay", "--drop-schema", "shadow_1"])
     assert out.exit_code == 0 and json.loads(out.output) == {"dropped": "shadow_1"}
     assert isinstance(cli.invoke(app, ["replay", "--drop-schema", "shadow_1"]).exception, NotFoundError)
+
+
+def test_relabel_of_an_empty_store_reports_nulls_not_nan(db):
+    """Nothing finalized yet: the JSON report is valid JSON (``null``, not ``NaN``) and the table
+    says there was nothing to relabel."""
+    from app.cli import app
+
+    out = CliRunner().invoke(app, ["relabel", "--spec", "implicit@2", "--json"])
+    assert out.exit_code == 0 and "NaN" not in out.stdout
+    report = json.loads(out.stdout, parse_constant=lambda c: pytest.fail(f"not JSON: {c}"))
+    assert report["relabeled"] == 0 and report["after"] == {"n": 0, **{k: None for k in report["after"] if k != "n"}}
+    out = CliRunner().invoke(app, ["relabel", "--spec", "implicit@2"])
+    assert out.exit_code == 0 and "no finalized trajectories to relabel yet" in out.stderr and "nan" not in out.stdout
