@@ -50,6 +50,9 @@ On a fast day (2026-11-22) the bare loop gained more than ours did, and the rati
 bare 95k events/s at 11 us, ours 21.6k at 84 us (consumers 55, Postgres 28, broker 1), ratio 0.23;
 later that day bare 49-67k (15-21 us: fetch-bound, not CPU-bound), ours 18-21k at 89-101 us, ratio
 0.31-0.37. The bare loop's speed sets the budget: 2 cores / (0.5 x bare) = 42-81 us an event for ours.
+On a machine with ~20 % of its CPU stolen (a later session, same code within noise: --quick 0.21 at
+the earlier commit, 0.23 at the later): bare 47k events/s at 17 us, ours 11.6k at 158 us
+(consumers 116, Postgres 41, broker 2), ratio 0.24: the steal weighs on ours' four processes more.
 zstd record batches and uncompressed ones measure alike (0.29 and 0.30 the same hour):
 decompressing a batch is one C call per ~250 kB.
 
