@@ -100,9 +100,12 @@ def _trained_task_ids(session: Session) -> set[str]:
 
 
 def _still_there(session: Session, trajectory_id: uuid.UUID) -> bool:
-    """Whether the trajectory still exists, locking it ``FOR KEY SHARE`` (a deletion waits for us)."""
+    """Whether the trajectory still exists and is not being deleted, locking it ``FOR KEY SHARE`` (a
+    deletion to come waits for us). One a deletion holds is skipped, not waited for (``SKIP
+    LOCKED``): waiting could close a cycle with an erasure deleting several of the user's trajectories
+    while this pass holds another of them. Ingest's updates take a lock this one does not conflict with."""
     return session.execute(select(Trajectory.id).where(Trajectory.id == trajectory_id)
-                           .with_for_update(read=True, key_share=True)).first() is not None
+                           .with_for_update(read=True, key_share=True, skip_locked=True)).first() is not None
 
 
 def mine_tasks(session: Session, *, min_persistence: float = 0.8, limit: int | None = None) -> MiningReport:
@@ -121,8 +124,9 @@ def mine_tasks(session: Session, *, min_persistence: float = 0.8, limit: int | N
 
     Holds the eval hold-out lock for the caller's transaction (``app.repositories.holdout``), so a
     candidate registering meanwhile either sees these tasks (and retires any it trained on) or is
-    seen here (``already_trained``). A trajectory to hold out is locked ``FOR KEY SHARE`` first: an
-    erasure that deleted it is skipped (``erased``), one still to come waits and deletes the task too.
+    seen here (``already_trained``). A trajectory to hold out is locked ``FOR KEY SHARE`` first: one an
+    erasure deleted or is deleting is skipped (``erased``; if that erasure rolls back, the next pass
+    mines it), one still to come waits and deletes the task too.
     """
     report = MiningReport()
     lock_holdout(session)
@@ -176,9 +180,14 @@ def mine_tasks(session: Session, *, min_persistence: float = 0.8, limit: int | N
         # Either way the session itself is eval material now: never train on it.
         traj.reserved_for_eval = True
     if mined_task_ids:
+        # every other trajectory on a mined task too (those being deleted skipped, as above; the trainer
+        # also leaves out any trajectory whose task is in eval_task)
+        siblings = (select(Trajectory.id).where(Trajectory.task_id.in_(mined_task_ids),
+                                                Trajectory.reserved_for_eval.is_(False))
+                    .with_for_update(read=True, key_share=True, skip_locked=True))
         report.reserved_trajectories = session.execute(
-            update(Trajectory).where(Trajectory.task_id.in_(mined_task_ids), Trajectory.reserved_for_eval.is_(False))
-            .values(reserved_for_eval=True)).rowcount
+            update(Trajectory).where(Trajectory.id.in_(siblings)).values(reserved_for_eval=True)
+            .execution_options(synchronize_session=False)).rowcount
     session.flush()
     return report
 

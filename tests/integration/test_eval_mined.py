@@ -167,3 +167,22 @@ def test_an_erasure_committed_while_mining_runs_is_skipped_not_mined(sessions, m
         (task,) = s.scalars(select(EvalTask)).all()
         assert task.source_trajectory_id == sessions["dup"] and task.source_session_id == "sess-2"
         assert s.get(Trajectory, sessions["good"]) is None
+
+
+def test_a_trajectory_an_uncommitted_erasure_is_deleting_is_skipped_without_waiting(sessions, db):
+    """An erasure (or a privacy purge) is deleting a session's trajectory and has not committed:
+    mining neither waits for it (which could deadlock with an erasure of several of the user's
+    trajectories) nor mines it."""
+    import psycopg
+    from sqlalchemy import text
+
+    with psycopg.connect(db) as eraser:
+        eraser.execute("DELETE FROM trajectory WHERE id = %s", (sessions["good"],))  # held, uncommitted
+        with session_scope() as s:
+            s.execute(text("SET LOCAL lock_timeout = '3s'"))  # waiting would fail the test, not hang it
+            report = mined.mine_tasks(s, min_persistence=0.8)
+        eraser.rollback()
+    assert report.skipped["erased"] == 1 and report.mined == ["dfb/A"]
+    with session_scope() as s:
+        (task,) = s.scalars(select(EvalTask)).all()
+        assert task.source_trajectory_id == sessions["dup"]
