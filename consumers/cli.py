@@ -17,10 +17,11 @@ deadletters_app = typer.Typer(no_args_is_help=True,
 def _setup(service: str) -> None:
     import logging
 
-    from app.core.telemetry import configure_telemetry
+    from app.core.telemetry import configure_telemetry, throttle_library_logs
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("kafka").setLevel(logging.WARNING)
+    throttle_library_logs("kafka", every_s=30.0)  # its per-attempt errors while the broker is away
     configure_telemetry(service)
 
 
