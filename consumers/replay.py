@@ -55,23 +55,25 @@ def _check_ident(name: str) -> str:
     return name
 
 
-def create_shadow_schema(session: Session, schema: str) -> None:
-    """Create ``schema`` with empty copies (columns, defaults, indexes) of the projection tables."""
+def create_shadow_schema(session: Session, schema: str) -> str:
+    """Create ``schema`` with empty copies (columns, defaults, indexes) of the projection tables.
+    Returns the live schema they were copied from (the current one)."""
     _check_ident(schema)
     conn = raw_connection(session)
     home = conn.execute("SELECT current_schema()").fetchone()[0]
     conn.execute(f'CREATE SCHEMA "{schema}"')
     for t in PROJECTION_TABLES:
         conn.execute(f'CREATE TABLE "{schema}".{t} (LIKE "{home}".{t} INCLUDING ALL)')
+    return home
 
 
-def _enter_shadow_schema(session: Session, schema: str) -> None:
+def _enter_shadow_schema(session: Session, schema: str) -> str:
     """:func:`create_shadow_schema`, then resolve table names there first for the rest of the
-    transaction (the projection tables are the shadow's; every other table is the live one)."""
-    create_shadow_schema(session, schema)
-    conn = raw_connection(session)
-    home = conn.execute("SELECT current_schema()").fetchone()[0]
-    conn.execute(f'SET LOCAL search_path = "{schema}", ' + home)
+    transaction (the projection tables are the shadow's; every other table is the live one).
+    Returns the live schema."""
+    home = create_shadow_schema(session, schema)
+    raw_connection(session).execute(f'SET LOCAL search_path = "{schema}", ' + home)
+    return home
 
 
 def drop_schema(session: Session, schema: str) -> None:
@@ -194,8 +196,7 @@ def verify(projector: Projector, *, grace_s: float, chunk: int = 5000, limit: in
         unswept = [r[0] for r in conn.execute(
             "SELECT id FROM trajectory WHERE status = 'provisional' AND window_closes_at < now() - "
             "make_interval(secs => %s)", (grace_s,)).fetchall()]
-        live = conn.execute("SELECT current_schema()").fetchone()[0]
-        _enter_shadow_schema(session, schema)
+        live = _enter_shadow_schema(session, schema)
         rebuild(session, projector, grace_s=grace_s, chunk=chunk, report=report)
         differences = diff_projection_schemas(session, live, schema, limit=limit, skip_trajectories=unswept,
                                               names=("live tables", "replay"))
@@ -208,6 +209,25 @@ _ORDER = {"trajectory": ("id",), "trajectory_segment": ("trajectory_id", "segmen
 """Each projection table's key: rows are dumped in its order and matched by it."""
 
 
+def _columns(conn, schema: str, table: str) -> list[str]:
+    """``table``'s column names in ``schema``, in table order."""
+    return [r[0] for r in conn.execute(
+        "SELECT column_name FROM information_schema.columns WHERE table_schema = %s AND table_name = %s "
+        "ORDER BY ordinal_position", (schema, table)).fetchall()]
+
+
+def _only_in(table: str, n: int, side: str, key_values) -> str:
+    """The difference line for ``n`` keys that only ``side`` has (``key_values``: the first one's)."""
+    return f"{table}: {n} row(s) only in the {side}, e.g. " + ", ".join(
+        f"{c}={v}" for c, v in zip(_ORDER[table], key_values))
+
+
+def _columns_differ(table: str, key_values, columns) -> str:
+    """The difference line for a key both sides have whose ``columns`` differ."""
+    return f"{table} " + ", ".join(f"{c}={v}" for c, v in zip(_ORDER[table], key_values)) + \
+        f": {', '.join(columns)} differ"
+
+
 class Rows(list):
     """A table's rows as tuples (a list), with ``columns``: the names of the tuples' fields."""
 
@@ -216,22 +236,18 @@ class Rows(list):
         self.columns = columns
 
 
-def dump_projection(session: Session, schema: str | None = None, exclude: dict[str, set[str]] | None = None,
-                    skip_trajectories: Collection[uuid.UUID] = ()) -> dict[str, Rows]:
+def dump_projection(session: Session, schema: str | None = None,
+                    exclude: dict[str, set[str]] | None = None) -> dict[str, Rows]:
     """Every row of the projection tables of ``schema`` (default: the current one), as tuples in key
-    order, leaving out ``exclude[table]`` columns (never a key column) and the rows of
-    ``skip_trajectories``."""
+    order, leaving out ``exclude[table]`` columns (never a key column)."""
     conn = raw_connection(session)
     schema = schema or conn.execute("SELECT current_schema()").fetchone()[0]
     out: dict[str, Rows] = {}
     for t in PROJECTION_TABLES:
-        cols = tuple(r[0] for r in conn.execute(
-            "SELECT column_name FROM information_schema.columns WHERE table_schema = %s AND table_name = %s "
-            "ORDER BY ordinal_position", (schema, t)).fetchall()
-            if r[0] in _ORDER[t] or r[0] not in (exclude or {}).get(t, set()))
+        cols = tuple(c for c in _columns(conn, schema, t)
+                     if c in _ORDER[t] or c not in (exclude or {}).get(t, set()))
         sel = ", ".join(f'"{c}"' for c in cols)
-        rows = conn.execute(f'SELECT {sel} FROM "{_check_ident(schema)}".{t} WHERE {_ORDER[t][0]} <> ALL(%s) '
-                            f'ORDER BY {", ".join(_ORDER[t])}', (list(skip_trajectories),))
+        rows = conn.execute(f'SELECT {sel} FROM "{_check_ident(schema)}".{t} ORDER BY {", ".join(_ORDER[t])}')
         out[t] = Rows((tuple(r) for r in rows), cols)
     return out
 
@@ -253,10 +269,7 @@ def diff_projection_schemas(session: Session, a: str, b: str, *, limit: int = 5,
     skip = list(skip_trajectories)
     diffs: list[str] = []
     for t in PROJECTION_TABLES:
-        key = _ORDER[t]
-        cols = [r[0] for r in conn.execute(
-            "SELECT column_name FROM information_schema.columns WHERE table_schema = %s AND table_name = %s "
-            "ORDER BY ordinal_position", (a, t)).fetchall()]
+        key, cols = _ORDER[t], _columns(conn, a, t)
         keys = ", ".join(key)
         for side, (this, other) in ((names[0], (qa, qb)), (names[1], (qb, qa))):
             first = conn.execute(  # the first key only this side has, and how many there are
@@ -265,8 +278,7 @@ def diff_projection_schemas(session: Session, a: str, b: str, *, limit: int = 5,
                 {"skip": skip}).fetchone()
             if first:
                 *values, n = first
-                diffs.append(f"{t}: {n} row(s) only in the {side}, e.g. "
-                             + ", ".join(f"{c}={v}" for c, v in zip(key, values)))
+                diffs.append(_only_in(t, n, side, values))
         if len(diffs) >= limit:
             return diffs[:limit]
         differ = ", ".join(f'CASE WHEN x."{c}" IS DISTINCT FROM y."{c}" THEN \'{c}\' END' for c in cols)
@@ -275,9 +287,7 @@ def diff_projection_schemas(session: Session, a: str, b: str, *, limit: int = 5,
             f"FROM {qa}.{t} x JOIN {qb}.{t} y USING ({keys}) WHERE x.{key[0]} <> ALL(%(skip)s) "
             f"AND ROW(x.*) IS DISTINCT FROM ROW(y.*) ORDER BY {', '.join(f'x.{c}' for c in key)} LIMIT %(n)s",
             {"skip": skip, "n": limit - len(diffs)}).fetchall()
-        for *values, columns in rows:
-            diffs.append(f"{t} " + ", ".join(f"{c}={v}" for c, v in zip(key, values))
-                         + f": {', '.join(columns)} differ")
+        diffs += [_columns_differ(t, values, columns) for *values, columns in rows]
         if len(diffs) >= limit:
             return diffs[:limit]
     return diffs
@@ -300,15 +310,11 @@ def compare_projections(a: dict[str, Rows], b: dict[str, Rows], limit: int = 5,
         ka, kb = by_key(ra), by_key(rb)
         for side, keys in ((names[0], ka.keys() - kb.keys()), (names[1], kb.keys() - ka.keys())):
             if keys:
-                first = min(keys, key=str)
-                diffs.append(f"{t}: {len(keys)} row(s) only in the {side}, e.g. "
-                             + ", ".join(f"{c}={v}" for c, v in zip(_ORDER[t], first)))
+                diffs.append(_only_in(t, len(keys), side, min(keys, key=str)))
         for key in sorted((k for k in ka.keys() & kb.keys() if ka[k] != kb[k]), key=str):
             if len(diffs) >= limit:
                 break
-            differ = [cols[j] for j, (u, v) in enumerate(zip(ka[key], kb[key])) if u != v]
-            diffs.append(f"{t} " + ", ".join(f"{c}={v}" for c, v in zip(_ORDER[t], key))
-                         + f": {', '.join(differ)} differ")
+            diffs.append(_columns_differ(t, key, [cols[j] for j, (u, v) in enumerate(zip(ka[key], kb[key])) if u != v]))
         if len(diffs) >= limit:
             return diffs[:limit]
     return diffs
