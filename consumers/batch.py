@@ -49,7 +49,7 @@ from __future__ import annotations
 import uuid
 import zlib
 from collections import Counter
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 
@@ -59,7 +59,7 @@ from app.repositories import trajectories as trepo
 from app.repositories.events import (DeadLetterRow, append_events, count_tombstones, erased_users,
                                      insert_dead_letters, lock_offsets, private_sessions, raw_connection,
                                      store_offsets)
-from consumers.deadletter import (Decoded, claim_of_dead_letter, covered_by_erasure, dead_letter_row, redacted,
+from consumers.deadletter import (Claim, Decoded, claim_of_dead_letter, covered_by_erasure, dead_letter_row, redacted,
                                   redacted_private)
 from consumers.erasure import ErasureOutcome, erase_user, purge_private_sessions
 from consumers.projection import (Projector, SegmentState, StoredEvent, TrajectoryState, new_trajectory,
@@ -251,19 +251,19 @@ def lock_sessions(conn, sessions: Collection[str], exclusive: Collection[str] = 
                  {"space": PRIVACY_LOCK_SPACE, "keys": keys, "x": [buckets[k] for k in keys]}).fetchall()
 
 
-def privacy_flagged_sessions(batch: Collection[Decoded]) -> set[str]:
+def privacy_flagged_sessions(batch: Sequence[Decoded], claims: Sequence[Claim | None] | None = None) -> set[str]:
     """The sessions that records of ``batch`` flag ``privacy_mode``: a valid event's flag, or what a
     dead letter's bytes claim (``consumers.deadletter.claim_of``: unvalidated, but a request for
-    privacy errs toward privacy; the record failing validation does not make the user's wish void)."""
-    flagged = {d.event.session_id for d in batch if d.event is not None and d.event.privacy_mode}
-    for d in batch:
-        if d.reason is not None and (claim := claim_of_dead_letter(d)).privacy_mode and claim.session_id:
-            flagged.add(claim.session_id)
-    return flagged
+    privacy errs toward privacy; the record failing validation does not make the user's wish void).
+    ``claims``: the records' :func:`claim_of_dead_letter` (None for an event), if the caller has them."""
+    if claims is None:
+        claims = [claim_of_dead_letter(d) if d.reason is not None else None for d in batch]
+    return {d.event.session_id for d in batch if d.event is not None and d.event.privacy_mode} | \
+        {c.session_id for c in claims if c is not None and c.privacy_mode and c.session_id}
 
 
-def publish_private_sessions(session: Session, batch: list[Decoded]) -> dict[str, int]:
-    """Make the sessions whose events in ``batch`` are flagged ``privacy_mode`` private, whole, in
+def publish_private_sessions(session: Session, flagged: Collection[str]) -> dict[str, int]:
+    """Make the ``flagged`` sessions (:func:`privacy_flagged_sessions` of a batch) private, whole, in
     the caller's transaction, which should hold nothing else and commit right after (the batch's
     own transaction follows): locks their stored trajectories, then their session locks
     exclusively (so a batch of another member holding their events has committed), deletes what is
@@ -275,7 +275,7 @@ def publish_private_sessions(session: Session, batch: list[Decoded]) -> dict[str
     Raises:
         psycopg.Error: database faults (nothing is published).
     """
-    flagged = sorted(privacy_flagged_sessions(batch))
+    flagged = sorted(flagged)
     todo = sorted(set(flagged) - private_sessions(session, flagged)) if flagged else []
     if not todo:
         return {}
@@ -325,8 +325,7 @@ def apply_batch(session: Session, group_id: str, batch: list[Decoded], projector
     claims = [claim_of_dead_letter(d) if d.reason is not None else None for d in fresh]
     events = [d for d in fresh if d.event is not None]
     sessions = {d.event.session_id for d in events} | {c.session_id for c in claims if c is not None and c.session_id}
-    flagged = {d.event.session_id for d in events if d.event.privacy_mode}  # type: ignore[union-attr]
-    flagged |= {c.session_id for c in claims if c is not None and c.privacy_mode and c.session_id}
+    flagged = privacy_flagged_sessions(fresh, claims)
     private = private_sessions(session, list(sessions))
     if flagged - private:  # not published ahead (publish_private_sessions): hold every session lock from here on
         lock_sessions(conn, sessions, flagged - private)

@@ -273,9 +273,10 @@ class IngestConsumer:
     # ---- one batch (DB thread) -----------------------------------------------------------------
 
     def _apply(self, decoded: list[Decoded]) -> BatchOutcome:
-        if privacy_flagged_sessions(decoded):
+        flagged = privacy_flagged_sessions(decoded)
+        if flagged:
             with session_scope() as session:  # its own short transaction, ahead of the batch's
-                publish_private_sessions(session, decoded)
+                publish_private_sessions(session, flagged)
         with session_scope() as session:
             outcome = apply_batch(session, self.group_id, decoded, self.projector, self.settings.insert_method)
             self._publish_dead_letters(session, outcome)
