@@ -47,7 +47,7 @@ from consumers.deadletter import Decoded, DeadLetterPublisher, Message, classify
 from consumers.finalize import finalize_due
 from consumers.isolation import apply_isolated
 from consumers.projection import ProjectionConfig, Projector
-from consumers.retry import is_transient, is_unique_violation, retry_transient
+from consumers.retry import Backoff, is_transient, is_unique_violation, retry_transient
 from consumers.rewards.spec import active_specs
 from consumers.settings import ConsumerSettings, get_consumer_settings
 from consumers.telemetry import ConsumerMetrics, producer_links
@@ -104,13 +104,14 @@ class IngestConsumer:
         self._next: dict[int, int] = {}
         self._assigned_at: float | None = None
         self._unseeked: set = set()  # assigned partitions paused until their stored offsets can be read
-        self._seek_retry_at, self._seek_backoff_s = 0.0, 0.0
+        self._seek_retry_at, self._seek_backoff = 0.0, Backoff(self.settings.retry_max_wait_s)
         self._joining_since: float | None = time.monotonic()
         self._work: queue.Queue = queue.Queue(maxsize=self.settings.pipeline_depth)
         self._done: queue.Queue = queue.Queue()
         self._worker_error: BaseException | None = None
         self._last_sweep = time.monotonic()
-        self._poll_faults, self._poll_faults_since, self._poll_warned_at = 0, 0.0, 0.0  # see _poll
+        self._poll_backoff, self._poll_faults_since, self._poll_warned_at = \
+            Backoff(self.settings.retry_max_wait_s), 0.0, 0.0  # see _poll
 
     # ---- plumbing ---------------------------------------------------------------------------
 
@@ -193,21 +194,20 @@ class IngestConsumer:
         except Exception as exc:
             if not is_transient(exc):
                 raise
-            now = time.monotonic()
-            if not self._poll_faults:
+            now, backoff = time.monotonic(), self._poll_backoff
+            if not backoff.failures:
                 self._poll_faults_since = self._poll_warned_at = now
                 log.warning("polling the Kafka broker at %s failed, retrying until it answers: %s", self.bootstrap, exc)
             elif now - self._poll_warned_at >= 30.0:
                 self._poll_warned_at = now
                 log.warning("the Kafka broker at %s still fails polls (%d in %.0fs), retrying: %s", self.bootstrap,
-                            self._poll_faults + 1, now - self._poll_faults_since, exc)
-            self._poll_faults += 1
-            self._stop.wait(min(0.1 * 2 ** min(self._poll_faults - 1, 16), self.settings.retry_max_wait_s))
+                            backoff.failures + 1, now - self._poll_faults_since, exc)
+            self._stop.wait(backoff.next())
             return {}
-        if records and self._poll_faults:
+        if records and self._poll_backoff.failures:
             log.info("the Kafka broker at %s answers again after %d failed polls in %.0fs", self.bootstrap,
-                     self._poll_faults, time.monotonic() - self._poll_faults_since)
-            self._poll_faults = 0
+                     self._poll_backoff.failures, time.monotonic() - self._poll_faults_since)
+            self._poll_backoff.reset()
         return records
 
     def _seek_to_stored(self, consumer, assigned) -> None:
@@ -241,11 +241,12 @@ class IngestConsumer:
         except Exception as exc:
             if not is_transient(exc):
                 raise
-            self._seek_backoff_s = min(max(0.1, 2 * self._seek_backoff_s), self.settings.retry_max_wait_s)
-            self._seek_retry_at = now + self._seek_backoff_s
-            log.debug("stored offsets still unreadable, next try in %.1fs: %s", self._seek_backoff_s, exc)
+            wait_s = self._seek_backoff.next()
+            self._seek_retry_at = now + wait_s
+            log.debug("stored offsets still unreadable, next try in %.1fs: %s", wait_s, exc)
             return
-        tps, self._seek_backoff_s = sorted(self._unseeked), 0.0
+        tps = sorted(self._unseeked)
+        self._seek_backoff.reset()
         self._unseeked.clear()
         self._apply_stored(self._consumer, tps, stored)
         self._consumer.resume(*tps)

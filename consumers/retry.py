@@ -77,3 +77,24 @@ def retry_transient(fn: Callable[[], T], what: str, stop: threading.Event, max_w
         until = until | stop_after_delay(give_up_after_s)
     return Retrying(retry=retry_if_exception(is_transient), reraise=True, wait=wait, stop=until,
                     sleep=stop.wait, before_sleep=_log)(fn)
+
+
+class Backoff:
+    """An exponential backoff schedule for loops that cannot block in :func:`retry_transient` (the
+    poll loop: it must keep polling): ``initial`` seconds doubling per failure, at most ``max_s``;
+    :meth:`reset` after a success.
+
+    Attributes:
+        failures: failures since the last reset.
+    """
+
+    def __init__(self, max_s: float, initial: float = 0.1) -> None:
+        self.max_s, self.initial, self.failures = max_s, initial, 0
+
+    def next(self) -> float:
+        """Count a failure; the seconds to wait before the next try."""
+        self.failures += 1
+        return min(self.initial * 2 ** min(self.failures - 1, 32), self.max_s)
+
+    def reset(self) -> None:
+        self.failures = 0
