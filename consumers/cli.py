@@ -90,9 +90,9 @@ def relabel(
 
 
 def _shadow_schema_name(name: str | None) -> str | None:
-    from consumers.replay import _IDENT
+    from consumers.replay import is_schema_name
 
-    if name is not None and not _IDENT.match(name):
+    if name is not None and not is_schema_name(name):
         raise typer.BadParameter(f"{name!r} is not a schema name replay creates: lower-case letters, digits and _, "
                                  "not starting with a digit, at most 63 characters")
     return name

@@ -30,7 +30,13 @@ from consumers.finalize import finalize_due_once
 from consumers.projection import Projector, StoredEvent
 
 PROJECTION_TABLES = ("trajectory", "trajectory_segment", "reward_label")
-_IDENT = re.compile(r"^[a-z_][a-z0-9_]{0,62}$")
+_SCHEMA_NAME = re.compile(r"[a-z_][a-z0-9_]{0,62}")
+
+
+def is_schema_name(name: str) -> bool:
+    """Whether ``name`` is a schema name replay creates: lower-case letters, digits and ``_``, not
+    starting with a digit, at most 63 characters (Postgres's identifier limit), so it needs no quoting."""
+    return _SCHEMA_NAME.fullmatch(name) is not None
 
 
 def stored_event_from_row(row: tuple) -> StoredEvent:
@@ -50,7 +56,7 @@ def stored_event_from_row(row: tuple) -> StoredEvent:
 
 
 def _check_ident(name: str) -> str:
-    if not _IDENT.match(name):
+    if not is_schema_name(name):
         raise ValueError(f"invalid schema name {name!r}")
     return name
 

@@ -250,8 +250,9 @@ def test_a_shadow_schema_is_named_checked_and_dropped_from_the_cli(db):
     from app.core.errors import ConflictError, NotFoundError
 
     cli = CliRunner()
-    out = cli.invoke(app, ["replay", "--schema", "Bad-Name"])
-    assert out.exit_code == 2 and "lower-case letters" in out.output
+    for bad in ("Bad-Name", "shadow_1\n", "1shadow", "s" * 64):  # "$" would have let the newline through
+        out = cli.invoke(app, ["replay", "--schema", bad])
+        assert out.exit_code == 2 and "lower-case letters" in out.output, bad
     assert cli.invoke(app, ["replay", "--schema", "shadow_1"]).exit_code == 0
     out = cli.invoke(app, ["replay", "--schema", "shadow_1"])
     assert out.exit_code == 2 and "--drop-schema shadow_1" in " ".join(out.output.split()), out.output
