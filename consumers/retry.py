@@ -1,9 +1,10 @@
 """Transient-fault classification and retry with backoff (tenacity) for the consumer boundaries.
 
 Invariant: only infrastructure faults are retried (lost or refused connections, server restarts,
-deadlocks and serialization failures, a missing schema during a deploy, broker errors) and a
-batch the window sweep overtook (``consumers.batch.SweepOvertook``, which a redo settles); anything
-else propagates so the caller can isolate and dead-letter the record that caused it.
+deadlocks and serialization failures, a table or column missing during a deploy that runs the
+migration after the new code, broker errors) and a batch the window sweep overtook
+(``consumers.batch.SweepOvertook``, which a redo settles); anything else propagates so the caller
+can isolate and dead-letter the record that caused it.
 """
 
 from __future__ import annotations
@@ -25,9 +26,12 @@ def is_transient(exc: BaseException) -> bool:
     from kafka.errors import KafkaError
     from sqlalchemy import exc as sa_exc
 
+    from app.core.db import schema_missing_reason
     from app.core.errors import InfrastructureError
     from consumers.batch import SweepOvertook
 
+    if schema_missing_reason(exc) is not None:  # a table or column a migration not yet run adds
+        return True
     if isinstance(exc, sa_exc.DBAPIError):
         if exc.connection_invalidated:
             return True
@@ -35,7 +39,7 @@ def is_transient(exc: BaseException) -> bool:
     if isinstance(exc, (sa_exc.OperationalError, sa_exc.InterfaceError, sa_exc.DisconnectionError,
                         sa_exc.TimeoutError)):
         return True
-    return isinstance(exc, (psycopg.OperationalError, psycopg.InterfaceError, psycopg.errors.UndefinedTable,
+    return isinstance(exc, (psycopg.OperationalError, psycopg.InterfaceError,
                             psycopg.errors.ReadOnlySqlTransaction, psycopg.errors.InsufficientPrivilege,
                             InfrastructureError, SweepOvertook, KafkaError, ConnectionError, TimeoutError))
 

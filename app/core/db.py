@@ -98,3 +98,16 @@ def unreachable_reason(exc: BaseException) -> str | None:
     if isinstance(exc, (psycopg.OperationalError, psycopg.InterfaceError)) and exc.sqlstate is None:
         return (str(exc).splitlines() or [type(exc).__name__])[0]
     return None
+
+
+def schema_missing_reason(exc: BaseException) -> str | None:
+    """The first line of a statement's failure on a table or column the database lacks (it was not
+    migrated to this release: ``flywheel db upgrade``), or None for anything else."""
+    from psycopg import errors
+    from sqlalchemy import exc as sa_exc
+
+    if isinstance(exc, sa_exc.DBAPIError):
+        exc = exc.orig or exc
+    if isinstance(exc, (errors.UndefinedTable, errors.UndefinedColumn)):
+        return (str(exc).splitlines() or [type(exc).__name__])[0]
+    return None

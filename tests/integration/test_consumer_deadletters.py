@@ -8,6 +8,8 @@ import uuid
 import base64
 import json
 import random
+import threading
+import time
 from collections import Counter
 from datetime import datetime, timezone
 
@@ -227,3 +229,35 @@ def test_a_record_that_breaks_processing_is_dead_lettered_and_the_batch_goes_on(
     # published once, with the transaction that stored it: not by the whole-batch attempt that failed
     assert [(m.value, dict(m.headers)["dlq-reason"]) for m in read_topic(kafka_bootstrap, topics["dlq"])] == \
         [(encode_event(poison), b"processing_error")]
+
+
+@pytest.mark.integration
+def test_a_column_the_database_lacks_is_waited_out_not_dead_lettered(db, topics, kafka_bootstrap, caplog):
+    """New consumer code on a database whose migration has not run yet (a deploy in the wrong order):
+    every insert fails on the missing column. That is the database's fault, not the records': the
+    batch is retried until the column is there, then stored whole, with no dead letter."""
+    from consumers.ingest import IngestConsumer
+
+    events = generate_stream(300, seed=17)
+    with psycopg.connect(db, autocommit=True) as conn:
+        conn.execute("ALTER TABLE event_log RENAME COLUMN trace_id TO trace_id_next")  # position kept
+    try:
+        produce(kafka_bootstrap, topics["interactions"], [kafka_record(e) for e in events])
+        consumer = IngestConsumer()
+        result: dict = {}
+        runner = threading.Thread(target=lambda: result.update(stats=consumer.run(idle_exit_s=1.5)), daemon=True)
+        caplog.set_level("WARNING", logger="consumers.retry")
+        runner.start()
+        deadline = time.monotonic() + 60
+        while "trace_id" not in caplog.text and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert "trace_id" in caplog.text, "the batch never reached the missing column"
+    finally:
+        with psycopg.connect(db, autocommit=True) as conn:
+            conn.execute("ALTER TABLE event_log RENAME COLUMN trace_id_next TO trace_id")
+    runner.join(120)
+    assert not runner.is_alive() and result["stats"].processing_errors == 0
+    with psycopg.connect(db) as conn:
+        assert conn.execute("SELECT count(*) FROM dead_letter").fetchone()[0] == 0
+        stored = {r[0] for r in conn.execute("SELECT event_id FROM event_log")}
+    assert stored == {e.event_id for e in events}
