@@ -69,8 +69,8 @@ _register_all()
 
 
 def main() -> None:
-    """Console-script entry point: a :class:`FlywheelError`, or a database that cannot be reached,
-    ends with its message on stderr and exit code 2 instead of a traceback."""
+    """Console-script entry point: a :class:`FlywheelError`, a database that cannot be reached, or one
+    not migrated to this release, ends with its message on stderr and exit code 2 instead of a traceback."""
     from app.core.errors import FlywheelError
 
     try:
@@ -81,15 +81,20 @@ def main() -> None:
             typer.secho(f"  - {reason}", fg="red", err=True)
         raise SystemExit(2) from None
     except Exception as exc:
-        from app.core.db import unreachable_reason
+        from app.core.db import schema_missing_reason, unreachable_reason
 
         reason = unreachable_reason(exc)
-        if reason is None:
-            raise
-        typer.secho(f"error: the database does not answer: {reason}", fg="red", err=True)
-        typer.secho("  - check FLYWHEEL_DATABASE_URL, or start the local stack: flywheel stack up", fg="red",
-                    err=True)
-        raise SystemExit(2) from None
+        if reason is not None:
+            typer.secho(f"error: the database does not answer: {reason}", fg="red", err=True)
+            typer.secho("  - check FLYWHEEL_DATABASE_URL, or start the local stack: flywheel stack up", fg="red",
+                        err=True)
+            raise SystemExit(2) from None
+        reason = schema_missing_reason(exc)
+        if reason is not None:
+            typer.secho(f"error: the database lacks this release's schema: {reason}", fg="red", err=True)
+            typer.secho("  - migrate it: flywheel db upgrade", fg="red", err=True)
+            raise SystemExit(2) from None
+        raise
 
 
 if __name__ == "__main__":

@@ -15,14 +15,29 @@ deadletters_app = typer.Typer(no_args_is_help=True,
 
 
 def _setup(service: str) -> None:
+    from app.core.telemetry import configure_service_logging, configure_telemetry
+
+    configure_service_logging()
+    configure_telemetry(service)
+    _warn_if_schema_behind()
+
+
+def _warn_if_schema_behind() -> None:
+    """Say once, at start, that the database lacks this release's migrations: the consumer then
+    retries its batches until they run (``consumers.retry.is_transient``) and logs each retry."""
     import logging
 
-    from app.core.telemetry import configure_telemetry, throttle_library_logs
+    from app.core.db import get_engine
+    from app.core.migrate import schema_behind
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    logging.getLogger("kafka").setLevel(logging.WARNING)
-    throttle_library_logs("kafka", every_s=30.0)  # its per-attempt errors while the broker is away
-    configure_telemetry(service)
+    try:
+        with get_engine().connect() as conn:
+            behind = schema_behind(conn)
+    except Exception:  # noqa: BLE001 -- unreachable now: the consumer's own retries report it
+        return
+    if behind:
+        logging.getLogger("consumers").warning("%s: batches wait and are retried until `flywheel db upgrade` has "
+                                               "run; nothing is dead-lettered or lost", behind)
 
 
 def consume(

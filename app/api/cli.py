@@ -80,9 +80,10 @@ def relay(once: bool = typer.Option(False, "--once", help="publish what is pendi
           batch: int = typer.Option(100, min=1, help="rows per transaction")) -> None:
     """Publish outbox rows to their topics, in order, marking each sent after the broker acks."""
     from app.core.settings import get_settings
-    from app.core.telemetry import configure_telemetry
+    from app.core.telemetry import configure_service_logging, configure_telemetry
     from producers.relay import OutboxRelay
 
+    configure_service_logging()
     configure_telemetry("flywheel-relay")
     with OutboxRelay(batch_size=batch) as r:
         if once:
@@ -94,9 +95,10 @@ def relay(once: bool = typer.Option(False, "--once", help="publish what is pendi
 def watch(once: bool = typer.Option(False, "--once", help="handle what is on the topic now, then exit")) -> None:
     """Follow production: move the inference engine on checkpoint.promoted / rolled_back and report
     the serving checkpoint in $FLYWHEEL_HOME/serving.json."""
-    from app.core.telemetry import configure_telemetry
+    from app.core.telemetry import configure_service_logging, configure_telemetry
     from ops.serving.watcher import run_watch
 
+    configure_service_logging()
     configure_telemetry("flywheel-watcher")
     run_watch(once=once)
 

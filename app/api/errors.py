@@ -77,11 +77,22 @@ async def _database_error(request: Request, exc: Exception) -> JSONResponse:
     from app.core.db import unreachable_reason
 
     reason = unreachable_reason(exc)
-    if reason is None:  # a statement's error: ours
-        return await _unhandled(request, exc)
+    if reason is None:
+        return await _schema_error(request, exc)
     log.warning("database unavailable on %s %s: %s", request.method, request.url.path, reason)
     return error_response(503, "unavailable", "the database is unavailable; retry shortly",
                           headers={"Retry-After": str(DATABASE_RETRY_AFTER_S)})
+
+
+async def _schema_error(request: Request, exc: Exception) -> JSONResponse:
+    from app.core.db import schema_missing_reason
+
+    reason = schema_missing_reason(exc)
+    if reason is None:  # a statement's error: ours
+        return await _unhandled(request, exc)
+    log.error("the database lacks this release's schema on %s %s: %s; run `flywheel db upgrade`", request.method,
+              request.url.path, reason)
+    return error_response(503, "unavailable", "the database is not migrated to this release's schema")
 
 
 async def _unhandled(request: Request, exc: Exception) -> JSONResponse:
@@ -101,6 +112,9 @@ def install_error_handlers(app: FastAPI) -> None:
     for db_error in (sa_exc.OperationalError, sa_exc.InterfaceError, sa_exc.TimeoutError, psycopg.OperationalError,
                      psycopg.InterfaceError):
         app.add_exception_handler(db_error, _database_error)
+    # a table or column the database lacks (not migrated to this release) -> 503 naming it; others 500
+    for db_error in (sa_exc.ProgrammingError, psycopg.ProgrammingError):
+        app.add_exception_handler(db_error, _schema_error)
     app.add_exception_handler(Exception, _unhandled)
 
 

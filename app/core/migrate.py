@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 from alembic import command
@@ -48,3 +49,35 @@ def upgrade(url: str | None = None, revision: str = "head") -> None:
 def downgrade(url: str | None = None, revision: str = "base") -> None:
     """Migrate the database down to ``revision``."""
     command.downgrade(alembic_config(url), revision)
+
+
+@functools.lru_cache(maxsize=1)
+def head_revisions() -> frozenset[str]:
+    """The revisions this release's ``migrations/`` end at (its heads)."""
+    from alembic.script import ScriptDirectory
+
+    return frozenset(ScriptDirectory(str(Path(migrations.__file__).parent)).get_heads())
+
+
+def schema_behind(conn) -> str | None:
+    """Why the database behind ``conn`` (a SQLAlchemy ``Connection``) lacks this release's schema, or
+    None: never migrated, or at revisions older than this release's heads. A database a newer
+    release has migrated further (a revision this release does not know) is not behind: migrations
+    only add what older code can ignore, so a rolling deploy that migrates first keeps old
+    processes working.
+
+    Raises:
+        sqlalchemy.exc.DBAPIError: the database fails the version query.
+    """
+    from alembic.runtime.migration import MigrationContext
+    from alembic.script import ScriptDirectory
+
+    current = frozenset(MigrationContext.configure(conn).get_current_heads())
+    heads = head_revisions()
+    if not current:
+        return "the database has no flywheel schema (it was never migrated)"
+    known = {r.revision for r in ScriptDirectory(str(Path(migrations.__file__).parent)).walk_revisions()}
+    if current == heads or not current <= known:
+        return None
+    return f"the database schema is at revision {', '.join(sorted(current))}; this release needs " \
+        f"{', '.join(sorted(heads))}"

@@ -171,3 +171,21 @@ def throttle_library_logs(prefix: str = "kafka", every_s: float = 30.0) -> Repea
     for handler in logging.getLogger().handlers:
         handler.addFilter(throttle)
     return throttle
+
+
+SERVICE_LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
+def configure_service_logging(level: int = logging.INFO) -> None:
+    """Logging for a long-running service command (``consume``, ``relay``, ``watch``): ``level`` and
+    above to stderr with a timestamp and the logger's name; Alembic and kafka-python at WARNING, each of its
+    repeated messages at most once per 30 s (:class:`RepeatThrottle`: it logs every failed attempt
+    while the broker is away). Does nothing to a root logger that already has handlers (a host
+    application's or a test runner's configuration wins)."""
+    root = logging.getLogger()
+    if root.handlers:
+        return
+    logging.basicConfig(level=level, format=SERVICE_LOG_FORMAT)
+    logging.getLogger("kafka").setLevel(logging.WARNING)
+    logging.getLogger("alembic").setLevel(logging.WARNING)  # its set-up lines when a service checks the schema
+    throttle_library_logs("kafka", every_s=30.0)

@@ -126,6 +126,36 @@ def test_readyz_reports_each_unreachable_dependency(client, kafka_bootstrap, mon
     assert resp.json()["error"]["reasons"] == ["broker: 127.0.0.1:1 does not answer"]
 
 
+def test_a_database_behind_this_release_is_not_ready_and_its_requests_are_503s(client, kafka_bootstrap,
+                                                                               empty_database, monkeypatch):
+    """The API pointed at a database without this release's migrations: ``/readyz`` says so (so a
+    deploy holds traffic back) and what it would need; a request that reaches a missing table is a
+    503 naming the cause, not a 500."""
+    from app.core.db import reset_engines
+    from app.core.migrate import head_revisions, upgrade
+    from app.core.settings import get_settings
+
+    monkeypatch.setenv("FLYWHEEL_DATABASE_URL", empty_database)
+    get_settings.cache_clear()
+    reset_engines()
+    resp = client.get("/readyz")
+    _assert_error(resp, 503, "unavailable")
+    assert resp.json()["error"]["reasons"] == [
+        "database: the database has no flywheel schema (it was never migrated): run `flywheel db upgrade`"]
+    resp = client.get("/v1/production", headers={"Authorization": "Bearer fw_anything"})
+    _assert_error(resp, 503, "unavailable")
+    assert "not migrated" in resp.json()["error"]["message"]
+
+    (head,) = head_revisions()
+    previous = f"{int(head) - 1:04d}"
+    upgrade(url=empty_database, revision=previous)
+    reasons = client.get("/readyz").json()["error"]["reasons"]
+    assert reasons == [f"database: the database schema is at revision {previous}; this release needs {head}: "
+                       "run `flywheel db upgrade`"]
+    upgrade(url=empty_database)
+    assert client.get("/readyz").json()["status"] == "ready"
+
+
 def test_a_database_that_does_not_answer_is_a_503_not_a_500(client, monkeypatch):
     """A request that needs Postgres while it is down (a restart, a failover): 503 ``unavailable``
     with ``Retry-After``, which clients retry, not a 500 that reads as a bug of ours."""

@@ -104,3 +104,17 @@ def test_a_command_whose_database_does_not_answer_says_so_in_one_error(tmp_path)
     assert lines[0].startswith("error: the database does not answer: connection failed")
     assert "Traceback" not in out.stderr
     assert "FLYWHEEL_DATABASE_URL" in lines[1] and len(lines) == 2
+
+
+def test_a_command_on_a_database_without_the_schema_says_to_migrate_it(empty_database, tmp_path):
+    """A command run against a database never migrated to this release (a new server, a deploy that
+    skipped ``flywheel db upgrade``): what is missing and the command that fixes it on stderr,
+    exit code 2, no traceback."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FLYWHEEL_")}
+    env.update(FLYWHEEL_HOME=str(tmp_path), FLYWHEEL_TELEMETRY_EXPORTER="none", FLYWHEEL_DATABASE_URL=empty_database)
+    out = subprocess.run([sys.executable, "-c", "from app.cli import main; main()", "relabel", "--spec", "implicit@1"],
+                         env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2, out.stderr[-2000:]
+    lines = out.stderr.strip().splitlines()
+    assert lines[0].startswith("error: the database lacks this release's schema: relation"), lines
+    assert lines[1].strip() == "- migrate it: flywheel db upgrade" and len(lines) == 2

@@ -1,4 +1,4 @@
-"""``/healthz`` (the process answers) and ``/readyz`` (database and broker reachable)."""
+"""``/healthz`` (the process answers) and ``/readyz`` (database reachable and migrated, broker reachable)."""
 
 from __future__ import annotations
 
@@ -20,10 +20,13 @@ def healthz() -> Health:
 
 
 def _check_database() -> str | None:
+    from app.core.migrate import schema_behind
+
     try:
         with get_engine().connect() as conn:
             conn.execute(text("SELECT 1"))
-        return None
+            behind = schema_behind(conn)
+        return None if behind is None else f"database: {behind}: run `flywheel db upgrade`"
     except Exception as exc:  # any failure means "not ready"; the reason is reported
         return f"database: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
 
@@ -44,8 +47,9 @@ def _check_broker() -> str | None:
 @router.get("/readyz", response_model=Readiness, summary="Readiness",
             responses={503: {"model": ErrorBody, "description": "a dependency is unreachable"}})
 def readyz():
-    """``ready`` when the database answers ``SELECT 1`` and the broker answers a metadata request;
-    else 503 with the failing checks as reasons."""
+    """``ready`` when the database answers ``SELECT 1`` and has this release's schema (not behind
+    its migration head) and the broker answers a metadata request; else 503 with the failing checks
+    as reasons."""
     failures = [f for f in (_check_database(), _check_broker()) if f]
     if failures:
         return error_response(503, "unavailable", "not ready", failures)
