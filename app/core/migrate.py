@@ -52,11 +52,15 @@ def downgrade(url: str | None = None, revision: str = "base") -> None:
 
 
 @functools.lru_cache(maxsize=1)
-def head_revisions() -> frozenset[str]:
-    """The revisions this release's ``migrations/`` end at (its heads)."""
+def _script_directory():
     from alembic.script import ScriptDirectory
 
-    return frozenset(ScriptDirectory(str(Path(migrations.__file__).parent)).get_heads())
+    return ScriptDirectory(str(Path(migrations.__file__).parent))
+
+
+def head_revisions() -> frozenset[str]:
+    """The revisions this release's ``migrations/`` end at (its heads)."""
+    return frozenset(_script_directory().get_heads())
 
 
 def schema_behind(conn) -> str | None:
@@ -70,13 +74,12 @@ def schema_behind(conn) -> str | None:
         sqlalchemy.exc.DBAPIError: the database fails the version query.
     """
     from alembic.runtime.migration import MigrationContext
-    from alembic.script import ScriptDirectory
 
     current = frozenset(MigrationContext.configure(conn).get_current_heads())
     heads = head_revisions()
     if not current:
         return "the database has no flywheel schema (it was never migrated)"
-    known = {r.revision for r in ScriptDirectory(str(Path(migrations.__file__).parent)).walk_revisions()}
+    known = {r.revision for r in _script_directory().walk_revisions()}
     if current == heads or not current <= known:
         return None
     return f"the database schema is at revision {', '.join(sorted(current))}; this release needs " \
