@@ -110,12 +110,19 @@ class BatchOutcome:
     dead_letter_positions: list[tuple[str, int, int]] = field(default_factory=list)
     """(topic, partition, offset) of the dead letters the batch stored (an erasure later in the batch may
     have deleted some again): what the caller publishes to the DLQ topic before it commits."""
+    offset_gaps: dict[tuple[str, int], tuple[int, int]] = field(default_factory=dict)
+    """(topic, partition) -> (the group's stored next offset, the batch's first offset on it) where the
+    batch starts past the stored offset: the broker no longer had the records in between when the
+    group read on (retention deleted them before they were consumed), so their events never reach
+    the store. The offsets advance past them; the caller reports the loss."""
 
     def merge(self, o: "BatchOutcome") -> None:
         """Add another outcome's counts (its ``messages`` excluded: the caller counted them)."""
         _add_counts(self, o)
         self.erasures += o.erasures
         self.dead_letter_positions += o.dead_letter_positions
+        for k, gap in o.offset_gaps.items():
+            self.offset_gaps.setdefault(k, gap)
         for k, v in o.next_offsets.items():
             self.next_offsets[k] = max(self.next_offsets.get(k, 0), v)
 
@@ -316,6 +323,7 @@ def apply_batch(session: Session, group_id: str, batch: list[Decoded], projector
         first[k] = min(first.get(k, d.msg.offset), d.msg.offset)
         last[k] = max(last.get(k, d.msg.offset), d.msg.offset)
     stored_next = lock_offsets(session, group_id, first)
+    out.offset_gaps = {k: (stored_next[k], f) for k, f in first.items() if f > stored_next.get(k, f)}
     fresh = [d for d in batch if d.msg.offset >= stored_next.get((d.msg.topic, d.msg.partition), 0)]
     out.stale = len(batch) - len(fresh)
 

@@ -308,6 +308,10 @@ class IngestConsumer:
                                                                     before_commit=self._publish_dead_letters),
                                              "isolated batch transaction")
                 self.stats.processing_errors += errors
+            for (topic, partition), (stored, first) in outcome.offset_gaps.items():
+                log.error("%s:%d: offsets %d..%d (%d records) were gone from the broker when this group read on "
+                          "(retention deleted them before they were consumed): their events are not in event_log",
+                          topic, partition, stored, first - 1, first - stored)
             span.set_attribute("flywheel.events.stored", outcome.stored)
             span.set_attribute("flywheel.dead_letters", sum(outcome.dead_letters.values()))
         self.metrics.record_batch(outcome, time.perf_counter() - started)

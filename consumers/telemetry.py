@@ -4,6 +4,7 @@ Instruments (all prefixed ``flywheel.consumer.``):
 
 - ``events`` counter {outcome: stored | duplicate | stale | dead_letter | privacy_dropped | erased_dropped}
 - ``dead_letters`` counter {reason}
+- ``offsets_skipped`` counter {partition}: offsets retention deleted before the group read them (events lost)
 - ``trajectories_finalized`` counter {by: signals | window | abandoned}
 - ``batch_duration`` histogram (seconds)
 - ``lag`` observable gauge {partition}: broker high-water mark minus the next offset to apply (messages)
@@ -34,6 +35,9 @@ class ConsumerMetrics:
                                              description="dead-lettered records, by reason")
         self.finalized = m.create_counter("flywheel.consumer.trajectories_finalized", unit="{trajectory}",
                                           description="trajectories finalized, by trigger")
+        self.offsets_skipped = m.create_counter(
+            "flywheel.consumer.offsets_skipped", unit="{message}",
+            description="offsets the broker no longer had when the group read on (retention): events lost")
         self.batch_duration = m.create_histogram("flywheel.consumer.batch_duration", unit="s",
                                                  description="seconds per batch transaction")
         self._lock = threading.Lock()
@@ -54,6 +58,8 @@ class ConsumerMetrics:
                 self.events.add(n, {**a, "outcome": name})
         for reason, n in outcome.dead_letters.items():
             self.dead_letters.add(n, {**a, "reason": reason})
+        for (_, partition), (stored, first) in outcome.offset_gaps.items():
+            self.offsets_skipped.add(first - stored, {**a, "partition": partition})
         self.record_finalized(outcome.finalized)
         self.batch_duration.record(seconds, a)
         with self._lock:

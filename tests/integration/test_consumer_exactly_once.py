@@ -199,6 +199,41 @@ def test_every_insert_method_stores_a_batch_once_and_skips_duplicates(db, method
             (len(batch),)
 
 
+def test_offsets_the_broker_no_longer_had_are_reported_as_lost(db, kafka_bootstrap, caplog):
+    """A partition whose next records start past the group's stored offset (retention deleted the
+    ones between before they were consumed: the client resets to the earliest it has): the batch is
+    stored and the offsets move on, and the loss is reported (an ERROR line naming the range, the
+    ``offsets_skipped`` counter), never silent. A new group's first batch is not a gap."""
+    from opentelemetry.sdk.metrics import MeterProvider
+    from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+
+    from consumers.deadletter import Message
+    from consumers.ingest import IngestConsumer
+    from consumers.telemetry import ConsumerMetrics
+
+    events = generate_stream(200, seed=21)
+    msgs = [Message("t", 0, i, *kafka_record(e)) for i, e in enumerate(events)]
+    consumer, reader = IngestConsumer(bootstrap=kafka_bootstrap, topic="t"), InMemoryMetricReader()
+    consumer.metrics = ConsumerMetrics("t", consumer.group_id, MeterProvider(metric_readers=[reader]).get_meter("t"))
+    try:
+        assert consumer.process(msgs[10:60]).offset_gaps == {}  # a new group starts where its first batch does
+        with caplog.at_level("ERROR", logger="consumers.ingest"):
+            out = consumer.process(msgs[90:150])
+            assert consumer.process(msgs[150:]).offset_gaps == {}
+    finally:
+        consumer.close()
+    assert out.offset_gaps == {("t", 0): (60, 90)} and out.stored == 60
+    assert [r.getMessage() for r in caplog.records if "offsets" in r.getMessage()] == [
+        "t:0: offsets 60..89 (30 records) were gone from the broker when this group read on (retention deleted "
+        "them before they were consumed): their events are not in event_log"]
+    (skipped,) = [m for rm in reader.get_metrics_data().resource_metrics for sm in rm.scope_metrics
+                  for m in sm.metrics if m.name == "flywheel.consumer.offsets_skipped"]
+    assert [(p.attributes["partition"], p.value) for p in skipped.data.data_points] == [(0, 30)]
+    with psycopg.connect(db) as conn:
+        assert conn.execute("SELECT count(*) FROM event_log").fetchone()[0] == 50 + len(msgs) - 90
+        assert conn.execute("SELECT next_offset FROM consumer_offset WHERE topic = 't'").fetchone()[0] == len(msgs)
+
+
 def test_seq_values_are_reserved_in_blocks_and_never_overlap(db):
     """``event_log.seq`` comes from whole blocks of the sequence (its increment): one ``nextval`` per
     1024 events, values unique and increasing from one reservation to the next; a sequence still
