@@ -19,7 +19,6 @@ def _setup(service: str) -> None:
 
     configure_service_logging()
     configure_telemetry(service)
-    _warn_if_schema_behind()
 
 
 def _warn_if_schema_behind() -> None:
@@ -53,6 +52,7 @@ def consume(
     from consumers.ingest import IngestConsumer
 
     _setup("flywheel-consumer")
+    _warn_if_schema_behind()
     consumer = IngestConsumer(topic=topic, group_id=group)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: consumer.stop())

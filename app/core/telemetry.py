@@ -178,10 +178,10 @@ SERVICE_LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 def configure_service_logging(level: int = logging.INFO) -> None:
     """Logging for a long-running service command (``consume``, ``relay``, ``watch``): ``level`` and
-    above to stderr with a timestamp and the logger's name; Alembic and kafka-python at WARNING, each of its
-    repeated messages at most once per 30 s (:class:`RepeatThrottle`: it logs every failed attempt
-    while the broker is away). Does nothing to a root logger that already has handlers (a host
-    application's or a test runner's configuration wins)."""
+    above to stderr with a timestamp and the logger's name; Alembic and kafka-python at WARNING, and
+    each repeated kafka-python message at most once per 30 s (:class:`RepeatThrottle`: it logs
+    every failed attempt while the broker is away). Does nothing to a root logger that already has
+    handlers (a host application's or a test runner's configuration wins)."""
     root = logging.getLogger()
     if root.handlers:
         return
