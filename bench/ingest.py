@@ -53,6 +53,10 @@ later that day bare 49-67k (15-21 us: fetch-bound, not CPU-bound), ours 18-21k a
 On a machine with ~20 % of its CPU stolen (a later session, same code within noise: --quick 0.21 at
 the earlier commit, 0.23 at the later): bare 47k events/s at 17 us, ours 11.6k at 158 us
 (consumers 116, Postgres 41, broker 2), ratio 0.24: the steal weighs on ours' four processes more.
+A later session (2026-11-22, little steal): 100k events, bare 63k events/s at 11.7 us, ours 21.8k at
+84 us (consumers 53, Postgres 30, broker 1), ratio 0.35, bound 0.38; --quick the same hour 0.27 (bare
+86k). In-process, without Kafka, per event: decoding ~15 us, the DB stage's Python ~27 us at
+2,000-record batches (~70 us at 100-record batches, where each batch's ~18 round trips weigh).
 zstd record batches and uncompressed ones measure alike (0.29 and 0.30 the same hour):
 decompressing a batch is one C call per ~250 kB.
 
