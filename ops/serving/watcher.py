@@ -308,25 +308,25 @@ class ServingWatcher:
         Raises:
             Exception: a fault that is not transient (``consumers.retry.is_transient``).
         """
-        from consumers.retry import is_transient
+        from consumers.retry import Backoff, is_transient
 
-        backoff = 1.0
+        backoff = Backoff(30.0, initial=1.0)
         while not self._stop.is_set():
             try:
                 self.poll_once(timeout_ms=poll_ms)
-                backoff = 1.0
+                backoff.reset()
                 if idle_exit and self.caught_up():
                     return
             except Exception as exc:
-                if isinstance(exc, CheckpointError):  # the directory may not be synced yet
-                    log.warning("cannot move serving yet (%s); retrying in %.0fs", exc, backoff)
-                elif is_transient(exc):
-                    log.warning("following production failed (%s: %s); retrying in %.0fs", type(exc).__name__,
-                                str(exc).splitlines()[0] if str(exc) else "", backoff)
-                else:
+                if not (isinstance(exc, CheckpointError) or is_transient(exc)):
                     raise
-                self._stop.wait(backoff)
-                backoff = min(30.0, backoff * 2)
+                wait_s = backoff.next()
+                if isinstance(exc, CheckpointError):  # the directory may not be synced yet
+                    log.warning("cannot move serving yet (%s); retrying in %.0fs", exc, wait_s)
+                else:
+                    log.warning("following production failed (%s: %s); retrying in %.0fs", type(exc).__name__,
+                                str(exc).splitlines()[0] if str(exc) else "", wait_s)
+                self._stop.wait(wait_s)
 
     def start(self) -> threading.Thread:
         """Run in a daemon thread (embed in a serving process that owns the engine)."""
