@@ -17,7 +17,7 @@ def simulate(
     context_tokens: int = typer.Option(3072, "--context-tokens", help="context before self-summarization"),
     temperature: float = typer.Option(0.7, "--temperature", help="must match the trainer's loss.temperature"),
     privacy_rate: float = typer.Option(0.1, "--privacy-rate", help="share of sessions in privacy mode"),
-    followup_rate: float = typer.Option(0.6, "--followup-rate"),
+    concurrency: int = typer.Option(64, "--concurrency", help="sessions in flight at once (batched in the engine)"),
     persistence_delay: float = typer.Option(5.0, "--persistence-delay", help="seconds before edit persistence is measured"),
     source: str = typer.Option("dataframebench", "--source", help="task source (train split)"),
     seed: int = typer.Option(0, "--seed"),
@@ -41,7 +41,7 @@ def simulate(
     config = SimulatorConfig(sessions=sessions, tasks=tasks, group_size=group_size, max_turns=max_turns,
                              max_tokens=max_tokens, max_tokens_per_turn=max_tokens_per_turn,
                              context_tokens=context_tokens, temperature=temperature, privacy_rate=privacy_rate,
-                             followup_rate=followup_rate, persistence_delay_s=persistence_delay, source=source,
+                             concurrency=concurrency, persistence_delay_s=persistence_delay, source=source,
                              seed=seed)
     engine = setup_engine(checkpoint_id=checkpoint, model_dir=model_dir)
     typer.echo(f"simulating {sessions} sessions with checkpoint {engine.checkpoint_id}")
@@ -52,7 +52,9 @@ def simulate(
         metrics = producer.metrics
     shutdown_telemetry()
     typer.echo(json.dumps({"sessions": len(summaries), "errors": sum(1 for s in summaries if "error" in s),
-                           "passed": sum(1 for s in summaries if s.get("passed")), "producer": metrics}))
+                           "passed": sum(1 for s in summaries if s.get("passed")),
+                           "accepted": sum(s.get("accepted", 0) for s in summaries),
+                           "rejected": sum(s.get("rejected", 0) for s in summaries), "producer": metrics}))
 
 
 def register(app: typer.Typer) -> None:

@@ -10,7 +10,7 @@ import pytest
 from app.events import decode_event
 from evals.harness.scripted import tool_call
 from ops.serving.engine import Generation, InferenceEngine, SamplingParams
-from producers.simulator import SimulatorConfig, run_simulation, surviving_fraction
+from producers.simulator import DeveloperModel, SimulatorConfig, run_simulation, surviving_fraction, visible_check
 
 
 class OraclePolicy(InferenceEngine):
@@ -74,7 +74,10 @@ def test_simulated_sessions_reach_the_broker_with_their_late_signals(kafka_boots
 
     config = SimulatorConfig(sessions=4, group_size=2, max_turns=3, max_tokens=4096, max_tokens_per_turn=2048,
                              context_tokens=6144,
-                             privacy_rate=0.5, followup_rate=1.0,
+                             privacy_rate=0.5,
+                             developer=DeveloperModel(accept_if_works=1.0, accept_if_looks_right=1.0,
+                                                      keep_if_works=(1.0, 1.0), followup_if_works=0.0,
+                                                      followup_if_fails=1.0),
                              persistence_delay_s=0.5, followup_delay_s=0.2, seed=3)
     tasks = load_tasks("dataframebench", "train", limit=2, seed=3)
     engine = OraclePolicy(AutoTokenizer.from_pretrained(tiny_model_dir), tasks)
@@ -138,3 +141,23 @@ def test_simulator_runs_the_real_torch_engine(tiny_model_dir):
     assert all(len(e.payload.completion_logprobs) == len(e.payload.completion_token_ids) > 0 for e in responded)
     assert all(lp <= 0 for e in responded for lp in e.payload.completion_logprobs)
     assert Counter(e.type for e in events)["session.ended"] == 2
+
+
+def test_visible_check_reads_the_main_file():
+    from evals.tasks.model import Task
+
+    task = Task(id="t", source="x", split="train", request="r", files={"solution.py": "def f():\n    pass\n"},
+                test_command="true", metadata={"entry_point": "f"})
+    assert visible_check(task, {"solution.py": "def f(x):\n    return x\n"})
+    assert not visible_check(task, {"solution.py": "def g(x):\n    return x\n"})  # not the requested function
+    assert not visible_check(task, {"solution.py": "def f(x:\n"})  # does not parse
+    assert not visible_check(task, {})
+
+
+def test_developer_model_follows_outcomes():
+    dev = DeveloperModel()
+    assert dev.accept_probability("works") > dev.accept_probability("looks_right") > dev.accept_probability("broken")
+    assert dev.followup_probability("works") < dev.followup_probability("looks_right")
+    assert dev.followup_probability("no_edit") > dev.followup_probability("works")
+    with pytest.raises(ValueError):
+        DeveloperModel(accept_if_works=1.5)
