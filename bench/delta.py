@@ -72,7 +72,7 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)
     base = converted_base_dir()
-    config = load_config(overrides={"steps": 1, "max_epochs": 1, "threads": args.threads})
+    config = load_config(overrides={"max_steps": 1, "epochs": 1, "threads": args.threads})
     model = load_policy(base)
     tokenizer = AutoTokenizer.from_pretrained(base)
     parent = serving_state_dict(model)

@@ -94,7 +94,7 @@ def main() -> None:
     batches = build_batches(args.trajectories, args.seq_len, args.micro_batch_tokens)
     tokens = sum(mb.num_tokens for mb in batches)
     config = TrainerConfig.model_validate({
-        "steps": 1, "grad_accum": len(batches), "max_epochs": 1, "threads": args.threads,
+        "grad_accum": len(batches), "epochs": 1, "threads": args.threads,
         "data": {"micro_batch_tokens": args.micro_batch_tokens}, "optim": {"lr": 1e-6}})
     compute_old_logprobs(model, batches, config)
     optimizer = make_optimizer(model, config)

@@ -197,7 +197,7 @@ def step_train(opts: DemoOptions, state: DemoState, home: Path) -> str:
     if existing:
         state.data["candidate_id"] = existing
         return f"candidate {existing} exists"
-    proc = flywheel(["train", "--once", "--steps", str(opts.train_steps), "--min-new", "1", "--json"], opts,
+    proc = flywheel(["train", "--once", "--max-steps", str(opts.train_steps), "--min-new", "1", "--json"], opts,
                     capture=True)
     line = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")][-1]
     result = json.loads(line)

@@ -18,7 +18,12 @@ def register(app: typer.Typer) -> None:
 def train(
     once: bool = typer.Option(False, "--once", help="run one cycle and exit (else loop every FLYWHEEL_TRAIN_INTERVAL)"),
     config: Path | None = typer.Option(None, "--config", "-c", help="trainer TOML (default: trainer/configs/default.toml)"),
-    steps: int | None = typer.Option(None, "--steps", help="override `steps`"),
+    max_steps: int | None = typer.Option(None, "--max-steps", help="step budget: claim only what fits (`max_steps`)"),
+    epochs: int | None = typer.Option(None, "--epochs", help="override `epochs`"),
+    invert_reward: bool = typer.Option(False, "--invert-reward",
+                                       help="train on the negated reward: a planted regression for the gate"),
+    same_data_as: str | None = typer.Option(None, "--same-data-as",
+                                            help="train on exactly the trajectories this checkpoint trained on"),
     lr: float | None = typer.Option(None, "--lr", help="override `optim.lr`"),
     min_new: int | None = typer.Option(None, "--min-new", help="override `data.min_new_trajectories`"),
     dry_run: bool = typer.Option(False, "--dry-run", help="select data and report; train and write nothing"),
@@ -31,7 +36,9 @@ def train(
     from trainer.config import load_config
     from trainer.cycle import run_cycle
 
-    overrides = {k: v for k, v in (("steps", steps), ("optim.lr", lr), ("data.min_new_trajectories", min_new))
+    overrides = {k: v for k, v in (("max_steps", max_steps), ("epochs", epochs), ("optim.lr", lr),
+                                   ("data.min_new_trajectories", min_new), ("data.same_data_as", same_data_as),
+                                   ("invert_reward", invert_reward or None))
                  if v is not None}
     cfg = load_config(config, overrides)
     configure_telemetry("flywheel-trainer")
@@ -61,7 +68,7 @@ def _print_result(result) -> None:
         typer.echo(f"  trajectories {result.num_trajectories} in {data.get('groups')} groups, mean reward "
                    f"{data.get('reward_mean', 0):.3f}, mismatch KL(mu||pi_old) "
                    f"{m.get('mismatch_before_training', {}).get('mismatch_kl', 0):.2e}")
-        typer.echo(f"  steps {m.get('steps')}, "
+        typer.echo(f"  steps {m.get('steps')} ({m.get('epochs')} epoch(s) of {m.get('micro_batches')} micro-batches), "
                    f"tokens/s {m.get('tokens_per_s', 0):.0f}, loss {final.get('loss', 0):+.4f}, "
                    f"kl {final.get('kl', 0):.2e}, delta {m.get('delta', {}).get('ratio', 0):.2%} of bf16 weights")
     if result.excluded:

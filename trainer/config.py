@@ -46,6 +46,9 @@ class DataConfig(_Config):
     """Padded tokens (rows x longest row) per micro-batch; bounds activation memory."""
     singleton_baseline: Literal["zero", "batch_mean"] = "batch_mean"
     """Baseline of a trajectory alone in its task group: 0 advantage, or reward minus batch mean."""
+    same_data_as: str | None = None
+    """Train on exactly the trajectories checkpoint ``same_data_as`` trained on (already claimed:
+    ablations and planted regressions), instead of the new ones."""
 
 
 class LossConfig(_Config):
@@ -94,12 +97,17 @@ class OptimConfig(_Config):
 class TrainerConfig(_Config):
     """One training cycle: data, loss, optimizer and run settings."""
 
-    steps: int = Field(default=4, ge=1)
-    """Optimizer steps per cycle (upper bound; see max_epochs)."""
+    epochs: int = Field(default=1, ge=1)
+    """Passes over the cycle's micro-batches; every epoch visits every one of them once, so the
+    optimizer steps follow the data: ``epochs * ceil(micro_batches / grad_accum)``."""
+    max_steps: int | None = Field(default=None, ge=1)
+    """Compute budget of a cycle in optimizer steps: the cycle then claims only the trajectories
+    whose micro-batches fit in it (whole task groups, newest deferred first); the rest stay new
+    for the next cycle. None: no budget beyond ``data.max_trajectories``."""
     grad_accum: int = Field(default=2, ge=1)
     """Micro-batches accumulated per optimizer step."""
-    max_epochs: int = Field(default=2, ge=1)
-    """Stop after this many passes over the cycle's micro-batches even if steps remain."""
+    invert_reward: bool = False
+    """Train on the negated reward: a planted regression the gate must reject (bench, drills)."""
     seed: int = 0
     """Seed of the micro-batch order."""
     threads: int = Field(default=2, ge=1, le=256)
@@ -118,6 +126,12 @@ class TrainerConfig(_Config):
     loss: LossConfig = LossConfig()
     optim: OptimConfig = OptimConfig()
 
+    @model_validator(mode="after")
+    def _budget_covers_epochs(self) -> "TrainerConfig":
+        if self.max_steps is not None and self.max_steps < self.epochs:
+            raise ValueError(f"max_steps={self.max_steps} cannot cover epochs={self.epochs} (one step per epoch at least)")
+        return self
+
     def normalizer(self) -> float:
         """The constant loss normalizer ``Z`` (tokens)."""
         return float(self.loss.normalizer_tokens or self.data.micro_batch_tokens * self.grad_accum)
@@ -132,7 +146,7 @@ def load_config(path: Path | None = None, overrides: dict[str, Any] | None = Non
 
     Args:
         path: TOML file; ``None`` for ``trainer/configs/default.toml``.
-        overrides: dotted keys to values, e.g. ``{"steps": 2, "optim.lr": 1e-6}`` (CLI flags).
+        overrides: dotted keys to values, e.g. ``{"max_steps": 2, "optim.lr": 1e-6}`` (CLI flags).
 
     Raises:
         ConfigurationError: unreadable TOML, unknown keys or out-of-bounds values (every reason).

@@ -9,6 +9,9 @@ Invariants:
   directories, and starts clean from the last succeeded cycle's watermark.
 - A candidate is always ``generation = parent.generation + 1`` and names its parent, data window,
   trajectories (with event ids and offsets), exclusions, reward spec and resolved config.
+- A cycle claims only what it trains: every trajectory in the manifest has tokens in micro-batches
+  that every epoch trains. A step budget (``max_steps``) shrinks the claim (whole task groups,
+  newest first, are deferred to the next cycle), never the schedule.
 """
 
 from __future__ import annotations
@@ -153,16 +156,47 @@ def _parent_dir(store: CheckpointStore, parent) -> Path:
     raise CheckpointError(f"production checkpoint {parent.id} has no STABLE directory at {parent.path}")
 
 
-def _train_and_register(config: TrainerConfig, store: CheckpointStore, parent, data, cycle_id: uuid.UUID,
-                        progress: bool) -> CycleResult:
+def plan_micro_batches(data, config: TrainerConfig, pad_id: int):
+    """Advantages and micro-batches of the cycle's data, shrinking the claim to the step budget.
+
+    While ``planned_steps > config.max_steps``, the newest task group is deferred (the last
+    trajectories one by one once a single group is left) and the rest re-packed, so advantages are
+    computed over exactly the trajectories that train. With ``invert_reward`` the rewards are negated.
+
+    Returns:
+        ``(rewards [G] fp32, groups [G] int64, advantages [G] fp32, micro-batches)`` over ``data.used``
+        after deferral (``G`` trajectories).
+    """
     import torch
 
+    from trainer.batching import group_ids, pack_micro_batches
+    from trainer.loss import compute_advantages
+    from trainer.step import planned_steps
+
+    while True:
+        groups = group_ids(data.used)
+        rewards = torch.tensor([t.reward for t in data.used], dtype=torch.float32)
+        if config.invert_reward:
+            rewards = -rewards
+        advantages = compute_advantages(rewards, groups, singleton_baseline=config.data.singleton_baseline)
+        batches = pack_micro_batches(data.used, advantages, micro_batch_tokens=config.data.micro_batch_tokens,
+                                     pad_id=pad_id, seed=config.seed)
+        if config.max_steps is None or planned_steps(len(batches), config) <= config.max_steps or len(data.used) == 1:
+            trained = {int(i) for b in batches for i in b.trajectory_index.unique().tolist()}
+            if trained != set(range(len(data.used))):  # selection excludes token-less trajectories
+                raise AssertionError(f"{len(data.used) - len(trained)} claimed trajectories have no trainable token")
+            return rewards, groups, advantages, batches
+        last = data.used[-1].group
+        tail = [t.id for t in data.used if t.group == last]
+        data.defer(set(tail) if len(tail) < len(data.used) else {tail[-1]})
+
+
+def _train_and_register(config: TrainerConfig, store: CheckpointStore, parent, data, cycle_id: uuid.UUID,
+                        progress: bool) -> CycleResult:
     from app.core.db import session_scope
     from app.models import Checkpoint
-    from trainer.batching import group_ids, pack_micro_batches
     from trainer.checkpointing import load_policy, new_checkpoint_id, write_checkpoint
     from trainer.delta import serving_state_dict
-    from trainer.loss import compute_advantages
     from trainer.metrics import data_summary, step_progress, summarize
     from trainer.records import register_candidate
     from trainer.step import compute_old_logprobs, make_optimizer, planned_steps, train_steps
@@ -175,12 +209,8 @@ def _train_and_register(config: TrainerConfig, store: CheckpointStore, parent, d
         if config.gradient_checkpointing:
             model.gradient_checkpointing_enable()
         parent_serving = serving_state_dict(model)
-    groups = group_ids(data.used)
-    rewards = torch.tensor([t.reward for t in data.used], dtype=torch.float32)
-    advantages = compute_advantages(rewards, groups, singleton_baseline=config.data.singleton_baseline)
     pad_id = model.config.pad_token_id if isinstance(model.config.pad_token_id, int) else 0
-    batches = pack_micro_batches(data.used, advantages, micro_batch_tokens=config.data.micro_batch_tokens,
-                                 pad_id=pad_id, seed=config.seed)
+    rewards, groups, advantages, batches = plan_micro_batches(data, config, pad_id)
     with _tracer.start_as_current_span("trainer.old_logprobs") as span:
         mismatch = compute_old_logprobs(model, batches, config)
         span.set_attributes({f"flywheel.{k}": v for k, v in mismatch.items()})
@@ -197,6 +227,9 @@ def _train_and_register(config: TrainerConfig, store: CheckpointStore, parent, d
         history = train_steps(model, batches, config, optimizer, on_step=on_step)
     metrics = summarize(history, data=data_summary(rewards.tolist(), advantages.tolist(), int(groups.max()) + 1),
                         mismatch=mismatch, seconds=time.perf_counter() - started)
+    metrics["micro_batches"], metrics["epochs"] = len(batches), config.epochs
+    if config.invert_reward:
+        metrics["invert_reward"] = True
     checkpoint_id = new_checkpoint_id()
     section = data.manifest_section()
     for entry, adv in zip(section["trajectories"], advantages.tolist()):

@@ -27,7 +27,8 @@ Exclusion reasons, checked in this order (the first that applies is recorded):
 ``no_segments``             no token data
 ``malformed_segment``       token ids, loss mask and behaviour log-probs disagree in length
 ``no_completion_tokens``    nothing the model generated is left to train on
-``deferred``                over ``max_trajectories``; stays new for the next cycle
+``deferred``                over ``max_trajectories`` or the cycle's step budget (``max_steps``);
+                            stays new for the next cycle
 ==========================  =====================================================================
 """
 
@@ -116,6 +117,15 @@ class CycleData:
         seqs = [t.max_event_seq for t in self.used if t.max_event_seq is not None]
         return max(seqs) if seqs else None
 
+    def defer(self, ids: set[uuid.UUID]) -> None:
+        """Move used trajectories back to new (reason ``deferred``): the cycle will not train on
+        or claim them; the watermark follows what stays used."""
+        self.used = [t for t in self.used if t.id not in ids]
+        for i in ids:
+            self.excluded[str(i)] = "deferred"
+        last = max(((t.finalized_at, t.id) for t in self.used), default=None)
+        self.watermark = last
+
     def excluded_counts(self) -> dict[str, int]:
         """Number of excluded trajectories per reason."""
         counts: dict[str, int] = {}
@@ -179,15 +189,18 @@ def select_cycle_data(session: Session, config: DataConfig, parent: Checkpoint, 
         .where(Trajectory.status == "finalized", Trajectory.finalized_at <= age_floor)) or 0
     trained = select(CheckpointTrajectory.trajectory_id).where(
         CheckpointTrajectory.trajectory_id == Trajectory.id).exists()
-    rows = session.execute(
-        select(Trajectory, RewardLabel.reward, trained.label("trained"))
-        .outerjoin(RewardLabel, (RewardLabel.trajectory_id == Trajectory.id) & (RewardLabel.spec == config.reward_spec))
-        .where(Trajectory.status == "finalized", Trajectory.finalized_at > age_floor)
-        .order_by(Trajectory.finalized_at, Trajectory.id)
-    ).all()
+    query = (select(Trajectory, RewardLabel.reward, trained.label("trained"))
+             .outerjoin(RewardLabel, (RewardLabel.trajectory_id == Trajectory.id)
+                        & (RewardLabel.spec == config.reward_spec))
+             .where(Trajectory.status == "finalized", Trajectory.finalized_at > age_floor)
+             .order_by(Trajectory.finalized_at, Trajectory.id))
+    if config.same_data_as is not None:  # a replica of that checkpoint's data: claimed already, by design
+        same = select(CheckpointTrajectory.trajectory_id).where(
+            CheckpointTrajectory.checkpoint_id == config.same_data_as)
+        query = query.where(Trajectory.id.in_(same))
     considered = []
-    for traj, reward, already in rows:
-        if already:
+    for traj, reward, already in session.execute(query).all():
+        if already and config.same_data_as is None:
             data.excluded[str(traj.id)] = "earlier_cycle"
         else:
             considered.append((traj, reward))

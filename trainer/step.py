@@ -149,23 +149,20 @@ class StepMetrics:
 
 
 def micro_batch_schedule(batches: list, config: TrainerConfig) -> Iterator[list]:
-    """Micro-batches per optimizer step: each epoch shuffles ``batches`` and splits them into steps
-    of ``grad_accum`` (a step never holds a micro-batch twice nor spans two epochs); stops after
-    ``steps`` steps or ``max_epochs`` epochs."""
+    """Micro-batches per optimizer step: each of ``config.epochs`` epochs shuffles ``batches`` and
+    splits them into steps of ``grad_accum``, so every micro-batch is trained once per epoch (a step
+    never holds a micro-batch twice nor spans two epochs). The cycle sizes its data to the step
+    budget beforehand (``trainer.cycle``), never by cutting this schedule short."""
     g = torch.Generator().manual_seed(config.seed)
-    done = 0
-    for _ in range(config.max_epochs):
+    for _ in range(config.epochs):
         order = torch.randperm(len(batches), generator=g).tolist()
         for s in range(0, len(order), config.grad_accum):
-            if done == config.steps:
-                return
             yield [batches[i] for i in order[s:s + config.grad_accum]]
-            done += 1
 
 
 def planned_steps(num_batches: int, config: TrainerConfig) -> int:
     """How many optimizer steps :func:`micro_batch_schedule` yields for ``num_batches``."""
-    return min(config.steps, config.max_epochs * math.ceil(num_batches / config.grad_accum))
+    return config.epochs * math.ceil(num_batches / config.grad_accum)
 
 
 def make_optimizer(model: torch.nn.Module, config: TrainerConfig) -> torch.optim.Optimizer:

@@ -21,7 +21,7 @@ from trainer.config import TrainerConfig
 pytestmark = pytest.mark.integration
 
 PROMPT = [1, 40, 41, 42, 43]
-CONFIG = {"steps": 2, "grad_accum": 2, "max_epochs": 2, "plot_curves": True,
+CONFIG = {"max_steps": 2, "grad_accum": 2, "epochs": 2, "plot_curves": True,
           "data": {"min_new_trajectories": 2, "micro_batch_tokens": 64},
           "loss": {"temperature": 1.0}, "optim": {"lr": 1e-3}}
 
@@ -102,7 +102,7 @@ def test_cycle_produces_registered_candidate(session, store, production, policy_
     assert {t["id"] for t in manifest["trajectories"]} == {str(u) for u in used}
     assert manifest["excluded"] == {str(reserved): "reserved_for_eval"}
     assert all(t["event_ids"] and t["offsets"] for t in manifest["trajectories"])
-    assert TrainerConfig.model_validate_json((path / "trainer_config.json").read_text()).steps == 2
+    assert TrainerConfig.model_validate_json((path / "trainer_config.json").read_text()).max_steps == 2
     metrics = json.loads((path / "metrics.json").read_text())
     assert len(metrics["history"]) == 2 and metrics["data"]["groups"] == 2
 
@@ -210,7 +210,7 @@ def test_cli_dry_run_and_once(session, store, production, policy_dir, monkeypatc
     out = json.loads(dry.output.strip().splitlines()[-1])
     assert out["status"] == "skipped" and out["num_trajectories"] == 2 and store.list_stable() == ["base"]
     config = store.root.parent / "trainer.toml"
-    config.write_text("steps = 1\ngrad_accum = 1\n[data]\nmin_new_trajectories = 1\n[optim]\nlr = 1e-4\n")
+    config.write_text("max_steps = 1\ngrad_accum = 1\n[data]\nmin_new_trajectories = 1\n[optim]\nlr = 1e-4\n")
     once = runner.invoke(app, ["train", "--once", "--config", str(config), "--no-progress"])
     assert once.exit_code == 0, once.output
     assert "succeeded: candidate ckpt-" in once.output and "excluded: reserved_for_eval=1" in once.output
@@ -322,3 +322,26 @@ def test_an_eval_task_mined_while_the_cycle_trains_is_retired_at_registration(se
     with session_scope() as s:
         again = mined.mine_tasks(s)
     assert again.mined == [] and session.get(EvalTask, "task-0") is None
+
+
+def test_planted_regression_trains_on_the_same_data_with_the_reward_negated(session, store, production, policy_dir):
+    """``same_data_as`` + ``invert_reward``: a second candidate from the same parent, trained on exactly
+    the first one's (already claimed) trajectories, with every advantage's sign flipped."""
+    from trainer.cycle import run_cycle
+
+    used, _ = _insert_sessions(session, policy_dir)
+    first = run_cycle(TrainerConfig.model_validate(CONFIG), store=store)
+    assert first.status == "succeeded"
+    again = run_cycle(TrainerConfig.model_validate({**CONFIG, "data": {**CONFIG["data"], "min_new_trajectories": 1}}),
+                      store=store)
+    assert again.status == "skipped"  # everything new was claimed by the first candidate
+    planted = run_cycle(TrainerConfig.model_validate({
+        **CONFIG, "invert_reward": True, "data": {**CONFIG["data"], "same_data_as": first.checkpoint_id}}),
+        store=store)
+    assert planted.status == "succeeded" and planted.parent_id == "base"
+    m1, m2 = store.manifest(first.checkpoint_id), store.manifest(planted.checkpoint_id)
+    adv1 = {t["id"]: t["advantage"] for t in m1["trajectories"]}
+    adv2 = {t["id"]: t["advantage"] for t in m2["trajectories"]}
+    assert set(adv2) == set(adv1) == {str(u) for u in used}
+    assert all(adv2[k] == pytest.approx(-adv1[k]) and adv1[k] != 0 for k in adv1)
+    assert planted.metrics["invert_reward"] is True

@@ -31,7 +31,7 @@ def test_fixed_reward_raises_favoured_sequence(temperature):
             behaviour = sequence_logprobs(model, PROMPT + completion, temperature)
             trajectories.append(make_trajectory([make_segment(PROMPT, completion, behaviour)], reward, task_id="t"))
     config = TrainerConfig.model_validate({
-        "steps": 4, "grad_accum": 2, "max_epochs": 10, "logprob_chunk_size": 5,
+        "epochs": 2, "grad_accum": 2, "logprob_chunk_size": 5,
         "data": {"micro_batch_tokens": 22}, "loss": {"temperature": temperature}, "optim": {"lr": 3e-3}})
     adv = compute_advantages(torch.tensor([t.reward for t in trajectories]), group_ids(trajectories))
     assert adv.tolist() == pytest.approx([0.5, -0.5] * 3)
@@ -51,19 +51,59 @@ def test_fixed_reward_raises_favoured_sequence(temperature):
     assert bad1 < bad0 - 0.5, (bad0, bad1)
 
 
-def test_schedule_respects_steps_and_epochs():
+def test_schedule_trains_every_micro_batch_each_epoch():
     from trainer.step import planned_steps
 
     batches = list(range(3))
-    cfg = TrainerConfig.model_validate({"steps": 10, "grad_accum": 2, "max_epochs": 2})
+    cfg = TrainerConfig.model_validate({"grad_accum": 2, "epochs": 2})
     groups = list(micro_batch_schedule(batches, cfg))
     assert [len(g) for g in groups] == [2, 1, 2, 1] and planned_steps(3, cfg) == 4
     assert sorted(groups[0] + groups[1]) == [0, 1, 2] and sorted(groups[2] + groups[3]) == [0, 1, 2]
-    cfg = TrainerConfig.model_validate({"steps": 2, "grad_accum": 2, "max_epochs": 5})
+    cfg = TrainerConfig.model_validate({"grad_accum": 2, "epochs": 1})
     assert [len(g) for g in micro_batch_schedule(batches, cfg)] == [2, 1] and planned_steps(3, cfg) == 2
     # fewer micro-batches than grad_accum: one step per epoch, never the same micro-batch twice
-    cfg = TrainerConfig.model_validate({"steps": 4, "grad_accum": 2, "max_epochs": 2})
+    cfg = TrainerConfig.model_validate({"grad_accum": 2, "epochs": 2})
     assert list(micro_batch_schedule([7], cfg)) == [[7], [7]] and planned_steps(1, cfg) == 2
+    with pytest.raises(ValueError, match="max_steps"):
+        TrainerConfig.model_validate({"epochs": 3, "max_steps": 2})
+
+
+def _cycle_data(trajectories):
+    from trainer.data import CycleData
+
+    return CycleData(reward_spec="implicit@1", parent_id="base", parent_generation=0, window_start=None,
+                     window_end=trajectories[-1].finalized_at, used=list(trajectories))
+
+
+def test_step_budget_shrinks_the_claim_not_the_schedule():
+    """Every claimed trajectory is trained; over the budget, the newest task groups are deferred whole."""
+    from trainer.cycle import plan_micro_batches
+
+    trajs = [make_trajectory([make_segment([1] * 6, [5, 6, 7])], float(i % 2), task_id=f"task-{i // 2}")
+             for i in range(8)]  # 4 groups of 2, one 10-token row each
+    cfg = TrainerConfig.model_validate({"grad_accum": 1, "epochs": 1, "max_steps": 2,
+                                        "data": {"micro_batch_tokens": 20}})  # 2 rows per micro-batch
+    data = _cycle_data(trajs)
+    rewards, groups, adv, batches = plan_micro_batches(data, cfg, pad_id=0)
+    assert [t.group for t in data.used] == ["task-0", "task-0", "task-1", "task-1"]
+    assert data.excluded_counts() == {"deferred": 4} and len(batches) == 2
+    assert {int(i) for b in batches for i in b.trajectory_index.tolist()} == {0, 1, 2, 3}
+    assert adv.tolist() == pytest.approx([-0.5, 0.5, -0.5, 0.5])  # group means over what trains
+    assert data.watermark == (data.used[-1].finalized_at, data.used[-1].id)
+
+    unbounded = _cycle_data(trajs)
+    cfg = TrainerConfig.model_validate({"grad_accum": 1, "epochs": 2, "data": {"micro_batch_tokens": 20}})
+    _, _, _, batches = plan_micro_batches(unbounded, cfg, pad_id=0)
+    assert len(unbounded.used) == 8 and len(batches) == 4 and not unbounded.excluded
+
+
+def test_invert_reward_negates_advantages():
+    from trainer.cycle import plan_micro_batches
+
+    trajs = [make_trajectory([make_segment([1, 2], [5, 6])], r, task_id="t") for r in (1.0, 0.0)]
+    cfg = TrainerConfig.model_validate({"invert_reward": True})
+    rewards, _, adv, _ = plan_micro_batches(_cycle_data(trajs), cfg, pad_id=0)
+    assert rewards.tolist() == [-1.0, -0.0] and adv.tolist() == pytest.approx([-0.5, 0.5])
 
 
 def test_packing_keeps_every_trainable_token_once():
