@@ -135,11 +135,13 @@ def up_cmd(
 
 
 def demo_cmd(
-    sessions: int = typer.Option(8, help="simulated editor sessions (DataFrameBench train tasks)"),
+    cycles: int = typer.Option(1, help="full cycles (simulate -> consume -> train -> gate -> release) to run"),
+    sessions: int = typer.Option(8, help="simulated editor sessions per cycle (train tasks of --source)"),
     group_size: int = typer.Option(4, help="sessions per task (the trainer's groups)"),
+    source: str = typer.Option("dataframebench", help="task source of the simulated sessions (train split)"),
     max_turns: int = typer.Option(3, help="agent turns per simulated session"),
     max_tokens_per_turn: int = typer.Option(160, help="completion tokens per turn"),
-    steps: int = typer.Option(4, help="optimizer steps of the training cycle"),
+    max_steps: int = typer.Option(None, help="step budget of each training cycle (default: train on all it claims)"),
     eval_tasks: int = typer.Option(4, help="held-out tasks per eval suite (DataFrameBench test, HumanEval)"),
     eval_max_turns: int = typer.Option(2, help="agent turns per eval task"),
     model_dir: str = typer.Option(None, help="register this HF folder as the base model instead of SmolLM2"),
@@ -147,17 +149,17 @@ def demo_cmd(
     seed: int = typer.Option(0),
     down: bool = typer.Option(False, "--down", help="stop everything the demo started, then exit"),
 ) -> None:
-    """Run the whole loop once on the embedded stack: simulate sessions, ingest, finalize, train,
-    evaluate, gate, and promote or reject through the API; ends with a report. Re-running picks up
-    where an interrupted run stopped."""
+    """Run the whole loop on the embedded stack, --cycles times: simulate sessions, ingest, finalize,
+    train, evaluate, gate, and promote or reject through the API; ends with a report and learning
+    curves. Re-running picks up where an interrupted run stopped."""
     from ops.demo import DemoOptions, run_demo, stop_demo
 
     if down:
         stopped = stop_demo()
         typer.echo("stopped: " + (", ".join(stopped) if stopped else "nothing"))
         return
-    run_demo(DemoOptions(sessions=sessions, group_size=group_size, max_turns=max_turns,
-                         max_tokens_per_turn=max_tokens_per_turn, train_steps=steps, eval_tasks=eval_tasks,
+    run_demo(DemoOptions(cycles=cycles, sessions=sessions, group_size=group_size, source=source, max_turns=max_turns,
+                         max_tokens_per_turn=max_tokens_per_turn, train_max_steps=max_steps, eval_tasks=eval_tasks,
                          eval_max_turns=eval_max_turns, eval_max_tokens=max_tokens_per_turn,
                          model_dir=model_dir, trace=trace, seed=seed))
 

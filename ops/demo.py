@@ -1,19 +1,20 @@
-"""``flywheel demo``: the whole loop once, on the embedded stack, resumable.
+"""``flywheel demo``: the whole loop, ``--cycles N`` times, on the embedded stack, resumable.
 
-Steps (each skipped when its effect is already in the database or the checkpoint store, so an
-interrupted demo picks up where it stopped):
+Steps (each skipped when its effect is already recorded, so an interrupted demo picks up where it
+stopped; the five cycle steps run once per cycle, each cycle from the production checkpoint the
+previous one left):
 
 1. stack      embedded Postgres + Kafka-compatible broker, migrations
 2. model      SmolLM2-135M-Instruct materialized and registered as production checkpoint ``base``
 3. services   the ingest consumer, the promotion API and the outbox relay as background processes
-4. simulate   editor sessions on DataFrameBench *train* tasks, events through ``EventProducer``
+4. simulate   editor sessions served by production on *train* tasks, events through ``EventProducer``
 5. finalize   wait until every trajectory is finalized (late signals or the window)
 6. train      one training cycle -> a candidate checkpoint
-7. gate       evals of candidate and production on held-out DataFrameBench *test* and HumanEval tasks,
-              then the gate decision
+7. gate       evals of candidate and production on held-out tasks, then the gate decision
 8. release    as a release manager, through the promotion API: promote if the gate passed,
               else reject
-9. report     terminal + HTML + PNG under ``$FLYWHEEL_HOME/reports/demo/``
+9. report     terminal + HTML + PNG under ``$FLYWHEEL_HOME/reports/demo/``, with learning curves
+              across the cycles (``ops.curves``) and which way the product signals moved
 
 Every step runs the same ``flywheel`` command a user would run, as a subprocess, so the demo
 exercises the production code paths and their own progress bars.
@@ -33,18 +34,21 @@ from typing import Any
 from app.core.errors import FlywheelError
 from app.core.settings import flywheel_home, get_settings
 
-STEPS = ("stack", "model", "services", "simulate", "finalize", "train", "gate", "release", "report")
+SETUP_STEPS = ("stack", "model", "services")
+CYCLE_STEPS = ("simulate", "finalize", "train", "gate", "release")
 
 
 @dataclass
 class DemoOptions:
     """Knobs of the demo. Defaults finish in 4 to 7 minutes on 2 CPU cores (README)."""
 
+    cycles: int = 1
     sessions: int = 8
     group_size: int = 4
+    source: str = "dataframebench"
     max_turns: int = 3
     max_tokens_per_turn: int = 160
-    train_steps: int = 4
+    train_max_steps: int | None = None
     eval_tasks: int = 4
     eval_max_turns: int = 2
     eval_max_tokens: int = 160
@@ -156,22 +160,30 @@ def step_services(opts: DemoOptions, state: DemoState, home: Path) -> str:
     return ", ".join(f"{k} pid {v}" for k, v in started.items())
 
 
-def step_simulate(opts: DemoOptions, state: DemoState, home: Path) -> str:
-    """Simulated editor sessions on DataFrameBench train tasks (only the ones not yet run)."""
-    done = int(_db_scalar("SELECT count(DISTINCT session_id) FROM event_log WHERE type = 'session.started'") or 0)
-    done += int(_db_scalar("SELECT count(*) FROM privacy_tombstone") or 0)
+def step_simulate(opts: DemoOptions, state: DemoState, home: Path, cycle: int) -> str:
+    """Simulated editor sessions served by production on train tasks (only the ones not yet run)."""
+    key = f"since@{cycle}"
+    if key not in state.data:  # the cycle's sessions are the ones started after this point
+        state.data[key] = {"seq": int(_db_scalar("SELECT coalesce(max(seq), 0) FROM event_log") or 0),
+                           "at": str(_db_scalar("SELECT now()"))}
+        state.save()
+    since = state.data[key]
+    done = int(_db_scalar("SELECT count(DISTINCT session_id) FROM event_log WHERE type = 'session.started' "
+                          "AND seq > :seq", seq=since["seq"]) or 0)
+    done += int(_db_scalar("SELECT count(*) FROM privacy_tombstone WHERE first_seen_at > CAST(:at AS timestamptz)",
+                           at=since["at"]) or 0)
     remaining = opts.sessions - done
     if remaining <= 0:
         return f"{done} sessions already simulated"
-    group = min(opts.group_size, remaining)
-    flywheel(["simulate", "--sessions", str(remaining), "--group-size", str(group),
+    flywheel(["simulate", "--sessions", str(remaining), "--group-size", str(min(opts.group_size, remaining)),
+              "--source", opts.source,
               "--max-turns", str(opts.max_turns), "--max-tokens-per-turn", str(opts.max_tokens_per_turn),
               "--max-tokens", str(opts.max_turns * opts.max_tokens_per_turn),
-              "--seed", str(opts.seed + done)], opts)
+              "--seed", str(opts.seed + 1000 * cycle + done)], opts)
     return f"{remaining} sessions simulated"
 
 
-def step_finalize(opts: DemoOptions, state: DemoState, home: Path) -> str:
+def step_finalize(opts: DemoOptions, state: DemoState, home: Path, cycle: int) -> str:
     """Wait until the consumer has stored every session and every trajectory is finalized."""
     from rich.progress import Progress
 
@@ -191,26 +203,26 @@ def step_finalize(opts: DemoOptions, state: DemoState, home: Path) -> str:
             time.sleep(2.0)
 
 
-def step_train(opts: DemoOptions, state: DemoState, home: Path) -> str:
-    """One training cycle from production on the finalized trajectories."""
-    existing = _db_scalar("SELECT id FROM checkpoint WHERE parent_id IS NOT NULL ORDER BY created_at DESC LIMIT 1")
-    if existing:
-        state.data["candidate_id"] = existing
-        return f"candidate {existing} exists"
-    proc = flywheel(["train", "--once", "--max-steps", str(opts.train_steps), "--min-new", "1", "--json"], opts,
-                    capture=True)
-    line = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")][-1]
-    result = json.loads(line)
+def step_train(opts: DemoOptions, state: DemoState, home: Path, cycle: int) -> str:
+    """One training cycle from production on the newly finalized trajectories."""
+    if state.data.get(f"candidate@{cycle}"):
+        return f"candidate {state.data[f'candidate@{cycle}']} exists"
+    args = ["train", "--once", "--min-new", "1", "--json"]
+    if opts.train_max_steps:
+        args += ["--max-steps", str(opts.train_max_steps)]
+    result = json.loads([ln for ln in flywheel(args, opts, capture=True).stdout.splitlines()
+                         if ln.startswith("{")][-1])
     candidate = result.get("checkpoint_id")
     if not candidate:
         raise FlywheelError(f"the training cycle produced no checkpoint: {result}")
-    state.data["candidate_id"] = candidate
-    return f"candidate {candidate}"
+    state.data[f"candidate@{cycle}"] = candidate
+    state.save()
+    return f"candidate {candidate} on {result.get('num_trajectories')} trajectories"
 
 
-def step_gate(opts: DemoOptions, state: DemoState, home: Path) -> str:
+def step_gate(opts: DemoOptions, state: DemoState, home: Path, cycle: int) -> str:
     """Evals of candidate and production on held-out tasks, then the gate decision."""
-    candidate = state.data["candidate_id"]
+    candidate = state.data[f"candidate@{cycle}"]
     decided = _db_scalar("SELECT passed FROM gate_decision WHERE candidate_id = :c ORDER BY created_at DESC LIMIT 1",
                          c=candidate)
     if decided is not None:
@@ -218,17 +230,17 @@ def step_gate(opts: DemoOptions, state: DemoState, home: Path) -> str:
     # Every gated suite runs (mined is empty until tasks are mined, which the gate allows).
     flywheel(["gate", candidate, "--limit", str(opts.eval_tasks),
               "--max-turns", str(opts.eval_max_turns), "--max-tokens", str(opts.eval_max_tokens),
-              "--min-pairs", str(opts.eval_tasks), "--workers", "2"], opts)
+              "--min-pairs", str(opts.eval_tasks)], opts)
     decided = _db_scalar("SELECT passed FROM gate_decision WHERE candidate_id = :c ORDER BY created_at DESC LIMIT 1",
                          c=candidate)
     return f"gate {'passed' if decided else 'failed'}"
 
 
-def step_release(opts: DemoOptions, state: DemoState, home: Path) -> str:
+def step_release(opts: DemoOptions, state: DemoState, home: Path, cycle: int) -> str:
     """As a release manager, through the promotion API: promote if the gate passed, else reject."""
     import httpx
 
-    candidate = state.data["candidate_id"]
+    candidate = state.data[f"candidate@{cycle}"]
     if "rm_token" not in state.data:
         proc = flywheel(["tokens", "create", "--role", "release_manager", "--name",
                          f"demo-release-manager-{int(time.time())}"], opts, capture=True)
@@ -247,11 +259,11 @@ def step_release(opts: DemoOptions, state: DemoState, home: Path) -> str:
         if status == "gate_passed":
             resp = client.post("/promotions", json={
                 "checkpoint_id": candidate, "expected_production_id": production_id,
-                "reason": "demo: gate passed on held-out DataFrameBench and HumanEval tasks"})
+                "reason": f"demo cycle {cycle}: gate passed on the held-out suites"})
             verb = "promoted"
         else:
             resp = client.post(f"/checkpoints/{candidate}/reject",
-                               json={"reason": f"demo: gate not passed (status {status})"})
+                               json={"reason": f"demo cycle {cycle}: gate not passed (status {status})"})
             verb = "rejected"
         if resp.status_code >= 400:
             raise FlywheelError(f"release failed: {resp.status_code} {resp.text}")
@@ -261,21 +273,20 @@ def step_release(opts: DemoOptions, state: DemoState, home: Path) -> str:
 
 
 def step_report(opts: DemoOptions, state: DemoState, home: Path) -> str:
-    """Terminal report plus HTML and PNG under ``$FLYWHEEL_HOME/reports/demo``."""
+    """Terminal report plus HTML and PNG under ``$FLYWHEEL_HOME/reports/demo``, with learning curves."""
     from app.core.db import session_scope
     from ops.report import write_report
 
     out = get_settings().store.reports() / "demo"
+    last = state.data.get(f"candidate@{opts.cycles}")
     with session_scope() as session:
-        _, html_path = write_report(session, out, state.data.get("candidate_id"))
+        _, html_path = write_report(session, out, last)
     return f"report: {html_path}"
 
 
-STEP_FUNCS = {
-    "stack": step_stack, "model": step_model, "services": step_services, "simulate": step_simulate,
-    "finalize": step_finalize, "train": step_train, "gate": step_gate, "release": step_release,
-    "report": step_report,
-}
+SETUP_FUNCS = {"stack": step_stack, "model": step_model, "services": step_services}
+CYCLE_FUNCS = {"simulate": step_simulate, "finalize": step_finalize, "train": step_train, "gate": step_gate,
+               "release": step_release}
 
 
 def run_demo(opts: DemoOptions) -> None:
@@ -290,16 +301,22 @@ def run_demo(opts: DemoOptions) -> None:
     state = DemoState(home)
     con = Console()
     started = time.monotonic()
-    for i, step in enumerate(STEPS, 1):
-        # "services" and "report" always run: processes die with the machine, reports are cheap.
-        if state.done(step) and step not in ("services", "stack", "report"):
-            con.print(f"[dim][{i}/{len(STEPS)}] {step}: done earlier[/]")
+    plan = [(step, None) for step in SETUP_STEPS]
+    plan += [(step, c) for c in range(1, opts.cycles + 1) for step in CYCLE_STEPS]
+    plan.append(("report", None))
+    for i, (step, cycle) in enumerate(plan, 1):
+        key = step if cycle is None else f"{step}@{cycle}"
+        func = SETUP_FUNCS.get(step) or CYCLE_FUNCS.get(step) or step_report
+        where = f"[{i}/{len(plan)}] {step}" + (f" (cycle {cycle}/{opts.cycles})" if cycle else "")
+        # "stack", "services" and "report" always run: processes die with the machine, reports are cheap.
+        if state.done(key) and step not in ("services", "stack", "report"):
+            con.print(f"[dim]{where}: done earlier[/]")
             continue
         t0 = time.monotonic()
-        con.print(f"[bold cyan][{i}/{len(STEPS)}] {step}[/]: {STEP_FUNCS[step].__doc__.splitlines()[0]}")
+        con.print(f"[bold cyan]{where}[/]: {func.__doc__.splitlines()[0]}")
         get_settings.cache_clear()
-        summary = STEP_FUNCS[step](opts, state, home)
-        state.mark(step)
+        summary = func(opts, state, home) if cycle is None else func(opts, state, home, cycle)
+        state.mark(key)
         con.print(f"    {summary} [dim]({time.monotonic() - t0:.0f}s)[/]")
     con.print(f"[bold green]demo finished in {time.monotonic() - started:.0f}s[/]; "
               f"`flywheel demo --down` stops what it started")

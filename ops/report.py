@@ -60,6 +60,7 @@ class LoopReport:
     gate_report_path: str | None = None
     production_id: str | None = None
     audit: list[dict[str, Any]] = field(default_factory=list)
+    curves: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def total_events(self) -> int:
@@ -269,11 +270,20 @@ def render_html(report: LoopReport, png_name: str, path: Path) -> Path:
 
 
 def write_report(session: Session, out_dir: Path, candidate_id: str | None = None) -> tuple[LoopReport, Path]:
-    """Collect, print, and write ``report.html`` + ``report.png`` + ``report.json`` into ``out_dir``."""
+    """Collect, print, and write ``report.html`` + ``report.png`` + ``curves.png`` + ``report.json``
+    into ``out_dir``; the learning curve covers every checkpoint (``ops.curves``)."""
+    from ops.curves import collect_curves, curves_html, render_curves_png, render_curves_terminal
+
     report = collect_report(session, candidate_id)
+    points = collect_curves(session, report.reward_spec)
+    report.curves = [p.as_dict() for p in points]
     render_terminal(report)
+    render_curves_terminal(points)
     render_png(report, out_dir / "report.png")
+    render_curves_png(points, out_dir / "curves.png")
     html_path = render_html(report, "report.png", out_dir / "report.html")
+    html_path.write_text(html_path.read_text().replace("</body></html>",
+                                                       curves_html(points, "curves.png") + "</body></html>"))
     from dataclasses import asdict
 
     (out_dir / "report.json").write_text(json.dumps(asdict(report), indent=2, default=str))
