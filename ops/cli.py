@@ -144,6 +144,7 @@ def demo_cmd(
     max_steps: int = typer.Option(None, help="step budget of each training cycle (default: train on all it claims)"),
     eval_tasks: int = typer.Option(4, help="held-out tasks per eval suite (DataFrameBench test, HumanEval)"),
     eval_max_turns: int = typer.Option(2, help="agent turns per eval task"),
+    suite: list[str] = typer.Option(None, "--suite", help="gate on these suites only (default: every gated suite)"),
     model_dir: str = typer.Option(None, help="register this HF folder as the base model instead of SmolLM2"),
     trace: bool = typer.Option(False, "--trace", help="print OpenTelemetry spans (console exporter)"),
     seed: int = typer.Option(0),
@@ -159,7 +160,7 @@ def demo_cmd(
         typer.echo("stopped: " + (", ".join(stopped) if stopped else "nothing"))
         return
     run_demo(DemoOptions(cycles=cycles, sessions=sessions, group_size=group_size, source=source, max_turns=max_turns,
-                         max_tokens_per_turn=max_tokens_per_turn, train_max_steps=max_steps, eval_tasks=eval_tasks,
+                         max_tokens_per_turn=max_tokens_per_turn, train_max_steps=max_steps, eval_tasks=eval_tasks, eval_suites=tuple(suite or ()),
                          eval_max_turns=eval_max_turns, eval_max_tokens=max_tokens_per_turn,
                          model_dir=model_dir, trace=trace, seed=seed))
 

@@ -50,6 +50,7 @@ class DemoOptions:
     max_tokens_per_turn: int = 160
     train_max_steps: int | None = None
     eval_tasks: int = 4
+    eval_suites: tuple[str, ...] = ()
     eval_max_turns: int = 2
     eval_max_tokens: int = 160
     finalize_window_s: float = 10.0
@@ -227,8 +228,8 @@ def step_gate(opts: DemoOptions, state: DemoState, home: Path, cycle: int) -> st
                          c=candidate)
     if decided is not None:
         return f"gate already decided: {'passed' if decided else 'failed'}"
-    # Every gated suite runs (mined is empty until tasks are mined, which the gate allows).
-    flywheel(["gate", candidate, "--limit", str(opts.eval_tasks),
+    # Every gated suite runs unless named (mined is empty until tasks are mined, which the gate allows).
+    flywheel(["gate", candidate, *(a for s in opts.eval_suites for a in ("--suite", s)), "--limit", str(opts.eval_tasks),
               "--max-turns", str(opts.eval_max_turns), "--max-tokens", str(opts.eval_max_tokens),
               "--min-pairs", str(opts.eval_tasks)], opts)
     decided = _db_scalar("SELECT passed FROM gate_decision WHERE candidate_id = :c ORDER BY created_at DESC LIMIT 1",

@@ -26,6 +26,7 @@ def train(
                                             help="train on exactly the trajectories this checkpoint trained on"),
     lr: float | None = typer.Option(None, "--lr", help="override `optim.lr`"),
     min_new: int | None = typer.Option(None, "--min-new", help="override `data.min_new_trajectories`"),
+    parent: str | None = typer.Option(None, "--parent", help="train from this checkpoint instead of production"),
     dry_run: bool = typer.Option(False, "--dry-run", help="select data and report; train and write nothing"),
     as_json: bool = typer.Option(False, "--json", help="print the cycle result as one JSON line"),
     progress: bool = typer.Option(True, "--progress/--no-progress", help="rich progress bar"),
@@ -45,7 +46,7 @@ def train(
     interval = get_settings().celery.train_interval
     try:
         while True:
-            result = run_cycle(cfg, progress=progress and not as_json, dry_run=dry_run)
+            result = run_cycle(cfg, progress=progress and not as_json, dry_run=dry_run, parent_id=parent)
             if as_json:
                 typer.echo(json.dumps(result.to_dict(), default=str))
             else:

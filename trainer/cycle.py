@@ -78,7 +78,8 @@ def sweep_unregistered(store: CheckpointStore, session) -> list[str]:
 
 
 def run_cycle(config: TrainerConfig | None = None, *, store: CheckpointStore | None = None,
-              progress: bool = False, now: datetime | None = None, dry_run: bool = False) -> CycleResult:
+              progress: bool = False, now: datetime | None = None, dry_run: bool = False,
+              parent_id: str | None = None) -> CycleResult:
     """Run one cycle (see the module docstring).
 
     Args:
@@ -87,17 +88,20 @@ def run_cycle(config: TrainerConfig | None = None, *, store: CheckpointStore | N
         progress: show a rich progress bar.
         now: the cycle's clock for data selection (default: the database's).
         dry_run: select data and report, without training or writing anything.
+        parent_id: train from this registered checkpoint instead of production (ablations and
+            planted regressions; the continual loop always trains production).
 
     Returns:
         :class:`CycleResult`.
 
     Raises:
-        ConfigurationError: no production checkpoint or no database.
+        ConfigurationError: no production checkpoint (or no checkpoint ``parent_id``) or no database.
         CheckpointError: the production checkpoint's directory is missing or not STABLE.
     """
     import torch
 
     from app.core.db import get_engine, session_scope
+    from app.models import Checkpoint
     from app.repositories.checkpoints import get_production
     from trainer.data import select_cycle_data
     from trainer.records import cycle_lock, fail_interrupted_cycles, finish_cycle, start_cycle
@@ -112,9 +116,10 @@ def run_cycle(config: TrainerConfig | None = None, *, store: CheckpointStore | N
         with session_scope() as session:
             interrupted = 0 if dry_run else fail_interrupted_cycles(session)
             swept = [] if dry_run else sweep_unregistered(store, session)
-            parent = get_production(session)
+            parent = get_production(session) if parent_id is None else session.get(Checkpoint, parent_id)
             if parent is None:
-                raise ConfigurationError("no production checkpoint: run `flywheel model init` first")
+                raise ConfigurationError("no production checkpoint: run `flywheel model init` first"
+                                         if parent_id is None else f"no checkpoint {parent_id!r}")
             session.expunge(parent)
             data = select_cycle_data(session, config.data, parent, now=now)
         span.set_attributes({"flywheel.parent_id": parent.id, "flywheel.trajectories.used": len(data.used),

@@ -337,7 +337,7 @@ def test_planted_regression_trains_on_the_same_data_with_the_reward_negated(sess
     assert again.status == "skipped"  # everything new was claimed by the first candidate
     planted = run_cycle(TrainerConfig.model_validate({
         **CONFIG, "invert_reward": True, "data": {**CONFIG["data"], "same_data_as": first.checkpoint_id}}),
-        store=store)
+        store=store, parent_id="base")
     assert planted.status == "succeeded" and planted.parent_id == "base"
     m1, m2 = store.manifest(first.checkpoint_id), store.manifest(planted.checkpoint_id)
     adv1 = {t["id"]: t["advantage"] for t in m1["trajectories"]}
