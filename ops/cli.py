@@ -142,6 +142,7 @@ def demo_cmd(
     max_turns: int = typer.Option(3, help="agent turns per simulated session"),
     max_tokens_per_turn: int = typer.Option(160, help="completion tokens per turn"),
     max_steps: int = typer.Option(None, help="step budget of each training cycle (default: train on all it claims)"),
+    trainer_config: str = typer.Option(None, help="trainer TOML (default trainer/configs/default.toml)"),
     eval_tasks: int = typer.Option(4, help="held-out tasks per eval suite (DataFrameBench test, HumanEval)"),
     eval_max_turns: int = typer.Option(2, help="agent turns per eval task"),
     suite: list[str] = typer.Option(None, "--suite", help="gate on these suites only (default: every gated suite)"),
@@ -160,7 +161,7 @@ def demo_cmd(
         typer.echo("stopped: " + (", ".join(stopped) if stopped else "nothing"))
         return
     run_demo(DemoOptions(cycles=cycles, sessions=sessions, group_size=group_size, source=source, max_turns=max_turns,
-                         max_tokens_per_turn=max_tokens_per_turn, train_max_steps=max_steps, eval_tasks=eval_tasks, eval_suites=tuple(suite or ()),
+                         max_tokens_per_turn=max_tokens_per_turn, train_max_steps=max_steps, trainer_config=trainer_config, eval_tasks=eval_tasks, eval_suites=tuple(suite or ()),
                          eval_max_turns=eval_max_turns, eval_max_tokens=max_tokens_per_turn,
                          model_dir=model_dir, trace=trace, seed=seed))
 

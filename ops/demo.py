@@ -49,6 +49,7 @@ class DemoOptions:
     max_turns: int = 3
     max_tokens_per_turn: int = 160
     train_max_steps: int | None = None
+    trainer_config: str | None = None
     eval_tasks: int = 4
     eval_suites: tuple[str, ...] = ()
     eval_max_turns: int = 2
@@ -211,6 +212,8 @@ def step_train(opts: DemoOptions, state: DemoState, home: Path, cycle: int) -> s
     args = ["train", "--once", "--min-new", "1", "--json"]
     if opts.train_max_steps:
         args += ["--max-steps", str(opts.train_max_steps)]
+    if opts.trainer_config:
+        args += ["--config", opts.trainer_config]
     result = json.loads([ln for ln in flywheel(args, opts, capture=True).stdout.splitlines()
                          if ln.startswith("{")][-1])
     candidate = result.get("checkpoint_id")
