@@ -296,8 +296,9 @@ class Projector:
                                    "arguments": c.arguments, "valid": c.valid})
 
     @staticmethod
-    def _routes(seg: SegmentState, p) -> None:
-        """Append a turn's routed experts to ``seg`` (before its completion tokens are counted)."""
+    def _routes(seg: SegmentState, p: Any) -> None:
+        """Append a ``model.responded`` payload's routed experts to ``seg`` (called before the turn's
+        completion tokens are counted in ``num_completion_tokens``)."""
         if not p.completion_token_ids:
             return
         shape = None if p.routed_experts_shape is None else list(p.routed_experts_shape)

@@ -12,6 +12,7 @@ import uuid
 import numpy as np
 import psycopg
 import pytest
+import torch
 
 from app.events.types import (ModelResponded, ModelRespondedEvent, SessionEnded, SessionEndedEvent, SessionStarted,
                               SessionStartedEvent)
@@ -113,8 +114,6 @@ def test_routes_survive_the_event_path_replay_and_trainer_loading(db, topics, ka
         assert (seg.routed_experts[~mask] == -1).all()
         assert seg.routed_experts[mask].tolist() == np.concatenate([r for _, _, r in turns]).tolist()
     trajs = [by_session[f"moe-{i}"] for i in range(3)]
-    import torch
-
     for mb in pack_micro_batches(trajs, torch.zeros(3), micro_batch_tokens=10_000):
         width = mb.input_ids.shape[1]
         rows_, cols = mb.hidden_index // width, mb.hidden_index % width
