@@ -24,10 +24,15 @@ of a route is the ``l``-th router.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 
 import torch
+
+_ACTIVE = threading.local()
+"""``_ACTIVE.replay``: the ``(model, routes)`` of the innermost :func:`replay_routes` block of this
+thread, for :func:`checkpoint_contexts` to re-enter when activation checkpointing recomputes."""
 
 
 def moe_routers(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -66,11 +71,30 @@ def replay_routes(model: torch.nn.Module, routes: torch.Tensor | None) -> Iterat
         raise ValueError(f"routes name expert {int(routes.max())}, the model has {experts}")
     flat = routes.reshape(-1, routes.shape[2], routes.shape[3])
     handles = [r.register_forward_hook(_forcing_hook(flat[:, layer, :])) for layer, r in enumerate(routers)]
+    outer, _ACTIVE.replay = getattr(_ACTIVE, "replay", None), (model, routes)
     try:
         yield
     finally:
+        _ACTIVE.replay = outer
         for h in handles:
             h.remove()
+
+
+def checkpoint_contexts() -> tuple[AbstractContextManager, AbstractContextManager]:
+    """``context_fn`` for ``torch.utils.checkpoint`` (non-reentrant): the backward pass recomputes a
+    checkpointed layer under the routes its forward ran with, after :func:`replay_routes` has exited.
+
+    Enable with ``model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant":
+    False, "context_fn": checkpoint_contexts})``; without it a recompute routes by the trainer's own
+    router and the gradients belong to another forward pass than the loss (slime's
+    ``replay_backward`` stage solves the same problem).
+
+    Returns:
+        ``(forward context, recompute context)``: nothing extra for the forward, :func:`replay_routes`
+        with the routes in force when the forward ran (nothing if none was).
+    """
+    active = getattr(_ACTIVE, "replay", None)
+    return nullcontext(), (nullcontext() if active is None else replay_routes(*active))
 
 
 def _forcing_hook(layer_routes: torch.Tensor):

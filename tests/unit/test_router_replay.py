@@ -168,3 +168,31 @@ def test_routes_that_do_not_fit_the_model_are_refused(moe_dir):
                        (torch.zeros(1, 4, 4, 2, dtype=torch.long), "routes cover")):
         with pytest.raises(ValueError, match=match), replay_routes(model, bad):
             model(input_ids=ids)
+
+
+def test_activation_checkpointing_recomputes_under_the_replayed_routes(moe_dir, served):
+    from transformers import AutoModelForCausalLM
+
+    from trainer.router_replay import checkpoint_contexts
+
+    _, gens = served
+    mb = _batch(gens)
+
+    def grads(checkpointing: dict | None) -> torch.Tensor:
+        model = AutoModelForCausalLM.from_pretrained(moe_dir, dtype=torch.float32)
+        if checkpointing is not None:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpointing)
+        model.train()
+        token_logprobs(model, mb, CONFIG)[0].sum().backward()
+        return torch.cat([p.grad.reshape(-1) for p in model.parameters() if p.grad is not None])
+
+    plain = grads(None)
+    with_contexts = grads({"use_reentrant": False, "context_fn": checkpoint_contexts})
+    assert torch.allclose(with_contexts, plain, rtol=1e-4, atol=1e-6)
+    # without them the recompute routes by the trainer's own router: torch notices when that runs
+    # another number of experts, else the gradients are of another forward pass
+    try:
+        without = grads({"use_reentrant": False})
+    except torch.utils.checkpoint.CheckpointError:
+        return
+    assert not torch.allclose(without, plain, rtol=1e-4, atol=1e-6)
