@@ -4,8 +4,8 @@ MoE routing is discontinuous: a router logit that moves by a rounding error (bf1
 vs fp32 training weights, other kernels, other batch shapes) can swap a token's experts, and the
 trainer's log-prob then belongs to another policy than the behaviour policy that sampled the token.
 Replaying the recorded routes removes that source of mismatch. We follow R3 ("rollout routing
-replay", Ma et al. 2025, "Stabilizing MoE Reinforcement Learning by Aligning Training and Inference
-Routers"; verl R3, slime ``RoutingReplay``, prime-rl's ``TokenChoiceTopKRouter`` with
+replay", arXiv:2510.11370, "Stabilizing MoE Reinforcement Learning by Aligning Training and
+Inference Routers"; verl R3, slime ``RoutingReplay``, prime-rl's ``TokenChoiceTopKRouter`` with
 ``routed_experts``): the top-k expert *indices* are forced, and the gate *weights* are recomputed
 from the trainer's own router logits under the model's own rule, so gradients still reach the router.
 
@@ -19,7 +19,10 @@ model is untouched.
 Routers are the modules :func:`moe_routers` finds (transformers v5's ``MixtralTopKRouter``,
 ``Qwen2MoeTopKRouter``: ``forward(hidden [N, H]) -> (logits [N, E], weights [N, k], ids [N, k])``),
 in ``model.modules()`` order, the order ``ops.serving.torch_engine`` records them in; layer ``l``
-of a route is the ``l``-th router.
+of a route is the ``l``-th router. Alignment: the engine records, for each sampled token, the
+experts at the position whose output distribution sampled it, so ``routes[b, t]`` holds the
+recorded experts of token ``t + 1`` (``trainer.batching`` shifts them). Activation checkpointing
+recomputes layers after the block has exited; :func:`checkpoint_contexts` re-enters it there.
 """
 
 from __future__ import annotations
