@@ -10,6 +10,10 @@ Invariants:
   segment ``new_segment_index``). A segment's ``token_ids`` are ``prompt_0 + completion_0 + prompt_1 +
   completion_1 + ...`` exactly as served, ``loss_mask`` is 1 on completion tokens, and
   ``behaviour_logprobs`` carries the serving policy's log-probs there (0 elsewhere).
+- MoE routes: ``routed_experts`` holds the serving experts of every completion token of the segment,
+  in order (``app.repositories.trajectories.pack_routes``), or nothing: a turn without routes, or
+  with another ``[layers, top_k]`` shape, empties them for the whole segment (the trainer then routes
+  those tokens itself), and a segment that has completion tokens without routes never starts them.
 - Late signals (decision): a trajectory is finalized when every signal ``session.ended`` said to
   expect has arrived, or when its window closes (``signal_window_s`` after ``session.ended``, by the
   ingestion clock; ``abandon_after_s`` after the last event if the session never ended). An event
@@ -31,6 +35,7 @@ from datetime import datetime, timedelta
 from typing import Any, NamedTuple
 
 from app.events.types import EventBase
+from app.repositories.trajectories import pack_routes
 from consumers.rewards.math import RewardResult, compute_reward, inputs_from_signals
 from consumers.rewards.spec import RewardSpec
 
@@ -93,6 +98,9 @@ class SegmentState:
     event_ids: list[uuid.UUID] = field(default_factory=list)
     min_offset: dict[str, int] = field(default_factory=dict)
     max_offset: dict[str, int] = field(default_factory=dict)
+    routed_experts: bytearray = field(default_factory=bytearray)
+    routed_experts_shape: list[int] | None = None
+    routed_experts_itemsize: int | None = None
     dirty: bool = False
     stored: bool = False
     """The row exists in ``trajectory_segment`` (loaded from it or written in this transaction)."""
@@ -279,12 +287,26 @@ class Projector:
         seg.loss_mask += bytes(n_prompt) + b"\x01" * n_completion
         seg.behaviour_logprobs += bytes(4 * n_prompt)
         seg.behaviour_logprobs += p.completion_logprobs.raw
+        self._routes(seg, p)
         seg.num_tokens += n_prompt + n_completion
         seg.num_completion_tokens += n_completion
         seg.num_turns += 1
         for c in p.tool_calls:
             seg.tool_calls.append({"turn_index": p.turn_index, "call_id": c.call_id, "name": c.name,
                                    "arguments": c.arguments, "valid": c.valid})
+
+    @staticmethod
+    def _routes(seg: SegmentState, p: Any) -> None:
+        """Append a ``model.responded`` payload's routed experts to ``seg`` (called before the turn's
+        completion tokens are counted in ``num_completion_tokens``)."""
+        if not p.completion_token_ids:
+            return
+        shape = None if p.routed_experts_shape is None else list(p.routed_experts_shape)
+        if shape is None or (seg.num_completion_tokens and seg.routed_experts_shape != shape):
+            seg.routed_experts, seg.routed_experts_shape, seg.routed_experts_itemsize = bytearray(), None, None
+            return
+        raw, size = pack_routes(seg.routed_experts, seg.routed_experts_itemsize, p.routed_experts.numpy())
+        seg.routed_experts, seg.routed_experts_shape, seg.routed_experts_itemsize = bytearray(raw), shape, size
 
     def _on_tool_executed(self, t: TrajectoryState, se: StoredEvent) -> None:
         p = se.event.payload

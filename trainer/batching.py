@@ -4,6 +4,7 @@ Invariant: a micro-batch holds at most ``micro_batch_tokens`` padded tokens (row
 a single longer row gets a micro-batch of its own), and every token the model sampled (loss mask 1,
 not the first token of a row) appears in exactly one micro-batch with its behaviour log-prob and its
 trajectory's advantage. Each segment is one row: segments of a trajectory share its advantage.
+A row's MoE routes sit at the input position whose output sampled each token (one to its left).
 """
 
 from __future__ import annotations
@@ -30,6 +31,10 @@ class MicroBatch:
         advantages: ``[N]`` float32, the token's trajectory advantage.
         trajectory_index: ``[N]`` int64 index of the token's trajectory in the cycle's ``used`` list.
         old_logprobs: ``[N]`` float32 log pi_old (policy at cycle start), filled before training.
+        routes: MoE only, ``[B, T, layers, top_k]`` int64 serving experts to replay at each input
+            position (position ``t`` carries the routes recorded for token ``t + 1``, the token its
+            output sampled), -1 elsewhere; None when no row has routes
+            (``trainer.router_replay.replay_routes`` takes it).
     """
 
     input_ids: torch.Tensor
@@ -40,6 +45,7 @@ class MicroBatch:
     advantages: torch.Tensor
     trajectory_index: torch.Tensor
     old_logprobs: torch.Tensor | None = None
+    routes: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -110,4 +116,25 @@ def _collate(rows, advantages: torch.Tensor, pad_id: int) -> MicroBatch:
         traj.append(torch.full((len(pos),), i, dtype=torch.int64))
     return MicroBatch(input_ids=input_ids, attention_mask=attention, hidden_index=torch.cat(hidden_index).long(),
                       targets=torch.cat(targets), behaviour_logprobs=torch.cat(behaviour),
-                      advantages=torch.cat(adv).float(), trajectory_index=torch.cat(traj))
+                      advantages=torch.cat(adv).float(), trajectory_index=torch.cat(traj),
+                      routes=_collate_routes([seg for _, seg in rows], width))
+
+
+def _collate_routes(segments: list, width: int) -> torch.Tensor | None:
+    """``[B, width, layers, top_k]`` routes shifted one position left (see :class:`MicroBatch`), or None.
+
+    Raises:
+        ValueError: two rows' routes have different ``[layers, top_k]``.
+    """
+    shapes = {seg.routed_experts.shape[1:] for seg in segments if seg.routed_experts is not None}
+    if not shapes:
+        return None
+    if len(shapes) > 1:
+        raise ValueError(f"segments of one micro-batch have routes of different [layers, top_k]: {sorted(shapes)}")
+    layers, k = shapes.pop()
+    out = torch.full((len(segments), width, layers, k), -1, dtype=torch.int64)
+    for r, seg in enumerate(segments):
+        if seg.routed_experts is not None:
+            n = len(seg.token_ids)
+            out[r, :n - 1] = torch.from_numpy(seg.routed_experts[1:n].astype(np.int64))
+    return out

@@ -122,6 +122,10 @@ class TrainerConfig(_Config):
     """Also write ``optimizer.pt`` (AdamW state) into the checkpoint."""
     plot_curves: bool = True
     """Write ``curves.png`` (per-step metrics) into the checkpoint."""
+    router_replay: bool = True
+    """MoE policies: route each sampled token through the experts the serving engine recorded for
+    it (R3 router replay, ``trainer/router_replay.py``); false routes every token by the trainer's
+    own router. No effect on a dense model or on segments stored without routes."""
     data: DataConfig = DataConfig()
     loss: LossConfig = LossConfig()
     optim: OptimConfig = OptimConfig()

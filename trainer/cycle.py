@@ -204,6 +204,7 @@ def _train_and_register(config: TrainerConfig, store: CheckpointStore, parent, d
     from trainer.delta import serving_state_dict
     from trainer.metrics import data_summary, step_progress, summarize
     from trainer.records import register_candidate
+    from trainer.router_replay import checkpoint_contexts
     from trainer.step import compute_old_logprobs, make_optimizer, planned_steps, train_steps
 
     started = time.perf_counter()
@@ -211,8 +212,9 @@ def _train_and_register(config: TrainerConfig, store: CheckpointStore, parent, d
     with _tracer.start_as_current_span("trainer.load") as span:
         span.set_attribute("flywheel.parent_id", parent.id)
         model = load_policy(parent_dir)
-        if config.gradient_checkpointing:
-            model.gradient_checkpointing_enable()
+        if config.gradient_checkpointing:  # recomputed MoE layers keep their replayed routes
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={
+                "use_reentrant": False, "context_fn": checkpoint_contexts})
         parent_serving = serving_state_dict(model)
     pad_id = model.config.pad_token_id if isinstance(model.config.pad_token_id, int) else 0
     rewards, groups, advantages, batches = plan_micro_batches(data, config, pad_id)

@@ -25,7 +25,8 @@ Exclusion reasons, checked in this order (the first that applies is recorded):
 ``unknown_checkpoint``      a serving checkpoint of its turns is not registered
 ``stale_generations``       served by a checkpoint more than ``max_staleness_generations`` older
 ``no_segments``             no token data
-``malformed_segment``       token ids, loss mask and behaviour log-probs disagree in length
+``malformed_segment``       token ids, loss mask and behaviour log-probs disagree in length, or
+                            its routed experts do not cover its completion tokens
 ``no_completion_tokens``    nothing the model generated is left to train on
 ``deferred``                over ``max_trajectories`` or the cycle's step budget (``max_steps``);
                             stays new for the next cycle
@@ -47,6 +48,7 @@ from sqlalchemy.orm import Session
 from app.events.packing import unpack_floats, unpack_ints
 from app.models import (Checkpoint, CheckpointTrajectory, ErasureRequest, EvalTask, RewardLabel, Trajectory,
                         TrainingCycle, TrajectorySegment)
+from app.repositories.trajectories import ROUTE_DTYPES, unpack_routes
 from trainer.config import DataConfig
 
 
@@ -62,6 +64,10 @@ class Segment:
     token_ids: np.ndarray
     loss_mask: np.ndarray
     behaviour_logprobs: np.ndarray
+    routed_experts: np.ndarray | None = None
+    """MoE only: ``[T, layers, top_k]`` int32, row ``t`` the serving experts at the position whose
+    output sampled token ``t`` (position ``t - 1``); -1 on tokens the model did not sample. None
+    when the segment has no routes."""
 
 
 @dataclass
@@ -296,9 +302,12 @@ def _classify(traj: Trajectory, reward: float | None, segs: list[TrajectorySegme
         ids, mask, lp = unpack_ints(seg.token_ids), unpack_ints_u8(seg.loss_mask), unpack_floats(seg.behaviour_logprobs)
         if not (len(ids) == len(mask) == len(lp)) or not np.isfinite(lp[mask.astype(bool)]).all():
             return "malformed_segment", None
+        routes = _token_routes(seg, mask)
+        if routes is False:
+            return "malformed_segment", None
         truncated += max(0, len(ids) - config.max_seq_len)
         n = config.max_seq_len
-        segments.append(Segment(ids[:n], mask[:n], lp[:n]))
+        segments.append(Segment(ids[:n], mask[:n], lp[:n], None if routes is None else routes[:n]))
         event_ids.extend(str(e) for e in seg.event_ids)
         for tp, first in (seg.min_offset or {}).items():
             last = (seg.max_offset or {}).get(tp, first)
@@ -313,6 +322,25 @@ def _classify(traj: Trajectory, reward: float | None, segs: list[TrajectorySegme
     if item.completion_tokens == 0:
         return "no_completion_tokens", None
     return None, item
+
+
+def _token_routes(seg: TrajectorySegment, mask: np.ndarray) -> np.ndarray | None | bool:
+    """The segment's stored routes spread over its tokens (``Segment.routed_experts``), None when it
+    has none, False when they do not cover exactly its completion tokens."""
+    shape = getattr(seg, "routed_experts_shape", None)
+    if not shape:
+        return None
+    raw, size = seg.routed_experts or b"", seg.routed_experts_itemsize
+    if len(shape) != 2 or size not in ROUTE_DTYPES or len(raw) % size:
+        return False
+    flat = unpack_routes(raw, size)
+    layers, k = shape
+    where = np.flatnonzero(mask)
+    if flat.size != len(where) * layers * k:
+        return False
+    out = np.full((len(mask), layers, k), -1, dtype=np.int32)
+    out[where] = flat.reshape(len(where), layers, k)
+    return out
 
 
 def unpack_ints_u8(raw: bytes | memoryview | None) -> np.ndarray:

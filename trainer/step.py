@@ -27,6 +27,8 @@ developers' sessions collected by *earlier* checkpoints over hours -- so this lo
    LM head: their hidden states, divided by the serving temperature, go through
    :func:`kernels.logprob_loss.chunked_logprob_loss`, which forms each token chunk's gradients while
    its logits are in memory (Triton kernel with autograd on GPU).
+8. **MoE router replay** (``router_replay``): the forward pass routes sampled tokens through the
+   experts serving recorded, weights from the trainer's own router (R3, :mod:`trainer.router_replay`).
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from kernels.logprob_loss import chunked_logprob_loss
 from trainer.batching import MicroBatch
 from trainer.config import TrainerConfig
 from trainer.loss import LossInputs, policy_loss
+from trainer.router_replay import replay_routes
 
 
 def _trainable_hidden(model: torch.nn.Module, mb: MicroBatch, config: TrainerConfig) -> tuple[torch.Tensor, torch.Tensor]:
@@ -52,7 +55,8 @@ def _trainable_hidden(model: torch.nn.Module, mb: MicroBatch, config: TrainerCon
     head = model.get_output_embeddings()
     if getattr(head, "bias", None) is not None:
         raise ValueError("LM heads with a bias are not supported")
-    hidden = decoder(input_ids=mb.input_ids, attention_mask=mb.attention_mask).last_hidden_state
+    with replay_routes(model, mb.routes if config.router_replay else None):  # MoE: serving's experts
+        hidden = decoder(input_ids=mb.input_ids, attention_mask=mb.attention_mask).last_hidden_state
     hidden = hidden.reshape(-1, hidden.shape[-1]).index_select(0, mb.hidden_index)
     if config.loss.temperature != 1.0:
         hidden = hidden / config.loss.temperature  # logits / T == (h / T) W^T

@@ -44,6 +44,41 @@ def tiny_policy_dir(directory: Path, seed: int = 0) -> Path:
     return build_tiny_model(directory, seed=seed)
 
 
+def build_tiny_moe(directory: Path, *, seed: int = 0, experts: int = 8, top_k: int = 2, num_layers: int = 4,
+                   hidden_size: int = 64, kind: str = "mixtral") -> Path:
+    """Write a tiny random MoE causal LM (SmolLM2 tokenizer) as a Hugging Face folder, fp32.
+
+    ``kind``: ``mixtral`` (``MixtralConfig``: top-k renormalised) or ``qwen2_moe`` (``Qwen2MoeConfig``
+    with a shared expert, ``norm_topk_prob`` false). Same seed and arguments -> identical weights.
+    """
+    from transformers import AutoModelForCausalLM, GenerationConfig, Qwen2MoeConfig
+
+    from ops.serving.testing import BOS_ID, EOS_ID, PAD_ID, tiny_config
+    from ops.serving.tokenizer import copy_tokenizer
+
+    config = tiny_config(moe=True, hidden_size=hidden_size, num_layers=num_layers)
+    if kind == "qwen2_moe":
+        config = Qwen2MoeConfig(**{k: v for k, v in config.to_dict().items()
+                                   if k in Qwen2MoeConfig().to_dict() and k not in ("model_type", "architectures")},
+                                num_experts=experts, moe_intermediate_size=hidden_size,
+                                shared_expert_intermediate_size=hidden_size, norm_topk_prob=False)
+    elif kind == "mixtral":
+        config.num_local_experts = experts
+    else:
+        raise ValueError(f"unknown MoE kind {kind!r} (mixtral | qwen2_moe)")
+    config.num_experts_per_tok = top_k
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.tie_weights()
+    model.save_pretrained(directory, safe_serialization=True)
+    GenerationConfig(bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID).save_pretrained(directory)
+    copy_tokenizer(directory)
+    return directory
+
+
 @torch.no_grad()
 def sequence_logprobs(model, token_ids: list[int], temperature: float = 1.0) -> np.ndarray:
     """``[T]`` float32 log-probs of each token given its prefix under ``model`` (0 for token 0)."""

@@ -57,7 +57,8 @@ class ModelResponded(_Frozen):
     sequence is the concatenation ``prompt_0 + completion_0 + prompt_1 + completion_1 + ...``.
     ``completion_logprobs[i]`` is log pi_behaviour(completion_token_ids[i] | prefix) in nats.
     ``routed_experts`` (MoE only) is a flat ``int32`` array of shape
-    ``[len(completion_token_ids), routed_experts_shape[0], routed_experts_shape[1]]`` (layers, top-k).
+    ``[len(completion_token_ids), routed_experts_shape[0], routed_experts_shape[1]]`` (layers, top-k),
+    ids in ``[0, 65535]``; entry ``i`` is the experts at the position whose output sampled token ``i``.
     """
 
     request_id: str = Field(min_length=1, max_length=128)
@@ -86,6 +87,9 @@ class ModelResponded(_Frozen):
             layers, k = self.routed_experts_shape
             if len(self.routed_experts) != len(self.completion_token_ids) * layers * k:
                 raise ValueError("routed_experts length != completion tokens x layers x top-k")
+            ids = self.routed_experts.numpy()
+            if ids.size and (int(ids.min()) < 0 or int(ids.max()) > 0xFFFF):
+                raise ValueError("routed_experts ids must lie in [0, 65535]")
         return self
 
 

@@ -4,7 +4,10 @@ A trajectory is one session; it is made of segments (a ``context.summarized`` ev
 one). Token arrays are raw little-endian bytes (see ``app.events.packing``): ``token_ids`` int32
 ``[T]``, ``loss_mask`` uint8 ``[T]`` (1 on the model's own completion tokens), ``behaviour_logprobs``
 float32 ``[T]`` (0 where the mask is 0); ``turn_token_offsets[i]`` is where turn ``i``'s prompt piece
-starts in them.
+starts in them. MoE routes (``routed_experts``) hold, for each completion token in order, the expert
+ids that routed it at serving (``routed_experts_shape`` = ``[layers, top_k]``), as little-endian
+unsigned integers of ``routed_experts_itemsize`` bytes (1 while every id is below 256, else 2); they
+cover every completion token of the segment or are empty (shape NULL).
 
 Invariants (kept by ``consumers.projection``): every row is a pure function of ``event_log`` (replay
 rebuilds them identically); ``status`` goes ``provisional`` -> ``finalized`` once, at ``finalized_at``
@@ -104,6 +107,13 @@ class TrajectorySegment(Base):
     min_offset: Mapped[dict[str, Any]] = mapped_column(JSONB, nullable=False, default=dict,
                                                       comment="{'topic:partition': first offset} lineage")
     max_offset: Mapped[dict[str, Any]] = mapped_column(JSONB, nullable=False, default=dict)
+    routed_experts: Mapped[bytes] = mapped_column(
+        LargeBinary, nullable=False, default=b"", server_default=text("''::bytea"),
+        comment="MoE expert ids per completion token x layer x top-k (empty: no routes)")
+    routed_experts_shape: Mapped[list[int] | None] = mapped_column(
+        ARRAY(Integer), comment="[layers, top_k] of routed_experts; NULL when it is empty")
+    routed_experts_itemsize: Mapped[int | None] = mapped_column(
+        Integer, comment="bytes per expert id in routed_experts (1 or 2); NULL when it is empty")
 
 
 class RewardLabel(Base):

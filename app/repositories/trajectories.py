@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterable, Sequence
 from datetime import datetime
 from typing import Any, Protocol, TypeVar
 
+import numpy as np
 from psycopg.rows import dict_row
 from sqlalchemy import (ARRAY, BigInteger, Boolean, Column, DateTime, Float, Integer, LargeBinary)
 from sqlalchemy.dialects.postgresql import JSONB, UUID
@@ -47,13 +48,53 @@ class TrajectoryLike(Protocol):
 
 _JSON_TRAJECTORY = {"signals"}
 _JSON_SEGMENT = {"tool_calls", "tool_results", "min_offset", "max_offset"}
-_BYTES_SEGMENT = {"token_ids", "loss_mask", "behaviour_logprobs"}
+_BYTES_SEGMENT = {"token_ids", "loss_mask", "behaviour_logprobs", "routed_experts"}
 _T_COLS = ", ".join(TRAJECTORY_COLUMNS)
 _S_COLS = ", ".join(SEGMENT_COLUMNS)
 
 
 T = TypeVar("T")
 S = TypeVar("S")
+
+ROUTE_DTYPES = {1: np.dtype("u1"), 2: np.dtype("<u2")}
+"""``trajectory_segment.routed_experts`` item size (bytes) -> its numpy dtype."""
+
+
+def pack_routes(stored: bytes, itemsize: int | None, ids: np.ndarray) -> tuple[bytes, int]:
+    """Append expert ids to a segment's stored routes, widening them to two bytes an id if needed.
+
+    Args:
+        stored: the segment's ``routed_experts`` bytes so far (``itemsize`` bytes per id).
+        itemsize: their item size (None or anything when ``stored`` is empty).
+        ids: ``[n]`` integer expert ids, flat ``[tokens x layers x top_k]``.
+
+    Returns:
+        ``(bytes, itemsize)``: 1 byte an id while every id (stored and new) is below 256, else 2.
+
+    Raises:
+        ValueError: an id outside ``[0, 65535]``.
+    """
+    ids = np.asarray(ids)
+    if ids.size and (int(ids.min()) < 0 or int(ids.max()) > 0xFFFF):
+        raise ValueError(f"expert ids must lie in [0, 65535], got [{int(ids.min())}, {int(ids.max())}]")
+    size = itemsize if stored else 1
+    need = 2 if ids.size and int(ids.max()) > 0xFF else 1
+    if need > size:
+        stored, size = unpack_routes(stored, size).astype(ROUTE_DTYPES[need]).tobytes(), need
+    return bytes(stored) + ids.astype(ROUTE_DTYPES[size]).tobytes(), size
+
+
+def unpack_routes(raw: bytes | memoryview | None, itemsize: int | None) -> np.ndarray:
+    """Stored ``routed_experts`` bytes -> flat ``int16``/``int32`` ids ``[n]`` (empty if none).
+
+    Raises:
+        ValueError: an item size other than 1 or 2, or a byte count that is not a multiple of it.
+    """
+    if not raw:
+        return np.zeros(0, dtype=np.int32)
+    if itemsize not in ROUTE_DTYPES or len(raw) % itemsize:
+        raise ValueError(f"routed_experts of {len(raw)} bytes at item size {itemsize}")
+    return np.frombuffer(bytes(raw), dtype=ROUTE_DTYPES[itemsize]).astype(np.int32)
 
 
 def _segment_from_row(row: dict[str, Any], factory: Callable[..., S]) -> S:

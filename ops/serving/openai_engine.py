@@ -15,6 +15,16 @@ Weight reload uses vLLM's development endpoints (server started with ``VLLM_SERV
    the KV cache memory is kept);
 3. ``POST /reset_prefix_cache`` drops cached prefixes computed with the old weights.
 
+MoE routes: a vLLM server started with ``--enable-return-routed-experts`` (no per-request switch)
+adds ``choices[i].routed_experts`` (``[gen_len, moe_layers, top_k]``) and ``prompt_routed_experts``
+(``[prompt_len, ...]``; response-level, so only usable for a one-prompt request unless the server
+puts it in the choice), indexed by the position each token was *input* at. flywheel's
+:class:`Generation` indexes a completion token by the position whose output *sampled* it, one to
+the left (``ops.serving.torch_engine``), so :func:`sampling_routes` shifts them: token 0 gets the
+last prompt position's experts, token ``i`` the experts of generated token ``i - 1``. Arrays
+arrive as nested JSON lists or base64 ``{"data", "shape", "dtype"}`` (prime-rl's encoding). A
+response without them (dense model, flag off, prompt routes missing) yields ``routed_experts=None``.
+
 vLLM cannot apply flywheel's bf16 weight delta itself, so ``apply_delta`` reloads the full fp32
 folder the delta lives in (every trained checkpoint has one). ``flywheel serve`` implements the
 same endpoints (and the same request fields), so tests exercise this client against it.
@@ -22,11 +32,13 @@ same endpoints (and the same request fields), so tests exercise this client agai
 
 from __future__ import annotations
 
+import base64
 import time
 from pathlib import Path
 from typing import Any
 
 import httpx
+import numpy as np
 from tenacity import retry, retry_if_exception_type, stop_after_attempt, wait_exponential
 
 from app.core.errors import CheckpointError, InfrastructureError
@@ -48,6 +60,48 @@ def _token_ids(choice: dict[str, Any]) -> list[int]:
             raise InfrastructureError(f"server did not honour return_tokens_as_token_ids (got {t!r})")
         out.append(int(str(t).split(":", 1)[1]))
     return out
+
+
+def _route_array(value: Any) -> np.ndarray:
+    """``[tokens, layers, top_k]`` int64 routes from nested lists or base64 ``{"data", "shape", "dtype"}``.
+
+    Raises:
+        InfrastructureError: not a 3-D integer array.
+    """
+    if isinstance(value, dict):
+        raw = base64.b64decode(value["data"])
+        arr = np.frombuffer(raw, dtype=np.dtype(value.get("dtype", "int32"))).reshape(value["shape"])
+    else:
+        arr = np.asarray(value)
+    if arr.ndim != 3 or (arr.size and not np.issubdtype(arr.dtype, np.integer)):
+        raise InfrastructureError(f"routed experts of shape {arr.shape} ({arr.dtype}), need [tokens, layers, top_k]")
+    return arr.astype(np.int64)
+
+
+def sampling_routes(choice: dict[str, Any], response: dict[str, Any], n_prompts: int,
+                    n_tokens: int) -> list[list[list[int]]] | None:
+    """A choice's routes in :class:`Generation` order (see the module docstring), or None.
+
+    Returns:
+        ``[n_tokens][layers][top_k]`` expert ids, or None when the server sent no routes for the
+        choice or no prompt routes it can be matched with.
+
+    Raises:
+        InfrastructureError: fewer generated routes than ``n_tokens - 1`` or shapes that disagree.
+    """
+    generated = choice.get("routed_experts")
+    prompt = choice.get("prompt_routed_experts")
+    if prompt is None and n_prompts == 1:
+        prompt = response.get("prompt_routed_experts")
+    if generated is None or prompt is None or n_tokens == 0:
+        return None
+    generated, prompt = _route_array(generated), _route_array(prompt)
+    if len(prompt) == 0:
+        return None
+    if len(generated) < n_tokens - 1 or (len(generated) and generated.shape[1:] != prompt.shape[1:]):
+        raise InfrastructureError(f"{len(generated)} routes of shape {generated.shape[1:]} for {n_tokens} tokens "
+                                  f"after prompt routes of shape {prompt.shape[1:]}")
+    return np.concatenate([prompt[-1:], generated[:n_tokens - 1]]).tolist()
 
 
 class OpenAICompatEngine(InferenceEngine):
@@ -102,7 +156,12 @@ class OpenAICompatEngine(InferenceEngine):
         return resp.json() if resp.content else {}
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
-        """One ``/v1/completions`` request for the whole batch; latency is the request's wall time."""
+        """One ``/v1/completions`` request for the whole batch; latency is the request's wall time.
+
+        Raises:
+            InfrastructureError: the server is unreachable, errs, or answers with mismatched
+                token, log-prob or route counts.
+        """
         if not prompts:
             return []
         body = {
@@ -128,7 +187,7 @@ class OpenAICompatEngine(InferenceEngine):
             if len(lps) != len(ids):
                 raise InfrastructureError(f"{len(lps)} log-probs for {len(ids)} tokens")
             out.append(Generation(token_ids=ids, logprobs=lps, finish_reason=c.get("finish_reason") or "stop",
-                                  latency_s=latency))
+                                  latency_s=latency, routed_experts=sampling_routes(c, data, len(prompts), len(ids))))
         return out
 
     def load_checkpoint(self, checkpoint_id: str, path: Path) -> None:

@@ -228,3 +228,55 @@ def test_trajectory_state_defaults_are_fresh_per_instance(privacy):
         TrajectoryState(id=None, session_id="b", user_id="u", org_id="o")
     a.event_ids.append(1)
     assert b.event_ids == []
+
+
+def _moe_turn(seg, turn, prompt, completion, routes):
+    """A ``model.responded`` whose completion carries routes ``[len(completion), layers, top_k]`` (or None)."""
+    extra = {} if routes is None else dict(routed_experts=np.asarray(routes).reshape(-1).tolist(),
+                                           routed_experts_shape=np.shape(routes)[1:])
+    return ModelRespondedEvent(**ENV, payload=ModelResponded(
+        request_id="r", segment_index=seg, turn_index=turn, checkpoint_id="ck", prompt_token_ids=prompt,
+        completion_token_ids=completion, completion_logprobs=[-0.5] * len(completion), latency_s=0.1, **extra))
+
+
+def test_segments_keep_the_routes_of_their_completion_tokens_one_byte_an_id():
+    from app.repositories.trajectories import unpack_routes
+
+    r0 = np.arange(2 * 3 * 2).reshape(2, 3, 2) % 8
+    r1 = (np.arange(3 * 3 * 2).reshape(3, 3, 2) + 5) % 8
+    t = _fold(_stored([SessionStartedEvent(**ENV, payload=SessionStarted(task_id="t", checkpoint_id="ck")),
+                       _moe_turn(0, 0, [1, 2], [3, 4], r0), _moe_turn(0, 1, [5], [6, 7, 8], r1)]))
+    s = t.segments[0]
+    assert s.routed_experts_shape == [3, 2] and s.routed_experts_itemsize == 1
+    assert len(s.routed_experts) == 5 * 3 * 2  # completion tokens x layers x top-k, one byte each
+    assert unpack_routes(s.routed_experts, 1).reshape(5, 3, 2).tolist() == np.concatenate([r0, r1]).tolist()
+
+
+def test_an_expert_id_past_255_widens_the_segments_routes_to_two_bytes():
+    from app.repositories.trajectories import unpack_routes
+
+    r0, r1 = np.full((1, 2, 1), 7), np.array([[[300], [9]]])
+    t = _fold(_stored([_moe_turn(0, 0, [1], [2], r0), _moe_turn(0, 1, [3], [4], r1)]))
+    s = t.segments[0]
+    assert s.routed_experts_itemsize == 2 and len(s.routed_experts) == 2 * 2 * 2
+    assert unpack_routes(s.routed_experts, 2).tolist() == [7, 7, 300, 9]
+
+
+@pytest.mark.parametrize("second", ["none", "other_shape"])
+def test_a_turn_without_matching_routes_empties_the_segments_routes(second):
+    routes = np.zeros((1, 2, 2), dtype=int)
+    other = None if second == "none" else np.zeros((1, 3, 2), dtype=int)
+    t = _fold(_stored([_moe_turn(0, 0, [1], [2], routes), _moe_turn(0, 1, [3], [4], other),
+                       _moe_turn(0, 2, [5], [6], routes)]))  # and a later turn does not start them again
+    s = t.segments[0]
+    assert (bytes(s.routed_experts), s.routed_experts_shape, s.routed_experts_itemsize) == (b"", None, None)
+    t = _fold(_stored([_moe_turn(0, 0, [1], [2], routes), _moe_turn(0, 1, [3], [], None)]))
+    assert t.segments[0].routed_experts_shape == [2, 2]  # a turn with no completion tokens routes nothing
+
+
+def test_expert_ids_outside_two_bytes_are_refused_at_validation():
+    from pydantic import ValidationError
+
+    for bad in (-1, 65536):
+        with pytest.raises(ValidationError, match="routed_experts ids"):
+            _moe_turn(0, 0, [1], [2], np.array([[[bad]]]))
