@@ -285,6 +285,7 @@ class Scheduler:
             keys, values = cache.export(i, seq.length)
             tokens = torch.tensor(seq.prompt + seq.tokens[:-1], dtype=torch.long)
             self.prefix_cache.insert(CachedPrefix(tokens, keys, values))
+            self.prefix_cache.evict_to(self.max_kv_tokens - cache.allocated_tokens)
             last = len(self._running) - 1
             if i != last:
                 cache.move(last, i, self._running[last].length)
@@ -294,4 +295,3 @@ class Scheduler:
                 token_ids=seq.tokens, logprobs=seq.logprobs, finish_reason=seq.finish_reason,
                 latency_s=seq.latency, routed_experts=seq.experts if self._routers_fn() is not None else None,
                 prefill_tokens=seq.prefill_tokens))
-        self.prefix_cache.evict_to(self.max_kv_tokens - cache.allocated_tokens)
