@@ -218,7 +218,7 @@ def step_gate(opts: DemoOptions, state: DemoState, home: Path) -> str:
     # Every gated suite runs (mined is empty until tasks are mined, which the gate allows).
     flywheel(["gate", candidate, "--limit", str(opts.eval_tasks),
               "--max-turns", str(opts.eval_max_turns), "--max-tokens", str(opts.eval_max_tokens),
-              "--min-pairs", str(opts.eval_tasks), "--workers", "2"], opts)
+              "--min-pairs", str(opts.eval_tasks)], opts)
     decided = _db_scalar("SELECT passed FROM gate_decision WHERE candidate_id = :c ORDER BY created_at DESC LIMIT 1",
                          c=candidate)
     return f"gate {'passed' if decided else 'failed'}"

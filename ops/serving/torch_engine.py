@@ -272,6 +272,11 @@ class TorchEngine(InferenceEngine):
                    for i, p in enumerate(prompts)]
         return [f.result() for f in futures]
 
+    def reset_prefix_cache(self) -> None:
+        """Drop every cached prefix (waits for running sequences, like a weight swap)."""
+        with self._drained():
+            pass
+
     @property
     def in_flight(self) -> int:
         """Sequences queued or decoding."""
