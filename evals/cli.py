@@ -30,7 +30,7 @@ eval_app = typer.Typer(cls=_DefaultRunGroup, no_args_is_help=True,
 
 LIMIT = typer.Option(None, "--limit", "-n", min=1, help="seeded subset of N tasks (changes the suite fingerprint)")
 WORKERS = typer.Option(None, "--workers", "-w", min=1,
-                       help="concurrent sessions (default: 64 with the torch engine, else the CPU count, at most 4)")
+                       help="concurrent sessions (default: 64 with the torch engine, else 1)")
 MAX_TURNS = typer.Option(None, "--max-turns", min=1, help="override the suite's turn budget")
 MAX_TOKENS = typer.Option(None, "--max-tokens", min=1, help="override completion tokens per turn")
 

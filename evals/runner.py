@@ -16,7 +16,6 @@ Invariants:
 from __future__ import annotations
 
 import hashlib
-import os
 import re
 import shutil
 import tempfile
@@ -182,7 +181,7 @@ def run_suite(checkpoint_id: str, suite: SuiteConfig | str, *, limit: int | None
         limit: override the suite's task limit (changes the fingerprint).
         workers: concurrent sessions (sandboxes); None: :func:`default_workers` for the engine (64
             for the continuously batching torch engine, whose sequences decode together while
-            other sessions run their sandboxed tests).
+            other sessions run their sandboxed tests; 1 otherwise).
         engine: an engine already serving the checkpoint (tests pass a scripted one); default
             :func:`ops.serving.engine.setup_engine` for the checkpoint, built only if work remains.
         tasks: explicit tasks instead of the suite's source (tests).
@@ -285,9 +284,7 @@ TORCH_ENGINE_WORKERS = 64
 def default_workers(engine: "InferenceEngine | None" = None) -> int:
     """Default session concurrency: ``TORCH_ENGINE_WORKERS`` (64) for the in-process torch engine,
     which decodes all in-flight sessions' sequences together (its ``max_seqs`` bounds a step);
-    otherwise the CPU count, at most 4."""
+    1 for any other engine (a remote server, or a scripted engine that need not be thread-safe)."""
     from ops.serving.torch_engine import TorchEngine
 
-    if isinstance(engine, TorchEngine):
-        return TORCH_ENGINE_WORKERS
-    return max(1, min(4, os.cpu_count() or 1))
+    return TORCH_ENGINE_WORKERS if isinstance(engine, TorchEngine) else 1
