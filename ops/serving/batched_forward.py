@@ -76,6 +76,14 @@ def forward_logits(model: torch.nn.Module, cache: SlotKVCache, slot0: int, input
     hidden = inner.embed_tokens(input_ids)
     cos, sin = inner.rotary_emb(hidden, position_ids=positions)
     visible = torch.arange(width)[None, None, :] <= positions[:, :, None]  # [B, n, width]
+    attn0 = inner.layers[0].self_attn
+    group = attn0.config.num_attention_heads // (getattr(attn0.config, "num_key_value_heads", None)
+                                                 or attn0.config.num_attention_heads)
+    # query rows are (query head within its KV group, position): the same mask for every group,
+    # built once as an additive float mask (SDPA would convert a boolean one in every layer)
+    mask = torch.zeros((bsz, 1, group, n, width), dtype=hidden.dtype)
+    mask.masked_fill_(~visible[:, None, None], float("-inf"))
+    mask = mask.view(bsz, 1, group * n, width)
     rows = torch.arange(bsz)
     for idx, layer in enumerate(inner.layers):
         attn = layer.self_attn
@@ -86,11 +94,10 @@ def forward_logits(model: torch.nn.Module, cache: SlotKVCache, slot0: int, input
         v = attn.v_proj(h).view(bsz, n, -1, attn.head_dim).transpose(1, 2)
         q, k = rotary(q, k, cos, sin)
         keys, values = cache.write(idx, slot0, positions, k, v, width)
-        kv_heads, group = k.shape[1], q.shape[1] // k.shape[1]
+        kv_heads = k.shape[1]
         # query head h uses KV head h // group (transformers' repeat_kv order): stack each KV
         # head's `group` query heads along the sequence axis instead of repeating K/V.
         qg = q.reshape(bsz, kv_heads, group * n, attn.head_dim)
-        mask = visible[:, None, None].expand(bsz, 1, group, n, width).reshape(bsz, 1, group * n, width)
         out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask, scale=attn.scaling)
         out = out.reshape(bsz, kv_heads * group, n, attn.head_dim).transpose(1, 2).reshape(bsz, n, -1)
         hidden = hidden + attn.o_proj(out)
