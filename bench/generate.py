@@ -1,16 +1,16 @@
 """Generation throughput: the continuously batched torch engine vs plain ``model.generate`` and a
 hardware limit, at 1, 8, 32 and 64 concurrent sequences with mixed prompt and completion lengths.
 
-Workload per level N: 2N chat requests (a question, half of them after a code snippet: 40-110
-prompt tokens), greedy, each with its own ``max_tokens`` drawn uniformly (``--quick``: 8-40,
-else 16-128; EOS ends a completion early). Throughput = completion tokens (up to and including
+Workload per level N: 2N chat requests (``--quick``: N) (a question, half of them after a code
+snippet: 40-110 prompt tokens), greedy, each with its own ``max_tokens`` drawn uniformly
+(``--quick``: 16-48, else 16-128; EOS ends a completion early). Throughput = completion tokens (up to and including
 EOS or the request's limit) / wall seconds, prefill included.
 
 * ours: N client threads, each sending its next request when its last one completes (N in
   flight, as sessions do), through ``TorchEngine.generate``; the prefix cache is emptied before
   each run so no prompt reuses another's K/V (all share the chat template's system prompt);
 * plain generate, batch 1: ``model.generate`` on one request at a time (a few requests);
-* plain generate, static batch N: the 2N requests as two left-padded ``generate`` calls of N,
+* plain generate, static batch N: the requests as left-padded ``generate`` calls of N,
   each decoding up to its batch's largest ``max_tokens`` (tokens past a row's own limit or EOS
   do not count);
 * limit (at 64): ``C / max(ceil(C / 64) * W / BW, 2 * P * T / G)`` with ``C`` completion tokens,
@@ -95,7 +95,7 @@ def measure_limits(model) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="completions of 8-40 tokens (else 16-128)")
+    parser.add_argument("--quick", action="store_true", help="N requests per level of N, completions of 16-48 tokens (else 2N, 16-128)")
     parser.add_argument("--model-dir", default=None, help="HF folder (default: SmolLM2-135M-Instruct)")
     parser.add_argument("--repeats", type=int, default=None, help="runs per level (best kept; default 1)")
     parser.add_argument("--threads", type=int, default=2)
@@ -113,7 +113,8 @@ def main() -> None:
         model_dir = converted_base_dir()
     else:
         model_dir = args.model_dir
-    lengths = (8, 40) if args.quick else (16, 128)
+    lengths = (16, 48) if args.quick else (16, 128)
+    waves = 1 if args.quick else 2
     repeats = args.repeats or 1
 
     engine = TorchEngine(model_dir, checkpoint_id="bench", max_seqs=max(LEVELS), max_kv_tokens=64 * 512)
@@ -169,7 +170,7 @@ def main() -> None:
     for level in LEVELS:
         rates: dict[str, list[float]] = {"ours": [], "plain": []}
         for r in range(repeats):
-            work = build_workload(tok, 2 * level, lengths, seed=level * 10 + r)
+            work = build_workload(tok, waves * level, lengths, seed=level * 10 + r)
             sides = (("ours", lambda w: ours(w, level)), ("plain", lambda w: plain_batches(w, level)))
             for name, fn in (sides if r % 2 == 0 else sides[::-1]):
                 n, s = fn(work)

@@ -53,54 +53,77 @@ def new_cache(model: torch.nn.Module) -> SlotKVCache:
     return SlotKVCache(len(model.model.layers), kv_heads, attn.head_dim, next(model.parameters()).dtype)
 
 
+def _additive(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """0 where ``visible``, -inf elsewhere (SDPA would convert a boolean mask in every layer)."""
+    return torch.zeros(visible.shape, dtype=dtype).masked_fill_(~visible, float("-inf"))
+
+
 @torch.inference_mode()
-def forward_logits(model: torch.nn.Module, cache: SlotKVCache, slot0: int, input_ids: torch.Tensor,
-                   positions: torch.Tensor, last_index: torch.Tensor) -> torch.Tensor:
-    """Encode new tokens of ``B`` sequences in slots ``[slot0, slot0 + B)`` and return next-token logits.
+def forward_step(model: torch.nn.Module, cache: SlotKVCache, input_ids: torch.Tensor, positions: torch.Tensor,
+                 decode_rows: int, prefill_rows: list[tuple[int, int]]) -> torch.Tensor:
+    """Encode one step's new tokens of every row, flattened without padding, and return next-token logits.
+
+    Rows: first ``decode_rows`` decoding sequences in slots ``[0, decode_rows)``, one token each;
+    then one row per ``(slot, n)`` in ``prefill_rows`` with ``n`` new prompt tokens. The linear
+    layers see all ``T`` tokens as one matrix; attention runs per part (one batched call for the
+    decode rows, one call per prefill row).
 
     Args:
         model: a model accepted by :func:`check_supported`.
-        cache: holds each row's earlier tokens at indices ``< positions[b, 0]``; capacity must
-            exceed ``positions.max()``.
-        input_ids: ``[B, n]`` int64 new tokens (rows right-padded to ``n``; padding is encoded into
-            cache indices past the row's real tokens, which later writes overwrite).
-        positions: ``[B, n]`` int64 position ids (= cache indices) of ``input_ids``.
-        last_index: ``[B]`` int64 index in ``[0, n)`` of each row's last real token.
+        cache: holds each row's earlier tokens at indices below its first new position; capacity
+            must exceed ``positions.max()``.
+        input_ids: ``[T]`` int64 new tokens, rows in the order above.
+        positions: ``[T]`` int64 position ids (= cache indices) of ``input_ids``.
+        decode_rows: rows with one new token (slots ``0..decode_rows-1``).
+        prefill_rows: ``(slot, n)`` per prefill row; its positions run consecutively.
 
     Returns:
-        ``[B, V]`` float32 logits at each row's last real token.
+        ``[decode_rows + len(prefill_rows), V]`` float32 logits at each row's last new token.
     """
     inner = model.model
-    bsz, n = input_ids.shape
-    width = int(positions.max()) + 1
-    hidden = inner.embed_tokens(input_ids)
-    cos, sin = inner.rotary_emb(hidden, position_ids=positions)
-    visible = torch.arange(width)[None, None, :] <= positions[:, :, None]  # [B, n, width]
-    attn0 = inner.layers[0].self_attn
-    group = attn0.config.num_attention_heads // (getattr(attn0.config, "num_key_value_heads", None)
-                                                 or attn0.config.num_attention_heads)
-    # query rows are (query head within its KV group, position): the same mask for every group,
-    # built once as an additive float mask (SDPA would convert a boolean one in every layer)
-    mask = torch.zeros((bsz, 1, group, n, width), dtype=hidden.dtype)
-    mask.masked_fill_(~visible[:, None, None], float("-inf"))
-    mask = mask.view(bsz, 1, group * n, width)
-    rows = torch.arange(bsz)
+    total = input_ids.shape[0]
+    cfg = inner.layers[0].self_attn.config
+    group = cfg.num_attention_heads // (getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
+    hidden = inner.embed_tokens(input_ids[None])
+    cos, sin = inner.rotary_emb(hidden, position_ids=positions[None])
+    slots = torch.cat([torch.arange(decode_rows, dtype=torch.long)]
+                      + [torch.full((n,), slot, dtype=torch.long) for slot, n in prefill_rows])
+    # query rows of one KV head are (query head within its group, position): one mask per part
+    dec_pos = positions[:decode_rows]
+    dec_width = int(dec_pos.max()) + 1 if decode_rows else 0
+    dec_mask = _additive(torch.arange(dec_width)[None, None, None, :] <= dec_pos[:, None, None, None],
+                         hidden.dtype).expand(decode_rows, 1, group, dec_width)
+    pre_parts, offset = [], decode_rows
+    for slot, n in prefill_rows:
+        pos = positions[offset:offset + n]
+        width = int(pos[-1]) + 1
+        mask = _additive(torch.arange(width)[None, :] <= pos[:, None], hidden.dtype)
+        pre_parts.append((slot, offset, n, width, mask.repeat(group, 1)[None, None]))
+        offset += n
+    last = torch.tensor(list(range(decode_rows)) + [o + n - 1 for _, o, n, _, _ in pre_parts], dtype=torch.long)
     for idx, layer in enumerate(inner.layers):
         attn = layer.self_attn
         rotary = sys.modules[type(attn).__module__].apply_rotary_pos_emb
+        d = attn.head_dim
         h = layer.input_layernorm(hidden)
-        q = attn.q_proj(h).view(bsz, n, -1, attn.head_dim).transpose(1, 2)
-        k = attn.k_proj(h).view(bsz, n, -1, attn.head_dim).transpose(1, 2)
-        v = attn.v_proj(h).view(bsz, n, -1, attn.head_dim).transpose(1, 2)
+        q = attn.q_proj(h).view(1, total, -1, d).transpose(1, 2)
+        k = attn.k_proj(h).view(1, total, -1, d).transpose(1, 2)
+        v = attn.v_proj(h).view(1, total, -1, d).transpose(1, 2)
         q, k = rotary(q, k, cos, sin)
-        keys, values = cache.write(idx, slot0, positions, k, v, width)
         kv_heads = k.shape[1]
-        # query head h uses KV head h // group (transformers' repeat_kv order): stack each KV
-        # head's `group` query heads along the sequence axis instead of repeating K/V.
-        qg = q.reshape(bsz, kv_heads, group * n, attn.head_dim)
-        out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask, scale=attn.scaling)
-        out = out.reshape(bsz, kv_heads * group, n, attn.head_dim).transpose(1, 2).reshape(bsz, n, -1)
-        hidden = hidden + attn.o_proj(out)
+        cache.write_tokens(idx, slots, positions, k[0].transpose(0, 1), v[0].transpose(0, 1))
+        q = q[0]  # [Hq, T, d]; query head h uses KV head h // group (transformers' repeat_kv order)
+        outs = []
+        if decode_rows:
+            keys, values = cache.view(idx, 0, decode_rows, dec_width)
+            qd = q[:, :decode_rows].transpose(0, 1).reshape(decode_rows, kv_heads, group, d)
+            o = F.scaled_dot_product_attention(qd, keys, values, attn_mask=dec_mask, scale=attn.scaling)
+            outs.append(o.reshape(decode_rows, -1))
+        for slot, off, n, width, mask in pre_parts:
+            keys, values = cache.view(idx, slot, 1, width)
+            qp = q[:, off:off + n].reshape(1, kv_heads, group * n, d)
+            o = F.scaled_dot_product_attention(qp, keys, values, attn_mask=mask, scale=attn.scaling)
+            outs.append(o.view(kv_heads * group, n, d).transpose(0, 1).reshape(n, -1))
+        hidden = hidden + attn.o_proj(torch.cat(outs)[None])
         hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
-    last = inner.norm(hidden[rows, last_index])
-    return model.lm_head(last).float()
+    return model.lm_head(inner.norm(hidden[0, last])).float()

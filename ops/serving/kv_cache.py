@@ -63,26 +63,22 @@ class SlotKVCache:
         """Free the buffers (no sequence is running)."""
         self.k, self.v, self.slots, self.capacity = [], [], 0, 0
 
-    def write(self, layer: int, slot0: int, positions: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-              width: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store new keys/values and return the batch's cache views.
+    def write_tokens(self, layer: int, slots: torch.Tensor, positions: torch.Tensor, key: torch.Tensor,
+                     value: torch.Tensor) -> None:
+        """Store ``T`` new tokens' key/value: token ``t`` at ``[slots[t], :, positions[t]]``.
 
         Args:
             layer: decoder layer index.
-            slot0: first slot of the batch (the batch is slots ``[slot0, slot0 + B)``).
-            positions: ``[B, n]`` int64 position ids of the new tokens (= cache indices).
-            key, value: ``[B, kv_heads, n, head_dim]`` after rotary embedding.
-            width: cache entries the queries may see (``max(positions) + 1``).
-
-        Returns:
-            ``(keys, values)``, each ``[B, kv_heads, width, head_dim]`` views of the buffers.
+            slots, positions: ``[T]`` int64 slot and position id (= cache index) of each token.
+            key, value: ``[T, kv_heads, head_dim]`` after rotary embedding.
         """
-        bsz = key.shape[0]
-        rows = torch.arange(bsz)[:, None].expand_as(positions)
-        k_buf, v_buf = self.k[layer][slot0:slot0 + bsz], self.v[layer][slot0:slot0 + bsz]
-        k_buf[rows, :, positions] = key.transpose(1, 2)
-        v_buf[rows, :, positions] = value.transpose(1, 2)
-        return k_buf[:, :, :width], v_buf[:, :, :width]
+        self.k[layer][slots, :, positions] = key
+        self.v[layer][slots, :, positions] = value
+
+    def view(self, layer: int, slot0: int, count: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of slots ``[slot0, slot0 + count)``, first ``width`` entries:
+        ``[count, kv_heads, width, head_dim]`` views (no copy)."""
+        return (self.k[layer][slot0:slot0 + count, :, :width], self.v[layer][slot0:slot0 + count, :, :width])
 
     def move(self, src: int, dst: int, length: int) -> None:
         """Copy slot ``src``'s first ``length`` entries into slot ``dst`` (compaction)."""

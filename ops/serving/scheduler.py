@@ -13,7 +13,9 @@ Invariants:
   it never needs preemption). Requests beyond the bounds wait in FIFO order.
 
 Scheduling follows nano-vllm's ``Scheduler`` (GeeeekExplorer/nano-vllm, ``nanovllm/engine/
-scheduler.py``): a step prefills the admitted waiting sequences, then decodes all running ones.
+scheduler.py``), except that one forward pass carries both kinds of rows: a step encodes the
+prompts of the admitted waiting sequences and the next token of every running one, flattened
+without padding (``batched_forward.forward_step``).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ops.serving.batched_forward import forward_logits, new_cache
+from ops.serving.batched_forward import forward_step, new_cache
 from ops.serving.engine import Generation, SamplingParams
 from ops.serving.kv_cache import CachedPrefix, PrefixCache
 
@@ -67,7 +69,7 @@ class Scheduler:
         routers: the engine's ``_RouterRecorder`` (MoE expert ids per row), or None.
         max_seqs: most sequences decoded together.
         max_kv_tokens: token entries of slot buffers plus prefix cache.
-        max_prefill_tokens: padded tokens encoded in one prefill step.
+        max_prefill_tokens: prompt tokens admitted into one step (a longer prompt goes alone).
     """
 
     def __init__(self, get_model: Callable[[], torch.nn.Module], sample, routers_fn: Callable, *, max_seqs: int,
@@ -161,17 +163,16 @@ class Scheduler:
         Returns the batch and the slot-buffer shape ``(slots, capacity)`` it needs."""
         admitted: list[Sequence] = []
         reserve = max((s.reserve for s in self._running), default=0)
-        width, shape = 0, (0, 0)
+        tokens, shape = 0, (0, 0)
         while self._waiting and len(self._running) + len(admitted) < self.max_seqs:
             seq = self._waiting[0]
-            new_width = max(width, len(seq.prompt))
-            if admitted and new_width * (len(admitted) + 1) > self.max_prefill_tokens:
+            if admitted and tokens + len(seq.prompt) > self.max_prefill_tokens:
                 break
             plan = self._plan(len(self._running) + len(admitted) + 1, max(reserve, seq.reserve))
             if plan is None:
                 break
             admitted.append(self._waiting.popleft())
-            reserve, width, shape = max(reserve, seq.reserve), new_width, plan
+            reserve, tokens, shape = max(reserve, seq.reserve), tokens + len(seq.prompt), plan
         if admitted:
             self.prefix_cache.evict_to(self.max_kv_tokens - shape[0] * shape[1])
         return admitted, shape
@@ -196,56 +197,42 @@ class Scheduler:
         return n, cap
 
     def _step(self, admitted: list[Sequence], shape: tuple[int, int]) -> None:
+        """One forward pass: a token for every running sequence plus the admitted prompts."""
         model = self._get_model()
         if self._cache is None:
             self._cache = new_cache(model)
+        cache, decoding = self._cache, list(self._running)
         if admitted:
-            if not self._running:
-                self._cache.release()
-            self._cache.ensure(*shape, [s.length for s in self._running])
-            self._prefill(model, admitted)
-        if self._running:
-            self._decode(model)
-        if not self._running and not self._waiting:
-            self._cache.release()
-
-    def _prefill(self, model: torch.nn.Module, seqs: list[Sequence]) -> None:
-        cache, slot0 = self._cache, len(self._running)
-        reused = [self.prefix_cache.lookup(s.prompt) for s in seqs]
-        width = max(len(s.prompt) - n for s, (_, n) in zip(seqs, reused))
-        ids = torch.zeros((len(seqs), width), dtype=torch.long)
-        positions = torch.empty((len(seqs), width), dtype=torch.long)
-        last = torch.empty(len(seqs), dtype=torch.long)
-        for row, (seq, (entry, n)) in enumerate(zip(seqs, reused)):
+            if not decoding:
+                cache.release()
+            cache.ensure(*shape, [s.length for s in decoding])
+        ids = [s.tokens[-1] for s in decoding]
+        positions = [s.length for s in decoding]
+        prefill_rows = []
+        for row, seq in enumerate(admitted, start=len(decoding)):
+            entry, n = self.prefix_cache.lookup(seq.prompt)
             if entry is not None:
-                cache.load(slot0 + row, entry.keys, entry.values, n)
-            new = seq.prompt[n:]
-            ids[row, :len(new)] = torch.tensor(new, dtype=torch.long)
-            # padding past the prompt may run beyond the buffer: clamp it (never onto a real token,
-            # since capacity >= prompt + max_tokens)
-            positions[row] = torch.arange(n, n + width).clamp(max=cache.capacity - 1)
-            last[row] = len(new) - 1
-            seq.length, seq.prefill_tokens = len(seq.prompt), len(new)
+                cache.load(row, entry.keys, entry.values, n)
+            ids.extend(seq.prompt[n:])
+            positions.extend(range(n, len(seq.prompt)))
+            prefill_rows.append((row, len(seq.prompt) - n))
+            seq.length, seq.prefill_tokens = n, len(seq.prompt) - n
         routers = self._routers_fn()
         if routers is not None:
-            routers.start_step(len(seqs), last)
-        logits = forward_logits(model, cache, slot0, ids, positions, last)
-        self._running.extend(seqs)
-        self._sample_rows(logits, seqs, routers)
+            ends = list(range(len(decoding))) + [len(decoding) + sum(n for _, n in prefill_rows[:i + 1]) - 1
+                                                 for i in range(len(prefill_rows))]
+            routers.start_step(torch.tensor(ends, dtype=torch.long))
+        logits = forward_step(model, cache, torch.tensor(ids, dtype=torch.long),
+                              torch.tensor(positions, dtype=torch.long), len(decoding), prefill_rows)
+        for seq in decoding:
+            seq.length += 1
+        for seq in admitted:
+            seq.length = len(seq.prompt)
+        self._running.extend(admitted)
+        self._sample_rows(logits, self._running, routers)
         self._retire()
-
-    def _decode(self, model: torch.nn.Module) -> None:
-        seqs = self._running
-        ids = torch.tensor([[s.tokens[-1]] for s in seqs], dtype=torch.long)
-        positions = torch.tensor([[s.length] for s in seqs], dtype=torch.long)
-        routers = self._routers_fn()
-        if routers is not None:
-            routers.start_step(len(seqs))
-        logits = forward_logits(model, self._cache, 0, ids, positions, torch.zeros(len(seqs), dtype=torch.long))
-        for s in seqs:
-            s.length += 1
-        self._sample_rows(logits, seqs, routers)
-        self._retire()
+        if not self._running and not self._waiting:
+            cache.release()
 
     def _sample_rows(self, logits: torch.Tensor, seqs: list[Sequence], routers) -> None:
         """Sample one token per row (greedy rows together, each sampled row with its own RNG)."""

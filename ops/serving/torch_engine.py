@@ -55,35 +55,32 @@ def sample_next(logits: torch.Tensor, params: SamplingParams, generator: torch.G
 
 
 class _RouterRecorder:
-    """Forward hooks on MoE routers that keep the top-k expert ids of each row's LAST real position."""
+    """Forward hooks on MoE routers that keep the top-k expert ids of each row's last new token."""
 
     def __init__(self, model: torch.nn.Module) -> None:
         self.routers = [m for m in model.modules() if type(m).__name__.endswith("Router") and hasattr(m, "top_k")]
         self.last: list[torch.Tensor] = []
-        self._batch = 0
-        self._last_index: torch.Tensor | None = None
+        self._token_index: torch.Tensor | None = None
         self._handles = [m.register_forward_hook(self._hook) for m in self.routers]
 
     @property
     def active(self) -> bool:
         return bool(self.routers)
 
-    def start_step(self, batch: int, last_index: torch.Tensor | None = None) -> None:
-        """Record the next forward pass of ``batch`` rows; ``last_index`` ``[batch]`` int64 picks each
-        row's position (default: the last one)."""
-        self.last, self._batch, self._last_index = [], batch, last_index
+    def start_step(self, token_index: torch.Tensor | None) -> None:
+        """Record the next forward pass: ``token_index`` ``[R]`` int64 flat indices (over the pass's
+        batch x positions) of the token whose routing each row reports; None stops recording."""
+        self.last, self._token_index = [], token_index
 
     def _hook(self, module, args, output) -> None:
-        if not self._batch:  # a forward pass outside generation (e.g. a teacher-forced check)
+        if self._token_index is None:  # a forward pass outside generation (e.g. a teacher-forced check)
             return
         idx = output[-1] if isinstance(output, tuple) else output.topk(module.top_k, dim=-1).indices
-        idx = idx.reshape(self._batch, -1, idx.shape[-1])
-        pick = self._last_index if self._last_index is not None else torch.full((self._batch,), idx.shape[1] - 1)
-        self.last.append(idx[torch.arange(self._batch), pick].to(torch.int32))
+        self.last.append(idx.reshape(-1, idx.shape[-1])[self._token_index].to(torch.int32))
 
     def step_experts(self) -> torch.Tensor:
-        """``[B, layers, top_k]`` expert ids of the last forward call; stops recording."""
-        self._batch = 0
+        """``[R, layers, top_k]`` expert ids of the last forward call; stops recording."""
+        self._token_index = None
         return torch.stack(self.last, dim=1)
 
 
@@ -187,20 +184,19 @@ class TorchEngine(InferenceEngine):
 
     def _measure_speed(self, prompt_tokens: int = 32, steps: int = 5) -> None:
         """Set ``prefill_s_per_token`` and ``decode_s_per_token`` (batch 1, median of ``steps``)."""
-        from ops.serving.batched_forward import forward_logits, new_cache
+        from ops.serving.batched_forward import forward_step, new_cache
 
         cache = new_cache(self.model)
         cache.ensure(1, prompt_tokens + steps + 1, [])
-        zero = torch.zeros(1, dtype=torch.long)
-        ids = torch.arange(1, prompt_tokens + 1)[None]
+        ids = torch.arange(1, prompt_tokens + 1)
         prefill, decode = [], []
         for _ in range(3):
             t0 = time.perf_counter()
-            forward_logits(self.model, cache, 0, ids, torch.arange(prompt_tokens)[None], zero + prompt_tokens - 1)
+            forward_step(self.model, cache, ids, torch.arange(prompt_tokens), 0, [(0, prompt_tokens)])
             prefill.append((time.perf_counter() - t0) / prompt_tokens)
         for step in range(steps):
             t0 = time.perf_counter()
-            forward_logits(self.model, cache, 0, ids[:, :1], torch.tensor([[prompt_tokens + step]]), zero)
+            forward_step(self.model, cache, ids[:1], torch.tensor([prompt_tokens + step]), 1, [])
             decode.append(time.perf_counter() - t0)
         self.prefill_s_per_token = statistics.median(prefill)
         self.decode_s_per_token = statistics.median(decode)

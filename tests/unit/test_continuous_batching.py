@@ -135,8 +135,8 @@ def test_more_requests_than_max_seqs_all_complete_within_bounds(tiny_model_dir):
     try:
         sched = eng._scheduler
         peak = []
-        decode = sched._decode
-        sched._decode = lambda model: (peak.append(len(sched._running)), decode(model))
+        step = sched._step
+        sched._step = lambda admitted, shape: (peak.append(len(sched._running) + len(admitted)), step(admitted, shape))
         params = SamplingParams(max_tokens=10, temperature=0.0)
         alone = [_alone(eng, p, params) for p in PROMPTS]
         futures = [eng.submit(p, params) for p in PROMPTS * 2]
