@@ -60,13 +60,14 @@ class Sequence:
 
 
 class Scheduler:
-    """Owns the decode loop over ``model`` (see the module invariants).
+    """Owns the decode loop (see the module invariants); the thread starts at construction.
 
     Args:
-        model: a model accepted by ``batched_forward.check_supported``; read through ``get_model``
-            so a weight swap is seen at the next step.
+        get_model: returns the served model (one accepted by ``batched_forward.check_supported``),
+            read at every step so a weight swap is seen at the next one.
         sample: ``sample_next``-compatible ``(logits [B, V], params, generator) -> (tokens, logprobs)``.
-        routers: the engine's ``_RouterRecorder`` (MoE expert ids per row), or None.
+        routers_fn: returns the engine's ``_RouterRecorder`` (MoE expert ids per row), or None
+            for a dense model.
         max_seqs: most sequences decoded together.
         max_kv_tokens: token entries of slot buffers plus prefix cache.
         max_prefill_tokens: prompt tokens admitted into one step (a longer prompt goes alone).
