@@ -1,23 +1,52 @@
-"""Generation throughput: the torch engine vs plain ``model.generate`` (same model, same prompts).
+"""Generation throughput: the continuously batched torch engine vs plain ``model.generate`` and a
+hardware limit, at 1, 8, 32 and 64 concurrent sequences with mixed prompt and completion lengths.
 
-Both decode greedily with a KV cache from the SAME model object (so the same serving weights),
-left-padded batches of chat prompts, at batch sizes 1 and 8, alternating ours/baseline so load
-noise hits both alike. Throughput = generated tokens (up to and including EOS) / wall seconds; the
-engine additionally computes per-token behaviour log-probs, which ``generate`` does not.
+Workload per level N: 2N chat requests (``--quick``: N) (a question, one in four after a code
+snippet: 40-110 prompt tokens), greedy, each with its own ``max_tokens`` drawn uniformly
+(``--quick``: 32-96, else 32-256; EOS ends a completion early): generation-heavy, as code
+completions are, since prefill (no batching gain) would otherwise dominate every side alike.
+Throughput = completion tokens (up to and including EOS or the request's limit) / wall seconds,
+prefill included.
 
-Default: the real SmolLM2-135M-Instruct (materialized from the GGUF once, cached), 32 new tokens,
-5 alternating repeats (the order flips every repeat so drifting machine load hits both alike; the
-best rate of each side is reported, as ``timeit`` does: on a shared machine the fastest run is the
-one least disturbed by other processes). ``--quick``: 12 new tokens, 3 repeats. Prints ONE JSON line (ratio = the worse
-batch size).
+* ours: N client threads, each sending its next request when its last one completes (N in
+  flight, as sessions do), through ``TorchEngine.generate``; the prefix cache is emptied before
+  each run so no prompt reuses another's K/V (all share the chat template's system prompt);
+* plain generate, batch 1: ``model.generate`` on one request at a time (a few requests);
+* plain generate, static batch N: the requests as left-padded ``generate`` calls of N,
+  each decoding up to its batch's largest ``max_tokens`` (tokens past a row's own limit or EOS
+  do not count);
+* limit (at 64): ``C / max(ceil(C / 64) * W / BW, 2 * P * T / G)`` with ``C`` completion tokens,
+  ``W`` weight bytes (fp32), ``BW`` measured memory copy bandwidth (bytes/s; each decode step of
+  64 sequences reads the weights once), ``P`` parameters in matrix products (all but the input
+  embedding; a tied LM head counts), ``T`` prompt + completion tokens, ``G`` measured fp32 GEMM
+  rate (FLOP/s, 1024x1024 matmul). Attention FLOPs are left out, so the limit is optimistic.
+
+Targets at 64: ours >= 10x plain batch 1, >= 1.5x plain static batch 64, >= 0.5 of the limit.
+Prints one JSON line per level, then ONE summary JSON line; ``ratio`` = ours at 64 / plain batch
+1; ``pass`` = all three targets.
+
+Measured (``--quick``, SmolLM2-135M fp32, 2 CPU cores shared with other jobs at a load average
+of 13-20, so this process got a fraction of a core; ours / plain static, tokens/s): 1: 2.92 /
+2.55; 8: 7.43 / 6.27; 32: 14.89 / 10.58; 64: 18.74 / 17.51 with the limit at 86.7 (G = 43.6
+GFLOP/s, BW = 7.6 GB/s, W = 0.54 GB) and plain batch 1 at 3.43: 5.5x plain batch 1, 1.07x
+plain static 64, 0.22 of the limit; no target met. Where the time goes: the engine's own
+batch-1 decode step measured 0.80 s at load (``decode_s_per_token``), ~15x the 0.055 s it took
+at a load average of 2, so at that load every side is bound by the CPU share it gets rather than by weight
+reads; a 64-row step is ~17 GFLOP of fp32 linear layers (its 49k-wide LM head is a fifth of
+it), which at the ~10-40 GFLOP/s the process actually got costs 0.4-1.7 s, while the limit
+assumes the best 1024x1024 GEMM rate of a 5-call burst. With one wave of N requests (quick),
+continuous batching gains over a static batch only the padded tail (rows that stopped early);
+the full run (two waves, N in flight) also refills freed rows.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import statistics
+import math
+import random
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 QUESTIONS = [
     "Write a Python function that reverses a string.",
@@ -29,14 +58,54 @@ QUESTIONS = [
     "How can I merge two dictionaries in Python?",
     "Write a unit test for a function add(a, b).",
 ]
+SNIPPET = ("def moving_average(values, window):\n    out = []\n    for i in range(len(values) - window + 1):\n"
+           "        out.append(sum(values[i:i + window]) / window)\n    return out\n\n")
+LEVELS = (1, 8, 32, 64)
+
+
+def build_workload(tok, n: int, lengths: tuple[int, int], seed: int) -> list[tuple[list[int], int]]:
+    """``n`` (prompt token ids, max_tokens) pairs with mixed lengths (deterministic for ``seed``)."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        text = SNIPPET * (rng.random() < 0.25) + rng.choice(QUESTIONS)
+        ids = tok(tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                          tokenize=False), add_special_tokens=False).input_ids
+        out.append((ids, rng.randint(*lengths)))
+    return out
+
+
+def measure_limits(model) -> dict:
+    """fp32 GEMM rate (FLOP/s), memory copy bandwidth (bytes/s), weight bytes and matmul params."""
+    import torch
+
+    a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
+    a @ b
+    rates = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        a @ b
+        rates.append(2 * 1024 ** 3 / (time.perf_counter() - t0))
+    src = torch.randn(64 * 2 ** 20 // 4)
+    dst = torch.empty_like(src)
+    bws = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        bws.append(2 * src.numel() * 4 / (time.perf_counter() - t0))  # read + write
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    embed = model.get_input_embeddings().weight.numel()
+    tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    matmul_params = sum(p.numel() for p in model.parameters() if p.dim() == 2) - (0 if tied else embed)
+    return {"gemm_flop_s": max(rates), "copy_bytes_s": max(bws), "weight_bytes": weight_bytes,
+            "matmul_params": matmul_params}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="12 new tokens, 3 repeats")
+    parser.add_argument("--quick", action="store_true", help="N requests per level of N, completions of 32-96 tokens (else 2N, 32-256)")
     parser.add_argument("--model-dir", default=None, help="HF folder (default: SmolLM2-135M-Instruct)")
-    parser.add_argument("--max-new-tokens", type=int, default=None)
-    parser.add_argument("--repeats", type=int, default=None)
+    parser.add_argument("--repeats", type=int, default=None, help="runs per level (best kept; default 1)")
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
 
@@ -52,61 +121,86 @@ def main() -> None:
         model_dir = converted_base_dir()
     else:
         model_dir = args.model_dir
-    new_tokens = args.max_new_tokens or (12 if args.quick else 32)
-    repeats = args.repeats or (3 if args.quick else 5)
+    lengths = (32, 96) if args.quick else (32, 256)
+    waves = 1 if args.quick else 2
+    repeats = args.repeats or 1
 
-    engine = TorchEngine(model_dir, checkpoint_id="bench")
+    engine = TorchEngine(model_dir, checkpoint_id="bench", max_seqs=max(LEVELS), max_kv_tokens=64 * 512)
     tok, model = engine.tokenizer, engine.model
-    prompts = [tok(tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
-                                           tokenize=False), add_special_tokens=False).input_ids for q in QUESTIONS]
-    params = SamplingParams(max_tokens=new_tokens, temperature=0.0)
+    eos = set(engine.eos_token_ids)
     pad = tok.pad_token_id if tok.pad_token_id is not None else engine.eos_token_ids[0]
 
-    def ours(batch):
+    def count(row: list[int], limit: int) -> int:
+        row = row[:limit]
+        return next((i + 1 for i, t in enumerate(row) if t in eos), len(row))
+
+    def ours(work, level):
+        engine._scheduler.prefix_cache.clear()
+
+        def client(item):
+            return len(engine.generate([item[0]], SamplingParams(max_tokens=item[1], temperature=0.0))[0].token_ids)
+
         t0 = time.perf_counter()
-        gens = engine.generate(batch, params)
-        return sum(len(g.token_ids) for g in gens), time.perf_counter() - t0
+        with ThreadPoolExecutor(max_workers=level) as pool:
+            n = sum(pool.map(client, work))
+        return n, time.perf_counter() - t0
 
     @torch.inference_mode()
-    def baseline(batch):
-        width = max(len(p) for p in batch)
-        ids = torch.tensor([[pad] * (width - len(p)) + p for p in batch])
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
+    def plain(work):
+        width = max(len(p) for p, _ in work)
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p, _ in work])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p, _ in work])
         t0 = time.perf_counter()
-        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False,
-                             pad_token_id=pad, eos_token_id=list(engine.eos_token_ids))
+        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max(m for _, m in work),
+                             do_sample=False, pad_token_id=pad, eos_token_id=list(eos))
         elapsed = time.perf_counter() - t0
-        n = 0
-        for row in out[:, width:].tolist():  # tokens up to and including the first EOS
-            end = next((i + 1 for i, t in enumerate(row) if t in engine.eos_token_ids), len(row))
-            n += end
-        return n, elapsed
+        return sum(count(row, m) for row, (_, m) in zip(out[:, width:].tolist(), work)), elapsed
 
-    ours([prompts[0][:8]])  # warm-up both paths (allocator, kernels)
-    baseline([prompts[0][:8]])
-    details = {}
-    for bs in (1, 8):
-        batches = [prompts[:1], prompts[1:2]] if bs == 1 else [prompts[:8]]
-        rates = {"ours": [], "baseline": []}
-        tokens = {"ours": 0, "baseline": 0}
+    def plain_batches(work, level):
+        n = s = 0.0
+        for i in range(0, len(work), level):
+            dn, ds = plain(work[i:i + level])
+            n, s = n + dn, s + ds
+        return n, s
+
+    warm = build_workload(tok, 2, (4, 4), seed=99)
+    ours(warm, 2)
+    plain(warm[:1])
+    limits = measure_limits(model)
+    details: dict = {"limits": {k: round(v / 1e9, 2) if k != "matmul_params" else v for k, v in limits.items()},
+                     "engine_decode_s_per_token": round(engine.decode_s_per_token, 4),
+                     "engine_prefill_s_per_token": round(engine.prefill_s_per_token, 5)}
+    base1 = []
+    for r in range(repeats):
+        n, s = plain_batches(build_workload(tok, 3, lengths, seed=1000 + r), 1)
+        base1.append(n / s)
+    details["plain_bs1_tok_s"] = round(max(base1), 2)
+    for level in LEVELS:
+        rates: dict[str, list[float]] = {"ours": [], "plain": []}
         for r in range(repeats):
-            order = (("ours", ours), ("baseline", baseline))
-            for batch in batches:
-                for name, fn in (order if r % 2 == 0 else order[::-1]):
-                    n, s = fn(batch)
-                    rates[name].append(n / s)
-                    tokens[name] += n
-        details[f"bs{bs}"] = {"ours_tok_s": round(max(rates["ours"]), 2),
-                              "baseline_tok_s": round(max(rates["baseline"]), 2),
-                              "ours_median_tok_s": round(statistics.median(rates["ours"]), 2),
-                              "baseline_median_tok_s": round(statistics.median(rates["baseline"]), 2),
-                              "ours_tokens": tokens["ours"], "baseline_tokens": tokens["baseline"]}
-        details[f"bs{bs}"]["ratio"] = round(details[f"bs{bs}"]["ours_tok_s"] / details[f"bs{bs}"]["baseline_tok_s"], 3)
-    worst = min(details.values(), key=lambda d: d["ratio"])
-    ratio = worst["ratio"]
-    print(json.dumps({"bench": "generate", "ours": worst["ours_tok_s"], "baseline": worst["baseline_tok_s"],
-                      "unit": "tokens/s", "ratio": ratio, "target": 0.9, "pass": ratio >= 0.9,
-                      "max_new_tokens": new_tokens, "details": details}))
+            work = build_workload(tok, waves * level, lengths, seed=level * 10 + r)
+            sides = (("ours", lambda w: ours(w, level)), ("plain", lambda w: plain_batches(w, level)))
+            for name, fn in (sides if r % 2 == 0 else sides[::-1]):
+                n, s = fn(work)
+                rates[name].append(n / s)
+            if level == max(LEVELS):
+                total = sum(len(p) for p, _ in work) + n
+                t_min = max(math.ceil(n / level) * limits["weight_bytes"] / limits["copy_bytes_s"],
+                            2 * limits["matmul_params"] * total / limits["gemm_flop_s"])
+                rates.setdefault("limit", []).append(n / t_min)
+        details[f"c{level}"] = {k: round(max(v), 2) for k, v in rates.items()}
+        print(json.dumps({"level": level, **details[f"c{level}"]}), flush=True)
+    top = details[f"c{max(LEVELS)}"]
+    vs_bs1 = top["ours"] / details["plain_bs1_tok_s"]
+    vs_static = top["ours"] / top["plain"]
+    vs_limit = top["ours"] / top["limit"]
+    details["targets"] = {"vs_plain_bs1": [round(vs_bs1, 2), 10], "vs_plain_static": [round(vs_static, 2), 1.5],
+                          "vs_limit": [round(vs_limit, 3), 0.5]}
+    engine.close()
+    print(json.dumps({"bench": "generate", "ours": top["ours"], "baseline": details["plain_bs1_tok_s"],
+                      "unit": "tokens/s", "ratio": round(vs_bs1, 2), "target": 10,
+                      "pass": vs_bs1 >= 10 and vs_static >= 1.5 and vs_limit >= 0.5,
+                      "completion_tokens": list(lengths), "details": details}))
 
 
 if __name__ == "__main__":

@@ -29,7 +29,8 @@ eval_app = typer.Typer(cls=_DefaultRunGroup, no_args_is_help=True,
                        help="Run eval suites (flywheel eval CHECKPOINT --suite NAME), mine tasks, check contamination.")
 
 LIMIT = typer.Option(None, "--limit", "-n", min=1, help="seeded subset of N tasks (changes the suite fingerprint)")
-WORKERS = typer.Option(1, "--workers", "-w", min=1, help="concurrent sandboxes")
+WORKERS = typer.Option(None, "--workers", "-w", min=1,
+                       help="concurrent sessions (default: 64 with the torch engine, else 1)")
 MAX_TURNS = typer.Option(None, "--max-turns", min=1, help="override the suite's turn budget")
 MAX_TOKENS = typer.Option(None, "--max-tokens", min=1, help="override completion tokens per turn")
 
@@ -41,7 +42,7 @@ def _overrides(max_turns: int | None, max_tokens: int | None) -> dict[str, int]:
 @eval_app.command("run")
 def eval_run(checkpoint: str = typer.Argument(..., help="checkpoint id, e.g. base"),
              suite: list[str] = typer.Option(..., "--suite", "-s", help="suite name (repeatable)"),
-             limit: int | None = LIMIT, workers: int = WORKERS, max_turns: int | None = MAX_TURNS,
+             limit: int | None = LIMIT, workers: int | None = WORKERS, max_turns: int | None = MAX_TURNS,
              max_tokens: int | None = MAX_TOKENS,
              force: bool = typer.Option(False, help="re-run even if a succeeded run of this plan exists"),
              as_json: bool = typer.Option(False, "--json", help="print one JSON line per suite")) -> None:
@@ -170,7 +171,7 @@ def eval_contamination(static: bool = typer.Option(True, "--static/--no-static",
 def gate_cmd(candidate: str = typer.Argument(..., help="candidate checkpoint id"),
              production: str | None = typer.Option(None, "--production", help="baseline (default: production)"),
              suite: list[str] | None = typer.Option(None, "--suite", "-s", help="suites to run (default: gated ones)"),
-             limit: int | None = LIMIT, workers: int = WORKERS, max_turns: int | None = MAX_TURNS,
+             limit: int | None = LIMIT, workers: int | None = WORKERS, max_turns: int | None = MAX_TURNS,
              max_tokens: int | None = MAX_TOKENS,
              config: Path | None = typer.Option(None, "--config", exists=True, dir_okay=False,
                                                 help="gate policy TOML (default evals/gate.toml)"),

@@ -16,7 +16,6 @@ Invariants:
 from __future__ import annotations
 
 import hashlib
-import os
 import re
 import shutil
 import tempfile
@@ -170,7 +169,7 @@ def _summarize(run, plan: RunPlan, errors: list[str]) -> dict[str, Any]:
 
 
 @traced("evals.run", attrs=("checkpoint_id", "suite"))
-def run_suite(checkpoint_id: str, suite: SuiteConfig | str, *, limit: int | None = None, workers: int = 1,
+def run_suite(checkpoint_id: str, suite: SuiteConfig | str, *, limit: int | None = None, workers: int | None = None,
               engine: "InferenceEngine | None" = None, tasks: list["Task"] | None = None, force: bool = False,
               on_result: ResultCallback | None = None, on_plan: Callable[[RunPlan, int], None] | None = None
               ) -> RunSummary:
@@ -180,7 +179,9 @@ def run_suite(checkpoint_id: str, suite: SuiteConfig | str, *, limit: int | None
         checkpoint_id: a registered checkpoint (the engine serves its weights).
         suite: a :class:`SuiteConfig` or a suite name.
         limit: override the suite's task limit (changes the fingerprint).
-        workers: concurrent sessions (sandboxes); the engine serializes or batches generation.
+        workers: concurrent sessions (sandboxes); None: :func:`default_workers` for the engine (64
+            for the continuously batching torch engine, whose sequences decode together while
+            other sessions run their sandboxed tests; 1 otherwise).
         engine: an engine already serving the checkpoint (tests pass a scripted one); default
             :func:`ops.serving.engine.setup_engine` for the checkpoint, built only if work remains.
         tasks: explicit tasks instead of the suite's source (tests).
@@ -234,7 +235,7 @@ def run_suite(checkpoint_id: str, suite: SuiteConfig | str, *, limit: int | None
                       elapsed_s=time.perf_counter() - t0)
 
 
-def _execute(run, plan: RunPlan, todo: list[tuple["Task", int]], checkpoint_id: str, workers: int,
+def _execute(run, plan: RunPlan, todo: list[tuple["Task", int]], checkpoint_id: str, workers: int | None,
              engine: "InferenceEngine | None", on_result: ResultCallback | None) -> list[str]:
     """Run the remaining samples on a thread pool, committing each result as it completes."""
     if not todo:
@@ -244,6 +245,7 @@ def _execute(run, plan: RunPlan, todo: list[tuple["Task", int]], checkpoint_id: 
         from ops.serving.engine import setup_engine
 
         engine = setup_engine(checkpoint_id=checkpoint_id)
+    workers = workers or default_workers(engine)
     work_root = flywheel_home() / "evals" / "work" / str(run.id)
     work_root.mkdir(parents=True, exist_ok=True)
     errors: list[str] = []
@@ -276,6 +278,13 @@ def _execute(run, plan: RunPlan, todo: list[tuple["Task", int]], checkpoint_id: 
     return errors
 
 
-def default_workers() -> int:
-    """Default sandbox concurrency: the CPU count, at most 4."""
-    return max(1, min(4, os.cpu_count() or 1))
+TORCH_ENGINE_WORKERS = 64
+
+
+def default_workers(engine: "InferenceEngine | None" = None) -> int:
+    """Default session concurrency: ``TORCH_ENGINE_WORKERS`` (64) for the in-process torch engine,
+    which decodes all in-flight sessions' sequences together (its ``max_seqs`` bounds a step);
+    1 for any other engine (a remote server, or a scripted engine that need not be thread-safe)."""
+    from ops.serving.torch_engine import TorchEngine
+
+    return TORCH_ENGINE_WORKERS if isinstance(engine, TorchEngine) else 1

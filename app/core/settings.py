@@ -113,6 +113,10 @@ class ServingSettings(_Base):
     engine: Literal["torch", "vllm"] = "torch"
     url: str | None = Field(default=None, description="base URL of an OpenAI-compatible server (vLLM or `flywheel serve`)")
     api_key: SecretStr | None = None
+    max_seqs: int = Field(default=64, ge=1, description="torch engine: most sequences decoded together")
+    max_kv_tokens: int = Field(default=32_768, ge=64, description=(
+        "torch engine: cached key/value entries (tokens) of running sequences plus reusable prefixes; "
+        "x kv_bytes_per_token (46 KiB for SmolLM2-135M) gives bytes"))
 
 
 class ApiSettings(_Base):

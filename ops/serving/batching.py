@@ -1,5 +1,8 @@
 """Micro-batching: concurrent ``generate`` calls from several threads become one engine batch.
 
+An engine that batches continuously itself (it has ``submit``, e.g. ``TorchEngine``) is called
+straight through: its callers' sequences already decode together, each with its own seed.
+
 Concurrent agent sessions (the simulator runs a group of sessions on one task side by side) each
 call ``generate`` with one prompt; decoding them together costs little more than one on a CPU
 (the weights are read once per step). Invariant: each caller gets exactly the completion its
@@ -74,6 +77,8 @@ class BatchingEngine(InferenceEngine):
             self._cv.notify_all()
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
+        if hasattr(self.engine, "submit"):  # continuous batching: nothing to group
+            return self.engine.generate(prompts, params)
         req = _Request(prompts, params)
         with self._cv:
             self._queue.append(req)

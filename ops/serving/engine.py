@@ -60,6 +60,8 @@ class Generation:
         latency_s: wall-clock seconds from the request to this completion's last token.
         routed_experts: MoE only, ``[len(token_ids)][layers][top_k]`` expert ids that routed the
             position whose output distribution sampled each token; None for dense models.
+        prefill_tokens: prompt tokens actually encoded for this request (the rest reused a cached
+            prefix's K/V); 0 when the engine does not report it.
     """
 
     token_ids: list[int]
@@ -67,6 +69,7 @@ class Generation:
     finish_reason: str
     latency_s: float
     routed_experts: list[list[list[int]]] | None = field(default=None)
+    prefill_tokens: int = 0
 
 
 class InferenceEngine(ABC):

@@ -4,9 +4,10 @@ Endpoints: ``GET /health``, ``GET /v1/models``, ``POST /v1/completions`` (token-
 ``logprobs``, ``return_token_ids``, ``return_tokens_as_token_ids``, ``stop_token_ids``, ``seed``),
 and vLLM's development endpoints for weight reload: ``POST /collective_rpc`` (methods
 ``update_config`` + ``reload_weights``; flywheel adds ``apply_delta`` with kwargs
-``checkpoint_id``, ``delta_path``, ``parent_id``) and ``POST /reset_prefix_cache`` (a no-op: the
-torch engine keeps no cache across requests). Invariant: a reload swaps weights under the
-engine's lock, so no completion mixes two checkpoints.
+``checkpoint_id``, ``delta_path``, ``parent_id``) and ``POST /reset_prefix_cache`` (empties the
+engine's prefix cache). Requests are handled on FastAPI's thread pool, so concurrent completions
+decode together in the engine's continuous batch. Invariant: a reload waits for the running
+sequences to finish before it swaps weights, so no completion mixes two checkpoints.
 """
 
 from __future__ import annotations
@@ -127,6 +128,7 @@ def create_app(engine: TorchEngine, *, api_key: str | None = None) -> FastAPI:
 
     @app.post("/reset_prefix_cache", dependencies=[Depends(auth)])
     def reset_prefix_cache() -> dict[str, bool]:
+        engine.reset_prefix_cache()
         return {"success": True}
 
     return app

@@ -1,18 +1,20 @@
-"""In-process torch inference engine (transformers model, fp32 on the CPU, batched, KV cache).
+"""In-process torch inference engine (transformers model, fp32 on the CPU) with continuous batching.
 
 Invariant (see ``engine.py``): every returned log-prob is of the sampled token under the
 distribution it was sampled from. Serving weights are the bf16 rounding of the checkpoint's
 weights (``serving_dtype``; the trainer's deltas are bf16 serving-weight deltas), held in fp32
 so the CPU computes in fp32: a full load of checkpoint C and ``apply_delta`` from C's parent serve
-bit-identical weights. Prompts of different lengths are LEFT-padded; the attention
-mask hides the padding and position ids count only real tokens, so a prompt's completion and
-log-probs do not depend on what else is in its batch (up to float rounding, ~1e-6).
+bit-identical weights. Every request is one sequence of a shared decode loop (``scheduler.py``):
+its completion and log-probs do not depend on what else runs (up to float rounding, ~1e-6), and
+no completion mixes two checkpoints (a weight swap drains the running sequences first).
 """
 
 from __future__ import annotations
 
-import threading
+import statistics
 import time
+from concurrent.futures import Future
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -53,91 +55,117 @@ def sample_next(logits: torch.Tensor, params: SamplingParams, generator: torch.G
 
 
 class _RouterRecorder:
-    """Forward hooks on MoE routers that keep the top-k expert ids of each layer's LAST position."""
+    """Forward hooks on MoE routers that keep the top-k expert ids of each row's last new token."""
 
     def __init__(self, model: torch.nn.Module) -> None:
         self.routers = [m for m in model.modules() if type(m).__name__.endswith("Router") and hasattr(m, "top_k")]
         self.last: list[torch.Tensor] = []
-        self._batch = 0
+        self._token_index: torch.Tensor | None = None
         self._handles = [m.register_forward_hook(self._hook) for m in self.routers]
 
     @property
     def active(self) -> bool:
         return bool(self.routers)
 
-    def start_step(self, batch: int) -> None:
-        self.last, self._batch = [], batch
+    def start_step(self, token_index: torch.Tensor | None) -> None:
+        """Record the next forward pass: ``token_index`` ``[R]`` int64 flat indices (over the pass's
+        batch x positions) of the token whose routing each row reports; None stops recording."""
+        self.last, self._token_index = [], token_index
 
     def _hook(self, module, args, output) -> None:
-        if not self._batch:  # a forward pass outside generate (e.g. a teacher-forced check)
+        if self._token_index is None:  # a forward pass outside generation (e.g. a teacher-forced check)
             return
         idx = output[-1] if isinstance(output, tuple) else output.topk(module.top_k, dim=-1).indices
-        self.last.append(idx.reshape(self._batch, -1, idx.shape[-1])[:, -1, :].to(torch.int32))
+        self.last.append(idx.reshape(-1, idx.shape[-1])[self._token_index].to(torch.int32))
 
     def step_experts(self) -> torch.Tensor:
-        """``[B, layers, top_k]`` expert ids of the last forward call; stops recording."""
-        self._batch = 0
+        """``[R, layers, top_k]`` expert ids of the last forward call; stops recording."""
+        self._token_index = None
         return torch.stack(self.last, dim=1)
 
 
 class TorchEngine(InferenceEngine):
-    """A transformers causal LM served in-process (fp32, ``torch.inference_mode``).
+    """A transformers causal LM served in-process (fp32, ``torch.inference_mode``), continuously batched.
 
     Args:
         model_dir: Hugging Face folder (config, safetensors, tokenizer).
         checkpoint_id: name to report (default: the folder name).
-        max_batch_size: prompts per forward batch; larger requests are split.
+        max_seqs: most sequences decoded together (default: ``FLYWHEEL_SERVING_MAX_SEQS``, 64).
+        max_kv_tokens: bound on cached key/value entries, in tokens, of running sequences (each
+            reserves prompt + max_tokens) plus reusable prefixes (default:
+            ``FLYWHEEL_SERVING_MAX_KV_TOKENS``); ``kv_bytes_per_token`` converts it to bytes.
         num_threads: ``torch.set_num_threads`` (None leaves the process setting).
         serving_dtype: round weights to this precision at load (``bfloat16``), None keeps them as stored.
 
-    Thread-safe: one ``generate`` / load at a time (a lock), so the HTTP server can share it.
+    Attributes:
+        decode_s_per_token: seconds per decode step of one sequence (batch 1, median of a few
+            steps measured at load on an idle engine).
+        prefill_s_per_token: seconds per prompt token of a batch-1 prefill, measured likewise.
+
+    Thread-safe: any number of threads may call :meth:`generate` / :meth:`submit` at once; their
+    sequences decode together. :meth:`close` stops the decode thread.
     """
 
-    def __init__(self, model_dir: Path, checkpoint_id: str | None = None, *, max_batch_size: int = 16,
-                 num_threads: int | None = None, serving_dtype: str | None = "bfloat16") -> None:
+    def __init__(self, model_dir: Path, checkpoint_id: str | None = None, *, max_seqs: int | None = None,
+                 max_kv_tokens: int | None = None, num_threads: int | None = None,
+                 serving_dtype: str | None = "bfloat16") -> None:
+        from app.core.settings import get_settings
+        from ops.serving.scheduler import Scheduler
+
+        settings = get_settings().serving
         self.serving_dtype = getattr(torch, serving_dtype) if serving_dtype else None
         if num_threads is not None:
             torch.set_num_threads(num_threads)
-        self.max_batch_size = max_batch_size
-        self._lock = threading.RLock()
         self.model = None
+        self._routers: _RouterRecorder | None = None
+        self._scheduler: Scheduler | None = None
         self.load_checkpoint(checkpoint_id or Path(model_dir).resolve().name, Path(model_dir))
+        self._scheduler = Scheduler(lambda: self.model, sample_next,
+                                    lambda: self._routers if self._routers.active else None,
+                                    max_seqs=max_seqs or settings.max_seqs,
+                                    max_kv_tokens=max_kv_tokens or settings.max_kv_tokens)
 
     # ---- weights ---------------------------------------------------------------------------
 
     def load_checkpoint(self, checkpoint_id: str, path: Path) -> None:
-        """Load the full HF folder at ``path`` (fp32) and serve it as ``checkpoint_id``.
+        """Load the full HF folder at ``path`` (fp32) and serve it as ``checkpoint_id`` once the
+        running sequences have finished (new requests wait for the swap).
 
         Raises:
-            CheckpointError: ``path`` has no ``config.json``.
+            CheckpointError: ``path`` has no ``config.json``, or the architecture cannot be batched.
         """
         from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        from ops.serving.batched_forward import check_supported
 
         path = Path(path)
         if not (path / "config.json").exists():
             raise CheckpointError(f"{path} is not a Hugging Face model folder (no config.json)")
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
         model.eval()
+        check_supported(model)
         if self.serving_dtype is not None:
             with torch.no_grad():
                 for t in model.parameters():  # weights only: rotary buffers are not serving weights
                     if t.is_floating_point():
                         t.copy_(t.to(self.serving_dtype))
         tokenizer = AutoTokenizer.from_pretrained(path)
-        with self._lock:
+        with self._drained():
             self.model, self.tokenizer, self.checkpoint_id, self.model_dir = model, tokenizer, checkpoint_id, path
             self._routers = _RouterRecorder(model)
             self._eos = self._eos_ids(path)
+            self._measure_speed()
 
     def apply_delta(self, checkpoint_id: str, delta_path: Path, parent_id: str) -> None:
-        """Serve ``parent + delta`` (``trainer.delta.apply_delta``) as ``checkpoint_id``.
+        """Serve ``parent + delta`` (``trainer.delta.apply_delta``) as ``checkpoint_id`` once the
+        running sequences have finished.
 
         Raises:
             CheckpointError: the engine serves another checkpoint than ``parent_id``.
         """
         from trainer.delta import apply_delta
 
-        with self._lock:
+        with self._drained():
             if self.checkpoint_id != parent_id:
                 raise CheckpointError(
                     f"delta {checkpoint_id} applies to {parent_id}, but the engine serves {self.checkpoint_id}")
@@ -148,6 +176,37 @@ class TorchEngine(InferenceEngine):
             if unexpected:
                 raise CheckpointError(f"delta {delta_path} has unknown tensors: {unexpected[:5]}")
             self.checkpoint_id = checkpoint_id
+
+    def _drained(self):
+        import contextlib
+
+        return self._scheduler.paused() if self._scheduler is not None else contextlib.nullcontext()
+
+    def _measure_speed(self, prompt_tokens: int = 32, steps: int = 5) -> None:
+        """Set ``prefill_s_per_token`` and ``decode_s_per_token`` (batch 1, median of ``steps``)."""
+        from ops.serving.batched_forward import forward_step, new_cache
+
+        cache = new_cache(self.model)
+        cache.ensure(1, prompt_tokens + steps + 1, [])
+        ids = torch.arange(1, prompt_tokens + 1)
+        prefill, decode = [], []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            forward_step(self.model, cache, ids, torch.arange(prompt_tokens), 0, [(0, prompt_tokens)])
+            prefill.append((time.perf_counter() - t0) / prompt_tokens)
+        for step in range(steps):
+            t0 = time.perf_counter()
+            forward_step(self.model, cache, ids[:1], torch.tensor([prompt_tokens + step]), 1, [])
+            decode.append(time.perf_counter() - t0)
+        self.prefill_s_per_token = statistics.median(prefill)
+        self.decode_s_per_token = statistics.median(decode)
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Bytes of cached keys and values per token (all layers)."""
+        from ops.serving.batched_forward import new_cache
+
+        return new_cache(self.model).bytes_per_token
 
     def _eos_ids(self, path: Path) -> tuple[int, ...]:
         from transformers import GenerationConfig
@@ -174,78 +233,54 @@ class TorchEngine(InferenceEngine):
 
     # ---- generation ------------------------------------------------------------------------
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
-        """Complete each prompt; batches of ``max_batch_size`` share one KV-cached decode loop.
+    def submit(self, prompt: list[int], params: SamplingParams) -> Future:
+        """Queue one prompt; the future resolves to its ``Generation``.
+
+        ``params.seed`` seeds this sequence's own sampler (None: a fresh random seed), so its
+        sample does not depend on its batch companions.
 
         Raises:
-            ValueError: an empty prompt.
+            ValueError: an empty prompt, or prompt + max_tokens above the KV bound.
+            RuntimeError: the engine is closed.
+        """
+        from ops.serving.scheduler import Sequence
+
+        if len(prompt) == 0:
+            raise ValueError("empty prompt")
+        generator = None
+        if params.temperature > 0:
+            seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, ()).item())
+            generator = torch.Generator().manual_seed(seed)
+        future: Future = Future()
+        stop = frozenset(self._eos) | frozenset(params.stop_token_ids)
+        self._scheduler.submit(Sequence(list(prompt), params, future, stop, generator))
+        return future
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
+        """Complete each prompt (blocking); prompt ``i`` samples with seed ``params.seed + i``.
+
+        Raises:
+            ValueError: an empty prompt, or prompt + max_tokens above the KV bound.
         """
         if any(len(p) == 0 for p in prompts):
             raise ValueError("empty prompt")
-        out: list[Generation] = []
-        with self._lock:
-            for i in range(0, len(prompts), self.max_batch_size):
-                chunk = prompts[i:i + self.max_batch_size]
-                seed = None if params.seed is None else params.seed + i
-                out.extend(self._generate_batch(chunk, params, seed))
-        return out
+        futures = [self.submit(p, params if params.seed is None else replace(params, seed=params.seed + i))
+                   for i, p in enumerate(prompts)]
+        return [f.result() for f in futures]
 
-    @torch.inference_mode()
-    def _generate_batch(self, prompts: list[list[int]], params: SamplingParams, seed: int | None) -> list[Generation]:
-        from transformers import DynamicCache
+    def reset_prefix_cache(self) -> None:
+        """Drop every cached prefix (waits for running sequences, like a weight swap)."""
+        with self._drained():
+            pass
 
-        t0 = time.perf_counter()
-        model = self.model
-        bsz, width = len(prompts), max(len(p) for p in prompts)
-        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self._eos[0]
-        input_ids = torch.full((bsz, width), pad, dtype=torch.long)
-        mask = torch.zeros((bsz, width), dtype=torch.long)
-        for row, p in enumerate(prompts):
-            input_ids[row, width - len(p):] = torch.tensor(p, dtype=torch.long)
-            mask[row, width - len(p):] = 1
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        generator = torch.Generator().manual_seed(seed) if seed is not None else None
-        stop = torch.tensor(sorted(set(self._eos) | set(params.stop_token_ids)), dtype=torch.long)
-        routers = self._routers
+    @property
+    def in_flight(self) -> int:
+        """Sequences queued or decoding."""
+        return self._scheduler.in_flight
 
-        cache = DynamicCache(config=model.config)
-        routers.start_step(bsz)
-        logits = model(input_ids=input_ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
-                       use_cache=True, logits_to_keep=1).logits[:, -1, :]
-        next_pos = positions[:, -1] + 1
-        tokens_out: list[list[int]] = [[] for _ in range(bsz)]
-        logps_out: list[list[float]] = [[] for _ in range(bsz)]
-        experts_out: list[list] = [[] for _ in range(bsz)]
-        finish = [""] * bsz
-        latency = [0.0] * bsz
-        done = torch.zeros(bsz, dtype=torch.bool)
-        for step in range(params.max_tokens):
-            tok, logp = sample_next(logits, params, generator)
-            step_experts = routers.step_experts().tolist() if routers.active else None
-            tok_l, logp_l, is_stop = tok.tolist(), logp.tolist(), torch.isin(tok, stop).tolist()
-            now = time.perf_counter() - t0
-            for row in range(bsz):
-                if done[row]:
-                    continue
-                tokens_out[row].append(tok_l[row])
-                logps_out[row].append(logp_l[row])
-                if step_experts is not None:
-                    experts_out[row].append(step_experts[row])
-                if is_stop[row] or step + 1 == params.max_tokens:
-                    done[row] = True
-                    finish[row] = "stop" if is_stop[row] else "length"
-                    latency[row] = now
-            if bool(done.all()):
-                routers.start_step(0)
-                break
-            mask = torch.cat([mask, torch.ones((bsz, 1), dtype=torch.long)], dim=1)
-            routers.start_step(bsz)
-            logits = model(input_ids=tok[:, None], attention_mask=mask, position_ids=next_pos[:, None],
-                           past_key_values=cache, use_cache=True).logits[:, -1, :]
-            next_pos = next_pos + 1
-        return [Generation(token_ids=tokens_out[r], logprobs=logps_out[r], finish_reason=finish[r],
-                           latency_s=latency[r], routed_experts=experts_out[r] if routers.active else None)
-                for r in range(bsz)]
+    def close(self) -> None:
+        """Stop the decode thread; requests still in flight fail with RuntimeError."""
+        self._scheduler.close()
 
 
 def teacher_forced_logprobs(model, prompt: list[int], completion: list[int], temperature: float = 1.0) -> torch.Tensor:
