@@ -106,29 +106,6 @@ def test_load_checkpoint_swaps_weights(engine, tmp_path):
     assert eng.checkpoint_id == "b" and before.token_ids != after.token_ids
 
 
-def test_batching_engine_gives_each_caller_its_own_completion(engine):
-    import threading
-
-    from ops.serving.batching import BatchingEngine
-
-    batcher = BatchingEngine(engine, max_batch=4, window_s=2.0, expected=3)
-    limits = [4, 9, 6]
-    out: dict[int, object] = {}
-
-    def call(i):
-        out[i] = batcher.generate([PROMPTS[i]], SamplingParams(max_tokens=limits[i], temperature=0.0))[0]
-
-    threads = [threading.Thread(target=call, args=(i,)) for i in range(3)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=60)
-    for i in range(3):
-        alone = engine.generate([PROMPTS[i]], SamplingParams(max_tokens=limits[i], temperature=0.0))[0]
-        assert out[i].token_ids == alone.token_ids and out[i].finish_reason == alone.finish_reason == "length"
-        assert max(abs(a - b) for a, b in zip(out[i].logprobs, alone.logprobs)) < 1e-4
-
-
 def test_apply_delta_serves_the_same_weights_as_a_full_load(tiny_model_dir, tmp_path):
     from app.core.errors import CheckpointError
     from ops.serving.testing import build_tiny_model
