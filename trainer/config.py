@@ -104,6 +104,10 @@ class TrainerConfig(_Config):
     """Seed of the micro-batch order."""
     threads: int = Field(default=2, ge=1, le=256)
     """torch intra-op threads."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Where the cycle trains (``trainer/device.py``): ``cuda`` = fp32 master weights and AdamW state,
+    bf16 autocast compute, TF32, the Triton log-prob kernel; ``cpu`` = fp32 throughout; ``auto`` =
+    CUDA when a GPU is visible. Under torchrun each rank uses ``cuda:LOCAL_RANK``."""
     logprob_backend: Literal["auto", "torch", "triton"] = "auto"
     """Log-prob path: Triton kernel on CUDA, chunked torch elsewhere (``auto``)."""
     logprob_chunk_size: int = Field(default=1024, ge=1)

@@ -9,6 +9,9 @@ Invariants:
   directories, and starts clean from the last succeeded cycle's watermark.
 - A candidate is always ``generation = parent.generation + 1`` and names its parent, data window,
   trajectories (with event ids and offsets), exclusions, reward spec and resolved config.
+- Data parallel (``dp``, under torchrun): rank 0 runs this function and alone selects, writes and
+  registers; the other ranks run :func:`train_policy` on what it broadcasts
+  (:mod:`trainer.distributed`).
 """
 
 from __future__ import annotations
@@ -19,12 +22,19 @@ import uuid
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from app.checkpoint_store import STABLE, CheckpointStore
 from app.core.errors import CheckpointError, ConfigurationError
 from app.core.telemetry import tracer
 from trainer.config import TrainerConfig, load_config
+
+if TYPE_CHECKING:
+    import torch
+
+    from trainer.device import Placement
+    from trainer.distributed import DataParallel
+    from trainer.step import StepMetrics
 
 _tracer = tracer("flywheel.trainer")
 MAX_SPAN_IDS = 256  # trajectory ids put on the span (the manifest has them all)
@@ -75,7 +85,8 @@ def sweep_unregistered(store: CheckpointStore, session) -> list[str]:
 
 
 def run_cycle(config: TrainerConfig | None = None, *, store: CheckpointStore | None = None,
-              progress: bool = False, now: datetime | None = None, dry_run: bool = False) -> CycleResult:
+              progress: bool = False, now: datetime | None = None, dry_run: bool = False,
+              dp: "DataParallel | None" = None) -> CycleResult:
     """Run one cycle (see the module docstring).
 
     Args:
@@ -84,6 +95,7 @@ def run_cycle(config: TrainerConfig | None = None, *, store: CheckpointStore | N
         progress: show a rich progress bar.
         now: the cycle's clock for data selection (default: the database's).
         dry_run: select data and report, without training or writing anything.
+        dp: the data-parallel group when this is rank 0 under torchrun (others: ``run_parallel_cycle``).
 
     Returns:
         :class:`CycleResult`.
@@ -134,7 +146,7 @@ def run_cycle(config: TrainerConfig | None = None, *, store: CheckpointStore | N
             start_cycle(session, cycle_id, parent.id)
         span.set_attribute("flywheel.cycle_id", str(cycle_id))
         try:
-            result = _train_and_register(config, store, parent, data, cycle_id, progress)
+            result = _train_and_register(config, store, parent, data, cycle_id, progress, dp)
         except Exception as exc:
             with session_scope() as session:
                 finish_cycle(session, cycle_id, status="failed", detail=f"{type(exc).__name__}: {exc}"[:4000])
@@ -153,50 +165,96 @@ def _parent_dir(store: CheckpointStore, parent) -> Path:
     raise CheckpointError(f"production checkpoint {parent.id} has no STABLE directory at {parent.path}")
 
 
-def _train_and_register(config: TrainerConfig, store: CheckpointStore, parent, data, cycle_id: uuid.UUID,
-                        progress: bool) -> CycleResult:
+@dataclass
+class TrainedPolicy:
+    """What :func:`train_policy` returns: the trained model and what the checkpoint records of it."""
+
+    model: "torch.nn.Module"
+    optimizer: "torch.optim.Optimizer"
+    history: list["StepMetrics"]
+    mismatch: dict[str, float]
+    rewards: "torch.Tensor"  # [G] fp32
+    advantages: "torch.Tensor"  # [G] fp32
+    groups: "torch.Tensor"  # [G] int64
+    parent_serving: dict[str, "torch.Tensor"]  # bf16 parent weights (rank 0 only; empty elsewhere)
+    placement: "Placement"
+
+
+def train_policy(config: TrainerConfig, parent_dir: Path, trajectories: list, *, progress: bool = False,
+                 dp: "DataParallel | None" = None) -> TrainedPolicy:
+    """Load the parent policy on ``config.device`` and run the cycle's optimizer steps on ``trajectories``.
+
+    Every rank of ``dp`` calls this with the same arguments; rank 0 alone keeps the parent's bf16
+    serving weights (for the delta) and draws progress.
+
+    Raises:
+        CheckpointError: ``parent_dir`` is not a model folder.
+        ConfigurationError: ``config.device`` names a device this machine lacks.
+    """
     import torch
 
-    from app.core.db import session_scope
-    from app.models import Checkpoint
     from trainer.batching import group_ids, pack_micro_batches
-    from trainer.checkpointing import load_policy, new_checkpoint_id, write_checkpoint
+    from trainer.checkpointing import load_policy
     from trainer.delta import serving_state_dict
+    from trainer.device import setup_placement
     from trainer.loss import compute_advantages
-    from trainer.metrics import data_summary, step_progress, summarize
-    from trainer.records import register_candidate
+    from trainer.metrics import step_progress
     from trainer.step import compute_old_logprobs, make_optimizer, planned_steps, train_steps
 
-    started = time.perf_counter()
-    parent_dir = _parent_dir(store, parent)
+    main = dp is None or dp.is_main
+    placement = setup_placement(config.device)
     with _tracer.start_as_current_span("trainer.load") as span:
-        span.set_attribute("flywheel.parent_id", parent.id)
+        span.set_attributes({"flywheel.parent_dir": str(parent_dir), **placement.describe()})
         model = load_policy(parent_dir)
         if config.gradient_checkpointing:
             model.gradient_checkpointing_enable()
-        parent_serving = serving_state_dict(model)
-    groups = group_ids(data.used)
-    rewards = torch.tensor([t.reward for t in data.used], dtype=torch.float32)
+        parent_serving = serving_state_dict(model) if main else {}
+        placement.place_model(model)
+    groups = group_ids(trajectories)
+    rewards = torch.tensor([t.reward for t in trajectories], dtype=torch.float32)
     advantages = compute_advantages(rewards, groups, singleton_baseline=config.data.singleton_baseline)
     pad_id = model.config.pad_token_id if isinstance(model.config.pad_token_id, int) else 0
-    batches = pack_micro_batches(data.used, advantages, micro_batch_tokens=config.data.micro_batch_tokens,
+    batches = pack_micro_batches(trajectories, advantages, micro_batch_tokens=config.data.micro_batch_tokens,
                                  pad_id=pad_id, seed=config.seed)
+    batches = [placement.move_batch(mb) for mb in batches]
     with _tracer.start_as_current_span("trainer.old_logprobs") as span:
-        mismatch = compute_old_logprobs(model, batches, config)
+        mismatch = compute_old_logprobs(model, batches, config, placement=placement, dp=dp)
         span.set_attributes({f"flywheel.{k}": v for k, v in mismatch.items()})
     optimizer = make_optimizer(model, config)
     total_steps = planned_steps(len(batches), config)
-    with _tracer.start_as_current_span("trainer.train") as span, step_progress(total_steps, progress) as advance:
-        span.set_attribute("flywheel.trajectory_ids", [str(t.id) for t in data.used[:MAX_SPAN_IDS]])
+    with _tracer.start_as_current_span("trainer.train") as span, \
+            step_progress(total_steps, progress and main) as advance:
+        span.set_attribute("flywheel.trajectory_ids", [str(t.id) for t in trajectories[:MAX_SPAN_IDS]])
 
         def on_step(m) -> None:
             advance(m)
             span.add_event("step", {"step": m.step, "loss": m.loss, "kl": m.kl, "entropy": m.entropy,
                                     "is_clip_frac": m.is_clip_frac, "tokens_per_s": m.tokens_per_s})
 
-        history = train_steps(model, batches, config, optimizer, on_step=on_step)
+        history = train_steps(model, batches, config, optimizer, on_step=on_step, placement=placement, dp=dp)
+    return TrainedPolicy(model=model, optimizer=optimizer, history=history, mismatch=mismatch, rewards=rewards,
+                         advantages=advantages, groups=groups, parent_serving=parent_serving, placement=placement)
+
+
+def _train_and_register(config: TrainerConfig, store: CheckpointStore, parent, data, cycle_id: uuid.UUID,
+                        progress: bool, dp: "DataParallel | None" = None) -> CycleResult:
+    from app.core.db import session_scope
+    from app.models import Checkpoint
+    from trainer.checkpointing import new_checkpoint_id, write_checkpoint
+    from trainer.distributed import CycleWork
+    from trainer.metrics import data_summary, summarize
+    from trainer.records import register_candidate
+
+    started = time.perf_counter()
+    parent_dir = _parent_dir(store, parent)
+    if dp is not None:
+        dp.send_work(CycleWork(parent_dir=parent_dir, trajectories=data.used))
+    trained = train_policy(config, parent_dir, data.used, progress=progress, dp=dp)
+    model, optimizer, history, mismatch = trained.model, trained.optimizer, trained.history, trained.mismatch
+    rewards, advantages, groups, parent_serving = trained.rewards, trained.advantages, trained.groups, trained.parent_serving
     metrics = summarize(history, data=data_summary(rewards.tolist(), advantages.tolist(), int(groups.max()) + 1),
                         mismatch=mismatch, seconds=time.perf_counter() - started)
+    metrics["placement"] = {**trained.placement.describe(), "ranks": dp.world_size if dp is not None else 1}
     checkpoint_id = new_checkpoint_id()
     section = data.manifest_section()
     for entry, adv in zip(section["trajectories"], advantages.tolist()):
