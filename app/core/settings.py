@@ -107,12 +107,19 @@ class StoreSettings(_Base):
 
 
 class ServingSettings(_Base):
-    """Inference engine selection."""
+    """Inference engine selection: the server that serves production and the one candidates' evals use."""
 
     model_config = SettingsConfigDict(env_prefix="FLYWHEEL_SERVING_", extra="ignore")
     engine: Literal["torch", "vllm"] = "torch"
-    url: str | None = Field(default=None, description="base URL of an OpenAI-compatible server (vLLM or `flywheel serve`)")
+    url: str | None = Field(
+        default=None, description="base URL of the OpenAI-compatible server (vLLM or `flywheel serve`) that serves "
+                                  "production; only the serving watcher moves its weights")
+    eval_url: str | None = Field(
+        default=None, description="base URL of a second OpenAI-compatible server for evals: a candidate is loaded "
+                                  "there, never on `url`; required for evals with engine vllm")
     api_key: SecretStr | None = None
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        default="auto", description="device of the in-process torch engine (cuda when a GPU is visible for auto)")
 
 
 class ApiSettings(_Base):

@@ -89,12 +89,19 @@ class TorchEngine(InferenceEngine):
         max_batch_size: prompts per forward batch; larger requests are split.
         num_threads: ``torch.set_num_threads`` (None leaves the process setting).
         serving_dtype: round weights to this precision at load (``bfloat16``), None keeps them as stored.
+        device: ``auto`` | ``cpu`` | ``cuda`` (``trainer.device.resolve_device``; the weights stay fp32).
+
+    Raises:
+        ConfigurationError: ``device`` names a device this machine lacks.
 
     Thread-safe: one ``generate`` / load at a time (a lock), so the HTTP server can share it.
     """
 
     def __init__(self, model_dir: Path, checkpoint_id: str | None = None, *, max_batch_size: int = 16,
-                 num_threads: int | None = None, serving_dtype: str | None = "bfloat16") -> None:
+                 num_threads: int | None = None, serving_dtype: str | None = "bfloat16", device: str = "auto") -> None:
+        from trainer.device import resolve_device
+
+        self.device = resolve_device(device)
         self.serving_dtype = getattr(torch, serving_dtype) if serving_dtype else None
         if num_threads is not None:
             torch.set_num_threads(num_threads)
@@ -123,6 +130,7 @@ class TorchEngine(InferenceEngine):
                 for t in model.parameters():  # weights only: rotary buffers are not serving weights
                     if t.is_floating_point():
                         t.copy_(t.to(self.serving_dtype))
+        model.to(self.device)
         tokenizer = AutoTokenizer.from_pretrained(path)
         with self._lock:
             self.model, self.tokenizer, self.checkpoint_id, self.model_dir = model, tokenizer, checkpoint_id, path
@@ -204,8 +212,9 @@ class TorchEngine(InferenceEngine):
             input_ids[row, width - len(p):] = torch.tensor(p, dtype=torch.long)
             mask[row, width - len(p):] = 1
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        generator = torch.Generator().manual_seed(seed) if seed is not None else None
-        stop = torch.tensor(sorted(set(self._eos) | set(params.stop_token_ids)), dtype=torch.long)
+        input_ids, mask, positions = input_ids.to(self.device), mask.to(self.device), positions.to(self.device)
+        generator = torch.Generator(device=self.device).manual_seed(seed) if seed is not None else None
+        stop = torch.tensor(sorted(set(self._eos) | set(params.stop_token_ids)), dtype=torch.long, device=self.device)
         routers = self._routers
 
         cache = DynamicCache(config=model.config)
@@ -238,7 +247,7 @@ class TorchEngine(InferenceEngine):
             if bool(done.all()):
                 routers.start_step(0)
                 break
-            mask = torch.cat([mask, torch.ones((bsz, 1), dtype=torch.long)], dim=1)
+            mask = torch.cat([mask, torch.ones((bsz, 1), dtype=torch.long, device=self.device)], dim=1)
             routers.start_step(bsz)
             logits = model(input_ids=tok[:, None], attention_mask=mask, position_ids=next_pos[:, None],
                            past_key_values=cache, use_cache=True).logits[:, -1, :]
