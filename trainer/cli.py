@@ -44,7 +44,7 @@ def train(
     # ranks other than 0 wait in a collective between cycles: allow a whole interval and a cycle
     dp = init_data_parallel(resolve_device(cfg.device), timeout_s=interval + 6 * 3600.0)
     configure_telemetry("flywheel-trainer" if dp is None else f"flywheel-trainer-rank{dp.rank}")
-    show = as_json or dp is None or dp.is_main
+    show = dp is None or dp.is_main  # one report per cycle: rank 0's
     try:
         while True:
             if dp is None:
