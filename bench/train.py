@@ -79,7 +79,8 @@ def build_trajectories(n_traj: int, seq_len: int, vocab: int):
         for start in range(seq_len // 8, seq_len, seq_len // 4):
             mask[start:start + seq_len // 8] = 1
         lp = np.where(mask == 1, rng.normal(-2.0, 0.5, seq_len), 0.0).astype(np.float32)
-        trajs.append(make_trajectory([Segment(ids, mask, lp)], float(i % 3 == 0), task_id=f"t{i // 2}"))
+        reward = float(i % 3 == 0) + 0.25 * (i % 2)  # the two of a task always differ: no zero advantage
+        trajs.append(make_trajectory([Segment(ids, mask, lp)], reward, task_id=f"t{i // 2}"))
     return trajs
 
 
@@ -209,7 +210,9 @@ def bench_ranks(args) -> dict:
     model = build_model(args.shape, args.layers)
     trajs = build_trajectories(args.trajectories, args.seq_len, model.config.vocab_size)
     n_batches = len(build_batches(trajs, args.micro_batch_tokens))
-    grad_accum = max(args.ranks, n_batches // 2)
+    # ranks + 1 micro-batches a step: they do not divide evenly over the ranks (gradients summed in
+    # another order than in one process) and an epoch's last step leaves a rank without any
+    grad_accum = args.ranks + 1
     config = TrainerConfig.model_validate({
         "steps": 2, "grad_accum": grad_accum, "max_epochs": 2, "threads": args.threads, "device": "cpu",
         "data": {"micro_batch_tokens": args.micro_batch_tokens}, "optim": {"lr": RANK_LR}})

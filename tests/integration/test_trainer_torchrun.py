@@ -1,6 +1,6 @@
 """`flywheel train` under torchrun on 2 gloo ranks against real Postgres: rank 0 alone selects,
-writes and registers one candidate, which holds the same weights as a single-process cycle
-would train; the other rank reports that it trained with rank 0."""
+writes, registers and reports one candidate, which holds the weights a single-process cycle
+trains on the same data."""
 
 from __future__ import annotations
 
