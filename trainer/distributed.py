@@ -164,6 +164,8 @@ def init_data_parallel(device: torch.device, *, timeout_s: float = 1800.0) -> Da
         return None
     if "RANK" not in os.environ:
         raise ConfigurationError("WORLD_SIZE > 1 but RANK is not set: start data-parallel training with torchrun")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # NCCL's object collectives use the current device
     if not dist.is_initialized():
         backend = "nccl" if device.type == "cuda" else "gloo"
         kwargs = {"device_id": device} if device.type == "cuda" else {}
