@@ -111,7 +111,8 @@ class TrainerConfig(_Config):
     logprob_backend: Literal["auto", "torch", "triton"] = "auto"
     """Log-prob path: Triton kernel on CUDA, chunked torch elsewhere (``auto``)."""
     logprob_chunk_size: int = Field(default=1024, ge=1)
-    """Tokens per chunk of the torch log-prob path (vocab tile for Triton: a power of two >= 16)."""
+    """Tokens per chunk of the torch log-prob path (the Triton kernel uses its own vocabulary tile,
+    ``kernels.logprobs.BLOCK_V``)."""
     gradient_checkpointing: bool = False
     """Recompute decoder activations in backward (less memory, ~30% more compute)."""
     save_optimizer: bool = False

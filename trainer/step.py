@@ -78,7 +78,11 @@ def token_logprobs(model: torch.nn.Module, mb: MicroBatch, config: TrainerConfig
         ValueError: the LM head has a bias (not supported by the fused path).
     """
     hidden, weight = _trainable_hidden(model, mb, config)
-    return chunked_logprobs(hidden, weight, mb.targets, config.logprob_chunk_size, config.logprob_backend)
+    torch_path = config.logprob_backend == "torch" or (config.logprob_backend == "auto" and not hidden.is_cuda)
+    # the chunk size is in tokens for the torch path; the Triton kernel keeps its own vocabulary tile,
+    # as in micro_batch_loss
+    chunk = config.logprob_chunk_size if torch_path else None
+    return chunked_logprobs(hidden, weight, mb.targets, chunk, config.logprob_backend)
 
 
 def micro_batch_loss(model: torch.nn.Module, mb: MicroBatch, config: TrainerConfig
