@@ -242,9 +242,7 @@ def _execute(run, plan: RunPlan, todo: list[tuple["Task", int]], checkpoint_id: 
         return []
     own_engine = engine is None
     if own_engine:
-        from ops.serving.engine import setup_engine
-
-        engine = setup_engine(checkpoint_id=checkpoint_id)
+        engine = eval_engine(checkpoint_id)
     workers = workers or default_workers(engine)
     work_root = flywheel_home() / "evals" / "work" / str(run.id)
     work_root.mkdir(parents=True, exist_ok=True)
@@ -279,6 +277,18 @@ def _execute(run, plan: RunPlan, todo: list[tuple["Task", int]], checkpoint_id: 
 
 
 TORCH_ENGINE_WORKERS = 64
+
+
+def eval_engine(checkpoint_id: str) -> "InferenceEngine":
+    """The engine a candidate's evals run on: its own in-process torch engine, or with vLLM the eval
+    server (``FLYWHEEL_SERVING_EVAL_URL``), never the server that serves production.
+
+    Raises:
+        ConfigurationError: vLLM without an eval server, or an eval server that is the production one.
+    """
+    from ops.serving.engine import setup_engine
+
+    return setup_engine(checkpoint_id=checkpoint_id, role="eval")
 
 
 def default_workers(engine: "InferenceEngine | None" = None) -> int:

@@ -21,7 +21,9 @@ def chunked_logprobs(hidden, weight, targets, chunk_size: int | None = None, bac
         chunk_size: tokens per chunk (torch path) or vocabulary tile (Triton path); ``None`` picks
             the backend's default.
         backend: ``auto`` = Triton on CUDA tensors, torch otherwise; ``triton`` forces the kernel
-            (on CPU only under ``TRITON_INTERPRET=1``, about 800x slower: tests only).
+            (on CPU only under ``TRITON_INTERPRET=1``, about 800x slower: tests only). Under
+            ``torch.autocast`` the kernel reads hidden and weight in the autocast dtype (bf16 on
+            CUDA; it accumulates in fp32) and gradients flow back to the fp32 master weight.
 
     Returns:
         ``(logprobs [N] fp32, entropy [N] fp32)`` in nats, differentiable w.r.t. hidden and weight.
@@ -32,8 +34,13 @@ def chunked_logprobs(hidden, weight, targets, chunk_size: int | None = None, bac
     if backend not in ("auto", "torch", "triton"):
         raise ValueError(f"unknown log-prob backend {backend!r}")
     if backend == "triton" or (backend == "auto" and hidden.is_cuda):
+        import torch
+
         from kernels.logprobs import BLOCK_V, triton_logprobs
 
+        if torch.is_autocast_enabled(hidden.device.type):  # the LM head in autocast's dtype, like nn.Linear
+            dtype = torch.get_autocast_dtype(hidden.device.type)
+            hidden, weight = hidden.to(dtype), weight.to(dtype)
         return triton_logprobs(hidden, weight, targets, chunk_size or BLOCK_V)
     from kernels.reference import DEFAULT_CHUNK_SIZE, chunked_logprobs_reference
 

@@ -27,34 +27,48 @@ def train(
     lr: float | None = typer.Option(None, "--lr", help="override `optim.lr`"),
     min_new: int | None = typer.Option(None, "--min-new", help="override `data.min_new_trajectories`"),
     parent: str | None = typer.Option(None, "--parent", help="train from this checkpoint instead of production"),
+    device: str | None = typer.Option(None, "--device", help="override `device`: auto | cpu | cuda"),
     dry_run: bool = typer.Option(False, "--dry-run", help="select data and report; train and write nothing"),
     as_json: bool = typer.Option(False, "--json", help="print the cycle result as one JSON line"),
     progress: bool = typer.Option(True, "--progress/--no-progress", help="rich progress bar"),
 ) -> None:
-    """Run the continual trainer: production checkpoint + new finalized trajectories -> candidate."""
+    """Run the continual trainer: production checkpoint + new finalized trajectories -> candidate.
+
+    Data parallel: ``torchrun --nproc-per-node N -m app.cli train ...`` (gloo on CPUs, NCCL on GPUs);
+    rank 0 selects the data, writes and registers, every rank trains its share of each step."""
     from app.core.settings import get_settings
     from app.core.telemetry import configure_telemetry, shutdown_telemetry
     from trainer.config import load_config
     from trainer.cycle import run_cycle
+    from trainer.device import resolve_device
+    from trainer.distributed import init_data_parallel, run_parallel_cycle, shutdown_data_parallel
 
     overrides = {k: v for k, v in (("max_steps", max_steps), ("epochs", epochs), ("optim.lr", lr),
                                    ("data.min_new_trajectories", min_new), ("data.same_data_as", same_data_as),
-                                   ("invert_reward", invert_reward or None))
+                                   ("invert_reward", invert_reward or None), ("device", device))
                  if v is not None}
     cfg = load_config(config, overrides)
-    configure_telemetry("flywheel-trainer")
     interval = get_settings().celery.train_interval
+    # ranks other than 0 wait in a collective between cycles: allow a whole interval and a cycle
+    dp = init_data_parallel(resolve_device(cfg.device), timeout_s=interval + 6 * 3600.0)
+    configure_telemetry("flywheel-trainer" if dp is None else f"flywheel-trainer-rank{dp.rank}")
+    show = dp is None or dp.is_main  # one report per cycle: rank 0's
     try:
         while True:
-            result = run_cycle(cfg, progress=progress and not as_json, dry_run=dry_run, parent_id=parent)
-            if as_json:
-                typer.echo(json.dumps(result.to_dict(), default=str))
+            if dp is None:
+                result = run_cycle(cfg, progress=progress and not as_json, dry_run=dry_run, parent_id=parent)
             else:
+                result = run_parallel_cycle(cfg, dp, progress=progress and not as_json, dry_run=dry_run,
+                                            parent_id=parent)
+            if show and as_json:
+                typer.echo(json.dumps(result.to_dict(), default=str))
+            elif show:
                 _print_result(result)
             if once or dry_run:
                 break
             time.sleep(interval)
     finally:
+        shutdown_data_parallel()
         shutdown_telemetry()
 
 

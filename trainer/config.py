@@ -112,10 +112,15 @@ class TrainerConfig(_Config):
     """Seed of the micro-batch order."""
     threads: int = Field(default=2, ge=1, le=256)
     """torch intra-op threads."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Where the cycle trains (``trainer/device.py``): ``cuda`` = fp32 master weights and AdamW state,
+    bf16 autocast compute, TF32, the Triton log-prob kernel; ``cpu`` = fp32 throughout; ``auto`` =
+    CUDA when a GPU is visible. Under torchrun each rank uses ``cuda:LOCAL_RANK``."""
     logprob_backend: Literal["auto", "torch", "triton"] = "auto"
     """Log-prob path: Triton kernel on CUDA, chunked torch elsewhere (``auto``)."""
     logprob_chunk_size: int = Field(default=1024, ge=1)
-    """Tokens per chunk of the torch log-prob path (vocab tile for Triton: a power of two >= 16)."""
+    """Tokens per chunk of the torch log-prob path (the Triton kernel uses its own vocabulary tile,
+    ``kernels.logprobs.BLOCK_V``)."""
     gradient_checkpointing: bool = False
     """Recompute decoder activations in backward (less memory, ~30% more compute)."""
     save_optimizer: bool = False

@@ -33,10 +33,12 @@ developers' sessions collected by *earlier* checkpoints over hours -- so this lo
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -46,6 +48,13 @@ from trainer.batching import MicroBatch
 from trainer.config import TrainerConfig
 from trainer.loss import LossInputs, policy_loss
 from trainer.router_replay import replay_routes
+
+if TYPE_CHECKING:
+    from trainer.device import Placement
+    from trainer.distributed import DataParallel
+
+STEP_SUMS = ("pg_loss_sum", "kl_sum", "mismatch_kl_sum", "is_clipped", "ppo_clipped", "ratio_sum", "entropy_sum",
+             "adv", "advabs")  # what a step adds up over its micro-batches (and, data-parallel, over ranks)
 
 
 def _trainable_hidden(model: torch.nn.Module, mb: MicroBatch, config: TrainerConfig) -> tuple[torch.Tensor, torch.Tensor]:
@@ -73,7 +82,11 @@ def token_logprobs(model: torch.nn.Module, mb: MicroBatch, config: TrainerConfig
         ValueError: the LM head has a bias (not supported by the fused path).
     """
     hidden, weight = _trainable_hidden(model, mb, config)
-    return chunked_logprobs(hidden, weight, mb.targets, config.logprob_chunk_size, config.logprob_backend)
+    torch_path = config.logprob_backend == "torch" or (config.logprob_backend == "auto" and not hidden.is_cuda)
+    # the chunk size is in tokens for the torch path; the Triton kernel keeps its own vocabulary tile,
+    # as in micro_batch_loss
+    chunk = config.logprob_chunk_size if torch_path else None
+    return chunked_logprobs(hidden, weight, mb.targets, chunk, config.logprob_backend)
 
 
 def micro_batch_loss(model: torch.nn.Module, mb: MicroBatch, config: TrainerConfig
@@ -105,9 +118,18 @@ def micro_batch_loss(model: torch.nn.Module, mb: MicroBatch, config: TrainerConf
     return loss, sums
 
 
+def _autocast(placement: "Placement | None") -> contextlib.AbstractContextManager:
+    return placement.autocast() if placement is not None else contextlib.nullcontext()
+
+
 @torch.no_grad()
-def compute_old_logprobs(model: torch.nn.Module, batches: list[MicroBatch], config: TrainerConfig) -> dict[str, float]:
+def compute_old_logprobs(model: torch.nn.Module, batches: list[MicroBatch], config: TrainerConfig, *,
+                         placement: "Placement | None" = None, dp: "DataParallel | None" = None) -> dict[str, float]:
     """Fill ``mb.old_logprobs`` with the parent policy's log-probs; return mismatch statistics.
+
+    Args:
+        placement: device policy (its autocast wraps the forward passes); None: as stored.
+        dp: data-parallel group: each rank scores the micro-batches it owns and broadcasts them.
 
     Returns:
         ``{"mismatch_kl", "mismatch_is_clip_frac", "old_entropy"}`` averaged over trainable tokens.
@@ -115,14 +137,21 @@ def compute_old_logprobs(model: torch.nn.Module, batches: list[MicroBatch], conf
     was_training = model.training
     model.eval()
     kl = clipped = ent = n = 0.0
-    for mb in batches:
-        lp, entropy = token_logprobs(model, mb, config)
+    for i, mb in enumerate(batches):
+        if dp is not None and not dp.owns(i):
+            continue
+        with _autocast(placement):
+            lp, entropy = token_logprobs(model, mb, config)
         mb.old_logprobs = lp.detach()
         log_is = mb.old_logprobs - mb.behaviour_logprobs
         kl += float((torch.expm1(log_is) - log_is).sum())
         clipped += float((log_is > math.log(config.loss.is_cap)).sum())
         ent += float(entropy.sum())
         n += mb.num_trainable
+    if dp is not None:
+        dp.share_old_logprobs(batches)
+        kl, clipped, ent, n = (dp.all_reduce_sums({"kl": kl, "clipped": clipped, "ent": ent, "n": n},
+                                                  batches[0].targets.device)[k] for k in ("kl", "clipped", "ent", "n"))
     model.train(was_training)
     n = max(n, 1.0)
     return {"mismatch_kl": kl / n, "mismatch_is_clip_frac": clipped / n, "old_entropy": ent / n}
@@ -178,8 +207,14 @@ def make_optimizer(model: torch.nn.Module, config: TrainerConfig) -> torch.optim
 
 def train_steps(model: torch.nn.Module, batches: list[MicroBatch], config: TrainerConfig,
                 optimizer: torch.optim.Optimizer, *,
-                on_step: Callable[[StepMetrics], None] | None = None) -> list[StepMetrics]:
-    """Run the cycle's optimizer steps (needs ``old_logprobs`` filled). Returns per-step metrics."""
+                on_step: Callable[[StepMetrics], None] | None = None, placement: "Placement | None" = None,
+                dp: "DataParallel | None" = None) -> list[StepMetrics]:
+    """Run the cycle's optimizer steps (needs ``old_logprobs`` filled). Returns per-step metrics.
+
+    ``placement``'s autocast wraps each micro-batch's forward pass (not the backward). With ``dp``
+    each rank runs its share of every step's micro-batches and the gradients and metric sums are
+    summed over ranks before clipping (:mod:`trainer.distributed`); metrics are global.
+    """
     model.train()
     history = []
     for step, group in enumerate(micro_batch_schedule(batches, config), start=1):
@@ -189,9 +224,10 @@ def train_steps(model: torch.nn.Module, batches: list[MicroBatch], config: Train
         start = time.perf_counter()
         optimizer.zero_grad(set_to_none=True)
         m = StepMetrics(step=step, lr=lr)
-        sums: dict[str, float] = {}
-        for mb in group:
-            loss, mb_sums = micro_batch_loss(model, mb, config)
+        sums = dict.fromkeys(STEP_SUMS, 0.0)
+        for mb in (group if dp is None else dp.local(group)):
+            with _autocast(placement):
+                loss, mb_sums = micro_batch_loss(model, mb, config)
             loss.backward()
             m.loss += float(loss.detach())
             mb_sums["adv"], mb_sums["advabs"] = float(mb.advantages.sum()), float(mb.advantages.abs().sum())
@@ -199,6 +235,12 @@ def train_steps(model: torch.nn.Module, batches: list[MicroBatch], config: Train
                 sums[key] = sums.get(key, 0.0) + value
             m.trainable_tokens += mb.num_trainable
             m.tokens += mb.num_tokens
+        if dp is not None:
+            dp.all_reduce_grads(model)
+            totals = dp.all_reduce_sums({**sums, "loss": m.loss, "trainable": m.trainable_tokens, "tokens": m.tokens},
+                                        batches[0].targets.device)
+            m.loss, m.trainable_tokens, m.tokens = totals.pop("loss"), int(totals.pop("trainable")), int(totals.pop("tokens"))
+            sums = totals
         m.grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), config.optim.max_grad_norm))
         optimizer.step()
         m.seconds = time.perf_counter() - start

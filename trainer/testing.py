@@ -171,3 +171,49 @@ def register_checkpoint_dir(session, store, src: Path, checkpoint_id: str = "bas
     add_checkpoint(session, checkpoint_id=checkpoint_id, path=str(path), status=status, parent_id=parent_id,
                    generation=generation, manifest=store.manifest(checkpoint_id))
     return path
+
+
+def train_on_ranks(model_dir: Path, trajectories: list[TrajectoryData], config, world_size: int,
+                   workdir: Path) -> dict:
+    """Run :func:`trainer.cycle.train_policy` on ``world_size`` local gloo ranks (spawned processes,
+    ``file://`` rendezvous in ``workdir``), or in this process without a process group for 1.
+
+    Returns:
+        Rank 0's ``{"history": [StepMetrics dicts], "mismatch": {...}, "state": fp32 state dict (CPU)}``.
+    """
+    from dataclasses import asdict
+
+    if world_size == 1:
+        from trainer.cycle import train_policy
+
+        trained = train_policy(config, Path(model_dir), trajectories)
+        return {"history": [asdict(m) for m in trained.history], "mismatch": trained.mismatch,
+                "state": {k: v.detach().cpu().clone() for k, v in trained.model.state_dict().items()}}
+    import torch.multiprocessing as mp
+
+    workdir = Path(workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    rendezvous, out = workdir / "rendezvous", workdir / "rank0.pt"
+    rendezvous.unlink(missing_ok=True)
+    mp.start_processes(_train_rank, args=(world_size, str(rendezvous), str(model_dir), trajectories, config,
+                                          str(out)), nprocs=world_size, start_method="spawn")
+    return torch.load(out, weights_only=False)
+
+
+def _train_rank(rank: int, world_size: int, rendezvous: str, model_dir: str, trajectories, config, out: str) -> None:
+    from dataclasses import asdict
+
+    import torch.distributed as dist
+
+    from trainer.cycle import train_policy
+    from trainer.distributed import DataParallel
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world_size)
+    try:
+        trained = train_policy(config, Path(model_dir), trajectories, dp=DataParallel(rank, world_size))
+        if rank == 0:
+            torch.save({"history": [asdict(m) for m in trained.history], "mismatch": trained.mismatch,
+                        "state": {k: v.detach().cpu().clone() for k, v in trained.model.state_dict().items()}}, out)
+    finally:
+        dist.destroy_process_group()

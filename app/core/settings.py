@@ -107,16 +107,23 @@ class StoreSettings(_Base):
 
 
 class ServingSettings(_Base):
-    """Inference engine selection."""
+    """Inference engine selection: the server that serves production and the one candidates' evals use."""
 
     model_config = SettingsConfigDict(env_prefix="FLYWHEEL_SERVING_", extra="ignore")
     engine: Literal["torch", "vllm"] = "torch"
-    url: str | None = Field(default=None, description="base URL of an OpenAI-compatible server (vLLM or `flywheel serve`)")
+    url: str | None = Field(
+        default=None, description="base URL of the OpenAI-compatible server (vLLM or `flywheel serve`) that serves "
+                                  "production; only the serving watcher moves its weights")
+    eval_url: str | None = Field(
+        default=None, description="base URL of a second OpenAI-compatible server for evals: a candidate is loaded "
+                                  "there, never on `url`; required for evals with engine vllm")
     api_key: SecretStr | None = None
     max_seqs: int = Field(default=64, ge=1, description="torch engine: most sequences decoded together")
     max_kv_tokens: int = Field(default=32_768, ge=64, description=(
         "torch engine: cached key/value entries (tokens) of running sequences plus reusable prefixes; "
         "x kv_bytes_per_token (46 KiB for SmolLM2-135M) gives bytes"))
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        default="auto", description="device of the in-process torch engine (cuda when a GPU is visible for auto)")
 
 
 class ApiSettings(_Base):

@@ -50,12 +50,13 @@ def new_cache(model: torch.nn.Module) -> SlotKVCache:
     cfg = model.config
     attn = model.model.layers[0].self_attn
     kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
-    return SlotKVCache(len(model.model.layers), kv_heads, attn.head_dim, next(model.parameters()).dtype)
+    weight = next(model.parameters())
+    return SlotKVCache(len(model.model.layers), kv_heads, attn.head_dim, weight.dtype, weight.device)
 
 
 def _additive(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """0 where ``visible``, -inf elsewhere (SDPA would convert a boolean mask in every layer)."""
-    return torch.zeros(visible.shape, dtype=dtype).masked_fill_(~visible, float("-inf"))
+    return torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill_(~visible, float("-inf"))
 
 
 @torch.inference_mode()
@@ -86,21 +87,23 @@ def forward_step(model: torch.nn.Module, cache: SlotKVCache, input_ids: torch.Te
     group = cfg.num_attention_heads // (getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
     hidden = inner.embed_tokens(input_ids[None])
     cos, sin = inner.rotary_emb(hidden, position_ids=positions[None])
-    slots = torch.cat([torch.arange(decode_rows, dtype=torch.long)]
-                      + [torch.full((n,), slot, dtype=torch.long) for slot, n in prefill_rows])
+    dev = input_ids.device
+    slots = torch.cat([torch.arange(decode_rows, dtype=torch.long, device=dev)]
+                      + [torch.full((n,), slot, dtype=torch.long, device=dev) for slot, n in prefill_rows])
     # query rows of one KV head are (query head within its group, position): one mask per part
     dec_pos = positions[:decode_rows]
     dec_width = int(dec_pos.max()) + 1 if decode_rows else 0
-    dec_mask = _additive(torch.arange(dec_width)[None, None, None, :] <= dec_pos[:, None, None, None],
+    dec_mask = _additive(torch.arange(dec_width, device=dev)[None, None, None, :] <= dec_pos[:, None, None, None],
                          hidden.dtype).expand(decode_rows, 1, group, dec_width)
     pre_parts, offset = [], decode_rows
     for slot, n in prefill_rows:
         pos = positions[offset:offset + n]
         width = int(pos[-1]) + 1
-        mask = _additive(torch.arange(width)[None, :] <= pos[:, None], hidden.dtype)
+        mask = _additive(torch.arange(width, device=dev)[None, :] <= pos[:, None], hidden.dtype)
         pre_parts.append((slot, offset, n, width, mask.repeat(group, 1)[None, None]))
         offset += n
-    last = torch.tensor(list(range(decode_rows)) + [o + n - 1 for _, o, n, _, _ in pre_parts], dtype=torch.long)
+    last = torch.tensor(list(range(decode_rows)) + [o + n - 1 for _, o, n, _, _ in pre_parts], dtype=torch.long,
+                        device=dev)
     for idx, layer in enumerate(inner.layers):
         attn = layer.self_attn
         rotary = sys.modules[type(attn).__module__].apply_rotary_pos_emb

@@ -39,6 +39,7 @@ def serve(
     port: int = typer.Option(8001, "--port"),
     threads: int = typer.Option(2, "--threads", help="torch CPU threads"),
     max_seqs: int = typer.Option(64, "--max-seqs", help="most sequences decoded together"),
+    device: str = typer.Option(None, "--device", help="auto | cpu | cuda (default: FLYWHEEL_SERVING_DEVICE)"),
 ) -> None:
     """Serve the torch engine over vLLM's OpenAI-compatible HTTP subset (completions + weight reload)."""
     import uvicorn
@@ -49,7 +50,8 @@ def serve(
     from ops.serving.torch_engine import TorchEngine
 
     cid, path = resolve_checkpoint(checkpoint, model_dir)
-    engine = TorchEngine(path, checkpoint_id=cid, num_threads=threads, max_seqs=max_seqs)
+    engine = TorchEngine(path, checkpoint_id=cid, num_threads=threads, max_seqs=max_seqs,
+                         device=device or get_settings().serving.device)
     key = get_settings().serving.api_key
     app = create_app(engine, api_key=key.get_secret_value() if key else None)
     typer.echo(f"serving {cid} from {path} on http://{host}:{port}")

@@ -25,10 +25,13 @@ class SlotKVCache:
         kv_heads: key/value heads per layer.
         head_dim: channels per head.
         dtype: buffer dtype (the model's compute dtype).
+        device: where the buffers live (the model's device).
     """
 
-    def __init__(self, num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype = torch.float32) -> None:
+    def __init__(self, num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str = "cpu") -> None:
         self.num_layers, self.kv_heads, self.head_dim, self.dtype = num_layers, kv_heads, head_dim, dtype
+        self.device = torch.device(device)
         self.k: list[torch.Tensor] = []
         self.v: list[torch.Tensor] = []
         self.slots = 0
@@ -52,8 +55,8 @@ class SlotKVCache:
         new_slots = max(slots, self.slots)
         new_cap = max(self.capacity, capacity)
         shape = (new_slots, self.kv_heads, new_cap, self.head_dim)
-        new_k = [torch.zeros(shape, dtype=self.dtype) for _ in range(self.num_layers)]
-        new_v = [torch.zeros(shape, dtype=self.dtype) for _ in range(self.num_layers)]
+        new_k = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
+        new_v = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
         for i, n in enumerate(lengths):
             for old, new in zip(self.k + self.v, new_k + new_v):
                 new[i, :, :n] = old[i, :, :n]

@@ -25,9 +25,11 @@ last prompt position's experts, token ``i`` the experts of generated token ``i -
 arrive as nested JSON lists or base64 ``{"data", "shape", "dtype"}`` (prime-rl's encoding). A
 response without them (dense model, flag off, prompt routes missing) yields ``routed_experts=None``.
 
-vLLM cannot apply flywheel's bf16 weight delta itself, so ``apply_delta`` reloads the full fp32
-folder the delta lives in (every trained checkpoint has one). ``flywheel serve`` implements the
-same endpoints (and the same request fields), so tests exercise this client against it.
+vLLM cannot apply flywheel's bf16 weight delta itself, so against vLLM ``apply_delta`` reloads the
+full fp32 folder the delta lives in (every trained checkpoint has one) and ``applies_deltas`` is
+False, so the serving watcher plans (and reports) a full reload. ``flywheel serve`` implements the
+same endpoints (and the same request fields) plus ``collective_rpc`` method ``apply_delta``; it says
+so by naming a ``checkpoint_id`` in ``GET /v1/models``, and the client then sends deltas.
 """
 
 from __future__ import annotations
@@ -130,6 +132,7 @@ class OpenAICompatEngine(InferenceEngine):
         self.model = model or info["id"]
         self.checkpoint_id = info.get("checkpoint_id") or self.model
         self.max_context_tokens = int(info.get("max_model_len") or 8192)
+        self.applies_deltas = info.get("checkpoint_id") is not None  # flywheel serve, not vLLM
         self.tokenizer = self._load_tokenizer(tokenizer_dir or (Path(info["root"]) if info.get("root") else None))
 
     @staticmethod
@@ -199,7 +202,8 @@ class OpenAICompatEngine(InferenceEngine):
         self.checkpoint_id = checkpoint_id
 
     def apply_delta(self, checkpoint_id: str, delta_path: Path, parent_id: str) -> None:
-        """Reload the full folder holding ``delta_path`` (vLLM cannot apply flywheel deltas).
+        """Apply the delta on the server when it can (``applies_deltas``), else reload the full
+        folder holding ``delta_path`` (vLLM cannot apply flywheel deltas).
 
         Raises:
             CheckpointError: the server does not serve ``parent_id`` or the folder has no config.
@@ -207,6 +211,11 @@ class OpenAICompatEngine(InferenceEngine):
         if self.checkpoint_id != parent_id:
             raise CheckpointError(f"delta {checkpoint_id} applies to {parent_id}, but the server serves "
                                   f"{self.checkpoint_id}")
+        if self.applies_deltas:
+            self._request("POST", "/collective_rpc", {"method": "apply_delta", "kwargs": {
+                "checkpoint_id": checkpoint_id, "delta_path": str(delta_path), "parent_id": parent_id}})
+            self.checkpoint_id = checkpoint_id
+            return
         folder = Path(delta_path).parent
         if not (folder / "config.json").exists():
             raise CheckpointError(f"{folder} has no full weights to reload")

@@ -222,9 +222,13 @@ class Scheduler:
         if routers is not None:
             ends = list(range(len(decoding))) + [len(decoding) + sum(n for _, n in prefill_rows[:i + 1]) - 1
                                                  for i in range(len(prefill_rows))]
-            routers.start_step(torch.tensor(ends, dtype=torch.long))
-        logits = forward_step(model, cache, torch.tensor(ids, dtype=torch.long),
-                              torch.tensor(positions, dtype=torch.long), len(decoding), prefill_rows)
+            routers.start_step(torch.tensor(ends, dtype=torch.long, device=cache.device))
+        logits = forward_step(model, cache, torch.tensor(ids, dtype=torch.long, device=cache.device),
+                              torch.tensor(positions, dtype=torch.long, device=cache.device), len(decoding),
+                              prefill_rows)
+        # Samplers draw from per-sequence CPU generators (a sequence's sample must not depend on its
+        # batch): on an accelerator, the step's [rows, V] logits come to the host first.
+        logits = logits.cpu()
         for seq in decoding:
             seq.length += 1
         for seq in admitted:

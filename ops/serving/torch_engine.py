@@ -96,6 +96,11 @@ class TorchEngine(InferenceEngine):
             ``FLYWHEEL_SERVING_MAX_KV_TOKENS``); ``kv_bytes_per_token`` converts it to bytes.
         num_threads: ``torch.set_num_threads`` (None leaves the process setting).
         serving_dtype: round weights to this precision at load (``bfloat16``), None keeps them as stored.
+        device: ``auto`` | ``cpu`` | ``cuda`` (``trainer.device.resolve_device``; weights stay fp32 and
+            the key/value buffers live there; sampling reads each step's logits on the host).
+
+    Raises:
+        ConfigurationError: ``device`` names a device this machine lacks.
 
     Attributes:
         decode_s_per_token: seconds per decode step of one sequence (batch 1, median of a few
@@ -108,11 +113,13 @@ class TorchEngine(InferenceEngine):
 
     def __init__(self, model_dir: Path, checkpoint_id: str | None = None, *, max_seqs: int | None = None,
                  max_kv_tokens: int | None = None, num_threads: int | None = None,
-                 serving_dtype: str | None = "bfloat16") -> None:
+                 serving_dtype: str | None = "bfloat16", device: str = "auto") -> None:
         from app.core.settings import get_settings
         from ops.serving.scheduler import Scheduler
+        from trainer.device import resolve_device
 
         settings = get_settings().serving
+        self.device = resolve_device(device)
         self.serving_dtype = getattr(torch, serving_dtype) if serving_dtype else None
         if num_threads is not None:
             torch.set_num_threads(num_threads)
@@ -149,6 +156,7 @@ class TorchEngine(InferenceEngine):
                 for t in model.parameters():  # weights only: rotary buffers are not serving weights
                     if t.is_floating_point():
                         t.copy_(t.to(self.serving_dtype))
+        model.to(self.device)
         tokenizer = AutoTokenizer.from_pretrained(path)
         with self._drained():
             self.model, self.tokenizer, self.checkpoint_id, self.model_dir = model, tokenizer, checkpoint_id, path
@@ -188,15 +196,17 @@ class TorchEngine(InferenceEngine):
 
         cache = new_cache(self.model)
         cache.ensure(1, prompt_tokens + steps + 1, [])
-        ids = torch.arange(1, prompt_tokens + 1)
+        dev = self.device
+        ids = torch.arange(1, prompt_tokens + 1, device=dev)
         prefill, decode = [], []
         for _ in range(3):
             t0 = time.perf_counter()
-            forward_step(self.model, cache, ids, torch.arange(prompt_tokens), 0, [(0, prompt_tokens)])
+            forward_step(self.model, cache, ids, torch.arange(prompt_tokens, device=dev), 0,
+                         [(0, prompt_tokens)]).cpu()  # .cpu() waits for an accelerator's queue
             prefill.append((time.perf_counter() - t0) / prompt_tokens)
         for step in range(steps):
             t0 = time.perf_counter()
-            forward_step(self.model, cache, ids[:1], torch.tensor([prompt_tokens + step]), 1, [])
+            forward_step(self.model, cache, ids[:1], torch.tensor([prompt_tokens + step], device=dev), 1, []).cpu()
             decode.append(time.perf_counter() - t0)
         self.prefill_s_per_token = statistics.median(prefill)
         self.decode_s_per_token = statistics.median(decode)

@@ -10,8 +10,10 @@ Invariants:
 - Only the newest production change of a poll batch is acted on: after a restart or a lag the
   engine jumps straight to the current production instead of replaying history.
 - The engine moves by the delta chain (``delta.zst`` of each checkpoint between the serving one and
-  the target) when the target descends from what is served; by a full load otherwise (rollbacks,
-  unrelated lineage, a missing or failing delta).
+  the target) when the target descends from what is served and the engine applies deltas itself
+  (the torch engine, ``flywheel serve``); by a full load otherwise (rollbacks, unrelated lineage, a
+  missing or failing delta, vLLM, which can only reload a folder). Every move is logged with its
+  method and counted in the ``flywheel.serving.weight_moves`` metric (attribute ``method``).
 - What serves is reported in ``$FLYWHEEL_HOME/serving.json`` (atomic replace), together with the
   Kafka positions and the dedupe state, so a restarted watcher resumes where it stopped.
 
@@ -31,9 +33,13 @@ from typing import Any, Protocol
 
 from app.checkpoint_store import STABLE, CheckpointStore
 from app.core.errors import CheckpointError, InfrastructureError
+from app.core.telemetry import meter
 from app.promotion.serving_state import read_serving_state, write_serving_state
 
 log = logging.getLogger("flywheel.watcher")
+_moves = meter("flywheel.serving").create_counter(
+    "flywheel.serving.weight_moves", unit="{move}",
+    description="production weight changes applied by the serving watcher, by method (delta | full | noop)")
 
 PRODUCTION_CHANGES = ("checkpoint.promoted", "checkpoint.rolled_back")
 DELTA_FILE = "delta.zst"
@@ -48,6 +54,8 @@ class Engine(Protocol):
     def load_checkpoint(self, checkpoint_id: str, path: Path) -> None: ...
 
     def apply_delta(self, checkpoint_id: str, delta_path: Path, parent_id: str) -> None: ...
+
+    # optional: ``applies_deltas`` (default True), False when apply_delta reloads the full folder
 
 
 @dataclass(frozen=True)
@@ -107,11 +115,13 @@ def _resolve_dir(entry_path: str | None, checkpoint_id: str, store: CheckpointSt
     return store.stable_path(checkpoint_id)
 
 
-def plan_move(serving_id: str | None, payload: dict[str, Any], store: CheckpointStore) -> Move:
+def plan_move(serving_id: str | None, payload: dict[str, Any], store: CheckpointStore, *,
+              deltas: bool = True) -> Move:
     """The cheapest way from ``serving_id`` to the message's checkpoint.
 
     ``payload["lineage"]`` lists ``{"id", "path"}`` from the target back to the base (written by
-    ``app.promotion.service``). Delta steps are returned parent first.
+    ``app.promotion.service``). Delta steps are returned parent first. ``deltas=False`` (an engine
+    that cannot apply them, e.g. vLLM) plans a full load of the target instead.
 
     Raises:
         CheckpointError: the target directory is missing or not STABLE.
@@ -122,7 +132,7 @@ def plan_move(serving_id: str | None, payload: dict[str, Any], store: Checkpoint
     chain = payload.get("lineage") or [{"id": target, "path": payload.get("path")}]
     ids = [c["id"] for c in chain]
     full = Move(target_id=target, method="full", path=_resolve_dir(payload.get("path"), target, store))
-    if serving_id is None or serving_id not in ids[1:]:
+    if not deltas or serving_id is None or serving_id not in ids[1:]:
         return full
     steps = []
     descendants = chain[: ids.index(serving_id)]  # target ... child of serving
@@ -174,7 +184,8 @@ class ProductionFollower:
         Raises:
             CheckpointError: the target is not available on this node (the caller retries later).
         """
-        move = plan_move(getattr(self.engine, "checkpoint_id", None), payload, self.store)
+        move = plan_move(getattr(self.engine, "checkpoint_id", None), payload, self.store,
+                         deltas=getattr(self.engine, "applies_deltas", True))
         if move.method == "delta":
             try:
                 for checkpoint_id, delta, parent in move.steps:
@@ -189,7 +200,11 @@ class ProductionFollower:
             self.applied_outbox_id = max(self.applied_outbox_id, payload["outbox_id"])
         self.deduper.add(message_identity(payload))
         self.moves.append(move)
-        log.info("serving %s (%s, after %s)", move.target_id, move.method, payload.get("type"))
+        how = {"delta": f"by {len(move.steps)} delta(s)", "noop": "already served",
+               "full": "by a full reload" + ("" if getattr(self.engine, "applies_deltas", True)
+                                              else " (the engine cannot apply deltas)")}[move.method]
+        log.info("serving %s %s, after %s", move.target_id, how, payload.get("type"))
+        _moves.add(1, {"method": move.method})
         self.report(last_event=payload, method=move.method)
         return move
 

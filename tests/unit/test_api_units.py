@@ -149,3 +149,24 @@ def test_a_failed_move_is_retried_not_forgotten(chain, tmp_path):
     assert engine.calls == []
     (store.path("c1") / "STABLE.hidden").rename(store.path("c1") / "STABLE")
     assert follower.handle_batch([(msg, None)]).method == "full" and engine.checkpoint_id == "c1"
+
+
+def test_follower_reloads_fully_and_says_so_when_the_engine_cannot_apply_deltas(chain, tmp_path, caplog):
+    """vLLM can only reload a folder: the move is planned, reported and logged as a full reload."""
+    store, payload = chain
+
+    class ReloadOnly(RecordingEngine):
+        applies_deltas = False
+
+    assert plan_move("base", payload("c2", 1), store, deltas=False).method == "full"
+    engine = ReloadOnly("base")
+    follower = ProductionFollower(engine, store=store, home=tmp_path)
+    with caplog.at_level("INFO", logger="flywheel.watcher"):
+        move = follower.handle_batch([(payload("c2", 1), None)])
+    assert move.method == "full" and engine.calls == [("full", "c2")]
+    assert json.loads((tmp_path / "serving.json").read_text())["method"] == "full"
+    assert "full reload (the engine cannot apply deltas)" in caplog.text
+    follower.engine = RecordingEngine("c1")  # an engine that applies deltas moves c1 -> c2 by its delta
+    with caplog.at_level("INFO", logger="flywheel.watcher"):
+        assert follower.handle_batch([(payload("c2", 5), None)]).method == "delta"
+    assert "c2 by 1 delta(s)" in caplog.text

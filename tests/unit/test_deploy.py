@@ -75,3 +75,27 @@ def test_resolver_rejects_unknown_commands_and_options():
         _resolve(group, ["no-such-command"])
     with pytest.raises(AssertionError):
         _resolve(group, ["api", "--no-such-option"])
+
+
+def test_vllm_servers_log_the_behaviour_policy_and_start_from_a_checkpoint_that_is_created():
+    services = _compose()["services"]
+    init = [name for name, svc in _flywheel_services(_compose()).items() if svc["command"] == ["model", "init"]]
+    assert init, "no service runs `flywheel model init` (it writes the base checkpoint vLLM starts from)"
+    env = _flywheel_services(_compose())["api"]["environment"]
+    for name in ("vllm", "vllm-eval"):
+        args = services[name]["command"]
+        assert args[args.index("--logprobs-mode") + 1] == "processed_logprobs", name
+        # `model init` writes the `base` checkpoint under FLYWHEEL_CHECKPOINT_DIR
+        assert args[args.index("--model") + 1] == f"{env['FLYWHEEL_CHECKPOINT_DIR']}/base", name
+        assert services[name]["depends_on"][init[0]]["condition"] == "service_completed_successfully", name
+        assert services[name]["environment"]["VLLM_SERVER_DEV_MODE"] == "1", name  # weight reload endpoints
+
+
+def test_candidate_evals_have_a_server_of_their_own():
+    services = _compose()["services"]
+    for name, svc in _flywheel_services(_compose()).items():
+        env = svc["environment"]
+        assert env["FLYWHEEL_SERVING_URL"] == "http://vllm:8000", name
+        assert env["FLYWHEEL_SERVING_EVAL_URL"] == "http://vllm-eval:8000", name
+    gpus = [services[n]["deploy"]["resources"]["reservations"]["devices"][0]["device_ids"] for n in ("vllm", "vllm-eval")]
+    assert gpus[0] != gpus[1]  # the eval server never shares production's GPU

@@ -77,14 +77,15 @@ def _cycle_data(trajectories):
 
 def test_step_budget_shrinks_the_claim_not_the_schedule():
     """Every claimed trajectory is trained; over the budget, the newest task groups are deferred whole."""
-    from trainer.cycle import plan_micro_batches
+    from trainer.cycle import fit_claim_to_budget, pack_cycle
 
     trajs = [make_trajectory([make_segment([1] * 6, [5, 6, 7])], float(i % 2), task_id=f"task-{i // 2}")
              for i in range(8)]  # 4 groups of 2, one 10-token row each
     cfg = TrainerConfig.model_validate({"grad_accum": 1, "epochs": 1, "max_steps": 2,
                                         "data": {"micro_batch_tokens": 20}})  # 2 rows per micro-batch
     data = _cycle_data(trajs)
-    rewards, groups, adv, batches = plan_micro_batches(data, cfg, pad_id=0)
+    assert fit_claim_to_budget(data, cfg) == 2
+    rewards, groups, adv, batches = pack_cycle(data.used, cfg)
     assert [t.group for t in data.used] == ["task-0", "task-0", "task-1", "task-1"]
     assert data.excluded_counts() == {"deferred": 4} and len(batches) == 2
     assert {int(i) for b in batches for i in b.trajectory_index.tolist()} == {0, 1, 2, 3}
@@ -93,16 +94,16 @@ def test_step_budget_shrinks_the_claim_not_the_schedule():
 
     unbounded = _cycle_data(trajs)
     cfg = TrainerConfig.model_validate({"grad_accum": 1, "epochs": 2, "data": {"micro_batch_tokens": 20}})
-    _, _, _, batches = plan_micro_batches(unbounded, cfg, pad_id=0)
-    assert len(unbounded.used) == 8 and len(batches) == 4 and not unbounded.excluded
+    assert fit_claim_to_budget(unbounded, cfg) == 4
+    assert len(unbounded.used) == 8 and not unbounded.excluded
 
 
 def test_invert_reward_negates_advantages():
-    from trainer.cycle import plan_micro_batches
+    from trainer.cycle import pack_cycle
 
     trajs = [make_trajectory([make_segment([1, 2], [5, 6])], r, task_id="t") for r in (1.0, 0.0)]
     cfg = TrainerConfig.model_validate({"invert_reward": True})
-    rewards, _, adv, _ = plan_micro_batches(_cycle_data(trajs), cfg, pad_id=0)
+    rewards, _, adv, _ = pack_cycle(trajs, cfg)
     assert rewards.tolist() == [-1.0, -0.0] and adv.tolist() == pytest.approx([-0.5, 0.5])
 
 
