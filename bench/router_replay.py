@@ -162,7 +162,7 @@ def main() -> None:
 
         model_dir = build_tiny_moe(tmp / "moe", experts=8, top_k=2, num_layers=layers, hidden_size=args.hidden,
                                    initializer_range=args.init_std)
-        engine = TorchEngine(model_dir, checkpoint_id="moe-base", max_batch_size=24)  # bf16-rounded weights
+        engine = TorchEngine(model_dir, checkpoint_id="moe-base")  # bf16-rounded weights
         t = time.monotonic()
         events = generate_sessions(engine, n_sessions, max_tokens, seed=0)
         generate_s = time.monotonic() - t

@@ -31,7 +31,7 @@ def moe_dir(tmp_path_factory):
 def served(moe_dir):
     """(engine, generations) from the torch engine serving bf16-rounded weights."""
     torch.set_num_threads(1)
-    engine = TorchEngine(moe_dir, max_batch_size=8)
+    engine = TorchEngine(moe_dir)
     gens = engine.generate(PROMPTS, SamplingParams(max_tokens=24, temperature=1.0, seed=0))
     return engine, gens
 
@@ -98,7 +98,7 @@ def test_gate_weights_are_the_trainers_own_and_carry_gradients(moe_dir):
 
     model = AutoModelForCausalLM.from_pretrained(moe_dir, dtype=torch.float32)
     router = moe_routers(model)[0]
-    hidden = torch.randn(5, model.config.hidden_size)
+    hidden = torch.randn(5, model.config.hidden_size, generator=torch.Generator().manual_seed(0))
     routes = torch.tensor([[0, 1], [2, 3], [-1, -1], [7, 4], [5, 6]])
     full = torch.full((1, 5, len(moe_routers(model)), 2), -1, dtype=torch.long)
     full[0, :, 0] = routes
@@ -111,7 +111,7 @@ def test_gate_weights_are_the_trainers_own_and_carry_gradients(moe_dir):
         expect = probs[row, routes[row]] / probs[row, routes[row]].sum()  # Mixtral renormalises its top-k
         assert torch.allclose(weights[row], expect, atol=1e-6)
     assert torch.equal(ids[2], plain_ids[2]) and torch.allclose(weights[2], plain_w[2])
-    weights.sum().backward()
+    weights[:, 0].sum().backward()  # each row's renormalised weights sum to 1: differentiate one of them
     assert router.weight.grad is not None and router.weight.grad.abs().sum() > 0
     _, _, after = router(hidden)  # the hook is gone after the block
     assert torch.equal(after, plain_ids)
