@@ -45,18 +45,20 @@ def tiny_policy_dir(directory: Path, seed: int = 0) -> Path:
 
 
 def build_tiny_moe(directory: Path, *, seed: int = 0, experts: int = 8, top_k: int = 2, num_layers: int = 4,
-                   hidden_size: int = 64, kind: str = "mixtral") -> Path:
+                   hidden_size: int = 64, kind: str = "mixtral", initializer_range: float = 0.2) -> Path:
     """Write a tiny random MoE causal LM (SmolLM2 tokenizer) as a Hugging Face folder, fp32.
 
     ``kind``: ``mixtral`` (``MixtralConfig``: top-k renormalised) or ``qwen2_moe`` (``Qwen2MoeConfig``
-    with a shared expert, ``norm_topk_prob`` false). Same seed and arguments -> identical weights.
+    with a shared expert, ``norm_topk_prob`` false); ``initializer_range``: std of the random init.
+    Same seed and arguments -> identical weights.
     """
     from transformers import AutoModelForCausalLM, GenerationConfig, Qwen2MoeConfig
 
     from ops.serving.testing import BOS_ID, EOS_ID, PAD_ID, tiny_config
     from ops.serving.tokenizer import copy_tokenizer
 
-    config = tiny_config(moe=True, hidden_size=hidden_size, num_layers=num_layers)
+    config = tiny_config(moe=True, hidden_size=hidden_size, num_layers=num_layers,
+                         initializer_range=initializer_range)
     if kind == "qwen2_moe":
         config = Qwen2MoeConfig(**{k: v for k, v in config.to_dict().items()
                                    if k in Qwen2MoeConfig().to_dict() and k not in ("model_type", "architectures")},
