@@ -137,7 +137,8 @@ def online_view(session: Session, row: Checkpoint, *, policy: OnlinePolicy | Non
     if canary is not None:
         c, p = canary_arms(session, canary)
         comparison = compare_arms([s for _, s in c], [s for _, s in p], SIGNALS, policy.confidence)
-        end = canary.stopped_at or datetime.now(timezone.utc)
+        latest = [t for t, _ in c + p if t is not None]
+        end = canary.stopped_at or max([datetime.now(timezone.utc), *latest])
         reasons = policy_reasons(compare_arms([s for _, s in c], [s for _, s in p], policy.signals,
                                               policy.confidence), policy)
         out["canary"] = {"id": str(canary.id), "status": canary.status, "fraction": canary.fraction,
