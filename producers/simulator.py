@@ -190,8 +190,13 @@ class LateEvents:
 
 
 def run_simulation(config: SimulatorConfig, engine, emit: Callable[[EventBase], None],
-                   progress: Callable[[dict], None] | None = None) -> list[dict]:
+                   progress: Callable[[dict], None] | None = None,
+                   engine_for: Callable[[str], object] | None = None) -> list[dict]:
     """Run ``config.sessions`` sessions; returns one summary dict per session.
+
+    ``engine_for(user_id)`` picks the engine that serves a user's session (a canary split,
+    ``ops.serving.canary.EngineRouter.engine_for``); default: ``engine`` for everyone. Each engine
+    gets its own micro-batcher, so a batch never mixes two checkpoints.
 
     Raises:
         ConfigurationError: an eval-only split or unknown source.
@@ -214,7 +219,14 @@ def run_simulation(config: SimulatorConfig, engine, emit: Callable[[EventBase], 
     budget = AgentBudget(max_turns=config.max_turns, max_completion_tokens=config.max_tokens,
                          context_tokens=config.context_tokens, max_tokens_per_turn=config.max_tokens_per_turn)
     limits = SandboxLimits(timeout_s=config.run_timeout_s)
-    batcher = BatchingEngine(engine, max_batch=config.group_size, window_s=0.2, expected=config.group_size)
+    batchers: dict[int, BatchingEngine] = {}
+
+    def batcher_for(user_id: str) -> BatchingEngine:
+        chosen = engine_for(user_id) if engine_for is not None else engine
+        if id(chosen) not in batchers:
+            batchers[id(chosen)] = BatchingEngine(chosen, max_batch=config.group_size, window_s=0.2,
+                                                  expected=config.group_size)
+        return batchers[id(chosen)]
     summaries: list[dict] = []
     root = Path(tempfile.mkdtemp(prefix="flywheel-sim-"))
     try:
@@ -223,11 +235,13 @@ def run_simulation(config: SimulatorConfig, engine, emit: Callable[[EventBase], 
             specs = []
             for offset, task in enumerate(group):
                 i = start + offset
-                specs.append(dict(index=i, task=task, session_id=f"sim-{uuid.uuid4()}",
-                                  user_id=f"user-{rng.randrange(config.users):03d}",
+                user_id = f"user-{rng.randrange(config.users):03d}"
+                specs.append(dict(index=i, task=task, session_id=f"sim-{uuid.uuid4()}", user_id=user_id,
                                   privacy=rng.random() < config.privacy_rate, rng=random.Random(rng.random()),
-                                  seed=config.seed * 100_003 + i))
-            remaining = [len(specs)]
+                                  seed=config.seed * 100_003 + i, batcher=batcher_for(user_id)))
+            remaining = {id(s["batcher"]): 0 for s in specs}
+            for s in specs:
+                remaining[id(s["batcher"])] += 1
             lock = threading.Lock()
 
             def one(spec: dict) -> None:
@@ -249,12 +263,13 @@ def run_simulation(config: SimulatorConfig, engine, emit: Callable[[EventBase], 
             def _run_one(spec: dict, workdir: Path, dev: "DeveloperReaction", started: float) -> dict:
                 try:
                     result = run_agent_session(
-                        batcher, spec["task"], workdir, budget,
+                        spec["batcher"], spec["task"], workdir, budget,
                         SamplingParams(max_tokens=config.max_tokens_per_turn, temperature=config.temperature,
                                        top_p=config.top_p, seed=spec["seed"]),
                         emit=emit, session_id=spec["session_id"], user_id=spec["user_id"], org_id=config.org_id,
                         privacy_mode=spec["privacy"], limits=limits, on_end=dev)
                     summary = {"session": spec["index"], "session_id": spec["session_id"], "task_id": spec["task"].id,
+                               "user_id": spec["user_id"], "checkpoint_id": spec["batcher"].checkpoint_id,
                                "reason": result.reason, "turns": result.turns, "segments": result.segments,
                                "completion_tokens": result.completion_tokens, "tool_calls": result.tool_calls,
                                "tool_call_errors": result.tool_call_errors, "edited": result.edited,
@@ -266,11 +281,12 @@ def run_simulation(config: SimulatorConfig, engine, emit: Callable[[EventBase], 
                 finally:
                     shutil.rmtree(workdir, ignore_errors=True)
                     with lock:
-                        remaining[0] -= 1
-                        batcher.set_expected(remaining[0])
+                        remaining[id(spec["batcher"])] -= 1
+                        spec["batcher"].set_expected(remaining[id(spec["batcher"])])
                 return summary
 
-            batcher.set_expected(len(specs))
+            for s in specs:
+                s["batcher"].set_expected(remaining[id(s["batcher"])])
             threads = [threading.Thread(target=one, args=(s,), name=f"session-{s['index']}") for s in specs]
             for t in threads:
                 t.start()

@@ -152,8 +152,8 @@ def relay(once: bool = typer.Option(False, "--once", help="publish what is pendi
 
 
 def watch(once: bool = typer.Option(False, "--once", help="handle what is on the topic now, then exit")) -> None:
-    """Follow production: move the inference engine on checkpoint.promoted / rolled_back and report
-    the serving checkpoint in $FLYWHEEL_HOME/serving.json."""
+    """Follow production: move the inference engine on checkpoint.promoted / rolled_back, start and
+    stop the canary engine on canary.started / stopped, and report both in $FLYWHEEL_HOME/serving.json."""
     from app.core.telemetry import configure_service_logging, configure_telemetry
     from ops.serving.watcher import run_watch
 
