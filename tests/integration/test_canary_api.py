@@ -171,3 +171,25 @@ def test_online_policy_blocks_a_canary_whose_signals_regressed(client, session, 
     assert session.scalar(select(Checkpoint.status).where(Checkpoint.id == "base")) == "production"
     report = client.get("/v1/checkpoints/ckpt-0001/online", headers=rm).json()
     assert not report["canary"]["policy_passed"] and report["canary"]["signals"]["edit_acceptance"]["regressed"]
+
+
+def test_cli_starts_reports_and_stops_a_canary(session, gated):
+    from typer.testing import CliRunner
+
+    from app.cli import app
+
+    runner = CliRunner()
+    out = runner.invoke(app, ["canary", "start", "ckpt-0001", "--fraction", "0.25", "--reason", "cli canary"])
+    assert out.exit_code == 0, out.output
+    assert "ckpt-0001 serves 25.0% of users beside base" in out.output
+    status = runner.invoke(app, ["canary", "status"])
+    assert status.exit_code == 0 and "ckpt-0001 on 25.0% of users vs base; sessions 0 vs 0" in status.output
+    assert "edit_acceptance" in status.output
+    again = runner.invoke(app, ["canary", "start", "ckpt-0001", "--fraction", "0.25", "--reason", "twice"])
+    assert again.exit_code != 0  # the ConflictError propagates (flywheel's main prints its reasons)
+    stopped = runner.invoke(app, ["canary", "stop", "--reason", "cli done"])
+    assert stopped.exit_code == 0 and "stopped" in stopped.output
+    session.expire_all()
+    actions = [a.action for a in session.scalars(select(AuditLog).order_by(AuditLog.id))]
+    assert actions[-2:] == ["canary.started", "canary.stopped"]
+    assert session.scalars(select(AuditLog).where(AuditLog.action == "canary.started")).one().actor.startswith("cli:")
