@@ -34,6 +34,7 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import sys
 import tempfile
 import time
@@ -43,6 +44,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's packages, not an installed copy
 
 from ingest import scratch_database, scratch_server  # noqa: E402  (bench/ingest.py helpers)
+
+import app.repositories.binary  # noqa: E402,F401  its psycopg dumpers must exist before the first connection
 
 SIGNAL_ORDER = ("edit_acceptance", "edit_persistence", "dissatisfied_followup_rate", "latency_per_token", "mean_reward")
 
@@ -122,7 +125,10 @@ def run_canary(checkpoint_id: str, prod_engine, config, args) -> dict:
     router.start(active, setup_canary_engine(checkpoint_id, Path(active.path)))
     t = time.monotonic()
     with EventProducer() as producer:
-        summaries = run_simulation(config, prod_engine, producer.emit, engine_for=router.engine_for)
+        summaries = run_simulation(config, prod_engine, producer.emit, engine_for=router.engine_for,
+                                   progress=lambda s: print(f"  session {s['session']:3d} {s.get('checkpoint_id', '?'):>5s}"
+                                                            f" edited={s.get('edited')} {s.get('wall_s')} s",
+                                                            file=sys.stderr, flush=True))
         producer.flush(timeout_s=60)
     simulate_s = time.monotonic() - t
     router.stop()
@@ -191,10 +197,11 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2, help="torch CPU threads")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
-    sessions = args.sessions or (32 if args.quick else 96)
-    args.min_sessions = args.min_sessions or (10 if args.quick else 30)
-    max_tokens = args.max_tokens_per_turn or (96 if args.quick else 192)
+    sessions = args.sessions or (24 if args.quick else 96)
+    args.min_sessions = args.min_sessions or (8 if args.quick else 30)
+    max_tokens = args.max_tokens_per_turn or (64 if args.quick else 160)
     started = time.monotonic()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a timeout still stops the broker, drops the database
 
     tmp = Path(tempfile.mkdtemp(prefix="flywheel-bench-canary-"))
     os.environ.update(FLYWHEEL_HOME=str(tmp), FLYWHEEL_CONSUMER_SIGNAL_WINDOW_S="2",
@@ -235,7 +242,7 @@ def main() -> None:
         for cid in ("bad", "same"):
             seed_passed_gate(cid, "base", args.min_sessions)
         prod_engine = TorchEngine(base_path, checkpoint_id="base")
-        config = SimulatorConfig(sessions=sessions, group_size=8, max_turns=1, max_tokens=max_tokens,
+        config = SimulatorConfig(sessions=sessions, group_size=12, max_turns=1, max_tokens=max_tokens,
                                  max_tokens_per_turn=max_tokens, source=args.source, privacy_rate=0.0,
                                  persistence_delay_s=0.5, followup_delay_s=0.2, users=4 * sessions, seed=args.seed)
         results = {cid: run_canary(cid, prod_engine, config, args) for cid in ("bad", "same")}

@@ -110,3 +110,18 @@ def test_assignment_is_sticky_stable_and_near_the_fraction():
     assert assign_arm("u", "c", 0.0) == "production" and assign_arm("u", "c", 1.0) == "canary"
     with pytest.raises(ValueError):
         assign_arm("u", "c", 1.5)
+
+
+def test_the_gate_config_online_setting_and_the_promotion_side_agree():
+    from app.promotion.online_stats import SIGNALS
+    from evals.config import ONLINE_SIGNALS, OnlinePolicy as OnlineSetting, load_gate_config
+
+    assert set(ONLINE_SIGNALS) == set(SIGNALS)
+    shipped = load_gate_config()
+    resolved = OnlinePolicy.from_config(shipped.model_dump(mode="json"))
+    assert resolved.required is shipped.online.required and resolved.min_sessions == shipped.online.min_sessions
+    assert resolved.signals == tuple(shipped.online.signals)
+    with pytest.raises(ValueError):
+        OnlineSetting(signals=["vibes"])
+    with pytest.raises(ValueError):
+        OnlineSetting(min_sessions=1)
