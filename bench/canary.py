@@ -10,8 +10,16 @@ SmolLM2-135M-Instruct registered as production ``base``; two candidates register
 - ``same``: an exact copy of base (hardlinked files), which must not be blocked.
 
 Each candidate gets a passed gate decision whose stored config carries the shipped gate policy
-with ``[online] required = true`` (``--min-sessions`` per arm); the offline evals themselves are
-``bench/eval.py``'s subject, not this one's. Then, for each candidate in turn: ``start_canary``
+with ``[online] required = true``, ``--min-sessions`` per arm and ``--signals``; the offline evals
+themselves are ``bench/eval.py``'s subject, not this one's. ``--signals`` leaves out
+``latency_per_token`` by default: here both arms are served by one process on the same two cores,
+each arm batched on its own and its batches running beside the other arm's, so an arm's seconds
+per token follow its batch sizes, the other arm's concurrent work and the machine's load, not
+only its checkpoint. Measured for the equal candidate (an identical copy): +25 % per token (95 %
+CI +16..+34 %) with its arm drawing 16 sessions against production's 8, and +40 % (+25..+55 %)
+with 11 against 13, so it would have been refused. The signal is still printed; with separate
+servers, as in production, it measures the checkpoint and belongs in the policy (the shipped
+``evals/gate.toml`` keeps it). Then, for each candidate in turn: ``start_canary``
 (``--fraction`` of users, sticky by user hash) -> ``run_simulation`` with
 ``EngineRouter.engine_for`` choosing the production engine or the canary engine (a second torch
 engine built by ``setup_canary_engine`` from the candidate's folder) per user, every event
@@ -22,6 +30,20 @@ is rolled back (production stays ``base`` for the next candidate) -> ``stop_cana
 Printed: per candidate, every online signal of both arms with canary - production and its 95 %
 interval clustered by user (Deng et al. 2018 delta method), and the policy's reasons. Beside ours,
 the same policy with a naive per-session (i.i.d.) interval, for comparison.
+
+What blocks the noised candidate at ``--quick`` size: its arm proposes no edit at all (production's
+does in about a third to a half of its sessions), so edit acceptance and persistence cannot be
+compared and the policy fails closed; its mean reward is lower, but its interval still spans 0
+with ~12 sessions an arm.
+
+Time budget of ``--quick`` (24 sessions a canary, one turn of at most 64 tokens), measured on the
+2-core box with a load average of 12-14 from other work: 650-850 s in all, over the 10-minute aim.
+Simulation is nearly all of it, 240-370 s a canary: two groups of 12 sessions, 110-180 s a group,
+each session's prompt (system prompt, tool list and the task's files) prefilled and
+64 tokens decoded by two engines' batches sharing the cores. Ingest and finalize take ~9 s a
+canary; setting up (broker, database and migrations, writing the noised copy, registering three
+checkpoints with the sha256 of each 517 MB weight file, loading three engines) ~100 s. Fewer
+sessions cannot support the policy (``--min-sessions`` 8 per arm at a 0.5 split).
 
 JSON line: ``ours`` = correct decisions of the policy (bad blocked, equal allowed; 0-2),
 ``baseline`` = 2 (the limit), ``ratio`` = ours / 2, ``target`` = 1, ``pass`` = both right.
@@ -69,7 +91,7 @@ def write_noisy_copy(src: Path, dst: Path, noise: float, seed: int) -> Path:
     return dst
 
 
-def seed_passed_gate(checkpoint_id: str, production_id: str, min_sessions: int) -> None:
+def seed_passed_gate(checkpoint_id: str, production_id: str, min_sessions: int, signals: list[str]) -> None:
     """A passed gate decision whose stored config is the shipped policy with the online
     requirement on (what ``flywheel gate`` would store with ``[online] required = true``)."""
     from app.core.db import session_scope
@@ -78,7 +100,7 @@ def seed_passed_gate(checkpoint_id: str, production_id: str, min_sessions: int) 
 
     config = load_gate_config()
     config = config.model_copy(update={"online": config.online.model_copy(
-        update={"required": True, "min_sessions": min_sessions})})
+        update={"required": True, "min_sessions": min_sessions, "signals": signals})})
     with session_scope() as session:
         session.add(GateDecision(id=uuid.uuid4(), candidate_id=checkpoint_id, production_id=production_id, passed=True,
                                  reasons=[], report={"config": config.model_dump(mode="json"),
@@ -193,6 +215,9 @@ def main() -> None:
     ap.add_argument("--fraction", type=float, default=0.5, help="share of users in the canary arm")
     ap.add_argument("--noise", type=float, default=0.5, help="noise of the bad candidate, in units of each tensor's std")
     ap.add_argument("--min-sessions", type=int, default=None, help="the online policy's fewest sessions per arm")
+    ap.add_argument("--signals", nargs="+", choices=SIGNAL_ORDER,
+                    default=[s for s in SIGNAL_ORDER if s != "latency_per_token"],
+                    help="signals the policy requires (default: all but latency_per_token, see the docstring)")
     ap.add_argument("--max-tokens-per-turn", type=int, default=None)
     ap.add_argument("--threads", type=int, default=2, help="torch CPU threads")
     ap.add_argument("--seed", type=int, default=0)
@@ -240,7 +265,7 @@ def main() -> None:
                        "candidate", source=f"base + {args.noise} std Gaussian noise")
         shutil.rmtree(tmp / "noisy")
         for cid in ("bad", "same"):
-            seed_passed_gate(cid, "base", args.min_sessions)
+            seed_passed_gate(cid, "base", args.min_sessions, args.signals)
         prod_engine = TorchEngine(base_path, checkpoint_id="base")
         config = SimulatorConfig(sessions=sessions, group_size=12, max_turns=1, max_tokens=max_tokens,
                                  max_tokens_per_turn=max_tokens, source=args.source, privacy_rate=0.0,
@@ -269,7 +294,7 @@ def main() -> None:
         "sessions": {cid: [out["view"]["canary_sessions"], out["view"]["production_sessions"]]
                      for cid, out in results.items()},
         "diffs_with_95ci": diffs, "source": args.source, "noise": args.noise, "fraction": args.fraction,
-        "min_sessions": args.min_sessions, "max_tokens_per_turn": max_tokens,
+        "min_sessions": args.min_sessions, "policy_signals": args.signals, "max_tokens_per_turn": max_tokens,
         "wall_s": round(time.monotonic() - started, 1)}))
 
 
