@@ -69,6 +69,8 @@ def canary_start(checkpoint_id: str = typer.Argument(..., help="a gate-passed ca
                  fraction: float = typer.Option(..., min=0.0, max=1.0, help="share of users, strictly between 0 and 1"),
                  reason: str = typer.Option(..., help="why (recorded in the audit log)")) -> None:
     """Start a canary (audited, announced on the lifecycle topic through the outbox)."""
+    if not 0.0 < fraction < 1.0:
+        raise typer.BadParameter("must be strictly between 0 and 1 (1 is a promotion)", param_hint="--fraction")
     from app.core.db import session_scope
     from app.promotion.canary import start_canary
 
