@@ -205,6 +205,29 @@ class SuiteGate(_Strict):
     any task was mined; otherwise an empty suite fails closed."""
 
 
+ONLINE_SIGNALS = ("edit_acceptance", "edit_persistence", "dissatisfied_followup_rate", "latency_per_token",
+                  "mean_reward")
+
+
+class OnlinePolicy(_Strict):
+    """``[online]``: whether promotion also needs a canary whose online signals did not regress.
+
+    The gate stores this resolved with its decision; ``app.promotion.service`` reads it from there
+    (``app.promotion.online_stats.OnlinePolicy``), so the policy in force is the one the candidate
+    was gated under. A signal regresses when the whole per-user clustered interval of
+    (canary - production) lies on its bad side (Deng et al. 2018 delta method)."""
+
+    required: bool = False
+    """Refuse promotion without such a canary (fail closed: no canary, too few sessions, or a
+    signal that cannot be compared yet all refuse)."""
+    min_sessions: int = Field(default=100, ge=2)
+    """Fewest finalized sessions on EACH arm before the comparison can allow a promotion."""
+    signals: list[Literal[ONLINE_SIGNALS]] = Field(default_factory=lambda: list(ONLINE_SIGNALS))  # type: ignore[valid-type]
+    """Signals that must not regress significantly."""
+    confidence: float = Field(default=0.95, gt=0.5, lt=1.0)
+    """Two-sided level of each signal's interval."""
+
+
 class GateConfig(_Strict):
     """The promotion gate: statistical non-inferiority, floors and behaviour monitors."""
 
@@ -231,6 +254,8 @@ class GateConfig(_Strict):
     """Suites by name; every suite with ``gated = true`` must have paired results to pass."""
     monitors: list[MonitorBound] = Field(default_factory=list)
     """Behaviour monitors applied to every gated suite."""
+    online: OnlinePolicy = Field(default_factory=OnlinePolicy)
+    """The online (canary) requirement of promotion."""
     monitor_rule: Literal["significant", "point"] = "significant"
     """When a monitor breaches. ``significant``: the lower confidence bound (at ``confidence``,
     one- or two-sided as ``two_sided``; task-clustered bootstrap of the paired outcomes) of the drift

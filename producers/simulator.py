@@ -289,9 +289,12 @@ class ModelledLatency:
 
 
 def run_simulation(config: SimulatorConfig, engine, emit: Callable[[EventBase], None],
-                   progress: Callable[[dict], None] | None = None) -> list[dict]:
+                   progress: Callable[[dict], None] | None = None,
+                   engine_for: Callable[[str], object] | None = None) -> list[dict]:
     """Run ``config.sessions`` sessions, at most ``config.concurrency`` at once; returns one summary
-    dict per session, ordered by session index.
+    dict per session, ordered by session index. ``engine_for(user_id)`` picks the engine that serves
+    a user's sessions (a canary's sticky arms, ``ops.serving.canary.EngineRouter.engine_for``);
+    default ``engine`` for everyone. Each engine batches only its own sessions' sequences.
 
     Raises:
         ConfigurationError: an eval-only split or unknown source.
@@ -315,11 +318,18 @@ def run_simulation(config: SimulatorConfig, engine, emit: Callable[[EventBase], 
     budget = AgentBudget(max_turns=config.max_turns, max_completion_tokens=config.max_tokens,
                          context_tokens=config.context_tokens, max_tokens_per_turn=config.max_tokens_per_turn)
     limits = SandboxLimits(timeout_s=config.run_timeout_s)
-    served = ModelledLatency(engine)
-    specs = [dict(index=i, task=task, session_id=f"sim-{uuid.uuid4()}",
-                  user_id=f"user-{rng.randrange(config.users):03d}", privacy=rng.random() < config.privacy_rate,
-                  rng=random.Random(rng.random()), seed=config.seed * 100_003 + i)
-             for i, task in enumerate(plan)]
+    served: dict[int, ModelledLatency] = {}
+
+    def engine_of(user_id: str) -> ModelledLatency:
+        chosen = engine_for(user_id) if engine_for is not None else engine
+        return served.setdefault(id(chosen), ModelledLatency(chosen))
+
+    specs = []
+    for i, task in enumerate(plan):
+        user_id = f"user-{rng.randrange(config.users):03d}"
+        specs.append(dict(index=i, task=task, session_id=f"sim-{uuid.uuid4()}", user_id=user_id,
+                          privacy=rng.random() < config.privacy_rate, rng=random.Random(rng.random()),
+                          seed=config.seed * 100_003 + i, engine=engine_of(user_id)))
     root = Path(tempfile.mkdtemp(prefix="flywheel-sim-"))
 
     def one(spec: dict) -> dict:
@@ -334,13 +344,14 @@ def run_simulation(config: SimulatorConfig, engine, emit: Callable[[EventBase], 
                 "flywheel.session_id": spec["session_id"], "flywheel.task_id": spec["task"].id}):
             try:
                 result = run_agent_session(
-                    served, spec["task"], workdir, budget,
+                    spec["engine"], spec["task"], workdir, budget,
                     SamplingParams(max_tokens=config.max_tokens_per_turn, temperature=config.temperature,
                                    top_p=config.top_p, seed=spec["seed"]),
                     emit=emit, session_id=spec["session_id"], user_id=spec["user_id"], org_id=config.org_id,
                     privacy_mode=spec["privacy"], limits=limits, on_end=dev)
                 return {"session": spec["index"], "session_id": spec["session_id"], "task_id": spec["task"].id,
-                        "user_id": spec["user_id"], "reason": result.reason, "turns": result.turns,
+                        "user_id": spec["user_id"], "checkpoint_id": spec["engine"].checkpoint_id,
+                        "reason": result.reason, "turns": result.turns,
                         "segments": result.segments, "completion_tokens": result.completion_tokens,
                         "latency_s": round(result.latency_s, 3), "tool_calls": result.tool_calls,
                         "tool_call_errors": result.tool_call_errors, "edited": result.edited,

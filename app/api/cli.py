@@ -1,4 +1,4 @@
-"""CLI commands of the promotion API: ``flywheel api``, ``tokens``, ``relay``, ``watch``.
+"""CLI commands of the promotion API: ``flywheel api``, ``tokens``, ``canary``, ``relay``, ``watch``.
 
 Heavy modules (FastAPI, uvicorn, SQLAlchemy models, kafka) are imported inside the commands, so
 ``flywheel --help`` stays fast.
@@ -9,6 +9,8 @@ from __future__ import annotations
 import typer
 
 tokens_app = typer.Typer(no_args_is_help=True, help="API bearer tokens (stored as sha256 hashes).")
+canary_app = typer.Typer(no_args_is_help=True,
+                         help="Canary: serve a gate-passed candidate to a sticky fraction of users beside production.")
 
 
 def _cli_actor() -> str:
@@ -62,6 +64,65 @@ def tokens_list(all_: bool = typer.Option(False, "--all", help="include revoked 
     Console().print(table)
 
 
+@canary_app.command("start")
+def canary_start(checkpoint_id: str = typer.Argument(..., help="a gate-passed candidate"),
+                 fraction: float = typer.Option(..., min=0.0, max=1.0, help="share of users, strictly between 0 and 1"),
+                 reason: str = typer.Option(..., help="why (recorded in the audit log)")) -> None:
+    """Start a canary (audited, announced on the lifecycle topic through the outbox)."""
+    if not 0.0 < fraction < 1.0:
+        raise typer.BadParameter("must be strictly between 0 and 1 (1 is a promotion)", param_hint="--fraction")
+    from app.core.db import session_scope
+    from app.promotion.canary import start_canary
+
+    with session_scope() as session:
+        row = start_canary(session, checkpoint_id=checkpoint_id, fraction=fraction, actor=_cli_actor(), reason=reason)
+        typer.echo(f"canary {row.id}: {row.checkpoint_id} serves {row.fraction:.1%} of users beside {row.production_id}")
+
+
+@canary_app.command("stop")
+def canary_stop(reason: str = typer.Option(..., help="why (recorded in the audit log)"),
+                canary_id: str = typer.Option(None, "--id", help="canary id (default: the active one)")) -> None:
+    """Stop a canary: every user is served by production again."""
+    import uuid
+
+    from app.core.db import session_scope
+    from app.promotion.canary import stop_canary
+
+    with session_scope() as session:
+        row = stop_canary(session, actor=_cli_actor(), reason=reason,
+                          canary_id=uuid.UUID(canary_id) if canary_id else None)
+        typer.echo(f"canary {row.id} of {row.checkpoint_id} stopped")
+
+
+@canary_app.command("status")
+def canary_status() -> None:
+    """The active canary and its online signals versus production (95 % intervals clustered by user)."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from app.core.db import session_scope
+    from app.promotion.canary import get_active_canary, list_canaries
+    from app.promotion.online import online_view
+    from app.repositories.checkpoints import get_checkpoint
+
+    with session_scope() as session:
+        canary = get_active_canary(session) or next(iter(list_canaries(session, limit=1)), None)
+        if canary is None:
+            typer.echo("no canary has run")
+            return
+        view = online_view(session, get_checkpoint(session, canary.checkpoint_id))["canary"]
+        typer.echo(f"canary {canary.id} ({canary.status}): {canary.checkpoint_id} on {canary.fraction:.1%} of users "
+                   f"vs {canary.production_id}; sessions {view['canary_sessions']} vs {view['production_sessions']}")
+    table = Table("signal", "canary", "production", "diff", "95% CI", "regressed")
+    fmt = lambda v: "-" if v is None else f"{v:.4g}"  # noqa: E731
+    for name, d in view["signals"].items():
+        ci = "-" if d["low"] is None else f"{d['low']:+.4g}..{d['high']:+.4g}"
+        table.add_row(name, fmt(d["canary"]), fmt(d["production"]), fmt(d["diff"]), ci, "YES" if d["regressed"] else "")
+    Console().print(table)
+    verdict = "allows promotion" if view["policy_passed"] else "refuses promotion"
+    typer.echo(f"online policy {verdict}" + "".join(f"\n  - {r}" for r in view["policy_reasons"]))
+
+
 def api(host: str = typer.Option(None, help="default FLYWHEEL_API_HOST (127.0.0.1)"),
         port: int = typer.Option(None, help="default FLYWHEEL_API_PORT (8000)"),
         workers: int = typer.Option(1, min=1, help="uvicorn worker processes")) -> None:
@@ -93,8 +154,8 @@ def relay(once: bool = typer.Option(False, "--once", help="publish what is pendi
 
 
 def watch(once: bool = typer.Option(False, "--once", help="handle what is on the topic now, then exit")) -> None:
-    """Follow production: move the inference engine on checkpoint.promoted / rolled_back and report
-    the serving checkpoint in $FLYWHEEL_HOME/serving.json."""
+    """Follow production: move the inference engine on checkpoint.promoted / rolled_back, start and
+    stop the canary engine on canary.started / stopped, and report both in $FLYWHEEL_HOME/serving.json."""
     from app.core.telemetry import configure_service_logging, configure_telemetry
     from ops.serving.watcher import run_watch
 
@@ -104,8 +165,9 @@ def watch(once: bool = typer.Option(False, "--once", help="handle what is on the
 
 
 def register(app: typer.Typer) -> None:
-    """Add ``api``, ``tokens``, ``relay`` and ``watch`` to the main app."""
+    """Add ``api``, ``tokens``, ``canary``, ``relay`` and ``watch`` to the main app."""
     app.add_typer(tokens_app, name="tokens")
+    app.add_typer(canary_app, name="canary")
     app.command("api")(api)
     app.command("relay")(relay)
     app.command("watch")(watch)

@@ -12,17 +12,18 @@ from contextlib import asynccontextmanager
 from fastapi import APIRouter, FastAPI
 
 from app.api.errors import install_error_handlers
-from app.api.routers import audit, checkpoints, dashboard, health, promotions
+from app.api.routers import audit, canaries, checkpoints, dashboard, health, promotions
 from app.core.errors import ConfigurationError
 from app.core.telemetry import configure_telemetry
 
 DESCRIPTION = """\
 The release manager's API: read checkpoints and their gate reports, promote a gate-passed
-checkpoint, roll back, reject, read the append-only audit log.
+checkpoint, roll back, reject, start and stop a canary and read its online signals, read the
+append-only audit log.
 
 Authenticate with `Authorization: Bearer <token>` (`flywheel tokens create --role ROLE --name NAME`).
-Roles: `viewer` reads; `service` reads and rejects; `release_manager` reads, rejects, promotes and
-rolls back. Errors are `{"error": {"code", "message", "reasons"}}`.
+Roles: `viewer` reads; `service` reads and rejects; `release_manager` reads, rejects, promotes,
+rolls back and starts or stops canaries. Errors are `{"error": {"code", "message", "reasons"}}`.
 """
 
 
@@ -46,6 +47,7 @@ def create_app() -> FastAPI:
     v1 = APIRouter(prefix="/v1")
     v1.include_router(checkpoints.router)
     v1.include_router(promotions.router)
+    v1.include_router(canaries.router)
     v1.include_router(audit.router)
     app.include_router(v1)
     app.include_router(health.router)

@@ -231,3 +231,127 @@ class Readiness(BaseModel):
 
     status: Literal["ready"]
     checks: dict[str, str]
+
+
+class CanaryRequest(_In):
+    """Serve a gate-passed candidate to a sticky fraction of users beside production."""
+
+    checkpoint_id: CheckpointId
+    fraction: float = Field(gt=0, lt=1, examples=[0.1],
+                            description="share of users served by the candidate (sticky by user id hash)")
+    reason: Reason
+
+
+class CanaryStopRequest(_In):
+    """Why a canary is stopped."""
+
+    reason: Reason
+
+
+class CanaryOut(_Out):
+    """A canary: who started it, its split, and its window."""
+
+    id: uuid.UUID
+    checkpoint_id: str
+    production_id: str
+    fraction: float
+    status: Literal["active", "stopped"]
+    actor: str
+    reason: str
+    gate_decision_id: uuid.UUID | None
+    started_at: datetime
+    stopped_at: datetime | None
+    stopped_by: str | None
+    stop_reason: str | None
+
+
+class CanaryStatusOut(BaseModel):
+    """The active canary (null when none) and the most recent ones."""
+
+    active: CanaryOut | None
+    recent: list[CanaryOut]
+
+
+class SignalValue(BaseModel):
+    """One signal of one checkpoint: the ratio and its 95 % interval clustered by user."""
+
+    value: float
+    low: float
+    high: float
+    se: float
+    users: int
+    sessions: int
+
+
+class SignalSummary(BaseModel):
+    """Every online signal of one checkpoint over a set of sessions (null: not defined yet)."""
+
+    sessions: int
+    users: int
+    signals: dict[str, SignalValue | None]
+
+
+class SignalDiffOut(BaseModel):
+    """canary - production of one signal, with its interval; ``regressed`` when the interval lies
+    wholly on the bad side of 0."""
+
+    unit: str
+    higher_is_better: bool
+    canary: float | None
+    production: float | None
+    diff: float | None
+    low: float | None
+    high: float | None
+    regressed: bool
+
+
+class TimelinePoint(BaseModel):
+    """The comparison on the sessions started up to ``at``."""
+
+    at: datetime
+    canary_sessions: int
+    production_sessions: int
+    signals: dict[str, SignalDiffOut]
+
+
+class CanaryComparison(BaseModel):
+    """The newest canary of a checkpoint versus the production it ran beside."""
+
+    id: uuid.UUID
+    status: str
+    fraction: float
+    production_id: str
+    started_at: datetime
+    stopped_at: datetime | None
+    canary_sessions: int
+    production_sessions: int
+    signals: dict[str, SignalDiffOut]
+    policy_passed: bool
+    policy_reasons: list[str]
+    timeline: list[TimelinePoint]
+
+
+class OnlinePolicyOut(BaseModel):
+    """The online policy the checkpoint's gate decision stored."""
+
+    required: bool
+    min_sessions: int
+    signals: list[str]
+    confidence: float
+
+
+class LineageSignals(SignalSummary):
+    """The online signals of one checkpoint of the lineage."""
+
+    checkpoint_id: str
+    status: str
+
+
+class OnlineReport(BaseModel):
+    """Online product signals of a checkpoint: overall, its canary, and across its lineage."""
+
+    checkpoint_id: str
+    policy: OnlinePolicyOut
+    overall: SignalSummary
+    canary: CanaryComparison | None
+    lineage: list[LineageSignals]

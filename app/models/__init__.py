@@ -1,6 +1,7 @@
 """SQLAlchemy 2 ORM models (``Mapped[]``). Importing this package registers every table."""
 
 from app.models.base import Base
+from app.models.canary import Canary
 from app.models.checkpoints import Checkpoint, CheckpointTrajectory, TrainingCycle
 from app.models.evals import EvalResult, EvalRun, EvalTask, GateDecision
 from app.models.events import ConsumerOffset, DeadLetter, EventLog, Outbox, PrivacyTombstone
@@ -8,7 +9,7 @@ from app.models.promotion import ApiToken, AuditLog, Promotion
 from app.models.trajectories import ErasureRequest, RewardLabel, Trajectory, TrajectorySegment
 
 __all__ = [
-    "Base", "Checkpoint", "CheckpointTrajectory", "TrainingCycle", "EvalResult", "EvalRun", "EvalTask",
+    "Base", "Canary", "Checkpoint", "CheckpointTrajectory", "TrainingCycle", "EvalResult", "EvalRun", "EvalTask",
     "GateDecision", "ConsumerOffset", "DeadLetter", "EventLog", "Outbox", "PrivacyTombstone", "ApiToken",
     "AuditLog", "Promotion", "ErasureRequest", "RewardLabel", "Trajectory", "TrajectorySegment",
 ]

@@ -19,9 +19,11 @@ from app.core.telemetry import inject_headers
 from app.models import Outbox
 
 LIFECYCLE_TYPES = ("checkpoint.created", "checkpoint.promoted", "checkpoint.rolled_back",
-                   "checkpoint.rejected", "gate.decided")
+                   "checkpoint.rejected", "gate.decided", "canary.started", "canary.stopped")
 #: Message types after which serving must move to a new production checkpoint.
 PRODUCTION_CHANGES = ("checkpoint.promoted", "checkpoint.rolled_back")
+#: Message types after which serving starts or stops routing a fraction of users to a canary.
+CANARY_CHANGES = ("canary.started", "canary.stopped")
 
 
 def enqueue_lifecycle(session: Session, event_type: str, checkpoint_id: str, **fields: Any) -> Outbox:

@@ -9,8 +9,12 @@ Invariants (with the database's help):
   the checkpoint that is production now, and its status is ``gate_passed``), a STABLE directory,
   and the caller's ``expected_production_id`` equal to the current production (optimistic
   concurrency: of two concurrent promotions exactly one wins, the other gets a 409);
+- when the gate's stored config says ``[online] required``, a promotion also needs a canary of the
+  candidate against this production in which no online signal regressed significantly, with
+  enough sessions on both arms (``app.promotion.online``; fails closed);
 - each change writes, in the caller's ONE transaction: the ``promotion`` row, the status changes,
-  an ``audit_log`` entry and an ``outbox`` lifecycle message.
+  an ``audit_log`` entry and an ``outbox`` lifecycle message; it also stops the active canary
+  (its comparison was against the production that leaves).
 
 Functions flush and never commit: the boundary (HTTP request, CLI command) commits. No FastAPI here.
 """
@@ -30,6 +34,8 @@ from app.checkpoint_store import STABLE
 from app.core.errors import ConflictError, NotFoundError
 from app.models import Checkpoint, GateDecision, Promotion
 from app.promotion.audit import record_audit
+from app.promotion.online import online_reasons
+from app.promotion.online_stats import OnlinePolicy
 from app.promotion.outbox import enqueue_lifecycle
 from app.repositories.checkpoints import get_production
 from app.core.telemetry import traced
@@ -134,6 +140,9 @@ def _commit_production_change(session: Session, *, kind: str, action: str, row: 
                               extra_details: dict | None = None) -> ProductionChange:
     """The one transaction shape of every production change: status switch, promotion row, audit
     entry and lifecycle outbox row, all in the caller's transaction."""
+    from app.promotion.canary import end_canary_for_change  # canary builds on this module's helpers
+
+    end_canary_for_change(session, actor=actor, new_production_id=row.id)
     _switch_production(session, new=row, previous=current)
     promo = Promotion(id=uuid.uuid4(), kind=kind, checkpoint_id=row.id,
                       previous_production_id=current.id if current else None, actor=actor, reason=reason,
@@ -155,7 +164,9 @@ def promote_checkpoint(session: Session, *, checkpoint_id: str, expected_product
     Raises:
         NotFoundError: no such checkpoint.
         ConflictError: with every reason the promotion is refused (gate missing/failed/stale,
-            wrong status, not STABLE, trained on erased data, stale ``expected_production_id``).
+            wrong status, not STABLE, trained on erased data, stale ``expected_production_id``,
+            and, when the online policy is required, no canary, too few sessions or a signal of
+            the canary that regressed significantly).
     """
     current = _lock_production(session)
     row = _lock_checkpoint(session, checkpoint_id)
@@ -174,6 +185,8 @@ def promote_checkpoint(session: Session, *, checkpoint_id: str, expected_product
         if current is not None and gate.production_id != current.id:
             reasons.append(f"the gate compared against {gate.production_id}, but production is now "
                            f"{current.id}: re-run the gate")
+        policy = OnlinePolicy.from_config((gate.report or {}).get("config"))
+        reasons.extend(online_reasons(session, row.id, current.id if current else None, policy))
     if row.status != "gate_passed":
         reasons.append(f"checkpoint status is {row.status!r}, not 'gate_passed'")
     _check_servable(row, current, expected_production_id, reasons)

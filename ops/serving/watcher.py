@@ -1,5 +1,7 @@
 """Serving follows production: consume ``checkpoint.promoted`` / ``checkpoint.rolled_back`` from the
-lifecycle topic and move the inference engine to the new production checkpoint.
+lifecycle topic and move the inference engine to the new production checkpoint; with a
+``ops.serving.canary.CanaryFollower`` attached, also start and stop the canary engine on
+``canary.started`` / ``canary.stopped``.
 
 Invariants:
 
@@ -14,8 +16,9 @@ Invariants:
   (the torch engine, ``flywheel serve``); by a full load otherwise (rollbacks, unrelated lineage, a
   missing or failing delta, vLLM, which can only reload a folder). Every move is logged with its
   method and counted in the ``flywheel.serving.weight_moves`` metric (attribute ``method``).
-- What serves is reported in ``$FLYWHEEL_HOME/serving.json`` (atomic replace), together with the
-  Kafka positions and the dedupe state, so a restarted watcher resumes where it stopped.
+- What serves (production, and the canary when one runs) is reported in ``$FLYWHEEL_HOME/serving.json``
+  (atomic replace), together with the Kafka positions and the dedupe state, so a restarted watcher
+  resumes where it stopped.
 
 Every serving replica runs its own watcher over ALL partitions (manual assignment, not a consumer
 group): each replica must see every production change.
@@ -35,6 +38,7 @@ from app.checkpoint_store import STABLE, CheckpointStore
 from app.core.errors import CheckpointError, InfrastructureError
 from app.core.telemetry import meter
 from app.promotion.serving_state import read_serving_state, write_serving_state
+from ops.serving.canary import CANARY_CHANGES, CanaryFollower, EngineRouter
 
 log = logging.getLogger("flywheel.watcher")
 _moves = meter("flywheel.serving").create_counter(
@@ -156,9 +160,11 @@ class ProductionFollower:
         engine: the inference engine to move.
         store: where checkpoints live when a message's paths do not resolve.
         home: directory of ``serving.json`` (default ``$FLYWHEEL_HOME``).
+        canary: follows canary changes too (its canary, if ``serving.json`` names one, is rebuilt).
     """
 
-    def __init__(self, engine: Engine, *, store: CheckpointStore | None = None, home: Path | None = None) -> None:
+    def __init__(self, engine: Engine, *, store: CheckpointStore | None = None, home: Path | None = None,
+                 canary: CanaryFollower | None = None) -> None:
         self.engine = engine
         self.store = store or CheckpointStore.from_settings()
         self.home = home
@@ -167,6 +173,9 @@ class ProductionFollower:
         self.applied_outbox_id: int = int(state.get("applied_outbox_id") or 0)
         self.offsets: dict[str, int] = dict(state.get("offsets") or {})
         self.moves: list[Move] = []
+        self.canary = canary
+        if canary is not None:
+            canary.restore(state)
 
     def accept(self, payload: dict[str, Any], headers: Iterable[tuple[str, bytes]] | None = None) -> bool:
         """Whether a message is a production change not applied before and newer than the applied one
@@ -209,15 +218,24 @@ class ProductionFollower:
         return move
 
     def handle_batch(self, messages: Sequence[tuple[dict[str, Any], Sequence[tuple[str, bytes]] | None]]) -> Move | None:
-        """Apply only the newest accepted production change of a batch (see module docstring)."""
+        """Apply only the newest accepted production change of a batch (see module docstring), then
+        the newest canary change when a canary follower is attached. Returns the production move."""
         accepted = [(p, h) for p, h in messages if self.accept(p, h)]
-        if not accepted:
-            return None
-        newest = max((p for p, _ in accepted), key=lambda p: (p.get("outbox_id") or 0))
-        move = self.apply(newest)
-        for p, h in accepted:  # superseded changes of the batch count as handled too
-            self.deduper.add(message_identity(p, h))
-        self.report(last_event=newest, method=move.method)
+        move = None
+        if accepted:
+            newest = max((p for p, _ in accepted), key=lambda p: (p.get("outbox_id") or 0))
+            move = self.apply(newest)
+            for p, h in accepted:  # superseded changes of the batch count as handled too
+                self.deduper.add(message_identity(p, h))
+            self.report(last_event=newest, method=move.method)
+        if self.canary is not None:
+            changes = [(p, h) for p, h in messages
+                       if p.get("type") in CANARY_CHANGES and not self.deduper.seen(message_identity(p, h))]
+            if changes:
+                self.canary.handle([p for p, _ in changes])
+                for p, h in changes:
+                    self.deduper.add(message_identity(p, h))
+                self.report()
         return move
 
     def report(self, *, last_event: dict[str, Any] | None = None, method: str | None = None) -> None:
@@ -231,6 +249,7 @@ class ProductionFollower:
             "applied_outbox_id": self.applied_outbox_id,
             "seen_event_ids": self.deduper.ids(),
             "offsets": self.offsets,
+            **(self.canary.state() if self.canary is not None else {}),
         }, self.home)
 
 
@@ -242,7 +261,8 @@ class ServingWatcher:
     """
 
     def __init__(self, engine: Engine, *, bootstrap: str | None = None, topic: str | None = None,
-                 store: CheckpointStore | None = None, home: Path | None = None) -> None:
+                 store: CheckpointStore | None = None, home: Path | None = None,
+                 canary: CanaryFollower | None = None) -> None:
         from app.core.settings import get_settings
 
         kafka = get_settings().kafka
@@ -250,7 +270,7 @@ class ServingWatcher:
         if not self.bootstrap:
             raise InfrastructureError("no broker configured: set FLYWHEEL_KAFKA_BOOTSTRAP or run `flywheel stack up`")
         self.topic = topic or kafka.lifecycle_topic
-        self.follower = ProductionFollower(engine, store=store, home=home)
+        self.follower = ProductionFollower(engine, store=store, home=home, canary=canary)
         self._consumer = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -378,14 +398,14 @@ def _initial_checkpoint() -> tuple[str | None, Path | None]:
 
 def run_watch(*, once: bool = False) -> None:
     """``flywheel watch``: build the configured engine on the last served (or production)
-    checkpoint, report it, then follow production changes until SIGTERM."""
+    checkpoint, report it, then follow production and canary changes until SIGTERM."""
     import signal
 
     from ops.serving.engine import setup_engine
 
     checkpoint_id, path = _initial_checkpoint()
     engine = setup_engine(checkpoint_id=checkpoint_id, model_dir=path)
-    watcher = ServingWatcher(engine)
+    watcher = ServingWatcher(engine, canary=CanaryFollower(EngineRouter(engine)))
     watcher.follower.report()
     signal.signal(signal.SIGTERM, lambda *_: watcher._stop.set())
     try:

@@ -9,10 +9,11 @@ from fastapi import APIRouter, Path, Query
 from app.api.deps import RejecterDep, SessionDep, ViewerDep
 from app.api.errors import AUTH_RESPONSES, CONFLICT, NOT_FOUND, model_response
 from app.api.schemas import (CHECKPOINT_ID_PATTERN, CheckpointDetail, CheckpointStatus, CheckpointSummary,
-                             EvalReport, GateSummary, Lineage, Page, RejectRequest)
+                             EvalReport, GateSummary, Lineage, OnlineReport, Page, RejectRequest)
 from app.models import GateDecision
 from app.promotion import queries
-from app.promotion.service import latest_gate_decision, reject_checkpoint
+from app.promotion.online import online_view
+from app.promotion.service import latest_gate_decision, lineage, reject_checkpoint
 from app.repositories.checkpoints import get_checkpoint
 
 router = APIRouter(prefix="/checkpoints", tags=["checkpoints"], responses=AUTH_RESPONSES)
@@ -64,6 +65,18 @@ def get_checkpoint_evals(checkpoint_id: CheckpointPath, session: SessionDep, _: 
     gate = view.pop("gate")
     return EvalReport(checkpoint_id=row.id, gate=gate_summary(gate), gate_report=(gate.report if gate else {}) or {},
                       **view)
+
+
+@router.get("/{checkpoint_id}/online", response_model=OnlineReport, responses=NOT_FOUND,
+            summary="Online product signals: overall, the canary versus production, the lineage")
+def get_checkpoint_online(checkpoint_id: CheckpointPath, session: SessionDep, _: ViewerDep):
+    """From finalized sessions served by the checkpoint: edit acceptance, edit persistence,
+    dissatisfied follow-ups per session, serving seconds per token, mean reward and sessions, each
+    with a 95 % interval clustered by user (delta method, Deng et al. 2018). With a canary: canary
+    minus production over the canary's window, its timeline, and the online policy's verdict with
+    every reason. ``lineage`` gives the same signals for each ancestor checkpoint."""
+    row = get_checkpoint(session, checkpoint_id)
+    return model_response(OnlineReport.model_validate(online_view(session, row, lineage_rows=lineage(session, row.id))))
 
 
 @router.post("/{checkpoint_id}/reject", response_model=CheckpointSummary, responses={**NOT_FOUND, **CONFLICT},
