@@ -89,8 +89,10 @@ def _runs_table(summaries):
     from rich.console import Group
     from rich.table import Table
 
+    from evals.passk import format_pass_at_k
+
     t = Table(title="eval runs")
-    for col in ("suite", "checkpoint", "status", "done", "pass rate", "95% CI", "sessions"):
+    for col in ("suite", "checkpoint", "status", "done", "pass rate", "95% CI", "pass@k, best-of-K", "sessions"):
         t.add_column(col, justify="right" if col in ("done", "pass rate") else "left", overflow="fold")
     b = Table(title="behaviour")
     for col in ("suite", "checkpoint", "tool-call errors", "asked", "edited", "tokens", "latency s"):
@@ -98,7 +100,7 @@ def _runs_table(summaries):
     for s in summaries:
         m = s.monitors or {}
         t.add_row(s.suite, s.checkpoint_id, s.status, f"{s.done}/{s.planned}", f"{s.pass_rate:.1%}",
-                  f"[{s.low:.1%}, {s.high:.1%}]",
+                  f"[{s.low:.1%}, {s.high:.1%}]", format_pass_at_k(s.pass_at_k, s.samples_per_task, s.best_of_k),
                   "cached run" if s.cached else f"{s.ran} ran, {s.reused} reused")
         b.add_row(s.suite, s.checkpoint_id, f"{m.get('invalid_tool_call_rate', 0):.1%}",
                   f"{m.get('clarifying_question_rate', 0):.1%}", f"{m.get('edit_rate', 0):.1%}",
@@ -201,6 +203,11 @@ def gate_cmd(candidate: str = typer.Argument(..., help="candidate checkpoint id"
         typer.echo(json.dumps({"decision_id": outcome.decision_id, "candidate_id": candidate,
                                "production_id": outcome.production_id, "passed": outcome.result.passed,
                                "failures": [r.message for r in outcome.result.failures()],
+                               "sampling": {n: {"samples_per_task": x.samples_per_task,
+                                                "candidate": x.candidate_sampling and x.candidate_sampling.model_dump(),
+                                                "production": x.production_sampling
+                                                and x.production_sampling.model_dump()}
+                                            for n, x in outcome.result.suites.items()},
                                "report_path": outcome.report_path}))
     if strict and not outcome.result.passed:
         raise typer.Exit(1)
@@ -210,10 +217,15 @@ def explain(console, outcome) -> None:
     """Print a gate outcome: per-suite table, every reason, the report location."""
     from rich.table import Table
 
+    from evals.passk import format_sampling
+
     r = outcome.result
     t = Table(title=f"gate {outcome.candidate_id} vs {outcome.production_id}")
     for col in ("suite", "gated", "pairs", "candidate", "production", "diff", "diff CI", "solved / broken", "verdict"):
         t.add_column(col)
+    k = Table(title="pass@k and best-of-K (unbiased pass@k, Chen et al. 2021; mean over tasks)")
+    for col in ("suite", "tasks x samples", "candidate", "production"):
+        k.add_column(col)
     for s in r.suites.values():
         fmt = (lambda p: f"{p.rate:.1%} [{p.low:.0%}, {p.high:.0%}]" if p else "-")
         t.add_row(s.suite, "yes" if s.gated else "no", str(s.n_pairs), fmt(s.candidate), fmt(s.production),
@@ -221,7 +233,10 @@ def explain(console, outcome) -> None:
                   "-" if s.diff_low is None else f"[{s.diff_low:+.1%}, {s.diff_high:+.1%}]",
                   f"{len(s.newly_solved)} / {len(s.newly_broken)}",
                   "[green]pass[/green]" if s.passed else "[red]fail[/red]")
+        k.add_row(s.suite, f"{s.n_tasks} x {s.samples_per_task}", format_sampling(s.candidate_sampling),
+                  format_sampling(s.production_sampling))
     console.print(t)
+    console.print(k)
     for reason in r.reasons:
         mark = "[green]✓[/green]" if reason.passed else ("[red]✗[/red]" if reason.gated else "[yellow]·[/yellow]")
         console.print(f" {mark} {reason.message}", highlight=False)

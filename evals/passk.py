@@ -20,7 +20,7 @@ report of the same run agree.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -85,11 +85,18 @@ def sampling_report(outcomes: Sequence[Outcome], samples_per_task: int | None = 
                           best_of_k=solved / len(full) if full else 0.0, best_of_k_tasks=solved)
 
 
+def format_pass_at_k(pass_at_k: Mapping[str, float], samples_per_task: int, best_of_k: float | None) -> str:
+    """One line for tables and reports: ``pass@1 52.0% · pass@4 81.3% · best-of-4 81.3%`` ("-" when empty)."""
+    if not pass_at_k:
+        return "-"
+    parts = [f"pass@{k} {v:.1%}" for k, v in sorted(pass_at_k.items(), key=lambda kv: int(kv[0]))]
+    if samples_per_task > 1 and best_of_k is not None:
+        parts.append(f"best-of-{samples_per_task} {best_of_k:.1%}")
+    return " · ".join(parts)
+
+
 def format_sampling(report: SamplingReport | None) -> str:
-    """One line for tables: ``pass@1 52.0% · pass@4 81.3% · best-of-4 13/16``."""
+    """:func:`format_pass_at_k` of a :class:`~evals.gate_models.SamplingReport` ("-" for None)."""
     if report is None:
         return "-"
-    parts = [f"pass@{k} {v:.1%}" for k, v in sorted(report.pass_at_k.items(), key=lambda kv: int(kv[0]))]
-    if report.samples_per_task > 1:
-        parts.append(f"best-of-{report.samples_per_task} {report.best_of_k_tasks}/{report.n_tasks}")
-    return " · ".join(parts)
+    return format_pass_at_k(report.pass_at_k, report.samples_per_task, report.best_of_k)
