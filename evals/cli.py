@@ -118,13 +118,14 @@ def eval_suites() -> None:
 
     gate = load_gate_config()
     t = Table(title="eval suites")
-    for col in ("suite", "version", "source", "split", "samples", "limit", "turns", "tokens", "gated"):
+    for col in ("suite", "version", "source", "split", "samples", "temperature", "limit", "turns", "tokens", "gated",
+                "margin"):
         t.add_column(col)
     for name in list_suites():
         s = load_suite(name)
-        t.add_row(name, s.version, s.source, s.split, str(s.samples_per_task), str(s.limit or "all"),
-                  str(s.budget.max_turns), str(s.budget.max_completion_tokens),
-                  "yes" if name in gate.gated_suites() else "no")
+        t.add_row(name, s.version, s.source, s.split, str(s.samples_per_task), f"{s.sampling.temperature:g}",
+                  str(s.limit or "all"), str(s.budget.max_turns), str(s.budget.max_completion_tokens),
+                  "yes" if name in gate.gated_suites() else "no", f"{gate.for_suite(name).tolerance:.1%}")
     Console().print(t)
 
 
