@@ -32,17 +32,20 @@ LIMIT = typer.Option(None, "--limit", "-n", min=1, help="seeded subset of N task
 WORKERS = typer.Option(1, "--workers", "-w", min=1, help="concurrent sandboxes")
 MAX_TURNS = typer.Option(None, "--max-turns", min=1, help="override the suite's turn budget")
 MAX_TOKENS = typer.Option(None, "--max-tokens", min=1, help="override completion tokens per turn")
+SAMPLES = typer.Option(None, "--samples", "-k", min=1, max=64,
+                       help="override samples per task (smoke runs; the gate was sized for the suite's own)")
 
 
-def _overrides(max_turns: int | None, max_tokens: int | None) -> dict[str, int]:
-    return {k: v for k, v in (("max_turns", max_turns), ("max_tokens_per_turn", max_tokens)) if v is not None}
+def _overrides(max_turns: int | None, max_tokens: int | None, samples: int | None = None) -> dict[str, int]:
+    return {k: v for k, v in (("max_turns", max_turns), ("max_tokens_per_turn", max_tokens),
+                              ("samples_per_task", samples)) if v is not None}
 
 
 @eval_app.command("run")
 def eval_run(checkpoint: str = typer.Argument(..., help="checkpoint id, e.g. base"),
              suite: list[str] = typer.Option(..., "--suite", "-s", help="suite name (repeatable)"),
              limit: int | None = LIMIT, workers: int = WORKERS, max_turns: int | None = MAX_TURNS,
-             max_tokens: int | None = MAX_TOKENS,
+             max_tokens: int | None = MAX_TOKENS, samples: int | None = SAMPLES,
              force: bool = typer.Option(False, help="re-run even if a succeeded run of this plan exists"),
              as_json: bool = typer.Option(False, "--json", help="print one JSON line per suite")) -> None:
     """Run SUITE against CHECKPOINT in the agent harness; resumes an interrupted run of the same plan."""
@@ -57,7 +60,7 @@ def eval_run(checkpoint: str = typer.Argument(..., help="checkpoint id, e.g. bas
     console = Console(stderr=as_json)
     summaries = []
     for name in suite:
-        cfg = load_suite(name).with_overrides(limit=limit, **_overrides(max_turns, max_tokens))
+        cfg = load_suite(name).with_overrides(limit=limit, **_overrides(max_turns, max_tokens, samples))
         with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[rate]}"),
                       TimeElapsedColumn(), console=console, transient=as_json) as progress:
             bar = progress.add_task(f"{checkpoint} · {name}", total=None, rate="")
@@ -174,7 +177,7 @@ def gate_cmd(candidate: str = typer.Argument(..., help="candidate checkpoint id"
              production: str | None = typer.Option(None, "--production", help="baseline (default: production)"),
              suite: list[str] | None = typer.Option(None, "--suite", "-s", help="suites to run (default: gated ones)"),
              limit: int | None = LIMIT, workers: int = WORKERS, max_turns: int | None = MAX_TURNS,
-             max_tokens: int | None = MAX_TOKENS,
+             max_tokens: int | None = MAX_TOKENS, samples: int | None = SAMPLES,
              config: Path | None = typer.Option(None, "--config", exists=True, dir_okay=False,
                                                 help="gate policy TOML (default evals/gate.toml)"),
              min_pairs: int | None = typer.Option(None, "--min-pairs", min=1,
@@ -197,7 +200,7 @@ def gate_cmd(candidate: str = typer.Argument(..., help="candidate checkpoint id"
 
     console.print(f"gating [bold]{candidate}[/bold]")
     outcome = gate_candidate(candidate, production_id=production, config=load_gate_config(config).with_min_pairs(min_pairs),
-                             suites=suite or None, limit=limit, overrides=_overrides(max_turns, max_tokens),
+                             suites=suite or None, limit=limit, overrides=_overrides(max_turns, max_tokens, samples),
                              workers=workers, on_run=on_run)
     explain(console, outcome)
     if as_json:

@@ -105,8 +105,9 @@ class SuiteConfig(_Strict):
         return self if limit is None else self.model_copy(update={"limit": limit})
 
     def with_overrides(self, *, limit: int | None = None, max_turns: int | None = None,
-                       max_tokens_per_turn: int | None = None) -> "SuiteConfig":
-        """A validated copy with a task limit and/or smaller budgets (smoke runs on a CPU).
+                       max_tokens_per_turn: int | None = None, samples_per_task: int | None = None) -> "SuiteConfig":
+        """A validated copy with a task limit, fewer samples per task and/or smaller budgets (smoke
+        runs on a CPU; a gate on fewer samples than the suite was sized for has less power).
 
         ``max_tokens_per_turn`` also caps the session budget at ``max_turns * max_tokens_per_turn``.
         """
@@ -121,6 +122,8 @@ class SuiteConfig(_Strict):
         data["budget"] = budget
         if limit is not None:
             data["limit"] = limit
+        if samples_per_task is not None:
+            data["samples_per_task"] = samples_per_task
         return SuiteConfig.model_validate(data)
 
     def fingerprint(self, task_keys: list[str]) -> str:

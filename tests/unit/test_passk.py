@@ -120,3 +120,18 @@ def test_samples_of_a_task_move_together_in_the_interval():
                  [Outcome(f"t{t}", s, bool(solved_p[t])) for t in range(30) for s in range(8)], 0.05).suites["s"]
     assert eight.n_pairs == 8 * one.n_pairs and eight.diff == pytest.approx(one.diff)
     assert eight.diff_low == pytest.approx(one.diff_low, abs=0.02)
+
+
+def test_shipped_suites_with_several_samples_sample_at_a_temperature_and_smoke_runs_can_take_fewer():
+    from evals.config import list_suites, load_gate_config, load_suite
+
+    gate = load_gate_config()
+    for name in list_suites():
+        s = load_suite(name)
+        if s.samples_per_task > 1:
+            assert s.sampling.temperature > 0, name  # greedy samples would be identical copies
+            assert gate.for_suite(name).tolerance > 0.02, name  # sized margin, not the round-1 default
+    he = load_suite("humaneval")
+    one = he.with_overrides(samples_per_task=1, limit=4)
+    assert one.samples_per_task == 1 and one.limit == 4 and he.samples_per_task > 1
+    assert one.fingerprint(["a"]) != he.with_overrides(limit=4).fingerprint(["a"])
