@@ -216,7 +216,9 @@ def step_gate(opts: DemoOptions, state: DemoState, home: Path) -> str:
     if decided is not None:
         return f"gate already decided: {'passed' if decided else 'failed'}"
     # Every gated suite runs (mined is empty until tasks are mined, which the gate allows).
-    flywheel(["gate", candidate, "--limit", str(opts.eval_tasks),
+    # One sample per task: the suites' own samples_per_task (sized for power, docs/gate.md) would
+    # multiply the demo's eval time by k.
+    flywheel(["gate", candidate, "--limit", str(opts.eval_tasks), "--samples", "1",
               "--max-turns", str(opts.eval_max_turns), "--max-tokens", str(opts.eval_max_tokens),
               "--min-pairs", str(opts.eval_tasks), "--workers", "2"], opts)
     decided = _db_scalar("SELECT passed FROM gate_decision WHERE candidate_id = :c ORDER BY created_at DESC LIMIT 1",
