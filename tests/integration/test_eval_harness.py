@@ -163,7 +163,8 @@ def test_flywheel_eval_runs_a_real_model_end_to_end(db, tiny_model_dir):
     path = publish_folder(tiny_model_dir, "tiny", {"id": "tiny"})
     with session_scope() as s:
         add_checkpoint(s, checkpoint_id="tiny", path=str(path))
-    args = ["eval", "tiny", "--suite", "humaneval", "--limit", "2", "--max-turns", "2", "--max-tokens", "24"]
+    args = ["eval", "tiny", "--suite", "humaneval", "--limit", "2", "--samples", "1", "--max-turns", "2",
+            "--max-tokens", "24"]
     result = CliRunner().invoke(app, args, catch_exceptions=False)
     assert result.exit_code == 0, result.output
     assert "humaneval" in result.output and "95% CI" in result.output
