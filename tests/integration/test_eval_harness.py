@@ -78,7 +78,7 @@ def results_of(run_id: str) -> list[EvalResult]:
 
 @pytest.mark.parametrize("source,n", [("humaneval", 4), ("dataframebench", 3)])
 def test_reference_solutions_pass_through_the_runner(ckpt, tokenizer, source, n):
-    suite = load_suite(source).with_overrides(limit=n)
+    suite = load_suite(source).with_overrides(limit=n, samples_per_task=1)
     tasks = load_tasks(source, suite.split, limit=n, seed=suite.seed)
     engine = Router(tokenizer, {t.request: ScriptedPolicy.submitting(tokenizer, t, run_command="python -c 'import solution'")
                                 for t in tasks})
