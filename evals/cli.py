@@ -33,17 +33,20 @@ WORKERS = typer.Option(None, "--workers", "-w", min=1,
                        help="concurrent sessions (default: 64 with the torch engine, else 1)")
 MAX_TURNS = typer.Option(None, "--max-turns", min=1, help="override the suite's turn budget")
 MAX_TOKENS = typer.Option(None, "--max-tokens", min=1, help="override completion tokens per turn")
+SAMPLES = typer.Option(None, "--samples", "-k", min=1, max=64,
+                       help="override samples per task (smoke runs; the gate was sized for the suite's own)")
 
 
-def _overrides(max_turns: int | None, max_tokens: int | None) -> dict[str, int]:
-    return {k: v for k, v in (("max_turns", max_turns), ("max_tokens_per_turn", max_tokens)) if v is not None}
+def _overrides(max_turns: int | None, max_tokens: int | None, samples: int | None = None) -> dict[str, int]:
+    return {k: v for k, v in (("max_turns", max_turns), ("max_tokens_per_turn", max_tokens),
+                              ("samples_per_task", samples)) if v is not None}
 
 
 @eval_app.command("run")
 def eval_run(checkpoint: str = typer.Argument(..., help="checkpoint id, e.g. base"),
              suite: list[str] = typer.Option(..., "--suite", "-s", help="suite name (repeatable)"),
              limit: int | None = LIMIT, workers: int | None = WORKERS, max_turns: int | None = MAX_TURNS,
-             max_tokens: int | None = MAX_TOKENS,
+             max_tokens: int | None = MAX_TOKENS, samples: int | None = SAMPLES,
              force: bool = typer.Option(False, help="re-run even if a succeeded run of this plan exists"),
              as_json: bool = typer.Option(False, "--json", help="print one JSON line per suite")) -> None:
     """Run SUITE against CHECKPOINT in the agent harness; resumes an interrupted run of the same plan."""
@@ -58,7 +61,7 @@ def eval_run(checkpoint: str = typer.Argument(..., help="checkpoint id, e.g. bas
     console = Console(stderr=as_json)
     summaries = []
     for name in suite:
-        cfg = load_suite(name).with_overrides(limit=limit, **_overrides(max_turns, max_tokens))
+        cfg = load_suite(name).with_overrides(limit=limit, **_overrides(max_turns, max_tokens, samples))
         with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[rate]}"),
                       TimeElapsedColumn(), console=console, transient=as_json) as progress:
             bar = progress.add_task(f"{checkpoint} · {name}", total=None, rate="")
@@ -90,8 +93,10 @@ def _runs_table(summaries):
     from rich.console import Group
     from rich.table import Table
 
+    from evals.passk import format_pass_at_k
+
     t = Table(title="eval runs")
-    for col in ("suite", "checkpoint", "status", "done", "pass rate", "95% CI", "sessions"):
+    for col in ("suite", "checkpoint", "status", "done", "pass rate", "95% CI", "pass@k, best-of-K", "sessions"):
         t.add_column(col, justify="right" if col in ("done", "pass rate") else "left", overflow="fold")
     b = Table(title="behaviour")
     for col in ("suite", "checkpoint", "tool-call errors", "asked", "edited", "tokens", "latency s"):
@@ -99,7 +104,7 @@ def _runs_table(summaries):
     for s in summaries:
         m = s.monitors or {}
         t.add_row(s.suite, s.checkpoint_id, s.status, f"{s.done}/{s.planned}", f"{s.pass_rate:.1%}",
-                  f"[{s.low:.1%}, {s.high:.1%}]",
+                  f"[{s.low:.1%}, {s.high:.1%}]", format_pass_at_k(s.pass_at_k, s.samples_per_task, s.best_of_k),
                   "cached run" if s.cached else f"{s.ran} ran, {s.reused} reused")
         b.add_row(s.suite, s.checkpoint_id, f"{m.get('invalid_tool_call_rate', 0):.1%}",
                   f"{m.get('clarifying_question_rate', 0):.1%}", f"{m.get('edit_rate', 0):.1%}",
@@ -117,13 +122,14 @@ def eval_suites() -> None:
 
     gate = load_gate_config()
     t = Table(title="eval suites")
-    for col in ("suite", "version", "source", "split", "samples", "limit", "turns", "tokens", "gated"):
+    for col in ("suite", "version", "source", "split", "samples", "temperature", "limit", "turns", "tokens", "gated",
+                "margin"):
         t.add_column(col)
     for name in list_suites():
         s = load_suite(name)
-        t.add_row(name, s.version, s.source, s.split, str(s.samples_per_task), str(s.limit or "all"),
-                  str(s.budget.max_turns), str(s.budget.max_completion_tokens),
-                  "yes" if name in gate.gated_suites() else "no")
+        t.add_row(name, s.version, s.source, s.split, str(s.samples_per_task), f"{s.sampling.temperature:g}",
+                  str(s.limit or "all"), str(s.budget.max_turns), str(s.budget.max_completion_tokens),
+                  "yes" if name in gate.gated_suites() else "no", f"{gate.for_suite(name).tolerance:.1%}")
     Console().print(t)
 
 
@@ -172,7 +178,7 @@ def gate_cmd(candidate: str = typer.Argument(..., help="candidate checkpoint id"
              production: str | None = typer.Option(None, "--production", help="baseline (default: production)"),
              suite: list[str] | None = typer.Option(None, "--suite", "-s", help="suites to run (default: gated ones)"),
              limit: int | None = LIMIT, workers: int | None = WORKERS, max_turns: int | None = MAX_TURNS,
-             max_tokens: int | None = MAX_TOKENS,
+             max_tokens: int | None = MAX_TOKENS, samples: int | None = SAMPLES,
              config: Path | None = typer.Option(None, "--config", exists=True, dir_okay=False,
                                                 help="gate policy TOML (default evals/gate.toml)"),
              min_pairs: int | None = typer.Option(None, "--min-pairs", min=1,
@@ -195,13 +201,18 @@ def gate_cmd(candidate: str = typer.Argument(..., help="candidate checkpoint id"
 
     console.print(f"gating [bold]{candidate}[/bold]")
     outcome = gate_candidate(candidate, production_id=production, config=load_gate_config(config).with_min_pairs(min_pairs),
-                             suites=suite or None, limit=limit, overrides=_overrides(max_turns, max_tokens),
+                             suites=suite or None, limit=limit, overrides=_overrides(max_turns, max_tokens, samples),
                              workers=workers, on_run=on_run)
     explain(console, outcome)
     if as_json:
         typer.echo(json.dumps({"decision_id": outcome.decision_id, "candidate_id": candidate,
                                "production_id": outcome.production_id, "passed": outcome.result.passed,
                                "failures": [r.message for r in outcome.result.failures()],
+                               "sampling": {n: {"samples_per_task": x.samples_per_task,
+                                                "candidate": x.candidate_sampling and x.candidate_sampling.model_dump(),
+                                                "production": x.production_sampling
+                                                and x.production_sampling.model_dump()}
+                                            for n, x in outcome.result.suites.items()},
                                "report_path": outcome.report_path}))
     if strict and not outcome.result.passed:
         raise typer.Exit(1)
@@ -211,10 +222,15 @@ def explain(console, outcome) -> None:
     """Print a gate outcome: per-suite table, every reason, the report location."""
     from rich.table import Table
 
+    from evals.passk import format_sampling
+
     r = outcome.result
     t = Table(title=f"gate {outcome.candidate_id} vs {outcome.production_id}")
     for col in ("suite", "gated", "pairs", "candidate", "production", "diff", "diff CI", "solved / broken", "verdict"):
         t.add_column(col)
+    k = Table(title="pass@k and best-of-K (unbiased pass@k, Chen et al. 2021; mean over tasks)")
+    for col in ("suite", "tasks x samples", "candidate", "production"):
+        k.add_column(col)
     for s in r.suites.values():
         fmt = (lambda p: f"{p.rate:.1%} [{p.low:.0%}, {p.high:.0%}]" if p else "-")
         t.add_row(s.suite, "yes" if s.gated else "no", str(s.n_pairs), fmt(s.candidate), fmt(s.production),
@@ -222,7 +238,10 @@ def explain(console, outcome) -> None:
                   "-" if s.diff_low is None else f"[{s.diff_low:+.1%}, {s.diff_high:+.1%}]",
                   f"{len(s.newly_solved)} / {len(s.newly_broken)}",
                   "[green]pass[/green]" if s.passed else "[red]fail[/red]")
+        k.add_row(s.suite, f"{s.n_tasks} x {s.samples_per_task}", format_sampling(s.candidate_sampling),
+                  format_sampling(s.production_sampling))
     console.print(t)
+    console.print(k)
     for reason in r.reasons:
         mark = "[green]✓[/green]" if reason.passed else ("[red]✗[/red]" if reason.gated else "[yellow]·[/yellow]")
         console.print(f" {mark} {reason.message}", highlight=False)

@@ -51,7 +51,8 @@ class SamplingConfig(_Strict):
     """Decoding for eval sessions (mirrors ``ops.serving.engine.SamplingParams``)."""
 
     temperature: float = Field(default=0.0, ge=0.0)
-    """0 means greedy; use > 0 with ``samples_per_task`` > 1."""
+    """0 means greedy. With ``samples_per_task`` > 1 use the serving temperature (0.7,
+    ``ops.serving.engine.SamplingParams``): greedy samples are identical and add no information."""
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     """Nucleus sampling mass."""
 
@@ -79,7 +80,9 @@ class SuiteConfig(_Strict):
     split: str = "test"
     """Split of the source; DataFrameBench's ``train`` is for training and refused here."""
     samples_per_task: int = Field(default=1, ge=1, le=64)
-    """Independent agent sessions per task (paired by ``sample_index`` in the gate)."""
+    """Independent agent sessions per task, K (paired by ``sample_index`` in the gate; the run
+    summary reports pass@1, pass@K and best-of-K). Sized with ``tolerance`` by
+    ``bench/gate_power.py`` (docs/gate.md)."""
     limit: int | None = Field(default=None, ge=1)
     """Maximum number of tasks (a seeded subset); None runs every task."""
     seed: int = 0
@@ -102,8 +105,9 @@ class SuiteConfig(_Strict):
         return self if limit is None else self.model_copy(update={"limit": limit})
 
     def with_overrides(self, *, limit: int | None = None, max_turns: int | None = None,
-                       max_tokens_per_turn: int | None = None) -> "SuiteConfig":
-        """A validated copy with a task limit and/or smaller budgets (smoke runs on a CPU).
+                       max_tokens_per_turn: int | None = None, samples_per_task: int | None = None) -> "SuiteConfig":
+        """A validated copy with a task limit, fewer samples per task and/or smaller budgets (smoke
+        runs on a CPU; a gate on fewer samples than the suite was sized for has less power).
 
         ``max_tokens_per_turn`` also caps the session budget at ``max_turns * max_tokens_per_turn``.
         """
@@ -118,6 +122,8 @@ class SuiteConfig(_Strict):
         data["budget"] = budget
         if limit is not None:
             data["limit"] = limit
+        if samples_per_task is not None:
+            data["samples_per_task"] = samples_per_task
         return SuiteConfig.model_validate(data)
 
     def fingerprint(self, task_keys: list[str]) -> str:
@@ -195,7 +201,11 @@ class SuiteGate(_Strict):
     gated: bool = True
     """Whether this suite decides the gate (ungated suites are reported only)."""
     tolerance: float | None = Field(default=None, ge=0, le=1)
-    """Non-inferiority margin (pass-rate points as a fraction, 0.02 = 2 points)."""
+    """Non-inferiority margin (pass-rate points as a fraction, 0.02 = 2 points): the suite fails when
+    the lower confidence bound of pass@1(candidate) - pass@1(production) is at or below
+    ``-tolerance``. Not the regression the gate must detect: with standard error ``se`` of the
+    difference, an equal candidate fails with probability about ``Phi(1.645 - tolerance / se)``, so
+    the margin and the suite size are chosen together (docs/gate.md, ``bench/gate_power.py``)."""
     floor: float = Field(default=0.0, ge=0, le=1)
     """Absolute minimum pass rate of the candidate."""
     min_pairs: int | None = Field(default=None, ge=1)
@@ -240,7 +250,8 @@ class GateConfig(_Strict):
     """False: the lower bound is one-sided at ``confidence`` (a non-inferiority test at level
     1 - confidence); True: the lower end of a two-sided interval (stricter)."""
     tolerance: float = Field(default=0.02, ge=0, le=1)
-    """Default non-inferiority margin: pass if lower bound of (candidate - production) > -tolerance."""
+    """Default non-inferiority margin: pass if lower bound of (candidate - production) > -tolerance
+    (see :attr:`SuiteGate.tolerance` for how it relates to suite size and power)."""
     bootstrap_resamples: int = Field(default=10_000, ge=200, le=1_000_000)
     """Bootstrap replicates (B)."""
     seed: int = 0

@@ -13,7 +13,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from evals.gate import GateResult
+from evals.gate import GateResult, SamplingReport
+from evals.passk import format_sampling
 
 MAX_LISTED = 200
 
@@ -67,7 +68,7 @@ def render_png(result: GateResult, path: Path, title: str) -> Path:
         ax1.annotate(f"Δ {s.diff:+.1%}\n[{s.diff_low:+.1%}, {s.diff_high:+.1%}]", (i, 1.02), ha="center",
                      va="bottom", fontsize=8, color="tab:green" if s.passed else "tab:red",
                      xycoords=("data", "axes fraction"))
-    ax1.set_xticks(x, [f"{s.suite}\n(n={s.n_pairs})" for s in suites])
+    ax1.set_xticks(x, [f"{s.suite}\n({s.n_tasks} tasks x {s.samples_per_task})" for s in suites])
     ax1.set_ylim(0, 1)
     ax1.set_ylabel("pass rate")
     ax1.legend(loc="upper right", fontsize=8)
@@ -116,7 +117,14 @@ def render_task_diff(report: dict[str, Any]) -> str:
     for f in report["failures"]:
         lines.append(f"- FAIL: {f}")
     for name, d in sorted(report["task_diff"].items()):
-        lines += ["", f"## {name}", "", f"Newly broken ({len(d['newly_broken'])}):"]
+        lines += ["", f"## {name}", ""]
+        suite = report["suites"].get(name, {})
+        for role in ("candidate", "production"):
+            samp = suite.get(f"{role}_sampling")
+            if samp:
+                lines.append(f"- {role}: {format_sampling(SamplingReport.model_validate(samp))} "
+                             f"({samp['n_tasks']} tasks x {samp['samples_per_task']} samples)")
+        lines += ["", f"Newly broken ({len(d['newly_broken'])}):"]
         lines += [f"- {t}" for t in d["newly_broken"]] or ["- none"]
         lines += ["", f"Newly solved ({len(d['newly_solved'])}):"]
         lines += [f"- {t}" for t in d["newly_solved"]] or ["- none"]

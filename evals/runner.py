@@ -33,6 +33,7 @@ from app.core.telemetry import traced
 from evals import store
 from evals.config import SuiteConfig, load_suite
 from evals.gate import monitor_values, wilson_interval
+from evals.passk import sampling_report
 
 if TYPE_CHECKING:
     from evals.tasks.model import Task
@@ -77,6 +78,11 @@ class RunSummary:
     errors: list[str] = field(default_factory=list)
     monitors: dict[str, float] = field(default_factory=dict)
     elapsed_s: float = 0.0
+    samples_per_task: int = 1
+    pass_at_k: dict[str, float] = field(default_factory=dict)
+    """Unbiased pass@k (Chen et al. 2021, eq. 1) by k ("1" and str(samples_per_task))."""
+    best_of_k: float | None = None
+    """Share of tasks with at least one passing sample of ``samples_per_task`` (evals.passk)."""
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -160,12 +166,25 @@ def run_sample(engine: "InferenceEngine", suite: SuiteConfig, task: "Task", samp
 
 
 def _summarize(run, plan: RunPlan, errors: list[str]) -> dict[str, Any]:
+    """The run's stored summary: pass rate with its Wilson interval over all samples, pass@1 and
+    pass@K (K = the plan's samples per task) and best-of-K over tasks (:mod:`evals.passk`), monitors."""
     with session_scope() as session:
         outs = store.outcomes(session, session.merge(run)).outcomes
     k, n = sum(o.passed for o in outs), len(outs)
     low, high = wilson_interval(k, n)
+    samp = sampling_report(outs, plan.suite.samples_per_task)
     return {"planned": len(plan.planned), "done": n, "passed": k, "pass_rate": k / n if n else 0.0,
-            "low": low, "high": high, "errors": errors[:20], "monitors": monitor_values(outs)}
+            "low": low, "high": high, "errors": errors[:20], "monitors": monitor_values(outs),
+            "samples_per_task": plan.suite.samples_per_task,
+            "pass_at_k": samp.pass_at_k if samp else {}, "best_of_k": samp.best_of_k if samp else None}
+
+
+def _summary_fields(s: dict[str, Any]) -> dict[str, Any]:
+    """The :class:`RunSummary` fields of a stored summary (older summaries lack pass@k: empty)."""
+    return {"planned": s.get("planned", 0), "done": s.get("done", 0), "passed": s.get("passed", 0),
+            "pass_rate": s.get("pass_rate", 0.0), "low": s.get("low", 0.0), "high": s.get("high", 1.0),
+            "monitors": s.get("monitors", {}), "samples_per_task": s.get("samples_per_task", 1),
+            "pass_at_k": s.get("pass_at_k", {}), "best_of_k": s.get("best_of_k")}
 
 
 @traced("evals.run", attrs=("checkpoint_id", "suite"))
@@ -207,12 +226,9 @@ def run_suite(checkpoint_id: str, suite: SuiteConfig | str, *, limit: int | None
             done_run = None if force else store.find_run(session, checkpoint_id, plan.suite.name,
                                                          plan.suite_version, status="succeeded")
             if done_run is not None:
-                s = done_run.summary
                 return RunSummary(run_id=str(done_run.id), checkpoint_id=checkpoint_id, suite=plan.suite.name,
-                                  suite_version=plan.suite_version, status="succeeded", planned=s.get("planned", 0),
-                                  done=s.get("done", 0), passed=s.get("passed", 0), pass_rate=s.get("pass_rate", 0.0),
-                                  low=s.get("low", 0.0), high=s.get("high", 1.0), cached=True,
-                                  monitors=s.get("monitors", {}), elapsed_s=time.perf_counter() - t0)
+                                  suite_version=plan.suite_version, status="succeeded", cached=True,
+                                  elapsed_s=time.perf_counter() - t0, **_summary_fields(done_run.summary))
             run = (store.find_run(session, checkpoint_id, plan.suite.name, plan.suite_version, status="running")
                    or store.find_run(session, checkpoint_id, plan.suite.name, plan.suite_version, status="failed"))
             if run is None:
@@ -229,10 +245,8 @@ def run_suite(checkpoint_id: str, suite: SuiteConfig | str, *, limit: int | None
             store.finish_run(session, session.merge(run), "succeeded" if complete else "failed", summary)
     return RunSummary(run_id=str(run.id), checkpoint_id=checkpoint_id, suite=plan.suite.name,
                       suite_version=plan.suite_version, status="succeeded" if complete else "failed",
-                      planned=summary["planned"], done=summary["done"], passed=summary["passed"],
-                      pass_rate=summary["pass_rate"], low=summary["low"], high=summary["high"], ran=len(todo),
-                      reused=len(done), errors=errors, monitors=summary["monitors"],
-                      elapsed_s=time.perf_counter() - t0)
+                      ran=len(todo), reused=len(done), errors=errors, elapsed_s=time.perf_counter() - t0,
+                      **_summary_fields(summary))
 
 
 def _execute(run, plan: RunPlan, todo: list[tuple["Task", int]], checkpoint_id: str, workers: int | None,

@@ -52,6 +52,7 @@ class DemoOptions:
     trainer_config: str | None = None
     eval_tasks: int = 4
     eval_suites: tuple[str, ...] = ()
+    eval_samples: int = 1
     eval_max_turns: int = 2
     eval_max_tokens: int = 160
     finalize_window_s: float = 10.0
@@ -232,7 +233,10 @@ def step_gate(opts: DemoOptions, state: DemoState, home: Path, cycle: int) -> st
     if decided is not None:
         return f"gate already decided: {'passed' if decided else 'failed'}"
     # Every gated suite runs unless named (mined is empty until tasks are mined, which the gate allows).
+    # Samples per task: the suites' own samples_per_task (sized for power, docs/gate.md) would
+    # multiply the demo's eval time by k; the demo uses --eval-samples (1).
     flywheel(["gate", candidate, *(a for s in opts.eval_suites for a in ("--suite", s)), "--limit", str(opts.eval_tasks),
+              "--samples", str(opts.eval_samples),
               "--max-turns", str(opts.eval_max_turns), "--max-tokens", str(opts.eval_max_tokens),
               "--min-pairs", str(opts.eval_tasks)], opts)
     decided = _db_scalar("SELECT passed FROM gate_decision WHERE candidate_id = :c ORDER BY created_at DESC LIMIT 1",

@@ -31,6 +31,18 @@ class SuiteResult:
     high: float
     mean_completion_tokens: float
     tool_call_errors: int
+    samples_per_task: int = 1
+    pass_at_k: dict[str, float] = field(default_factory=dict)
+    """Unbiased pass@k (Chen et al. 2021, eq. 1) by k, mean over tasks (``evals.passk``)."""
+    best_of_k: float | None = None
+    """Share of tasks with a passing sample among their ``samples_per_task`` samples."""
+
+    @property
+    def pass_at_k_text(self) -> str:
+        """``pass@1 52.0% · pass@4 81.3% · best-of-4 81.3%``."""
+        from evals.passk import format_pass_at_k
+
+        return format_pass_at_k(self.pass_at_k, self.samples_per_task, self.best_of_k)
 
     @property
     def rate(self) -> float:
@@ -81,6 +93,8 @@ def collect_report(session: Session, candidate_id: str | None = None) -> LoopRep
     """Read the loop's state. ``candidate_id`` defaults to the newest trained checkpoint."""
     from app.models import (AuditLog, Checkpoint, DeadLetter, EvalResult, EvalRun, EventLog, GateDecision,
                             PrivacyTombstone, RewardLabel, Trajectory)
+    from evals.gate_models import Outcome
+    from evals.passk import sampling_report
 
     events = dict(session.execute(select(EventLog.type, func.count()).group_by(EventLog.type)).all())
     dead = dict(session.execute(select(DeadLetter.reason, func.count()).group_by(DeadLetter.reason)).all())
@@ -134,7 +148,13 @@ def collect_report(session: Session, candidate_id: str | None = None) -> LoopRep
             if total == 0:  # an empty suite (e.g. mined before any task is mined) has no rate to show
                 continue
             low, high = wilson_interval(passed, total)
-            report.suites.append(SuiteResult(ckpt, run.suite, passed, total, low, high, mean_tokens, errors))
+            per_task = session.execute(select(EvalResult.task_id, func.count(), func.count().filter(EvalResult.passed))
+                                       .where(EvalResult.run_id == run.id).group_by(EvalResult.task_id)).all()
+            planned_k = int(((run.config or {}).get("suite") or {}).get("samples_per_task") or 0) or None
+            samp = sampling_report([Outcome(t, i, i < c) for t, n, c in per_task for i in range(n)], planned_k)
+            report.suites.append(SuiteResult(ckpt, run.suite, passed, total, low, high, mean_tokens, errors,
+                                             samples_per_task=samp.samples_per_task, pass_at_k=samp.pass_at_k,
+                                             best_of_k=samp.best_of_k))
     if decision is not None:
         report.gate_passed = decision.passed
         report.gate_reasons = [_reason_text(r) for r in decision.reasons or []]
@@ -177,10 +197,11 @@ def render_terminal(report: LoopReport) -> None:
         if metrics:
             con.print("training: " + ", ".join(f"{k}={v:.4g}" for k, v in sorted(metrics.items())))
     if report.suites:
-        table = Table("suite", "checkpoint", "pass rate", "95% CI (Wilson)", "n", "mean tokens", "tool errors")
+        table = Table("suite", "checkpoint", "pass rate", "95% CI (Wilson)", "n", "pass@k, best-of-K", "mean tokens",
+                      "tool errors")
         for s in sorted(report.suites, key=lambda s: (s.suite, s.checkpoint_id)):
             table.add_row(s.suite, s.checkpoint_id, f"{s.rate:.1%}", f"[{s.low:.1%}, {s.high:.1%}]", str(s.total),
-                          f"{s.mean_completion_tokens:.0f}", str(s.tool_call_errors))
+                          s.pass_at_k_text, f"{s.mean_completion_tokens:.0f}", str(s.tool_call_errors))
         con.print(table)
     if report.gate_passed is not None:
         con.print(f"gate: {'[green]PASSED[/]' if report.gate_passed else '[red]FAILED[/]'}")
@@ -246,7 +267,8 @@ def render_html(report: LoopReport, png_name: str, path: Path) -> Path:
     e = html.escape
     rows = "".join(
         f"<tr><td>{e(s.suite)}</td><td>{e(s.checkpoint_id)}</td><td>{s.rate:.1%}</td>"
-        f"<td>[{s.low:.1%}, {s.high:.1%}]</td><td>{s.total}</td><td>{s.mean_completion_tokens:.0f}</td></tr>"
+        f"<td>[{s.low:.1%}, {s.high:.1%}]</td><td>{s.total}</td><td>{e(s.pass_at_k_text)}</td>"
+        f"<td>{s.mean_completion_tokens:.0f}</td></tr>"
         for s in sorted(report.suites, key=lambda s: (s.suite, s.checkpoint_id)))
     metrics = "".join(f"<li>{e(k)} = {v:.4g}</li>" for k, v in sorted(_scalar_metrics(report.training_metrics).items()))
     reasons = "".join(f"<li>{e(r)}</li>" for r in report.gate_reasons)
@@ -260,7 +282,7 @@ def render_html(report: LoopReport, png_name: str, path: Path) -> Path:
 <h2>trajectories</h2><p>{e(json.dumps(report.trajectories_by_status))}; rewards ({e(str(report.reward_spec))}): n={len(report.rewards)}</p>
 <h2>training</h2><p>candidate {e(str(report.candidate_id))} from {e(str(report.candidate_parent_id))},
 {report.trajectories_trained} trajectories</p><ul>{metrics}</ul>
-<h2>evals</h2><table><tr><th>suite</th><th>checkpoint</th><th>pass rate</th><th>95% CI</th><th>n</th><th>mean tokens</th></tr>{rows}</table>
+<h2>evals</h2><table><tr><th>suite</th><th>checkpoint</th><th>pass rate</th><th>95% CI</th><th>n</th><th>pass@k, best-of-K</th><th>mean tokens</th></tr>{rows}</table>
 <h2>gate: {gate}</h2><ul>{reasons}</ul>
 <h2>serving now: {e(str(report.production_id))}</h2>
 <img src="{e(png_name)}" style="max-width:100%"></body></html>"""

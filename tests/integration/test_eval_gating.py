@@ -64,8 +64,9 @@ def checkpoints(db):
 
 
 def gate(cid: str, **kw):
+    # One sample per task whatever the shipped suites say (k samples: tests/integration/test_eval_passk.py).
     return gate_candidate(cid, config=CONFIG, suites=sorted(TASKS), tasks=TASKS, engine_factory=Engine,
-                          workers=2, **kw)
+                          workers=2, overrides={"samples_per_task": 1}, **kw)
 
 
 def test_gate_passes_records_everything_and_caches_production(checkpoints, monkeypatch):
@@ -124,7 +125,8 @@ def test_only_candidates_are_gated(checkpoints, monkeypatch):
 
 def test_automation_scans_and_evaluates_each_candidate_once(checkpoints, monkeypatch):
     monkeypatch.setattr(runner, "run_sample", Policies())
-    kw = dict(config=CONFIG, suites=sorted(TASKS), tasks=TASKS, engine_factory=Engine)
+    kw = dict(config=CONFIG, suites=sorted(TASKS), tasks=TASKS, engine_factory=Engine,
+              overrides={"samples_per_task": 1})
     dispatched: list[str] = []
     assert automation.scan(dispatched.append, limit=10) == ["bad", "good"]
     result = automation.evaluate("good", **kw)

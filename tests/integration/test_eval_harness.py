@@ -78,7 +78,7 @@ def results_of(run_id: str) -> list[EvalResult]:
 
 @pytest.mark.parametrize("source,n", [("humaneval", 4), ("dataframebench", 3)])
 def test_reference_solutions_pass_through_the_runner(ckpt, tokenizer, source, n):
-    suite = load_suite(source).with_overrides(limit=n)
+    suite = load_suite(source).with_overrides(limit=n, samples_per_task=1)
     tasks = load_tasks(source, suite.split, limit=n, seed=suite.seed)
     engine = Router(tokenizer, {t.request: ScriptedPolicy.submitting(tokenizer, t, run_command="python -c 'import solution'")
                                 for t in tasks})
@@ -163,7 +163,8 @@ def test_flywheel_eval_runs_a_real_model_end_to_end(db, tiny_model_dir):
     path = publish_folder(tiny_model_dir, "tiny", {"id": "tiny"})
     with session_scope() as s:
         add_checkpoint(s, checkpoint_id="tiny", path=str(path))
-    args = ["eval", "tiny", "--suite", "humaneval", "--limit", "2", "--max-turns", "2", "--max-tokens", "24"]
+    args = ["eval", "tiny", "--suite", "humaneval", "--limit", "2", "--samples", "1", "--max-turns", "2",
+            "--max-tokens", "24"]
     result = CliRunner().invoke(app, args, catch_exceptions=False)
     assert result.exit_code == 0, result.output
     assert "humaneval" in result.output and "95% CI" in result.output

@@ -1,0 +1,147 @@
+"""The gate's data: outcomes in (detached ``eval_result`` rows) and reports out (pydantic models).
+
+Invariant: these are plain values with no DB or IO; a report model is everything the stored
+``gate_decision.report`` and the files of :mod:`evals.report` say about a suite.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from pydantic import BaseModel, Field
+
+Key = tuple[str, int]
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """One sample of one task in an eval run (an ``eval_result`` row, detached from the DB)."""
+
+    task_id: str
+    sample_index: int
+    passed: bool
+    completion_tokens: int = 0
+    latency_s: float = 0.0
+    tool_calls: int = 0
+    tool_call_errors: int = 0
+    asked_question: bool = False
+    edited: bool = False
+    error: str | None = None
+
+    @property
+    def key(self) -> Key:
+        return (self.task_id, self.sample_index)
+
+
+@dataclass(frozen=True)
+class SuiteOutcomes:
+    """A checkpoint's outcomes on one suite. ``planned`` are the keys the run set out to produce
+    (None: whatever is in ``outcomes`` was the plan)."""
+
+    suite: str
+    suite_version: str
+    outcomes: Sequence[Outcome]
+    planned: Sequence[Key] | None = None
+    run_id: str | None = None
+    checkpoint_id: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class GateReason(BaseModel):
+    """One check's verdict: human-readable ``message`` plus machine fields."""
+
+    check: str = Field(description="missing_suite | version_mismatch | missing_results | unpaired | errors | "
+                                   "too_few_pairs | non_inferiority | floor | monitor | empty_suite | no_gated_suites")
+    suite: str | None = None
+    gated: bool = True
+    passed: bool
+    message: str
+    metric: str | None = None
+    value: float | None = None
+    bound: float | None = None
+    details: dict[str, Any] = Field(default_factory=dict)
+
+
+class PassRate(BaseModel):
+    """A pass rate over ``n`` outcomes with a two-sided Wilson score interval."""
+
+    rate: float
+    low: float
+    high: float
+    n: int
+
+
+class MonitorReport(BaseModel):
+    """One behaviour statistic, candidate vs production, and its bound.
+
+    ``drift`` is the observed change in the bad direction (production - candidate when ``worse`` is
+    ``decrease``), in the metric's unit; ``drift_low``/``drift_high`` its confidence interval (None
+    under the point rule, or for ``p90_latency_s``); ``rule`` the comparison that decided (see
+    :attr:`evals.config.GateConfig.monitor_rule`)."""
+
+    metric: str
+    candidate: float
+    production: float
+    allowed_drift: float | None
+    limit: float | None
+    worse: str
+    passed: bool
+    drift: float = 0.0
+    drift_low: float | None = None
+    drift_high: float | None = None
+    rule: str = "point"
+
+
+class SamplingReport(BaseModel):
+    """pass@k and best-of-K of one checkpoint on one suite (:func:`evals.passk.sampling_report`).
+
+    ``pass_at_k`` maps ``k`` (as a string, JSON keys) to the unbiased estimate of Chen et al. (2021,
+    eq. 1) averaged over tasks, for k in {1, ``samples_per_task``}; ``best_of_k`` is the share of
+    tasks with at least one passing sample among their ``samples_per_task`` samples (oracle best-of-K:
+    the hidden tests are the verifier; ``best_of_k_tasks`` of ``n_tasks`` such tasks)."""
+
+    samples_per_task: int
+    n_tasks: int
+    pass_at_k: dict[str, float]
+    best_of_k: float
+    best_of_k_tasks: int
+
+
+class SuiteReport(BaseModel):
+    """Statistics of one suite on the paired outcomes."""
+
+    suite: str
+    gated: bool
+    suite_version: str | None
+    passed: bool
+    n_pairs: int
+    n_tasks: int
+    candidate: PassRate | None = None
+    production: PassRate | None = None
+    diff: float | None = None
+    diff_low: float | None = None
+    diff_high: float | None = None
+    method: str
+    candidate_only: int = 0
+    production_only: int = 0
+    monitors: list[MonitorReport] = Field(default_factory=list)
+    newly_solved: list[str] = Field(default_factory=list)
+    newly_broken: list[str] = Field(default_factory=list)
+    samples_per_task: int = 1
+    candidate_sampling: SamplingReport | None = None
+    production_sampling: SamplingReport | None = None
+
+
+class GateResult(BaseModel):
+    """The gate's decision with every reason (passing and failing) and per-suite statistics."""
+
+    passed: bool
+    reasons: list[GateReason]
+    suites: dict[str, SuiteReport]
+    config: dict[str, Any]
+
+    def failures(self) -> list[GateReason]:
+        """The reasons that failed a gated suite (empty when ``passed``)."""
+        return [r for r in self.reasons if not r.passed and r.gated]
