@@ -2,7 +2,7 @@
 
 Each task asks for one Python function in ``solution.py`` (which holds its stub), e.g. "Add a
 function `count_vowels(s)` to solution.py that returns how many vowels ...". Tasks come from the
-parametrised templates of ``functions_text.py`` and ``functions_data.py`` (families ``strings``,
+parametrised templates of ``functions_text.py``, ``functions_data.py`` and ``functions_basic.py`` (families ``strings``,
 ``parsing``, ``lists``, ``numbers``, ``dicts``; ``difficulty`` 1-3); each template yields up to
 :data:`VARIANTS` distinct parameterisations (function name, constants, separators, conditions).
 The hidden test calls the entry point on the template's cases and compares with what the
@@ -27,7 +27,9 @@ import random
 from functools import lru_cache
 
 from app.core.errors import ConfigurationError
-from evals.tasks import functions_data, functions_text  # noqa: F401  (registers the templates)
+from evals.tasks import functions_text  # noqa: F401, I001  (each import registers its templates, in this order)
+from evals.tasks import functions_data  # noqa: F401, I001
+from evals.tasks import functions_basic  # noqa: F401, I001
 from evals.tasks.functions_spec import TEMPLATES, Template
 from evals.tasks.model import HIDDEN_RUNNER, Task, hidden_runner
 
