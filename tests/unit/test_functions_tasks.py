@@ -75,7 +75,7 @@ def test_sampled_references_pass_and_stubs_fail(splits):
 
 
 def test_a_wrong_solution_fails_the_hidden_tests(splits):
-    task = next(t for t in splits["test"] if t.metadata["template"] == "is_leap")
+    task = next(t for ts in splits.values() for t in ts if t.metadata["template"] == "is_leap")
     entry = task.metadata["entry_point"]
     wrong = task.model_copy(update={"reference_files": {"solution.py": f"def {entry}(year):\n    return year % 4 == 0\n"}})
     result = verify_reference(wrong)
