@@ -16,6 +16,13 @@ Both sides decode the same tasks with the same engine and sampling (greedy by de
 the real SmolLM2-135M-Instruct on 48 held-out ``functions`` tasks (``--split test``); ``--quick``:
 16 tasks. Ends with ONE JSON line: ours = harness pass@1, baseline = plain-chat pass@1, target 1.0
 (ratio), pass = ours >= baseline; Wilson 95 % intervals and per-difficulty counts are extra keys.
+
+Where the time goes (CPU, fp32): prefill of every prompt, then one decode step per token for the
+whole batch until its longest row stops. The plain side's replies run to the 256-token limit (the
+model explains after its code block), so its batch pays all 256 steps; the harness side's replies
+stop after about 90 tokens (the code block, applied). On a 2-core machine shared with other jobs a
+decode step of a 48-row batch took seconds, and the default 48-task run did not finish its plain
+side within 30 minutes; ``--quick`` (16 tasks) took about 12 minutes. Figures: ``docs/tasks.md``.
 """
 
 from __future__ import annotations
