@@ -43,7 +43,8 @@ if TYPE_CHECKING:
 
 MINED_SUITE = "mined"
 #: Sources whose tasks can be rebuilt from ``task_id`` (splits searched, in order).
-SOURCE_SPLITS = {"dataframebench": ("train", "test"), "humaneval": ("test",)}
+SOURCE_SPLITS = {"dataframebench": ("train", "test"), "humaneval": ("test",),
+                 "functions": ("train", "test", "test_params")}
 
 
 @dataclass
@@ -77,7 +78,7 @@ def _source_index(source: str) -> dict[str, "Task"]:
 
 
 def source_task(source: str | None, task_id: str | None) -> "Task | None":
-    """The DataFrameBench/HumanEval task a simulated session worked on, or None (unknown source)."""
+    """The DataFrameBench/HumanEval/functions task a simulated session worked on, or None (unknown source)."""
     if source not in SOURCE_SPLITS or not task_id:
         return None
     return _source_index(source).get(task_id)

@@ -12,19 +12,15 @@ from __future__ import annotations
 from pathlib import Path
 
 from app.core.errors import ConfigurationError
-from evals.harness.toolcalls import TOOL_DOCS
 from evals.harness.workspace import snapshot
 
 IM_START, IM_END = "<|im_start|>", "<|im_end|>"
 
 SYSTEM_PROMPT = (
-    "You are a coding agent inside a code editor. You change a small Python repository to do what the "
-    "developer asks. Act by calling tools, one or more per reply, each written exactly like this example:\n"
-    '<tool_call>{"name": "edit_file", "arguments": {"path": "solution.py", "content": "def add(a, b):\\n'
-    '    return a + b\\n"}}</tool_call>\n'
-    "Tools:\n" + TOOL_DOCS + "\n"
-    "Read the code, edit it, check it with run, then call finish. A reply without a tool call ends your "
-    "turn; a python code block in it is applied to solution.py."
+    "You are a coding assistant in a code editor. Answer the developer's request with the complete new file in one "
+    "python code block; the editor applies it to the file. To use a tool instead, write "
+    '<tool_call>{"name": "<tool>", "arguments": {...}}</tool_call> with a tool among read_file(path), '
+    "edit_file(path, content), search(pattern), run(command), finish(message)."
 )
 
 SUMMARY_REQUEST = (
@@ -72,18 +68,25 @@ class ChatML:
 
 def repository_message(request: str, workdir: Path, *, max_file_chars: int = 3000, max_total_chars: int = 6000,
                        summary: str | None = None, observations: str | None = None) -> str:
-    """The first user turn of a segment: the request, the file list, small files inline.
+    """The first user turn of a segment: the request, then small files inline in code blocks.
 
-    After a self-summarization the summary and the pending tool results follow, and the files are
-    shown as they are now.
+    A file shows as ``path:`` and a fenced block (the language from its extension), the format the
+    model is asked to answer in; files too large to inline are listed by path. After a
+    self-summarization the summary and the pending tool results follow, and the files are shown as
+    they are now.
     """
     files = snapshot(workdir)
-    parts = [request.strip(), "", "Repository files: " + (", ".join(files) or "(none)")]
+    parts, listed = [request.strip()], []
     budget = max_total_chars
     for path, text in files.items():
         if len(text) <= max_file_chars and len(text) <= budget:
-            parts += ["", f"--- {path} ---", text.rstrip()]
+            lang = "python" if path.endswith(".py") else ""
+            parts += ["", f"{path}:", f"```{lang}", text.rstrip(), "```"]
             budget -= len(text)
+        else:
+            listed.append(path)
+    if listed or not files:
+        parts += ["", "Other files: " + (", ".join(listed) or "(none)")]
     if summary is not None:
         parts += ["", "Summary of your work so far:", summary.strip()]
     if observations:

@@ -13,7 +13,7 @@ if TYPE_CHECKING:
     from evals.harness.sandbox import SandboxLimits, SandboxResult
     from evals.tasks.model import Task
 
-SOURCES = ("dataframebench", "humaneval", "mined")
+SOURCES = ("dataframebench", "humaneval", "functions", "mined")
 
 
 def load_tasks(source: str, split: str, limit: int | None = None, seed: int = 0) -> list["Task"]:
@@ -23,6 +23,9 @@ def load_tasks(source: str, split: str, limit: int | None = None, seed: int = 0)
 
     Raises:
         ConfigurationError: unknown source or split (e.g. DataFrameBench ``val``).
+
+    ``functions`` (generated function requests) has splits ``train``, ``test`` (held-out
+    templates) and ``test_params`` (unseen parameterisations of training templates).
     """
     from app.core.errors import ConfigurationError
 
@@ -34,6 +37,10 @@ def load_tasks(source: str, split: str, limit: int | None = None, seed: int = 0)
         from evals.tasks import humaneval
 
         tasks = humaneval.load(split)
+    elif source == "functions":
+        from evals.tasks import functions
+
+        tasks = functions.load(split)
     elif source == "mined":
         from app.core.db import session_scope
         from evals.mined import load_mined_tasks

@@ -153,3 +153,27 @@ def test_code_in_a_final_reply_is_applied_like_the_editors_apply_button(tokenize
     unapplied = run(ScriptedPolicy(tokenizer, ["```python\ndef subtract(a, b):\n    return a - b\n```"]),
                     tmp_path / "b")
     assert not unapplied.edited  # it does not define the entry point
+
+
+def test_first_prompt_asks_for_a_code_block_and_shows_the_file_in_one(tokenizer, tmp_path):
+    from evals.harness.chat import SYSTEM_PROMPT
+
+    policy = ScriptedPolicy(tokenizer, ["```python\ndef add(a, b):\n    return a + b\n```"])
+    result = run(policy, tmp_path)
+    text = tokenizer.decode(policy.prompts[0])
+    assert SYSTEM_PROMPT in text and "python code block" in SYSTEM_PROMPT and "<tool_call>" in SYSTEM_PROMPT
+    assert all(name in SYSTEM_PROMPT for name in ("read_file", "edit_file", "search", "run", "finish"))
+    assert "solution.py:\n```python\ndef add(a, b):\n    raise NotImplementedError\n```" in text
+    assert text.index(TASK.request) < text.index("solution.py:\n```python")
+    assert len(tokenizer(SYSTEM_PROMPT).input_ids) < 250  # context paid at every turn and training step
+    assert result.edited and grade(TASK, tmp_path / "repo")  # the answer in that format is applied
+
+
+def test_repository_message_lists_files_too_large_to_show(tmp_path):
+    from evals.harness.chat import repository_message
+
+    (tmp_path / "solution.py").write_text("x = 1\n")
+    (tmp_path / "data.csv").write_text("a,b\n" * 2000)
+    msg = repository_message("Fix it.", tmp_path)
+    assert msg.startswith("Fix it.") and "solution.py:\n```python\nx = 1\n```" in msg
+    assert "Other files: data.csv" in msg and "a,b" not in msg

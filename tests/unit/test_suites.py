@@ -9,16 +9,19 @@ from evals.config import SuiteConfig, list_suites, load_gate_config, load_suite
 
 
 def test_shipped_suites_load():
-    assert {"dataframebench", "humaneval", "mined"} <= set(list_suites())
+    assert {"dataframebench", "humaneval", "functions", "functions_params", "mined"} <= set(list_suites())
     dfb = load_suite("dataframebench")
     assert (dfb.source, dfb.split) == ("dataframebench", "test")
     assert load_suite("humaneval").source == "humaneval"
     assert load_suite("mined").source == "mined"
+    fn, params = load_suite("functions"), load_suite("functions_params")
+    assert (fn.source, fn.split, params.source, params.split) == ("functions", "test", "functions", "test_params")
+    assert fn.budget.max_turns <= 3 and fn.budget.max_tokens_per_turn <= 256  # small budgets: in-reach tasks
 
 
 def test_shipped_gate_gates_every_shipped_suite():
     gate = load_gate_config()
-    assert set(gate.gated_suites()) == {"dataframebench", "humaneval", "mined"}
+    assert set(gate.gated_suites()) == {"dataframebench", "functions", "humaneval", "mined"}
     assert gate.confidence == 0.95 and gate.tolerance == 0.02
     assert {m.metric for m in gate.monitors} >= {"invalid_tool_call_rate", "clarifying_question_rate", "edit_rate",
                                                  "mean_completion_tokens", "mean_latency_s"}
@@ -29,6 +32,8 @@ def test_shipped_gate_gates_every_shipped_suite():
 def test_training_split_and_unknown_keys_are_refused(tmp_path):
     with pytest.raises(ValueError, match="train split"):
         SuiteConfig(name="x", version="1", source="dataframebench", split="train")
+    with pytest.raises(ValueError, match="train split"):
+        SuiteConfig(name="x", version="1", source="functions", split="train")
     bad = tmp_path / "typo.toml"
     bad.write_text('version = "1"\nsource = "humaneval"\nsample_per_task = 3\n')
     with pytest.raises(ConfigurationError, match="sample_per_task"):

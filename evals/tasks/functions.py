@@ -1,0 +1,132 @@
+"""``functions``: small function requests, as a developer asks them in an editor, with hidden tests.
+
+Each task asks for one Python function in ``solution.py`` (which holds its stub), e.g. "Add a
+function `count_vowels(s)` to solution.py that returns how many vowels ...". Tasks come from the
+parametrised templates of ``functions_text.py``, ``functions_data.py`` and ``functions_basic.py`` (families ``strings``,
+``parsing``, ``lists``, ``numbers``, ``dicts``; ``difficulty`` 1-3); each template yields up to
+:data:`VARIANTS` distinct parameterisations (function name, constants, separators, conditions).
+The hidden test calls the entry point on the template's cases and compares with what the
+reference returns on them (floats within 1e-6), so a reference passes by construction and the
+stub, which raises ``NotImplementedError``, fails.
+
+Splits (by template, so held-out tasks are ones the trainer never saw in any form):
+
+- ``test``: every variant of the held-out templates (every 4th template of each difficulty level,
+  in registration order, so the levels are mixed alike);
+- ``train``: the first :data:`TRAIN_VARIANTS` variants of the other templates;
+- ``test_params``: the remaining variants of the training templates (unseen parameterisations).
+
+Invariant: generation is deterministic (every template is seeded by ``"<template>:<attempt>"``)
+and the three splits are disjoint.
+"""
+
+from __future__ import annotations
+
+import copy
+import random
+from functools import lru_cache
+
+from app.core.errors import ConfigurationError
+from evals.tasks import functions_text  # noqa: F401, I001  (each import registers its templates, in this order)
+from evals.tasks import functions_data  # noqa: F401, I001
+from evals.tasks import functions_basic  # noqa: F401, I001
+from evals.tasks.functions_spec import TEMPLATES, Template
+from evals.tasks.model import HIDDEN_RUNNER, Task, hidden_runner
+
+SOURCE = "functions"
+SPLITS = ("train", "test", "test_params")
+VARIANTS = 6
+TRAIN_VARIANTS = 4
+HELD_OUT_EVERY = 4
+TEST_FILE = "test_hidden.py"
+_ATTEMPTS = 40
+
+_OPENERS = (
+    "Add a function `{sig}` to solution.py that {what}.",
+    "Write `{sig}` in solution.py: it {what}.",
+    "Can you implement `{sig}`? It {what}.",
+    "I need a function `{sig}` that {what}.",
+    "Please fill in `{sig}` in solution.py so that it {what}.",
+)
+
+_CHECK = '''import copy
+
+
+def _same(got, want):
+    if isinstance(want, float) or isinstance(got, float):
+        return isinstance(got, (int, float)) and abs(got - want) < 1e-6
+    return got == want
+
+
+def check(candidate):
+    for args, want in CASES:
+        got = candidate(*copy.deepcopy(args))
+        assert _same(got, want), f"{candidate.__name__}{args!r} returned {got!r}, expected {want!r}"
+'''
+
+
+def held_out_templates() -> frozenset[str]:
+    """Keys of the templates whose every task is in the ``test`` split (never trained on)."""
+    ordered = sorted(TEMPLATES, key=lambda t: t.difficulty)  # stable: registration order within a level
+    return frozenset(t.key for i, t in enumerate(ordered, 1) if i % HELD_OUT_EVERY == 0)
+
+
+def _variants(t: Template) -> list[tuple[int, dict]]:
+    """Up to ``VARIANTS`` distinct parameterisations ``(attempt, spec)`` of a template."""
+    out, keys = [], set()
+    for attempt in range(_ATTEMPTS):
+        s = t.build(random.Random(f"{t.key}:{attempt}"))
+        key = (s["name"], s["what"], s["body"])
+        if key not in keys:
+            keys.add(key)
+            out.append((attempt, s))
+        if len(out) == VARIANTS:
+            break
+    return out
+
+
+def _task(t: Template, index: int, attempt: int, s: dict, split: str) -> Task:
+    name, args = s["name"], s["args"]
+    reference = f"def {name}({args}):\n{s['body']}"
+    namespace: dict = {}
+    exec(compile(reference, f"<{t.key}>", "exec"), namespace)  # our own template source, not user input
+    fn = namespace[name]
+    cases = [(tuple(c), fn(*copy.deepcopy(c))) for c in s["cases"]]
+    r = random.Random(f"{t.key}:{attempt}:request")
+    sig = f"{name}({args})"
+    request = r.choice(_OPENERS).format(sig=sig, what=s["what"])
+    shown = r.choice([c for c in cases if c[1] not in (None, "", [], {})] or cases)
+    call = f"{name}({', '.join(repr(a) for a in shown[0])})"
+    request += f" For example, {call} should return {shown[1]!r}."
+    tests = f"CASES = {cases!r}\n\n{_CHECK}"
+    return Task(
+        id=f"FN/{t.key}/{index}", source=SOURCE, split=split, request=request,
+        files={"solution.py": f"def {name}({args}):\n    raise NotImplementedError\n"},
+        test_command=f"python {HIDDEN_RUNNER}",
+        test_files={TEST_FILE: tests, HIDDEN_RUNNER: hidden_runner("", f"\n\ncheck({name})\n", TEST_FILE)},
+        reference_files={"solution.py": reference},
+        metadata={"entry_point": name, "template": t.key, "difficulty": t.difficulty, "family": t.family,
+                  "variant": index},
+    )
+
+
+@lru_cache(maxsize=1)
+def _all() -> dict[str, tuple[Task, ...]]:
+    held = held_out_templates()
+    splits: dict[str, list[Task]] = {s: [] for s in SPLITS}
+    for t in TEMPLATES:
+        for index, (attempt, s) in enumerate(_variants(t)):
+            split = "test" if t.key in held else "train" if index < TRAIN_VARIANTS else "test_params"
+            splits[split].append(_task(t, index, attempt, s, split))
+    return {k: tuple(v) for k, v in splits.items()}
+
+
+def load(split: str) -> list[Task]:
+    """Every task of ``split`` (``train``, ``test`` or ``test_params``), in template order.
+
+    Raises:
+        ConfigurationError: any other split.
+    """
+    if split not in SPLITS:
+        raise ConfigurationError(f"functions has splits {', '.join(SPLITS)} (asked for {split!r})")
+    return list(_all()[split])

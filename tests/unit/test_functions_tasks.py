@@ -1,0 +1,82 @@
+"""The ``functions`` task source: deterministic, split by template, references pass, stubs fail."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+import pytest
+
+from app.core.errors import ConfigurationError
+from evals.tasks import SOURCES, load_tasks, verify_reference, verify_stub
+from evals.tasks.functions import held_out_templates
+from evals.tasks.functions_spec import TEMPLATES
+from evals.tasks.model import Task
+
+SPLITS = ("train", "test", "test_params")
+
+
+@pytest.fixture(scope="module")
+def splits() -> dict[str, list[Task]]:
+    return {s: load_tasks("functions", s) for s in SPLITS}
+
+
+def test_generation_is_deterministic(splits):
+    from evals.tasks import functions
+
+    functions._all.cache_clear()  # rebuild from the templates, not from the cache
+    again = {s: load_tasks("functions", s) for s in SPLITS}
+    assert {s: [t.model_dump() for t in ts] for s, ts in again.items()} == \
+           {s: [t.model_dump() for t in ts] for s, ts in splits.items()}
+
+
+def test_counts_families_and_difficulties(splits):
+    assert "functions" in SOURCES
+    assert len(TEMPLATES) >= 60 and len({t.key for t in TEMPLATES}) == len(TEMPLATES)
+    every = [t for ts in splits.values() for t in ts]
+    assert len(every) >= 300 and len({t.id for t in every}) == len(every)
+    assert len(splits["test"]) >= 48 and len(splits["test_params"]) >= 48 and len(splits["train"]) >= 150
+    for ts in splits.values():
+        assert set(Counter(t.metadata["difficulty"] for t in ts)) == {1, 2, 3}
+        assert set(Counter(t.metadata["family"] for t in ts)) == {"strings", "parsing", "lists", "numbers", "dicts"}
+    # distinct requests: parameterisations differ in name, constants or wording of the behaviour
+    assert len({t.request for t in every}) == len(every)
+
+
+def test_splits_are_disjoint_by_template(splits):
+    templates = {s: {t.metadata["template"] for t in ts} for s, ts in splits.items()}
+    assert templates["test"] == held_out_templates()
+    assert not templates["test"] & (templates["train"] | templates["test_params"])
+    assert templates["test_params"] <= templates["train"]  # unseen parameters of seen templates
+    train_fns = {(t.metadata["template"], t.metadata["entry_point"], t.request.split(" For example")[0])
+                 for t in splits["train"]}
+    for t in splits["test_params"]:
+        assert t.metadata["variant"] >= 4 and t.split == "test_params"
+        assert (t.metadata["template"], t.metadata["entry_point"], t.request.split(" For example")[0]) not in train_fns
+
+
+def test_task_shape(splits):
+    task = splits["test"][0]
+    entry = task.metadata["entry_point"]
+    assert task.files["solution.py"].startswith(f"def {entry}(") and "NotImplementedError" in task.files["solution.py"]
+    assert f"`{entry}(" in task.request and "For example" in task.request
+    assert Task.model_validate(task.model_dump(mode="json")) == task
+    with pytest.raises(ConfigurationError, match="splits train, test, test_params"):
+        load_tasks("functions", "val")
+
+
+def test_sampled_references_pass_and_stubs_fail(splits):
+    rng = random.Random(7)
+    sample = [t for ts in splits.values() for t in rng.sample(ts, 6)]
+    for task in sample:
+        ref = verify_reference(task)
+        assert ref.ok, (task.id, ref.stderr[-1500:])
+        assert not verify_stub(task).ok, task.id
+
+
+def test_a_wrong_solution_fails_the_hidden_tests(splits):
+    task = next(t for ts in splits.values() for t in ts if t.metadata["template"] == "is_leap")
+    entry = task.metadata["entry_point"]
+    wrong = task.model_copy(update={"reference_files": {"solution.py": f"def {entry}(year):\n    return year % 4 == 0\n"}})
+    result = verify_reference(wrong)
+    assert not result.ok and "expected" in result.stderr
