@@ -83,7 +83,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="1 cycle, fewer sessions and held-out tasks")
     parser.add_argument("--cycles", type=int, default=None)
     parser.add_argument("--sessions", type=int, default=None, help="simulated sessions per cycle")
-    parser.add_argument("--group-size", type=int, default=8, help="sessions per task (GRPO group)")
+    parser.add_argument("--group-size", type=int, default=4, help="sessions per task (GRPO group)")
     parser.add_argument("--eval-tasks", type=int, default=None, help="held-out tasks (gates and the comparison)")
     parser.add_argument("--max-turns", type=int, default=2)
     parser.add_argument("--max-tokens-per-turn", type=int, default=192)
@@ -111,7 +111,7 @@ def main() -> None:
                                       "--invert-reward", "--min-new", "1", "--no-progress",
                                       *(["--config", args.trainer_config] if args.trainer_config else [])],
                                      env, capture=True))["checkpoint_id"]
-        gate = last_json(flywheel(["gate", planted, "--production", "base", "--suite", SUITE, "--limit",
+        gate = last_json(flywheel(["gate", planted, "--production", "base", "--suite", SUITE, "--samples", "1", "--limit",
                                    str(eval_tasks), "--min-pairs", str(eval_tasks), "--max-turns", str(args.max_turns),
                                    "--max-tokens", str(args.max_tokens_per_turn), "--json"], env, capture=True))
 

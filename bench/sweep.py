@@ -85,7 +85,7 @@ def main() -> None:
             ckpt = last_json(flywheel(["train", "--once", "--json", "--parent", "base", "--same-data-as", first,
                                        "--min-new", "1", "--no-progress", "--config", str(cfg)], env,
                                       capture=True))["checkpoint_id"]
-            flywheel(["eval", "run", ckpt, "--suite", SUITE, "--limit", str(eval_tasks), "--max-turns", str(args.max_turns),
+            flywheel(["eval", "run", ckpt, "--suite", SUITE, "--samples", "1", "--limit", str(eval_tasks), "--max-turns", str(args.max_turns),
                       "--max-tokens", str(args.max_tokens_per_turn)], env, capture=True)
             with session_scope() as session:
                 cmp = paired(session, "base", ckpt, SUITE, eval_tasks)
