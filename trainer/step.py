@@ -31,8 +31,10 @@ developers' sessions collected by *earlier* checkpoints over hours -- so this lo
 
 from __future__ import annotations
 
+import logging
 import math
 import time
+from collections import defaultdict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
@@ -43,6 +45,8 @@ from kernels.logprob_loss import chunked_logprob_loss
 from trainer.batching import MicroBatch
 from trainer.config import TrainerConfig
 from trainer.loss import LossInputs, policy_loss
+
+log = logging.getLogger(__name__)
 
 
 def _trainable_hidden(model: torch.nn.Module, mb: MicroBatch, config: TrainerConfig) -> tuple[torch.Tensor, torch.Tensor]:
@@ -145,6 +149,10 @@ class StepMetrics:
     tokens: int = 0
     seconds: float = 0.0
     tokens_per_s: float = 0.0
+    skipped_micro_batches: int = 0
+    """micro-batches whose loss was not finite (NaN/Inf): left out of the step, never backpropagated."""
+    skipped_step: bool = False
+    """the optimizer step was not taken: every micro-batch skipped, or a non-finite gradient norm."""
     extra: dict[str, float] = field(default_factory=dict)
 
 
@@ -178,7 +186,12 @@ def make_optimizer(model: torch.nn.Module, config: TrainerConfig) -> torch.optim
 def train_steps(model: torch.nn.Module, batches: list[MicroBatch], config: TrainerConfig,
                 optimizer: torch.optim.Optimizer, *,
                 on_step: Callable[[StepMetrics], None] | None = None) -> list[StepMetrics]:
-    """Run the cycle's optimizer steps (needs ``old_logprobs`` filled). Returns per-step metrics."""
+    """Run the cycle's optimizer steps (needs ``old_logprobs`` filled). Returns per-step metrics.
+
+    A micro-batch whose loss is not finite is skipped (no backward; counted in
+    ``StepMetrics.skipped_micro_batches``, logged), and a step whose micro-batches were all skipped
+    or whose gradient norm is not finite takes no optimizer step (``skipped_step``): a NaN never
+    reaches the weights, so never a checkpoint."""
     model.train()
     history = []
     for step, group in enumerate(micro_batch_schedule(batches, config), start=1):
@@ -191,6 +204,11 @@ def train_steps(model: torch.nn.Module, batches: list[MicroBatch], config: Train
         sums: dict[str, float] = {}
         for mb in group:
             loss, mb_sums = micro_batch_loss(model, mb, config)
+            if not torch.isfinite(loss.detach()):
+                m.skipped_micro_batches += 1
+                log.warning("step %d: a micro-batch's loss is %s; skipped (%d tokens)", step, float(loss.detach()),
+                            mb.num_tokens)
+                continue
             loss.backward()
             m.loss += float(loss.detach())
             mb_sums["adv"], mb_sums["advabs"] = float(mb.advantages.sum()), float(mb.advantages.abs().sum())
@@ -199,9 +217,16 @@ def train_steps(model: torch.nn.Module, batches: list[MicroBatch], config: Train
             m.trainable_tokens += mb.num_trainable
             m.tokens += mb.num_tokens
         m.grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), config.optim.max_grad_norm))
-        optimizer.step()
+        m.skipped_step = m.skipped_micro_batches == len(group) or not math.isfinite(m.grad_norm)
+        if m.skipped_step:
+            optimizer.zero_grad(set_to_none=True)
+            log.warning("step %d: no optimizer step (%d of %d micro-batches skipped, gradient norm %s)", step,
+                        m.skipped_micro_batches, len(group), m.grad_norm)
+        else:
+            optimizer.step()
         m.seconds = time.perf_counter() - start
         n = max(m.trainable_tokens, 1)
+        sums = defaultdict(float, sums)  # empty when every micro-batch was skipped
         m.pg_loss, m.kl, m.mismatch_kl = sums["pg_loss_sum"] / n, sums["kl_sum"] / n, sums["mismatch_kl_sum"] / n
         m.is_clip_frac, m.ppo_clip_frac = sums["is_clipped"] / n, sums["ppo_clipped"] / n
         m.ratio, m.entropy = sums["ratio_sum"] / n, sums["entropy_sum"] / n
