@@ -23,7 +23,12 @@ Failure handling (the consumer never crashes on input):
   the batch goes on;
 - SIGKILL at any point loses nothing: uncommitted work is redelivered from the stored offsets,
   and records below a stored offset are skipped (so a zombie member after a rebalance, or a
-  batch still queued when its partition moved, cannot apply anything twice).
+  batch still queued when its partition moved, cannot apply anything twice);
+- a stored offset past its partition's log end (the log was re-created: a local broker restarted
+  empty, a topic re-created) is reported and, by default, the partition re-read from its start
+  (``consumers.offsets``), never skipped in silence;
+- a record whose values are physically implausible, or whose ``event_id`` is stored with another
+  body, is a dead letter (``consumers.deadletter``).
 """
 
 from __future__ import annotations
@@ -42,10 +47,10 @@ from app.core.db import session_scope
 from app.core.settings import get_settings
 from app.core.telemetry import tracer
 from app.repositories.events import stored_dead_letters
+from consumers import offsets
 from consumers.batch import (BatchOutcome, IngestStats, apply_batch, privacy_flagged_sessions,
                              publish_private_sessions)
 from consumers.deadletter import Decoded, DeadLetterPublisher, Message, classify
-from consumers import offsets
 from consumers.finalize import finalize_due
 from consumers.isolation import apply_isolated
 from consumers.projection import ProjectionConfig, Projector
@@ -274,7 +279,7 @@ class IngestConsumer:
         self._drain(timeout_s=self.settings.max_poll_interval_ms / 2000)  # batches of the old log land first
         stored = self.retry(self._read_stored_offsets, "reading stored offsets")
         beyond = [tp for tp in short if stored.get(tp.partition, 0) > ends[tp]]
-        starts = consumer.beginning_offsets(beyond) if beyond else {}
+        starts = self.retry(lambda: consumer.beginning_offsets(beyond), "reading log starts") if beyond else {}
         found = [offsets.LogRecreated(self.topic, tp.partition, stored[tp.partition], starts.get(tp) or 0, ends[tp])
                  for tp in beyond]
         offsets.report(found, self.settings.offset_reset)
