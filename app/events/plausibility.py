@@ -45,39 +45,42 @@ def _implausible(message: str) -> PydanticCustomError:
 
 
 def _check_ids(name: str, ids: np.ndarray, high: int) -> None:
-    """``ids`` (shape ``[n]``, int32) all in ``[0, high)``.
+    """Raise for the first id of ``ids`` (shape ``[n]``, int32) outside ``[0, high)``, naming ``name``.
 
     Raises:
-        PydanticCustomError: type ``implausible``, naming ``name``, the first bad index and value.
+        PydanticCustomError: type ``implausible``, with the first bad index and value.
     """
-    if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= high):
-        bad = int(np.flatnonzero((ids < 0) | (ids >= high))[0])
-        raise _implausible(f"{name}: id {int(ids[bad])} at index {bad} is outside [0, {high})")
+    bad = np.flatnonzero((ids < 0) | (ids >= high))
+    if bad.size:
+        raise _implausible(f"{name}: id {int(ids[bad[0]])} at index {int(bad[0])} is outside [0, {high})")
 
 
 def check_model_turn(prompt_ids, completion_ids, logprobs, vocab_size: int, routed_experts=None) -> None:
-    """Check one ``model.responded`` payload's arrays (``app.events.packing`` arrays: ``numpy()``
-    gives shape ``[n]``, ``<i4`` ids / ``<f4`` log-probs in nats).
+    """Check one ``model.responded`` payload's arrays (``app.events.packing`` arrays: ``raw`` holds
+    little-endian ``<i4`` ids / ``<f4`` log-probs in nats, shape ``[n]``).
 
     Rules: at least one completion token; every log-prob finite and at most
     :data:`LOGPROB_TOLERANCE` (a log-probability is ``log p <= 0``); token ids in
-    ``[0, vocab_size)``; expert ids in ``[0, MAX_EXPERTS)``.
+    ``[0, vocab_size)``; expert ids in ``[0, MAX_EXPERTS)``. Three numpy reductions a turn: the
+    token ids of both arrays read as one unsigned array (a negative id reads as >= 2^31), so one
+    ``max`` bounds them from both sides.
 
     Raises:
         PydanticCustomError: type ``implausible``; its message starts with the field's name.
     """
     if not len(completion_ids):
         raise _implausible("completion_token_ids: a model turn has at least one completion token")
-    lp = logprobs.numpy()
-    hi, lo = float(lp.max()), float(lp.min())
-    if not (hi <= LOGPROB_TOLERANCE and np.isfinite(lo)):  # NaN fails the comparison
+    lp = np.frombuffer(logprobs.raw, dtype="<f4")
+    if not (lp.max() <= LOGPROB_TOLERANCE and lp.min() > -np.inf):  # NaN fails both comparisons
         bad = int(np.flatnonzero(~np.isfinite(lp) | (lp > LOGPROB_TOLERANCE))[0])
         raise _implausible(f"completion_logprobs: {float(lp[bad])!r} at index {bad} is not a log-probability "
                            f"(finite and <= 0)")
-    _check_ids("completion_token_ids", completion_ids.numpy(), vocab_size)
-    _check_ids("prompt_token_ids", prompt_ids.numpy(), vocab_size)
-    if routed_experts is not None:
-        _check_ids("routed_experts", routed_experts.numpy(), MAX_EXPERTS)
+    if np.frombuffer(prompt_ids.raw + completion_ids.raw, dtype="<u4").max() >= vocab_size:
+        _check_ids("completion_token_ids", completion_ids.numpy(), vocab_size)
+        _check_ids("prompt_token_ids", prompt_ids.numpy(), vocab_size)
+    if routed_experts is not None and len(routed_experts):
+        if np.frombuffer(routed_experts.raw, dtype="<u4").max() >= MAX_EXPERTS:
+            _check_ids("routed_experts", routed_experts.numpy(), MAX_EXPERTS)
 
 
 class TimeWindow(NamedTuple):
