@@ -6,7 +6,10 @@ Invariants (exactly-once effect):
   offset was already applied (by this process before a crash, or by another member of the group
   before a rebalance) and is skipped. Offsets advance in the same transaction as the effects.
 - ``event_log`` appends use ``ON CONFLICT (event_id) DO NOTHING``; only newly stored events are
-  folded into the projections, in ``seq`` order, so a producer's duplicate is a no-op too.
+  folded into the projections, in ``seq`` order, so a producer's duplicate is a no-op too. A record
+  whose ``event_id`` is stored with a different body (``app.repositories.events.BODY_COLUMNS``) is
+  not a duplicate but a conflict: the stored event stays, the record is a dead letter
+  ``conflicting_duplicate``.
 - Each trajectory folds its events in ``seq`` order, as replay does, even when a session's events
   arrive on two partitions (two members): the batch locks the stored trajectories it touches before
   it reserves ``seq`` values, and two members creating the same trajectory collide on its key.
@@ -59,8 +62,8 @@ from app.repositories import trajectories as trepo
 from app.repositories.events import (DeadLetterRow, append_events, count_tombstones, erased_users,
                                      insert_dead_letters, lock_offsets, private_sessions, raw_connection,
                                      store_offsets)
-from consumers.deadletter import (Claim, Decoded, claim_of_dead_letter, covered_by_erasure, dead_letter_row, redacted,
-                                  redacted_private)
+from consumers.deadletter import (Claim, Decoded, claim_of_dead_letter, conflicting_duplicates, covered_by_erasure,
+                                  dead_letter_row, redacted, redacted_private)
 from consumers.erasure import ErasureOutcome, erase_user, purge_private_sessions
 from consumers.projection import (Projector, SegmentState, StoredEvent, TrajectoryState, new_trajectory,
                                   trajectory_id_for)
@@ -219,13 +222,21 @@ def _store_and_project(session: Session, projector: Projector, chunk: list[Decod
     rows = [d.row for d in chunk]
     inserted = {k.int: v for k, v in append_events(session, rows, method).items()}  # type: ignore[arg-type]
     stored: list[StoredEvent] = []
+    duplicates: list[Decoded] = []
     for d in chunk:
         # pop: a second record with the same id in this batch is a duplicate, not a new event
         seq = inserted.pop(d.event.event_id.int, None)  # type: ignore[union-attr]
         if seq is not None:
             stored.append(StoredEvent(d.event, seq, now, d.msg.topic, d.msg.partition, d.msg.offset))
+        else:
+            duplicates.append(d)
     out.stored += len(stored)
-    out.duplicates += len(chunk) - len(stored)
+    conflicts = conflicting_duplicates(session, duplicates)
+    out.duplicates += len(duplicates) - len(conflicts)
+    if conflicts:
+        insert_dead_letters(session, [dead_letter_row(c) for c in conflicts])
+        out.dead_letters["conflicting_duplicate"] += len(conflicts)
+        out.dead_letter_positions += [(c.msg.topic, c.msg.partition, c.msg.offset) for c in conflicts]
     out.trajectories += project_events(session, projector, stored, out.finalized, states)
     return Counter(se.event.session_id for se in stored)
 

@@ -1,5 +1,5 @@
 """CLI commands of this package (registered on the main ``flywheel`` app): ``consume``, ``finalize``,
-``relabel``, ``replay``, ``erase``, ``rewards``, ``deadletters``. Heavy modules are imported inside
+``relabel``, ``replay``, ``erase``, ``erasures``, ``rewards``, ``deadletters``. Heavy modules are imported inside
 the commands."""
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import typer
 rewards_app = typer.Typer(no_args_is_help=True, help="Reward specs (TOML, name@version).")
 deadletters_app = typer.Typer(no_args_is_help=True,
                               help="Dead letters: counts by reason, listing, redrive to the source topic.")
+erasures_app = typer.Typer(no_args_is_help=True, help="Right-to-erasure requests and what each one erased.")
 
 
 def _setup(service: str) -> None:
@@ -180,7 +181,23 @@ def erase(
                            "trajectories_deleted": out.trajectories_deleted,
                            "dead_letters_deleted": out.dead_letters_deleted,
                            "eval_tasks_deleted": out.eval_tasks_deleted,
-                           "checkpoints_flagged": out.checkpoints_flagged, "already_done": out.already_done}))
+                           "checkpoints_flagged": out.checkpoints_flagged, "already_done": out.already_done,
+                           "request_id_reused_from": out.reused_by}))
+
+
+@erasures_app.command("list")
+def erasures_list(
+    user: str = typer.Option(None, help="only this (pseudonymous) user's requests"),
+    limit: int = typer.Option(50, min=1, max=10_000, help="at most this many requests"),
+) -> None:
+    """Applied erasure requests, newest first (JSON lines): (user, request id), when requested and
+    applied, outcome, what was deleted and which checkpoints were flagged."""
+    from app.core.db import session_scope
+    from consumers.erasure import list_erasures
+
+    with session_scope() as s:
+        for row in list_erasures(s, user_id=user, limit=limit):
+            typer.echo(json.dumps(row))
 
 
 @rewards_app.command("list")
@@ -277,3 +294,4 @@ def register(app: typer.Typer) -> None:
     app.command("erase")(erase)
     app.add_typer(rewards_app, name="rewards")
     app.add_typer(deadletters_app, name="deadletters")
+    app.add_typer(erasures_app, name="erasures")

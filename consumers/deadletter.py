@@ -2,9 +2,10 @@
 
 Invariant: :func:`classify` never raises for any input bytes. A record is either an event that
 Postgres can store as it is (``EventRow`` + the typed event) or a dead letter with a reason:
-``oversized``, ``bad_json``, ``not_object``, ``unknown_type``, ``schema_version``, ``validation``
-(the codec's reasons) or ``unstorable`` (valid JSON Postgres would refuse: a ``\\u0000`` in a
-string). Dead letters go to the ``dead_letter`` table in the
+``oversized``, ``bad_json``, ``not_object``, ``unknown_type``, ``schema_version``, ``implausible``,
+``validation`` (the codec's reasons; ``implausible`` also for an ``occurred_at`` outside the
+ingestion time window), ``unstorable`` (valid JSON Postgres would refuse: a ``\\u0000`` in a
+string) or, later in the batch, ``conflicting_duplicate`` (``consumers.batch``). Dead letters go to the ``dead_letter`` table in the
 batch's transaction and to the DLQ topic (at least once) with the reason in headers.
 """
 
@@ -21,12 +22,14 @@ from datetime import datetime
 from typing import Any, NamedTuple
 
 import orjson
+from sqlalchemy.orm import Session
 
 from app.core.errors import InvalidEventError
 from app.events import decode_event_payload
 from app.events.codec import DEFAULT_MAX_EVENT_BYTES
+from app.events.plausibility import TimeWindow, check_occurred_at
 from app.events.types import EventBase
-from app.repositories.events import DeadLetterRow, EventRow
+from app.repositories.events import BODY_COLUMNS, DeadLetterRow, EventRow, body_of, stored_bodies
 from consumers.projection import trajectory_id_for
 
 MAX_SEGMENT_INDEX = 100_000
@@ -99,13 +102,15 @@ def trace_id_of(headers: Sequence[tuple[str, bytes]]) -> str | None:
 _NUL_ESCAPE = b"\\u0000"
 
 
-def classify(msg: Message, max_bytes: int) -> Decoded:
+def classify(msg: Message, max_bytes: int, window: TimeWindow | None = None) -> Decoded:
     """Decode one record into a storable event or a dead letter (never raises).
 
     The checks and reasons of ``app.events.decode_event_payload`` (validation straight from the
     bytes, then a strict pass that also gives the payload to store: the payload object's bytes as
     the producer sent them; the replay path validates it again), plus a NUL in a string is
-    ``unstorable`` (Postgres refuses it; a byte search decides whether to look).
+    ``unstorable`` (Postgres refuses it; a byte search decides whether to look), and an
+    ``occurred_at`` outside ``window`` (if given: the ingestion time's plausible window) is
+    ``implausible``.
     """
     raw = msg.value
     try:
@@ -118,6 +123,10 @@ def classify(msg: Message, max_bytes: int) -> Decoded:
         return Decoded(msg, reason=exc.reason, detail=exc.message[:2000])
     except Exception as exc:  # noqa: BLE001 -- input must never crash the consumer
         return Decoded(msg, reason="validation", detail=f"{type(exc).__name__}: {exc}"[:2000])
+    if window is not None:
+        why = check_occurred_at(event.occurred_at, window)
+        if why:
+            return Decoded(msg, reason="implausible", detail=f"{event.type}: {why}")
     p = event.payload  # type: ignore[attr-defined]
     index = p.segment_index if event.type == "model.responded" else \
         p.new_segment_index if event.type == "context.summarized" else None
@@ -127,6 +136,31 @@ def classify(msg: Message, max_bytes: int) -> Decoded:
                    event.session_id, event.user_id, event.org_id, payload, msg.topic, msg.partition, msg.offset,
                    trace_id_of(msg.headers))
     return Decoded(msg, event=event, row=row)
+
+
+def conflicting_duplicates(session: Session, duplicates: Sequence[Decoded]) -> list[Decoded]:
+    """Among records whose ``event_id`` was already stored (before or earlier in this batch), those
+    whose body differs from the stored event's, as dead letters ``conflicting_duplicate`` naming the
+    differing columns. A duplicate whose event was erased meanwhile is not a conflict. One query, and
+    only when there are duplicates.
+
+    Raises:
+        psycopg.Error: database faults.
+    """
+    if not duplicates:
+        return []
+    stored = stored_bodies(session, [d.event.event_id for d in duplicates])  # type: ignore[union-attr]
+    out = []
+    for d in duplicates:
+        body = stored.get(d.event.event_id.int)  # type: ignore[union-attr]
+        if body is None:
+            continue
+        differ = [name for name, a, b in zip(BODY_COLUMNS, body, body_of(d.row)) if a != b]  # type: ignore[arg-type]
+        if differ:
+            out.append(Decoded(d.msg, reason="conflicting_duplicate",
+                               detail=f"event_id {d.event.event_id} is already stored with a different "  # type: ignore[union-attr]
+                                      f"{', '.join(differ)}; the stored event stays"))
+    return out
 
 
 BASE64_PREFIX = "base64:"

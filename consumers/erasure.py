@@ -14,6 +14,10 @@ Invariants:
 - Dead letters: those whose raw JSON claims the user (``dead_letter.user_id``, indexed), and any
   unattributed one (not JSON, oversized, no usable ``user_id``) whose bytes carry the quoted user
   id. A dead letter that claims another user is that user's, even if it mentions this one.
+- A request is identified by what it erases: (user id, request id). The same pair again is a
+  redelivery (``already_done``, nothing more deleted); a request id already used for another user
+  is a new request, applied in full, and logged at WARNING (``reused_by``). No request is skipped
+  for its id alone.
 - The request is stored minimally: one ``erasure_request`` row (request id, pseudonymous user id,
   counts, affected trajectory ids and checkpoints, when it was requested). The request event is
   not put in ``event_log``, and its free-text ``reason`` is not kept.
@@ -27,6 +31,7 @@ Invariants:
 
 from __future__ import annotations
 
+import logging
 import uuid
 from collections import Counter
 from collections.abc import Collection
@@ -38,6 +43,7 @@ from sqlalchemy.orm import Session
 from app.repositories.events import raw_connection
 from consumers.deadletter import PRIVATE_DETAIL
 
+log = logging.getLogger(__name__)
 
 DELETE_DEAD_LETTERS = ("DELETE FROM dead_letter WHERE user_id = %(user_id)s "
                        "OR (user_id IS NULL AND position(%(quoted)s::bytea in raw) > 0)")
@@ -58,6 +64,9 @@ class ErasureOutcome:
     trajectory_ids: list[uuid.UUID] = field(default_factory=list)
     checkpoints_flagged: list[str] = field(default_factory=list)
     already_done: bool = False
+    """this (user, request id) was applied before: a redelivery, nothing more was deleted."""
+    reused_by: list[str] = field(default_factory=list)
+    """other users whose erasures used this request id before (applied all the same)."""
 
 
 def erase_now(session: Session, user_id: str, request_id: str) -> ErasureOutcome:
@@ -72,7 +81,8 @@ def erase_now(session: Session, user_id: str, request_id: str) -> ErasureOutcome
 
 
 def erase_user(session: Session, user_id: str, request_id: str, requested_at: datetime) -> ErasureOutcome:
-    """Erase ``user_id`` in the caller's transaction (idempotent per ``request_id``).
+    """Erase ``user_id`` in the caller's transaction (idempotent per ``(user_id, request_id)``; see
+    the module invariants for a request id reused for another user).
 
     Raises:
         psycopg.Error: database faults (the caller's transaction rolls back as a whole).
@@ -80,10 +90,15 @@ def erase_user(session: Session, user_id: str, request_id: str, requested_at: da
     out = ErasureOutcome(request_id=request_id, user_id=user_id)
     conn = raw_connection(session)
     with conn.cursor() as cur:
-        cur.execute("SELECT 1 FROM erasure_request WHERE request_id = %s", (request_id,))
-        if cur.fetchone():
+        cur.execute("SELECT user_id FROM erasure_request WHERE request_id = %s ORDER BY user_id", (request_id,))
+        earlier = [r[0] for r in cur.fetchall()]
+        if user_id in earlier:
             out.already_done = True
             return out
+        if earlier:
+            out.reused_by = earlier
+            log.warning("erasure request id %r was used before for user(s) %s; erasing user %r under it too",
+                        request_id, ", ".join(map(repr, earlier)), user_id)
         # The sessions the request covers: any with an event at or before it (a session wholly
         # after the request is new data; another partition may already have delivered it).
         cur.execute("SELECT DISTINCT session_id FROM event_log WHERE user_id = %s AND occurred_at <= %s "
@@ -162,3 +177,30 @@ def _flag_checkpoints(cur, trajectory_ids: list[uuid.UUID], user_id: str | None 
                 "WHERE id IN (SELECT checkpoint_id FROM checkpoint_trajectory WHERE user_id = %s "
                 "OR trajectory_id = ANY(%s)) RETURNING id", (user_id, trajectory_ids))
     return sorted(r[0] for r in cur.fetchall())
+
+
+def list_erasures(session: Session, user_id: str | None = None, limit: int = 50) -> list[dict]:
+    """Processed erasure requests, newest first (``user_id``: only that user's), as JSON-ready dicts:
+    the request's key, when it was requested and applied, what it deleted and flagged, ``outcome``
+    (``erased``: something was deleted; ``nothing_stored``: the user had nothing stored), and
+    ``request_id_shared_with``: the other users whose requests carry the same request id."""
+    where, params = ("WHERE e.user_id = %(user)s", {"user": user_id}) if user_id is not None else ("", {})
+    with raw_connection(session).cursor() as cur:
+        cur.execute(
+            "SELECT e.request_id, e.user_id, e.requested_at, e.created_at, e.events_deleted, e.trajectories_deleted, "
+            "e.dead_letters_deleted, e.eval_tasks_deleted, e.checkpoints_flagged, "
+            "ARRAY(SELECT o.user_id FROM erasure_request o WHERE o.request_id = e.request_id "
+            "AND o.user_id <> e.user_id ORDER BY o.user_id) "
+            f"FROM erasure_request e {where} ORDER BY e.created_at DESC, e.id DESC LIMIT %(limit)s",
+            {**params, "limit": limit})
+        rows = cur.fetchall()
+    out = []
+    for (request_id, user, requested_at, applied_at, events, trajectories, dead, tasks, flagged, shared) in rows:
+        deleted = events + trajectories + dead + tasks
+        out.append({"request_id": request_id, "user_id": user,
+                    "requested_at": requested_at.isoformat() if requested_at else None,
+                    "applied_at": applied_at.isoformat(), "outcome": "erased" if deleted else "nothing_stored",
+                    "events_deleted": events, "trajectories_deleted": trajectories, "dead_letters_deleted": dead,
+                    "eval_tasks_deleted": tasks, "checkpoints_flagged": list(flagged),
+                    "request_id_shared_with": list(shared)})
+    return out

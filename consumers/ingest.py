@@ -23,7 +23,12 @@ Failure handling (the consumer never crashes on input):
   the batch goes on;
 - SIGKILL at any point loses nothing: uncommitted work is redelivered from the stored offsets,
   and records below a stored offset are skipped (so a zombie member after a rebalance, or a
-  batch still queued when its partition moved, cannot apply anything twice).
+  batch still queued when its partition moved, cannot apply anything twice);
+- a stored offset past its partition's log end (the log was re-created: a local broker restarted
+  empty, a topic re-created) is reported and, by default, the partition re-read from its start
+  (``consumers.offsets``), never skipped in silence;
+- a record whose values are physically implausible, or whose ``event_id`` is stored with another
+  body, is a dead letter (``consumers.deadletter``).
 """
 
 from __future__ import annotations
@@ -35,12 +40,14 @@ import queue
 import sys
 import threading
 import time
+from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any
 
 from app.core.db import session_scope
 from app.core.settings import get_settings
 from app.core.telemetry import tracer
 from app.repositories.events import stored_dead_letters
+from consumers import offsets
 from consumers.batch import (BatchOutcome, IngestStats, apply_batch, privacy_flagged_sessions,
                              publish_private_sessions)
 from consumers.deadletter import Decoded, DeadLetterPublisher, Message, classify
@@ -109,6 +116,7 @@ class IngestConsumer:
         self._work: queue.Queue = queue.Queue(maxsize=self.settings.pipeline_depth)
         self._done: queue.Queue = queue.Queue()
         self._worker_error: BaseException | None = None
+        self._fatal: offsets.OffsetBeyondLogEnd | None = None  # offset_reset = fail found a re-created log
         self._last_sweep = time.monotonic()
         self._poll_backoff, self._poll_faults_since, self._poll_warned_at = \
             Backoff(self.settings.retry_max_wait_s), 0.0, 0.0  # see _poll
@@ -251,6 +259,48 @@ class IngestConsumer:
         self._apply_stored(self._consumer, tps, stored)
         self._consumer.resume(*tps)
 
+    def _check_log_ends(self) -> None:
+        """Compare each assigned partition's log end (the high-water mark of the last fetch) with the
+        next offset this member holds for it (``consumers.offsets``): a log that ends below it was
+        re-created. Runs in the poll thread after every poll, so it checks each seek to a stored offset
+        (on assignment) by the fetch that follows it, and a log re-created under a running member.
+        For those partitions: let the queued batches land, read the stored offsets again, and where a
+        stored offset is past the log's end, report, count, and set it back to the log's start and seek
+        there (``offset_reset = earliest``) or stop the consumer (``fail``: :attr:`_fatal`).
+
+        Raises:
+            Exception: a broker or database fault that is not transient.
+        """
+        consumer = self._consumer
+        ends = {tp: consumer.highwater(tp) for tp in consumer.assignment()}
+        short = [tp for tp, end in ends.items() if end is not None and end < self._next.get(tp.partition, 0)]
+        if not short:
+            return
+        self._drain(timeout_s=self.settings.max_poll_interval_ms / 2000)  # batches of the old log land first
+        stored = self.retry(self._read_stored_offsets, "reading stored offsets")
+        beyond = [tp for tp in short if stored.get(tp.partition, 0) > ends[tp]]
+        starts = self.retry(lambda: consumer.beginning_offsets(beyond), "reading log starts") if beyond else {}
+        found = [offsets.LogRecreated(self.topic, tp.partition, stored[tp.partition], starts.get(tp) or 0, ends[tp])
+                 for tp in beyond]
+        offsets.report(found, self.settings.offset_reset)
+        for r in found:
+            self.metrics.record_offset_reset(r.partition)
+        if found and self.settings.offset_reset == "fail":
+            self._fatal = offsets.OffsetBeyondLogEnd("a stored offset is past its partition's log end",
+                                                     reasons=[r.describe() for r in found])
+            self._stop.set()
+            return
+        if found:
+            stored.update(self.retry(lambda: self._rewind(found), "rewinding stored offsets"))
+        for tp in short:
+            self._next[tp.partition] = stored.get(tp.partition, ends[tp])
+            if tp in beyond:
+                consumer.seek(tp, stored[tp.partition])
+
+    def _rewind(self, found: list[offsets.LogRecreated]) -> dict[int, int]:
+        with session_scope() as s:
+            return offsets.rewind_to_start(s, self.group_id, found)
+
     def _apply_stored(self, consumer, assigned, stored: dict[int, int]) -> None:
         self._assigned_at = time.monotonic()
         for tp in assigned:
@@ -261,6 +311,11 @@ class IngestConsumer:
                 consumer.seek_to_beginning(tp)
         log.info("partitions assigned: %s (stored offsets %s)", sorted(tp.partition for tp in assigned),
                  {tp.partition: stored.get(tp.partition) for tp in assigned})
+
+    def classify(self, messages: list[Message]) -> list[Decoded]:
+        """``consumers.deadletter.classify`` each record, ``occurred_at`` judged against now (UTC)."""
+        window = self.settings.time_window(datetime.now(timezone.utc))
+        return [classify(m, self.max_event_bytes, window) for m in messages]
 
     def _publish_dead_letters(self, session: Session, outcome: BatchOutcome) -> None:
         """Publish the batch's stored dead letters to the DLQ topic, as the transaction about to
@@ -287,7 +342,7 @@ class IngestConsumer:
         """Dead-letter and apply one batch (retrying transient faults). No Kafka commit."""
         started = time.perf_counter()
         if decoded is None:
-            decoded = [classify(m, self.max_event_bytes) for m in messages]
+            decoded = self.classify(messages)
         links = producer_links((m.headers for m in messages), self.settings.max_span_links)
         with self._tracer.start_as_current_span(
                 "consumers.ingest.batch", links=links,
@@ -473,13 +528,16 @@ class IngestConsumer:
             while not self._stop.is_set():
                 self._commit_done()
                 records = self._poll()
+                self._check_log_ends()
+                if self._fatal is not None:
+                    break
                 messages = [Message.from_record(r) for recs in records.values() for r in recs]
                 now = time.monotonic()
                 if messages:
                     if self.stats.first_record_at is None:
                         self.stats.first_record_at = now
                         log.info("first record polled at %.6f (unix s)", time.time())
-                    decoded = [classify(m, self.max_event_bytes) for m in messages]
+                    decoded = self.classify(messages)
                     self._hand_over((messages, decoded))
                     polled += len(messages)
                     last_record = now
@@ -499,6 +557,8 @@ class IngestConsumer:
             self.close()
         if self._worker_error is not None and not self._abort.is_set():
             raise self._worker_error
+        if self._fatal is not None:
+            raise self._fatal
         return self.stats
 
     def _shutdown(self, worker: threading.Thread) -> None:

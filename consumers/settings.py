@@ -8,6 +8,7 @@ replay with the settings the live consumer ran with.
 
 from __future__ import annotations
 
+from datetime import datetime
 from functools import lru_cache
 from pathlib import Path
 from typing import Literal
@@ -16,6 +17,7 @@ from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from app.core.settings import flywheel_home
+from app.events.plausibility import TimeWindow
 
 
 class ConsumerSettings(BaseSettings):
@@ -81,6 +83,25 @@ class ConsumerSettings(BaseSettings):
                     "never). Its own default, 0.1 s, fires whenever the poll thread waits that long for the GIL "
                     "behind the batch thread, which is routine at full CPU and harmless next to the group's "
                     "session timeout")
+
+    max_clock_skew_s: float = Field(
+        default=600.0, ge=0,
+        description="an event whose occurred_at is more than this many seconds after its ingestion time is "
+                    "dead-lettered as implausible (a producer clock running ahead)")
+    max_event_age_s: float = Field(
+        default=90 * 86_400.0, gt=0,
+        description="an event whose occurred_at is more than this many seconds before its ingestion time is "
+                    "dead-lettered as implausible (spooled and redriven events arrive late, not years late)")
+    offset_reset: Literal["earliest", "fail"] = Field(
+        default="earliest",
+        description="a stored offset past the end of its partition's log (the log was re-created: a local "
+                    "broker restarted, a topic deleted and re-created, a cluster restored) is reported at ERROR "
+                    "and counted; then 'earliest' re-reads the partition from its start (event_id idempotence "
+                    "drops what is already stored) and 'fail' stops the consumer")
+
+    def time_window(self, now: datetime) -> TimeWindow:
+        """The ``occurred_at`` values plausible at ingestion time ``now`` (aware)."""
+        return TimeWindow.around(now, self.max_clock_skew_s, self.max_event_age_s)
 
     @classmethod
     def load(cls) -> "ConsumerSettings":

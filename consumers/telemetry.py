@@ -5,6 +5,8 @@ Instruments (all prefixed ``flywheel.consumer.``):
 - ``events`` counter {outcome: stored | duplicate | stale | dead_letter | privacy_dropped | erased_dropped}
 - ``dead_letters`` counter {reason}
 - ``offsets_skipped`` counter {partition}: offsets retention deleted before the group read them (events lost)
+- ``offset_resets`` counter {partition}: stored offsets found past the end of their partition's log (the log
+  was re-created), each reset to the log's start (or the consumer stopped, with ``offset_reset = fail``)
 - ``trajectories_finalized`` counter {by: signals | window | abandoned}
 - ``batch_duration`` histogram (seconds)
 - ``lag`` observable gauge {partition}: broker high-water mark minus the next offset to apply (messages)
@@ -38,6 +40,9 @@ class ConsumerMetrics:
         self.offsets_skipped = m.create_counter(
             "flywheel.consumer.offsets_skipped", unit="{message}",
             description="offsets the broker no longer had when the group read on (retention): events lost")
+        self.offset_resets = m.create_counter(
+            "flywheel.consumer.offset_resets", unit="{partition}",
+            description="stored offsets found past their partition's log end (a re-created log)")
         self.batch_duration = m.create_histogram("flywheel.consumer.batch_duration", unit="s",
                                                  description="seconds per batch transaction")
         self._lock = threading.Lock()
@@ -67,6 +72,10 @@ class ConsumerMetrics:
             self._window.append((now, outcome.messages))
             while self._window and now - self._window[0][0] > 10.0:
                 self._window.popleft()
+
+    def record_offset_reset(self, partition: int) -> None:
+        """Count one stored offset found past its partition's log end."""
+        self.offset_resets.add(1, {**self._attrs, "partition": partition})
 
     def record_finalized(self, by_kind) -> None:
         """Count finalizations (``{by: n}``)."""

@@ -76,7 +76,7 @@ def generate_session(rng: np.random.Generator, *, session_id: str, user_id: str,
                 prompt_token_ids=rng.integers(0, VOCAB, n_prompt).tolist(),
                 completion_token_ids=rng.integers(0, VOCAB, n_comp).tolist(),
                 completion_logprobs=(-rng.exponential(0.8, n_comp)).astype(np.float32).tolist(),
-                latency_s=round(float(rng.uniform(0.3, 8.0)), 3), tool_calls=(tool,))))
+                latency_s=round(float(rng.uniform(0.3, 8.0)), 3), tool_calls=(tool,), vocab_size=VOCAB)))
             ok = bool(rng.random() < 0.7)
             events.append(ToolExecutedEvent(**at(0.4), payload=ToolExecuted(
                 call_id=tool.call_id, name=name, ok=ok, exit_code=0 if ok else 1,
@@ -114,9 +114,11 @@ def generate_stream(n_events: int, *, seed: int = 0, users: int = 40, concurrenc
                     withhold_fraction: float = 0.0, **session_kw) -> list[EventBase]:
     """About ``n_events`` events of many sessions, interleaved as ``concurrency`` sessions would be
     live at once (each session's own order is kept). Whole sessions only: may exceed ``n_events``
-    by one session."""
+    by one session. ``start`` (default: early enough that the whole stream lies in the past, so an
+    ingest consumer's time window admits it) is the first session's start; each next one starts 1 s
+    later."""
     rng = np.random.default_rng(seed)
-    start = start or datetime.now(timezone.utc).replace(microsecond=0)
+    start = start or datetime.now(timezone.utc).replace(microsecond=0) - timedelta(seconds=n_events + 7200)
     sessions: list[list[EventBase]] = []
     total = 0
     while total < n_events:

@@ -34,8 +34,10 @@ developers' sessions collected by *earlier* checkpoints over hours -- so this lo
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import time
+from collections import defaultdict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -55,6 +57,8 @@ if TYPE_CHECKING:
 
 STEP_SUMS = ("pg_loss_sum", "kl_sum", "mismatch_kl_sum", "is_clipped", "ppo_clipped", "ratio_sum", "entropy_sum",
              "adv", "advabs")  # what a step adds up over its micro-batches (and, data-parallel, over ranks)
+
+log = logging.getLogger(__name__)
 
 
 def _trainable_hidden(model: torch.nn.Module, mb: MicroBatch, config: TrainerConfig) -> tuple[torch.Tensor, torch.Tensor]:
@@ -178,6 +182,10 @@ class StepMetrics:
     tokens: int = 0
     seconds: float = 0.0
     tokens_per_s: float = 0.0
+    skipped_micro_batches: int = 0
+    """micro-batches whose loss was not finite (NaN/Inf): left out of the step, never backpropagated."""
+    skipped_step: bool = False
+    """the optimizer step was not taken: every micro-batch skipped, or a non-finite gradient norm."""
     extra: dict[str, float] = field(default_factory=dict)
 
 
@@ -214,6 +222,11 @@ def train_steps(model: torch.nn.Module, batches: list[MicroBatch], config: Train
     ``placement``'s autocast wraps each micro-batch's forward pass (not the backward). With ``dp``
     each rank runs its share of every step's micro-batches and the gradients and metric sums are
     summed over ranks before clipping (:mod:`trainer.distributed`); metrics are global.
+
+    A micro-batch whose loss is not finite is skipped (no backward; counted in
+    ``StepMetrics.skipped_micro_batches``, logged), and a step whose micro-batches were all skipped
+    or whose gradient norm is not finite takes no optimizer step (``skipped_step``): a NaN never
+    reaches the weights, so never a checkpoint.
     """
     model.train()
     history = []
@@ -228,6 +241,11 @@ def train_steps(model: torch.nn.Module, batches: list[MicroBatch], config: Train
         for mb in (group if dp is None else dp.local(group)):
             with _autocast(placement):
                 loss, mb_sums = micro_batch_loss(model, mb, config)
+            if not torch.isfinite(loss.detach()):
+                m.skipped_micro_batches += 1
+                log.warning("step %d: a micro-batch's loss is %s; skipped (%d tokens)", step, float(loss.detach()),
+                            mb.num_tokens)
+                continue
             loss.backward()
             m.loss += float(loss.detach())
             mb_sums["adv"], mb_sums["advabs"] = float(mb.advantages.sum()), float(mb.advantages.abs().sum())
@@ -237,14 +255,22 @@ def train_steps(model: torch.nn.Module, batches: list[MicroBatch], config: Train
             m.tokens += mb.num_tokens
         if dp is not None:
             dp.all_reduce_grads(model)
-            totals = dp.all_reduce_sums({**sums, "loss": m.loss, "trainable": m.trainable_tokens, "tokens": m.tokens},
-                                        batches[0].targets.device)
+            totals = dp.all_reduce_sums({**sums, "loss": m.loss, "trainable": m.trainable_tokens, "tokens": m.tokens,
+                                         "skipped": m.skipped_micro_batches}, batches[0].targets.device)
             m.loss, m.trainable_tokens, m.tokens = totals.pop("loss"), int(totals.pop("trainable")), int(totals.pop("tokens"))
+            m.skipped_micro_batches = int(totals.pop("skipped"))
             sums = totals
         m.grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), config.optim.max_grad_norm))
-        optimizer.step()
+        m.skipped_step = m.skipped_micro_batches == len(group) or not math.isfinite(m.grad_norm)
+        if m.skipped_step:
+            optimizer.zero_grad(set_to_none=True)
+            log.warning("step %d: no optimizer step (%d of %d micro-batches skipped, gradient norm %s)", step,
+                        m.skipped_micro_batches, len(group), m.grad_norm)
+        else:
+            optimizer.step()
         m.seconds = time.perf_counter() - start
         n = max(m.trainable_tokens, 1)
+        sums = defaultdict(float, sums)  # empty when every micro-batch was skipped
         m.pg_loss, m.kl, m.mismatch_kl = sums["pg_loss_sum"] / n, sums["kl_sum"] / n, sums["mismatch_kl_sum"] / n
         m.is_clip_frac, m.ppo_clip_frac = sums["is_clipped"] / n, sums["ppo_clipped"] / n
         m.ratio, m.entropy = sums["ratio_sum"] / n, sums["entropy_sum"] / n

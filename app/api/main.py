@@ -1,7 +1,9 @@
 """The promotion API's app factory (``flywheel api`` serves ``create_app()`` with uvicorn).
 
 Invariant: error shapes are mapped once here (``app.api.errors``); every route except ``/``,
-``/healthz`` and ``/readyz`` requires a bearer token; all resources live under ``/v1``.
+``/healthz`` and ``/readyz`` requires a bearer token, checked before a request body is parsed
+(``app.api.deps.RoleFirstRoute``); a body past ``FLYWHEEL_API_MAX_BODY_BYTES`` is answered 413
+unread (``app.api.limits``); all resources live under ``/v1``.
 """
 
 from __future__ import annotations
@@ -12,8 +14,10 @@ from contextlib import asynccontextmanager
 from fastapi import APIRouter, FastAPI
 
 from app.api.errors import install_error_handlers
+from app.api.limits import BodySizeLimit
 from app.api.routers import audit, canaries, checkpoints, dashboard, health, promotions
 from app.core.errors import ConfigurationError
+from app.core.settings import get_settings
 from app.core.telemetry import configure_telemetry
 
 DESCRIPTION = """\
@@ -44,6 +48,7 @@ def create_app() -> FastAPI:
     """A new FastAPI app (routers under ``/v1``, dashboard at ``/``, health at the root)."""
     app = FastAPI(title="flywheel promotion API", version="1", description=DESCRIPTION, lifespan=lifespan)
     install_error_handlers(app)
+    app.add_middleware(BodySizeLimit, max_bytes=get_settings().api.max_body_bytes)
     v1 = APIRouter(prefix="/v1")
     v1.include_router(checkpoints.router)
     v1.include_router(promotions.router)

@@ -133,6 +133,8 @@ class ApiSettings(_Base):
     host: str = "127.0.0.1"
     port: int = Field(default=8000, ge=0, le=65535)
     url: str | None = Field(default=None, description="base URL clients use; default http://host:port")
+    max_body_bytes: int = Field(default=1_048_576, ge=1024,
+                                description="largest request body accepted (bytes); a larger one is answered 413")
 
 
 class Settings:

@@ -1,7 +1,9 @@
 """Wire codec: events <-> Kafka value bytes (UTF-8 JSON), with reasons a dead-letter row can carry.
 
 ``decode_event`` never raises anything but :class:`InvalidEventError`, whose ``reason`` is one of
-``oversized``, ``bad_json``, ``not_object``, ``unknown_type``, ``schema_version``, ``validation``.
+``oversized``, ``bad_json``, ``not_object``, ``unknown_type``, ``schema_version``, ``implausible``
+(a value no real session produces: ``app.events.plausibility``), ``validation``. The detail of the
+last two names the field.
 It parses and validates in one pass (pydantic-core's JSON parser straight into the typed models,
 no intermediate dict): the consumers decode every event, so this is on the hot path. That parser
 accepts ``NaN``/``Infinity``, which are not JSON; a record holding those bytes is parsed again
@@ -41,7 +43,8 @@ def encode_event(event: EventBase) -> bytes:
 def _invalid(exc: ValidationError, etype: str | None = None) -> InvalidEventError:
     """The dead-letter reason of a validation failure (first matching rule wins):
     not JSON -> ``bad_json``; not an object -> ``not_object``; no or unknown ``type`` ->
-    ``unknown_type``; any problem with ``schema_version`` -> ``schema_version``; else ``validation``."""
+    ``unknown_type``; any problem with ``schema_version`` -> ``schema_version``; an ``implausible``
+    value (``app.events.plausibility``) -> ``implausible``; else ``validation``."""
     errors = exc.errors(include_url=False, include_input=False)
     kinds = {e["type"] for e in errors if not e["loc"]}
     if "json_invalid" in kinds:
@@ -60,7 +63,8 @@ def _invalid(exc: ValidationError, etype: str | None = None) -> InvalidEventErro
         if tuple(e["loc"][strip:strip + 1]) == ("schema_version",):
             return InvalidEventError("schema_version", f"{etype}: schema_version: {e['msg']}")
     detail = "; ".join(f"{'.'.join(str(p) for p in e['loc'][strip:]) or '<root>'}: {e['msg']}" for e in errors[:5])
-    return InvalidEventError("validation", f"{etype}: {detail}")
+    reason = "implausible" if any(e["type"] == "implausible" for e in errors) else "validation"
+    return InvalidEventError(reason, f"{etype}: {detail}")
 
 
 def validate_event(data: dict[str, Any] | EventBase) -> EventBase:

@@ -15,6 +15,8 @@ from pydantic import AwareDatetime, BaseModel, ConfigDict, Field, field_validato
 from uuid6 import uuid7
 
 from app.events.packing import LogProbs, TokenIds
+from app.events.plausibility import (MAX_COUNT, MAX_DELAY_S, MAX_LATENCY_S, MAX_LAYERS, MAX_TOP_K, MAX_TURN_INDEX,
+                                     MAX_VOCAB_SIZE, check_model_turn)
 
 
 class _Frozen(BaseModel):
@@ -57,22 +59,31 @@ class ModelResponded(_Frozen):
     sequence is the concatenation ``prompt_0 + completion_0 + prompt_1 + completion_1 + ...``.
     ``completion_logprobs[i]`` is log pi_behaviour(completion_token_ids[i] | prefix) in nats.
     ``routed_experts`` (MoE only) is a flat ``int32`` array of shape
-    ``[len(completion_token_ids), routed_experts_shape[0], routed_experts_shape[1]]`` (layers, top-k),
-    ids in ``[0, 65535]``; entry ``i`` is the experts at the position whose output sampled token ``i``.
+    ``[len(completion_token_ids), routed_experts_shape[0], routed_experts_shape[1]]`` (layers, top-k);
+    entry ``i`` is the experts at the position whose output sampled token ``i``.
+
+    Physically plausible only (``app.events.plausibility.check_model_turn``, error type
+    ``implausible``): at least one completion token; every log-prob finite and <= 0 (within
+    float32 rounding); every token id in ``[0, vocab_size)`` (``MAX_VOCAB_SIZE`` when the producer
+    does not send ``vocab_size``); expert ids in ``[0, MAX_EXPERTS)``.
     """
 
     request_id: str = Field(min_length=1, max_length=128)
     segment_index: int = Field(ge=0)
-    turn_index: int = Field(ge=0)
+    turn_index: int = Field(ge=0, le=MAX_TURN_INDEX)
     checkpoint_id: str = Field(min_length=1, max_length=128)
     prompt_token_ids: TokenIds
     completion_token_ids: TokenIds
     completion_logprobs: LogProbs
-    latency_s: float = Field(ge=0, description="wall-clock seconds from request to last token")
+    latency_s: float = Field(ge=0, le=MAX_LATENCY_S, description="wall-clock seconds from request to last token")
     tool_calls: tuple[ToolCall, ...] = ()
     finish_reason: str = Field(default="stop", max_length=32)
     routed_experts: TokenIds | None = None
-    routed_experts_shape: tuple[int, int] | None = None
+    routed_experts_shape: tuple[Annotated[int, Field(ge=1, le=MAX_LAYERS)],
+                                Annotated[int, Field(ge=1, le=MAX_TOP_K)]] | None = None
+    vocab_size: int | None = Field(
+        default=None, ge=1, le=MAX_VOCAB_SIZE,
+        description="vocabulary size of the serving checkpoint (token ids must be below it); optional")
 
     @model_validator(mode="after")
     def _lengths_agree(self) -> "ModelResponded":
@@ -87,9 +98,8 @@ class ModelResponded(_Frozen):
             layers, k = self.routed_experts_shape
             if len(self.routed_experts) != len(self.completion_token_ids) * layers * k:
                 raise ValueError("routed_experts length != completion tokens x layers x top-k")
-            ids = self.routed_experts.numpy()
-            if ids.size and (int(ids.min()) < 0 or int(ids.max()) > 0xFFFF):
-                raise ValueError("routed_experts ids must lie in [0, 65535]")
+        check_model_turn(self.prompt_token_ids, self.completion_token_ids, self.completion_logprobs,
+                         self.vocab_size or MAX_VOCAB_SIZE, self.routed_experts)
         return self
 
 
@@ -101,7 +111,7 @@ class ToolExecuted(_Frozen):
     ok: bool
     exit_code: int | None = None
     output: str = Field(default="", max_length=200_000, description="observation shown to the model (truncated)")
-    duration_s: float = Field(default=0.0, ge=0)
+    duration_s: float = Field(default=0.0, ge=0, le=MAX_LATENCY_S)
     ran_tests: bool = Field(default=False, description="the command ran the task's tests")
     command: str | None = Field(default=None, max_length=10_000)
 
@@ -111,8 +121,8 @@ class EditProposed(_Frozen):
 
     edit_id: str = Field(min_length=1, max_length=128)
     path: str = Field(min_length=1, max_length=1024)
-    lines_added: int = Field(default=0, ge=0)
-    lines_removed: int = Field(default=0, ge=0)
+    lines_added: int = Field(default=0, ge=0, le=MAX_COUNT)
+    lines_removed: int = Field(default=0, ge=0, le=MAX_COUNT)
     diff: str = Field(default="", max_length=500_000)
 
 
@@ -133,7 +143,7 @@ class EditPersistenceMeasured(_Frozen):
 
     edit_id: str = Field(min_length=1, max_length=128)
     fraction_persisted: float = Field(ge=0.0, le=1.0)
-    delay_s: float = Field(ge=0, description="seconds between acceptance and measurement")
+    delay_s: float = Field(ge=0, le=MAX_DELAY_S, description="seconds between acceptance and measurement")
 
 
 class FollowupSent(_Frozen):
@@ -148,14 +158,15 @@ class ContextSummarized(_Frozen):
 
     new_segment_index: int = Field(ge=1)
     summary: str = Field(default="", max_length=100_000)
-    summarized_tokens: int = Field(default=0, ge=0, description="tokens of context replaced by the summary")
+    summarized_tokens: int = Field(default=0, ge=0, le=MAX_COUNT,
+                                   description="tokens of context replaced by the summary")
 
 
 class SessionEnded(_Frozen):
     """The session closed. ``expected_signals`` tells the consumer which late signals may follow."""
 
     reason: str = Field(default="finished", max_length=64, description="finished | budget | turns | error | abandoned")
-    turns: int = Field(default=0, ge=0)
+    turns: int = Field(default=0, ge=0, le=MAX_TURN_INDEX)
     ran_tests: bool = False
     expected_signals: tuple[str, ...] = Field(
         default=(), description="event types still to come for this session, e.g. edit.persistence_measured"

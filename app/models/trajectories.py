@@ -26,7 +26,7 @@ import uuid
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import (BigInteger, Boolean, DateTime, Float, ForeignKey, Index, Integer,
+from sqlalchemy import (BigInteger, Boolean, DateTime, Float, ForeignKey, Index, Integer, UniqueConstraint,
                         LargeBinary, String, Text, text)
 from sqlalchemy.dialects.postgresql import ARRAY, JSONB, UUID
 from sqlalchemy.orm import Mapped, mapped_column
@@ -131,12 +131,13 @@ class RewardLabel(Base):
 
 
 class ErasureRequest(Base):
-    """A processed right-to-erasure request and what it touched."""
+    """A processed right-to-erasure request and what it touched. Identified by (user, request id):
+    one request id reused for another user is another request."""
 
     __tablename__ = "erasure_request"
 
     id: Mapped[int] = mapped_column(BigInteger, primary_key=True, autoincrement=True)
-    request_id: Mapped[str] = mapped_column(String(128), unique=True, nullable=False)
+    request_id: Mapped[str] = mapped_column(String(128), nullable=False)
     user_id: Mapped[str] = mapped_column(String(128), nullable=False)
     events_deleted: Mapped[int] = mapped_column(Integer, nullable=False, default=0)
     trajectories_deleted: Mapped[int] = mapped_column(Integer, nullable=False, default=0)
@@ -149,4 +150,4 @@ class ErasureRequest(Base):
         DateTime(timezone=True), comment="occurred_at of the request; older events of the user are dropped")
     created_at: Mapped[datetime] = created_at_column()
 
-    __table_args__ = (Index("ix_erasure_request_user_id", "user_id"),)
+    __table_args__ = (UniqueConstraint("user_id", "request_id"),)

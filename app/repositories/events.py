@@ -138,6 +138,27 @@ def _append_direct(cur: psycopg.Cursor, rows: Sequence[EventRow]) -> dict[uuid.U
     return {r.event_id: seq for seq, r in zip(seqs, new)}
 
 
+BODY_COLUMNS = ("type", "schema_version", "occurred_at", "session_id", "user_id", "org_id", "payload")
+"""The columns that make an event what it is (not where it was read from): two records with one
+``event_id`` and equal values here are the same event."""
+
+
+def body_of(row: EventRow) -> tuple:
+    """``row``'s values of :data:`BODY_COLUMNS`, in order (``payload`` as JSON text)."""
+    return (row.type, row.schema_version, row.occurred_at, row.session_id, row.user_id, row.org_id, row.payload)
+
+
+def stored_bodies(session: Session, event_ids: Sequence[uuid.UUID]) -> dict[int, tuple]:
+    """``{event_id.int: values of BODY_COLUMNS}`` of the stored events among ``event_ids``
+    (``payload`` as the JSON text stored, which is the text appended)."""
+    if not event_ids:
+        return {}
+    with raw_connection(session).cursor() as cur:
+        cur.execute("SELECT event_id, type, schema_version, occurred_at, session_id, user_id, org_id, payload::text "
+                    "FROM event_log WHERE event_id = ANY(%b)", (UuidArray.of(list(event_ids)),))
+        return {r[0].int: tuple(r[1:]) for r in cur.fetchall()}
+
+
 def lock_offsets(session: Session, group_id: str, first: dict[tuple[str, int], int]) -> dict[tuple[str, int], int]:
     """Lock this group's offset rows for the given partitions (creating missing rows at the batch's
     first offset) and return the stored next offsets. A concurrent consumer of the same partition
@@ -172,6 +193,20 @@ def store_offsets(session: Session, group_id: str, next_offsets: dict[tuple[str,
             "ON CONFLICT (group_id, topic, partition) DO UPDATE SET "
             "next_offset = GREATEST(consumer_offset.next_offset, EXCLUDED.next_offset), updated_at = now()",
             (group_id, [k[0] for k in keys], [k[1] for k in keys], [next_offsets[k] for k in keys]))
+
+
+def rewind_offset(session: Session, group_id: str, topic: str, partition: int, expected: int, to: int) -> int:
+    """Set this group's next offset of one partition back to ``to``, if it still is ``expected``
+    (another member may have moved it since it was read), and return the next offset stored now.
+    The one write that moves an offset backwards: for a partition whose log was re-created
+    (``consumers.offsets``)."""
+    with raw_connection(session).cursor() as cur:
+        cur.execute("UPDATE consumer_offset SET next_offset = %s, updated_at = now() WHERE group_id = %s AND topic = %s "
+                    "AND partition = %s AND next_offset = %s", (to, group_id, topic, partition, expected))
+        cur.execute("SELECT next_offset FROM consumer_offset WHERE group_id = %s AND topic = %s AND partition = %s",
+                    (group_id, topic, partition))
+        row = cur.fetchone()
+        return row[0] if row else to
 
 
 def stored_offsets(session: Session, group_id: str, topic: str) -> dict[int, int]:

@@ -5,7 +5,7 @@ segment, aligned with its completion tokens, one or two bytes per layer x top-k 
 can replay them (router replay, R3). Segments stored before this migration have no routes.
 
 Revision ID: 0014
-Revises: 0012
+Revises: 0013
 Create Date: 2026-11-24 04:30:00
 """
 from typing import Sequence, Union
@@ -15,7 +15,7 @@ from alembic import op
 from sqlalchemy.dialects import postgresql
 
 revision: str = '0014'
-down_revision: Union[str, None] = '0012'
+down_revision: Union[str, None] = '0013'
 branch_labels: Union[str, Sequence[str], None] = None
 depends_on: Union[str, Sequence[str], None] = None
 

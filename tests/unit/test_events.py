@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from app.core.errors import InvalidEventError
+from app.events.plausibility import MAX_VOCAB_SIZE
 from app.events import EVENT_CLASSES, decode_event, decode_event_payload, encode_event, event_json_schema
 from app.events.types import (ModelResponded, ModelRespondedEvent, SessionEnded, SessionEndedEvent,
                               ToolCall)
@@ -23,7 +24,7 @@ def _responded(**kw) -> ModelRespondedEvent:
 
 
 @given(
-    tokens=st.lists(st.integers(0, 2**31 - 1), max_size=64),
+    tokens=st.lists(st.integers(0, MAX_VOCAB_SIZE - 1), min_size=1, max_size=64),
     prompt=st.lists(st.integers(0, 49_151), max_size=64),
 )
 @settings(max_examples=50, deadline=None)
@@ -33,6 +34,32 @@ def test_model_responded_round_trips_exactly(tokens, prompt):
     decoded = decode_event(encode_event(event))
     assert decoded == event
     assert decoded.payload.completion_token_ids == tuple(tokens)
+
+
+@pytest.mark.parametrize("kw,field", [
+    (dict(completion_logprobs=[-0.5, 0.5]), "completion_logprobs"),
+    (dict(completion_logprobs=[float("nan"), -1.0]), "completion_logprobs"),
+    (dict(completion_token_ids=[4, MAX_VOCAB_SIZE]), "completion_token_ids"),
+    (dict(prompt_token_ids=[1, -2]), "prompt_token_ids"),
+    (dict(vocab_size=5), "completion_token_ids"),  # ids 4, 5 in a 5-token vocabulary
+    (dict(completion_token_ids=[], completion_logprobs=[]), "completion_token_ids"),
+])
+def test_implausible_turns_are_refused_naming_the_field(kw, field):
+    import base64
+
+    import numpy as np
+
+    event = json.loads(encode_event(_responded()))
+    for k, v in kw.items():
+        dtype = "<f4" if k == "completion_logprobs" else "<i4"
+        event["payload"][k] = v if k == "vocab_size" else base64.b64encode(np.asarray(v, dtype).tobytes()).decode()
+    with pytest.raises(InvalidEventError) as err:
+        decode_event(json.dumps(event).encode())
+    assert err.value.reason == "implausible" and field in err.value.message
+
+
+def test_a_logprob_rounded_just_above_zero_is_accepted():
+    assert decode_event(encode_event(_responded(completion_logprobs=[1e-5, -0.1]))).payload.completion_logprobs[0] > 0
 
 
 def test_token_arrays_are_binary_packed_not_json_lists():

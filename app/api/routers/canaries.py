@@ -8,12 +8,12 @@ from typing import Annotated
 
 from fastapi import APIRouter, Path, Response, status
 
-from app.api.deps import ActorDep, SessionDep, ViewerDep
+from app.api.deps import ActorDep, RoleFirstRoute, SessionDep, ViewerDep
 from app.api.errors import AUTH_RESPONSES, CONFLICT, NOT_FOUND, model_response
 from app.api.schemas import CanaryOut, CanaryRequest, CanaryStatusOut, CanaryStopRequest
 from app.promotion.canary import get_active_canary, get_canary, list_canaries, start_canary, stop_canary
 
-router = APIRouter(prefix="/canaries", tags=["canaries"], responses=AUTH_RESPONSES)
+router = APIRouter(prefix="/canaries", tags=["canaries"], responses=AUTH_RESPONSES, route_class=RoleFirstRoute)
 CanaryPath = Annotated[uuid.UUID, Path(description="canary id")]
 
 

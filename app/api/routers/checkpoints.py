@@ -6,7 +6,7 @@ from typing import Annotated
 
 from fastapi import APIRouter, Path, Query
 
-from app.api.deps import RejecterDep, SessionDep, ViewerDep
+from app.api.deps import RejecterDep, RoleFirstRoute, SessionDep, ViewerDep
 from app.api.errors import AUTH_RESPONSES, CONFLICT, NOT_FOUND, model_response
 from app.api.schemas import (CHECKPOINT_ID_PATTERN, CheckpointDetail, CheckpointStatus, CheckpointSummary,
                              EvalReport, GateSummary, Lineage, OnlineReport, Page, RejectRequest)
@@ -16,7 +16,7 @@ from app.promotion.online import online_view
 from app.promotion.service import latest_gate_decision, lineage, reject_checkpoint
 from app.repositories.checkpoints import get_checkpoint
 
-router = APIRouter(prefix="/checkpoints", tags=["checkpoints"], responses=AUTH_RESPONSES)
+router = APIRouter(prefix="/checkpoints", tags=["checkpoints"], responses=AUTH_RESPONSES, route_class=RoleFirstRoute)
 CheckpointPath = Annotated[str, Path(min_length=1, max_length=128, pattern=CHECKPOINT_ID_PATTERN,
                                      description="checkpoint id")]
 

@@ -7,7 +7,7 @@ from typing import Annotated
 from fastapi import APIRouter, Query, Response, status
 from sqlalchemy import select
 
-from app.api.deps import ActorDep, SessionDep, ViewerDep
+from app.api.deps import ActorDep, RoleFirstRoute, SessionDep, ViewerDep
 from app.api.errors import AUTH_RESPONSES, CONFLICT, NOT_FOUND, model_response
 from app.api.schemas import (CheckpointSummary, Page, ProductionOut, PromotionOut, PromotionRequest,
                              RollbackRequest)
@@ -17,7 +17,7 @@ from app.promotion.service import promote_checkpoint, rollback_production
 from app.promotion.serving_state import read_serving_state
 from app.repositories.checkpoints import get_production
 
-router = APIRouter(tags=["promotions"], responses=AUTH_RESPONSES)
+router = APIRouter(tags=["promotions"], responses=AUTH_RESPONSES, route_class=RoleFirstRoute)
 
 
 @router.get("/promotions", response_model=Page[PromotionOut], summary="Production changes, newest first")
