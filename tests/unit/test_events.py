@@ -95,6 +95,8 @@ def test_events_are_frozen():
         # NaN is not JSON, even where the contract takes any value (a tool call's arguments)
         (encode_event(_responded()).replace(b'{"cmd":"pytest"}', b'{"cmd":NaN}'), "bad_json"),
     ],
+    ids=["bad-json", "bad-utf8", "not-object", "unknown-type", "schema-version", "no-session", "oversized",
+         "nan-argument"],  # stable ids: the raw bytes hold fresh timestamps (pytest-xdist collects per worker)
 )
 @pytest.mark.parametrize("decode", [decode_event, decode_event_payload])
 def test_decode_rejects_with_reason(raw, reason, decode):

@@ -270,13 +270,11 @@ def test_a_turn_without_matching_routes_empties_the_segments_routes(second):
                        _moe_turn(0, 2, [5], [6], routes)]))  # and a later turn does not start them again
     s = t.segments[0]
     assert (bytes(s.routed_experts), s.routed_experts_shape, s.routed_experts_itemsize) == (b"", None, None)
-    t = _fold(_stored([_moe_turn(0, 0, [1], [2], routes), _moe_turn(0, 1, [3], [], None)]))
-    assert t.segments[0].routed_experts_shape == [2, 2]  # a turn with no completion tokens routes nothing
 
 
 def test_expert_ids_outside_two_bytes_are_refused_at_validation():
     from pydantic import ValidationError
 
     for bad in (-1, 65536):
-        with pytest.raises(ValidationError, match="routed_experts ids"):
+        with pytest.raises(ValidationError, match="routed_experts: id"):
             _moe_turn(0, 0, [1], [2], np.array([[[bad]]]))
