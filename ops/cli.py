@@ -136,9 +136,9 @@ def up_cmd(
 
 def demo_cmd(
     cycles: int = typer.Option(1, help="full cycles (simulate -> consume -> train -> gate -> release) to run"),
-    sessions: int = typer.Option(8, help="simulated editor sessions per cycle (train tasks of --source)"),
+    sessions: int = typer.Option(16, help="simulated editor sessions per cycle (train tasks of --source)"),
     group_size: int = typer.Option(4, help="sessions per task (the trainer's groups)"),
-    source: str = typer.Option("dataframebench", help="task source of the simulated sessions (train split)"),
+    source: str = typer.Option("functions", help="task source of the simulated sessions (train split)"),
     max_turns: int = typer.Option(3, help="agent turns per simulated session"),
     max_tokens_per_turn: int = typer.Option(160, help="completion tokens per turn"),
     max_steps: int = typer.Option(None, help="step budget of each training cycle (default: train on all it claims)"),

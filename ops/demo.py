@@ -43,9 +43,9 @@ class DemoOptions:
     """Knobs of the demo. Defaults finish in 4 to 7 minutes on 2 CPU cores (README)."""
 
     cycles: int = 1
-    sessions: int = 8
+    sessions: int = 16
     group_size: int = 4
-    source: str = "dataframebench"
+    source: str = "functions"
     max_turns: int = 3
     max_tokens_per_turn: int = 160
     train_max_steps: int | None = None
