@@ -138,10 +138,9 @@ def main() -> None:
                     break
                 time.sleep(2)
         with session_scope() as session:
-            spec = "implicit@1"
             comparison = paired(session, "base", final, SUITE, eval_tasks) if final != "base" else None
-            before = product_signals(session, "base", spec)
-            after = product_signals(session, final, spec) if final != "base" else before
+            before = product_signals(session, "base")
+            after = product_signals(session, final) if final != "base" else before
     finally:
         if not args.keep:
             subprocess.run([sys.executable, "-m", "app.cli", "demo", "--down"], env=env, capture_output=True)

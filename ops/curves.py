@@ -8,9 +8,9 @@ cycle's candidate (promoted or not), so a rejected candidate shows where it woul
 Eval side (per suite, the checkpoint's newest succeeded run): pass@1 = passed / results with a
 Wilson 95 % interval (Wilson 1927), the invalid tool-call rate (tool-call errors / tool calls) and
 the mean completion tokens per session. Product side (finalized trajectories the checkpoint served,
-``trajectory.checkpoint_id``): sessions, mean reward under the labels' spec, edit acceptance
-(accepted / decided edits), mean persistence of accepted edits, dissatisfied follow-up rate
-(sessions with at least one) and mean completion tokens.
+``trajectory.checkpoint_id``): the online signals of :mod:`app.promotion.online` (mean reward, edit
+acceptance, edit persistence, dissatisfied follow-ups per session, latency per token), sessions and
+mean completion tokens.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from sqlalchemy.orm import Session
 from app.promotion.stats import wilson_interval
 
 SIGNALS = ("mean_reward", "edit_acceptance", "edit_persistence", "dissatisfied_followup_rate",
-           "mean_completion_tokens")
+           "latency_per_token", "mean_completion_tokens")
 
 
 @dataclass
@@ -76,49 +76,32 @@ def _suite_points(session: Session, checkpoint_id: str) -> dict[str, dict[str, f
     return out
 
 
-def product_signals(session: Session, checkpoint_id: str, reward_spec: str | None) -> dict[str, float]:
-    """Product signals of the finalized sessions ``checkpoint_id`` served (module docstring)."""
-    from app.models import RewardLabel, Trajectory
+def product_signals(session: Session, checkpoint_id: str) -> dict[str, float]:
+    """Product signals of the finalized sessions ``checkpoint_id`` served: the online signals of
+    :mod:`app.promotion.online` (the same estimators the canary policy uses) plus ``sessions`` and
+    ``mean_completion_tokens``; empty when it served none."""
+    from app.promotion.online import load_sessions, signal_summary
 
-    rows = session.execute(
-        select(Trajectory.signals, Trajectory.completion_tokens, RewardLabel.reward)
-        .outerjoin(RewardLabel, (RewardLabel.trajectory_id == Trajectory.id) & (RewardLabel.spec == reward_spec))
-        .where(Trajectory.checkpoint_id == checkpoint_id, Trajectory.status == "finalized")).all()
+    rows = [signals for _, signals in load_sessions(session, checkpoint_id)]
     if not rows:
         return {}
-    accepted = decided = followed = 0
-    persisted: list[float] = []
-    rewards = [float(r) for _, _, r in rows if r is not None]
-    for signals, _, _ in rows:
-        edits = (signals or {}).get("edits", {}) or {}
-        for e in edits.values():
-            decided += e.get("decision") in ("accepted", "rejected")
-            accepted += e.get("decision") == "accepted"
-            if e.get("decision") == "accepted" and e.get("persisted") is not None:
-                persisted.append(float(e["persisted"]))
-        followed += int((signals or {}).get("dissatisfied_followups", 0)) > 0
-    return {"sessions": len(rows), "mean_reward": sum(rewards) / len(rewards) if rewards else 0.0,
-            "edit_acceptance": accepted / decided if decided else 0.0,
-            "edit_persistence": sum(persisted) / len(persisted) if persisted else 0.0,
-            "dissatisfied_followup_rate": followed / len(rows),
-            "mean_completion_tokens": sum(t for _, t, _ in rows) / len(rows)}
+    summary = signal_summary(rows)["signals"]
+    out = {"sessions": float(len(rows)),
+           "mean_completion_tokens": sum(r.completion_tokens for r in rows) / len(rows)}
+    out.update({name: v["value"] for name, v in summary.items() if v is not None})
+    return out
 
 
-def collect_curves(session: Session, reward_spec: str | None = None) -> list[CurvePoint]:
-    """One :class:`CurvePoint` per registered checkpoint, oldest first.
+def collect_curves(session: Session) -> list[CurvePoint]:
+    """One :class:`CurvePoint` per registered checkpoint, oldest first."""
+    from app.models import Checkpoint
 
-    Args:
-        reward_spec: spec of the rewards averaged (default: the newest label's spec).
-    """
-    from app.models import Checkpoint, RewardLabel
-
-    spec = reward_spec or session.scalar(select(RewardLabel.spec).order_by(RewardLabel.created_at.desc()))
     points = []
     for ckpt in session.scalars(select(Checkpoint).order_by(Checkpoint.generation, Checkpoint.created_at)):
         points.append(CurvePoint(
             checkpoint_id=ckpt.id, generation=ckpt.generation, status=ckpt.status, parent_id=ckpt.parent_id,
             invert_reward=bool((ckpt.metrics or {}).get("invert_reward")),
-            suites=_suite_points(session, ckpt.id), signals=product_signals(session, ckpt.id, spec)))
+            suites=_suite_points(session, ckpt.id), signals=product_signals(session, ckpt.id)))
     return points
 
 
@@ -150,7 +133,7 @@ def render_curves_png(points: list[CurvePoint], path: Path) -> Path:
     ax.set_ylim(0, 1)
     ax.legend(fontsize=8)
     ax = axes[1]
-    for key in ("edit_acceptance", "edit_persistence", "dissatisfied_followup_rate"):
+    for key in ("edit_acceptance", "edit_persistence", "dissatisfied_followup_rate"):  # rates in [0, 1]
         pts = [(x, p.signals[key]) for x, p in zip(xs, points) if key in p.signals]
         ax.plot([x for x, _ in pts], [v for _, v in pts], marker="o", label=key)
     ax.set_title("product signals of served sessions")

@@ -297,7 +297,7 @@ def write_report(session: Session, out_dir: Path, candidate_id: str | None = Non
     from ops.curves import collect_curves, curves_html, render_curves_png, render_curves_terminal
 
     report = collect_report(session, candidate_id)
-    points = collect_curves(session, report.reward_spec)
+    points = collect_curves(session)
     report.curves = [p.as_dict() for p in points]
     render_terminal(report)
     render_curves_terminal(points)
