@@ -77,18 +77,22 @@ def _suite_points(session: Session, checkpoint_id: str) -> dict[str, dict[str, f
 
 
 def product_signals(session: Session, checkpoint_id: str) -> dict[str, float]:
-    """Product signals of the finalized sessions ``checkpoint_id`` served: the online signals of
-    :mod:`app.promotion.online` (the same estimators the canary policy uses) plus ``sessions`` and
-    ``mean_completion_tokens``; empty when it served none."""
-    from app.promotion.online import load_sessions, signal_summary
+    """Product signals of the finalized sessions ``checkpoint_id`` served: each online signal of
+    :mod:`app.promotion.online_stats` as its ratio of sums (the canary policy's point estimate), plus
+    ``sessions`` and ``mean_completion_tokens``; a signal with no denominator is left out; empty when
+    the checkpoint served no session."""
+    from app.promotion.online import load_sessions
+    from app.promotion.online_stats import SIGNALS as ONLINE
 
     rows = [signals for _, signals in load_sessions(session, checkpoint_id)]
     if not rows:
         return {}
-    summary = signal_summary(rows)["signals"]
     out = {"sessions": float(len(rows)),
            "mean_completion_tokens": sum(r.completion_tokens for r in rows) / len(rows)}
-    out.update({name: v["value"] for name, v in summary.items() if v is not None})
+    for name in ONLINE:
+        num, den = (sum(v) for v in zip(*(r.parts(name) for r in rows)))
+        if den > 0:
+            out[name] = num / den
     return out
 
 

@@ -1,0 +1,65 @@
+"""The learning curve reads back what the loop stored: eval pass rates with Wilson intervals per
+checkpoint, the product signals of the sessions each served, and which way the signals moved."""
+
+from __future__ import annotations
+
+import pytest
+
+pytestmark = pytest.mark.integration
+
+
+def _eval_run(session, checkpoint_id: str, outcomes: list[bool], errors: int = 0):
+    from evals import store
+
+    run = store.create_run(session, checkpoint_id, "functions", "v1", {})
+    for i, ok in enumerate(outcomes):
+        store.add_result(session, run.id, f"FN/t/{i}", 0, passed=ok, attempts=0, turns=1, completion_tokens=50,
+                         latency_s=1.0, tool_calls=2, tool_call_errors=errors if i == 0 else 0,
+                         asked_question=False, edited=True)
+    store.finish_run(session, run, "succeeded", {})
+
+
+def _served(session, checkpoint_id: str, rewards: list[float], accepted: list[bool], user: str):
+    from app.models import Trajectory
+    from trainer.testing import insert_trajectory, make_segment
+
+    for r, ok in zip(rewards, accepted):
+        tid = insert_trajectory(session, segments=[make_segment([1, 2], [3, 4])], reward=r,
+                                checkpoint_id=checkpoint_id, user_id=user)
+        session.get(Trajectory, tid).signals = {
+            "edits": {"e": {"decision": "accepted" if ok else "rejected", "persisted": 0.9 if ok else None}},
+            "dissatisfied_followups": 0 if ok else 1}
+    session.flush()
+
+
+def test_curve_points_follow_the_stored_evals_and_served_sessions(session, tmp_path):
+    from app.models import Checkpoint
+    from ops.curves import collect_curves, render_curves_png, signal_moves
+
+    session.add_all([
+        Checkpoint(id="base", path=str(tmp_path / "base"), status="retired", generation=0, stable=True),
+        Checkpoint(id="c1", path=str(tmp_path / "c1"), status="production", generation=1, parent_id="base",
+                   stable=True, metrics={"steps": 2}),
+        Checkpoint(id="c1x", path=str(tmp_path / "c1x"), status="rejected", generation=1, parent_id="base",
+                   stable=True, metrics={"invert_reward": True})])
+    session.flush()
+    _eval_run(session, "base", [True, False, False, False], errors=1)
+    _eval_run(session, "c1", [True, True, True, False])
+    _served(session, "base", [0.0, -1.0], [False, False], "u1")
+    _served(session, "base", [1.0], [True], "u2")
+    _served(session, "c1", [1.0, 1.0, 0.0], [True, True, False], "u3")
+    session.commit()
+
+    points = {p.checkpoint_id: p for p in collect_curves(session)}
+    assert [p.checkpoint_id for p in collect_curves(session)][0] == "base"
+    base, c1, planted = points["base"], points["c1"], points["c1x"]
+    assert base.suites["functions"]["pass_rate"] == 0.25 and c1.suites["functions"]["pass_rate"] == 0.75
+    assert base.suites["functions"]["low"] < 0.25 < base.suites["functions"]["high"]
+    assert base.suites["functions"]["invalid_tool_call_rate"] == pytest.approx(1 / 8)
+    assert base.signals["sessions"] == 3 and base.signals["edit_acceptance"] == pytest.approx(1 / 3)
+    assert base.signals["mean_reward"] == pytest.approx(0.0) and c1.signals["mean_reward"] == pytest.approx(2 / 3)
+    assert c1.signals["dissatisfied_followup_rate"] == pytest.approx(1 / 3)
+    assert planted.invert_reward and planted.signals == {} and planted.suites == {}
+    moves = signal_moves(list(points.values()))
+    assert moves["edit_acceptance"] == (pytest.approx(1 / 3), pytest.approx(2 / 3))
+    assert render_curves_png(list(points.values()), tmp_path / "curves.png").stat().st_size > 0
