@@ -22,7 +22,7 @@ whole batch until its longest row stops. The plain side's replies run to the 256
 model explains after its code block), so its batch pays all 256 steps; the harness side's replies
 stop after about 90 tokens (the code block, applied). On a 2-core machine shared with other jobs a
 decode step of a 48-row batch took seconds, and the default 48-task run did not finish its plain
-side within 30 minutes; ``--quick`` (16 tasks) took about 12 minutes. Figures: ``docs/tasks.md``.
+side within 30 minutes; ``--quick`` (16 tasks) took 4 to 12 minutes with the load. Figures: ``docs/tasks.md``.
 """
 
 from __future__ import annotations

@@ -2,8 +2,9 @@
 
 Each task asks for one Python function in ``solution.py`` (which holds its stub), e.g. "Add a
 function `count_vowels(s)` to solution.py that returns how many vowels ...". Tasks come from the
-parametrised templates of ``functions_text.py``, ``functions_data.py`` and ``functions_basic.py`` (families ``strings``,
-``parsing``, ``lists``, ``numbers``, ``dicts``; ``difficulty`` 1-3); each template yields up to
+parametrised templates of ``functions_text.py``, ``functions_data.py``, ``functions_dicts.py`` and
+``functions_basic.py`` (families ``strings``, ``parsing``, ``lists``, ``numbers``, ``dicts``;
+``difficulty`` 1-3); each template yields up to
 :data:`VARIANTS` distinct parameterisations (function name, constants, separators, conditions).
 The hidden test calls the entry point on the template's cases and compares with what the
 reference returns on them (floats within 1e-6), so a reference passes by construction and the
@@ -29,6 +30,7 @@ from functools import lru_cache
 from app.core.errors import ConfigurationError
 from evals.tasks import functions_text  # noqa: F401, I001  (each import registers its templates, in this order)
 from evals.tasks import functions_data  # noqa: F401, I001
+from evals.tasks import functions_dicts  # noqa: F401, I001
 from evals.tasks import functions_basic  # noqa: F401, I001
 from evals.tasks.functions_spec import TEMPLATES, Template
 from evals.tasks.model import HIDDEN_RUNNER, Task, hidden_runner
