@@ -119,7 +119,11 @@ def test_evaluating_a_candidate_leaves_production_weights_unchanged(servers, vll
     assert servers["eval"].checkpoint_id == "cand-1"  # the candidate went to the eval server
     assert (evaluated.token_ids, [round(x, 5) for x in evaluated.logprobs]) != prod_before[1:]  # it differs
     assert servers["prod"].checkpoint_id == "prod-1"
-    assert _fingerprint(servers["prod_url"]) == prod_before
+    after = _fingerprint(servers["prod_url"])
+    # same checkpoint, same greedy tokens, same log-probs up to float rounding (a repeated prompt is
+    # served from the engine's prefix cache, whose partial re-encode rounds differently, ~1e-6)
+    assert after[:2] == prod_before[:2]
+    assert after[2] == pytest.approx(prod_before[2], abs=1e-4)
     assert _weights_checksum(servers["prod"]) == checksum_before
 
 

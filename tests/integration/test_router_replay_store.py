@@ -79,7 +79,7 @@ def test_routes_survive_the_event_path_replay_and_trainer_loading(db, topics, ka
             "SELECT t.session_id, s.routed_experts, s.routed_experts_shape, s.routed_experts_itemsize "
             "FROM trajectory_segment s JOIN trajectory t ON t.id = s.trajectory_id")}
         dead = conn.execute("SELECT reason, detail FROM dead_letter").fetchall()
-    assert len(dead) == 1 and dead[0][0] == "validation" and "routed_experts ids" in dead[0][1]
+    assert len(dead) == 1 and dead[0][0] == "implausible" and "routed_experts: id" in dead[0][1]
     for i, (_, turns) in enumerate(sessions):
         raw, shape, size = rows[f"moe-{i}"]
         expect = np.concatenate([r for _, _, r in turns])

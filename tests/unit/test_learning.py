@@ -42,7 +42,7 @@ def reward(tokens: torch.Tensor) -> torch.Tensor:
     return (tokens < TARGET).float().mean(dim=1)
 
 
-def train_rounds(lr: float, sign: float, rounds: int = 3) -> tuple[float, float]:
+def train_rounds(lr: float, sign: float, rounds: int = 5) -> tuple[float, float]:
     torch.manual_seed(0)
     model = tiny_policy(seed=0)
     model.eval()
