@@ -38,7 +38,8 @@ case "$mode" in
   --demo) exec "$PY" -m app.cli demo "$@" ;;
   --test)
     export CI="${CI:-}"
-    exec "$PY" -m pytest -q -p no:cacheprovider "$@" ;;
+    # Two workers (pytest-xdist): each gets its own database and broker (tests/fixtures).
+    exec "$PY" -m pytest -q -p no:cacheprovider -n "${FLYWHEEL_TEST_WORKERS:-2}" "$@" ;;
   "") echo "installed; run 'flywheel demo' or 'python -m pytest'" ;;
   *) echo "unknown mode $mode (use --demo or --test)" >&2; exit 2 ;;
 esac
