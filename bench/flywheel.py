@@ -111,7 +111,8 @@ def main() -> None:
                                       "--invert-reward", "--min-new", "1", "--no-progress",
                                       *(["--config", args.trainer_config] if args.trainer_config else [])],
                                      env, capture=True))["checkpoint_id"]
-        gate = last_json(flywheel(["gate", planted, "--production", "base", "--suite", SUITE, "--samples", "1", "--limit",
+        gate = last_json(flywheel(["gate", planted, "--production", "base", "--suite", SUITE, "--gate-on", SUITE,
+                                   "--samples", "1", "--limit",
                                    str(eval_tasks), "--min-pairs", str(eval_tasks), "--max-turns", str(args.max_turns),
                                    "--max-tokens", str(args.max_tokens_per_turn), "--json"], env, capture=True))
 

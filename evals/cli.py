@@ -183,6 +183,8 @@ def gate_cmd(candidate: str = typer.Argument(..., help="candidate checkpoint id"
                                                 help="gate policy TOML (default evals/gate.toml)"),
              min_pairs: int | None = typer.Option(None, "--min-pairs", min=1,
                                                   help="override every suite's minimum paired outcomes (smoke runs)"),
+             gate_on: list[str] | None = typer.Option(
+                 None, "--gate-on", help="decide on these suites only (others reported; stored with the decision)"),
              strict: bool = typer.Option(False, "--strict", help="exit 1 when the gate fails"),
              as_json: bool = typer.Option(False, "--json", help="print the decision as one JSON line")) -> None:
     """Evaluate CANDIDATE and production on every gated suite (reusing cached runs), decide and explain."""
@@ -200,7 +202,8 @@ def gate_cmd(candidate: str = typer.Argument(..., help="candidate checkpoint id"
         console.print(f"  {name:<15} {role:<10} {s.checkpoint_id}: {s.passed}/{s.done} passed ({how})")
 
     console.print(f"gating [bold]{candidate}[/bold]")
-    outcome = gate_candidate(candidate, production_id=production, config=load_gate_config(config).with_min_pairs(min_pairs),
+    policy = load_gate_config(config).with_min_pairs(min_pairs).gating_only(gate_on or None)
+    outcome = gate_candidate(candidate, production_id=production, config=policy,
                              suites=suite or None, limit=limit, overrides=_overrides(max_turns, max_tokens, samples),
                              workers=workers, on_run=on_run)
     explain(console, outcome)

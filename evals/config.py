@@ -284,6 +284,22 @@ class GateConfig(_Strict):
         suites = {n: s.model_copy(update={"min_pairs": min_pairs}) for n, s in self.suites.items()}
         return self.model_copy(update={"min_pairs": min_pairs, "suites": suites})
 
+    def gating_only(self, names: list[str] | None) -> "GateConfig":
+        """A copy in which only ``names`` decide the gate (every other suite is reported only); None
+        keeps the policy. An explicit narrowing (smoke runs, a bench on one suite), stored with the
+        decision like every resolved config.
+
+        Raises:
+            ConfigurationError: a name the policy has no suite for.
+        """
+        if names is None:
+            return self
+        unknown = sorted(set(names) - set(self.suites))
+        if unknown:
+            raise ConfigurationError(f"the gate policy has no suite {', '.join(unknown)}")
+        suites = {n: s.model_copy(update={"gated": n in names}) for n, s in self.suites.items()}
+        return self.model_copy(update={"suites": suites})
+
     def gated_suites(self) -> list[str]:
         """Names of the suites that decide the gate, sorted."""
         return sorted(n for n, s in self.suites.items() if s.gated)

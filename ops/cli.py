@@ -145,7 +145,7 @@ def demo_cmd(
     trainer_config: str = typer.Option(None, help="trainer TOML (default trainer/configs/default.toml)"),
     eval_tasks: int = typer.Option(4, help="held-out tasks per eval suite (DataFrameBench test, HumanEval)"),
     eval_max_turns: int = typer.Option(2, help="agent turns per eval task"),
-    suite: list[str] = typer.Option(None, "--suite", help="gate on these suites only (default: every gated suite)"),
+    suite: list[str] = typer.Option(None, "--suite", help="run the gate on these suites, which alone decide it (default: every gated suite)"),
     model_dir: str = typer.Option(None, help="register this HF folder as the base model instead of SmolLM2"),
     trace: bool = typer.Option(False, "--trace", help="print OpenTelemetry spans (console exporter)"),
     seed: int = typer.Option(0),

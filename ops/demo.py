@@ -235,7 +235,9 @@ def step_gate(opts: DemoOptions, state: DemoState, home: Path, cycle: int) -> st
     # Every gated suite runs unless named (mined is empty until tasks are mined, which the gate allows).
     # Samples per task: the suites' own samples_per_task (sized for power, docs/gate.md) would
     # multiply the demo's eval time by k; the demo uses --eval-samples (1).
-    flywheel(["gate", candidate, *(a for s in opts.eval_suites for a in ("--suite", s)), "--limit", str(opts.eval_tasks),
+    # Named suites are run and decide the gate alone (--gate-on); by default every gated suite does.
+    flywheel(["gate", candidate, *(a for s in opts.eval_suites for a in ("--suite", s, "--gate-on", s)),
+              "--limit", str(opts.eval_tasks),
               "--samples", str(opts.eval_samples),
               "--max-turns", str(opts.eval_max_turns), "--max-tokens", str(opts.eval_max_tokens),
               "--min-pairs", str(opts.eval_tasks)], opts)

@@ -284,3 +284,16 @@ def test_monitor_drift_interval_of_a_ratio_metric():
     assert monitor_drift_interval("p90_latency_s", "increase", cand, prod) is None
     with pytest.raises(ValueError):
         monitor_drift_interval("edit_rate", "decrease", cand, prod[:1])
+
+
+def test_gating_only_narrows_the_policy_explicitly():
+    from app.core.errors import ConfigurationError
+    from evals.config import load_gate_config
+
+    policy = load_gate_config()
+    assert {"functions", "humaneval"} <= set(policy.gated_suites())
+    narrowed = policy.gating_only(["functions"])
+    assert narrowed.gated_suites() == ["functions"] and set(narrowed.suites) == set(policy.suites)
+    assert policy.gating_only(None) is policy
+    with pytest.raises(ConfigurationError, match="no suite nope"):
+        policy.gating_only(["nope"])
