@@ -52,10 +52,9 @@ def build_tiny_moe(directory: Path, *, seed: int = 0, experts: int = 8, top_k: i
     with a shared expert, ``norm_topk_prob`` false); ``initializer_range``: std of the random init.
     Same seed and arguments -> identical weights.
     """
-    from transformers import AutoModelForCausalLM, GenerationConfig, Qwen2MoeConfig
+    from transformers import Qwen2MoeConfig
 
-    from ops.serving.testing import BOS_ID, EOS_ID, PAD_ID, tiny_config
-    from ops.serving.tokenizer import copy_tokenizer
+    from ops.serving.testing import tiny_config, write_model_folder
 
     config = tiny_config(moe=True, hidden_size=hidden_size, num_layers=num_layers,
                          initializer_range=initializer_range)
@@ -69,16 +68,7 @@ def build_tiny_moe(directory: Path, *, seed: int = 0, experts: int = 8, top_k: i
     else:
         raise ValueError(f"unknown MoE kind {kind!r} (mixtral | qwen2_moe)")
     config.num_experts_per_tok = top_k
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    with torch.random.fork_rng():
-        torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model.tie_weights()
-    model.save_pretrained(directory, safe_serialization=True)
-    GenerationConfig(bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID).save_pretrained(directory)
-    copy_tokenizer(directory)
-    return directory
+    return write_model_folder(directory, config, seed)
 
 
 @torch.no_grad()

@@ -46,12 +46,17 @@ def build_tiny_model(directory: Path, seed: int = 0, moe: bool = False, **config
     Returns:
         ``directory``. Weights are fp32; embeddings tied to the LM head.
     """
+    return write_model_folder(directory, tiny_config(moe=moe, **config_overrides), seed)
+
+
+def write_model_folder(directory: Path, config, seed: int = 0) -> Path:
+    """Write a random model of ``config`` (fp32, embeddings tied, seeded init) with the SmolLM2
+    tokenizer and a generation config into ``directory`` (created); returns ``directory``."""
     import torch
     from transformers import AutoModelForCausalLM, GenerationConfig
 
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    config = tiny_config(moe=moe, **config_overrides)
     with torch.random.fork_rng():
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
