@@ -151,7 +151,8 @@ def eval_mine(min_persistence: float = typer.Option(0.8, min=0.0, max=1.0,
 
 @eval_app.command("contamination")
 def eval_contamination(static: bool = typer.Option(True, "--static/--no-static",
-                                                   help="also check the DataFrameBench test and HumanEval task ids")) -> None:
+                                                   help="also check the shipped suites' task ids (functions held-out "
+                                                        "and unseen-parameter, DataFrameBench test, HumanEval)")) -> None:
     """Verify no eval task appears in any checkpoint's training lineage or manifest; exit 1 if one does."""
     from app.core.db import session_scope
     from evals.mined import find_contamination
@@ -161,7 +162,7 @@ def eval_contamination(static: bool = typer.Option(True, "--static/--no-static",
         from evals.config import load_suite
         from evals.runner import load_suite_tasks
 
-        for name in ("dataframebench", "humaneval"):
+        for name in ("functions", "functions_params", "dataframebench", "humaneval"):
             extra += [t.id for t in load_suite_tasks(load_suite(name))]
     with session_scope() as session:
         found = find_contamination(session, extra)
