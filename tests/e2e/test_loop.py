@@ -40,7 +40,7 @@ def loop_home(tmp_path_factory, pg_admin_url, tiny_model_dir):
 
 def _run_demo(env: dict[str, str], model_dir: Path) -> subprocess.CompletedProcess[str]:
     args = [sys.executable, "-m", "app.cli", "demo", "--model-dir", str(model_dir), "--sessions", "4",
-            "--group-size", "2", "--max-turns", "2", "--max-tokens-per-turn", "24", "--max-steps", "1",
+            "--group-size", "2", "--max-turns", "2", "--max-tokens-per-turn", "24", "--max-steps", "4",
             "--eval-tasks", "2", "--eval-max-turns", "1"]
     return subprocess.run(args, env=env, capture_output=True, text=True, timeout=1200)
 
