@@ -27,7 +27,10 @@ micro-batches, 41 tokens/s with the pi_old pass; the trainer's fp32 forward and 
 135M model is the limit here), 250 s to evaluate candidate and base on 40 held-out tasks. The planted
 regression trains as long again. So the 12-minute ``--quick`` budget needs an unloaded machine or
 fewer epochs; the default run (3 cycles of 64 sessions) needs a GPU for the trainer to fit in an hour.
-Held-out result of that cycle: base 8/40, candidate 10/40, paired lower bound 0.0.
+Held-out result of that cycle: base 8/40, candidate 10/40, paired lower bound 0.0 (its gate still
+required the unrun suites; ``--gate-on`` fixes that). A second ``--quick`` run on a quieter machine
+(lr 3e-5, 2 epochs) took 753 s in all (simulate 143 s, train 162 s): its candidate scored 5/40 and
+was rejected, the planted regression scored 7/40 and was rejected (lower bound -7.5 points).
 """
 
 from __future__ import annotations
