@@ -190,15 +190,27 @@ def step_finalize(opts: DemoOptions, state: DemoState, home: Path, cycle: int) -
     """Wait until the consumer has stored every session and every trajectory is finalized."""
     from rich.progress import Progress
 
+    since = state.data.get(f"since@{cycle}", {}).get("at", "-infinity")  # a state from before cycles: all
     deadline = time.monotonic() + opts.finalize_timeout_s
+    seen, steady_since = -1, time.monotonic()
     with Progress(transient=True) as progress:
         task = progress.add_task("finalizing trajectories", total=None)
         while True:
             total = int(_db_scalar("SELECT count(*) FROM trajectory") or 0)
             provisional = int(_db_scalar("SELECT count(*) FROM trajectory WHERE status <> 'finalized'") or 0)
+            # this cycle's sessions stored so far: trajectories, or tombstones of privacy-mode sessions
+            stored = int(_db_scalar(
+                "SELECT (SELECT count(*) FROM trajectory WHERE started_at > CAST(:at AS timestamptz)) + "
+                "(SELECT count(*) FROM privacy_tombstone WHERE first_seen_at > CAST(:at AS timestamptz))",
+                at=since) or 0)
+            if stored != seen:
+                seen, steady_since = stored, time.monotonic()
             progress.update(task, total=max(total, 1), completed=total - provisional)
-            if total and not provisional:
-                return f"{total} trajectories finalized"
+            # every session of the cycle is in (a session that failed before starting never arrives:
+            # then the count has stopped moving for 10 s), and nothing is provisional
+            arrived = stored >= opts.sessions or (stored and time.monotonic() - steady_since > 10)
+            if arrived and not provisional:
+                return f"{total} trajectories finalized ({stored} sessions of this cycle stored)"
             if time.monotonic() > deadline:
                 raise FlywheelError(f"{provisional} of {total} trajectories still provisional after "
                                     f"{opts.finalize_timeout_s:.0f}s; is the consumer running? see logs/consumer.log")
