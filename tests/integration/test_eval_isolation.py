@@ -8,9 +8,6 @@ production server keeps its checkpoint id, its weights' checksum and its greedy 
 from __future__ import annotations
 
 import hashlib
-import socket
-import threading
-import time
 from collections.abc import Iterator
 
 import pytest
@@ -27,24 +24,10 @@ from ops.serving.torch_engine import TorchEngine
 PROMPT = [1, 17, 300, 4242, 9, 77, 5]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _serve(engine: TorchEngine) -> tuple[str, object, object]:
+    from ops.serving.testing import serve_in_thread
 
-
-def _serve(engine: TorchEngine) -> tuple[str, object, threading.Thread]:
-    import uvicorn
-
-    port = _free_port()
-    server = uvicorn.Server(uvicorn.Config(create_app(engine), host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.time() + 20
-    while not server.started:
-        assert time.time() < deadline, "uvicorn did not start"
-        time.sleep(0.05)
-    return f"http://127.0.0.1:{port}", server, thread
+    return serve_in_thread(create_app(engine))
 
 
 @pytest.fixture(scope="module")

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import socket
-import threading
-import time
 from collections.abc import Iterator
 
 import httpx
@@ -19,28 +16,14 @@ from ops.serving.torch_engine import TorchEngine, teacher_forced_logprobs
 PROMPTS = [[1, 5, 6, 7, 8, 9, 10, 11], [1, 100, 200]]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def served(tiny_model_dir) -> Iterator[tuple[str, TorchEngine]]:
-    import uvicorn
+    from ops.serving.testing import serve_in_thread
 
     engine = TorchEngine(tiny_model_dir, checkpoint_id="tiny-a", num_threads=2)
-    port = _free_port()
-    server = uvicorn.Server(uvicorn.Config(create_app(engine, api_key="k3y"), host="127.0.0.1", port=port,
-                                           log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.time() + 20
-    while not server.started:
-        assert time.time() < deadline, "uvicorn did not start"
-        time.sleep(0.05)
+    url, server, thread = serve_in_thread(create_app(engine, api_key="k3y"))
     try:
-        yield f"http://127.0.0.1:{port}", engine
+        yield url, engine
     finally:
         server.should_exit = True
         thread.join(timeout=10)
