@@ -11,7 +11,6 @@ import hashlib
 from collections.abc import Iterator
 
 import pytest
-import torch
 
 from app.checkpoint_store import CheckpointStore
 from app.core.errors import ConfigurationError
