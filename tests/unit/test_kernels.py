@@ -1,5 +1,6 @@
-"""The fused log-prob kernel (under the Triton interpreter) and the chunked torch path against an
-fp64 ground truth: values and gradients, odd shapes, either output unused.
+"""The fused log-prob kernel and the chunked torch path against an fp64 ground truth: values and
+gradients, odd shapes, either output unused. The kernel runs compiled on CUDA tensors where a GPU
+exists and under the Triton interpreter on CPU tensors otherwise.
 
 Error bounds follow apple ml-cross-entropy's tests: the fp32 implementations must stay within a
 small multiple of the fp32 naive path's own error against fp64.
@@ -9,10 +10,12 @@ from __future__ import annotations
 
 import os
 
-os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported: run kernels on the CPU
-
 import pytest
 import torch
+
+ON_GPU = torch.cuda.is_available()
+if not ON_GPU:  # before triton is imported: run kernels on the CPU. On a GPU machine the variable
+    os.environ["TRITON_INTERPRET"] = "1"  # would also turn the trainer's own kernel launches into the interpreter
 
 from kernels import chunked_logprobs
 from kernels.reference import chunked_logprobs_reference, naive_logprobs
@@ -45,7 +48,10 @@ def _run(fn, hidden, weight, targets, g_lp, g_ent, dtype, use=("lp", "ent")):
 
 def _triton(block_v=32):
     def fn(h, w, y):
-        return chunked_logprobs(h, w, y, chunk_size=block_v, backend="triton")
+        if not ON_GPU:
+            return chunked_logprobs(h, w, y, chunk_size=block_v, backend="triton")
+        lp, ent = chunked_logprobs(h.cuda(), w.cuda(), y.cuda(), chunk_size=block_v, backend="triton")
+        return lp.cpu(), ent.cpu()
     return fn
 
 
