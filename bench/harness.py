@@ -186,12 +186,12 @@ def main() -> None:
     from evals.harness.agent import AgentBudget
     from evals.harness.chat import SYSTEM_PROMPT
     from evals.tasks import load_tasks
-    from ops.serving.engine import SamplingParams
-    from ops.serving.torch_engine import TorchEngine
+    from app.inference.engine import SamplingParams
+    from serving.torch_engine import TorchEngine
 
     torch.set_num_threads(args.threads)
     if args.model_dir is None:
-        from ops.serving.model_store import converted_base_dir
+        from app.checkpoints.publish import converted_base_dir
 
         model_dir = converted_base_dir()
     else:

@@ -77,7 +77,7 @@ def main() -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from ops.serving.model_store import converted_base_dir
+    from app.checkpoints.publish import converted_base_dir
 
     torch.manual_seed(0)
     torch.set_num_threads(args.threads)

@@ -30,7 +30,7 @@ TARGET = 0.7
 def make_events(n: int, tokens: int = 128) -> list:
     """A realistic mix per agent turn: request, model response (``tokens`` completion tokens),
     tool run, edit proposed/accepted; sessions of 10 turns."""
-    from app.events.types import (AgentRequested, AgentRequestedEvent, EditAccepted, EditAcceptedEvent,
+    from producers.events.types import (AgentRequested, AgentRequestedEvent, EditAccepted, EditAcceptedEvent,
                                   EditProposed, EditProposedEvent, ModelResponded, ModelRespondedEvent,
                                   ToolExecuted, ToolExecutedEvent)
 
@@ -82,7 +82,7 @@ def run_bare(bootstrap: str, topic: str, events: list, compression: str, linger_
     """``(events/s, CPU µs per event)`` of a bare ``KafkaProducer`` sending pre-encoded records."""
     from kafka import KafkaProducer
 
-    from app.events import encode_event
+    from producers.events import encode_event
     from producers.client import DEFAULT_BATCH_BYTES
 
     records = [(ev.session_id.encode(), encode_event(ev), [("event-type", ev.type.encode())]) for ev in events]

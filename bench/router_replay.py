@@ -61,9 +61,9 @@ def generate_sessions(engine, n_sessions: int, max_tokens: int, seed: int):
     """Two-turn sessions served by ``engine`` as ``model.responded`` events (routes included)."""
     import numpy as np
 
-    from app.events.types import (ModelResponded, ModelRespondedEvent, SessionEnded, SessionEndedEvent,
+    from producers.events.types import (ModelResponded, ModelRespondedEvent, SessionEnded, SessionEndedEvent,
                                   SessionStarted, SessionStartedEvent)
-    from ops.serving.engine import SamplingParams
+    from app.inference.engine import SamplingParams
 
     rng = np.random.default_rng(seed)
     envs = [dict(session_id=f"moe-{uuid.uuid4().hex[:10]}", user_id=f"u{i % 7}") for i in range(n_sessions)]
@@ -157,7 +157,7 @@ def main() -> None:
 
         from transformers import AutoModelForCausalLM
 
-        from ops.serving.torch_engine import TorchEngine
+        from serving.torch_engine import TorchEngine
         from trainer.testing import build_tiny_moe
 
         model_dir = build_tiny_moe(tmp / "moe", experts=8, top_k=2, num_layers=layers, hidden_size=args.hidden,

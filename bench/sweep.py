@@ -96,7 +96,7 @@ def main() -> None:
             default = paired(session, "base", first, SUITE, eval_tasks)
     finally:
         if not args.keep:
-            subprocess.run([sys.executable, "-m", "app.cli", "demo", "--down"], env=env, capture_output=True)
+            subprocess.run([sys.executable, "-m", "ops.cli", "demo", "--down"], env=env, capture_output=True)
     best = max(rows, key=lambda r: (r["lower_bound"], r["diff"]))
     print(json.dumps({"bench": "sweep", "ours": best["diff"], "baseline": default["diff"],
                       "unit": "held-out pass@1 difference vs base", "ratio": None,

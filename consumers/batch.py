@@ -58,6 +58,7 @@ from datetime import datetime
 
 from sqlalchemy.orm import Session
 
+from app.core.retry import TransientError
 from app.repositories import trajectories as trepo
 from app.repositories.events import (DeadLetterRow, append_events, count_tombstones, erased_users,
                                      insert_dead_letters, lock_offsets, private_sessions, raw_connection,
@@ -75,10 +76,10 @@ PRIVACY_LOCK_BUCKETS = 256
 shared, ``max_locks_per_transaction`` x connections); more buckets, fewer false waits."""
 
 
-class SweepOvertook(Exception):
+class SweepOvertook(TransientError):
     """The window sweep finalized a trajectory of this batch at or after the batch's ingestion time
     (``now()``): folding the batch's events would diverge from a replay. Transient: redo the batch
-    in a new transaction (``consumers.retry.is_transient``)."""
+    in a new transaction (``app.core.retry.is_transient``)."""
 
 
 _SUMMED = ("stale", "stored", "duplicates", "privacy_dropped", "erased_dropped", "trajectories")

@@ -24,7 +24,7 @@ def _setup(service: str) -> None:
 
 def _warn_if_schema_behind() -> None:
     """Say once, at start, that the database lacks this release's migrations: the consumer then
-    retries its batches until they run (``consumers.retry.is_transient``) and logs each retry."""
+    retries its batches until they run (``app.core.retry.is_transient``) and logs each retry."""
     import logging
 
     from app.core.db import get_engine

@@ -25,10 +25,10 @@ import orjson
 from sqlalchemy.orm import Session
 
 from app.core.errors import InvalidEventError
-from app.events import decode_event_payload
-from app.events.codec import DEFAULT_MAX_EVENT_BYTES
-from app.events.plausibility import TimeWindow, check_occurred_at
-from app.events.types import EventBase
+from producers.events import decode_event_payload
+from producers.events.codec import DEFAULT_MAX_EVENT_BYTES
+from producers.events.plausibility import TimeWindow, check_occurred_at
+from producers.events.types import EventBase
 from app.repositories.events import BODY_COLUMNS, DeadLetterRow, EventRow, body_of, stored_bodies
 from consumers.projection import trajectory_id_for
 
@@ -105,7 +105,7 @@ _NUL_ESCAPE = b"\\u0000"
 def classify(msg: Message, max_bytes: int, window: TimeWindow | None = None) -> Decoded:
     """Decode one record into a storable event or a dead letter (never raises).
 
-    The checks and reasons of ``app.events.decode_event_payload`` (validation straight from the
+    The checks and reasons of ``producers.events.decode_event_payload`` (validation straight from the
     bytes, then a strict pass that also gives the payload to store: the payload object's bytes as
     the producer sent them; the replay path validates it again), plus a NUL in a string is
     ``unstorable`` (Postgres refuses it; a byte search decides whether to look), and an

@@ -17,7 +17,7 @@ decodes batch k+1):
 Failure handling (the consumer never crashes on input):
 
 - transient database or broker faults (a broker not up yet at start too) are retried with exponential
-  backoff until they pass (``consumers.retry``); the batch waits in memory, never dead-lettered;
+  backoff until they pass (``app.core.retry``); the batch waits in memory, never dead-lettered;
 - a batch that fails for any other reason is applied again bisected in savepoints
   (``consumers.isolation``); a record that fails alone is dead-lettered as ``processing_error`` and
   the batch goes on;
@@ -54,7 +54,7 @@ from consumers.deadletter import Decoded, DeadLetterPublisher, Message, classify
 from consumers.finalize import finalize_due
 from consumers.isolation import apply_isolated
 from consumers.projection import ProjectionConfig, Projector
-from consumers.retry import Backoff, is_transient, is_unique_violation, retry_transient
+from app.core.retry import Backoff, is_transient, is_unique_violation, retry_transient
 from consumers.rewards.spec import active_specs
 from consumers.settings import ConsumerSettings, get_consumer_settings
 from consumers.telemetry import ConsumerMetrics, producer_links
@@ -130,7 +130,7 @@ class IngestConsumer:
             self._abort.set()
 
     def retry(self, fn, what: str):
-        """``consumers.retry.retry_transient`` bound to this consumer's abort flag."""
+        """``app.core.retry.retry_transient`` bound to this consumer's abort flag."""
         return retry_transient(fn, what, self._abort, self.settings.retry_max_wait_s)
 
     def _kafka_consumer(self):

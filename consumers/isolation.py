@@ -18,7 +18,7 @@ from app.core.db import session_scope
 from consumers.batch import BatchOutcome, apply_batch
 from consumers.deadletter import Decoded
 from consumers.projection import Projector
-from consumers.retry import is_transient
+from app.core.retry import is_transient
 
 log = logging.getLogger(__name__)
 
@@ -33,7 +33,7 @@ def apply_isolated(group_id: str, decoded: list[Decoded], projector: Projector, 
     Returns:
         (the batch's outcome, how many records were dead-lettered as ``processing_error``).
     Raises:
-        Exception: a transient fault (``consumers.retry.is_transient``); nothing was committed.
+        Exception: a transient fault (``app.core.retry.is_transient``); nothing was committed.
     """
     total = BatchOutcome(messages=len(decoded))
     errors = [0]

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any, NamedTuple
 
-from app.events.types import EventBase
+from producers.events.types import EventBase
 from app.repositories.trajectories import pack_routes
 from consumers.rewards.math import RewardResult, compute_reward, inputs_from_signals
 from consumers.rewards.spec import RewardSpec
@@ -281,7 +281,7 @@ class Projector:
         seg.turn_checkpoint_ids.append(p.checkpoint_id)
         if seg.checkpoint_id is None:
             seg.checkpoint_id = p.checkpoint_id
-        # The arrays arrive packed (app.events.packing): their bytes are the segment's, as sent.
+        # The arrays arrive packed (producers.events.packing): their bytes are the segment's, as sent.
         seg.token_ids += p.prompt_token_ids.raw
         seg.token_ids += p.completion_token_ids.raw
         seg.loss_mask += bytes(n_prompt) + b"\x01" * n_completion

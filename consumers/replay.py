@@ -23,7 +23,7 @@ from typing import Any
 from sqlalchemy.orm import Session
 
 from app.core.db import session_scope
-from app.events import validate_event
+from producers.events import validate_event
 from app.repositories.events import EVENT_COLUMNS, iter_event_rows, raw_connection
 from consumers.batch import PROJECTION_LOCK, project_events
 from consumers.finalize import finalize_due_once

@@ -17,7 +17,7 @@ from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from app.core.settings import flywheel_home
-from app.events.plausibility import TimeWindow
+from producers.events.plausibility import TimeWindow
 
 
 class ConsumerSettings(BaseSettings):

@@ -15,8 +15,8 @@ from datetime import datetime, timedelta, timezone
 
 import numpy as np
 
-from app.events import encode_event
-from app.events.types import (AgentRequested, AgentRequestedEvent, ContextSummarized, ContextSummarizedEvent,
+from producers.events import encode_event
+from producers.events.types import (AgentRequested, AgentRequestedEvent, ContextSummarized, ContextSummarizedEvent,
                               EditAccepted, EditAcceptedEvent, EditPersistenceMeasured,
                               EditPersistenceMeasuredEvent, EditProposed, EditProposedEvent, EditRejected,
                               EditRejectedEvent, EventBase, FollowupSent, FollowupSentEvent, ModelResponded,
@@ -190,7 +190,7 @@ def consumer_process(env: dict[str, str], *, group: str | None = None, idle_exit
     import subprocess
     import sys
 
-    cmd = [sys.executable, "-c", "from app.cli import main; main()", "consume"]
+    cmd = [sys.executable, "-c", "from ops.cli import main; main()", "consume"]
     if group:
         cmd += ["--group", group]
     if idle_exit_s is not None:

@@ -17,7 +17,7 @@ from app.core.db import session_scope
 from app.core.errors import ConflictError
 from evals import store
 from evals.config import eval_settings, load_gate_config
-from ops.celery_app import celery_app
+from app.worker.celery_app import celery_app
 
 
 def evaluate(checkpoint_id: str, **kwargs: Any) -> dict[str, Any]:

@@ -48,11 +48,11 @@ class BudgetConfig(_Strict):
 
 
 class SamplingConfig(_Strict):
-    """Decoding for eval sessions (mirrors ``ops.serving.engine.SamplingParams``)."""
+    """Decoding for eval sessions (mirrors ``app.inference.engine.SamplingParams``)."""
 
     temperature: float = Field(default=0.0, ge=0.0)
     """0 means greedy. With ``samples_per_task`` > 1 use the serving temperature (0.7,
-    ``ops.serving.engine.SamplingParams``): greedy samples are identical and add no information."""
+    ``app.inference.engine.SamplingParams``): greedy samples are identical and add no information."""
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     """Nucleus sampling mass."""
 

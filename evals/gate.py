@@ -9,9 +9,9 @@ interval of its drift lies beyond the allowance, see ``GateConfig.monitor_rule``
 unpaired or errored beyond the allowance is a failure with a reason, never a silent skip.
 
 With ``k`` samples per task every sample pairs with production's sample of the same index and the
-interval resamples tasks with all their samples (:func:`evals.intervals.paired_bootstrap_interval`),
+interval resamples tasks with all their samples (:func:`app.core.intervals.paired_bootstrap_interval`),
 so more samples narrow it. The data models live in :mod:`evals.gate_models`, the intervals in
-:mod:`evals.intervals`, the monitors in :mod:`evals.monitors`, pass@k in :mod:`evals.passk`; they are
+:mod:`app.core.intervals`, the monitors in :mod:`evals.monitors`, pass@k in :mod:`evals.passk`; they are
 re-exported here.
 """
 
@@ -27,14 +27,14 @@ import numpy as np
 from evals.config import GateConfig
 from evals.gate_models import (GateReason, GateResult, Key, MonitorReport, Outcome, PassRate, SamplingReport,
                                SuiteOutcomes, SuiteReport)
-from evals.intervals import mcnemar_exact_interval, paired_bootstrap_interval, wilson_interval
+from app.core.intervals import mcnemar_exact_interval, paired_bootstrap_interval, wilson_interval
 from evals.monitors import check_monitor, monitor_drift_interval, monitor_values
 from evals.passk import pass_at_k, sampling_report, task_counts
 
 __all__ = ["GateReason", "GateResult", "Key", "MonitorReport", "Outcome", "PassRate", "SamplingReport",
            "SuiteOutcomes", "SuiteReport", "check_monitor", "decide_gate", "mcnemar_exact_interval",
            "monitor_drift_interval", "monitor_values", "paired_bootstrap_interval", "pass_at_k",
-           "sampling_report", "wilson_interval"]
+           "sampling_report"]
 
 
 def _task_solved(outcomes: Sequence[Outcome]) -> dict[str, bool]:

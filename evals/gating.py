@@ -30,7 +30,7 @@ from evals.runner import RunSummary, plan_run, run_suite
 
 if TYPE_CHECKING:
     from evals.tasks.model import Task
-    from ops.serving.engine import InferenceEngine
+    from app.inference.engine import InferenceEngine
 
 EngineFactory = Callable[[str], "InferenceEngine"]
 
@@ -95,8 +95,8 @@ def gate_candidate(candidate_id: str, *, production_id: str | None = None, confi
     Raises:
         NotFoundError: unknown checkpoint. ConflictError: not gateable, or gated elsewhere right now.
     """
-    from app.promotion.audit import record_audit
-    from app.promotion.outbox import enqueue_lifecycle
+    from app.repositories.audit import record_audit
+    from app.outbox.lifecycle import enqueue_lifecycle
     from app.repositories.checkpoints import get_checkpoint
     from evals.report import write_report
 

@@ -1,7 +1,7 @@
 """Behaviour monitors of the gate: statistics of sessions and their drift versus production.
 
 Invariant: a monitor is computed on the same paired outcomes as the pass rate, and its drift
-interval resamples tasks (clusters) exactly as :func:`evals.intervals.paired_bootstrap_interval`.
+interval resamples tasks (clusters) exactly as :func:`app.core.intervals.paired_bootstrap_interval`.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import numpy as np
 
 from evals.config import MonitorBound
 from evals.gate_models import MonitorReport, Outcome
-from evals.intervals import _cluster_percentile_interval
+from app.core.intervals import _cluster_percentile_interval
 
 
 def monitor_values(outcomes: Sequence[Outcome]) -> dict[str, float]:

@@ -32,12 +32,13 @@ from app.core.settings import flywheel_home
 from app.core.telemetry import traced
 from evals import store
 from evals.config import SuiteConfig, load_suite
-from evals.gate import monitor_values, wilson_interval
+from app.core.intervals import wilson_interval
+from evals.gate import monitor_values
 from evals.passk import sampling_report
 
 if TYPE_CHECKING:
     from evals.tasks.model import Task
-    from ops.serving.engine import InferenceEngine
+    from app.inference.engine import InferenceEngine
 
 ResultCallback = Callable[[str, int, dict[str, Any]], None]
 
@@ -121,7 +122,7 @@ def sample_seed(suite: SuiteConfig, task_id: str, sample_index: int) -> int:
 def _harness_args(suite: SuiteConfig, seed: int):
     from evals.harness.agent import AgentBudget
     from evals.harness.sandbox import SandboxLimits
-    from ops.serving.engine import SamplingParams
+    from app.inference.engine import SamplingParams
 
     b = suite.budget
     budget = AgentBudget(max_turns=b.max_turns, max_completion_tokens=b.max_completion_tokens,
@@ -202,7 +203,7 @@ def run_suite(checkpoint_id: str, suite: SuiteConfig | str, *, limit: int | None
             for the continuously batching torch engine, whose sequences decode together while
             other sessions run their sandboxed tests; 1 otherwise).
         engine: an engine already serving the checkpoint (tests pass a scripted one); default
-            :func:`ops.serving.engine.setup_engine` for the checkpoint, built only if work remains.
+            :func:`serving.engine.setup_engine` for the checkpoint, built only if work remains.
         tasks: explicit tasks instead of the suite's source (tests).
         force: start a new run even if a succeeded run of the same plan exists.
         on_result: called in the main thread after each stored result ``(task_id, sample, fields)``.
@@ -300,7 +301,7 @@ def eval_engine(checkpoint_id: str) -> "InferenceEngine":
     Raises:
         ConfigurationError: vLLM without an eval server, or an eval server that is the production one.
     """
-    from ops.serving.engine import setup_engine
+    from serving.engine import setup_engine
 
     return setup_engine(checkpoint_id=checkpoint_id, role="eval")
 
@@ -309,6 +310,6 @@ def default_workers(engine: "InferenceEngine | None" = None) -> int:
     """Default session concurrency: ``TORCH_ENGINE_WORKERS`` (64) for the in-process torch engine,
     which decodes all in-flight sessions' sequences together (its ``max_seqs`` bounds a step);
     1 for any other engine (a remote server, or a scripted engine that need not be thread-safe)."""
-    from ops.serving.torch_engine import TorchEngine
+    from serving.torch_engine import TorchEngine
 
     return TORCH_ENGINE_WORKERS if isinstance(engine, TorchEngine) else 1

@@ -21,6 +21,7 @@ from sqlalchemy.orm import Session
 
 from app.core.errors import ConflictError
 from app.models import Checkpoint, EvalResult, EvalRun, GateDecision
+from app.core.locks import named_lock_key
 from evals.gate import Outcome, SuiteOutcomes
 
 RESULT_FIELDS = ("passed", "attempts", "turns", "completion_tokens", "latency_s", "tool_calls", "tool_call_errors",
@@ -89,11 +90,6 @@ def outcomes(session: Session, run: EvalRun) -> SuiteOutcomes:
                          run_id=str(run.id), checkpoint_id=run.checkpoint_id)
 
 
-def _lock_key(*parts: str) -> int:
-    digest = hashlib.sha256("\x1f".join(parts).encode()).digest()
-    return int.from_bytes(digest[:8], "big", signed=True)
-
-
 @contextmanager
 def advisory_lock(*parts: str) -> Iterator[None]:
     """Hold a Postgres session-level advisory lock named by ``parts`` for the block.
@@ -107,7 +103,7 @@ def advisory_lock(*parts: str) -> Iterator[None]:
     """
     from app.core.db import get_engine
 
-    key = _lock_key(*parts)
+    key = named_lock_key(*parts)
     with get_engine().connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
         if not conn.execute(text("SELECT pg_try_advisory_lock(:k)"), {"k": key}).scalar():
             raise ConflictError(f"{'/'.join(parts)} is already running in another process")

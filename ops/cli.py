@@ -1,175 +1,64 @@
-"""``flywheel stack``, ``worker``, ``beat``, ``up`` and ``demo``. Heavy imports stay inside commands."""
+"""The root of the ``flywheel`` command. Each package contributes its commands through
+``register(app)`` in its own ``cli`` (or ``commands``) module, which imports heavy modules (torch,
+FastAPI, Celery) only inside the command that needs them, so ``flywheel --help`` stays fast.
+"""
 
 from __future__ import annotations
 
 import typer
 
-stack_app = typer.Typer(no_args_is_help=True, help="The local embedded stack (Postgres + Kafka-compatible broker).")
+app = typer.Typer(no_args_is_help=True, add_completion=False,
+                  help="flywheel: event-sourced online RL for a coding-agent model.")
 
 
-@stack_app.command("up")
-def stack_up_cmd(partitions: int = typer.Option(None, help="partitions of the interactions topic")) -> None:
-    """Start embedded Postgres and the broker (unless configured), create topics, migrate."""
-    from app.core.migrate import upgrade
-    from app.core.settings import get_settings
-    from ops.stack import stack_up
+def _register_all() -> None:
+    # Each package registers its own commands; each module imports only typer and the light core at
+    # import time, so ``flywheel --help`` stays fast.
+    from app import commands as app_commands
+    from app.api import cli as api_cli
+    from consumers import cli as consumers_cli
+    from evals import cli as evals_cli
+    from ops import commands as ops_commands
+    from ops import simulator_cli
+    from serving import cli as serving_cli
+    from trainer import cli as trainer_cli
 
-    state = stack_up(partitions=partitions)
-    get_settings.cache_clear()
-    upgrade(url=state.database_url)
-    typer.echo(f"postgres {state.database_url}\nkafka    {state.kafka_bootstrap}")
-
-
-@stack_app.command("down")
-def stack_down_cmd() -> None:
-    """Stop only the processes the stack started."""
-    from ops.stack import stack_down
-
-    stopped = stack_down()
-    typer.echo("stopped: " + (", ".join(stopped) if stopped else "nothing"))
+    for module in (app_commands, ops_commands, consumers_cli, serving_cli, simulator_cli, trainer_cli, evals_cli,
+                   api_cli):
+        module.register(app)
 
 
-@stack_app.command("status")
-def stack_status_cmd() -> None:
-    """Health of Postgres and the broker; exit 1 if either is down."""
-    from rich.console import Console
-    from rich.table import Table
-
-    from ops.stack import stack_status
-
-    status = stack_status()
-    table = Table("service", "address", "pid", "healthy")
-    for name, s in status.items():
-        table.add_row(name, str(s.get("url") or s.get("bootstrap") or "-"), str(s.get("pid") or "external"),
-                      "[green]yes[/]" if s["healthy"] else "[red]no[/]")
-    Console().print(table)
-    if not all(s["healthy"] for s in status.values()):
-        raise typer.Exit(1)
+_register_all()
 
 
-# ---- Celery ---------------------------------------------------------------------------------
+def main() -> None:
+    """Console-script entry point: a :class:`FlywheelError`, a database that cannot be reached, or one
+    not migrated to this release, ends with its message on stderr and exit code 2 instead of a traceback."""
+    from app.core.errors import FlywheelError
 
-def worker_cmd(
-    concurrency: int = typer.Option(1, "--concurrency", "-c", min=1, help="tasks run at once"),
-    pool: str | None = typer.Option(None, help="solo | prefork | threads (default: solo for 1, else prefork)"),
-    queues: str | None = typer.Option(None, "--queues", "-Q", help="comma-separated queues to consume"),
-    beat: bool = typer.Option(False, "--beat", "-B", help="also run the beat scheduler in this process"),
-    loglevel: str = typer.Option("INFO", "--loglevel", "-l"),
-) -> None:
-    """Run a Celery worker for flywheel's tasks (training cycles, eval gating, outbox relay)."""
-    from ops.celery_app import celery_app
-
-    argv = ["worker", f"--pool={pool or ('solo' if concurrency == 1 else 'prefork')}",
-            f"--concurrency={concurrency}", f"--loglevel={loglevel}"]
-    if queues:
-        argv.append(f"--queues={queues}")
-    if beat:
-        argv.append("--beat")
-    celery_app.worker_main(argv)
-
-
-def beat_cmd(loglevel: str = typer.Option("INFO", "--loglevel", "-l")) -> None:
-    """Run the Celery beat scheduler (one per deployment; schedule in ops/schedule.py)."""
-    from ops.celery_app import celery_app
-
-    celery_app.start(["beat", f"--loglevel={loglevel}"])
-
-
-@stack_app.command("topics")
-def stack_topics_cmd(partitions: int = typer.Option(None, help="partitions of the interactions topic")) -> None:
-    """Create flywheel's topics on the configured broker (production set-up; `stack up` does it locally)."""
-    from app.core.errors import ConfigurationError
-    from app.core.settings import get_settings
-    from ops.stack import create_topics
-
-    kafka = get_settings().kafka
-    if not kafka.bootstrap:
-        raise ConfigurationError("set FLYWHEEL_KAFKA_BOOTSTRAP")
-    created = create_topics(kafka.bootstrap, {kafka.interactions_topic: partitions or kafka.partitions,
-                                              kafka.dlq_topic: 1, kafka.lifecycle_topic: 1})
-    typer.echo("created: " + (", ".join(created) if created else "nothing (all exist)"))
-
-
-def up_cmd(
-    services: list[str] = typer.Option(None, "--service", "-s",
-                                       help="subset of consumer, worker, beat, api, relay, watcher"),
-    detach: bool = typer.Option(False, "--detach", "-d", help="start and return; `flywheel stack down` stops them"),
-) -> None:
-    """Run the loop's long-lived processes on the local stack so it turns by itself: consumers,
-    Celery worker and beat (training every FLYWHEEL_TRAIN_INTERVAL seconds, the eval trigger),
-    the API, the outbox relay and the serving watcher."""
-    import time
-
-    from rich.console import Console
-
-    from app.core.migrate import upgrade
-    from app.core.settings import flywheel_home, get_settings
-    from ops.processes import LOOP_SERVICES, service_status, start_service
-    from ops.stack import stack_down, stack_up
-
-    unknown = set(services or ()) - set(LOOP_SERVICES)
-    if unknown:
-        raise typer.BadParameter(f"unknown service(s) {sorted(unknown)}; choose from {sorted(LOOP_SERVICES)}")
-    con = Console()
-    state = stack_up()
-    get_settings.cache_clear()
-    upgrade(url=state.database_url)
-    home = flywheel_home()
-    for name in services or LOOP_SERVICES:
-        pid = start_service(name, LOOP_SERVICES[name], home)
-        con.print(f"{name:9s} pid {pid}  log {home / 'logs' / (name + '.log')}")
-    con.print(f"training every {get_settings().celery.train_interval:.0f}s (FLYWHEEL_TRAIN_INTERVAL); "
-              f"API on http://{get_settings().api.host}:{get_settings().api.port}/")
-    if detach:
-        return
     try:
-        while True:
-            time.sleep(5)
-            dead = [n for n, (_, alive) in service_status(home).items() if not alive]
-            if dead:
-                con.print(f"[red]stopped unexpectedly: {', '.join(dead)}[/] (see logs); stopping the rest")
-                break
-    except KeyboardInterrupt:
-        pass
-    con.print("stopped: " + ", ".join(stack_down()))
+        app()
+    except FlywheelError as exc:
+        typer.secho(f"error: {exc.message}", fg="red", err=True)
+        for reason in exc.reasons:
+            typer.secho(f"  - {reason}", fg="red", err=True)
+        raise SystemExit(2) from None
+    except Exception as exc:
+        from app.core.db import schema_missing_reason, unreachable_reason
+
+        reason = unreachable_reason(exc)
+        if reason is not None:
+            typer.secho(f"error: the database does not answer: {reason}", fg="red", err=True)
+            typer.secho("  - check FLYWHEEL_DATABASE_URL, or start the local stack: flywheel stack up", fg="red",
+                        err=True)
+            raise SystemExit(2) from None
+        reason = schema_missing_reason(exc)
+        if reason is not None:
+            typer.secho(f"error: the database lacks this release's schema: {reason}", fg="red", err=True)
+            typer.secho("  - migrate it: flywheel db upgrade", fg="red", err=True)
+            raise SystemExit(2) from None
+        raise
 
 
-def demo_cmd(
-    cycles: int = typer.Option(1, help="full cycles (simulate -> consume -> train -> gate -> release) to run"),
-    sessions: int = typer.Option(16, help="simulated editor sessions per cycle (train tasks of --source)"),
-    group_size: int = typer.Option(4, help="sessions per task (the trainer's groups)"),
-    source: str = typer.Option("functions", help="task source of the simulated sessions (train split)"),
-    max_turns: int = typer.Option(3, help="agent turns per simulated session"),
-    max_tokens_per_turn: int = typer.Option(160, help="completion tokens per turn"),
-    max_steps: int = typer.Option(None, help="step budget of each training cycle (default: train on all it claims)"),
-    trainer_config: str = typer.Option(None, help="trainer TOML (default trainer/configs/default.toml)"),
-    eval_tasks: int = typer.Option(4, help="held-out tasks per eval suite (DataFrameBench test, HumanEval)"),
-    eval_max_turns: int = typer.Option(2, help="agent turns per eval task"),
-    suite: list[str] = typer.Option(None, "--suite", help="run the gate on these suites, which alone decide it (default: every gated suite)"),
-    model_dir: str = typer.Option(None, help="register this HF folder as the base model instead of SmolLM2"),
-    trace: bool = typer.Option(False, "--trace", help="print OpenTelemetry spans (console exporter)"),
-    seed: int = typer.Option(0),
-    down: bool = typer.Option(False, "--down", help="stop everything the demo started, then exit"),
-) -> None:
-    """Run the whole loop on the embedded stack, --cycles times: simulate sessions, ingest, finalize,
-    train, evaluate, gate, and promote or reject through the API; ends with a report and learning
-    curves. Re-running picks up where an interrupted run stopped."""
-    from ops.demo import DemoOptions, run_demo, stop_demo
-
-    if down:
-        stopped = stop_demo()
-        typer.echo("stopped: " + (", ".join(stopped) if stopped else "nothing"))
-        return
-    run_demo(DemoOptions(cycles=cycles, sessions=sessions, group_size=group_size, source=source, max_turns=max_turns,
-                         max_tokens_per_turn=max_tokens_per_turn, train_max_steps=max_steps, trainer_config=trainer_config, eval_tasks=eval_tasks, eval_suites=tuple(suite or ()),
-                         eval_max_turns=eval_max_turns, eval_max_tokens=max_tokens_per_turn,
-                         model_dir=model_dir, trace=trace, seed=seed))
-
-
-def register(app: typer.Typer) -> None:
-    """Add ``stack``, ``worker``, ``beat``, ``up`` and ``demo`` to the main app."""
-    app.add_typer(stack_app, name="stack")
-    app.command("worker")(worker_cmd)
-    app.command("beat")(beat_cmd)
-    app.command("up")(up_cmd)
-    app.command("demo")(demo_cmd)
+if __name__ == "__main__":
+    main()

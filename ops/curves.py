@@ -22,7 +22,7 @@ from typing import Any
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from app.promotion.stats import wilson_interval
+from app.core.intervals import wilson_interval
 
 SIGNALS = ("mean_reward", "edit_acceptance", "edit_persistence", "dissatisfied_followup_rate",
            "latency_per_token", "mean_completion_tokens")

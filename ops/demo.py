@@ -104,7 +104,7 @@ def flywheel(args: list[str], opts: DemoOptions, *, capture: bool = False, check
     Raises:
         FlywheelError: the command failed (its exit code and, when captured, its stderr).
     """
-    cmd = [sys.executable, "-m", "app.cli", *args]
+    cmd = [sys.executable, "-m", "ops.cli", *args]
     proc = subprocess.run(cmd, env=_env(opts), text=True, timeout=timeout_s,
                           capture_output=capture)
     if check and proc.returncode != 0:
@@ -125,7 +125,8 @@ def _db_scalar(sql: str, **params: Any) -> Any:
 def step_stack(opts: DemoOptions, state: DemoState, home: Path) -> str:
     """Start (or reuse) the embedded stack and migrate."""
     from app.core.migrate import upgrade
-    from ops.stack import free_port, stack_up
+    from app.core.net import free_port
+    from ops.stack import stack_up
 
     st = stack_up()
     get_settings.cache_clear()

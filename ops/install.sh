@@ -35,7 +35,7 @@ if [ "$mode" = "--test" ] && ! command -v chromium >/dev/null 2>&1 && [ "$(id -u
 fi
 
 case "$mode" in
-  --demo) exec "$PY" -m app.cli demo "$@" ;;
+  --demo) exec "$PY" -m ops.cli demo "$@" ;;
   --test)
     export CI="${CI:-}"
     # Two workers (pytest-xdist): each gets its own database and broker (tests/fixtures).

@@ -16,7 +16,7 @@ from typing import Any
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from app.promotion.stats import wilson_interval
+from app.core.intervals import wilson_interval
 
 
 @dataclass

@@ -13,7 +13,6 @@ import importlib.util
 import json
 import os
 import signal
-import socket
 import subprocess
 import time
 from dataclasses import asdict, dataclass, field
@@ -28,24 +27,10 @@ from app.core.errors import ConfigurationError, InfrastructureError
 warnings.filterwarnings("ignore", message=".*XDG_RUNTIME_DIR.*")
 from app.core.settings import flywheel_home
 
+from app.core.net import broker_healthy, free_port, port_open
+
 STATE_FILE = "stack.json"
 ENV_FILE = "stack.env"
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port free on ``host`` right now."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
-def port_open(host: str, port: int, timeout: float = 0.5) -> bool:
-    """Whether something accepts TCP connections on ``host:port``."""
-    try:
-        with socket.create_connection((host, port), timeout=timeout):
-            return True
-    except OSError:
-        return False
 
 
 def pid_alive(pid: int | None) -> bool:
@@ -129,23 +114,6 @@ def start_broker(log_dir: Path, port: int | None = None, timeout_s: float = 30.0
         time.sleep(0.2)
     stop_pid(proc.pid)
     raise InfrastructureError(f"tansu did not become ready on {broker.bootstrap} in {timeout_s}s")
-
-
-def broker_healthy(bootstrap: str, timeout_s: float = 5.0) -> bool:
-    """Whether the broker answers a Kafka metadata request."""
-    from kafka import KafkaAdminClient
-
-    try:
-        admin = KafkaAdminClient(bootstrap_servers=bootstrap, request_timeout_ms=int(timeout_s * 1000))
-    except Exception:  # kafka-python raises several types for "not there yet"
-        return False
-    try:
-        admin.list_topics()
-        return True
-    except Exception:
-        return False
-    finally:
-        admin.close()
 
 
 def create_topics(bootstrap: str, topics: dict[str, int]) -> list[str]:

@@ -7,7 +7,7 @@ import os
 import socket
 from typing import Any
 
-from ops.celery_app import celery_app
+from app.worker.celery_app import celery_app
 
 
 @celery_app.task(name="flywheel.ops.ping")
@@ -26,7 +26,7 @@ def purge_broker_messages(older_than_s: float = 3600.0) -> int:
 
     from sqlalchemy import create_engine, text
 
-    from ops.celery_app import broker_urls
+    from app.worker.celery_app import broker_urls
 
     url = broker_urls()[0]
     if not url.startswith("sqla+"):

@@ -8,7 +8,7 @@ ones callers make); publishing the deltas happens off the hot path, in the sende
 
 from __future__ import annotations
 
-from app.core.telemetry import meter
+from producers.telemetry import meter
 
 COUNTERS = ("emitted", "sent", "spooled", "errors", "invalid", "dropped")
 """emitted: accepted by ``emit``; sent: acknowledged by the broker; spooled: written to the disk

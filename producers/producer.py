@@ -31,11 +31,11 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from app.core.errors import ConfigurationError, InvalidEventError
-from app.core.settings import flywheel_home, get_settings
-from app.core.telemetry import inject_headers
-from app.events.codec import encode_event, validate_event
-from app.events.types import EVENT_CLASSES, EventBase
+from producers.errors import ConfigurationError, InvalidEventError
+from producers.settings import KafkaSettings, flywheel_home
+from producers.telemetry import inject_headers
+from producers.events.codec import encode_event, validate_event
+from producers.events.types import EVENT_CLASSES, EventBase
 from producers.client import DEFAULT_BATCH_BYTES, default_compression, kafka_config
 from producers.metrics import ProducerCounters
 from producers.spool import Record, Spool
@@ -78,7 +78,7 @@ class EventProducer:
                  compression: str | None = None, delivery_timeout_s: float = 10.0,
                  connect_timeout_s: float = 5.0, max_backoff_s: float = 5.0,
                  max_event_bytes: int | None = None, spool_max_bytes: int | None = None) -> None:
-        kafka = get_settings().kafka
+        kafka = KafkaSettings.load()
         self.bootstrap = bootstrap or kafka.bootstrap
         if not self.bootstrap:
             raise ConfigurationError("no Kafka bootstrap: pass bootstrap= or set FLYWHEEL_KAFKA_BOOTSTRAP")

@@ -36,8 +36,8 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import NamedTuple
 
-from app.core.errors import ConfigurationError
-from app.core.files import fsync_dir
+from producers.errors import ConfigurationError
+from producers.files import fsync_dir
 
 log = logging.getLogger(__name__)
 

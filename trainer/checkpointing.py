@@ -17,12 +17,11 @@ from typing import Any
 
 import torch
 
-from app.checkpoint_store import MANIFEST, CheckpointStore
+from app.checkpoints.store import MANIFEST, CheckpointStore
 from app.core.errors import CheckpointError
 from trainer.config import TrainerConfig
-from trainer.delta import DeltaStats, write_delta
+from app.checkpoints.delta import DeltaStats, write_delta
 
-DELTA_FILE = "delta.zst"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
                    "merges.txt", "added_tokens.json", "chat_template.jinja", "tokenizer.model",
                    "generation_config.json")
@@ -74,7 +73,7 @@ def write_checkpoint(store: CheckpointStore, checkpoint_id: str, *, model: torch
     Raises:
         CheckpointError: ``checkpoint_id`` already exists, or the delta cannot be built.
     """
-    from trainer.delta import serving_state_dict
+    from app.checkpoints.delta import serving_state_dict
 
     with store.writer(checkpoint_id) as staging:
         model.save_pretrained(staging, safe_serialization=True)

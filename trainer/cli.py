@@ -34,13 +34,13 @@ def train(
 ) -> None:
     """Run the continual trainer: production checkpoint + new finalized trajectories -> candidate.
 
-    Data parallel: ``torchrun --nproc-per-node N -m app.cli train ...`` (gloo on CPUs, NCCL on GPUs);
+    Data parallel: ``torchrun --nproc-per-node N -m ops.cli train ...`` (gloo on CPUs, NCCL on GPUs);
     rank 0 selects the data, writes and registers, every rank trains its share of each step."""
     from app.core.settings import get_settings
     from app.core.telemetry import configure_telemetry, shutdown_telemetry
     from trainer.config import load_config
     from trainer.cycle import run_cycle
-    from trainer.device import resolve_device
+    from app.inference.device import resolve_device
     from trainer.distributed import init_data_parallel, run_parallel_cycle, shutdown_data_parallel
 
     overrides = {k: v for k, v in (("max_steps", max_steps), ("epochs", epochs), ("optim.lr", lr),

@@ -27,7 +27,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from app.checkpoint_store import STABLE, CheckpointStore
+from app.checkpoints.store import STABLE, CheckpointStore
 from app.core.errors import CheckpointError, ConfigurationError
 from app.core.telemetry import tracer
 from trainer.config import TrainerConfig, load_config
@@ -246,7 +246,7 @@ def train_policy(config: TrainerConfig, parent_dir: Path, trajectories: list, *,
         ConfigurationError: ``config.device`` names a device this machine lacks.
     """
     from trainer.checkpointing import load_policy
-    from trainer.delta import serving_state_dict
+    from app.checkpoints.delta import serving_state_dict
     from trainer.device import setup_placement
     from trainer.metrics import step_progress
     from trainer.router_replay import checkpoint_contexts

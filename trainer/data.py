@@ -45,7 +45,7 @@ import numpy as np
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from app.events.packing import unpack_floats, unpack_ints
+from producers.events.packing import unpack_floats, unpack_ints
 from app.models import (Checkpoint, CheckpointTrajectory, ErasureRequest, EvalTask, RewardLabel, Trajectory,
                         TrainingCycle, TrajectorySegment)
 from app.repositories.trajectories import ROUTE_DTYPES, unpack_routes

@@ -27,12 +27,11 @@ from sqlalchemy.orm import Session
 from app.models import Checkpoint, TrainingCycle
 from app.repositories.checkpoints import add_checkpoint, add_checkpoint_trajectories
 from app.repositories.holdout import retire_trained_eval_tasks
+from app.core.locks import AdvisoryLock
 from trainer.data import CycleData
 
 log = logging.getLogger(__name__)
 
-#: pg advisory lock key of the trainer ("flyw" << 32 | 5; see app/promotion and producers/relay).
-CYCLE_LOCK_KEY = (0x666C7977 << 32) | 5
 
 
 @contextlib.contextmanager
@@ -43,13 +42,13 @@ def cycle_lock(engine) -> Iterator[bool]:
     transactions can commit freely while it is held.
     """
     with engine.connect() as conn:
-        got = bool(conn.execute(text("SELECT pg_try_advisory_lock(:k)"), {"k": CYCLE_LOCK_KEY}).scalar())
+        got = bool(conn.execute(text("SELECT pg_try_advisory_lock(:k)"), {"k": AdvisoryLock.CYCLE}).scalar())
         conn.commit()
         try:
             yield got
         finally:
             if got:
-                conn.execute(text("SELECT pg_advisory_unlock(:k)"), {"k": CYCLE_LOCK_KEY})
+                conn.execute(text("SELECT pg_advisory_unlock(:k)"), {"k": AdvisoryLock.CYCLE})
                 conn.commit()
 
 
@@ -126,7 +125,7 @@ def register_candidate(session: Session, *, cycle_id: uuid.UUID, checkpoint_id: 
 
     The caller's transaction makes the writes atomic (see module docstring).
     """
-    from app.promotion.outbox import enqueue_lifecycle
+    from app.outbox.lifecycle import enqueue_lifecycle
 
     summary = {k: v for k, v in metrics.items() if k != "history"}
     row = add_checkpoint(session, checkpoint_id=checkpoint_id, path=path, status="candidate", parent_id=parent.id,

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ops.celery_app import celery_app
+from app.worker.celery_app import celery_app
 
 
 @celery_app.task(name="flywheel.trainer.run_cycle")

@@ -2,7 +2,7 @@
 
 Used by the trainer's unit and integration tests and benches; not imported by the service.
 Trajectories are written straight into ``trajectory`` / ``trajectory_segment`` / ``reward_label``
-the way the consumers project them (token arrays packed with ``app.events.packing``).
+the way the consumers project them (token arrays packed with ``producers.events.packing``).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from app.events.packing import pack_floats, pack_ints
+from producers.events.packing import pack_floats, pack_ints
 from trainer.data import Segment, TrajectoryData
 
 
@@ -36,7 +36,7 @@ def tiny_policy_dir(directory: Path, seed: int = 0) -> Path:
     """A tiny random Llama HF folder: the serving area's ``build_tiny_model`` (SmolLM2 tokenizer)
     when available, else an in-memory :func:`tiny_policy` saved without tokenizer."""
     try:
-        from ops.serving.testing import build_tiny_model
+        from app.checkpoints.testing import build_tiny_model
     except ImportError:
         directory.mkdir(parents=True, exist_ok=True)
         tiny_policy(seed).save_pretrained(directory, safe_serialization=True)
@@ -54,7 +54,7 @@ def build_tiny_moe(directory: Path, *, seed: int = 0, experts: int = 8, top_k: i
     """
     from transformers import Qwen2MoeConfig
 
-    from ops.serving.testing import tiny_config, write_model_folder
+    from app.checkpoints.testing import tiny_config, write_model_folder
 
     config = tiny_config(moe=True, hidden_size=hidden_size, num_layers=num_layers,
                          initializer_range=initializer_range)

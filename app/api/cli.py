@@ -142,7 +142,7 @@ def relay(once: bool = typer.Option(False, "--once", help="publish what is pendi
     """Publish outbox rows to their topics, in order, marking each sent after the broker acks."""
     from app.core.settings import get_settings
     from app.core.telemetry import configure_service_logging, configure_telemetry
-    from producers.relay import OutboxRelay
+    from app.outbox.relay import OutboxRelay
 
     configure_service_logging()
     configure_telemetry("flywheel-relay")
@@ -153,21 +153,9 @@ def relay(once: bool = typer.Option(False, "--once", help="publish what is pendi
         r.run_forever(interval_s=interval or get_settings().celery.outbox_interval)
 
 
-def watch(once: bool = typer.Option(False, "--once", help="handle what is on the topic now, then exit")) -> None:
-    """Follow production: move the inference engine on checkpoint.promoted / rolled_back, start and
-    stop the canary engine on canary.started / stopped, and report both in $FLYWHEEL_HOME/serving.json."""
-    from app.core.telemetry import configure_service_logging, configure_telemetry
-    from ops.serving.watcher import run_watch
-
-    configure_service_logging()
-    configure_telemetry("flywheel-watcher")
-    run_watch(once=once)
-
-
 def register(app: typer.Typer) -> None:
-    """Add ``api``, ``tokens``, ``canary``, ``relay`` and ``watch`` to the main app."""
+    """Add ``api``, ``tokens``, ``canary`` and ``relay`` to the main app."""
     app.add_typer(tokens_app, name="tokens")
     app.add_typer(canary_app, name="canary")
     app.command("api")(api)
     app.command("relay")(relay)
-    app.command("watch")(watch)

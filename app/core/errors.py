@@ -1,4 +1,4 @@
-"""The error hierarchy. Domain errors carry an HTTP-ish status so the API maps them in one place.
+"""The error hierarchy (its base and the event errors come from the producer SDK, :mod:`producers.errors`). Domain errors carry an HTTP-ish status so the API maps them in one place.
 
 Catch an exception only to retry at a boundary or to route a bad message to the dead-letter path;
 otherwise let it propagate.
@@ -7,30 +7,10 @@ otherwise let it propagate.
 from __future__ import annotations
 
 
-class FlywheelError(Exception):
-    """Base of every flywheel error. ``status_code`` is what the API answers with."""
+from producers.errors import ConfigurationError, FlywheelError, InvalidEventError
 
-    status_code: int = 500
-
-    def __init__(self, message: str, *, reasons: list[str] | None = None) -> None:
-        super().__init__(message)
-        self.message = message
-        self.reasons = reasons or []
-
-
-class ConfigurationError(FlywheelError):
-    """Settings or a config file are missing or invalid (e.g. no database URL)."""
-
-
-class InvalidEventError(FlywheelError, ValueError):
-    """An event failed to decode or validate. ``reason`` is a short machine-readable code
-    (``bad_json``, ``unknown_type``, ``schema_version``, ``validation``, ``oversized``)."""
-
-    status_code = 422
-
-    def __init__(self, reason: str, message: str) -> None:
-        super().__init__(message)
-        self.reason = reason
+__all__ = ["AuthError", "CheckpointError", "ConfigurationError", "ConflictError", "FlywheelError", "ForbiddenError",
+           "InfrastructureError", "InvalidEventError", "NotFoundError"]
 
 
 class NotFoundError(FlywheelError):

@@ -8,37 +8,17 @@ read once per process through the cached :func:`get_settings`; tests call
 
 from __future__ import annotations
 
-import os
 from functools import lru_cache
 from pathlib import Path
 from typing import Literal
 
 from pydantic import Field, SecretStr
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import SettingsConfigDict
+
+from producers.settings import EnvSettings, KafkaSettings, flywheel_home
 
 
-def flywheel_home() -> Path:
-    """The directory that holds local state (embedded stack data, checkpoints, reports).
-
-    ``FLYWHEEL_HOME`` if set, else ``.flywheel`` under the current working directory.
-    """
-    return Path(os.environ.get("FLYWHEEL_HOME", ".flywheel")).resolve()
-
-
-def _env_files() -> tuple[Path, ...]:
-    return (flywheel_home() / "stack.env",)
-
-
-class _Base(BaseSettings):
-    model_config = SettingsConfigDict(env_file_encoding="utf-8", extra="ignore")
-
-    @classmethod
-    def load(cls):
-        """Build from the environment and the local stack's env file, if present."""
-        return cls(_env_file=_env_files())  # type: ignore[call-arg]
-
-
-class DatabaseSettings(_Base):
+class DatabaseSettings(EnvSettings):
     """Postgres connection. ``url`` is a SQLAlchemy URL; the driver is forced to psycopg 3."""
 
     model_config = SettingsConfigDict(env_prefix="FLYWHEEL_DATABASE_", extra="ignore")
@@ -52,28 +32,7 @@ class DatabaseSettings(_Base):
     echo: bool = False
 
 
-class KafkaSettings(_Base):
-    """Kafka-protocol broker and the topics flywheel uses."""
-
-    model_config = SettingsConfigDict(env_prefix="FLYWHEEL_KAFKA_", extra="ignore")
-    bootstrap: str | None = Field(default=None, description="host:port[,host:port]")
-    interactions_topic: str = "editor.interactions"
-    dlq_topic: str = "editor.interactions.dlq"
-    lifecycle_topic: str = "flywheel.lifecycle"
-    partitions: int = Field(
-        default=8, ge=1,
-        description="partitions of the interactions topic, created with it: at most this many consumer processes "
-                    "share the load, and two per process even out uneven session keys (bench/ingest.py, 4 "
-                    "processes on 2 cores: 8 partitions ~5% faster than 4)")
-    consumer_group: str = "flywheel-ingest"
-    max_event_bytes: int = Field(default=1_048_576, ge=1024, description="larger events are dead-lettered (bytes)")
-    spool_max_bytes: int = Field(
-        default=1 << 30, ge=1 << 20,
-        description="the producer's disk spool refuses new events past this many undelivered bytes (they are "
-                    "dropped, counted and reported) so a long broker outage cannot fill the disk")
-
-
-class TelemetrySettings(_Base):
+class TelemetrySettings(EnvSettings):
     """OpenTelemetry exporter choice."""
 
     model_config = SettingsConfigDict(env_prefix="FLYWHEEL_TELEMETRY_", extra="ignore")
@@ -81,7 +40,7 @@ class TelemetrySettings(_Base):
     otlp_endpoint: str = "http://127.0.0.1:4318"
 
 
-class CelerySettings(_Base):
+class CelerySettings(EnvSettings):
     """Celery broker: Redis when ``FLYWHEEL_REDIS_URL`` is set, else kombu's SQLAlchemy transport
     on the flywheel Postgres (so the embedded stack needs nothing more)."""
 
@@ -92,7 +51,7 @@ class CelerySettings(_Base):
     outbox_interval: float = Field(default=2.0, gt=0, description="seconds between outbox relay runs")
 
 
-class StoreSettings(_Base):
+class StoreSettings(EnvSettings):
     """Where checkpoints and reports live."""
 
     model_config = SettingsConfigDict(env_prefix="FLYWHEEL_", extra="ignore")
@@ -106,7 +65,7 @@ class StoreSettings(_Base):
         return (self.report_dir or flywheel_home() / "reports").resolve()
 
 
-class ServingSettings(_Base):
+class ServingSettings(EnvSettings):
     """Inference engine selection: the server that serves production and the one candidates' evals use."""
 
     model_config = SettingsConfigDict(env_prefix="FLYWHEEL_SERVING_", extra="ignore")
@@ -126,7 +85,7 @@ class ServingSettings(_Base):
         default="auto", description="device of the in-process torch engine (cuda when a GPU is visible for auto)")
 
 
-class ApiSettings(_Base):
+class ApiSettings(EnvSettings):
     """Promotion API."""
 
     model_config = SettingsConfigDict(env_prefix="FLYWHEEL_API_", extra="ignore")

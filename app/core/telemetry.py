@@ -16,8 +16,11 @@ from opentelemetry.context import Context
 from opentelemetry.propagators.textmap import Getter, Setter
 
 from app.core.settings import get_settings
+from producers.telemetry import KafkaHeaders, extract_context, inject_headers, meter
 
-KafkaHeaders = list[tuple[str, bytes]]
+__all__ = ["KafkaHeaders", "configure_telemetry", "extract_context", "inject_headers", "meter", "shutdown_telemetry",
+           "tracer", "traced"]
+
 
 _lock = threading.Lock()
 _configured: str | None = None
@@ -68,40 +71,9 @@ def shutdown_telemetry() -> None:
         provider.force_flush()
 
 
-class _HeaderSetter(Setter[KafkaHeaders]):
-    def set(self, carrier: KafkaHeaders, key: str, value: str) -> None:
-        carrier.append((key, value.encode()))
-
-
-class _HeaderGetter(Getter[Sequence[tuple[str, bytes]]]):
-    def get(self, carrier: Sequence[tuple[str, bytes]], key: str) -> list[str] | None:
-        vals = [v.decode("utf-8", "replace") for k, v in carrier or () if k == key and v is not None]
-        return vals or None
-
-    def keys(self, carrier: Sequence[tuple[str, bytes]]) -> list[str]:
-        return [k for k, _ in carrier or ()]
-
-
-def inject_headers(headers: KafkaHeaders | None = None, context: Context | None = None) -> KafkaHeaders:
-    """Append the current (or given) trace context as W3C ``traceparent``/``tracestate`` headers."""
-    headers = list(headers or [])
-    propagate.inject(headers, context=context, setter=_HeaderSetter())
-    return headers
-
-
-def extract_context(headers: Iterable[tuple[str, bytes]] | None) -> Context:
-    """The trace context carried by Kafka headers (empty context when none)."""
-    return propagate.extract(list(headers or ()), getter=_HeaderGetter())
-
-
 def tracer(name: str) -> trace.Tracer:
     """A tracer for a flywheel module."""
     return trace.get_tracer(name)
-
-
-def meter(name: str) -> metrics.Meter:
-    """A meter for a flywheel module."""
-    return metrics.get_meter(name)
 
 
 def traced(span_name: str, *, attrs: tuple[str, ...] = ()):

@@ -34,7 +34,7 @@ class EventLog(Base):
     org_id: Mapped[str] = mapped_column(String(128), nullable=False)
     payload: Mapped[dict[str, Any]] = mapped_column(JSON, nullable=False)
     """The payload's JSON text, validated, byte for byte as the producer sent it
-    (``app.events.decode_event_payload``; ``json``, not ``jsonb``: written once, read whole)."""
+    (``producers.events.decode_event_payload``; ``json``, not ``jsonb``: written once, read whole)."""
     topic: Mapped[str | None] = mapped_column(String(255))
     partition: Mapped[int | None] = mapped_column(Integer)
     offset: Mapped[int | None] = mapped_column(BigInteger)

@@ -1,7 +1,7 @@
 """Trajectory projection tables (owned by ``consumers/``; rebuilt from ``event_log`` by replay).
 
 A trajectory is one session; it is made of segments (a ``context.summarized`` event starts a new
-one). Token arrays are raw little-endian bytes (see ``app.events.packing``): ``token_ids`` int32
+one). Token arrays are raw little-endian bytes (see ``producers.events.packing``): ``token_ids`` int32
 ``[T]``, ``loss_mask`` uint8 ``[T]`` (1 on the model's own completion tokens), ``behaviour_logprobs``
 float32 ``[T]`` (0 where the mask is 0); ``turn_token_offsets[i]`` is where turn ``i``'s prompt piece
 starts in them. MoE routes (``routed_experts``) hold, for each completion token in order, the expert

@@ -29,8 +29,8 @@ from sqlalchemy.orm import Session
 from app.core.errors import ConflictError, NotFoundError
 from app.core.telemetry import traced
 from app.models import Canary, Checkpoint
-from app.promotion.audit import record_audit
-from app.promotion.outbox import enqueue_lifecycle
+from app.repositories.audit import record_audit
+from app.outbox.lifecycle import enqueue_lifecycle
 from app.promotion.service import (_lock_checkpoint, _lock_production, _serving_fields, is_stable,
                                    latest_gate_decision)
 

@@ -21,7 +21,7 @@ from app.core.errors import FlywheelError
 from app.models import (Checkpoint, CheckpointTrajectory, EvalResult, EvalRun, GateDecision, Promotion,
                         TrainingCycle, Trajectory)
 from app.promotion.service import latest_gate_decision, lineage
-from app.promotion.stats import newcombe_diff_interval, wilson_interval
+from app.core.intervals import newcombe_diff_interval, wilson_interval
 
 MAX_TASK_DIFFS = 500
 

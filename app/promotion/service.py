@@ -30,18 +30,17 @@ from sqlalchemy import literal, select, text
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from app.checkpoint_store import STABLE
+from app.checkpoints.store import STABLE
 from app.core.errors import ConflictError, NotFoundError
 from app.models import Checkpoint, GateDecision, Promotion
-from app.promotion.audit import record_audit
+from app.repositories.audit import record_audit
 from app.promotion.online import online_reasons
 from app.promotion.online_stats import OnlinePolicy
-from app.promotion.outbox import enqueue_lifecycle
+from app.outbox.lifecycle import enqueue_lifecycle
 from app.repositories.checkpoints import get_production
 from app.core.telemetry import traced
+from app.core.locks import AdvisoryLock
 
-#: pg_advisory_xact_lock key serialising production changes ("flyw" << 32 | 1).
-PRODUCTION_LOCK_KEY = (0x666C7977 << 32) | 1
 REJECTABLE = ("candidate", "gate_passed", "gate_failed")
 MAX_LINEAGE = 256
 
@@ -56,7 +55,7 @@ class ProductionChange:
 
 
 def _lock_production(session: Session) -> Checkpoint | None:
-    session.execute(text("SELECT pg_advisory_xact_lock(:k)"), {"k": PRODUCTION_LOCK_KEY})
+    session.execute(text("SELECT pg_advisory_xact_lock(:k)"), {"k": AdvisoryLock.PRODUCTION})
     return get_production(session, for_update=True)
 
 

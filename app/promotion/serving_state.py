@@ -1,4 +1,4 @@
-"""What serving runs right now, as reported by the serving watcher (``ops/serving/watcher.py``).
+"""What serving runs right now, as reported by the serving watcher (``serving/watcher.py``).
 
 Invariant: ``$FLYWHEEL_HOME/serving.json`` is replaced atomically (write a temp file, fsync,
 ``os.replace``), so a reader sees the previous report or the next one, never a torn file.

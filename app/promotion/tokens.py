@@ -27,7 +27,7 @@ from sqlalchemy.orm import Session
 from app.core.errors import ConflictError, FlywheelError, NotFoundError
 from app.models import ApiToken
 from app.models.promotion import ROLES
-from app.promotion.audit import record_audit
+from app.repositories.audit import record_audit
 
 Role = Literal["viewer", "release_manager", "service"]
 Permission = Literal["read", "reject", "promote"]

@@ -5,30 +5,28 @@ checks that no registered checkpoint trained on them; a training cycle selects t
 task is not held out, trains for minutes to hours, then registers the candidate with its lineage
 (``trainer.records``). Mining that runs while a cycle trains can hold out a task the cycle already
 selected, and each side's check alone cannot see the other's uncommitted write (write skew). So
-both take :data:`HOLDOUT_LOCK` for their transaction, and registration retires the eval tasks its
+both take :attr:`AdvisoryLock.HOLDOUT` for their transaction, and registration retires the eval tasks its
 candidate trained on (:func:`retire_trained_eval_tasks`): a gated suite must not score a candidate
 on a task from its own training data. The task stays retired whichever way the candidate's gate
 goes (one held-out task is cheap; a contaminated gate is not).
 """
 
 from __future__ import annotations
-
 from sqlalchemy import text
 from sqlalchemy.orm import Session
 
-HOLDOUT_LOCK = (0x666C7977 << 32) | 6
-"""``pg_advisory_xact_lock`` key taken by mining and by candidate registration (``flyw`` | 6)."""
+from app.core.locks import AdvisoryLock
 
 
 def lock_holdout(session: Session) -> None:
-    """Take :data:`HOLDOUT_LOCK` until the session's transaction ends (waits for the holder)."""
-    session.execute(text("SELECT pg_advisory_xact_lock(:k)"), {"k": HOLDOUT_LOCK})
+    """Take :attr:`AdvisoryLock.HOLDOUT` until the session's transaction ends (waits for the holder)."""
+    session.execute(text("SELECT pg_advisory_xact_lock(:k)"), {"k": AdvisoryLock.HOLDOUT})
 
 
 def retire_trained_eval_tasks(session: Session, checkpoint_id: str) -> list[str]:
     """Delete the eval tasks that checkpoint ``checkpoint_id`` trained on: mined from one of its
     lineage's trajectories (``checkpoint_trajectory``, already written) or on a task id one of them
-    worked on. Takes :data:`HOLDOUT_LOCK` first, so a mining pass either commits before (and its
+    worked on. Takes :attr:`AdvisoryLock.HOLDOUT` first, so a mining pass either commits before (and its
     tasks are retired here) or starts after and sees the lineage (``already_trained``).
 
     Returns:

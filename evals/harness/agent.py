@@ -25,7 +25,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from app.events.types import (
+from producers.events.types import (
     AgentRequested, AgentRequestedEvent, ContextSummarized, ContextSummarizedEvent, EditProposed,
     EditProposedEvent, EventBase, ModelResponded, ModelRespondedEvent, SessionEnded, SessionEndedEvent,
     SessionStarted, SessionStartedEvent, ToolCall, ToolExecuted, ToolExecutedEvent,
@@ -36,7 +36,7 @@ from evals.harness.apply import apply_target, extract_code
 from evals.harness.toolcalls import ParsedCall, parse_tool_calls
 from evals.harness.tools import execute_tool
 from evals.harness.workspace import snapshot, write_files
-from ops.serving.engine import InferenceEngine, SamplingParams
+from app.inference.engine import InferenceEngine, SamplingParams
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ import json
 from collections.abc import Iterable
 from pathlib import Path
 
-from ops.serving.engine import Generation, InferenceEngine, SamplingParams
+from app.inference.engine import Generation, InferenceEngine, SamplingParams
 
 
 def tool_call(name: str, **arguments) -> str:

@@ -10,7 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from evals.tasks.paths import data_dir
+from app.core.paths import data_dir
 
 DATAFRAMEBENCH = "dataframebench==0.1.1"
 

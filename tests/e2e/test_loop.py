@@ -33,13 +33,13 @@ def loop_home(tmp_path_factory, pg_admin_url, tiny_model_dir):
     env = {k: v for k, v in os.environ.items() if not k.startswith("FLYWHEEL_")}
     env.update(FLYWHEEL_HOME=str(home), FLYWHEEL_DATABASE_URL=url, FLYWHEEL_TELEMETRY_EXPORTER="none")
     yield home, url, env
-    subprocess.run([sys.executable, "-m", "app.cli", "demo", "--down"], env=env, capture_output=True, timeout=120)
+    subprocess.run([sys.executable, "-m", "ops.cli", "demo", "--down"], env=env, capture_output=True, timeout=120)
     with psycopg.connect(pg_admin_url, autocommit=True) as conn:
         conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 
 def _run_demo(env: dict[str, str], model_dir: Path) -> subprocess.CompletedProcess[str]:
-    args = [sys.executable, "-m", "app.cli", "demo", "--model-dir", str(model_dir), "--sessions", "4",
+    args = [sys.executable, "-m", "ops.cli", "demo", "--model-dir", str(model_dir), "--sessions", "4",
             "--group-size", "2", "--max-turns", "2", "--max-tokens-per-turn", "24", "--max-steps", "4",
             "--eval-tasks", "2", "--eval-max-turns", "1"]
     return subprocess.run(args, env=env, capture_output=True, text=True, timeout=1200)
@@ -123,11 +123,11 @@ def test_demo_loop_keeps_its_invariants(loop_home, tiny_model_dir):
 
     # `demo --down` then `demo`: the broker comes back with an empty log while Postgres keeps the
     # group's offsets; every event simulated afterwards is stored (issue 34: none skipped).
-    subprocess.run([sys.executable, "-m", "app.cli", "demo", "--down"], env=env, capture_output=True, timeout=120,
+    subprocess.run([sys.executable, "-m", "ops.cli", "demo", "--down"], env=env, capture_output=True, timeout=120,
                    check=True)
     restarted = _run_demo(env, tiny_model_dir)
     assert restarted.returncode == 0, restarted.stdout[-3000:] + restarted.stderr[-3000:]
-    sim = subprocess.run([sys.executable, "-m", "app.cli", "simulate", "--model-dir", str(tiny_model_dir),
+    sim = subprocess.run([sys.executable, "-m", "ops.cli", "simulate", "--model-dir", str(tiny_model_dir),
                           "--sessions", "2", "--group-size", "2", "--max-turns", "2", "--max-tokens-per-turn", "24",
                           "--max-tokens", "48", "--seed", "34"], env=env, capture_output=True, text=True, timeout=600)
     assert sim.returncode == 0, sim.stdout[-3000:] + sim.stderr[-3000:]

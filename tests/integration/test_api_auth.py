@@ -76,7 +76,7 @@ def test_revoked_token_stops_working_and_writes_are_attributed(client, base, ses
 def test_tokens_cli_prints_once_stores_hash_and_revokes(db, session):
     from typer.testing import CliRunner
 
-    from app.cli import app
+    from ops.cli import app
 
     runner = CliRunner()
     created = runner.invoke(app, ["tokens", "create", "--role", "release_manager", "--name", "alice"])
@@ -161,7 +161,7 @@ def test_a_database_that_does_not_answer_is_a_503_not_a_500(client, monkeypatch)
     with ``Retry-After``, which clients retry, not a 500 that reads as a bug of ours."""
     from app.core.db import reset_engines
     from app.core.settings import get_settings
-    from ops.stack import free_port
+    from app.core.net import free_port
 
     monkeypatch.setenv("FLYWHEEL_DATABASE_URL", f"postgresql+psycopg://postgres@127.0.0.1:{free_port()}/flywheel")
     get_settings.cache_clear()

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from app.checkpoint_store import CheckpointStore
+from app.checkpoints.store import CheckpointStore
 from app.models import Checkpoint, EvalResult, EvalRun, GateDecision
 
 # A 1x1 PNG (what the evals' report figure is, in miniature).

@@ -176,7 +176,7 @@ def test_online_policy_blocks_a_canary_whose_signals_regressed(client, session, 
 def test_cli_starts_reports_and_stops_a_canary(session, gated):
     from typer.testing import CliRunner
 
-    from app.cli import app
+    from ops.cli import app
 
     runner = CliRunner()
     out = runner.invoke(app, ["canary", "start", "ckpt-0001", "--fraction", "0.25", "--reason", "cli canary"])

@@ -8,11 +8,11 @@ from collections import defaultdict
 import pytest
 
 from app.promotion.assignment import assign_arm
-from ops.serving.canary import ActiveCanary, EngineRouter
-from ops.serving.canary import CanaryFollower
-from ops.serving.watcher import ServingWatcher
-from producers.relay import OutboxRelay
-from producers.simulator import SimulatorConfig, run_simulation
+from serving.canary import ActiveCanary, EngineRouter
+from serving.canary import CanaryFollower
+from serving.watcher import ServingWatcher
+from app.outbox.relay import OutboxRelay
+from ops.simulator import SimulatorConfig, run_simulation
 from tests.integration.test_api_support import (auth, base, client, gated, lifecycle_topic,  # noqa: F401
                                                  make_token, store)
 from tests.unit.test_api_units import RecordingEngine
@@ -22,8 +22,8 @@ pytestmark = pytest.mark.integration
 
 
 def test_simulated_users_are_served_by_their_arm(tiny_model_dir, tmp_path):
-    from ops.serving.testing import build_tiny_model
-    from ops.serving.torch_engine import TorchEngine
+    from app.checkpoints.testing import build_tiny_model
+    from serving.torch_engine import TorchEngine
 
     prod = TorchEngine(tiny_model_dir, checkpoint_id="prod")
     cand = TorchEngine(build_tiny_model(tmp_path / "cand", seed=7), checkpoint_id="cand")

@@ -15,7 +15,7 @@ from app.core.settings import get_settings
 
 
 def test_config_is_read_lazily_and_follows_settings(monkeypatch):
-    from ops.celery_app import celery_config, create_celery_app
+    from app.worker.celery_app import celery_config, create_celery_app
 
     monkeypatch.delenv("FLYWHEEL_DATABASE_URL", raising=False)
     app = create_celery_app()
@@ -24,7 +24,7 @@ def test_config_is_read_lazily_and_follows_settings(monkeypatch):
     monkeypatch.setenv("FLYWHEEL_DATABASE_URL", "postgresql://u@db.example:5432/fw")
     get_settings.cache_clear()
     assert app.conf.broker_url == "sqla+postgresql+psycopg://u@db.example:5432/fw"
-    assert {"ops.tasks", "trainer.tasks", "producers.relay_tasks"} <= set(app.conf.include)
+    assert {"ops.tasks", "trainer.tasks", "app.outbox.tasks"} <= set(app.conf.include)
     conf = celery_config()
     assert conf["broker_url"] == "sqla+postgresql+psycopg://u@db.example:5432/fw"
     assert conf["result_backend"] == "db+postgresql+psycopg://u@db.example:5432/fw"
@@ -39,7 +39,7 @@ def test_config_is_read_lazily_and_follows_settings(monkeypatch):
 
 
 def test_beat_schedule_comes_from_settings(monkeypatch):
-    from ops.schedule import beat_schedule
+    from app.worker.schedule import beat_schedule
 
     monkeypatch.setenv("FLYWHEEL_TRAIN_INTERVAL", "60")
     monkeypatch.setenv("FLYWHEEL_OUTBOX_INTERVAL", "0.5")
@@ -53,7 +53,7 @@ def test_beat_schedule_comes_from_settings(monkeypatch):
 
 
 def test_beat_skips_tasks_whose_module_is_missing(monkeypatch):
-    import ops.schedule as schedule
+    import app.worker.schedule as schedule
 
     monkeypatch.setitem(schedule.TASK_MODULES, "flywheel.trainer.run_cycle", "trainer.no_such_module")
     assert "train" not in schedule.beat_schedule()
@@ -66,7 +66,7 @@ def celery_worker(db, tmp_path):
     env.update(FLYWHEEL_DATABASE_URL=db, FLYWHEEL_HOME=str(tmp_path), FLYWHEEL_TELEMETRY_EXPORTER="none")
     log = open(tmp_path / "worker.log", "wb")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "celery", "-A", "ops.celery_app", "worker", "--pool=solo",
+        [sys.executable, "-m", "celery", "-A", "app.worker.celery_app", "worker", "--pool=solo",
          "--loglevel=INFO", "--without-gossip", "--without-mingle", "--without-heartbeat"],
         env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
@@ -85,7 +85,7 @@ def celery_worker(db, tmp_path):
 def test_task_sent_to_a_real_worker_runs_and_returns(celery_worker, db, tmp_path):
     import psycopg
 
-    from ops.celery_app import create_celery_app
+    from app.worker.celery_app import create_celery_app
 
     app = create_celery_app()
     t0 = time.monotonic()

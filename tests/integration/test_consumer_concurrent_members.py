@@ -181,7 +181,7 @@ def test_an_erasure_waits_for_a_concurrent_batch_of_the_users_events(db, monkeyp
 
     import numpy as np
 
-    from app.events.types import UserErasureRequested, UserErasureRequestedEvent
+    from producers.events.types import UserErasureRequested, UserErasureRequestedEvent
     from consumers.deadletter import Message
     from consumers.testing import generate_session
 
@@ -281,7 +281,7 @@ def test_two_members_applying_erasures_at_once_both_finish(db, monkeypatch, capl
 
     import numpy as np
 
-    from app.events.types import UserErasureRequested, UserErasureRequestedEvent
+    from producers.events.types import UserErasureRequested, UserErasureRequestedEvent
     from consumers.deadletter import Message
     from consumers.ingest import IngestConsumer
     from consumers.testing import generate_session
@@ -324,7 +324,7 @@ def test_a_batch_the_window_sweep_overtook_is_redone_with_a_later_ingestion_time
 
     import consumers.batch as batch_mod
     from app.core.db import session_scope
-    from app.events.types import FollowupSent, FollowupSentEvent
+    from producers.events.types import FollowupSent, FollowupSentEvent
     from consumers.deadletter import Message
     from consumers.finalize import finalize_due
     from consumers.ingest import IngestConsumer, projector_from_settings
@@ -354,7 +354,7 @@ def test_a_batch_the_window_sweep_overtook_is_redone_with_a_later_ingestion_time
 
     monkeypatch.setattr(batch_mod, "lock_offsets", lock_offsets_then_wait)
     member = IngestConsumer(bootstrap="127.0.0.1:9", topic="t", group_id="g", client_id="mb", settings=cs)
-    caplog.set_level(logging.INFO, logger="consumers.retry")
+    caplog.set_level(logging.INFO, logger="app.core.retry")
     errors: list[BaseException] = []
     tb = threading.Thread(target=_guarded(lambda: member.process(msgs[end + 1:]), errors), name="member-b")
     try:

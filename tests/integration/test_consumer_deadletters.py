@@ -19,7 +19,7 @@ import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from app.events import EVENT_CLASSES, encode_event
+from producers.events import EVENT_CLASSES, encode_event
 from consumers.deadletter import Message, claim_of, classify
 from consumers.testing import generate_session, generate_stream, kafka_record, produce
 from tests.fixtures.broker import read_topic
@@ -246,7 +246,7 @@ def test_a_column_the_database_lacks_is_waited_out_not_dead_lettered(db, topics,
         consumer = IngestConsumer()
         result: dict = {}
         runner = threading.Thread(target=lambda: result.update(stats=consumer.run(idle_exit_s=1.5)), daemon=True)
-        caplog.set_level("WARNING", logger="consumers.retry")
+        caplog.set_level("WARNING", logger="app.core.retry")
         runner.start()
         deadline = time.monotonic() + 60
         while "trace_id" not in caplog.text and time.monotonic() < deadline:

@@ -135,7 +135,8 @@ def test_sigkilled_consumers_leave_every_event_once_and_the_same_trajectories(db
 
 
 def test_a_database_restart_mid_stream_loses_nothing(topics, kafka_bootstrap, tmp_path):
-    from ops.stack import free_port, start_postgres, stop_postgres
+    from app.core.net import free_port
+    from ops.stack import start_postgres, stop_postgres
 
     datadir, port = tmp_path / "pgdata", free_port()
     server = start_postgres(datadir, port=port)
@@ -256,7 +257,7 @@ def test_a_consumer_started_before_the_broker_retries_until_it_answers(db, topic
     """The broker is not reachable when the consumer starts (a deploy, a broker restart): the start is
     retried with backoff instead of crashing the process; once the broker answers, the consumer
     ingests everything. Stopped while retrying, it returns at once, having consumed nothing."""
-    from ops.stack import free_port
+    from app.core.net import free_port
     from consumers.ingest import IngestConsumer
     from consumers.settings import get_consumer_settings
 
@@ -349,7 +350,8 @@ def test_a_consumer_started_while_the_database_is_down_stays_in_its_group_and_in
     rebalance callback, which blocks the client's heartbeats. Rather than retrying there until the
     session expires (and rejoining, again and again, through the outage), the member pauses the
     partitions and keeps heartbeating; when Postgres is back it seeks them and ingests every event once."""
-    from ops.stack import free_port, start_postgres, stop_postgres
+    from app.core.net import free_port
+    from ops.stack import start_postgres, stop_postgres
 
     datadir, port = tmp_path / "pgdata", free_port()
     url = start_postgres(datadir, port=port).url

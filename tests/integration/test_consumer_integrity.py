@@ -16,8 +16,8 @@ import numpy as np
 import psycopg
 import pytest
 
-from app.events import encode_event
-from app.events.types import UserErasureRequested, UserErasureRequestedEvent
+from producers.events import encode_event
+from producers.events.types import UserErasureRequested, UserErasureRequestedEvent
 from consumers.testing import generate_session, kafka_record, produce
 from tests.fixtures.broker import read_topic
 
@@ -126,7 +126,7 @@ def test_a_reused_erasure_request_id_for_another_user_still_erases_that_user(db,
         got = conn.execute("SELECT user_id, events_deleted FROM erasure_request ORDER BY user_id").fetchall()
     assert got == [("u-a", len(a)), ("u-b", len(b))]
 
-    out = subprocess.run([sys.executable, "-m", "app.cli", "erasures", "list"], capture_output=True, text=True,
+    out = subprocess.run([sys.executable, "-m", "ops.cli", "erasures", "list"], capture_output=True, text=True,
                          timeout=120, check=True).stdout
     listed = {r["user_id"]: r for r in map(json.loads, out.splitlines())}
     assert listed["u-b"]["outcome"] == "erased" and listed["u-b"]["events_deleted"] == len(b)

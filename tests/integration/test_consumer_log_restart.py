@@ -22,7 +22,8 @@ TOPIC, DLQ = "interactions", "interactions.dlq"
 def restartable_broker(tmp_path):
     """``(bootstrap, restart)``: a tansu broker of this test on a fixed port; ``restart()`` stops it
     and starts a new one on the same port, with an empty log and the test's topics created again."""
-    from ops.stack import create_topics, free_port, start_broker, stop_pid
+    from app.core.net import free_port
+    from ops.stack import create_topics, start_broker, stop_pid
 
     port = free_port()
     state = {"broker": start_broker(tmp_path / "broker", port)}

@@ -29,7 +29,7 @@ def _consume():
 
 
 def _cli(*args: str) -> str:
-    from app.cli import app
+    from ops.cli import app
 
     out = CliRunner().invoke(app, list(args))
     assert out.exit_code == 0, out.output
@@ -99,7 +99,7 @@ def test_redrive_publishes_dead_letters_back_for_the_consumer_to_decide_again(db
 
 
 def test_redrive_needs_a_selection(db):
-    from app.cli import app
+    from ops.cli import app
 
     out = CliRunner().invoke(app, ["deadletters", "redrive"])
     assert out.exit_code == 2 and "choose what to redrive" in out.output
@@ -107,7 +107,7 @@ def test_redrive_needs_a_selection(db):
 
 def test_a_reason_no_dead_letter_has_is_named_with_those_stored(db):
     """``--reason`` with a typo lists nothing; stderr says so and which reasons are stored."""
-    from app.cli import app
+    from ops.cli import app
 
     with psycopg.connect(db) as conn:
         conn.execute("INSERT INTO dead_letter (topic, partition, \"offset\", raw, reason, detail) "

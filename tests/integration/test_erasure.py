@@ -10,7 +10,7 @@ import numpy as np
 import psycopg
 import pytest
 
-from app.events.types import UserErasureRequested, UserErasureRequestedEvent
+from producers.events.types import UserErasureRequested, UserErasureRequestedEvent
 from consumers.projection import trajectory_id_for
 from consumers.testing import generate_session, kafka_record, produce
 from tests.fixtures.broker import read_topic
@@ -146,7 +146,7 @@ def test_erasure_removes_the_users_rows_and_flags_checkpoints(db, topics, kafka_
     # a redelivered request is a no-op; the projections still replay to the same rows
     from typer.testing import CliRunner
 
-    from app.cli import app
+    from ops.cli import app
 
     out = CliRunner().invoke(app, ["erase", "u-alice", "--request-id", "req-1"])
     assert out.exit_code == 0 and '"already_done": true' in out.output
@@ -209,7 +209,7 @@ def test_a_session_flagged_private_part_way_is_deleted_whole(db, topics, kafka_b
 
     from typer.testing import CliRunner
 
-    from app.cli import app
+    from ops.cli import app
 
     out = CliRunner().invoke(app, ["replay", "--verify"])
     assert out.exit_code == 0 and '"identical": true' in out.output, out.output
@@ -275,7 +275,7 @@ def test_a_private_sessions_dead_letters_keep_no_bytes(db, topics, kafka_bootstr
 
     from typer.testing import CliRunner
 
-    from app.cli import app
+    from ops.cli import app
 
     out = CliRunner().invoke(app, ["replay", "--verify"])
     assert out.exit_code == 0 and '"identical": true' in out.output, out.output

@@ -137,7 +137,7 @@ def test_automation_scans_and_evaluates_each_candidate_once(checkpoints, monkeyp
 
 
 def test_celery_tasks_are_thin_wrappers(checkpoints, monkeypatch):
-    from ops.celery_app import celery_app
+    from app.worker.celery_app import celery_app
 
     assert {"flywheel.evals.evaluate_candidate", "flywheel.evals.scan_candidates"} <= set(celery_app.tasks)
     gated: list[str] = []

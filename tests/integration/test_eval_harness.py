@@ -20,7 +20,7 @@ from evals.config import SuiteConfig, load_suite
 from evals.harness.scripted import ScriptedPolicy, tool_call
 from evals.tasks import load_tasks
 from evals.tasks.model import Task
-from ops.serving.engine import InferenceEngine
+from app.inference.engine import InferenceEngine
 
 pytestmark = pytest.mark.integration
 
@@ -157,8 +157,8 @@ def test_a_hostile_hidden_test_is_contained(ckpt, tokenizer, tmp_path, flywheel_
 def test_flywheel_eval_runs_a_real_model_end_to_end(db, tiny_model_dir):
     """``flywheel eval CHECKPOINT --suite NAME`` with the torch engine on a tiny random model: it loads
     the checkpoint, runs sessions through the harness, grades, stores results and prints intervals."""
-    from app.cli import app
-    from ops.serving.model_store import publish_folder
+    from ops.cli import app
+    from app.checkpoints.publish import publish_folder
 
     path = publish_folder(tiny_model_dir, "tiny", {"id": "tiny"})
     with session_scope() as s:

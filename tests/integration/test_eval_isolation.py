@@ -12,19 +12,20 @@ from collections.abc import Iterator
 
 import pytest
 
-from app.checkpoint_store import CheckpointStore
+from app.checkpoints.store import CheckpointStore
 from app.core.errors import ConfigurationError
 from app.core.settings import get_settings
-from ops.serving.engine import SamplingParams, setup_engine
-from ops.serving.openai_engine import OpenAICompatEngine
-from ops.serving.server import create_app
-from ops.serving.torch_engine import TorchEngine
+from app.inference.engine import SamplingParams
+from serving.engine import setup_engine
+from serving.openai_engine import OpenAICompatEngine
+from serving.server import create_app
+from serving.torch_engine import TorchEngine
 
 PROMPT = [1, 17, 300, 4242, 9, 77, 5]
 
 
 def _serve(engine: TorchEngine) -> tuple[str, object, object]:
-    from ops.serving.testing import serve_in_thread
+    from serving.testing import serve_in_thread
 
     return serve_in_thread(create_app(engine))
 
@@ -74,7 +75,7 @@ def _fingerprint(url: str) -> tuple[str, list[int], list[float]]:
 def _publish_candidate(tmp_path) -> None:
     import shutil
 
-    from ops.serving.testing import build_tiny_model
+    from app.checkpoints.testing import build_tiny_model
 
     src = build_tiny_model(tmp_path / "cand-src", seed=7)
     store = CheckpointStore.from_settings()

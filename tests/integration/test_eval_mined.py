@@ -96,7 +96,7 @@ def test_content_hash_normalizes_the_request():
 
 
 def test_contamination_check_finds_eval_tasks_in_lineage_and_manifests(sessions):
-    from app.cli import app
+    from ops.cli import app
 
     with session_scope() as s:
         mined.mine_tasks(s)

@@ -18,9 +18,9 @@ def _rows(model):
 
 
 def test_register_first_model_becomes_production_with_audit(db, tiny_model_dir, tmp_path, monkeypatch):
-    from app.checkpoint_store import CheckpointStore
+    from app.checkpoints.store import CheckpointStore
     from app.models import AuditLog, Checkpoint, Outbox, Promotion
-    from ops.serving.model_store import register_model
+    from app.checkpoints.publish import register_model
 
     store = CheckpointStore(tmp_path / "ckpts")
     path = register_model(tiny_model_dir, "tiny", "production", store=store)
@@ -44,9 +44,9 @@ def test_register_first_model_becomes_production_with_audit(db, tiny_model_dir, 
 
 
 def test_register_refuses_non_model_folder(db, tmp_path):
-    from app.checkpoint_store import CheckpointStore
+    from app.checkpoints.store import CheckpointStore
     from app.core.errors import CheckpointError, ConfigurationError
-    from ops.serving.model_store import register_model
+    from app.checkpoints.publish import register_model
 
     (tmp_path / "junk").mkdir()
     with pytest.raises(CheckpointError, match="config.json"):
@@ -60,11 +60,11 @@ def test_model_init_materializes_smollm2_that_answers_sensibly(db, tmp_path):
     """The real SmolLM2-135M-Instruct: converted once (cached), hardlinked into a fresh store."""
     import torch
 
-    from app.checkpoint_store import CheckpointStore
+    from app.checkpoints.store import CheckpointStore
     from app.models import Checkpoint
-    from ops.serving.engine import SamplingParams
-    from ops.serving.model_store import converted_base_dir, init_base
-    from ops.serving.torch_engine import TorchEngine
+    from app.inference.engine import SamplingParams
+    from app.checkpoints.publish import converted_base_dir, init_base
+    from serving.torch_engine import TorchEngine
 
     store = CheckpointStore(tmp_path / "ckpts")
     path = init_base(store)

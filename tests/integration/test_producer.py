@@ -8,8 +8,8 @@ from collections import defaultdict
 
 import pytest
 
-from app.events import decode_event
-from app.events.types import EditAccepted, EditAcceptedEvent, ModelResponded, ModelRespondedEvent
+from producers.events import decode_event
+from producers.events.types import EditAccepted, EditAcceptedEvent, ModelResponded, ModelRespondedEvent
 from producers.producer import EventProducer
 
 pytestmark = pytest.mark.integration
@@ -91,7 +91,8 @@ def test_produce_consume_round_trip_with_key_and_trace_headers(kafka_bootstrap, 
 
 
 def test_broker_outage_spools_then_delivers_every_event_once_in_order(tmp_path):
-    from ops.stack import create_topics, free_port, start_broker, stop_pid
+    from app.core.net import free_port
+    from ops.stack import create_topics, start_broker, stop_pid
 
     topic, port = "editor.interactions.outage", free_port()
     broker = start_broker(tmp_path / "logs", port=port)
@@ -136,7 +137,7 @@ def test_broker_outage_spools_then_delivers_every_event_once_in_order(tmp_path):
 
 
 def test_spool_left_by_a_dead_producer_is_delivered_first(kafka_bootstrap, topics, tmp_path):
-    from ops.stack import free_port
+    from app.core.net import free_port
 
     topic = topics["interactions"]
     offline = EventProducer(f"127.0.0.1:{free_port()}", topic, spool_dir=tmp_path,

@@ -99,7 +99,7 @@ def test_late_signals_replay_and_relabel(db, topics, kafka_bootstrap, short_wind
     assert compare_projections(live, _dump(db)) == []
 
     runner = CliRunner()
-    from app.cli import app
+    from ops.cli import app
 
     out = runner.invoke(app, ["relabel", "--spec", "implicit@1", "--json"])
     assert out.exit_code == 0, out.output
@@ -183,7 +183,7 @@ def test_replay_verify_compares_one_snapshot_beside_a_live_group(db, monkeypatch
     the event log must not show up on the live side only, and a trajectory whose window closed that
     the live sweep has not reached yet (the replay's sweep finalizes it) is not a difference but is
     counted as ``due_unswept``. A real difference still fails the verify."""
-    from app.cli import app
+    from ops.cli import app
     from app.core.db import session_scope
     from consumers import replay as replay_mod
     from consumers.batch import apply_batch
@@ -246,7 +246,7 @@ def test_replay_verify_compares_one_snapshot_beside_a_live_group(db, monkeypatch
 def test_a_shadow_schema_is_named_checked_and_dropped_from_the_cli(db):
     """``replay --schema`` refuses a name it would not create and an existing schema with a usage
     error (exit 2) naming the way out; ``--drop-schema`` drops a replay's shadow and nothing else."""
-    from app.cli import app
+    from ops.cli import app
     from app.core.errors import ConflictError, NotFoundError
 
     cli = CliRunner()
@@ -268,7 +268,7 @@ def test_a_shadow_schema_is_named_checked_and_dropped_from_the_cli(db):
 def test_relabel_of_an_empty_store_reports_nulls_not_nan(db):
     """Nothing finalized yet: the JSON report is valid JSON (``null``, not ``NaN``) and the table
     says there was nothing to relabel."""
-    from app.cli import app
+    from ops.cli import app
 
     out = CliRunner().invoke(app, ["relabel", "--spec", "implicit@2", "--json"])
     assert out.exit_code == 0 and "NaN" not in out.stdout

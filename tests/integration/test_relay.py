@@ -10,8 +10,8 @@ import pytest
 from sqlalchemy import select, text
 
 from app.models import Outbox
-from ops.serving.watcher import Deduper, message_identity
-from producers.relay import OutboxRelay, pending_count
+from serving.watcher import Deduper, message_identity
+from app.outbox.relay import OutboxRelay, pending_count
 from tests.integration.test_api_support import base, lifecycle_topic, seed_checkpoint, seed_gate, store  # noqa: F401
 
 pytestmark = pytest.mark.integration
@@ -100,13 +100,13 @@ def test_relay_publishes_each_promotion_once_even_when_restarted_between_publish
 def test_relay_is_single_flight(session, store, base, topics, lifecycle_topic, kafka_bootstrap, database_url):
     _changes(session, store)
     from app.core.db import get_engine
-    from producers.relay import RELAY_LOCK_KEY
+    from app.core.locks import AdvisoryLock
 
     held, release = threading.Event(), threading.Event()
 
     def hold_lock() -> None:
         with get_engine().begin() as conn:
-            conn.execute(text("SELECT pg_advisory_xact_lock(:k)"), {"k": RELAY_LOCK_KEY})
+            conn.execute(text("SELECT pg_advisory_xact_lock(:k)"), {"k": AdvisoryLock.RELAY})
             held.set()
             release.wait(10)
 
@@ -125,7 +125,7 @@ def test_relay_is_single_flight(session, store, base, topics, lifecycle_topic, k
 
 
 def test_celery_task_runs_one_relay_pass(session, store, base, topics, lifecycle_topic, kafka_bootstrap):
-    from producers.relay_tasks import relay_outbox
+    from app.outbox.tasks import relay_outbox
 
     _changes(session, store)
     assert relay_outbox.name == "flywheel.outbox.relay"

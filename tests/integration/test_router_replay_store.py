@@ -14,7 +14,7 @@ import psycopg
 import pytest
 import torch
 
-from app.events.types import (ModelResponded, ModelRespondedEvent, SessionEnded, SessionEndedEvent, SessionStarted,
+from producers.events.types import (ModelResponded, ModelRespondedEvent, SessionEnded, SessionEndedEvent, SessionStarted,
                               SessionStartedEvent)
 from consumers.testing import kafka_record, produce
 

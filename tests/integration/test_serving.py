@@ -8,17 +8,17 @@ import httpx
 import pytest
 import torch
 
-from ops.serving.engine import SamplingParams
-from ops.serving.openai_engine import OpenAICompatEngine
-from ops.serving.server import create_app
-from ops.serving.torch_engine import TorchEngine, teacher_forced_logprobs
+from app.inference.engine import SamplingParams
+from serving.openai_engine import OpenAICompatEngine
+from serving.server import create_app
+from serving.torch_engine import TorchEngine, teacher_forced_logprobs
 
 PROMPTS = [[1, 5, 6, 7, 8, 9, 10, 11], [1, 100, 200]]
 
 
 @pytest.fixture(scope="module")
 def served(tiny_model_dir) -> Iterator[tuple[str, TorchEngine]]:
-    from ops.serving.testing import serve_in_thread
+    from serving.testing import serve_in_thread
 
     engine = TorchEngine(tiny_model_dir, checkpoint_id="tiny-a", num_threads=2)
     url, server, thread = serve_in_thread(create_app(engine, api_key="k3y"))
@@ -60,7 +60,7 @@ def test_text_prompt_and_token_strings(served):
 
 
 def test_reload_through_collective_rpc(served, tmp_path, tiny_model_dir):
-    from ops.serving.testing import build_tiny_model
+    from app.checkpoints.testing import build_tiny_model
 
     url, engine = served
     other = build_tiny_model(tmp_path / "tiny-b", seed=5)

@@ -7,10 +7,10 @@ from collections import Counter, defaultdict
 
 import pytest
 
-from app.events import decode_event
+from producers.events import decode_event
 from evals.harness.scripted import tool_call
-from ops.serving.engine import Generation, InferenceEngine, SamplingParams
-from producers.simulator import DeveloperModel, SimulatorConfig, run_simulation, surviving_fraction, visible_check
+from app.inference.engine import Generation, InferenceEngine, SamplingParams
+from ops.simulator import DeveloperModel, SimulatorConfig, run_simulation, surviving_fraction, visible_check
 
 
 class OraclePolicy(InferenceEngine):
@@ -128,7 +128,7 @@ def test_surviving_fraction_counts_added_lines_left():
 
 def test_simulator_runs_the_real_torch_engine(tiny_model_dir):
     """A tiny random model through the whole simulator (no broker): real token ids and log-probs."""
-    from ops.serving.torch_engine import TorchEngine
+    from serving.torch_engine import TorchEngine
 
     engine = TorchEngine(tiny_model_dir, checkpoint_id="tiny")
     events = []

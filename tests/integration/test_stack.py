@@ -20,7 +20,7 @@ def flywheel(home, *args: str, timeout: float = 180) -> subprocess.CompletedProc
     """Run the CLI in a fresh interpreter with only the embedded stack configured."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("FLYWHEEL_")}
     env.update(FLYWHEEL_HOME=str(home), FLYWHEEL_TELEMETRY_EXPORTER="none", COLUMNS="200")
-    return subprocess.run([sys.executable, "-c", "from app.cli import main; main()", *args],
+    return subprocess.run([sys.executable, "-c", "from ops.cli import main; main()", *args],
                           env=env, capture_output=True, text=True, timeout=timeout)
 
 
@@ -92,12 +92,12 @@ def test_stack_up_status_down(home):
 def test_a_command_whose_database_does_not_answer_says_so_in_one_error(tmp_path):
     """A one-shot command (here ``flywheel relabel``) run against a Postgres that is not up: the
     reason and what to check on stderr, exit code 2, no traceback."""
-    from ops.stack import free_port
+    from app.core.net import free_port
 
     env = {k: v for k, v in os.environ.items() if not k.startswith("FLYWHEEL_")}
     env.update(FLYWHEEL_HOME=str(tmp_path), FLYWHEEL_TELEMETRY_EXPORTER="none",
                FLYWHEEL_DATABASE_URL=f"postgresql+psycopg://postgres@127.0.0.1:{free_port()}/flywheel")
-    out = subprocess.run([sys.executable, "-c", "from app.cli import main; main()", "relabel", "--spec", "implicit@1"],
+    out = subprocess.run([sys.executable, "-c", "from ops.cli import main; main()", "relabel", "--spec", "implicit@1"],
                          env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 2, out.stderr[-2000:]
     lines = out.stderr.strip().splitlines()
@@ -112,7 +112,7 @@ def test_a_command_on_a_database_without_the_schema_says_to_migrate_it(empty_dat
     exit code 2, no traceback."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("FLYWHEEL_")}
     env.update(FLYWHEEL_HOME=str(tmp_path), FLYWHEEL_TELEMETRY_EXPORTER="none", FLYWHEEL_DATABASE_URL=empty_database)
-    out = subprocess.run([sys.executable, "-c", "from app.cli import main; main()", "relabel", "--spec", "implicit@1"],
+    out = subprocess.run([sys.executable, "-c", "from ops.cli import main; main()", "relabel", "--spec", "implicit@1"],
                          env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 2, out.stderr[-2000:]
     lines = out.stderr.strip().splitlines()

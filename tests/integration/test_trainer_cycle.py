@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from app.checkpoint_store import CheckpointStore
+from app.checkpoints.store import CheckpointStore
 from trainer.config import TrainerConfig
 
 pytestmark = pytest.mark.integration
@@ -72,7 +72,7 @@ def test_cycle_produces_registered_candidate(session, store, production, policy_
 
     from app.models import Checkpoint, CheckpointTrajectory, Outbox, TrainingCycle
     from trainer.cycle import run_cycle
-    from trainer.delta import apply_delta, serving_state_dict
+    from app.checkpoints.delta import apply_delta, serving_state_dict
 
     used, reserved = _insert_sessions(session, policy_dir)
     result = run_cycle(TrainerConfig.model_validate(CONFIG), store=store)
@@ -124,11 +124,11 @@ def test_second_cycle_is_locked_out(session, store, production, policy_dir, data
     import psycopg
 
     from trainer.cycle import run_cycle
-    from trainer.records import CYCLE_LOCK_KEY
+    from app.core.locks import AdvisoryLock
 
     _insert_sessions(session, policy_dir)
     with psycopg.connect(database_url, autocommit=True) as other:
-        other.execute("SELECT pg_advisory_lock(%s)", (CYCLE_LOCK_KEY,))
+        other.execute("SELECT pg_advisory_lock(%s)", (AdvisoryLock.CYCLE,))
         result = run_cycle(TrainerConfig.model_validate(CONFIG), store=store)
         assert result.status == "locked"
     assert store.list_stable() == ["base"]
@@ -139,7 +139,7 @@ KILL_SCRIPT = textwrap.dedent("""
     import sys, time
     from pathlib import Path
     import trainer.checkpointing as ck
-    from app.checkpoint_store import CheckpointStore
+    from app.checkpoints.store import CheckpointStore
     from trainer.config import TrainerConfig
     from trainer.cycle import run_cycle
 
@@ -200,7 +200,7 @@ def test_unregistered_trained_directory_is_swept(session, store, production):
 def test_cli_dry_run_and_once(session, store, production, policy_dir, monkeypatch):
     from typer.testing import CliRunner
 
-    from app.cli import app
+    from ops.cli import app
 
     monkeypatch.setenv("FLYWHEEL_CHECKPOINT_DIR", str(store.root))
     _insert_sessions(session, policy_dir, n_tasks=1)
@@ -219,8 +219,8 @@ def test_cli_dry_run_and_once(session, store, production, policy_dir, monkeypatc
 
 
 def test_celery_task_is_registered():
-    pytest.importorskip("ops.celery_app")
-    from ops.celery_app import celery_app
+    pytest.importorskip("app.worker.celery_app")
+    from app.worker.celery_app import celery_app
 
     import trainer.tasks  # noqa: F401
 

@@ -48,7 +48,7 @@ def test_torchrun_two_ranks_registers_one_candidate(session, store, production, 
     env = {**os.environ, "FLYWHEEL_DATABASE_URL": database_url, "FLYWHEEL_CHECKPOINT_DIR": str(store.root),
            "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                           "-m", "app.cli", "train", "--once", "--json", "--no-progress",
+                           "-m", "ops.cli", "train", "--once", "--json", "--no-progress",
                            "--config", str(tmp_path / "trainer.toml")],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from ops.serving.watcher import ServingWatcher
-from producers.relay import OutboxRelay
+from serving.watcher import ServingWatcher
+from app.outbox.relay import OutboxRelay
 from tests.integration.test_api_support import (auth, base, client, lifecycle_topic, make_token,  # noqa: F401
                                                  seed_checkpoint, seed_gate, store)
 from tests.unit.test_api_units import RecordingEngine

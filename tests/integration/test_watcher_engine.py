@@ -9,8 +9,8 @@ import shutil
 
 import pytest
 
-from ops.serving.watcher import ServingWatcher
-from producers.relay import OutboxRelay
+from serving.watcher import ServingWatcher
+from app.outbox.relay import OutboxRelay
 from tests.integration.test_api_support import auth, client, lifecycle_topic, make_token, store  # noqa: F401
 from tests.integration.test_watcher import _poll_until_moved
 
@@ -47,10 +47,10 @@ def test_watcher_moves_a_torch_engine_by_delta_then_full_load(client, session, s
     import torch
 
     from app.models import Checkpoint
-    from ops.serving.testing import build_tiny_model
-    from ops.serving.torch_engine import TorchEngine
+    from app.checkpoints.testing import build_tiny_model
+    from serving.torch_engine import TorchEngine
     from tests.integration.test_api_support import seed_gate
-    from trainer.delta import write_delta
+    from app.checkpoints.delta import write_delta
 
     monkeypatch.setenv("FLYWHEEL_HOME", str(tmp_path))
     child_src = build_tiny_model(tmp_path / "child-src", seed=1)
@@ -91,7 +91,7 @@ def test_watcher_moves_a_torch_engine_by_delta_then_full_load(client, session, s
         served = engine.engine.model.state_dict()
         for name, tensor in _state(tiny_model_dir).items():  # serving weights are bf16 (engine's choice)
             assert torch.equal(served[name].to(torch.bfloat16), tensor.to(torch.bfloat16)), name
-        from ops.serving.engine import SamplingParams
+        from app.inference.engine import SamplingParams
 
         (gen,) = engine.engine.generate([[1, 2, 3]], SamplingParams(max_tokens=3, temperature=0.0))
         assert len(gen.token_ids) >= 1

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from app.checkpoint_store import CheckpointStore
+from app.checkpoints.store import CheckpointStore
 from app.promotion.queries import InvalidCursorError, decode_cursor, encode_cursor
-from app.promotion.stats import newcombe_diff_interval, wilson_interval
-from ops.serving.watcher import Deduper, ProductionFollower, plan_move
+from app.core.intervals import newcombe_diff_interval, wilson_interval
+from serving.watcher import Deduper, ProductionFollower, plan_move
 
 
 def test_wilson_interval_matches_reference_values():

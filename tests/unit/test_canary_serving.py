@@ -8,11 +8,11 @@ import json
 
 import pytest
 
-from app.checkpoint_store import CheckpointStore
+from app.checkpoints.store import CheckpointStore
 from app.promotion.assignment import assign_arm
 from app.promotion.serving_state import read_serving_state
-from ops.serving.canary import ActiveCanary, CanaryFollower, EngineRouter
-from ops.serving.watcher import ProductionFollower
+from serving.canary import ActiveCanary, CanaryFollower, EngineRouter
+from serving.watcher import ProductionFollower
 from tests.unit.test_api_units import RecordingEngine
 
 USERS = [f"user-{i:03d}" for i in range(200)]

@@ -9,13 +9,13 @@ import sys
 
 from typer.testing import CliRunner
 
-from app.cli import app
+from ops.cli import app
 
 HEAVY = ("torch", "transformers", "fastapi", "celery", "vllm", "triton")
 
 
 def test_help_imports_no_heavy_module():
-    code = ("import sys\nfrom app.cli import app\ntry:\n    app(['--help'])\nexcept SystemExit:\n    pass\n"
+    code = ("import sys\nfrom ops.cli import app\ntry:\n    app(['--help'])\nexcept SystemExit:\n    pass\n"
             f"bad = sorted({{m.split('.')[0] for m in sys.modules}} & set({HEAVY!r}))\n"
             "print('HEAVY', bad, file=sys.stderr)\nsys.exit(1 if bad else 0)\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
@@ -27,8 +27,8 @@ def test_help_imports_no_heavy_module():
 def test_events_schema_is_valid_json_schema_that_accepts_a_real_event(tmp_path):
     import jsonschema
 
-    from app.events import encode_event
-    from app.events.types import ModelResponded, ModelRespondedEvent
+    from producers.events import encode_event
+    from producers.events.types import ModelResponded, ModelRespondedEvent
 
     out = tmp_path / "events.schema.json"
     result = CliRunner().invoke(app, ["events", "schema", "--out", str(out)])
@@ -47,7 +47,7 @@ def test_events_schema_is_valid_json_schema_that_accepts_a_real_event(tmp_path):
 
 
 def test_worker_and_beat_pass_the_right_celery_arguments(monkeypatch):
-    from ops.celery_app import celery_app
+    from app.worker.celery_app import celery_app
 
     calls = []
     monkeypatch.setattr(celery_app, "worker_main", lambda argv: calls.append(("worker", argv)))

@@ -9,8 +9,8 @@ import time
 import pytest
 import torch
 
-from ops.serving.engine import SamplingParams
-from ops.serving.torch_engine import TorchEngine, teacher_forced_logprobs
+from app.inference.engine import SamplingParams
+from serving.torch_engine import TorchEngine, teacher_forced_logprobs
 
 PROMPTS = [[1, 5, 6, 7, 8, 9, 10, 11], [1, 100, 200], [1, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15],
            [1, 42], [1, 7, 7, 7, 300, 301, 302, 303, 304, 305, 306], [1, 900, 901, 902, 903]]
@@ -162,7 +162,7 @@ def test_close_ends_the_loop_and_fails_what_is_left(tiny_model_dir):
 
 
 def test_weight_swap_waits_for_running_sequences(tiny_model_dir, tmp_path):
-    from ops.serving.testing import build_tiny_model
+    from app.checkpoints.testing import build_tiny_model
 
     other = build_tiny_model(tmp_path / "other", seed=1)
     eng = TorchEngine(tiny_model_dir, checkpoint_id="a")

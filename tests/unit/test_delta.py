@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from app.core.errors import CheckpointError
-from trainer.delta import apply_delta, read_delta_header, serving_state_dict, write_delta
+from app.checkpoints.delta import apply_delta, read_delta_header, serving_state_dict, write_delta
 
 
 def _tiny_llama(seed: int):
@@ -37,7 +37,7 @@ def _rl_like_step(model, lr=1e-6, dense_name=None):
 def test_round_trip_is_bit_exact(tmp_path, monkeypatch, checksum):
     if checksum == "xxh3_128":
         pytest.importorskip("xxhash")
-    monkeypatch.setattr("trainer.delta._default_checksum", lambda: checksum)
+    monkeypatch.setattr("app.checkpoints.delta._default_checksum", lambda: checksum)
     model = _tiny_llama(0)
     parent = model.state_dict()
     child = _rl_like_step(model, dense_name="model.layers.0.mlp.up_proj.weight")

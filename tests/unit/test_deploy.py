@@ -9,7 +9,7 @@ import pytest
 import typer.main
 import yaml
 
-from app.cli import app
+from ops.cli import app
 
 COMPOSE = Path(__file__).resolve().parents[2] / "ops" / "deploy" / "compose.yaml"
 

@@ -7,8 +7,9 @@ import math
 import pytest
 import torch
 
-from ops.serving.engine import SamplingParams, setup_engine
-from ops.serving.torch_engine import TorchEngine, sample_next, teacher_forced_logprobs
+from app.inference.engine import SamplingParams
+from serving.engine import setup_engine
+from serving.torch_engine import TorchEngine, sample_next, teacher_forced_logprobs
 
 PROMPTS = [[1, 5, 6, 7, 8, 9, 10, 11], [1, 100, 200], [1, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15]]
 
@@ -96,7 +97,7 @@ def test_moe_reports_routed_experts(tiny_moe_model_dir):
 
 
 def test_load_checkpoint_swaps_weights(engine, tmp_path):
-    from ops.serving.testing import build_tiny_model
+    from app.checkpoints.testing import build_tiny_model
 
     other = build_tiny_model(tmp_path / "other", seed=1)
     eng = TorchEngine(engine.model_dir, checkpoint_id="a")
@@ -108,8 +109,8 @@ def test_load_checkpoint_swaps_weights(engine, tmp_path):
 
 def test_apply_delta_serves_the_same_weights_as_a_full_load(tiny_model_dir, tmp_path):
     from app.core.errors import CheckpointError
-    from ops.serving.testing import build_tiny_model
-    from trainer.delta import serving_state_dict, write_delta
+    from app.checkpoints.testing import build_tiny_model
+    from app.checkpoints.delta import serving_state_dict, write_delta
 
     child_dir = tmp_path / "child"
     build_tiny_model(child_dir, seed=0)

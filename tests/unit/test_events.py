@@ -9,9 +9,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from app.core.errors import InvalidEventError
-from app.events.plausibility import MAX_VOCAB_SIZE
-from app.events import EVENT_CLASSES, decode_event, decode_event_payload, encode_event, event_json_schema
-from app.events.types import (ModelResponded, ModelRespondedEvent, SessionEnded, SessionEndedEvent,
+from producers.events.plausibility import MAX_VOCAB_SIZE
+from producers.events import EVENT_CLASSES, decode_event, decode_event_payload, encode_event, event_json_schema
+from producers.events.types import (ModelResponded, ModelRespondedEvent, SessionEnded, SessionEndedEvent,
                               ToolCall)
 
 

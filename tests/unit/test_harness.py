@@ -8,7 +8,7 @@ import torch
 from evals.harness.agent import AgentBudget, grade, run_agent_session
 from evals.harness.scripted import ScriptedPolicy, tool_call
 from evals.tasks.model import HIDDEN_RUNNER, Task, hidden_runner
-from ops.serving.engine import SamplingParams
+from app.inference.engine import SamplingParams
 
 TASK = Task(
     id="toy/add", source="toy", split="train", request="Implement add(a, b) in solution.py.",
@@ -131,7 +131,7 @@ def test_wrong_solution_fails_the_hidden_tests(tokenizer, tmp_path):
 
 
 def test_real_engine_logprobs_in_events_match_the_reconstructed_sequence(tiny_model_dir, tmp_path):
-    from ops.serving.torch_engine import TorchEngine, teacher_forced_logprobs
+    from serving.torch_engine import TorchEngine, teacher_forced_logprobs
 
     engine = TorchEngine(tiny_model_dir, checkpoint_id="tiny")
     result = run_agent_session(engine, TASK, tmp_path / "repo", AgentBudget(max_turns=2, max_tokens_per_turn=12),

@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from app.core.errors import InfrastructureError
-from ops.serving.engine import SamplingParams
-from ops.serving.openai_engine import OpenAICompatEngine, sampling_routes
-from ops.serving.torch_engine import TorchEngine
+from app.inference.engine import SamplingParams
+from serving.openai_engine import OpenAICompatEngine, sampling_routes
+from serving.torch_engine import TorchEngine
 
 PROMPT = [1] + list(range(300, 320))
 

@@ -9,8 +9,8 @@ import time
 import pytest
 
 from app.core.errors import InvalidEventError
-from app.events import decode_event
-from app.events.types import EditAccepted, EditAcceptedEvent, EventBase
+from producers.events import decode_event
+from producers.events.types import EditAccepted, EditAcceptedEvent, EventBase
 from producers.producer import EventProducer
 from producers.spool import Spool
 
@@ -22,7 +22,7 @@ def _event(i: int, session: str = "s1") -> EditAcceptedEvent:
 @pytest.fixture
 def dead_bootstrap() -> str:
     """An address where nothing listens: every connection is refused."""
-    from ops.stack import free_port
+    from app.core.net import free_port
 
     return f"127.0.0.1:{free_port()}"
 
@@ -79,7 +79,7 @@ def test_invalid_events_raise_value_error_and_are_counted(producer_factory, even
 def test_oversized_and_abstract_events_are_rejected(producer_factory):
     producer = producer_factory(max_event_bytes=2048)
     big = EditAcceptedEvent(session_id="s", user_id="u", payload=EditAccepted(edit_id="e" * 128))
-    from app.events.types import FollowupSent, FollowupSentEvent
+    from producers.events.types import FollowupSent, FollowupSentEvent
 
     with pytest.raises(ValueError, match="bytes"):
         producer.emit(FollowupSentEvent(session_id="s", user_id="u", payload=FollowupSent(text="x" * 4000)))
@@ -221,7 +221,7 @@ def test_a_spool_at_its_bound_drops_new_events_loudly_and_keeps_the_older_ones(p
 def _spooled_record(event: EventBase):
     """The spool record ``emit`` writes for ``event``."""
     from app.core.telemetry import inject_headers
-    from app.events import encode_event
+    from producers.events import encode_event
     from producers.spool import Record
 
     headers = inject_headers([("event-type", event.type.encode())])

@@ -11,8 +11,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from app.events.packing import unpack_floats, unpack_ints
-from app.events.types import (ContextSummarized, ContextSummarizedEvent, EditAccepted, EditAcceptedEvent,
+from producers.events.packing import unpack_floats, unpack_ints
+from producers.events.types import (ContextSummarized, ContextSummarizedEvent, EditAccepted, EditAcceptedEvent,
                               EditPersistenceMeasured, EditPersistenceMeasuredEvent, ModelResponded,
                               ModelRespondedEvent, SessionEnded, SessionEndedEvent, SessionStarted,
                               SessionStartedEvent, ToolCall, ToolExecuted, ToolExecutedEvent)
@@ -194,7 +194,7 @@ def test_folding_in_batches_equals_folding_at_once(seed, cuts, out_of_order):
 
 
 def test_packed_arrays_keep_the_wire_bytes_and_read_as_sequences():
-    from app.events.packing import LogProbArray, TokenArray
+    from producers.events.packing import LogProbArray, TokenArray
 
     ids, lps = (0, 49_151, 2**31 - 1), (-0.1, -3.25, 0.0)
     t, lp = TokenArray.of(ids), LogProbArray.of(lps)

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from ops.serving.engine import SamplingParams
-from ops.serving.torch_engine import TorchEngine
+from app.inference.engine import SamplingParams
+from serving.torch_engine import TorchEngine
 from trainer.batching import pack_micro_batches
 from trainer.config import TrainerConfig
 from trainer.router_replay import moe_routers, replay_routes

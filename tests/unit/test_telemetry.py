@@ -46,9 +46,9 @@ def test_producer_exports_opentelemetry_counters(tmp_path):
         from opentelemetry.sdk.metrics.export import InMemoryMetricReader
         reader = InMemoryMetricReader()
         metrics.set_meter_provider(MeterProvider(metric_readers=[reader]))
-        from ops.stack import free_port
+        from app.core.net import free_port
         from producers.producer import EventProducer
-        from app.events.types import EditAccepted, EditAcceptedEvent
+        from producers.events.types import EditAccepted, EditAcceptedEvent
         p = EventProducer(f"127.0.0.1:{{free_port()}}", "t", spool_dir=__import__("pathlib").Path({str(tmp_path)!r}),
                           connect_timeout_s=0.5)
         for i in range(3):

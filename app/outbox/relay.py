@@ -1,0 +1,199 @@
+"""The outbox relay: publishes ``outbox`` rows to their Kafka topics, in id order, and marks them sent.
+
+Delivery contract (at-least-once + dedupe = exactly-once effect):
+
+- One relay publishes at a time (``pg_try_advisory_xact_lock``; a second relay finds it taken and
+  returns), so messages leave in ``outbox.id`` order. Rows are claimed with
+  ``SELECT ... FOR UPDATE SKIP LOCKED ORDER BY id``.
+- A batch is sent, the broker's acknowledgement awaited (``acks=all``), and only then ``sent_at`` set,
+  in the same transaction that claimed the rows. The idempotent producer
+  (``enable_idempotence``, kafka-python >= 2.1) removes duplicates from its own retries.
+- A crash between the acknowledgement and the commit leaves the rows unsent, so the next run
+  publishes them again: the broker may hold a message twice. Every message therefore carries a
+  stable identity fixed when the row was written — the ``event_id`` field of its JSON value (UUIDv7)
+  and the ``event-id`` / ``outbox-id`` headers — and consumers dedupe on it
+  (``serving/watcher.py`` does). Kafka transactions could not help here: the mark lives in
+  Postgres, not in Kafka.
+- Order is ``outbox.id`` order among committed rows. Ids are drawn at insert, so a long transaction
+  can commit a lower id after a higher one was published; writers that need a strict order
+  serialise themselves (production changes hold an advisory lock while they write), and consumers
+  order by the ``outbox_id`` of those messages, not by arrival.
+- If the broker refuses a message, the acknowledged prefix of the batch is still marked and the
+  relay raises :class:`InfrastructureError` (the loop backs off; the Celery task retries).
+
+This module imports SQLAlchemy; the producer SDK (``producers``) never imports it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable
+from datetime import datetime, timezone
+from types import TracebackType
+
+from sqlalchemy import func, select, update
+
+from app.core.db import session_scope
+from app.core.errors import InfrastructureError
+from app.core.retry import Backoff
+from app.core.settings import get_settings
+from app.core.telemetry import tracer
+from app.models import Outbox
+from app.core.locks import AdvisoryLock
+
+log = logging.getLogger("flywheel.relay")
+
+
+
+def outbox_message(row: Outbox) -> tuple[bytes | None, bytes, list[tuple[str, bytes]]]:
+    """Key, value and headers of the Kafka message for an outbox row (deterministic per row, so a
+    re-publish is byte-identical)."""
+    payload = {**row.payload, "outbox_id": row.id}
+    value = json.dumps(payload, sort_keys=True, separators=(",", ":"), default=str).encode()
+    headers = [(str(k), str(v).encode()) for k, v in (row.headers or [])]
+    headers += [("event-type", row.event_type.encode()), ("outbox-id", str(row.id).encode())]
+    if row.payload.get("event_id"):
+        headers.append(("event-id", str(row.payload["event_id"]).encode()))
+    return (row.key.encode() if row.key is not None else None), value, headers
+
+
+class OutboxRelay:
+    """Publishes pending outbox rows (see module docstring).
+
+    Args:
+        bootstrap: ``host:port`` list; default ``FLYWHEEL_KAFKA_BOOTSTRAP``.
+        batch_size: rows claimed per transaction.
+        ack_timeout_s: seconds to wait for the broker's acknowledgement of a batch.
+        after_publish: test hook called with the acknowledged row ids before they are marked
+            (raising there simulates a crash between publish and mark).
+    """
+
+    def __init__(self, bootstrap: str | None = None, *, batch_size: int = 100, ack_timeout_s: float = 30.0,
+                 after_publish: Callable[[list[int]], None] | None = None) -> None:
+        self.bootstrap = bootstrap or get_settings().kafka.bootstrap
+        if not self.bootstrap:
+            raise InfrastructureError("no broker configured: set FLYWHEEL_KAFKA_BOOTSTRAP or run `flywheel stack up`")
+        self.batch_size = batch_size
+        self.ack_timeout_s = ack_timeout_s
+        self.after_publish = after_publish
+        self._producer = None
+        self._stop = threading.Event()
+        self.published = 0
+
+    def _kafka(self):
+        if self._producer is None:
+            from kafka import KafkaProducer
+
+            self._producer = KafkaProducer(
+                bootstrap_servers=self.bootstrap, acks="all", enable_idempotence=True, retries=5,
+                max_in_flight_requests_per_connection=1, linger_ms=0, client_id="flywheel-outbox-relay")
+        return self._producer
+
+    def relay_batch(self) -> int:
+        """Claim, publish and mark at most ``batch_size`` rows in one transaction. Returns rows marked
+        sent (0 when nothing is pending or another relay holds the lock).
+
+        Raises:
+            InfrastructureError: the broker refused or did not acknowledge a message (the
+                acknowledged prefix is still marked).
+        """
+        from kafka.errors import KafkaError
+
+        failure: Exception | None = None
+        with tracer(__name__).start_as_current_span("outbox.relay_batch"), session_scope() as session:
+            if not session.scalar(select(func.pg_try_advisory_xact_lock(AdvisoryLock.RELAY))):
+                return 0
+            rows = list(session.scalars(
+                select(Outbox).where(Outbox.sent_at.is_(None)).order_by(Outbox.id)
+                .limit(self.batch_size).with_for_update(skip_locked=True)))
+            if not rows:
+                return 0
+            producer = self._kafka()
+            futures = []
+            for row in rows:
+                key, value, headers = outbox_message(row)
+                futures.append((row.id, producer.send(row.topic, key=key, value=value, headers=headers)))
+            producer.flush(timeout=self.ack_timeout_s)
+            acked: list[int] = []
+            for row_id, fut in futures:
+                try:
+                    fut.get(timeout=self.ack_timeout_s)
+                except KafkaError as exc:  # stop at the first refusal: later rows must not overtake it
+                    failure = exc
+                    break
+                acked.append(row_id)
+            if self.after_publish is not None:
+                self.after_publish(acked)
+            if acked:
+                session.execute(update(Outbox).where(Outbox.id.in_(acked))
+                                .values(sent_at=datetime.now(timezone.utc)))
+        self.published += len(acked)
+        if failure is not None:
+            raise InfrastructureError(f"broker refused outbox row {futures[len(acked)][0]}: {failure}")
+        return len(acked)
+
+    def relay_pending(self, max_batches: int = 1000) -> int:
+        """Publish until nothing is pending (at most ``max_batches`` batches). Returns rows published."""
+        total = 0
+        for _ in range(max_batches):
+            n = self.relay_batch()
+            total += n
+            if n < self.batch_size:
+                break
+        return total
+
+    def run_forever(self, interval_s: float = 2.0, max_backoff_s: float = 30.0) -> None:
+        """Poll every ``interval_s`` seconds until :meth:`stop` (or SIGTERM/SIGINT in the main thread);
+        back off exponentially while the broker or database is unreachable."""
+        import signal
+
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, lambda *_: self.stop())
+        backoff = Backoff(max_s=max_backoff_s, initial=interval_s)
+        while not self._stop.is_set():
+            try:
+                n = self.relay_pending()
+                if n:
+                    log.info("published %d outbox message(s)", n)
+                backoff.reset()
+                wait_s = interval_s
+            except Exception as exc:  # retry at this boundary: broker or database down for a while
+                wait_s = backoff.next()
+                log.warning("outbox relay failed (%s); retrying in %.1fs", exc, wait_s)
+            self._stop.wait(wait_s)
+
+    def stop(self) -> None:
+        """Ask :meth:`run_forever` to return after the current batch."""
+        self._stop.set()
+
+    def close(self) -> None:
+        """Flush and close the Kafka producer."""
+        if self._producer is not None:
+            self._producer.close(timeout=10)
+            self._producer = None
+
+    def __enter__(self) -> "OutboxRelay":
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close()
+
+
+def pending_count() -> int:
+    """Outbox rows not yet marked sent."""
+    with session_scope() as session:
+        return session.scalar(select(func.count()).select_from(Outbox).where(Outbox.sent_at.is_(None))) or 0
+
+
+def wait_until_sent(timeout_s: float = 10.0, poll_s: float = 0.1) -> bool:
+    """Whether the outbox drained within ``timeout_s`` seconds (for scripts and tests)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if pending_count() == 0:
+            return True
+        time.sleep(poll_s)
+    return False

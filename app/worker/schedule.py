@@ -1,0 +1,55 @@
+"""The Celery beat schedule, built from settings.
+
+Invariant: beat only schedules tasks whose module is installed (a task name nobody registered
+would pile up as "unregistered task" errors), and every periodic message expires after a few of
+its periods, so a stopped worker does not come back to a backlog of stale runs.
+
+| entry | task | every |
+|---|---|---|
+| train | ``flywheel.trainer.run_cycle`` | ``FLYWHEEL_TRAIN_INTERVAL`` s (5 h) |
+| scan-candidates | ``flywheel.evals.scan_candidates`` | ``FLYWHEEL_EVAL_SCAN_INTERVAL`` s |
+| relay-outbox | ``flywheel.outbox.relay`` | ``FLYWHEEL_OUTBOX_INTERVAL`` s |
+| purge-broker-messages | ``flywheel.ops.purge_broker_messages`` | hourly, SQL broker only |
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import Any
+
+from app.core.settings import Settings, get_settings
+
+# task name -> module that registers it
+TASK_MODULES: dict[str, str] = {
+    "flywheel.trainer.run_cycle": "trainer.tasks",
+    "flywheel.evals.scan_candidates": "evals.automation",
+    "flywheel.outbox.relay": "app.outbox.tasks",
+    "flywheel.ops.purge_broker_messages": "ops.tasks",
+}
+
+BROKER_PURGE_INTERVAL_S = 3600.0
+
+
+def module_available(name: str) -> bool:
+    """Whether ``name`` can be imported (found without importing it)."""
+    try:
+        return importlib.util.find_spec(name) is not None
+    except ModuleNotFoundError:
+        return False
+
+
+def beat_schedule(settings: Settings | None = None) -> dict[str, dict[str, Any]]:
+    """Celery ``beat_schedule``: entry name -> ``{"task", "schedule" (seconds), "options"}``."""
+    c = (settings or get_settings()).celery
+    entries = {
+        "train": ("flywheel.trainer.run_cycle", c.train_interval),
+        "scan-candidates": ("flywheel.evals.scan_candidates", c.eval_scan_interval),
+        "relay-outbox": ("flywheel.outbox.relay", c.outbox_interval),
+    }
+    if not c.redis_url:  # kombu's SQL transport keeps delivered rows: trim them
+        entries["purge-broker-messages"] = ("flywheel.ops.purge_broker_messages", BROKER_PURGE_INTERVAL_S)
+    return {
+        name: {"task": task, "schedule": float(every), "options": {"expires": max(5 * float(every), 10.0)}}
+        for name, (task, every) in entries.items()
+        if module_available(TASK_MODULES[task])
+    }

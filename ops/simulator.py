@@ -1,0 +1,382 @@
+"""The editor simulator: plays the product backend and its developers (``flywheel simulate``).
+
+It runs agent sessions with the production checkpoint on training-split tasks through the SAME
+harness evals use, and sends every event through ``EventProducer`` with the real token ids and
+behaviour log-probs. After each session a simulated developer reacts to what it can see
+(:class:`DeveloperModel`, seeded): whether the edited file passes a visible check (it parses and
+defines the requested function), and whether the task's hidden tests pass (what the developer
+finds out by using the code). Acceptance, edit persistence and dissatisfied follow-ups are drawn
+from those outcomes with the model's probabilities; serving latency is modelled from the engine's
+own measured per-token prefill and decode times, so it follows the tokens the policy spent and not
+the load of a shared CPU.
+
+Invariants: ``session.ended.expected_signals`` lists exactly the late events that will follow
+(one entry per event), and those are emitted (the run waits for the last delay before closing
+the producer). Sessions on one task form a group (``group_size``, the trainer's GRPO groups); all
+sessions run concurrently (at most ``concurrency`` in flight), so one engine batches every
+session's model calls.
+"""
+
+from __future__ import annotations
+
+import heapq
+import logging
+import math
+import random
+import shutil
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from datetime import datetime, timezone
+from pathlib import Path
+
+from opentelemetry import context as otel_context
+from pydantic import BaseModel, ConfigDict, Field
+
+from app.core.telemetry import tracer
+
+from producers.events.types import (
+    EditAccepted, EditAcceptedEvent, EditPersistenceMeasured, EditPersistenceMeasuredEvent, EditRejected,
+    EditRejectedEvent, EventBase, FollowupSent, FollowupSentEvent,
+)
+
+log = logging.getLogger(__name__)
+_tracer = tracer("flywheel.producers.simulator")
+
+FOLLOWUPS = ("This doesn't work, the tests still fail.", "That broke it. Please redo this.",
+             "No, that's not what I asked for.")
+
+
+class DeveloperModel(BaseModel):
+    """How a simulated developer reacts to a session's outcome (the noise model, seeded per session).
+
+    Outcomes, from what the developer can see:
+
+    - ``works``: the hidden tests pass on the session's final repository;
+    - ``looks_right``: the main file passes the visible check (parses, defines the entry point);
+    - ``broken``: an edit was made but fails the visible check; ``no_edit``: nothing to accept.
+
+    Per edit: accept with ``accept[outcome]``, else reject. An accepted edit's measured persistence
+    is the share of its added lines still in the file at the end of the session times a factor
+    drawn uniformly from ``keep_if_works`` when the code works (the developer keeps it) or from
+    ``keep_if_fails`` when it does not (the developer rewrites most of it). A dissatisfied
+    follow-up is sent with ``followup[outcome]``.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    accept_if_works: float = Field(default=0.95, ge=0.0, le=1.0)
+    """P(accept) when the hidden tests pass."""
+    accept_if_looks_right: float = Field(default=0.5, ge=0.0, le=1.0)
+    """P(accept) when the visible check passes but the hidden tests fail."""
+    accept_if_broken: float = Field(default=0.05, ge=0.0, le=1.0)
+    """P(accept) when the edited code fails the visible check."""
+    keep_if_works: tuple[float, float] = (0.85, 1.0)
+    """Range of the persisted share of an accepted edit whose code works."""
+    keep_if_fails: tuple[float, float] = (0.0, 0.3)
+    """Range of the persisted share of an accepted edit whose code fails the hidden tests."""
+    followup_if_works: float = Field(default=0.05, ge=0.0, le=1.0)
+    """P(dissatisfied follow-up) after a session whose code works (a developer who wanted more)."""
+    followup_if_fails: float = Field(default=0.7, ge=0.0, le=1.0)
+    """P(dissatisfied follow-up) after a session that edited code failing the hidden tests."""
+    followup_if_no_edit: float = Field(default=0.7, ge=0.0, le=1.0)
+    """P(dissatisfied follow-up) after a session that changed nothing."""
+
+    def accept_probability(self, outcome: str) -> float:
+        """P(accept) of an edit given the session's outcome (``works`` | ``looks_right`` | ``broken``)."""
+        return {"works": self.accept_if_works, "looks_right": self.accept_if_looks_right,
+                "broken": self.accept_if_broken}[outcome]
+
+    def followup_probability(self, outcome: str) -> float:
+        """P(dissatisfied follow-up) given the outcome (``no_edit`` too)."""
+        return {"works": self.followup_if_works, "looks_right": self.followup_if_fails,
+                "broken": self.followup_if_fails, "no_edit": self.followup_if_no_edit}[outcome]
+
+
+class SimulatorConfig(BaseModel):
+    """Settings of one simulator run (the CLI flags)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    sessions: int = Field(default=8, ge=1)
+    """Agent sessions to run."""
+    tasks: int | None = Field(default=None, ge=1)
+    """Distinct tasks (default: sessions / group_size, rounded up)."""
+    group_size: int = Field(default=4, ge=1)
+    """Sessions per task (the trainer's groups)."""
+    concurrency: int = Field(default=64, ge=1)
+    """Sessions in flight at once (their model calls batch together in the engine)."""
+    source: str = "dataframebench"
+    """Task source (training split only)."""
+    split: str = "train"
+    """Split of the source; never an eval split."""
+    max_turns: int = Field(default=6, ge=1)
+    """Model turns per session."""
+    max_tokens: int = Field(default=1024, ge=16)
+    """Completion tokens per session."""
+    max_tokens_per_turn: int = Field(default=256, ge=8)
+    """Completion tokens per turn."""
+    context_tokens: int = Field(default=3072, ge=256)
+    """Context kept before self-summarization (tokens)."""
+    temperature: float = Field(default=0.7, ge=0.0)
+    """Sampling temperature of the behaviour policy (recorded log-probs are of this distribution).
+    Keep it equal to the trainer's ``loss.temperature`` (trainer/configs/default.toml): the trainer
+    evaluates ``softmax(logits / T)`` against these log-probs."""
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    """Nucleus mass."""
+    privacy_rate: float = Field(default=0.1, ge=0.0, le=1.0)
+    """Share of sessions in privacy mode."""
+    developer: DeveloperModel = DeveloperModel()
+    """How the simulated developers react to outcomes."""
+    persistence_delay_s: float = Field(default=5.0, ge=0.0)
+    """Seconds between acceptance and ``edit.persistence_measured``."""
+    followup_delay_s: float = Field(default=2.0, ge=0.0)
+    """Seconds between the end of a session and its follow-up."""
+    users: int = Field(default=16, ge=1)
+    """Distinct pseudonymous users."""
+    org_id: str = "default"
+    """Organisation of every session."""
+    seed: int = 0
+    """Seeds task choice, users, privacy, developer reactions and sampling."""
+    run_timeout_s: float = Field(default=60.0, gt=0)
+    """Wall-clock limit of one ``run`` tool call and of the hidden tests (seconds)."""
+
+
+def visible_check(task, final_files: dict[str, str]) -> bool:
+    """What the developer sees without running anything: the task's main file parses and defines
+    its entry point (any function when the task names none)."""
+    import ast
+
+    from evals.harness.apply import apply_target
+
+    target = apply_target(task.files)
+    if target is None or target not in final_files:
+        return False
+    try:
+        tree = ast.parse(final_files[target])
+    except (SyntaxError, ValueError):
+        return False
+    names = {n.name for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
+    entry = task.metadata.get("entry_point")
+    return entry in names if entry else bool(names)
+
+
+class DeveloperReaction:
+    """What the simulated developer does after one session; builds the late events."""
+
+    def __init__(self, config: SimulatorConfig, rng: random.Random, task, workdir: Path, envelope: dict,
+                 emit: Callable[[EventBase], None], schedule: Callable[[float, EventBase], None]) -> None:
+        self.config, self.rng, self.task, self.workdir = config, rng, task, workdir
+        self.envelope, self.emit, self.schedule = envelope, emit, schedule
+        self.passed: bool | None = None
+        self.outcome = "no_edit"
+        self.grade_detail: dict | None = None
+        self.accepted = self.rejected = 0
+
+    def __call__(self, result) -> list[str]:
+        """``on_end`` hook: grade, accept/reject edits now, schedule late signals, return their types."""
+        from evals.harness.agent import grade_result
+        from evals.harness.sandbox import SandboxLimits
+
+        dev = self.config.developer
+        self.passed = False
+        if result.edited:
+            graded = grade_result(self.task, self.workdir, SandboxLimits(timeout_s=self.config.run_timeout_s))
+            self.passed = graded.ok
+            self.grade_detail = {"exit_code": graded.exit_code, "killed_reason": graded.killed_reason,
+                                 "duration_s": round(graded.duration_s, 2), "tail": graded.stderr[-300:]}
+            self.outcome = ("works" if graded.ok else
+                            "looks_right" if visible_check(self.task, result.final_files) else "broken")
+        expected: list[str] = []
+        final = result.final_files
+        keep = dev.keep_if_works if self.outcome == "works" else dev.keep_if_fails
+        for edit in result.edits:
+            if self.rng.random() >= dev.accept_probability(self.outcome):
+                self.rejected += 1
+                self.emit(EditRejectedEvent(**self.envelope, payload=EditRejected(edit_id=edit["edit_id"])))
+                continue
+            self.accepted += 1
+            self.emit(EditAcceptedEvent(**self.envelope, payload=EditAccepted(edit_id=edit["edit_id"])))
+            fraction = surviving_fraction(edit, final.get(edit["path"], "")) * self.rng.uniform(*keep)
+            delay = self.config.persistence_delay_s
+            self.schedule(delay, EditPersistenceMeasuredEvent(**self.envelope, payload=EditPersistenceMeasured(
+                edit_id=edit["edit_id"], fraction_persisted=round(min(max(fraction, 0.0), 1.0), 4), delay_s=delay)))
+            expected.append("edit.persistence_measured")
+        if self.rng.random() < dev.followup_probability(self.outcome):
+            self.schedule(self.config.followup_delay_s, FollowupSentEvent(**self.envelope, payload=FollowupSent(
+                text=self.rng.choice(FOLLOWUPS), dissatisfied=True)))
+            expected.append("followup.sent")
+        return expected
+
+
+def surviving_fraction(edit: dict, final_text: str) -> float:
+    """Share of the edit's added lines still present in the file at the end of the session."""
+    added = [ln for ln in edit.get("added", []) if ln.strip()]
+    if not added:
+        return 1.0
+    remaining = set(final_text.splitlines())
+    return sum(1 for ln in added if ln in remaining) / len(added)
+
+
+class LateEvents:
+    """Late signals due at a wall-clock time, emitted by the simulator loop as they fall due."""
+
+    def __init__(self, emit: Callable[[EventBase], None]) -> None:
+        self._emit, self._heap, self._lock, self._n = emit, [], threading.Lock(), 0
+
+    def schedule(self, delay_s: float, event: EventBase) -> None:
+        """Emit ``event`` after ``delay_s`` seconds, inside the trace context current now (the
+        session's span), so a session's late signals join its trace."""
+        ctx = otel_context.get_current()
+        with self._lock:
+            self._n += 1
+            heapq.heappush(self._heap, (time.monotonic() + delay_s, self._n, event, ctx))
+
+    def emit_due(self, *, wait_all: bool = False) -> int:
+        """Emit events that are due (all of them, sleeping as needed, when ``wait_all``)."""
+        sent = 0
+        while True:
+            with self._lock:
+                if not self._heap:
+                    return sent
+                due, _, event, ctx = self._heap[0]
+                now = time.monotonic()
+                if due > now and not wait_all:
+                    return sent
+                if due <= now:
+                    heapq.heappop(self._heap)
+            if due > now:
+                time.sleep(min(due - now, 1.0))
+                continue
+            # The event's occurred_at is its emission time (the measurement happens now).
+            token = otel_context.attach(ctx)
+            try:
+                self._emit(event.model_copy(update={"occurred_at": datetime.now(timezone.utc)}))
+            finally:
+                otel_context.detach(token)
+            sent += 1
+
+
+class ModelledLatency:
+    """An engine wrapper whose generations report modelled serving latency instead of wall time.
+
+    ``latency_s = prefill_tokens * prefill_s_per_token + len(token_ids) * decode_s_per_token``,
+    with the per-token seconds the engine measured on itself unloaded (``TorchEngine`` measures them
+    at load). On a shared CPU the wall time of a batched request mostly measures the other requests
+    and the machine's load; the modelled figure follows only what this policy did (how much it read
+    and wrote). An engine that measures neither (a remote server) keeps its wall-clock latency.
+    """
+
+    def __init__(self, engine) -> None:
+        self.engine = engine
+        self.decode_s = getattr(engine, "decode_s_per_token", None)
+        self.prefill_s = getattr(engine, "prefill_s_per_token", None) or 0.0
+
+    def __getattr__(self, name: str):
+        return getattr(self.engine, name)
+
+    def generate(self, prompts: list[list[int]], params) -> list:
+        """The wrapped engine's generations with ``latency_s`` modelled (seconds)."""
+        out = self.engine.generate(prompts, params)
+        if self.decode_s is None:
+            return out
+        for prompt, gen in zip(prompts, out):
+            prefill = getattr(gen, "prefill_tokens", 0) or len(prompt)
+            gen.latency_s = prefill * self.prefill_s + len(gen.token_ids) * self.decode_s
+        return out
+
+
+def run_simulation(config: SimulatorConfig, engine, emit: Callable[[EventBase], None],
+                   progress: Callable[[dict], None] | None = None,
+                   engine_for: Callable[[str], object] | None = None) -> list[dict]:
+    """Run ``config.sessions`` sessions, at most ``config.concurrency`` at once; returns one summary
+    dict per session, ordered by session index. ``engine_for(user_id)`` picks the engine that serves
+    a user's sessions (a canary's sticky arms, ``serving.canary.EngineRouter.engine_for``);
+    default ``engine`` for everyone. Each engine batches only its own sessions' sequences.
+
+    Raises:
+        ConfigurationError: an eval-only split or unknown source.
+    """
+    from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
+
+    from app.core.errors import ConfigurationError
+    from evals.harness.agent import AgentBudget, run_agent_session
+    from evals.harness.sandbox import SandboxLimits
+    from evals.tasks import load_tasks
+    from app.inference.engine import SamplingParams
+
+    if config.split != "train":
+        raise ConfigurationError(f"the simulator plays product sessions on training tasks only (got split "
+                                 f"{config.split!r}); eval splits never reach the event stream")
+    rng = random.Random(config.seed)
+    n_tasks = config.tasks or math.ceil(config.sessions / config.group_size)
+    tasks = load_tasks(config.source, config.split, limit=n_tasks, seed=config.seed)
+    plan = [tasks[(i // config.group_size) % len(tasks)] for i in range(config.sessions)]
+    late = LateEvents(emit)
+    budget = AgentBudget(max_turns=config.max_turns, max_completion_tokens=config.max_tokens,
+                         context_tokens=config.context_tokens, max_tokens_per_turn=config.max_tokens_per_turn)
+    limits = SandboxLimits(timeout_s=config.run_timeout_s)
+    served: dict[int, ModelledLatency] = {}
+
+    def engine_of(user_id: str) -> ModelledLatency:
+        chosen = engine_for(user_id) if engine_for is not None else engine
+        return served.setdefault(id(chosen), ModelledLatency(chosen))
+
+    specs = []
+    for i, task in enumerate(plan):
+        user_id = f"user-{rng.randrange(config.users):03d}"
+        specs.append(dict(index=i, task=task, session_id=f"sim-{uuid.uuid4()}", user_id=user_id,
+                          privacy=rng.random() < config.privacy_rate, rng=random.Random(rng.random()),
+                          seed=config.seed * 100_003 + i, engine=engine_of(user_id)))
+    root = Path(tempfile.mkdtemp(prefix="flywheel-sim-"))
+
+    def one(spec: dict) -> dict:
+        workdir = root / spec["session_id"]
+        envelope = dict(session_id=spec["session_id"], user_id=spec["user_id"], org_id=config.org_id,
+                        privacy_mode=spec["privacy"])
+        dev = DeveloperReaction(config, spec["rng"], spec["task"], workdir, envelope, emit, late.schedule)
+        started = time.perf_counter()
+        # One trace per session: the producer injects this span's context into every event's
+        # headers, and the consumer links its batch spans to it.
+        with _tracer.start_as_current_span("simulator.session", attributes={
+                "flywheel.session_id": spec["session_id"], "flywheel.task_id": spec["task"].id}):
+            try:
+                result = run_agent_session(
+                    spec["engine"], spec["task"], workdir, budget,
+                    SamplingParams(max_tokens=config.max_tokens_per_turn, temperature=config.temperature,
+                                   top_p=config.top_p, seed=spec["seed"]),
+                    emit=emit, session_id=spec["session_id"], user_id=spec["user_id"], org_id=config.org_id,
+                    privacy_mode=spec["privacy"], limits=limits, on_end=dev)
+                return {"session": spec["index"], "session_id": spec["session_id"], "task_id": spec["task"].id,
+                        "user_id": spec["user_id"], "checkpoint_id": spec["engine"].checkpoint_id,
+                        "reason": result.reason, "turns": result.turns,
+                        "segments": result.segments, "completion_tokens": result.completion_tokens,
+                        "latency_s": round(result.latency_s, 3), "tool_calls": result.tool_calls,
+                        "tool_call_errors": result.tool_call_errors, "edited": result.edited,
+                        "outcome": dev.outcome, "passed": dev.passed, "accepted": dev.accepted,
+                        "rejected": dev.rejected, "grade": dev.grade_detail, "privacy_mode": spec["privacy"],
+                        "wall_s": round(time.perf_counter() - started, 1)}
+            except Exception as exc:  # one broken session must not stop the others (it emitted its end)
+                log.exception("session %s failed", spec["session_id"])
+                return {"session": spec["index"], "session_id": spec["session_id"], "error": repr(exc)}
+            finally:
+                shutil.rmtree(workdir, ignore_errors=True)
+
+    summaries: list[dict] = []
+    try:
+        with ThreadPoolExecutor(max_workers=min(config.concurrency, len(specs)),
+                                thread_name_prefix="session") as pool:
+            pending = {pool.submit(one, spec) for spec in specs}
+            while pending:
+                finished, pending = wait(pending, timeout=0.5, return_when=FIRST_COMPLETED)
+                for fut in finished:
+                    summaries.append(fut.result())
+                    if progress:
+                        progress(summaries[-1])
+                late.emit_due()
+        late.emit_due(wait_all=True)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    return sorted(summaries, key=lambda s: s["session"])

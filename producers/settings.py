@@ -1,0 +1,56 @@
+"""Settings the producer SDK reads: where local state lives and the Kafka-protocol broker, under the
+``FLYWHEEL_`` env prefix. Resolution order (highest first): explicit environment variables, then
+the local stack's ``$FLYWHEEL_HOME/stack.env`` written by ``flywheel stack up``, then the defaults
+below. The service's settings (:mod:`app.core.settings`) build on the same classes."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+def flywheel_home() -> Path:
+    """The directory that holds local state (embedded stack data, checkpoints, reports).
+
+    ``FLYWHEEL_HOME`` if set, else ``.flywheel`` under the current working directory.
+    """
+    return Path(os.environ.get("FLYWHEEL_HOME", ".flywheel")).resolve()
+
+
+def _env_files() -> tuple[Path, ...]:
+    return (flywheel_home() / "stack.env",)
+
+
+class EnvSettings(BaseSettings):
+    """Settings read from the environment, then ``$FLYWHEEL_HOME/stack.env`` (the local stack's)."""
+
+    model_config = SettingsConfigDict(env_file_encoding="utf-8", extra="ignore")
+
+    @classmethod
+    def load(cls):
+        """Build from the environment and the local stack's env file, if present."""
+        return cls(_env_file=_env_files())  # type: ignore[call-arg]
+
+
+class KafkaSettings(EnvSettings):
+    """Kafka-protocol broker and the topics flywheel uses."""
+
+    model_config = SettingsConfigDict(env_prefix="FLYWHEEL_KAFKA_", extra="ignore")
+    bootstrap: str | None = Field(default=None, description="host:port[,host:port]")
+    interactions_topic: str = "editor.interactions"
+    dlq_topic: str = "editor.interactions.dlq"
+    lifecycle_topic: str = "flywheel.lifecycle"
+    partitions: int = Field(
+        default=8, ge=1,
+        description="partitions of the interactions topic, created with it: at most this many consumer processes "
+                    "share the load, and two per process even out uneven session keys (bench/ingest.py, 4 "
+                    "processes on 2 cores: 8 partitions ~5% faster than 4)")
+    consumer_group: str = "flywheel-ingest"
+    max_event_bytes: int = Field(default=1_048_576, ge=1024, description="larger events are dead-lettered (bytes)")
+    spool_max_bytes: int = Field(
+        default=1 << 30, ge=1 << 20,
+        description="the producer's disk spool refuses new events past this many undelivered bytes (they are "
+                    "dropped, counted and reported) so a long broker outage cannot fill the disk")

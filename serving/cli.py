@@ -1,0 +1,76 @@
+"""``flywheel model init|register``, ``flywheel serve`` and ``flywheel watch``. Heavy imports stay inside commands."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+model_app = typer.Typer(no_args_is_help=True, help="Model checkpoints: materialize the base model, register folders.")
+
+
+@model_app.command("init")
+def model_init() -> None:
+    """Materialize SmolLM2-135M-Instruct (GGUF -> fp32 safetensors) as checkpoint `base`, production if none."""
+    from app.checkpoints.publish import init_base
+
+    path = init_base()
+    typer.echo(f"base -> {path}")
+
+
+@model_app.command("register")
+def model_register(
+    path: Path = typer.Argument(..., exists=True, file_okay=False, help="a Hugging Face causal-LM folder"),
+    checkpoint_id: str = typer.Option(None, "--id", help="checkpoint id (default: the folder name)"),
+    status: str = typer.Option("candidate", "--status", help="candidate | production (only if none) | ..."),
+) -> None:
+    """Copy a HF model folder into the checkpoint store and add its registry row."""
+    from app.checkpoints.publish import register_model
+
+    cid = checkpoint_id or path.resolve().name
+    final = register_model(path, cid, status, source=str(path.resolve().name))
+    typer.echo(f"{cid} -> {final}")
+
+
+def serve(
+    checkpoint: str = typer.Option(None, "--checkpoint", help="checkpoint id (default: production)"),
+    model_dir: Path = typer.Option(None, "--model-dir", help="serve this HF folder instead of a checkpoint"),
+    host: str = typer.Option("127.0.0.1", "--host"),
+    port: int = typer.Option(8001, "--port"),
+    threads: int = typer.Option(2, "--threads", help="torch CPU threads"),
+    max_seqs: int = typer.Option(64, "--max-seqs", help="most sequences decoded together"),
+    device: str = typer.Option(None, "--device", help="auto | cpu | cuda (default: FLYWHEEL_SERVING_DEVICE)"),
+) -> None:
+    """Serve the torch engine over vLLM's OpenAI-compatible HTTP subset (completions + weight reload)."""
+    import uvicorn
+
+    from app.core.settings import get_settings
+    from serving.engine import resolve_checkpoint
+    from serving.server import create_app
+    from serving.torch_engine import TorchEngine
+
+    cid, path = resolve_checkpoint(checkpoint, model_dir)
+    engine = TorchEngine(path, checkpoint_id=cid, num_threads=threads, max_seqs=max_seqs,
+                         device=device or get_settings().serving.device)
+    key = get_settings().serving.api_key
+    app = create_app(engine, api_key=key.get_secret_value() if key else None)
+    typer.echo(f"serving {cid} from {path} on http://{host}:{port}")
+    uvicorn.run(app, host=host, port=port, log_level="warning")
+
+
+def watch(once: bool = typer.Option(False, "--once", help="handle what is on the topic now, then exit")) -> None:
+    """Follow production: move the inference engine on checkpoint.promoted / rolled_back, start and
+    stop the canary engine on canary.started / stopped, and report both in $FLYWHEEL_HOME/serving.json."""
+    from app.core.telemetry import configure_service_logging, configure_telemetry
+    from serving.watcher import run_watch
+
+    configure_service_logging()
+    configure_telemetry("flywheel-watcher")
+    run_watch(once=once)
+
+
+def register(app: typer.Typer) -> None:
+    """Add ``model``, ``serve`` and ``watch`` to the main app."""
+    app.add_typer(model_app, name="model")
+    app.command("serve")(serve)
+    app.command("watch")(watch)

@@ -1,0 +1,225 @@
+"""HTTP client engine for an OpenAI-compatible server: vLLM in production, ``flywheel serve`` locally.
+
+Generation uses ``POST /v1/completions`` with the prompt as token ids, ``logprobs: 0`` (only the
+sampled token's log-prob), ``return_token_ids: true`` (vLLM >= 0.10.2: ``choices[i].token_ids``)
+and ``return_tokens_as_token_ids: true`` (``logprobs.tokens`` as ``"token_id:<id>"``, the fallback
+for older vLLM). Start vLLM with ``--logprobs-mode processed_logprobs`` so its log-probs follow the
+engine invariant (tempered, nucleus-renormalised), and ``--served-model-name`` of your choice.
+
+Weight reload uses vLLM's development endpoints (server started with ``VLLM_SERVER_DEV_MODE=1``):
+
+1. ``POST /collective_rpc {"method": "update_config", "args": [{"model_config": {"model": PATH}}]}``
+   points every worker's model config at the new checkpoint folder (PATH must be readable by the
+   server, e.g. a shared checkpoint volume);
+2. ``POST /collective_rpc {"method": "reload_weights"}`` reloads the weights in place (no restart,
+   the KV cache memory is kept);
+3. ``POST /reset_prefix_cache`` drops cached prefixes computed with the old weights.
+
+MoE routes: a vLLM server started with ``--enable-return-routed-experts`` (no per-request switch)
+adds ``choices[i].routed_experts`` (``[gen_len, moe_layers, top_k]``) and ``prompt_routed_experts``
+(``[prompt_len, ...]``; response-level, so only usable for a one-prompt request unless the server
+puts it in the choice), indexed by the position each token was *input* at. flywheel's
+:class:`Generation` indexes a completion token by the position whose output *sampled* it, one to
+the left (``serving.torch_engine``), so :func:`sampling_routes` shifts them: token 0 gets the
+last prompt position's experts, token ``i`` the experts of generated token ``i - 1``. Arrays
+arrive as nested JSON lists or base64 ``{"data", "shape", "dtype"}`` (prime-rl's encoding). A
+response without them (dense model, flag off, prompt routes missing) yields ``routed_experts=None``.
+
+vLLM cannot apply flywheel's bf16 weight delta itself, so against vLLM ``apply_delta`` reloads the
+full fp32 folder the delta lives in (every trained checkpoint has one) and ``applies_deltas`` is
+False, so the serving watcher plans (and reports) a full reload. ``flywheel serve`` implements the
+same endpoints (and the same request fields) plus ``collective_rpc`` method ``apply_delta``; it says
+so by naming a ``checkpoint_id`` in ``GET /v1/models``, and the client then sends deltas.
+"""
+
+from __future__ import annotations
+
+import base64
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+from tenacity import retry, retry_if_exception_type, stop_after_attempt, wait_exponential
+
+from app.core.errors import CheckpointError, InfrastructureError
+from app.inference.engine import Generation, InferenceEngine, SamplingParams
+
+_RETRY = dict(retry=retry_if_exception_type(httpx.TransportError), stop=stop_after_attempt(4),
+              wait=wait_exponential(multiplier=0.5, max=8), reraise=True)
+
+
+def _token_ids(choice: dict[str, Any]) -> list[int]:
+    if choice.get("token_ids") is not None:
+        return [int(t) for t in choice["token_ids"]]
+    tokens = (choice.get("logprobs") or {}).get("tokens")
+    if tokens is None:
+        raise InfrastructureError("server returned neither token_ids nor logprobs.tokens")
+    out = []
+    for t in tokens:
+        if not str(t).startswith("token_id:"):
+            raise InfrastructureError(f"server did not honour return_tokens_as_token_ids (got {t!r})")
+        out.append(int(str(t).split(":", 1)[1]))
+    return out
+
+
+def _route_array(value: Any) -> np.ndarray:
+    """``[tokens, layers, top_k]`` int64 routes from nested lists or base64 ``{"data", "shape", "dtype"}``.
+
+    Raises:
+        InfrastructureError: not a 3-D integer array.
+    """
+    if isinstance(value, dict):
+        raw = base64.b64decode(value["data"])
+        arr = np.frombuffer(raw, dtype=np.dtype(value.get("dtype", "int32"))).reshape(value["shape"])
+    else:
+        arr = np.asarray(value)
+    if arr.ndim != 3 or (arr.size and not np.issubdtype(arr.dtype, np.integer)):
+        raise InfrastructureError(f"routed experts of shape {arr.shape} ({arr.dtype}), need [tokens, layers, top_k]")
+    return arr.astype(np.int64)
+
+
+def sampling_routes(choice: dict[str, Any], response: dict[str, Any], n_prompts: int,
+                    n_tokens: int) -> list[list[list[int]]] | None:
+    """A choice's routes in :class:`Generation` order (see the module docstring), or None.
+
+    Returns:
+        ``[n_tokens][layers][top_k]`` expert ids, or None when the server sent no routes for the
+        choice or no prompt routes it can be matched with.
+
+    Raises:
+        InfrastructureError: fewer generated routes than ``n_tokens - 1`` or shapes that disagree.
+    """
+    generated = choice.get("routed_experts")
+    prompt = choice.get("prompt_routed_experts")
+    if prompt is None and n_prompts == 1:
+        prompt = response.get("prompt_routed_experts")
+    if generated is None or prompt is None or n_tokens == 0:
+        return None
+    generated, prompt = _route_array(generated), _route_array(prompt)
+    if len(prompt) == 0:
+        return None
+    if len(generated) < n_tokens - 1 or (len(generated) and generated.shape[1:] != prompt.shape[1:]):
+        raise InfrastructureError(f"{len(generated)} routes of shape {generated.shape[1:]} for {n_tokens} tokens "
+                                  f"after prompt routes of shape {prompt.shape[1:]}")
+    return np.concatenate([prompt[-1:], generated[:n_tokens - 1]]).tolist()
+
+
+class OpenAICompatEngine(InferenceEngine):
+    """Client of an OpenAI-compatible completions server (vLLM, ``flywheel serve``).
+
+    Args:
+        base_url: e.g. ``http://127.0.0.1:8001`` (without ``/v1``).
+        api_key: bearer token, if the server wants one.
+        model: served model name (default: the first of ``GET /v1/models``).
+        tokenizer_dir: where to load the tokenizer from (default: the served model's ``root``
+            folder when it exists locally, else the SmolLM2 tokenizer).
+        timeout_s: per-request timeout (seconds); generation of long batches can be slow on CPU.
+        transport: an ``httpx`` transport (tests pass an ASGI transport).
+
+    Raises:
+        InfrastructureError: the server is unreachable or answers with an error.
+    """
+
+    def __init__(self, base_url: str, *, api_key: str | None = None, model: str | None = None,
+                 tokenizer_dir: Path | None = None, timeout_s: float = 600.0,
+                 transport: httpx.BaseTransport | None = None) -> None:
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._http = httpx.Client(base_url=base_url.rstrip("/"), headers=headers, timeout=timeout_s,
+                                  transport=transport)
+        info = self._request("GET", "/v1/models")["data"][0]
+        self.model = model or info["id"]
+        self.checkpoint_id = info.get("checkpoint_id") or self.model
+        self.max_context_tokens = int(info.get("max_model_len") or 8192)
+        self.applies_deltas = info.get("checkpoint_id") is not None  # flywheel serve, not vLLM
+        self.tokenizer = self._load_tokenizer(tokenizer_dir or (Path(info["root"]) if info.get("root") else None))
+
+    @staticmethod
+    def _load_tokenizer(path: Path | None):
+        from transformers import AutoTokenizer
+
+        if path is None or not (path / "tokenizer_config.json").exists():
+            from app.checkpoints.tokenizer import smollm2_tokenizer_dir
+
+            path = smollm2_tokenizer_dir()
+        return AutoTokenizer.from_pretrained(path)
+
+    @retry(**_RETRY)
+    def _send(self, method: str, url: str, body: dict | None) -> httpx.Response:
+        return self._http.request(method, url, json=body)
+
+    def _request(self, method: str, url: str, body: dict | None = None) -> dict[str, Any]:
+        try:
+            resp = self._send(method, url, body)
+        except httpx.TransportError as exc:
+            raise InfrastructureError(f"inference server unreachable at {self._http.base_url}: {exc}") from exc
+        if resp.status_code >= 400:
+            raise InfrastructureError(f"{method} {url} -> {resp.status_code}: {resp.text[:500]}")
+        return resp.json() if resp.content else {}
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
+        """One ``/v1/completions`` request for the whole batch; latency is the request's wall time.
+
+        Raises:
+            InfrastructureError: the server is unreachable, errs, or answers with mismatched
+                token, log-prob or route counts.
+        """
+        if not prompts:
+            return []
+        body = {
+            "model": self.model, "prompt": [list(map(int, p)) for p in prompts], "n": 1,
+            "max_tokens": params.max_tokens, "temperature": params.temperature, "top_p": params.top_p,
+            "logprobs": 0, "return_token_ids": True, "return_tokens_as_token_ids": True,
+            "skip_special_tokens": False, "include_stop_str_in_output": True,
+        }
+        if params.seed is not None:
+            body["seed"] = params.seed
+        if params.stop_token_ids:
+            body["stop_token_ids"] = list(params.stop_token_ids)
+        t0 = time.perf_counter()
+        data = self._request("POST", "/v1/completions", body)
+        latency = time.perf_counter() - t0
+        choices = sorted(data["choices"], key=lambda c: c["index"])
+        if len(choices) != len(prompts):
+            raise InfrastructureError(f"asked for {len(prompts)} completions, got {len(choices)}")
+        out = []
+        for c in choices:
+            ids = _token_ids(c)
+            lps = [float(x) for x in (c.get("logprobs") or {}).get("token_logprobs") or []]
+            if len(lps) != len(ids):
+                raise InfrastructureError(f"{len(lps)} log-probs for {len(ids)} tokens")
+            out.append(Generation(token_ids=ids, logprobs=lps, finish_reason=c.get("finish_reason") or "stop",
+                                  latency_s=latency, routed_experts=sampling_routes(c, data, len(prompts), len(ids))))
+        return out
+
+    def load_checkpoint(self, checkpoint_id: str, path: Path) -> None:
+        """Point the server at ``path`` and reload weights in place (see the module docstring)."""
+        self._request("POST", "/collective_rpc",
+                      {"method": "update_config", "args": [{"model_config": {"model": str(path)}}]})
+        self._request("POST", "/collective_rpc", {"method": "reload_weights"})
+        self._request("POST", "/reset_prefix_cache")
+        self.checkpoint_id = checkpoint_id
+
+    def apply_delta(self, checkpoint_id: str, delta_path: Path, parent_id: str) -> None:
+        """Apply the delta on the server when it can (``applies_deltas``), else reload the full
+        folder holding ``delta_path`` (vLLM cannot apply flywheel deltas).
+
+        Raises:
+            CheckpointError: the server does not serve ``parent_id`` or the folder has no config.
+        """
+        if self.checkpoint_id != parent_id:
+            raise CheckpointError(f"delta {checkpoint_id} applies to {parent_id}, but the server serves "
+                                  f"{self.checkpoint_id}")
+        if self.applies_deltas:
+            self._request("POST", "/collective_rpc", {"method": "apply_delta", "kwargs": {
+                "checkpoint_id": checkpoint_id, "delta_path": str(delta_path), "parent_id": parent_id}})
+            self.checkpoint_id = checkpoint_id
+            return
+        folder = Path(delta_path).parent
+        if not (folder / "config.json").exists():
+            raise CheckpointError(f"{folder} has no full weights to reload")
+        self.load_checkpoint(checkpoint_id, folder)
+
+    def close(self) -> None:
+        self._http.close()

@@ -1,0 +1,143 @@
+"""``flywheel serve``: the torch engine behind the OpenAI-compatible HTTP subset vLLM speaks.
+
+Endpoints: ``GET /health``, ``GET /v1/models``, ``POST /v1/completions`` (token-id or text prompts,
+``logprobs``, ``return_token_ids``, ``return_tokens_as_token_ids``, ``stop_token_ids``, ``seed``),
+and vLLM's development endpoints for weight reload: ``POST /collective_rpc`` (methods
+``update_config`` + ``reload_weights``; flywheel adds ``apply_delta`` with kwargs
+``checkpoint_id``, ``delta_path``, ``parent_id``) and ``POST /reset_prefix_cache`` (empties the
+engine's prefix cache). Requests are handled on FastAPI's thread pool, so concurrent completions
+decode together in the engine's continuous batch. Invariant: a reload waits for the running
+sequences to finish before it swaps weights, so no completion mixes two checkpoints.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+from fastapi import Depends, FastAPI, Header, HTTPException
+from pydantic import BaseModel, ConfigDict, Field
+
+from app.inference.engine import SamplingParams
+from serving.torch_engine import TorchEngine
+
+
+class CompletionRequest(BaseModel):
+    """The subset of vLLM's ``/v1/completions`` request flywheel uses (unknown fields ignored)."""
+
+    model_config = ConfigDict(extra="ignore")
+    model: str | None = None
+    prompt: list[int] | list[list[int]] | str | list[str]
+    max_tokens: int = Field(default=16, ge=1)
+    temperature: float = Field(default=1.0, ge=0)
+    top_p: float = Field(default=1.0, gt=0, le=1)
+    n: int = Field(default=1, ge=1, le=64)
+    seed: int | None = None
+    stop_token_ids: list[int] | None = None
+    logprobs: int | None = Field(default=None, ge=0, le=0, description="only the sampled token's log-prob")
+    return_token_ids: bool = False
+    return_tokens_as_token_ids: bool = False
+    skip_special_tokens: bool = True
+
+
+class RpcRequest(BaseModel):
+    """vLLM's ``/collective_rpc`` body."""
+
+    method: str
+    args: list[Any] = Field(default_factory=list)
+    kwargs: dict[str, Any] = Field(default_factory=dict)
+    timeout: float | None = None
+
+
+def create_app(engine: TorchEngine, *, api_key: str | None = None) -> FastAPI:
+    """The FastAPI app serving ``engine`` (bearer ``api_key`` required when given)."""
+    from fastapi.responses import JSONResponse
+
+    from app.core.errors import FlywheelError
+
+    app = FastAPI(title="flywheel serve", version="1")
+    pending: dict[str, Path] = {}
+
+    @app.exception_handler(FlywheelError)
+    def _domain_error(request, exc: FlywheelError) -> JSONResponse:
+        return JSONResponse(status_code=exc.status_code if exc.status_code != 500 else 400,
+                            content={"error": {"message": exc.message, "type": type(exc).__name__}})
+
+    def auth(authorization: str | None = Header(default=None)) -> None:
+        if api_key and authorization != f"Bearer {api_key}":
+            raise HTTPException(status_code=401, detail="invalid API key")
+
+    @app.get("/health")
+    def health() -> dict[str, str]:
+        return {"status": "ok", "checkpoint_id": engine.checkpoint_id}
+
+    @app.get("/v1/models", dependencies=[Depends(auth)])
+    def models() -> dict[str, Any]:
+        return {"object": "list", "data": [{
+            "id": engine.checkpoint_id, "object": "model", "owned_by": "flywheel", "root": str(engine.model_dir),
+            "checkpoint_id": engine.checkpoint_id, "max_model_len": engine.max_context_tokens}]}
+
+    @app.post("/v1/completions", dependencies=[Depends(auth)])
+    def completions(req: CompletionRequest) -> dict[str, Any]:
+        prompts = _token_prompts(engine, req.prompt)
+        if any(not p for p in prompts):
+            raise HTTPException(status_code=400, detail="empty prompt")
+        params = SamplingParams(max_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p,
+                                seed=req.seed, stop_token_ids=tuple(req.stop_token_ids or ()))
+        expanded = [p for p in prompts for _ in range(req.n)]
+        gens = engine.generate(expanded, params)
+        choices = []
+        for i, g in enumerate(gens):
+            text = engine.tokenizer.decode(g.token_ids, skip_special_tokens=req.skip_special_tokens)
+            choice: dict[str, Any] = {"index": i, "text": text, "finish_reason": g.finish_reason,
+                                      "logprobs": None}
+            if req.return_token_ids:
+                choice["token_ids"] = g.token_ids
+                choice["prompt_token_ids"] = expanded[i]
+            if req.logprobs is not None:
+                tokens = ([f"token_id:{t}" for t in g.token_ids] if req.return_tokens_as_token_ids
+                          else engine.tokenizer.convert_ids_to_tokens(g.token_ids))
+                choice["logprobs"] = {"tokens": tokens, "token_logprobs": g.logprobs,
+                                      "top_logprobs": None, "text_offset": None}
+            choices.append(choice)
+        completion_tokens = sum(len(g.token_ids) for g in gens)
+        prompt_tokens = sum(len(p) for p in expanded)
+        return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
+                "model": engine.checkpoint_id, "choices": choices,
+                "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                          "total_tokens": prompt_tokens + completion_tokens}}
+
+    @app.post("/collective_rpc", dependencies=[Depends(auth)])
+    def collective_rpc(req: RpcRequest) -> dict[str, Any]:
+        if req.method == "update_config":
+            overrides = req.args[0] if req.args else req.kwargs.get("overrides", {})
+            model = (overrides.get("model_config") or {}).get("model")
+            if not model:
+                raise HTTPException(status_code=400, detail="update_config needs model_config.model")
+            pending["model"] = Path(model)
+        elif req.method == "reload_weights":
+            path = pending.pop("model", engine.model_dir)
+            engine.load_checkpoint(req.kwargs.get("checkpoint_id") or Path(path).name, Path(path))
+        elif req.method == "apply_delta":
+            engine.apply_delta(req.kwargs["checkpoint_id"], Path(req.kwargs["delta_path"]), req.kwargs["parent_id"])
+        else:
+            raise HTTPException(status_code=400, detail=f"unsupported method {req.method!r}")
+        return {"results": [None]}
+
+    @app.post("/reset_prefix_cache", dependencies=[Depends(auth)])
+    def reset_prefix_cache() -> dict[str, bool]:
+        engine.reset_prefix_cache()
+        return {"success": True}
+
+    return app
+
+
+def _token_prompts(engine: TorchEngine, prompt) -> list[list[int]]:
+    if isinstance(prompt, str):
+        prompt = [prompt]
+    if prompt and isinstance(prompt[0], int):
+        return [list(prompt)]
+    return [engine.tokenizer(p, add_special_tokens=False).input_ids if isinstance(p, str) else list(p)
+            for p in prompt]
