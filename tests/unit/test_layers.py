@@ -1,0 +1,44 @@
+"""The import-layer contracts (``[tool.importlinter]`` in pyproject.toml) hold on this tree, and the
+check fails when a core module imports a higher package."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+PACKAGES = ("app", "producers", "consumers", "trainer", "kernels", "evals", "serving", "ops")
+
+
+def _lint_imports(root: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    script = "import sys; from importlinter.cli import lint_imports_command; sys.exit(lint_imports_command())"
+    return subprocess.run([sys.executable, "-c", script], cwd=root, env=env, capture_output=True, text=True,
+                          timeout=300)
+
+
+def _copy_tree(dst: Path) -> None:
+    for pkg in PACKAGES:
+        shutil.copytree(REPO / pkg, dst / pkg, ignore=shutil.ignore_patterns("__pycache__", "*.egg-info", "build"))
+    shutil.copy2(REPO / "pyproject.toml", dst / "pyproject.toml")
+
+
+def test_the_contracts_hold():
+    proc = _lint_imports(REPO)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    assert "0 broken" in proc.stdout
+
+
+def test_a_core_module_importing_a_higher_package_breaks_the_check(tmp_path):
+    _copy_tree(tmp_path)
+    errors = tmp_path / "app" / "core" / "errors.py"
+    errors.write_text(errors.read_text() + "\nfrom consumers import cli as _planted  # noqa: E402,F401\n")
+    sdk = tmp_path / "producers" / "files.py"
+    sdk.write_text(sdk.read_text() + "\nimport sqlalchemy as _planted  # noqa: E402,F401\n")
+    proc = _lint_imports(tmp_path)
+    assert proc.returncode != 0
+    assert "app.core is not allowed to import consumers" in proc.stdout
+    assert "producers.files -> sqlalchemy" in proc.stdout
