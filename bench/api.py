@@ -20,6 +20,10 @@ production row plus its last promotion) and ORM + validation work on 50 rows, ag
 serialises a constant; a release-manager API sees a handful of requests per minute, so a 3x budget
 over the framework floor is ample, and falling under it would mean a missing index, an N+1 query
 or a connection-pool stall, which is what this bench exists to catch.
+
+Flags: ``--quick`` (fewer requests and rounds, about 30 s), ``--requests N`` (per endpoint per
+round), ``--concurrency N`` (8), ``--rounds N``, ``--checkpoints N`` (rows seeded; 1,000),
+``--admin-url URL`` (libpq URL of a maintenance database).
 """
 
 from __future__ import annotations

@@ -15,39 +15,31 @@ themselves are ``bench/eval.py``'s subject, not this one's. ``--signals`` leaves
 ``latency_per_token`` by default: here both arms are served by one process on the same two cores,
 each arm batched on its own and its batches running beside the other arm's, so an arm's seconds
 per token follow its batch sizes, the other arm's concurrent work and the machine's load, not
-only its checkpoint. Measured for the equal candidate (an identical copy): +25 % per token (95 %
-CI +16..+34 %) with its arm drawing 16 sessions against production's 8, and +40 % (+25..+55 %)
-with 11 against 13, so it would have been refused. The signal is still printed; with separate
-servers, as in production, it measures the checkpoint and belongs in the policy (the shipped
-``evals/gate.toml`` keeps it). Then, for each candidate in turn: ``start_canary``
-(``--fraction`` of users, sticky by user hash) -> ``run_simulation`` with
-``EngineRouter.engine_for`` choosing the production engine or the canary engine (a second torch
-engine built by ``setup_canary_engine`` from the candidate's folder) per user, every event
-through the producer SDK to the broker -> the ingest consumer (Kafka -> event_log -> trajectories)
--> the window sweep finalizes and labels -> ``promote_checkpoint`` decides in a transaction that
-is rolled back (production stays ``base`` for the next candidate) -> ``stop_canary``.
+only its checkpoint (``docs/benchmarks.md`` has what it measured for an identical copy). The
+signal is still printed; with separate servers, as in production, it measures the checkpoint and
+belongs in the policy (the shipped ``evals/gate.toml`` keeps it).
+
+Then, for each candidate in turn: ``start_canary`` (``--fraction`` of users, sticky by user hash)
+-> ``run_simulation`` with ``EngineRouter.engine_for`` choosing the production engine or the
+canary engine (a second torch engine built by ``setup_canary_engine`` from the candidate's folder)
+per user, every event through the producer SDK to the broker -> the ingest consumer (Kafka ->
+event_log -> trajectories) -> the window sweep finalizes and labels -> ``promote_checkpoint``
+decides in a transaction that is rolled back (production stays ``base`` for the next candidate)
+-> ``stop_canary``.
 
 Printed: per candidate, every online signal of both arms with canary - production and its 95 %
 interval clustered by user (Deng et al. 2018 delta method), and the policy's reasons. Beside ours,
 the same policy with a naive per-session (i.i.d.) interval, for comparison.
 
-What blocks the noised candidate at ``--quick`` size: its arm proposes no edit at all (production's
-does in about a third to a half of its sessions), so edit acceptance and persistence cannot be
-compared and the policy fails closed; its mean reward is lower, but its interval still spans 0
-with ~12 sessions an arm.
-
-Time budget of ``--quick`` (24 sessions a canary, one turn of at most 64 tokens), measured on the
-2-core box with a load average of 12-14 from other work: 650-850 s in all, over the 10-minute aim.
-Simulation is nearly all of it, 240-370 s a canary: two groups of 12 sessions, 110-180 s a group,
-each session's prompt (system prompt, tool list and the task's files) prefilled and
-64 tokens decoded by two engines' batches sharing the cores. Ingest and finalize take ~9 s a
-canary; setting up (broker, database and migrations, writing the noised copy, registering three
-checkpoints with the sha256 of each 517 MB weight file, loading three engines) ~100 s. Fewer
-sessions cannot support the policy (``--min-sessions`` 8 per arm at a 0.5 split).
-
 JSON line: ``ours`` = correct decisions of the policy (bad blocked, equal allowed; 0-2),
 ``baseline`` = 2 (the limit), ``ratio`` = ours / 2, ``target`` = 1, ``pass`` = both right.
-``--source`` picks the simulator's task source (training split).
+
+Flags: ``--quick`` (fewer, shorter sessions), ``--sessions N`` (simulated sessions per canary),
+``--source`` (the simulator's task source, training split; ``dataframebench``), ``--fraction F``
+(share of users in the canary arm; 0.5), ``--noise X`` (the bad candidate's noise in units of each
+tensor's std; 0.5), ``--min-sessions N`` (the policy's fewest sessions per arm), ``--signals ...``,
+``--max-tokens-per-turn N``, ``--threads N``, ``--seed N``. Measured results and time budgets:
+``docs/benchmarks.md``.
 """
 
 from __future__ import annotations

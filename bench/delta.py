@@ -11,6 +11,9 @@ a fail each), and runs ONE optimizer step of the trainer with the default config
 of the child's full bf16 serving weights. Target: ours / baseline <= 0.10. Also reports the time to
 apply the delta to the parent's serving weights (checksums included) next to a full load of the
 child (read ``model.safetensors`` fp32 + cast to bf16), and verifies the result bit for bit.
+
+Flags: ``--quick`` (one task, 32 completion tokens), ``--tasks N`` (2), ``--completion-tokens N`` (96),
+``--threads N`` (2).
 """
 
 from __future__ import annotations

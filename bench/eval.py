@@ -13,6 +13,8 @@ workers vs 1). Ends with one JSON line: ours = sandboxed tasks/s with 2 workers,
 loop tasks/s. Target 0.9: isolation (fresh uid, copy, rlimits, network namespace, group kill, sweep)
 may cost a single sandbox about 2x, and two parallel sandboxes must win back all but 10 % of it,
 so grading never becomes the runner's bottleneck next to generation.
+
+Flags: ``--quick`` (12 tasks, 1 round), ``--tasks N`` (40), ``--rounds N`` (3), ``--timeout S`` (30).
 """
 
 from __future__ import annotations

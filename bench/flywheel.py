@@ -20,17 +20,12 @@ Prints one JSON line: ``ours`` = final held-out pass@1, ``baseline`` = base, ``d
 ``diff >= 0.10`` and ``lower_bound > 0`` and the planted regression rejected; ``--quick``,
 ``lower_bound > 0`` and the planted regression rejected.
 
-Measured budget (``--quick``, 2 CPU cores shared with a test run and other benches, load 5-15): the
-demo's one cycle took 1,417 s: 146 s to simulate 32 sessions (continuous batching, 2 turns of at most
-192 tokens), 995 s to train 28 trajectories (12 optimizer steps of lr 2e-5 over 4 epochs of 6
-micro-batches, 41 tokens/s with the pi_old pass; the trainer's fp32 forward and backward of the full
-135M model is the limit here), 250 s to evaluate candidate and base on 40 held-out tasks. The planted
-regression trains as long again. So the 12-minute ``--quick`` budget needs an unloaded machine or
-fewer epochs; the default run (3 cycles of 64 sessions) needs a GPU for the trainer to fit in an hour.
-Held-out result of that cycle: base 8/40, candidate 10/40, paired lower bound 0.0 (its gate still
-required the unrun suites; ``--gate-on`` fixes that). A second ``--quick`` run on a quieter machine
-(lr 3e-5, 2 epochs) took 753 s in all (simulate 143 s, train 162 s): its candidate scored 5/40 and
-was rejected, the planted regression scored 7/40 and was rejected (lower bound -7.5 points).
+Flags: ``--quick`` (1 cycle, fewer sessions and held-out tasks), ``--cycles K``, ``--sessions N``
+(simulated sessions per cycle), ``--group-size N`` (sessions per task, the GRPO group; 4),
+``--eval-tasks N`` (held-out tasks for the gates and the comparison), ``--max-turns N`` (2),
+``--max-tokens-per-turn N`` (192), ``--trainer-config TOML``, ``--home DIR`` (the ``FLYWHEEL_HOME`` to
+use; resumes a run), ``--keep`` (leave the stack running). Measured results and time budgets:
+``docs/benchmarks.md``.
 """
 
 from __future__ import annotations

@@ -34,6 +34,13 @@ JSON line: ours = power at the chosen size and tolerance, baseline = FRR there, 
 target 0.8 (and FRR <= 0.05); pass when both hold. Without any cell and tolerance meeting both, the
 largest cell at the configured tolerance is reported and pass is false. Simulated gates use 2,000
 bootstrap replicates (the shipped policy: 10,000), which moves each bound only by Monte Carlo noise.
+
+Flags: ``--quick`` (fewer simulations, resamples and cells), ``--suite NAME`` (its gate settings in
+``evals/gate.toml``), ``--from-db [RUN_ID ...]``, ``--table JSON`` (per-task counts), ``--regression X``
+(0.05), ``--mean X`` (move the fitted Beta's mean, keeping its concentration), ``--tasks N ...``,
+``--samples K ...``, ``--sims N``, ``--seconds-per-session S``, ``--concurrency N`` (sessions in flight;
+wall time divides by it), ``--resamples N``, ``--max-sessions N`` (2,624), ``--min-width X`` (0.01),
+``--seed N``. Measured results: ``docs/gate.md``.
 """
 
 from __future__ import annotations

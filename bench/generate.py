@@ -25,18 +25,9 @@ Targets at 64: ours >= 10x plain batch 1, >= 1.5x plain static batch 64, >= 0.5 
 Prints one JSON line per level, then ONE summary JSON line; ``ratio`` = ours at 64 / plain batch
 1; ``pass`` = all three targets.
 
-Measured (``--quick``, SmolLM2-135M fp32, 2 CPU cores shared with other jobs at a load average
-of 13-20, so this process got a fraction of a core; ours / plain static, tokens/s): 1: 2.92 /
-2.55; 8: 7.43 / 6.27; 32: 14.89 / 10.58; 64: 18.74 / 17.51 with the limit at 86.7 (G = 43.6
-GFLOP/s, BW = 7.6 GB/s, W = 0.54 GB) and plain batch 1 at 3.43: 5.5x plain batch 1, 1.07x
-plain static 64, 0.22 of the limit; no target met. Where the time goes: the engine's own
-batch-1 decode step measured 0.80 s at load (``decode_s_per_token``), ~15x the 0.055 s it took
-at a load average of 2, so at that load every side is bound by the CPU share it gets rather than by weight
-reads; a 64-row step is ~17 GFLOP of fp32 linear layers (its 49k-wide LM head is a fifth of
-it), which at the ~10-40 GFLOP/s the process actually got costs 0.4-1.7 s, while the limit
-assumes the best 1024x1024 GEMM rate of a 5-call burst. With one wave of N requests (quick),
-continuous batching gains over a static batch only the padded tail (rows that stopped early);
-the full run (two waves, N in flight) also refills freed rows.
+Flags: ``--quick`` (N requests per level of N, completions of 32-96 tokens), ``--model-dir DIR`` (HF
+folder; default SmolLM2-135M-Instruct), ``--repeats N`` (runs per level, the best kept; default 1),
+``--threads N`` (2). Measured results: ``docs/benchmarks.md``.
 """
 
 from __future__ import annotations

@@ -17,12 +17,10 @@ the real SmolLM2-135M-Instruct on 48 held-out ``functions`` tasks (``--split tes
 16 tasks. Ends with ONE JSON line: ours = harness pass@1, baseline = plain-chat pass@1, target 1.0
 (ratio), pass = ours >= baseline; Wilson 95 % intervals and per-difficulty counts are extra keys.
 
-Where the time goes (CPU, fp32): prefill of every prompt, then one decode step per token for the
-whole batch until its longest row stops. The plain side's replies run to the 256-token limit (the
-model explains after its code block), so its batch pays all 256 steps; the harness side's replies
-stop after about 90 tokens (the code block, applied). On a 2-core machine shared with other jobs a
-decode step of a 48-row batch took seconds, and the default 48-task run did not finish its plain
-side within 30 minutes; ``--quick`` (16 tasks) took 4 to 12 minutes with the load. Figures: ``docs/tasks.md``.
+Flags: ``--quick`` (16 tasks), ``--tasks N`` (a seeded subset), ``--source`` and ``--split`` (the
+task source and split; ``functions``, ``test``), ``--suite`` (whose budget the harness side uses),
+``--temperature T``, ``--samples N``, ``--model-dir DIR``, ``--threads N``, ``--seed N``. Measured
+results and time budgets: ``docs/benchmarks.md``; pass rates: ``docs/tasks.md``.
 """
 
 from __future__ import annotations

@@ -11,10 +11,10 @@ withholds an expected signal so their trajectories finalize by the window. They 
 compressed as the producer SDK sends them (zstd record batches; ``--compression`` to change), so
 both sides decompress what production's consumers would.
 
-Measured in one run, each from its first polled record to its last (the group join, ~3 s on tansu,
-is excluded from both; but a member whose follower ``SyncGroup`` reaches tansu before the leader's
-is answered ~1 s later than the others, seen in about one run in three, and that second counts
-against ours: its partitions start late. The single bare consumer leads its own group):
+Measured in one run, each from its first polled record to its last (the group join is excluded
+from both; but a member whose follower ``SyncGroup`` reaches tansu before the leader's is answered
+later than the others, and that delay counts against ours: its partitions start late. The single
+bare consumer leads its own group):
 
 - *warm-up*: a bare pass over the topic (not counted: tansu serves its first read of fresh data
   slower);
@@ -30,8 +30,7 @@ against ours: its partitions start late. The single bare consumer leads its own 
   ratio. The bare loop is a single process: a Python consumer that validates, stores and
   projects every event is CPU-bound, and scaling out over partitions is how it is meant to run.
   More processes than cores lets one process decode while another waits on its Postgres round
-  trips (on 2 cores at 1,000 records a batch: 4 processes ~19k events/s, 2 ~15k; at 2,000 records
-  a batch 2, 3 and 4 are within the run-to-run noise, ~15-17k on the development box);
+  trips;
 - *finalize*: after the 1 s signal window has closed, the time ``flywheel finalize`` takes to
   finalize and label every remaining provisional trajectory.
 
@@ -39,37 +38,12 @@ Ends with one JSON line; ratio = ours / baseline events/s, target >= 0.5. Next t
 ``cpu_us_per_event`` (consumers + Postgres + broker, ours), ``baseline_cpu_us_per_event`` (the bare
 loop's process + broker) and ``ratio_cpu_bound``: the ratio ours would reach with every core busy at
 the CPU per event it measured, i.e. ``cores / (cpu_us_per_event * baseline)``; the gap between ratio
-and bound is start-up and tail, the gap between bound and target is CPU. On the 2-core development
-box, 100k events, medians of 3 passes, over several days: ratio 0.27-0.40, bound 0.31-0.47, ours
-97-183 us of CPU per event against 19-30 us for the bare loop, which alone moves between ~30k and
-~60k events/s from run to run (more than any change on our side moved the ratio; on a slow day
-every figure of both sides rises about alike). The earlier of those figures read ours' CPU from the
-first committed batch, which left out the batches decoded ahead by then (up to ~15 % of 100k
-events); read from the first record polled, as now: ratio 0.31, bound 0.33, 154 us against 26 us.
-On a fast day (2026-11-22) the bare loop gained more than ours did, and the ratio fell:
-bare 95k events/s at 11 us, ours 21.6k at 84 us (consumers 55, Postgres 28, broker 1), ratio 0.23;
-later that day bare 49-67k (15-21 us: fetch-bound, not CPU-bound), ours 18-21k at 89-101 us, ratio
-0.31-0.37. The bare loop's speed sets the budget: 2 cores / (0.5 x bare) = 42-81 us an event for ours.
-On a machine with ~20 % of its CPU stolen (a later session, same code within noise: --quick 0.21 at
-the earlier commit, 0.23 at the later): bare 47k events/s at 17 us, ours 11.6k at 158 us
-(consumers 116, Postgres 41, broker 2), ratio 0.24: the steal weighs on ours' four processes more.
-A later session (2026-11-22, little steal): 100k events, bare 63k events/s at 11.7 us, ours 21.8k at
-84 us (consumers 53, Postgres 30, broker 1), ratio 0.35, bound 0.38; --quick the same hour 0.27 (bare
-86k). In-process, without Kafka, per event: decoding ~15 us, the DB stage's Python ~27 us at
-2,000-record batches (~70 us at 100-record batches, where each batch's ~18 round trips weigh).
-zstd record batches and uncompressed ones measure alike (0.29 and 0.30 the same hour):
-decompressing a batch is one C call per ~250 kB.
+and bound is start-up and tail, the gap between bound and target is CPU.
 
-Where the time goes (``cpu_s``, py-spy over the consumer processes, ``pg_stat_statements``):
-consumers ~68-78 us per event (kafka-python fetch and record parsing, what the bare loop does;
-decoding and validating, pydantic-core most of it, the stored payload being the producer's bytes
-sliced out, not re-encoded; folding into trajectories; building and sending the COPY rows; the
-rest threads, telemetry and freeing the batch: a flat profile), Postgres ~25-38 us (of its
-statement time ~50 % the ``event_log`` COPY with its four indexes, ~30 % the binary COPY of new
-segments, ~9 % new trajectories, ~5 % the ``event_id`` lookup; ~2.1 kB of WAL per event, segments
-written about once each), the broker ~2-3 us. The target needs <= 4x the bare loop's CPU per
-event on 2 cores (~75-100 us); consumer count (2-4), batch size (2,000-4,000) and
-``synchronous_commit = off`` all land within the run-to-run noise.
+Flags: ``--quick`` (20k events), ``--events N``, ``--consumers N`` (processes in the group, default
+4), ``--partitions N``, ``--insert-method copy|copy_upsert|unnest``, ``--batch N`` (records per poll
+and transaction), ``--privacy-fraction F`` (share of sessions in privacy mode), ``--passes N``,
+``--compression none|gzip|zstd``. Measured results: ``docs/benchmarks.md``.
 """
 
 from __future__ import annotations

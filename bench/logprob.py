@@ -17,6 +17,11 @@ GPU, or the ~800x slower Triton interpreter: skipped on CPU).
 
 Ends with one JSON line: ours/baseline peak memory (target <= 0.25); ``pass`` also requires the
 wall-clock and CPU time ratios (in the detail) to be <= 1.2.
+
+Flags: ``--quick`` (one round instead of three), ``--n`` (tokens; 4,096), ``--v`` (vocabulary;
+49,152), ``--h`` (hidden size; 576), ``--reps N`` (timed runs per subprocess; 1), ``--rounds N``
+(alternating rounds of all variants; 3), ``--chunk N`` (tokens per chunk of the chunked paths; 1,024),
+``--threads N`` (2).
 """
 
 from __future__ import annotations

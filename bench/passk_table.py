@@ -7,6 +7,9 @@ Hugging Face ``generate``; the first python code block of each reply runs with t
 in a subprocess (5 s limit). Writes ``{"tasks": {name: [n, c]}, ...}`` as JSON and prints one JSON
 line with the totals. The same kind of tasks as the in-reach ``functions`` suite; once that suite
 has stored eval results, ``bench/gate_power.py --from-db`` reads those instead.
+
+Flags: ``--samples N`` (8), ``--temperature T`` (0.7), ``--max-new-tokens N`` (96), ``--threads N`` (1),
+``--out JSON`` (default ``bench/data/smollm2_functions_pass.json``).
 """
 
 from __future__ import annotations

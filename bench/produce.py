@@ -10,6 +10,9 @@ Each side is timed from the first send to the last acknowledgement (``flush``); 
 and the median round counts, which damps noise from other processes on a shared machine.
 
 Starts its own ``tansu`` broker unless ``FLYWHEEL_KAFKA_BOOTSTRAP`` is set. Ends with one JSON line.
+
+Flags: ``--quick`` (fewer events and rounds), ``--events N`` (per round), ``--rounds N`` (per side;
+the median counts), ``--compression zstd|gzip|none`` (default zstd if available), ``--linger-ms N`` (5).
 """
 
 from __future__ import annotations

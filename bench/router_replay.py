@@ -20,12 +20,12 @@ JSON line; ``ratio`` = KL with replay / KL without, target <= 0.2 (``pass``).
 
 What remains with replay is the dense part of the mismatch: attention, norms and the experts'
 own matmuls in bf16-rounded vs fp32 weights, which replay does not touch (with replay no token's
-experts differ). In a random model that part grows with depth and with the init std
-(``--init-std``, default 0.2, the project's tiny models): measured, ``--quick`` (4 layers) gives a
-ratio of about 0.15 (pass); the full run (8 layers, 96 sessions, ~30 min on 2 loaded cores) about
-0.26 (KL 0.54 -> 0.14, 66 % of tokens routed differently without replay, 0 % with): the target is
-missed there because the 0.14 left is dense bf16 error, not routing. Outside the bench, 8 layers
-at init std 0.02 measured 4.5e-6 -> 6.8e-7 (0.15) and at 0.05 2.4e-3 -> 8.0e-4 (0.33).
+experts differ).
+
+Flags: ``--quick`` (24 sessions of 2 x 32 tokens, 4 MoE layers), ``--sessions N``, ``--max-tokens N``
+(completion tokens per turn), ``--layers N``, ``--hidden N`` (128), ``--init-std X`` (std of the
+random MoE's init; 0.2, the project's tiny models), ``--threads N``. Measured results:
+``docs/benchmarks.md``.
 """
 
 from __future__ import annotations

@@ -7,6 +7,10 @@ base --same-data-as C1 --config ...``) and evaluates every candidate and base on
 tasks and samples. Rollouts are shared by every grid point, so the comparison isolates the trainer
 settings. Prints a table and ends with one JSON line whose ``ours`` is the best grid point's paired
 difference against base and ``baseline`` the default config's.
+
+Flags: ``--quick`` (2 grid points, fewer sessions and tasks), ``--lr`` and ``--epochs`` (comma-separated
+grid values), ``--grad-accum N`` (4), ``--sessions N``, ``--group-size N`` (8), ``--eval-tasks N``,
+``--max-turns N`` (2), ``--max-tokens-per-turn N`` (192), ``--home DIR``, ``--keep``.
 """
 
 from __future__ import annotations

@@ -29,6 +29,11 @@ Models have the architecture of ``--shape`` with random weights built from a con
 throughput does not depend on the weights' values): ``smollm2-135m`` (Llama, 30 layers, hidden 576,
 vocab 49,152) or ``qwen3-0.6b`` (28 layers, hidden 1,024, vocab 151,936). ``--quick`` uses 4 layers.
 Tokens/s counts real (non-padding) tokens.
+
+Flags: ``--quick`` (4 layers, smaller batch, 1 round), ``--shape smollm2-135m|qwen3-0.6b``,
+``--layers N``, ``--device auto|cpu|cuda``, ``--ranks N``, ``--trajectories N`` (8), ``--seq-len N``
+(256), ``--micro-batch-tokens N`` (1,024), ``--rounds N`` (2), ``--threads N`` (2), ``--peak-tflops X``
+(the GPU's dense bf16 peak; default by GPU name). Measured on an H100: ``docs/gpu.md``.
 """
 
 from __future__ import annotations
