@@ -17,6 +17,9 @@ idempotent client's producer id does not survive a broker restart). Broker fault
 the caller: they are counted in :attr:`EventProducer.metrics`, exported as OpenTelemetry counters,
 and reported to ``on_error``. Delivery is at-least-once at the transport (a batch that timed out
 may have been written); consumers deduplicate on ``event_id``.
+
+Size: over 400 lines because the send loop, the spool hand-off and the delivery callbacks share one
+ordering invariant (per-session order across broker outages) that reads best in one file.
 """
 
 from __future__ import annotations

@@ -20,6 +20,9 @@ so the spool can pass the bound by what the producer holds in memory.
 
 Each producer process locks one lane with ``flock``; a new producer takes the first free lane, so it
 picks up what a dead producer on that lane left behind.
+
+Size: over 400 lines because the segment format, its crash recovery and salvage, and lane locking
+are one invariant (a record leaves only after delivery) and are read and tested together.
 """
 
 from __future__ import annotations

@@ -22,6 +22,9 @@ Invariants:
 
 Every serving replica runs its own watcher over ALL partitions (manual assignment, not a consumer
 group): each replica must see every production change.
+
+Size: over 400 lines because production moves and canary starts and stops share one message loop,
+one dedupe of redelivered lifecycle messages and one state file; splitting them would split that loop.
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ import torch
 from app.checkpoints.store import MANIFEST, CheckpointStore
 from app.core.errors import CheckpointError
 from trainer.config import TrainerConfig
-from app.checkpoints.delta import DeltaStats, write_delta
+from app.checkpoints.delta import DELTA_FILE, DeltaStats, write_delta
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
                    "merges.txt", "added_tokens.json", "chat_template.jinja", "tokenizer.model",
