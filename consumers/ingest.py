@@ -48,11 +48,12 @@ from app.core.settings import get_settings
 from app.core.telemetry import tracer
 from app.repositories.events import stored_dead_letters
 from consumers import offsets
-from consumers.batch import (BatchOutcome, IngestStats, apply_batch, privacy_flagged_sessions,
-                             publish_private_sessions)
+from consumers.batch import apply_batch
+from consumers.counts import BatchOutcome, IngestStats
 from consumers.deadletter import Decoded, DeadLetterPublisher, Message, classify
 from consumers.finalize import finalize_due
 from consumers.isolation import apply_isolated
+from consumers.privacy_locks import privacy_flagged_sessions, publish_private_sessions
 from consumers.projection import ProjectionConfig, Projector
 from consumers.retry import Backoff, is_transient, is_unique_violation, retry_transient
 from consumers.rewards.spec import active_specs
