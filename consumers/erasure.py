@@ -74,9 +74,9 @@ def erase_now(session: Session, user_id: str, request_id: str) -> ErasureOutcome
     Takes the projection lock exclusively, so no ingest batch is half-way through the user's events.
     """
     conn = raw_connection(session)
-    from consumers.batch import PROJECTION_LOCK
+    from app.core.locks import AdvisoryLock
 
-    now = conn.execute("SELECT now(), pg_advisory_xact_lock(%s)", (PROJECTION_LOCK,)).fetchone()[0]
+    now = conn.execute("SELECT now(), pg_advisory_xact_lock(%s)", (AdvisoryLock.PROJECTION,)).fetchone()[0]
     return erase_user(session, user_id, request_id, now)
 
 

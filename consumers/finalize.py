@@ -18,7 +18,7 @@ from collections import Counter
 from app.core.db import session_scope
 from app.repositories import trajectories as trepo
 from app.repositories.events import raw_connection
-from consumers.batch import PROJECTION_LOCK
+from app.core.locks import AdvisoryLock
 from consumers.projection import Projector, TrajectoryState
 
 
@@ -30,7 +30,7 @@ def finalize_due_once(session, projector: Projector, grace_s: float, limit: int 
     """
     # shared like an ingest batch: an in-place replay (exclusive) never interleaves with a sweep
     now = raw_connection(session).execute("SELECT now(), pg_advisory_xact_lock_shared(%s)",
-                                          (PROJECTION_LOCK,)).fetchone()[0]
+                                          (AdvisoryLock.PROJECTION,)).fetchone()[0]
     due = trepo.due_for_window(session, now, grace_s, TrajectoryState, limit=limit)
     done: Counter = Counter()
     for t in due.values():

@@ -15,7 +15,8 @@ from collections.abc import Callable
 from sqlalchemy.orm import Session
 
 from app.core.db import session_scope
-from consumers.batch import BatchOutcome, apply_batch
+from consumers.batch import apply_batch
+from consumers.counts import BatchOutcome
 from consumers.deadletter import Decoded
 from consumers.projection import Projector
 from app.core.retry import is_transient

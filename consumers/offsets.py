@@ -9,7 +9,7 @@ below it would be skipped without a word.
 Invariant: every seek of the ingest consumer to a stored offset is checked by the fetch that
 follows it. A position past the log's end is answered "out of range"; the client falls back to the
 log's start, so the next records come below the position sought, and the consumer
-(``consumers.ingest.IngestConsumer``) then compares the stored offset with the log's end (the
+(``consumers.log_ends``, after every poll) then compares the stored offset with the log's end (the
 fetch's high-water mark; the broker's ``ListOffsets`` answer only if there is none: tansu's
 under-reports). A stored offset past the end is reported at ERROR with the partition and both
 offsets, counted (``flywheel.consumer.offset_resets``), and handled by

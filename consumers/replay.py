@@ -25,7 +25,8 @@ from sqlalchemy.orm import Session
 from app.core.db import session_scope
 from producers.events import validate_event
 from app.repositories.events import EVENT_COLUMNS, iter_event_rows, raw_connection
-from consumers.batch import PROJECTION_LOCK, project_events
+from app.core.locks import AdvisoryLock
+from consumers.batch import project_events
 from consumers.finalize import finalize_due_once
 from consumers.projection import Projector, StoredEvent
 
@@ -160,7 +161,7 @@ def replay(projector: Projector, *, grace_s: float, schema: str | None = None, c
         if schema is not None:
             _enter_shadow_schema(session, schema)
         else:
-            conn.execute("SELECT pg_advisory_xact_lock(%s)", (PROJECTION_LOCK,))
+            conn.execute("SELECT pg_advisory_xact_lock(%s)", (AdvisoryLock.PROJECTION,))
             before = dict(conn.execute("SELECT spec, count(*) FROM reward_label GROUP BY spec").fetchall())
             conn.execute("TRUNCATE " + ", ".join(PROJECTION_TABLES))
         rebuild(session, projector, grace_s=grace_s, chunk=chunk, report=report)

@@ -54,7 +54,7 @@ class ConsumerMetrics:
                                   unit="{event}/s", description="records applied per second (10 s window)")
 
     def record_batch(self, outcome, seconds: float) -> None:
-        """Count one applied batch (a ``consumers.batch.BatchOutcome``)."""
+        """Count one applied batch (a ``consumers.counts.BatchOutcome``)."""
         a = self._attrs
         for name, n in (("stored", outcome.stored), ("duplicate", outcome.duplicates), ("stale", outcome.stale),
                         ("dead_letter", sum(outcome.dead_letters.values())),

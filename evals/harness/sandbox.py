@@ -8,8 +8,10 @@ Invariants:
   process cannot write outside the task directory and its own scratch directory except in
   world-writable places (``/tmp``, sticky: it cannot touch anyone's files there, and what it
   leaves is swept after the run), and
-  ``RLIMIT_NPROC`` actually bounds a fork bomb (root is exempt from it). Not as root, the
-  process-count limit is relative to the user's current process count.
+  ``RLIMIT_NPROC`` actually bounds a fork bomb (root is exempt from it). That uid works on a copy
+  of the task directory in its scratch directory, synced back after the run
+  (``evals.harness.tree_sync``). Not as root, the process-count limit is relative to the user's
+  current process count.
 - No network when the kernel allows a new network namespace (``unshare -rn``, probed once per
   process); otherwise the run proceeds with the host network and ``SandboxResult.network_isolated``
   says so.
@@ -32,6 +34,8 @@ import time
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
+
+from evals.harness.tree_sync import chown_tree, sync_tree, tree_entries
 
 _MB = 1024 * 1024
 
@@ -248,73 +252,6 @@ def _sweep_world_writable(uid: int, keep: tuple[Path, ...]) -> None:
                 continue
 
 
-def _chown_tree(root: Path, uid: int, gid: int | None = None) -> None:
-    gid = uid if gid is None else gid
-    os.chown(root, uid, gid)
-    for dirpath, dirnames, filenames in os.walk(root):
-        for name in dirnames + filenames:
-            try:
-                os.chown(os.path.join(dirpath, name), uid, gid, follow_symlinks=False)
-            except FileNotFoundError:
-                continue
-
-
-MAX_TREE_ENTRIES = 20_000
-
-
-def tree_entries(root: Path, limit: int = MAX_TREE_ENTRIES) -> set[str]:
-    """Relative paths of every file, directory and symlink under ``root`` (symlinks not followed).
-
-    Raises:
-        ValueError: more than ``limit`` entries (not a task repository).
-    """
-    out: set[str] = set()
-    for dirpath, dirnames, filenames in os.walk(root):
-        rel_dir = Path(dirpath).relative_to(root)
-        for name in dirnames + filenames:
-            out.add(str(rel_dir / name))
-        if len(out) > limit:
-            raise ValueError(f"{root} has more than {limit} entries: not a task repository")
-    return out
-
-
-def sync_tree(src: Path, dst: Path, before: set[str], max_files: int = MAX_TREE_ENTRIES) -> None:
-    """Apply the sandbox's changes to ``dst``: what ``src`` holds is copied over (symlinks as links,
-    at most ``max_files`` entries), and what was in ``before`` (the tree copied in) but is gone from
-    ``src`` is deleted. Entries of ``dst`` the sandbox never saw are left alone."""
-    after = sorted(tree_entries(src, limit=10 * max_files))[:max_files]
-    for rel in after:
-        s_path, d_path = src / rel, dst / rel
-        if s_path.is_dir() and not s_path.is_symlink():
-            if d_path.is_symlink() or (d_path.exists() and not d_path.is_dir()):
-                d_path.unlink()
-            d_path.mkdir(parents=True, exist_ok=True)
-            continue
-        if d_path.is_dir() and not d_path.is_symlink():
-            shutil.rmtree(d_path)
-        elif d_path.is_symlink() or d_path.exists():
-            if not s_path.is_symlink() and not d_path.is_symlink() and _same_file(s_path, d_path):
-                continue
-            d_path.unlink()
-        d_path.parent.mkdir(parents=True, exist_ok=True)
-        if s_path.is_symlink():
-            os.symlink(os.readlink(s_path), d_path)
-        else:
-            shutil.copyfile(s_path, d_path)
-    for rel in sorted(before - set(after), key=lambda r: -r.count(os.sep)):  # deepest first
-        target = dst / rel
-        if target.is_dir() and not target.is_symlink():
-            shutil.rmtree(target, ignore_errors=True)
-        else:
-            target.unlink(missing_ok=True)
-
-
-def _same_file(a: Path, b: Path) -> bool:
-    if a.stat().st_size != b.stat().st_size:
-        return False
-    return a.read_bytes() == b.read_bytes()
-
-
 def run_in_sandbox(cmd: str | list[str], cwd: Path, limits: SandboxLimits | None = None) -> SandboxResult:
     """Run ``cmd`` (a shell string, or an argv list) in ``cwd`` under ``limits``.
 
@@ -367,7 +304,7 @@ def run_in_sandbox(cmd: str | list[str], cwd: Path, limits: SandboxLimits | None
         run_cwd = scratch / "repo"
         before = tree_entries(cwd)
         shutil.copytree(cwd, run_cwd, symlinks=True)
-        _chown_tree(scratch, uid)
+        chown_tree(scratch, uid)
         user_kwargs = {"user": uid, "group": uid, "extra_groups": []}
     started = time.perf_counter()
     timed_out = False

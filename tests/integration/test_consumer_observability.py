@@ -80,13 +80,14 @@ def test_a_stuck_group_join_is_abandoned_for_a_fresh_client(monkeypatch):
         def close(self, autocommit):
             closed.append(autocommit)
 
-    consumer._consumer = Stuck()
-    monkeypatch.setattr(consumer, "_kafka_consumer", lambda: "fresh client")
-    consumer._joining_since = 100.0
-    consumer._rejoin_if_stuck(100.0 + 14.0)  # < 3 x max_poll_interval (5 s): a join may take that long
-    assert consumer._consumer.__class__ is Stuck and closed == []
-    consumer._rejoin_if_stuck(100.0 + 31.0)
-    assert consumer._consumer == "fresh client" and closed == [False]  # left without committing
-    consumer._joining_since = None  # joined: nothing to watch
-    consumer._rejoin_if_stuck(10_000.0)
-    assert consumer._consumer == "fresh client"
+    client = consumer.client
+    client.consumer = Stuck()
+    monkeypatch.setattr(client, "new_consumer", lambda: "fresh client")
+    client.joining_since = 100.0
+    client.rejoin_if_stuck(100.0 + 14.0)  # < 3 x max_poll_interval (5 s): a join may take that long
+    assert client.consumer.__class__ is Stuck and closed == []
+    client.rejoin_if_stuck(100.0 + 31.0)
+    assert client.consumer == "fresh client" and closed == [False]  # left without committing
+    client.joining_since = None  # joined: nothing to watch
+    client.rejoin_if_stuck(10_000.0)
+    assert client.consumer == "fresh client"

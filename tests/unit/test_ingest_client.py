@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from consumers.ingest import kafka_net_client
+from consumers.kafka_client import kafka_net_client
 
 
 async def _busy_step() -> int:
