@@ -31,7 +31,9 @@ def db_downgrade(revision: str = typer.Argument(..., help="target revision, e.g.
 
 
 @events_app.command("schema")
-def events_schema(out: Path | None = typer.Option(None, "--out", "-o", help="file to write; stdout if omitted")) -> None:
+def events_schema(
+    out: Path | None = typer.Option(None, "--out", "-o", help="file to write; stdout if omitted"),
+) -> None:
     """Write the JSON Schema of the event envelope and every event type."""
     from producers.events import event_json_schema
 

@@ -38,7 +38,7 @@ import sys
 import tempfile
 import time
 import uuid
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 TARGET = 0.3
@@ -46,6 +46,7 @@ ENDPOINTS = ("/v1/checkpoints", "/v1/production")
 
 
 # ---- the bare baseline app (run with --serve-bare) ------------------------------------------------
+
 
 def bare_app(fixtures: dict[str, object]):
     """A FastAPI app that answers each path in ``fixtures`` with that JSON (no DB, no auth)."""
@@ -60,11 +61,17 @@ def bare_app(fixtures: dict[str, object]):
 def serve_bare(port: int, fixture_file: Path) -> None:
     import uvicorn
 
-    uvicorn.run(bare_app(json.loads(fixture_file.read_text())), host="127.0.0.1", port=port,
-                log_level="warning", access_log=False)
+    uvicorn.run(
+        bare_app(json.loads(fixture_file.read_text())),
+        host="127.0.0.1",
+        port=port,
+        log_level="warning",
+        access_log=False,
+    )
 
 
 # ---- database ------------------------------------------------------------------------------------
+
 
 def admin_url(explicit: str | None, tmp: Path) -> tuple[str, object | None]:
     """A maintenance-database URL and, if we had to start one, the embedded server's datadir."""
@@ -90,31 +97,50 @@ def seed(url: str, n: int) -> str:
     from app.promotion.tokens import TOKEN_PREFIX, hash_token
 
     upgrade(url=url)
-    now = datetime.now(timezone.utc)
+    now = datetime.now(UTC)
     statuses = ("retired", "gate_failed", "rejected", "gate_passed", "candidate")
     rows = []
     for i in range(n):
         cid = f"ckpt-{i:05d}"
         status = "production" if i == n - 1 else statuses[i % len(statuses)]
-        rows.append((cid, f"ckpt-{i - 1:05d}" if i else None, status, f"/srv/checkpoints/{cid}", True, i,
-                     "implicit@1", json.dumps({"parent_id": f"ckpt-{i - 1:05d}" if i else None}),
-                     json.dumps({"loss": 0.5 - i * 1e-4, "kl": 0.01}), 100 + i, now - timedelta(minutes=n - i)))
+        rows.append(
+            (
+                cid,
+                f"ckpt-{i - 1:05d}" if i else None,
+                status,
+                f"/srv/checkpoints/{cid}",
+                True,
+                i,
+                "implicit@1",
+                json.dumps({"parent_id": f"ckpt-{i - 1:05d}" if i else None}),
+                json.dumps({"loss": 0.5 - i * 1e-4, "kl": 0.01}),
+                100 + i,
+                now - timedelta(minutes=n - i),
+            )
+        )
     token = TOKEN_PREFIX + uuid.uuid4().hex
     with psycopg.connect(url) as conn:
         with conn.cursor() as cur:
             cur.executemany(
                 "INSERT INTO checkpoint (id, parent_id, status, path, stable, generation, reward_spec, manifest,"
                 " metrics, num_trajectories, trained_on_erased, created_at)"
-                " VALUES (%s,%s,%s,%s,%s,%s,%s,%s,%s,%s,false,%s)", rows)
-            cur.execute("INSERT INTO promotion (id, kind, checkpoint_id, previous_production_id, actor, reason)"
-                        " VALUES (%s, 'promotion', %s, %s, 'bench', 'seed')",
-                        (uuid.uuid4(), f"ckpt-{n - 1:05d}", f"ckpt-{n - 2:05d}"))
-            cur.execute("INSERT INTO api_token (id, name, role, token_hash) VALUES (%s, 'bench', 'viewer', %s)",
-                        (uuid.uuid4(), hash_token(token)))
+                " VALUES (%s,%s,%s,%s,%s,%s,%s,%s,%s,%s,false,%s)",
+                rows,
+            )
+            cur.execute(
+                "INSERT INTO promotion (id, kind, checkpoint_id, previous_production_id, actor, reason)"
+                " VALUES (%s, 'promotion', %s, %s, 'bench', 'seed')",
+                (uuid.uuid4(), f"ckpt-{n - 1:05d}", f"ckpt-{n - 2:05d}"),
+            )
+            cur.execute(
+                "INSERT INTO api_token (id, name, role, token_hash) VALUES (%s, 'bench', 'viewer', %s)",
+                (uuid.uuid4(), hash_token(token)),
+            )
     return token
 
 
 # ---- servers and load --------------------------------------------------------------------------------
+
 
 def start(cmd: list[str], env: dict[str, str], port: int) -> subprocess.Popen:
     import httpx
@@ -141,6 +167,7 @@ async def drive(base: str, path: str, headers: dict[str, str], n: int, concurren
     queue = iter(range(n))
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
     async with httpx.AsyncClient(base_url=base, headers=headers, limits=limits, timeout=30) as client:
+
         async def worker() -> None:
             for _ in queue:
                 t0 = time.perf_counter()
@@ -153,8 +180,12 @@ async def drive(base: str, path: str, headers: dict[str, str], n: int, concurren
         await asyncio.gather(*(worker() for _ in range(concurrency)))
         elapsed = time.perf_counter() - start_t
     latencies.sort()
-    return {"rps": n / elapsed, "p50_ms": 1000 * latencies[len(latencies) // 2],
-            "p99_ms": 1000 * latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))], "seconds": elapsed}
+    return {
+        "rps": n / elapsed,
+        "p50_ms": 1000 * latencies[len(latencies) // 2],
+        "p99_ms": 1000 * latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))],
+        "seconds": elapsed,
+    }
 
 
 def free_port() -> int:
@@ -192,25 +223,58 @@ def main() -> None:
     procs: list[subprocess.Popen] = []
     try:
         token = seed(url, args.checkpoints)
-        env = {**os.environ, "FLYWHEEL_DATABASE_URL": url, "FLYWHEEL_HOME": str(tmp / "home"),
-               "FLYWHEEL_TELEMETRY_EXPORTER": "none"}
+        env = {
+            **os.environ,
+            "FLYWHEEL_DATABASE_URL": url,
+            "FLYWHEEL_HOME": str(tmp / "home"),
+            "FLYWHEEL_TELEMETRY_EXPORTER": "none",
+        }
         ours_port, bare_port = free_port(), free_port()
-        procs.append(start([sys.executable, "-m", "uvicorn", "app.api.main:create_app", "--factory",
-                            "--host", "127.0.0.1", "--port", str(ours_port), "--log-level", "warning",
-                            "--no-access-log"], env, ours_port))
+        procs.append(
+            start(
+                [
+                    sys.executable,
+                    "-m",
+                    "uvicorn",
+                    "app.api.main:create_app",
+                    "--factory",
+                    "--host",
+                    "127.0.0.1",
+                    "--port",
+                    str(ours_port),
+                    "--log-level",
+                    "warning",
+                    "--no-access-log",
+                ],
+                env,
+                ours_port,
+            )
+        )
         ours = f"http://127.0.0.1:{ours_port}"
         headers = {"Authorization": f"Bearer {token}"}
         fixtures = {p: httpx.get(ours + p, headers=headers).json() for p in ENDPOINTS}
         assert len(fixtures["/v1/checkpoints"]["items"]) == 50
         (tmp / "fixtures.json").write_text(json.dumps(fixtures))
-        procs.append(start([sys.executable, str(Path(__file__).resolve()), "--serve-bare", str(bare_port),
-                            "--fixtures", str(tmp / "fixtures.json")], env, bare_port))
+        procs.append(
+            start(
+                [
+                    sys.executable,
+                    str(Path(__file__).resolve()),
+                    "--serve-bare",
+                    str(bare_port),
+                    "--fixtures",
+                    str(tmp / "fixtures.json"),
+                ],
+                env,
+                bare_port,
+            )
+        )
         bare = f"http://127.0.0.1:{bare_port}"
         for p in ENDPOINTS:  # same bytes on both sides
             assert httpx.get(bare + p).json() == fixtures[p]
 
         results: dict[tuple[str, str], list[dict[str, float]]] = {}
-        for base, hdrs, label in ((ours, headers, "ours"), (bare, {}, "bare")):  # warm-up
+        for base, hdrs, _label in ((ours, headers, "ours"), (bare, {}, "bare")):  # warm-up
             for p in ENDPOINTS:
                 asyncio.run(drive(base, p, hdrs, 50, args.concurrency))
         for _ in range(rounds):
@@ -222,8 +286,10 @@ def main() -> None:
             runs = sorted(results[(label, p)], key=lambda r: r["rps"])
             return runs[len(runs) // 2]
 
-        print(f"{args.checkpoints} checkpoints seeded; {n} requests x {rounds} round(s) per endpoint, "
-              f"concurrency {args.concurrency}, loopback, separate processes")
+        print(
+            f"{args.checkpoints} checkpoints seeded; {n} requests x {rounds} round(s) per endpoint, "
+            f"concurrency {args.concurrency}, loopback, separate processes"
+        )
         print(f"{'endpoint':<18}{'server':<10}{'req/s':>10}{'p50 ms':>10}{'p99 ms':>10}")
         agg = {}
         for label in ("ours", "bare"):
@@ -234,8 +300,19 @@ def main() -> None:
                 print(f"{p:<18}{label:<10}{m['rps']:>10.0f}{m['p50_ms']:>10.2f}{m['p99_ms']:>10.2f}")
             agg[label] = len(ENDPOINTS) * n / secs
         ratio = agg["ours"] / agg["bare"]
-        print(json.dumps({"bench": "api", "ours": round(agg["ours"], 1), "baseline": round(agg["bare"], 1),
-                          "unit": "req/s", "ratio": round(ratio, 3), "target": TARGET, "pass": ratio >= TARGET}))
+        print(
+            json.dumps(
+                {
+                    "bench": "api",
+                    "ours": round(agg["ours"], 1),
+                    "baseline": round(agg["bare"], 1),
+                    "unit": "req/s",
+                    "ratio": round(ratio, 3),
+                    "target": TARGET,
+                    "pass": ratio >= TARGET,
+                }
+            )
+        )
     finally:
         for proc in procs:
             proc.terminate()

@@ -91,12 +91,24 @@ def seed_passed_gate(checkpoint_id: str, production_id: str, min_sessions: int, 
     from evals.config import load_gate_config
 
     config = load_gate_config()
-    config = config.model_copy(update={"online": config.online.model_copy(
-        update={"required": True, "min_sessions": min_sessions, "signals": signals})})
+    config = config.model_copy(
+        update={
+            "online": config.online.model_copy(
+                update={"required": True, "min_sessions": min_sessions, "signals": signals}
+            )
+        }
+    )
     with session_scope() as session:
-        session.add(GateDecision(id=uuid.uuid4(), candidate_id=checkpoint_id, production_id=production_id, passed=True,
-                                 reasons=[], report={"config": config.model_dump(mode="json"),
-                                                     "note": "bench/canary.py: offline gate not run here"}))
+        session.add(
+            GateDecision(
+                id=uuid.uuid4(),
+                candidate_id=checkpoint_id,
+                production_id=production_id,
+                passed=True,
+                reasons=[],
+                report={"config": config.model_dump(mode="json"), "note": "bench/canary.py: offline gate not run here"},
+            )
+        )
         session.get(Checkpoint, checkpoint_id).status = "gate_passed"
 
 
@@ -126,23 +138,40 @@ def run_canary(checkpoint_id: str, prod_engine, config, args) -> dict:
     from consumers.finalize import finalize_due
     from consumers.ingest import IngestConsumer, projector_from_settings
     from consumers.settings import get_consumer_settings
-    from serving.canary import ActiveCanary, EngineRouter, setup_canary_engine
-    from producers.producer import EventProducer
     from ops.simulator import run_simulation
+    from producers.producer import EventProducer
+    from serving.canary import ActiveCanary, EngineRouter, setup_canary_engine
 
     with session_scope() as session:
-        canary = start_canary(session, checkpoint_id=checkpoint_id, fraction=args.fraction, actor="bench",
-                              reason="bench: online signals of a candidate")
-        active = ActiveCanary(canary_id=str(canary.id), checkpoint_id=checkpoint_id, fraction=canary.fraction,
-                              path=session.get(Checkpoint, checkpoint_id).path)
+        canary = start_canary(
+            session,
+            checkpoint_id=checkpoint_id,
+            fraction=args.fraction,
+            actor="bench",
+            reason="bench: online signals of a candidate",
+        )
+        active = ActiveCanary(
+            canary_id=str(canary.id),
+            checkpoint_id=checkpoint_id,
+            fraction=canary.fraction,
+            path=session.get(Checkpoint, checkpoint_id).path,
+        )
     router = EngineRouter(prod_engine)
     router.start(active, setup_canary_engine(checkpoint_id, Path(active.path)))
     t = time.monotonic()
     with EventProducer() as producer:
-        summaries = run_simulation(config, prod_engine, producer.emit, engine_for=router.engine_for,
-                                   progress=lambda s: print(f"  session {s['session']:3d} {s.get('checkpoint_id', '?'):>5s}"
-                                                            f" edited={s.get('edited')} {s.get('wall_s')} s",
-                                                            file=sys.stderr, flush=True))
+        summaries = run_simulation(
+            config,
+            prod_engine,
+            producer.emit,
+            engine_for=router.engine_for,
+            progress=lambda s: print(
+                f"  session {s['session']:3d} {s.get('checkpoint_id', '?'):>5s}"
+                f" edited={s.get('edited')} {s.get('wall_s')} s",
+                file=sys.stderr,
+                flush=True,
+            ),
+        )
         producer.flush(timeout_s=60)
     simulate_s = time.monotonic() - t
     router.stop()
@@ -154,8 +183,13 @@ def run_canary(checkpoint_id: str, prod_engine, config, args) -> dict:
 
     session = get_sessionmaker()()
     try:  # the real promotion path decides; rolled back so production stays base for the next canary
-        promote_checkpoint(session, checkpoint_id=checkpoint_id, expected_production_id="base", actor="bench",
-                           reason="bench: would the policy allow it")
+        promote_checkpoint(
+            session,
+            checkpoint_id=checkpoint_id,
+            expected_production_id="base",
+            actor="bench",
+            reason="bench: would the policy allow it",
+        )
         allowed, reasons = True, []
     except ConflictError as exc:
         allowed, reasons = False, exc.reasons
@@ -176,27 +210,41 @@ def run_canary(checkpoint_id: str, prod_engine, config, args) -> dict:
         arm = edited.setdefault(s.get("checkpoint_id", "?"), [0, 0])
         arm[0] += 1
         arm[1] += bool(s.get("edited"))
-    return {"allowed": allowed, "reasons": reasons, "naive_allowed": not naive, "naive_reasons": naive,
-            "view": view, "sessions_edited": edited, "errors": sum(1 for s in summaries if "error" in s),
-            "simulate_s": round(simulate_s, 1), "ingest_finalize_s": round(ingest_s, 1)}
+    return {
+        "allowed": allowed,
+        "reasons": reasons,
+        "naive_allowed": not naive,
+        "naive_reasons": naive,
+        "view": view,
+        "sessions_edited": edited,
+        "errors": sum(1 for s in summaries if "error" in s),
+        "simulate_s": round(simulate_s, 1),
+        "ingest_finalize_s": round(ingest_s, 1),
+    }
 
 
 def print_view(name: str, out: dict) -> None:
     view = out["view"]
-    print(f"\n== canary of {name}: {view['canary_sessions']} canary vs {view['production_sessions']} production "
-          f"sessions (sessions, edited per checkpoint: {out['sessions_edited']}; simulate {out['simulate_s']} s, "
-          f"ingest+finalize {out['ingest_finalize_s']} s)")
+    print(
+        f"\n== canary of {name}: {view['canary_sessions']} canary vs {view['production_sessions']} production "
+        f"sessions (sessions, edited per checkpoint: {out['sessions_edited']}; simulate {out['simulate_s']} s, "
+        f"ingest+finalize {out['ingest_finalize_s']} s)"
+    )
     print(f"{'signal':28s} {'canary':>10s} {'production':>10s} {'diff':>10s}  95% CI (clustered by user)")
     fmt = lambda v: "-" if v is None else f"{v:.4g}"  # noqa: E731
     for name_ in SIGNAL_ORDER:
         d = view["signals"][name_]
         ci = "-" if d["low"] is None else f"[{d['low']:+.4g}, {d['high']:+.4g}]"
-        print(f"{name_:28s} {fmt(d['canary']):>10s} {fmt(d['production']):>10s} {fmt(d['diff']):>10s}  {ci}"
-              f"{'  REGRESSED' if d['regressed'] else ''}")
+        print(
+            f"{name_:28s} {fmt(d['canary']):>10s} {fmt(d['production']):>10s} {fmt(d['diff']):>10s}  {ci}"
+            f"{'  REGRESSED' if d['regressed'] else ''}"
+        )
     verdict = "allows" if out["allowed"] else "refuses"
     print(f"policy {verdict} promotion" + "".join(f"\n  - {r}" for r in out["reasons"]))
-    print(f"naive i.i.d. interval would {'allow' if out['naive_allowed'] else 'refuse'}"
-          + "".join(f"\n  - {r}" for r in out["naive_reasons"]))
+    print(
+        f"naive i.i.d. interval would {'allow' if out['naive_allowed'] else 'refuse'}"
+        + "".join(f"\n  - {r}" for r in out["naive_reasons"])
+    )
 
 
 def main() -> None:
@@ -205,11 +253,17 @@ def main() -> None:
     ap.add_argument("--sessions", type=int, default=None, help="simulated sessions per canary")
     ap.add_argument("--source", default="dataframebench", help="simulator task source (training split)")
     ap.add_argument("--fraction", type=float, default=0.5, help="share of users in the canary arm")
-    ap.add_argument("--noise", type=float, default=0.5, help="noise of the bad candidate, in units of each tensor's std")
+    ap.add_argument(
+        "--noise", type=float, default=0.5, help="noise of the bad candidate, in units of each tensor's std"
+    )
     ap.add_argument("--min-sessions", type=int, default=None, help="the online policy's fewest sessions per arm")
-    ap.add_argument("--signals", nargs="+", choices=SIGNAL_ORDER,
-                    default=[s for s in SIGNAL_ORDER if s != "latency_per_token"],
-                    help="signals the policy requires (default: all but latency_per_token, see the docstring)")
+    ap.add_argument(
+        "--signals",
+        nargs="+",
+        choices=SIGNAL_ORDER,
+        default=[s for s in SIGNAL_ORDER if s != "latency_per_token"],
+        help="signals the policy requires (default: all but latency_per_token, see the docstring)",
+    )
     ap.add_argument("--max-tokens-per-turn", type=int, default=None)
     ap.add_argument("--threads", type=int, default=2, help="torch CPU threads")
     ap.add_argument("--seed", type=int, default=0)
@@ -221,8 +275,12 @@ def main() -> None:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a timeout still stops the broker, drops the database
 
     tmp = Path(tempfile.mkdtemp(prefix="flywheel-bench-canary-"))
-    os.environ.update(FLYWHEEL_HOME=str(tmp), FLYWHEEL_CONSUMER_SIGNAL_WINDOW_S="2",
-                      FLYWHEEL_CONSUMER_FINALIZE_GRACE_S="0", FLYWHEEL_CONSUMER_FINALIZE_INTERVAL_S="1")
+    os.environ.update(
+        FLYWHEEL_HOME=str(tmp),
+        FLYWHEEL_CONSUMER_SIGNAL_WINDOW_S="2",
+        FLYWHEEL_CONSUMER_FINALIZE_GRACE_S="0",
+        FLYWHEEL_CONSUMER_FINALIZE_INTERVAL_S="1",
+    )
     os.environ.setdefault("FLYWHEEL_TELEMETRY_EXPORTER", "none")
     os.environ["FLYWHEEL_SERVING_ENGINE"] = "torch"
     import torch
@@ -234,34 +292,55 @@ def main() -> None:
     admin, stop_server = scratch_server(tmp)
     drop = None
     try:
-        topics = {"interactions": "bench.canary.interactions", "dlq": "bench.canary.dlq",
-                  "lifecycle": "bench.canary.lifecycle"}
+        topics = {
+            "interactions": "bench.canary.interactions",
+            "dlq": "bench.canary.dlq",
+            "lifecycle": "bench.canary.lifecycle",
+        }
         create_topics(broker.bootstrap, {topics["interactions"]: 4, topics["dlq"]: 1, topics["lifecycle"]: 1})
         url, drop = scratch_database(admin)
-        os.environ.update(FLYWHEEL_DATABASE_URL=url, FLYWHEEL_KAFKA_BOOTSTRAP=broker.bootstrap,
-                          FLYWHEEL_KAFKA_INTERACTIONS_TOPIC=topics["interactions"],
-                          FLYWHEEL_KAFKA_DLQ_TOPIC=topics["dlq"], FLYWHEEL_KAFKA_LIFECYCLE_TOPIC=topics["lifecycle"],
-                          FLYWHEEL_KAFKA_CONSUMER_GROUP=f"bench-canary-{uuid.uuid4().hex[:6]}")
+        os.environ.update(
+            FLYWHEEL_DATABASE_URL=url,
+            FLYWHEEL_KAFKA_BOOTSTRAP=broker.bootstrap,
+            FLYWHEEL_KAFKA_INTERACTIONS_TOPIC=topics["interactions"],
+            FLYWHEEL_KAFKA_DLQ_TOPIC=topics["dlq"],
+            FLYWHEEL_KAFKA_LIFECYCLE_TOPIC=topics["lifecycle"],
+            FLYWHEEL_KAFKA_CONSUMER_GROUP=f"bench-canary-{uuid.uuid4().hex[:6]}",
+        )
         from app.core.settings import get_settings
         from consumers.settings import get_consumer_settings
 
         get_settings.cache_clear()
         get_consumer_settings.cache_clear()
         from app.checkpoints.publish import converted_base_dir, init_base, register_model
-        from serving.torch_engine import TorchEngine
         from ops.simulator import SimulatorConfig
+        from serving.torch_engine import TorchEngine
 
         base_path = init_base()
         register_model(base_path, "same", "candidate", source="copy of base")
-        register_model(write_noisy_copy(converted_base_dir(), tmp / "noisy", args.noise, args.seed), "bad",
-                       "candidate", source=f"base + {args.noise} std Gaussian noise")
+        register_model(
+            write_noisy_copy(converted_base_dir(), tmp / "noisy", args.noise, args.seed),
+            "bad",
+            "candidate",
+            source=f"base + {args.noise} std Gaussian noise",
+        )
         shutil.rmtree(tmp / "noisy")
         for cid in ("bad", "same"):
             seed_passed_gate(cid, "base", args.min_sessions, args.signals)
         prod_engine = TorchEngine(base_path, checkpoint_id="base")
-        config = SimulatorConfig(sessions=sessions, group_size=12, max_turns=1, max_tokens=max_tokens,
-                                 max_tokens_per_turn=max_tokens, source=args.source, privacy_rate=0.0,
-                                 persistence_delay_s=0.5, followup_delay_s=0.2, users=4 * sessions, seed=args.seed)
+        config = SimulatorConfig(
+            sessions=sessions,
+            group_size=12,
+            max_turns=1,
+            max_tokens=max_tokens,
+            max_tokens_per_turn=max_tokens,
+            source=args.source,
+            privacy_rate=0.0,
+            persistence_delay_s=0.5,
+            followup_delay_s=0.2,
+            users=4 * sessions,
+            seed=args.seed,
+        )
         results = {cid: run_canary(cid, prod_engine, config, args) for cid in ("bad", "same")}
     finally:
         stop_pid(broker.pid)
@@ -274,20 +353,50 @@ def main() -> None:
     bad_blocked, equal_allowed = not results["bad"]["allowed"], results["same"]["allowed"]
     naive_correct = int(not results["bad"]["naive_allowed"]) + int(results["same"]["naive_allowed"])
     ours = int(bad_blocked) + int(equal_allowed)
-    diffs = {cid: {s: [round(v, 5) if v is not None else None for v in
-                       (out["view"]["signals"][s]["diff"], out["view"]["signals"][s]["low"],
-                        out["view"]["signals"][s]["high"])] for s in SIGNAL_ORDER}
-             for cid, out in results.items()}
-    print(json.dumps({
-        "bench": "canary", "ours": ours, "baseline": 2, "unit": "correct policy decisions (bad blocked, equal allowed)",
-        "ratio": ours / 2, "target": 1.0, "pass": bad_blocked and equal_allowed,
-        "bad_blocked": bad_blocked, "equal_allowed": equal_allowed, "naive_iid_correct": naive_correct,
-        "bad_reasons": results["bad"]["reasons"], "equal_reasons": results["same"]["reasons"],
-        "sessions": {cid: [out["view"]["canary_sessions"], out["view"]["production_sessions"]]
-                     for cid, out in results.items()},
-        "diffs_with_95ci": diffs, "source": args.source, "noise": args.noise, "fraction": args.fraction,
-        "min_sessions": args.min_sessions, "policy_signals": args.signals, "max_tokens_per_turn": max_tokens,
-        "wall_s": round(time.monotonic() - started, 1)}))
+    diffs = {
+        cid: {
+            s: [
+                round(v, 5) if v is not None else None
+                for v in (
+                    out["view"]["signals"][s]["diff"],
+                    out["view"]["signals"][s]["low"],
+                    out["view"]["signals"][s]["high"],
+                )
+            ]
+            for s in SIGNAL_ORDER
+        }
+        for cid, out in results.items()
+    }
+    print(
+        json.dumps(
+            {
+                "bench": "canary",
+                "ours": ours,
+                "baseline": 2,
+                "unit": "correct policy decisions (bad blocked, equal allowed)",
+                "ratio": ours / 2,
+                "target": 1.0,
+                "pass": bad_blocked and equal_allowed,
+                "bad_blocked": bad_blocked,
+                "equal_allowed": equal_allowed,
+                "naive_iid_correct": naive_correct,
+                "bad_reasons": results["bad"]["reasons"],
+                "equal_reasons": results["same"]["reasons"],
+                "sessions": {
+                    cid: [out["view"]["canary_sessions"], out["view"]["production_sessions"]]
+                    for cid, out in results.items()
+                },
+                "diffs_with_95ci": diffs,
+                "source": args.source,
+                "noise": args.noise,
+                "fraction": args.fraction,
+                "min_sessions": args.min_sessions,
+                "policy_signals": args.signals,
+                "max_tokens_per_turn": max_tokens,
+                "wall_s": round(time.monotonic() - started, 1),
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

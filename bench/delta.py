@@ -34,19 +34,24 @@ def build_batches(model, tokenizer, n_tasks: int, completion_tokens: int, temper
     from trainer.loss import compute_advantages
     from trainer.testing import make_segment, make_trajectory, sequence_logprobs
 
-    requests = ["Write a pandas function that returns the rows of df where column 'a' is above its mean.",
-                "Fix the failing test: the function should return the sum of squares of a list.",
-                "Add type hints to this module and make the linter pass.",
-                "Read data.csv and plot the monthly totals with matplotlib."]
-    answer = ("def solve(df):\n    mean = df['a'].mean()\n    return df[df['a'] > mean]\n\n"
-              "# run the tests to check\nimport pytest\npytest.main(['-q'])\n") * 8
+    requests = [
+        "Write a pandas function that returns the rows of df where column 'a' is above its mean.",
+        "Fix the failing test: the function should return the sum of squares of a list.",
+        "Add type hints to this module and make the linter pass.",
+        "Read data.csv and plot the monthly totals with matplotlib.",
+    ]
+    answer = (
+        "def solve(df):\n    mean = df['a'].mean()\n    return df[df['a'] > mean]\n\n"
+        "# run the tests to check\nimport pytest\npytest.main(['-q'])\n"
+    ) * 8
     trajs = []
     for k in range(n_tasks):
-        text = tokenizer.apply_chat_template([{"role": "user", "content": requests[k % len(requests)]}],
-                                             add_generation_prompt=True, tokenize=False)
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": requests[k % len(requests)]}], add_generation_prompt=True, tokenize=False
+        )
         prompt = tokenizer(text, add_special_tokens=False)["input_ids"]
         for j, reward in enumerate((1.0, 0.0)):
-            completion = tokenizer(answer[j * 7:], add_special_tokens=False)["input_ids"][:completion_tokens]
+            completion = tokenizer(answer[j * 7 :], add_special_tokens=False)["input_ids"][:completion_tokens]
             behaviour = sequence_logprobs(model, prompt + completion, temperature)
             trajs.append(make_trajectory([make_segment(prompt, completion, behaviour)], reward, task_id=f"t{k}"))
     adv = compute_advantages(torch.tensor([t.reward for t in trajs]), group_ids(trajs))
@@ -67,10 +72,10 @@ def main() -> None:
     from safetensors.torch import load_file
     from transformers import AutoTokenizer
 
+    from app.checkpoints.delta import apply_delta, serving_state_dict, write_delta
     from app.checkpoints.publish import converted_base_dir
     from trainer.checkpointing import load_policy
     from trainer.config import load_config
-    from app.checkpoints.delta import apply_delta, serving_state_dict, write_delta
     from trainer.step import compute_old_logprobs, make_optimizer, train_steps
 
     torch.set_num_threads(args.threads)
@@ -98,20 +103,39 @@ def main() -> None:
         full = serving_state_dict(load_file(tmp / "child" / "model.safetensors"))
         load_s = time.perf_counter() - start
         exact = all(torch.equal(rebuilt[k].view(torch.int16), child[k].view(torch.int16)) for k in child) and all(
-            torch.equal(full[k].view(torch.int16), child[k].view(torch.int16)) for k in full)
+            torch.equal(full[k].view(torch.int16), child[k].view(torch.int16)) for k in full
+        )
         fp32_bytes = (tmp / "child" / "model.safetensors").stat().st_size
 
-    print(f"SmolLM2-135M, one RL step ({history[0].trainable_tokens} trainable tokens, lr {config.optim.lr:g}, "
-          f"{step_s:.1f} s): {stats.changed_elements:,} of {stats.total_elements:,} bf16 weights changed "
-          f"({stats.changed_elements / stats.total_elements:.2%}) in {stats.changed_tensors}/{stats.tensors} tensors")
-    print(f"delta {stats.delta_bytes / 2**20:.2f} MiB vs bf16 weights {stats.full_bytes / 2**20:.1f} MiB "
-          f"({stats.ratio:.2%}); fp32 master {fp32_bytes / 2**20:.1f} MiB")
+    print(
+        f"SmolLM2-135M, one RL step ({history[0].trainable_tokens} trainable tokens, lr {config.optim.lr:g}, "
+        f"{step_s:.1f} s): {stats.changed_elements:,} of {stats.total_elements:,} bf16 weights changed "
+        f"({stats.changed_elements / stats.total_elements:.2%}) in {stats.changed_tensors}/{stats.tensors} tensors"
+    )
+    print(
+        f"delta {stats.delta_bytes / 2**20:.2f} MiB vs bf16 weights {stats.full_bytes / 2**20:.1f} MiB "
+        f"({stats.ratio:.2%}); fp32 master {fp32_bytes / 2**20:.1f} MiB"
+    )
     print(f"apply delta {apply_s:.2f} s vs full load {load_s:.2f} s; bit-exact: {exact}")
-    print(json.dumps({"bench": "delta", "ours": stats.delta_bytes, "baseline": stats.full_bytes, "unit": "bytes",
-                      "ratio": round(stats.ratio, 4), "target": TARGET, "pass": stats.ratio <= TARGET and exact,
-                      "changed_fraction": round(stats.changed_elements / stats.total_elements, 5),
-                      "apply_s": round(apply_s, 3), "full_load_s": round(load_s, 3),
-                      "write_s": round(stats.seconds, 3), "bit_exact": exact, "quick": args.quick}))
+    print(
+        json.dumps(
+            {
+                "bench": "delta",
+                "ours": stats.delta_bytes,
+                "baseline": stats.full_bytes,
+                "unit": "bytes",
+                "ratio": round(stats.ratio, 4),
+                "target": TARGET,
+                "pass": stats.ratio <= TARGET and exact,
+                "changed_fraction": round(stats.changed_elements / stats.total_elements, 5),
+                "apply_s": round(apply_s, 3),
+                "full_load_s": round(load_s, 3),
+                "write_s": round(stats.seconds, 3),
+                "bit_exact": exact,
+                "quick": args.quick,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

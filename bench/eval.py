@@ -87,9 +87,11 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, list[float]] = {"bare": [], "sandbox_1": [], "sandbox_2": []}
     try:
         for _ in range(rounds):
-            for name, fn, workers in (("bare", lambda t, d: bare_check(t, d, args.timeout), 1),
-                                      ("sandbox_1", lambda t, d: grade(t, d, limits), 1),
-                                      ("sandbox_2", lambda t, d: grade(t, d, limits), 2)):
+            for name, fn, workers in (
+                ("bare", lambda t, d: bare_check(t, d, args.timeout), 1),
+                ("sandbox_1", lambda t, d: grade(t, d, limits), 1),
+                ("sandbox_2", lambda t, d: grade(t, d, limits), 2),
+            ):
                 rate, passed = timed(fn, tasks, workers, root)
                 if passed != len(tasks):
                     print(f"{name}: only {passed}/{len(tasks)} reference solutions passed", file=sys.stderr)
@@ -100,12 +102,24 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(root, ignore_errors=True)
     med = {k: statistics.median(v) for k, v in results.items()}
     ratio = med["sandbox_2"] / med["bare"]
-    print(json.dumps({"bench": "eval", "ours": round(med["sandbox_2"], 3), "baseline": round(med["bare"], 3),
-                      "unit": "tasks/s", "ratio": round(ratio, 3), "target": TARGET, "pass": ratio >= TARGET,
-                      "sandbox_1_worker": round(med["sandbox_1"], 3),
-                      "sandbox_overhead": round(med["bare"] / med["sandbox_1"], 3),
-                      "parallel_speedup": round(med["sandbox_2"] / med["sandbox_1"], 3), "tasks": len(tasks),
-                      "rounds": rounds}))
+    print(
+        json.dumps(
+            {
+                "bench": "eval",
+                "ours": round(med["sandbox_2"], 3),
+                "baseline": round(med["bare"], 3),
+                "unit": "tasks/s",
+                "ratio": round(ratio, 3),
+                "target": TARGET,
+                "pass": ratio >= TARGET,
+                "sandbox_1_worker": round(med["sandbox_1"], 3),
+                "sandbox_overhead": round(med["bare"] / med["sandbox_1"], 3),
+                "parallel_speedup": round(med["sandbox_2"] / med["sandbox_1"], 3),
+                "tasks": len(tasks),
+                "rounds": rounds,
+            }
+        )
+    )
     return 0
 
 

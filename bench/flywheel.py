@@ -48,8 +48,9 @@ def flywheel(args: list[str], env: dict[str, str], *, capture: bool = False) -> 
     Raises:
         SystemExit: the command failed.
     """
-    proc = subprocess.run([sys.executable, "-m", "ops.cli", *args], env=env, text=True,
-                          stdout=subprocess.PIPE if capture else None)
+    proc = subprocess.run(
+        [sys.executable, "-m", "ops.cli", *args], env=env, text=True, stdout=subprocess.PIPE if capture else None
+    )
     if proc.returncode != 0:
         raise SystemExit(f"`flywheel {' '.join(args)}` exited with {proc.returncode}")
     return proc.stdout or ""
@@ -67,9 +68,11 @@ def paired(session, base: str, final: str, suite: str, limit: int) -> dict:
     from evals.gate import paired_bootstrap_interval
 
     def results(ckpt: str) -> tuple[str, dict]:
-        run = session.scalars(select(EvalRun).where(EvalRun.checkpoint_id == ckpt, EvalRun.suite == suite,
-                                                    EvalRun.status == "succeeded")
-                              .order_by(EvalRun.started_at.desc())).first()
+        run = session.scalars(
+            select(EvalRun)
+            .where(EvalRun.checkpoint_id == ckpt, EvalRun.suite == suite, EvalRun.status == "succeeded")
+            .order_by(EvalRun.started_at.desc())
+        ).first()
         rows = session.scalars(select(EvalResult).where(EvalResult.run_id == run.id)).all()
         return run.suite_version, {(r.task_id, r.sample_index): bool(r.passed) for r in rows}
 
@@ -81,8 +84,13 @@ def paired(session, base: str, final: str, suite: str, limit: int) -> dict:
     diffs = [int(final_res[k]) - int(base_res[k]) for k in keys]
     low, _ = paired_bootstrap_interval([k[0] for k in keys], diffs, confidence=0.95, two_sided=False)
     n = len(keys)
-    return {"pairs": n, "base": sum(base_res[k] for k in keys) / n, "final": sum(final_res[k] for k in keys) / n,
-            "diff": sum(diffs) / n, "lower_bound": low}
+    return {
+        "pairs": n,
+        "base": sum(base_res[k] for k in keys) / n,
+        "final": sum(final_res[k] for k in keys) / n,
+        "diff": sum(diffs) / n,
+        "lower_bound": low,
+    }
 
 
 def main() -> None:
@@ -108,20 +116,77 @@ def main() -> None:
     started = time.monotonic()
     common = ["--max-turns", str(args.max_turns), "--max-tokens-per-turn", str(args.max_tokens_per_turn)]
     try:
-        flywheel(["demo", "--cycles", str(cycles), "--sessions", str(sessions), "--group-size", str(args.group_size),
-                  "--source", SUITE, "--suite", SUITE, "--eval-tasks", str(eval_tasks), "--eval-max-turns",
-                  str(args.max_turns), *common, *(["--trainer-config", args.trainer_config] if args.trainer_config
-                                                 else [])], env)
+        flywheel(
+            [
+                "demo",
+                "--cycles",
+                str(cycles),
+                "--sessions",
+                str(sessions),
+                "--group-size",
+                str(args.group_size),
+                "--source",
+                SUITE,
+                "--suite",
+                SUITE,
+                "--eval-tasks",
+                str(eval_tasks),
+                "--eval-max-turns",
+                str(args.max_turns),
+                *common,
+                *(["--trainer-config", args.trainer_config] if args.trainer_config else []),
+            ],
+            env,
+        )
         state = json.loads((home / "demo" / "state.json").read_text())
         first = state["candidate@1"]
-        planted = last_json(flywheel(["train", "--once", "--json", "--parent", "base", "--same-data-as", first,
-                                      "--invert-reward", "--min-new", "1", "--no-progress",
-                                      *(["--config", args.trainer_config] if args.trainer_config else [])],
-                                     env, capture=True))["checkpoint_id"]
-        gate = last_json(flywheel(["gate", planted, "--production", "base", "--suite", SUITE, "--gate-on", SUITE,
-                                   "--samples", "1", "--limit",
-                                   str(eval_tasks), "--min-pairs", str(eval_tasks), "--max-turns", str(args.max_turns),
-                                   "--max-tokens", str(args.max_tokens_per_turn), "--json"], env, capture=True))
+        planted = last_json(
+            flywheel(
+                [
+                    "train",
+                    "--once",
+                    "--json",
+                    "--parent",
+                    "base",
+                    "--same-data-as",
+                    first,
+                    "--invert-reward",
+                    "--min-new",
+                    "1",
+                    "--no-progress",
+                    *(["--config", args.trainer_config] if args.trainer_config else []),
+                ],
+                env,
+                capture=True,
+            )
+        )["checkpoint_id"]
+        gate = last_json(
+            flywheel(
+                [
+                    "gate",
+                    planted,
+                    "--production",
+                    "base",
+                    "--suite",
+                    SUITE,
+                    "--gate-on",
+                    SUITE,
+                    "--samples",
+                    "1",
+                    "--limit",
+                    str(eval_tasks),
+                    "--min-pairs",
+                    str(eval_tasks),
+                    "--max-turns",
+                    str(args.max_turns),
+                    "--max-tokens",
+                    str(args.max_tokens_per_turn),
+                    "--json",
+                ],
+                env,
+                capture=True,
+            )
+        )
 
         from app.core.db import session_scope
         from app.core.settings import get_settings
@@ -133,9 +198,23 @@ def main() -> None:
             final = get_production(session).id
         # Signals after: sessions the final checkpoint serves (not trained on: no cycle follows).
         if final != "base":
-            flywheel(["simulate", "--sessions", str(sessions), "--group-size", str(args.group_size), "--source",
-                      SUITE, "--max-tokens", str(args.max_turns * args.max_tokens_per_turn), "--seed", "777",
-                      *common], env)
+            flywheel(
+                [
+                    "simulate",
+                    "--sessions",
+                    str(sessions),
+                    "--group-size",
+                    str(args.group_size),
+                    "--source",
+                    SUITE,
+                    "--max-tokens",
+                    str(args.max_turns * args.max_tokens_per_turn),
+                    "--seed",
+                    "777",
+                    *common,
+                ],
+                env,
+            )
             deadline = time.monotonic() + 300
             from sqlalchemy import text
 
@@ -158,15 +237,32 @@ def main() -> None:
         comparison = {"pairs": 0, "base": None, "final": None, "diff": 0.0, "lower_bound": 0.0}
     lb, diff = comparison["lower_bound"], comparison["diff"]
     ok = (lb > 0 and rejected) if args.quick else (diff >= 0.10 and lb > 0 and rejected)
-    print(json.dumps({
-        "bench": "flywheel", "ours": comparison["final"], "baseline": comparison["base"],
-        "unit": "held-out pass@1", "ratio": (comparison["final"] / comparison["base"]
-                                            if comparison["base"] else None),
-        "target": "final - base >= 0.10 with lower bound > 0" if not args.quick else "lower bound > 0",
-        "diff": diff, "lower_bound": lb, "pairs": comparison["pairs"], "final_checkpoint": final,
-        "planted_checkpoint": planted, "planted_rejected": rejected, "planted_failures": gate.get("failures"),
-        "signals_before": before, "signals_after": after, "cycles": cycles, "sessions_per_cycle": sessions,
-        "wall_s": round(time.monotonic() - started), "home": str(home) if args.keep else None, "pass": ok}))
+    print(
+        json.dumps(
+            {
+                "bench": "flywheel",
+                "ours": comparison["final"],
+                "baseline": comparison["base"],
+                "unit": "held-out pass@1",
+                "ratio": (comparison["final"] / comparison["base"] if comparison["base"] else None),
+                "target": "final - base >= 0.10 with lower bound > 0" if not args.quick else "lower bound > 0",
+                "diff": diff,
+                "lower_bound": lb,
+                "pairs": comparison["pairs"],
+                "final_checkpoint": final,
+                "planted_checkpoint": planted,
+                "planted_rejected": rejected,
+                "planted_failures": gate.get("failures"),
+                "signals_before": before,
+                "signals_after": after,
+                "cycles": cycles,
+                "sessions_per_cycle": sessions,
+                "wall_s": round(time.monotonic() - started),
+                "home": str(home) if args.keep else None,
+                "pass": ok,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -98,8 +98,9 @@ def logit_shift(a: float, b: float, regression: float) -> float:
     return float(optimize.brentq(lambda s: special.expit(special.logit(grid) - s).mean() - target, 0.0, 50.0))
 
 
-def one_gate(rng: np.random.Generator, p: np.ndarray, q: np.ndarray, k: int, suite: str,
-             config: GateConfig) -> tuple[bool, float]:
+def one_gate(
+    rng: np.random.Generator, p: np.ndarray, q: np.ndarray, k: int, suite: str, config: GateConfig
+) -> tuple[bool, float]:
     """Sample ``k`` outcomes per task for production (``p``) and the candidate (``q``) and decide.
 
     Returns:
@@ -110,13 +111,17 @@ def one_gate(rng: np.random.Generator, p: np.ndarray, q: np.ndarray, k: int, sui
     keys = [(f"t{t:04d}", s) for t in range(len(p)) for s in range(k)]
     c_out = [Outcome(t, s, bool(x)) for (t, s), x in zip(keys, cand.ravel())]
     p_out = [Outcome(t, s, bool(x)) for (t, s), x in zip(keys, prod.ravel())]
-    r = decide_gate({suite: SuiteOutcomes(suite, "sim", c_out, planned=keys)},
-                    {suite: SuiteOutcomes(suite, "sim", p_out, planned=keys)}, config)
+    r = decide_gate(
+        {suite: SuiteOutcomes(suite, "sim", c_out, planned=keys)},
+        {suite: SuiteOutcomes(suite, "sim", p_out, planned=keys)},
+        config,
+    )
     return r.passed, float(r.suites[suite].diff_low)
 
 
-def simulate_cell(tasks: int, k: int, a: float, b: float, shift: float, sims: int, suite: str,
-                  config: GateConfig, seed: int) -> dict[str, float]:
+def simulate_cell(
+    tasks: int, k: int, a: float, b: float, shift: float, sims: int, suite: str, config: GateConfig, seed: int
+) -> dict[str, float]:
     """FRR and power of one (tasks, samples) cell over ``sims`` simulated gates per hypothesis."""
     rng = np.random.default_rng([seed, tasks, k])
     eq_pass, eq_low, w_pass, w_low = [], [], [], []
@@ -130,9 +135,17 @@ def simulate_cell(tasks: int, k: int, a: float, b: float, shift: float, sims: in
         w_low.append(low)
     frr = 1.0 - float(np.mean(eq_pass))
     power = 1.0 - float(np.mean(w_pass))
-    return {"tasks": tasks, "samples": k, "sessions": tasks * k, "frr": frr, "power": power,
-            "tol_min": -float(np.quantile(eq_low, TARGET_FRR)), "tol_max": -float(np.quantile(w_low, TARGET_POWER)),
-            "eq_low": np.array(eq_low), "w_low": np.array(w_low)}
+    return {
+        "tasks": tasks,
+        "samples": k,
+        "sessions": tasks * k,
+        "frr": frr,
+        "power": power,
+        "tol_min": -float(np.quantile(eq_low, TARGET_FRR)),
+        "tol_max": -float(np.quantile(w_low, TARGET_POWER)),
+        "eq_low": np.array(eq_low),
+        "w_low": np.array(w_low),
+    }
 
 
 def at_tolerance(cell: dict, tol: float) -> tuple[float, float]:
@@ -166,15 +179,19 @@ def counts_from_db(suite: str, run_ids: list[str]) -> tuple[list[tuple[int, int]
 
     with session_scope() as session:
         q = select(EvalRun)
-        q = q.where(EvalRun.id.in_([uuid.UUID(r) for r in run_ids])) if run_ids else \
-            q.where(EvalRun.suite == suite, EvalRun.status == "succeeded")
+        q = (
+            q.where(EvalRun.id.in_([uuid.UUID(r) for r in run_ids]))
+            if run_ids
+            else q.where(EvalRun.suite == suite, EvalRun.status == "succeeded")
+        )
         runs = session.scalars(q).all()
         if not runs:
             raise SystemExit(f"no stored eval runs for {run_ids or suite!r}")
-        rows = session.execute(select(EvalResult.run_id, EvalResult.task_id, func.count(),
-                                      func.count().filter(EvalResult.passed))
-                               .where(EvalResult.run_id.in_([r.id for r in runs]))
-                               .group_by(EvalResult.run_id, EvalResult.task_id)).all()
+        rows = session.execute(
+            select(EvalResult.run_id, EvalResult.task_id, func.count(), func.count().filter(EvalResult.passed))
+            .where(EvalResult.run_id.in_([r.id for r in runs]))
+            .group_by(EvalResult.run_id, EvalResult.task_id)
+        ).all()
         wall = sum((r.finished_at - r.started_at).total_seconds() for r in runs if r.finished_at)
         done = sum(n for _, _, n, _ in rows)
     counts = [(int(n), int(c)) for _, _, n, c in rows]
@@ -185,25 +202,46 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="fewer simulations, resamples and cells")
     ap.add_argument("--suite", default="functions", help="gate settings of this suite (evals/gate.toml)")
-    ap.add_argument("--from-db", nargs="*", metavar="RUN_ID", default=None,
-                    help="fit to stored eval results (these runs, or every succeeded run of --suite)")
+    ap.add_argument(
+        "--from-db",
+        nargs="*",
+        metavar="RUN_ID",
+        default=None,
+        help="fit to stored eval results (these runs, or every succeeded run of --suite)",
+    )
     ap.add_argument("--table", type=Path, default=TABLE, help="measured per-task counts (JSON)")
     ap.add_argument("--regression", type=float, default=0.05, help="regression to detect (pass-rate fraction)")
-    ap.add_argument("--mean", type=float, default=None,
-                    help="move the fitted Beta's mean here, keeping its concentration a + b (a suite without "
-                         "stored results whose production pass rate is known from elsewhere)")
+    ap.add_argument(
+        "--mean",
+        type=float,
+        default=None,
+        help="move the fitted Beta's mean here, keeping its concentration a + b (a suite without "
+        "stored results whose production pass rate is known from elsewhere)",
+    )
     ap.add_argument("--tasks", type=int, nargs="+", default=None)
     ap.add_argument("--samples", type=int, nargs="+", default=None)
     ap.add_argument("--sims", type=int, default=None, help="simulated gates per cell and hypothesis")
-    ap.add_argument("--seconds-per-session", type=float, default=None,
-                    help=f"eval seconds per session (default: measured with --from-db, else {SESSION_S_FLAG})")
+    ap.add_argument(
+        "--seconds-per-session",
+        type=float,
+        default=None,
+        help=f"eval seconds per session (default: measured with --from-db, else {SESSION_S_FLAG})",
+    )
     ap.add_argument("--concurrency", type=int, default=1, help="sessions in flight (wall time divides by it)")
-    ap.add_argument("--resamples", type=int, default=None,
-                    help="bootstrap replicates per simulated gate (default 2000, --quick 1000; the shipped "
-                         "policy's 10,000 only moves each bound by Monte Carlo noise)")
+    ap.add_argument(
+        "--resamples",
+        type=int,
+        default=None,
+        help="bootstrap replicates per simulated gate (default 2000, --quick 1000; the shipped "
+        "policy's 10,000 only moves each bound by Monte Carlo noise)",
+    )
     ap.add_argument("--max-sessions", type=int, default=2624, help="skip cells with more sessions (164 x 16)")
-    ap.add_argument("--min-width", type=float, default=0.01,
-                    help="the chosen size's tolerances meeting both targets must span this much (1 point)")
+    ap.add_argument(
+        "--min-width",
+        type=float,
+        default=0.01,
+        help="the chosen size's tolerances meeting both targets must span this much (1 point)",
+    )
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
 
@@ -211,9 +249,12 @@ def main() -> None:
     samples = args.samples or ([1, 4, 8] if args.quick else [1, 2, 4, 8, 16])
     sims = args.sims or (100 if args.quick else 200)
     shipped = load_gate_config()
-    config = shipped.model_copy(update={
-        "suites": {args.suite: shipped.suites.get(args.suite, SuiteGate())},
-        "bootstrap_resamples": min(args.resamples or (1000 if args.quick else 2000), shipped.bootstrap_resamples)})
+    config = shipped.model_copy(
+        update={
+            "suites": {args.suite: shipped.suites.get(args.suite, SuiteGate())},
+            "bootstrap_resamples": min(args.resamples or (1000 if args.quick else 2000), shipped.bootstrap_resamples),
+        }
+    )
     tol = config.for_suite(args.suite).tolerance
 
     measured_s = None
@@ -222,12 +263,18 @@ def main() -> None:
     else:
         table = json.loads(args.table.read_text())
         counts = [tuple(v) for v in table["tasks"].values()]
-        source = (f"{args.table.name}: {table['model']}, {len(counts)} tasks, T={table['temperature']} "
-                  f"({table['generated_by']})")
+        source = (
+            f"{args.table.name}: {table['model']}, {len(counts)} tasks, T={table['temperature']} "
+            f"({table['generated_by']})"
+        )
     session_s = args.seconds_per_session or measured_s or SESSION_S_FLAG
-    session_src = ("--seconds-per-session" if args.seconds_per_session else
-                   "measured from the stored runs" if measured_s else
-                   f"NOT MEASURED: flag {SESSION_S_FLAG} s (issue 29 demo)")
+    session_src = (
+        "--seconds-per-session"
+        if args.seconds_per_session
+        else "measured from the stored runs"
+        if measured_s
+        else f"NOT MEASURED: flag {SESSION_S_FLAG} s (issue 29 demo)"
+    )
     a, b = fit_beta(counts)
     if args.mean is not None:
         source += f"; mean moved to {args.mean} (concentration {a + b:.3f} kept)"
@@ -237,14 +284,22 @@ def main() -> None:
     except ValueError as exc:
         raise SystemExit(f"{exc}: a suite that cannot lose {args.regression:.0%} has no power to size") from None
     n_all, c_all = sum(n for n, _ in counts), sum(c for _, c in counts)
-    print(f"per-task pass probabilities: {source}; {c_all}/{n_all} passed; Beta(a={a:.3f}, b={b:.3f}) "
-          f"mean {a / (a + b):.3f}; regression {args.regression:.0%} = logit shift {shift:.3f}", file=sys.stderr)
-    print(f"gate: {config.method}, {config.confidence:.0%} {'two' if config.two_sided else 'one'}-sided, "
-          f"tolerance {tol:.3f} (suite {args.suite}), {config.bootstrap_resamples} resamples; {sims} gates per "
-          f"cell and hypothesis; {session_s:.2f} s per session ({session_src}), concurrency {args.concurrency}",
-          file=sys.stderr)
-    print(f"{'tasks':>6} {'k':>3} {'sessions':>8} {'power':>7} {'FRR':>6} {'tol range meeting both':>24} "
-          f"{'wall/ckpt':>10}", file=sys.stderr)
+    print(
+        f"per-task pass probabilities: {source}; {c_all}/{n_all} passed; Beta(a={a:.3f}, b={b:.3f}) "
+        f"mean {a / (a + b):.3f}; regression {args.regression:.0%} = logit shift {shift:.3f}",
+        file=sys.stderr,
+    )
+    print(
+        f"gate: {config.method}, {config.confidence:.0%} {'two' if config.two_sided else 'one'}-sided, "
+        f"tolerance {tol:.3f} (suite {args.suite}), {config.bootstrap_resamples} resamples; {sims} gates per "
+        f"cell and hypothesis; {session_s:.2f} s per session ({session_src}), concurrency {args.concurrency}",
+        file=sys.stderr,
+    )
+    print(
+        f"{'tasks':>6} {'k':>3} {'sessions':>8} {'power':>7} {'FRR':>6} {'tol range meeting both':>24} "
+        f"{'wall/ckpt':>10}",
+        file=sys.stderr,
+    )
     started = time.perf_counter()
     cells = []
     for t in tasks:
@@ -256,8 +311,12 @@ def main() -> None:
             cells.append(cell)
             lo, hi = cell["tol_min"], cell["tol_max"]
             rng_txt = f"[{lo:.3f}, {hi:.3f}]" if lo <= hi else "none"
-            print(f"{t:>6} {k:>3} {cell['sessions']:>8} {cell['power']:>7.3f} {cell['frr']:>6.3f} {rng_txt:>24} "
-                  f"{cell['wall_s'] / 60:>8.1f} m", file=sys.stderr, flush=True)
+            print(
+                f"{t:>6} {k:>3} {cell['sessions']:>8} {cell['power']:>7.3f} {cell['frr']:>6.3f} {rng_txt:>24} "
+                f"{cell['wall_s'] / 60:>8.1f} m",
+                file=sys.stderr,
+                flush=True,
+            )
     best = recommend(cells, args.min_width)
     if best is not None:
         chosen, chosen_tol = best
@@ -266,18 +325,39 @@ def main() -> None:
     power, frr = at_tolerance(chosen, chosen_tol)
     passed = power >= TARGET_POWER and frr <= TARGET_FRR
     mc_se = float(np.sqrt(max(power * (1 - power), frr * (1 - frr), 0.01) / sims))
-    print(f"chosen: {chosen['tasks']} tasks x {chosen['samples']} samples = {chosen['sessions']} sessions at "
-          f"tolerance {chosen_tol:.3f}{'' if chosen_tol == tol else f' (configured {tol:.3f})'}: power {power:.3f}, "
-          f"FRR {frr:.3f} (Monte Carlo s.e. ~{mc_se:.3f}); eval wall time {chosen['wall_s'] / 60:.1f} min per "
-          f"checkpoint; {time.perf_counter() - started:.0f} s simulated", file=sys.stderr)
-    print(json.dumps({"bench": "gate_power", "ours": round(power, 4), "baseline": round(frr, 4),
-                      "unit": "power at a 5-point regression (baseline: false-rejection rate of an equal candidate)",
-                      "ratio": round(power / TARGET_POWER, 4), "target": TARGET_POWER, "frr_target": TARGET_FRR,
-                      "pass": passed, "suite": args.suite, "tasks": chosen["tasks"],
-                      "samples_per_task": chosen["samples"], "tolerance": chosen_tol, "configured_tolerance": tol,
-                      "regression": args.regression, "beta": [round(a, 4), round(b, 4)],
-                      "seconds_per_session": session_s, "seconds_per_session_source": session_src,
-                      "eval_wall_s": round(chosen["wall_s"], 1), "sims": sims, "quick": args.quick}))
+    print(
+        f"chosen: {chosen['tasks']} tasks x {chosen['samples']} samples = {chosen['sessions']} sessions at "
+        f"tolerance {chosen_tol:.3f}{'' if chosen_tol == tol else f' (configured {tol:.3f})'}: power {power:.3f}, "
+        f"FRR {frr:.3f} (Monte Carlo s.e. ~{mc_se:.3f}); eval wall time {chosen['wall_s'] / 60:.1f} min per "
+        f"checkpoint; {time.perf_counter() - started:.0f} s simulated",
+        file=sys.stderr,
+    )
+    print(
+        json.dumps(
+            {
+                "bench": "gate_power",
+                "ours": round(power, 4),
+                "baseline": round(frr, 4),
+                "unit": "power at a 5-point regression (baseline: false-rejection rate of an equal candidate)",
+                "ratio": round(power / TARGET_POWER, 4),
+                "target": TARGET_POWER,
+                "frr_target": TARGET_FRR,
+                "pass": passed,
+                "suite": args.suite,
+                "tasks": chosen["tasks"],
+                "samples_per_task": chosen["samples"],
+                "tolerance": chosen_tol,
+                "configured_tolerance": tol,
+                "regression": args.regression,
+                "beta": [round(a, 4), round(b, 4)],
+                "seconds_per_session": session_s,
+                "seconds_per_session_source": session_src,
+                "eval_wall_s": round(chosen["wall_s"], 1),
+                "sims": sims,
+                "quick": args.quick,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -99,7 +99,7 @@ class LockstepEngine:
                 continue
             i = 0
             for s in slots:
-                s["out"], i = gens[i:i + len(s["prompts"])], i + len(s["prompts"])
+                s["out"], i = gens[i : i + len(s["prompts"])], i + len(s["prompts"])
         self._cv.notify_all()
 
 
@@ -107,8 +107,9 @@ def plain_prompt(tokenizer, task) -> list[int]:
     """Token ids of the baseline's one user turn (the model's own chat template)."""
     stub = task.files["solution.py"].rstrip()
     text = f"{task.request}\n\n```python\n{stub}\n```\n\n{PLAIN_SUFFIX}"
-    rendered = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                             tokenize=False)
+    rendered = tokenizer.apply_chat_template(
+        [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False
+    )
     return list(tokenizer(rendered, add_special_tokens=False).input_ids)
 
 
@@ -146,8 +147,7 @@ def run_harness(engine, tasks, budget, sampling, samples: int, work: Path) -> tu
         try:
             params = replace(sampling, seed=None if sampling.seed is None else sampling.seed + 1000 * s)
             repo = work / f"ours-{i}-{s}"
-            res = run_agent_session(lock, tasks[i], repo, budget, params, session_id=f"bench-{i}-{s}",
-                                    user_id="bench")
+            res = run_agent_session(lock, tasks[i], repo, budget, params, session_id=f"bench-{i}-{s}", user_id="bench")
         finally:
             lock.done()
         out[i][s] = grade(tasks[i], repo)
@@ -180,11 +180,11 @@ def main() -> None:
 
     import torch
 
+    from app.inference.engine import SamplingParams
     from evals.config import load_suite
     from evals.harness.agent import AgentBudget
     from evals.harness.chat import SYSTEM_PROMPT
     from evals.tasks import load_tasks
-    from app.inference.engine import SamplingParams
     from serving.torch_engine import TorchEngine
 
     torch.set_num_threads(args.threads)
@@ -198,11 +198,14 @@ def main() -> None:
     tasks = load_tasks(args.source, args.split, limit=n, seed=args.seed)
     suite = load_suite(args.suite)
     b = suite.budget
-    budget = AgentBudget(max_turns=b.max_turns, max_completion_tokens=b.max_completion_tokens,
-                         context_tokens=b.context_tokens, max_tokens_per_turn=b.max_tokens_per_turn)
+    budget = AgentBudget(
+        max_turns=b.max_turns,
+        max_completion_tokens=b.max_completion_tokens,
+        context_tokens=b.context_tokens,
+        max_tokens_per_turn=b.max_tokens_per_turn,
+    )
     samples = max(1, args.samples if args.temperature > 0 else 1)
-    sampling = SamplingParams(max_tokens=b.max_tokens_per_turn, temperature=args.temperature, top_p=1.0,
-                              seed=args.seed)
+    sampling = SamplingParams(max_tokens=b.max_tokens_per_turn, temperature=args.temperature, top_p=1.0, seed=args.seed)
     engine = TorchEngine(model_dir, checkpoint_id="base", max_batch_size=64)
     work = Path(tempfile.mkdtemp(prefix="flywheel-bench-harness-"))
     try:
@@ -224,19 +227,36 @@ def main() -> None:
     by_level = {}
     for level in sorted({t.metadata.get("difficulty") for t in tasks}):
         idx = [i for i, t in enumerate(tasks) if t.metadata.get("difficulty") == level]
-        by_level[str(level)] = {"n": len(idx) * samples, "ours": sum(sum(ours[i]) for i in idx),
-                                "baseline": sum(sum(plain[i]) for i in idx)}
-    print(json.dumps({
-        "bench": "harness", "ours": round(ours_rate, 4), "baseline": round(base_rate, 4), "unit": "pass@1",
-        "ratio": round(ours_rate / base_rate, 3) if base_rate else None, "target": 1.0,
-        "pass": ours_rate >= base_rate,
-        "ours_ci95": [round(x, 3) for x in wilson(ko, m)], "baseline_ci95": [round(x, 3) for x in wilson(kb, m)],
-        "passed": {"ours": ko, "baseline": kb, "of": m}, "by_difficulty": by_level,
-        "tasks": len(tasks), "samples": samples, "temperature": args.temperature,
-        "source": args.source, "split": args.split, "harness_per_session": {k: round(v, 2) for k, v in stats.items()},
-        "system_prompt_tokens": len(engine.tokenizer(SYSTEM_PROMPT, add_special_tokens=False).input_ids),
-        "seconds": {"baseline": round(t1 - t0, 1), "ours": round(t2 - t1, 1)},
-    }))
+        by_level[str(level)] = {
+            "n": len(idx) * samples,
+            "ours": sum(sum(ours[i]) for i in idx),
+            "baseline": sum(sum(plain[i]) for i in idx),
+        }
+    print(
+        json.dumps(
+            {
+                "bench": "harness",
+                "ours": round(ours_rate, 4),
+                "baseline": round(base_rate, 4),
+                "unit": "pass@1",
+                "ratio": round(ours_rate / base_rate, 3) if base_rate else None,
+                "target": 1.0,
+                "pass": ours_rate >= base_rate,
+                "ours_ci95": [round(x, 3) for x in wilson(ko, m)],
+                "baseline_ci95": [round(x, 3) for x in wilson(kb, m)],
+                "passed": {"ours": ko, "baseline": kb, "of": m},
+                "by_difficulty": by_level,
+                "tasks": len(tasks),
+                "samples": samples,
+                "temperature": args.temperature,
+                "source": args.source,
+                "split": args.split,
+                "harness_per_session": {k: round(v, 2) for k, v in stats.items()},
+                "system_prompt_tokens": len(engine.tokenizer(SYSTEM_PROMPT, add_special_tokens=False).input_ids),
+                "seconds": {"baseline": round(t1 - t0, 1), "ours": round(t2 - t1, 1)},
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

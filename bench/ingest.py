@@ -70,8 +70,10 @@ def scratch_server(tmp: Path):
 
     admin = os.environ.get("FLYWHEEL_TEST_ADMIN_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
     if os.environ.get("FLYWHEEL_DATABASE_URL"):
-        admin = os.environ["FLYWHEEL_DATABASE_URL"].replace("postgresql+psycopg://", "postgresql://") \
-            .rsplit("/", 1)[0] + "/postgres"
+        admin = (
+            os.environ["FLYWHEEL_DATABASE_URL"].replace("postgresql+psycopg://", "postgresql://").rsplit("/", 1)[0]
+            + "/postgres"
+        )
     try:
         psycopg.connect(admin, connect_timeout=2).close()
     except psycopg.Error:
@@ -110,9 +112,16 @@ def bare_consume(bootstrap: str, topic: str, n: int, max_records: int) -> tuple[
     broker's."""
     from kafka import KafkaConsumer
 
-    c = KafkaConsumer(topic, bootstrap_servers=bootstrap, group_id=f"bare-{uuid.uuid4().hex[:6]}",
-                      auto_offset_reset="earliest", enable_auto_commit=False, max_poll_records=max_records,
-                      fetch_max_bytes=52_428_800, **GROUP_SETTINGS)
+    c = KafkaConsumer(
+        topic,
+        bootstrap_servers=bootstrap,
+        group_id=f"bare-{uuid.uuid4().hex[:6]}",
+        auto_offset_reset="earliest",
+        enable_auto_commit=False,
+        max_poll_records=max_records,
+        fetch_max_bytes=52_428_800,
+        **GROUP_SETTINGS,
+    )
     seen, nbytes, start, cpu0 = 0, 0, None, None
     while seen < n:
         for recs in c.poll(timeout_ms=100, max_records=max_records).values():
@@ -167,8 +176,11 @@ def ours_processes(n: int, k: int, url: str, log: Path, group: str, topic: str) 
     try:
         with psycopg.connect(url, autocommit=True) as conn:
             while True:
-                done = conn.execute("SELECT coalesce(sum(next_offset), 0)::bigint FROM consumer_offset "
-                                    "WHERE group_id = %s AND topic = %s", (group, topic)).fetchone()[0]
+                done = conn.execute(
+                    "SELECT coalesce(sum(next_offset), 0)::bigint FROM consumer_offset "
+                    "WHERE group_id = %s AND topic = %s",
+                    (group, topic),
+                ).fetchone()[0]
                 if sampling:
                     samples.append((time.time(), _cpu_seconds(procs)))
                     sampling = not done  # the sample taken once a batch has landed is the last
@@ -190,8 +202,11 @@ def ours_processes(n: int, k: int, url: str, log: Path, group: str, topic: str) 
     elapsed = end - min(starts)
     cpu0 = cpu_at(samples, min(starts))
     cpu = {kind: round(v - cpu0[kind], 2) for kind, v in cpu_end.items()}
-    return n / elapsed, {"elapsed_s": round(elapsed, 2), "cpu_s": cpu,
-                         "cpu_us_per_event": round(sum(cpu.values()) / n * 1e6, 1)}
+    return n / elapsed, {
+        "elapsed_s": round(elapsed, 2),
+        "cpu_s": cpu,
+        "cpu_us_per_event": round(sum(cpu.values()) / n * 1e6, 1),
+    }
 
 
 def cpu_at(samples: list[tuple[float, dict[str, float]]], t: float) -> dict[str, float]:
@@ -213,8 +228,15 @@ def _cpu_seconds(procs) -> dict[str, float]:
     for proc in psutil.process_iter(["name", "pid"]):
         try:
             name = proc.info["name"] or ""
-            kind = "consumers" if proc.info["pid"] in pids else "postgres" if name.startswith("postgres") \
-                else "broker" if "tansu" in name else None
+            kind = (
+                "consumers"
+                if proc.info["pid"] in pids
+                else "postgres"
+                if name.startswith("postgres")
+                else "broker"
+                if "tansu" in name
+                else None
+            )
             if kind:
                 t = proc.cpu_times()
                 out[kind] += t.user + t.system
@@ -227,17 +249,30 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="20k events instead of 100k")
     ap.add_argument("--events", type=int, default=None)
-    ap.add_argument("--consumers", type=int, default=4,
-                    help="consumer processes in the group (default 4: two per core here)")
-    ap.add_argument("--partitions", type=int, default=None,
-                    help="partitions of the bench topic (default: the interactions topic's setting, 8)")
+    ap.add_argument(
+        "--consumers", type=int, default=4, help="consumer processes in the group (default 4: two per core here)"
+    )
+    ap.add_argument(
+        "--partitions",
+        type=int,
+        default=None,
+        help="partitions of the bench topic (default: the interactions topic's setting, 8)",
+    )
     ap.add_argument("--insert-method", default="copy", choices=["copy", "copy_upsert", "unnest"])
     ap.add_argument("--batch", type=int, default=None, help="records per poll / transaction")
-    ap.add_argument("--privacy-fraction", type=float, default=0.0,
-                    help="share of sessions in privacy mode (their events are counted, not stored)")
+    ap.add_argument(
+        "--privacy-fraction",
+        type=float,
+        default=0.0,
+        help="share of sessions in privacy mode (their events are counted, not stored)",
+    )
     ap.add_argument("--passes", type=int, default=3, help="timed passes of each side; the medians are compared")
-    ap.add_argument("--compression", default=None, choices=["none", "gzip", "zstd"],
-                    help="record batch codec (default: what the producer SDK sends, zstd)")
+    ap.add_argument(
+        "--compression",
+        default=None,
+        choices=["none", "gzip", "zstd"],
+        help="record batch codec (default: what the producer SDK sends, zstd)",
+    )
     args = ap.parse_args()
     n_target = args.events or (20_000 if args.quick else 100_000)
     from producers.client import default_compression
@@ -261,8 +296,11 @@ def main() -> None:
     finished = False
     try:
         topic = "bench.interactions"
-        os.environ.update(FLYWHEEL_KAFKA_BOOTSTRAP=broker.bootstrap, FLYWHEEL_KAFKA_INTERACTIONS_TOPIC=topic,
-                          FLYWHEEL_KAFKA_DLQ_TOPIC="bench.dlq")
+        os.environ.update(
+            FLYWHEEL_KAFKA_BOOTSTRAP=broker.bootstrap,
+            FLYWHEEL_KAFKA_INTERACTIONS_TOPIC=topic,
+            FLYWHEEL_KAFKA_DLQ_TOPIC="bench.dlq",
+        )
         from app.core.settings import get_settings
         from consumers.settings import get_consumer_settings
 
@@ -306,9 +344,10 @@ def main() -> None:
             stored = scalar(url, "SELECT count(*) FROM event_log")
             distinct = scalar(url, "SELECT count(DISTINCT event_id) FROM event_log")
             tombstoned = scalar(url, "SELECT coalesce(sum(events_dropped), 0) FROM privacy_tombstone")
-            assert stored == distinct == n - private and tombstoned == private, \
-                f"exactly-once violated: {stored} rows, {distinct} distinct, {tombstoned} tombstoned, {n} sent " \
+            assert stored == distinct == n - private and tombstoned == private, (
+                f"exactly-once violated: {stored} rows, {distinct} distinct, {tombstoned} tombstoned, {n} sent "
                 f"({private} in privacy mode)"
+            )
             passes.append((rate, i, url, extra))
         pair_ratios = [round(p[0] / b[0], 3) for p, b in zip(passes, bare)]
         baseline, bare_cpu_us = sorted(bare)[len(bare) // 2]  # the median pass: a shared machine is noisy
@@ -336,19 +375,44 @@ def main() -> None:
         # Postgres and broker), against the baseline as measured.
         cores = os.cpu_count() or 1
         bound = round(cores * 1e6 / extra["cpu_us_per_event"] / baseline, 3) if extra.get("cpu_us_per_event") else None
-        print(f"# {n} events ({mean_bytes:.0f} B mean) produced at {n / produce_s:,.0f}/s; bare {baseline:,.0f}/s, "
-              f"ours {ours:,.0f}/s ({args.consumers} consumer(s), {args.insert_method}; medians of {args.passes}); "
-              f"{trajectories} trajectories, {pending} finalized by the sweep in {finalize_s:.2f}s", file=sys.stderr)
-        print(json.dumps({
-            "bench": "ingest", "ours": round(ours, 1), "baseline": round(baseline, 1), "unit": "events/s",
-            "ratio": round(ratio, 3), "target": TARGET, "pass": ratio >= TARGET, "events": n,
-            "mean_event_bytes": round(mean_bytes), "privacy_events": private, "consumers": args.consumers,
-            "partitions": partitions, "compression": compression,
-            "insert_method": args.insert_method, "batch": max_records, "trajectories": trajectories, "labels": labels,
-            "finalize_s": round(finalize_s, 3), "finalized_by_sweep": sum(done.values()),
-            "baseline_passes": [round(b) for b, _ in bare], "ours_passes": [round(p[0]) for p in passes],
-            "pair_ratios": pair_ratios,
-            "baseline_cpu_us_per_event": round(bare_cpu_us, 1), "cores": cores, "ratio_cpu_bound": bound, **extra}))
+        print(
+            f"# {n} events ({mean_bytes:.0f} B mean) produced at {n / produce_s:,.0f}/s; bare {baseline:,.0f}/s, "
+            f"ours {ours:,.0f}/s ({args.consumers} consumer(s), {args.insert_method}; medians of {args.passes}); "
+            f"{trajectories} trajectories, {pending} finalized by the sweep in {finalize_s:.2f}s",
+            file=sys.stderr,
+        )
+        print(
+            json.dumps(
+                {
+                    "bench": "ingest",
+                    "ours": round(ours, 1),
+                    "baseline": round(baseline, 1),
+                    "unit": "events/s",
+                    "ratio": round(ratio, 3),
+                    "target": TARGET,
+                    "pass": ratio >= TARGET,
+                    "events": n,
+                    "mean_event_bytes": round(mean_bytes),
+                    "privacy_events": private,
+                    "consumers": args.consumers,
+                    "partitions": partitions,
+                    "compression": compression,
+                    "insert_method": args.insert_method,
+                    "batch": max_records,
+                    "trajectories": trajectories,
+                    "labels": labels,
+                    "finalize_s": round(finalize_s, 3),
+                    "finalized_by_sweep": sum(done.values()),
+                    "baseline_passes": [round(b) for b, _ in bare],
+                    "ours_passes": [round(p[0]) for p in passes],
+                    "pair_ratios": pair_ratios,
+                    "baseline_cpu_us_per_event": round(bare_cpu_us, 1),
+                    "cores": cores,
+                    "ratio_cpu_bound": bound,
+                    **extra,
+                }
+            )
+        )
         finished = True
     finally:
         for d in drops:
@@ -359,6 +423,7 @@ def main() -> None:
             shutil.rmtree(tmp, ignore_errors=True)
         else:
             print(f"# broker and consumer logs kept in {tmp}", file=sys.stderr)
+
 
 if __name__ == "__main__":
     main()

@@ -53,6 +53,7 @@ def worker(variant: str, n: int, v: int, h: int, reps: int, chunk: int, threads:
     upstream = torch.randn(n, generator=g)
 
     if variant == "naive":
+
         def run():
             logp = torch.log_softmax(hidden @ weight.t(), dim=-1)
             return logp.gather(1, targets[:, None]).squeeze(1)
@@ -65,14 +66,16 @@ def worker(variant: str, n: int, v: int, h: int, reps: int, chunk: int, threads:
         from kernels.logprob_loss import chunked_logprob_loss
 
         def loss():
-            return chunked_logprob_loss(hidden, weight, targets, lambda lp, sl: (lp * upstream[sl]).sum(),
-                                        chunk_size=chunk, backend="torch")[0]
+            return chunked_logprob_loss(
+                hidden, weight, targets, lambda lp, sl: (lp * upstream[sl]).sum(), chunk_size=chunk, backend="torch"
+            )[0]
     elif variant == "liger":
         from liger_kernel.ops.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyFunction
 
         def run():
-            loss = LigerFusedLinearCrossEntropyFunction.apply(hidden, weight, targets, None, None, -100, 0.0, 0.0,
-                                                              "none")
+            loss = LigerFusedLinearCrossEntropyFunction.apply(
+                hidden, weight, targets, None, None, -100, 0.0, 0.0, "none"
+            )
             return -(loss[0] if isinstance(loss, tuple) else loss)
     else:
         raise SystemExit(f"unknown variant {variant}")
@@ -92,8 +95,24 @@ def worker(variant: str, n: int, v: int, h: int, reps: int, chunk: int, threads:
 
 def run_variant(variant: str, args) -> dict:
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "131072", "MALLOC_TRIM_THRESHOLD_": "131072"}
-    cmd = [sys.executable, __file__, "--worker", variant, "--n", str(args.n), "--v", str(args.v), "--h", str(args.h),
-           "--reps", str(args.reps), "--chunk", str(args.chunk), "--threads", str(args.threads)]
+    cmd = [
+        sys.executable,
+        __file__,
+        "--worker",
+        variant,
+        "--n",
+        str(args.n),
+        "--v",
+        str(args.v),
+        "--h",
+        str(args.h),
+        "--reps",
+        str(args.reps),
+        "--chunk",
+        str(args.chunk),
+        "--threads",
+        str(args.threads),
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if proc.returncode != 0:
         return {"error": (proc.stderr.strip().splitlines() or ["failed"])[-1]}
@@ -143,8 +162,11 @@ def main() -> None:
             if "error" in r or prev is None or "error" in prev:
                 results[name] = r if prev is None or "error" in r else prev
                 continue
-            results[name] = {"peak_mb": max(prev["peak_mb"], r["peak_mb"]), "seconds": min(prev["seconds"], r["seconds"]),
-                             "cpu_seconds": min(prev["cpu_seconds"], r["cpu_seconds"])}
+            results[name] = {
+                "peak_mb": max(prev["peak_mb"], r["peak_mb"]),
+                "seconds": min(prev["seconds"], r["seconds"]),
+                "cpu_seconds": min(prev["cpu_seconds"], r["cpu_seconds"]),
+            }
     skip = liger_available()
     results["liger_flce"] = {"skipped": skip} if skip else run_variant("liger", args)
     print(f"log-probs fwd+bwd, N={args.n} V={args.v} H={args.h} fp32, {args.threads} threads, chunk {args.chunk}")
@@ -156,21 +178,45 @@ def main() -> None:
             print(f"{name:<12}  {r}")
     ours, base = results["fused"], results["naive"]
     if "peak_mb" not in ours or "peak_mb" not in base:
-        print(json.dumps({"bench": "logprob", "ours": None, "baseline": None, "unit": "MB peak", "ratio": None,
-                          "target": MEM_TARGET, "pass": False, "detail": results}))
+        print(
+            json.dumps(
+                {
+                    "bench": "logprob",
+                    "ours": None,
+                    "baseline": None,
+                    "unit": "MB peak",
+                    "ratio": None,
+                    "target": MEM_TARGET,
+                    "pass": False,
+                    "detail": results,
+                }
+            )
+        )
         return
     mem_ratio = ours["peak_mb"] / max(base["peak_mb"], 1e-9)
     time_ratio = ours["seconds"] / base["seconds"]
     cpu_ratio = ours["cpu_seconds"] / base["cpu_seconds"]
-    print(json.dumps({
-        "bench": "logprob", "ours": round(ours["peak_mb"], 1), "baseline": round(base["peak_mb"], 1),
-        "unit": "MB peak (fwd+bwd)", "ratio": round(mem_ratio, 3), "target": MEM_TARGET,
-        "pass": mem_ratio <= MEM_TARGET and time_ratio <= TIME_TARGET and cpu_ratio <= TIME_TARGET,
-        "time_s": {"ours": round(ours["seconds"], 3), "baseline": round(base["seconds"], 3)},
-        "time_ratio": round(time_ratio, 3), "time_target": TIME_TARGET,
-        "cpu_time_ratio": round(cpu_ratio, 3),
-        "chunked_autograd": results["chunked"], "liger_flce": results["liger_flce"], "shape": {"tokens": args.n, "vocab": args.v, "hidden": args.h},
-        "quick": args.quick}))
+    print(
+        json.dumps(
+            {
+                "bench": "logprob",
+                "ours": round(ours["peak_mb"], 1),
+                "baseline": round(base["peak_mb"], 1),
+                "unit": "MB peak (fwd+bwd)",
+                "ratio": round(mem_ratio, 3),
+                "target": MEM_TARGET,
+                "pass": mem_ratio <= MEM_TARGET and time_ratio <= TIME_TARGET and cpu_ratio <= TIME_TARGET,
+                "time_s": {"ours": round(ours["seconds"], 3), "baseline": round(base["seconds"], 3)},
+                "time_ratio": round(time_ratio, 3),
+                "time_target": TIME_TARGET,
+                "cpu_time_ratio": round(cpu_ratio, 3),
+                "chunked_autograd": results["chunked"],
+                "liger_flce": results["liger_flce"],
+                "shape": {"tokens": args.n, "vocab": args.v, "hidden": args.h},
+                "quick": args.quick,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -26,31 +26,55 @@ TASKS: dict[str, tuple[str, str]] = {
     "add": ("add(a, b) that returns the sum of a and b", "assert add(2, 3) == 5\nassert add(-1, 1) == 0"),
     "is_even": ("is_even(n) that returns True if n is even", "assert is_even(4)\nassert not is_even(7)"),
     "square": ("square(x) that returns x squared", "assert square(3) == 9\nassert square(-4) == 16"),
-    "maximum": ("maximum(xs) that returns the largest number in the list xs",
-                "assert maximum([3, 9, 2]) == 9\nassert maximum([-5, -2]) == -2"),
-    "reverse_string": ("reverse_string(s) that returns the string s reversed",
-                       "assert reverse_string('abc') == 'cba'\nassert reverse_string('') == ''"),
-    "count_vowels": ("count_vowels(s) that returns the number of vowels (a, e, i, o, u) in s",
-                     "assert count_vowels('hello') == 2\nassert count_vowels('xyz') == 0"),
+    "maximum": (
+        "maximum(xs) that returns the largest number in the list xs",
+        "assert maximum([3, 9, 2]) == 9\nassert maximum([-5, -2]) == -2",
+    ),
+    "reverse_string": (
+        "reverse_string(s) that returns the string s reversed",
+        "assert reverse_string('abc') == 'cba'\nassert reverse_string('') == ''",
+    ),
+    "count_vowels": (
+        "count_vowels(s) that returns the number of vowels (a, e, i, o, u) in s",
+        "assert count_vowels('hello') == 2\nassert count_vowels('xyz') == 0",
+    ),
     "factorial": ("factorial(n) that returns n factorial", "assert factorial(5) == 120\nassert factorial(0) == 1"),
-    "fib": ("fib(n) that returns the n-th Fibonacci number with fib(0) = 0 and fib(1) = 1",
-            "assert fib(10) == 55\nassert fib(1) == 1"),
-    "is_palindrome": ("is_palindrome(s) that returns True if the string s reads the same backwards",
-                      "assert is_palindrome('racecar')\nassert not is_palindrome('abc')"),
-    "sum_list": ("sum_list(xs) that returns the sum of the numbers in xs",
-                 "assert sum_list([1, 2, 3]) == 6\nassert sum_list([]) == 0"),
-    "celsius_to_fahrenheit": ("celsius_to_fahrenheit(c) that converts degrees Celsius to Fahrenheit",
-                              "assert celsius_to_fahrenheit(100) == 212\nassert celsius_to_fahrenheit(0) == 32"),
-    "count_words": ("count_words(s) that returns the number of words in the string s separated by spaces",
-                    "assert count_words('a b c') == 3\nassert count_words('hello') == 1"),
-    "is_prime": ("is_prime(n) that returns True if n is a prime number",
-                 "assert is_prime(7)\nassert not is_prime(9)\nassert not is_prime(1)"),
-    "gcd": ("gcd(a, b) that returns the greatest common divisor of a and b",
-            "assert gcd(12, 18) == 6\nassert gcd(7, 5) == 1"),
-    "remove_duplicates": ("remove_duplicates(xs) that returns the list xs without duplicates, keeping first order",
-                          "assert remove_duplicates([1, 2, 1, 3, 2]) == [1, 2, 3]"),
-    "capitalize_words": ("capitalize_words(s) that capitalizes the first letter of every word in s",
-                         "assert capitalize_words('hello world') == 'Hello World'"),
+    "fib": (
+        "fib(n) that returns the n-th Fibonacci number with fib(0) = 0 and fib(1) = 1",
+        "assert fib(10) == 55\nassert fib(1) == 1",
+    ),
+    "is_palindrome": (
+        "is_palindrome(s) that returns True if the string s reads the same backwards",
+        "assert is_palindrome('racecar')\nassert not is_palindrome('abc')",
+    ),
+    "sum_list": (
+        "sum_list(xs) that returns the sum of the numbers in xs",
+        "assert sum_list([1, 2, 3]) == 6\nassert sum_list([]) == 0",
+    ),
+    "celsius_to_fahrenheit": (
+        "celsius_to_fahrenheit(c) that converts degrees Celsius to Fahrenheit",
+        "assert celsius_to_fahrenheit(100) == 212\nassert celsius_to_fahrenheit(0) == 32",
+    ),
+    "count_words": (
+        "count_words(s) that returns the number of words in the string s separated by spaces",
+        "assert count_words('a b c') == 3\nassert count_words('hello') == 1",
+    ),
+    "is_prime": (
+        "is_prime(n) that returns True if n is a prime number",
+        "assert is_prime(7)\nassert not is_prime(9)\nassert not is_prime(1)",
+    ),
+    "gcd": (
+        "gcd(a, b) that returns the greatest common divisor of a and b",
+        "assert gcd(12, 18) == 6\nassert gcd(7, 5) == 1",
+    ),
+    "remove_duplicates": (
+        "remove_duplicates(xs) that returns the list xs without duplicates, keeping first order",
+        "assert remove_duplicates([1, 2, 1, 3, 2]) == [1, 2, 3]",
+    ),
+    "capitalize_words": (
+        "capitalize_words(s) that capitalizes the first letter of every word in s",
+        "assert capitalize_words('hello world') == 'Hello World'",
+    ),
 }
 
 CODE = re.compile(r"```(?:python|py)?\s*\n(.*?)```", re.S)
@@ -93,21 +117,36 @@ def main() -> None:
         msgs = [{"role": "user", "content": f"Write a Python function {spec}. Reply with a python code block."}]
         ids = tok.apply_chat_template(msgs, add_generation_prompt=True, return_tensors="pt", return_dict=True)
         with torch.inference_mode():
-            out = model.generate(**ids, do_sample=True, temperature=args.temperature, top_p=1.0,
-                                 max_new_tokens=args.max_new_tokens, num_return_sequences=args.samples,
-                                 pad_token_id=tok.eos_token_id)
-        replies = tok.batch_decode(out[:, ids["input_ids"].shape[1]:], skip_special_tokens=True)
+            out = model.generate(
+                **ids,
+                do_sample=True,
+                temperature=args.temperature,
+                top_p=1.0,
+                max_new_tokens=args.max_new_tokens,
+                num_return_sequences=args.samples,
+                pad_token_id=tok.eos_token_id,
+            )
+        replies = tok.batch_decode(out[:, ids["input_ids"].shape[1] :], skip_special_tokens=True)
         counts[name] = [len(replies), sum(passes(r, tests) for r in replies)]
         print(f"{name:<24} {counts[name][1]}/{counts[name][0]}", file=sys.stderr, flush=True)
     elapsed = time.perf_counter() - started
     n, c = sum(v[0] for v in counts.values()), sum(v[1] for v in counts.values())
-    table = {"model": "SmolLM2-135M-Instruct (fp32, CPU)", "temperature": args.temperature, "top_p": 1.0,
-             "max_new_tokens": args.max_new_tokens, "prompt": "chat: 'Write a Python function <spec>. Reply with "
-             "a python code block.'", "generated_by": "bench/passk_table.py", "tasks": counts}
+    table = {
+        "model": "SmolLM2-135M-Instruct (fp32, CPU)",
+        "temperature": args.temperature,
+        "top_p": 1.0,
+        "max_new_tokens": args.max_new_tokens,
+        "prompt": "chat: 'Write a Python function <spec>. Reply with a python code block.'",
+        "generated_by": "bench/passk_table.py",
+        "tasks": counts,
+    }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(table, indent=1) + "\n")
-    print(json.dumps({"bench": "passk_table", "passed": c, "samples": n, "tasks": len(counts),
-                      "seconds": round(elapsed, 1)}))
+    print(
+        json.dumps(
+            {"bench": "passk_table", "passed": c, "samples": n, "tasks": len(counts), "seconds": round(elapsed, 1)}
+        )
+    )
 
 
 if __name__ == "__main__":

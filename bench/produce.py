@@ -33,9 +33,18 @@ TARGET = 0.7
 def make_events(n: int, tokens: int = 128) -> list:
     """A realistic mix per agent turn: request, model response (``tokens`` completion tokens),
     tool run, edit proposed/accepted; sessions of 10 turns."""
-    from producers.events.types import (AgentRequested, AgentRequestedEvent, EditAccepted, EditAcceptedEvent,
-                                  EditProposed, EditProposedEvent, ModelResponded, ModelRespondedEvent,
-                                  ToolExecuted, ToolExecutedEvent)
+    from producers.events.types import (
+        AgentRequested,
+        AgentRequestedEvent,
+        EditAccepted,
+        EditAcceptedEvent,
+        EditProposed,
+        EditProposedEvent,
+        ModelResponded,
+        ModelRespondedEvent,
+        ToolExecuted,
+        ToolExecutedEvent,
+    )
 
     events = []
     i = 0
@@ -44,14 +53,31 @@ def make_events(n: int, tokens: int = 128) -> list:
         base = dict(session_id=sid, user_id=f"user-{i % 97}")
         events += [
             AgentRequestedEvent(**base, payload=AgentRequested(request_id=f"r{i}", text="make the test pass " * 4)),
-            ModelRespondedEvent(**base, payload=ModelResponded(
-                request_id=f"r{i}", segment_index=0, turn_index=turn, checkpoint_id="base",
-                prompt_token_ids=list(range(32)), completion_token_ids=list(range(tokens)),
-                completion_logprobs=[-0.25] * tokens, latency_s=0.5)),
-            ToolExecutedEvent(**base, payload=ToolExecuted(call_id=f"c{i}", name="run", ok=True, exit_code=0,
-                                                           output="1 passed in 0.01s", ran_tests=True)),
-            EditProposedEvent(**base, payload=EditProposed(edit_id=f"e{i}", path="src/app.py", lines_added=3,
-                                                           diff="+x = 1\n+y = 2\n+z = 3\n")),
+            ModelRespondedEvent(
+                **base,
+                payload=ModelResponded(
+                    request_id=f"r{i}",
+                    segment_index=0,
+                    turn_index=turn,
+                    checkpoint_id="base",
+                    prompt_token_ids=list(range(32)),
+                    completion_token_ids=list(range(tokens)),
+                    completion_logprobs=[-0.25] * tokens,
+                    latency_s=0.5,
+                ),
+            ),
+            ToolExecutedEvent(
+                **base,
+                payload=ToolExecuted(
+                    call_id=f"c{i}", name="run", ok=True, exit_code=0, output="1 passed in 0.01s", ran_tests=True
+                ),
+            ),
+            EditProposedEvent(
+                **base,
+                payload=EditProposed(
+                    edit_id=f"e{i}", path="src/app.py", lines_added=3, diff="+x = 1\n+y = 2\n+z = 3\n"
+                ),
+            ),
             EditAcceptedEvent(**base, payload=EditAccepted(edit_id=f"e{i}")),
         ]
         i += 1
@@ -63,8 +89,14 @@ def run_ours(bootstrap: str, topic: str, events: list, compression: str, linger_
     from producers.producer import EventProducer
 
     with tempfile.TemporaryDirectory() as spool:
-        producer = EventProducer(bootstrap, topic, spool_dir=Path(spool), compression=compression,
-                                 linger_ms=linger_ms, buffer_size=len(events) + 1)
+        producer = EventProducer(
+            bootstrap,
+            topic,
+            spool_dir=Path(spool),
+            compression=compression,
+            linger_ms=linger_ms,
+            buffer_size=len(events) + 1,
+        )
         try:
             producer.emit(events[0])
             producer.flush()  # connected and metadata known before timing, as for the baseline
@@ -85,13 +117,17 @@ def run_bare(bootstrap: str, topic: str, events: list, compression: str, linger_
     """``(events/s, CPU µs per event)`` of a bare ``KafkaProducer`` sending pre-encoded records."""
     from kafka import KafkaProducer
 
-    from producers.events import encode_event
     from producers.client import DEFAULT_BATCH_BYTES
+    from producers.events import encode_event
 
     records = [(ev.session_id.encode(), encode_event(ev), [("event-type", ev.type.encode())]) for ev in events]
-    producer = KafkaProducer(bootstrap_servers=bootstrap, acks="all", linger_ms=linger_ms,
-                             batch_size=DEFAULT_BATCH_BYTES,
-                             compression_type=None if compression == "none" else compression)
+    producer = KafkaProducer(
+        bootstrap_servers=bootstrap,
+        acks="all",
+        linger_ms=linger_ms,
+        batch_size=DEFAULT_BATCH_BYTES,
+        compression_type=None if compression == "none" else compression,
+    )
     try:
         producer.send(topic, value=records[0][1], key=records[0][0], headers=records[0][2]).get(30)
         t0, c0 = time.perf_counter(), time.process_time()
@@ -117,7 +153,6 @@ def main(argv: list[str] | None = None) -> int:
     rounds = args.rounds or (3 if args.quick else 7)
 
     from ops.stack import create_topics, start_broker, stop_pid
-
     from producers.client import default_compression
 
     compression = args.compression or default_compression()
@@ -134,19 +169,32 @@ def main(argv: list[str] | None = None) -> int:
                 create_topics(bootstrap, {topic: 4})
                 # Alternate who goes first so neither side always meets a warmer broker.
                 sides = [("bare", run_bare), ("ours", run_ours)]
-                for name, fn in (sides if r % 2 == 0 else sides[::-1]):
+                for name, fn in sides if r % 2 == 0 else sides[::-1]:
                     rate, cpu_us = fn(bootstrap, topic, events, compression, args.linger_ms)
                     (ours if name == "ours" else bare).append(rate)
-                    print(f"round {r}: {name:4s} {rate:10.0f} events/s  ({cpu_us:5.1f} CPU-us/event, all threads)",
-                          file=sys.stderr)
+                    print(
+                        f"round {r}: {name:4s} {rate:10.0f} events/s  ({cpu_us:5.1f} CPU-us/event, all threads)",
+                        file=sys.stderr,
+                    )
                 print(f"round {r}: ratio {ours[-1] / bare[-1]:.3f}", file=sys.stderr)
         finally:
             if broker is not None:
                 stop_pid(broker.pid)
     o, b = statistics.median(ours), statistics.median(bare)
     ratio = o / b
-    print(json.dumps({"bench": "produce", "ours": round(o, 1), "baseline": round(b, 1), "unit": "events/s",
-                      "ratio": round(ratio, 3), "target": TARGET, "pass": ratio >= TARGET}))
+    print(
+        json.dumps(
+            {
+                "bench": "produce",
+                "ours": round(o, 1),
+                "baseline": round(b, 1),
+                "unit": "events/s",
+                "ratio": round(ratio, 3),
+                "target": TARGET,
+                "pass": ratio >= TARGET,
+            }
+        )
+    )
     return 0
 
 

@@ -61,14 +61,22 @@ def generate_sessions(engine, n_sessions: int, max_tokens: int, seed: int):
     """Two-turn sessions served by ``engine`` as ``model.responded`` events (routes included)."""
     import numpy as np
 
-    from producers.events.types import (ModelResponded, ModelRespondedEvent, SessionEnded, SessionEndedEvent,
-                                  SessionStarted, SessionStartedEvent)
     from app.inference.engine import SamplingParams
+    from producers.events.types import (
+        ModelResponded,
+        ModelRespondedEvent,
+        SessionEnded,
+        SessionEndedEvent,
+        SessionStarted,
+        SessionStartedEvent,
+    )
 
     rng = np.random.default_rng(seed)
     envs = [dict(session_id=f"moe-{uuid.uuid4().hex[:10]}", user_id=f"u{i % 7}") for i in range(n_sessions)]
-    events = [SessionStartedEvent(**e, payload=SessionStarted(task_id=f"task-{i}", checkpoint_id="moe-base"))
-              for i, e in enumerate(envs)]
+    events = [
+        SessionStartedEvent(**e, payload=SessionStarted(task_id=f"task-{i}", checkpoint_id="moe-base"))
+        for i, e in enumerate(envs)
+    ]
     contexts = [[] for _ in envs]
     pending = [[1] + rng.integers(300, 40_000, size=int(rng.integers(12, 40))).tolist() for _ in envs]
     for turn in range(2):
@@ -76,11 +84,24 @@ def generate_sessions(engine, n_sessions: int, max_tokens: int, seed: int):
         gens = engine.generate([c + p for c, p in zip(contexts, pending)], params)
         for i, (env, g) in enumerate(zip(envs, gens)):
             layers, k = len(g.routed_experts[0]), len(g.routed_experts[0][0])
-            events.append(ModelRespondedEvent(**env, payload=ModelResponded(
-                request_id=f"r{turn}", segment_index=0, turn_index=turn, checkpoint_id="moe-base",
-                prompt_token_ids=pending[i], completion_token_ids=g.token_ids, completion_logprobs=g.logprobs,
-                latency_s=g.latency_s, finish_reason=g.finish_reason,
-                routed_experts=np.asarray(g.routed_experts).reshape(-1).tolist(), routed_experts_shape=(layers, k))))
+            events.append(
+                ModelRespondedEvent(
+                    **env,
+                    payload=ModelResponded(
+                        request_id=f"r{turn}",
+                        segment_index=0,
+                        turn_index=turn,
+                        checkpoint_id="moe-base",
+                        prompt_token_ids=pending[i],
+                        completion_token_ids=g.token_ids,
+                        completion_logprobs=g.logprobs,
+                        latency_s=g.latency_s,
+                        finish_reason=g.finish_reason,
+                        routed_experts=np.asarray(g.routed_experts).reshape(-1).tolist(),
+                        routed_experts_shape=(layers, k),
+                    ),
+                )
+            )
             contexts[i] += pending[i] + g.token_ids
             pending[i] = rng.integers(300, 40_000, size=int(rng.integers(8, 24))).tolist()  # the tool's output
     events += [SessionEndedEvent(**e, payload=SessionEnded(turns=2)) for e in envs]
@@ -104,7 +125,7 @@ def route_differences(model, batches, config) -> tuple[float, float, float]:
             h.remove()
     tokens = layers_differ = tokens_differ = 0
     for i, mb in enumerate(batches):
-        ids = torch.stack(used[i * len(experts):(i + 1) * len(experts)], dim=1).reshape(mb.routes.shape)
+        ids = torch.stack(used[i * len(experts) : (i + 1) * len(experts)], dim=1).reshape(mb.routes.shape)
         at = mb.hidden_index  # the positions whose output sampled each trainable token
         got = ids.reshape(-1, *ids.shape[2:])[at].sort(-1).values
         want = mb.routes.reshape(-1, *mb.routes.shape[2:])[at].sort(-1).values
@@ -143,9 +164,13 @@ def main() -> None:
     url, cleanup = _scratch(tmp)
     try:
         topic = f"bench.routes.{uuid.uuid4().hex[:6]}"
-        os.environ.update(FLYWHEEL_DATABASE_URL=url, FLYWHEEL_KAFKA_BOOTSTRAP=broker.bootstrap,
-                          FLYWHEEL_KAFKA_INTERACTIONS_TOPIC=topic, FLYWHEEL_KAFKA_DLQ_TOPIC=topic + ".dlq",
-                          FLYWHEEL_KAFKA_CONSUMER_GROUP=f"bench-routes-{uuid.uuid4().hex[:6]}")
+        os.environ.update(
+            FLYWHEEL_DATABASE_URL=url,
+            FLYWHEEL_KAFKA_BOOTSTRAP=broker.bootstrap,
+            FLYWHEEL_KAFKA_INTERACTIONS_TOPIC=topic,
+            FLYWHEEL_KAFKA_DLQ_TOPIC=topic + ".dlq",
+            FLYWHEEL_KAFKA_CONSUMER_GROUP=f"bench-routes-{uuid.uuid4().hex[:6]}",
+        )
         from app.core.db import reset_engines, session_scope
         from app.core.settings import get_settings
         from consumers.settings import get_consumer_settings
@@ -160,8 +185,9 @@ def main() -> None:
         from serving.torch_engine import TorchEngine
         from trainer.testing import build_tiny_moe
 
-        model_dir = build_tiny_moe(tmp / "moe", experts=8, top_k=2, num_layers=layers, hidden_size=args.hidden,
-                                   initializer_range=args.init_std)
+        model_dir = build_tiny_moe(
+            tmp / "moe", experts=8, top_k=2, num_layers=layers, hidden_size=args.hidden, initializer_range=args.init_std
+        )
         engine = TorchEngine(model_dir, checkpoint_id="moe-base")  # bf16-rounded weights
         t = time.monotonic()
         events = generate_sessions(engine, n_sessions, max_tokens, seed=0)
@@ -192,8 +218,13 @@ def main() -> None:
         with session_scope() as s:
             add_checkpoint(s, checkpoint_id="moe-base", path=str(model_dir), status="production")
         with session_scope() as s:
-            route_bytes, completion_tokens = s.connection().exec_driver_sql(
-                "SELECT sum(octet_length(routed_experts)), sum(num_completion_tokens) FROM trajectory_segment").one()
+            route_bytes, completion_tokens = (
+                s.connection()
+                .exec_driver_sql(
+                    "SELECT sum(octet_length(routed_experts)), sum(num_completion_tokens) FROM trajectory_segment"
+                )
+                .one()
+            )
             config = TrainerConfig.model_validate({"loss": {"temperature": 1.0}, "data": {"max_seq_len": 4096}})
             data = select_cycle_data(s, config.data, s.get(Checkpoint, "moe-base"))
         if len(data.used) != n_sessions:
@@ -203,26 +234,47 @@ def main() -> None:
         trainer = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)  # fp32, unrounded
         t = time.monotonic()
         kl_without, tok_without, dec_without = route_differences(
-            trainer, batches, config.model_copy(update={"router_replay": False}))
+            trainer, batches, config.model_copy(update={"router_replay": False})
+        )
         kl_with, tok_with, dec_with = route_differences(trainer, batches, config)
         score_s = time.monotonic() - t
 
         ratio = kl_with / kl_without if kl_without > 0 else float("inf")
         n_tok = sum(mb.num_trainable for mb in batches)
-        print(f"# {n_sessions} sessions, {n_tok} sampled tokens, {layers} MoE layers x top-2 of 8 experts; "
-              f"KL without replay {kl_without:.5f}, with {kl_with:.5f}; tokens with another expert set "
-              f"{tok_without:.1%} -> {tok_with:.1%}; generate {generate_s:.1f}s, ingest {ingest_s:.1f}s, "
-              f"score {score_s:.1f}s", file=sys.stderr)
-        print(json.dumps({
-            "bench": "router_replay", "ours": round(kl_with, 6), "baseline": round(kl_without, 6),
-            "unit": "nats/token KL(behaviour||trainer)", "ratio": round(ratio, 4), "target": TARGET,
-            "pass": ratio <= TARGET, "route_differ_token_frac_without": round(tok_without, 4),
-            "route_differ_token_frac_with": round(tok_with, 4),
-            "route_differ_decision_frac_without": round(dec_without, 4),
-            "route_differ_decision_frac_with": round(dec_with, 4),
-            "route_bytes_per_token": round(route_bytes / completion_tokens, 2), "route_bytes_one_per_entry": layers * 2,
-            "sessions": n_sessions, "sampled_tokens": n_tok, "moe_layers": layers, "experts": 8, "top_k": 2,
-            "hidden": args.hidden, "init_std": args.init_std, "seconds": round(time.monotonic() - started, 1)}))
+        print(
+            f"# {n_sessions} sessions, {n_tok} sampled tokens, {layers} MoE layers x top-2 of 8 experts; "
+            f"KL without replay {kl_without:.5f}, with {kl_with:.5f}; tokens with another expert set "
+            f"{tok_without:.1%} -> {tok_with:.1%}; generate {generate_s:.1f}s, ingest {ingest_s:.1f}s, "
+            f"score {score_s:.1f}s",
+            file=sys.stderr,
+        )
+        print(
+            json.dumps(
+                {
+                    "bench": "router_replay",
+                    "ours": round(kl_with, 6),
+                    "baseline": round(kl_without, 6),
+                    "unit": "nats/token KL(behaviour||trainer)",
+                    "ratio": round(ratio, 4),
+                    "target": TARGET,
+                    "pass": ratio <= TARGET,
+                    "route_differ_token_frac_without": round(tok_without, 4),
+                    "route_differ_token_frac_with": round(tok_with, 4),
+                    "route_differ_decision_frac_without": round(dec_without, 4),
+                    "route_differ_decision_frac_with": round(dec_with, 4),
+                    "route_bytes_per_token": round(route_bytes / completion_tokens, 2),
+                    "route_bytes_one_per_entry": layers * 2,
+                    "sessions": n_sessions,
+                    "sampled_tokens": n_tok,
+                    "moe_layers": layers,
+                    "experts": 8,
+                    "top_k": 2,
+                    "hidden": args.hidden,
+                    "init_std": args.init_std,
+                    "seconds": round(time.monotonic() - started, 1),
+                }
+            )
+        )
     finally:
         cleanup()
         stop_pid(broker.pid)

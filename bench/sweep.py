@@ -73,9 +73,29 @@ def main() -> None:
     common = ["--max-turns", str(args.max_turns)]
     rows = []
     try:
-        flywheel(["demo", "--cycles", "1", "--sessions", str(sessions), "--group-size", str(args.group_size),
-                  "--source", SUITE, "--suite", SUITE, "--eval-tasks", str(eval_tasks), "--eval-max-turns",
-                  str(args.max_turns), *common, "--max-tokens-per-turn", str(args.max_tokens_per_turn)], env)
+        flywheel(
+            [
+                "demo",
+                "--cycles",
+                "1",
+                "--sessions",
+                str(sessions),
+                "--group-size",
+                str(args.group_size),
+                "--source",
+                SUITE,
+                "--suite",
+                SUITE,
+                "--eval-tasks",
+                str(eval_tasks),
+                "--eval-max-turns",
+                str(args.max_turns),
+                *common,
+                "--max-tokens-per-turn",
+                str(args.max_tokens_per_turn),
+            ],
+            env,
+        )
         first = json.loads((home / "demo" / "state.json").read_text())["candidate@1"]
         configs = home / "sweep"
         configs.mkdir(exist_ok=True)
@@ -86,15 +106,57 @@ def main() -> None:
         for lr, ep in itertools.product(lrs, epochs):
             t0 = time.monotonic()
             cfg = write_config(configs, lr, ep, args.grad_accum)
-            ckpt = last_json(flywheel(["train", "--once", "--json", "--parent", "base", "--same-data-as", first,
-                                       "--min-new", "1", "--no-progress", "--config", str(cfg)], env,
-                                      capture=True))["checkpoint_id"]
-            flywheel(["eval", "run", ckpt, "--suite", SUITE, "--samples", "1", "--limit", str(eval_tasks), "--max-turns", str(args.max_turns),
-                      "--max-tokens", str(args.max_tokens_per_turn)], env, capture=True)
+            ckpt = last_json(
+                flywheel(
+                    [
+                        "train",
+                        "--once",
+                        "--json",
+                        "--parent",
+                        "base",
+                        "--same-data-as",
+                        first,
+                        "--min-new",
+                        "1",
+                        "--no-progress",
+                        "--config",
+                        str(cfg),
+                    ],
+                    env,
+                    capture=True,
+                )
+            )["checkpoint_id"]
+            flywheel(
+                [
+                    "eval",
+                    "run",
+                    ckpt,
+                    "--suite",
+                    SUITE,
+                    "--samples",
+                    "1",
+                    "--limit",
+                    str(eval_tasks),
+                    "--max-turns",
+                    str(args.max_turns),
+                    "--max-tokens",
+                    str(args.max_tokens_per_turn),
+                ],
+                env,
+                capture=True,
+            )
             with session_scope() as session:
                 cmp = paired(session, "base", ckpt, SUITE, eval_tasks)
-            rows.append({"lr": lr, "epochs": ep, "grad_accum": args.grad_accum, "checkpoint": ckpt,
-                         **cmp, "seconds": round(time.monotonic() - t0)})
+            rows.append(
+                {
+                    "lr": lr,
+                    "epochs": ep,
+                    "grad_accum": args.grad_accum,
+                    "checkpoint": ckpt,
+                    **cmp,
+                    "seconds": round(time.monotonic() - t0),
+                }
+            )
             print(json.dumps(rows[-1]), flush=True)
         with session_scope() as session:
             default = paired(session, "base", first, SUITE, eval_tasks)
@@ -102,11 +164,25 @@ def main() -> None:
         if not args.keep:
             subprocess.run([sys.executable, "-m", "ops.cli", "demo", "--down"], env=env, capture_output=True)
     best = max(rows, key=lambda r: (r["lower_bound"], r["diff"]))
-    print(json.dumps({"bench": "sweep", "ours": best["diff"], "baseline": default["diff"],
-                      "unit": "held-out pass@1 difference vs base", "ratio": None,
-                      "target": "a grid point with lower bound > 0", "best": best, "default": default,
-                      "grid": rows, "sessions": sessions, "eval_tasks": eval_tasks,
-                      "wall_s": round(time.monotonic() - started), "pass": best["lower_bound"] > 0}))
+    print(
+        json.dumps(
+            {
+                "bench": "sweep",
+                "ours": best["diff"],
+                "baseline": default["diff"],
+                "unit": "held-out pass@1 difference vs base",
+                "ratio": None,
+                "target": "a grid point with lower bound > 0",
+                "best": best,
+                "default": default,
+                "grid": rows,
+                "sessions": sessions,
+                "eval_tasks": eval_tasks,
+                "wall_s": round(time.monotonic() - started),
+                "pass": best["lower_bound"] > 0,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -57,14 +57,32 @@ def build_model(shape: str, layers: int | None):
 
     torch.manual_seed(0)
     if shape == "qwen3-0.6b":
-        cfg = Qwen3Config(vocab_size=151_936, hidden_size=1024, intermediate_size=3072,
-                          num_hidden_layers=layers or 28, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
-                          max_position_embeddings=40_960, tie_word_embeddings=True, rms_norm_eps=1e-6,
-                          rope_theta=1_000_000.0)
+        cfg = Qwen3Config(
+            vocab_size=151_936,
+            hidden_size=1024,
+            intermediate_size=3072,
+            num_hidden_layers=layers or 28,
+            num_attention_heads=16,
+            num_key_value_heads=8,
+            head_dim=128,
+            max_position_embeddings=40_960,
+            tie_word_embeddings=True,
+            rms_norm_eps=1e-6,
+            rope_theta=1_000_000.0,
+        )
         return Qwen3ForCausalLM(cfg)
-    cfg = LlamaConfig(vocab_size=49_152, hidden_size=576, intermediate_size=1536, num_hidden_layers=layers or 30,
-                      num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192,
-                      tie_word_embeddings=True, rms_norm_eps=1e-5, rope_theta=100_000.0)
+    cfg = LlamaConfig(
+        vocab_size=49_152,
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=layers or 30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        max_position_embeddings=8192,
+        tie_word_embeddings=True,
+        rms_norm_eps=1e-5,
+        rope_theta=100_000.0,
+    )
     return LlamaForCausalLM(cfg)
 
 
@@ -82,7 +100,7 @@ def build_trajectories(n_traj: int, seq_len: int, vocab: int):
         ids = rng.integers(3, vocab, size=seq_len).astype(np.int32)
         mask = np.zeros(seq_len, dtype=np.uint8)
         for start in range(seq_len // 8, seq_len, seq_len // 4):
-            mask[start:start + seq_len // 8] = 1
+            mask[start : start + seq_len // 8] = 1
         lp = np.where(mask == 1, rng.normal(-2.0, 0.5, seq_len), 0.0).astype(np.float32)
         reward = float(i % 3 == 0) + 0.25 * (i % 2)  # the two of a task always differ: no zero advantage
         trajs.append(make_trajectory([Segment(ids, mask, lp)], reward, task_id=f"t{i // 2}"))
@@ -134,12 +152,21 @@ def bench_step(args) -> dict:
     torch.set_num_threads(args.threads)
     model = placement.place_model(build_model(args.shape, args.layers))
     vocab = model.config.vocab_size
-    batches = [placement.move_batch(mb) for mb in build_batches(build_trajectories(args.trajectories, args.seq_len, vocab),
-                                                                args.micro_batch_tokens)]
+    batches = [
+        placement.move_batch(mb)
+        for mb in build_batches(build_trajectories(args.trajectories, args.seq_len, vocab), args.micro_batch_tokens)
+    ]
     tokens = sum(mb.num_tokens for mb in batches)
-    config = TrainerConfig.model_validate({
-        "grad_accum": len(batches), "epochs": 1, "threads": args.threads, "device": args.device,
-        "data": {"micro_batch_tokens": args.micro_batch_tokens}, "optim": {"lr": 1e-6}})
+    config = TrainerConfig.model_validate(
+        {
+            "grad_accum": len(batches),
+            "epochs": 1,
+            "threads": args.threads,
+            "device": args.device,
+            "data": {"micro_batch_tokens": args.micro_batch_tokens},
+            "optim": {"lr": 1e-6},
+        }
+    )
     compute_old_logprobs(model, batches, config, placement=placement)
     optimizer = make_optimizer(model, config)
     ours_s, bare_s, ours_cpu, bare_cpu = [], [], [], []
@@ -156,30 +183,54 @@ def bench_step(args) -> dict:
     ours, bare = tokens / min(ours_s), tokens / min(bare_s)
     cycle = tokens / (min(ours_s) + old_pass_s)
     params = sum(p.numel() for p in model.parameters())  # tied embeddings once
-    print(f"{args.shape} {model.config.num_hidden_layers} layers ({params / 1e6:.1f}M params) on {placement.device}, "
-          f"{len(batches)} micro-batches, {tokens} tokens ({sum(mb.num_trainable for mb in batches)} trainable)")
+    print(
+        f"{args.shape} {model.config.num_hidden_layers} layers ({params / 1e6:.1f}M params) on {placement.device}, "
+        f"{len(batches)} micro-batches, {tokens} tokens ({sum(mb.num_trainable for mb in batches)} trainable)"
+    )
     print(f"trainer step    {ours:10.1f} tok/s   (best of {[round(s, 3) for s in ours_s]} s)")
     print(f"bare fwd+bwd    {bare:10.1f} tok/s   (best of {[round(s, 3) for s in bare_s]} s)")
     print(f"cycle incl. pi_old pass, 1 epoch: {cycle:.1f} tok/s")
-    line = {"bench": "train", "ours": round(ours, 1), "baseline": round(bare, 1), "unit": "tokens/s",
-            "ratio": round(ours / bare, 3), "device": str(placement.device), "shape": args.shape,
-            "layers": model.config.num_hidden_layers, "params": params, "tokens": tokens,
-            "cycle_tokens_per_s_incl_old_logprob_pass": round(cycle, 1), "quick": args.quick}
+    line = {
+        "bench": "train",
+        "ours": round(ours, 1),
+        "baseline": round(bare, 1),
+        "unit": "tokens/s",
+        "ratio": round(ours / bare, 3),
+        "device": str(placement.device),
+        "shape": args.shape,
+        "layers": model.config.num_hidden_layers,
+        "params": params,
+        "tokens": tokens,
+        "cycle_tokens_per_s_incl_old_logprob_pass": round(cycle, 1),
+        "quick": args.quick,
+    }
     if placement.is_cuda:
         name = torch.cuda.get_device_name(placement.device)
         peak = args.peak_tflops or next((v for k, v in PEAK_BF16_TFLOPS.items() if k in name), None)
         mfu = 6 * params * ours / (peak * 1e12) if peak else None
         print(f"{name}: MFU {mfu:.1%} of {peak} TFLOP/s bf16" if mfu else f"{name}: unknown peak (--peak-tflops)")
         target = QWEN3_H100_TARGET if args.shape == "qwen3-0.6b" and not args.quick else None
-        line.update({"gpu": name, "mfu": round(mfu, 4) if mfu else None, "peak_tflops": peak,
-                     "bare_mfu": round(6 * params * bare / (peak * 1e12), 4) if peak else None,
-                     "target": target, "target_unit": "ours tokens/s" if target else None,
-                     "pass": ours >= target if target else ours / bare >= CPU_TARGET})
+        line.update(
+            {
+                "gpu": name,
+                "mfu": round(mfu, 4) if mfu else None,
+                "peak_tflops": peak,
+                "bare_mfu": round(6 * params * bare / (peak * 1e12), 4) if peak else None,
+                "target": target,
+                "target_unit": "ours tokens/s" if target else None,
+                "pass": ours >= target if target else ours / bare >= CPU_TARGET,
+            }
+        )
     else:
         cpu_ratio = min(bare_cpu) / min(ours_cpu)  # tokens per CPU-second, ours / baseline
         print(f"per CPU-second: ours / bare = {cpu_ratio:.3f}")
-        line.update({"target": CPU_TARGET, "pass": ours / bare >= CPU_TARGET and cpu_ratio >= CPU_TARGET,
-                     "cpu_ratio": round(cpu_ratio, 3)})
+        line.update(
+            {
+                "target": CPU_TARGET,
+                "pass": ours / bare >= CPU_TARGET and cpu_ratio >= CPU_TARGET,
+                "cpu_ratio": round(cpu_ratio, 3),
+            }
+        )
     return line
 
 
@@ -201,8 +252,12 @@ def compare_runs(one: dict, many: dict, lr: float) -> dict:
             worst_rel = max(worst_rel, diff / max(abs(a[key]), 1e-12))
     worst_param = max(float((one["state"][k] - many["state"][k]).abs().max()) for k in one["state"])
     params_ok = worst_param <= 1e-2 * lr and not math.isnan(worst_param)
-    return {"loss_match": bool(steps_ok and params_ok), "max_rel_diff_loss_grad_norm": worst_rel,
-            "max_abs_diff_params": worst_param, "param_tolerance": 1e-2 * lr}
+    return {
+        "loss_match": bool(steps_ok and params_ok),
+        "max_rel_diff_loss_grad_norm": worst_rel,
+        "max_abs_diff_params": worst_param,
+        "param_tolerance": 1e-2 * lr,
+    }
 
 
 def bench_ranks(args) -> dict:
@@ -218,9 +273,16 @@ def bench_ranks(args) -> dict:
     # ranks + 1 micro-batches a step: they do not divide evenly over the ranks (gradients summed in
     # another order than in one process) and an epoch's last step leaves a rank without any
     grad_accum = args.ranks + 1
-    config = TrainerConfig.model_validate({
-        "grad_accum": grad_accum, "epochs": 2, "threads": args.threads, "device": "cpu",
-        "data": {"micro_batch_tokens": args.micro_batch_tokens}, "optim": {"lr": RANK_LR}})
+    config = TrainerConfig.model_validate(
+        {
+            "grad_accum": grad_accum,
+            "epochs": 2,
+            "threads": args.threads,
+            "device": "cpu",
+            "data": {"micro_batch_tokens": args.micro_batch_tokens},
+            "optim": {"lr": RANK_LR},
+        }
+    )
     initial = {k: v.clone() for k, v in model.state_dict().items()}
     with tempfile.TemporaryDirectory(prefix="bench-train-") as tmp:
         model.save_pretrained(Path(tmp) / "policy", safe_serialization=True)
@@ -230,19 +292,42 @@ def bench_ranks(args) -> dict:
     match = compare_runs(one, many, RANK_LR)
     moved = max(float((one["state"][k] - initial[k]).abs().max()) for k in one["state"] if k in initial)
     tps_1, tps_n = _steps_tokens_per_s(one["history"]), _steps_tokens_per_s(many["history"])
-    print(f"{args.shape} {args.layers or 'all'} layers, {n_batches} micro-batches, grad_accum {grad_accum}, "
-          f"{len(one['history'])} steps")
-    print(f"1 rank ({args.threads} threads)  {tps_1:10.1f} tok/s   losses {[round(h['loss'], 6) for h in one['history']]}")
-    print(f"{args.ranks} gloo ranks (1 thread) {tps_n:10.1f} tok/s   losses {[round(h['loss'], 6) for h in many['history']]}")
-    print(f"grad norms {[round(h['grad_norm'], 6) for h in one['history']]} vs "
-          f"{[round(h['grad_norm'], 6) for h in many['history']]}; training moved a parameter by up to {moved:.2e}")
-    print(f"max |param diff| {match['max_abs_diff_params']:.2e} (tolerance {match['param_tolerance']:.0e}), "
-          f"max rel diff of loss / grad norm {match['max_rel_diff_loss_grad_norm']:.2e} (tolerance 1e-4)")
-    return {"bench": "train", "ours": round(tps_n, 1), "baseline": round(tps_1, 1), "unit": "tokens/s",
-            "ratio": round(tps_n / tps_1, 3), "target": "loss_match", "pass": match["loss_match"],
-            "ranks": args.ranks, "tokens_per_s_1_rank": round(tps_1, 1),
-            f"tokens_per_s_{args.ranks}_ranks": round(tps_n, 1), **match, "max_param_change": moved, "backend": "gloo", "shape": args.shape,
-            "layers": args.layers, "quick": args.quick}
+    print(
+        f"{args.shape} {args.layers or 'all'} layers, {n_batches} micro-batches, grad_accum {grad_accum}, "
+        f"{len(one['history'])} steps"
+    )
+    print(
+        f"1 rank ({args.threads} threads)  {tps_1:10.1f} tok/s   losses {[round(h['loss'], 6) for h in one['history']]}"
+    )
+    print(
+        f"{args.ranks} gloo ranks (1 thread) {tps_n:10.1f} tok/s   losses {[round(h['loss'], 6) for h in many['history']]}"
+    )
+    print(
+        f"grad norms {[round(h['grad_norm'], 6) for h in one['history']]} vs "
+        f"{[round(h['grad_norm'], 6) for h in many['history']]}; training moved a parameter by up to {moved:.2e}"
+    )
+    print(
+        f"max |param diff| {match['max_abs_diff_params']:.2e} (tolerance {match['param_tolerance']:.0e}), "
+        f"max rel diff of loss / grad norm {match['max_rel_diff_loss_grad_norm']:.2e} (tolerance 1e-4)"
+    )
+    return {
+        "bench": "train",
+        "ours": round(tps_n, 1),
+        "baseline": round(tps_1, 1),
+        "unit": "tokens/s",
+        "ratio": round(tps_n / tps_1, 3),
+        "target": "loss_match",
+        "pass": match["loss_match"],
+        "ranks": args.ranks,
+        "tokens_per_s_1_rank": round(tps_1, 1),
+        f"tokens_per_s_{args.ranks}_ranks": round(tps_n, 1),
+        **match,
+        "max_param_change": moved,
+        "backend": "gloo",
+        "shape": args.shape,
+        "layers": args.layers,
+        "quick": args.quick,
+    }
 
 
 def main() -> None:

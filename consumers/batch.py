@@ -59,17 +59,37 @@ from sqlalchemy.orm import Session
 from app.core.locks import AdvisoryLock
 from app.core.retry import TransientError
 from app.repositories import trajectories as trepo
-from app.repositories.events import (DeadLetterRow, append_events, count_tombstones, erased_users,
-                                     insert_dead_letters, lock_offsets, private_sessions, raw_connection,
-                                     store_offsets)
+from app.repositories.events import (
+    DeadLetterRow,
+    append_events,
+    count_tombstones,
+    erased_users,
+    insert_dead_letters,
+    lock_offsets,
+    private_sessions,
+    raw_connection,
+    store_offsets,
+)
 from consumers.counts import BatchOutcome
-from consumers.deadletter import (Decoded, claim_of_dead_letter, conflicting_duplicates, covered_by_erasure,
-                                  dead_letter_row, redacted, redacted_private)
+from consumers.deadletter import (
+    Decoded,
+    claim_of_dead_letter,
+    conflicting_duplicates,
+    covered_by_erasure,
+    dead_letter_row,
+    redacted,
+    redacted_private,
+)
 from consumers.erasure import erase_user, purge_private_sessions
 from consumers.privacy_locks import lock_sessions, privacy_flagged_sessions
-from consumers.projection import (Projector, SegmentState, StoredEvent, TrajectoryState, new_trajectory,
-                                  trajectory_id_for)
-
+from consumers.projection import (
+    Projector,
+    SegmentState,
+    StoredEvent,
+    TrajectoryState,
+    new_trajectory,
+    trajectory_id_for,
+)
 
 
 class SweepOvertook(TransientError):
@@ -78,8 +98,9 @@ class SweepOvertook(TransientError):
     in a new transaction (``app.core.retry.is_transient``)."""
 
 
-def apply_batch(session: Session, group_id: str, batch: list[Decoded], projector: Projector,
-                insert_method: str = "copy") -> BatchOutcome:
+def apply_batch(
+    session: Session, group_id: str, batch: list[Decoded], projector: Projector, insert_method: str = "copy"
+) -> BatchOutcome:
     """Apply classified records (in partition order) in the caller's transaction: the projection
     lock, then the offset fence around the records' effects.
 
@@ -104,8 +125,7 @@ def apply_batch(session: Session, group_id: str, batch: list[Decoded], projector
 
 
 @contextmanager
-def _offset_fence(session: Session, group_id: str, batch: list[Decoded],
-                  out: BatchOutcome) -> Iterator[list[Decoded]]:
+def _offset_fence(session: Session, group_id: str, batch: list[Decoded], out: BatchOutcome) -> Iterator[list[Decoded]]:
     """The exactly-once offset fence of one batch, in the caller's transaction. On entry: lock the
     group's stored next offsets of the batch's partitions ``FOR UPDATE`` and yield the records at or
     past them (those below were applied already: counted in ``out.stale``; a batch starting past its
@@ -128,8 +148,15 @@ def _offset_fence(session: Session, group_id: str, batch: list[Decoded],
     store_offsets(session, group_id, out.next_offsets)
 
 
-def _apply_records(session: Session, conn, fresh: list[Decoded], projector: Projector, now: datetime,
-                   insert_method: str, out: BatchOutcome) -> None:
+def _apply_records(
+    session: Session,
+    conn,
+    fresh: list[Decoded],
+    projector: Projector,
+    now: datetime,
+    insert_method: str,
+    out: BatchOutcome,
+) -> None:
     """Store the effects of ``fresh`` (the records past the offset fence) in order, counting them in
     ``out``: dead letters, events, erasure requests at their place, privacy-mode sessions dropped
     and purged (the module's invariants).
@@ -150,8 +177,13 @@ def _apply_records(session: Session, conn, fresh: list[Decoded], projector: Proj
         lock_sessions(conn, sessions, flagged - private)
         private = private_sessions(session, list(sessions))  # after the lock: a flag committed meanwhile is seen
     stored_sessions: set[str] = set()
-    erased = erased_users(session, list({d.event.user_id for d in events}  # type: ignore[union-attr]
-                                        | {c.user_id for c in claims if c is not None and c.user_id is not None}))
+    erased = erased_users(
+        session,
+        list(
+            {d.event.user_id for d in events}  # type: ignore[union-attr]
+            | {c.user_id for c in claims if c is not None and c.user_id is not None}
+        ),
+    )
     tombstones: Counter = Counter()
     stored_per_session: Counter = Counter()
     newly_private: set[str] = set()
@@ -214,9 +246,13 @@ def _apply_records(session: Session, conn, fresh: list[Decoded], projector: Proj
     out.stored -= sum(stored_per_session[sid] for sid in newly_private | purged_late.keys())
 
 
-def project_events(session: Session, projector: Projector, events: list[StoredEvent],
-                   finalized: Counter | None = None,
-                   states: dict[uuid.UUID, TrajectoryState] | None = None) -> int:
+def project_events(
+    session: Session,
+    projector: Projector,
+    events: list[StoredEvent],
+    finalized: Counter | None = None,
+    states: dict[uuid.UUID, TrajectoryState] | None = None,
+) -> int:
     """Fold stored events (any order; folded by ``seq``) into their trajectories and write them back.
 
     ``states``: the events' stored trajectories, already loaded (and locked) by the caller; loaded
@@ -236,8 +272,9 @@ def project_events(session: Session, projector: Projector, events: list[StoredEv
         states[tid].segments[seg.segment_index] = seg
         stored_max[tid] = seg.segment_index
     # Only an index below the stored open segment can exist unloaded (out-of-order turns).
-    projector.load_segment = (lambda tid, idx: trepo.load_segment(session, tid, idx, SegmentState)
-                              if idx < stored_max.get(tid, -1) else None)
+    projector.load_segment = lambda tid, idx: (
+        trepo.load_segment(session, tid, idx, SegmentState) if idx < stored_max.get(tid, -1) else None
+    )
     for se in events:
         tid = tids[se.event.session_id]
         t = states.get(tid)
@@ -251,8 +288,9 @@ def project_events(session: Session, projector: Projector, events: list[StoredEv
     return written
 
 
-def _store_and_project(session: Session, projector: Projector, chunk: list[Decoded], now: datetime,
-                       method: str, out: BatchOutcome) -> Counter:
+def _store_and_project(
+    session: Session, projector: Projector, chunk: list[Decoded], now: datetime, method: str, out: BatchOutcome
+) -> Counter:
     """Append ``chunk``'s events, fold the new ones into their trajectories, count them in ``out``.
 
     Returns:
@@ -270,8 +308,10 @@ def _store_and_project(session: Session, projector: Projector, chunk: list[Decod
     states = trepo.load_trajectories(session, map(trajectory_id_for, sessions), TrajectoryState)  # uuid5 per session
     for t in states.values():
         if t.status == "finalized" and t.finalized_by != "signals" and t.finalized_at >= now:
-            raise SweepOvertook(f"trajectory {t.id} was finalized by its window at {t.finalized_at.isoformat()}, "
-                                f"not before this batch's ingestion time {now.isoformat()}")
+            raise SweepOvertook(
+                f"trajectory {t.id} was finalized by its window at {t.finalized_at.isoformat()}, "
+                f"not before this batch's ingestion time {now.isoformat()}"
+            )
     rows = [d.row for d in chunk]
     inserted = {k.int: v for k, v in append_events(session, rows, method).items()}  # type: ignore[arg-type]
     stored: list[StoredEvent] = []
@@ -292,4 +332,3 @@ def _store_and_project(session: Session, projector: Projector, chunk: list[Decod
         out.dead_letter_positions += [(c.msg.topic, c.msg.partition, c.msg.offset) for c in conflicts]
     out.trajectories += project_events(session, projector, stored, out.finalized, states)
     return Counter(se.event.session_id for se in stored)
-

@@ -10,8 +10,9 @@ import json
 import typer
 
 rewards_app = typer.Typer(no_args_is_help=True, help="Reward specs (TOML, name@version).")
-deadletters_app = typer.Typer(no_args_is_help=True,
-                              help="Dead letters: counts by reason, listing, redrive to the source topic.")
+deadletters_app = typer.Typer(
+    no_args_is_help=True, help="Dead letters: counts by reason, listing, redrive to the source topic."
+)
 erasures_app = typer.Typer(no_args_is_help=True, help="Right-to-erasure requests and what each one erased.")
 
 
@@ -36,8 +37,10 @@ def _warn_if_schema_behind() -> None:
     except Exception:  # noqa: BLE001 -- unreachable now: the consumer's own retries report it
         return
     if behind:
-        logging.getLogger("consumers").warning("%s: batches wait and are retried until `flywheel db upgrade` has "
-                                               "run; nothing is dead-lettered or lost", behind)
+        logging.getLogger("consumers").warning(
+            "%s: batches wait and are retried until `flywheel db upgrade` has run; nothing is dead-lettered or lost",
+            behind,
+        )
 
 
 def consume(
@@ -58,8 +61,15 @@ def consume(
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: consumer.stop())
     stats = consumer.run(idle_exit_s=idle_exit, stop_after=stop_after)
-    typer.echo(json.dumps({**{k: v for k, v in dataclasses.asdict(stats).items() if isinstance(v, int)},
-                           "dead_letters": dict(stats.dead_letters), "finalized": dict(stats.finalized)}))
+    typer.echo(
+        json.dumps(
+            {
+                **{k: v for k, v in dataclasses.asdict(stats).items() if isinstance(v, int)},
+                "dead_letters": dict(stats.dead_letters),
+                "finalized": dict(stats.finalized),
+            }
+        )
+    )
 
 
 def finalize() -> None:
@@ -75,8 +85,9 @@ def finalize() -> None:
 
 def relabel(
     spec: str = typer.Option(..., "--spec", help="reward spec name@version, e.g. implicit@2"),
-    baseline: str = typer.Option(None, help="spec whose labels are 'before' "
-                                            "(default: the same spec, or the first active one)"),
+    baseline: str = typer.Option(
+        None, help="spec whose labels are 'before' (default: the same spec, or the first active one)"
+    ),
     as_json: bool = typer.Option(False, "--json", help="print the report as JSON"),
 ) -> None:
     """Recompute labels of finalized trajectories from event_log (late signals included) and show how
@@ -90,9 +101,15 @@ def relabel(
     if as_json:
         typer.echo(json.dumps(report.to_dict()))
         return
-    table = Table("", f"before ({report.baseline})", f"after ({report.spec})", "delta",
-                  title=f"relabeled {report.relabeled} trajectories, {report.changed} changed, "
-                        f"{report.late_signals_used} late signals now counted")
+    table = Table(
+        "",
+        f"before ({report.baseline})",
+        f"after ({report.spec})",
+        "delta",
+        title=f"relabeled {report.relabeled} trajectories, {report.changed} changed, "
+        f"{report.late_signals_used} late signals now counted",
+    )
+
     def cell(v, fmt: str) -> str:
         return "-" if v is None else format(v, fmt)
 
@@ -109,30 +126,45 @@ def _shadow_schema_name(name: str | None) -> str | None:
     from consumers.replay import is_schema_name
 
     if name is not None and not is_schema_name(name):
-        raise typer.BadParameter(f"{name!r} is not a schema name replay creates: lower-case letters, digits and _, "
-                                 "not starting with a digit, at most 63 characters")
+        raise typer.BadParameter(
+            f"{name!r} is not a schema name replay creates: lower-case letters, digits and _, "
+            "not starting with a digit, at most 63 characters"
+        )
     return name
 
 
 def replay(
-    schema: str = typer.Option(None, callback=_shadow_schema_name,
-                               help="rebuild into this new schema (live tables untouched) instead of in place"),
-    verify: bool = typer.Option(False, help="rebuild into a scratch schema and diff it with the live tables, both as "
-                                            "of one snapshot (safe beside running consumers); exit 1 if they differ"),
-    drop_schema: str = typer.Option(None, "--drop-schema", callback=_shadow_schema_name,
-                                    help="drop a schema an earlier `replay --schema` made, and nothing else"),
+    schema: str = typer.Option(
+        None,
+        callback=_shadow_schema_name,
+        help="rebuild into this new schema (live tables untouched) instead of in place",
+    ),
+    verify: bool = typer.Option(
+        False,
+        help="rebuild into a scratch schema and diff it with the live tables, both as "
+        "of one snapshot (safe beside running consumers); exit 1 if they differ",
+    ),
+    drop_schema: str = typer.Option(
+        None,
+        "--drop-schema",
+        callback=_shadow_schema_name,
+        help="drop a schema an earlier `replay --schema` made, and nothing else",
+    ),
 ) -> None:
     """Rebuild trajectories, segments and labels from event_log into empty tables."""
     import psycopg
 
     from app.core.db import session_scope
     from consumers.ingest import projector_from_settings
-    from consumers.replay import drop_shadow_schema, replay as run_replay, verify as run_verify
+    from consumers.replay import drop_shadow_schema
+    from consumers.replay import replay as run_replay
+    from consumers.replay import verify as run_verify
     from consumers.settings import get_consumer_settings
 
     if sum(map(bool, (verify, schema, drop_schema))) > 1:
-        raise typer.BadParameter("--schema, --verify and --drop-schema are separate uses; give one",
-                                 param_hint="--schema")
+        raise typer.BadParameter(
+            "--schema, --verify and --drop-schema are separate uses; give one", param_hint="--schema"
+        )
     if drop_schema:
         with session_scope() as session:
             drop_shadow_schema(session, drop_schema)
@@ -146,19 +178,28 @@ def replay(
         try:
             report = run_replay(projector_from_settings(), grace_s=grace, schema=schema)
         except psycopg.errors.DuplicateSchema:
-            raise typer.BadParameter(f"schema {schema!r} already exists: pick another name, or drop it first with "
-                                     f"`flywheel replay --drop-schema {schema}` if an earlier replay made it",
-                                     param_hint="--schema") from None
-    result = {"events": report.events, "trajectories": report.trajectories,
-              "finalized_by_window": report.finalized_by_window, "schema": report.schema,
-              "skipped_invalid": len(report.skipped_invalid)}
+            raise typer.BadParameter(
+                f"schema {schema!r} already exists: pick another name, or drop it first with "
+                f"`flywheel replay --drop-schema {schema}` if an earlier replay made it",
+                param_hint="--schema",
+            ) from None
+    result = {
+        "events": report.events,
+        "trajectories": report.trajectories,
+        "finalized_by_window": report.finalized_by_window,
+        "schema": report.schema,
+        "skipped_invalid": len(report.skipped_invalid),
+    }
     if verify:
         result.update(identical=not diffs, differences=diffs, due_unswept=checked.due_unswept)
     elif schema is None:
         result["labels_not_rebuilt"] = report.labels_not_rebuilt
         for spec, n in report.labels_not_rebuilt.items():
-            typer.echo(f"{n} labels under {spec} (not an active spec: a relabel wrote them) were dropped with the old "
-                       f"rows; run `flywheel relabel --spec {spec}` again to restore them", err=True)
+            typer.echo(
+                f"{n} labels under {spec} (not an active spec: a relabel wrote them) were dropped with the old "
+                f"rows; run `flywheel relabel --spec {spec}` again to restore them",
+                err=True,
+            )
     typer.echo(json.dumps(result))
     if verify and diffs:
         raise typer.Exit(1)
@@ -177,12 +218,20 @@ def erase(
 
     with session_scope() as s:
         out = erase_now(s, user, request_id or str(uuid.uuid4()))
-    typer.echo(json.dumps({"request_id": out.request_id, "events_deleted": out.events_deleted,
-                           "trajectories_deleted": out.trajectories_deleted,
-                           "dead_letters_deleted": out.dead_letters_deleted,
-                           "eval_tasks_deleted": out.eval_tasks_deleted,
-                           "checkpoints_flagged": out.checkpoints_flagged, "already_done": out.already_done,
-                           "request_id_reused_from": out.reused_by}))
+    typer.echo(
+        json.dumps(
+            {
+                "request_id": out.request_id,
+                "events_deleted": out.events_deleted,
+                "trajectories_deleted": out.trajectories_deleted,
+                "dead_letters_deleted": out.dead_letters_deleted,
+                "eval_tasks_deleted": out.eval_tasks_deleted,
+                "checkpoints_flagged": out.checkpoints_flagged,
+                "already_done": out.already_done,
+                "request_id_reused_from": out.reused_by,
+            }
+        )
+    )
 
 
 @erasures_app.command("list")
@@ -256,8 +305,9 @@ def _hint_reasons(session, asked: list[str]) -> None:
     seen = sorted(session.execute(text("SELECT DISTINCT reason FROM dead_letter")).scalars())
     unknown = [r for r in asked if r not in seen]
     if unknown:
-        typer.echo(f"no dead letter has reason {', '.join(unknown)}; reasons stored: {', '.join(seen) or 'none'}",
-                   err=True)
+        typer.echo(
+            f"no dead letter has reason {', '.join(unknown)}; reasons stored: {', '.join(seen) or 'none'}", err=True
+        )
 
 
 @deadletters_app.command("redrive")
@@ -275,8 +325,9 @@ def deadletters_redrive(
 
     if not (reason or ids or select_all):
         raise typer.BadParameter("choose what to redrive: --reason REASON, --id ID or --all")
-    report = redrive(reasons=reason or (), ids=ids or (), select_all=select_all, again=again, dry_run=dry_run,
-                     topic=topic)
+    report = redrive(
+        reasons=reason or (), ids=ids or (), select_all=select_all, again=again, dry_run=dry_run, topic=topic
+    )
     typer.echo(json.dumps(report.to_dict()))
     if reason:
         from app.core.db import session_scope

@@ -15,7 +15,6 @@ from dataclasses import dataclass, field
 
 from consumers.erasure import ErasureOutcome
 
-
 _SUMMED = ("stale", "stored", "duplicates", "privacy_dropped", "erased_dropped", "trajectories")
 """The integer counts a batch outcome and the run totals both add up."""
 
@@ -94,4 +93,3 @@ class IngestStats:
         _add_counts(self, o)
         self.erasures += len(o.erasures)
         self.batches += 1
-

@@ -25,12 +25,12 @@ import orjson
 from sqlalchemy.orm import Session
 
 from app.core.errors import InvalidEventError
+from app.repositories.events import BODY_COLUMNS, DeadLetterRow, EventRow, body_of, stored_bodies
+from consumers.projection import trajectory_id_for
 from producers.events import decode_event_payload
 from producers.events.codec import DEFAULT_MAX_EVENT_BYTES
 from producers.events.plausibility import TimeWindow, check_occurred_at
 from producers.events.types import EventBase
-from app.repositories.events import BODY_COLUMNS, DeadLetterRow, EventRow, body_of, stored_bodies
-from consumers.projection import trajectory_id_for
 
 MAX_SEGMENT_INDEX = 100_000
 """Segments per trajectory the projection accepts (an int4 column; real sessions have a handful)."""
@@ -128,13 +128,29 @@ def classify(msg: Message, max_bytes: int, window: TimeWindow | None = None) -> 
         if why:
             return Decoded(msg, reason="implausible", detail=f"{event.type}: {why}")
     p = event.payload  # type: ignore[attr-defined]
-    index = p.segment_index if event.type == "model.responded" else \
-        p.new_segment_index if event.type == "context.summarized" else None
+    index = (
+        p.segment_index
+        if event.type == "model.responded"
+        else p.new_segment_index
+        if event.type == "context.summarized"
+        else None
+    )
     if index is not None and index > MAX_SEGMENT_INDEX:
         return Decoded(msg, reason="validation", detail=f"segment index {index} > {MAX_SEGMENT_INDEX}")
-    row = EventRow(event.event_id, event.type, event.schema_version, event.occurred_at,  # positional: ~0.5 us less
-                   event.session_id, event.user_id, event.org_id, payload, msg.topic, msg.partition, msg.offset,
-                   trace_id_of(msg.headers))
+    row = EventRow(
+        event.event_id,
+        event.type,
+        event.schema_version,
+        event.occurred_at,  # positional: ~0.5 us less
+        event.session_id,
+        event.user_id,
+        event.org_id,
+        payload,
+        msg.topic,
+        msg.partition,
+        msg.offset,
+        trace_id_of(msg.headers),
+    )
     return Decoded(msg, event=event, row=row)
 
 
@@ -157,9 +173,14 @@ def conflicting_duplicates(session: Session, duplicates: Sequence[Decoded]) -> l
             continue
         differ = [name for name, a, b in zip(BODY_COLUMNS, body, body_of(d.row)) if a != b]  # type: ignore[arg-type]
         if differ:
-            out.append(Decoded(d.msg, reason="conflicting_duplicate",
-                               detail=f"event_id {d.event.event_id} is already stored with a different "  # type: ignore[union-attr]
-                                      f"{', '.join(differ)}; the stored event stays"))
+            out.append(
+                Decoded(
+                    d.msg,
+                    reason="conflicting_duplicate",
+                    detail=f"event_id {d.event.event_id} is already stored with a different "  # type: ignore[union-attr]
+                    f"{', '.join(differ)}; the stored event stays",
+                )
+            )
     return out
 
 
@@ -224,9 +245,12 @@ def claim_of(raw: bytes | None, max_bytes: int) -> Claim:
         when = datetime.fromisoformat(at) if isinstance(at, str) else None
     except ValueError:
         when = None
-    return Claim(_claimed_str(obj, "user_id"), _claimed_str(obj, "session_id"),
-                 when if when is not None and when.tzinfo is not None else None,
-                 obj.get("privacy_mode") not in (None, False, 0))
+    return Claim(
+        _claimed_str(obj, "user_id"),
+        _claimed_str(obj, "session_id"),
+        when if when is not None and when.tzinfo is not None else None,
+        obj.get("privacy_mode") not in (None, False, 0),
+    )
 
 
 def covered_by_erasure(claim: Claim, erased: Mapping[str, tuple[datetime, Collection[uuid.UUID]]]) -> datetime | None:
@@ -242,8 +266,12 @@ def covered_by_erasure(claim: Claim, erased: Mapping[str, tuple[datetime, Collec
     if claim.user_id is None or claim.user_id not in erased:
         return None
     requested_at, trajectory_ids = erased[claim.user_id]
-    if claim.occurred_at is None or claim.session_id is None or claim.occurred_at <= requested_at \
-            or trajectory_id_for(claim.session_id) in trajectory_ids:
+    if (
+        claim.occurred_at is None
+        or claim.session_id is None
+        or claim.occurred_at <= requested_at
+        or trajectory_id_for(claim.session_id) in trajectory_ids
+    ):
         return requested_at
     return None
 
@@ -257,8 +285,9 @@ def _without_bytes(row: DeadLetterRow, why: str, note: str) -> DeadLetterRow:
 def redacted(row: DeadLetterRow, requested_at: datetime) -> DeadLetterRow:
     """The dead letter of an erased user's record, as stored: its position, reason, detail and user id
     (a later erasure of the user deletes it), without its key, bytes or headers."""
-    return _without_bytes(row, "erasure",
-                          f"raw bytes not kept: the user's erasure was requested at {requested_at.isoformat()}; ")
+    return _without_bytes(
+        row, "erasure", f"raw bytes not kept: the user's erasure was requested at {requested_at.isoformat()}; "
+    )
 
 
 PRIVATE_DETAIL = "raw bytes not kept: the session is in privacy mode; "
@@ -271,19 +300,28 @@ def redacted_private(row: DeadLetterRow) -> DeadLetterRow:
     return _without_bytes(row, "privacy", PRIVATE_DETAIL)
 
 
-def dead_letter_row(d: Decoded, max_bytes: int = DEFAULT_MAX_EVENT_BYTES,
-                    claim: Claim | None = None) -> DeadLetterRow:
+def dead_letter_row(d: Decoded, max_bytes: int = DEFAULT_MAX_EVENT_BYTES, claim: Claim | None = None) -> DeadLetterRow:
     """The ``dead_letter`` row of a classified record (headers as ``[[key, text]]``; ``user_id`` as
     :func:`claim_of` (the erasure finds a row without one by searching its bytes), not looked for in
     an oversized record or past ``max_bytes`` bytes;
     ``claim``: the record's :func:`claim_of`, if the caller has it)."""
     m = d.msg
-    headers = [[header_text(k.encode("utf-8", "replace") if isinstance(k, str) else k), header_text(v)]
-               for k, v in m.headers]
+    headers = [
+        [header_text(k.encode("utf-8", "replace") if isinstance(k, str) else k), header_text(v)] for k, v in m.headers
+    ]
     claim = claim if claim is not None else claim_of_dead_letter(d, max_bytes)
-    return DeadLetterRow(topic=m.topic, partition=m.partition, offset=m.offset, key=m.key, raw=m.value,
-                         headers=headers, reason=d.reason or "validation", detail=d.detail.replace("\x00", ""),
-                         user_id=claim.user_id, session_id=claim.session_id)
+    return DeadLetterRow(
+        topic=m.topic,
+        partition=m.partition,
+        offset=m.offset,
+        key=m.key,
+        raw=m.value,
+        headers=headers,
+        reason=d.reason or "validation",
+        detail=d.detail.replace("\x00", ""),
+        user_id=claim.user_id,
+        session_id=claim.session_id,
+    )
 
 
 def claim_of_dead_letter(d: Decoded, max_bytes: int = DEFAULT_MAX_EVENT_BYTES) -> Claim:
@@ -300,7 +338,7 @@ def header_bytes(text: str) -> bytes:
     """
     if text.startswith(BASE64_PREFIX):
         try:
-            return base64.b64decode(text[len(BASE64_PREFIX):], validate=True)
+            return base64.b64decode(text[len(BASE64_PREFIX) :], validate=True)
         except binascii.Error:
             pass
     return text.encode("utf-8")
@@ -319,9 +357,11 @@ def dlq_record(row: DeadLetterRow, max_bytes: int) -> tuple[bytes | None, bytes,
     published without them too: an empty value, no key, and a ``dlq-redacted`` header saying why."""
     raw = row.raw or b""
     headers = stored_headers(row.headers)
-    headers += [("dlq-reason", row.reason.encode()),
-                ("dlq-detail", row.detail[:500].encode("utf-8", "replace")),
-                ("dlq-source", f"{row.topic}:{row.partition}:{row.offset}".encode())]
+    headers += [
+        ("dlq-reason", row.reason.encode()),
+        ("dlq-detail", row.detail[:500].encode("utf-8", "replace")),
+        ("dlq-source", f"{row.topic}:{row.partition}:{row.offset}".encode()),
+    ]
     if row.redacted:  # every row stored without its bytes says why (migration 0010 marked the older ones)
         headers.append(("dlq-redacted", row.redacted.encode()))
     if len(raw) > max_bytes:
@@ -354,8 +394,9 @@ class DeadLetterPublisher:
         """
         self.send(((self.topic, *dlq_record(r, self.max_bytes)) for r in rows), timeout_s)
 
-    def send(self, records: Iterable[tuple[str, bytes | None, bytes, list[tuple[str, bytes]]]],
-             timeout_s: float = 30.0) -> None:
+    def send(
+        self, records: Iterable[tuple[str, bytes | None, bytes, list[tuple[str, bytes]]]], timeout_s: float = 30.0
+    ) -> None:
         """Send ``(topic, key, value, headers)`` records and wait for every ack (``timeout_s`` seconds
         for the flush, and again for each ack).
 
@@ -365,8 +406,13 @@ class DeadLetterPublisher:
         from kafka import KafkaProducer
 
         if self._producer is None:
-            self._producer = KafkaProducer(bootstrap_servers=self.bootstrap, acks="all", linger_ms=5,
-                                           max_request_size=self.max_bytes + 131_072, client_id=self.client_id)
+            self._producer = KafkaProducer(
+                bootstrap_servers=self.bootstrap,
+                acks="all",
+                linger_ms=5,
+                max_request_size=self.max_bytes + 131_072,
+                client_id=self.client_id,
+            )
         try:
             futures = [self._producer.send(t, key=k, value=v, headers=h) for t, k, v, h in records]
             self._producer.flush(timeout=timeout_s)

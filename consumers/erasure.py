@@ -45,8 +45,10 @@ from consumers.deadletter import PRIVATE_DETAIL
 
 log = logging.getLogger(__name__)
 
-DELETE_DEAD_LETTERS = ("DELETE FROM dead_letter WHERE user_id = %(user_id)s "
-                       "OR (user_id IS NULL AND position(%(quoted)s::bytea in raw) > 0)")
+DELETE_DEAD_LETTERS = (
+    "DELETE FROM dead_letter WHERE user_id = %(user_id)s "
+    "OR (user_id IS NULL AND position(%(quoted)s::bytea in raw) > 0)"
+)
 """A user's dead letters (see the module invariants); ``quoted`` is the user id as a JSON string's bytes."""
 
 
@@ -97,13 +99,20 @@ def erase_user(session: Session, user_id: str, request_id: str, requested_at: da
             return out
         if earlier:
             out.reused_by = earlier
-            log.warning("erasure request id %r was used before for user(s) %s; erasing user %r under it too",
-                        request_id, ", ".join(map(repr, earlier)), user_id)
+            log.warning(
+                "erasure request id %r was used before for user(s) %s; erasing user %r under it too",
+                request_id,
+                ", ".join(map(repr, earlier)),
+                user_id,
+            )
         # The sessions the request covers: any with an event at or before it (a session wholly
         # after the request is new data; another partition may already have delivered it).
-        cur.execute("SELECT DISTINCT session_id FROM event_log WHERE user_id = %s AND occurred_at <= %s "
-                    "UNION SELECT session_id FROM trajectory WHERE user_id = %s "
-                    "AND coalesce(started_at, last_event_at) <= %s", (user_id, requested_at, user_id, requested_at))
+        cur.execute(
+            "SELECT DISTINCT session_id FROM event_log WHERE user_id = %s AND occurred_at <= %s "
+            "UNION SELECT session_id FROM trajectory WHERE user_id = %s "
+            "AND coalesce(started_at, last_event_at) <= %s",
+            (user_id, requested_at, user_id, requested_at),
+        )
         sessions = [r[0] for r in cur.fetchall()]
         events, out.trajectory_ids, out.eval_tasks_deleted = _delete_sessions(cur, sessions, user_id)
         out.events_deleted = sum(events.values())
@@ -117,8 +126,18 @@ def erase_user(session: Session, user_id: str, request_id: str, requested_at: da
             "INSERT INTO erasure_request (request_id, user_id, events_deleted, trajectories_deleted, trajectory_ids, "
             "checkpoints_flagged, dead_letters_deleted, eval_tasks_deleted, requested_at) "
             "VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s)",
-            (request_id, user_id, out.events_deleted, out.trajectories_deleted, out.trajectory_ids,
-             out.checkpoints_flagged, out.dead_letters_deleted, out.eval_tasks_deleted, requested_at))
+            (
+                request_id,
+                user_id,
+                out.events_deleted,
+                out.trajectories_deleted,
+                out.trajectory_ids,
+                out.checkpoints_flagged,
+                out.dead_letters_deleted,
+                out.eval_tasks_deleted,
+                requested_at,
+            ),
+        )
     return out
 
 
@@ -142,14 +161,15 @@ def purge_private_sessions(session: Session, session_ids: Collection[str]) -> di
         events, trajectories, _ = _delete_sessions(cur, sorted(session_ids))
         if trajectories:
             _flag_checkpoints(cur, trajectories)
-        cur.execute("UPDATE dead_letter SET key = NULL, raw = NULL, headers = NULL, redacted = 'privacy', "
-                    "detail = %s || detail WHERE session_id = ANY(%s) AND redacted IS NULL",
-                    (PRIVATE_DETAIL, sorted(session_ids)))
+        cur.execute(
+            "UPDATE dead_letter SET key = NULL, raw = NULL, headers = NULL, redacted = 'privacy', "
+            "detail = %s || detail WHERE session_id = ANY(%s) AND redacted IS NULL",
+            (PRIVATE_DETAIL, sorted(session_ids)),
+        )
     return dict(events)
 
 
-def _delete_sessions(cur, sessions: list[str],
-                     user_id: str | None = None) -> tuple[Counter, list[uuid.UUID], int]:
+def _delete_sessions(cur, sessions: list[str], user_id: str | None = None) -> tuple[Counter, list[uuid.UUID], int]:
     """Delete the ``event_log`` rows of ``sessions`` (the one DELETE the append-only trigger lets
     through: ``flywheel.erasure`` is on for it alone), their trajectories (cascading to segments
     and labels), only ``user_id``'s rows if given, and the eval tasks mined from those trajectories.
@@ -172,10 +192,13 @@ def _delete_sessions(cur, sessions: list[str],
 def _flag_checkpoints(cur, trajectory_ids: list[uuid.UUID], user_id: str | None = None) -> list[str]:
     """Set ``trained_on_erased`` (and ``erasure_flagged_at``, once) on every checkpoint that trained on
     one of ``trajectory_ids`` or, if given, on any trajectory of ``user_id``. Returns their ids, sorted."""
-    cur.execute("UPDATE checkpoint SET trained_on_erased = true, "
-                "erasure_flagged_at = coalesce(erasure_flagged_at, now()) "
-                "WHERE id IN (SELECT checkpoint_id FROM checkpoint_trajectory WHERE user_id = %s "
-                "OR trajectory_id = ANY(%s)) RETURNING id", (user_id, trajectory_ids))
+    cur.execute(
+        "UPDATE checkpoint SET trained_on_erased = true, "
+        "erasure_flagged_at = coalesce(erasure_flagged_at, now()) "
+        "WHERE id IN (SELECT checkpoint_id FROM checkpoint_trajectory WHERE user_id = %s "
+        "OR trajectory_id = ANY(%s)) RETURNING id",
+        (user_id, trajectory_ids),
+    )
     return sorted(r[0] for r in cur.fetchall())
 
 
@@ -192,15 +215,25 @@ def list_erasures(session: Session, user_id: str | None = None, limit: int = 50)
             "ARRAY(SELECT o.user_id FROM erasure_request o WHERE o.request_id = e.request_id "
             "AND o.user_id <> e.user_id ORDER BY o.user_id) "
             f"FROM erasure_request e {where} ORDER BY e.created_at DESC, e.id DESC LIMIT %(limit)s",
-            {**params, "limit": limit})
+            {**params, "limit": limit},
+        )
         rows = cur.fetchall()
     out = []
-    for (request_id, user, requested_at, applied_at, events, trajectories, dead, tasks, flagged, shared) in rows:
+    for request_id, user, requested_at, applied_at, events, trajectories, dead, tasks, flagged, shared in rows:
         deleted = events + trajectories + dead + tasks
-        out.append({"request_id": request_id, "user_id": user,
-                    "requested_at": requested_at.isoformat() if requested_at else None,
-                    "applied_at": applied_at.isoformat(), "outcome": "erased" if deleted else "nothing_stored",
-                    "events_deleted": events, "trajectories_deleted": trajectories, "dead_letters_deleted": dead,
-                    "eval_tasks_deleted": tasks, "checkpoints_flagged": list(flagged),
-                    "request_id_shared_with": list(shared)})
+        out.append(
+            {
+                "request_id": request_id,
+                "user_id": user,
+                "requested_at": requested_at.isoformat() if requested_at else None,
+                "applied_at": applied_at.isoformat(),
+                "outcome": "erased" if deleted else "nothing_stored",
+                "events_deleted": events,
+                "trajectories_deleted": trajectories,
+                "dead_letters_deleted": dead,
+                "eval_tasks_deleted": tasks,
+                "checkpoints_flagged": list(flagged),
+                "request_id_shared_with": list(shared),
+            }
+        )
     return out

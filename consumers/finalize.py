@@ -16,9 +16,9 @@ from __future__ import annotations
 from collections import Counter
 
 from app.core.db import session_scope
+from app.core.locks import AdvisoryLock
 from app.repositories import trajectories as trepo
 from app.repositories.events import raw_connection
-from app.core.locks import AdvisoryLock
 from consumers.projection import Projector, TrajectoryState
 
 
@@ -29,8 +29,11 @@ def finalize_due_once(session, projector: Projector, grace_s: float, limit: int 
         Counter of finalizations by kind (``window`` / ``abandoned``).
     """
     # shared like an ingest batch: an in-place replay (exclusive) never interleaves with a sweep
-    now = raw_connection(session).execute("SELECT now(), pg_advisory_xact_lock_shared(%s)",
-                                          (AdvisoryLock.PROJECTION,)).fetchone()[0]
+    now = (
+        raw_connection(session)
+        .execute("SELECT now(), pg_advisory_xact_lock_shared(%s)", (AdvisoryLock.PROJECTION,))
+        .fetchone()[0]
+    )
     due = trepo.due_for_window(session, now, grace_s, TrajectoryState, limit=limit)
     done: Counter = Counter()
     for t in due.values():

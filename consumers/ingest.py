@@ -43,17 +43,18 @@ import logging
 import queue
 import threading
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import TYPE_CHECKING
 
 from app.core.db import session_scope
+from app.core.retry import is_transient, is_unique_violation, retry_transient
 from app.core.settings import get_settings
 from app.core.telemetry import tracer
 from app.repositories.events import stored_dead_letters
 from consumers import offsets
 from consumers.batch import apply_batch
 from consumers.counts import BatchOutcome, IngestStats
-from consumers.deadletter import Decoded, DeadLetterPublisher, Message, classify
+from consumers.deadletter import DeadLetterPublisher, Decoded, Message, classify
 from consumers.finalize import finalize_due
 from consumers.gc_tuning import tuned_for_ingest
 from consumers.isolation import apply_isolated
@@ -62,7 +63,6 @@ from consumers.lag import partition_lag
 from consumers.log_ends import check_log_ends
 from consumers.privacy_locks import privacy_flagged_sessions, publish_private_sessions
 from consumers.projection import ProjectionConfig, Projector
-from app.core.retry import is_transient, is_unique_violation, retry_transient
 from consumers.rewards.spec import active_specs
 from consumers.settings import ConsumerSettings, get_consumer_settings
 from consumers.telemetry import ConsumerMetrics, producer_links
@@ -77,8 +77,14 @@ _STOP = object()
 def projector_from_settings(cs: ConsumerSettings | None = None) -> Projector:
     """The projector with the configured window and active reward specs."""
     cs = cs or get_consumer_settings()
-    return Projector(ProjectionConfig(signal_window_s=cs.signal_window_s, abandon_after_s=cs.abandon_after_s,
-                                      eval_reserve_fraction=cs.eval_reserve_fraction), active_specs())
+    return Projector(
+        ProjectionConfig(
+            signal_window_s=cs.signal_window_s,
+            abandon_after_s=cs.abandon_after_s,
+            eval_reserve_fraction=cs.eval_reserve_fraction,
+        ),
+        active_specs(),
+    )
 
 
 class IngestConsumer:
@@ -89,9 +95,16 @@ class IngestConsumer:
     thread and the DB thread.
     """
 
-    def __init__(self, *, bootstrap: str | None = None, topic: str | None = None, group_id: str | None = None,
-                 dlq_topic: str | None = None, settings: ConsumerSettings | None = None,
-                 client_id: str = "flywheel-ingest") -> None:
+    def __init__(
+        self,
+        *,
+        bootstrap: str | None = None,
+        topic: str | None = None,
+        group_id: str | None = None,
+        dlq_topic: str | None = None,
+        settings: ConsumerSettings | None = None,
+        client_id: str = "flywheel-ingest",
+    ) -> None:
         ks = get_settings().kafka
         self.settings = settings or get_consumer_settings()
         self.bootstrap = bootstrap or ks.bootstrap
@@ -107,13 +120,22 @@ class IngestConsumer:
         self.projector = projector_from_settings(self.settings)
         self.metrics = ConsumerMetrics(self.topic, self.group_id)
         self.stats = IngestStats()
-        self._stop = threading.Event()      # finish what is queued, then return
-        self._abort = threading.Event()     # give up retrying (shutdown during an outage)
-        self.client = GroupClient(bootstrap=self.bootstrap, topic=self.topic, group_id=self.group_id,
-                                  client_id=client_id, max_event_bytes=self.max_event_bytes, settings=self.settings,
-                                  stop=self._stop, abort=self._abort, drain=self._drain)
-        self._dlq = DeadLetterPublisher(self.bootstrap, self.dlq_topic, self.settings.dlq_max_bytes,
-                                        client_id=f"{client_id}-dlq")
+        self._stop = threading.Event()  # finish what is queued, then return
+        self._abort = threading.Event()  # give up retrying (shutdown during an outage)
+        self.client = GroupClient(
+            bootstrap=self.bootstrap,
+            topic=self.topic,
+            group_id=self.group_id,
+            client_id=client_id,
+            max_event_bytes=self.max_event_bytes,
+            settings=self.settings,
+            stop=self._stop,
+            abort=self._abort,
+            drain=self._drain,
+        )
+        self._dlq = DeadLetterPublisher(
+            self.bootstrap, self.dlq_topic, self.settings.dlq_max_bytes, client_id=f"{client_id}-dlq"
+        )
         self._tracer = tracer("flywheel.consumers.ingest")
         self._work: queue.Queue = queue.Queue(maxsize=self.settings.pipeline_depth)
         self._done: queue.Queue = queue.Queue()
@@ -135,7 +157,7 @@ class IngestConsumer:
 
     def classify(self, messages: list[Message]) -> list[Decoded]:
         """``consumers.deadletter.classify`` each record, ``occurred_at`` judged against now (UTC)."""
-        window = self.settings.time_window(datetime.now(timezone.utc))
+        window = self.settings.time_window(datetime.now(UTC))
         return [classify(m, self.max_event_bytes, window) for m in messages]
 
     def _publish_dead_letters(self, session: Session, outcome: BatchOutcome) -> None:
@@ -166,28 +188,44 @@ class IngestConsumer:
             decoded = self.classify(messages)
         links = producer_links((m.headers for m in messages), self.settings.max_span_links)
         with self._tracer.start_as_current_span(
-                "consumers.ingest.batch", links=links,
-                attributes={"messaging.system": "kafka", "messaging.destination.name": self.topic,
-                            "messaging.consumer.group.name": self.group_id,
-                            "messaging.batch.message_count": len(messages)}) as span:
+            "consumers.ingest.batch",
+            links=links,
+            attributes={
+                "messaging.system": "kafka",
+                "messaging.destination.name": self.topic,
+                "messaging.consumer.group.name": self.group_id,
+                "messaging.batch.message_count": len(messages),
+            },
+        ) as span:
             try:
                 outcome = self.retry(lambda: self._apply(decoded), "batch transaction")
             except Exception as exc:  # noqa: BLE001
                 if is_transient(exc):
                     raise
                 if is_unique_violation(exc):
-                    log.info("batch raced another group member for the same rows (%s); redoing it record-isolated",
-                             str(exc).splitlines()[0])
+                    log.info(
+                        "batch raced another group member for the same rows (%s); redoing it record-isolated",
+                        str(exc).splitlines()[0],
+                    )
                 else:
                     log.warning("batch failed (%s); bisecting it to isolate the record(s) at fault", exc)
-                outcome, errors = self.retry(lambda: apply_isolated(self.group_id, decoded, self.projector,
-                                                                    before_commit=self._publish_dead_letters),
-                                             "isolated batch transaction")
+                outcome, errors = self.retry(
+                    lambda: apply_isolated(
+                        self.group_id, decoded, self.projector, before_commit=self._publish_dead_letters
+                    ),
+                    "isolated batch transaction",
+                )
                 self.stats.processing_errors += errors
             for (topic, partition), (stored, first) in outcome.offset_gaps.items():
-                log.error("%s:%d: offsets %d..%d (%d records) were gone from the broker when this group read on "
-                          "(retention deleted them before they were consumed): their events are not in event_log",
-                          topic, partition, stored, first - 1, first - stored)
+                log.error(
+                    "%s:%d: offsets %d..%d (%d records) were gone from the broker when this group read on "
+                    "(retention deleted them before they were consumed): their events are not in event_log",
+                    topic,
+                    partition,
+                    stored,
+                    first - 1,
+                    first - stored,
+                )
             span.set_attribute("flywheel.events.stored", outcome.stored)
             span.set_attribute("flywheel.dead_letters", sum(outcome.dead_letters.values()))
         self.metrics.record_batch(outcome, time.perf_counter() - started)
@@ -315,8 +353,13 @@ class IngestConsumer:
                 if stop_after is not None and polled >= stop_after:
                     break
                 # idle time counts from the later of the last record and the last (re)assignment
-                if idle_exit_s is not None and client.assigned_at is not None and not self._work.unfinished_tasks \
-                        and not client.unseeked and now - max(last_record, client.assigned_at) >= idle_exit_s:
+                if (
+                    idle_exit_s is not None
+                    and client.assigned_at is not None
+                    and not self._work.unfinished_tasks
+                    and not client.unseeked
+                    and now - max(last_record, client.assigned_at) >= idle_exit_s
+                ):
                     break
         finally:
             self._shutdown(worker)
@@ -342,8 +385,9 @@ class IngestConsumer:
                     break
         worker.join(timeout=max(0.0, deadline - time.monotonic()))
         if worker.is_alive():
-            log.warning("abandoning queued batches after %.0fs (they will be redelivered)",
-                        self.settings.shutdown_grace_s)
+            log.warning(
+                "abandoning queued batches after %.0fs (they will be redelivered)", self.settings.shutdown_grace_s
+            )
             self._abort.set()
             worker.join()
 

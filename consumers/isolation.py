@@ -15,18 +15,22 @@ from collections.abc import Callable
 from sqlalchemy.orm import Session
 
 from app.core.db import session_scope
+from app.core.retry import is_transient
 from consumers.batch import apply_batch
 from consumers.counts import BatchOutcome
 from consumers.deadletter import Decoded
 from consumers.projection import Projector
-from app.core.retry import is_transient
 
 log = logging.getLogger(__name__)
 
 
-def apply_isolated(group_id: str, decoded: list[Decoded], projector: Projector, *,
-                   before_commit: Callable[[Session, BatchOutcome], None] = lambda s, o: None,
-                   ) -> tuple[BatchOutcome, int]:
+def apply_isolated(
+    group_id: str,
+    decoded: list[Decoded],
+    projector: Projector,
+    *,
+    before_commit: Callable[[Session, BatchOutcome], None] = lambda s, o: None,
+) -> tuple[BatchOutcome, int]:
     """Apply ``decoded`` record-isolated in a new transaction: O(k log n) savepoints for k bad records
     in n. ``before_commit(session, outcome)`` runs last in the transaction (the consumer publishes the
     batch's dead letters there, as with a batch applied whole).
@@ -53,8 +57,14 @@ def apply_isolated(group_id: str, decoded: list[Decoded], projector: Projector, 
                 bisect(session, part[mid:])
                 return
             d = part[0]
-            log.error("record %s:%s:%s failed (%s: %s); dead-lettering it", d.msg.topic, d.msg.partition,
-                      d.msg.offset, type(exc).__name__, exc)
+            log.error(
+                "record %s:%s:%s failed (%s: %s); dead-lettering it",
+                d.msg.topic,
+                d.msg.partition,
+                d.msg.offset,
+                type(exc).__name__,
+                exc,
+            )
             bad = Decoded(d.msg, reason="processing_error", detail=f"{type(exc).__name__}: {exc}"[:2000])
         with session.begin_nested():
             total.merge(apply_batch(session, group_id, [bad], projector, "copy_upsert"))

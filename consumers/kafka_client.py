@@ -29,8 +29,8 @@ from collections.abc import Callable
 from typing import Any
 
 from app.core.db import session_scope
-from consumers.polling import PollBackoff
 from app.core.retry import Backoff, is_transient, retry_transient
+from consumers.polling import PollBackoff
 from consumers.settings import ConsumerSettings
 
 log = logging.getLogger(__name__)
@@ -52,9 +52,19 @@ class GroupClient:
     waits, at most ``timeout_s`` seconds, for the pipeline's queued batches to land and commits them.
     """
 
-    def __init__(self, *, bootstrap: str, topic: str, group_id: str, client_id: str, max_event_bytes: int,
-                 settings: ConsumerSettings, stop: threading.Event, abort: threading.Event,
-                 drain: Callable[[float], None]) -> None:
+    def __init__(
+        self,
+        *,
+        bootstrap: str,
+        topic: str,
+        group_id: str,
+        client_id: str,
+        max_event_bytes: int,
+        settings: ConsumerSettings,
+        stop: threading.Event,
+        abort: threading.Event,
+        drain: Callable[[float], None],
+    ) -> None:
         self.bootstrap, self.topic, self.group_id, self.client_id = bootstrap, topic, group_id, client_id
         self.max_event_bytes = max_event_bytes
         self.settings = settings
@@ -85,13 +95,20 @@ class GroupClient:
 
         s = self.settings
         consumer = KafkaConsumer(
-            bootstrap_servers=self.bootstrap, group_id=self.group_id, client_id=self.client_id,
-            enable_auto_commit=False, auto_offset_reset="earliest", max_poll_records=s.batch_max_records,
-            max_poll_interval_ms=s.max_poll_interval_ms, session_timeout_ms=s.session_timeout_ms,
-            heartbeat_interval_ms=s.heartbeat_interval_ms, fetch_max_bytes=s.fetch_max_bytes,
+            bootstrap_servers=self.bootstrap,
+            group_id=self.group_id,
+            client_id=self.client_id,
+            enable_auto_commit=False,
+            auto_offset_reset="earliest",
+            max_poll_records=s.batch_max_records,
+            max_poll_interval_ms=s.max_poll_interval_ms,
+            session_timeout_ms=s.session_timeout_ms,
+            heartbeat_interval_ms=s.heartbeat_interval_ms,
+            fetch_max_bytes=s.fetch_max_bytes,
             bootstrap_timeout_ms=s.bootstrap_timeout_ms,
             max_partition_fetch_bytes=max(1_048_576, self.max_event_bytes + 65_536),
-            kafka_client=kafka_net_client(s.slow_io_step_warn_s))
+            kafka_client=kafka_net_client(s.slow_io_step_warn_s),
+        )
         owner = self
 
         class _SeekToStored(ConsumerRebalanceListener):
@@ -117,8 +134,12 @@ class GroupClient:
             Exception: a fault that is not transient.
         """
         try:
-            self.consumer = retry_transient(self.new_consumer, f"reaching the Kafka broker at {self.bootstrap}",
-                                            self._abort, self.settings.retry_max_wait_s)
+            self.consumer = retry_transient(
+                self.new_consumer,
+                f"reaching the Kafka broker at {self.bootstrap}",
+                self._abort,
+                self.settings.retry_max_wait_s,
+            )
         except Exception:
             if self._stop.is_set():
                 return False
@@ -134,8 +155,9 @@ class GroupClient:
             Exception: a fault that is not transient.
         """
         wait_ms = self.settings.poll_timeout_ms if timeout_ms is None else timeout_ms
-        return self._polls.poll(lambda: self.consumer.poll(timeout_ms=wait_ms,
-                                                           max_records=self.settings.batch_max_records))
+        return self._polls.poll(
+            lambda: self.consumer.poll(timeout_ms=wait_ms, max_records=self.settings.batch_max_records)
+        )
 
     def rejoin_if_stuck(self, now: float) -> None:
         """A group join that has not finished after ``join_timeout_s`` is abandoned and started over
@@ -188,17 +210,24 @@ class GroupClient:
         """
         self.joining_since = None  # the join is done; what is left is ours to wait for
         try:
-            stored = retry_transient(self.read_stored_offsets, "reading stored offsets", self._abort,
-                                     self.settings.retry_max_wait_s,
-                                     give_up_after_s=self.settings.session_timeout_ms / 2000)
+            stored = retry_transient(
+                self.read_stored_offsets,
+                "reading stored offsets",
+                self._abort,
+                self.settings.retry_max_wait_s,
+                give_up_after_s=self.settings.session_timeout_ms / 2000,
+            )
         except Exception as exc:
             if not is_transient(exc) or self._abort.is_set():
                 raise
             consumer.pause(*assigned)
             self.unseeked.update(assigned)
             self._seek_retry_at = time.monotonic()
-            log.warning("partitions %s paused: their stored offsets cannot be read yet (%s); they resume when "
-                        "Postgres answers", sorted(tp.partition for tp in assigned), str(exc).splitlines()[0])
+            log.warning(
+                "partitions %s paused: their stored offsets cannot be read yet (%s); they resume when Postgres answers",
+                sorted(tp.partition for tp in assigned),
+                str(exc).splitlines()[0],
+            )
             return
         self._apply_stored(consumer, assigned, stored)
 
@@ -234,8 +263,11 @@ class GroupClient:
                 self.next[tp.partition] = stored[tp.partition]
             else:
                 consumer.seek_to_beginning(tp)
-        log.info("partitions assigned: %s (stored offsets %s)", sorted(tp.partition for tp in assigned),
-                 {tp.partition: stored.get(tp.partition) for tp in assigned})
+        log.info(
+            "partitions assigned: %s (stored offsets %s)",
+            sorted(tp.partition for tp in assigned),
+            {tp.partition: stored.get(tp.partition) for tp in assigned},
+        )
 
     def commit(self, offsets: dict[tuple[str, int], int]) -> None:
         """Raise :attr:`next` to ``offsets`` (``{(topic, partition): next offset}`` of batches
@@ -254,7 +286,8 @@ class GroupClient:
                 log.debug("kafka offset commit failed: %s", result)
 
         try:
-            self.consumer.commit_async({TopicPartition(t, p): OffsetAndMetadata(o, "", -1)
-                                        for (t, p), o in offsets.items()}, callback=done)
+            self.consumer.commit_async(
+                {TopicPartition(t, p): OffsetAndMetadata(o, "", -1) for (t, p), o in offsets.items()}, callback=done
+            )
         except Exception as exc:  # noqa: BLE001 -- e.g. a rebalance in progress; Postgres is the truth
             log.debug("kafka offset commit refused: %s", exc)

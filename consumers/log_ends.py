@@ -27,8 +27,9 @@ if TYPE_CHECKING:
     from consumers.telemetry import ConsumerMetrics
 
 
-def check_log_ends(client: GroupClient, drain: Callable[[float], None], retry: Callable,
-                   metrics: ConsumerMetrics) -> offsets.OffsetBeyondLogEnd | None:
+def check_log_ends(
+    client: GroupClient, drain: Callable[[float], None], retry: Callable, metrics: ConsumerMetrics
+) -> offsets.OffsetBeyondLogEnd | None:
     """Compare each assigned partition's log end (the high-water mark of the last fetch) with the
     next offset ``client`` holds for it. For partitions whose log ends below it: ``drain`` the
     pipeline (at most half the poll interval), read the stored offsets again (``retry``: the
@@ -50,14 +51,17 @@ def check_log_ends(client: GroupClient, drain: Callable[[float], None], retry: C
     stored = retry(client.read_stored_offsets, "reading stored offsets")
     beyond = [tp for tp in short if stored.get(tp.partition, 0) > ends[tp]]
     starts = retry(lambda: consumer.beginning_offsets(beyond), "reading log starts") if beyond else {}
-    found = [offsets.LogRecreated(client.topic, tp.partition, stored[tp.partition], starts.get(tp) or 0, ends[tp])
-             for tp in beyond]
+    found = [
+        offsets.LogRecreated(client.topic, tp.partition, stored[tp.partition], starts.get(tp) or 0, ends[tp])
+        for tp in beyond
+    ]
     offsets.report(found, settings.offset_reset)
     for r in found:
         metrics.record_offset_reset(r.partition)
     if found and settings.offset_reset == "fail":
-        return offsets.OffsetBeyondLogEnd("a stored offset is past its partition's log end",
-                                          reasons=[r.describe() for r in found])
+        return offsets.OffsetBeyondLogEnd(
+            "a stored offset is past its partition's log end", reasons=[r.describe() for r in found]
+        )
     if found:
         stored.update(retry(lambda: _rewind(client.group_id, found), "rewinding stored offsets"))
     for tp in short:

@@ -56,9 +56,11 @@ class LogRecreated:
 
     def describe(self) -> str:
         """One line naming the partition and both offsets."""
-        return (f"{self.topic}:{self.partition}: the stored next offset {self.stored} is past the log's end offset "
-                f"{self.end} (log start {self.start}): the partition's log was re-created (a broker restarted with "
-                f"an empty log, a topic re-created, a cluster restored)")
+        return (
+            f"{self.topic}:{self.partition}: the stored next offset {self.stored} is past the log's end offset "
+            f"{self.end} (log start {self.start}): the partition's log was re-created (a broker restarted with "
+            f"an empty log, a topic re-created, a cluster restored)"
+        )
 
 
 def rewind_to_start(session: Session, group_id: str, found: Sequence[LogRecreated]) -> dict[int, int]:
@@ -75,8 +77,11 @@ def rewind_to_start(session: Session, group_id: str, found: Sequence[LogRecreate
 
 def report(found: Sequence[LogRecreated], policy: str) -> None:
     """Log each partition at ERROR, with what ``policy`` (``earliest`` | ``fail``) does about it."""
-    then = ("re-reading it from the log's start (FLYWHEEL_CONSUMER_OFFSET_RESET=earliest; events already stored "
-            "are dropped by event_id)" if policy == "earliest" else
-            "stopping (FLYWHEEL_CONSUMER_OFFSET_RESET=fail): reset the group's offsets, or set it to earliest")
+    then = (
+        "re-reading it from the log's start (FLYWHEEL_CONSUMER_OFFSET_RESET=earliest; events already stored "
+        "are dropped by event_id)"
+        if policy == "earliest"
+        else "stopping (FLYWHEEL_CONSUMER_OFFSET_RESET=fail): reset the group's offsets, or set it to earliest"
+    )
     for r in found:
         log.error("%s; %s", r.describe(), then)

@@ -49,12 +49,21 @@ class PollBackoff:
                 log.warning("polling the Kafka broker at %s failed, retrying until it answers: %s", self.bootstrap, exc)
             elif now - self._warned_at >= 30.0:
                 self._warned_at = now
-                log.warning("the Kafka broker at %s still fails polls (%d in %.0fs), retrying: %s", self.bootstrap,
-                            backoff.failures + 1, now - self._faults_since, exc)
+                log.warning(
+                    "the Kafka broker at %s still fails polls (%d in %.0fs), retrying: %s",
+                    self.bootstrap,
+                    backoff.failures + 1,
+                    now - self._faults_since,
+                    exc,
+                )
             self._stop.wait(backoff.next())
             return {}
         if records and self._backoff.failures:
-            log.info("the Kafka broker at %s answers again after %d failed polls in %.0fs", self.bootstrap,
-                     self._backoff.failures, time.monotonic() - self._faults_since)
+            log.info(
+                "the Kafka broker at %s answers again after %d failed polls in %.0fs",
+                self.bootstrap,
+                self._backoff.failures,
+                time.monotonic() - self._faults_since,
+            )
             self._backoff.reset()
         return records

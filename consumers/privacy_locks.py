@@ -63,10 +63,12 @@ def lock_sessions(conn, sessions: Collection[str], exclusive: Collection[str] = 
     if not buckets:
         return
     keys = sorted(buckets)
-    conn.execute("SELECT CASE WHEN x THEN pg_advisory_xact_lock(%(space)s, k) "
-                 "ELSE pg_advisory_xact_lock_shared(%(space)s, k) END "
-                 "FROM unnest(%(keys)s::int[], %(x)s::bool[]) AS u(k, x)",
-                 {"space": PRIVACY_LOCK_SPACE, "keys": keys, "x": [buckets[k] for k in keys]}).fetchall()
+    conn.execute(
+        "SELECT CASE WHEN x THEN pg_advisory_xact_lock(%(space)s, k) "
+        "ELSE pg_advisory_xact_lock_shared(%(space)s, k) END "
+        "FROM unnest(%(keys)s::int[], %(x)s::bool[]) AS u(k, x)",
+        {"space": PRIVACY_LOCK_SPACE, "keys": keys, "x": [buckets[k] for k in keys]},
+    ).fetchall()
 
 
 def privacy_flagged_sessions(batch: Sequence[Decoded], claims: Sequence[Claim | None] | None = None) -> set[str]:
@@ -76,8 +78,9 @@ def privacy_flagged_sessions(batch: Sequence[Decoded], claims: Sequence[Claim | 
     ``claims``: the records' :func:`claim_of_dead_letter` (None for an event), if the caller has them."""
     if claims is None:
         claims = [claim_of_dead_letter(d) if d.reason is not None else None for d in batch]
-    return {d.event.session_id for d in batch if d.event is not None and d.event.privacy_mode} | \
-        {c.session_id for c in claims if c is not None and c.privacy_mode and c.session_id}
+    return {d.event.session_id for d in batch if d.event is not None and d.event.privacy_mode} | {
+        c.session_id for c in claims if c is not None and c.privacy_mode and c.session_id
+    }
 
 
 def publish_private_sessions(session: Session, flagged: Collection[str]) -> dict[str, int]:

@@ -34,10 +34,10 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any, NamedTuple
 
-from producers.events.types import EventBase
 from app.repositories.trajectories import pack_routes
 from consumers.rewards.math import RewardResult, compute_reward, inputs_from_signals
 from consumers.rewards.spec import RewardSpec
+from producers.events.types import EventBase
 
 TRAJECTORY_NAMESPACE = uuid.UUID("6f1d3c1e-6b1a-4e35-9a51-7f0d2b8c9e11")
 TOOL_OUTPUT_CHARS = 2000
@@ -146,8 +146,9 @@ class TrajectoryState:
     """Labels computed by a finalization in this fold (to insert)."""
 
 
-TRAJECTORY_COLUMNS = tuple(f for f in TrajectoryState.__dataclass_fields__
-                           if f not in ("segments", "dirty", "stored", "labels"))
+TRAJECTORY_COLUMNS = tuple(
+    f for f in TrajectoryState.__dataclass_fields__ if f not in ("segments", "dirty", "stored", "labels")
+)
 SEGMENT_COLUMNS = tuple(f for f in SegmentState.__dataclass_fields__ if f not in ("dirty", "stored"))
 
 SegmentLoader = Callable[[uuid.UUID, int], "SegmentState | None"]
@@ -155,15 +156,30 @@ SegmentLoader = Callable[[uuid.UUID, int], "SegmentState | None"]
 
 def new_trajectory(event: EventBase) -> TrajectoryState:
     """An empty trajectory for the session of ``event``."""
-    return TrajectoryState(id=trajectory_id_for(event.session_id), session_id=event.session_id,
-                           user_id=event.user_id, org_id=event.org_id, signals=empty_signals())
+    return TrajectoryState(
+        id=trajectory_id_for(event.session_id),
+        session_id=event.session_id,
+        user_id=event.user_id,
+        org_id=event.org_id,
+        signals=empty_signals(),
+    )
 
 
 def empty_signals() -> dict[str, Any]:
     """The reward inputs of a session with no signal yet."""
-    return {"edits": {}, "followups": 0, "dissatisfied_followups": 0, "latency_s": 0.0, "tool_calls": 0,
-            "invalid_tool_calls": 0, "tool_errors": 0, "test_runs": 0, "last_test_passed": None,
-            "summaries": 0, "received_after_end": {}}
+    return {
+        "edits": {},
+        "followups": 0,
+        "dissatisfied_followups": 0,
+        "latency_s": 0.0,
+        "tool_calls": 0,
+        "invalid_tool_calls": 0,
+        "tool_errors": 0,
+        "test_runs": 0,
+        "last_test_passed": None,
+        "summaries": 0,
+        "received_after_end": {},
+    }
 
 
 class Projector:
@@ -173,13 +189,15 @@ class Projector:
     not preload (rare: out-of-order turns); it returns None for a segment that does not exist.
     """
 
-    def __init__(self, config: ProjectionConfig, specs: list[RewardSpec],
-                 load_segment: SegmentLoader | None = None) -> None:
+    def __init__(
+        self, config: ProjectionConfig, specs: list[RewardSpec], load_segment: SegmentLoader | None = None
+    ) -> None:
         self.config = config
         self.specs = specs
         self.load_segment = load_segment or (lambda _tid, _idx: None)
-        self._handlers = {name[4:].replace("_", ".", 1): getattr(self, name)
-                          for name in dir(self) if name.startswith("_on_")}
+        self._handlers = {
+            name[4:].replace("_", ".", 1): getattr(self, name) for name in dir(self) if name.startswith("_on_")
+        }
 
     # ---- finalization ---------------------------------------------------------------------
 
@@ -292,8 +310,15 @@ class Projector:
         seg.num_completion_tokens += n_completion
         seg.num_turns += 1
         for c in p.tool_calls:
-            seg.tool_calls.append({"turn_index": p.turn_index, "call_id": c.call_id, "name": c.name,
-                                   "arguments": c.arguments, "valid": c.valid})
+            seg.tool_calls.append(
+                {
+                    "turn_index": p.turn_index,
+                    "call_id": c.call_id,
+                    "name": c.name,
+                    "arguments": c.arguments,
+                    "valid": c.valid,
+                }
+            )
 
     @staticmethod
     def _routes(seg: SegmentState, p: Any) -> None:
@@ -323,9 +348,18 @@ class Projector:
         index = self._segment_of_call(t, p.call_id)
         seg = self._segment(t, index)
         self._lineage(seg, se)
-        seg.tool_results.append({"call_id": p.call_id, "name": p.name, "ok": p.ok, "exit_code": p.exit_code,
-                                 "duration_s": p.duration_s, "ran_tests": p.ran_tests,
-                                 "output": p.output[:TOOL_OUTPUT_CHARS], "output_chars": len(p.output)})
+        seg.tool_results.append(
+            {
+                "call_id": p.call_id,
+                "name": p.name,
+                "ok": p.ok,
+                "exit_code": p.exit_code,
+                "duration_s": p.duration_s,
+                "ran_tests": p.ran_tests,
+                "output": p.output[:TOOL_OUTPUT_CHARS],
+                "output_chars": len(p.output),
+            }
+        )
 
     @staticmethod
     def _segment_of_call(t: TrajectoryState, call_id: str) -> int:
@@ -338,8 +372,9 @@ class Projector:
         return max(t.segments, default=0)
 
     def _edit(self, t: TrajectoryState, edit_id: str) -> dict[str, Any]:
-        return t.signals["edits"].setdefault(edit_id, {"proposed": False, "lines_added": 0, "lines_removed": 0,
-                                                       "decision": None, "persisted": None})
+        return t.signals["edits"].setdefault(
+            edit_id, {"proposed": False, "lines_added": 0, "lines_removed": 0, "decision": None, "persisted": None}
+        )
 
     def _on_edit_proposed(self, t: TrajectoryState, se: StoredEvent) -> None:
         p = se.event.payload

@@ -52,22 +52,32 @@ class RedriveReport:
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready."""
-        return {"selected": self.selected, "published": self.published, "skipped": dict(self.skipped),
-                "ids": self.ids, "dry_run": self.dry_run}
+        return {
+            "selected": self.selected,
+            "published": self.published,
+            "skipped": dict(self.skipped),
+            "ids": self.ids,
+            "dry_run": self.dry_run,
+        }
 
 
 def dead_letter_stats(session: Session) -> list[dict[str, Any]]:
     """Dead letters by reason, most first: ``reason``, ``count``, ``pending`` (never redriven),
     ``first_at`` and ``last_at`` (when the first and last were stored)."""
     with raw_connection(session).cursor() as cur:
-        cur.execute("SELECT reason, count(*), count(*) FILTER (WHERE redriven_at IS NULL), min(created_at), "
-                    "max(created_at) FROM dead_letter GROUP BY reason ORDER BY 2 DESC, 1")
-        return [{"reason": r, "count": n, "pending": p, "first_at": a.isoformat(), "last_at": b.isoformat()}
-                for r, n, p, a, b in cur.fetchall()]
+        cur.execute(
+            "SELECT reason, count(*), count(*) FILTER (WHERE redriven_at IS NULL), min(created_at), "
+            "max(created_at) FROM dead_letter GROUP BY reason ORDER BY 2 DESC, 1"
+        )
+        return [
+            {"reason": r, "count": n, "pending": p, "first_at": a.isoformat(), "last_at": b.isoformat()}
+            for r, n, p, a, b in cur.fetchall()
+        ]
 
 
-def list_dead_letters(session: Session, *, reason: str | None = None, pending_only: bool = False,
-                      limit: int = 50, after_id: int = 0) -> list[dict[str, Any]]:
+def list_dead_letters(
+    session: Session, *, reason: str | None = None, pending_only: bool = False, limit: int = 50, after_id: int = 0
+) -> list[dict[str, Any]]:
     """Dead letters in ``id`` order (oldest first) after ``after_id``, at most ``limit``: position,
     reason, ``detail`` (first 300 characters), claimed ``user_id`` and ``session_id``, ``bytes`` (raw
     length; None when the bytes are not kept), ``redacted`` (why not: ``erasure`` | ``privacy``),
@@ -79,13 +89,29 @@ def list_dead_letters(session: Session, *, reason: str | None = None, pending_on
     if pending_only:
         where.append("redriven_at IS NULL")
     with raw_connection(session).cursor() as cur:
-        cur.execute(f'SELECT id, topic, partition, "offset", reason, left(detail, 300), user_id, session_id, '
-                    f'length(raw), redacted, created_at, redriven_at FROM dead_letter WHERE {" AND ".join(where)} '
-                    "ORDER BY id LIMIT %s", (*params, limit))
-        return [{"id": i, "topic": t, "partition": p, "offset": o, "reason": r, "detail": d, "user_id": u,
-                 "session_id": sid, "bytes": n, "redacted": why, "created_at": c.isoformat(),
-                 "redriven_at": x.isoformat() if x else None}
-                for i, t, p, o, r, d, u, sid, n, why, c, x in cur.fetchall()]
+        cur.execute(
+            f'SELECT id, topic, partition, "offset", reason, left(detail, 300), user_id, session_id, '
+            f"length(raw), redacted, created_at, redriven_at FROM dead_letter WHERE {' AND '.join(where)} "
+            "ORDER BY id LIMIT %s",
+            (*params, limit),
+        )
+        return [
+            {
+                "id": i,
+                "topic": t,
+                "partition": p,
+                "offset": o,
+                "reason": r,
+                "detail": d,
+                "user_id": u,
+                "session_id": sid,
+                "bytes": n,
+                "redacted": why,
+                "created_at": c.isoformat(),
+                "redriven_at": x.isoformat() if x else None,
+            }
+            for i, t, p, o, r, d, u, sid, n, why, c, x in cur.fetchall()
+        ]
 
 
 def redrive_headers(stored: list[list[str]] | None, source: str) -> list[tuple[str, bytes]]:
@@ -96,10 +122,19 @@ def redrive_headers(stored: list[list[str]] | None, source: str) -> list[tuple[s
     return out
 
 
-def redrive(*, reasons: Sequence[str] = (), ids: Sequence[int] = (), select_all: bool = False,
-            again: bool = False, dry_run: bool = False, topic: str | None = None,
-            bootstrap: str | None = None, max_bytes: int | None = None, batch: int = 500,
-            timeout_s: float = 30.0) -> RedriveReport:
+def redrive(
+    *,
+    reasons: Sequence[str] = (),
+    ids: Sequence[int] = (),
+    select_all: bool = False,
+    again: bool = False,
+    dry_run: bool = False,
+    topic: str | None = None,
+    bootstrap: str | None = None,
+    max_bytes: int | None = None,
+    batch: int = 500,
+    timeout_s: float = 30.0,
+) -> RedriveReport:
     """Publish the selected dead letters' raw bytes back to their source topic (or ``topic``).
 
     Selection: rows whose reason is in ``reasons`` or whose id is in ``ids``, or every row with
@@ -132,9 +167,12 @@ def redrive(*, reasons: Sequence[str] = (), ids: Sequence[int] = (), select_all:
         while True:
             with session_scope() as session:
                 with raw_connection(session).cursor() as cur:
-                    cur.execute(f'SELECT id, topic, partition, "offset", key, raw, headers FROM dead_letter '
-                                f"WHERE id > %(after)s AND {where} ORDER BY id LIMIT %(batch)s "
-                                f"FOR UPDATE SKIP LOCKED", params)
+                    cur.execute(
+                        f'SELECT id, topic, partition, "offset", key, raw, headers FROM dead_letter '
+                        f"WHERE id > %(after)s AND {where} ORDER BY id LIMIT %(batch)s "
+                        f"FOR UPDATE SKIP LOCKED",
+                        params,
+                    )
                     rows = cur.fetchall()
                     if not rows:
                         break
@@ -154,8 +192,9 @@ def redrive(*, reasons: Sequence[str] = (), ids: Sequence[int] = (), select_all:
                     if not dry_run:
                         publisher = publisher or _publisher(bootstrap or kafka.bootstrap, max_bytes)
                         _publish(publisher, chosen, topic, timeout_s)
-                        cur.execute("UPDATE dead_letter SET redriven_at = now() WHERE id = ANY(%s)",
-                                    ([r[0] for r in chosen],))
+                        cur.execute(
+                            "UPDATE dead_letter SET redriven_at = now() WHERE id = ANY(%s)", ([r[0] for r in chosen],)
+                        )
                     report.published += len(chosen)
                     report.ids += [r[0] for r in chosen]
     finally:
@@ -174,8 +213,15 @@ def _publish(publisher: DeadLetterPublisher, rows: list[tuple], topic: str | Non
     from kafka.errors import KafkaError
 
     try:
-        publisher.send(((topic or t, key, bytes(raw), redrive_headers(headers, f"{t}:{p}:{o}"))
-                        for _, t, p, o, key, raw, headers in rows), timeout_s)
+        publisher.send(
+            (
+                (topic or t, key, bytes(raw), redrive_headers(headers, f"{t}:{p}:{o}"))
+                for _, t, p, o, key, raw, headers in rows
+            ),
+            timeout_s,
+        )
     except KafkaError as exc:
-        raise InfrastructureError(f"the broker did not acknowledge the redrive ({exc}); this batch of "
-                                  f"{len(rows)} is not marked: run the redrive again") from exc
+        raise InfrastructureError(
+            f"the broker did not acknowledge the redrive ({exc}); this batch of "
+            f"{len(rows)} is not marked: run the redrive again"
+        ) from exc

@@ -30,9 +30,18 @@ def distribution(values: list[float]) -> dict[str, float | None]:
         return {"n": 0, **{k: None for k in ("mean", "std", "min", "p10", "p25", "p50", "p75", "p90", "max")}}
     a = np.asarray(values, dtype=np.float64)
     q = np.quantile(a, [0.1, 0.25, 0.5, 0.75, 0.9])
-    return {"n": int(a.size), "mean": float(a.mean()), "std": float(a.std()), "min": float(a.min()),
-            "p10": float(q[0]), "p25": float(q[1]), "p50": float(q[2]), "p75": float(q[3]), "p90": float(q[4]),
-            "max": float(a.max())}
+    return {
+        "n": int(a.size),
+        "mean": float(a.mean()),
+        "std": float(a.std()),
+        "min": float(a.min()),
+        "p10": float(q[0]),
+        "p25": float(q[1]),
+        "p50": float(q[2]),
+        "p75": float(q[3]),
+        "p90": float(q[4]),
+        "max": float(a.max()),
+    }
 
 
 @dataclass
@@ -48,8 +57,15 @@ class RelabelReport:
     late_signals_used: int = 0
 
     def to_dict(self) -> dict:
-        return {"spec": self.spec, "baseline": self.baseline, "relabeled": self.relabeled, "changed": self.changed,
-                "late_signals_used": self.late_signals_used, "before": self.before, "after": self.after}
+        return {
+            "spec": self.spec,
+            "baseline": self.baseline,
+            "relabeled": self.relabeled,
+            "changed": self.changed,
+            "late_signals_used": self.late_signals_used,
+            "before": self.before,
+            "after": self.after,
+        }
 
 
 def relabel(spec_id: str, *, baseline: str | None = None, chunk: int = 2000) -> RelabelReport:
@@ -70,14 +86,18 @@ def relabel(spec_id: str, *, baseline: str | None = None, chunk: int = 2000) -> 
             has_own = conn.execute("SELECT 1 FROM reward_label WHERE spec = %s LIMIT 1", (spec.id,)).fetchone()
             baseline = spec.id if has_own else active_specs()[0].id
         report = RelabelReport(spec=spec.id, baseline=baseline)
-        before = dict(conn.execute("SELECT trajectory_id, reward FROM reward_label WHERE spec = %s",
-                                   (baseline,)).fetchall())
+        before = dict(
+            conn.execute("SELECT trajectory_id, reward FROM reward_label WHERE spec = %s", (baseline,)).fetchall()
+        )
         report.before = distribution(list(before.values()))
-        finalized = dict(conn.execute(
-            "SELECT session_id, id FROM trajectory WHERE status = 'finalized'").fetchall())
-        late = {r[0]: set(r[1]) for r in conn.execute(
-            "SELECT id, late_event_ids FROM trajectory WHERE status = 'finalized' "
-            "AND cardinality(late_event_ids) > 0").fetchall()}
+        finalized = dict(conn.execute("SELECT session_id, id FROM trajectory WHERE status = 'finalized'").fetchall())
+        late = {
+            r[0]: set(r[1])
+            for r in conn.execute(
+                "SELECT id, late_event_ids FROM trajectory WHERE status = 'finalized' "
+                "AND cardinality(late_event_ids) > 0"
+            ).fetchall()
+        }
         trepo.create_label_stage(session)
         labels: list = []
         late_used: dict = {}  # trajectory id -> late signals its new label counted

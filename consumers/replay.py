@@ -23,12 +23,12 @@ from typing import Any
 from sqlalchemy.orm import Session
 
 from app.core.db import session_scope
-from producers.events import validate_event
-from app.repositories.events import EVENT_COLUMNS, iter_event_rows, raw_connection
 from app.core.locks import AdvisoryLock
+from app.repositories.events import EVENT_COLUMNS, iter_event_rows, raw_connection
 from consumers.batch import project_events
 from consumers.finalize import finalize_due_once
 from consumers.projection import Projector, StoredEvent
+from producers.events import validate_event
 
 PROJECTION_TABLES = ("trajectory", "trajectory_segment", "reward_label")
 _SCHEMA_NAME = re.compile(r"[a-z_][a-z0-9_]{0,62}")
@@ -49,10 +49,18 @@ def stored_event_from_row(row: tuple) -> StoredEvent:
     """
     seq, ingested_at, *rest = row
     data: dict[str, Any] = dict(zip(EVENT_COLUMNS, rest))
-    event = validate_event({"event_id": data["event_id"], "type": data["type"],
-                            "schema_version": data["schema_version"], "occurred_at": data["occurred_at"],
-                            "session_id": data["session_id"], "user_id": data["user_id"],
-                            "org_id": data["org_id"], "payload": data["payload"]})
+    event = validate_event(
+        {
+            "event_id": data["event_id"],
+            "type": data["type"],
+            "schema_version": data["schema_version"],
+            "occurred_at": data["occurred_at"],
+            "session_id": data["session_id"],
+            "user_id": data["user_id"],
+            "org_id": data["org_id"],
+            "payload": data["payload"],
+        }
+    )
     return StoredEvent(event, seq, ingested_at, data["topic"], data["partition"], data["offset"])
 
 
@@ -101,12 +109,19 @@ def drop_shadow_schema(session: Session, schema: str) -> None:
     conn = raw_connection(session)
     if conn.execute("SELECT 1 FROM pg_namespace WHERE nspname = %s", (_check_ident(schema),)).fetchone() is None:
         raise NotFoundError(f"schema {schema!r} does not exist")
-    tables = {r[0] for r in conn.execute(
-        "SELECT c.relname FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace "
-        "WHERE n.nspname = %s AND c.relkind IN ('r', 'p', 'v', 'm', 'f')", (schema,))}
+    tables = {
+        r[0]
+        for r in conn.execute(
+            "SELECT c.relname FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace "
+            "WHERE n.nspname = %s AND c.relkind IN ('r', 'p', 'v', 'm', 'f')",
+            (schema,),
+        )
+    }
     if tables != set(PROJECTION_TABLES) or schema == conn.execute("SELECT current_schema()").fetchone()[0]:
-        raise ConflictError(f"schema {schema!r} is not a replay's shadow schema (it holds {len(tables)} tables, "
-                            f"not just {', '.join(PROJECTION_TABLES)}); left alone")
+        raise ConflictError(
+            f"schema {schema!r} is not a replay's shadow schema (it holds {len(tables)} tables, "
+            f"not just {', '.join(PROJECTION_TABLES)}); left alone"
+        )
     drop_schema(session, schema)
 
 
@@ -125,8 +140,9 @@ class ReplayReport:
     relabel again to restore them."""
 
 
-def rebuild(session: Session, projector: Projector, *, grace_s: float, chunk: int = 5000,
-            report: ReplayReport | None = None) -> ReplayReport:
+def rebuild(
+    session: Session, projector: Projector, *, grace_s: float, chunk: int = 5000, report: ReplayReport | None = None
+) -> ReplayReport:
     """Fold every ``event_log`` row, by ``seq``, into the (empty) projection tables the session's
     ``search_path`` resolves, then run the window sweep. Runs in the caller's transaction."""
     report = report or ReplayReport()
@@ -200,39 +216,57 @@ def verify(projector: Projector, *, grace_s: float, chunk: int = 5000, limit: in
     with session_scope() as session:
         session.connection(execution_options={"isolation_level": "REPEATABLE READ"})
         conn = raw_connection(session)
-        unswept = [r[0] for r in conn.execute(
-            "SELECT id FROM trajectory WHERE status = 'provisional' AND window_closes_at < now() - "
-            "make_interval(secs => %s)", (grace_s,)).fetchall()]
+        unswept = [
+            r[0]
+            for r in conn.execute(
+                "SELECT id FROM trajectory WHERE status = 'provisional' AND window_closes_at < now() - "
+                "make_interval(secs => %s)",
+                (grace_s,),
+            ).fetchall()
+        ]
         live = _enter_shadow_schema(session, schema)
         rebuild(session, projector, grace_s=grace_s, chunk=chunk, report=report)
-        differences = diff_projection_schemas(session, live, schema, limit=limit, skip_trajectories=unswept,
-                                              names=("live tables", "replay"))
+        differences = diff_projection_schemas(
+            session, live, schema, limit=limit, skip_trajectories=unswept, names=("live tables", "replay")
+        )
         drop_schema(session, schema)
     return VerifyReport(report, differences, len(unswept))
 
 
-_ORDER = {"trajectory": ("id",), "trajectory_segment": ("trajectory_id", "segment_index"),
-          "reward_label": ("trajectory_id", "spec")}
+_ORDER = {
+    "trajectory": ("id",),
+    "trajectory_segment": ("trajectory_id", "segment_index"),
+    "reward_label": ("trajectory_id", "spec"),
+}
 """Each projection table's key: rows are dumped in its order and matched by it."""
 
 
 def _columns(conn, schema: str, table: str) -> list[str]:
     """``table``'s column names in ``schema``, in table order."""
-    return [r[0] for r in conn.execute(
-        "SELECT column_name FROM information_schema.columns WHERE table_schema = %s AND table_name = %s "
-        "ORDER BY ordinal_position", (schema, table)).fetchall()]
+    return [
+        r[0]
+        for r in conn.execute(
+            "SELECT column_name FROM information_schema.columns WHERE table_schema = %s AND table_name = %s "
+            "ORDER BY ordinal_position",
+            (schema, table),
+        ).fetchall()
+    ]
 
 
 def _only_in(table: str, n: int, side: str, key_values) -> str:
     """The difference line for ``n`` keys that only ``side`` has (``key_values``: the first one's)."""
     return f"{table}: {n} row(s) only in the {side}, e.g. " + ", ".join(
-        f"{c}={v}" for c, v in zip(_ORDER[table], key_values))
+        f"{c}={v}" for c, v in zip(_ORDER[table], key_values)
+    )
 
 
 def _columns_differ(table: str, key_values, columns) -> str:
     """The difference line for a key both sides have whose ``columns`` differ."""
-    return f"{table} " + ", ".join(f"{c}={v}" for c, v in zip(_ORDER[table], key_values)) + \
-        f": {', '.join(columns)} differ"
+    return (
+        f"{table} "
+        + ", ".join(f"{c}={v}" for c, v in zip(_ORDER[table], key_values))
+        + f": {', '.join(columns)} differ"
+    )
 
 
 class Rows(list):
@@ -243,25 +277,31 @@ class Rows(list):
         self.columns = columns
 
 
-def dump_projection(session: Session, schema: str | None = None,
-                    exclude: dict[str, set[str]] | None = None) -> dict[str, Rows]:
+def dump_projection(
+    session: Session, schema: str | None = None, exclude: dict[str, set[str]] | None = None
+) -> dict[str, Rows]:
     """Every row of the projection tables of ``schema`` (default: the current one), as tuples in key
     order, leaving out ``exclude[table]`` columns (never a key column)."""
     conn = raw_connection(session)
     schema = schema or conn.execute("SELECT current_schema()").fetchone()[0]
     out: dict[str, Rows] = {}
     for t in PROJECTION_TABLES:
-        cols = tuple(c for c in _columns(conn, schema, t)
-                     if c in _ORDER[t] or c not in (exclude or {}).get(t, set()))
+        cols = tuple(c for c in _columns(conn, schema, t) if c in _ORDER[t] or c not in (exclude or {}).get(t, set()))
         sel = ", ".join(f'"{c}"' for c in cols)
         rows = conn.execute(f'SELECT {sel} FROM "{_check_ident(schema)}".{t} ORDER BY {", ".join(_ORDER[t])}')
         out[t] = Rows((tuple(r) for r in rows), cols)
     return out
 
 
-def diff_projection_schemas(session: Session, a: str, b: str, *, limit: int = 5,
-                            skip_trajectories: Collection[uuid.UUID] = (),
-                            names: tuple[str, str] = ("first", "second")) -> list[str]:
+def diff_projection_schemas(
+    session: Session,
+    a: str,
+    b: str,
+    *,
+    limit: int = 5,
+    skip_trajectories: Collection[uuid.UUID] = (),
+    names: tuple[str, str] = ("first", "second"),
+) -> list[str]:
     """:func:`compare_projections` of the projection tables of schemas ``a`` and ``b`` (same columns,
     as :func:`create_shadow_schema` makes them), computed by Postgres: only the differences (at most
     ``limit``) reach Python, whatever the tables' size. Rows of ``skip_trajectories`` are left out;
@@ -282,7 +322,8 @@ def diff_projection_schemas(session: Session, a: str, b: str, *, limit: int = 5,
             first = conn.execute(  # the first key only this side has, and how many there are
                 f"SELECT {keys}, count(*) OVER () FROM (SELECT {keys} FROM {this}.{t} WHERE {key[0]} <> ALL(%(skip)s) "
                 f"EXCEPT SELECT {keys} FROM {other}.{t} WHERE {key[0]} <> ALL(%(skip)s)) k ORDER BY {keys} LIMIT 1",
-                {"skip": skip}).fetchone()
+                {"skip": skip},
+            ).fetchone()
             if first:
                 *values, n = first
                 diffs.append(_only_in(t, n, side, values))
@@ -293,15 +334,17 @@ def diff_projection_schemas(session: Session, a: str, b: str, *, limit: int = 5,
             f"SELECT {', '.join(f'x.{c}' for c in key)}, array_remove(ARRAY[{differ}], NULL) "
             f"FROM {qa}.{t} x JOIN {qb}.{t} y USING ({keys}) WHERE x.{key[0]} <> ALL(%(skip)s) "
             f"AND ROW(x.*) IS DISTINCT FROM ROW(y.*) ORDER BY {', '.join(f'x.{c}' for c in key)} LIMIT %(n)s",
-            {"skip": skip, "n": limit - len(diffs)}).fetchall()
+            {"skip": skip, "n": limit - len(diffs)},
+        ).fetchall()
         diffs += [_columns_differ(t, values, columns) for *values, columns in rows]
         if len(diffs) >= limit:
             return diffs[:limit]
     return diffs
 
 
-def compare_projections(a: dict[str, Rows], b: dict[str, Rows], limit: int = 5,
-                        names: tuple[str, str] = ("first", "second")) -> list[str]:
+def compare_projections(
+    a: dict[str, Rows], b: dict[str, Rows], limit: int = 5, names: tuple[str, str] = ("first", "second")
+) -> list[str]:
     """Human-readable differences between two :func:`dump_projection` results (empty if identical),
     at most ``limit``: rows whose key only one side has, and rows of a key both have whose columns
     differ (named); ``names`` calls the two sides."""
@@ -312,7 +355,7 @@ def compare_projections(a: dict[str, Rows], b: dict[str, Rows], limit: int = 5,
         at = [cols.index(c) for c in _ORDER[t]]
 
         def by_key(rows: list[tuple]) -> dict[tuple, tuple]:
-            return {tuple(r[i] for i in at): r for r in rows}
+            return {tuple(r[i] for i in at): r for r in rows}  # noqa: B023
 
         ka, kb = by_key(ra), by_key(rb)
         for side, keys in ((names[0], ka.keys() - kb.keys()), (names[1], kb.keys() - ka.keys())):

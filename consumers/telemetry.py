@@ -31,34 +31,57 @@ class ConsumerMetrics:
     def __init__(self, topic: str, group_id: str, meter_=None) -> None:
         m = meter_ or meter("flywheel.consumers")
         self._attrs = {"topic": topic, "group": group_id}
-        self.events = m.create_counter("flywheel.consumer.events", unit="{event}",
-                                       description="records handled, by outcome")
-        self.dead_letters = m.create_counter("flywheel.consumer.dead_letters", unit="{event}",
-                                             description="dead-lettered records, by reason")
-        self.finalized = m.create_counter("flywheel.consumer.trajectories_finalized", unit="{trajectory}",
-                                          description="trajectories finalized, by trigger")
+        self.events = m.create_counter(
+            "flywheel.consumer.events", unit="{event}", description="records handled, by outcome"
+        )
+        self.dead_letters = m.create_counter(
+            "flywheel.consumer.dead_letters", unit="{event}", description="dead-lettered records, by reason"
+        )
+        self.finalized = m.create_counter(
+            "flywheel.consumer.trajectories_finalized",
+            unit="{trajectory}",
+            description="trajectories finalized, by trigger",
+        )
         self.offsets_skipped = m.create_counter(
-            "flywheel.consumer.offsets_skipped", unit="{message}",
-            description="offsets the broker no longer had when the group read on (retention): events lost")
+            "flywheel.consumer.offsets_skipped",
+            unit="{message}",
+            description="offsets the broker no longer had when the group read on (retention): events lost",
+        )
         self.offset_resets = m.create_counter(
-            "flywheel.consumer.offset_resets", unit="{partition}",
-            description="stored offsets found past their partition's log end (a re-created log)")
-        self.batch_duration = m.create_histogram("flywheel.consumer.batch_duration", unit="s",
-                                                 description="seconds per batch transaction")
+            "flywheel.consumer.offset_resets",
+            unit="{partition}",
+            description="stored offsets found past their partition's log end (a re-created log)",
+        )
+        self.batch_duration = m.create_histogram(
+            "flywheel.consumer.batch_duration", unit="s", description="seconds per batch transaction"
+        )
         self._lock = threading.Lock()
         self._lag: dict[int, int] = {}
         self._window: deque[tuple[float, int]] = deque()
-        m.create_observable_gauge("flywheel.consumer.lag", callbacks=[self._observe_lag], unit="{message}",
-                                  description="high-water mark minus next offset, per partition")
-        m.create_observable_gauge("flywheel.consumer.events_per_second", callbacks=[self._observe_rate],
-                                  unit="{event}/s", description="records applied per second (10 s window)")
+        m.create_observable_gauge(
+            "flywheel.consumer.lag",
+            callbacks=[self._observe_lag],
+            unit="{message}",
+            description="high-water mark minus next offset, per partition",
+        )
+        m.create_observable_gauge(
+            "flywheel.consumer.events_per_second",
+            callbacks=[self._observe_rate],
+            unit="{event}/s",
+            description="records applied per second (10 s window)",
+        )
 
     def record_batch(self, outcome, seconds: float) -> None:
         """Count one applied batch (a ``consumers.counts.BatchOutcome``)."""
         a = self._attrs
-        for name, n in (("stored", outcome.stored), ("duplicate", outcome.duplicates), ("stale", outcome.stale),
-                        ("dead_letter", sum(outcome.dead_letters.values())),
-                        ("privacy_dropped", outcome.privacy_dropped), ("erased_dropped", outcome.erased_dropped)):
+        for name, n in (
+            ("stored", outcome.stored),
+            ("duplicate", outcome.duplicates),
+            ("stale", outcome.stale),
+            ("dead_letter", sum(outcome.dead_letters.values())),
+            ("privacy_dropped", outcome.privacy_dropped),
+            ("erased_dropped", outcome.erased_dropped),
+        ):
             if n:
                 self.events.add(n, {**a, "outcome": name})
         for reason, n in outcome.dead_letters.items():
@@ -121,8 +144,12 @@ def producer_links(headers_of_batch, limit: int) -> list[Link]:
             if len(parts) != 4 or parts[1] in seen:
                 break
             try:
-                ctx = SpanContext(trace_id=int(parts[1], 16), span_id=int(parts[2], 16), is_remote=True,
-                                  trace_flags=TraceFlags(int(parts[3], 16)))
+                ctx = SpanContext(
+                    trace_id=int(parts[1], 16),
+                    span_id=int(parts[2], 16),
+                    is_remote=True,
+                    trace_flags=TraceFlags(int(parts[3], 16)),
+                )
             except ValueError:
                 break
             if ctx.is_valid:

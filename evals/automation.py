@@ -15,9 +15,9 @@ from typing import Any
 
 from app.core.db import session_scope
 from app.core.errors import ConflictError
+from app.worker.celery_app import celery_app
 from evals import store
 from evals.config import eval_settings, load_gate_config
-from app.worker.celery_app import celery_app
 
 
 def evaluate(checkpoint_id: str, **kwargs: Any) -> dict[str, Any]:
@@ -35,16 +35,26 @@ def evaluate(checkpoint_id: str, **kwargs: Any) -> dict[str, Any]:
         decided = store.latest_decision(session, checkpoint_id)
     if decided is not None and not kwargs.pop("regate", False):
         return {"checkpoint_id": checkpoint_id, "skipped": f"already decided ({decided.id})"}
-    opts: dict[str, Any] = {"config": load_gate_config(s.gate_config).with_min_pairs(s.min_pairs), "limit": s.limit, "workers": s.workers,
-                            "overrides": {k: v for k, v in (("max_turns", s.max_turns),
-                                                            ("max_tokens_per_turn", s.max_tokens_per_turn)) if v}}
+    opts: dict[str, Any] = {
+        "config": load_gate_config(s.gate_config).with_min_pairs(s.min_pairs),
+        "limit": s.limit,
+        "workers": s.workers,
+        "overrides": {
+            k: v for k, v in (("max_turns", s.max_turns), ("max_tokens_per_turn", s.max_tokens_per_turn)) if v
+        },
+    }
     opts.update(kwargs)
     try:
         outcome = gate_candidate(checkpoint_id, **opts)
     except ConflictError as exc:
         return {"checkpoint_id": checkpoint_id, "skipped": exc.message}
-    return {"checkpoint_id": checkpoint_id, "decision_id": outcome.decision_id, "passed": outcome.result.passed,
-            "failures": [r.message for r in outcome.result.failures()], "report_path": outcome.report_path}
+    return {
+        "checkpoint_id": checkpoint_id,
+        "decision_id": outcome.decision_id,
+        "passed": outcome.result.passed,
+        "failures": [r.message for r in outcome.result.failures()],
+        "report_path": outcome.report_path,
+    }
 
 
 def scan(dispatch: Callable[[str], Any], limit: int | None = None) -> list[str]:

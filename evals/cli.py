@@ -25,30 +25,48 @@ class _DefaultRunGroup(TyperGroup):
         return super().parse_args(ctx, args)
 
 
-eval_app = typer.Typer(cls=_DefaultRunGroup, no_args_is_help=True,
-                       help="Run eval suites (flywheel eval CHECKPOINT --suite NAME), mine tasks, check contamination.")
+eval_app = typer.Typer(
+    cls=_DefaultRunGroup,
+    no_args_is_help=True,
+    help="Run eval suites (flywheel eval CHECKPOINT --suite NAME), mine tasks, check contamination.",
+)
 
 LIMIT = typer.Option(None, "--limit", "-n", min=1, help="seeded subset of N tasks (changes the suite fingerprint)")
-WORKERS = typer.Option(None, "--workers", "-w", min=1,
-                       help="concurrent sessions (default: 64 with the torch engine, else 1)")
+WORKERS = typer.Option(
+    None, "--workers", "-w", min=1, help="concurrent sessions (default: 64 with the torch engine, else 1)"
+)
 MAX_TURNS = typer.Option(None, "--max-turns", min=1, help="override the suite's turn budget")
 MAX_TOKENS = typer.Option(None, "--max-tokens", min=1, help="override completion tokens per turn")
-SAMPLES = typer.Option(None, "--samples", "-k", min=1, max=64,
-                       help="override samples per task (smoke runs; the gate was sized for the suite's own)")
+SAMPLES = typer.Option(
+    None,
+    "--samples",
+    "-k",
+    min=1,
+    max=64,
+    help="override samples per task (smoke runs; the gate was sized for the suite's own)",
+)
 
 
 def _overrides(max_turns: int | None, max_tokens: int | None, samples: int | None = None) -> dict[str, int]:
-    return {k: v for k, v in (("max_turns", max_turns), ("max_tokens_per_turn", max_tokens),
-                              ("samples_per_task", samples)) if v is not None}
+    return {
+        k: v
+        for k, v in (("max_turns", max_turns), ("max_tokens_per_turn", max_tokens), ("samples_per_task", samples))
+        if v is not None
+    }
 
 
 @eval_app.command("run")
-def eval_run(checkpoint: str = typer.Argument(..., help="checkpoint id, e.g. base"),
-             suite: list[str] = typer.Option(..., "--suite", "-s", help="suite name (repeatable)"),
-             limit: int | None = LIMIT, workers: int | None = WORKERS, max_turns: int | None = MAX_TURNS,
-             max_tokens: int | None = MAX_TOKENS, samples: int | None = SAMPLES,
-             force: bool = typer.Option(False, help="re-run even if a succeeded run of this plan exists"),
-             as_json: bool = typer.Option(False, "--json", help="print one JSON line per suite")) -> None:
+def eval_run(
+    checkpoint: str = typer.Argument(..., help="checkpoint id, e.g. base"),
+    suite: list[str] = typer.Option(..., "--suite", "-s", help="suite name (repeatable)"),
+    limit: int | None = LIMIT,
+    workers: int | None = WORKERS,
+    max_turns: int | None = MAX_TURNS,
+    max_tokens: int | None = MAX_TOKENS,
+    samples: int | None = SAMPLES,
+    force: bool = typer.Option(False, help="re-run even if a succeeded run of this plan exists"),
+    as_json: bool = typer.Option(False, "--json", help="print one JSON line per suite"),
+) -> None:
     """Run SUITE against CHECKPOINT in the agent harness; resumes an interrupted run of the same plan."""
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -62,8 +80,15 @@ def eval_run(checkpoint: str = typer.Argument(..., help="checkpoint id, e.g. bas
     summaries = []
     for name in suite:
         cfg = load_suite(name).with_overrides(limit=limit, **_overrides(max_turns, max_tokens, samples))
-        with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[rate]}"),
-                      TimeElapsedColumn(), console=console, transient=as_json) as progress:
+        with Progress(
+            TextColumn("{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("{task.fields[rate]}"),
+            TimeElapsedColumn(),
+            console=console,
+            transient=as_json,
+        ) as progress:
             bar = progress.add_task(f"{checkpoint} · {name}", total=None, rate="")
             passed = [0, 0]
 
@@ -75,8 +100,9 @@ def eval_run(checkpoint: str = typer.Argument(..., help="checkpoint id, e.g. bas
                 passed[1] += 1
                 progress.update(bar, advance=1, rate=f"{passed[0]}/{passed[1]} passed this session")
 
-            summaries.append(run_suite(checkpoint, cfg, workers=workers, force=force, on_plan=on_plan,
-                                       on_result=on_result))
+            summaries.append(
+                run_suite(checkpoint, cfg, workers=workers, force=force, on_plan=on_plan, on_result=on_result)
+            )
     if as_json:
         for s in summaries:
             typer.echo(json.dumps(s.as_dict(), default=str))
@@ -103,12 +129,25 @@ def _runs_table(summaries):
         b.add_column(col, overflow="fold")
     for s in summaries:
         m = s.monitors or {}
-        t.add_row(s.suite, s.checkpoint_id, s.status, f"{s.done}/{s.planned}", f"{s.pass_rate:.1%}",
-                  f"[{s.low:.1%}, {s.high:.1%}]", format_pass_at_k(s.pass_at_k, s.samples_per_task, s.best_of_k),
-                  "cached run" if s.cached else f"{s.ran} ran, {s.reused} reused")
-        b.add_row(s.suite, s.checkpoint_id, f"{m.get('invalid_tool_call_rate', 0):.1%}",
-                  f"{m.get('clarifying_question_rate', 0):.1%}", f"{m.get('edit_rate', 0):.1%}",
-                  f"{m.get('mean_completion_tokens', 0):.0f}", f"{m.get('mean_latency_s', 0):.1f}")
+        t.add_row(
+            s.suite,
+            s.checkpoint_id,
+            s.status,
+            f"{s.done}/{s.planned}",
+            f"{s.pass_rate:.1%}",
+            f"[{s.low:.1%}, {s.high:.1%}]",
+            format_pass_at_k(s.pass_at_k, s.samples_per_task, s.best_of_k),
+            "cached run" if s.cached else f"{s.ran} ran, {s.reused} reused",
+        )
+        b.add_row(
+            s.suite,
+            s.checkpoint_id,
+            f"{m.get('invalid_tool_call_rate', 0):.1%}",
+            f"{m.get('clarifying_question_rate', 0):.1%}",
+            f"{m.get('edit_rate', 0):.1%}",
+            f"{m.get('mean_completion_tokens', 0):.0f}",
+            f"{m.get('mean_latency_s', 0):.1f}",
+        )
     return Group(t, b, *(f"{s.suite}: run {s.run_id}, suite version {s.suite_version}" for s in summaries))
 
 
@@ -122,37 +161,66 @@ def eval_suites() -> None:
 
     gate = load_gate_config()
     t = Table(title="eval suites")
-    for col in ("suite", "version", "source", "split", "samples", "temperature", "limit", "turns", "tokens", "gated",
-                "margin"):
+    for col in (
+        "suite",
+        "version",
+        "source",
+        "split",
+        "samples",
+        "temperature",
+        "limit",
+        "turns",
+        "tokens",
+        "gated",
+        "margin",
+    ):
         t.add_column(col)
     for name in list_suites():
         s = load_suite(name)
-        t.add_row(name, s.version, s.source, s.split, str(s.samples_per_task), f"{s.sampling.temperature:g}",
-                  str(s.limit or "all"), str(s.budget.max_turns), str(s.budget.max_completion_tokens),
-                  "yes" if name in gate.gated_suites() else "no", f"{gate.for_suite(name).tolerance:.1%}")
+        t.add_row(
+            name,
+            s.version,
+            s.source,
+            s.split,
+            str(s.samples_per_task),
+            f"{s.sampling.temperature:g}",
+            str(s.limit or "all"),
+            str(s.budget.max_turns),
+            str(s.budget.max_completion_tokens),
+            "yes" if name in gate.gated_suites() else "no",
+            f"{gate.for_suite(name).tolerance:.1%}",
+        )
     Console().print(t)
 
 
 @eval_app.command("mine")
-def eval_mine(min_persistence: float = typer.Option(0.8, min=0.0, max=1.0,
-                                                    help="mean fraction of accepted edits still present"),
-              limit: int | None = typer.Option(None, min=1, help="most trajectories to examine")) -> None:
+def eval_mine(
+    min_persistence: float = typer.Option(0.8, min=0.0, max=1.0, help="mean fraction of accepted edits still present"),
+    limit: int | None = typer.Option(None, min=1, help="most trajectories to examine"),
+) -> None:
     """Mine held-out eval tasks from finalized production trajectories (and reserve them)."""
     from app.core.db import session_scope
     from evals.mined import mine_tasks
 
     with session_scope() as session:
         report = mine_tasks(session, min_persistence=min_persistence, limit=limit)
-    typer.echo(f"examined {report.examined} trajectories, mined {len(report.mined)} tasks, reserved "
-               f"{report.reserved_trajectories} more trajectories")
+    typer.echo(
+        f"examined {report.examined} trajectories, mined {len(report.mined)} tasks, reserved "
+        f"{report.reserved_trajectories} more trajectories"
+    )
     for reason, n in sorted(report.skipped.items()):
         typer.echo(f"  skipped {n:5d}  {reason}")
 
 
 @eval_app.command("contamination")
-def eval_contamination(static: bool = typer.Option(True, "--static/--no-static",
-                                                   help="also check the shipped suites' task ids (functions held-out "
-                                                        "and unseen-parameter, DataFrameBench test, HumanEval)")) -> None:
+def eval_contamination(
+    static: bool = typer.Option(
+        True,
+        "--static/--no-static",
+        help="also check the shipped suites' task ids (functions held-out "
+        "and unseen-parameter, DataFrameBench test, HumanEval)",
+    ),
+) -> None:
     """Verify no eval task appears in any checkpoint's training lineage or manifest; exit 1 if one does."""
     from app.core.db import session_scope
     from evals.mined import find_contamination
@@ -167,27 +235,38 @@ def eval_contamination(static: bool = typer.Option(True, "--static/--no-static",
     with session_scope() as session:
         found = find_contamination(session, extra)
     if not found:
-        typer.secho(f"clean: no eval task in any checkpoint's training data ({len(extra)} static task ids checked "
-                    "plus every mined task)", fg="green")
+        typer.secho(
+            f"clean: no eval task in any checkpoint's training data ({len(extra)} static task ids checked "
+            "plus every mined task)",
+            fg="green",
+        )
         return
     for c in found:
         typer.secho(f"CONTAMINATED {c.checkpoint_id}: {c.task_id} (via {c.via})", fg="red")
     raise typer.Exit(1)
 
 
-def gate_cmd(candidate: str = typer.Argument(..., help="candidate checkpoint id"),
-             production: str | None = typer.Option(None, "--production", help="baseline (default: production)"),
-             suite: list[str] | None = typer.Option(None, "--suite", "-s", help="suites to run (default: gated ones)"),
-             limit: int | None = LIMIT, workers: int | None = WORKERS, max_turns: int | None = MAX_TURNS,
-             max_tokens: int | None = MAX_TOKENS, samples: int | None = SAMPLES,
-             config: Path | None = typer.Option(None, "--config", exists=True, dir_okay=False,
-                                                help="gate policy TOML (default evals/gate.toml)"),
-             min_pairs: int | None = typer.Option(None, "--min-pairs", min=1,
-                                                  help="override every suite's minimum paired outcomes (smoke runs)"),
-             gate_on: list[str] | None = typer.Option(
-                 None, "--gate-on", help="decide on these suites only (others reported; stored with the decision)"),
-             strict: bool = typer.Option(False, "--strict", help="exit 1 when the gate fails"),
-             as_json: bool = typer.Option(False, "--json", help="print the decision as one JSON line")) -> None:
+def gate_cmd(
+    candidate: str = typer.Argument(..., help="candidate checkpoint id"),
+    production: str | None = typer.Option(None, "--production", help="baseline (default: production)"),
+    suite: list[str] | None = typer.Option(None, "--suite", "-s", help="suites to run (default: gated ones)"),
+    limit: int | None = LIMIT,
+    workers: int | None = WORKERS,
+    max_turns: int | None = MAX_TURNS,
+    max_tokens: int | None = MAX_TOKENS,
+    samples: int | None = SAMPLES,
+    config: Path | None = typer.Option(
+        None, "--config", exists=True, dir_okay=False, help="gate policy TOML (default evals/gate.toml)"
+    ),
+    min_pairs: int | None = typer.Option(
+        None, "--min-pairs", min=1, help="override every suite's minimum paired outcomes (smoke runs)"
+    ),
+    gate_on: list[str] | None = typer.Option(
+        None, "--gate-on", help="decide on these suites only (others reported; stored with the decision)"
+    ),
+    strict: bool = typer.Option(False, "--strict", help="exit 1 when the gate fails"),
+    as_json: bool = typer.Option(False, "--json", help="print the decision as one JSON line"),
+) -> None:
     """Evaluate CANDIDATE and production on every gated suite (reusing cached runs), decide and explain."""
     from rich.console import Console
 
@@ -204,20 +283,38 @@ def gate_cmd(candidate: str = typer.Argument(..., help="candidate checkpoint id"
 
     console.print(f"gating [bold]{candidate}[/bold]")
     policy = load_gate_config(config).with_min_pairs(min_pairs).gating_only(gate_on or None)
-    outcome = gate_candidate(candidate, production_id=production, config=policy,
-                             suites=suite or None, limit=limit, overrides=_overrides(max_turns, max_tokens, samples),
-                             workers=workers, on_run=on_run)
+    outcome = gate_candidate(
+        candidate,
+        production_id=production,
+        config=policy,
+        suites=suite or None,
+        limit=limit,
+        overrides=_overrides(max_turns, max_tokens, samples),
+        workers=workers,
+        on_run=on_run,
+    )
     explain(console, outcome)
     if as_json:
-        typer.echo(json.dumps({"decision_id": outcome.decision_id, "candidate_id": candidate,
-                               "production_id": outcome.production_id, "passed": outcome.result.passed,
-                               "failures": [r.message for r in outcome.result.failures()],
-                               "sampling": {n: {"samples_per_task": x.samples_per_task,
-                                                "candidate": x.candidate_sampling and x.candidate_sampling.model_dump(),
-                                                "production": x.production_sampling
-                                                and x.production_sampling.model_dump()}
-                                            for n, x in outcome.result.suites.items()},
-                               "report_path": outcome.report_path}))
+        typer.echo(
+            json.dumps(
+                {
+                    "decision_id": outcome.decision_id,
+                    "candidate_id": candidate,
+                    "production_id": outcome.production_id,
+                    "passed": outcome.result.passed,
+                    "failures": [r.message for r in outcome.result.failures()],
+                    "sampling": {
+                        n: {
+                            "samples_per_task": x.samples_per_task,
+                            "candidate": x.candidate_sampling and x.candidate_sampling.model_dump(),
+                            "production": x.production_sampling and x.production_sampling.model_dump(),
+                        }
+                        for n, x in outcome.result.suites.items()
+                    },
+                    "report_path": outcome.report_path,
+                }
+            )
+        )
     if strict and not outcome.result.passed:
         raise typer.Exit(1)
 
@@ -236,22 +333,37 @@ def explain(console, outcome) -> None:
     for col in ("suite", "tasks x samples", "candidate", "production"):
         k.add_column(col)
     for s in r.suites.values():
-        fmt = (lambda p: f"{p.rate:.1%} [{p.low:.0%}, {p.high:.0%}]" if p else "-")
-        t.add_row(s.suite, "yes" if s.gated else "no", str(s.n_pairs), fmt(s.candidate), fmt(s.production),
-                  "-" if s.diff is None else f"{s.diff:+.1%}",
-                  "-" if s.diff_low is None else f"[{s.diff_low:+.1%}, {s.diff_high:+.1%}]",
-                  f"{len(s.newly_solved)} / {len(s.newly_broken)}",
-                  "[green]pass[/green]" if s.passed else "[red]fail[/red]")
-        k.add_row(s.suite, f"{s.n_tasks} x {s.samples_per_task}", format_sampling(s.candidate_sampling),
-                  format_sampling(s.production_sampling))
+
+        def fmt(p):
+            return f"{p.rate:.1%} [{p.low:.0%}, {p.high:.0%}]" if p else "-"
+
+        t.add_row(
+            s.suite,
+            "yes" if s.gated else "no",
+            str(s.n_pairs),
+            fmt(s.candidate),
+            fmt(s.production),
+            "-" if s.diff is None else f"{s.diff:+.1%}",
+            "-" if s.diff_low is None else f"[{s.diff_low:+.1%}, {s.diff_high:+.1%}]",
+            f"{len(s.newly_solved)} / {len(s.newly_broken)}",
+            "[green]pass[/green]" if s.passed else "[red]fail[/red]",
+        )
+        k.add_row(
+            s.suite,
+            f"{s.n_tasks} x {s.samples_per_task}",
+            format_sampling(s.candidate_sampling),
+            format_sampling(s.production_sampling),
+        )
     console.print(t)
     console.print(k)
     for reason in r.reasons:
         mark = "[green]✓[/green]" if reason.passed else ("[red]✗[/red]" if reason.gated else "[yellow]·[/yellow]")
         console.print(f" {mark} {reason.message}", highlight=False)
     verdict = "[bold green]PASSED[/bold green]" if r.passed else "[bold red]FAILED[/bold red]"
-    console.print(f"gate {verdict} → checkpoint {outcome.candidate_id} is now "
-                  f"{'gate_passed' if r.passed else 'gate_failed'}; decision {outcome.decision_id}")
+    console.print(
+        f"gate {verdict} → checkpoint {outcome.candidate_id} is now "
+        f"{'gate_passed' if r.passed else 'gate_failed'}; decision {outcome.decision_id}"
+    )
     console.print(f"report: {outcome.report_path}/report.json, gate.png, tasks.md")
 
 

@@ -23,8 +23,12 @@ SUITES_DIR = Path(__file__).parent / "suites"
 GATE_TOML = Path(__file__).parent / "gate.toml"
 
 MonitorName = Literal[
-    "invalid_tool_call_rate", "clarifying_question_rate", "edit_rate",
-    "mean_completion_tokens", "mean_latency_s", "p90_latency_s",
+    "invalid_tool_call_rate",
+    "clarifying_question_rate",
+    "edit_rate",
+    "mean_completion_tokens",
+    "mean_latency_s",
+    "p90_latency_s",
 ]
 
 
@@ -33,6 +37,7 @@ class _Strict(BaseModel):
 
 
 # ---- suites --------------------------------------------------------------------------------------
+
 
 class BudgetConfig(_Strict):
     """Per-session agent budget (mirrors ``evals.harness.agent.AgentBudget``)."""
@@ -105,8 +110,14 @@ class SuiteConfig(_Strict):
         """A copy with another task limit (``None`` keeps the suite's own)."""
         return self if limit is None else self.model_copy(update={"limit": limit})
 
-    def with_overrides(self, *, limit: int | None = None, max_turns: int | None = None,
-                       max_tokens_per_turn: int | None = None, samples_per_task: int | None = None) -> "SuiteConfig":
+    def with_overrides(
+        self,
+        *,
+        limit: int | None = None,
+        max_turns: int | None = None,
+        max_tokens_per_turn: int | None = None,
+        samples_per_task: int | None = None,
+    ) -> "SuiteConfig":
         """A validated copy with a task limit, fewer samples per task and/or smaller budgets (smoke
         runs on a CPU; a gate on fewer samples than the suite was sized for has less power).
 
@@ -117,8 +128,9 @@ class SuiteConfig(_Strict):
             budget["max_turns"] = max_turns
         if max_tokens_per_turn is not None:
             budget["max_tokens_per_turn"] = max_tokens_per_turn
-            budget["max_completion_tokens"] = min(budget["max_completion_tokens"],
-                                                  budget["max_turns"] * max_tokens_per_turn)
+            budget["max_completion_tokens"] = min(
+                budget["max_completion_tokens"], budget["max_turns"] * max_tokens_per_turn
+            )
         data = self.model_dump()
         data["budget"] = budget
         if limit is not None:
@@ -168,6 +180,7 @@ def list_suites(suites_dir: Path | None = None) -> list[str]:
 
 # ---- gate ----------------------------------------------------------------------------------------
 
+
 class MonitorBound(_Strict):
     """A behaviour monitor: how far the candidate may drift from production in the bad direction.
 
@@ -216,8 +229,13 @@ class SuiteGate(_Strict):
     any task was mined; otherwise an empty suite fails closed."""
 
 
-ONLINE_SIGNALS = ("edit_acceptance", "edit_persistence", "dissatisfied_followup_rate", "latency_per_token",
-                  "mean_reward")
+ONLINE_SIGNALS = (
+    "edit_acceptance",
+    "edit_persistence",
+    "dissatisfied_followup_rate",
+    "latency_per_token",
+    "mean_reward",
+)
 
 
 class OnlinePolicy(_Strict):
@@ -307,8 +325,12 @@ class GateConfig(_Strict):
     def for_suite(self, name: str) -> SuiteGate:
         """The resolved settings of one suite (defaults filled in)."""
         s = self.suites.get(name, SuiteGate())
-        return s.model_copy(update={"tolerance": self.tolerance if s.tolerance is None else s.tolerance,
-                                    "min_pairs": self.min_pairs if s.min_pairs is None else s.min_pairs})
+        return s.model_copy(
+            update={
+                "tolerance": self.tolerance if s.tolerance is None else s.tolerance,
+                "min_pairs": self.min_pairs if s.min_pairs is None else s.min_pairs,
+            }
+        )
 
 
 def load_gate_config(path: Path | None = None) -> GateConfig:
@@ -327,6 +349,7 @@ def load_gate_config(path: Path | None = None) -> GateConfig:
 
 
 # ---- automation ----------------------------------------------------------------------------------
+
 
 class EvalSettings(BaseSettings):
     """How the Celery automation gates candidates (``FLYWHEEL_EVAL_*``)."""

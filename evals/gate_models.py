@@ -52,8 +52,10 @@ class SuiteOutcomes:
 class GateReason(BaseModel):
     """One check's verdict: human-readable ``message`` plus machine fields."""
 
-    check: str = Field(description="missing_suite | version_mismatch | missing_results | unpaired | errors | "
-                                   "too_few_pairs | non_inferiority | floor | monitor | empty_suite | no_gated_suites")
+    check: str = Field(
+        description="missing_suite | version_mismatch | missing_results | unpaired | errors | "
+        "too_few_pairs | non_inferiority | floor | monitor | empty_suite | no_gated_suites"
+    )
     suite: str | None = None
     gated: bool = True
     passed: bool

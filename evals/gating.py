@@ -21,16 +21,16 @@ from typing import TYPE_CHECKING, Any
 
 from app.core.db import session_scope
 from app.core.errors import ConfigurationError, ConflictError
-from app.models import EvalRun
 from app.core.telemetry import traced
+from app.models import EvalRun
 from evals import store
 from evals.config import GateConfig, load_gate_config, load_suite
 from evals.gate import GateResult, SuiteOutcomes, decide_gate
 from evals.runner import RunSummary, plan_run, run_suite
 
 if TYPE_CHECKING:
-    from evals.tasks.model import Task
     from app.inference.engine import InferenceEngine
+    from evals.tasks.model import Task
 
 EngineFactory = Callable[[str], "InferenceEngine"]
 
@@ -53,8 +53,9 @@ def _resolve(candidate_id: str, production_id: str | None) -> str:
     with session_scope() as session:
         cand = get_checkpoint(session, candidate_id)
         if cand.status not in store.GATEABLE:
-            raise ConflictError(f"checkpoint {candidate_id} is {cand.status}; only "
-                                f"{', '.join(store.GATEABLE)} checkpoints are gated")
+            raise ConflictError(
+                f"checkpoint {candidate_id} is {cand.status}; only {', '.join(store.GATEABLE)} checkpoints are gated"
+            )
         if production_id is None:
             prod = get_production(session)
             if prod is None:
@@ -68,12 +69,20 @@ def _resolve(candidate_id: str, production_id: str | None) -> str:
 
 
 @traced("evals.gate", attrs=("candidate_id", "production_id"))
-def gate_candidate(candidate_id: str, *, production_id: str | None = None, config: GateConfig | None = None,
-                   suites: list[str] | None = None, limit: int | None = None,
-                   overrides: dict[str, int] | None = None, workers: int = 1,
-                   engine_factory: EngineFactory | None = None, tasks: dict[str, list["Task"]] | None = None,
-                   on_run: Callable[[str, str, RunSummary], None] | None = None,
-                   run_kwargs: dict[str, Any] | None = None) -> GateOutcome:
+def gate_candidate(
+    candidate_id: str,
+    *,
+    production_id: str | None = None,
+    config: GateConfig | None = None,
+    suites: list[str] | None = None,
+    limit: int | None = None,
+    overrides: dict[str, int] | None = None,
+    workers: int = 1,
+    engine_factory: EngineFactory | None = None,
+    tasks: dict[str, list["Task"]] | None = None,
+    on_run: Callable[[str, str, RunSummary], None] | None = None,
+    run_kwargs: dict[str, Any] | None = None,
+) -> GateOutcome:
     """Evaluate ``candidate_id`` against production on every gated suite and record the decision.
 
     Args:
@@ -95,8 +104,8 @@ def gate_candidate(candidate_id: str, *, production_id: str | None = None, confi
     Raises:
         NotFoundError: unknown checkpoint. ConflictError: not gateable, or gated elsewhere right now.
     """
-    from app.repositories.audit import record_audit
     from app.outbox.lifecycle import enqueue_lifecycle
+    from app.repositories.audit import record_audit
     from app.repositories.checkpoints import get_checkpoint
     from evals.report import write_report
 
@@ -112,8 +121,14 @@ def gate_candidate(candidate_id: str, *, production_id: str | None = None, confi
             plan = plan_run(suite, (tasks or {}).get(name))
             runs[name] = {}
             for role, ckpt in (("production", production_id), ("candidate", candidate_id)):
-                summary = run_suite(ckpt, plan.suite, tasks=plan.tasks, workers=workers,
-                                    engine=engine_factory(ckpt) if engine_factory else None, **(run_kwargs or {}))
+                summary = run_suite(
+                    ckpt,
+                    plan.suite,
+                    tasks=plan.tasks,
+                    workers=workers,
+                    engine=engine_factory(ckpt) if engine_factory else None,
+                    **(run_kwargs or {}),
+                )
                 runs[name][role] = summary
                 if on_run is not None:
                     on_run(name, role, summary)
@@ -130,20 +145,44 @@ def gate_candidate(candidate_id: str, *, production_id: str | None = None, confi
             row = get_checkpoint(session, candidate_id)
             if row.status not in store.GATEABLE:  # promoted or rejected while we evaluated
                 raise ConflictError(f"checkpoint {candidate_id} became {row.status} during the gate")
-            decision = store.add_gate_decision(session, decision_id=decision_id, candidate_id=candidate_id,
-                                               production_id=production_id, passed=result.passed,
-                                               reasons=[r.model_dump(mode="json") for r in result.reasons],
-                                               report=report)
+            decision = store.add_gate_decision(
+                session,
+                decision_id=decision_id,
+                candidate_id=candidate_id,
+                production_id=production_id,
+                passed=result.passed,
+                reasons=[r.model_dump(mode="json") for r in result.reasons],
+                report=report,
+            )
             decision.report_path = str(path)
             previous = row.status
             row.status = "gate_passed" if result.passed else "gate_failed"
-            details = {"decision_id": str(decision_id), "production_id": production_id, "passed": result.passed,
-                       "previous_status": previous, "failures": failed[:20], "report_path": str(path)}
-            record_audit(session, actor="evals:gate", action="gate.decided", target=f"checkpoint:{candidate_id}",
-                         details=details)
-            enqueue_lifecycle(session, "gate.decided", candidate_id, production_id=production_id,
-                              decision_id=str(decision_id), passed=result.passed, failures=failed[:20],
-                              report_path=str(path))
-    return GateOutcome(decision_id=str(decision_id), candidate_id=candidate_id, production_id=production_id,
-                       result=result, report_path=str(path), runs=runs)
-
+            details = {
+                "decision_id": str(decision_id),
+                "production_id": production_id,
+                "passed": result.passed,
+                "previous_status": previous,
+                "failures": failed[:20],
+                "report_path": str(path),
+            }
+            record_audit(
+                session, actor="evals:gate", action="gate.decided", target=f"checkpoint:{candidate_id}", details=details
+            )
+            enqueue_lifecycle(
+                session,
+                "gate.decided",
+                candidate_id,
+                production_id=production_id,
+                decision_id=str(decision_id),
+                passed=result.passed,
+                failures=failed[:20],
+                report_path=str(path),
+            )
+    return GateOutcome(
+        decision_id=str(decision_id),
+        candidate_id=candidate_id,
+        production_id=production_id,
+        result=result,
+        report_path=str(path),
+        runs=runs,
+    )

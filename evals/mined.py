@@ -43,8 +43,11 @@ if TYPE_CHECKING:
 
 MINED_SUITE = "mined"
 #: Sources whose tasks can be rebuilt from ``task_id`` (splits searched, in order).
-SOURCE_SPLITS = {"dataframebench": ("train", "test"), "humaneval": ("test",),
-                 "functions": ("train", "test", "test_params")}
+SOURCE_SPLITS = {
+    "dataframebench": ("train", "test"),
+    "humaneval": ("test",),
+    "functions": ("train", "test", "test_params"),
+}
 
 
 @dataclass
@@ -61,8 +64,9 @@ def content_hash(request: str, files: dict[str, str], test_command: str, test_fi
     """sha256 over the normalized request (whitespace collapsed, case folded) and the task's files and
     hidden test: two sessions asking the same thing of the same code are one task."""
     norm = re.sub(r"\s+", " ", request).strip().casefold()
-    blob = json.dumps({"request": norm, "files": files, "test_command": test_command, "test_files": test_files},
-                      sort_keys=True)
+    blob = json.dumps(
+        {"request": norm, "files": files, "test_command": test_command, "test_files": test_files}, sort_keys=True
+    )
     return hashlib.sha256(blob.encode()).hexdigest()
 
 
@@ -86,10 +90,13 @@ def source_task(source: str | None, task_id: str | None) -> "Task | None":
 
 def _session_facts(session: Session, session_id: str) -> dict[str, Any]:
     rows = session.execute(
-        select(EventLog.type, EventLog.payload).where(EventLog.session_id == session_id,
-                                                      EventLog.type.in_(("agent.requested", "tool.executed",
-                                                                         "edit.persistence_measured")))
-        .order_by(EventLog.seq)).all()
+        select(EventLog.type, EventLog.payload)
+        .where(
+            EventLog.session_id == session_id,
+            EventLog.type.in_(("agent.requested", "tool.executed", "edit.persistence_measured")),
+        )
+        .order_by(EventLog.seq)
+    ).all()
     request = next((p.get("text") for t, p in rows if t == "agent.requested"), None)
     fractions = [float(p["fraction_persisted"]) for t, p in rows if t == "edit.persistence_measured"]
     tests = [p.get("command") or "" for t, p in rows if t == "tool.executed" and p.get("ran_tests")]
@@ -105,8 +112,14 @@ def _still_there(session: Session, trajectory_id: uuid.UUID) -> bool:
     deletion to come waits for us). One a deletion holds is skipped, not waited for (``SKIP
     LOCKED``): waiting could close a cycle with an erasure deleting several of the user's trajectories
     while this pass holds another of them. Ingest's updates take a lock this one does not conflict with."""
-    return session.execute(select(Trajectory.id).where(Trajectory.id == trajectory_id)
-                           .with_for_update(read=True, key_share=True, skip_locked=True)).first() is not None
+    return (
+        session.execute(
+            select(Trajectory.id)
+            .where(Trajectory.id == trajectory_id)
+            .with_for_update(read=True, key_share=True, skip_locked=True)
+        ).first()
+        is not None
+    )
 
 
 def mine_tasks(session: Session, *, min_persistence: float = 0.8, limit: int | None = None) -> MiningReport:
@@ -132,8 +145,11 @@ def mine_tasks(session: Session, *, min_persistence: float = 0.8, limit: int | N
     report = MiningReport()
     lock_holdout(session)
     trained_tasks = _trained_task_ids(session)
-    stmt = (select(Trajectory).where(Trajectory.status == "finalized", Trajectory.reserved_for_eval.is_(False))
-            .order_by(Trajectory.finalized_at, Trajectory.id))
+    stmt = (
+        select(Trajectory)
+        .where(Trajectory.status == "finalized", Trajectory.reserved_for_eval.is_(False))
+        .order_by(Trajectory.finalized_at, Trajectory.id)
+    )
     if limit:
         stmt = stmt.limit(limit)
     mined_task_ids: set[str] = set()
@@ -152,8 +168,10 @@ def mine_tasks(session: Session, *, min_persistence: float = 0.8, limit: int | N
             skip = "no_tests"
         if skip is None and (src := source_task(traj.task_source, traj.task_id)) is None:
             skip = "no_source_task"
-        if skip is None and (traj.task_id in trained_tasks or session.scalar(
-                select(exists().where(CheckpointTrajectory.trajectory_id == traj.id)))):
+        if skip is None and (
+            traj.task_id in trained_tasks
+            or session.scalar(select(exists().where(CheckpointTrajectory.trajectory_id == traj.id)))
+        ):
             skip = "already_trained"
         if skip is None and not _still_there(session, traj.id):
             skip = "erased"
@@ -161,18 +179,37 @@ def mine_tasks(session: Session, *, min_persistence: float = 0.8, limit: int | N
             report.skipped[skip] += 1
             continue
         chash = content_hash(request, src.files, src.test_command, src.test_files)
-        spec = src.model_copy(update={"id": traj.task_id, "source": MINED_SUITE, "split": "test",
-                                      "request": request, "reference_files": dict(src.reference_files),
-                                      "metadata": {**src.metadata, "source_task_id": src.id,
-                                                   "source": traj.task_source, "session_id": traj.session_id,
-                                                   "trajectory_id": str(traj.id),
-                                                   "persistence": facts["persistence"],
-                                                   "tests_ran": facts["test_commands"] or traj.test_commands}})
+        spec = src.model_copy(
+            update={
+                "id": traj.task_id,
+                "source": MINED_SUITE,
+                "split": "test",
+                "request": request,
+                "reference_files": dict(src.reference_files),
+                "metadata": {
+                    **src.metadata,
+                    "source_task_id": src.id,
+                    "source": traj.task_source,
+                    "session_id": traj.session_id,
+                    "trajectory_id": str(traj.id),
+                    "persistence": facts["persistence"],
+                    "tests_ran": facts["test_commands"] or traj.test_commands,
+                },
+            }
+        )
         inserted = session.execute(
-            insert(EvalTask).values(task_id=traj.task_id, suite=MINED_SUITE, source_session_id=traj.session_id,
-                                    source_trajectory_id=traj.id, content_hash=chash,
-                                    spec=spec.model_dump(mode="json"))
-            .on_conflict_do_nothing().returning(EvalTask.task_id)).first()
+            insert(EvalTask)
+            .values(
+                task_id=traj.task_id,
+                suite=MINED_SUITE,
+                source_session_id=traj.session_id,
+                source_trajectory_id=traj.id,
+                content_hash=chash,
+                spec=spec.model_dump(mode="json"),
+            )
+            .on_conflict_do_nothing()
+            .returning(EvalTask.task_id)
+        ).first()
         if inserted is not None:
             report.mined.append(traj.task_id)
             mined_task_ids.add(traj.task_id)
@@ -183,12 +220,17 @@ def mine_tasks(session: Session, *, min_persistence: float = 0.8, limit: int | N
     if mined_task_ids:
         # every other trajectory on a mined task too (those being deleted skipped, as above; the trainer
         # also leaves out any trajectory whose task is in eval_task)
-        siblings = (select(Trajectory.id).where(Trajectory.task_id.in_(mined_task_ids),
-                                                Trajectory.reserved_for_eval.is_(False))
-                    .with_for_update(read=True, key_share=True, skip_locked=True))
+        siblings = (
+            select(Trajectory.id)
+            .where(Trajectory.task_id.in_(mined_task_ids), Trajectory.reserved_for_eval.is_(False))
+            .with_for_update(read=True, key_share=True, skip_locked=True)
+        )
         report.reserved_trajectories = session.execute(
-            update(Trajectory).where(Trajectory.id.in_(siblings)).values(reserved_for_eval=True)
-            .execution_options(synchronize_session=False)).rowcount
+            update(Trajectory)
+            .where(Trajectory.id.in_(siblings))
+            .values(reserved_for_eval=True)
+            .execution_options(synchronize_session=False)
+        ).rowcount
     session.flush()
     return report
 
@@ -241,13 +283,19 @@ def find_contamination(session: Session, extra_task_ids: Iterable[str] = ()) -> 
     by_traj = {str(t): task for task, t in held.items() if t is not None}
     found: set[Contamination] = set()
     if eval_ids:
-        for ckpt, task in session.execute(select(CheckpointTrajectory.checkpoint_id, CheckpointTrajectory.task_id)
-                                          .where(CheckpointTrajectory.task_id.in_(eval_ids))):
+        for ckpt, task in session.execute(
+            select(CheckpointTrajectory.checkpoint_id, CheckpointTrajectory.task_id).where(
+                CheckpointTrajectory.task_id.in_(eval_ids)
+            )
+        ):
             found.add(Contamination(ckpt, task, "checkpoint_trajectory.task_id"))
     if by_traj:
         ids = [uuid.UUID(t) for t in by_traj]
-        for ckpt, traj in session.execute(select(CheckpointTrajectory.checkpoint_id, CheckpointTrajectory.trajectory_id)
-                                          .where(CheckpointTrajectory.trajectory_id.in_(ids))):
+        for ckpt, traj in session.execute(
+            select(CheckpointTrajectory.checkpoint_id, CheckpointTrajectory.trajectory_id).where(
+                CheckpointTrajectory.trajectory_id.in_(ids)
+            )
+        ):
             found.add(Contamination(ckpt, by_traj[str(traj)], "checkpoint_trajectory.trajectory_id"))
     for ckpt_id, manifest in session.execute(select(Checkpoint.id, Checkpoint.manifest)):
         tasks: set[str] = set()

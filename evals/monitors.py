@@ -10,9 +10,9 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from app.core.intervals import _cluster_percentile_interval
 from evals.config import MonitorBound
 from evals.gate_models import MonitorReport, Outcome
-from app.core.intervals import _cluster_percentile_interval
 
 
 def monitor_values(outcomes: Sequence[Outcome]) -> dict[str, float]:
@@ -23,8 +23,17 @@ def monitor_values(outcomes: Sequence[Outcome]) -> dict[str, float]:
     ``mean_completion_tokens`` in tokens; ``mean_latency_s`` and ``p90_latency_s`` in seconds.
     """
     if not outcomes:
-        return {k: 0.0 for k in ("invalid_tool_call_rate", "clarifying_question_rate", "edit_rate",
-                                 "mean_completion_tokens", "mean_latency_s", "p90_latency_s")}
+        return {
+            k: 0.0
+            for k in (
+                "invalid_tool_call_rate",
+                "clarifying_question_rate",
+                "edit_rate",
+                "mean_completion_tokens",
+                "mean_latency_s",
+                "p90_latency_s",
+            )
+        }
     calls = sum(o.tool_calls for o in outcomes)
     lat = np.array([o.latency_s for o in outcomes], dtype=np.float64)
     n = len(outcomes)
@@ -49,9 +58,17 @@ _MONITOR_PARTS: dict[str, Callable[[Outcome], tuple[float, float]]] = {
 (``p90_latency_s``, a quantile, is not one)."""
 
 
-def monitor_drift_interval(metric: str, worse: str, candidate: Sequence[Outcome], production: Sequence[Outcome], *,
-                           confidence: float = 0.95, two_sided: bool = False, resamples: int = 10_000,
-                           seed: int | np.random.SeedSequence = 0) -> tuple[float, float] | None:
+def monitor_drift_interval(
+    metric: str,
+    worse: str,
+    candidate: Sequence[Outcome],
+    production: Sequence[Outcome],
+    *,
+    confidence: float = 0.95,
+    two_sided: bool = False,
+    resamples: int = 10_000,
+    seed: int | np.random.SeedSequence = 0,
+) -> tuple[float, float] | None:
     """Percentile interval of a monitor's drift in the bad direction over paired outcomes,
     resampling tasks (clusters) as :func:`paired_bootstrap_interval` does.
 
@@ -90,12 +107,14 @@ def monitor_drift_interval(metric: str, worse: str, candidate: Sequence[Outcome]
             p_val = np.where(tot[:, 3] > 0, tot[:, 2] / tot[:, 3], 0.0)
         return sign * (c_val - p_val)
 
-    return _cluster_percentile_interval(sums, drift, confidence=confidence, two_sided=two_sided,
-                                        resamples=resamples, seed=seed)
+    return _cluster_percentile_interval(
+        sums, drift, confidence=confidence, two_sided=two_sided, resamples=resamples, seed=seed
+    )
 
 
-def check_monitor(bound: MonitorBound, candidate: float, production: float,
-                  interval: tuple[float, float] | None = None) -> MonitorReport:
+def check_monitor(
+    bound: MonitorBound, candidate: float, production: float, interval: tuple[float, float] | None = None
+) -> MonitorReport:
     """Apply one monitor bound (see :class:`evals.config.MonitorBound`).
 
     Args:
@@ -106,15 +125,27 @@ def check_monitor(bound: MonitorBound, candidate: float, production: float,
             candidate's observed value.
     """
     drift = candidate - production if bound.worse == "increase" else production - candidate
-    allowances = [a for a in (bound.abs_tolerance,
-                              None if bound.rel_tolerance is None else bound.rel_tolerance * abs(production))
-                  if a is not None]
+    allowances = [
+        a
+        for a in (bound.abs_tolerance, None if bound.rel_tolerance is None else bound.rel_tolerance * abs(production))
+        if a is not None
+    ]
     allowed = max(allowances) if allowances else None
     decisive = drift if interval is None else interval[0]
     ok = allowed is None or decisive <= allowed + 1e-12
     if bound.limit is not None:
         ok = ok and (candidate <= bound.limit if bound.worse == "increase" else candidate >= bound.limit)
     low, high = interval if interval is not None else (None, None)
-    return MonitorReport(metric=bound.metric, candidate=candidate, production=production, allowed_drift=allowed,
-                         limit=bound.limit, worse=bound.worse, passed=ok, drift=drift, drift_low=low,
-                         drift_high=high, rule="point" if interval is None else "significant")
+    return MonitorReport(
+        metric=bound.metric,
+        candidate=candidate,
+        production=production,
+        allowed_drift=allowed,
+        limit=bound.limit,
+        worse=bound.worse,
+        passed=ok,
+        drift=drift,
+        drift_low=low,
+        drift_high=high,
+        rule="point" if interval is None else "significant",
+    )

@@ -81,8 +81,13 @@ def sampling_report(outcomes: Sequence[Outcome], samples_per_task: int | None = 
             pass_at[str(k)] = float(np.mean(vals))
     full = [c > 0 for n, c in counts.values() if n >= k_max]
     solved = int(sum(full))
-    return SamplingReport(samples_per_task=k_max, n_tasks=len(counts), pass_at_k=pass_at,
-                          best_of_k=solved / len(full) if full else 0.0, best_of_k_tasks=solved)
+    return SamplingReport(
+        samples_per_task=k_max,
+        n_tasks=len(counts),
+        pass_at_k=pass_at,
+        best_of_k=solved / len(full) if full else 0.0,
+        best_of_k_tasks=solved,
+    )
 
 
 def format_pass_at_k(pass_at_k: Mapping[str, float], samples_per_task: int, best_of_k: float | None) -> str:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import os
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -19,20 +19,36 @@ from evals.passk import format_sampling
 MAX_LISTED = 200
 
 
-def report_dict(decision_id: str, candidate_id: str, production_id: str, result: GateResult,
-                run_ids: dict[str, dict[str, str]] | None = None) -> dict[str, Any]:
+def report_dict(
+    decision_id: str,
+    candidate_id: str,
+    production_id: str,
+    result: GateResult,
+    run_ids: dict[str, dict[str, str]] | None = None,
+) -> dict[str, Any]:
     """The JSON report: decision, every reason, per-suite statistics, per-task diff, config."""
-    diff = {name: {"newly_solved": s.newly_solved[:MAX_LISTED], "newly_broken": s.newly_broken[:MAX_LISTED],
-                   "truncated": max(len(s.newly_solved), len(s.newly_broken)) > MAX_LISTED}
-            for name, s in result.suites.items()}
+    diff = {
+        name: {
+            "newly_solved": s.newly_solved[:MAX_LISTED],
+            "newly_broken": s.newly_broken[:MAX_LISTED],
+            "truncated": max(len(s.newly_solved), len(s.newly_broken)) > MAX_LISTED,
+        }
+        for name, s in result.suites.items()
+    }
     return {
-        "decision_id": decision_id, "candidate_id": candidate_id, "production_id": production_id,
-        "passed": result.passed, "created_at": datetime.now(timezone.utc).isoformat(),
+        "decision_id": decision_id,
+        "candidate_id": candidate_id,
+        "production_id": production_id,
+        "passed": result.passed,
+        "created_at": datetime.now(UTC).isoformat(),
         "failures": [r.message for r in result.failures()],
         "reasons": [r.model_dump(mode="json") for r in result.reasons],
-        "suites": {n: s.model_dump(mode="json", exclude={"newly_solved", "newly_broken"})
-                   for n, s in result.suites.items()},
-        "task_diff": diff, "runs": run_ids or {}, "config": result.config,
+        "suites": {
+            n: s.model_dump(mode="json", exclude={"newly_solved", "newly_broken"}) for n, s in result.suites.items()
+        },
+        "task_diff": diff,
+        "runs": run_ids or {},
+        "config": result.config,
     }
 
 
@@ -54,8 +70,11 @@ def render_png(result: GateResult, path: Path, title: str) -> Path:
 
     suites = [s for s in result.suites.values() if s.candidate and s.production]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.8), gridspec_kw={"width_ratios": [1, 1.2]})
-    fig.suptitle(title + ("  PASSED" if result.passed else "  FAILED"),
-                 color="tab:green" if result.passed else "tab:red", fontsize=11)
+    fig.suptitle(
+        title + ("  PASSED" if result.passed else "  FAILED"),
+        color="tab:green" if result.passed else "tab:red",
+        fontsize=11,
+    )
     x = np.arange(len(suites))
     for off, role, color in ((-0.18, "candidate", "tab:blue"), (0.18, "production", "tab:gray")):
         rates = [getattr(s, role) for s in suites]
@@ -65,9 +84,15 @@ def render_png(result: GateResult, path: Path, title: str) -> Path:
         if len(rates):  # the marker keeps a 0 % rate visible
             ax1.errorbar(x + off, vals, yerr=err, fmt="o", color="black", markersize=4, capsize=4)
     for i, s in enumerate(suites):
-        ax1.annotate(f"Δ {s.diff:+.1%}\n[{s.diff_low:+.1%}, {s.diff_high:+.1%}]", (i, 1.02), ha="center",
-                     va="bottom", fontsize=8, color="tab:green" if s.passed else "tab:red",
-                     xycoords=("data", "axes fraction"))
+        ax1.annotate(
+            f"Δ {s.diff:+.1%}\n[{s.diff_low:+.1%}, {s.diff_high:+.1%}]",
+            (i, 1.02),
+            ha="center",
+            va="bottom",
+            fontsize=8,
+            color="tab:green" if s.passed else "tab:red",
+            xycoords=("data", "axes fraction"),
+        )
     ax1.set_xticks(x, [f"{s.suite}\n({s.n_tasks} tasks x {s.samples_per_task})" for s in suites])
     ax1.set_ylim(0, 1)
     ax1.set_ylabel("pass rate")
@@ -112,8 +137,11 @@ def render_png(result: GateResult, path: Path, title: str) -> Path:
 
 def render_task_diff(report: dict[str, Any]) -> str:
     """Markdown list of newly solved and newly broken tasks per suite."""
-    lines = [f"# Gate {report['decision_id']}: {report['candidate_id']} vs {report['production_id']} "
-             f"— {'PASSED' if report['passed'] else 'FAILED'}", ""]
+    lines = [
+        f"# Gate {report['decision_id']}: {report['candidate_id']} vs {report['production_id']} "
+        f"— {'PASSED' if report['passed'] else 'FAILED'}",
+        "",
+    ]
     for f in report["failures"]:
         lines.append(f"- FAIL: {f}")
     for name, d in sorted(report["task_diff"].items()):
@@ -122,8 +150,10 @@ def render_task_diff(report: dict[str, Any]) -> str:
         for role in ("candidate", "production"):
             samp = suite.get(f"{role}_sampling")
             if samp:
-                lines.append(f"- {role}: {format_sampling(SamplingReport.model_validate(samp))} "
-                             f"({samp['n_tasks']} tasks x {samp['samples_per_task']} samples)")
+                lines.append(
+                    f"- {role}: {format_sampling(SamplingReport.model_validate(samp))} "
+                    f"({samp['n_tasks']} tasks x {samp['samples_per_task']} samples)"
+                )
         lines += ["", f"Newly broken ({len(d['newly_broken'])}):"]
         lines += [f"- {t}" for t in d["newly_broken"]] or ["- none"]
         lines += ["", f"Newly solved ({len(d['newly_solved'])}):"]
@@ -133,9 +163,14 @@ def render_task_diff(report: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_report(decision_id: str, candidate_id: str, production_id: str, result: GateResult,
-                 run_ids: dict[str, dict[str, str]] | None = None,
-                 out_dir: Path | None = None) -> tuple[dict[str, Any], Path]:
+def write_report(
+    decision_id: str,
+    candidate_id: str,
+    production_id: str,
+    result: GateResult,
+    run_ids: dict[str, dict[str, str]] | None = None,
+    out_dir: Path | None = None,
+) -> tuple[dict[str, Any], Path]:
     """Write ``report.json``, ``gate.png`` and ``tasks.md`` for one decision.
 
     Args:

@@ -28,17 +28,17 @@ from typing import TYPE_CHECKING, Any
 
 from app.core.db import session_scope
 from app.core.errors import ConfigurationError
+from app.core.intervals import wilson_interval
 from app.core.settings import flywheel_home
 from app.core.telemetry import traced
 from evals import store
 from evals.config import SuiteConfig, load_suite
-from app.core.intervals import wilson_interval
 from evals.gate import monitor_values
 from evals.passk import sampling_report
 
 if TYPE_CHECKING:
-    from evals.tasks.model import Task
     from app.inference.engine import InferenceEngine
+    from evals.tasks.model import Task
 
 ResultCallback = Callable[[str, int, dict[str, Any]], None]
 
@@ -54,8 +54,11 @@ class RunPlan:
 
     def config_json(self) -> dict[str, Any]:
         """The resolved plan as stored in ``eval_run.config``."""
-        return {"suite": self.suite.model_dump(mode="json"), "planned": [list(k) for k in self.planned],
-                "task_hashes": {t.id: task_hash(t) for t in self.tasks}}
+        return {
+            "suite": self.suite.model_dump(mode="json"),
+            "planned": [list(k) for k in self.planned],
+            "task_hashes": {t.id: task_hash(t) for t in self.tasks},
+        }
 
 
 @dataclass
@@ -120,21 +123,27 @@ def sample_seed(suite: SuiteConfig, task_id: str, sample_index: int) -> int:
 
 
 def _harness_args(suite: SuiteConfig, seed: int):
+    from app.inference.engine import SamplingParams
     from evals.harness.agent import AgentBudget
     from evals.harness.sandbox import SandboxLimits
-    from app.inference.engine import SamplingParams
 
     b = suite.budget
-    budget = AgentBudget(max_turns=b.max_turns, max_completion_tokens=b.max_completion_tokens,
-                         context_tokens=b.context_tokens, max_tokens_per_turn=b.max_tokens_per_turn)
-    sampling = SamplingParams(max_tokens=b.max_tokens_per_turn, temperature=suite.sampling.temperature,
-                              top_p=suite.sampling.top_p, seed=seed)
+    budget = AgentBudget(
+        max_turns=b.max_turns,
+        max_completion_tokens=b.max_completion_tokens,
+        context_tokens=b.context_tokens,
+        max_tokens_per_turn=b.max_tokens_per_turn,
+    )
+    sampling = SamplingParams(
+        max_tokens=b.max_tokens_per_turn, temperature=suite.sampling.temperature, top_p=suite.sampling.top_p, seed=seed
+    )
     limits = SandboxLimits(timeout_s=suite.grading.timeout_s, memory_mb=suite.grading.memory_mb)
     return budget, sampling, limits
 
 
-def run_sample(engine: "InferenceEngine", suite: SuiteConfig, task: "Task", sample_index: int, work_root: Path,
-               run_id: str) -> dict[str, Any]:
+def run_sample(
+    engine: "InferenceEngine", suite: SuiteConfig, task: "Task", sample_index: int, work_root: Path, run_id: str
+) -> dict[str, Any]:
     """One agent session on a fresh copy of the task, graded by its hidden tests in the sandbox.
 
     Returns:
@@ -148,19 +157,38 @@ def run_sample(engine: "InferenceEngine", suite: SuiteConfig, task: "Task", samp
     workdir = Path(tempfile.mkdtemp(prefix=f"{safe}-{sample_index}-", dir=work_root))
     try:
         started = time.perf_counter()
-        result = run_agent_session(engine, task, workdir / "repo", budget, sampling, emit=None, limits=limits,
-                                   session_id=f"eval-{run_id[:8]}-{safe}-{sample_index}", user_id="eval")
+        result = run_agent_session(
+            engine,
+            task,
+            workdir / "repo",
+            budget,
+            sampling,
+            emit=None,
+            limits=limits,
+            session_id=f"eval-{run_id[:8]}-{safe}-{sample_index}",
+            user_id="eval",
+        )
         graded = grade_result(task, workdir / "repo", limits)
         return {
-            "passed": graded.ok, "attempts": result.test_runs, "turns": result.turns,
-            "completion_tokens": result.completion_tokens, "latency_s": float(result.latency_s),
-            "tool_calls": result.tool_calls, "tool_call_errors": result.tool_call_errors,
-            "asked_question": bool(result.asked_question), "edited": bool(result.edited),
-            "detail": {"end_reason": result.reason, "segments": result.segments,
-                       "agent_tests_passed": result.passed, "grade_exit_code": graded.exit_code,
-                       "grade_killed": graded.killed_reason, "grade_s": round(graded.duration_s, 3),
-                       "grade_output": graded.observation(1500) if not graded.ok else "",
-                       "wall_s": round(time.perf_counter() - started, 3)},
+            "passed": graded.ok,
+            "attempts": result.test_runs,
+            "turns": result.turns,
+            "completion_tokens": result.completion_tokens,
+            "latency_s": float(result.latency_s),
+            "tool_calls": result.tool_calls,
+            "tool_call_errors": result.tool_call_errors,
+            "asked_question": bool(result.asked_question),
+            "edited": bool(result.edited),
+            "detail": {
+                "end_reason": result.reason,
+                "segments": result.segments,
+                "agent_tests_passed": result.passed,
+                "grade_exit_code": graded.exit_code,
+                "grade_killed": graded.killed_reason,
+                "grade_s": round(graded.duration_s, 3),
+                "grade_output": graded.observation(1500) if not graded.ok else "",
+                "wall_s": round(time.perf_counter() - started, 3),
+            },
         }
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
@@ -174,25 +202,50 @@ def _summarize(run, plan: RunPlan, errors: list[str]) -> dict[str, Any]:
     k, n = sum(o.passed for o in outs), len(outs)
     low, high = wilson_interval(k, n)
     samp = sampling_report(outs, plan.suite.samples_per_task)
-    return {"planned": len(plan.planned), "done": n, "passed": k, "pass_rate": k / n if n else 0.0,
-            "low": low, "high": high, "errors": errors[:20], "monitors": monitor_values(outs),
-            "samples_per_task": plan.suite.samples_per_task,
-            "pass_at_k": samp.pass_at_k if samp else {}, "best_of_k": samp.best_of_k if samp else None}
+    return {
+        "planned": len(plan.planned),
+        "done": n,
+        "passed": k,
+        "pass_rate": k / n if n else 0.0,
+        "low": low,
+        "high": high,
+        "errors": errors[:20],
+        "monitors": monitor_values(outs),
+        "samples_per_task": plan.suite.samples_per_task,
+        "pass_at_k": samp.pass_at_k if samp else {},
+        "best_of_k": samp.best_of_k if samp else None,
+    }
 
 
 def _summary_fields(s: dict[str, Any]) -> dict[str, Any]:
     """The :class:`RunSummary` fields of a stored summary (older summaries lack pass@k: empty)."""
-    return {"planned": s.get("planned", 0), "done": s.get("done", 0), "passed": s.get("passed", 0),
-            "pass_rate": s.get("pass_rate", 0.0), "low": s.get("low", 0.0), "high": s.get("high", 1.0),
-            "monitors": s.get("monitors", {}), "samples_per_task": s.get("samples_per_task", 1),
-            "pass_at_k": s.get("pass_at_k", {}), "best_of_k": s.get("best_of_k")}
+    return {
+        "planned": s.get("planned", 0),
+        "done": s.get("done", 0),
+        "passed": s.get("passed", 0),
+        "pass_rate": s.get("pass_rate", 0.0),
+        "low": s.get("low", 0.0),
+        "high": s.get("high", 1.0),
+        "monitors": s.get("monitors", {}),
+        "samples_per_task": s.get("samples_per_task", 1),
+        "pass_at_k": s.get("pass_at_k", {}),
+        "best_of_k": s.get("best_of_k"),
+    }
 
 
 @traced("evals.run", attrs=("checkpoint_id", "suite"))
-def run_suite(checkpoint_id: str, suite: SuiteConfig | str, *, limit: int | None = None, workers: int | None = None,
-              engine: "InferenceEngine | None" = None, tasks: list["Task"] | None = None, force: bool = False,
-              on_result: ResultCallback | None = None, on_plan: Callable[[RunPlan, int], None] | None = None
-              ) -> RunSummary:
+def run_suite(
+    checkpoint_id: str,
+    suite: SuiteConfig | str,
+    *,
+    limit: int | None = None,
+    workers: int | None = None,
+    engine: "InferenceEngine | None" = None,
+    tasks: list["Task"] | None = None,
+    force: bool = False,
+    on_result: ResultCallback | None = None,
+    on_plan: Callable[[RunPlan, int], None] | None = None,
+) -> RunSummary:
     """Run (or resume, or reuse) ``suite`` against ``checkpoint_id``.
 
     Args:
@@ -224,14 +277,25 @@ def run_suite(checkpoint_id: str, suite: SuiteConfig | str, *, limit: int | None
         get_checkpoint(session, checkpoint_id)
     with store.advisory_lock("eval", checkpoint_id, plan.suite.name, plan.suite_version):
         with session_scope() as session:
-            done_run = None if force else store.find_run(session, checkpoint_id, plan.suite.name,
-                                                         plan.suite_version, status="succeeded")
+            done_run = (
+                None
+                if force
+                else store.find_run(session, checkpoint_id, plan.suite.name, plan.suite_version, status="succeeded")
+            )
             if done_run is not None:
-                return RunSummary(run_id=str(done_run.id), checkpoint_id=checkpoint_id, suite=plan.suite.name,
-                                  suite_version=plan.suite_version, status="succeeded", cached=True,
-                                  elapsed_s=time.perf_counter() - t0, **_summary_fields(done_run.summary))
-            run = (store.find_run(session, checkpoint_id, plan.suite.name, plan.suite_version, status="running")
-                   or store.find_run(session, checkpoint_id, plan.suite.name, plan.suite_version, status="failed"))
+                return RunSummary(
+                    run_id=str(done_run.id),
+                    checkpoint_id=checkpoint_id,
+                    suite=plan.suite.name,
+                    suite_version=plan.suite_version,
+                    status="succeeded",
+                    cached=True,
+                    elapsed_s=time.perf_counter() - t0,
+                    **_summary_fields(done_run.summary),
+                )
+            run = store.find_run(
+                session, checkpoint_id, plan.suite.name, plan.suite_version, status="running"
+            ) or store.find_run(session, checkpoint_id, plan.suite.name, plan.suite_version, status="failed")
             if run is None:
                 run = store.create_run(session, checkpoint_id, plan.suite.name, plan.suite_version, plan.config_json())
             run.status = "running"
@@ -244,14 +308,29 @@ def run_suite(checkpoint_id: str, suite: SuiteConfig | str, *, limit: int | None
         complete = summary["done"] == len(plan.planned)
         with session_scope() as session:
             store.finish_run(session, session.merge(run), "succeeded" if complete else "failed", summary)
-    return RunSummary(run_id=str(run.id), checkpoint_id=checkpoint_id, suite=plan.suite.name,
-                      suite_version=plan.suite_version, status="succeeded" if complete else "failed",
-                      ran=len(todo), reused=len(done), errors=errors, elapsed_s=time.perf_counter() - t0,
-                      **_summary_fields(summary))
+    return RunSummary(
+        run_id=str(run.id),
+        checkpoint_id=checkpoint_id,
+        suite=plan.suite.name,
+        suite_version=plan.suite_version,
+        status="succeeded" if complete else "failed",
+        ran=len(todo),
+        reused=len(done),
+        errors=errors,
+        elapsed_s=time.perf_counter() - t0,
+        **_summary_fields(summary),
+    )
 
 
-def _execute(run, plan: RunPlan, todo: list[tuple["Task", int]], checkpoint_id: str, workers: int | None,
-             engine: "InferenceEngine | None", on_result: ResultCallback | None) -> list[str]:
+def _execute(
+    run,
+    plan: RunPlan,
+    todo: list[tuple["Task", int]],
+    checkpoint_id: str,
+    workers: int | None,
+    engine: "InferenceEngine | None",
+    on_result: ResultCallback | None,
+) -> list[str]:
     """Run the remaining samples on a thread pool, committing each result as it completes."""
     if not todo:
         return []

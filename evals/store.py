@@ -8,11 +8,10 @@ its ``gate.decided`` outbox row are written by the caller in one transaction.
 
 from __future__ import annotations
 
-import hashlib
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any
 
 from sqlalchemy import func, select, text
@@ -20,31 +19,53 @@ from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.orm import Session
 
 from app.core.errors import ConflictError
-from app.models import Checkpoint, EvalResult, EvalRun, GateDecision
 from app.core.locks import named_lock_key
+from app.models import Checkpoint, EvalResult, EvalRun, GateDecision
 from evals.gate import Outcome, SuiteOutcomes
 
-RESULT_FIELDS = ("passed", "attempts", "turns", "completion_tokens", "latency_s", "tool_calls", "tool_call_errors",
-                 "asked_question", "edited", "error", "detail")
+RESULT_FIELDS = (
+    "passed",
+    "attempts",
+    "turns",
+    "completion_tokens",
+    "latency_s",
+    "tool_calls",
+    "tool_call_errors",
+    "asked_question",
+    "edited",
+    "error",
+    "detail",
+)
 #: Statuses a checkpoint may be gated from (a production/retired/rejected checkpoint is not re-gated).
 GATEABLE = ("candidate", "gate_passed", "gate_failed")
 
 
-def find_run(session: Session, checkpoint_id: str, suite: str, suite_version: str, *,
-             status: str) -> EvalRun | None:
+def find_run(session: Session, checkpoint_id: str, suite: str, suite_version: str, *, status: str) -> EvalRun | None:
     """The newest run of this checkpoint on this exact suite version with ``status``."""
     return session.scalars(
-        select(EvalRun).where(EvalRun.checkpoint_id == checkpoint_id, EvalRun.suite == suite,
-                              EvalRun.suite_version == suite_version, EvalRun.status == status)
-        .order_by(EvalRun.started_at.desc()).limit(1)
+        select(EvalRun)
+        .where(
+            EvalRun.checkpoint_id == checkpoint_id,
+            EvalRun.suite == suite,
+            EvalRun.suite_version == suite_version,
+            EvalRun.status == status,
+        )
+        .order_by(EvalRun.started_at.desc())
+        .limit(1)
     ).first()
 
 
-def create_run(session: Session, checkpoint_id: str, suite: str, suite_version: str,
-               config: dict[str, Any]) -> EvalRun:
+def create_run(session: Session, checkpoint_id: str, suite: str, suite_version: str, config: dict[str, Any]) -> EvalRun:
     """Insert a ``running`` eval_run; flush."""
-    run = EvalRun(id=uuid.uuid4(), checkpoint_id=checkpoint_id, suite=suite, suite_version=suite_version,
-                  status="running", config=config, summary={})
+    run = EvalRun(
+        id=uuid.uuid4(),
+        checkpoint_id=checkpoint_id,
+        suite=suite,
+        suite_version=suite_version,
+        status="running",
+        config=config,
+        summary={},
+    )
     session.add(run)
     session.flush()
     return run
@@ -60,34 +81,58 @@ def add_result(session: Session, run_id: uuid.UUID, task_id: str, sample_index: 
     """Store one sample's outcome unless already present. Returns whether a row was inserted."""
     values = {k: v for k, v in fields.items() if k in RESULT_FIELDS}
     values.setdefault("detail", {})
-    stmt = (insert(EvalResult).values(run_id=run_id, task_id=task_id, sample_index=sample_index, **values)
-            .on_conflict_do_nothing(index_elements=["run_id", "task_id", "sample_index"]).returning(EvalResult.id))
+    stmt = (
+        insert(EvalResult)
+        .values(run_id=run_id, task_id=task_id, sample_index=sample_index, **values)
+        .on_conflict_do_nothing(index_elements=["run_id", "task_id", "sample_index"])
+        .returning(EvalResult.id)
+    )
     return session.execute(stmt).first() is not None
 
 
 def results(session: Session, run_id: uuid.UUID) -> list[EvalResult]:
     """Every result of a run, ordered by task and sample."""
-    return list(session.scalars(select(EvalResult).where(EvalResult.run_id == run_id)
-                                .order_by(EvalResult.task_id, EvalResult.sample_index)))
+    return list(
+        session.scalars(
+            select(EvalResult).where(EvalResult.run_id == run_id).order_by(EvalResult.task_id, EvalResult.sample_index)
+        )
+    )
 
 
 def finish_run(session: Session, run: EvalRun, status: str, summary: dict[str, Any]) -> None:
     """Close a run (``succeeded`` or ``failed``) with its summary; flush."""
     run.status = status
     run.summary = summary
-    run.finished_at = datetime.now(timezone.utc)
+    run.finished_at = datetime.now(UTC)
     session.flush()
 
 
 def outcomes(session: Session, run: EvalRun) -> SuiteOutcomes:
     """A run's results as the gate's input; ``planned`` comes from the run's stored plan."""
     planned = [(t, int(i)) for t, i in run.config.get("planned", [])]
-    outs = [Outcome(task_id=r.task_id, sample_index=r.sample_index, passed=r.passed,
-                    completion_tokens=r.completion_tokens, latency_s=r.latency_s, tool_calls=r.tool_calls,
-                    tool_call_errors=r.tool_call_errors, asked_question=r.asked_question, edited=r.edited,
-                    error=r.error) for r in results(session, run.id)]
-    return SuiteOutcomes(suite=run.suite, suite_version=run.suite_version, outcomes=outs, planned=planned,
-                         run_id=str(run.id), checkpoint_id=run.checkpoint_id)
+    outs = [
+        Outcome(
+            task_id=r.task_id,
+            sample_index=r.sample_index,
+            passed=r.passed,
+            completion_tokens=r.completion_tokens,
+            latency_s=r.latency_s,
+            tool_calls=r.tool_calls,
+            tool_call_errors=r.tool_call_errors,
+            asked_question=r.asked_question,
+            edited=r.edited,
+            error=r.error,
+        )
+        for r in results(session, run.id)
+    ]
+    return SuiteOutcomes(
+        suite=run.suite,
+        suite_version=run.suite_version,
+        outcomes=outs,
+        planned=planned,
+        run_id=str(run.id),
+        checkpoint_id=run.checkpoint_id,
+    )
 
 
 @contextmanager
@@ -116,18 +161,34 @@ def advisory_lock(*parts: str) -> Iterator[None]:
 def candidates_without_decision(session: Session, limit: int = 10) -> list[str]:
     """STABLE ``candidate`` checkpoints that no gate decision mentions yet, oldest first."""
     decided = select(GateDecision.candidate_id)
-    stmt = (select(Checkpoint.id).where(Checkpoint.status == "candidate", Checkpoint.stable.is_(True),
-                                        Checkpoint.id.not_in(decided))
-            .order_by(Checkpoint.created_at, Checkpoint.id).limit(limit))
+    stmt = (
+        select(Checkpoint.id)
+        .where(Checkpoint.status == "candidate", Checkpoint.stable.is_(True), Checkpoint.id.not_in(decided))
+        .order_by(Checkpoint.created_at, Checkpoint.id)
+        .limit(limit)
+    )
     return list(session.scalars(stmt))
 
 
-def add_gate_decision(session: Session, *, candidate_id: str, production_id: str, passed: bool,
-                      reasons: list[dict[str, Any]], report: dict[str, Any],
-                      decision_id: uuid.UUID | None = None) -> GateDecision:
+def add_gate_decision(
+    session: Session,
+    *,
+    candidate_id: str,
+    production_id: str,
+    passed: bool,
+    reasons: list[dict[str, Any]],
+    report: dict[str, Any],
+    decision_id: uuid.UUID | None = None,
+) -> GateDecision:
     """Insert a gate decision; flush."""
-    row = GateDecision(id=decision_id or uuid.uuid4(), candidate_id=candidate_id, production_id=production_id,
-                       passed=passed, reasons=reasons, report=report)
+    row = GateDecision(
+        id=decision_id or uuid.uuid4(),
+        candidate_id=candidate_id,
+        production_id=production_id,
+        passed=passed,
+        reasons=reasons,
+        report=report,
+    )
     session.add(row)
     session.flush()
     return row
@@ -135,12 +196,17 @@ def add_gate_decision(session: Session, *, candidate_id: str, production_id: str
 
 def latest_decision(session: Session, candidate_id: str) -> GateDecision | None:
     """The newest gate decision on a candidate."""
-    return session.scalars(select(GateDecision).where(GateDecision.candidate_id == candidate_id)
-                           .order_by(GateDecision.created_at.desc()).limit(1)).first()
+    return session.scalars(
+        select(GateDecision)
+        .where(GateDecision.candidate_id == candidate_id)
+        .order_by(GateDecision.created_at.desc())
+        .limit(1)
+    ).first()
 
 
 def run_counts(session: Session, run_id: uuid.UUID) -> tuple[int, int]:
     """(results stored, results passed) of a run."""
-    n, k = session.execute(select(func.count(), func.count().filter(EvalResult.passed))
-                           .where(EvalResult.run_id == run_id)).one()
+    n, k = session.execute(
+        select(func.count(), func.count().filter(EvalResult.passed)).where(EvalResult.run_id == run_id)
+    ).one()
     return int(n), int(k)

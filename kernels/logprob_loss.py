@@ -27,7 +27,6 @@ tokens ``token_slice`` to the loss; must depend on each token's log-prob only el
 
 
 class _FusedLogProbLoss(torch.autograd.Function):
-
     @staticmethod
     def forward(ctx, hidden, weight, targets, token_loss: TokenLoss, chunk_size: int):
         n = hidden.shape[0]
@@ -65,8 +64,7 @@ class _FusedLogProbLoss(torch.autograd.Function):
                     grad_weight.add_((grad_logits.t() @ h).float())
             del grad_logits
         del x_buf, e_buf
-        ctx.save_for_backward(grad_hidden if need_h else None,
-                              grad_weight.to(weight.dtype) if need_w else None)
+        ctx.save_for_backward(grad_hidden if need_h else None, grad_weight.to(weight.dtype) if need_w else None)
         ctx.mark_non_differentiable(logprobs, entropy)
         return loss, logprobs, entropy
 
@@ -80,9 +78,14 @@ class _FusedLogProbLoss(torch.autograd.Function):
         return grad_hidden, grad_weight, None, None, None
 
 
-def chunked_logprob_loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, token_loss: TokenLoss,
-                         chunk_size: int = DEFAULT_CHUNK_SIZE, backend: str = "auto"
-                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def chunked_logprob_loss(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    token_loss: TokenLoss,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    backend: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``token_loss`` of the targets' log-probs, fused with the LM head (gradients in the forward pass).
 
     Args:

@@ -34,24 +34,45 @@ BLOCK_H = 64
 
 
 @triton.jit
-def _logits_tile(h_ptr, w_ptr, offs_n, offs_v, mask_n, mask_v, H, stride_hn, stride_hh, stride_wv, stride_wh,
-                 BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr):
+def _logits_tile(
+    h_ptr,
+    w_ptr,
+    offs_n,
+    offs_v,
+    mask_n,
+    mask_v,
+    H,
+    stride_hn,
+    stride_hh,
+    stride_wv,
+    stride_wh,
+    BLOCK_N: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
     """fp32 ``[BLOCK_N, BLOCK_V]`` tile of ``hidden @ weight^T`` (zeros outside the masks)."""
     acc = tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.float32)
     for h0 in range(0, H, BLOCK_H):
         offs_h = h0 + tl.arange(0, BLOCK_H)
         mask_h = offs_h < H
-        a = tl.load(h_ptr + offs_n[:, None] * stride_hn + offs_h[None, :] * stride_hh,
-                    mask=mask_n[:, None] & mask_h[None, :], other=0.0)
-        b = tl.load(w_ptr + offs_v[:, None] * stride_wv + offs_h[None, :] * stride_wh,
-                    mask=mask_v[:, None] & mask_h[None, :], other=0.0)
+        a = tl.load(
+            h_ptr + offs_n[:, None] * stride_hn + offs_h[None, :] * stride_hh,
+            mask=mask_n[:, None] & mask_h[None, :],
+            other=0.0,
+        )
+        b = tl.load(
+            w_ptr + offs_v[:, None] * stride_wv + offs_h[None, :] * stride_wh,
+            mask=mask_v[:, None] & mask_h[None, :],
+            other=0.0,
+        )
         acc = tl.dot(a, tl.trans(b), acc, input_precision="ieee")
     return acc
 
 
 @triton.jit
-def _grad_logits_tile(z, offs_v, mask_v, y, lse, mean_logit, g_lp, g_ent,
-                      HAS_GLP: tl.constexpr, HAS_GENT: tl.constexpr):
+def _grad_logits_tile(
+    z, offs_v, mask_v, y, lse, mean_logit, g_lp, g_ent, HAS_GLP: tl.constexpr, HAS_GENT: tl.constexpr
+):
     """``dz = g_lp (1[j = y] - p) + g_ent p (E_p[z] - z)``, zero outside the vocabulary."""
     p = tl.exp(z - lse[:, None])
     p = tl.where(mask_v[None, :], p, 0.0)
@@ -77,9 +98,24 @@ def _load_grads(glp_ptr, gent_ptr, offs_n, mask_n, HAS_GLP: tl.constexpr, HAS_GE
 
 
 @triton.jit
-def _logprobs_fwd_kernel(h_ptr, w_ptr, y_ptr, lp_ptr, ent_ptr, lse_ptr, N, V, H,
-                         stride_hn, stride_hh, stride_wv, stride_wh,
-                         BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr):
+def _logprobs_fwd_kernel(
+    h_ptr,
+    w_ptr,
+    y_ptr,
+    lp_ptr,
+    ent_ptr,
+    lse_ptr,
+    N,
+    V,
+    H,
+    stride_hn,
+    stride_hh,
+    stride_wv,
+    stride_wh,
+    BLOCK_N: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
@@ -91,8 +127,22 @@ def _logprobs_fwd_kernel(h_ptr, w_ptr, y_ptr, lp_ptr, ent_ptr, lse_ptr, N, V, H,
     for v0 in range(0, V, BLOCK_V):
         offs_v = v0 + tl.arange(0, BLOCK_V)
         mask_v = offs_v < V
-        z = _logits_tile(h_ptr, w_ptr, offs_n, offs_v, mask_n, mask_v, H, stride_hn, stride_hh,
-                         stride_wv, stride_wh, BLOCK_N, BLOCK_V, BLOCK_H)
+        z = _logits_tile(
+            h_ptr,
+            w_ptr,
+            offs_n,
+            offs_v,
+            mask_n,
+            mask_v,
+            H,
+            stride_hn,
+            stride_hh,
+            stride_wv,
+            stride_wh,
+            BLOCK_N,
+            BLOCK_V,
+            BLOCK_H,
+        )
         z_masked = tl.where(mask_v[None, :], z, float("-inf"))
         m_new = tl.maximum(m, tl.max(z_masked, axis=1))
         scale = tl.exp(m - m_new)  # exp(-inf) = 0 on the first tile
@@ -108,10 +158,30 @@ def _logprobs_fwd_kernel(h_ptr, w_ptr, y_ptr, lp_ptr, ent_ptr, lse_ptr, N, V, H,
 
 
 @triton.jit
-def _logprobs_bwd_dh_kernel(h_ptr, w_ptr, y_ptr, lse_ptr, ent_ptr, glp_ptr, gent_ptr, dh_ptr, N, V, H,
-                            stride_hn, stride_hh, stride_wv, stride_wh, stride_dn, stride_dh,
-                            HAS_GLP: tl.constexpr, HAS_GENT: tl.constexpr,
-                            BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr):
+def _logprobs_bwd_dh_kernel(
+    h_ptr,
+    w_ptr,
+    y_ptr,
+    lse_ptr,
+    ent_ptr,
+    glp_ptr,
+    gent_ptr,
+    dh_ptr,
+    N,
+    V,
+    H,
+    stride_hn,
+    stride_hh,
+    stride_wv,
+    stride_wh,
+    stride_dn,
+    stride_dh,
+    HAS_GLP: tl.constexpr,
+    HAS_GENT: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
     # One program per token block: dH[n, :] = sum over vocab tiles of dz[n, v] @ W[v, :].
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -123,15 +193,32 @@ def _logprobs_bwd_dh_kernel(h_ptr, w_ptr, y_ptr, lse_ptr, ent_ptr, glp_ptr, gent
     for v0 in range(0, V, BLOCK_V):
         offs_v = v0 + tl.arange(0, BLOCK_V)
         mask_v = offs_v < V
-        z = _logits_tile(h_ptr, w_ptr, offs_n, offs_v, mask_n, mask_v, H, stride_hn, stride_hh,
-                         stride_wv, stride_wh, BLOCK_N, BLOCK_V, BLOCK_H)
+        z = _logits_tile(
+            h_ptr,
+            w_ptr,
+            offs_n,
+            offs_v,
+            mask_n,
+            mask_v,
+            H,
+            stride_hn,
+            stride_hh,
+            stride_wv,
+            stride_wh,
+            BLOCK_N,
+            BLOCK_V,
+            BLOCK_H,
+        )
         dz = _grad_logits_tile(z, offs_v, mask_v, y, lse, mean_logit, g_lp, g_ent, HAS_GLP, HAS_GENT)
         dz = dz.to(w_ptr.dtype.element_ty)
         for h0 in range(0, H, BLOCK_H):
             offs_h = h0 + tl.arange(0, BLOCK_H)
             mask_h = offs_h < H
-            w = tl.load(w_ptr + offs_v[:, None] * stride_wv + offs_h[None, :] * stride_wh,
-                        mask=mask_v[:, None] & mask_h[None, :], other=0.0)
+            w = tl.load(
+                w_ptr + offs_v[:, None] * stride_wv + offs_h[None, :] * stride_wh,
+                mask=mask_v[:, None] & mask_h[None, :],
+                other=0.0,
+            )
             ptrs = dh_ptr + offs_n[:, None] * stride_dn + offs_h[None, :] * stride_dh
             mask = mask_n[:, None] & mask_h[None, :]
             # This program alone owns these rows of dH: read-modify-write needs no atomics.
@@ -141,10 +228,30 @@ def _logprobs_bwd_dh_kernel(h_ptr, w_ptr, y_ptr, lse_ptr, ent_ptr, glp_ptr, gent
 
 
 @triton.jit
-def _logprobs_bwd_dw_kernel(h_ptr, w_ptr, y_ptr, lse_ptr, ent_ptr, glp_ptr, gent_ptr, dw_ptr, N, V, H,
-                            stride_hn, stride_hh, stride_wv, stride_wh, stride_dv, stride_dh,
-                            HAS_GLP: tl.constexpr, HAS_GENT: tl.constexpr,
-                            BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr):
+def _logprobs_bwd_dw_kernel(
+    h_ptr,
+    w_ptr,
+    y_ptr,
+    lse_ptr,
+    ent_ptr,
+    glp_ptr,
+    gent_ptr,
+    dw_ptr,
+    N,
+    V,
+    H,
+    stride_hn,
+    stride_hh,
+    stride_wv,
+    stride_wh,
+    stride_dv,
+    stride_dh,
+    HAS_GLP: tl.constexpr,
+    HAS_GENT: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
     # One program per vocab block: dW[v, :] = sum over token tiles of dz[n, v]^T @ H[n, :].
     pid = tl.program_id(0)
     offs_v = pid * BLOCK_V + tl.arange(0, BLOCK_V)
@@ -156,15 +263,32 @@ def _logprobs_bwd_dw_kernel(h_ptr, w_ptr, y_ptr, lse_ptr, ent_ptr, glp_ptr, gent
         lse = tl.load(lse_ptr + offs_n, mask=mask_n, other=0.0)
         mean_logit = lse - tl.load(ent_ptr + offs_n, mask=mask_n, other=0.0)
         g_lp, g_ent = _load_grads(glp_ptr, gent_ptr, offs_n, mask_n, HAS_GLP, HAS_GENT)
-        z = _logits_tile(h_ptr, w_ptr, offs_n, offs_v, mask_n, mask_v, H, stride_hn, stride_hh,
-                         stride_wv, stride_wh, BLOCK_N, BLOCK_V, BLOCK_H)
+        z = _logits_tile(
+            h_ptr,
+            w_ptr,
+            offs_n,
+            offs_v,
+            mask_n,
+            mask_v,
+            H,
+            stride_hn,
+            stride_hh,
+            stride_wv,
+            stride_wh,
+            BLOCK_N,
+            BLOCK_V,
+            BLOCK_H,
+        )
         dz = _grad_logits_tile(z, offs_v, mask_v, y, lse, mean_logit, g_lp, g_ent, HAS_GLP, HAS_GENT)
         dz = tl.where(mask_n[:, None], dz, 0.0).to(h_ptr.dtype.element_ty)
         for h0 in range(0, H, BLOCK_H):
             offs_h = h0 + tl.arange(0, BLOCK_H)
             mask_h = offs_h < H
-            a = tl.load(h_ptr + offs_n[:, None] * stride_hn + offs_h[None, :] * stride_hh,
-                        mask=mask_n[:, None] & mask_h[None, :], other=0.0)
+            a = tl.load(
+                h_ptr + offs_n[:, None] * stride_hn + offs_h[None, :] * stride_hh,
+                mask=mask_n[:, None] & mask_h[None, :],
+                other=0.0,
+            )
             ptrs = dw_ptr + offs_v[:, None] * stride_dv + offs_h[None, :] * stride_dh
             mask = mask_v[:, None] & mask_h[None, :]
             acc = tl.load(ptrs, mask=mask, other=0.0)
@@ -172,8 +296,15 @@ def _logprobs_bwd_dw_kernel(h_ptr, w_ptr, y_ptr, lse_ptr, ent_ptr, glp_ptr, gent
             tl.store(ptrs, acc, mask=mask)
 
 
-def logprobs_forward(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *,
-                     block_n: int = BLOCK_N, block_v: int = BLOCK_V, block_h: int = BLOCK_H):
+def logprobs_forward(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    block_n: int = BLOCK_N,
+    block_v: int = BLOCK_V,
+    block_h: int = BLOCK_H,
+):
     """Launch the forward kernel.
 
     Args:
@@ -188,16 +319,42 @@ def logprobs_forward(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.
     ent = torch.empty_like(lp)
     lse = torch.empty_like(lp)
     grid = (triton.cdiv(n, block_n),)
-    _logprobs_fwd_kernel[grid](hidden, weight, targets, lp, ent, lse, n, v, h,
-                               hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1),
-                               BLOCK_N=block_n, BLOCK_V=block_v, BLOCK_H=block_h)
+    _logprobs_fwd_kernel[grid](
+        hidden,
+        weight,
+        targets,
+        lp,
+        ent,
+        lse,
+        n,
+        v,
+        h,
+        hidden.stride(0),
+        hidden.stride(1),
+        weight.stride(0),
+        weight.stride(1),
+        BLOCK_N=block_n,
+        BLOCK_V=block_v,
+        BLOCK_H=block_h,
+    )
     return lp, ent, lse
 
 
-def logprobs_backward(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor,
-                      entropy: torch.Tensor, grad_logprobs: torch.Tensor | None,
-                      grad_entropy: torch.Tensor | None, *, need_hidden: bool = True, need_weight: bool = True,
-                      block_n: int = BLOCK_N, block_v: int = BLOCK_V, block_h: int = BLOCK_H):
+def logprobs_backward(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    lse: torch.Tensor,
+    entropy: torch.Tensor,
+    grad_logprobs: torch.Tensor | None,
+    grad_entropy: torch.Tensor | None,
+    *,
+    need_hidden: bool = True,
+    need_weight: bool = True,
+    block_n: int = BLOCK_N,
+    block_v: int = BLOCK_V,
+    block_h: int = BLOCK_H,
+):
     """Launch the backward kernels; returns ``(grad_hidden [N, H] | None, grad_weight [V, H] | None)``
     in the inputs' dtype (accumulated in fp32)."""
     n, h = hidden.shape
@@ -212,14 +369,42 @@ def logprobs_backward(hidden: torch.Tensor, weight: torch.Tensor, targets: torch
     if need_hidden:
         dh = torch.zeros((n, h), dtype=torch.float32, device=hidden.device)
         _logprobs_bwd_dh_kernel[(triton.cdiv(n, block_n),)](
-            hidden, weight, targets, lse, entropy, glp, gent, dh, n, v, h, *strides, dh.stride(0), dh.stride(1),
-            **common)
+            hidden,
+            weight,
+            targets,
+            lse,
+            entropy,
+            glp,
+            gent,
+            dh,
+            n,
+            v,
+            h,
+            *strides,
+            dh.stride(0),
+            dh.stride(1),
+            **common,
+        )
         grad_hidden = dh.to(hidden.dtype)
     if need_weight:
         dw = torch.zeros((v, h), dtype=torch.float32, device=hidden.device)
         _logprobs_bwd_dw_kernel[(triton.cdiv(v, block_v),)](
-            hidden, weight, targets, lse, entropy, glp, gent, dw, n, v, h, *strides, dw.stride(0), dw.stride(1),
-            **common)
+            hidden,
+            weight,
+            targets,
+            lse,
+            entropy,
+            glp,
+            gent,
+            dw,
+            n,
+            v,
+            h,
+            *strides,
+            dw.stride(0),
+            dw.stride(1),
+            **common,
+        )
         grad_weight = dw.to(weight.dtype)
     return grad_hidden, grad_weight
 
@@ -229,8 +414,7 @@ class LogProbsFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, targets, block_n, block_v, block_h):
-        lp, ent, lse = logprobs_forward(hidden, weight, targets, block_n=block_n, block_v=block_v,
-                                        block_h=block_h)
+        lp, ent, lse = logprobs_forward(hidden, weight, targets, block_n=block_n, block_v=block_v, block_h=block_h)
         ctx.save_for_backward(hidden, weight, targets, lse, ent)
         ctx.blocks = (block_n, block_v, block_h)
         ctx.set_materialize_grads(False)
@@ -242,15 +426,32 @@ class LogProbsFunction(torch.autograd.Function):
         if grad_logprobs is None and grad_entropy is None:
             return None, None, None, None, None, None
         block_n, block_v, block_h = ctx.blocks
-        gh, gw = logprobs_backward(hidden, weight, targets, lse, ent, grad_logprobs, grad_entropy,
-                                   need_hidden=ctx.needs_input_grad[0], need_weight=ctx.needs_input_grad[1],
-                                   block_n=block_n, block_v=block_v, block_h=block_h)
+        gh, gw = logprobs_backward(
+            hidden,
+            weight,
+            targets,
+            lse,
+            ent,
+            grad_logprobs,
+            grad_entropy,
+            need_hidden=ctx.needs_input_grad[0],
+            need_weight=ctx.needs_input_grad[1],
+            block_n=block_n,
+            block_v=block_v,
+            block_h=block_h,
+        )
         return gh, gw, None, None, None, None
 
 
-def triton_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
-                    chunk_size: int = BLOCK_V, *, block_n: int = BLOCK_N,
-                    block_h: int = BLOCK_H) -> tuple[torch.Tensor, torch.Tensor]:
+def triton_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    chunk_size: int = BLOCK_V,
+    *,
+    block_n: int = BLOCK_N,
+    block_h: int = BLOCK_H,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token log-probs of ``targets`` and entropy, fused with the LM head (Triton).
 
     Same API as :func:`kernels.reference.chunked_logprobs_reference`; here ``chunk_size`` is the

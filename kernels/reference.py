@@ -22,11 +22,15 @@ DEFAULT_CHUNK_SIZE = 1024
 
 def _check_inputs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> None:
     if hidden.dim() != 2 or weight.dim() != 2 or targets.dim() != 1:
-        raise ValueError(f"expected hidden [N, H], weight [V, H], targets [N]; got "
-                         f"{tuple(hidden.shape)}, {tuple(weight.shape)}, {tuple(targets.shape)}")
+        raise ValueError(
+            f"expected hidden [N, H], weight [V, H], targets [N]; got "
+            f"{tuple(hidden.shape)}, {tuple(weight.shape)}, {tuple(targets.shape)}"
+        )
     if hidden.shape[1] != weight.shape[1] or hidden.shape[0] != targets.shape[0]:
-        raise ValueError(f"shape mismatch: hidden {tuple(hidden.shape)}, weight {tuple(weight.shape)}, "
-                         f"targets {tuple(targets.shape)}")
+        raise ValueError(
+            f"shape mismatch: hidden {tuple(hidden.shape)}, weight {tuple(weight.shape)}, "
+            f"targets {tuple(targets.shape)}"
+        )
 
 
 def chunk_buffers(rows: int, vocab: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -36,8 +40,7 @@ def chunk_buffers(rows: int, vocab: int, device) -> tuple[torch.Tensor, torch.Te
     return x, torch.empty_like(x)
 
 
-def chunk_forward(h: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, x_buf: torch.Tensor,
-                  e_buf: torch.Tensor):
+def chunk_forward(h: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, x_buf: torch.Tensor, e_buf: torch.Tensor):
     """Statistics of one token chunk, computed in the given buffers.
 
     Shapes: ``h`` [n, H], ``weight`` [V, H], ``y`` [n]; buffers at least ``[n, V]`` fp32.
@@ -126,8 +129,9 @@ class _ChunkedLogProbs(torch.autograd.Function):
         return grad_hidden, grad_weight, None, None
 
 
-def chunked_logprobs_reference(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
-                               chunk_size: int = DEFAULT_CHUNK_SIZE) -> tuple[torch.Tensor, torch.Tensor]:
+def chunked_logprobs_reference(
+    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk_size: int = DEFAULT_CHUNK_SIZE
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token log-probs of ``targets`` and entropy of the next-token distribution, chunked.
 
     Args:
@@ -149,8 +153,9 @@ def chunked_logprobs_reference(hidden: torch.Tensor, weight: torch.Tensor, targe
     return _ChunkedLogProbs.apply(hidden, weight, targets.long(), int(chunk_size))
 
 
-def naive_logprobs(hidden: torch.Tensor, weight: torch.Tensor,
-                   targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def naive_logprobs(
+    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The textbook path, ``log_softmax(hidden @ weight.T).gather(targets)``, materializing ``[N, V]``.
 
     Same API and outputs as :func:`chunked_logprobs_reference`; the ground truth in tests and the

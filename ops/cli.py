@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import typer
 
-app = typer.Typer(no_args_is_help=True, add_completion=False,
-                  help="flywheel: event-sourced online RL for a coding-agent model.")
+app = typer.Typer(
+    no_args_is_help=True, add_completion=False, help="flywheel: event-sourced online RL for a coding-agent model."
+)
 
 
 def _register_all() -> None:
@@ -23,8 +24,16 @@ def _register_all() -> None:
     from serving import cli as serving_cli
     from trainer import cli as trainer_cli
 
-    for module in (app_commands, ops_commands, consumers_cli, serving_cli, simulator_cli, trainer_cli, evals_cli,
-                   api_cli):
+    for module in (
+        app_commands,
+        ops_commands,
+        consumers_cli,
+        serving_cli,
+        simulator_cli,
+        trainer_cli,
+        evals_cli,
+        api_cli,
+    ):
         module.register(app)
 
 
@@ -49,8 +58,9 @@ def main() -> None:
         reason = unreachable_reason(exc)
         if reason is not None:
             typer.secho(f"error: the database does not answer: {reason}", fg="red", err=True)
-            typer.secho("  - check FLYWHEEL_DATABASE_URL, or start the local stack: flywheel stack up", fg="red",
-                        err=True)
+            typer.secho(
+                "  - check FLYWHEEL_DATABASE_URL, or start the local stack: flywheel stack up", fg="red", err=True
+            )
             raise SystemExit(2) from None
         reason = schema_missing_reason(exc)
         if reason is not None:

@@ -40,14 +40,19 @@ def stack_status_cmd() -> None:
     status = stack_status()
     table = Table("service", "address", "pid", "healthy")
     for name, s in status.items():
-        table.add_row(name, str(s.get("url") or s.get("bootstrap") or "-"), str(s.get("pid") or "external"),
-                      "[green]yes[/]" if s["healthy"] else "[red]no[/]")
+        table.add_row(
+            name,
+            str(s.get("url") or s.get("bootstrap") or "-"),
+            str(s.get("pid") or "external"),
+            "[green]yes[/]" if s["healthy"] else "[red]no[/]",
+        )
     Console().print(table)
     if not all(s["healthy"] for s in status.values()):
         raise typer.Exit(1)
 
 
 # ---- Celery ---------------------------------------------------------------------------------
+
 
 def worker_cmd(
     concurrency: int = typer.Option(1, "--concurrency", "-c", min=1, help="tasks run at once"),
@@ -59,8 +64,12 @@ def worker_cmd(
     """Run a Celery worker for flywheel's tasks (training cycles, eval gating, outbox relay)."""
     from app.worker.celery_app import celery_app
 
-    argv = ["worker", f"--pool={pool or ('solo' if concurrency == 1 else 'prefork')}",
-            f"--concurrency={concurrency}", f"--loglevel={loglevel}"]
+    argv = [
+        "worker",
+        f"--pool={pool or ('solo' if concurrency == 1 else 'prefork')}",
+        f"--concurrency={concurrency}",
+        f"--loglevel={loglevel}",
+    ]
     if queues:
         argv.append(f"--queues={queues}")
     if beat:
@@ -85,14 +94,17 @@ def stack_topics_cmd(partitions: int = typer.Option(None, help="partitions of th
     kafka = get_settings().kafka
     if not kafka.bootstrap:
         raise ConfigurationError("set FLYWHEEL_KAFKA_BOOTSTRAP")
-    created = create_topics(kafka.bootstrap, {kafka.interactions_topic: partitions or kafka.partitions,
-                                              kafka.dlq_topic: 1, kafka.lifecycle_topic: 1})
+    created = create_topics(
+        kafka.bootstrap,
+        {kafka.interactions_topic: partitions or kafka.partitions, kafka.dlq_topic: 1, kafka.lifecycle_topic: 1},
+    )
     typer.echo("created: " + (", ".join(created) if created else "nothing (all exist)"))
 
 
 def up_cmd(
-    services: list[str] = typer.Option(None, "--service", "-s",
-                                       help="subset of consumer, worker, beat, api, relay, watcher"),
+    services: list[str] = typer.Option(
+        None, "--service", "-s", help="subset of consumer, worker, beat, api, relay, watcher"
+    ),
     detach: bool = typer.Option(False, "--detach", "-d", help="start and return; `flywheel stack down` stops them"),
 ) -> None:
     """Run the loop's long-lived processes on the local stack so it turns by itself: consumers,
@@ -118,8 +130,10 @@ def up_cmd(
     for name in services or LOOP_SERVICES:
         pid = start_service(name, LOOP_SERVICES[name], home)
         con.print(f"{name:9s} pid {pid}  log {home / 'logs' / (name + '.log')}")
-    con.print(f"training every {get_settings().celery.train_interval:.0f}s (FLYWHEEL_TRAIN_INTERVAL); "
-              f"API on http://{get_settings().api.host}:{get_settings().api.port}/")
+    con.print(
+        f"training every {get_settings().celery.train_interval:.0f}s (FLYWHEEL_TRAIN_INTERVAL); "
+        f"API on http://{get_settings().api.host}:{get_settings().api.port}/"
+    )
     if detach:
         return
     try:
@@ -145,7 +159,9 @@ def demo_cmd(
     trainer_config: str = typer.Option(None, help="trainer TOML (default trainer/configs/default.toml)"),
     eval_tasks: int = typer.Option(4, help="held-out tasks per eval suite (DataFrameBench test, HumanEval)"),
     eval_max_turns: int = typer.Option(2, help="agent turns per eval task"),
-    suite: list[str] = typer.Option(None, "--suite", help="run the gate on these suites, which alone decide it (default: every gated suite)"),
+    suite: list[str] = typer.Option(
+        None, "--suite", help="run the gate on these suites, which alone decide it (default: every gated suite)"
+    ),
     model_dir: str = typer.Option(None, help="register this HF folder as the base model instead of SmolLM2"),
     trace: bool = typer.Option(False, "--trace", help="print OpenTelemetry spans (console exporter)"),
     seed: int = typer.Option(0),
@@ -160,10 +176,25 @@ def demo_cmd(
         stopped = stop_demo()
         typer.echo("stopped: " + (", ".join(stopped) if stopped else "nothing"))
         return
-    run_demo(DemoOptions(cycles=cycles, sessions=sessions, group_size=group_size, source=source, max_turns=max_turns,
-                         max_tokens_per_turn=max_tokens_per_turn, train_max_steps=max_steps, trainer_config=trainer_config, eval_tasks=eval_tasks, eval_suites=tuple(suite or ()),
-                         eval_max_turns=eval_max_turns, eval_max_tokens=max_tokens_per_turn,
-                         model_dir=model_dir, trace=trace, seed=seed))
+    run_demo(
+        DemoOptions(
+            cycles=cycles,
+            sessions=sessions,
+            group_size=group_size,
+            source=source,
+            max_turns=max_turns,
+            max_tokens_per_turn=max_tokens_per_turn,
+            train_max_steps=max_steps,
+            trainer_config=trainer_config,
+            eval_tasks=eval_tasks,
+            eval_suites=tuple(suite or ()),
+            eval_max_turns=eval_max_turns,
+            eval_max_tokens=max_tokens_per_turn,
+            model_dir=model_dir,
+            trace=trace,
+            seed=seed,
+        )
+    )
 
 
 def register(app: typer.Typer) -> None:

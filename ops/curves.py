@@ -24,8 +24,14 @@ from sqlalchemy.orm import Session
 
 from app.core.intervals import wilson_interval
 
-SIGNALS = ("mean_reward", "edit_acceptance", "edit_persistence", "dissatisfied_followup_rate",
-           "latency_per_token", "mean_completion_tokens")
+SIGNALS = (
+    "mean_reward",
+    "edit_acceptance",
+    "edit_persistence",
+    "dissatisfied_followup_rate",
+    "latency_per_token",
+    "mean_completion_tokens",
+)
 
 
 @dataclass
@@ -55,24 +61,34 @@ def _suite_points(session: Session, checkpoint_id: str) -> dict[str, dict[str, f
     from app.models import EvalResult, EvalRun
 
     out: dict[str, dict[str, float]] = {}
-    runs = session.scalars(select(EvalRun).where(EvalRun.checkpoint_id == checkpoint_id,
-                                                 EvalRun.status == "succeeded")
-                           .order_by(EvalRun.started_at.desc())).all()
+    runs = session.scalars(
+        select(EvalRun)
+        .where(EvalRun.checkpoint_id == checkpoint_id, EvalRun.status == "succeeded")
+        .order_by(EvalRun.started_at.desc())
+    ).all()
     for run in runs:
         if run.suite in out:
             continue
         n, passed, tokens, calls, errors = session.execute(
-            select(func.count(), func.count().filter(EvalResult.passed),
-                   func.coalesce(func.avg(EvalResult.completion_tokens), 0.0),
-                   func.coalesce(func.sum(EvalResult.tool_calls), 0),
-                   func.coalesce(func.sum(EvalResult.tool_call_errors), 0))
-            .where(EvalResult.run_id == run.id)).one()
+            select(
+                func.count(),
+                func.count().filter(EvalResult.passed),
+                func.coalesce(func.avg(EvalResult.completion_tokens), 0.0),
+                func.coalesce(func.sum(EvalResult.tool_calls), 0),
+                func.coalesce(func.sum(EvalResult.tool_call_errors), 0),
+            ).where(EvalResult.run_id == run.id)
+        ).one()
         if not n:
             continue
         low, high = wilson_interval(int(passed), int(n))
-        out[run.suite] = {"pass_rate": passed / n, "low": low, "high": high, "n": int(n),
-                          "invalid_tool_call_rate": errors / calls if calls else 0.0,
-                          "mean_completion_tokens": float(tokens)}
+        out[run.suite] = {
+            "pass_rate": passed / n,
+            "low": low,
+            "high": high,
+            "n": int(n),
+            "invalid_tool_call_rate": errors / calls if calls else 0.0,
+            "mean_completion_tokens": float(tokens),
+        }
     return out
 
 
@@ -87,8 +103,7 @@ def product_signals(session: Session, checkpoint_id: str) -> dict[str, float]:
     rows = [signals for _, signals in load_sessions(session, checkpoint_id)]
     if not rows:
         return {}
-    out = {"sessions": float(len(rows)),
-           "mean_completion_tokens": sum(r.completion_tokens for r in rows) / len(rows)}
+    out = {"sessions": float(len(rows)), "mean_completion_tokens": sum(r.completion_tokens for r in rows) / len(rows)}
     for name in ONLINE:
         num, den = (sum(v) for v in zip(*(r.parts(name) for r in rows)))
         if den > 0:
@@ -102,10 +117,17 @@ def collect_curves(session: Session) -> list[CurvePoint]:
 
     points = []
     for ckpt in session.scalars(select(Checkpoint).order_by(Checkpoint.generation, Checkpoint.created_at)):
-        points.append(CurvePoint(
-            checkpoint_id=ckpt.id, generation=ckpt.generation, status=ckpt.status, parent_id=ckpt.parent_id,
-            invert_reward=bool((ckpt.metrics or {}).get("invert_reward")),
-            suites=_suite_points(session, ckpt.id), signals=product_signals(session, ckpt.id)))
+        points.append(
+            CurvePoint(
+                checkpoint_id=ckpt.id,
+                generation=ckpt.generation,
+                status=ckpt.status,
+                parent_id=ckpt.parent_id,
+                invert_reward=bool((ckpt.metrics or {}).get("invert_reward")),
+                suites=_suite_points(session, ckpt.id),
+                signals=product_signals(session, ckpt.id),
+            )
+        )
     return points
 
 
@@ -131,8 +153,14 @@ def render_curves_png(points: list[CurvePoint], path: Path) -> Path:
     ax = axes[0]
     for suite in sorted({s for p in points for s in p.suites}):
         pts = [(x, p.suites[suite]) for x, p in zip(xs, points) if suite in p.suites]
-        ax.errorbar([x for x, _ in pts], [s["pass_rate"] for _, s in pts], capsize=3, marker="o", label=suite,
-                    yerr=[[s["pass_rate"] - s["low"] for _, s in pts], [s["high"] - s["pass_rate"] for _, s in pts]])
+        ax.errorbar(
+            [x for x, _ in pts],
+            [s["pass_rate"] for _, s in pts],
+            capsize=3,
+            marker="o",
+            label=suite,
+            yerr=[[s["pass_rate"] - s["low"] for _, s in pts], [s["high"] - s["pass_rate"] for _, s in pts]],
+        )
     ax.set_title("held-out pass@1 (95% Wilson)")
     ax.set_ylim(0, 1)
     ax.legend(fontsize=8)
@@ -167,13 +195,29 @@ def render_curves_terminal(points: list[CurvePoint]) -> None:
     from rich.table import Table
 
     suites = sorted({s for p in points for s in p.suites})
-    table = Table("gen", "checkpoint", "status", *suites, "sessions", "reward", "accept", "persist", "dissat.",
-                  "tokens", title="learning curve (held-out pass@1, 95% Wilson; signals of served sessions)")
+    table = Table(
+        "gen",
+        "checkpoint",
+        "status",
+        *suites,
+        "sessions",
+        "reward",
+        "accept",
+        "persist",
+        "dissat.",
+        "tokens",
+        title="learning curve (held-out pass@1, 95% Wilson; signals of served sessions)",
+    )
     for p in points:
         sig = p.signals
-        table.add_row(str(p.generation), p.checkpoint_id + (" (inverted reward)" if p.invert_reward else ""),
-                      p.status, *(_fmt_suite(p.suites.get(s)) for s in suites), str(sig.get("sessions", 0)),
-                      *(f"{sig[k]:.2f}" if k in sig else "-" for k in SIGNALS))
+        table.add_row(
+            str(p.generation),
+            p.checkpoint_id + (" (inverted reward)" if p.invert_reward else ""),
+            p.status,
+            *(_fmt_suite(p.suites.get(s)) for s in suites),
+            str(sig.get("sessions", 0)),
+            *(f"{sig[k]:.2f}" if k in sig else "-" for k in SIGNALS),
+        )
     con = Console()
     con.print(table)
     for key, (first, last) in signal_moves(points).items():
@@ -188,10 +232,21 @@ def curves_html(points: list[CurvePoint], png_name: str) -> str:
     suites = sorted({s for p in points for s in p.suites})
     head = "".join(f"<th>{html.escape(h)}</th>" for h in ("gen", "checkpoint", "status", *suites, *SIGNALS))
     rows = "".join(
-        "<tr>" + "".join(f"<td>{html.escape(str(v))}</td>" for v in (
-            p.generation, p.checkpoint_id + (" (inverted reward)" if p.invert_reward else ""), p.status,
-            *(_fmt_suite(p.suites.get(s)) for s in suites),
-            *(f"{p.signals[k]:.3f}" if k in p.signals else "-" for k in SIGNALS))) + "</tr>"
-        for p in points)
-    return (f"<h2>learning curve</h2><table><tr>{head}</tr>{rows}</table>"
-            f'<img src="{html.escape(png_name)}" style="max-width:100%">')
+        "<tr>"
+        + "".join(
+            f"<td>{html.escape(str(v))}</td>"
+            for v in (
+                p.generation,
+                p.checkpoint_id + (" (inverted reward)" if p.invert_reward else ""),
+                p.status,
+                *(_fmt_suite(p.suites.get(s)) for s in suites),
+                *(f"{p.signals[k]:.3f}" if k in p.signals else "-" for k in SIGNALS),
+            )
+        )
+        + "</tr>"
+        for p in points
+    )
+    return (
+        f"<h2>learning curve</h2><table><tr>{head}</tr>{rows}</table>"
+        f'<img src="{html.escape(png_name)}" style="max-width:100%">'
+    )

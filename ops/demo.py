@@ -97,16 +97,16 @@ def _env(opts: DemoOptions) -> dict[str, str]:
     return env
 
 
-def flywheel(args: list[str], opts: DemoOptions, *, capture: bool = False, check: bool = True,
-             timeout_s: float | None = None) -> subprocess.CompletedProcess[str]:
+def flywheel(
+    args: list[str], opts: DemoOptions, *, capture: bool = False, check: bool = True, timeout_s: float | None = None
+) -> subprocess.CompletedProcess[str]:
     """Run ``flywheel ARGS`` as a subprocess (same interpreter), streaming its output.
 
     Raises:
         FlywheelError: the command failed (its exit code and, when captured, its stderr).
     """
     cmd = [sys.executable, "-m", "ops.cli", *args]
-    proc = subprocess.run(cmd, env=_env(opts), text=True, timeout=timeout_s,
-                          capture_output=capture)
+    proc = subprocess.run(cmd, env=_env(opts), text=True, timeout=timeout_s, capture_output=capture)
     if check and proc.returncode != 0:
         detail = (proc.stderr or "")[-2000:] if capture else ""
         raise FlywheelError(f"`flywheel {' '.join(args)}` exited with {proc.returncode}\n{detail}")
@@ -168,22 +168,48 @@ def step_simulate(opts: DemoOptions, state: DemoState, home: Path, cycle: int) -
     """Simulated editor sessions served by production on train tasks (only the ones not yet run)."""
     key = f"since@{cycle}"
     if key not in state.data:  # the cycle's sessions are the ones started after this point
-        state.data[key] = {"seq": int(_db_scalar("SELECT coalesce(max(seq), 0) FROM event_log") or 0),
-                           "at": str(_db_scalar("SELECT now()"))}
+        state.data[key] = {
+            "seq": int(_db_scalar("SELECT coalesce(max(seq), 0) FROM event_log") or 0),
+            "at": str(_db_scalar("SELECT now()")),
+        }
         state.save()
     since = state.data[key]
-    done = int(_db_scalar("SELECT count(DISTINCT session_id) FROM event_log WHERE type = 'session.started' "
-                          "AND seq > :seq", seq=since["seq"]) or 0)
-    done += int(_db_scalar("SELECT count(*) FROM privacy_tombstone WHERE first_seen_at > CAST(:at AS timestamptz)",
-                           at=since["at"]) or 0)
+    done = int(
+        _db_scalar(
+            "SELECT count(DISTINCT session_id) FROM event_log WHERE type = 'session.started' AND seq > :seq",
+            seq=since["seq"],
+        )
+        or 0
+    )
+    done += int(
+        _db_scalar(
+            "SELECT count(*) FROM privacy_tombstone WHERE first_seen_at > CAST(:at AS timestamptz)", at=since["at"]
+        )
+        or 0
+    )
     remaining = opts.sessions - done
     if remaining <= 0:
         return f"{done} sessions already simulated"
-    flywheel(["simulate", "--sessions", str(remaining), "--group-size", str(min(opts.group_size, remaining)),
-              "--source", opts.source,
-              "--max-turns", str(opts.max_turns), "--max-tokens-per-turn", str(opts.max_tokens_per_turn),
-              "--max-tokens", str(opts.max_turns * opts.max_tokens_per_turn),
-              "--seed", str(opts.seed + 1000 * cycle + done)], opts)
+    flywheel(
+        [
+            "simulate",
+            "--sessions",
+            str(remaining),
+            "--group-size",
+            str(min(opts.group_size, remaining)),
+            "--source",
+            opts.source,
+            "--max-turns",
+            str(opts.max_turns),
+            "--max-tokens-per-turn",
+            str(opts.max_tokens_per_turn),
+            "--max-tokens",
+            str(opts.max_turns * opts.max_tokens_per_turn),
+            "--seed",
+            str(opts.seed + 1000 * cycle + done),
+        ],
+        opts,
+    )
     return f"{remaining} sessions simulated"
 
 
@@ -200,10 +226,14 @@ def step_finalize(opts: DemoOptions, state: DemoState, home: Path, cycle: int) -
             total = int(_db_scalar("SELECT count(*) FROM trajectory") or 0)
             provisional = int(_db_scalar("SELECT count(*) FROM trajectory WHERE status <> 'finalized'") or 0)
             # this cycle's sessions stored so far: trajectories, or tombstones of privacy-mode sessions
-            stored = int(_db_scalar(
-                "SELECT (SELECT count(*) FROM trajectory WHERE started_at > CAST(:at AS timestamptz)) + "
-                "(SELECT count(*) FROM privacy_tombstone WHERE first_seen_at > CAST(:at AS timestamptz))",
-                at=since) or 0)
+            stored = int(
+                _db_scalar(
+                    "SELECT (SELECT count(*) FROM trajectory WHERE started_at > CAST(:at AS timestamptz)) + "
+                    "(SELECT count(*) FROM privacy_tombstone WHERE first_seen_at > CAST(:at AS timestamptz))",
+                    at=since,
+                )
+                or 0
+            )
             if stored != seen:
                 seen, steady_since = stored, time.monotonic()
             progress.update(task, total=max(total, 1), completed=total - provisional)
@@ -213,8 +243,10 @@ def step_finalize(opts: DemoOptions, state: DemoState, home: Path, cycle: int) -
             if arrived and not provisional:
                 return f"{total} trajectories finalized ({stored} sessions of this cycle stored)"
             if time.monotonic() > deadline:
-                raise FlywheelError(f"{provisional} of {total} trajectories still provisional after "
-                                    f"{opts.finalize_timeout_s:.0f}s; is the consumer running? see logs/consumer.log")
+                raise FlywheelError(
+                    f"{provisional} of {total} trajectories still provisional after "
+                    f"{opts.finalize_timeout_s:.0f}s; is the consumer running? see logs/consumer.log"
+                )
             # The consumer started in "services" sweeps closed windows every 2 s (see _env).
             time.sleep(2.0)
 
@@ -228,8 +260,7 @@ def step_train(opts: DemoOptions, state: DemoState, home: Path, cycle: int) -> s
         args += ["--max-steps", str(opts.train_max_steps)]
     if opts.trainer_config:
         args += ["--config", opts.trainer_config]
-    result = json.loads([ln for ln in flywheel(args, opts, capture=True).stdout.splitlines()
-                         if ln.startswith("{")][-1])
+    result = json.loads([ln for ln in flywheel(args, opts, capture=True).stdout.splitlines() if ln.startswith("{")][-1])
     candidate = result.get("checkpoint_id")
     if not candidate:
         raise FlywheelError(f"the training cycle produced no checkpoint: {result}")
@@ -241,21 +272,36 @@ def step_train(opts: DemoOptions, state: DemoState, home: Path, cycle: int) -> s
 def step_gate(opts: DemoOptions, state: DemoState, home: Path, cycle: int) -> str:
     """Evals of candidate and production on held-out tasks, then the gate decision."""
     candidate = state.data[f"candidate@{cycle}"]
-    decided = _db_scalar("SELECT passed FROM gate_decision WHERE candidate_id = :c ORDER BY created_at DESC LIMIT 1",
-                         c=candidate)
+    decided = _db_scalar(
+        "SELECT passed FROM gate_decision WHERE candidate_id = :c ORDER BY created_at DESC LIMIT 1", c=candidate
+    )
     if decided is not None:
         return f"gate already decided: {'passed' if decided else 'failed'}"
     # Every gated suite runs unless named (mined is empty until tasks are mined, which the gate allows).
     # Samples per task: the suites' own samples_per_task (sized for power, docs/gate.md) would
     # multiply the demo's eval time by k; the demo uses --eval-samples (1).
     # Named suites are run and decide the gate alone (--gate-on); by default every gated suite does.
-    flywheel(["gate", candidate, *(a for s in opts.eval_suites for a in ("--suite", s, "--gate-on", s)),
-              "--limit", str(opts.eval_tasks),
-              "--samples", str(opts.eval_samples),
-              "--max-turns", str(opts.eval_max_turns), "--max-tokens", str(opts.eval_max_tokens),
-              "--min-pairs", str(opts.eval_tasks)], opts)
-    decided = _db_scalar("SELECT passed FROM gate_decision WHERE candidate_id = :c ORDER BY created_at DESC LIMIT 1",
-                         c=candidate)
+    flywheel(
+        [
+            "gate",
+            candidate,
+            *(a for s in opts.eval_suites for a in ("--suite", s, "--gate-on", s)),
+            "--limit",
+            str(opts.eval_tasks),
+            "--samples",
+            str(opts.eval_samples),
+            "--max-turns",
+            str(opts.eval_max_turns),
+            "--max-tokens",
+            str(opts.eval_max_tokens),
+            "--min-pairs",
+            str(opts.eval_tasks),
+        ],
+        opts,
+    )
+    decided = _db_scalar(
+        "SELECT passed FROM gate_decision WHERE candidate_id = :c ORDER BY created_at DESC LIMIT 1", c=candidate
+    )
     return f"gate {'passed' if decided else 'failed'}"
 
 
@@ -265,8 +311,11 @@ def step_release(opts: DemoOptions, state: DemoState, home: Path, cycle: int) ->
 
     candidate = state.data[f"candidate@{cycle}"]
     if "rm_token" not in state.data:
-        proc = flywheel(["tokens", "create", "--role", "release_manager", "--name",
-                         f"demo-release-manager-{int(time.time())}"], opts, capture=True)
+        proc = flywheel(
+            ["tokens", "create", "--role", "release_manager", "--name", f"demo-release-manager-{int(time.time())}"],
+            opts,
+            capture=True,
+        )
         token = proc.stdout.strip().splitlines()[-1].strip()
         state.data["rm_token"] = token
         state.save()
@@ -280,13 +329,20 @@ def step_release(opts: DemoOptions, state: DemoState, home: Path, cycle: int) ->
         production = client.get("/production").raise_for_status().json()
         production_id = (production.get("checkpoint") or {}).get("id")
         if status == "gate_passed":
-            resp = client.post("/promotions", json={
-                "checkpoint_id": candidate, "expected_production_id": production_id,
-                "reason": f"demo cycle {cycle}: gate passed on the held-out suites"})
+            resp = client.post(
+                "/promotions",
+                json={
+                    "checkpoint_id": candidate,
+                    "expected_production_id": production_id,
+                    "reason": f"demo cycle {cycle}: gate passed on the held-out suites",
+                },
+            )
             verb = "promoted"
         else:
-            resp = client.post(f"/checkpoints/{candidate}/reject",
-                               json={"reason": f"demo cycle {cycle}: gate not passed (status {status})"})
+            resp = client.post(
+                f"/checkpoints/{candidate}/reject",
+                json={"reason": f"demo cycle {cycle}: gate not passed (status {status})"},
+            )
             verb = "rejected"
         if resp.status_code >= 400:
             raise FlywheelError(f"release failed: {resp.status_code} {resp.text}")
@@ -308,8 +364,13 @@ def step_report(opts: DemoOptions, state: DemoState, home: Path) -> str:
 
 
 SETUP_FUNCS = {"stack": step_stack, "model": step_model, "services": step_services}
-CYCLE_FUNCS = {"simulate": step_simulate, "finalize": step_finalize, "train": step_train, "gate": step_gate,
-               "release": step_release}
+CYCLE_FUNCS = {
+    "simulate": step_simulate,
+    "finalize": step_finalize,
+    "train": step_train,
+    "gate": step_gate,
+    "release": step_release,
+}
 
 
 def run_demo(opts: DemoOptions) -> None:
@@ -341,8 +402,10 @@ def run_demo(opts: DemoOptions) -> None:
         summary = func(opts, state, home) if cycle is None else func(opts, state, home, cycle)
         state.mark(key)
         con.print(f"    {summary} [dim]({time.monotonic() - t0:.0f}s)[/]")
-    con.print(f"[bold green]demo finished in {time.monotonic() - started:.0f}s[/]; "
-              f"`flywheel demo --down` stops what it started")
+    con.print(
+        f"[bold green]demo finished in {time.monotonic() - started:.0f}s[/]; "
+        f"`flywheel demo --down` stops what it started"
+    )
 
 
 def stop_demo() -> list[str]:

@@ -41,9 +41,14 @@ def start_service(name: str, args: list[str], home: Path, env: dict[str, str] | 
         return state.extra_pids[name]
     (home / "logs").mkdir(parents=True, exist_ok=True)
     log = open(home / "logs" / f"{name}.log", "ab")
-    proc = subprocess.Popen([sys.executable, "-m", "ops.cli", *args], env=env or dict(os.environ),
-                            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ops.cli", *args],
+        env=env or dict(os.environ),
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     register_pid(name, proc.pid, home)
     return proc.pid
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import html
 import json
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -91,8 +91,18 @@ def _reason_text(reason: Any) -> str:
 
 def collect_report(session: Session, candidate_id: str | None = None) -> LoopReport:
     """Read the loop's state. ``candidate_id`` defaults to the newest trained checkpoint."""
-    from app.models import (AuditLog, Checkpoint, DeadLetter, EvalResult, EvalRun, EventLog, GateDecision,
-                            PrivacyTombstone, RewardLabel, Trajectory)
+    from app.models import (
+        AuditLog,
+        Checkpoint,
+        DeadLetter,
+        EvalResult,
+        EvalRun,
+        EventLog,
+        GateDecision,
+        PrivacyTombstone,
+        RewardLabel,
+        Trajectory,
+    )
     from evals.gate_models import Outcome
     from evals.passk import sampling_report
 
@@ -106,20 +116,30 @@ def collect_report(session: Session, candidate_id: str | None = None) -> LoopRep
             select(Checkpoint.id).where(Checkpoint.parent_id.is_not(None)).order_by(Checkpoint.created_at.desc())
         )
     cand = session.get(Checkpoint, candidate_id) if candidate_id else None
-    spec = cand.reward_spec if cand and cand.reward_spec else session.scalar(
-        select(RewardLabel.spec).order_by(RewardLabel.created_at.desc()))
-    rewards = [float(r) for r in session.scalars(select(RewardLabel.reward).where(RewardLabel.spec == spec))] \
-        if spec else []
+    spec = (
+        cand.reward_spec
+        if cand and cand.reward_spec
+        else session.scalar(select(RewardLabel.spec).order_by(RewardLabel.created_at.desc()))
+    )
+    rewards = (
+        [float(r) for r in session.scalars(select(RewardLabel.reward).where(RewardLabel.spec == spec))] if spec else []
+    )
     production = session.scalar(select(Checkpoint.id).where(Checkpoint.status == "production"))
 
     report = LoopReport(
-        generated_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        events_by_type=events, dead_letters_by_reason=dead, privacy_events_dropped=int(dropped),
-        trajectories_by_status=trajs, reward_spec=spec, rewards=rewards,
-        candidate_id=cand.id if cand else None, candidate_parent_id=cand.parent_id if cand else None,
+        generated_at=datetime.now(UTC).isoformat(timespec="seconds"),
+        events_by_type=events,
+        dead_letters_by_reason=dead,
+        privacy_events_dropped=int(dropped),
+        trajectories_by_status=trajs,
+        reward_spec=spec,
+        rewards=rewards,
+        candidate_id=cand.id if cand else None,
+        candidate_parent_id=cand.parent_id if cand else None,
         candidate_status=cand.status if cand else None,
         training_metrics=dict(cand.metrics or {}) if cand else {},
-        trajectories_trained=cand.num_trajectories if cand else 0, production_id=production,
+        trajectories_trained=cand.num_trajectories if cand else 0,
+        production_id=production,
     )
     if cand is None:
         return report
@@ -128,40 +148,62 @@ def collect_report(session: Session, candidate_id: str | None = None) -> LoopRep
         history = json.loads(metrics_file.read_text()).get("history") or []
         report.training_history = [h for h in history if isinstance(h, dict)]
 
-    decision = session.scalars(select(GateDecision).where(GateDecision.candidate_id == cand.id)
-                               .order_by(GateDecision.created_at.desc())).first()
+    decision = session.scalars(
+        select(GateDecision).where(GateDecision.candidate_id == cand.id).order_by(GateDecision.created_at.desc())
+    ).first()
     compared = [cand.id] + ([decision.production_id] if decision else ([cand.parent_id] if cand.parent_id else []))
     for ckpt in compared:
-        runs = session.scalars(select(EvalRun).where(EvalRun.checkpoint_id == ckpt)
-                               .order_by(EvalRun.started_at.desc())).all()
+        runs = session.scalars(
+            select(EvalRun).where(EvalRun.checkpoint_id == ckpt).order_by(EvalRun.started_at.desc())
+        ).all()
         seen: set[str] = set()
         for run in runs:
             if run.suite in seen:
                 continue
             seen.add(run.suite)
             rows = session.execute(
-                select(func.count(), func.count().filter(EvalResult.passed),
-                       func.coalesce(func.avg(EvalResult.completion_tokens), 0.0),
-                       func.coalesce(func.sum(EvalResult.tool_call_errors), 0))
-                .where(EvalResult.run_id == run.id)).one()
+                select(
+                    func.count(),
+                    func.count().filter(EvalResult.passed),
+                    func.coalesce(func.avg(EvalResult.completion_tokens), 0.0),
+                    func.coalesce(func.sum(EvalResult.tool_call_errors), 0),
+                ).where(EvalResult.run_id == run.id)
+            ).one()
             total, passed, mean_tokens, errors = int(rows[0]), int(rows[1]), float(rows[2]), int(rows[3])
             if total == 0:  # an empty suite (e.g. mined before any task is mined) has no rate to show
                 continue
             low, high = wilson_interval(passed, total)
-            per_task = session.execute(select(EvalResult.task_id, func.count(), func.count().filter(EvalResult.passed))
-                                       .where(EvalResult.run_id == run.id).group_by(EvalResult.task_id)).all()
+            per_task = session.execute(
+                select(EvalResult.task_id, func.count(), func.count().filter(EvalResult.passed))
+                .where(EvalResult.run_id == run.id)
+                .group_by(EvalResult.task_id)
+            ).all()
             planned_k = int(((run.config or {}).get("suite") or {}).get("samples_per_task") or 0) or None
             samp = sampling_report([Outcome(t, i, i < c) for t, n, c in per_task for i in range(n)], planned_k)
-            report.suites.append(SuiteResult(ckpt, run.suite, passed, total, low, high, mean_tokens, errors,
-                                             samples_per_task=samp.samples_per_task, pass_at_k=samp.pass_at_k,
-                                             best_of_k=samp.best_of_k))
+            report.suites.append(
+                SuiteResult(
+                    ckpt,
+                    run.suite,
+                    passed,
+                    total,
+                    low,
+                    high,
+                    mean_tokens,
+                    errors,
+                    samples_per_task=samp.samples_per_task,
+                    pass_at_k=samp.pass_at_k,
+                    best_of_k=samp.best_of_k,
+                )
+            )
     if decision is not None:
         report.gate_passed = decision.passed
         report.gate_reasons = [_reason_text(r) for r in decision.reasons or []]
         report.gate_report_path = decision.report_path
     audit = session.scalars(select(AuditLog).order_by(AuditLog.id.desc()).limit(10)).all()
-    report.audit = [{"at": a.created_at.isoformat(timespec="seconds"), "actor": a.actor, "action": a.action,
-                     "target": a.target} for a in audit]
+    report.audit = [
+        {"at": a.created_at.isoformat(timespec="seconds"), "actor": a.actor, "action": a.action, "target": a.target}
+        for a in audit
+    ]
     return report
 
 
@@ -180,28 +222,52 @@ def render_terminal(report: LoopReport) -> None:
 
     con = Console()
     con.rule("[bold]flywheel loop report")
-    con.print(f"events stored: [bold]{report.total_events}[/]  "
-              + ", ".join(f"{k} {v}" for k, v in sorted(report.events_by_type.items())))
-    con.print(f"dead letters: {sum(report.dead_letters_by_reason.values())} {report.dead_letters_by_reason or ''}  "
-              f"privacy-mode events dropped: {report.privacy_events_dropped}")
+    con.print(
+        f"events stored: [bold]{report.total_events}[/]  "
+        + ", ".join(f"{k} {v}" for k, v in sorted(report.events_by_type.items()))
+    )
+    con.print(
+        f"dead letters: {sum(report.dead_letters_by_reason.values())} {report.dead_letters_by_reason or ''}  "
+        f"privacy-mode events dropped: {report.privacy_events_dropped}"
+    )
     con.print("trajectories: " + ", ".join(f"{k} {v}" for k, v in sorted(report.trajectories_by_status.items())))
     if report.rewards:
         r = sorted(report.rewards)
         mean = sum(r) / len(r)
-        con.print(f"rewards ({report.reward_spec}): n={len(r)} mean={mean:+.3f} min={r[0]:+.3f} "
-                  f"median={r[len(r) // 2]:+.3f} max={r[-1]:+.3f}")
+        con.print(
+            f"rewards ({report.reward_spec}): n={len(r)} mean={mean:+.3f} min={r[0]:+.3f} "
+            f"median={r[len(r) // 2]:+.3f} max={r[-1]:+.3f}"
+        )
     if report.candidate_id:
-        con.print(f"candidate [bold]{report.candidate_id}[/] (parent {report.candidate_parent_id}, "
-                  f"{report.trajectories_trained} trajectories, status {report.candidate_status})")
+        con.print(
+            f"candidate [bold]{report.candidate_id}[/] (parent {report.candidate_parent_id}, "
+            f"{report.trajectories_trained} trajectories, status {report.candidate_status})"
+        )
         metrics = _scalar_metrics(report.training_metrics)
         if metrics:
             con.print("training: " + ", ".join(f"{k}={v:.4g}" for k, v in sorted(metrics.items())))
     if report.suites:
-        table = Table("suite", "checkpoint", "pass rate", "95% CI (Wilson)", "n", "pass@k, best-of-K", "mean tokens",
-                      "tool errors")
+        table = Table(
+            "suite",
+            "checkpoint",
+            "pass rate",
+            "95% CI (Wilson)",
+            "n",
+            "pass@k, best-of-K",
+            "mean tokens",
+            "tool errors",
+        )
         for s in sorted(report.suites, key=lambda s: (s.suite, s.checkpoint_id)):
-            table.add_row(s.suite, s.checkpoint_id, f"{s.rate:.1%}", f"[{s.low:.1%}, {s.high:.1%}]", str(s.total),
-                          s.pass_at_k_text, f"{s.mean_completion_tokens:.0f}", str(s.tool_call_errors))
+            table.add_row(
+                s.suite,
+                s.checkpoint_id,
+                f"{s.rate:.1%}",
+                f"[{s.low:.1%}, {s.high:.1%}]",
+                str(s.total),
+                s.pass_at_k_text,
+                f"{s.mean_completion_tokens:.0f}",
+                str(s.tool_call_errors),
+            )
         con.print(table)
     if report.gate_passed is not None:
         con.print(f"gate: {'[green]PASSED[/]' if report.gate_passed else '[red]FAILED[/]'}")
@@ -224,8 +290,10 @@ def render_png(report: LoopReport, path: Path) -> Path:
     ax.set_title(f"rewards ({report.reward_spec or 'none'})")
     ax.set_xlabel("reward")
     ax = axes[1]
-    curves = {name: [h[name] for h in report.training_history if isinstance(h.get(name), (int, float))]
-              for name in ("loss", "entropy", "is_clip_frac", "kl")}
+    curves = {
+        name: [h[name] for h in report.training_history if isinstance(h.get(name), (int, float))]
+        for name in ("loss", "entropy", "is_clip_frac", "kl")
+    }
     curves = {k: v for k, v in curves.items() if v}
     for name, values in curves.items():
         ax.plot(range(1, len(values) + 1), values, marker="o", label=name)
@@ -247,8 +315,12 @@ def render_png(report: LoopReport, path: Path) -> Path:
                     lo.append(s.rate - s.low)
                     hi.append(s.high - s.rate)
         bars = ax.bar(xs, ys, width=width, yerr=[lo, hi], capsize=4, label=ckpt)
-        counts = [f"{s.passed}/{s.total}" for suite in suites for s in report.suites
-                  if s.suite == suite and s.checkpoint_id == ckpt]
+        counts = [
+            f"{s.passed}/{s.total}"
+            for suite in suites
+            for s in report.suites
+            if s.suite == suite and s.checkpoint_id == ckpt
+        ]
         ax.bar_label(bars, labels=counts, padding=2, fontsize=8)
     ax.set_xticks([j + width * (len(ckpts) - 1) / 2 for j in range(len(suites))], suites)
     ax.set_ylim(0, 1)
@@ -269,7 +341,8 @@ def render_html(report: LoopReport, png_name: str, path: Path) -> Path:
         f"<tr><td>{e(s.suite)}</td><td>{e(s.checkpoint_id)}</td><td>{s.rate:.1%}</td>"
         f"<td>[{s.low:.1%}, {s.high:.1%}]</td><td>{s.total}</td><td>{e(s.pass_at_k_text)}</td>"
         f"<td>{s.mean_completion_tokens:.0f}</td></tr>"
-        for s in sorted(report.suites, key=lambda s: (s.suite, s.checkpoint_id)))
+        for s in sorted(report.suites, key=lambda s: (s.suite, s.checkpoint_id))
+    )
     metrics = "".join(f"<li>{e(k)} = {v:.4g}</li>" for k, v in sorted(_scalar_metrics(report.training_metrics).items()))
     reasons = "".join(f"<li>{e(r)}</li>" for r in report.gate_reasons)
     events = "".join(f"<li>{e(k)}: {v}</li>" for k, v in sorted(report.events_by_type.items()))
@@ -304,10 +377,10 @@ def write_report(session: Session, out_dir: Path, candidate_id: str | None = Non
     render_png(report, out_dir / "report.png")
     render_curves_png(points, out_dir / "curves.png")
     html_path = render_html(report, "report.png", out_dir / "report.html")
-    html_path.write_text(html_path.read_text().replace("</body></html>",
-                                                       curves_html(points, "curves.png") + "</body></html>"))
+    html_path.write_text(
+        html_path.read_text().replace("</body></html>", curves_html(points, "curves.png") + "</body></html>")
+    )
     from dataclasses import asdict
 
     (out_dir / "report.json").write_text(json.dumps(asdict(report), indent=2, default=str))
     return report, html_path
-

@@ -29,24 +29,33 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 from opentelemetry import context as otel_context
 from pydantic import BaseModel, ConfigDict, Field
 
 from app.core.telemetry import tracer
-
 from producers.events.types import (
-    EditAccepted, EditAcceptedEvent, EditPersistenceMeasured, EditPersistenceMeasuredEvent, EditRejected,
-    EditRejectedEvent, EventBase, FollowupSent, FollowupSentEvent,
+    EditAccepted,
+    EditAcceptedEvent,
+    EditPersistenceMeasured,
+    EditPersistenceMeasuredEvent,
+    EditRejected,
+    EditRejectedEvent,
+    EventBase,
+    FollowupSent,
+    FollowupSentEvent,
 )
 
 log = logging.getLogger(__name__)
 _tracer = tracer("flywheel.producers.simulator")
 
-FOLLOWUPS = ("This doesn't work, the tests still fail.", "That broke it. Please redo this.",
-             "No, that's not what I asked for.")
+FOLLOWUPS = (
+    "This doesn't work, the tests still fail.",
+    "That broke it. Please redo this.",
+    "No, that's not what I asked for.",
+)
 
 
 class DeveloperModel(BaseModel):
@@ -86,13 +95,20 @@ class DeveloperModel(BaseModel):
 
     def accept_probability(self, outcome: str) -> float:
         """P(accept) of an edit given the session's outcome (``works`` | ``looks_right`` | ``broken``)."""
-        return {"works": self.accept_if_works, "looks_right": self.accept_if_looks_right,
-                "broken": self.accept_if_broken}[outcome]
+        return {
+            "works": self.accept_if_works,
+            "looks_right": self.accept_if_looks_right,
+            "broken": self.accept_if_broken,
+        }[outcome]
 
     def followup_probability(self, outcome: str) -> float:
         """P(dissatisfied follow-up) given the outcome (``no_edit`` too)."""
-        return {"works": self.followup_if_works, "looks_right": self.followup_if_fails,
-                "broken": self.followup_if_fails, "no_edit": self.followup_if_no_edit}[outcome]
+        return {
+            "works": self.followup_if_works,
+            "looks_right": self.followup_if_fails,
+            "broken": self.followup_if_fails,
+            "no_edit": self.followup_if_no_edit,
+        }[outcome]
 
 
 class SimulatorConfig(BaseModel):
@@ -166,8 +182,16 @@ def visible_check(task, final_files: dict[str, str]) -> bool:
 class DeveloperReaction:
     """What the simulated developer does after one session; builds the late events."""
 
-    def __init__(self, config: SimulatorConfig, rng: random.Random, task, workdir: Path, envelope: dict,
-                 emit: Callable[[EventBase], None], schedule: Callable[[float, EventBase], None]) -> None:
+    def __init__(
+        self,
+        config: SimulatorConfig,
+        rng: random.Random,
+        task,
+        workdir: Path,
+        envelope: dict,
+        emit: Callable[[EventBase], None],
+        schedule: Callable[[float, EventBase], None],
+    ) -> None:
         self.config, self.rng, self.task, self.workdir = config, rng, task, workdir
         self.envelope, self.emit, self.schedule = envelope, emit, schedule
         self.passed: bool | None = None
@@ -185,10 +209,15 @@ class DeveloperReaction:
         if result.edited:
             graded = grade_result(self.task, self.workdir, SandboxLimits(timeout_s=self.config.run_timeout_s))
             self.passed = graded.ok
-            self.grade_detail = {"exit_code": graded.exit_code, "killed_reason": graded.killed_reason,
-                                 "duration_s": round(graded.duration_s, 2), "tail": graded.stderr[-300:]}
-            self.outcome = ("works" if graded.ok else
-                            "looks_right" if visible_check(self.task, result.final_files) else "broken")
+            self.grade_detail = {
+                "exit_code": graded.exit_code,
+                "killed_reason": graded.killed_reason,
+                "duration_s": round(graded.duration_s, 2),
+                "tail": graded.stderr[-300:],
+            }
+            self.outcome = (
+                "works" if graded.ok else "looks_right" if visible_check(self.task, result.final_files) else "broken"
+            )
         expected: list[str] = []
         final = result.final_files
         keep = dev.keep_if_works if self.outcome == "works" else dev.keep_if_fails
@@ -201,12 +230,25 @@ class DeveloperReaction:
             self.emit(EditAcceptedEvent(**self.envelope, payload=EditAccepted(edit_id=edit["edit_id"])))
             fraction = surviving_fraction(edit, final.get(edit["path"], "")) * self.rng.uniform(*keep)
             delay = self.config.persistence_delay_s
-            self.schedule(delay, EditPersistenceMeasuredEvent(**self.envelope, payload=EditPersistenceMeasured(
-                edit_id=edit["edit_id"], fraction_persisted=round(min(max(fraction, 0.0), 1.0), 4), delay_s=delay)))
+            self.schedule(
+                delay,
+                EditPersistenceMeasuredEvent(
+                    **self.envelope,
+                    payload=EditPersistenceMeasured(
+                        edit_id=edit["edit_id"],
+                        fraction_persisted=round(min(max(fraction, 0.0), 1.0), 4),
+                        delay_s=delay,
+                    ),
+                ),
+            )
             expected.append("edit.persistence_measured")
         if self.rng.random() < dev.followup_probability(self.outcome):
-            self.schedule(self.config.followup_delay_s, FollowupSentEvent(**self.envelope, payload=FollowupSent(
-                text=self.rng.choice(FOLLOWUPS), dissatisfied=True)))
+            self.schedule(
+                self.config.followup_delay_s,
+                FollowupSentEvent(
+                    **self.envelope, payload=FollowupSent(text=self.rng.choice(FOLLOWUPS), dissatisfied=True)
+                ),
+            )
             expected.append("followup.sent")
         return expected
 
@@ -253,7 +295,7 @@ class LateEvents:
             # The event's occurred_at is its emission time (the measurement happens now).
             token = otel_context.attach(ctx)
             try:
-                self._emit(event.model_copy(update={"occurred_at": datetime.now(timezone.utc)}))
+                self._emit(event.model_copy(update={"occurred_at": datetime.now(UTC)}))
             finally:
                 otel_context.detach(token)
             sent += 1
@@ -288,9 +330,13 @@ class ModelledLatency:
         return out
 
 
-def run_simulation(config: SimulatorConfig, engine, emit: Callable[[EventBase], None],
-                   progress: Callable[[dict], None] | None = None,
-                   engine_for: Callable[[str], object] | None = None) -> list[dict]:
+def run_simulation(
+    config: SimulatorConfig,
+    engine,
+    emit: Callable[[EventBase], None],
+    progress: Callable[[dict], None] | None = None,
+    engine_for: Callable[[str], object] | None = None,
+) -> list[dict]:
     """Run ``config.sessions`` sessions, at most ``config.concurrency`` at once; returns one summary
     dict per session, ordered by session index. ``engine_for(user_id)`` picks the engine that serves
     a user's sessions (a canary's sticky arms, ``serving.canary.EngineRouter.engine_for``);
@@ -302,21 +348,27 @@ def run_simulation(config: SimulatorConfig, engine, emit: Callable[[EventBase], 
     from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 
     from app.core.errors import ConfigurationError
+    from app.inference.engine import SamplingParams
     from evals.harness.agent import AgentBudget, run_agent_session
     from evals.harness.sandbox import SandboxLimits
     from evals.tasks import load_tasks
-    from app.inference.engine import SamplingParams
 
     if config.split != "train":
-        raise ConfigurationError(f"the simulator plays product sessions on training tasks only (got split "
-                                 f"{config.split!r}); eval splits never reach the event stream")
+        raise ConfigurationError(
+            f"the simulator plays product sessions on training tasks only (got split "
+            f"{config.split!r}); eval splits never reach the event stream"
+        )
     rng = random.Random(config.seed)
     n_tasks = config.tasks or math.ceil(config.sessions / config.group_size)
     tasks = load_tasks(config.source, config.split, limit=n_tasks, seed=config.seed)
     plan = [tasks[(i // config.group_size) % len(tasks)] for i in range(config.sessions)]
     late = LateEvents(emit)
-    budget = AgentBudget(max_turns=config.max_turns, max_completion_tokens=config.max_tokens,
-                         context_tokens=config.context_tokens, max_tokens_per_turn=config.max_tokens_per_turn)
+    budget = AgentBudget(
+        max_turns=config.max_turns,
+        max_completion_tokens=config.max_tokens,
+        context_tokens=config.context_tokens,
+        max_tokens_per_turn=config.max_tokens_per_turn,
+    )
     limits = SandboxLimits(timeout_s=config.run_timeout_s)
     served: dict[int, ModelledLatency] = {}
 
@@ -327,37 +379,75 @@ def run_simulation(config: SimulatorConfig, engine, emit: Callable[[EventBase], 
     specs = []
     for i, task in enumerate(plan):
         user_id = f"user-{rng.randrange(config.users):03d}"
-        specs.append(dict(index=i, task=task, session_id=f"sim-{uuid.uuid4()}", user_id=user_id,
-                          privacy=rng.random() < config.privacy_rate, rng=random.Random(rng.random()),
-                          seed=config.seed * 100_003 + i, engine=engine_of(user_id)))
+        specs.append(
+            dict(
+                index=i,
+                task=task,
+                session_id=f"sim-{uuid.uuid4()}",
+                user_id=user_id,
+                privacy=rng.random() < config.privacy_rate,
+                rng=random.Random(rng.random()),
+                seed=config.seed * 100_003 + i,
+                engine=engine_of(user_id),
+            )
+        )
     root = Path(tempfile.mkdtemp(prefix="flywheel-sim-"))
 
     def one(spec: dict) -> dict:
         workdir = root / spec["session_id"]
-        envelope = dict(session_id=spec["session_id"], user_id=spec["user_id"], org_id=config.org_id,
-                        privacy_mode=spec["privacy"])
+        envelope = dict(
+            session_id=spec["session_id"], user_id=spec["user_id"], org_id=config.org_id, privacy_mode=spec["privacy"]
+        )
         dev = DeveloperReaction(config, spec["rng"], spec["task"], workdir, envelope, emit, late.schedule)
         started = time.perf_counter()
         # One trace per session: the producer injects this span's context into every event's
         # headers, and the consumer links its batch spans to it.
-        with _tracer.start_as_current_span("simulator.session", attributes={
-                "flywheel.session_id": spec["session_id"], "flywheel.task_id": spec["task"].id}):
+        with _tracer.start_as_current_span(
+            "simulator.session",
+            attributes={"flywheel.session_id": spec["session_id"], "flywheel.task_id": spec["task"].id},
+        ):
             try:
                 result = run_agent_session(
-                    spec["engine"], spec["task"], workdir, budget,
-                    SamplingParams(max_tokens=config.max_tokens_per_turn, temperature=config.temperature,
-                                   top_p=config.top_p, seed=spec["seed"]),
-                    emit=emit, session_id=spec["session_id"], user_id=spec["user_id"], org_id=config.org_id,
-                    privacy_mode=spec["privacy"], limits=limits, on_end=dev)
-                return {"session": spec["index"], "session_id": spec["session_id"], "task_id": spec["task"].id,
-                        "user_id": spec["user_id"], "checkpoint_id": spec["engine"].checkpoint_id,
-                        "reason": result.reason, "turns": result.turns,
-                        "segments": result.segments, "completion_tokens": result.completion_tokens,
-                        "latency_s": round(result.latency_s, 3), "tool_calls": result.tool_calls,
-                        "tool_call_errors": result.tool_call_errors, "edited": result.edited,
-                        "outcome": dev.outcome, "passed": dev.passed, "accepted": dev.accepted,
-                        "rejected": dev.rejected, "grade": dev.grade_detail, "privacy_mode": spec["privacy"],
-                        "wall_s": round(time.perf_counter() - started, 1)}
+                    spec["engine"],
+                    spec["task"],
+                    workdir,
+                    budget,
+                    SamplingParams(
+                        max_tokens=config.max_tokens_per_turn,
+                        temperature=config.temperature,
+                        top_p=config.top_p,
+                        seed=spec["seed"],
+                    ),
+                    emit=emit,
+                    session_id=spec["session_id"],
+                    user_id=spec["user_id"],
+                    org_id=config.org_id,
+                    privacy_mode=spec["privacy"],
+                    limits=limits,
+                    on_end=dev,
+                )
+                return {
+                    "session": spec["index"],
+                    "session_id": spec["session_id"],
+                    "task_id": spec["task"].id,
+                    "user_id": spec["user_id"],
+                    "checkpoint_id": spec["engine"].checkpoint_id,
+                    "reason": result.reason,
+                    "turns": result.turns,
+                    "segments": result.segments,
+                    "completion_tokens": result.completion_tokens,
+                    "latency_s": round(result.latency_s, 3),
+                    "tool_calls": result.tool_calls,
+                    "tool_call_errors": result.tool_call_errors,
+                    "edited": result.edited,
+                    "outcome": dev.outcome,
+                    "passed": dev.passed,
+                    "accepted": dev.accepted,
+                    "rejected": dev.rejected,
+                    "grade": dev.grade_detail,
+                    "privacy_mode": spec["privacy"],
+                    "wall_s": round(time.perf_counter() - started, 1),
+                }
             except Exception as exc:  # one broken session must not stop the others (it emitted its end)
                 log.exception("session %s failed", spec["session_id"])
                 return {"session": spec["index"], "session_id": spec["session_id"], "error": repr(exc)}
@@ -366,8 +456,7 @@ def run_simulation(config: SimulatorConfig, engine, emit: Callable[[EventBase], 
 
     summaries: list[dict] = []
     try:
-        with ThreadPoolExecutor(max_workers=min(config.concurrency, len(specs)),
-                                thread_name_prefix="session") as pool:
+        with ThreadPoolExecutor(max_workers=min(config.concurrency, len(specs)), thread_name_prefix="session") as pool:
             pending = {pool.submit(one, spec) for spec in specs}
             while pending:
                 finished, pending = wait(pending, timeout=0.5, return_when=FIRST_COMPLETED)

@@ -18,15 +18,22 @@ def simulate(
     temperature: float = typer.Option(0.7, "--temperature", help="must match the trainer's loss.temperature"),
     privacy_rate: float = typer.Option(0.1, "--privacy-rate", help="share of sessions in privacy mode"),
     concurrency: int = typer.Option(64, "--concurrency", help="sessions in flight at once (batched in the engine)"),
-    persistence_delay: float = typer.Option(5.0, "--persistence-delay", help="seconds before edit persistence is measured"),
+    persistence_delay: float = typer.Option(
+        5.0, "--persistence-delay", help="seconds before edit persistence is measured"
+    ),
     source: str = typer.Option("dataframebench", "--source", help="task source (train split)"),
     seed: int = typer.Option(0, "--seed"),
-    model_dir: Path = typer.Option(None, "--model-dir", help="serve this HF folder instead of the production checkpoint"),
+    model_dir: Path = typer.Option(
+        None, "--model-dir", help="serve this HF folder instead of the production checkpoint"
+    ),
     checkpoint: str = typer.Option(None, "--checkpoint", help="checkpoint id (default: production)"),
     threads: int = typer.Option(2, "--threads", help="torch CPU threads (torch engine)"),
-    canary: bool = typer.Option(True, "--canary/--no-canary",
-                                help="serve the active canary's users with its checkpoint (sticky by user), as "
-                                     "live traffic does; only when serving production (no --checkpoint/--model-dir)"),
+    canary: bool = typer.Option(
+        True,
+        "--canary/--no-canary",
+        help="serve the active canary's users with its checkpoint (sticky by user), as "
+        "live traffic does; only when serving production (no --checkpoint/--model-dir)",
+    ),
 ) -> None:
     """Play the product backend: real agent sessions on training tasks, every event to the broker.
     With an active canary, its share of users is served by the candidate (``flywheel canary status``)."""
@@ -34,20 +41,29 @@ def simulate(
 
     import torch
 
+    from app.core.telemetry import configure_telemetry, shutdown_telemetry
+    from ops.simulator import SimulatorConfig, run_simulation
+    from producers.producer import EventProducer
     from serving.canary import EngineRouter, active_canary_from_registry, setup_canary_engine
     from serving.engine import setup_engine
-    from producers.producer import EventProducer
-    from ops.simulator import SimulatorConfig, run_simulation
-
-    from app.core.telemetry import configure_telemetry, shutdown_telemetry
 
     configure_telemetry("flywheel-simulator")
     torch.set_num_threads(threads)
-    config = SimulatorConfig(sessions=sessions, tasks=tasks, group_size=group_size, max_turns=max_turns,
-                             max_tokens=max_tokens, max_tokens_per_turn=max_tokens_per_turn,
-                             context_tokens=context_tokens, temperature=temperature, privacy_rate=privacy_rate,
-                             concurrency=concurrency, persistence_delay_s=persistence_delay, source=source,
-                             seed=seed)
+    config = SimulatorConfig(
+        sessions=sessions,
+        tasks=tasks,
+        group_size=group_size,
+        max_turns=max_turns,
+        max_tokens=max_tokens,
+        max_tokens_per_turn=max_tokens_per_turn,
+        context_tokens=context_tokens,
+        temperature=temperature,
+        privacy_rate=privacy_rate,
+        concurrency=concurrency,
+        persistence_delay_s=persistence_delay,
+        source=source,
+        seed=seed,
+    )
     engine = setup_engine(checkpoint_id=checkpoint, model_dir=model_dir)
     router = EngineRouter(engine)
     active = active_canary_from_registry() if canary and checkpoint is None and model_dir is None else None
@@ -56,19 +72,28 @@ def simulate(
         typer.echo(f"canary {active.canary_id}: {active.checkpoint_id} serves {active.fraction:.1%} of users")
     typer.echo(f"simulating {sessions} sessions with checkpoint {engine.checkpoint_id}")
     with EventProducer() as producer:
-        summaries = run_simulation(config, engine, producer.emit,
-                                   progress=lambda s: typer.echo(json.dumps(s)), engine_for=router.engine_for)
+        summaries = run_simulation(
+            config, engine, producer.emit, progress=lambda s: typer.echo(json.dumps(s)), engine_for=router.engine_for
+        )
         producer.flush(timeout_s=60)
         metrics = producer.metrics
     shutdown_telemetry()
     by_checkpoint: dict[str, int] = {}
     for s in summaries:
         by_checkpoint[s.get("checkpoint_id", "?")] = by_checkpoint.get(s.get("checkpoint_id", "?"), 0) + 1
-    typer.echo(json.dumps({"sessions": len(summaries), "errors": sum(1 for s in summaries if "error" in s),
-                           "passed": sum(1 for s in summaries if s.get("passed")),
-                           "accepted": sum(s.get("accepted", 0) for s in summaries),
-                           "rejected": sum(s.get("rejected", 0) for s in summaries), "by_checkpoint": by_checkpoint,
-                           "producer": metrics}))
+    typer.echo(
+        json.dumps(
+            {
+                "sessions": len(summaries),
+                "errors": sum(1 for s in summaries if "error" in s),
+                "passed": sum(1 for s in summaries if s.get("passed")),
+                "accepted": sum(s.get("accepted", 0) for s in summaries),
+                "rejected": sum(s.get("rejected", 0) for s in summaries),
+                "by_checkpoint": by_checkpoint,
+                "producer": metrics,
+            }
+        )
+    )
 
 
 def register(app: typer.Typer) -> None:

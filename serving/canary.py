@@ -127,8 +127,10 @@ def setup_canary_engine(checkpoint_id: str, path: Path, settings=None, canary: C
     from serving.openai_engine import OpenAICompatEngine
 
     if not canary.url and not canary.model:
-        raise ConfigurationError("a canary on vLLM needs FLYWHEEL_SERVING_CANARY_URL (a second server) or "
-                                 "FLYWHEEL_SERVING_CANARY_MODEL (the candidate's served model name)")
+        raise ConfigurationError(
+            "a canary on vLLM needs FLYWHEEL_SERVING_CANARY_URL (a second server) or "
+            "FLYWHEEL_SERVING_CANARY_MODEL (the candidate's served model name)"
+        )
     key = settings.serving.api_key.get_secret_value() if settings.serving.api_key else None
     engine = OpenAICompatEngine(canary.url or settings.serving.url, api_key=key, model=canary.model)
     if canary.url and engine.checkpoint_id != checkpoint_id:
@@ -150,8 +152,9 @@ class CanaryFollower:
             :func:`setup_canary_engine`).
     """
 
-    def __init__(self, router: EngineRouter, *, store: CheckpointStore | None = None,
-                 factory: EngineFactory | None = None) -> None:
+    def __init__(
+        self, router: EngineRouter, *, store: CheckpointStore | None = None, factory: EngineFactory | None = None
+    ) -> None:
         self.router = router
         self.store = store or CheckpointStore.from_settings()
         self.factory = factory or setup_canary_engine
@@ -178,11 +181,16 @@ class CanaryFollower:
         """
         if payload["type"] == "canary.started":
             folder = self._folder(payload)
-            active = ActiveCanary(canary_id=str(payload["canary_id"]), checkpoint_id=payload["checkpoint_id"],
-                                  fraction=float(payload["fraction"]), path=str(folder))
+            active = ActiveCanary(
+                canary_id=str(payload["canary_id"]),
+                checkpoint_id=payload["checkpoint_id"],
+                fraction=float(payload["fraction"]),
+                path=str(folder),
+            )
             self.router.start(active, self.factory(active.checkpoint_id, folder))
-            log.info("canary %s: %s serves %.1f%% of users", active.canary_id, active.checkpoint_id,
-                     100 * active.fraction)
+            log.info(
+                "canary %s: %s serves %.1f%% of users", active.canary_id, active.checkpoint_id, 100 * active.fraction
+            )
         elif self.router.active is not None and self.router.active.canary_id == str(payload["canary_id"]):
             self.router.stop()
             log.info("canary %s stopped: production serves every user", payload["canary_id"])

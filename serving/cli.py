@@ -50,8 +50,9 @@ def serve(
     from serving.torch_engine import TorchEngine
 
     cid, path = resolve_checkpoint(checkpoint, model_dir)
-    engine = TorchEngine(path, checkpoint_id=cid, num_threads=threads, max_seqs=max_seqs,
-                         device=device or get_settings().serving.device)
+    engine = TorchEngine(
+        path, checkpoint_id=cid, num_threads=threads, max_seqs=max_seqs, device=device or get_settings().serving.device
+    )
     key = get_settings().serving.api_key
     app = create_app(engine, api_key=key.get_secret_value() if key else None)
     typer.echo(f"serving {cid} from {path} on http://{host}:{port}")

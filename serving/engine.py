@@ -12,8 +12,15 @@ ENGINE_TYPES = ("torch", "vllm", "openai")
 ROLES = ("production", "eval")
 
 
-def setup_engine(settings=None, *, checkpoint_id: str | None = None, model_dir: Path | None = None,
-                 engine: str | None = None, url: str | None = None, role: str = "production") -> InferenceEngine:
+def setup_engine(
+    settings=None,
+    *,
+    checkpoint_id: str | None = None,
+    model_dir: Path | None = None,
+    engine: str | None = None,
+    url: str | None = None,
+    role: str = "production",
+) -> InferenceEngine:
     """Build the configured engine (``FLYWHEEL_SERVING_ENGINE``: ``torch`` | ``vllm``).
 
     ``torch`` loads ``model_dir`` if given, else the checkpoint ``checkpoint_id`` (default: the
@@ -50,11 +57,15 @@ def setup_engine(settings=None, *, checkpoint_id: str | None = None, model_dir: 
     base_url = url or (settings.serving.eval_url if role == "eval" else settings.serving.url)
     if not base_url:
         env = "FLYWHEEL_SERVING_EVAL_URL" if role == "eval" else "FLYWHEEL_SERVING_URL"
-        raise ConfigurationError(f"engine 'vllm' in role {role} needs {env} (an OpenAI-compatible server"
-                                 + (" that does not serve production)" if role == "eval" else ")"))
+        raise ConfigurationError(
+            f"engine 'vllm' in role {role} needs {env} (an OpenAI-compatible server"
+            + (" that does not serve production)" if role == "eval" else ")")
+        )
     if role == "eval" and settings.serving.url and _same_server(base_url, settings.serving.url):
-        raise ConfigurationError(f"the eval server {base_url} is the production server: evaluating a candidate "
-                                 "there would swap production's weights; run a second server for evals")
+        raise ConfigurationError(
+            f"the eval server {base_url} is the production server: evaluating a candidate "
+            "there would swap production's weights; run a second server for evals"
+        )
     key = settings.serving.api_key.get_secret_value() if settings.serving.api_key else None
     client = OpenAICompatEngine(base_url, api_key=key)
     if model_dir is not None or checkpoint_id is not None:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+
 class SlotKVCache:
     """Per-layer key and value buffers ``[slots, kv_heads, capacity, head_dim]`` (fp32).
 
@@ -28,8 +29,14 @@ class SlotKVCache:
         device: where the buffers live (the model's device).
     """
 
-    def __init__(self, num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype = torch.float32,
-                 device: torch.device | str = "cpu") -> None:
+    def __init__(
+        self,
+        num_layers: int,
+        kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> None:
         self.num_layers, self.kv_heads, self.head_dim, self.dtype = num_layers, kv_heads, head_dim, dtype
         self.device = torch.device(device)
         self.k: list[torch.Tensor] = []
@@ -66,8 +73,9 @@ class SlotKVCache:
         """Free the buffers (no sequence is running)."""
         self.k, self.v, self.slots, self.capacity = [], [], 0, 0
 
-    def write_tokens(self, layer: int, slots: torch.Tensor, positions: torch.Tensor, key: torch.Tensor,
-                     value: torch.Tensor) -> None:
+    def write_tokens(
+        self, layer: int, slots: torch.Tensor, positions: torch.Tensor, key: torch.Tensor, value: torch.Tensor
+    ) -> None:
         """Store ``T`` new tokens' key/value: token ``t`` at ``[slots[t], :, positions[t]]``.
 
         Args:
@@ -81,7 +89,7 @@ class SlotKVCache:
     def view(self, layer: int, slot0: int, count: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of slots ``[slot0, slot0 + count)``, first ``width`` entries:
         ``[count, kv_heads, width, head_dim]`` views (no copy)."""
-        return (self.k[layer][slot0:slot0 + count, :, :width], self.v[layer][slot0:slot0 + count, :, :width])
+        return (self.k[layer][slot0 : slot0 + count, :, :width], self.v[layer][slot0 : slot0 + count, :, :width])
 
     def move(self, src: int, dst: int, length: int) -> None:
         """Copy slot ``src``'s first ``length`` entries into slot ``dst`` (compaction)."""
@@ -90,8 +98,7 @@ class SlotKVCache:
 
     def export(self, slot: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Copies of slot ``slot``'s first ``length`` entries: ``[layers, kv_heads, length, head_dim]`` x 2."""
-        return (torch.stack([b[slot, :, :length] for b in self.k]),
-                torch.stack([b[slot, :, :length] for b in self.v]))
+        return (torch.stack([b[slot, :, :length] for b in self.k]), torch.stack([b[slot, :, :length] for b in self.v]))
 
     def load(self, slot: int, keys: torch.Tensor, values: torch.Tensor, length: int) -> None:
         """Fill slot ``slot``'s first ``length`` entries from :meth:`export`-shaped tensors."""
@@ -158,8 +165,11 @@ class PrefixCache:
         n = len(entry.tokens)
         if n > self.max_tokens:
             return
-        for key in [k for k, e in self._entries.items()
-                    if len(e.tokens) <= n and torch.equal(e.tokens, entry.tokens[:len(e.tokens)])]:
+        for key in [
+            k
+            for k, e in self._entries.items()
+            if len(e.tokens) <= n and torch.equal(e.tokens, entry.tokens[: len(e.tokens)])
+        ]:
             self.tokens -= len(self._entries.pop(key).tokens)
         self._entries[self._next_id] = entry
         self._next_id += 1

@@ -46,8 +46,12 @@ from tenacity import retry, retry_if_exception_type, stop_after_attempt, wait_ex
 from app.core.errors import CheckpointError, InfrastructureError
 from app.inference.engine import Generation, InferenceEngine, SamplingParams
 
-_RETRY = dict(retry=retry_if_exception_type(httpx.TransportError), stop=stop_after_attempt(4),
-              wait=wait_exponential(multiplier=0.5, max=8), reraise=True)
+_RETRY = dict(
+    retry=retry_if_exception_type(httpx.TransportError),
+    stop=stop_after_attempt(4),
+    wait=wait_exponential(multiplier=0.5, max=8),
+    reraise=True,
+)
 
 
 def _token_ids(choice: dict[str, Any]) -> list[int]:
@@ -80,8 +84,9 @@ def _route_array(value: Any) -> np.ndarray:
     return arr.astype(np.int64)
 
 
-def sampling_routes(choice: dict[str, Any], response: dict[str, Any], n_prompts: int,
-                    n_tokens: int) -> list[list[list[int]]] | None:
+def sampling_routes(
+    choice: dict[str, Any], response: dict[str, Any], n_prompts: int, n_tokens: int
+) -> list[list[list[int]]] | None:
     """A choice's routes in :class:`Generation` order (see the module docstring), or None.
 
     Returns:
@@ -101,9 +106,11 @@ def sampling_routes(choice: dict[str, Any], response: dict[str, Any], n_prompts:
     if len(prompt) == 0:
         return None
     if len(generated) < n_tokens - 1 or (len(generated) and generated.shape[1:] != prompt.shape[1:]):
-        raise InfrastructureError(f"{len(generated)} routes of shape {generated.shape[1:]} for {n_tokens} tokens "
-                                  f"after prompt routes of shape {prompt.shape[1:]}")
-    return np.concatenate([prompt[-1:], generated[:n_tokens - 1]]).tolist()
+        raise InfrastructureError(
+            f"{len(generated)} routes of shape {generated.shape[1:]} for {n_tokens} tokens "
+            f"after prompt routes of shape {prompt.shape[1:]}"
+        )
+    return np.concatenate([prompt[-1:], generated[: n_tokens - 1]]).tolist()
 
 
 class OpenAICompatEngine(InferenceEngine):
@@ -122,12 +129,20 @@ class OpenAICompatEngine(InferenceEngine):
         InfrastructureError: the server is unreachable or answers with an error.
     """
 
-    def __init__(self, base_url: str, *, api_key: str | None = None, model: str | None = None,
-                 tokenizer_dir: Path | None = None, timeout_s: float = 600.0,
-                 transport: httpx.BaseTransport | None = None) -> None:
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        api_key: str | None = None,
+        model: str | None = None,
+        tokenizer_dir: Path | None = None,
+        timeout_s: float = 600.0,
+        transport: httpx.BaseTransport | None = None,
+    ) -> None:
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self._http = httpx.Client(base_url=base_url.rstrip("/"), headers=headers, timeout=timeout_s,
-                                  transport=transport)
+        self._http = httpx.Client(
+            base_url=base_url.rstrip("/"), headers=headers, timeout=timeout_s, transport=transport
+        )
         info = self._request("GET", "/v1/models")["data"][0]
         self.model = model or info["id"]
         self.checkpoint_id = info.get("checkpoint_id") or self.model
@@ -168,10 +183,17 @@ class OpenAICompatEngine(InferenceEngine):
         if not prompts:
             return []
         body = {
-            "model": self.model, "prompt": [list(map(int, p)) for p in prompts], "n": 1,
-            "max_tokens": params.max_tokens, "temperature": params.temperature, "top_p": params.top_p,
-            "logprobs": 0, "return_token_ids": True, "return_tokens_as_token_ids": True,
-            "skip_special_tokens": False, "include_stop_str_in_output": True,
+            "model": self.model,
+            "prompt": [list(map(int, p)) for p in prompts],
+            "n": 1,
+            "max_tokens": params.max_tokens,
+            "temperature": params.temperature,
+            "top_p": params.top_p,
+            "logprobs": 0,
+            "return_token_ids": True,
+            "return_tokens_as_token_ids": True,
+            "skip_special_tokens": False,
+            "include_stop_str_in_output": True,
         }
         if params.seed is not None:
             body["seed"] = params.seed
@@ -189,14 +211,22 @@ class OpenAICompatEngine(InferenceEngine):
             lps = [float(x) for x in (c.get("logprobs") or {}).get("token_logprobs") or []]
             if len(lps) != len(ids):
                 raise InfrastructureError(f"{len(lps)} log-probs for {len(ids)} tokens")
-            out.append(Generation(token_ids=ids, logprobs=lps, finish_reason=c.get("finish_reason") or "stop",
-                                  latency_s=latency, routed_experts=sampling_routes(c, data, len(prompts), len(ids))))
+            out.append(
+                Generation(
+                    token_ids=ids,
+                    logprobs=lps,
+                    finish_reason=c.get("finish_reason") or "stop",
+                    latency_s=latency,
+                    routed_experts=sampling_routes(c, data, len(prompts), len(ids)),
+                )
+            )
         return out
 
     def load_checkpoint(self, checkpoint_id: str, path: Path) -> None:
         """Point the server at ``path`` and reload weights in place (see the module docstring)."""
-        self._request("POST", "/collective_rpc",
-                      {"method": "update_config", "args": [{"model_config": {"model": str(path)}}]})
+        self._request(
+            "POST", "/collective_rpc", {"method": "update_config", "args": [{"model_config": {"model": str(path)}}]}
+        )
         self._request("POST", "/collective_rpc", {"method": "reload_weights"})
         self._request("POST", "/reset_prefix_cache")
         self.checkpoint_id = checkpoint_id
@@ -209,11 +239,18 @@ class OpenAICompatEngine(InferenceEngine):
             CheckpointError: the server does not serve ``parent_id`` or the folder has no config.
         """
         if self.checkpoint_id != parent_id:
-            raise CheckpointError(f"delta {checkpoint_id} applies to {parent_id}, but the server serves "
-                                  f"{self.checkpoint_id}")
+            raise CheckpointError(
+                f"delta {checkpoint_id} applies to {parent_id}, but the server serves {self.checkpoint_id}"
+            )
         if self.applies_deltas:
-            self._request("POST", "/collective_rpc", {"method": "apply_delta", "kwargs": {
-                "checkpoint_id": checkpoint_id, "delta_path": str(delta_path), "parent_id": parent_id}})
+            self._request(
+                "POST",
+                "/collective_rpc",
+                {
+                    "method": "apply_delta",
+                    "kwargs": {"checkpoint_id": checkpoint_id, "delta_path": str(delta_path), "parent_id": parent_id},
+                },
+            )
             self.checkpoint_id = checkpoint_id
             return
         folder = Path(delta_path).parent

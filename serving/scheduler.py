@@ -30,8 +30,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from serving.batched_forward import forward_step, new_cache
 from app.inference.engine import Generation, SamplingParams
+from serving.batched_forward import forward_step, new_cache
 from serving.kv_cache import CachedPrefix, PrefixCache
 
 
@@ -73,8 +73,16 @@ class Scheduler:
         max_prefill_tokens: prompt tokens admitted into one step (a longer prompt goes alone).
     """
 
-    def __init__(self, get_model: Callable[[], torch.nn.Module], sample, routers_fn: Callable, *, max_seqs: int,
-                 max_kv_tokens: int, max_prefill_tokens: int = 2048) -> None:
+    def __init__(
+        self,
+        get_model: Callable[[], torch.nn.Module],
+        sample,
+        routers_fn: Callable,
+        *,
+        max_seqs: int,
+        max_kv_tokens: int,
+        max_prefill_tokens: int = 2048,
+    ) -> None:
         self._get_model, self._sample, self._routers_fn = get_model, sample, routers_fn
         self.max_seqs, self.max_kv_tokens, self.max_prefill_tokens = max_seqs, max_kv_tokens, max_prefill_tokens
         self.prefix_cache = PrefixCache(max_kv_tokens)
@@ -93,8 +101,10 @@ class Scheduler:
     def submit(self, seq: Sequence) -> None:
         """Queue ``seq``; raises RuntimeError after :meth:`close`, ValueError if it can never fit."""
         if seq.reserve > self.max_kv_tokens:
-            raise ValueError(f"prompt ({len(seq.prompt)} tokens) + max_tokens ({seq.params.max_tokens}) exceeds "
-                             f"the engine's KV bound of {self.max_kv_tokens} tokens")
+            raise ValueError(
+                f"prompt ({len(seq.prompt)} tokens) + max_tokens ({seq.params.max_tokens}) exceeds "
+                f"the engine's KV bound of {self.max_kv_tokens} tokens"
+            )
         with self._cv:
             if self._closed:
                 raise RuntimeError("the engine is closed")
@@ -220,12 +230,18 @@ class Scheduler:
             seq.length, seq.prefill_tokens = n, len(seq.prompt) - n
         routers = self._routers_fn()
         if routers is not None:
-            ends = list(range(len(decoding))) + [len(decoding) + sum(n for _, n in prefill_rows[:i + 1]) - 1
-                                                 for i in range(len(prefill_rows))]
+            ends = list(range(len(decoding))) + [
+                len(decoding) + sum(n for _, n in prefill_rows[: i + 1]) - 1 for i in range(len(prefill_rows))
+            ]
             routers.start_step(torch.tensor(ends, dtype=torch.long, device=cache.device))
-        logits = forward_step(model, cache, torch.tensor(ids, dtype=torch.long, device=cache.device),
-                              torch.tensor(positions, dtype=torch.long, device=cache.device), len(decoding),
-                              prefill_rows)
+        logits = forward_step(
+            model,
+            cache,
+            torch.tensor(ids, dtype=torch.long, device=cache.device),
+            torch.tensor(positions, dtype=torch.long, device=cache.device),
+            len(decoding),
+            prefill_rows,
+        )
         # Samplers draw from per-sequence CPU generators (a sequence's sample must not depend on its
         # batch): on an accelerator, the step's [rows, V] logits come to the host first.
         logits = logits.cpu()
@@ -249,7 +265,7 @@ class Scheduler:
                 tokens[i], logps[i] = t, p
         for i, s in enumerate(seqs):
             if s.params.temperature > 0:
-                tok, lp = self._sample(logits[i:i + 1], s.params, s.generator)
+                tok, lp = self._sample(logits[i : i + 1], s.params, s.generator)
                 tokens[i], logps[i] = int(tok[0]), float(lp[0])
         experts = routers.step_experts().tolist() if routers is not None else None
         now = time.perf_counter()
@@ -283,7 +299,13 @@ class Scheduler:
                 cache.move(last, i, self._running[last].length)
                 self._running[i] = self._running[last]
             self._running.pop()
-            seq.future.set_result(Generation(
-                token_ids=seq.tokens, logprobs=seq.logprobs, finish_reason=seq.finish_reason,
-                latency_s=seq.latency, routed_experts=seq.experts if self._routers_fn() is not None else None,
-                prefill_tokens=seq.prefill_tokens))
+            seq.future.set_result(
+                Generation(
+                    token_ids=seq.tokens,
+                    logprobs=seq.logprobs,
+                    finish_reason=seq.finish_reason,
+                    latency_s=seq.latency,
+                    routed_experts=seq.experts if self._routers_fn() is not None else None,
+                    prefill_tokens=seq.prefill_tokens,
+                )
+            )

@@ -62,8 +62,10 @@ def create_app(engine: TorchEngine, *, api_key: str | None = None) -> FastAPI:
 
     @app.exception_handler(FlywheelError)
     def _domain_error(request, exc: FlywheelError) -> JSONResponse:
-        return JSONResponse(status_code=exc.status_code if exc.status_code != 500 else 400,
-                            content={"error": {"message": exc.message, "type": type(exc).__name__}})
+        return JSONResponse(
+            status_code=exc.status_code if exc.status_code != 500 else 400,
+            content={"error": {"message": exc.message, "type": type(exc).__name__}},
+        )
 
     def auth(authorization: str | None = Header(default=None)) -> None:
         if api_key and authorization != f"Bearer {api_key}":
@@ -75,39 +77,68 @@ def create_app(engine: TorchEngine, *, api_key: str | None = None) -> FastAPI:
 
     @app.get("/v1/models", dependencies=[Depends(auth)])
     def models() -> dict[str, Any]:
-        return {"object": "list", "data": [{
-            "id": engine.checkpoint_id, "object": "model", "owned_by": "flywheel", "root": str(engine.model_dir),
-            "checkpoint_id": engine.checkpoint_id, "max_model_len": engine.max_context_tokens}]}
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": engine.checkpoint_id,
+                    "object": "model",
+                    "owned_by": "flywheel",
+                    "root": str(engine.model_dir),
+                    "checkpoint_id": engine.checkpoint_id,
+                    "max_model_len": engine.max_context_tokens,
+                }
+            ],
+        }
 
     @app.post("/v1/completions", dependencies=[Depends(auth)])
     def completions(req: CompletionRequest) -> dict[str, Any]:
         prompts = _token_prompts(engine, req.prompt)
         if any(not p for p in prompts):
             raise HTTPException(status_code=400, detail="empty prompt")
-        params = SamplingParams(max_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p,
-                                seed=req.seed, stop_token_ids=tuple(req.stop_token_ids or ()))
+        params = SamplingParams(
+            max_tokens=req.max_tokens,
+            temperature=req.temperature,
+            top_p=req.top_p,
+            seed=req.seed,
+            stop_token_ids=tuple(req.stop_token_ids or ()),
+        )
         expanded = [p for p in prompts for _ in range(req.n)]
         gens = engine.generate(expanded, params)
         choices = []
         for i, g in enumerate(gens):
             text = engine.tokenizer.decode(g.token_ids, skip_special_tokens=req.skip_special_tokens)
-            choice: dict[str, Any] = {"index": i, "text": text, "finish_reason": g.finish_reason,
-                                      "logprobs": None}
+            choice: dict[str, Any] = {"index": i, "text": text, "finish_reason": g.finish_reason, "logprobs": None}
             if req.return_token_ids:
                 choice["token_ids"] = g.token_ids
                 choice["prompt_token_ids"] = expanded[i]
             if req.logprobs is not None:
-                tokens = ([f"token_id:{t}" for t in g.token_ids] if req.return_tokens_as_token_ids
-                          else engine.tokenizer.convert_ids_to_tokens(g.token_ids))
-                choice["logprobs"] = {"tokens": tokens, "token_logprobs": g.logprobs,
-                                      "top_logprobs": None, "text_offset": None}
+                tokens = (
+                    [f"token_id:{t}" for t in g.token_ids]
+                    if req.return_tokens_as_token_ids
+                    else engine.tokenizer.convert_ids_to_tokens(g.token_ids)
+                )
+                choice["logprobs"] = {
+                    "tokens": tokens,
+                    "token_logprobs": g.logprobs,
+                    "top_logprobs": None,
+                    "text_offset": None,
+                }
             choices.append(choice)
         completion_tokens = sum(len(g.token_ids) for g in gens)
         prompt_tokens = sum(len(p) for p in expanded)
-        return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
-                "model": engine.checkpoint_id, "choices": choices,
-                "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                          "total_tokens": prompt_tokens + completion_tokens}}
+        return {
+            "id": f"cmpl-{uuid.uuid4().hex}",
+            "object": "text_completion",
+            "created": int(time.time()),
+            "model": engine.checkpoint_id,
+            "choices": choices,
+            "usage": {
+                "prompt_tokens": prompt_tokens,
+                "completion_tokens": completion_tokens,
+                "total_tokens": prompt_tokens + completion_tokens,
+            },
+        }
 
     @app.post("/collective_rpc", dependencies=[Depends(auth)])
     def collective_rpc(req: RpcRequest) -> dict[str, Any]:
@@ -139,5 +170,4 @@ def _token_prompts(engine: TorchEngine, prompt) -> list[list[int]]:
         prompt = [prompt]
     if prompt and isinstance(prompt[0], int):
         return [list(prompt)]
-    return [engine.tokenizer(p, add_special_tokens=False).input_ids if isinstance(p, str) else list(p)
-            for p in prompt]
+    return [engine.tokenizer(p, add_special_tokens=False).input_ids if isinstance(p, str) else list(p) for p in prompt]

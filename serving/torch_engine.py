@@ -23,8 +23,9 @@ from app.core.errors import CheckpointError
 from app.inference.engine import Generation, InferenceEngine, SamplingParams
 
 
-def sample_next(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+def sample_next(
+    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample one token per row and return its behaviour log-prob.
 
     Args:
@@ -111,12 +112,20 @@ class TorchEngine(InferenceEngine):
     sequences decode together. :meth:`close` stops the decode thread.
     """
 
-    def __init__(self, model_dir: Path, checkpoint_id: str | None = None, *, max_seqs: int | None = None,
-                 max_kv_tokens: int | None = None, num_threads: int | None = None,
-                 serving_dtype: str | None = "bfloat16", device: str = "auto") -> None:
+    def __init__(
+        self,
+        model_dir: Path,
+        checkpoint_id: str | None = None,
+        *,
+        max_seqs: int | None = None,
+        max_kv_tokens: int | None = None,
+        num_threads: int | None = None,
+        serving_dtype: str | None = "bfloat16",
+        device: str = "auto",
+    ) -> None:
         from app.core.settings import get_settings
-        from serving.scheduler import Scheduler
         from app.inference.device import resolve_device
+        from serving.scheduler import Scheduler
 
         settings = get_settings().serving
         self.device = resolve_device(device)
@@ -127,10 +136,13 @@ class TorchEngine(InferenceEngine):
         self._routers: _RouterRecorder | None = None
         self._scheduler: Scheduler | None = None
         self.load_checkpoint(checkpoint_id or Path(model_dir).resolve().name, Path(model_dir))
-        self._scheduler = Scheduler(lambda: self.model, sample_next,
-                                    lambda: self._routers if self._routers.active else None,
-                                    max_seqs=max_seqs or settings.max_seqs,
-                                    max_kv_tokens=max_kv_tokens or settings.max_kv_tokens)
+        self._scheduler = Scheduler(
+            lambda: self.model,
+            sample_next,
+            lambda: self._routers if self._routers.active else None,
+            max_seqs=max_seqs or settings.max_seqs,
+            max_kv_tokens=max_kv_tokens or settings.max_kv_tokens,
+        )
 
     # ---- weights ---------------------------------------------------------------------------
 
@@ -176,7 +188,8 @@ class TorchEngine(InferenceEngine):
         with self._drained():
             if self.checkpoint_id != parent_id:
                 raise CheckpointError(
-                    f"delta {checkpoint_id} applies to {parent_id}, but the engine serves {self.checkpoint_id}")
+                    f"delta {checkpoint_id} applies to {parent_id}, but the engine serves {self.checkpoint_id}"
+                )
             parent = {k: v for k, v in self.model.state_dict().items()}
             new_state = apply_delta(parent, Path(delta_path))
             # strict=False: tied weights (lm_head = embed_tokens) may appear once in the delta.
@@ -201,8 +214,9 @@ class TorchEngine(InferenceEngine):
         prefill, decode = [], []
         for _ in range(3):
             t0 = time.perf_counter()
-            forward_step(self.model, cache, ids, torch.arange(prompt_tokens, device=dev), 0,
-                         [(0, prompt_tokens)]).cpu()  # .cpu() waits for an accelerator's queue
+            forward_step(
+                self.model, cache, ids, torch.arange(prompt_tokens, device=dev), 0, [(0, prompt_tokens)]
+            ).cpu()  # .cpu() waits for an accelerator's queue
             prefill.append((time.perf_counter() - t0) / prompt_tokens)
         for step in range(steps):
             t0 = time.perf_counter()
@@ -274,8 +288,10 @@ class TorchEngine(InferenceEngine):
         """
         if any(len(p) == 0 for p in prompts):
             raise ValueError("empty prompt")
-        futures = [self.submit(p, params if params.seed is None else replace(params, seed=params.seed + i))
-                   for i, p in enumerate(prompts)]
+        futures = [
+            self.submit(p, params if params.seed is None else replace(params, seed=params.seed + i))
+            for i, p in enumerate(prompts)
+        ]
         return [f.result() for f in futures]
 
     def reset_prefix_cache(self) -> None:
@@ -301,7 +317,7 @@ def teacher_forced_logprobs(model, prompt: list[int], completion: list[int], tem
     """
     ids = torch.tensor([prompt + completion], dtype=torch.long)
     with torch.inference_mode():
-        logits = model(input_ids=ids).logits[0, len(prompt) - 1:-1, :].float()
+        logits = model(input_ids=ids).logits[0, len(prompt) - 1 : -1, :].float()
     t = temperature if temperature > 0 else 1.0
     logp = torch.log_softmax(logits / t, dim=-1)
     return logp.gather(-1, torch.tensor(completion)[:, None]).squeeze(-1)

@@ -37,18 +37,20 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+from app.checkpoints.delta import DELTA_FILE
 from app.checkpoints.store import STABLE, CheckpointStore
 from app.core.errors import CheckpointError, InfrastructureError
 from app.core.telemetry import meter
-from app.checkpoints.delta import DELTA_FILE
 from app.outbox.lifecycle import PRODUCTION_CHANGES
 from app.promotion.serving_state import read_serving_state, write_serving_state
 from serving.canary import CANARY_CHANGES, CanaryFollower, EngineRouter
 
 log = logging.getLogger("flywheel.watcher")
 _moves = meter("flywheel.serving").create_counter(
-    "flywheel.serving.weight_moves", unit="{move}",
-    description="production weight changes applied by the serving watcher, by method (delta | full | noop)")
+    "flywheel.serving.weight_moves",
+    unit="{move}",
+    description="production weight changes applied by the serving watcher, by method (delta | full | noop)",
+)
 
 SEEN_IDS_KEPT = 512
 
@@ -122,8 +124,7 @@ def _resolve_dir(entry_path: str | None, checkpoint_id: str, store: CheckpointSt
     return store.stable_path(checkpoint_id)
 
 
-def plan_move(serving_id: str | None, payload: dict[str, Any], store: CheckpointStore, *,
-              deltas: bool = True) -> Move:
+def plan_move(serving_id: str | None, payload: dict[str, Any], store: CheckpointStore, *, deltas: bool = True) -> Move:
     """The cheapest way from ``serving_id`` to the message's checkpoint.
 
     ``payload["lineage"]`` lists ``{"id", "path"}`` from the target back to the base (written by
@@ -166,8 +167,14 @@ class ProductionFollower:
         canary: follows canary changes too (its canary, if ``serving.json`` names one, is rebuilt).
     """
 
-    def __init__(self, engine: Engine, *, store: CheckpointStore | None = None, home: Path | None = None,
-                 canary: CanaryFollower | None = None) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        *,
+        store: CheckpointStore | None = None,
+        home: Path | None = None,
+        canary: CanaryFollower | None = None,
+    ) -> None:
         self.engine = engine
         self.store = store or CheckpointStore.from_settings()
         self.home = home
@@ -196,44 +203,59 @@ class ProductionFollower:
         Raises:
             CheckpointError: the target is not available on this node (the caller retries later).
         """
-        move = plan_move(getattr(self.engine, "checkpoint_id", None), payload, self.store,
-                         deltas=getattr(self.engine, "applies_deltas", True))
+        move = plan_move(
+            getattr(self.engine, "checkpoint_id", None),
+            payload,
+            self.store,
+            deltas=getattr(self.engine, "applies_deltas", True),
+        )
         if move.method == "delta":
             try:
                 for checkpoint_id, delta, parent in move.steps:
                     self.engine.apply_delta(checkpoint_id, delta, parent)
             except CheckpointError as exc:  # a corrupt or mismatched delta: a full load still works
                 log.warning("delta chain to %s failed (%s); loading it fully", move.target_id, exc)
-                move = Move(target_id=move.target_id, method="full",
-                            path=_resolve_dir(payload.get("path"), move.target_id, self.store))
+                move = Move(
+                    target_id=move.target_id,
+                    method="full",
+                    path=_resolve_dir(payload.get("path"), move.target_id, self.store),
+                )
         if move.method == "full":
             self.engine.load_checkpoint(move.target_id, move.path)
         if isinstance(payload.get("outbox_id"), int):
             self.applied_outbox_id = max(self.applied_outbox_id, payload["outbox_id"])
         self.deduper.add(message_identity(payload))
         self.moves.append(move)
-        how = {"delta": f"by {len(move.steps)} delta(s)", "noop": "already served",
-               "full": "by a full reload" + ("" if getattr(self.engine, "applies_deltas", True)
-                                              else " (the engine cannot apply deltas)")}[move.method]
+        how = {
+            "delta": f"by {len(move.steps)} delta(s)",
+            "noop": "already served",
+            "full": "by a full reload"
+            + ("" if getattr(self.engine, "applies_deltas", True) else " (the engine cannot apply deltas)"),
+        }[move.method]
         log.info("serving %s %s, after %s", move.target_id, how, payload.get("type"))
         _moves.add(1, {"method": move.method})
         self.report(last_event=payload, method=move.method)
         return move
 
-    def handle_batch(self, messages: Sequence[tuple[dict[str, Any], Sequence[tuple[str, bytes]] | None]]) -> Move | None:
+    def handle_batch(
+        self, messages: Sequence[tuple[dict[str, Any], Sequence[tuple[str, bytes]] | None]]
+    ) -> Move | None:
         """Apply only the newest accepted production change of a batch (see module docstring), then
         the newest canary change when a canary follower is attached. Returns the production move."""
         accepted = [(p, h) for p, h in messages if self.accept(p, h)]
         move = None
         if accepted:
-            newest = max((p for p, _ in accepted), key=lambda p: (p.get("outbox_id") or 0))
+            newest = max((p for p, _ in accepted), key=lambda p: p.get("outbox_id") or 0)
             move = self.apply(newest)
             for p, h in accepted:  # superseded changes of the batch count as handled too
                 self.deduper.add(message_identity(p, h))
             self.report(last_event=newest, method=move.method)
         if self.canary is not None:
-            changes = [(p, h) for p, h in messages
-                       if p.get("type") in CANARY_CHANGES and not self.deduper.seen(message_identity(p, h))]
+            changes = [
+                (p, h)
+                for p, h in messages
+                if p.get("type") in CANARY_CHANGES and not self.deduper.seen(message_identity(p, h))
+            ]
             if changes:
                 self.canary.handle([p for p, _ in changes])
                 for p, h in changes:
@@ -244,16 +266,19 @@ class ProductionFollower:
     def report(self, *, last_event: dict[str, Any] | None = None, method: str | None = None) -> None:
         """Write ``serving.json``: what serves, how it got there, and the resume state."""
         previous = read_serving_state(self.home) or {}
-        write_serving_state({
-            "checkpoint_id": getattr(self.engine, "checkpoint_id", None),
-            "method": method or previous.get("method"),
-            "event_id": (last_event or {}).get("event_id", previous.get("event_id")),
-            "event_type": (last_event or {}).get("type", previous.get("event_type")),
-            "applied_outbox_id": self.applied_outbox_id,
-            "seen_event_ids": self.deduper.ids(),
-            "offsets": self.offsets,
-            **(self.canary.state() if self.canary is not None else {}),
-        }, self.home)
+        write_serving_state(
+            {
+                "checkpoint_id": getattr(self.engine, "checkpoint_id", None),
+                "method": method or previous.get("method"),
+                "event_id": (last_event or {}).get("event_id", previous.get("event_id")),
+                "event_type": (last_event or {}).get("type", previous.get("event_type")),
+                "applied_outbox_id": self.applied_outbox_id,
+                "seen_event_ids": self.deduper.ids(),
+                "offsets": self.offsets,
+                **(self.canary.state() if self.canary is not None else {}),
+            },
+            self.home,
+        )
 
 
 class ServingWatcher:
@@ -263,9 +288,16 @@ class ServingWatcher:
     topic from the beginning and jumps to the newest production change it finds.
     """
 
-    def __init__(self, engine: Engine, *, bootstrap: str | None = None, topic: str | None = None,
-                 store: CheckpointStore | None = None, home: Path | None = None,
-                 canary: CanaryFollower | None = None) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        *,
+        bootstrap: str | None = None,
+        topic: str | None = None,
+        store: CheckpointStore | None = None,
+        home: Path | None = None,
+        canary: CanaryFollower | None = None,
+    ) -> None:
         from app.core.settings import get_settings
 
         kafka = get_settings().kafka
@@ -281,8 +313,13 @@ class ServingWatcher:
     def _connect(self):
         from kafka import KafkaConsumer, TopicPartition
 
-        consumer = KafkaConsumer(bootstrap_servers=self.bootstrap, enable_auto_commit=False, group_id=None,
-                                 auto_offset_reset="earliest", client_id="flywheel-serving-watcher")
+        consumer = KafkaConsumer(
+            bootstrap_servers=self.bootstrap,
+            enable_auto_commit=False,
+            group_id=None,
+            auto_offset_reset="earliest",
+            client_id="flywheel-serving-watcher",
+        )
         partitions = consumer.partitions_for_topic(self.topic) or {0}
         tps = [TopicPartition(self.topic, p) for p in sorted(partitions)]
         consumer.assign(tps)
@@ -362,8 +399,12 @@ class ServingWatcher:
                 if isinstance(exc, CheckpointError):  # the directory may not be synced yet
                     log.warning("cannot move serving yet (%s); retrying in %.0fs", exc, wait_s)
                 else:
-                    log.warning("following production failed (%s: %s); retrying in %.0fs", type(exc).__name__,
-                                str(exc).splitlines()[0] if str(exc) else "", wait_s)
+                    log.warning(
+                        "following production failed (%s: %s); retrying in %.0fs",
+                        type(exc).__name__,
+                        str(exc).splitlines()[0] if str(exc) else "",
+                        wait_s,
+                    )
                 self._stop.wait(wait_s)
 
     def start(self) -> threading.Thread:

@@ -64,8 +64,14 @@ def group_ids(trajectories: list[TrajectoryData]) -> torch.Tensor:
     return torch.tensor([index.setdefault(t.group, len(index)) for t in trajectories], dtype=torch.int64)
 
 
-def pack_micro_batches(trajectories: list[TrajectoryData], advantages: torch.Tensor, *, micro_batch_tokens: int,
-                       pad_id: int = 0, seed: int = 0) -> list[MicroBatch]:
+def pack_micro_batches(
+    trajectories: list[TrajectoryData],
+    advantages: torch.Tensor,
+    *,
+    micro_batch_tokens: int,
+    pad_id: int = 0,
+    seed: int = 0,
+) -> list[MicroBatch]:
     """Pack every segment of ``trajectories`` into micro-batches (longest first, then shuffled).
 
     Args:
@@ -83,8 +89,12 @@ def pack_micro_batches(trajectories: list[TrajectoryData], advantages: torch.Ten
     """
     if advantages.shape != (len(trajectories),):
         raise ValueError(f"need one advantage per trajectory, got {tuple(advantages.shape)} for {len(trajectories)}")
-    rows = [(i, seg) for i, t in enumerate(trajectories) for seg in t.segments
-            if len(seg.token_ids) >= 2 and seg.loss_mask[1:].any()]
+    rows = [
+        (i, seg)
+        for i, t in enumerate(trajectories)
+        for seg in t.segments
+        if len(seg.token_ids) >= 2 and seg.loss_mask[1:].any()
+    ]
     rows.sort(key=lambda r: -len(r[1].token_ids))
     batches, current = [], []
     for row in rows:
@@ -114,10 +124,16 @@ def _collate(rows, advantages: torch.Tensor, pad_id: int) -> MicroBatch:
         behaviour.append(torch.from_numpy(seg.behaviour_logprobs[pos].astype(np.float32)))
         adv.append(torch.full((len(pos),), float(advantages[i])))
         traj.append(torch.full((len(pos),), i, dtype=torch.int64))
-    return MicroBatch(input_ids=input_ids, attention_mask=attention, hidden_index=torch.cat(hidden_index).long(),
-                      targets=torch.cat(targets), behaviour_logprobs=torch.cat(behaviour),
-                      advantages=torch.cat(adv).float(), trajectory_index=torch.cat(traj),
-                      routes=_collate_routes([seg for _, seg in rows], width))
+    return MicroBatch(
+        input_ids=input_ids,
+        attention_mask=attention,
+        hidden_index=torch.cat(hidden_index).long(),
+        targets=torch.cat(targets),
+        behaviour_logprobs=torch.cat(behaviour),
+        advantages=torch.cat(adv).float(),
+        trajectory_index=torch.cat(traj),
+        routes=_collate_routes([seg for _, seg in rows], width),
+    )
 
 
 def _collate_routes(segments: list, width: int) -> torch.Tensor | None:
@@ -136,5 +152,5 @@ def _collate_routes(segments: list, width: int) -> torch.Tensor | None:
     for r, seg in enumerate(segments):
         if seg.routed_experts is not None:
             n = len(seg.token_ids)
-            out[r, :n - 1] = torch.from_numpy(seg.routed_experts[1:n].astype(np.int64))
+            out[r, : n - 1] = torch.from_numpy(seg.routed_experts[1:n].astype(np.int64))
     return out

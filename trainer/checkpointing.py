@@ -11,25 +11,33 @@ from __future__ import annotations
 import json
 import secrets
 import shutil
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from app.checkpoints.delta import DELTA_FILE, DeltaStats, write_delta
 from app.checkpoints.store import MANIFEST, CheckpointStore
 from app.core.errors import CheckpointError
 from trainer.config import TrainerConfig
-from app.checkpoints.delta import DELTA_FILE, DeltaStats, write_delta
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
-                   "merges.txt", "added_tokens.json", "chat_template.jinja", "tokenizer.model",
-                   "generation_config.json")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "vocab.json",
+    "merges.txt",
+    "added_tokens.json",
+    "chat_template.jinja",
+    "tokenizer.model",
+    "generation_config.json",
+)
 
 
 def new_checkpoint_id(now: datetime | None = None) -> str:
     """A fresh checkpoint id ``ckpt-YYYYmmddHHMMSS-<6 hex>`` (UTC; sortable by creation time)."""
-    now = now or datetime.now(timezone.utc)
+    now = now or datetime.now(UTC)
     return f"ckpt-{now:%Y%m%d%H%M%S}-{secrets.token_hex(3)}"
 
 
@@ -51,10 +59,19 @@ def load_policy(path: Path) -> torch.nn.Module:
     return model
 
 
-def write_checkpoint(store: CheckpointStore, checkpoint_id: str, *, model: torch.nn.Module, parent_dir: Path,
-                     parent_serving: dict[str, torch.Tensor], manifest: dict[str, Any], config: TrainerConfig,
-                     metrics: dict[str, Any], curves: bool = True, optimizer: torch.optim.Optimizer | None = None
-                     ) -> tuple[Path, DeltaStats]:
+def write_checkpoint(
+    store: CheckpointStore,
+    checkpoint_id: str,
+    *,
+    model: torch.nn.Module,
+    parent_dir: Path,
+    parent_serving: dict[str, torch.Tensor],
+    manifest: dict[str, Any],
+    config: TrainerConfig,
+    metrics: dict[str, Any],
+    curves: bool = True,
+    optimizer: torch.optim.Optimizer | None = None,
+) -> tuple[Path, DeltaStats]:
     """Write and publish a trained checkpoint; returns ``(STABLE directory, delta stats)``.
 
     Args:
@@ -81,8 +98,13 @@ def write_checkpoint(store: CheckpointStore, checkpoint_id: str, *, model: torch
             if (Path(parent_dir) / name).is_file():
                 shutil.copy2(Path(parent_dir) / name, staging / name)
         (staging / "trainer_config.json").write_text(config.to_json() + "\n")
-        stats = write_delta(parent_serving, serving_state_dict(model), staging / DELTA_FILE,
-                            parent_id=manifest.get("parent_id"), checkpoint_id=checkpoint_id)
+        stats = write_delta(
+            parent_serving,
+            serving_state_dict(model),
+            staging / DELTA_FILE,
+            parent_id=manifest.get("parent_id"),
+            checkpoint_id=checkpoint_id,
+        )
         metrics = {**metrics, "delta": stats.to_dict()}
         (staging / "metrics.json").write_text(json.dumps(metrics, indent=2, sort_keys=True, default=str) + "\n")
         if curves and metrics.get("history"):
@@ -93,8 +115,14 @@ def write_checkpoint(store: CheckpointStore, checkpoint_id: str, *, model: torch
             plot_curves(history, staging / "curves.png", title=f"{checkpoint_id} (parent {manifest.get('parent_id')})")
         if optimizer is not None:
             torch.save(optimizer.state_dict(), staging / "optimizer.pt")
-        full = {**manifest, "checkpoint_id": checkpoint_id, "kind": "trained", "dtype": "float32",
-                "serving_dtype": "bfloat16", "trainer_config": "trainer_config.json",
-                "delta": {"file": DELTA_FILE, "parent_id": manifest.get("parent_id"), **stats.to_dict()}}
+        full = {
+            **manifest,
+            "checkpoint_id": checkpoint_id,
+            "kind": "trained",
+            "dtype": "float32",
+            "serving_dtype": "bfloat16",
+            "trainer_config": "trainer_config.json",
+            "delta": {"file": DELTA_FILE, "parent_id": manifest.get("parent_id"), **stats.to_dict()},
+        }
         (staging / MANIFEST).write_text(json.dumps(full, indent=2, sort_keys=True, default=str))
     return store.stable_path(checkpoint_id), stats

@@ -17,13 +17,17 @@ def register(app: typer.Typer) -> None:
 
 def train(
     once: bool = typer.Option(False, "--once", help="run one cycle and exit (else loop every FLYWHEEL_TRAIN_INTERVAL)"),
-    config: Path | None = typer.Option(None, "--config", "-c", help="trainer TOML (default: trainer/configs/default.toml)"),
+    config: Path | None = typer.Option(
+        None, "--config", "-c", help="trainer TOML (default: trainer/configs/default.toml)"
+    ),
     max_steps: int | None = typer.Option(None, "--max-steps", help="step budget: claim only what fits (`max_steps`)"),
     epochs: int | None = typer.Option(None, "--epochs", help="override `epochs`"),
-    invert_reward: bool = typer.Option(False, "--invert-reward",
-                                       help="train on the negated reward: a planted regression for the gate"),
-    same_data_as: str | None = typer.Option(None, "--same-data-as",
-                                            help="train on exactly the trajectories this checkpoint trained on"),
+    invert_reward: bool = typer.Option(
+        False, "--invert-reward", help="train on the negated reward: a planted regression for the gate"
+    ),
+    same_data_as: str | None = typer.Option(
+        None, "--same-data-as", help="train on exactly the trajectories this checkpoint trained on"
+    ),
     lr: float | None = typer.Option(None, "--lr", help="override `optim.lr`"),
     min_new: int | None = typer.Option(None, "--min-new", help="override `data.min_new_trajectories`"),
     parent: str | None = typer.Option(None, "--parent", help="train from this checkpoint instead of production"),
@@ -38,15 +42,24 @@ def train(
     rank 0 selects the data, writes and registers, every rank trains its share of each step."""
     from app.core.settings import get_settings
     from app.core.telemetry import configure_telemetry, shutdown_telemetry
+    from app.inference.device import resolve_device
     from trainer.config import load_config
     from trainer.cycle import run_cycle
-    from app.inference.device import resolve_device
     from trainer.distributed import init_data_parallel, run_parallel_cycle, shutdown_data_parallel
 
-    overrides = {k: v for k, v in (("max_steps", max_steps), ("epochs", epochs), ("optim.lr", lr),
-                                   ("data.min_new_trajectories", min_new), ("data.same_data_as", same_data_as),
-                                   ("invert_reward", invert_reward or None), ("device", device))
-                 if v is not None}
+    overrides = {
+        k: v
+        for k, v in (
+            ("max_steps", max_steps),
+            ("epochs", epochs),
+            ("optim.lr", lr),
+            ("data.min_new_trajectories", min_new),
+            ("data.same_data_as", same_data_as),
+            ("invert_reward", invert_reward or None),
+            ("device", device),
+        )
+        if v is not None
+    }
     cfg = load_config(config, overrides)
     interval = get_settings().celery.train_interval
     # ranks other than 0 wait in a collective between cycles: allow a whole interval and a cycle
@@ -58,8 +71,9 @@ def train(
             if dp is None:
                 result = run_cycle(cfg, progress=progress and not as_json, dry_run=dry_run, parent_id=parent)
             else:
-                result = run_parallel_cycle(cfg, dp, progress=progress and not as_json, dry_run=dry_run,
-                                            parent_id=parent)
+                result = run_parallel_cycle(
+                    cfg, dp, progress=progress and not as_json, dry_run=dry_run, parent_id=parent
+                )
             if show and as_json:
                 typer.echo(json.dumps(result.to_dict(), default=str))
             elif show:
@@ -80,11 +94,15 @@ def _print_result(result) -> None:
         final = m.get("final", {})
         typer.echo(f"  checkpoint {result.checkpoint_id} at {result.path}")
         data = m.get("data", {})
-        typer.echo(f"  trajectories {result.num_trajectories} in {data.get('groups')} groups, mean reward "
-                   f"{data.get('reward_mean', 0):.3f}, mismatch KL(mu||pi_old) "
-                   f"{m.get('mismatch_before_training', {}).get('mismatch_kl', 0):.2e}")
-        typer.echo(f"  steps {m.get('steps')} ({m.get('epochs')} epoch(s) of {m.get('micro_batches')} micro-batches), "
-                   f"tokens/s {m.get('tokens_per_s', 0):.0f}, loss {final.get('loss', 0):+.4f}, "
-                   f"kl {final.get('kl', 0):.2e}, delta {m.get('delta', {}).get('ratio', 0):.2%} of bf16 weights")
+        typer.echo(
+            f"  trajectories {result.num_trajectories} in {data.get('groups')} groups, mean reward "
+            f"{data.get('reward_mean', 0):.3f}, mismatch KL(mu||pi_old) "
+            f"{m.get('mismatch_before_training', {}).get('mismatch_kl', 0):.2e}"
+        )
+        typer.echo(
+            f"  steps {m.get('steps')} ({m.get('epochs')} epoch(s) of {m.get('micro_batches')} micro-batches), "
+            f"tokens/s {m.get('tokens_per_s', 0):.0f}, loss {final.get('loss', 0):+.4f}, "
+            f"kl {final.get('kl', 0):.2e}, delta {m.get('delta', {}).get('ratio', 0):.2%} of bf16 weights"
+        )
     if result.excluded:
         typer.echo("  excluded: " + ", ".join(f"{k}={v}" for k, v in result.excluded.items()))

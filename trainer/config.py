@@ -138,7 +138,9 @@ class TrainerConfig(_Config):
     @model_validator(mode="after")
     def _budget_covers_epochs(self) -> "TrainerConfig":
         if self.max_steps is not None and self.max_steps < self.epochs:
-            raise ValueError(f"max_steps={self.max_steps} cannot cover epochs={self.epochs} (one step per epoch at least)")
+            raise ValueError(
+                f"max_steps={self.max_steps} cannot cover epochs={self.epochs} (one step per epoch at least)"
+            )
         return self
 
     def normalizer(self) -> float:

@@ -23,7 +23,7 @@ import shutil
 import time
 import uuid
 from dataclasses import asdict, dataclass, field
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -78,7 +78,9 @@ def sweep_unregistered(store: CheckpointStore, session) -> list[str]:
         manifest = store.manifest(checkpoint_id)
         if manifest.get("kind") != "trained" or session.get(Checkpoint, checkpoint_id) is not None:
             continue
-        if manifest.get("cycle_id") in succeeded_cycle_ids(session, [manifest.get("cycle_id")] if manifest.get("cycle_id") else []):
+        if manifest.get("cycle_id") in succeeded_cycle_ids(
+            session, [manifest.get("cycle_id")] if manifest.get("cycle_id") else []
+        ):
             continue
         path = store.path(checkpoint_id)
         (path / STABLE).unlink(missing_ok=True)  # invisible first, then gone
@@ -87,9 +89,16 @@ def sweep_unregistered(store: CheckpointStore, session) -> list[str]:
     return removed
 
 
-def run_cycle(config: TrainerConfig | None = None, *, store: CheckpointStore | None = None,
-              progress: bool = False, now: datetime | None = None, dry_run: bool = False,
-              parent_id: str | None = None, dp: "DataParallel | None" = None) -> CycleResult:
+def run_cycle(
+    config: TrainerConfig | None = None,
+    *,
+    store: CheckpointStore | None = None,
+    progress: bool = False,
+    now: datetime | None = None,
+    dry_run: bool = False,
+    parent_id: str | None = None,
+    dp: "DataParallel | None" = None,
+) -> CycleResult:
     """Run one cycle (see the module docstring).
 
     Args:
@@ -129,24 +138,46 @@ def run_cycle(config: TrainerConfig | None = None, *, store: CheckpointStore | N
             swept = [] if dry_run else sweep_unregistered(store, session)
             parent = get_production(session) if parent_id is None else session.get(Checkpoint, parent_id)
             if parent is None:
-                raise ConfigurationError("no production checkpoint: run `flywheel model init` first"
-                                         if parent_id is None else f"no checkpoint {parent_id!r}")
+                raise ConfigurationError(
+                    "no production checkpoint: run `flywheel model init` first"
+                    if parent_id is None
+                    else f"no checkpoint {parent_id!r}"
+                )
             session.expunge(parent)
             data = select_cycle_data(session, config.data, parent, now=now)
-        span.set_attributes({"flywheel.parent_id": parent.id, "flywheel.trajectories.used": len(data.used),
-                             "flywheel.trajectories.excluded": len(data.excluded)})
+        span.set_attributes(
+            {
+                "flywheel.parent_id": parent.id,
+                "flywheel.trajectories.used": len(data.used),
+                "flywheel.trajectories.excluded": len(data.excluded),
+            }
+        )
         cycle_id = uuid.uuid4()
-        base = dict(cycle_id=str(cycle_id), parent_id=parent.id, num_trajectories=len(data.used),
-                    excluded=data.excluded_counts())
+        base = dict(
+            cycle_id=str(cycle_id),
+            parent_id=parent.id,
+            num_trajectories=len(data.used),
+            excluded=data.excluded_counts(),
+        )
         housekeeping = {"interrupted_cycles": interrupted, "swept": swept}
         if dry_run:
-            return CycleResult(status="skipped", detail="dry run", **{**base, "cycle_id": None},
-                               metrics={**housekeeping, "watermark": data.manifest_section()["watermark"]})
+            return CycleResult(
+                status="skipped",
+                detail="dry run",
+                **{**base, "cycle_id": None},
+                metrics={**housekeeping, "watermark": data.manifest_section()["watermark"]},
+            )
         if len(data.used) < config.data.min_new_trajectories:
             detail = f"{len(data.used)} usable trajectories < min_new_trajectories={config.data.min_new_trajectories}"
             with session_scope() as session:
-                finish_cycle(session, cycle_id, status="skipped", detail=detail, parent_id=parent.id,
-                             metrics={"excluded": data.excluded_counts(), **housekeeping})
+                finish_cycle(
+                    session,
+                    cycle_id,
+                    status="skipped",
+                    detail=detail,
+                    parent_id=parent.id,
+                    metrics={"excluded": data.excluded_counts(), **housekeeping},
+                )
             span.set_attribute("flywheel.cycle.status", "skipped")
             return CycleResult(status="skipped", detail=detail, **base, metrics=housekeeping)
         with session_scope() as session:
@@ -189,8 +220,9 @@ def pack_cycle(trajectories: list, config: TrainerConfig, pad_id: int = 0):
     if config.invert_reward:
         rewards = -rewards
     advantages = compute_advantages(rewards, groups, singleton_baseline=config.data.singleton_baseline)
-    batches = pack_micro_batches(trajectories, advantages, micro_batch_tokens=config.data.micro_batch_tokens,
-                                 pad_id=pad_id, seed=config.seed)
+    batches = pack_micro_batches(
+        trajectories, advantages, micro_batch_tokens=config.data.micro_batch_tokens, pad_id=pad_id, seed=config.seed
+    )
     return rewards, groups, advantages, batches
 
 
@@ -234,8 +266,14 @@ class TrainedPolicy:
     micro_batches: int = 0
 
 
-def train_policy(config: TrainerConfig, parent_dir: Path, trajectories: list, *, progress: bool = False,
-                 dp: "DataParallel | None" = None) -> TrainedPolicy:
+def train_policy(
+    config: TrainerConfig,
+    parent_dir: Path,
+    trajectories: list,
+    *,
+    progress: bool = False,
+    dp: "DataParallel | None" = None,
+) -> TrainedPolicy:
     """Load the parent policy on ``config.device`` and run the cycle's optimizer steps on ``trajectories``.
 
     Every rank of ``dp`` calls this with the same arguments; rank 0 alone keeps the parent's bf16
@@ -245,8 +283,8 @@ def train_policy(config: TrainerConfig, parent_dir: Path, trajectories: list, *,
         CheckpointError: ``parent_dir`` is not a model folder.
         ConfigurationError: ``config.device`` names a device this machine lacks.
     """
-    from trainer.checkpointing import load_policy
     from app.checkpoints.delta import serving_state_dict
+    from trainer.checkpointing import load_policy
     from trainer.device import setup_placement
     from trainer.metrics import step_progress
     from trainer.router_replay import checkpoint_contexts
@@ -258,8 +296,9 @@ def train_policy(config: TrainerConfig, parent_dir: Path, trajectories: list, *,
         span.set_attributes({"flywheel.parent_dir": str(parent_dir), **placement.describe()})
         model = load_policy(parent_dir)
         if config.gradient_checkpointing:  # recomputed MoE layers keep their replayed routes
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={
-                "use_reentrant": False, "context_fn": checkpoint_contexts})
+            model.gradient_checkpointing_enable(
+                gradient_checkpointing_kwargs={"use_reentrant": False, "context_fn": checkpoint_contexts}
+            )
         parent_serving = serving_state_dict(model) if main else {}
         placement.place_model(model)
     pad_id = model.config.pad_token_id if isinstance(model.config.pad_token_id, int) else 0
@@ -270,23 +309,50 @@ def train_policy(config: TrainerConfig, parent_dir: Path, trajectories: list, *,
         span.set_attributes({f"flywheel.{k}": v for k, v in mismatch.items()})
     optimizer = make_optimizer(model, config)
     total_steps = planned_steps(len(batches), config)
-    with _tracer.start_as_current_span("trainer.train") as span, \
-            step_progress(total_steps, progress and main) as advance:
+    with (
+        _tracer.start_as_current_span("trainer.train") as span,
+        step_progress(total_steps, progress and main) as advance,
+    ):
         span.set_attribute("flywheel.trajectory_ids", [str(t.id) for t in trajectories[:MAX_SPAN_IDS]])
 
         def on_step(m) -> None:
             advance(m)
-            span.add_event("step", {"step": m.step, "loss": m.loss, "kl": m.kl, "entropy": m.entropy,
-                                    "is_clip_frac": m.is_clip_frac, "tokens_per_s": m.tokens_per_s})
+            span.add_event(
+                "step",
+                {
+                    "step": m.step,
+                    "loss": m.loss,
+                    "kl": m.kl,
+                    "entropy": m.entropy,
+                    "is_clip_frac": m.is_clip_frac,
+                    "tokens_per_s": m.tokens_per_s,
+                },
+            )
 
         history = train_steps(model, batches, config, optimizer, on_step=on_step, placement=placement, dp=dp)
-    return TrainedPolicy(model=model, optimizer=optimizer, history=history, mismatch=mismatch, rewards=rewards,
-                         advantages=advantages, groups=groups, parent_serving=parent_serving, placement=placement,
-                         micro_batches=len(batches))
+    return TrainedPolicy(
+        model=model,
+        optimizer=optimizer,
+        history=history,
+        mismatch=mismatch,
+        rewards=rewards,
+        advantages=advantages,
+        groups=groups,
+        parent_serving=parent_serving,
+        placement=placement,
+        micro_batches=len(batches),
+    )
 
 
-def _train_and_register(config: TrainerConfig, store: CheckpointStore, parent, data, cycle_id: uuid.UUID,
-                        progress: bool, dp: "DataParallel | None" = None) -> CycleResult:
+def _train_and_register(
+    config: TrainerConfig,
+    store: CheckpointStore,
+    parent,
+    data,
+    cycle_id: uuid.UUID,
+    progress: bool,
+    dp: "DataParallel | None" = None,
+) -> CycleResult:
     from app.core.db import session_scope
     from app.models import Checkpoint
     from trainer.checkpointing import new_checkpoint_id, write_checkpoint
@@ -301,9 +367,18 @@ def _train_and_register(config: TrainerConfig, store: CheckpointStore, parent, d
         dp.send_work(CycleWork(parent_dir=parent_dir, trajectories=data.used))
     trained = train_policy(config, parent_dir, data.used, progress=progress, dp=dp)
     model, optimizer, history, mismatch = trained.model, trained.optimizer, trained.history, trained.mismatch
-    rewards, advantages, groups, parent_serving = trained.rewards, trained.advantages, trained.groups, trained.parent_serving
-    metrics = summarize(history, data=data_summary(rewards.tolist(), advantages.tolist(), int(groups.max()) + 1),
-                        mismatch=mismatch, seconds=time.perf_counter() - started)
+    rewards, advantages, groups, parent_serving = (
+        trained.rewards,
+        trained.advantages,
+        trained.groups,
+        trained.parent_serving,
+    )
+    metrics = summarize(
+        history,
+        data=data_summary(rewards.tolist(), advantages.tolist(), int(groups.max()) + 1),
+        mismatch=mismatch,
+        seconds=time.perf_counter() - started,
+    )
     metrics["micro_batches"], metrics["epochs"] = trained.micro_batches, config.epochs
     if config.invert_reward:
         metrics["invert_reward"] = True
@@ -312,20 +387,48 @@ def _train_and_register(config: TrainerConfig, store: CheckpointStore, parent, d
     section = data.manifest_section()
     for entry, adv in zip(section["trajectories"], advantages.tolist()):
         entry["advantage"] = adv
-    manifest = {"parent_id": parent.id, "generation": parent.generation + 1, "cycle_id": str(cycle_id),
-                "created_at": datetime.now(timezone.utc).isoformat(), **section}
+    manifest = {
+        "parent_id": parent.id,
+        "generation": parent.generation + 1,
+        "cycle_id": str(cycle_id),
+        "created_at": datetime.now(UTC).isoformat(),
+        **section,
+    }
     with _tracer.start_as_current_span("trainer.write_checkpoint") as span:
         span.set_attribute("flywheel.checkpoint_id", checkpoint_id)
-        path, stats = write_checkpoint(store, checkpoint_id, model=model, parent_dir=parent_dir,
-                                       parent_serving=parent_serving, manifest=manifest, config=config,
-                                       metrics=metrics, curves=config.plot_curves,
-                                       optimizer=optimizer if config.save_optimizer else None)
+        path, stats = write_checkpoint(
+            store,
+            checkpoint_id,
+            model=model,
+            parent_dir=parent_dir,
+            parent_serving=parent_serving,
+            manifest=manifest,
+            config=config,
+            metrics=metrics,
+            curves=config.plot_curves,
+            optimizer=optimizer if config.save_optimizer else None,
+        )
     metrics["delta"] = stats.to_dict()
     with _tracer.start_as_current_span("trainer.register"), session_scope() as session:
-        register_candidate(session, cycle_id=cycle_id, checkpoint_id=checkpoint_id, path=str(path),
-                           parent=session.get(Checkpoint, parent.id), data=data,
-                           manifest=store.manifest(checkpoint_id), metrics=metrics)
+        register_candidate(
+            session,
+            cycle_id=cycle_id,
+            checkpoint_id=checkpoint_id,
+            path=str(path),
+            parent=session.get(Checkpoint, parent.id),
+            data=data,
+            manifest=store.manifest(checkpoint_id),
+            metrics=metrics,
+        )
     summary = {k: v for k, v in metrics.items() if k != "history"}
-    return CycleResult(status="succeeded", detail=f"candidate {checkpoint_id} from {parent.id}",
-                       cycle_id=str(cycle_id), parent_id=parent.id, checkpoint_id=checkpoint_id, path=str(path),
-                       num_trajectories=len(data.used), excluded=data.excluded_counts(), metrics=summary)
+    return CycleResult(
+        status="succeeded",
+        detail=f"candidate {checkpoint_id} from {parent.id}",
+        cycle_id=str(cycle_id),
+        parent_id=parent.id,
+        checkpoint_id=checkpoint_id,
+        path=str(path),
+        num_trajectories=len(data.used),
+        excluded=data.excluded_counts(),
+        metrics=summary,
+    )

@@ -45,10 +45,18 @@ import numpy as np
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from producers.events.packing import unpack_floats, unpack_ints
-from app.models import (Checkpoint, CheckpointTrajectory, ErasureRequest, EvalTask, RewardLabel, Trajectory,
-                        TrainingCycle, TrajectorySegment)
+from app.models import (
+    Checkpoint,
+    CheckpointTrajectory,
+    ErasureRequest,
+    EvalTask,
+    RewardLabel,
+    TrainingCycle,
+    Trajectory,
+    TrajectorySegment,
+)
 from app.repositories.trajectories import ROUTE_DTYPES, unpack_routes
+from producers.events.packing import unpack_floats, unpack_ints
 from trainer.config import DataConfig
 
 
@@ -95,11 +103,21 @@ class TrajectoryData:
 
     def manifest_entry(self) -> dict[str, Any]:
         """Lineage of this trajectory for the checkpoint manifest."""
-        return {"id": str(self.id), "session_id": self.session_id, "user_id": self.user_id,
-                "task_id": self.task_id, "reward": self.reward, "finalized_at": self.finalized_at.isoformat(),
-                "event_ids": self.event_ids, "offsets": self.offsets, "max_event_seq": self.max_event_seq,
-                "serving_checkpoints": self.serving_checkpoints, "segments": len(self.segments),
-                "completion_tokens": self.completion_tokens, "truncated_tokens": self.truncated_tokens}
+        return {
+            "id": str(self.id),
+            "session_id": self.session_id,
+            "user_id": self.user_id,
+            "task_id": self.task_id,
+            "reward": self.reward,
+            "finalized_at": self.finalized_at.isoformat(),
+            "event_ids": self.event_ids,
+            "offsets": self.offsets,
+            "max_event_seq": self.max_event_seq,
+            "serving_checkpoints": self.serving_checkpoints,
+            "segments": len(self.segments),
+            "completion_tokens": self.completion_tokens,
+            "truncated_tokens": self.truncated_tokens,
+        }
 
 
 @dataclass
@@ -144,9 +162,11 @@ class CycleData:
         wm = self.watermark
         return {
             "reward_spec": self.reward_spec,
-            "data_window": {"finalized_after": self.window_start.isoformat() if self.window_start else None,
-                            "selected_at": self.window_end.isoformat(),
-                            "previous_watermark": _wm_json(self.previous_watermark)},
+            "data_window": {
+                "finalized_after": self.window_start.isoformat() if self.window_start else None,
+                "selected_at": self.window_end.isoformat(),
+                "previous_watermark": _wm_json(self.previous_watermark),
+            },
             "watermark": {**(_wm_json(wm) or {}), "event_seq": self.watermark_seq},
             "trajectories": [t.manifest_entry() for t in self.used],
             "excluded": self.excluded,
@@ -165,15 +185,17 @@ def last_watermark(session: Session) -> tuple[datetime, uuid.UUID] | None:
     row = session.execute(
         select(TrainingCycle.watermark_finalized_at, TrainingCycle.watermark_trajectory_id)
         .where(TrainingCycle.status == "succeeded", TrainingCycle.watermark_finalized_at.is_not(None))
-        .order_by(TrainingCycle.watermark_finalized_at.desc(), TrainingCycle.finished_at.desc()).limit(1)
+        .order_by(TrainingCycle.watermark_finalized_at.desc(), TrainingCycle.finished_at.desc())
+        .limit(1)
     ).first()
     if row is None:
         return None
     return row[0], row[1] or uuid.UUID(int=0)
 
 
-def select_cycle_data(session: Session, config: DataConfig, parent: Checkpoint, *,
-                      now: datetime | None = None) -> CycleData:
+def select_cycle_data(
+    session: Session, config: DataConfig, parent: Checkpoint, *, now: datetime | None = None
+) -> CycleData:
     """Select and load the trajectories of one cycle (see the module docstring for the rules).
 
     Args:
@@ -188,21 +210,35 @@ def select_cycle_data(session: Session, config: DataConfig, parent: Checkpoint, 
     now = now or session.scalar(select(func.now()))
     age_floor = now - timedelta(hours=config.max_age_hours)
     previous = last_watermark(session)
-    data = CycleData(reward_spec=config.reward_spec, parent_id=parent.id, parent_generation=parent.generation,
-                     window_start=age_floor, window_end=now, previous_watermark=previous)
-    data.older_than_window = session.scalar(
-        select(func.count()).select_from(Trajectory)
-        .where(Trajectory.status == "finalized", Trajectory.finalized_at <= age_floor)) or 0
-    trained = select(CheckpointTrajectory.trajectory_id).where(
-        CheckpointTrajectory.trajectory_id == Trajectory.id).exists()
-    query = (select(Trajectory, RewardLabel.reward, trained.label("trained"))
-             .outerjoin(RewardLabel, (RewardLabel.trajectory_id == Trajectory.id)
-                        & (RewardLabel.spec == config.reward_spec))
-             .where(Trajectory.status == "finalized", Trajectory.finalized_at > age_floor)
-             .order_by(Trajectory.finalized_at, Trajectory.id))
+    data = CycleData(
+        reward_spec=config.reward_spec,
+        parent_id=parent.id,
+        parent_generation=parent.generation,
+        window_start=age_floor,
+        window_end=now,
+        previous_watermark=previous,
+    )
+    data.older_than_window = (
+        session.scalar(
+            select(func.count())
+            .select_from(Trajectory)
+            .where(Trajectory.status == "finalized", Trajectory.finalized_at <= age_floor)
+        )
+        or 0
+    )
+    trained = (
+        select(CheckpointTrajectory.trajectory_id).where(CheckpointTrajectory.trajectory_id == Trajectory.id).exists()
+    )
+    query = (
+        select(Trajectory, RewardLabel.reward, trained.label("trained"))
+        .outerjoin(RewardLabel, (RewardLabel.trajectory_id == Trajectory.id) & (RewardLabel.spec == config.reward_spec))
+        .where(Trajectory.status == "finalized", Trajectory.finalized_at > age_floor)
+        .order_by(Trajectory.finalized_at, Trajectory.id)
+    )
     if config.same_data_as is not None:  # a replica of that checkpoint's data: claimed already, by design
         same = select(CheckpointTrajectory.trajectory_id).where(
-            CheckpointTrajectory.checkpoint_id == config.same_data_as)
+            CheckpointTrajectory.checkpoint_id == config.same_data_as
+        )
         query = query.where(Trajectory.id.in_(same))
     considered = []
     for traj, reward, already in session.execute(query).all():
@@ -221,8 +257,17 @@ def select_cycle_data(session: Session, config: DataConfig, parent: Checkpoint, 
         if len(data.used) >= config.max_trajectories:
             data.excluded[str(traj.id)] = "deferred"
             continue
-        reason, item = _classify(traj, reward, segments.get(traj.id, []), config, data.parent_generation,
-                                 eval_tasks, erased, generations, age_floor)
+        reason, item = _classify(
+            traj,
+            reward,
+            segments.get(traj.id, []),
+            config,
+            data.parent_generation,
+            eval_tasks,
+            erased,
+            generations,
+            age_floor,
+        )
         if reason is not None:
             data.excluded[str(traj.id)] = reason
         else:
@@ -238,15 +283,21 @@ def _eval_task_ids(session: Session, task_ids: set[str]) -> set[str]:
 
 
 def _erasures(session: Session, user_ids: set[str]) -> dict[str, datetime]:
-    rows = session.execute(select(ErasureRequest.user_id, func.max(ErasureRequest.created_at))
-                           .where(ErasureRequest.user_id.in_(user_ids)).group_by(ErasureRequest.user_id))
+    rows = session.execute(
+        select(ErasureRequest.user_id, func.max(ErasureRequest.created_at))
+        .where(ErasureRequest.user_id.in_(user_ids))
+        .group_by(ErasureRequest.user_id)
+    )
     return {u: at for u, at in rows}
 
 
 def _segments(session: Session, ids: list[uuid.UUID]) -> dict[uuid.UUID, list[TrajectorySegment]]:
     out: dict[uuid.UUID, list[TrajectorySegment]] = {}
-    for seg in session.scalars(select(TrajectorySegment).where(TrajectorySegment.trajectory_id.in_(ids))
-                               .order_by(TrajectorySegment.trajectory_id, TrajectorySegment.segment_index)):
+    for seg in session.scalars(
+        select(TrajectorySegment)
+        .where(TrajectorySegment.trajectory_id.in_(ids))
+        .order_by(TrajectorySegment.trajectory_id, TrajectorySegment.segment_index)
+    ):
         out.setdefault(seg.trajectory_id, []).append(seg)
     return out
 
@@ -270,9 +321,17 @@ def _generations(session: Session, considered, segments) -> dict[str, int]:
     return dict(session.execute(select(Checkpoint.id, Checkpoint.generation).where(Checkpoint.id.in_(ids))).all())
 
 
-def _classify(traj: Trajectory, reward: float | None, segs: list[TrajectorySegment], config: DataConfig,
-              parent_generation: int, eval_tasks: set[str], erased: dict[str, datetime],
-              generations: dict[str, int], age_floor: datetime) -> tuple[str | None, TrajectoryData | None]:
+def _classify(
+    traj: Trajectory,
+    reward: float | None,
+    segs: list[TrajectorySegment],
+    config: DataConfig,
+    parent_generation: int,
+    eval_tasks: set[str],
+    erased: dict[str, datetime],
+    generations: dict[str, int],
+    age_floor: datetime,
+) -> tuple[str | None, TrajectoryData | None]:
     """The exclusion reason of a trajectory, or ``(None, its loaded data)``."""
     if traj.reserved_for_eval:
         return "reserved_for_eval", None
@@ -313,12 +372,21 @@ def _classify(traj: Trajectory, reward: float | None, segs: list[TrajectorySegme
             last = (seg.max_offset or {}).get(tp, first)
             lo, hi = offsets.get(tp, [first, last])
             offsets[tp] = [min(lo, first), max(hi, last)]
-    item = TrajectoryData(id=traj.id, session_id=traj.session_id, user_id=traj.user_id, task_id=traj.task_id,
-                          reward=float(reward), group=traj.task_id or f"session:{traj.session_id}",
-                          finalized_at=traj.finalized_at, segments=segments,
-                          event_ids=event_ids or [str(e) for e in traj.event_ids], offsets=offsets,
-                          max_event_seq=traj.max_event_seq, serving_checkpoints=served_by,
-                          truncated_tokens=truncated)
+    item = TrajectoryData(
+        id=traj.id,
+        session_id=traj.session_id,
+        user_id=traj.user_id,
+        task_id=traj.task_id,
+        reward=float(reward),
+        group=traj.task_id or f"session:{traj.session_id}",
+        finalized_at=traj.finalized_at,
+        segments=segments,
+        event_ids=event_ids or [str(e) for e in traj.event_ids],
+        offsets=offsets,
+        max_event_seq=traj.max_event_seq,
+        serving_checkpoints=served_by,
+        truncated_tokens=truncated,
+    )
     if item.completion_tokens == 0:
         return "no_completion_tokens", None
     return None, item

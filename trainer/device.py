@@ -20,14 +20,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import os
 from dataclasses import dataclass
-from typing import Literal, TypeVar
+from typing import TypeVar
 
 import torch
 
-from app.core.errors import ConfigurationError
-from app.inference.device import DeviceSetting, resolve_device
+from app.inference.device import resolve_device
 
 T = TypeVar("T")
 
@@ -53,8 +51,11 @@ class Placement:
 
     def describe(self) -> dict[str, str]:
         """JSON-ready summary (for metrics and logs)."""
-        return {"device": str(self.device), "param_dtype": str(self.param_dtype).removeprefix("torch."),
-                "compute_dtype": str(self.compute_dtype).removeprefix("torch.")}
+        return {
+            "device": str(self.device),
+            "param_dtype": str(self.param_dtype).removeprefix("torch."),
+            "compute_dtype": str(self.compute_dtype).removeprefix("torch."),
+        }
 
     def autocast(self) -> contextlib.AbstractContextManager:
         """Mixed-precision context for forward passes (a no-op on the CPU)."""

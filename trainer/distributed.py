@@ -71,7 +71,7 @@ class DataParallel:
 
     def local(self, items: list[T]) -> list[T]:
         """This rank's share of a step's micro-batches: ``items[rank::world_size]``."""
-        return items[self.rank::self.world_size]
+        return items[self.rank :: self.world_size]
 
     def owns(self, index: int) -> bool:
         """Whether this rank computes item ``index`` of a list shared by all ranks."""
@@ -132,7 +132,7 @@ def _all_reduce_bucket(grads: list[torch.Tensor]) -> None:
     dist.all_reduce(flat)
     offset = 0
     for g in grads:
-        g.copy_(flat[offset:offset + g.numel()].view_as(g))
+        g.copy_(flat[offset : offset + g.numel()].view_as(g))
         offset += g.numel()
 
 
@@ -179,8 +179,9 @@ def shutdown_data_parallel() -> None:
         dist.destroy_process_group()
 
 
-def run_parallel_cycle(config, dp: DataParallel, *, progress: bool = False, dry_run: bool = False,
-                       parent_id: str | None = None):
+def run_parallel_cycle(
+    config, dp: DataParallel, *, progress: bool = False, dry_run: bool = False, parent_id: str | None = None
+):
     """One cycle on every rank of ``dp`` (see the module invariants); rank 0 returns what
     :func:`trainer.cycle.run_cycle` returns, the others a ``CycleResult`` naming their rank.
 
@@ -200,6 +201,9 @@ def run_parallel_cycle(config, dp: DataParallel, *, progress: bool = False, dry_
     torch.set_num_threads(config.threads)
     trained = train_policy(config, work.parent_dir, work.trajectories, dp=dp)
     last = trained.history[-1] if trained.history else None
-    return CycleResult(status="succeeded", detail=f"rank {dp.rank}/{dp.world_size}: trained with rank 0, which "
-                       "writes and registers the candidate", num_trajectories=len(work.trajectories),
-                       metrics={"steps": len(trained.history), "final_loss": last.loss if last else None})
+    return CycleResult(
+        status="succeeded",
+        detail=f"rank {dp.rank}/{dp.world_size}: trained with rank 0, which writes and registers the candidate",
+        num_trajectories=len(work.trajectories),
+        metrics={"steps": len(trained.history), "final_loss": last.loss if last else None},
+    )

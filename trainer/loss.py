@@ -49,8 +49,9 @@ from torch import Tensor
 KLEstimator = Literal["k1", "k3"]
 
 
-def compute_advantages(rewards: Tensor, group_ids: Tensor, *, singleton_baseline: Literal["zero", "batch_mean"]
-                       = "batch_mean") -> Tensor:
+def compute_advantages(
+    rewards: Tensor, group_ids: Tensor, *, singleton_baseline: Literal["zero", "batch_mean"] = "batch_mean"
+) -> Tensor:
     """Advantage of each trajectory: its reward minus its group's mean reward (no std scaling).
 
     Dr. GRPO (Liu et al. 2025, eq. 4 without the ``1/std`` factor). A group of one has no peers: its
@@ -158,8 +159,16 @@ def kl_estimate(logprobs: Tensor, ref_logprobs: Tensor, estimator: KLEstimator =
     raise ValueError(f"unknown KL estimator {estimator!r}")
 
 
-def policy_loss(inputs: LossInputs, *, normalizer: float, is_cap: float = 2.0, clip_eps_low: float = 0.2,
-                clip_eps_high: float = 0.2, kl_coef: float = 0.0, kl_estimator: KLEstimator = "k3") -> LossOutputs:
+def policy_loss(
+    inputs: LossInputs,
+    *,
+    normalizer: float,
+    is_cap: float = 2.0,
+    clip_eps_low: float = 0.2,
+    clip_eps_high: float = 0.2,
+    kl_coef: float = 0.0,
+    kl_estimator: KLEstimator = "k3",
+) -> LossOutputs:
     """The truncated-importance-weighted, PPO-clipped policy-gradient loss (see the module docstring).
 
     Args:

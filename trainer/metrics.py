@@ -15,23 +15,43 @@ from typing import Any
 
 from trainer.step import StepMetrics
 
-CURVES = ("loss", "pg_loss", "kl", "mismatch_kl", "is_clip_frac", "ppo_clip_frac", "entropy", "grad_norm",
-          "tokens_per_s")
+CURVES = (
+    "loss",
+    "pg_loss",
+    "kl",
+    "mismatch_kl",
+    "is_clip_frac",
+    "ppo_clip_frac",
+    "entropy",
+    "grad_norm",
+    "tokens_per_s",
+)
 
 
 def data_summary(rewards: list[float], advantages: list[float], groups: int) -> dict[str, float]:
     """Reward and advantage statistics over the cycle's trajectories."""
+
     def stats(prefix: str, xs: list[float]) -> dict[str, float]:
         if not xs:
             return {}
-        return {f"{prefix}_mean": statistics.fmean(xs), f"{prefix}_std": statistics.pstdev(xs),
-                f"{prefix}_min": min(xs), f"{prefix}_max": max(xs)}
-    return {**stats("reward", rewards), **stats("advantage", advantages), "groups": groups,
-            "trajectories": len(rewards)}
+        return {
+            f"{prefix}_mean": statistics.fmean(xs),
+            f"{prefix}_std": statistics.pstdev(xs),
+            f"{prefix}_min": min(xs),
+            f"{prefix}_max": max(xs),
+        }
+
+    return {
+        **stats("reward", rewards),
+        **stats("advantage", advantages),
+        "groups": groups,
+        "trajectories": len(rewards),
+    }
 
 
-def summarize(history: list[StepMetrics], *, data: dict[str, Any], mismatch: dict[str, float],
-              seconds: float) -> dict[str, Any]:
+def summarize(
+    history: list[StepMetrics], *, data: dict[str, Any], mismatch: dict[str, float], seconds: float
+) -> dict[str, Any]:
     """``metrics.json``: per-step history, final-step values, data statistics and timing."""
     steps = [asdict(m) for m in history]
     last = steps[-1] if steps else {}
@@ -81,11 +101,21 @@ def step_progress(total: int, enabled: bool = True) -> Iterator:
         return
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    with Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  TextColumn("{task.fields[info]}"), transient=False) as progress:
+    with Progress(
+        TextColumn("[bold]train"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TextColumn("{task.fields[info]}"),
+        transient=False,
+    ) as progress:
         task = progress.add_task("train", total=total, info="")
 
         def advance(m: StepMetrics) -> None:
-            progress.update(task, advance=1, info=f"loss {m.loss:+.4f}  kl {m.kl:.2e}  ent {m.entropy:.2f}  "
-                                                  f"{m.tokens_per_s:.0f} tok/s")
+            progress.update(
+                task,
+                advance=1,
+                info=f"loss {m.loss:+.4f}  kl {m.kl:.2e}  ent {m.entropy:.2f}  {m.tokens_per_s:.0f} tok/s",
+            )
+
         yield advance

@@ -18,20 +18,19 @@ import contextlib
 import logging
 import uuid
 from collections.abc import Iterator
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any
 
 from sqlalchemy import select, text, update
 from sqlalchemy.orm import Session
 
+from app.core.locks import AdvisoryLock
 from app.models import Checkpoint, TrainingCycle
 from app.repositories.checkpoints import add_checkpoint, add_checkpoint_trajectories
 from app.repositories.holdout import retire_trained_eval_tasks
-from app.core.locks import AdvisoryLock
 from trainer.data import CycleData
 
 log = logging.getLogger(__name__)
-
 
 
 @contextlib.contextmanager
@@ -54,9 +53,11 @@ def cycle_lock(engine) -> Iterator[bool]:
 
 def fail_interrupted_cycles(session: Session) -> int:
     """Mark ``running`` cycles as failed (only called while holding the lock: they are dead)."""
-    result = session.execute(update(TrainingCycle).where(TrainingCycle.status == "running")
-                             .values(status="failed", finished_at=datetime.now(timezone.utc),
-                                     detail="interrupted: the process died before finishing"))
+    result = session.execute(
+        update(TrainingCycle)
+        .where(TrainingCycle.status == "running")
+        .values(status="failed", finished_at=datetime.now(UTC), detail="interrupted: the process died before finishing")
+    )
     return result.rowcount or 0
 
 
@@ -65,33 +66,46 @@ def succeeded_cycle_ids(session: Session, cycle_ids: list[str]) -> set[str]:
     ids = [uuid.UUID(c) for c in cycle_ids]
     if not ids:
         return set()
-    return {str(i) for i in session.scalars(select(TrainingCycle.id).where(
-        TrainingCycle.id.in_(ids), TrainingCycle.status == "succeeded"))}
+    return {
+        str(i)
+        for i in session.scalars(
+            select(TrainingCycle.id).where(TrainingCycle.id.in_(ids), TrainingCycle.status == "succeeded")
+        )
+    }
 
 
 def start_cycle(session: Session, cycle_id: uuid.UUID, parent_id: str) -> TrainingCycle:
     """Insert a ``running`` cycle row; flush."""
-    row = TrainingCycle(id=cycle_id, status="running", parent_checkpoint_id=parent_id, num_trajectories=0,
-                        detail="", metrics={})
+    row = TrainingCycle(
+        id=cycle_id, status="running", parent_checkpoint_id=parent_id, num_trajectories=0, detail="", metrics={}
+    )
     session.add(row)
     session.flush()
     return row
 
 
-def finish_cycle(session: Session, cycle_id: uuid.UUID, *, status: str, detail: str,
-                 metrics: dict[str, Any] | None = None, parent_id: str | None = None) -> None:
+def finish_cycle(
+    session: Session,
+    cycle_id: uuid.UUID,
+    *,
+    status: str,
+    detail: str,
+    metrics: dict[str, Any] | None = None,
+    parent_id: str | None = None,
+) -> None:
     """Record a cycle that ended without a candidate (``skipped`` or ``failed``); flush."""
     row = session.get(TrainingCycle, cycle_id)
     if row is None:
         row = TrainingCycle(id=cycle_id, parent_checkpoint_id=parent_id, num_trajectories=0)
         session.add(row)
     row.status, row.detail, row.metrics = status, detail, metrics or {}
-    row.finished_at = datetime.now(timezone.utc)
+    row.finished_at = datetime.now(UTC)
     session.flush()
 
 
-def _flag_if_deleted_since_selection(session: Session, checkpoint_id: str,
-                                     trajectory_ids: list[uuid.UUID]) -> tuple[list[uuid.UUID], list[str]]:
+def _flag_if_deleted_since_selection(
+    session: Session, checkpoint_id: str, trajectory_ids: list[uuid.UUID]
+) -> tuple[list[uuid.UUID], list[str]]:
     """The trajectories among ``trajectory_ids`` (all present when the cycle selected them) that an
     erasure or a privacy purge deleted while it trained, and the erasure requests that did. Those
     could not flag a checkpoint not yet registered, so registration does: the requests get it in
@@ -102,21 +116,41 @@ def _flag_if_deleted_since_selection(session: Session, checkpoint_id: str,
     Returns:
         (deleted trajectory ids, erasure request ids), both sorted.
     """
-    present = set(session.execute(text("SELECT id FROM trajectory WHERE id = ANY(CAST(:ids AS uuid[])) "
-                                       "FOR KEY SHARE"), {"ids": trajectory_ids}).scalars())
+    present = set(
+        session.execute(
+            text("SELECT id FROM trajectory WHERE id = ANY(CAST(:ids AS uuid[])) FOR KEY SHARE"),
+            {"ids": trajectory_ids},
+        ).scalars()
+    )
     gone = sorted(set(trajectory_ids) - present)
     if not gone:
         return [], []
-    requests = session.execute(
-        text("UPDATE erasure_request SET checkpoints_flagged = array_append(checkpoints_flagged, :cid) "
-             "WHERE trajectory_ids && CAST(:ids AS uuid[]) AND NOT (:cid = ANY(checkpoints_flagged)) "
-             "RETURNING request_id"), {"cid": checkpoint_id, "ids": gone}).scalars().all()
+    requests = (
+        session.execute(
+            text(
+                "UPDATE erasure_request SET checkpoints_flagged = array_append(checkpoints_flagged, :cid) "
+                "WHERE trajectory_ids && CAST(:ids AS uuid[]) AND NOT (:cid = ANY(checkpoints_flagged)) "
+                "RETURNING request_id"
+            ),
+            {"cid": checkpoint_id, "ids": gone},
+        )
+        .scalars()
+        .all()
+    )
     return gone, sorted(requests)
 
 
-def register_candidate(session: Session, *, cycle_id: uuid.UUID, checkpoint_id: str, path: str,
-                       parent: Checkpoint, data: CycleData, manifest: dict[str, Any],
-                       metrics: dict[str, Any]) -> Checkpoint:
+def register_candidate(
+    session: Session,
+    *,
+    cycle_id: uuid.UUID,
+    checkpoint_id: str,
+    path: str,
+    parent: Checkpoint,
+    data: CycleData,
+    manifest: dict[str, Any],
+    metrics: dict[str, Any],
+) -> Checkpoint:
     """Insert the candidate, its lineage, the cycle's success and ``checkpoint.created``; flush. A
     candidate that trained on trajectories an erasure or a privacy purge deleted meanwhile is
     registered flagged ``trained_on_erased`` (promotion refuses it), and the erasure requests name it.
@@ -128,35 +162,63 @@ def register_candidate(session: Session, *, cycle_id: uuid.UUID, checkpoint_id: 
     from app.outbox.lifecycle import enqueue_lifecycle
 
     summary = {k: v for k, v in metrics.items() if k != "history"}
-    row = add_checkpoint(session, checkpoint_id=checkpoint_id, path=path, status="candidate", parent_id=parent.id,
-                         generation=parent.generation + 1, manifest=manifest, metrics=summary,
-                         reward_spec=data.reward_spec, num_trajectories=len(data.used), stable=True)
-    add_checkpoint_trajectories(session, checkpoint_id,
-                                [(t.id, t.user_id, t.task_id) for t in data.used])
+    row = add_checkpoint(
+        session,
+        checkpoint_id=checkpoint_id,
+        path=path,
+        status="candidate",
+        parent_id=parent.id,
+        generation=parent.generation + 1,
+        manifest=manifest,
+        metrics=summary,
+        reward_spec=data.reward_spec,
+        num_trajectories=len(data.used),
+        stable=True,
+    )
+    add_checkpoint_trajectories(session, checkpoint_id, [(t.id, t.user_id, t.task_id) for t in data.used])
     gone, requests = _flag_if_deleted_since_selection(session, checkpoint_id, [t.id for t in data.used])
     if gone:
-        row.trained_on_erased, row.erasure_flagged_at = True, datetime.now(timezone.utc)
-        log.warning("candidate %s trained on %d trajectories erased or made private while it trained (erasure "
-                    "requests %s): registered flagged trained_on_erased, so it cannot be promoted",
-                    checkpoint_id, len(gone), requests or "none")
+        row.trained_on_erased, row.erasure_flagged_at = True, datetime.now(UTC)
+        log.warning(
+            "candidate %s trained on %d trajectories erased or made private while it trained (erasure "
+            "requests %s): registered flagged trained_on_erased, so it cannot be promoted",
+            checkpoint_id,
+            len(gone),
+            requests or "none",
+        )
     retired = retire_trained_eval_tasks(session, checkpoint_id)
     if retired:
         summary = {**summary, "eval_tasks_retired": retired}
         row.metrics = summary  # a new dict: the JSON column does not track in-place changes
-        log.warning("candidate %s trained on %d eval tasks mined while it trained: retired from the eval suites "
-                    "(%s)", checkpoint_id, len(retired), ", ".join(retired[:10]))
+        log.warning(
+            "candidate %s trained on %d eval tasks mined while it trained: retired from the eval suites (%s)",
+            checkpoint_id,
+            len(retired),
+            ", ".join(retired[:10]),
+        )
     cycle = session.get(TrainingCycle, cycle_id)
     cycle.status, cycle.checkpoint_id = "succeeded", checkpoint_id
     cycle.num_trajectories = len(data.used)
     cycle.watermark_finalized_at, cycle.watermark_trajectory_id = data.watermark or (None, None)
     cycle.watermark_seq = data.watermark_seq
-    cycle.metrics = {"excluded": data.excluded_counts(), **{k: v for k, v in summary.items() if k != "data"},
-                     "data": summary.get("data", {})}
+    cycle.metrics = {
+        "excluded": data.excluded_counts(),
+        **{k: v for k, v in summary.items() if k != "data"},
+        "data": summary.get("data", {}),
+    }
     cycle.detail = f"candidate {checkpoint_id} from {parent.id} on {len(data.used)} trajectories"
-    cycle.finished_at = datetime.now(timezone.utc)
-    enqueue_lifecycle(session, "checkpoint.created", checkpoint_id, parent_id=parent.id,
-                      generation=parent.generation + 1, path=path, reward_spec=data.reward_spec,
-                      num_trajectories=len(data.used), delta=manifest.get("delta", {}).get("file"),
-                      cycle_id=str(cycle_id))
+    cycle.finished_at = datetime.now(UTC)
+    enqueue_lifecycle(
+        session,
+        "checkpoint.created",
+        checkpoint_id,
+        parent_id=parent.id,
+        generation=parent.generation + 1,
+        path=path,
+        reward_spec=data.reward_spec,
+        num_trajectories=len(data.used),
+        delta=manifest.get("delta", {}).get("file"),
+        cycle_id=str(cycle_id),
+    )
     session.flush()
     return row

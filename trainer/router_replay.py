@@ -67,8 +67,10 @@ def replay_routes(model: torch.nn.Module, routes: torch.Tensor | None) -> Iterat
         yield
         return
     if routes.dim() != 4 or routes.shape[2] != len(routers) or routes.shape[3] != routers[0].top_k:
-        raise ValueError(f"routes of shape {tuple(routes.shape)} for a model with {len(routers)} MoE layers "
-                         f"and top-k {routers[0].top_k} (need [B, T, {len(routers)}, {routers[0].top_k}])")
+        raise ValueError(
+            f"routes of shape {tuple(routes.shape)} for a model with {len(routers)} MoE layers "
+            f"and top-k {routers[0].top_k} (need [B, T, {len(routers)}, {routers[0].top_k}])"
+        )
     experts = min(int(getattr(r, "num_experts", 2**31 - 1)) for r in routers)
     if routes.numel() and int(routes.max()) >= experts:
         raise ValueError(f"routes name expert {int(routes.max())}, the model has {experts}")

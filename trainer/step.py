@@ -55,13 +55,24 @@ if TYPE_CHECKING:
     from trainer.device import Placement
     from trainer.distributed import DataParallel
 
-STEP_SUMS = ("pg_loss_sum", "kl_sum", "mismatch_kl_sum", "is_clipped", "ppo_clipped", "ratio_sum", "entropy_sum",
-             "adv", "advabs")  # what a step adds up over its micro-batches (and, data-parallel, over ranks)
+STEP_SUMS = (
+    "pg_loss_sum",
+    "kl_sum",
+    "mismatch_kl_sum",
+    "is_clipped",
+    "ppo_clipped",
+    "ratio_sum",
+    "entropy_sum",
+    "adv",
+    "advabs",
+)  # what a step adds up over its micro-batches (and, data-parallel, over ranks)
 
 log = logging.getLogger(__name__)
 
 
-def _trainable_hidden(model: torch.nn.Module, mb: MicroBatch, config: TrainerConfig) -> tuple[torch.Tensor, torch.Tensor]:
+def _trainable_hidden(
+    model: torch.nn.Module, mb: MicroBatch, config: TrainerConfig
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``(hidden [N, H] of the positions predicting trainable tokens, divided by the temperature,
     LM head weight [V, H])``."""
     decoder = model.get_decoder()
@@ -93,8 +104,9 @@ def token_logprobs(model: torch.nn.Module, mb: MicroBatch, config: TrainerConfig
     return chunked_logprobs(hidden, weight, mb.targets, chunk, config.logprob_backend)
 
 
-def micro_batch_loss(model: torch.nn.Module, mb: MicroBatch, config: TrainerConfig
-                     ) -> tuple[torch.Tensor, dict[str, float]]:
+def micro_batch_loss(
+    model: torch.nn.Module, mb: MicroBatch, config: TrainerConfig
+) -> tuple[torch.Tensor, dict[str, float]]:
     """The policy loss of one micro-batch, fused with the LM head (:mod:`kernels.logprob_loss`).
 
     Returns:
@@ -106,18 +118,28 @@ def micro_batch_loss(model: torch.nn.Module, mb: MicroBatch, config: TrainerConf
 
     def token_loss(lp: torch.Tensor, sl: slice) -> torch.Tensor:
         out = policy_loss(
-            LossInputs(logprobs=lp, old_logprobs=mb.old_logprobs[sl], behaviour_logprobs=mb.behaviour_logprobs[sl],
-                       advantages=mb.advantages[sl], loss_mask=torch.ones_like(lp, dtype=torch.bool),
-                       ref_logprobs=mb.old_logprobs[sl]),
-            normalizer=config.normalizer(), is_cap=config.loss.is_cap, clip_eps_low=config.loss.clip_eps_low,
-            clip_eps_high=config.loss.clip_eps_high, kl_coef=config.loss.kl_coef,
-            kl_estimator=config.loss.kl_estimator)
+            LossInputs(
+                logprobs=lp,
+                old_logprobs=mb.old_logprobs[sl],
+                behaviour_logprobs=mb.behaviour_logprobs[sl],
+                advantages=mb.advantages[sl],
+                loss_mask=torch.ones_like(lp, dtype=torch.bool),
+                ref_logprobs=mb.old_logprobs[sl],
+            ),
+            normalizer=config.normalizer(),
+            is_cap=config.loss.is_cap,
+            clip_eps_low=config.loss.clip_eps_low,
+            clip_eps_high=config.loss.clip_eps_high,
+            kl_coef=config.loss.kl_coef,
+            kl_estimator=config.loss.kl_estimator,
+        )
         for key in ("pg_loss_sum", "kl_sum", "mismatch_kl_sum", "is_clipped", "ppo_clipped", "ratio_sum"):
             sums[key] = sums.get(key, 0.0) + float(getattr(out, key))
         return out.loss
 
-    loss, _, entropy = chunked_logprob_loss(hidden, weight, mb.targets, token_loss, config.logprob_chunk_size,
-                                            config.logprob_backend)
+    loss, _, entropy = chunked_logprob_loss(
+        hidden, weight, mb.targets, token_loss, config.logprob_chunk_size, config.logprob_backend
+    )
     sums["entropy_sum"] = float(entropy.sum())
     return loss, sums
 
@@ -127,8 +149,14 @@ def _autocast(placement: "Placement | None") -> contextlib.AbstractContextManage
 
 
 @torch.no_grad()
-def compute_old_logprobs(model: torch.nn.Module, batches: list[MicroBatch], config: TrainerConfig, *,
-                         placement: "Placement | None" = None, dp: "DataParallel | None" = None) -> dict[str, float]:
+def compute_old_logprobs(
+    model: torch.nn.Module,
+    batches: list[MicroBatch],
+    config: TrainerConfig,
+    *,
+    placement: "Placement | None" = None,
+    dp: "DataParallel | None" = None,
+) -> dict[str, float]:
     """Fill ``mb.old_logprobs`` with the parent policy's log-probs; return mismatch statistics.
 
     Args:
@@ -154,8 +182,10 @@ def compute_old_logprobs(model: torch.nn.Module, batches: list[MicroBatch], conf
         n += mb.num_trainable
     if dp is not None:
         dp.share_old_logprobs(batches)
-        kl, clipped, ent, n = (dp.all_reduce_sums({"kl": kl, "clipped": clipped, "ent": ent, "n": n},
-                                                  batches[0].targets.device)[k] for k in ("kl", "clipped", "ent", "n"))
+        kl, clipped, ent, n = (
+            dp.all_reduce_sums({"kl": kl, "clipped": clipped, "ent": ent, "n": n}, batches[0].targets.device)[k]
+            for k in ("kl", "clipped", "ent", "n")
+        )
     model.train(was_training)
     n = max(n, 1.0)
     return {"mismatch_kl": kl / n, "mismatch_is_clip_frac": clipped / n, "old_entropy": ent / n}
@@ -198,7 +228,7 @@ def micro_batch_schedule(batches: list, config: TrainerConfig) -> Iterator[list]
     for _ in range(config.epochs):
         order = torch.randperm(len(batches), generator=g).tolist()
         for s in range(0, len(order), config.grad_accum):
-            yield [batches[i] for i in order[s:s + config.grad_accum]]
+            yield [batches[i] for i in order[s : s + config.grad_accum]]
 
 
 def planned_steps(num_batches: int, config: TrainerConfig) -> int:
@@ -209,14 +239,25 @@ def planned_steps(num_batches: int, config: TrainerConfig) -> int:
 def make_optimizer(model: torch.nn.Module, config: TrainerConfig) -> torch.optim.Optimizer:
     """AdamW over the trainable parameters (tied weights once)."""
     o = config.optim
-    return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=o.lr, betas=o.betas,
-                             eps=o.eps, weight_decay=o.weight_decay)
+    return torch.optim.AdamW(
+        [p for p in model.parameters() if p.requires_grad],
+        lr=o.lr,
+        betas=o.betas,
+        eps=o.eps,
+        weight_decay=o.weight_decay,
+    )
 
 
-def train_steps(model: torch.nn.Module, batches: list[MicroBatch], config: TrainerConfig,
-                optimizer: torch.optim.Optimizer, *,
-                on_step: Callable[[StepMetrics], None] | None = None, placement: "Placement | None" = None,
-                dp: "DataParallel | None" = None) -> list[StepMetrics]:
+def train_steps(
+    model: torch.nn.Module,
+    batches: list[MicroBatch],
+    config: TrainerConfig,
+    optimizer: torch.optim.Optimizer,
+    *,
+    on_step: Callable[[StepMetrics], None] | None = None,
+    placement: "Placement | None" = None,
+    dp: "DataParallel | None" = None,
+) -> list[StepMetrics]:
     """Run the cycle's optimizer steps (needs ``old_logprobs`` filled). Returns per-step metrics.
 
     ``placement``'s autocast wraps each micro-batch's forward pass (not the backward). With ``dp``
@@ -231,20 +272,28 @@ def train_steps(model: torch.nn.Module, batches: list[MicroBatch], config: Train
     model.train()
     history = []
     for step, group in enumerate(micro_batch_schedule(batches, config), start=1):
-        lr = config.optim.lr * min(1.0, step / config.optim.warmup_steps) if config.optim.warmup_steps else config.optim.lr
+        lr = (
+            config.optim.lr * min(1.0, step / config.optim.warmup_steps)
+            if config.optim.warmup_steps
+            else config.optim.lr
+        )
         for pg in optimizer.param_groups:
             pg["lr"] = lr
         start = time.perf_counter()
         optimizer.zero_grad(set_to_none=True)
         m = StepMetrics(step=step, lr=lr)
         sums = dict.fromkeys(STEP_SUMS, 0.0)
-        for mb in (group if dp is None else dp.local(group)):
+        for mb in group if dp is None else dp.local(group):
             with _autocast(placement):
                 loss, mb_sums = micro_batch_loss(model, mb, config)
             if not torch.isfinite(loss.detach()):
                 m.skipped_micro_batches += 1
-                log.warning("step %d: a micro-batch's loss is %s; skipped (%d tokens)", step, float(loss.detach()),
-                            mb.num_tokens)
+                log.warning(
+                    "step %d: a micro-batch's loss is %s; skipped (%d tokens)",
+                    step,
+                    float(loss.detach()),
+                    mb.num_tokens,
+                )
                 continue
             loss.backward()
             m.loss += float(loss.detach())
@@ -255,17 +304,34 @@ def train_steps(model: torch.nn.Module, batches: list[MicroBatch], config: Train
             m.tokens += mb.num_tokens
         if dp is not None:
             dp.all_reduce_grads(model)
-            totals = dp.all_reduce_sums({**sums, "loss": m.loss, "trainable": m.trainable_tokens, "tokens": m.tokens,
-                                         "skipped": m.skipped_micro_batches}, batches[0].targets.device)
-            m.loss, m.trainable_tokens, m.tokens = totals.pop("loss"), int(totals.pop("trainable")), int(totals.pop("tokens"))
+            totals = dp.all_reduce_sums(
+                {
+                    **sums,
+                    "loss": m.loss,
+                    "trainable": m.trainable_tokens,
+                    "tokens": m.tokens,
+                    "skipped": m.skipped_micro_batches,
+                },
+                batches[0].targets.device,
+            )
+            m.loss, m.trainable_tokens, m.tokens = (
+                totals.pop("loss"),
+                int(totals.pop("trainable")),
+                int(totals.pop("tokens")),
+            )
             m.skipped_micro_batches = int(totals.pop("skipped"))
             sums = totals
         m.grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), config.optim.max_grad_norm))
         m.skipped_step = m.skipped_micro_batches == len(group) or not math.isfinite(m.grad_norm)
         if m.skipped_step:
             optimizer.zero_grad(set_to_none=True)
-            log.warning("step %d: no optimizer step (%d of %d micro-batches skipped, gradient norm %s)", step,
-                        m.skipped_micro_batches, len(group), m.grad_norm)
+            log.warning(
+                "step %d: no optimizer step (%d of %d micro-batches skipped, gradient norm %s)",
+                step,
+                m.skipped_micro_batches,
+                len(group),
+                m.grad_norm,
+            )
         else:
             optimizer.step()
         m.seconds = time.perf_counter() - start

@@ -8,7 +8,7 @@ the way the consumers project them (token arrays packed with ``producers.events.
 from __future__ import annotations
 
 import uuid
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import numpy as np
@@ -22,10 +22,19 @@ def tiny_policy(seed: int = 0, vocab_size: int = 512, hidden_size: int = 64, num
     """A tiny random ``LlamaForCausalLM`` (fp32, tied embeddings) built in memory."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    cfg = LlamaConfig(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
-                      num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2,
-                      max_position_embeddings=1024, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2,
-                      pad_token_id=2)
+    cfg = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        tie_word_embeddings=True,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=2,
+    )
     with torch.random.fork_rng():
         torch.manual_seed(seed)
         model = LlamaForCausalLM(cfg)
@@ -44,8 +53,17 @@ def tiny_policy_dir(directory: Path, seed: int = 0) -> Path:
     return build_tiny_model(directory, seed=seed)
 
 
-def build_tiny_moe(directory: Path, *, seed: int = 0, experts: int = 8, top_k: int = 2, num_layers: int = 4,
-                   hidden_size: int = 64, kind: str = "mixtral", initializer_range: float = 0.2) -> Path:
+def build_tiny_moe(
+    directory: Path,
+    *,
+    seed: int = 0,
+    experts: int = 8,
+    top_k: int = 2,
+    num_layers: int = 4,
+    hidden_size: int = 64,
+    kind: str = "mixtral",
+    initializer_range: float = 0.2,
+) -> Path:
     """Write a tiny random MoE causal LM (SmolLM2 tokenizer) as a Hugging Face folder, fp32.
 
     ``kind``: ``mixtral`` (``MixtralConfig``: top-k renormalised) or ``qwen2_moe`` (``Qwen2MoeConfig``
@@ -56,13 +74,19 @@ def build_tiny_moe(directory: Path, *, seed: int = 0, experts: int = 8, top_k: i
 
     from app.checkpoints.testing import tiny_config, write_model_folder
 
-    config = tiny_config(moe=True, hidden_size=hidden_size, num_layers=num_layers,
-                         initializer_range=initializer_range)
+    config = tiny_config(moe=True, hidden_size=hidden_size, num_layers=num_layers, initializer_range=initializer_range)
     if kind == "qwen2_moe":
-        config = Qwen2MoeConfig(**{k: v for k, v in config.to_dict().items()
-                                   if k in Qwen2MoeConfig().to_dict() and k not in ("model_type", "architectures")},
-                                num_experts=experts, moe_intermediate_size=hidden_size,
-                                shared_expert_intermediate_size=hidden_size, norm_topk_prob=False)
+        config = Qwen2MoeConfig(
+            **{
+                k: v
+                for k, v in config.to_dict().items()
+                if k in Qwen2MoeConfig().to_dict() and k not in ("model_type", "architectures")
+            },
+            num_experts=experts,
+            moe_intermediate_size=hidden_size,
+            shared_expert_intermediate_size=hidden_size,
+            norm_topk_prob=False,
+        )
     elif kind == "mixtral":
         config.num_local_experts = experts
     else:
@@ -88,7 +112,7 @@ def make_segment(prompt: list[int], completion: list[int], behaviour: np.ndarray
     """
     ids = np.asarray(prompt + completion, dtype=np.int32)
     mask = np.zeros(len(ids), dtype=np.uint8)
-    mask[len(prompt):] = 1
+    mask[len(prompt) :] = 1
     lp = np.zeros(len(ids), dtype=np.float32) if behaviour is None else np.asarray(behaviour, dtype=np.float32).copy()
     lp[mask == 0] = 0.0
     return Segment(ids, mask, lp)
@@ -97,17 +121,37 @@ def make_segment(prompt: list[int], completion: list[int], behaviour: np.ndarray
 def make_trajectory(segments: list[Segment], reward: float, task_id: str | None = "task-0") -> TrajectoryData:
     """An in-memory :class:`TrajectoryData` (no database)."""
     tid = uuid.uuid4()
-    return TrajectoryData(id=tid, session_id=f"s-{tid.hex[:8]}", user_id="u", task_id=task_id, reward=reward,
-                          group=task_id or f"session:{tid}", finalized_at=datetime.now(timezone.utc),
-                          segments=segments, event_ids=[], offsets={}, max_event_seq=None,
-                          serving_checkpoints=["base"])
+    return TrajectoryData(
+        id=tid,
+        session_id=f"s-{tid.hex[:8]}",
+        user_id="u",
+        task_id=task_id,
+        reward=reward,
+        group=task_id or f"session:{tid}",
+        finalized_at=datetime.now(UTC),
+        segments=segments,
+        event_ids=[],
+        offsets={},
+        max_event_seq=None,
+        serving_checkpoints=["base"],
+    )
 
 
-def insert_trajectory(session, *, segments: list[Segment], reward: float | None, task_id: str | None = "task-0",
-                      checkpoint_id: str = "base", spec: str = "implicit@1", user_id: str = "user-1",
-                      finalized_at: datetime | None = None, last_event_at: datetime | None = None,
-                      status: str = "finalized", reserved_for_eval: bool = False,
-                      max_event_seq: int | None = None) -> uuid.UUID:
+def insert_trajectory(
+    session,
+    *,
+    segments: list[Segment],
+    reward: float | None,
+    task_id: str | None = "task-0",
+    checkpoint_id: str = "base",
+    spec: str = "implicit@1",
+    user_id: str = "user-1",
+    finalized_at: datetime | None = None,
+    last_event_at: datetime | None = None,
+    status: str = "finalized",
+    reserved_for_eval: bool = False,
+    max_event_seq: int | None = None,
+) -> uuid.UUID:
     """Insert a trajectory, its segments and (unless ``reward`` is None) its reward label; flush.
 
     Returns:
@@ -115,34 +159,72 @@ def insert_trajectory(session, *, segments: list[Segment], reward: float | None,
     """
     from app.models import RewardLabel, Trajectory, TrajectorySegment
 
-    now = datetime.now(timezone.utc)
+    now = datetime.now(UTC)
     finalized_at = finalized_at or now - timedelta(minutes=10)
     tid = uuid.uuid4()
     event_ids = [uuid.uuid4() for _ in segments]
-    session.add(Trajectory(
-        id=tid, session_id=f"sess-{tid.hex[:12]}", user_id=user_id, org_id="org", task_id=task_id,
-        task_source="test", checkpoint_id=checkpoint_id, status=status, started_at=finalized_at - timedelta(minutes=5),
-        ended_at=finalized_at - timedelta(minutes=1), last_event_at=last_event_at or finalized_at - timedelta(minutes=1),
-        finalized_at=finalized_at if status == "finalized" else None, num_segments=len(segments),
-        num_turns=len(segments), completion_tokens=int(sum(int(s.loss_mask.sum()) for s in segments)),
-        ran_tests=False, test_commands=[], expected_signals=[], signals={}, event_ids=event_ids,
-        max_event_seq=max_event_seq, reserved_for_eval=reserved_for_eval))
+    session.add(
+        Trajectory(
+            id=tid,
+            session_id=f"sess-{tid.hex[:12]}",
+            user_id=user_id,
+            org_id="org",
+            task_id=task_id,
+            task_source="test",
+            checkpoint_id=checkpoint_id,
+            status=status,
+            started_at=finalized_at - timedelta(minutes=5),
+            ended_at=finalized_at - timedelta(minutes=1),
+            last_event_at=last_event_at or finalized_at - timedelta(minutes=1),
+            finalized_at=finalized_at if status == "finalized" else None,
+            num_segments=len(segments),
+            num_turns=len(segments),
+            completion_tokens=int(sum(int(s.loss_mask.sum()) for s in segments)),
+            ran_tests=False,
+            test_commands=[],
+            expected_signals=[],
+            signals={},
+            event_ids=event_ids,
+            max_event_seq=max_event_seq,
+            reserved_for_eval=reserved_for_eval,
+        )
+    )
     session.flush()
     for i, seg in enumerate(segments):
-        session.add(TrajectorySegment(
-            trajectory_id=tid, segment_index=i, checkpoint_id=checkpoint_id, token_ids=pack_ints(seg.token_ids),
-            loss_mask=seg.loss_mask.astype(np.uint8).tobytes(), behaviour_logprobs=pack_floats(seg.behaviour_logprobs),
-            num_tokens=len(seg.token_ids), num_completion_tokens=int(seg.loss_mask.sum()), num_turns=1,
-            tool_calls=[], tool_results=[], event_ids=[event_ids[i]],
-            min_offset={"editor.interactions:0": 10 * i}, max_offset={"editor.interactions:0": 10 * i + 5}))
+        session.add(
+            TrajectorySegment(
+                trajectory_id=tid,
+                segment_index=i,
+                checkpoint_id=checkpoint_id,
+                token_ids=pack_ints(seg.token_ids),
+                loss_mask=seg.loss_mask.astype(np.uint8).tobytes(),
+                behaviour_logprobs=pack_floats(seg.behaviour_logprobs),
+                num_tokens=len(seg.token_ids),
+                num_completion_tokens=int(seg.loss_mask.sum()),
+                num_turns=1,
+                tool_calls=[],
+                tool_results=[],
+                event_ids=[event_ids[i]],
+                min_offset={"editor.interactions:0": 10 * i},
+                max_offset={"editor.interactions:0": 10 * i + 5},
+            )
+        )
     if reward is not None:
         session.add(RewardLabel(trajectory_id=tid, spec=spec, reward=reward, components={"test": reward}))
     session.flush()
     return tid
 
 
-def register_checkpoint_dir(session, store, src: Path, checkpoint_id: str = "base", *, status: str = "production",
-                            generation: int = 0, parent_id: str | None = None) -> Path:
+def register_checkpoint_dir(
+    session,
+    store,
+    src: Path,
+    checkpoint_id: str = "base",
+    *,
+    status: str = "production",
+    generation: int = 0,
+    parent_id: str | None = None,
+) -> Path:
     """Publish a HF folder into ``store`` as ``checkpoint_id`` and insert its row; flush.
 
     Returns:
@@ -157,16 +239,23 @@ def register_checkpoint_dir(session, store, src: Path, checkpoint_id: str = "bas
         for f in Path(src).iterdir():
             if f.is_file():
                 shutil.copy2(f, staging / f.name)
-        (staging / "manifest.json").write_text(json.dumps({"checkpoint_id": checkpoint_id, "kind": "base",
-                                                           "parent_id": parent_id}))
+        (staging / "manifest.json").write_text(
+            json.dumps({"checkpoint_id": checkpoint_id, "kind": "base", "parent_id": parent_id})
+        )
     path = store.stable_path(checkpoint_id)
-    add_checkpoint(session, checkpoint_id=checkpoint_id, path=str(path), status=status, parent_id=parent_id,
-                   generation=generation, manifest=store.manifest(checkpoint_id))
+    add_checkpoint(
+        session,
+        checkpoint_id=checkpoint_id,
+        path=str(path),
+        status=status,
+        parent_id=parent_id,
+        generation=generation,
+        manifest=store.manifest(checkpoint_id),
+    )
     return path
 
 
-def train_on_ranks(model_dir: Path, trajectories: list[TrajectoryData], config, world_size: int,
-                   workdir: Path) -> dict:
+def train_on_ranks(model_dir: Path, trajectories: list[TrajectoryData], config, world_size: int, workdir: Path) -> dict:
     """Run :func:`trainer.cycle.train_policy` on ``world_size`` local gloo ranks (spawned processes,
     ``file://`` rendezvous in ``workdir``), or in this process without a process group for 1.
 
@@ -179,16 +268,23 @@ def train_on_ranks(model_dir: Path, trajectories: list[TrajectoryData], config, 
         from trainer.cycle import train_policy
 
         trained = train_policy(config, Path(model_dir), trajectories)
-        return {"history": [asdict(m) for m in trained.history], "mismatch": trained.mismatch,
-                "state": {k: v.detach().cpu().clone() for k, v in trained.model.state_dict().items()}}
+        return {
+            "history": [asdict(m) for m in trained.history],
+            "mismatch": trained.mismatch,
+            "state": {k: v.detach().cpu().clone() for k, v in trained.model.state_dict().items()},
+        }
     import torch.multiprocessing as mp
 
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     rendezvous, out = workdir / "rendezvous", workdir / "rank0.pt"
     rendezvous.unlink(missing_ok=True)
-    mp.start_processes(_train_rank, args=(world_size, str(rendezvous), str(model_dir), trajectories, config,
-                                          str(out)), nprocs=world_size, start_method="spawn")
+    mp.start_processes(
+        _train_rank,
+        args=(world_size, str(rendezvous), str(model_dir), trajectories, config, str(out)),
+        nprocs=world_size,
+        start_method="spawn",
+    )
     return torch.load(out, weights_only=False)
 
 
@@ -205,7 +301,13 @@ def _train_rank(rank: int, world_size: int, rendezvous: str, model_dir: str, tra
     try:
         trained = train_policy(config, Path(model_dir), trajectories, dp=DataParallel(rank, world_size))
         if rank == 0:
-            torch.save({"history": [asdict(m) for m in trained.history], "mismatch": trained.mismatch,
-                        "state": {k: v.detach().cpu().clone() for k, v in trained.model.state_dict().items()}}, out)
+            torch.save(
+                {
+                    "history": [asdict(m) for m in trained.history],
+                    "mismatch": trained.mismatch,
+                    "state": {k: v.detach().cpu().clone() for k, v in trained.model.state_dict().items()},
+                },
+                out,
+            )
     finally:
         dist.destroy_process_group()

@@ -9,8 +9,9 @@ from __future__ import annotations
 import typer
 
 tokens_app = typer.Typer(no_args_is_help=True, help="API bearer tokens (stored as sha256 hashes).")
-canary_app = typer.Typer(no_args_is_help=True,
-                         help="Canary: serve a gate-passed candidate to a sticky fraction of users beside production.")
+canary_app = typer.Typer(
+    no_args_is_help=True, help="Canary: serve a gate-passed candidate to a sticky fraction of users beside production."
+)
 
 
 def _cli_actor() -> str:
@@ -23,8 +24,10 @@ def _cli_actor() -> str:
 
 
 @tokens_app.command("create")
-def tokens_create(role: str = typer.Option(..., help="viewer | release_manager | service"),
-                  name: str = typer.Option(..., help="unique name; recorded as the actor of its writes")) -> None:
+def tokens_create(
+    role: str = typer.Option(..., help="viewer | release_manager | service"),
+    name: str = typer.Option(..., help="unique name; recorded as the actor of its writes"),
+) -> None:
     """Create a token and print it ONCE (only its sha256 is stored)."""
     from app.core.db import session_scope
     from app.promotion.tokens import create_token
@@ -59,15 +62,22 @@ def tokens_list(all_: bool = typer.Option(False, "--all", help="include revoked 
     table = Table("name", "role", "id", "created", "revoked")
     with session_scope() as session:
         for t in list_tokens(session, include_revoked=all_):
-            table.add_row(t.name, t.role, str(t.id), f"{t.created_at:%Y-%m-%d %H:%M}",
-                          f"{t.revoked_at:%Y-%m-%d %H:%M}" if t.revoked_at else "-")
+            table.add_row(
+                t.name,
+                t.role,
+                str(t.id),
+                f"{t.created_at:%Y-%m-%d %H:%M}",
+                f"{t.revoked_at:%Y-%m-%d %H:%M}" if t.revoked_at else "-",
+            )
     Console().print(table)
 
 
 @canary_app.command("start")
-def canary_start(checkpoint_id: str = typer.Argument(..., help="a gate-passed candidate"),
-                 fraction: float = typer.Option(..., min=0.0, max=1.0, help="share of users, strictly between 0 and 1"),
-                 reason: str = typer.Option(..., help="why (recorded in the audit log)")) -> None:
+def canary_start(
+    checkpoint_id: str = typer.Argument(..., help="a gate-passed candidate"),
+    fraction: float = typer.Option(..., min=0.0, max=1.0, help="share of users, strictly between 0 and 1"),
+    reason: str = typer.Option(..., help="why (recorded in the audit log)"),
+) -> None:
     """Start a canary (audited, announced on the lifecycle topic through the outbox)."""
     if not 0.0 < fraction < 1.0:
         raise typer.BadParameter("must be strictly between 0 and 1 (1 is a promotion)", param_hint="--fraction")
@@ -76,12 +86,16 @@ def canary_start(checkpoint_id: str = typer.Argument(..., help="a gate-passed ca
 
     with session_scope() as session:
         row = start_canary(session, checkpoint_id=checkpoint_id, fraction=fraction, actor=_cli_actor(), reason=reason)
-        typer.echo(f"canary {row.id}: {row.checkpoint_id} serves {row.fraction:.1%} of users beside {row.production_id}")
+        typer.echo(
+            f"canary {row.id}: {row.checkpoint_id} serves {row.fraction:.1%} of users beside {row.production_id}"
+        )
 
 
 @canary_app.command("stop")
-def canary_stop(reason: str = typer.Option(..., help="why (recorded in the audit log)"),
-                canary_id: str = typer.Option(None, "--id", help="canary id (default: the active one)")) -> None:
+def canary_stop(
+    reason: str = typer.Option(..., help="why (recorded in the audit log)"),
+    canary_id: str = typer.Option(None, "--id", help="canary id (default: the active one)"),
+) -> None:
     """Stop a canary: every user is served by production again."""
     import uuid
 
@@ -89,8 +103,9 @@ def canary_stop(reason: str = typer.Option(..., help="why (recorded in the audit
     from app.promotion.canary import stop_canary
 
     with session_scope() as session:
-        row = stop_canary(session, actor=_cli_actor(), reason=reason,
-                          canary_id=uuid.UUID(canary_id) if canary_id else None)
+        row = stop_canary(
+            session, actor=_cli_actor(), reason=reason, canary_id=uuid.UUID(canary_id) if canary_id else None
+        )
         typer.echo(f"canary {row.id} of {row.checkpoint_id} stopped")
 
 
@@ -111,8 +126,10 @@ def canary_status() -> None:
             typer.echo("no canary has run")
             return
         view = online_view(session, get_checkpoint(session, canary.checkpoint_id))["canary"]
-        typer.echo(f"canary {canary.id} ({canary.status}): {canary.checkpoint_id} on {canary.fraction:.1%} of users "
-                   f"vs {canary.production_id}; sessions {view['canary_sessions']} vs {view['production_sessions']}")
+        typer.echo(
+            f"canary {canary.id} ({canary.status}): {canary.checkpoint_id} on {canary.fraction:.1%} of users "
+            f"vs {canary.production_id}; sessions {view['canary_sessions']} vs {view['production_sessions']}"
+        )
     table = Table("signal", "canary", "production", "diff", "95% CI", "regressed")
     fmt = lambda v: "-" if v is None else f"{v:.4g}"  # noqa: E731
     for name, d in view["signals"].items():
@@ -123,22 +140,33 @@ def canary_status() -> None:
     typer.echo(f"online policy {verdict}" + "".join(f"\n  - {r}" for r in view["policy_reasons"]))
 
 
-def api(host: str = typer.Option(None, help="default FLYWHEEL_API_HOST (127.0.0.1)"),
-        port: int = typer.Option(None, help="default FLYWHEEL_API_PORT (8000)"),
-        workers: int = typer.Option(1, min=1, help="uvicorn worker processes")) -> None:
+def api(
+    host: str = typer.Option(None, help="default FLYWHEEL_API_HOST (127.0.0.1)"),
+    port: int = typer.Option(None, help="default FLYWHEEL_API_PORT (8000)"),
+    workers: int = typer.Option(1, min=1, help="uvicorn worker processes"),
+) -> None:
     """Serve the promotion API and the dashboard (uvicorn)."""
     import uvicorn
 
     from app.core.settings import get_settings
 
     s = get_settings().api
-    uvicorn.run("app.api.main:create_app", factory=True, host=host or s.host, port=port or s.port,
-                workers=workers, proxy_headers=True, log_level="info")
+    uvicorn.run(
+        "app.api.main:create_app",
+        factory=True,
+        host=host or s.host,
+        port=port or s.port,
+        workers=workers,
+        proxy_headers=True,
+        log_level="info",
+    )
 
 
-def relay(once: bool = typer.Option(False, "--once", help="publish what is pending, then exit"),
-          interval: float = typer.Option(None, help="seconds between polls (default FLYWHEEL_OUTBOX_INTERVAL)"),
-          batch: int = typer.Option(100, min=1, help="rows per transaction")) -> None:
+def relay(
+    once: bool = typer.Option(False, "--once", help="publish what is pending, then exit"),
+    interval: float = typer.Option(None, help="seconds between polls (default FLYWHEEL_OUTBOX_INTERVAL)"),
+    batch: int = typer.Option(100, min=1, help="rows per transaction"),
+) -> None:
     """Publish outbox rows to their topics, in order, marking each sent after the broker acks."""
     from app.core.settings import get_settings
     from app.core.telemetry import configure_service_logging, configure_telemetry

@@ -23,8 +23,11 @@ from app.core.db import get_sessionmaker
 from app.core.errors import AuthError, ForbiddenError
 from app.promotion.tokens import Principal, authenticate
 
-bearer_scheme = HTTPBearer(auto_error=False, scheme_name="bearer",
-                           description="an API token from `flywheel tokens create --role ROLE --name NAME`")
+bearer_scheme = HTTPBearer(
+    auto_error=False,
+    scheme_name="bearer",
+    description="an API token from `flywheel tokens create --role ROLE --name NAME`",
+)
 
 
 def get_session() -> Iterator[Session]:
@@ -40,8 +43,9 @@ def get_session() -> Iterator[Session]:
 SessionDep = Annotated[Session, Depends(get_session)]
 
 
-def get_principal(session: SessionDep,
-                  credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer_scheme)]) -> Principal:
+def get_principal(
+    session: SessionDep, credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer_scheme)]
+) -> Principal:
     """The caller behind the ``Authorization: Bearer <token>`` header.
 
     Raises:
@@ -60,8 +64,10 @@ def require(permission: str):
 
     def dependency(principal: Annotated[Principal, Depends(get_principal)]) -> Principal:
         if not principal.can(permission):
-            raise ForbiddenError(f"role {principal.role!r} may not {permission}",
-                                 reasons=[f"token {principal.name!r} has role {principal.role!r}"])
+            raise ForbiddenError(
+                f"role {principal.role!r} may not {permission}",
+                reasons=[f"token {principal.name!r} has role {principal.role!r}"],
+            )
         return principal
 
     dependency.__name__ = f"require_{permission}"
@@ -87,8 +93,9 @@ def _check_role(request: Request, permission: str) -> None:
         ForbiddenError: the token's role lacks ``permission`` (403).
     """
     scheme, _, token = request.headers.get("authorization", "").partition(" ")
-    credentials = HTTPAuthorizationCredentials(scheme=scheme, credentials=token.strip()) \
-        if scheme.lower() == "bearer" else None
+    credentials = (
+        HTTPAuthorizationCredentials(scheme=scheme, credentials=token.strip()) if scheme.lower() == "bearer" else None
+    )
     with get_sessionmaker()() as session:
         principal = get_principal(session, credentials)
     require(permission)(principal)

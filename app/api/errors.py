@@ -17,18 +17,30 @@ from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from app.api.schemas import ErrorBody
-from app.core.errors import (AuthError, ConflictError, FlywheelError, ForbiddenError, InfrastructureError,
-                             NotFoundError)
+from app.core.errors import AuthError, ConflictError, FlywheelError, ForbiddenError, InfrastructureError, NotFoundError
 
 log = logging.getLogger("flywheel.api")
 
 _CODES: tuple[tuple[type[FlywheelError], str], ...] = (
-    (AuthError, "unauthorized"), (ForbiddenError, "forbidden"), (NotFoundError, "not_found"),
-    (ConflictError, "conflict"), (InfrastructureError, "unavailable"),
+    (AuthError, "unauthorized"),
+    (ForbiddenError, "forbidden"),
+    (NotFoundError, "not_found"),
+    (ConflictError, "conflict"),
+    (InfrastructureError, "unavailable"),
 )
-_STATUS_CODES = {400: "bad_request", 401: "unauthorized", 403: "forbidden", 404: "not_found",
-                 405: "method_not_allowed", 406: "not_acceptable", 409: "conflict", 413: "too_large",
-                 415: "unsupported_media_type", 422: "invalid_request", 503: "unavailable"}
+_STATUS_CODES = {
+    400: "bad_request",
+    401: "unauthorized",
+    403: "forbidden",
+    404: "not_found",
+    405: "method_not_allowed",
+    406: "not_acceptable",
+    409: "conflict",
+    413: "too_large",
+    415: "unsupported_media_type",
+    422: "invalid_request",
+    503: "unavailable",
+}
 
 
 def model_response(model: BaseModel, status_code: int = 200) -> Response:
@@ -38,8 +50,9 @@ def model_response(model: BaseModel, status_code: int = 200) -> Response:
     return Response(model.model_dump_json(), status_code=status_code, media_type="application/json")
 
 
-def error_response(status: int, code: str, message: str, reasons: list[str] | None = None,
-                   headers: dict[str, str] | None = None) -> JSONResponse:
+def error_response(
+    status: int, code: str, message: str, reasons: list[str] | None = None, headers: dict[str, str] | None = None
+) -> JSONResponse:
     """A JSON error answer in the API's one error shape."""
     body = ErrorBody.model_validate({"error": {"code": code, "message": message, "reasons": reasons or []}})
     return JSONResponse(body.model_dump(), status_code=status, headers=headers)
@@ -65,8 +78,12 @@ async def _validation_error(request: Request, exc: RequestValidationError) -> JS
 
 
 async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-    return error_response(exc.status_code, _STATUS_CODES.get(exc.status_code, "error"), str(exc.detail),
-                          headers=getattr(exc, "headers", None))
+    return error_response(
+        exc.status_code,
+        _STATUS_CODES.get(exc.status_code, "error"),
+        str(exc.detail),
+        headers=getattr(exc, "headers", None),
+    )
 
 
 DATABASE_RETRY_AFTER_S = 5
@@ -80,8 +97,12 @@ async def _database_error(request: Request, exc: Exception) -> JSONResponse:
     if reason is None:
         return await _schema_error(request, exc)
     log.warning("database unavailable on %s %s: %s", request.method, request.url.path, reason)
-    return error_response(503, "unavailable", "the database is unavailable; retry shortly",
-                          headers={"Retry-After": str(DATABASE_RETRY_AFTER_S)})
+    return error_response(
+        503,
+        "unavailable",
+        "the database is unavailable; retry shortly",
+        headers={"Retry-After": str(DATABASE_RETRY_AFTER_S)},
+    )
 
 
 async def _schema_error(request: Request, exc: Exception) -> JSONResponse:
@@ -90,8 +111,12 @@ async def _schema_error(request: Request, exc: Exception) -> JSONResponse:
     reason = schema_missing_reason(exc)
     if reason is None:  # a statement's error: ours
         return await _unhandled(request, exc)
-    log.error("the database lacks this release's schema on %s %s: %s; run `flywheel db upgrade`", request.method,
-              request.url.path, reason)
+    log.error(
+        "the database lacks this release's schema on %s %s: %s; run `flywheel db upgrade`",
+        request.method,
+        request.url.path,
+        reason,
+    )
     return error_response(503, "unavailable", "the database is not migrated to this release's schema")
 
 
@@ -109,8 +134,13 @@ def install_error_handlers(app: FastAPI) -> None:
     from sqlalchemy import exc as sa_exc
 
     # connection refused or lost, pool timeout -> 503; a statement's error stays a 500
-    for db_error in (sa_exc.OperationalError, sa_exc.InterfaceError, sa_exc.TimeoutError, psycopg.OperationalError,
-                     psycopg.InterfaceError):
+    for db_error in (
+        sa_exc.OperationalError,
+        sa_exc.InterfaceError,
+        sa_exc.TimeoutError,
+        psycopg.OperationalError,
+        psycopg.InterfaceError,
+    ):
         app.add_exception_handler(db_error, _database_error)
     # a table or column the database lacks (not migrated to this release) -> 503 naming it; others 500
     for db_error in (sa_exc.ProgrammingError, psycopg.ProgrammingError):
@@ -119,9 +149,13 @@ def install_error_handlers(app: FastAPI) -> None:
 
 
 #: OpenAPI ``responses=`` entries for the error answers of authenticated routes.
-AUTH_RESPONSES = {401: {"model": ErrorBody, "description": "missing, unknown or revoked token"},
-                  403: {"model": ErrorBody, "description": "the token's role lacks the permission"},
-                  422: {"model": ErrorBody, "description": "invalid request"}}
+AUTH_RESPONSES = {
+    401: {"model": ErrorBody, "description": "missing, unknown or revoked token"},
+    403: {"model": ErrorBody, "description": "the token's role lacks the permission"},
+    422: {"model": ErrorBody, "description": "invalid request"},
+}
 NOT_FOUND = {404: {"model": ErrorBody, "description": "no such entity"}}
-CONFLICT = {409: {"model": ErrorBody, "description": "refused, with every reason"},
-            400: {"model": ErrorBody, "description": "the body is not JSON"}}
+CONFLICT = {
+    409: {"model": ErrorBody, "description": "refused, with every reason"},
+    400: {"model": ErrorBody, "description": "the body is not JSON"},
+}

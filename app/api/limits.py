@@ -20,8 +20,12 @@ class BodySizeLimit:
         self.app, self.max_bytes = app, max_bytes
 
     async def _refuse(self, scope: Scope, receive: Receive, send: Send) -> None:
-        await error_response(413, "too_large", f"the request body is larger than {self.max_bytes} bytes",
-                             [f"send at most {self.max_bytes} bytes (FLYWHEEL_API_MAX_BODY_BYTES)"])(scope, receive, send)
+        await error_response(
+            413,
+            "too_large",
+            f"the request body is larger than {self.max_bytes} bytes",
+            [f"send at most {self.max_bytes} bytes (FLYWHEEL_API_MAX_BODY_BYTES)"],
+        )(scope, receive, send)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":

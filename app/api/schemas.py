@@ -26,10 +26,12 @@ def _storable(value: str) -> str:
     return value
 
 
-CheckpointId = Annotated[str, Field(min_length=1, max_length=128, pattern=CHECKPOINT_ID_PATTERN,
-                                    examples=["ckpt-0003"])]
-Reason = Annotated[str, Field(min_length=1, max_length=2000, description="why (recorded in the audit log)"),
-                   AfterValidator(_storable)]
+CheckpointId = Annotated[
+    str, Field(min_length=1, max_length=128, pattern=CHECKPOINT_ID_PATTERN, examples=["ckpt-0003"])
+]
+Reason = Annotated[
+    str, Field(min_length=1, max_length=2000, description="why (recorded in the audit log)"), AfterValidator(_storable)
+]
 T = TypeVar("T")
 
 
@@ -160,7 +162,8 @@ class PromotionRequest(_In):
     checkpoint_id: CheckpointId
     reason: Reason
     expected_production_id: CheckpointId | None = Field(
-        description="the production you saw; refused with 409 if it changed since (optimistic concurrency)")
+        description="the production you saw; refused with 409 if it changed since (optimistic concurrency)"
+    )
 
 
 class RollbackRequest(_In):
@@ -169,7 +172,8 @@ class RollbackRequest(_In):
     reason: Reason
     expected_production_id: CheckpointId | None
     checkpoint_id: CheckpointId | None = Field(
-        default=None, description="an earlier production checkpoint; default: the one before the current")
+        default=None, description="an earlier production checkpoint; default: the one before the current"
+    )
 
 
 class RejectRequest(_In):
@@ -237,8 +241,9 @@ class CanaryRequest(_In):
     """Serve a gate-passed candidate to a sticky fraction of users beside production."""
 
     checkpoint_id: CheckpointId
-    fraction: float = Field(gt=0, lt=1, examples=[0.1],
-                            description="share of users served by the candidate (sticky by user id hash)")
+    fraction: float = Field(
+        gt=0, lt=1, examples=[0.1], description="share of users served by the candidate (sticky by user id hash)"
+    )
     reason: Reason
 
 

@@ -110,7 +110,15 @@ def serving_state_dict(model_or_state: torch.nn.Module | dict[str, torch.Tensor]
 
 def _bits(t: torch.Tensor) -> np.ndarray:
     """Raw bf16 bit patterns as a flat ``uint16`` numpy array (a view when possible)."""
-    return t.detach().to(device="cpu", dtype=torch.bfloat16).contiguous().view(torch.int16).numpy().view(np.uint16).reshape(-1)
+    return (
+        t.detach()
+        .to(device="cpu", dtype=torch.bfloat16)
+        .contiguous()
+        .view(torch.int16)
+        .numpy()
+        .view(np.uint16)
+        .reshape(-1)
+    )
 
 
 def _default_checksum() -> str:
@@ -162,13 +170,19 @@ def _apply(encoding: str, nnz: int, payload: bytes, parent_bits: np.ndarray) -> 
         idx = np.cumsum(np.frombuffer(payload[: 4 * nnz], dtype="<u4"), dtype=np.int64)
         if nnz and idx[-1] >= child.size:
             raise CheckpointError("corrupt delta: changed index out of range")
-        child[idx] ^= np.frombuffer(payload[4 * nnz:], dtype="<u2")
+        child[idx] ^= np.frombuffer(payload[4 * nnz :], dtype="<u2")
         return child
     raise CheckpointError(f"corrupt delta: unknown encoding {encoding!r}")
 
 
-def write_delta(parent: dict[str, torch.Tensor], child: dict[str, torch.Tensor], path: Path, *,
-                parent_id: str | None = None, checkpoint_id: str | None = None) -> DeltaStats:
+def write_delta(
+    parent: dict[str, torch.Tensor],
+    child: dict[str, torch.Tensor],
+    path: Path,
+    *,
+    parent_id: str | None = None,
+    checkpoint_id: str | None = None,
+) -> DeltaStats:
     """Write the lossless bf16 delta from ``parent`` to ``child`` serving weights into ``path``.
 
     Args:
@@ -197,24 +211,46 @@ def write_delta(parent: dict[str, torch.Tensor], child: dict[str, torch.Tensor],
             raise CheckpointError(f"tensor {name}: parent shape {tuple(p.shape)} != child {tuple(c.shape)}")
         pb, cb = _bits(p), _bits(c)
         encoding, nnz, payload = _encode(pb ^ cb)
-        entries.append({"name": name, "shape": list(c.shape), "encoding": encoding, "nnz": nnz,
-                        "nbytes": len(payload), "parent_checksum": _checksum(pb, algorithm),
-                        "child_checksum": _checksum(cb, algorithm)})
+        entries.append(
+            {
+                "name": name,
+                "shape": list(c.shape),
+                "encoding": encoding,
+                "nnz": nnz,
+                "nbytes": len(payload),
+                "parent_checksum": _checksum(pb, algorithm),
+                "child_checksum": _checksum(cb, algorithm),
+            }
+        )
         payloads.append(payload)
         changed_elements += nnz
         total += cb.size
         changed_tensors += nnz > 0
-    header = json.dumps({"format": FORMAT, "dtype": "bfloat16", "checksum": algorithm, "parent_id": parent_id,
-                         "checkpoint_id": checkpoint_id, "tensors": entries}).encode()
+    header = json.dumps(
+        {
+            "format": FORMAT,
+            "dtype": "bfloat16",
+            "checksum": algorithm,
+            "parent_id": parent_id,
+            "checkpoint_id": checkpoint_id,
+            "tensors": entries,
+        }
+    ).encode()
     path = Path(path)
     with open(path, "wb") as f:
         with zstandard.ZstdCompressor(level=ZSTD_LEVEL, write_checksum=True).stream_writer(f, closefd=False) as w:
             w.write(MAGIC + struct.pack("<I", len(header)) + header)
             for payload in payloads:
                 w.write(payload)
-    return DeltaStats(tensors=len(entries), changed_tensors=changed_tensors, changed_elements=changed_elements,
-                      total_elements=total, full_bytes=2 * total, delta_bytes=path.stat().st_size,
-                      seconds=time.perf_counter() - start)
+    return DeltaStats(
+        tensors=len(entries),
+        changed_tensors=changed_tensors,
+        changed_elements=changed_elements,
+        total_elements=total,
+        full_bytes=2 * total,
+        delta_bytes=path.stat().st_size,
+        seconds=time.perf_counter() - start,
+    )
 
 
 def _read_exact(reader, n: int) -> bytes:
@@ -248,7 +284,7 @@ def _read_header(reader, delta_path: Path) -> dict[str, Any]:
         raise CheckpointError(f"{delta_path} is not a zstd stream: {exc}") from None
     if head[: len(MAGIC)] != MAGIC:
         raise CheckpointError(f"{delta_path} is not a flywheel weight delta")
-    header = json.loads(_read_exact(reader, struct.unpack("<I", head[len(MAGIC):])[0]))
+    header = json.loads(_read_exact(reader, struct.unpack("<I", head[len(MAGIC) :])[0]))
     if header.get("format") != FORMAT:
         raise CheckpointError(f"{delta_path}: unsupported delta format {header.get('format')!r}")
     return header
@@ -277,17 +313,22 @@ def apply_delta(parent_state: dict[str, torch.Tensor], delta_path: Path) -> dict
         names = [e["name"] for e in header["tensors"]]
         if set(names) != set(unique):
             extra, missing = sorted(set(unique) - set(names))[:5], sorted(set(names) - set(unique))[:5]
-            raise CheckpointError(f"delta {delta_path} does not match this parent's tensors "
-                                  f"(parent only: {extra}, delta only: {missing})")
+            raise CheckpointError(
+                f"delta {delta_path} does not match this parent's tensors (parent only: {extra}, delta only: {missing})"
+            )
         for e in header["tensors"]:
             p = unique[e["name"]]
             if list(p.shape) != e["shape"]:
-                raise CheckpointError(f"delta {delta_path}: tensor {e['name']} has shape {tuple(p.shape)}, "
-                                      f"expected {tuple(e['shape'])}: wrong parent")
+                raise CheckpointError(
+                    f"delta {delta_path}: tensor {e['name']} has shape {tuple(p.shape)}, "
+                    f"expected {tuple(e['shape'])}: wrong parent"
+                )
             pb = _bits(p)
             if _checksum(pb, algorithm) != e["parent_checksum"]:
-                raise CheckpointError(f"delta {delta_path} was made against another parent "
-                                      f"({header.get('parent_id')}): tensor {e['name']} differs")
+                raise CheckpointError(
+                    f"delta {delta_path} was made against another parent "
+                    f"({header.get('parent_id')}): tensor {e['name']} differs"
+                )
             cb = _apply(e["encoding"], e["nnz"], _read_exact(r, e["nbytes"]), pb)
             if _checksum(cb, algorithm) != e["child_checksum"]:
                 raise CheckpointError(f"delta {delta_path} is corrupt: tensor {e['name']} checksum mismatch")

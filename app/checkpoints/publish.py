@@ -15,12 +15,13 @@ import json
 import os
 import shutil
 import uuid
+from datetime import UTC
 from pathlib import Path
 from typing import Any
 
 from app.checkpoints.store import MANIFEST, STABLE, CheckpointStore
-from app.core.errors import CheckpointError, ConfigurationError
 from app.checkpoints.tokenizer import GGUF_NAME, copy_tokenizer, publish_dir, smollm2_gguf
+from app.core.errors import CheckpointError, ConfigurationError
 
 BASE_ID = "base"
 BASE_CACHE = "smollm2-135m-instruct-hf"
@@ -98,8 +99,9 @@ def check_hf_folder(path: Path) -> dict[str, Any]:
     return json.loads((path / "config.json").read_text())
 
 
-def publish_folder(src: Path, checkpoint_id: str, manifest: dict[str, Any],
-                   store: CheckpointStore | None = None) -> Path:
+def publish_folder(
+    src: Path, checkpoint_id: str, manifest: dict[str, Any], store: CheckpointStore | None = None
+) -> Path:
     """Publish a HF folder as a STABLE checkpoint (no-op when ``checkpoint_id`` is already STABLE).
 
     Returns:
@@ -127,15 +129,26 @@ def materialize_base(store: CheckpointStore | None = None) -> Path:
     if store.is_stable(BASE_ID):
         return store.stable_path(BASE_ID)
     src = converted_base_dir()
-    manifest = {"checkpoint_id": BASE_ID, "kind": "base", "parent_id": None, "source": BASE_SOURCE,
-                "architecture": json.loads((src / "config.json").read_text()).get("architectures"),
-                "dtype": "float32"}
+    manifest = {
+        "checkpoint_id": BASE_ID,
+        "kind": "base",
+        "parent_id": None,
+        "source": BASE_SOURCE,
+        "architecture": json.loads((src / "config.json").read_text()).get("architectures"),
+        "dtype": "float32",
+    }
     return publish_folder(src, BASE_ID, manifest, store)
 
 
-def register_model(path: Path, checkpoint_id: str, status: str = "candidate", *,
-                   source: str | None = None, store: CheckpointStore | None = None,
-                   actor: str = "system") -> Path:
+def register_model(
+    path: Path,
+    checkpoint_id: str,
+    status: str = "candidate",
+    *,
+    source: str | None = None,
+    store: CheckpointStore | None = None,
+    actor: str = "system",
+) -> Path:
     """Register a Hugging Face causal-LM folder as checkpoint ``checkpoint_id``.
 
     Copies (or hardlinks) the folder into the checkpoint store unless it already is that
@@ -160,20 +173,25 @@ def register_model(path: Path, checkpoint_id: str, status: str = "candidate", *,
         final = path
     else:
         config = check_hf_folder(path)
-        manifest = {"checkpoint_id": checkpoint_id, "kind": "registered", "parent_id": None,
-                    "source": source or str(path.name), "architecture": config.get("architectures")}
+        manifest = {
+            "checkpoint_id": checkpoint_id,
+            "kind": "registered",
+            "parent_id": None,
+            "source": source or str(path.name),
+            "architecture": config.get("architectures"),
+        }
         final = publish_folder(path, checkpoint_id, manifest, store)
     _register_row(checkpoint_id, final, status, store, actor)
     return final
 
 
 def _register_row(checkpoint_id: str, final: Path, status: str, store: CheckpointStore, actor: str) -> None:
-    from datetime import datetime, timezone
+    from datetime import datetime
 
     from app.core.db import session_scope
     from app.models import Checkpoint, Promotion
-    from app.repositories.audit import record_audit
     from app.outbox.lifecycle import enqueue_lifecycle
+    from app.repositories.audit import record_audit
     from app.repositories.checkpoints import add_checkpoint, get_production
 
     with session_scope() as session:
@@ -182,24 +200,58 @@ def _register_row(checkpoint_id: str, final: Path, status: str, store: Checkpoin
         want_production = status == "production"
         if want_production and get_production(session, for_update=True) is not None:
             status, want_production = "candidate", False
-        row = add_checkpoint(session, checkpoint_id=checkpoint_id, path=str(final), status=status,
-                             manifest=store.manifest(checkpoint_id), stable=True)
-        record_audit(session, actor=actor, action="checkpoint.registered", target=f"checkpoint:{checkpoint_id}",
-                     details={"path": str(final), "status": status})
-        enqueue_lifecycle(session, "checkpoint.created", checkpoint_id, parent_id=None, path=str(final),
-                          status=status)
+        row = add_checkpoint(
+            session,
+            checkpoint_id=checkpoint_id,
+            path=str(final),
+            status=status,
+            manifest=store.manifest(checkpoint_id),
+            stable=True,
+        )
+        record_audit(
+            session,
+            actor=actor,
+            action="checkpoint.registered",
+            target=f"checkpoint:{checkpoint_id}",
+            details={"path": str(final), "status": status},
+        )
+        enqueue_lifecycle(session, "checkpoint.created", checkpoint_id, parent_id=None, path=str(final), status=status)
         if want_production:
-            row.promoted_at = datetime.now(timezone.utc)
-            promo = Promotion(id=uuid.uuid4(), kind="initial", checkpoint_id=checkpoint_id,
-                              previous_production_id=None, actor=actor, reason="first production checkpoint")
+            row.promoted_at = datetime.now(UTC)
+            promo = Promotion(
+                id=uuid.uuid4(),
+                kind="initial",
+                checkpoint_id=checkpoint_id,
+                previous_production_id=None,
+                actor=actor,
+                reason="first production checkpoint",
+            )
             session.add(promo)
             session.flush()
-            details = {"reason": promo.reason, "promotion_id": str(promo.id), "previous_production_id": None,
-                       "gate_decision_id": None, "kind": "initial"}
-            record_audit(session, actor=actor, action="checkpoint.promoted", target=f"checkpoint:{checkpoint_id}",
-                         details=details)
-            enqueue_lifecycle(session, "checkpoint.promoted", checkpoint_id, actor=actor, **details,
-                              path=str(final), parent_id=None, lineage=[{"id": checkpoint_id, "path": str(final)}])
+            details = {
+                "reason": promo.reason,
+                "promotion_id": str(promo.id),
+                "previous_production_id": None,
+                "gate_decision_id": None,
+                "kind": "initial",
+            }
+            record_audit(
+                session,
+                actor=actor,
+                action="checkpoint.promoted",
+                target=f"checkpoint:{checkpoint_id}",
+                details=details,
+            )
+            enqueue_lifecycle(
+                session,
+                "checkpoint.promoted",
+                checkpoint_id,
+                actor=actor,
+                **details,
+                path=str(final),
+                parent_id=None,
+                lineage=[{"id": checkpoint_id, "path": str(final)}],
+            )
 
 
 def init_base(store: CheckpointStore | None = None) -> Path:

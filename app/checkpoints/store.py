@@ -75,8 +75,9 @@ class CheckpointStore:
         """Ids of every STABLE checkpoint, sorted."""
         if not self.root.exists():
             return []
-        return sorted(p.name for p in self.root.iterdir()
-                      if p.is_dir() and not p.name.startswith(".") and (p / STABLE).exists())
+        return sorted(
+            p.name for p in self.root.iterdir() if p.is_dir() and not p.name.startswith(".") and (p / STABLE).exists()
+        )
 
     def manifest(self, checkpoint_id: str) -> dict[str, Any]:
         """The manifest of a STABLE checkpoint."""

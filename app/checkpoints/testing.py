@@ -16,15 +16,31 @@ VOCAB_SIZE = 49_152
 BOS_ID, EOS_ID, PAD_ID = 1, 2, 2
 
 
-def tiny_config(*, moe: bool = False, hidden_size: int = 64, num_layers: int = 2, num_heads: int = 4,
-                max_position_embeddings: int = 2048, initializer_range: float = 0.2):
+def tiny_config(
+    *,
+    moe: bool = False,
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    max_position_embeddings: int = 2048,
+    initializer_range: float = 0.2,
+):
     """A tiny ``LlamaConfig`` (or ``MixtralConfig`` with 4 experts, top-2, when ``moe``)."""
     common = dict(
-        vocab_size=VOCAB_SIZE, hidden_size=hidden_size, intermediate_size=hidden_size * 2,
-        num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=max(1, num_heads // 2),
-        max_position_embeddings=max_position_embeddings, tie_word_embeddings=True,
-        bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID, rms_norm_eps=1e-5,
-        rope_theta=10_000.0, initializer_range=initializer_range,
+        vocab_size=VOCAB_SIZE,
+        hidden_size=hidden_size,
+        intermediate_size=hidden_size * 2,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=max(1, num_heads // 2),
+        max_position_embeddings=max_position_embeddings,
+        tie_word_embeddings=True,
+        bos_token_id=BOS_ID,
+        eos_token_id=EOS_ID,
+        pad_token_id=PAD_ID,
+        rms_norm_eps=1e-5,
+        rope_theta=10_000.0,
+        initializer_range=initializer_range,
     )
     if moe:
         from transformers import MixtralConfig

@@ -38,9 +38,7 @@ def database_url() -> str:
     """
     url = get_settings().database.url
     if url is None:
-        raise ConfigurationError(
-            "no database configured: set FLYWHEEL_DATABASE_URL or run `flywheel stack up`"
-        )
+        raise ConfigurationError("no database configured: set FLYWHEEL_DATABASE_URL or run `flywheel stack up`")
     return normalize_url(url.get_secret_value())
 
 
@@ -57,8 +55,9 @@ def get_engine() -> Engine:
         if engine is None:
             own = "connect_timeout" in make_url(key[0]).query  # the URL's own wins
             connect_args = {} if own else {"connect_timeout": s.connect_timeout_s}
-            engine = _engines[key] = create_engine(key[0], pool_size=s.pool_size, pool_pre_ping=True,
-                                                   echo=s.echo, connect_args=connect_args)
+            engine = _engines[key] = create_engine(
+                key[0], pool_size=s.pool_size, pool_pre_ping=True, echo=s.echo, connect_args=connect_args
+            )
     return engine
 
 

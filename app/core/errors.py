@@ -6,11 +6,19 @@ otherwise let it propagate.
 
 from __future__ import annotations
 
-
 from producers.errors import ConfigurationError, FlywheelError, InvalidEventError
 
-__all__ = ["AuthError", "CheckpointError", "ConfigurationError", "ConflictError", "FlywheelError", "ForbiddenError",
-           "InfrastructureError", "InvalidEventError", "NotFoundError"]
+__all__ = [
+    "AuthError",
+    "CheckpointError",
+    "ConfigurationError",
+    "ConflictError",
+    "FlywheelError",
+    "ForbiddenError",
+    "InfrastructureError",
+    "InvalidEventError",
+    "NotFoundError",
+]
 
 
 class NotFoundError(FlywheelError):

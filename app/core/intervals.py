@@ -46,8 +46,9 @@ def wilson_interval(k: int, n: int, confidence: float = 0.95) -> tuple[float, fl
     return max(0.0, centre - half), min(1.0, centre + half)
 
 
-def newcombe_diff_interval(passed_a: int, n_a: int, passed_b: int, n_b: int,
-                           confidence: float = 0.95) -> tuple[float, float]:
+def newcombe_diff_interval(
+    passed_a: int, n_a: int, passed_b: int, n_b: int, confidence: float = 0.95
+) -> tuple[float, float]:
     """Interval for the difference of two independent pass rates ``a - b``.
 
     Newcombe's hybrid score method (Newcombe 1998, "Interval estimation for the difference between
@@ -61,13 +62,21 @@ def newcombe_diff_interval(passed_a: int, n_a: int, passed_b: int, n_b: int,
     la, ua = wilson_interval(passed_a, n_a, confidence)
     lb, ub = wilson_interval(passed_b, n_b, confidence)
     d = pa - pb
-    return (max(-1.0, d - math.sqrt((pa - la) ** 2 + (ub - pb) ** 2)),
-            min(1.0, d + math.sqrt((ua - pa) ** 2 + (pb - lb) ** 2)))
+    return (
+        max(-1.0, d - math.sqrt((pa - la) ** 2 + (ub - pb) ** 2)),
+        min(1.0, d + math.sqrt((ua - pa) ** 2 + (pb - lb) ** 2)),
+    )
 
 
-def paired_bootstrap_interval(task_ids: Sequence[str], diffs: Sequence[float], *, confidence: float = 0.95,
-                              two_sided: bool = False, resamples: int = 10_000,
-                              seed: int | np.random.SeedSequence = 0) -> tuple[float, float]:
+def paired_bootstrap_interval(
+    task_ids: Sequence[str],
+    diffs: Sequence[float],
+    *,
+    confidence: float = 0.95,
+    two_sided: bool = False,
+    resamples: int = 10_000,
+    seed: int | np.random.SeedSequence = 0,
+) -> tuple[float, float]:
     """Percentile interval of the mean paired difference, resampling tasks (clusters).
 
     The statistic is the mean over tasks of each task's mean paired difference over its samples
@@ -100,13 +109,25 @@ def paired_bootstrap_interval(task_ids: Sequence[str], diffs: Sequence[float], *
     per_task = np.array([(sums[t] / counts[t], 1.0) for t in sums], dtype=np.float64)  # [tasks, (mean, 1)]
     if not per_task[:, 0].any():  # no discordant pair anywhere: every replicate is exactly 0
         return 0.0, 0.0
-    return _cluster_percentile_interval(per_task, lambda tot: tot[:, 0] / tot[:, 1], confidence=confidence,
-                                        two_sided=two_sided, resamples=resamples, seed=seed)
+    return _cluster_percentile_interval(
+        per_task,
+        lambda tot: tot[:, 0] / tot[:, 1],
+        confidence=confidence,
+        two_sided=two_sided,
+        resamples=resamples,
+        seed=seed,
+    )
 
 
-def _cluster_percentile_interval(per_task: np.ndarray, statistic: Callable[[np.ndarray], np.ndarray], *,
-                                 confidence: float, two_sided: bool, resamples: int,
-                                 seed: int | np.random.SeedSequence) -> tuple[float, float]:
+def _cluster_percentile_interval(
+    per_task: np.ndarray,
+    statistic: Callable[[np.ndarray], np.ndarray],
+    *,
+    confidence: float,
+    two_sided: bool,
+    resamples: int,
+    seed: int | np.random.SeedSequence,
+) -> tuple[float, float]:
     """Percentile interval of ``statistic`` over a task-cluster bootstrap: each replicate draws the
     tasks with replacement and totals their rows of ``per_task`` (``[tasks, k]``
     per-task sums); ``statistic`` maps replicate totals ``[B, k]`` to ``[B]`` values."""
@@ -117,14 +138,15 @@ def _cluster_percentile_interval(per_task: np.ndarray, statistic: Callable[[np.n
     for start in range(0, resamples, chunk):
         b = min(chunk, resamples - start)
         drawn = rng.integers(0, n_tasks, size=(b, n_tasks))  # T tasks drawn with replacement per replicate
-        out[start:start + b] = statistic(per_task[drawn].sum(axis=1))
+        out[start : start + b] = statistic(per_task[drawn].sum(axis=1))
     tail = _tail(confidence, two_sided)
     low, high = np.quantile(out, [tail, 1 - tail])
     return float(low) + 0.0, float(high) + 0.0  # + 0.0: no "-0" in messages
 
 
-def mcnemar_exact_interval(b: int, c: int, n: int, *, confidence: float = 0.95,
-                           two_sided: bool = False) -> tuple[float, float]:
+def mcnemar_exact_interval(
+    b: int, c: int, n: int, *, confidence: float = 0.95, two_sided: bool = False
+) -> tuple[float, float]:
     """Exact conditional interval of the paired difference from discordant counts.
 
     Args:

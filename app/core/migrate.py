@@ -9,9 +9,7 @@ from alembic import command
 from alembic.config import Config
 
 import migrations
-
 from app.core.db import database_url, normalize_url
-
 
 CELERY_TABLE_PREFIXES = ("kombu_", "celery_")
 """Tables kombu's SQL broker and Celery's result backend create for themselves on our database."""
@@ -82,5 +80,7 @@ def schema_behind(conn) -> str | None:
     known = {r.revision for r in _script_directory().walk_revisions()}
     if current == heads or not current <= known:
         return None
-    return f"the database schema is at revision {', '.join(sorted(current))}; this release needs " \
+    return (
+        f"the database schema is at revision {', '.join(sorted(current))}; this release needs "
         f"{', '.join(sorted(heads))}"
+    )

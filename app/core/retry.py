@@ -40,12 +40,24 @@ def is_transient(exc: BaseException) -> bool:
         if exc.connection_invalidated:
             return True
         exc = exc.orig or exc
-    if isinstance(exc, (sa_exc.OperationalError, sa_exc.InterfaceError, sa_exc.DisconnectionError,
-                        sa_exc.TimeoutError)):
+    if isinstance(
+        exc, (sa_exc.OperationalError, sa_exc.InterfaceError, sa_exc.DisconnectionError, sa_exc.TimeoutError)
+    ):
         return True
-    return isinstance(exc, (psycopg.OperationalError, psycopg.InterfaceError,
-                            psycopg.errors.ReadOnlySqlTransaction, psycopg.errors.InsufficientPrivilege,
-                            InfrastructureError, TransientError, KafkaError, ConnectionError, TimeoutError))
+    return isinstance(
+        exc,
+        (
+            psycopg.OperationalError,
+            psycopg.InterfaceError,
+            psycopg.errors.ReadOnlySqlTransaction,
+            psycopg.errors.InsufficientPrivilege,
+            InfrastructureError,
+            TransientError,
+            KafkaError,
+            ConnectionError,
+            TimeoutError,
+        ),
+    )
 
 
 def is_unique_violation(exc: BaseException) -> bool:
@@ -60,8 +72,9 @@ def is_unique_violation(exc: BaseException) -> bool:
     return isinstance(exc, psycopg.errors.UniqueViolation)
 
 
-def retry_transient(fn: Callable[[], T], what: str, stop: threading.Event, max_wait_s: float,
-                    give_up_after_s: float | None = None) -> T:
+def retry_transient(
+    fn: Callable[[], T], what: str, stop: threading.Event, max_wait_s: float, give_up_after_s: float | None = None
+) -> T:
     """Run ``fn`` until it succeeds, backing off exponentially (0.1 s doubling, jittered, at most
     ``max_wait_s``) on transient faults; give up only when ``stop`` is set (or, if given, once
     ``give_up_after_s`` seconds have passed since the first try).
@@ -70,6 +83,7 @@ def retry_transient(fn: Callable[[], T], what: str, stop: threading.Event, max_w
         the last exception if it is not transient, or if ``stop`` was set (or the time was up) while
         retrying.
     """
+
     def _log(rs) -> None:
         log.warning("%s failed (attempt %d), retrying: %s", what, rs.attempt_number, rs.outcome.exception())
 
@@ -83,8 +97,9 @@ def retry_transient(fn: Callable[[], T], what: str, stop: threading.Event, max_w
     until = stop_when_event_set(stop)
     if give_up_after_s is not None:
         until = until | stop_after_delay(give_up_after_s)
-    return Retrying(retry=retry_if_exception(is_transient), reraise=True, wait=wait, stop=until,
-                    sleep=stop.wait, before_sleep=_log)(fn)
+    return Retrying(
+        retry=retry_if_exception(is_transient), reraise=True, wait=wait, stop=until, sleep=stop.wait, before_sleep=_log
+    )(fn)
 
 
 class Backoff:

@@ -25,10 +25,12 @@ class DatabaseSettings(EnvSettings):
     url: SecretStr | None = Field(default=None, description="e.g. postgresql://user@host:5432/db")
     pool_size: int = Field(default=5, ge=1)
     connect_timeout_s: int = Field(
-        default=10, ge=2,
+        default=10,
+        ge=2,
         description="longest wait to open a connection (s; libpq's connect_timeout, unless the URL sets one): a "
-                    "server that does not answer (a network partition) fails the attempt, which callers retry, "
-                    "instead of blocking the caller for the operating system's TCP timeout")
+        "server that does not answer (a network partition) fails the attempt, which callers retry, "
+        "instead of blocking the caller for the operating system's TCP timeout",
+    )
     echo: bool = False
 
 
@@ -47,7 +49,9 @@ class CelerySettings(EnvSettings):
     model_config = SettingsConfigDict(env_prefix="FLYWHEEL_", extra="ignore")
     redis_url: str | None = None
     train_interval: float = Field(default=5 * 3600.0, gt=0, description="seconds between training cycles")
-    eval_scan_interval: float = Field(default=300.0, gt=0, description="seconds between scans for unevaluated candidates")
+    eval_scan_interval: float = Field(
+        default=300.0, gt=0, description="seconds between scans for unevaluated candidates"
+    )
     outbox_interval: float = Field(default=2.0, gt=0, description="seconds between outbox relay runs")
 
 
@@ -71,18 +75,28 @@ class ServingSettings(EnvSettings):
     model_config = SettingsConfigDict(env_prefix="FLYWHEEL_SERVING_", extra="ignore")
     engine: Literal["torch", "vllm"] = "torch"
     url: str | None = Field(
-        default=None, description="base URL of the OpenAI-compatible server (vLLM or `flywheel serve`) that serves "
-                                  "production; only the serving watcher moves its weights")
+        default=None,
+        description="base URL of the OpenAI-compatible server (vLLM or `flywheel serve`) that serves "
+        "production; only the serving watcher moves its weights",
+    )
     eval_url: str | None = Field(
-        default=None, description="base URL of a second OpenAI-compatible server for evals: a candidate is loaded "
-                                  "there, never on `url`; required for evals with engine vllm")
+        default=None,
+        description="base URL of a second OpenAI-compatible server for evals: a candidate is loaded "
+        "there, never on `url`; required for evals with engine vllm",
+    )
     api_key: SecretStr | None = None
     max_seqs: int = Field(default=64, ge=1, description="torch engine: most sequences decoded together")
-    max_kv_tokens: int = Field(default=32_768, ge=64, description=(
-        "torch engine: cached key/value entries (tokens) of running sequences plus reusable prefixes; "
-        "x kv_bytes_per_token (46 KiB for SmolLM2-135M) gives bytes"))
+    max_kv_tokens: int = Field(
+        default=32_768,
+        ge=64,
+        description=(
+            "torch engine: cached key/value entries (tokens) of running sequences plus reusable prefixes; "
+            "x kv_bytes_per_token (46 KiB for SmolLM2-135M) gives bytes"
+        ),
+    )
     device: Literal["auto", "cpu", "cuda"] = Field(
-        default="auto", description="device of the in-process torch engine (cuda when a GPU is visible for auto)")
+        default="auto", description="device of the in-process torch engine (cuda when a GPU is visible for auto)"
+    )
 
 
 class ApiSettings(EnvSettings):
@@ -92,8 +106,9 @@ class ApiSettings(EnvSettings):
     host: str = "127.0.0.1"
     port: int = Field(default=8000, ge=0, le=65535)
     url: str | None = Field(default=None, description="base URL clients use; default http://host:port")
-    max_body_bytes: int = Field(default=1_048_576, ge=1024,
-                                description="largest request body accepted (bytes); a larger one is answered 413")
+    max_body_bytes: int = Field(
+        default=1_048_576, ge=1024, description="largest request body accepted (bytes); a larger one is answered 413"
+    )
 
 
 class Settings:

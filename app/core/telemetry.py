@@ -9,17 +9,22 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Iterable, Sequence
 
-from opentelemetry import metrics, propagate, trace
-from opentelemetry.context import Context
-from opentelemetry.propagators.textmap import Getter, Setter
+from opentelemetry import metrics, trace
 
 from app.core.settings import get_settings
 from producers.telemetry import KafkaHeaders, extract_context, inject_headers, meter
 
-__all__ = ["KafkaHeaders", "configure_telemetry", "extract_context", "inject_headers", "meter", "shutdown_telemetry",
-           "tracer", "traced"]
+__all__ = [
+    "KafkaHeaders",
+    "configure_telemetry",
+    "extract_context",
+    "inject_headers",
+    "meter",
+    "shutdown_telemetry",
+    "tracer",
+    "traced",
+]
 
 
 _lock = threading.Lock()
@@ -55,9 +60,7 @@ def configure_telemetry(service_name: str, exporter: str | None = None) -> None:
             from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
 
             base = settings.otlp_endpoint.rstrip("/")
-            tracer_provider.add_span_processor(
-                BatchSpanProcessor(OTLPSpanExporter(endpoint=f"{base}/v1/traces"))
-            )
+            tracer_provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=f"{base}/v1/traces")))
             readers.append(PeriodicExportingMetricReader(OTLPMetricExporter(endpoint=f"{base}/v1/metrics")))
         trace.set_tracer_provider(tracer_provider)
         metrics.set_meter_provider(MeterProvider(resource=resource, metric_readers=readers))
@@ -89,8 +92,11 @@ def traced(span_name: str, *, attrs: tuple[str, ...] = ()):
         @functools.wraps(fn)
         def inner(*args, **kwargs):
             bound = sig.bind_partial(*args, **kwargs)
-            attributes = {f"flywheel.{a}": str(getattr(bound.arguments[a], "name", bound.arguments[a]))
-                          for a in attrs if bound.arguments.get(a) is not None}
+            attributes = {
+                f"flywheel.{a}": str(getattr(bound.arguments[a], "name", bound.arguments[a]))
+                for a in attrs
+                if bound.arguments.get(a) is not None
+            }
             with tracer(fn.__module__).start_as_current_span(span_name, attributes=attributes):
                 return fn(*args, **kwargs)
 

@@ -32,8 +32,10 @@ def resolve_device(setting: str = "auto", local_rank: int | None = None) -> torc
     if kind == "cpu":
         return torch.device("cpu")
     if not torch.cuda.is_available():
-        raise ConfigurationError(f"device {setting!r} requested, but torch {torch.__version__} sees no CUDA GPU "
-                                 f"(build: cuda {torch.version.cuda}); use device = \"cpu\" or \"auto\"")
+        raise ConfigurationError(
+            f"device {setting!r} requested, but torch {torch.__version__} sees no CUDA GPU "
+            f'(build: cuda {torch.version.cuda}); use device = "cpu" or "auto"'
+        )
     if ":" in setting:
         index = int(setting.split(":", 1)[1])
     else:

@@ -19,8 +19,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from app.core.errors import ConfigurationError
-
 
 @dataclass(frozen=True)
 class SamplingParams:

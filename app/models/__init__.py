@@ -9,7 +9,25 @@ from app.models.promotion import ApiToken, AuditLog, Promotion
 from app.models.trajectories import ErasureRequest, RewardLabel, Trajectory, TrajectorySegment
 
 __all__ = [
-    "Base", "Canary", "Checkpoint", "CheckpointTrajectory", "TrainingCycle", "EvalResult", "EvalRun", "EvalTask",
-    "GateDecision", "ConsumerOffset", "DeadLetter", "EventLog", "Outbox", "PrivacyTombstone", "ApiToken",
-    "AuditLog", "Promotion", "ErasureRequest", "RewardLabel", "Trajectory", "TrajectorySegment",
+    "Base",
+    "Canary",
+    "Checkpoint",
+    "CheckpointTrajectory",
+    "TrainingCycle",
+    "EvalResult",
+    "EvalRun",
+    "EvalTask",
+    "GateDecision",
+    "ConsumerOffset",
+    "DeadLetter",
+    "EventLog",
+    "Outbox",
+    "PrivacyTombstone",
+    "ApiToken",
+    "AuditLog",
+    "Promotion",
+    "ErasureRequest",
+    "RewardLabel",
+    "Trajectory",
+    "TrajectorySegment",
 ]

@@ -30,7 +30,9 @@ class Canary(Base):
     id: Mapped[uuid.UUID] = mapped_column(UUID(as_uuid=True), primary_key=True)
     checkpoint_id: Mapped[str] = mapped_column(String(128), ForeignKey("checkpoint.id"), nullable=False)
     production_id: Mapped[str] = mapped_column(String(128), ForeignKey("checkpoint.id"), nullable=False)
-    fraction: Mapped[float] = mapped_column(Float, nullable=False, comment="share of users served by the canary, (0, 1)")
+    fraction: Mapped[float] = mapped_column(
+        Float, nullable=False, comment="share of users served by the canary, (0, 1)"
+    )
     status: Mapped[str] = mapped_column(String(16), nullable=False, default="active", comment="active | stopped")
     actor: Mapped[str] = mapped_column(String(128), nullable=False)
     reason: Mapped[str] = mapped_column(Text, nullable=False, default="")

@@ -41,8 +41,7 @@ class Checkpoint(Base):
     promoted_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
 
     __table_args__ = (
-        Index("uq_checkpoint_one_production", "status", unique=True,
-              postgresql_where=text("status = 'production'")),
+        Index("uq_checkpoint_one_production", "status", unique=True, postgresql_where=text("status = 'production'")),
         Index("ix_checkpoint_status_created", "status", "created_at"),
     )
 
@@ -52,14 +51,17 @@ class CheckpointTrajectory(Base):
 
     __tablename__ = "checkpoint_trajectory"
 
-    checkpoint_id: Mapped[str] = mapped_column(String(128), ForeignKey("checkpoint.id", ondelete="CASCADE"),
-                                               primary_key=True)
+    checkpoint_id: Mapped[str] = mapped_column(
+        String(128), ForeignKey("checkpoint.id", ondelete="CASCADE"), primary_key=True
+    )
     trajectory_id: Mapped[uuid.UUID] = mapped_column(UUID(as_uuid=True), primary_key=True)
     user_id: Mapped[str] = mapped_column(String(128), nullable=False)
     task_id: Mapped[str | None] = mapped_column(String(256))
 
-    __table_args__ = (Index("ix_checkpoint_trajectory_user_id", "user_id"),
-                      Index("ix_checkpoint_trajectory_trajectory_id", "trajectory_id"))
+    __table_args__ = (
+        Index("ix_checkpoint_trajectory_user_id", "user_id"),
+        Index("ix_checkpoint_trajectory_trajectory_id", "trajectory_id"),
+    )
 
 
 class TrainingCycle(Base):
@@ -68,19 +70,24 @@ class TrainingCycle(Base):
     __tablename__ = "training_cycle"
 
     id: Mapped[uuid.UUID] = mapped_column(UUID(as_uuid=True), primary_key=True)
-    status: Mapped[str] = mapped_column(String(16), nullable=False, default="running",
-                                        comment="running | succeeded | failed | skipped")
+    status: Mapped[str] = mapped_column(
+        String(16), nullable=False, default="running", comment="running | succeeded | failed | skipped"
+    )
     parent_checkpoint_id: Mapped[str | None] = mapped_column(String(128))
     checkpoint_id: Mapped[str | None] = mapped_column(String(128))
     watermark_seq: Mapped[int | None] = mapped_column(BigInteger, comment="max event_log.seq of trajectories used")
     watermark_finalized_at: Mapped[datetime | None] = mapped_column(
-        DateTime(timezone=True), comment="high-water mark of the trajectories used (newness is decided by checkpoint_trajectory)")
+        DateTime(timezone=True),
+        comment="high-water mark of the trajectories used (newness is decided by checkpoint_trajectory)",
+    )
     watermark_trajectory_id: Mapped[uuid.UUID | None] = mapped_column(
-        UUID(as_uuid=True), comment="tie-breaker of the watermark among equal finalized_at")
+        UUID(as_uuid=True), comment="tie-breaker of the watermark among equal finalized_at"
+    )
     num_trajectories: Mapped[int] = mapped_column(Integer, nullable=False, default=0)
     detail: Mapped[str] = mapped_column(Text, nullable=False, default="")
-    metrics: Mapped[dict[str, Any]] = mapped_column(JSONB, nullable=False, default=dict,
-                                                    comment="summary metrics, exclusion counts")
+    metrics: Mapped[dict[str, Any]] = mapped_column(
+        JSONB, nullable=False, default=dict, comment="summary metrics, exclusion counts"
+    )
     started_at: Mapped[datetime] = created_at_column()
     finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
 

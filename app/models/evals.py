@@ -6,8 +6,7 @@ import uuid
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import (BigInteger, Boolean, DateTime, Float, ForeignKey, Index, Integer, String, Text,
-                        UniqueConstraint)
+from sqlalchemy import BigInteger, Boolean, DateTime, Float, ForeignKey, Index, Integer, String, Text, UniqueConstraint
 from sqlalchemy.dialects.postgresql import JSONB, UUID
 from sqlalchemy.orm import Mapped, mapped_column
 
@@ -23,8 +22,9 @@ class EvalRun(Base):
     checkpoint_id: Mapped[str] = mapped_column(String(128), ForeignKey("checkpoint.id"), nullable=False)
     suite: Mapped[str] = mapped_column(String(128), nullable=False)
     suite_version: Mapped[str] = mapped_column(String(64), nullable=False)
-    status: Mapped[str] = mapped_column(String(16), nullable=False, default="running",
-                                        comment="running | succeeded | failed")
+    status: Mapped[str] = mapped_column(
+        String(16), nullable=False, default="running", comment="running | succeeded | failed"
+    )
     config: Mapped[dict[str, Any]] = mapped_column(JSONB, nullable=False, default=dict)
     summary: Mapped[dict[str, Any]] = mapped_column(JSONB, nullable=False, default=dict)
     started_at: Mapped[datetime] = created_at_column()
@@ -39,8 +39,9 @@ class EvalResult(Base):
     __tablename__ = "eval_result"
 
     id: Mapped[int] = mapped_column(BigInteger, primary_key=True, autoincrement=True)
-    run_id: Mapped[uuid.UUID] = mapped_column(UUID(as_uuid=True), ForeignKey("eval_run.id", ondelete="CASCADE"),
-                                              nullable=False)
+    run_id: Mapped[uuid.UUID] = mapped_column(
+        UUID(as_uuid=True), ForeignKey("eval_run.id", ondelete="CASCADE"), nullable=False
+    )
     task_id: Mapped[str] = mapped_column(String(256), nullable=False)
     sample_index: Mapped[int] = mapped_column(Integer, nullable=False, default=0)
     passed: Mapped[bool] = mapped_column(Boolean, nullable=False)

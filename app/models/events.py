@@ -11,8 +11,7 @@ import uuid
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import (JSON, BigInteger, DateTime, Index, Integer, LargeBinary, String, Text, UniqueConstraint,
-                        text)
+from sqlalchemy import JSON, BigInteger, DateTime, Index, Integer, LargeBinary, String, Text, UniqueConstraint, text
 from sqlalchemy.dialects.postgresql import JSONB, UUID
 from sqlalchemy.orm import Mapped, mapped_column
 
@@ -74,18 +73,26 @@ class DeadLetter(Base):
     reason: Mapped[str] = mapped_column(String(64), nullable=False)
     detail: Mapped[str] = mapped_column(Text, nullable=False, default="")
     user_id: Mapped[str | None] = mapped_column(
-        String(128), comment="top-level user_id of the raw JSON object, if any (erasure)")
+        String(128), comment="top-level user_id of the raw JSON object, if any (erasure)"
+    )
     session_id: Mapped[str | None] = mapped_column(
-        String(128), comment="top-level session_id of the raw JSON object, if any (privacy)")
+        String(128), comment="top-level session_id of the raw JSON object, if any (privacy)"
+    )
     redacted: Mapped[str | None] = mapped_column(
-        String(16), comment="why key, bytes and headers are not kept: erasure | privacy")
+        String(16), comment="why key, bytes and headers are not kept: erasure | privacy"
+    )
     created_at: Mapped[datetime] = created_at_column()
     redriven_at: Mapped[datetime | None] = mapped_column(
-        DateTime(timezone=True), comment="when the raw bytes were last published back to the topic")
+        DateTime(timezone=True), comment="when the raw bytes were last published back to the topic"
+    )
 
-    __table_args__ = (UniqueConstraint("topic", "partition", "offset"), Index("ix_dead_letter_reason", "reason"),
-                      Index("ix_dead_letter_user_id", "user_id"), Index("ix_dead_letter_session_id", "session_id"),
-                      Index("ix_dead_letter_unattributed", "id", postgresql_where=text("user_id IS NULL")))
+    __table_args__ = (
+        UniqueConstraint("topic", "partition", "offset"),
+        Index("ix_dead_letter_reason", "reason"),
+        Index("ix_dead_letter_user_id", "user_id"),
+        Index("ix_dead_letter_session_id", "session_id"),
+        Index("ix_dead_letter_unattributed", "id", postgresql_where=text("user_id IS NULL")),
+    )
 
 
 class PrivacyTombstone(Base):

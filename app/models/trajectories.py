@@ -26,8 +26,20 @@ import uuid
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import (BigInteger, Boolean, DateTime, Float, ForeignKey, Index, Integer, UniqueConstraint,
-                        LargeBinary, String, Text, text)
+from sqlalchemy import (
+    BigInteger,
+    Boolean,
+    DateTime,
+    Float,
+    ForeignKey,
+    Index,
+    Integer,
+    LargeBinary,
+    String,
+    Text,
+    UniqueConstraint,
+    text,
+)
 from sqlalchemy.dialects.postgresql import ARRAY, JSONB, UUID
 from sqlalchemy.orm import Mapped, mapped_column
 
@@ -59,23 +71,27 @@ class Trajectory(Base):
     ran_tests: Mapped[bool] = mapped_column(Boolean, nullable=False, default=False)
     test_commands: Mapped[list[str]] = mapped_column(ARRAY(Text), nullable=False, default=list)
     expected_signals: Mapped[list[str]] = mapped_column(ARRAY(Text), nullable=False, default=list)
-    signals: Mapped[dict[str, Any]] = mapped_column(JSONB, nullable=False, default=dict,
-                                                    comment="implicit signals seen so far, the reward inputs")
+    signals: Mapped[dict[str, Any]] = mapped_column(
+        JSONB, nullable=False, default=dict, comment="implicit signals seen so far, the reward inputs"
+    )
     event_ids: Mapped[list[uuid.UUID]] = mapped_column(ARRAY(UUID(as_uuid=True)), nullable=False, default=list)
     max_event_seq: Mapped[int | None] = mapped_column(BigInteger, comment="highest event_log.seq folded in")
     reserved_for_eval: Mapped[bool] = mapped_column(Boolean, nullable=False, default=False)
     window_closes_at: Mapped[datetime | None] = mapped_column(
         DateTime(timezone=True),
-        comment="ingestion-clock instant after which a provisional trajectory is finalized by the window")
+        comment="ingestion-clock instant after which a provisional trajectory is finalized by the window",
+    )
     finalized_by: Mapped[str | None] = mapped_column(String(16), comment="signals | window | abandoned")
     late_event_ids: Mapped[list[uuid.UUID]] = mapped_column(
-        ARRAY(UUID(as_uuid=True)), nullable=False, default=list,
-        comment="events that arrived after finalization (kept in event_log, ignored by this label)")
+        ARRAY(UUID(as_uuid=True)),
+        nullable=False,
+        default=list,
+        comment="events that arrived after finalization (kept in event_log, ignored by this label)",
+    )
 
     __table_args__ = (
         Index("ix_trajectory_status_finalized", "status", "finalized_at"),
-        Index("ix_trajectory_provisional_window", "window_closes_at",
-              postgresql_where=text("status = 'provisional'")),
+        Index("ix_trajectory_provisional_window", "window_closes_at", postgresql_where=text("status = 'provisional'")),
         Index("ix_trajectory_user_id", "user_id"),
         Index("ix_trajectory_task_id", "task_id"),
     )
@@ -92,9 +108,11 @@ class TrajectorySegment(Base):
     segment_index: Mapped[int] = mapped_column(Integer, primary_key=True)
     checkpoint_id: Mapped[str | None] = mapped_column(String(128), comment="serving checkpoint of its turns")
     turn_checkpoint_ids: Mapped[list[str]] = mapped_column(
-        ARRAY(Text), nullable=False, default=list, comment="serving checkpoint of each turn, in order")
+        ARRAY(Text), nullable=False, default=list, comment="serving checkpoint of each turn, in order"
+    )
     turn_token_offsets: Mapped[list[int]] = mapped_column(
-        ARRAY(Integer), nullable=False, default=list, comment="start of each turn's prompt piece in token_ids")
+        ARRAY(Integer), nullable=False, default=list, comment="start of each turn's prompt piece in token_ids"
+    )
     token_ids: Mapped[bytes] = mapped_column(LargeBinary, nullable=False, default=b"")
     loss_mask: Mapped[bytes] = mapped_column(LargeBinary, nullable=False, default=b"")
     behaviour_logprobs: Mapped[bytes] = mapped_column(LargeBinary, nullable=False, default=b"")
@@ -104,16 +122,23 @@ class TrajectorySegment(Base):
     tool_calls: Mapped[list[Any]] = mapped_column(JSONB, nullable=False, default=list)
     tool_results: Mapped[list[Any]] = mapped_column(JSONB, nullable=False, default=list)
     event_ids: Mapped[list[uuid.UUID]] = mapped_column(ARRAY(UUID(as_uuid=True)), nullable=False, default=list)
-    min_offset: Mapped[dict[str, Any]] = mapped_column(JSONB, nullable=False, default=dict,
-                                                      comment="{'topic:partition': first offset} lineage")
+    min_offset: Mapped[dict[str, Any]] = mapped_column(
+        JSONB, nullable=False, default=dict, comment="{'topic:partition': first offset} lineage"
+    )
     max_offset: Mapped[dict[str, Any]] = mapped_column(JSONB, nullable=False, default=dict)
     routed_experts: Mapped[bytes] = mapped_column(
-        LargeBinary, nullable=False, default=b"", server_default=text("''::bytea"),
-        comment="MoE expert ids per completion token x layer x top-k (empty: no routes)")
+        LargeBinary,
+        nullable=False,
+        default=b"",
+        server_default=text("''::bytea"),
+        comment="MoE expert ids per completion token x layer x top-k (empty: no routes)",
+    )
     routed_experts_shape: Mapped[list[int] | None] = mapped_column(
-        ARRAY(Integer), comment="[layers, top_k] of routed_experts; NULL when it is empty")
+        ARRAY(Integer), comment="[layers, top_k] of routed_experts; NULL when it is empty"
+    )
     routed_experts_itemsize: Mapped[int | None] = mapped_column(
-        Integer, comment="bytes per expert id in routed_experts (1 or 2); NULL when it is empty")
+        Integer, comment="bytes per expert id in routed_experts (1 or 2); NULL when it is empty"
+    )
 
 
 class RewardLabel(Base):
@@ -144,10 +169,12 @@ class ErasureRequest(Base):
     trajectory_ids: Mapped[list[uuid.UUID]] = mapped_column(ARRAY(UUID(as_uuid=True)), nullable=False, default=list)
     checkpoints_flagged: Mapped[list[str]] = mapped_column(ARRAY(Text), nullable=False, default=list)
     dead_letters_deleted: Mapped[int] = mapped_column(Integer, nullable=False, default=0)
-    eval_tasks_deleted: Mapped[int] = mapped_column(Integer, nullable=False, server_default=text("0"),
-                                                    comment="eval tasks mined from the erased sessions")
+    eval_tasks_deleted: Mapped[int] = mapped_column(
+        Integer, nullable=False, server_default=text("0"), comment="eval tasks mined from the erased sessions"
+    )
     requested_at: Mapped[datetime | None] = mapped_column(
-        DateTime(timezone=True), comment="occurred_at of the request; older events of the user are dropped")
+        DateTime(timezone=True), comment="occurred_at of the request; older events of the user are dropped"
+    )
     created_at: Mapped[datetime] = created_at_column()
 
     __table_args__ = (UniqueConstraint("user_id", "request_id"),)

@@ -8,7 +8,7 @@ relay crash is recognisable downstream (consumers dedupe on it).
 
 from __future__ import annotations
 
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any
 
 from sqlalchemy.orm import Session
@@ -18,8 +18,15 @@ from app.core.settings import get_settings
 from app.core.telemetry import inject_headers
 from app.models import Outbox
 
-LIFECYCLE_TYPES = ("checkpoint.created", "checkpoint.promoted", "checkpoint.rolled_back",
-                   "checkpoint.rejected", "gate.decided", "canary.started", "canary.stopped")
+LIFECYCLE_TYPES = (
+    "checkpoint.created",
+    "checkpoint.promoted",
+    "checkpoint.rolled_back",
+    "checkpoint.rejected",
+    "gate.decided",
+    "canary.started",
+    "canary.stopped",
+)
 #: Message types after which serving must move to a new production checkpoint.
 PRODUCTION_CHANGES = ("checkpoint.promoted", "checkpoint.rolled_back")
 #: Message types after which serving starts or stops routing a fraction of users to a canary.
@@ -37,11 +44,21 @@ def enqueue_lifecycle(session: Session, event_type: str, checkpoint_id: str, **f
     """
     if event_type not in LIFECYCLE_TYPES:
         raise ValueError(f"unknown lifecycle message type {event_type!r}")
-    payload = {"type": event_type, "event_id": str(uuid7()), "checkpoint_id": checkpoint_id,
-               "occurred_at": datetime.now(timezone.utc).isoformat(), **fields}
+    payload = {
+        "type": event_type,
+        "event_id": str(uuid7()),
+        "checkpoint_id": checkpoint_id,
+        "occurred_at": datetime.now(UTC).isoformat(),
+        **fields,
+    }
     headers = [[k, v.decode()] for k, v in inject_headers()]
-    row = Outbox(topic=get_settings().kafka.lifecycle_topic, key=checkpoint_id, event_type=event_type,
-                 payload=payload, headers=headers or None)
+    row = Outbox(
+        topic=get_settings().kafka.lifecycle_topic,
+        key=checkpoint_id,
+        event_type=event_type,
+        payload=payload,
+        headers=headers or None,
+    )
     session.add(row)
     session.flush()
     return row

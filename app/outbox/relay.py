@@ -31,21 +31,20 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from types import TracebackType
 
 from sqlalchemy import func, select, update
 
 from app.core.db import session_scope
 from app.core.errors import InfrastructureError
+from app.core.locks import AdvisoryLock
 from app.core.retry import Backoff
 from app.core.settings import get_settings
 from app.core.telemetry import tracer
 from app.models import Outbox
-from app.core.locks import AdvisoryLock
 
 log = logging.getLogger("flywheel.relay")
-
 
 
 def outbox_message(row: Outbox) -> tuple[bytes | None, bytes, list[tuple[str, bytes]]]:
@@ -71,8 +70,14 @@ class OutboxRelay:
             (raising there simulates a crash between publish and mark).
     """
 
-    def __init__(self, bootstrap: str | None = None, *, batch_size: int = 100, ack_timeout_s: float = 30.0,
-                 after_publish: Callable[[list[int]], None] | None = None) -> None:
+    def __init__(
+        self,
+        bootstrap: str | None = None,
+        *,
+        batch_size: int = 100,
+        ack_timeout_s: float = 30.0,
+        after_publish: Callable[[list[int]], None] | None = None,
+    ) -> None:
         self.bootstrap = bootstrap or get_settings().kafka.bootstrap
         if not self.bootstrap:
             raise InfrastructureError("no broker configured: set FLYWHEEL_KAFKA_BOOTSTRAP or run `flywheel stack up`")
@@ -88,8 +93,14 @@ class OutboxRelay:
             from kafka import KafkaProducer
 
             self._producer = KafkaProducer(
-                bootstrap_servers=self.bootstrap, acks="all", enable_idempotence=True, retries=5,
-                max_in_flight_requests_per_connection=1, linger_ms=0, client_id="flywheel-outbox-relay")
+                bootstrap_servers=self.bootstrap,
+                acks="all",
+                enable_idempotence=True,
+                retries=5,
+                max_in_flight_requests_per_connection=1,
+                linger_ms=0,
+                client_id="flywheel-outbox-relay",
+            )
         return self._producer
 
     def relay_batch(self) -> int:
@@ -106,9 +117,15 @@ class OutboxRelay:
         with tracer(__name__).start_as_current_span("outbox.relay_batch"), session_scope() as session:
             if not session.scalar(select(func.pg_try_advisory_xact_lock(AdvisoryLock.RELAY))):
                 return 0
-            rows = list(session.scalars(
-                select(Outbox).where(Outbox.sent_at.is_(None)).order_by(Outbox.id)
-                .limit(self.batch_size).with_for_update(skip_locked=True)))
+            rows = list(
+                session.scalars(
+                    select(Outbox)
+                    .where(Outbox.sent_at.is_(None))
+                    .order_by(Outbox.id)
+                    .limit(self.batch_size)
+                    .with_for_update(skip_locked=True)
+                )
+            )
             if not rows:
                 return 0
             producer = self._kafka()
@@ -128,8 +145,7 @@ class OutboxRelay:
             if self.after_publish is not None:
                 self.after_publish(acked)
             if acked:
-                session.execute(update(Outbox).where(Outbox.id.in_(acked))
-                                .values(sent_at=datetime.now(timezone.utc)))
+                session.execute(update(Outbox).where(Outbox.id.in_(acked)).values(sent_at=datetime.now(UTC)))
         self.published += len(acked)
         if failure is not None:
             raise InfrastructureError(f"broker refused outbox row {futures[len(acked)][0]}: {failure}")
@@ -178,8 +194,9 @@ class OutboxRelay:
     def __enter__(self) -> "OutboxRelay":
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         self.close()
 
 

@@ -20,7 +20,7 @@ Functions flush and never commit: the boundary (HTTP request, CLI command) commi
 from __future__ import annotations
 
 import uuid
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
@@ -29,10 +29,9 @@ from sqlalchemy.orm import Session
 from app.core.errors import ConflictError, NotFoundError
 from app.core.telemetry import traced
 from app.models import Canary, Checkpoint
-from app.repositories.audit import record_audit
 from app.outbox.lifecycle import enqueue_lifecycle
-from app.promotion.service import (_lock_checkpoint, _lock_production, _serving_fields, is_stable,
-                                   latest_gate_decision)
+from app.promotion.service import _lock_checkpoint, _lock_production, _serving_fields, is_stable, latest_gate_decision
+from app.repositories.audit import record_audit
 
 
 def get_active_canary(session: Session, *, for_update: bool = False) -> Canary | None:
@@ -75,8 +74,9 @@ def _check_gated(session: Session, row: Checkpoint, current: Checkpoint | None, 
         if not gate.passed:
             reasons.append("the latest gate decision failed")
         if current is not None and gate.production_id != current.id:
-            reasons.append(f"the gate compared against {gate.production_id}, but production is now "
-                           f"{current.id}: re-run the gate")
+            reasons.append(
+                f"the gate compared against {gate.production_id}, but production is now {current.id}: re-run the gate"
+            )
     if row.status != "gate_passed":
         reasons.append(f"checkpoint status is {row.status!r}, not 'gate_passed'")
     if not is_stable(row):
@@ -115,16 +115,29 @@ def start_canary(session: Session, *, checkpoint_id: str, fraction: float, actor
     gate_id = _check_gated(session, row, current, reasons)
     if reasons:
         raise ConflictError(f"canary of {row.id} refused", reasons=reasons)
-    canary = Canary(id=uuid.uuid4(), checkpoint_id=row.id, production_id=current.id, fraction=fraction,
-                    status="active", actor=actor, reason=reason, gate_decision_id=gate_id)
+    canary = Canary(
+        id=uuid.uuid4(),
+        checkpoint_id=row.id,
+        production_id=current.id,
+        fraction=fraction,
+        status="active",
+        actor=actor,
+        reason=reason,
+        gate_decision_id=gate_id,
+    )
     session.add(canary)
     try:
         with session.begin_nested():
             session.flush()
     except IntegrityError:  # a writer that bypassed the advisory lock started another canary
         raise ConflictError("another canary became active concurrently", reasons=["stop it first"]) from None
-    details = {"reason": reason, "canary_id": str(canary.id), "fraction": fraction,
-               "production_id": current.id, "gate_decision_id": str(gate_id) if gate_id else None}
+    details = {
+        "reason": reason,
+        "canary_id": str(canary.id),
+        "fraction": fraction,
+        "production_id": current.id,
+        "gate_decision_id": str(gate_id) if gate_id else None,
+    }
     record_audit(session, actor=actor, action="canary.started", target=f"checkpoint:{row.id}", details=details)
     enqueue_lifecycle(session, "canary.started", row.id, actor=actor, **details, **_serving_fields(session, row))
     return canary
@@ -132,13 +145,14 @@ def start_canary(session: Session, *, checkpoint_id: str, fraction: float, actor
 
 def _stop(session: Session, canary: Canary, *, actor: str, reason: str) -> Canary:
     canary.status = "stopped"
-    canary.stopped_at = datetime.now(timezone.utc)
+    canary.stopped_at = datetime.now(UTC)
     canary.stopped_by = actor
     canary.stop_reason = reason
     session.flush()
     details = {"reason": reason, "canary_id": str(canary.id), "production_id": canary.production_id}
-    record_audit(session, actor=actor, action="canary.stopped", target=f"checkpoint:{canary.checkpoint_id}",
-                 details=details)
+    record_audit(
+        session, actor=actor, action="canary.stopped", target=f"checkpoint:{canary.checkpoint_id}", details=details
+    )
     enqueue_lifecycle(session, "canary.stopped", canary.checkpoint_id, actor=actor, **details)
     return canary
 
@@ -159,8 +173,10 @@ def stop_canary(session: Session, *, actor: str, reason: str, canary_id: uuid.UU
     else:
         canary = get_canary(session, canary_id, for_update=True)
     if canary.status != "active":
-        raise ConflictError(f"canary {canary.id} is already {canary.status}",
-                            reasons=[f"stopped at {canary.stopped_at} by {canary.stopped_by}"])
+        raise ConflictError(
+            f"canary {canary.id} is already {canary.status}",
+            reasons=[f"stopped at {canary.stopped_at} by {canary.stopped_by}"],
+        )
     return _stop(session, canary, actor=actor, reason=reason)
 
 
@@ -172,6 +188,9 @@ def end_canary_for_change(session: Session, *, actor: str, new_production_id: st
     canary = get_active_canary(session, for_update=True)
     if canary is None:
         return None
-    what = ("the canary was promoted" if canary.checkpoint_id == new_production_id
-            else f"production became {new_production_id}")
+    what = (
+        "the canary was promoted"
+        if canary.checkpoint_id == new_production_id
+        else f"production became {new_production_id}"
+    )
     return _stop(session, canary, actor=actor, reason=f"production changed: {what}")

@@ -63,18 +63,24 @@ class SessionSignals:
     reward: float | None = None
 
     @classmethod
-    def from_projection(cls, user_id: str, signals: dict[str, Any], completion_tokens: int,
-                        reward: float | None) -> "SessionSignals":
+    def from_projection(
+        cls, user_id: str, signals: dict[str, Any], completion_tokens: int, reward: float | None
+    ) -> "SessionSignals":
         """From a trajectory's ``signals`` JSON (``consumers.projection``) and its label."""
         edits = (signals or {}).get("edits", {}) or {}
         accepted = [e for e in edits.values() if e.get("decision") == "accepted"]
         measured = [float(e["persisted"]) for e in accepted if e.get("persisted") is not None]
-        return cls(user_id=user_id, accepted=len(accepted),
-                   rejected=sum(1 for e in edits.values() if e.get("decision") == "rejected"),
-                   persisted_sum=sum(measured), persisted_n=len(measured),
-                   dissatisfied=int(signals.get("dissatisfied_followups", 0) or 0),
-                   latency_s=float(signals.get("latency_s", 0.0) or 0.0), completion_tokens=int(completion_tokens),
-                   reward=reward)
+        return cls(
+            user_id=user_id,
+            accepted=len(accepted),
+            rejected=sum(1 for e in edits.values() if e.get("decision") == "rejected"),
+            persisted_sum=sum(measured),
+            persisted_n=len(measured),
+            dissatisfied=int(signals.get("dissatisfied_followups", 0) or 0),
+            latency_s=float(signals.get("latency_s", 0.0) or 0.0),
+            completion_tokens=int(completion_tokens),
+            reward=reward,
+        )
 
     def parts(self, signal: str) -> tuple[float, float]:
         """``(X, Y)``: this session's numerator and denominator of ``signal``.
@@ -128,7 +134,7 @@ def ratio_estimate(sessions: Sequence[SessionSignals], signal: str) -> RatioEsti
         return None
     r = sum(sx for sx, _ in per_user.values()) / total_y
     resid = sum((sx - r * n) ** 2 for sx, n in per_user.values())
-    var = k / (k - 1) * resid / total_y ** 2
+    var = k / (k - 1) * resid / total_y**2
     return RatioEstimate(value=r, se=math.sqrt(var), users=k, sessions=counted, denominator=total_y)
 
 
@@ -152,8 +158,9 @@ class SignalDiff:
     higher_is_better: bool = True
 
 
-def compare_signal(canary: Sequence[SessionSignals], production: Sequence[SessionSignals], signal: str,
-                   confidence: float = 0.95) -> SignalDiff:
+def compare_signal(
+    canary: Sequence[SessionSignals], production: Sequence[SessionSignals], signal: str, confidence: float = 0.95
+) -> SignalDiff:
     """The difference of ``signal`` between the arms with a ``confidence`` normal interval on the
     summed clustered variances (independent arms: disjoint users)."""
     better_up = SIGNALS[signal][1]
@@ -161,11 +168,12 @@ def compare_signal(canary: Sequence[SessionSignals], production: Sequence[Sessio
     if c is None or p is None:
         return SignalDiff(signal=signal, canary=c, production=p, higher_is_better=better_up)
     d = c.value - p.value
-    half = z_for(confidence) * math.sqrt(c.se ** 2 + p.se ** 2)
+    half = z_for(confidence) * math.sqrt(c.se**2 + p.se**2)
     lo, hi = d - half, d + half
     regressed = hi < 0 if better_up else lo > 0
-    return SignalDiff(signal=signal, canary=c, production=p, diff=d, low=lo, high=hi, regressed=regressed,
-                      higher_is_better=better_up)
+    return SignalDiff(
+        signal=signal, canary=c, production=p, diff=d, low=lo, high=hi, regressed=regressed, higher_is_better=better_up
+    )
 
 
 @dataclass(frozen=True)
@@ -182,10 +190,12 @@ class OnlinePolicy:
     def from_config(cls, config: dict[str, Any] | None) -> "OnlinePolicy":
         """From a stored gate config's ``online`` table (absent: not required)."""
         online = (config or {}).get("online") or {}
-        return cls(required=bool(online.get("required", False)),
-                   min_sessions=int(online.get("min_sessions", cls.min_sessions)),
-                   signals=tuple(online.get("signals") or SIGNALS),
-                   confidence=float(online.get("confidence", cls.confidence)))
+        return cls(
+            required=bool(online.get("required", False)),
+            min_sessions=int(online.get("min_sessions", cls.min_sessions)),
+            signals=tuple(online.get("signals") or SIGNALS),
+            confidence=float(online.get("confidence", cls.confidence)),
+        )
 
 
 @dataclass
@@ -197,11 +207,18 @@ class Comparison:
     diffs: dict[str, SignalDiff] = field(default_factory=dict)
 
 
-def compare_arms(canary: Sequence[SessionSignals], production: Sequence[SessionSignals],
-                 signals: Iterable[str] = SIGNALS, confidence: float = 0.95) -> Comparison:
+def compare_arms(
+    canary: Sequence[SessionSignals],
+    production: Sequence[SessionSignals],
+    signals: Iterable[str] = SIGNALS,
+    confidence: float = 0.95,
+) -> Comparison:
     """Every signal's difference between the two arms."""
-    return Comparison(canary_sessions=len(canary), production_sessions=len(production),
-                      diffs={s: compare_signal(canary, production, s, confidence) for s in signals})
+    return Comparison(
+        canary_sessions=len(canary),
+        production_sessions=len(production),
+        diffs={s: compare_signal(canary, production, s, confidence) for s in signals},
+    )
 
 
 def policy_reasons(comparison: Comparison, policy: OnlinePolicy) -> list[str]:
@@ -216,6 +233,8 @@ def policy_reasons(comparison: Comparison, policy: OnlinePolicy) -> list[str]:
         if d is None or d.diff is None:
             reasons.append(f"online signal {name} cannot be compared yet (no data on one arm)")
         elif d.regressed:
-            reasons.append(f"online signal {name} regressed: canary - production = {d.diff:+.4g} "
-                           f"({policy.confidence:.0%} CI {d.low:+.4g}..{d.high:+.4g}, clustered by user)")
+            reasons.append(
+                f"online signal {name} regressed: canary - production = {d.diff:+.4g} "
+                f"({policy.confidence:.0%} CI {d.low:+.4g}..{d.high:+.4g}, clustered by user)"
+            )
     return reasons

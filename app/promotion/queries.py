@@ -18,10 +18,18 @@ from sqlalchemy import func, select, tuple_
 from sqlalchemy.orm import Session, defer
 
 from app.core.errors import FlywheelError
-from app.models import (Checkpoint, CheckpointTrajectory, EvalResult, EvalRun, GateDecision, Promotion,
-                        TrainingCycle, Trajectory)
-from app.promotion.service import latest_gate_decision, lineage
 from app.core.intervals import newcombe_diff_interval, wilson_interval
+from app.models import (
+    Checkpoint,
+    CheckpointTrajectory,
+    EvalResult,
+    EvalRun,
+    GateDecision,
+    Promotion,
+    TrainingCycle,
+    Trajectory,
+)
+from app.promotion.service import latest_gate_decision, lineage
 
 MAX_TASK_DIFFS = 500
 
@@ -52,16 +60,21 @@ def decode_cursor(cursor: str, arity: int) -> list[Any]:
     return values
 
 
-def list_checkpoints(session: Session, *, limit: int, status: str | None = None,
-                     cursor: str | None = None) -> tuple[list[Checkpoint], str | None]:
+def list_checkpoints(
+    session: Session, *, limit: int, status: str | None = None, cursor: str | None = None
+) -> tuple[list[Checkpoint], str | None]:
     """A page of checkpoints, newest first, and the cursor of the next page (None at the end).
 
     Raises:
         InvalidCursorError: a malformed cursor.
     """
     # A listing never shows manifests or metrics: skip loading and decoding that JSONB.
-    stmt = (select(Checkpoint).options(defer(Checkpoint.manifest), defer(Checkpoint.metrics))
-            .order_by(Checkpoint.created_at.desc(), Checkpoint.id.desc()).limit(limit + 1))
+    stmt = (
+        select(Checkpoint)
+        .options(defer(Checkpoint.manifest), defer(Checkpoint.metrics))
+        .order_by(Checkpoint.created_at.desc(), Checkpoint.id.desc())
+        .limit(limit + 1)
+    )
     if status:
         stmt = stmt.where(Checkpoint.status == status)
     if cursor:
@@ -89,27 +102,38 @@ def data_window(session: Session, row: Checkpoint) -> dict[str, Any]:
     window: dict[str, Any] = dict(manifest_window) if isinstance(manifest_window, dict) else {}
     if "start" not in window or "end" not in window:
         first, last = session.execute(
-            select(func.min(func.coalesce(Trajectory.started_at, Trajectory.finalized_at)),
-                   func.max(Trajectory.finalized_at))
+            select(
+                func.min(func.coalesce(Trajectory.started_at, Trajectory.finalized_at)),
+                func.max(Trajectory.finalized_at),
+            )
             .join(CheckpointTrajectory, CheckpointTrajectory.trajectory_id == Trajectory.id)
             .where(CheckpointTrajectory.checkpoint_id == row.id)
         ).one()
         window.setdefault("start", first.isoformat() if first else None)
         window.setdefault("end", last.isoformat() if last else None)
-    cycle = session.scalars(select(TrainingCycle).where(TrainingCycle.checkpoint_id == row.id)
-                            .order_by(TrainingCycle.started_at.desc()).limit(1)).first()
+    cycle = session.scalars(
+        select(TrainingCycle)
+        .where(TrainingCycle.checkpoint_id == row.id)
+        .order_by(TrainingCycle.started_at.desc())
+        .limit(1)
+    ).first()
     if cycle is not None:
         window.setdefault("watermark_seq", cycle.watermark_seq)
-        window.setdefault("watermark_finalized_at",
-                          cycle.watermark_finalized_at.isoformat() if cycle.watermark_finalized_at else None)
+        window.setdefault(
+            "watermark_finalized_at", cycle.watermark_finalized_at.isoformat() if cycle.watermark_finalized_at else None
+        )
     return window
 
 
 def checkpoint_detail(session: Session, row: Checkpoint) -> dict[str, Any]:
     """Lineage of a checkpoint: parent chain, trajectory count, reward spec, data window."""
     chain = lineage(session, row.id)
-    linked = session.scalar(select(func.count()).select_from(CheckpointTrajectory)
-                            .where(CheckpointTrajectory.checkpoint_id == row.id)) or 0
+    linked = (
+        session.scalar(
+            select(func.count()).select_from(CheckpointTrajectory).where(CheckpointTrajectory.checkpoint_id == row.id)
+        )
+        or 0
+    )
     return {
         "parent_chain": [c.id for c in chain[1:]],
         "trajectory_count": max(row.num_trajectories, linked),
@@ -133,8 +157,9 @@ def _per_task(session: Session, run: EvalRun | None) -> dict[str, list[bool]]:
     out: dict[str, list[bool]] = defaultdict(list)
     if run is None:
         return out
-    for task_id, passed in session.execute(select(EvalResult.task_id, EvalResult.passed)
-                                           .where(EvalResult.run_id == run.id)):
+    for task_id, passed in session.execute(
+        select(EvalResult.task_id, EvalResult.passed).where(EvalResult.run_id == run.id)
+    ):
         out[task_id].append(bool(passed))
     return out
 
@@ -160,21 +185,40 @@ def evals_view(session: Session, row: Checkpoint) -> dict[str, Any]:
         bk = sum(sum(v) for v in b_tasks.values())
         bn = sum(len(v) for v in b_tasks.values())
         d_low, d_high = newcombe_diff_interval(ck, cn, bk, bn)
-        suites.append({
-            "suite": key[0], "suite_version": key[1],
-            "candidate_run_id": c_run.id if c_run else None, "production_run_id": b_run.id if b_run else None,
-            "candidate": _rate(ck, cn), "production": _rate(bk, bn),
-            "diff": (ck / cn - bk / bn) if cn and bn else None, "diff_ci_low": d_low, "diff_ci_high": d_high,
-        })
+        suites.append(
+            {
+                "suite": key[0],
+                "suite_version": key[1],
+                "candidate_run_id": c_run.id if c_run else None,
+                "production_run_id": b_run.id if b_run else None,
+                "candidate": _rate(ck, cn),
+                "production": _rate(bk, bn),
+                "diff": (ck / cn - bk / bn) if cn and bn else None,
+                "diff_ci_low": d_low,
+                "diff_ci_high": d_high,
+            }
+        )
         for task_id in sorted(set(c_tasks) & set(b_tasks)):
             c, b = c_tasks[task_id], b_tasks[task_id]
             cr, br = sum(c) / len(c), sum(b) / len(b)
             if cr != br:
-                diffs.append({"suite": key[0], "task_id": task_id, "candidate_pass_rate": cr,
-                              "production_pass_rate": br, "change": "improved" if cr > br else "regressed"})
+                diffs.append(
+                    {
+                        "suite": key[0],
+                        "task_id": task_id,
+                        "candidate_pass_rate": cr,
+                        "production_pass_rate": br,
+                        "change": "improved" if cr > br else "regressed",
+                    }
+                )
     diffs.sort(key=lambda d: (d["change"] != "regressed", d["suite"], d["task_id"]))
-    return {"gate": gate, "production_id": baseline_id, "suites": suites,
-            "task_diffs": diffs[:MAX_TASK_DIFFS], "task_diffs_truncated": len(diffs) > MAX_TASK_DIFFS}
+    return {
+        "gate": gate,
+        "production_id": baseline_id,
+        "suites": suites,
+        "task_diffs": diffs[:MAX_TASK_DIFFS],
+        "task_diffs_truncated": len(diffs) > MAX_TASK_DIFFS,
+    }
 
 
 def list_promotions(session: Session, *, limit: int, before: str | None = None) -> tuple[list[Promotion], str | None]:

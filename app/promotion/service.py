@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import uuid
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 from sqlalchemy import literal, select, text
@@ -32,14 +32,14 @@ from sqlalchemy.orm import Session
 
 from app.checkpoints.store import STABLE
 from app.core.errors import ConflictError, NotFoundError
+from app.core.locks import AdvisoryLock
+from app.core.telemetry import traced
 from app.models import Checkpoint, GateDecision, Promotion
-from app.repositories.audit import record_audit
+from app.outbox.lifecycle import enqueue_lifecycle
 from app.promotion.online import online_reasons
 from app.promotion.online_stats import OnlinePolicy
-from app.outbox.lifecycle import enqueue_lifecycle
+from app.repositories.audit import record_audit
 from app.repositories.checkpoints import get_production
-from app.core.telemetry import traced
-from app.core.locks import AdvisoryLock
 
 REJECTABLE = ("candidate", "gate_passed", "gate_failed")
 MAX_LINEAGE = 256
@@ -61,7 +61,9 @@ def _lock_production(session: Session) -> Checkpoint | None:
 
 def _lock_checkpoint(session: Session, checkpoint_id: str) -> Checkpoint:
     row = session.scalars(
-        select(Checkpoint).where(Checkpoint.id == checkpoint_id).with_for_update()
+        select(Checkpoint)
+        .where(Checkpoint.id == checkpoint_id)
+        .with_for_update()
         .execution_options(populate_existing=True)
     ).one_or_none()
     if row is None:
@@ -72,8 +74,10 @@ def _lock_checkpoint(session: Session, checkpoint_id: str) -> Checkpoint:
 def latest_gate_decision(session: Session, checkpoint_id: str) -> GateDecision | None:
     """The most recent gate decision for a candidate, or None."""
     return session.scalars(
-        select(GateDecision).where(GateDecision.candidate_id == checkpoint_id)
-        .order_by(GateDecision.created_at.desc(), GateDecision.id.desc()).limit(1)
+        select(GateDecision)
+        .where(GateDecision.candidate_id == checkpoint_id)
+        .order_by(GateDecision.created_at.desc(), GateDecision.id.desc())
+        .limit(1)
     ).first()
 
 
@@ -84,10 +88,16 @@ def is_stable(row: Checkpoint) -> bool:
 
 def lineage(session: Session, checkpoint_id: str, limit: int = MAX_LINEAGE) -> list[Checkpoint]:
     """The checkpoint and its ancestors, child first (a recursive CTE over ``parent_id``)."""
-    chain = (select(Checkpoint.id, Checkpoint.parent_id, literal(1).label("depth"))
-             .where(Checkpoint.id == checkpoint_id).cte("chain", recursive=True))
-    parent = select(Checkpoint.id, Checkpoint.parent_id, (chain.c.depth + 1).label("depth")) \
-        .join(chain, Checkpoint.id == chain.c.parent_id).where(chain.c.depth < limit)
+    chain = (
+        select(Checkpoint.id, Checkpoint.parent_id, literal(1).label("depth"))
+        .where(Checkpoint.id == checkpoint_id)
+        .cte("chain", recursive=True)
+    )
+    parent = (
+        select(Checkpoint.id, Checkpoint.parent_id, (chain.c.depth + 1).label("depth"))
+        .join(chain, Checkpoint.id == chain.c.parent_id)
+        .where(chain.c.depth < limit)
+    )
     chain = chain.union_all(parent)
     ids = [r.id for r in session.execute(select(chain.c.id, chain.c.depth).order_by(chain.c.depth))]
     rows = {r.id: r for r in session.scalars(select(Checkpoint).where(Checkpoint.id.in_(ids)))}
@@ -97,12 +107,15 @@ def lineage(session: Session, checkpoint_id: str, limit: int = MAX_LINEAGE) -> l
 def _serving_fields(session: Session, row: Checkpoint) -> dict:
     # What the serving watcher needs to move the engine without a database: where each checkpoint
     # of the lineage lives, so it can apply the delta chain from the checkpoint it serves.
-    return {"path": row.path, "parent_id": row.parent_id,
-            "lineage": [{"id": c.id, "path": c.path} for c in lineage(session, row.id)]}
+    return {
+        "path": row.path,
+        "parent_id": row.parent_id,
+        "lineage": [{"id": c.id, "path": c.path} for c in lineage(session, row.id)],
+    }
 
 
 def _switch_production(session: Session, *, new: Checkpoint, previous: Checkpoint | None) -> None:
-    now = datetime.now(timezone.utc)
+    now = datetime.now(UTC)
     if previous is not None:
         previous.status = "retired"
         session.flush()  # the partial unique index must see the old row leave 'production' first
@@ -112,8 +125,10 @@ def _switch_production(session: Session, *, new: Checkpoint, previous: Checkpoin
         with session.begin_nested():
             session.flush()
     except IntegrityError:  # a writer that bypassed the advisory lock made another production
-        raise ConflictError("another checkpoint became production concurrently",
-                            reasons=["retry with the current production as expected_production_id"]) from None
+        raise ConflictError(
+            "another checkpoint became production concurrently",
+            reasons=["retry with the current production as expected_production_id"],
+        ) from None
 
 
 def _check_expected(current: Checkpoint | None, expected: str | None, reasons: list[str]) -> None:
@@ -122,8 +137,7 @@ def _check_expected(current: Checkpoint | None, expected: str | None, reasons: l
         reasons.append(f"expected production {expected!r} but production is {current_id!r}")
 
 
-def _check_servable(row: Checkpoint, current: Checkpoint | None, expected: str | None,
-                    reasons: list[str]) -> None:
+def _check_servable(row: Checkpoint, current: Checkpoint | None, expected: str | None, reasons: list[str]) -> None:
     """Refusals shared by promotion and rollback: the target must be STABLE, clean of erased data,
     and ``expected`` must name the current production (optimistic concurrency)."""
     if not is_stable(row):
@@ -133,31 +147,50 @@ def _check_servable(row: Checkpoint, current: Checkpoint | None, expected: str |
     _check_expected(current, expected, reasons)
 
 
-def _commit_production_change(session: Session, *, kind: str, action: str, row: Checkpoint,
-                              current: Checkpoint | None, actor: str, reason: str,
-                              gate_decision_id: uuid.UUID | None = None,
-                              extra_details: dict | None = None) -> ProductionChange:
+def _commit_production_change(
+    session: Session,
+    *,
+    kind: str,
+    action: str,
+    row: Checkpoint,
+    current: Checkpoint | None,
+    actor: str,
+    reason: str,
+    gate_decision_id: uuid.UUID | None = None,
+    extra_details: dict | None = None,
+) -> ProductionChange:
     """The one transaction shape of every production change: status switch, promotion row, audit
     entry and lifecycle outbox row, all in the caller's transaction."""
     from app.promotion.canary import end_canary_for_change  # canary builds on this module's helpers
 
     end_canary_for_change(session, actor=actor, new_production_id=row.id)
     _switch_production(session, new=row, previous=current)
-    promo = Promotion(id=uuid.uuid4(), kind=kind, checkpoint_id=row.id,
-                      previous_production_id=current.id if current else None, actor=actor, reason=reason,
-                      gate_decision_id=gate_decision_id)
+    promo = Promotion(
+        id=uuid.uuid4(),
+        kind=kind,
+        checkpoint_id=row.id,
+        previous_production_id=current.id if current else None,
+        actor=actor,
+        reason=reason,
+        gate_decision_id=gate_decision_id,
+    )
     session.add(promo)
     session.flush()
-    details = {"reason": reason, "promotion_id": str(promo.id),
-               "previous_production_id": promo.previous_production_id, **(extra_details or {})}
+    details = {
+        "reason": reason,
+        "promotion_id": str(promo.id),
+        "previous_production_id": promo.previous_production_id,
+        **(extra_details or {}),
+    }
     record_audit(session, actor=actor, action=action, target=f"checkpoint:{row.id}", details=details)
     enqueue_lifecycle(session, action, row.id, actor=actor, **details, **_serving_fields(session, row))
     return ProductionChange(promotion=promo, checkpoint=row, previous=current)
 
 
 @traced("promotion.promote", attrs=("checkpoint_id", "expected_production_id", "actor"))
-def promote_checkpoint(session: Session, *, checkpoint_id: str, expected_production_id: str | None,
-                       actor: str, reason: str) -> ProductionChange:
+def promote_checkpoint(
+    session: Session, *, checkpoint_id: str, expected_production_id: str | None, actor: str, reason: str
+) -> ProductionChange:
     """Make a gate-passed, STABLE candidate the production checkpoint (see module invariants).
 
     Raises:
@@ -178,12 +211,16 @@ def promote_checkpoint(session: Session, *, checkpoint_id: str, expected_product
     else:
         if not gate.passed:
             # gate reasons are dicts (evals.gate.GateReason): list only the failing, gating ones
-            failed = [r.get("message", str(r)) if isinstance(r, dict) else str(r) for r in gate.reasons or []
-                      if not isinstance(r, dict) or (not r.get("passed") and r.get("gated", True))]
+            failed = [
+                r.get("message", str(r)) if isinstance(r, dict) else str(r)
+                for r in gate.reasons or []
+                if not isinstance(r, dict) or (not r.get("passed") and r.get("gated", True))
+            ]
             reasons.append("the latest gate decision failed: " + "; ".join(failed))
         if current is not None and gate.production_id != current.id:
-            reasons.append(f"the gate compared against {gate.production_id}, but production is now "
-                           f"{current.id}: re-run the gate")
+            reasons.append(
+                f"the gate compared against {gate.production_id}, but production is now {current.id}: re-run the gate"
+            )
         policy = OnlinePolicy.from_config((gate.report or {}).get("config"))
         reasons.extend(online_reasons(session, row.id, current.id if current else None, policy))
     if row.status != "gate_passed":
@@ -192,9 +229,17 @@ def promote_checkpoint(session: Session, *, checkpoint_id: str, expected_product
     if reasons:
         raise ConflictError(f"promotion of {row.id} refused", reasons=reasons)
     gate_id = gate.id if gate else None
-    return _commit_production_change(session, kind="promotion", action="checkpoint.promoted", row=row,
-                                     current=current, actor=actor, reason=reason, gate_decision_id=gate_id,
-                                     extra_details={"gate_decision_id": str(gate_id) if gate_id else None})
+    return _commit_production_change(
+        session,
+        kind="promotion",
+        action="checkpoint.promoted",
+        row=row,
+        current=current,
+        actor=actor,
+        reason=reason,
+        gate_decision_id=gate_id,
+        extra_details={"gate_decision_id": str(gate_id) if gate_id else None},
+    )
 
 
 def earlier_productions(session: Session) -> set[str]:
@@ -207,14 +252,17 @@ def earlier_productions(session: Session) -> set[str]:
 def previous_production_id(session: Session, current_id: str) -> str | None:
     """The checkpoint production had before ``current_id`` became production (latest change)."""
     return session.scalar(
-        select(Promotion.previous_production_id).where(Promotion.checkpoint_id == current_id)
-        .order_by(Promotion.created_at.desc()).limit(1)
+        select(Promotion.previous_production_id)
+        .where(Promotion.checkpoint_id == current_id)
+        .order_by(Promotion.created_at.desc())
+        .limit(1)
     )
 
 
 @traced("promotion.rollback", attrs=("expected_production_id", "actor"))
-def rollback_production(session: Session, *, expected_production_id: str | None, actor: str, reason: str,
-                        checkpoint_id: str | None = None) -> ProductionChange:
+def rollback_production(
+    session: Session, *, expected_production_id: str | None, actor: str, reason: str, checkpoint_id: str | None = None
+) -> ProductionChange:
     """Return production to an earlier production checkpoint (default: the one before the current).
 
     No gate is required (the target served before), but it must still be STABLE and clean.
@@ -230,8 +278,9 @@ def rollback_production(session: Session, *, expected_production_id: str | None,
         raise ConflictError("nothing to roll back: no production checkpoint")
     target_id = checkpoint_id or previous_production_id(session, current.id)
     if target_id is None:
-        raise ConflictError(f"no earlier production checkpoint before {current.id}",
-                            reasons=["production has never changed"])
+        raise ConflictError(
+            f"no earlier production checkpoint before {current.id}", reasons=["production has never changed"]
+        )
     row = _lock_checkpoint(session, target_id)
     if row.id == current.id:
         reasons.append(f"{row.id} is already production")
@@ -242,8 +291,9 @@ def rollback_production(session: Session, *, expected_production_id: str | None,
     _check_servable(row, current, expected_production_id, reasons)
     if reasons:
         raise ConflictError(f"rollback to {row.id} refused", reasons=reasons)
-    return _commit_production_change(session, kind="rollback", action="checkpoint.rolled_back", row=row,
-                                     current=current, actor=actor, reason=reason)
+    return _commit_production_change(
+        session, kind="rollback", action="checkpoint.rolled_back", row=row, current=current, actor=actor, reason=reason
+    )
 
 
 @traced("promotion.reject", attrs=("checkpoint_id", "actor"))
@@ -256,8 +306,10 @@ def reject_checkpoint(session: Session, *, checkpoint_id: str, actor: str, reaso
     """
     row = _lock_checkpoint(session, checkpoint_id)
     if row.status not in REJECTABLE:
-        raise ConflictError(f"cannot reject {row.id}",
-                            reasons=[f"status is {row.status!r}; only {', '.join(REJECTABLE)} can be rejected"])
+        raise ConflictError(
+            f"cannot reject {row.id}",
+            reasons=[f"status is {row.status!r}; only {', '.join(REJECTABLE)} can be rejected"],
+        )
     previous_status = row.status
     row.status = "rejected"
     session.flush()

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +37,7 @@ def write_serving_state(state: dict[str, Any], home: Path | None = None) -> Path
     """Atomically replace the report; adds ``updated_at`` (UTC ISO 8601). Returns the file path."""
     path = serving_state_path(home)
     path.parent.mkdir(parents=True, exist_ok=True)
-    state = {**state, "updated_at": datetime.now(timezone.utc).isoformat()}
+    state = {**state, "updated_at": datetime.now(UTC).isoformat()}
     fd, tmp = tempfile.mkstemp(prefix=".serving-", dir=path.parent)
     try:
         with os.fdopen(fd, "w") as f:

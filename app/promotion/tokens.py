@@ -17,7 +17,7 @@ import hashlib
 import secrets
 import uuid
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Literal
 
 from sqlalchemy import select
@@ -90,8 +90,13 @@ def create_token(session: Session, *, name: str, role: str, actor: str) -> tuple
             session.flush()
     except IntegrityError:  # a concurrent create with the same name won the partial unique index
         raise ConflictError(f"a live token named {name!r} exists") from None
-    record_audit(session, actor=actor, action="token.created", target=f"token:{name}",
-                 details={"token_id": str(row.id), "role": role})
+    record_audit(
+        session,
+        actor=actor,
+        action="token.created",
+        target=f"token:{name}",
+        details={"token_id": str(row.id), "role": role},
+    )
     return row, raw
 
 
@@ -109,10 +114,15 @@ def revoke_token(session: Session, name_or_id: str, *, actor: str) -> ApiToken:
     row = session.scalars(stmt.with_for_update()).one_or_none()
     if row is None:
         raise NotFoundError(f"no live token {name_or_id!r}")
-    row.revoked_at = datetime.now(timezone.utc)
+    row.revoked_at = datetime.now(UTC)
     session.flush()
-    record_audit(session, actor=actor, action="token.revoked", target=f"token:{row.name}",
-                 details={"token_id": str(row.id), "role": row.role})
+    record_audit(
+        session,
+        actor=actor,
+        action="token.revoked",
+        target=f"token:{row.name}",
+        details={"token_id": str(row.id), "role": row.role},
+    )
     return row
 
 
@@ -131,7 +141,8 @@ def authenticate(session: Session, raw: str) -> Principal | None:
     time is unnecessary: an attacker learns nothing from timing a hash lookup.
     """
     row = session.execute(
-        select(ApiToken.id, ApiToken.name, ApiToken.role)
-        .where(ApiToken.token_hash == hash_token(raw), ApiToken.revoked_at.is_(None))
+        select(ApiToken.id, ApiToken.name, ApiToken.role).where(
+            ApiToken.token_hash == hash_token(raw), ApiToken.revoked_at.is_(None)
+        )
     ).one_or_none()
     return Principal(token_id=row.id, name=row.name, role=row.role) if row else None

@@ -15,8 +15,9 @@ from sqlalchemy.orm import Session
 from app.models import AuditLog
 
 
-def record_audit(session: Session, *, actor: str, action: str, target: str | None,
-                 details: dict[str, Any] | None = None) -> AuditLog:
+def record_audit(
+    session: Session, *, actor: str, action: str, target: str | None, details: dict[str, Any] | None = None
+) -> AuditLog:
     """Insert one audit entry and flush (the caller's transaction commits it with the change).
 
     Args:
@@ -31,8 +32,9 @@ def record_audit(session: Session, *, actor: str, action: str, target: str | Non
     return row
 
 
-def list_audit(session: Session, *, limit: int, before_id: int | None = None,
-               action: str | None = None) -> list[AuditLog]:
+def list_audit(
+    session: Session, *, limit: int, before_id: int | None = None, action: str | None = None
+) -> list[AuditLog]:
     """Audit entries newest first (by id), ``limit`` of them, strictly older than ``before_id``."""
     stmt = select(AuditLog).order_by(AuditLog.id.desc()).limit(limit)
     if before_id is not None:

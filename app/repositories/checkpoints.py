@@ -31,26 +31,48 @@ def get_production(session: Session, *, for_update: bool = False) -> Checkpoint 
     return session.scalars(stmt).one_or_none()
 
 
-def add_checkpoint(session: Session, *, checkpoint_id: str, path: str, status: str = "candidate",
-                   parent_id: str | None = None, generation: int = 0, manifest: dict[str, Any] | None = None,
-                   metrics: dict[str, Any] | None = None, reward_spec: str | None = None,
-                   num_trajectories: int = 0, stable: bool = True) -> Checkpoint:
+def add_checkpoint(
+    session: Session,
+    *,
+    checkpoint_id: str,
+    path: str,
+    status: str = "candidate",
+    parent_id: str | None = None,
+    generation: int = 0,
+    manifest: dict[str, Any] | None = None,
+    metrics: dict[str, Any] | None = None,
+    reward_spec: str | None = None,
+    num_trajectories: int = 0,
+    stable: bool = True,
+) -> Checkpoint:
     """Insert a checkpoint row and flush."""
-    row = Checkpoint(id=checkpoint_id, path=path, status=status, parent_id=parent_id, generation=generation,
-                     manifest=manifest or {}, metrics=metrics or {}, reward_spec=reward_spec,
-                     num_trajectories=num_trajectories, stable=stable)
+    row = Checkpoint(
+        id=checkpoint_id,
+        path=path,
+        status=status,
+        parent_id=parent_id,
+        generation=generation,
+        manifest=manifest or {},
+        metrics=metrics or {},
+        reward_spec=reward_spec,
+        num_trajectories=num_trajectories,
+        stable=stable,
+    )
     session.add(row)
     session.flush()
     return row
 
 
-def add_checkpoint_trajectories(session: Session, checkpoint_id: str,
-                                rows: list[tuple[Any, str, str | None]]) -> int:
+def add_checkpoint_trajectories(session: Session, checkpoint_id: str, rows: list[tuple[Any, str, str | None]]) -> int:
     """Record which trajectories a checkpoint trained on: ``rows`` of ``(trajectory_id, user_id,
     task_id)``. Flushes; returns the number of rows added."""
     from app.models import CheckpointTrajectory
 
-    session.add_all([CheckpointTrajectory(checkpoint_id=checkpoint_id, trajectory_id=tid, user_id=user, task_id=task)
-                     for tid, user, task in rows])
+    session.add_all(
+        [
+            CheckpointTrajectory(checkpoint_id=checkpoint_id, trajectory_id=tid, user_id=user, task_id=task)
+            for tid, user, task in rows
+        ]
+    )
     session.flush()
     return len(rows)

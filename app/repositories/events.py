@@ -21,8 +21,20 @@ from sqlalchemy.orm import Session
 
 from app.repositories.binary import UuidArray
 
-EVENT_COLUMNS = ("event_id", "type", "schema_version", "occurred_at", "session_id", "user_id", "org_id",
-                 "payload", "topic", "partition", "offset", "trace_id")
+EVENT_COLUMNS = (
+    "event_id",
+    "type",
+    "schema_version",
+    "occurred_at",
+    "session_id",
+    "user_id",
+    "org_id",
+    "payload",
+    "topic",
+    "partition",
+    "offset",
+    "trace_id",
+)
 
 
 def raw_connection(session: Session) -> psycopg.Connection:
@@ -55,8 +67,9 @@ _TEMP_DDL = """CREATE TEMP TABLE IF NOT EXISTS _event_batch (
 _COLS = ", ".join(f'"{c}"' for c in EVENT_COLUMNS)
 
 
-def append_events(session: Session, rows: Sequence[EventRow],
-                  method: Literal["copy", "copy_upsert", "unnest"] = "copy") -> dict[uuid.UUID, int]:
+def append_events(
+    session: Session, rows: Sequence[EventRow], method: Literal["copy", "copy_upsert", "unnest"] = "copy"
+) -> dict[uuid.UUID, int]:
     """Append rows to ``event_log``; rows whose ``event_id`` is already stored (or repeated in
     ``rows``) are skipped. ``ingested_at`` is the transaction's ``now()``; ``seq`` follows ``rows``.
 
@@ -83,8 +96,10 @@ def append_events(session: Session, rows: Sequence[EventRow],
             with cur.copy(f"COPY _event_batch (ord, {_COLS}) FROM STDIN") as copy:
                 for i, r in enumerate(rows):
                     copy.write_row((i, *_values(r)))
-            cur.execute(f"INSERT INTO event_log ({_COLS}) SELECT {_COLS} FROM _event_batch ORDER BY ord "
-                        "ON CONFLICT (event_id) DO NOTHING RETURNING event_id, seq")
+            cur.execute(
+                f"INSERT INTO event_log ({_COLS}) SELECT {_COLS} FROM _event_batch ORDER BY ord "
+                "ON CONFLICT (event_id) DO NOTHING RETURNING event_id, seq"
+            )
             inserted = dict(cur.fetchall())
             cur.execute("TRUNCATE _event_batch")  # ON COMMIT DELETE ROWS only helps after commit
             return inserted
@@ -94,7 +109,8 @@ def append_events(session: Session, rows: Sequence[EventRow],
             "%s::uuid[], %s::text[], %s::int[], %s::timestamptz[], %s::text[], %s::text[], %s::text[], "
             "%s::text[]::json[], %s::text[], %s::int[], %s::bigint[], %s::text[]) WITH ORDINALITY "
             f"AS b({_COLS}, ord) ORDER BY ord ON CONFLICT (event_id) DO NOTHING RETURNING event_id, seq",
-            [list(c) for c in cols])
+            [list(c) for c in cols],
+        )
         return dict(cur.fetchall())
 
 
@@ -102,17 +118,33 @@ def _values(r: EventRow) -> tuple:
     return r  # EventRow's fields are EVENT_COLUMNS, in order
 
 
-_BINARY_TYPES = ["int8", "uuid", "text", "int4", "timestamptz", "text", "text", "text", "text", "text", "int4",
-                 "int8", "text"]
+_BINARY_TYPES = [
+    "int8",
+    "uuid",
+    "text",
+    "int4",
+    "timestamptz",
+    "text",
+    "text",
+    "text",
+    "text",
+    "text",
+    "int4",
+    "int8",
+    "text",
+]
 
 
 def _reserve_seqs(cur: psycopg.Cursor, n: int) -> list[int]:
     """``n`` increasing, unused ``seq`` values in one round trip. ``event_log.seq``'s sequence
     increments by 1024 (migration 0007), so one ``nextval`` reserves the block ``[v, v + 1023]``;
     this takes ceil(n / increment) of them (read from the sequence: 1 before that migration)."""
-    cur.execute("SELECT s.seqincrement, nextval(s.seqrelid) FROM pg_sequence s CROSS JOIN LATERAL "
-                "generate_series(1, (%s + s.seqincrement - 1) / s.seqincrement) "
-                "WHERE s.seqrelid = pg_get_serial_sequence('event_log', 'seq')::regclass", (n,))
+    cur.execute(
+        "SELECT s.seqincrement, nextval(s.seqrelid) FROM pg_sequence s CROSS JOIN LATERAL "
+        "generate_series(1, (%s + s.seqincrement - 1) / s.seqincrement) "
+        "WHERE s.seqrelid = pg_get_serial_sequence('event_log', 'seq')::regclass",
+        (n,),
+    )
     blocks = sorted(cur.fetchall())
     return [v for block, start in blocks for v in range(start, start + block)][:n]
 
@@ -154,8 +186,11 @@ def stored_bodies(session: Session, event_ids: Sequence[uuid.UUID]) -> dict[int,
     if not event_ids:
         return {}
     with raw_connection(session).cursor() as cur:
-        cur.execute("SELECT event_id, type, schema_version, occurred_at, session_id, user_id, org_id, payload::text "
-                    "FROM event_log WHERE event_id = ANY(%b)", (UuidArray.of(list(event_ids)),))
+        cur.execute(
+            "SELECT event_id, type, schema_version, occurred_at, session_id, user_id, org_id, payload::text "
+            "FROM event_log WHERE event_id = ANY(%b)",
+            (UuidArray.of(list(event_ids)),),
+        )
         return {r[0].int: tuple(r[1:]) for r in cur.fetchall()}
 
 
@@ -172,12 +207,14 @@ def lock_offsets(session: Session, group_id: str, first: dict[tuple[str, int], i
             "INSERT INTO consumer_offset (group_id, topic, partition, next_offset) "
             "SELECT %s, t, p, o FROM unnest(%s::text[], %s::int[], %s::bigint[]) AS u(t, p, o) "
             "ON CONFLICT DO NOTHING",
-            (group_id, [k[0] for k in keys], [k[1] for k in keys], [first[k] for k in keys]))
+            (group_id, [k[0] for k in keys], [k[1] for k in keys], [first[k] for k in keys]),
+        )
         cur.execute(
             "SELECT topic, partition, next_offset FROM consumer_offset WHERE group_id = %s "
             "AND (topic, partition) IN (SELECT * FROM unnest(%s::text[], %s::int[])) "
             "ORDER BY topic, partition FOR UPDATE",
-            (group_id, [k[0] for k in keys], [k[1] for k in keys]))
+            (group_id, [k[0] for k in keys], [k[1] for k in keys]),
+        )
         return {(t, p): o for t, p, o in cur.fetchall()}
 
 
@@ -192,7 +229,8 @@ def store_offsets(session: Session, group_id: str, next_offsets: dict[tuple[str,
             "SELECT %s, t, p, o FROM unnest(%s::text[], %s::int[], %s::bigint[]) AS u(t, p, o) "
             "ON CONFLICT (group_id, topic, partition) DO UPDATE SET "
             "next_offset = GREATEST(consumer_offset.next_offset, EXCLUDED.next_offset), updated_at = now()",
-            (group_id, [k[0] for k in keys], [k[1] for k in keys], [next_offsets[k] for k in keys]))
+            (group_id, [k[0] for k in keys], [k[1] for k in keys], [next_offsets[k] for k in keys]),
+        )
 
 
 def rewind_offset(session: Session, group_id: str, topic: str, partition: int, expected: int, to: int) -> int:
@@ -201,10 +239,15 @@ def rewind_offset(session: Session, group_id: str, topic: str, partition: int, e
     The one write that moves an offset backwards: for a partition whose log was re-created
     (``consumers.offsets``)."""
     with raw_connection(session).cursor() as cur:
-        cur.execute("UPDATE consumer_offset SET next_offset = %s, updated_at = now() WHERE group_id = %s AND topic = %s "
-                    "AND partition = %s AND next_offset = %s", (to, group_id, topic, partition, expected))
-        cur.execute("SELECT next_offset FROM consumer_offset WHERE group_id = %s AND topic = %s AND partition = %s",
-                    (group_id, topic, partition))
+        cur.execute(
+            "UPDATE consumer_offset SET next_offset = %s, updated_at = now() WHERE group_id = %s AND topic = %s "
+            "AND partition = %s AND next_offset = %s",
+            (to, group_id, topic, partition, expected),
+        )
+        cur.execute(
+            "SELECT next_offset FROM consumer_offset WHERE group_id = %s AND topic = %s AND partition = %s",
+            (group_id, topic, partition),
+        )
         row = cur.fetchone()
         return row[0] if row else to
 
@@ -212,8 +255,9 @@ def rewind_offset(session: Session, group_id: str, topic: str, partition: int, e
 def stored_offsets(session: Session, group_id: str, topic: str) -> dict[int, int]:
     """``{partition: next_offset}`` stored for a group and topic."""
     with raw_connection(session).cursor() as cur:
-        cur.execute("SELECT partition, next_offset FROM consumer_offset WHERE group_id = %s AND topic = %s",
-                    (group_id, topic))
+        cur.execute(
+            "SELECT partition, next_offset FROM consumer_offset WHERE group_id = %s AND topic = %s", (group_id, topic)
+        )
         return dict(cur.fetchall())
 
 
@@ -245,8 +289,23 @@ def insert_dead_letters(session: Session, rows: Sequence[DeadLetterRow]) -> int:
         cur.executemany(
             'INSERT INTO dead_letter (topic, partition, "offset", key, raw, headers, reason, detail, user_id, '
             "session_id, redacted) VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s) ON CONFLICT DO NOTHING",
-            [(r.topic, r.partition, r.offset, r.key, r.raw, Jsonb(r.headers) if r.headers is not None else None,
-              r.reason, r.detail, r.user_id, r.session_id, r.redacted) for r in rows])
+            [
+                (
+                    r.topic,
+                    r.partition,
+                    r.offset,
+                    r.key,
+                    r.raw,
+                    Jsonb(r.headers) if r.headers is not None else None,
+                    r.reason,
+                    r.detail,
+                    r.user_id,
+                    r.session_id,
+                    r.redacted,
+                )
+                for r in rows
+            ],
+        )
         return len(rows)
 
 
@@ -258,15 +317,30 @@ def stored_dead_letters(session: Session, positions: Sequence[tuple[str, int, in
         return []
     topics, partitions, offsets = (list(c) for c in zip(*positions))
     with raw_connection(session).cursor() as cur:
-        cur.execute('SELECT d.topic, d.partition, d."offset", d.key, d.raw, d.headers, d.reason, d.detail, d.user_id, '
-                    "d.session_id, d.redacted "
-                    "FROM dead_letter d JOIN unnest(%s::text[], %s::int[], %s::bigint[]) AS p(t, n, o) "
-                    'ON d.topic = p.t AND d.partition = p.n AND d."offset" = p.o '
-                    'ORDER BY d.topic, d.partition, d."offset"', (topics, partitions, offsets))
-        return [DeadLetterRow(topic=t, partition=n, offset=o, key=bytes(k) if k is not None else None,
-                              raw=bytes(r) if r is not None else None, headers=h, reason=reason, detail=detail,
-                              user_id=u, session_id=sid, redacted=why)
-                for t, n, o, k, r, h, reason, detail, u, sid, why in cur.fetchall()]
+        cur.execute(
+            'SELECT d.topic, d.partition, d."offset", d.key, d.raw, d.headers, d.reason, d.detail, d.user_id, '
+            "d.session_id, d.redacted "
+            "FROM dead_letter d JOIN unnest(%s::text[], %s::int[], %s::bigint[]) AS p(t, n, o) "
+            'ON d.topic = p.t AND d.partition = p.n AND d."offset" = p.o '
+            'ORDER BY d.topic, d.partition, d."offset"',
+            (topics, partitions, offsets),
+        )
+        return [
+            DeadLetterRow(
+                topic=t,
+                partition=n,
+                offset=o,
+                key=bytes(k) if k is not None else None,
+                raw=bytes(r) if r is not None else None,
+                headers=h,
+                reason=reason,
+                detail=detail,
+                user_id=u,
+                session_id=sid,
+                redacted=why,
+            )
+            for t, n, o, k, r, h, reason, detail, u, sid, why in cur.fetchall()
+        ]
 
 
 def private_sessions(session: Session, session_ids: Sequence[str]) -> set[str]:
@@ -289,7 +363,8 @@ def count_tombstones(session: Session, dropped: dict[str, int]) -> None:
             "SELECT s, n FROM unnest(%s::text[], %s::bigint[]) AS u(s, n) "
             "ON CONFLICT (session_id) DO UPDATE SET events_dropped = privacy_tombstone.events_dropped "
             "+ EXCLUDED.events_dropped, last_seen_at = now()",
-            (keys, [dropped[k] for k in keys]))
+            (keys, [dropped[k] for k in keys]),
+        )
 
 
 def erased_users(session: Session, user_ids: Sequence[str]) -> dict[str, tuple[datetime, set[uuid.UUID]]]:
@@ -298,8 +373,11 @@ def erased_users(session: Session, user_ids: Sequence[str]) -> dict[str, tuple[d
     if not user_ids:
         return {}
     with raw_connection(session).cursor() as cur:
-        cur.execute("SELECT user_id, coalesce(requested_at, created_at), trajectory_ids FROM erasure_request "
-                    "WHERE user_id = ANY(%s)", (list(user_ids),))
+        cur.execute(
+            "SELECT user_id, coalesce(requested_at, created_at), trajectory_ids FROM erasure_request "
+            "WHERE user_id = ANY(%s)",
+            (list(user_ids),),
+        )
         out: dict[str, tuple[datetime, set[uuid.UUID]]] = {}
         for user, at, tids in cur.fetchall():
             prev_at, prev_ids = out.get(user, (at, set()))
@@ -307,8 +385,9 @@ def erased_users(session: Session, user_ids: Sequence[str]) -> dict[str, tuple[d
         return out
 
 
-def iter_event_rows(conn: psycopg.Connection, *, where: str = "TRUE", params: Sequence[Any] = (),
-                    order: str = "seq", chunk: int = 5000) -> Iterator[list[tuple]]:
+def iter_event_rows(
+    conn: psycopg.Connection, *, where: str = "TRUE", params: Sequence[Any] = (), order: str = "seq", chunk: int = 5000
+) -> Iterator[list[tuple]]:
     """Stream ``event_log`` rows (``seq, ingested_at`` + :data:`EVENT_COLUMNS`) in chunks through a
     server-side cursor. ``where``/``order`` are trusted SQL fragments written by callers in this repo."""
     with conn.cursor(name=f"events_{uuid.uuid4().hex[:8]}") as cur:

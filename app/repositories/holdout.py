@@ -12,6 +12,7 @@ goes (one held-out task is cheap; a contaminated gate is not).
 """
 
 from __future__ import annotations
+
 from sqlalchemy import text
 from sqlalchemy.orm import Session
 
@@ -35,9 +36,13 @@ def retire_trained_eval_tasks(session: Session, checkpoint_id: str) -> list[str]
         sqlalchemy.exc.DBAPIError: database faults (the caller's transaction rolls back).
     """
     lock_holdout(session)
-    rows = session.execute(text(
-        "DELETE FROM eval_task WHERE source_trajectory_id IN "
-        "(SELECT trajectory_id FROM checkpoint_trajectory WHERE checkpoint_id = :cid) "
-        "OR task_id IN (SELECT task_id FROM checkpoint_trajectory WHERE checkpoint_id = :cid "
-        "AND task_id IS NOT NULL) RETURNING task_id"), {"cid": checkpoint_id}).scalars()
+    rows = session.execute(
+        text(
+            "DELETE FROM eval_task WHERE source_trajectory_id IN "
+            "(SELECT trajectory_id FROM checkpoint_trajectory WHERE checkpoint_id = :cid) "
+            "OR task_id IN (SELECT task_id FROM checkpoint_trajectory WHERE checkpoint_id = :cid "
+            "AND task_id IS NOT NULL) RETURNING task_id"
+        ),
+        {"cid": checkpoint_id},
+    ).scalars()
     return sorted(rows)

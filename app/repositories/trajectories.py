@@ -14,7 +14,7 @@ from typing import Any, Protocol, TypeVar
 
 import numpy as np
 from psycopg.rows import dict_row
-from sqlalchemy import (ARRAY, BigInteger, Boolean, Column, DateTime, Float, Integer, LargeBinary)
+from sqlalchemy import ARRAY, BigInteger, Boolean, Column, DateTime, Float, Integer, LargeBinary
 from sqlalchemy.dialects.postgresql import JSONB, UUID
 from sqlalchemy.orm import Session
 
@@ -45,6 +45,7 @@ class TrajectoryLike(Protocol):
     dirty: bool
     stored: bool
     labels: list[Any]
+
 
 _JSON_TRAJECTORY = {"signals"}
 _JSON_SEGMENT = {"tool_calls", "tool_results", "min_offset", "max_offset"}
@@ -105,8 +106,9 @@ def _segment_from_row(row: dict[str, Any], factory: Callable[..., S]) -> S:
     return factory(**row, stored=True)
 
 
-def load_trajectories(session: Session, ids: Iterable[uuid.UUID], factory: Callable[..., T], *,
-                      lock: bool = True) -> dict[uuid.UUID, T]:
+def load_trajectories(
+    session: Session, ids: Iterable[uuid.UUID], factory: Callable[..., T], *, lock: bool = True
+) -> dict[uuid.UUID, T]:
     """Stored trajectories by id (missing ids are absent), locked ``FOR UPDATE`` in id order;
     ``factory(**columns, stored=True)`` builds each."""
     ids = sorted(set(ids))
@@ -124,16 +126,21 @@ def load_open_segments(session: Session, ids: Iterable[uuid.UUID], factory: Call
     if not ids:
         return {}
     with raw_connection(session).cursor(row_factory=dict_row) as cur:
-        cur.execute(f"SELECT DISTINCT ON (trajectory_id) trajectory_id, {_S_COLS} FROM trajectory_segment "
-                    "WHERE trajectory_id = ANY(%b) ORDER BY trajectory_id, segment_index DESC", (UuidArray.of(ids),))
+        cur.execute(
+            f"SELECT DISTINCT ON (trajectory_id) trajectory_id, {_S_COLS} FROM trajectory_segment "
+            "WHERE trajectory_id = ANY(%b) ORDER BY trajectory_id, segment_index DESC",
+            (UuidArray.of(ids),),
+        )
         return {r["trajectory_id"]: _segment_from_row(r, factory) for r in cur.fetchall()}
 
 
 def load_segment(session: Session, trajectory_id: uuid.UUID, index: int, factory: Callable[..., S]) -> S | None:
     """One stored segment, or None."""
     with raw_connection(session).cursor(row_factory=dict_row) as cur:
-        cur.execute(f"SELECT {_S_COLS} FROM trajectory_segment WHERE trajectory_id = %s AND segment_index = %s",
-                    (trajectory_id, index))
+        cur.execute(
+            f"SELECT {_S_COLS} FROM trajectory_segment WHERE trajectory_id = %s AND segment_index = %s",
+            (trajectory_id, index),
+        )
         row = cur.fetchone()
         return _segment_from_row(row, factory) if row else None
 
@@ -155,8 +162,16 @@ def _pg_type(col) -> str:
     t = col.type
     if isinstance(t, ARRAY):
         return _pg_type(Column("x", t.item_type)) + "[]"
-    for kind, name in ((UUID, "uuid"), (JSONB, "jsonb"), (LargeBinary, "bytea"), (Boolean, "bool"),
-                       (BigInteger, "int8"), (Integer, "int4"), (DateTime, "timestamptz"), (Float, "float8")):
+    for kind, name in (
+        (UUID, "uuid"),
+        (JSONB, "jsonb"),
+        (LargeBinary, "bytea"),
+        (Boolean, "bool"),
+        (BigInteger, "int8"),
+        (Integer, "int4"),
+        (DateTime, "timestamptz"),
+        (Float, "float8"),
+    ):
         if isinstance(t, kind):
             return name
     return "text"
@@ -173,8 +188,11 @@ def _copy_rows(cur, target: str, table, rows: list[tuple]) -> None:
     dumpers) and pass through its bytea dumper untouched; the server decodes them by column type.
     """
     names = ", ".join(c.name for c in table.columns)
-    encoders = {i: uuid_array_binary if _is_uuid_array(c) else jsonb_binary
-                for i, c in enumerate(table.columns) if _is_uuid_array(c) or isinstance(c.type, JSONB)}
+    encoders = {
+        i: uuid_array_binary if _is_uuid_array(c) else jsonb_binary
+        for i, c in enumerate(table.columns)
+        if _is_uuid_array(c) or isinstance(c.type, JSONB)
+    }
     with cur.copy(f"COPY {target} ({names}) FROM STDIN (FORMAT BINARY)") as copy:
         copy.set_types(["bytea" if i in encoders else _pg_type(c) for i, c in enumerate(table.columns)])
         for r in rows:
@@ -191,13 +209,17 @@ def _copy_upsert(cur, table, key: tuple[str, ...], rows: list[tuple]) -> None:
     (no compression attempts on token bytes there either)."""
     cols = [c.name for c in table.columns]
     tmp = f"_upsert_{table.name}"
-    cur.execute(f"CREATE TEMP TABLE IF NOT EXISTS {tmp} (LIKE {table.name} INCLUDING DEFAULTS INCLUDING STORAGE) "
-                "ON COMMIT DELETE ROWS")
+    cur.execute(
+        f"CREATE TEMP TABLE IF NOT EXISTS {tmp} (LIKE {table.name} INCLUDING DEFAULTS INCLUDING STORAGE) "
+        "ON COMMIT DELETE ROWS"
+    )
     _copy_rows(cur, tmp, table, rows)
     names = ", ".join(cols)
     updates = ", ".join(f"{c} = EXCLUDED.{c}" for c in cols if c not in key)
-    cur.execute(f"INSERT INTO {table.name} ({names}) SELECT {names} FROM {tmp} "
-                f"ON CONFLICT ({', '.join(key)}) DO UPDATE SET {updates}")
+    cur.execute(
+        f"INSERT INTO {table.name} ({names}) SELECT {names} FROM {tmp} "
+        f"ON CONFLICT ({', '.join(key)}) DO UPDATE SET {updates}"
+    )
     cur.execute(f"DELETE FROM {tmp}")  # several saves may share one transaction (replay)
 
 
@@ -212,8 +234,9 @@ def _write_rows(cur, table, key: tuple[str, ...], new: list[tuple], stored: list
         _copy_upsert(cur, table, key, stored)
 
 
-def _insert_labels(cur, labels: Sequence[tuple[uuid.UUID, Label, datetime | None]], on_conflict: str,
-                   table: str = "reward_label") -> None:
+def _insert_labels(
+    cur, labels: Sequence[tuple[uuid.UUID, Label, datetime | None]], on_conflict: str, table: str = "reward_label"
+) -> None:
     """Insert ``(trajectory_id, label, created_at or None for now())`` rows into ``table`` in one
     statement, ``ON CONFLICT (trajectory_id, spec)`` then ``on_conflict`` (one label per trajectory
     and spec)."""
@@ -223,13 +246,19 @@ def _insert_labels(cur, labels: Sequence[tuple[uuid.UUID, Label, datetime | None
         f"INSERT INTO {table} (trajectory_id, spec, reward, components, created_at) "
         "SELECT t, s, r, c::jsonb, coalesce(a, now()) FROM unnest(%b, %s::text[], %s::float8[], %s::text[], "
         f"%s::timestamptz[]) AS u(t, s, r, c, a) ON CONFLICT (trajectory_id, spec) {on_conflict}",
-        (UuidArray.of([tid for tid, _, _ in labels]), [lab.spec for _, lab, _ in labels],
-         [lab.reward for _, lab, _ in labels], [json_bytes(lab.components).decode() for _, lab, _ in labels],
-         [at for _, _, at in labels]))
+        (
+            UuidArray.of([tid for tid, _, _ in labels]),
+            [lab.spec for _, lab, _ in labels],
+            [lab.reward for _, lab, _ in labels],
+            [json_bytes(lab.components).decode() for _, lab, _ in labels],
+            [at for _, _, at in labels],
+        ),
+    )
 
 
-def save_trajectories(session: Session, states: Sequence[TrajectoryLike],
-                      label_time: datetime | None = None) -> tuple[int, int, int]:
+def save_trajectories(
+    session: Session, states: Sequence[TrajectoryLike], label_time: datetime | None = None
+) -> tuple[int, int, int]:
     """Upsert dirty trajectories, their dirty segments and any labels a finalization produced.
 
     Labels are inserted with ``created_at`` = the trajectory's ``finalized_at`` (so replay rebuilds
@@ -245,11 +274,20 @@ def save_trajectories(session: Session, states: Sequence[TrajectoryLike],
     labels = [(t.id, lab, label_time or t.finalized_at) for t in dirty for lab in t.labels]
     conn = raw_connection(session)
     with conn.cursor() as cur:
-        _write_rows(cur, Trajectory.__table__, ("id",), [_trajectory_values(t) for t in dirty if not t.stored],
-                    [_trajectory_values(t) for t in dirty if t.stored])
-        _write_rows(cur, TrajectorySegment.__table__, ("trajectory_id", "segment_index"),
-                    [_segment_values(tid, s) for tid, s in segs if not s.stored],
-                    [_segment_values(tid, s) for tid, s in segs if s.stored])
+        _write_rows(
+            cur,
+            Trajectory.__table__,
+            ("id",),
+            [_trajectory_values(t) for t in dirty if not t.stored],
+            [_trajectory_values(t) for t in dirty if t.stored],
+        )
+        _write_rows(
+            cur,
+            TrajectorySegment.__table__,
+            ("trajectory_id", "segment_index"),
+            [_segment_values(tid, s) for tid, s in segs if not s.stored],
+            [_segment_values(tid, s) for tid, s in segs if s.stored],
+        )
         _insert_labels(cur, labels, "DO NOTHING")
     for t in dirty:
         t.dirty, t.stored = False, True
@@ -260,14 +298,18 @@ def save_trajectories(session: Session, states: Sequence[TrajectoryLike],
     return len(dirty), len(segs), len(labels)
 
 
-def due_for_window(session: Session, now: datetime, grace_s: float, factory: Callable[..., T],
-                   limit: int = 500) -> dict[uuid.UUID, T]:
+def due_for_window(
+    session: Session, now: datetime, grace_s: float, factory: Callable[..., T], limit: int = 500
+) -> dict[uuid.UUID, T]:
     """Provisional trajectories whose window closed at least ``grace_s`` seconds before ``now``, locked
     ``FOR UPDATE SKIP LOCKED`` (a batch folding into one of them is left alone until next sweep)."""
     with raw_connection(session).cursor(row_factory=dict_row) as cur:
-        cur.execute(f"SELECT {_T_COLS} FROM trajectory WHERE status = 'provisional' "
-                    "AND window_closes_at < %s - make_interval(secs => %s) ORDER BY window_closes_at, id "
-                    "LIMIT %s FOR UPDATE SKIP LOCKED", (now, grace_s, limit))
+        cur.execute(
+            f"SELECT {_T_COLS} FROM trajectory WHERE status = 'provisional' "
+            "AND window_closes_at < %s - make_interval(secs => %s) ORDER BY window_closes_at, id "
+            "LIMIT %s FOR UPDATE SKIP LOCKED",
+            (now, grace_s, limit),
+        )
         return {r["id"]: factory(**r, stored=True) for r in cur.fetchall()}
 
 
@@ -287,7 +329,8 @@ def create_label_stage(session: Session) -> None:
     raw_connection(session).execute(
         f"CREATE TEMP TABLE {RELABEL_STAGE} (trajectory_id uuid, spec text, reward float8 NOT NULL, "
         "components jsonb NOT NULL, created_at timestamptz NOT NULL, PRIMARY KEY (trajectory_id, spec)) "
-        "ON COMMIT DROP")
+        "ON COMMIT DROP"
+    )
 
 
 def stage_labels(session: Session, labels: Sequence[tuple[uuid.UUID, Label]]) -> int:
@@ -298,8 +341,12 @@ def stage_labels(session: Session, labels: Sequence[tuple[uuid.UUID, Label]]) ->
         psycopg.Error: database faults.
     """
     with raw_connection(session).cursor() as cur:
-        _insert_labels(cur, [(tid, lab, None) for tid, lab in labels],
-                       "DO UPDATE SET reward = EXCLUDED.reward, components = EXCLUDED.components", RELABEL_STAGE)
+        _insert_labels(
+            cur,
+            [(tid, lab, None) for tid, lab in labels],
+            "DO UPDATE SET reward = EXCLUDED.reward, components = EXCLUDED.components",
+            RELABEL_STAGE,
+        )
     return len(labels)
 
 
@@ -313,13 +360,18 @@ def apply_staged_labels(session: Session) -> list[tuple[uuid.UUID, float]]:
     Raises:
         psycopg.Error: database faults.
     """
-    return raw_connection(session).execute(
-        "INSERT INTO reward_label (trajectory_id, spec, reward, components, created_at) "
-        f"SELECT s.trajectory_id, s.spec, s.reward, s.components, s.created_at FROM {RELABEL_STAGE} s "
-        "JOIN trajectory t ON t.id = s.trajectory_id FOR KEY SHARE OF t "
-        "ON CONFLICT (trajectory_id, spec) DO UPDATE SET reward = EXCLUDED.reward, "
-        "components = EXCLUDED.components, created_at = EXCLUDED.created_at "
-        "RETURNING trajectory_id, reward").fetchall()
+    return (
+        raw_connection(session)
+        .execute(
+            "INSERT INTO reward_label (trajectory_id, spec, reward, components, created_at) "
+            f"SELECT s.trajectory_id, s.spec, s.reward, s.components, s.created_at FROM {RELABEL_STAGE} s "
+            "JOIN trajectory t ON t.id = s.trajectory_id FOR KEY SHARE OF t "
+            "ON CONFLICT (trajectory_id, spec) DO UPDATE SET reward = EXCLUDED.reward, "
+            "components = EXCLUDED.components, created_at = EXCLUDED.created_at "
+            "RETURNING trajectory_id, reward"
+        )
+        .fetchall()
+    )
 
 
 def rewards_for_spec(session: Session, spec: str) -> list[float]:

@@ -68,9 +68,12 @@ def inputs_from_signals(signals: dict[str, Any], completion_tokens: int) -> Rewa
     rejected = sum(1 for e in edits.values() if e.get("decision") == "rejected")
     persistence = tuple(float(e["persisted"]) for e in accepted if e.get("persisted") is not None)
     return RewardInputs(
-        accepted=len(accepted), rejected=rejected, persistence=persistence,
+        accepted=len(accepted),
+        rejected=rejected,
+        persistence=persistence,
         dissatisfied_followups=int(signals.get("dissatisfied_followups", 0)),
-        latency_s=float(signals.get("latency_s", 0.0)), completion_tokens=int(completion_tokens),
+        latency_s=float(signals.get("latency_s", 0.0)),
+        completion_tokens=int(completion_tokens),
         last_test_passed=signals.get("last_test_passed"),
     )
 
@@ -97,8 +100,9 @@ def compute_reward(spec: RewardSpec, inputs: RewardInputs) -> RewardResult:
         comp["edit_rejected"] = -c.edit_rejected.weight * inputs.rejected / decided if decided else 0.0
     if c.edit_persistence is not None:
         p = inputs.persistence
-        comp["edit_persistence"] = (c.edit_persistence.weight * (sum(p) / len(p) - c.edit_persistence.baseline)
-                                    if p else 0.0)
+        comp["edit_persistence"] = (
+            c.edit_persistence.weight * (sum(p) / len(p) - c.edit_persistence.baseline) if p else 0.0
+        )
     if c.dissatisfied_followups is not None:
         d = c.dissatisfied_followups
         comp["dissatisfied_followups"] = -d.weight * min(inputs.dissatisfied_followups, d.cap)

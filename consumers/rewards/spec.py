@@ -155,8 +155,9 @@ def available_specs(extra_dir: Path | None = None) -> dict[str, RewardSpec]:
         for path in sorted(d.glob("*.toml")):
             spec = read_spec_file(path)
             if spec.id in found and found[spec.id][1] != spec:
-                raise ConfigurationError(f"reward spec {spec.id} is defined twice with different numbers: "
-                                         f"{found[spec.id][0]} and {path}")
+                raise ConfigurationError(
+                    f"reward spec {spec.id} is defined twice with different numbers: {found[spec.id][0]} and {path}"
+                )
             found[spec.id] = (path, spec)
     return {k: v for k, (_, v) in found.items()}
 

@@ -25,18 +25,31 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from producers.events.types import (
-    AgentRequested, AgentRequestedEvent, ContextSummarized, ContextSummarizedEvent, EditProposed,
-    EditProposedEvent, EventBase, ModelResponded, ModelRespondedEvent, SessionEnded, SessionEndedEvent,
-    SessionStarted, SessionStartedEvent, ToolCall, ToolExecuted, ToolExecutedEvent,
-)
+from app.inference.engine import InferenceEngine, SamplingParams
+from evals.harness.apply import apply_target, extract_code
 from evals.harness.chat import SUMMARY_REQUEST, SYSTEM_PROMPT, ChatML, repository_message
 from evals.harness.sandbox import SandboxLimits, SandboxResult, run_in_sandbox
-from evals.harness.apply import apply_target, extract_code
 from evals.harness.toolcalls import ParsedCall, parse_tool_calls
 from evals.harness.tools import execute_tool
 from evals.harness.workspace import snapshot, write_files
-from app.inference.engine import InferenceEngine, SamplingParams
+from producers.events.types import (
+    AgentRequested,
+    AgentRequestedEvent,
+    ContextSummarized,
+    ContextSummarizedEvent,
+    EditProposed,
+    EditProposedEvent,
+    EventBase,
+    ModelResponded,
+    ModelRespondedEvent,
+    SessionEnded,
+    SessionEndedEvent,
+    SessionStarted,
+    SessionStartedEvent,
+    ToolCall,
+    ToolExecuted,
+    ToolExecutedEvent,
+)
 
 
 @dataclass(frozen=True)
@@ -86,11 +99,22 @@ class SessionResult:
     final_message: str = ""
 
 
-def run_agent_session(engine: InferenceEngine, task, workdir: Path, budget: AgentBudget, sampling: SamplingParams,
-                      *, emit: Callable[[EventBase], None] | None = None, session_id: str, user_id: str,
-                      org_id: str = "default", privacy_mode: bool = False, limits: SandboxLimits | None = None,
-                      on_end: Callable[[SessionResult], Sequence[str]] | None = None,
-                      apply_code: bool = True) -> SessionResult:
+def run_agent_session(
+    engine: InferenceEngine,
+    task,
+    workdir: Path,
+    budget: AgentBudget,
+    sampling: SamplingParams,
+    *,
+    emit: Callable[[EventBase], None] | None = None,
+    session_id: str,
+    user_id: str,
+    org_id: str = "default",
+    privacy_mode: bool = False,
+    limits: SandboxLimits | None = None,
+    on_end: Callable[[SessionResult], Sequence[str]] | None = None,
+    apply_code: bool = True,
+) -> SessionResult:
     """Run the agent on ``task`` in ``workdir`` (the task's files are written there first).
 
     Args:
@@ -108,8 +132,16 @@ def run_agent_session(engine: InferenceEngine, task, workdir: Path, budget: Agen
     Returns:
         The :class:`SessionResult` (``events`` holds every event, emitted or not).
     """
-    run = _Session(engine, task, Path(workdir), budget, sampling, emit, limits or SandboxLimits(),
-                   dict(session_id=session_id, user_id=user_id, org_id=org_id, privacy_mode=privacy_mode))
+    run = _Session(
+        engine,
+        task,
+        Path(workdir),
+        budget,
+        sampling,
+        emit,
+        limits or SandboxLimits(),
+        dict(session_id=session_id, user_id=user_id, org_id=org_id, privacy_mode=privacy_mode),
+    )
     run.apply_code = apply_code
     try:
         run.loop()
@@ -158,16 +190,28 @@ class _Session:
         if self._ended:
             return
         self._ended = True
-        self.emit(SessionEndedEvent(**self.envelope, payload=SessionEnded(
-            reason=reason, turns=self.turns, ran_tests=self.test_runs > 0, expected_signals=expected)))
+        self.emit(
+            SessionEndedEvent(
+                **self.envelope,
+                payload=SessionEnded(
+                    reason=reason, turns=self.turns, ran_tests=self.test_runs > 0, expected_signals=expected
+                ),
+            )
+        )
 
     # ---- loop ----------------------------------------------------------------------------
 
     def loop(self) -> None:
         self.workdir.mkdir(parents=True, exist_ok=True)
         write_files(self.workdir, self.task.files)
-        self.emit(SessionStartedEvent(**self.envelope, payload=SessionStarted(
-            task_id=self.task.id, task_source=self.task.source, checkpoint_id=self.engine.checkpoint_id)))
+        self.emit(
+            SessionStartedEvent(
+                **self.envelope,
+                payload=SessionStarted(
+                    task_id=self.task.id, task_source=self.task.source, checkpoint_id=self.engine.checkpoint_id
+                ),
+            )
+        )
         self.emit(AgentRequestedEvent(**self.envelope, payload=AgentRequested(request_id="r0", text=self.task.request)))
         pending = self.chat.first_prompt(SYSTEM_PROMPT, repository_message(self.task.request, self.workdir))
         last_completion: list[int] = []
@@ -199,27 +243,52 @@ class _Session:
             pending = self.chat.continuation(last_completion, observations)
 
     def respond(self, pending: list[int], max_new: int, tool_free: bool = False):
-        params = replace(self.sampling, max_tokens=max_new,
-                         seed=None if self.sampling.seed is None else self.sampling.seed + self.turns)
+        params = replace(
+            self.sampling,
+            max_tokens=max_new,
+            seed=None if self.sampling.seed is None else self.sampling.seed + self.turns,
+        )
         gen = self.engine.generate([self.context + pending], params)[0]
         self.context += pending + gen.token_ids
         self.completion_tokens += len(gen.token_ids)
         self.latency_s += gen.latency_s
         text = self.chat.decode_reply(gen.token_ids)
         calls, message = ([], text) if tool_free else parse_tool_calls(text)
-        reply = _Reply(gen.token_ids, gen.finish_reason, calls, message, tuple(
-            ToolCall(call_id=f"call-{self.turns}-{i}", name=c.name, arguments=c.arguments, valid=c.valid)
-            for i, c in enumerate(calls)))
+        reply = _Reply(
+            gen.token_ids,
+            gen.finish_reason,
+            calls,
+            message,
+            tuple(
+                ToolCall(call_id=f"call-{self.turns}-{i}", name=c.name, arguments=c.arguments, valid=c.valid)
+                for i, c in enumerate(calls)
+            ),
+        )
         experts = {}
         if gen.routed_experts:
             layers, k = len(gen.routed_experts[0]), len(gen.routed_experts[0][0])
-            experts = dict(routed_experts=[e for tok in gen.routed_experts for layer in tok for e in layer],
-                           routed_experts_shape=(layers, k))
-        self.emit(ModelRespondedEvent(**self.envelope, payload=ModelResponded(
-            request_id="r0", segment_index=self.segment, turn_index=self.turn_in_segment,
-            checkpoint_id=self.engine.checkpoint_id, prompt_token_ids=pending,
-            completion_token_ids=gen.token_ids, completion_logprobs=gen.logprobs, latency_s=gen.latency_s,
-            tool_calls=reply.tool_calls, finish_reason=gen.finish_reason, **experts)))
+            experts = dict(
+                routed_experts=[e for tok in gen.routed_experts for layer in tok for e in layer],
+                routed_experts_shape=(layers, k),
+            )
+        self.emit(
+            ModelRespondedEvent(
+                **self.envelope,
+                payload=ModelResponded(
+                    request_id="r0",
+                    segment_index=self.segment,
+                    turn_index=self.turn_in_segment,
+                    checkpoint_id=self.engine.checkpoint_id,
+                    prompt_token_ids=pending,
+                    completion_token_ids=gen.token_ids,
+                    completion_logprobs=gen.logprobs,
+                    latency_s=gen.latency_s,
+                    tool_calls=reply.tool_calls,
+                    finish_reason=gen.finish_reason,
+                    **experts,
+                ),
+            )
+        )
         self.turns += 1
         self.turn_in_segment += 1
         return reply
@@ -238,25 +307,51 @@ class _Session:
             if not call.valid:
                 self.tool_errors += 1
                 hint = "" if gen.finish_reason != "length" else " (the reply hit the per-turn token limit)"
-                text = (f"error: invalid tool call: {call.error}{hint}. Write "
-                        '<tool_call>{"name": "<tool>", "arguments": {...}}</tool_call>')
-                self.emit(ToolExecutedEvent(**self.envelope, payload=ToolExecuted(
-                    call_id=tc.call_id, name=tc.name, ok=False, output=text)))
+                text = (
+                    f"error: invalid tool call: {call.error}{hint}. Write "
+                    '<tool_call>{"name": "<tool>", "arguments": {...}}</tool_call>'
+                )
+                self.emit(
+                    ToolExecutedEvent(
+                        **self.envelope, payload=ToolExecuted(call_id=tc.call_id, name=tc.name, ok=False, output=text)
+                    )
+                )
                 parts.append(f"<tool_response>\n{text}\n</tool_response>")
                 continue
             out = execute_tool(call, self.workdir, self.limits, max_output_chars=self.budget.tool_output_chars)
             if out.ran_tests:
                 self.test_runs += 1
                 self.last_test_ok = out.ok
-            self.emit(ToolExecutedEvent(**self.envelope, payload=ToolExecuted(
-                call_id=tc.call_id, name=call.name, ok=out.ok, exit_code=out.exit_code, output=out.output,
-                duration_s=out.duration_s, ran_tests=out.ran_tests, command=out.command)))
+            self.emit(
+                ToolExecutedEvent(
+                    **self.envelope,
+                    payload=ToolExecuted(
+                        call_id=tc.call_id,
+                        name=call.name,
+                        ok=out.ok,
+                        exit_code=out.exit_code,
+                        output=out.output,
+                        duration_s=out.duration_s,
+                        ran_tests=out.ran_tests,
+                        command=out.command,
+                    ),
+                )
+            )
             if out.edit:
                 edit_id = f"edit-{tc.call_id}"
                 self.edits.append({"edit_id": edit_id, **out.edit})
-                self.emit(EditProposedEvent(**self.envelope, payload=EditProposed(
-                    edit_id=edit_id, path=out.edit["path"], lines_added=out.edit["lines_added"],
-                    lines_removed=out.edit["lines_removed"], diff=out.edit["diff"])))
+                self.emit(
+                    EditProposedEvent(
+                        **self.envelope,
+                        payload=EditProposed(
+                            edit_id=edit_id,
+                            path=out.edit["path"],
+                            lines_added=out.edit["lines_added"],
+                            lines_removed=out.edit["lines_removed"],
+                            diff=out.edit["diff"],
+                        ),
+                    )
+                )
             parts.append(f"<tool_response>\n[{call.name}] {out.output}\n</tool_response>")
             if out.finished:
                 finished = True
@@ -278,9 +373,18 @@ class _Session:
             return False
         edit_id = f"apply-{self.turns - 1}"
         self.edits.append({"edit_id": edit_id, "applied": True, **out.edit})
-        self.emit(EditProposedEvent(**self.envelope, payload=EditProposed(
-            edit_id=edit_id, path=out.edit["path"], lines_added=out.edit["lines_added"],
-            lines_removed=out.edit["lines_removed"], diff=out.edit["diff"])))
+        self.emit(
+            EditProposedEvent(
+                **self.envelope,
+                payload=EditProposed(
+                    edit_id=edit_id,
+                    path=out.edit["path"],
+                    lines_added=out.edit["lines_added"],
+                    lines_removed=out.edit["lines_removed"],
+                    diff=out.edit["diff"],
+                ),
+            )
+        )
         return True
 
     def summarize(self, last_completion: list[int], observations: str | None) -> list[int]:
@@ -293,18 +397,35 @@ class _Session:
         self.segment += 1
         self.turn_in_segment = 0
         self.context = []
-        self.emit(ContextSummarizedEvent(**self.envelope, payload=ContextSummarized(
-            new_segment_index=self.segment, summary=summary[:100_000], summarized_tokens=replaced)))
+        self.emit(
+            ContextSummarizedEvent(
+                **self.envelope,
+                payload=ContextSummarized(
+                    new_segment_index=self.segment, summary=summary[:100_000], summarized_tokens=replaced
+                ),
+            )
+        )
         user = repository_message(self.task.request, self.workdir, summary=summary, observations=observations)
         return self.chat.first_prompt(SYSTEM_PROMPT, user)
 
     def result(self) -> SessionResult:
         return SessionResult(
-            passed=self.last_test_ok, edited=bool(self.edits), asked_question=self.asked_question, turns=self.turns,
-            completion_tokens=self.completion_tokens, latency_s=self.latency_s, tool_calls=self.tool_calls,
-            tool_call_errors=self.tool_errors, test_runs=self.test_runs, segments=self.segment + 1,
-            final_files=snapshot(self.workdir), events=self.events, reason=self.reason, edits=self.edits,
-            final_message=self.final_message)
+            passed=self.last_test_ok,
+            edited=bool(self.edits),
+            asked_question=self.asked_question,
+            turns=self.turns,
+            completion_tokens=self.completion_tokens,
+            latency_s=self.latency_s,
+            tool_calls=self.tool_calls,
+            tool_call_errors=self.tool_errors,
+            test_runs=self.test_runs,
+            segments=self.segment + 1,
+            final_files=snapshot(self.workdir),
+            events=self.events,
+            reason=self.reason,
+            edits=self.edits,
+            final_message=self.final_message,
+        )
 
 
 def grade_result(task, workdir: Path, limits: SandboxLimits | None = None) -> SandboxResult:
@@ -321,4 +442,3 @@ def grade_result(task, workdir: Path, limits: SandboxLimits | None = None) -> Sa
 def grade(task, workdir: Path, limits: SandboxLimits | None = None) -> bool:
     """Whether the repository in ``workdir`` passes the task's hidden tests (in the sandbox)."""
     return grade_result(task, workdir, limits).ok
-

@@ -1,4 +1,4 @@
-""""Apply" for replies without tool calls: code the agent wrote in chat becomes an edit.
+""" "Apply" for replies without tool calls: code the agent wrote in chat becomes an edit.
 
 Editors offer an Apply button on code in a chat answer; the simulated developer presses it. The
 harness does the same when a reply has no ``<tool_call>`` but carries Python code that defines the

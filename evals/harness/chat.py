@@ -38,8 +38,9 @@ class ChatML:
 
     def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer
-        probe = tokenizer.apply_chat_template([{"role": "user", "content": "x"}], add_generation_prompt=True,
-                                              tokenize=False)
+        probe = tokenizer.apply_chat_template(
+            [{"role": "user", "content": "x"}], add_generation_prompt=True, tokenize=False
+        )
         if IM_START not in probe or not probe.endswith(f"{IM_START}assistant\n"):
             raise ConfigurationError("the agent harness needs a ChatML chat template (SmolLM2, Qwen)")
         self.im_end_id = tokenizer.convert_tokens_to_ids(IM_END)
@@ -52,7 +53,9 @@ class ChatML:
         """System + user turn + assistant header, rendered by the model's own template."""
         text = self.tokenizer.apply_chat_template(
             [{"role": "system", "content": system}, {"role": "user", "content": user}],
-            add_generation_prompt=True, tokenize=False)
+            add_generation_prompt=True,
+            tokenize=False,
+        )
         return self.encode(text)
 
     def continuation(self, previous_completion: list[int], user: str) -> list[int]:
@@ -66,8 +69,15 @@ class ChatML:
         return text.split(IM_END, 1)[0]
 
 
-def repository_message(request: str, workdir: Path, *, max_file_chars: int = 3000, max_total_chars: int = 6000,
-                       summary: str | None = None, observations: str | None = None) -> str:
+def repository_message(
+    request: str,
+    workdir: Path,
+    *,
+    max_file_chars: int = 3000,
+    max_total_chars: int = 6000,
+    summary: str | None = None,
+    observations: str | None = None,
+) -> str:
     """The first user turn of a segment: the request, then small files inline in code blocks.
 
     A file shows as ``path:`` and a fenced block (the language from its extension), the format the

@@ -102,7 +102,7 @@ class SandboxResult:
             head += f" (killed: {self.killed_reason})"
         body = self.stdout + (("\n[stderr]\n" + self.stderr) if self.stderr.strip() else "")
         if len(body) > max_chars:
-            body = body[: max_chars // 2] + "\n...[truncated]...\n" + body[-max_chars // 2:]
+            body = body[: max_chars // 2] + "\n...[truncated]...\n" + body[-max_chars // 2 :]
         return f"{head}\n{body}".rstrip()
 
 
@@ -132,8 +132,15 @@ def interpreter_reachable() -> bool:
     if not _is_root():
         return True
     try:
-        probe = subprocess.run([sys.executable, "-c", "import encodings"], capture_output=True, timeout=30,
-                               user=(uid := _fresh_uid()), group=uid, extra_groups=[], cwd="/")
+        probe = subprocess.run(
+            [sys.executable, "-c", "import encodings"],
+            capture_output=True,
+            timeout=30,
+            user=(uid := _fresh_uid()),
+            group=uid,
+            extra_groups=[],
+            cwd="/",
+        )
     except (OSError, subprocess.SubprocessError):
         return False
     return probe.returncode == 0
@@ -181,10 +188,23 @@ def _user_process_count() -> int:
 
 def _env(scratch: Path) -> dict[str, str]:
     path = os.pathsep.join([str(Path(sys.executable).parent), "/usr/local/bin", "/usr/bin", "/bin"])
-    env = {"PATH": path, "HOME": str(scratch / "home"), "TMPDIR": str(scratch / "tmp"), "LANG": "C.UTF-8",
-           "LC_ALL": "C.UTF-8", "PYTHONDONTWRITEBYTECODE": "1", "PYTHONHASHSEED": "0", "MPLBACKEND": "Agg",
-           "MPLCONFIGDIR": str(scratch / "mpl"), "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1",
-           "MKL_NUM_THREADS": "1", "NUMEXPR_MAX_THREADS": "1", "USER": "sandbox", "LOGNAME": "sandbox"}
+    env = {
+        "PATH": path,
+        "HOME": str(scratch / "home"),
+        "TMPDIR": str(scratch / "tmp"),
+        "LANG": "C.UTF-8",
+        "LC_ALL": "C.UTF-8",
+        "PYTHONDONTWRITEBYTECODE": "1",
+        "PYTHONHASHSEED": "0",
+        "MPLBACKEND": "Agg",
+        "MPLCONFIGDIR": str(scratch / "mpl"),
+        "OMP_NUM_THREADS": "1",
+        "OPENBLAS_NUM_THREADS": "1",
+        "MKL_NUM_THREADS": "1",
+        "NUMEXPR_MAX_THREADS": "1",
+        "USER": "sandbox",
+        "LOGNAME": "sandbox",
+    }
     return env
 
 
@@ -197,8 +217,9 @@ def _read_capped(path: Path, limit: int) -> tuple[str, bool]:
         f.seek(size - limit // 2)
         tail = f.read()
     cut = size - len(head) - len(tail)
-    return (head.decode("utf-8", "replace") + f"\n...[{cut} bytes truncated]...\n"
-            + tail.decode("utf-8", "replace")), True
+    return (
+        head.decode("utf-8", "replace") + f"\n...[{cut} bytes truncated]...\n" + tail.decode("utf-8", "replace")
+    ), True
 
 
 def _live_pids(uid: int) -> list[int]:
@@ -221,8 +242,7 @@ def _live_pids(uid: int) -> list[int]:
 def _kill_uid(uid: int) -> None:
     """SIGKILL every process of ``uid`` (a fork bomb may escape its process group with setsid)."""
     for _ in range(50):
-        subprocess.run(["kill", "-KILL", "-1"], user=uid, group=uid, extra_groups=[],
-                       capture_output=True, timeout=10)
+        subprocess.run(["kill", "-KILL", "-1"], user=uid, group=uid, extra_groups=[], capture_output=True, timeout=10)
         if not _live_pids(uid):
             return
         time.sleep(0.05)
@@ -278,7 +298,8 @@ def run_in_sandbox(cmd: str | list[str], cwd: Path, limits: SandboxLimits | None
         raise SandboxUnavailableError(
             f"the sandbox user cannot reach the interpreter under {sys.prefix} (closed directories: "
             f"{[str(d) for d in closed_interpreter_dirs()]}); run `python -m evals.harness.sandbox --grant` "
-            "(ops/install.sh does) to give others search permission on them")
+            "(ops/install.sh does) to give others search permission on them"
+        )
     uid = _fresh_uid() if as_root else None
     nproc = limits.max_processes if as_root else _user_process_count() + limits.max_processes
     cpu_s = limits.cpu_s or int(limits.timeout_s) + 1
@@ -310,9 +331,18 @@ def run_in_sandbox(cmd: str | list[str], cwd: Path, limits: SandboxLimits | None
     timed_out = False
     try:
         with open(out_path, "wb") as out, open(err_path, "wb") as err:
-            proc = subprocess.Popen(argv, cwd=run_cwd, stdin=subprocess.DEVNULL, stdout=out, stderr=err,
-                                    env=_env(scratch), start_new_session=True, preexec_fn=set_limits,
-                                    close_fds=True, **user_kwargs)
+            proc = subprocess.Popen(
+                argv,
+                cwd=run_cwd,
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=err,
+                env=_env(scratch),
+                start_new_session=True,
+                preexec_fn=set_limits,
+                close_fds=True,
+                **user_kwargs,
+            )
             try:
                 proc.wait(timeout=limits.timeout_s)
             except subprocess.TimeoutExpired:
@@ -339,10 +369,17 @@ def run_in_sandbox(cmd: str | list[str], cwd: Path, limits: SandboxLimits | None
                 sync_tree(run_cwd, cwd, before)
         shutil.rmtree(scratch, ignore_errors=True)
     code = proc.returncode
-    return SandboxResult(exit_code=code, stdout=stdout, stderr=stderr, timed_out=timed_out,
-                         killed_reason=_reason(code, timed_out, stderr), duration_s=duration,
-                         truncated=cut_out or cut_err, network_isolated=isolated,
-                         extra={"uid": uid} if uid is not None else {})
+    return SandboxResult(
+        exit_code=code,
+        stdout=stdout,
+        stderr=stderr,
+        timed_out=timed_out,
+        killed_reason=_reason(code, timed_out, stderr),
+        duration_s=duration,
+        truncated=cut_out or cut_err,
+        network_isolated=isolated,
+        extra={"uid": uid} if uid is not None else {},
+    )
 
 
 def _reason(code: int, timed_out: bool, stderr: str) -> str | None:
@@ -369,6 +406,9 @@ if __name__ == "__main__":  # python -m evals.harness.sandbox --grant  (ops/inst
         for d in grant_interpreter_access():
             print(f"others may now search (o+x) {d}")
     ok = interpreter_reachable()
-    print("sandbox can run this interpreter" if ok else
-          f"sandbox cannot run this interpreter; closed: {[str(d) for d in closed_interpreter_dirs()]}")
+    print(
+        "sandbox can run this interpreter"
+        if ok
+        else f"sandbox cannot run this interpreter; closed: {[str(d) for d in closed_interpreter_dirs()]}"
+    )
     sys.exit(0 if ok else 1)

@@ -38,8 +38,9 @@ class ScriptedPolicy(InferenceEngine):
         self._end = tokenizer.convert_tokens_to_ids("<|im_end|>")
 
     @classmethod
-    def submitting(cls, tokenizer, task, *, run_command: str | None = "python solution.py",
-                   extra_replies: Iterable[str] = ()) -> "ScriptedPolicy":
+    def submitting(
+        cls, tokenizer, task, *, run_command: str | None = "python solution.py", extra_replies: Iterable[str] = ()
+    ) -> "ScriptedPolicy":
         """A policy that reads the files, writes the task's reference files, runs a command, finishes."""
         replies = [tool_call("read_file", path=p) for p in task.files]
         replies += [tool_call("edit_file", path=p, content=text) for p, text in task.reference_files.items()]

@@ -81,13 +81,17 @@ def validate_call(obj: Any) -> ParsedCall:
         except json.JSONDecodeError:
             return ParsedCall(name[:64] or "invalid", {"raw": args[:500]}, False, "arguments is not a JSON object")
     if name not in TOOLS:
-        return ParsedCall(name[:64] or "invalid", args if isinstance(args, dict) else {}, False,
-                          f"unknown tool {name!r}; tools: {', '.join(TOOLS)}")
+        return ParsedCall(
+            name[:64] or "invalid",
+            args if isinstance(args, dict) else {},
+            False,
+            f"unknown tool {name!r}; tools: {', '.join(TOOLS)}",
+        )
     if not isinstance(args, dict):
         return ParsedCall(name, {"raw": str(args)[:500]}, False, "arguments must be a JSON object")
     args = {ALIASES.get(k, k): v for k, v in args.items()}
     required, optional = TOOLS[name]
-    for key, typ in required.items():
+    for key, _typ in required.items():
         if key not in args:
             return ParsedCall(name, args, False, f"{name} needs argument {key!r}")
     for key, value in args.items():
@@ -131,7 +135,12 @@ def parse_tool_calls(text: str) -> tuple[list[ParsedCall], str]:
         try:
             call = validate_call(_decode_json(body))
         except (json.JSONDecodeError, RecursionError) as exc:
-            call = ParsedCall("invalid", {"raw": body[:500]}, False, f"tool call is not valid JSON ({exc.msg if hasattr(exc, 'msg') else exc})")
+            call = ParsedCall(
+                "invalid",
+                {"raw": body[:500]},
+                False,
+                f"tool call is not valid JSON ({exc.msg if hasattr(exc, 'msg') else exc})",
+            )
         if not closed and call.valid:
             call.error = None  # complete JSON without the closing tag (cut at a stop token): accept
         calls.append(call)

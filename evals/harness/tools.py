@@ -48,10 +48,12 @@ class ToolOutcome:
 def _truncate(text: str, limit: int) -> str:
     if len(text) <= limit:
         return text
-    return text[: limit // 2] + f"\n...[{len(text) - limit} characters truncated]...\n" + text[-limit // 2:]
+    return text[: limit // 2] + f"\n...[{len(text) - limit} characters truncated]...\n" + text[-limit // 2 :]
 
 
-def execute_tool(call: ParsedCall, workdir: Path, limits: SandboxLimits, *, max_output_chars: int = 3000) -> ToolOutcome:
+def execute_tool(
+    call: ParsedCall, workdir: Path, limits: SandboxLimits, *, max_output_chars: int = 3000
+) -> ToolOutcome:
     """Run one valid tool call in ``workdir``; failures become ``ok=False`` observations, never raise."""
     t0 = time.perf_counter()
     try:
@@ -78,9 +80,14 @@ def _dispatch(call: ParsedCall, workdir: Path, limits: SandboxLimits, max_chars:
         return _search(workdir, args["pattern"], args.get("path"))
     if call.name == "run":
         res = run_in_sandbox(args["command"], workdir, limits)
-        return ToolOutcome(ok=res.ok, output=res.observation(max_chars), exit_code=res.exit_code,
-                           ran_tests=bool(_TEST_COMMAND.search(args["command"])), command=args["command"],
-                           duration_s=res.duration_s)
+        return ToolOutcome(
+            ok=res.ok,
+            output=res.observation(max_chars),
+            exit_code=res.exit_code,
+            ran_tests=bool(_TEST_COMMAND.search(args["command"])),
+            command=args["command"],
+            duration_s=res.duration_s,
+        )
     if call.name == "finish":
         return ToolOutcome(ok=True, output="session finished", finished=True)
     raise ValueError(f"unknown tool {call.name}")  # validate_call admits only known tools
@@ -97,18 +104,28 @@ def _edit(workdir: Path, args: dict) -> ToolOutcome:
         count = before.count(args["old"]) if args["old"] else 0
         if count != 1:
             where = "not found" if count == 0 else f"found {count} times"
-            return ToolOutcome(ok=False, output=f"error: old text {where} in {args['path']}; give a unique exact snippet")
+            return ToolOutcome(
+                ok=False, output=f"error: old text {where} in {args['path']}; give a unique exact snippet"
+            )
         after = before.replace(args["old"], args["new"], 1)
     if after == before:
         return ToolOutcome(ok=True, output=f"{args['path']} unchanged")
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(after, encoding="utf-8")
-    diff_lines = list(difflib.unified_diff(before.splitlines(), after.splitlines(), f"a/{args['path']}",
-                                           f"b/{args['path']}", lineterm=""))
+    diff_lines = list(
+        difflib.unified_diff(
+            before.splitlines(), after.splitlines(), f"a/{args['path']}", f"b/{args['path']}", lineterm=""
+        )
+    )
     added = [ln[1:] for ln in diff_lines if ln.startswith("+") and not ln.startswith("+++")]
     removed = [ln for ln in diff_lines if ln.startswith("-") and not ln.startswith("---")]
-    edit = {"path": args["path"], "lines_added": len(added), "lines_removed": len(removed),
-            "diff": "\n".join(diff_lines)[:100_000], "added": added}
+    edit = {
+        "path": args["path"],
+        "lines_added": len(added),
+        "lines_removed": len(removed),
+        "diff": "\n".join(diff_lines)[:100_000],
+        "added": added,
+    }
     return ToolOutcome(ok=True, output=f"edited {args['path']} (+{len(added)} -{len(removed)} lines)", edit=edit)
 
 

@@ -15,7 +15,6 @@ import os
 import shutil
 from pathlib import Path
 
-
 MAX_TREE_ENTRIES = 20_000
 
 

@@ -32,8 +32,20 @@ def fetch_dataframebench() -> Path:
         return wheel
     data_dir().mkdir(parents=True, exist_ok=True)
     subprocess.run(
-        [sys.executable, "-m", "pip", "download", "--no-deps", "--python-version", "3.12",
-         "--only-binary=:all:", "-q", "-d", str(data_dir()), DATAFRAMEBENCH],
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "--python-version",
+            "3.12",
+            "--only-binary=:all:",
+            "-q",
+            "-d",
+            str(data_dir()),
+            DATAFRAMEBENCH,
+        ],
         check=True,
     )
     wheel = dataframebench_wheel()

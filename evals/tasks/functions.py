@@ -28,10 +28,12 @@ import random
 from functools import lru_cache
 
 from app.core.errors import ConfigurationError
-from evals.tasks import functions_text  # noqa: F401, I001  (each import registers its templates, in this order)
-from evals.tasks import functions_data  # noqa: F401, I001
-from evals.tasks import functions_dicts  # noqa: F401, I001
-from evals.tasks import functions_basic  # noqa: F401, I001
+from evals.tasks import (
+    functions_basic,  # noqa: F401, I001
+    functions_data,  # noqa: F401, I001
+    functions_dicts,  # noqa: F401, I001
+    functions_text,  # noqa: F401, I001  (each import registers its templates, in this order)
+)
 from evals.tasks.functions_spec import TEMPLATES, Template
 from evals.tasks.model import HIDDEN_RUNNER, Task, hidden_runner
 
@@ -51,7 +53,7 @@ _OPENERS = (
     "Please fill in `{sig}` in solution.py so that it {what}.",
 )
 
-_CHECK = '''import copy
+_CHECK = """import copy
 
 
 def _same(got, want):
@@ -64,7 +66,7 @@ def check(candidate):
     for args, want in CASES:
         got = candidate(*copy.deepcopy(args))
         assert _same(got, want), f"{candidate.__name__}{args!r} returned {got!r}, expected {want!r}"
-'''
+"""
 
 
 def held_out_templates() -> frozenset[str]:
@@ -102,13 +104,21 @@ def _task(t: Template, index: int, attempt: int, s: dict, split: str) -> Task:
     request += f" For example, {call} should return {shown[1]!r}."
     tests = f"CASES = {cases!r}\n\n{_CHECK}"
     return Task(
-        id=f"FN/{t.key}/{index}", source=SOURCE, split=split, request=request,
+        id=f"FN/{t.key}/{index}",
+        source=SOURCE,
+        split=split,
+        request=request,
         files={"solution.py": f"def {name}({args}):\n    raise NotImplementedError\n"},
         test_command=f"python {HIDDEN_RUNNER}",
         test_files={TEST_FILE: tests, HIDDEN_RUNNER: hidden_runner("", f"\n\ncheck({name})\n", TEST_FILE)},
         reference_files={"solution.py": reference},
-        metadata={"entry_point": name, "template": t.key, "difficulty": t.difficulty, "family": t.family,
-                  "variant": index},
+        metadata={
+            "entry_point": name,
+            "template": t.key,
+            "difficulty": t.difficulty,
+            "family": t.family,
+            "variant": index,
+        },
     )
 
 

@@ -42,7 +42,9 @@ def to_task(record: dict) -> Task:
     entry = record["entry_point"]
     epilogue = f"\n\ncheck({entry})\n"
     return Task(
-        id=record["task_id"], source=SOURCE, split="test",
+        id=record["task_id"],
+        source=SOURCE,
+        split="test",
         request=f"Implement `{entry}` in solution.py so that it does what its docstring says.",
         files={"solution.py": record["prompt"]},
         test_command=f"python {HIDDEN_RUNNER}",

@@ -60,7 +60,7 @@ def _invalid(exc: ValidationError, etype: str | None = None) -> InvalidEventErro
     else:
         strip = 0
     for e in errors:
-        if tuple(e["loc"][strip:strip + 1]) == ("schema_version",):
+        if tuple(e["loc"][strip : strip + 1]) == ("schema_version",):
             return InvalidEventError("schema_version", f"{etype}: schema_version: {e['msg']}")
     detail = "; ".join(f"{'.'.join(str(p) for p in e['loc'][strip:]) or '<root>'}: {e['msg']}" for e in errors[:5])
     reason = "implausible" if any(e["type"] == "implausible" for e in errors) else "validation"

@@ -159,6 +159,7 @@ class PackedArray(Sequence):
     def __get_pydantic_core_schema__(cls, _source: Any, _handler: GetCoreSchemaHandler) -> core_schema.CoreSchema:
         """From JSON, pydantic-core decodes the base64 (models set ``val_json_bytes="base64"``) and
         only the length check runs in Python; from Python, any of :meth:`_validate`'s inputs."""
+
         def validate(value: Any) -> "PackedArray":
             try:
                 return cls._validate(value)
@@ -168,7 +169,8 @@ class PackedArray(Sequence):
         return core_schema.json_or_python_schema(
             json_schema=core_schema.no_info_after_validator_function(cls, core_schema.bytes_schema()),
             python_schema=core_schema.no_info_plain_validator_function(validate),
-            serialization=core_schema.plain_serializer_function_ser_schema(lambda v: v.to_base64(), when_used="json"))
+            serialization=core_schema.plain_serializer_function_ser_schema(lambda v: v.to_base64(), when_used="json"),
+        )
 
 
 class TokenArray(PackedArray):
@@ -187,14 +189,16 @@ class LogProbArray(PackedArray):
 
 TokenIds = Annotated[
     TokenArray,
-    WithJsonSchema({"type": "string", "contentEncoding": "base64",
-                    "description": "little-endian int32 token ids, base64"}),
+    WithJsonSchema(
+        {"type": "string", "contentEncoding": "base64", "description": "little-endian int32 token ids, base64"}
+    ),
 ]
 """Token ids: a :class:`TokenArray` in Python (built from any sequence of ints), base64 ``<i4`` on the wire."""
 
 LogProbs = Annotated[
     LogProbArray,
-    WithJsonSchema({"type": "string", "contentEncoding": "base64",
-                    "description": "little-endian float32 log-probs (nats), base64"}),
+    WithJsonSchema(
+        {"type": "string", "contentEncoding": "base64", "description": "little-endian float32 log-probs (nats), base64"}
+    ),
 ]
 """Per-token log-probs (nats): a :class:`LogProbArray` in Python, base64 ``<f4`` on the wire."""

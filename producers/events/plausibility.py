@@ -73,8 +73,9 @@ def check_model_turn(prompt_ids, completion_ids, logprobs, vocab_size: int, rout
     lp = np.frombuffer(logprobs.raw, dtype="<f4")
     if not (lp.max() <= LOGPROB_TOLERANCE and lp.min() > -np.inf):  # NaN fails both comparisons
         bad = int(np.flatnonzero(~np.isfinite(lp) | (lp > LOGPROB_TOLERANCE))[0])
-        raise _implausible(f"completion_logprobs: {float(lp[bad])!r} at index {bad} is not a log-probability "
-                           f"(finite and <= 0)")
+        raise _implausible(
+            f"completion_logprobs: {float(lp[bad])!r} at index {bad} is not a log-probability (finite and <= 0)"
+        )
     if np.frombuffer(prompt_ids.raw + completion_ids.raw, dtype="<u4").max() >= vocab_size:
         _check_ids("completion_token_ids", completion_ids.numpy(), vocab_size)
         _check_ids("prompt_token_ids", prompt_ids.numpy(), vocab_size)
@@ -101,6 +102,8 @@ def check_occurred_at(occurred_at: datetime, window: TimeWindow) -> str | None:
     if occurred_at > window.latest:
         return f"occurred_at: {occurred_at.isoformat()} is after {window.latest.isoformat()} (ingestion time + skew)"
     if occurred_at < window.earliest:
-        return (f"occurred_at: {occurred_at.isoformat()} is before {window.earliest.isoformat()} "
-                f"(ingestion time - maximum age)")
+        return (
+            f"occurred_at: {occurred_at.isoformat()} is before {window.earliest.isoformat()} "
+            f"(ingestion time - maximum age)"
+        )
     return None

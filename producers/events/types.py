@@ -7,7 +7,7 @@ field keeps the version; removing or retyping a field bumps it.
 
 from __future__ import annotations
 
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Annotated, Any, Literal, Union
 from uuid import UUID
 
@@ -15,8 +15,16 @@ from pydantic import AwareDatetime, BaseModel, ConfigDict, Field, field_validato
 from uuid6 import uuid7
 
 from producers.events.packing import LogProbs, TokenIds
-from producers.events.plausibility import (MAX_COUNT, MAX_DELAY_S, MAX_LATENCY_S, MAX_LAYERS, MAX_TOP_K, MAX_TURN_INDEX,
-                                     MAX_VOCAB_SIZE, check_model_turn)
+from producers.events.plausibility import (
+    MAX_COUNT,
+    MAX_DELAY_S,
+    MAX_LATENCY_S,
+    MAX_LAYERS,
+    MAX_TOP_K,
+    MAX_TURN_INDEX,
+    MAX_VOCAB_SIZE,
+    check_model_turn,
+)
 
 
 class _Frozen(BaseModel):
@@ -34,6 +42,7 @@ class ToolCall(_Frozen):
 
 
 # ---- payloads -------------------------------------------------------------------------------
+
 
 class SessionStarted(_Frozen):
     """An agent session opened in the editor on a task (repository + request)."""
@@ -79,11 +88,15 @@ class ModelResponded(_Frozen):
     tool_calls: tuple[ToolCall, ...] = ()
     finish_reason: str = Field(default="stop", max_length=32)
     routed_experts: TokenIds | None = None
-    routed_experts_shape: tuple[Annotated[int, Field(ge=1, le=MAX_LAYERS)],
-                                Annotated[int, Field(ge=1, le=MAX_TOP_K)]] | None = None
+    routed_experts_shape: (
+        tuple[Annotated[int, Field(ge=1, le=MAX_LAYERS)], Annotated[int, Field(ge=1, le=MAX_TOP_K)]] | None
+    ) = None
     vocab_size: int | None = Field(
-        default=None, ge=1, le=MAX_VOCAB_SIZE,
-        description="vocabulary size of the serving checkpoint (token ids must be below it); optional")
+        default=None,
+        ge=1,
+        le=MAX_VOCAB_SIZE,
+        description="vocabulary size of the serving checkpoint (token ids must be below it); optional",
+    )
 
     @model_validator(mode="after")
     def _lengths_agree(self) -> "ModelResponded":
@@ -98,8 +111,13 @@ class ModelResponded(_Frozen):
             layers, k = self.routed_experts_shape
             if len(self.routed_experts) != len(self.completion_token_ids) * layers * k:
                 raise ValueError("routed_experts length != completion tokens x layers x top-k")
-        check_model_turn(self.prompt_token_ids, self.completion_token_ids, self.completion_logprobs,
-                         self.vocab_size or MAX_VOCAB_SIZE, self.routed_experts)
+        check_model_turn(
+            self.prompt_token_ids,
+            self.completion_token_ids,
+            self.completion_logprobs,
+            self.vocab_size or MAX_VOCAB_SIZE,
+            self.routed_experts,
+        )
         return self
 
 
@@ -158,8 +176,9 @@ class ContextSummarized(_Frozen):
 
     new_segment_index: int = Field(ge=1)
     summary: str = Field(default="", max_length=100_000)
-    summarized_tokens: int = Field(default=0, ge=0, le=MAX_COUNT,
-                                   description="tokens of context replaced by the summary")
+    summarized_tokens: int = Field(
+        default=0, ge=0, le=MAX_COUNT, description="tokens of context replaced by the summary"
+    )
 
 
 class SessionEnded(_Frozen):
@@ -182,8 +201,9 @@ class UserErasureRequested(_Frozen):
 
 # ---- envelope ------------------------------------------------------------------------------
 
+
 def _now() -> datetime:
-    return datetime.now(timezone.utc)
+    return datetime.now(UTC)
 
 
 class EventBase(_Frozen):
@@ -195,7 +215,8 @@ class EventBase(_Frozen):
     event_id: UUID = Field(default_factory=uuid7)
     type: str
     schema_version: Literal[1] = Field(
-        default=1, description="a type that changes incompatibly overrides this with its new version")
+        default=1, description="a type that changes incompatibly overrides this with its new version"
+    )
     occurred_at: AwareDatetime = Field(default_factory=_now)
     session_id: str = Field(min_length=1, max_length=128)
     user_id: str = Field(min_length=1, max_length=128, description="pseudonymous")
@@ -205,7 +226,7 @@ class EventBase(_Frozen):
     @field_validator("occurred_at")
     @classmethod
     def _utc(cls, v: datetime) -> datetime:
-        return v.astimezone(timezone.utc)
+        return v.astimezone(UTC)
 
 
 class SessionStartedEvent(EventBase):
@@ -271,18 +292,36 @@ class UserErasureRequestedEvent(EventBase):
 EVENT_CLASSES: dict[str, type[EventBase]] = {
     cls.model_fields["type"].default: cls
     for cls in (
-        SessionStartedEvent, AgentRequestedEvent, ModelRespondedEvent, ToolExecutedEvent,
-        EditProposedEvent, EditAcceptedEvent, EditRejectedEvent, EditPersistenceMeasuredEvent,
-        FollowupSentEvent, ContextSummarizedEvent, SessionEndedEvent, UserErasureRequestedEvent,
+        SessionStartedEvent,
+        AgentRequestedEvent,
+        ModelRespondedEvent,
+        ToolExecutedEvent,
+        EditProposedEvent,
+        EditAcceptedEvent,
+        EditRejectedEvent,
+        EditPersistenceMeasuredEvent,
+        FollowupSentEvent,
+        ContextSummarizedEvent,
+        SessionEndedEvent,
+        UserErasureRequestedEvent,
     )
 }
 """Event type -> envelope class."""
 
 Event = Annotated[
     Union[
-        SessionStartedEvent, AgentRequestedEvent, ModelRespondedEvent, ToolExecutedEvent,
-        EditProposedEvent, EditAcceptedEvent, EditRejectedEvent, EditPersistenceMeasuredEvent,
-        FollowupSentEvent, ContextSummarizedEvent, SessionEndedEvent, UserErasureRequestedEvent,
+        SessionStartedEvent,
+        AgentRequestedEvent,
+        ModelRespondedEvent,
+        ToolExecutedEvent,
+        EditProposedEvent,
+        EditAcceptedEvent,
+        EditRejectedEvent,
+        EditPersistenceMeasuredEvent,
+        FollowupSentEvent,
+        ContextSummarizedEvent,
+        SessionEndedEvent,
+        UserErasureRequestedEvent,
     ],
     Field(discriminator="type"),
 ]

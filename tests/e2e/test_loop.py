@@ -39,9 +39,28 @@ def loop_home(tmp_path_factory, pg_admin_url, tiny_model_dir):
 
 
 def _run_demo(env: dict[str, str], model_dir: Path) -> subprocess.CompletedProcess[str]:
-    args = [sys.executable, "-m", "ops.cli", "demo", "--model-dir", str(model_dir), "--sessions", "4",
-            "--group-size", "2", "--max-turns", "2", "--max-tokens-per-turn", "24", "--max-steps", "4",
-            "--eval-tasks", "2", "--eval-max-turns", "1"]
+    args = [
+        sys.executable,
+        "-m",
+        "ops.cli",
+        "demo",
+        "--model-dir",
+        str(model_dir),
+        "--sessions",
+        "4",
+        "--group-size",
+        "2",
+        "--max-turns",
+        "2",
+        "--max-tokens-per-turn",
+        "24",
+        "--max-steps",
+        "4",
+        "--eval-tasks",
+        "2",
+        "--eval-max-turns",
+        "1",
+    ]
     return subprocess.run(args, env=env, capture_output=True, text=True, timeout=1200)
 
 
@@ -64,8 +83,9 @@ def test_demo_loop_keeps_its_invariants(loop_home, tiny_model_dir):
     assert proc.returncode == 0, f"demo failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
 
     # Simulator summary: how many events the producer emitted.
-    summary = next(json.loads(line) for line in proc.stdout.splitlines()
-                   if line.startswith("{") and '"producer"' in line)
+    summary = next(
+        json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{") and '"producer"' in line
+    )
     emitted = summary["producer"]["emitted"]
     assert summary["producer"]["sent"] == emitted and summary["producer"]["dropped"] == 0
 
@@ -93,14 +113,17 @@ def test_demo_loop_keeps_its_invariants(loop_home, tiny_model_dir):
         assert (Path(path) / "STABLE").exists()
 
         # 3. the gate decision is stored and the checkpoint's status follows it.
-        gate = conn.execute("SELECT passed, reasons FROM gate_decision WHERE candidate_id = %s", (candidate,)).fetchone()
+        gate = conn.execute(
+            "SELECT passed, reasons FROM gate_decision WHERE candidate_id = %s", (candidate,)
+        ).fetchone()
         assert gate is not None and gate[1]
         expected_status = "production" if gate[0] else "rejected"
         assert status == expected_status
 
         # 4. the promotion (or rejection) is in the audit log ...
-        audit = conn.execute("SELECT action, actor FROM audit_log WHERE target = %s ORDER BY id",
-                             (f"checkpoint:{candidate}",)).fetchall()
+        audit = conn.execute(
+            "SELECT action, actor FROM audit_log WHERE target = %s ORDER BY id", (f"checkpoint:{candidate}",)
+        ).fetchall()
         release = "checkpoint.promoted" if gate[0] else "checkpoint.rejected"
         assert "gate.decided" in [a for a, _ in audit], audit
         # ... by the release manager's token, through the API.
@@ -123,24 +146,52 @@ def test_demo_loop_keeps_its_invariants(loop_home, tiny_model_dir):
 
     # `demo --down` then `demo`: the broker comes back with an empty log while Postgres keeps the
     # group's offsets; every event simulated afterwards is stored (issue 34: none skipped).
-    subprocess.run([sys.executable, "-m", "ops.cli", "demo", "--down"], env=env, capture_output=True, timeout=120,
-                   check=True)
+    subprocess.run(
+        [sys.executable, "-m", "ops.cli", "demo", "--down"], env=env, capture_output=True, timeout=120, check=True
+    )
     restarted = _run_demo(env, tiny_model_dir)
     assert restarted.returncode == 0, restarted.stdout[-3000:] + restarted.stderr[-3000:]
-    sim = subprocess.run([sys.executable, "-m", "ops.cli", "simulate", "--model-dir", str(tiny_model_dir),
-                          "--sessions", "2", "--group-size", "2", "--max-turns", "2", "--max-tokens-per-turn", "24",
-                          "--max-tokens", "48", "--seed", "34"], env=env, capture_output=True, text=True, timeout=600)
+    sim = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "ops.cli",
+            "simulate",
+            "--model-dir",
+            str(tiny_model_dir),
+            "--sessions",
+            "2",
+            "--group-size",
+            "2",
+            "--max-turns",
+            "2",
+            "--max-tokens-per-turn",
+            "24",
+            "--max-tokens",
+            "48",
+            "--seed",
+            "34",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert sim.returncode == 0, sim.stdout[-3000:] + sim.stderr[-3000:]
     second = next(json.loads(line) for line in sim.stdout.splitlines() if line.startswith("{") and '"producer"' in line)
     assert second["producer"]["sent"] == second["producer"]["emitted"] > 0
 
     def kept() -> int:
         with psycopg.connect(url) as conn:
-            return conn.execute("SELECT (SELECT count(*) FROM event_log) + "
-                                "(SELECT coalesce(sum(events_dropped), 0) FROM privacy_tombstone)").fetchone()[0]
+            return conn.execute(
+                "SELECT (SELECT count(*) FROM event_log) + "
+                "(SELECT coalesce(sum(events_dropped), 0) FROM privacy_tombstone)"
+            ).fetchone()[0]
 
     from consumers.testing import wait_for
 
-    wait_for(lambda: kept() == emitted + second["producer"]["emitted"], 180, what="every event of the second run stored")
+    wait_for(
+        lambda: kept() == emitted + second["producer"]["emitted"], 180, what="every event of the second run stored"
+    )
     # ... because the consumer found its stored offsets past the new log's end and said so
     assert "past the log's end offset" in (home / "logs" / "consumer.log").read_text()

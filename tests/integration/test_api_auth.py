@@ -23,10 +23,18 @@ MATRIX = [
     ("GET", "/v1/promotions", None, {"viewer": 200, "service": 200, "release_manager": 200}),
     ("GET", "/v1/audit", None, {"viewer": 200, "service": 200, "release_manager": 200}),
     ("GET", "/v1/me", None, {"viewer": 200, "service": 200, "release_manager": 200}),
-    ("GET", "/v1/reports/00000000-0000-0000-0000-000000000000/report.png", None,
-     {"viewer": 404, "service": 404, "release_manager": 404}),
-    ("POST", "/v1/promotions", {"checkpoint_id": "nope", "reason": "r", "expected_production_id": "base"},
-     {"release_manager": 404}),
+    (
+        "GET",
+        "/v1/reports/00000000-0000-0000-0000-000000000000/report.png",
+        None,
+        {"viewer": 404, "service": 404, "release_manager": 404},
+    ),
+    (
+        "POST",
+        "/v1/promotions",
+        {"checkpoint_id": "nope", "reason": "r", "expected_production_id": "base"},
+        {"release_manager": 404},
+    ),
     ("POST", "/v1/rollbacks", {"reason": "r", "expected_production_id": "base"}, {"release_manager": 409}),
     ("POST", "/v1/checkpoints/nope/reject", {"reason": "r"}, {"service": 404, "release_manager": 404}),
 ]
@@ -50,8 +58,9 @@ def test_auth_matrix(client, base, tokens, method, path, body, allowed):
     _assert_error(no_token, 401, "unauthorized")
     assert no_token.headers["www-authenticate"] == "Bearer"
     _assert_error(client.request(method, path, json=body, headers=auth("fw_not-a-real-token")), 401, "unauthorized")
-    _assert_error(client.request(method, path, json=body, headers={"Authorization": "Basic dXNlcjpwYXNz"}),
-                  401, "unauthorized")
+    _assert_error(
+        client.request(method, path, json=body, headers={"Authorization": "Basic dXNlcjpwYXNz"}), 401, "unauthorized"
+    )
     for role, token in tokens.items():
         resp = client.request(method, path, json=body, headers=auth(token))
         expected = allowed.get(role, 403)
@@ -65,7 +74,10 @@ def test_revoked_token_stops_working_and_writes_are_attributed(client, base, ses
 
     headers = auth(tokens["service"])
     assert client.get("/v1/me", headers=headers).json() == {
-        "name": "service-token", "role": "service", "permissions": ["read", "reject"]}
+        "name": "service-token",
+        "role": "service",
+        "permissions": ["read", "reject"],
+    }
     revoke_token(session, "service-token", actor="test-admin")
     session.commit()
     _assert_error(client.get("/v1/me", headers=headers), 401, "unauthorized")
@@ -126,8 +138,9 @@ def test_readyz_reports_each_unreachable_dependency(client, kafka_bootstrap, mon
     assert resp.json()["error"]["reasons"] == ["broker: 127.0.0.1:1 does not answer"]
 
 
-def test_a_database_behind_this_release_is_not_ready_and_its_requests_are_503s(client, kafka_bootstrap,
-                                                                               empty_database, monkeypatch):
+def test_a_database_behind_this_release_is_not_ready_and_its_requests_are_503s(
+    client, kafka_bootstrap, empty_database, monkeypatch
+):
     """The API pointed at a database without this release's migrations: ``/readyz`` says so (so a
     deploy holds traffic back) and what it would need; a request that reaches a missing table is a
     503 naming the cause, not a 500."""
@@ -141,7 +154,8 @@ def test_a_database_behind_this_release_is_not_ready_and_its_requests_are_503s(c
     resp = client.get("/readyz")
     _assert_error(resp, 503, "unavailable")
     assert resp.json()["error"]["reasons"] == [
-        "database: the database has no flywheel schema (it was never migrated): run `flywheel db upgrade`"]
+        "database: the database has no flywheel schema (it was never migrated): run `flywheel db upgrade`"
+    ]
     resp = client.get("/v1/production", headers={"Authorization": "Bearer fw_anything"})
     _assert_error(resp, 503, "unavailable")
     assert "not migrated" in resp.json()["error"]["message"]
@@ -150,8 +164,9 @@ def test_a_database_behind_this_release_is_not_ready_and_its_requests_are_503s(c
     previous = f"{int(head) - 1:04d}"
     upgrade(url=empty_database, revision=previous)
     reasons = client.get("/readyz").json()["error"]["reasons"]
-    assert reasons == [f"database: the database schema is at revision {previous}; this release needs {head}: "
-                       "run `flywheel db upgrade`"]
+    assert reasons == [
+        f"database: the database schema is at revision {previous}; this release needs {head}: run `flywheel db upgrade`"
+    ]
     upgrade(url=empty_database)
     assert client.get("/readyz").json()["status"] == "ready"
 
@@ -160,8 +175,8 @@ def test_a_database_that_does_not_answer_is_a_503_not_a_500(client, monkeypatch)
     """A request that needs Postgres while it is down (a restart, a failover): 503 ``unavailable``
     with ``Retry-After``, which clients retry, not a 500 that reads as a bug of ours."""
     from app.core.db import reset_engines
-    from app.core.settings import get_settings
     from app.core.net import free_port
+    from app.core.settings import get_settings
 
     monkeypatch.setenv("FLYWHEEL_DATABASE_URL", f"postgresql+psycopg://postgres@127.0.0.1:{free_port()}/flywheel")
     get_settings.cache_clear()

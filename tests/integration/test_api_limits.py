@@ -25,22 +25,29 @@ def test_a_body_past_the_limit_is_413_declared_or_chunked(client, session, path)
     limit = get_settings().api.max_body_bytes
     token = make_token(session, "release_manager")
     big = b'{"reason": "' + b"x" * limit + b'"}'
-    err = _error(client.post(path, content=big, headers={**auth(token), "content-type": "application/json"}),
-                 413, "too_large")
+    err = _error(
+        client.post(path, content=big, headers={**auth(token), "content-type": "application/json"}), 413, "too_large"
+    )
     assert str(limit) in err["message"]
 
     def chunks():  # no Content-Length: the limit counts what arrives
         for i in range(0, len(big), 65_536):
-            yield big[i:i + 65_536]
+            yield big[i : i + 65_536]
 
-    _error(client.post(path, content=chunks(), headers={**auth(token), "content-type": "application/json"}),
-           413, "too_large")
+    _error(
+        client.post(path, content=chunks(), headers={**auth(token), "content-type": "application/json"}),
+        413,
+        "too_large",
+    )
 
 
 def test_a_body_within_the_limit_reaches_the_endpoint(client, session, base):
     token = make_token(session, "release_manager")
-    resp = client.post("/v1/promotions", json={"checkpoint_id": "nope", "reason": "r" * 1000,
-                                               "expected_production_id": "base"}, headers=auth(token))
+    resp = client.post(
+        "/v1/promotions",
+        json={"checkpoint_id": "nope", "reason": "r" * 1000, "expected_production_id": "base"},
+        headers=auth(token),
+    )
     _error(resp, 404, "not_found")
 
 

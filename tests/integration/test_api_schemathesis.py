@@ -11,8 +11,12 @@ from __future__ import annotations
 import pytest
 import schemathesis
 from hypothesis import HealthCheck, settings
-from schemathesis.checks import (content_type_conformance, not_a_server_error, response_schema_conformance,
-                                 status_code_conformance)
+from schemathesis.checks import (
+    content_type_conformance,
+    not_a_server_error,
+    response_schema_conformance,
+    status_code_conformance,
+)
 
 from app.api.main import create_app
 from tests.integration.test_api_support import auth, base, gated, make_token, store  # noqa: F401
@@ -29,8 +33,11 @@ def rm_headers(session, gated, kafka_bootstrap):  # the broker makes /readyz ans
 
 
 @schema.parametrize()
-@settings(max_examples=40, deadline=None, derandomize=True,
-          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow,
-                                 HealthCheck.filter_too_much])
+@settings(
+    max_examples=40,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow, HealthCheck.filter_too_much],
+)
 def test_no_server_errors(case, rm_headers):
     case.call_and_validate(headers=rm_headers, checks=CHECKS)

@@ -12,7 +12,7 @@ import socket
 import threading
 import time
 import uuid
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
@@ -23,34 +23,63 @@ from app.models import Checkpoint, EvalResult, EvalRun, GateDecision
 # A 1x1 PNG (what the evals' report figure is, in miniature).
 PNG_1PX = bytes.fromhex(
     "89504e470d0a1a0a0000000d49484452000000010000000108060000001f15c489"
-    "0000000d4944415478da63f8cfc0f01f0005000201a5f6c4e80000000049454e44ae426082")
+    "0000000d4944415478da63f8cfc0f01f0005000201a5f6c4e80000000049454e44ae426082"
+)
 
 
-def write_checkpoint_dir(store: CheckpointStore, checkpoint_id: str, parent_id: str | None,
-                         *, delta: bool = True) -> Path:
+def write_checkpoint_dir(
+    store: CheckpointStore, checkpoint_id: str, parent_id: str | None, *, delta: bool = True
+) -> Path:
     """A STABLE checkpoint directory with a manifest (and ``delta.zst`` when it has a parent)."""
     with store.writer(checkpoint_id) as staging:
         (staging / "config.json").write_text(json.dumps({"model_type": "llama"}))
-        (staging / "manifest.json").write_text(json.dumps({
-            "checkpoint_id": checkpoint_id, "parent_id": parent_id, "reward_spec": "implicit@1",
-            "data_window": {"start": "2026-11-20T00:00:00+00:00", "end": "2026-11-20T05:00:00+00:00"}}))
+        (staging / "manifest.json").write_text(
+            json.dumps(
+                {
+                    "checkpoint_id": checkpoint_id,
+                    "parent_id": parent_id,
+                    "reward_spec": "implicit@1",
+                    "data_window": {"start": "2026-11-20T00:00:00+00:00", "end": "2026-11-20T05:00:00+00:00"},
+                }
+            )
+        )
         if parent_id and delta:
             (staging / "delta.zst").write_bytes(b"(fake zstd delta of " + checkpoint_id.encode() + b")")
     return store.stable_path(checkpoint_id)
 
 
-def seed_checkpoint(session, store: CheckpointStore, checkpoint_id: str, *, status: str = "candidate",
-                    parent_id: str | None = None, generation: int = 0, stable_dir: bool = True,
-                    delta: bool = True, created_at: datetime | None = None) -> Checkpoint:
+def seed_checkpoint(
+    session,
+    store: CheckpointStore,
+    checkpoint_id: str,
+    *,
+    status: str = "candidate",
+    parent_id: str | None = None,
+    generation: int = 0,
+    stable_dir: bool = True,
+    delta: bool = True,
+    created_at: datetime | None = None,
+) -> Checkpoint:
     """Insert a checkpoint row (and its STABLE directory) and commit."""
-    path = (write_checkpoint_dir(store, checkpoint_id, parent_id, delta=delta) if stable_dir
-            else store.path(checkpoint_id))
-    row = Checkpoint(id=checkpoint_id, parent_id=parent_id, status=status, path=str(path), stable=stable_dir,
-                     generation=generation, reward_spec="implicit@1" if parent_id else None,
-                     manifest={"parent_id": parent_id, "reward_spec": "implicit@1",
-                               "data_window": {"start": "2026-11-20T00:00:00+00:00",
-                                               "end": "2026-11-20T05:00:00+00:00"}},
-                     metrics={"loss": 0.42, "kl": 0.01} if parent_id else {}, num_trajectories=12 if parent_id else 0)
+    path = (
+        write_checkpoint_dir(store, checkpoint_id, parent_id, delta=delta) if stable_dir else store.path(checkpoint_id)
+    )
+    row = Checkpoint(
+        id=checkpoint_id,
+        parent_id=parent_id,
+        status=status,
+        path=str(path),
+        stable=stable_dir,
+        generation=generation,
+        reward_spec="implicit@1" if parent_id else None,
+        manifest={
+            "parent_id": parent_id,
+            "reward_spec": "implicit@1",
+            "data_window": {"start": "2026-11-20T00:00:00+00:00", "end": "2026-11-20T05:00:00+00:00"},
+        },
+        metrics={"loss": 0.42, "kl": 0.01} if parent_id else {},
+        num_trajectories=12 if parent_id else 0,
+    )
     if created_at is not None:
         row.created_at = created_at
     session.add(row)
@@ -58,12 +87,26 @@ def seed_checkpoint(session, store: CheckpointStore, checkpoint_id: str, *, stat
     return row
 
 
-def seed_gate(session, candidate_id: str, production_id: str, *, passed: bool, reasons: list[str] | None = None,
-              report_path: str | None = None, status: str | None = None) -> GateDecision:
+def seed_gate(
+    session,
+    candidate_id: str,
+    production_id: str,
+    *,
+    passed: bool,
+    reasons: list[str] | None = None,
+    report_path: str | None = None,
+    status: str | None = None,
+) -> GateDecision:
     """Insert a gate decision (and move the candidate to gate_passed/gate_failed) and commit."""
-    gate = GateDecision(id=uuid.uuid4(), candidate_id=candidate_id, production_id=production_id, passed=passed,
-                        reasons=reasons or ([] if passed else ["humaneval regressed: -0.20 (CI -0.31..-0.09)"]),
-                        report={"policy": "no-regression@1"}, report_path=report_path)
+    gate = GateDecision(
+        id=uuid.uuid4(),
+        candidate_id=candidate_id,
+        production_id=production_id,
+        passed=passed,
+        reasons=reasons or ([] if passed else ["humaneval regressed: -0.20 (CI -0.31..-0.09)"]),
+        report={"policy": "no-regression@1"},
+        report_path=report_path,
+    )
     session.add(gate)
     row = session.get(Checkpoint, candidate_id)
     row.status = status or ("gate_passed" if passed else "gate_failed")
@@ -73,8 +116,14 @@ def seed_gate(session, candidate_id: str, production_id: str, *, passed: bool, r
 
 def seed_eval_run(session, checkpoint_id: str, suite: str, results: dict[str, list[bool]]) -> EvalRun:
     """A succeeded eval run with per-task sample results; commit."""
-    run = EvalRun(id=uuid.uuid4(), checkpoint_id=checkpoint_id, suite=suite, suite_version="1", status="succeeded",
-                  finished_at=datetime.now(timezone.utc))
+    run = EvalRun(
+        id=uuid.uuid4(),
+        checkpoint_id=checkpoint_id,
+        suite=suite,
+        suite_version="1",
+        status="succeeded",
+        finished_at=datetime.now(UTC),
+    )
     session.add(run)
     session.flush()
     for task_id, samples in results.items():
@@ -113,8 +162,9 @@ def store(tmp_path, monkeypatch) -> CheckpointStore:
 @pytest.fixture
 def base(session, store) -> Checkpoint:
     """The base model registered as production (as ``flywheel model init`` does)."""
-    return seed_checkpoint(session, store, "base", status="production",
-                           created_at=datetime.now(timezone.utc) - timedelta(days=1))
+    return seed_checkpoint(
+        session, store, "base", status="production", created_at=datetime.now(UTC) - timedelta(days=1)
+    )
 
 
 @pytest.fixture

@@ -4,7 +4,7 @@ online report, and the online promotion policy (fail closed, then allow, then bl
 from __future__ import annotations
 
 import uuid
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 
 import pytest
 import sqlalchemy as sa
@@ -12,8 +12,7 @@ from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 
 from app.models import AuditLog, Canary, Checkpoint, GateDecision, Outbox, RewardLabel, Trajectory
-from tests.integration.test_api_support import (auth, base, client, gated, make_token,  # noqa: F401
-                                                 seed_checkpoint, seed_gate, store)
+from tests.integration.test_api_support import auth, base, client, gated, make_token, seed_checkpoint, seed_gate, store  # noqa: F401
 
 pytestmark = pytest.mark.integration
 
@@ -24,8 +23,9 @@ def rm(session):
 
 
 def _start(client, headers, checkpoint_id="ckpt-0001", fraction=0.2, reason="canary before promotion"):
-    return client.post("/v1/canaries", headers=headers,
-                       json={"checkpoint_id": checkpoint_id, "fraction": fraction, "reason": reason})
+    return client.post(
+        "/v1/canaries", headers=headers, json={"checkpoint_id": checkpoint_id, "fraction": fraction, "reason": reason}
+    )
 
 
 def _stop(client, headers, canary_id=None, reason="enough data"):
@@ -50,8 +50,12 @@ def test_only_a_release_manager_starts_or_stops_a_canary(client, session, gated,
 
 def test_start_and_stop_are_audited_and_announced(client, session, gated, rm):
     body = _start(client, rm).json()
-    assert (body["checkpoint_id"], body["production_id"], body["fraction"], body["status"]) == \
-        ("ckpt-0001", "base", 0.2, "active")
+    assert (body["checkpoint_id"], body["production_id"], body["fraction"], body["status"]) == (
+        "ckpt-0001",
+        "base",
+        0.2,
+        "active",
+    )
     audit = session.scalars(select(AuditLog).where(AuditLog.action == "canary.started")).one()
     assert audit.actor == "alice" and audit.target == "checkpoint:ckpt-0001"
     assert audit.details["canary_id"] == body["id"] and audit.details["reason"] == "canary before promotion"
@@ -62,10 +66,14 @@ def test_start_and_stop_are_audited_and_announced(client, session, gated, rm):
     assert stopped.status_code == 200 and stopped.json()["status"] == "stopped"
     assert stopped.json()["stopped_by"] == "alice"
     session.expire_all()
-    assert [a.action for a in session.scalars(select(AuditLog).order_by(AuditLog.id))][-2:] == \
-        ["canary.started", "canary.stopped"]
-    assert session.scalars(select(Outbox).where(Outbox.event_type == "canary.stopped")).one().payload["canary_id"] \
+    assert [a.action for a in session.scalars(select(AuditLog).order_by(AuditLog.id))][-2:] == [
+        "canary.started",
+        "canary.stopped",
+    ]
+    assert (
+        session.scalars(select(Outbox).where(Outbox.event_type == "canary.stopped")).one().payload["canary_id"]
         == body["id"]
+    )
     assert _stop(client, rm).status_code == 404  # none active
     again = _stop(client, rm, canary_id=body["id"])
     assert again.status_code == 409 and "already stopped" in again.json()["error"]["message"]
@@ -85,15 +93,33 @@ def test_one_active_canary_and_only_a_gated_candidate(client, session, store, ga
     assert second.status_code == 409
     assert second.json()["error"]["reasons"] == [f"canary {first['id']} of ckpt-0001 is active: stop it first"]
     # the partial unique index refuses a second active row even from a writer that skips the service
-    session.add(Canary(id=uuid.uuid4(), checkpoint_id="ckpt-0002", production_id="base", fraction=0.1,
-                       status="active", actor="rogue", reason=""))
+    session.add(
+        Canary(
+            id=uuid.uuid4(),
+            checkpoint_id="ckpt-0002",
+            production_id="base",
+            fraction=0.1,
+            status="active",
+            actor="rogue",
+            reason="",
+        )
+    )
     with pytest.raises(IntegrityError):
         session.commit()
     session.rollback()
 
 
-def _sessions(session, checkpoint_id: str, users: int, per_user: int, *, accept: float, reward: float,
-              latency_s: float, start: datetime) -> None:
+def _sessions(
+    session,
+    checkpoint_id: str,
+    users: int,
+    per_user: int,
+    *,
+    accept: float,
+    reward: float,
+    latency_s: float,
+    start: datetime,
+) -> None:
     """Finalized trajectories served by ``checkpoint_id``: about ``accept`` of each user's sessions
     accepted their one edit (the rest rejected it); users differ by one session either way."""
     for u in range(users):
@@ -101,14 +127,29 @@ def _sessions(session, checkpoint_id: str, users: int, per_user: int, *, accept:
         for k in range(per_user):
             tid = uuid.uuid4()
             accepted = k < n_accepted
-            session.add(Trajectory(
-                id=tid, session_id=f"s-{tid}", user_id=f"{checkpoint_id}-u{u}", org_id="o",
-                checkpoint_id=checkpoint_id, status="finalized", started_at=start + timedelta(seconds=u * per_user + k),
-                completion_tokens=100, signals={
-                    "edits": {"e1": {"decision": "accepted" if accepted else "rejected",
-                                     "persisted": 0.9 if accepted else None}},
-                    "followups": 0 if accepted else 1, "dissatisfied_followups": 0 if accepted else 1,
-                    "latency_s": latency_s + 0.1 * (k % 3)}))
+            session.add(
+                Trajectory(
+                    id=tid,
+                    session_id=f"s-{tid}",
+                    user_id=f"{checkpoint_id}-u{u}",
+                    org_id="o",
+                    checkpoint_id=checkpoint_id,
+                    status="finalized",
+                    started_at=start + timedelta(seconds=u * per_user + k),
+                    completion_tokens=100,
+                    signals={
+                        "edits": {
+                            "e1": {
+                                "decision": "accepted" if accepted else "rejected",
+                                "persisted": 0.9 if accepted else None,
+                            }
+                        },
+                        "followups": 0 if accepted else 1,
+                        "dissatisfied_followups": 0 if accepted else 1,
+                        "latency_s": latency_s + 0.1 * (k % 3),
+                    },
+                )
+            )
             session.flush()
             session.add(RewardLabel(trajectory_id=tid, spec="implicit@1", reward=reward if accepted else -reward))
     session.commit()
@@ -116,15 +157,24 @@ def _sessions(session, checkpoint_id: str, users: int, per_user: int, *, accept:
 
 def _require_online(session, min_sessions: int) -> None:
     gate = session.scalars(select(GateDecision).where(GateDecision.candidate_id == "ckpt-0001")).one()
-    gate.report = {"config": {"online": {"required": True, "min_sessions": min_sessions,
-                                         "signals": ["edit_acceptance", "dissatisfied_followup_rate",
-                                                     "latency_per_token", "mean_reward"]}}}
+    gate.report = {
+        "config": {
+            "online": {
+                "required": True,
+                "min_sessions": min_sessions,
+                "signals": ["edit_acceptance", "dissatisfied_followup_rate", "latency_per_token", "mean_reward"],
+            }
+        }
+    }
     session.commit()
 
 
 def _promote(client, headers):
-    return client.post("/v1/promotions", headers=headers, json={"checkpoint_id": "ckpt-0001", "reason": "canary ok",
-                                                                "expected_production_id": "base"})
+    return client.post(
+        "/v1/promotions",
+        headers=headers,
+        json={"checkpoint_id": "ckpt-0001", "reason": "canary ok", "expected_production_id": "base"},
+    )
 
 
 def test_online_policy_fails_closed_then_allows_an_equal_canary_and_ends_it(client, session, gated, rm):
@@ -133,7 +183,7 @@ def test_online_policy_fails_closed_then_allows_an_equal_canary_and_ends_it(clie
     assert no_canary.status_code == 409
     assert any("requires a canary of ckpt-0001" in r for r in no_canary.json()["error"]["reasons"])
     canary_id = _start(client, rm).json()["id"]
-    start = datetime.now(timezone.utc) + timedelta(seconds=1)
+    start = datetime.now(UTC) + timedelta(seconds=1)
     _sessions(session, "ckpt-0001", users=4, per_user=5, accept=0.6, reward=1.0, latency_s=5.0, start=start)
     _sessions(session, "base", users=8, per_user=5, accept=0.6, reward=1.0, latency_s=5.0, start=start)
     few = _promote(client, rm)
@@ -160,7 +210,7 @@ def test_online_policy_fails_closed_then_allows_an_equal_canary_and_ends_it(clie
 def test_online_policy_blocks_a_canary_whose_signals_regressed(client, session, gated, rm):
     _require_online(session, min_sessions=40)
     _start(client, rm)
-    start = datetime.now(timezone.utc) + timedelta(seconds=1)
+    start = datetime.now(UTC) + timedelta(seconds=1)
     _sessions(session, "ckpt-0001", users=10, per_user=5, accept=0.2, reward=1.0, latency_s=9.0, start=start)
     _sessions(session, "base", users=10, per_user=5, accept=0.8, reward=1.0, latency_s=5.0, start=start)
     refused = _promote(client, rm)

@@ -7,14 +7,12 @@ from collections import defaultdict
 
 import pytest
 
-from app.promotion.assignment import assign_arm
-from serving.canary import ActiveCanary, EngineRouter
-from serving.canary import CanaryFollower
-from serving.watcher import ServingWatcher
 from app.outbox.relay import OutboxRelay
+from app.promotion.assignment import assign_arm
 from ops.simulator import SimulatorConfig, run_simulation
-from tests.integration.test_api_support import (auth, base, client, gated, lifecycle_topic,  # noqa: F401
-                                                 make_token, store)
+from serving.canary import ActiveCanary, CanaryFollower, EngineRouter
+from serving.watcher import ServingWatcher
+from tests.integration.test_api_support import auth, base, client, gated, lifecycle_topic, make_token, store  # noqa: F401
 from tests.unit.test_api_units import RecordingEngine
 from tests.unit.test_canary_serving import ClosableEngine
 
@@ -30,9 +28,21 @@ def test_simulated_users_are_served_by_their_arm(tiny_model_dir, tmp_path):
     router = EngineRouter(prod)
     router.start(ActiveCanary(canary_id="c-sim", checkpoint_id="cand", fraction=0.5), cand)
     events = []
-    summaries = run_simulation(SimulatorConfig(sessions=6, group_size=3, max_turns=1, max_tokens=16,
-                                               max_tokens_per_turn=8, persistence_delay_s=0, users=6, seed=2),
-                               prod, events.append, engine_for=router.engine_for)
+    summaries = run_simulation(
+        SimulatorConfig(
+            sessions=6,
+            group_size=3,
+            max_turns=1,
+            max_tokens=16,
+            max_tokens_per_turn=8,
+            persistence_delay_s=0,
+            users=6,
+            seed=2,
+        ),
+        prod,
+        events.append,
+        engine_for=router.engine_for,
+    )
     assert len(summaries) == 6 and all("error" not in s for s in summaries)
     served = defaultdict(set)
     for e in events:
@@ -44,20 +54,25 @@ def test_simulated_users_are_served_by_their_arm(tiny_model_dir, tmp_path):
     assert {s["checkpoint_id"] for s in summaries} == {"prod", "cand"}  # both arms had traffic
 
 
-def test_watcher_follows_canary_start_and_stop_through_the_broker(client, session, store, gated, lifecycle_topic,
-                                                                  kafka_bootstrap, tmp_path, monkeypatch):
+def test_watcher_follows_canary_start_and_stop_through_the_broker(
+    client, session, store, gated, lifecycle_topic, kafka_bootstrap, tmp_path, monkeypatch
+):
     monkeypatch.setenv("FLYWHEEL_HOME", str(tmp_path))
     rm = auth(make_token(session, "release_manager", name="alice"))
-    started = client.post("/v1/canaries", headers=rm,
-                          json={"checkpoint_id": gated.id, "fraction": 0.3, "reason": "try it on 30 %"})
+    started = client.post(
+        "/v1/canaries", headers=rm, json={"checkpoint_id": gated.id, "fraction": 0.3, "reason": "try it on 30 %"}
+    )
     assert started.status_code == 201, started.text
     with OutboxRelay() as relay:
         assert relay.relay_pending() == 1
     built = []
     prod = RecordingEngine("base")
     router = EngineRouter(prod)
-    watcher = ServingWatcher(prod, store=store, canary=CanaryFollower(
-        router, store=store, factory=lambda cid, path: built.append(cid) or ClosableEngine(cid)))
+    watcher = ServingWatcher(
+        prod,
+        store=store,
+        canary=CanaryFollower(router, store=store, factory=lambda cid, path: built.append(cid) or ClosableEngine(cid)),
+    )
     try:
         for _ in range(40):
             watcher.poll_once(timeout_ms=250)

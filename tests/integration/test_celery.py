@@ -66,9 +66,24 @@ def celery_worker(db, tmp_path):
     env.update(FLYWHEEL_DATABASE_URL=db, FLYWHEEL_HOME=str(tmp_path), FLYWHEEL_TELEMETRY_EXPORTER="none")
     log = open(tmp_path / "worker.log", "wb")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "celery", "-A", "app.worker.celery_app", "worker", "--pool=solo",
-         "--loglevel=INFO", "--without-gossip", "--without-mingle", "--without-heartbeat"],
-        env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        [
+            sys.executable,
+            "-m",
+            "celery",
+            "-A",
+            "app.worker.celery_app",
+            "worker",
+            "--pool=solo",
+            "--loglevel=INFO",
+            "--without-gossip",
+            "--without-mingle",
+            "--without-heartbeat",
+        ],
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     try:
         yield proc
     finally:
@@ -103,7 +118,8 @@ def test_task_sent_to_a_real_worker_runs_and_returns(celery_worker, db, tmp_path
     # the purge task removes delivered rows.
     with psycopg.connect(db) as conn:
         delivered, last_id = conn.execute(
-            "SELECT count(*), max(id) FROM kombu_message WHERE visible = false").fetchone()
+            "SELECT count(*), max(id) FROM kombu_message WHERE visible = false"
+        ).fetchone()
     assert delivered >= 1
     purged = app.send_task("flywheel.ops.purge_broker_messages", kwargs={"older_than_s": 0})
     assert purged.get(timeout=60) >= delivered

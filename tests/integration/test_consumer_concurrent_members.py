@@ -16,6 +16,7 @@ import logging
 import threading
 import uuid
 from collections import defaultdict
+from datetime import UTC
 
 import psycopg
 import pytest
@@ -68,6 +69,7 @@ def _live_equals_replay(db, settings=None) -> None:
 
 def _guarded(fn, errors: list[BaseException], done: threading.Event | None = None):
     """``fn`` as a thread target that appends what it raises to ``errors`` and sets ``done`` when it ends."""
+
     def run() -> None:
         try:
             fn()
@@ -76,6 +78,7 @@ def _guarded(fn, errors: list[BaseException], done: threading.Event | None = Non
         finally:
             if done is not None:
                 done.set()
+
     return run
 
 
@@ -130,6 +133,7 @@ def _apply(msgs, outcomes: list | None = None):
             out = apply_batch(s, "g", _classify(msgs), projector_from_settings())
         if outcomes is not None:
             outcomes.append(out)
+
     return run
 
 
@@ -157,8 +161,7 @@ def test_two_members_creating_the_same_trajectories_settle_without_dead_letters(
 
     events = generate_stream(300, seed=32)
     parts = _messages_by_partition(events, split_at=0.5)
-    members = {p: IngestConsumer(bootstrap="127.0.0.1:9", topic="t", group_id="g", client_id=f"m{p}")
-               for p in parts}
+    members = {p: IngestConsumer(bootstrap="127.0.0.1:9", topic="t", group_id="g", client_id=f"m{p}") for p in parts}
     caplog.set_level(logging.INFO, logger="consumers.ingest")
     try:
         _race(monkeypatch, lambda: members[1].process(parts[1]), lambda: members[0].process(parts[0]))
@@ -177,20 +180,21 @@ def test_an_erasure_waits_for_a_concurrent_batch_of_the_users_events(db, monkeyp
     """Member B has stored (not committed) events of a user's session and pauses; member A applies
     that user's erasure request meanwhile. The erasure must not commit around B's batch: none of the
     user's events or trajectories may survive it."""
-    from datetime import datetime, timedelta, timezone
+    from datetime import datetime, timedelta
 
     import numpy as np
 
-    from producers.events.types import UserErasureRequested, UserErasureRequestedEvent
     from consumers.deadletter import Message
     from consumers.testing import generate_session
+    from producers.events.types import UserErasureRequested, UserErasureRequestedEvent
 
     rng = np.random.default_rng(33)
-    t0 = datetime.now(timezone.utc) - timedelta(hours=1)
+    t0 = datetime.now(UTC) - timedelta(hours=1)
     mine = generate_session(rng, session_id="s-erased", user_id="u-erased", start=t0)
     other = generate_session(rng, session_id="s-kept", user_id="u-kept", start=t0)
-    request = UserErasureRequestedEvent(session_id="erasure-u", user_id="u-erased",
-                                        payload=UserErasureRequested(request_id="req-race"))
+    request = UserErasureRequestedEvent(
+        session_id="erasure-u", user_id="u-erased", payload=UserErasureRequested(request_id="req-race")
+    )
     b_msgs = [Message("t", 1, i, *kafka_record(e)) for i, e in enumerate(mine + other)]
     a_msgs = [Message("t", 0, 0, *kafka_record(request))]
     _race(monkeypatch, _apply(b_msgs), _apply(a_msgs))
@@ -206,7 +210,7 @@ def test_a_privacy_flag_waits_for_a_concurrent_batch_of_the_sessions_events(db, 
     of a session and pauses; member A applies the rest of it, flagged ``privacy_mode`` (privacy turned
     on part-way), meanwhile. A must not commit around B's batch: nothing of the session may survive,
     and its tombstone counts every one of its events."""
-    from datetime import datetime, timedelta, timezone
+    from datetime import datetime, timedelta
 
     import numpy as np
 
@@ -214,7 +218,7 @@ def test_a_privacy_flag_waits_for_a_concurrent_batch_of_the_sessions_events(db, 
     from consumers.testing import generate_session
 
     rng = np.random.default_rng(35)
-    t0 = datetime.now(timezone.utc) - timedelta(hours=1)
+    t0 = datetime.now(UTC) - timedelta(hours=1)
     private = generate_session(rng, session_id="s-private", user_id="u-p", start=t0)
     other = generate_session(rng, session_id="s-open", user_id="u-o", start=t0)
     cut = len(private) // 2
@@ -234,8 +238,9 @@ def test_a_privacy_flag_waits_for_a_concurrent_batch_of_the_sessions_events(db, 
 
 
 @pytest.mark.parametrize("stored_before", [False, True], ids=["new-session", "stored-trajectory"])
-def test_a_flag_published_ahead_deletes_what_a_concurrent_batch_stores_of_the_session(db, monkeypatch, caplog,
-                                                                                        stored_before):
+def test_a_flag_published_ahead_deletes_what_a_concurrent_batch_stores_of_the_session(
+    db, monkeypatch, caplog, stored_before
+):
     """As above, but member A runs as deployed (``IngestConsumer.process``): it publishes the
     session private in a short transaction of its own before its batch, and does not hold the
     session lock for its batch. B (no flag, so no lock held while it stores) finds the session
@@ -243,7 +248,7 @@ def test_a_flag_published_ahead_deletes_what_a_concurrent_batch_stores_of_the_se
     stored before the race, B holds its row while paused: A's publishing waits for B's commit
     and deletes B's rows itself. Either way nothing of the session survives, its tombstone counts
     every one of its events, and no deadlock is retried."""
-    from datetime import datetime, timedelta, timezone
+    from datetime import datetime, timedelta
 
     import numpy as np
 
@@ -252,7 +257,7 @@ def test_a_flag_published_ahead_deletes_what_a_concurrent_batch_stores_of_the_se
     from consumers.testing import generate_session
 
     rng = np.random.default_rng(36)
-    t0 = datetime.now(timezone.utc) - timedelta(hours=1)
+    t0 = datetime.now(UTC) - timedelta(hours=1)
     private = generate_session(rng, session_id="s-private", user_id="u-p", start=t0)
     other = generate_session(rng, session_id="s-open", user_id="u-o", start=t0)
     first, cut = (3 if stored_before else 0), len(private) // 2
@@ -277,27 +282,32 @@ def test_a_flag_published_ahead_deletes_what_a_concurrent_batch_stores_of_the_se
 def test_two_members_applying_erasures_at_once_both_finish(db, monkeypatch, caplog):
     """Two erasure requests in concurrent batches (one after events of a third user) both take the
     projection lock exclusively: one waits for the other, neither deadlocks, both finish."""
-    from datetime import datetime, timedelta, timezone
+    from datetime import datetime, timedelta
 
     import numpy as np
 
-    from producers.events.types import UserErasureRequested, UserErasureRequestedEvent
     from consumers.deadletter import Message
     from consumers.ingest import IngestConsumer
     from consumers.testing import generate_session
+    from producers.events.types import UserErasureRequested, UserErasureRequestedEvent
 
     rng = np.random.default_rng(34)
-    t0 = datetime.now(timezone.utc) - timedelta(hours=1)
+    t0 = datetime.now(UTC) - timedelta(hours=1)
     users = {p: f"u-{p}" for p in (0, 1)}
     sessions = {p: generate_session(rng, session_id=f"s-{p}", user_id=users[p], start=t0) for p in users}
-    requests = {p: UserErasureRequestedEvent(session_id=f"erasure-{p}", user_id=users[p],
-                                             payload=UserErasureRequested(request_id=f"req-{p}")) for p in users}
+    requests = {
+        p: UserErasureRequestedEvent(
+            session_id=f"erasure-{p}", user_id=users[p], payload=UserErasureRequested(request_id=f"req-{p}")
+        )
+        for p in users
+    }
     _apply([Message("t", 9, i, *kafka_record(e)) for i, e in enumerate(sessions[0] + sessions[1])])()
     kept = generate_session(rng, session_id="s-kept", user_id="u-kept", start=t0)
-    parts = {0: [Message("t", 0, 0, *kafka_record(requests[0]))],
-             1: [Message("t", 1, i, *kafka_record(e)) for i, e in enumerate(kept + [requests[1]])]}
-    members = {p: IngestConsumer(bootstrap="127.0.0.1:9", topic="t", group_id="g", client_id=f"m{p}")
-               for p in parts}
+    parts = {
+        0: [Message("t", 0, 0, *kafka_record(requests[0]))],
+        1: [Message("t", 1, i, *kafka_record(e)) for i, e in enumerate(kept + [requests[1]])],
+    }
+    members = {p: IngestConsumer(bootstrap="127.0.0.1:9", topic="t", group_id="g", client_id=f"m{p}") for p in parts}
     try:
         _race(monkeypatch, lambda: members[1].process(parts[1]), lambda: members[0].process(parts[0]))
     finally:
@@ -308,8 +318,10 @@ def test_two_members_applying_erasures_at_once_both_finish(db, monkeypatch, capl
         assert conn.execute("SELECT count(*) FROM event_log WHERE user_id IN ('u-0', 'u-1')").fetchone()[0] == 0
         assert conn.execute("SELECT count(*) FROM trajectory WHERE user_id IN ('u-0', 'u-1')").fetchone()[0] == 0
         assert conn.execute("SELECT count(*) FROM event_log WHERE user_id = 'u-kept'").fetchone()[0] == len(kept)
-        assert dict(conn.execute("SELECT request_id, events_deleted FROM erasure_request").fetchall()) == \
-            {"req-0": len(sessions[0]), "req-1": len(sessions[1])}
+        assert dict(conn.execute("SELECT request_id, events_deleted FROM erasure_request").fetchall()) == {
+            "req-0": len(sessions[0]),
+            "req-1": len(sessions[1]),
+        }
 
 
 def test_a_batch_the_window_sweep_overtook_is_redone_with_a_later_ingestion_time(db, monkeypatch, caplog):
@@ -318,29 +330,33 @@ def test_a_batch_the_window_sweep_overtook_is_redone_with_a_later_ingestion_time
     differ from a replay, which judges it by its ``ingested_at`` (before the close) and folds it in.
     B is redone in a new transaction instead: its signal is then late in both, and live == replay."""
     import time
-    from datetime import datetime, timedelta, timezone
+    from datetime import datetime, timedelta
 
     import numpy as np
 
     import consumers.batch as batch_mod
     from app.core.db import session_scope
-    from producers.events.types import FollowupSent, FollowupSentEvent
     from consumers.deadletter import Message
     from consumers.finalize import finalize_due
     from consumers.ingest import IngestConsumer, projector_from_settings
     from consumers.settings import ConsumerSettings
     from consumers.testing import generate_session
+    from producers.events.types import FollowupSent, FollowupSentEvent
 
     cs = ConsumerSettings(signal_window_s=1.0)
     rng = np.random.default_rng(35)
-    events = generate_session(rng, session_id="s-swept", user_id="u", withhold_signal=True,
-                              start=datetime.now(timezone.utc) - timedelta(hours=1))
+    events = generate_session(
+        rng, session_id="s-swept", user_id="u", withhold_signal=True, start=datetime.now(UTC) - timedelta(hours=1)
+    )
     end = next(i for i, e in enumerate(events) if e.type == "session.ended")
-    late = events[end + 1:] + [FollowupSentEvent(session_id="s-swept", user_id="u", payload=FollowupSent(
-        text="still broken", dissatisfied=True))]
-    msgs = [Message("t", 0, i, *kafka_record(e)) for i, e in enumerate(events[:end + 1] + late)]
+    late = events[end + 1 :] + [
+        FollowupSentEvent(
+            session_id="s-swept", user_id="u", payload=FollowupSent(text="still broken", dissatisfied=True)
+        )
+    ]
+    msgs = [Message("t", 0, i, *kafka_record(e)) for i, e in enumerate(events[: end + 1] + late)]
     with session_scope() as s:  # the session ends: its window closes 1 s from now (ingestion clock)
-        batch_mod.apply_batch(s, "g", _classify(msgs[:end + 1]), projector_from_settings(cs))
+        batch_mod.apply_batch(s, "g", _classify(msgs[: end + 1]), projector_from_settings(cs))
     window_closed_at = time.monotonic() + cs.signal_window_s
 
     b_waiting, swept = threading.Event(), threading.Event()
@@ -356,7 +372,7 @@ def test_a_batch_the_window_sweep_overtook_is_redone_with_a_later_ingestion_time
     member = IngestConsumer(bootstrap="127.0.0.1:9", topic="t", group_id="g", client_id="mb", settings=cs)
     caplog.set_level(logging.INFO, logger="app.core.retry")
     errors: list[BaseException] = []
-    tb = threading.Thread(target=_guarded(lambda: member.process(msgs[end + 1:]), errors), name="member-b")
+    tb = threading.Thread(target=_guarded(lambda: member.process(msgs[end + 1 :]), errors), name="member-b")
     try:
         tb.start()
         assert b_waiting.wait(30)

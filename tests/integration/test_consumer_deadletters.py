@@ -4,14 +4,14 @@ while every valid event around them is stored."""
 
 from __future__ import annotations
 
-import uuid
 import base64
 import json
 import random
 import threading
 import time
+import uuid
 from collections import Counter
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 import numpy as np
 import psycopg
@@ -19,9 +19,9 @@ import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from producers.events import EVENT_CLASSES, encode_event
 from consumers.deadletter import Message, claim_of, classify
 from consumers.testing import generate_session, generate_stream, kafka_record, produce
+from producers.events import EVENT_CLASSES, encode_event
 from tests.fixtures.broker import read_topic
 
 
@@ -35,10 +35,13 @@ def _own_consumer_group(monkeypatch):
 MAX_BYTES = 16_384
 SENTINEL = {"x": [1]}  # no field of the contract accepts an object with this shape
 _rng = np.random.default_rng(0)
-BASES = [json.loads(encode_event(e)) for e in
-         generate_session(_rng, session_id="s-base", user_id="u-base", start=datetime.now(timezone.utc),
-                          max_segments=2, max_turns=2)
-         + generate_session(_rng, session_id="s-base2", user_id="u-base", start=datetime.now(timezone.utc))]
+BASES = [
+    json.loads(encode_event(e))
+    for e in generate_session(
+        _rng, session_id="s-base", user_id="u-base", start=datetime.now(UTC), max_segments=2, max_turns=2
+    )
+    + generate_session(_rng, session_id="s-base2", user_id="u-base", start=datetime.now(UTC))
+]
 REQUIRED_ENVELOPE = ["type", "session_id", "user_id", "payload"]
 
 
@@ -50,7 +53,11 @@ def _required_payload(base: dict) -> list[str]:
 
 def _strings(base: dict) -> list[tuple[str, ...]]:
     paths = [("session_id",), ("user_id",)]
-    paths += [("payload", k) for k, v in base["payload"].items() if isinstance(v, str) and not k.endswith(("_ids", "logprobs"))]
+    paths += [
+        ("payload", k)
+        for k, v in base["payload"].items()
+        if isinstance(v, str) and not k.endswith(("_ids", "logprobs"))
+    ]
     return paths
 
 
@@ -71,14 +78,31 @@ def _dumps(d) -> bytes:
 def malformed(draw) -> tuple[bytes | None, set[str]]:
     """(raw bytes, reasons the consumer may give) for one malformed message."""
     base = draw(st.sampled_from(BASES))
-    kind = draw(st.sampled_from(["garbage", "truncate", "not_object", "drop", "wrong_type", "unknown_type",
-                                 "schema_version", "extra_field", "nul", "surrogate", "non_finite",
-                                 "oversized", "bad_tokens", "lengths"]))
+    kind = draw(
+        st.sampled_from(
+            [
+                "garbage",
+                "truncate",
+                "not_object",
+                "drop",
+                "wrong_type",
+                "unknown_type",
+                "schema_version",
+                "extra_field",
+                "nul",
+                "surrogate",
+                "non_finite",
+                "oversized",
+                "bad_tokens",
+                "lengths",
+            ]
+        )
+    )
     if kind == "garbage":
         return draw(st.one_of(st.none(), st.binary(max_size=300))), {"bad_json", "not_object", "unknown_type"}
     if kind == "truncate":
         raw = encode_event(EVENT_CLASSES[base["type"]].model_validate(base))
-        return raw[:draw(st.integers(0, len(raw) - 1))], {"bad_json"}
+        return raw[: draw(st.integers(0, len(raw) - 1))], {"bad_json"}
     if kind == "not_object":
         value = draw(st.one_of(st.integers(), st.text(max_size=20), st.lists(st.integers(), max_size=3), st.none()))
         return _dumps(value), {"not_object"}
@@ -93,8 +117,13 @@ def malformed(draw) -> tuple[bytes | None, set[str]]:
         return _dumps(d), {"validation"}
     if kind == "wrong_type":
         path = draw(st.sampled_from([(k,) for k in base if k != "payload"] + [("payload", k) for k in base["payload"]]))
-        reasons = {"unknown_type"} if path == ("type",) else {"schema_version"} if path == ("schema_version",) \
+        reasons = (
+            {"unknown_type"}
+            if path == ("type",)
+            else {"schema_version"}
+            if path == ("schema_version",)
             else {"validation"}
+        )
         return _dumps(_set(base, path, SENTINEL)), reasons
     if kind == "unknown_type":
         t = draw(st.text(max_size=30).filter(lambda s: s not in EVENT_CLASSES))
@@ -103,8 +132,7 @@ def malformed(draw) -> tuple[bytes | None, set[str]]:
         return _dumps(_set(base, ("schema_version",), draw(st.integers().filter(lambda v: v != 1)))), {"schema_version"}
     if kind == "extra_field":
         where = draw(st.sampled_from([(), ("payload",)]))
-        name = draw(st.text(min_size=1, max_size=12).filter(
-            lambda s: s not in base and s not in base["payload"]))
+        name = draw(st.text(min_size=1, max_size=12).filter(lambda s: s not in base and s not in base["payload"]))
         return _dumps(_set(base, (*where, name), draw(st.integers()))), {"validation"}
     if kind in ("nul", "surrogate"):
         path = draw(st.sampled_from(_strings(base)))
@@ -113,14 +141,23 @@ def malformed(draw) -> tuple[bytes | None, set[str]]:
     if kind == "non_finite":
         fields = [k for k, v in base["payload"].items() if isinstance(v, float)] or ["latency_s"]
         value = draw(st.sampled_from([float("nan"), float("inf"), float("-inf")]))
-        return _dumps(_set(base, ("payload", draw(st.sampled_from(fields))), value)), {"unstorable", "validation", "bad_json"}
+        return _dumps(_set(base, ("payload", draw(st.sampled_from(fields))), value)), {
+            "unstorable",
+            "validation",
+            "bad_json",
+        }
     if kind == "oversized":
         return _dumps(_set(base, ("session_id",), "s" * (MAX_BYTES + draw(st.integers(1, 5000))))), {"oversized"}
     mr = next(b for b in BASES if b["type"] == "model.responded")
     if kind == "bad_tokens":
         junk = draw(st.sampled_from(["not base64!", "AAA", "AAAAAAA=", "@@@@"]))  # 5 bytes: not <i4
-        return _dumps(_set(mr, ("payload", draw(st.sampled_from(["prompt_token_ids", "completion_token_ids",
-                                                                   "completion_logprobs"]))), junk)), {"validation"}
+        return _dumps(
+            _set(
+                mr,
+                ("payload", draw(st.sampled_from(["prompt_token_ids", "completion_token_ids", "completion_logprobs"]))),
+                junk,
+            )
+        ), {"validation"}
     # "lengths": log-probs that do not match the completion tokens
     n_tokens = len(base64.b64decode(mr["payload"]["completion_token_ids"])) // 4
     n = draw(st.integers(0, n_tokens + 5).filter(lambda k: k != n_tokens))
@@ -132,8 +169,9 @@ def generate_malformed(n: int) -> list[tuple[bytes | None, str]]:
     """``n`` malformed messages from hypothesis, each checked to be dead-lettered with an allowed reason."""
     out: list[tuple[bytes | None, str]] = []
 
-    @settings(max_examples=n, database=None, deadline=None, phases=[Phase.generate],
-              suppress_health_check=list(HealthCheck))
+    @settings(
+        max_examples=n, database=None, deadline=None, phases=[Phase.generate], suppress_health_check=list(HealthCheck)
+    )
     @given(m=malformed())
     def collect(m):
         raw, allowed = m
@@ -147,17 +185,25 @@ def generate_malformed(n: int) -> list[tuple[bytes | None, str]]:
 
 
 def test_classify_never_raises_and_always_decides():
-    for raw, reason in generate_malformed(300):
-        assert reason in {"bad_json", "not_object", "unknown_type", "schema_version", "validation", "unstorable",
-                          "oversized"}
+    for _raw, reason in generate_malformed(300):
+        assert reason in {
+            "bad_json",
+            "not_object",
+            "unknown_type",
+            "schema_version",
+            "validation",
+            "unstorable",
+            "oversized",
+        }
     for e in BASES:
         d = classify(Message("t", 0, 0, None, encode_event(EVENT_CLASSES[e["type"]].model_validate(e))), MAX_BYTES)
         assert d.reason is None and d.row is not None and json.loads(d.row.payload)
 
 
 @pytest.mark.integration
-def test_malformed_messages_are_dead_lettered_and_valid_ones_around_them_stored(db, topics, kafka_bootstrap,
-                                                                                monkeypatch):
+def test_malformed_messages_are_dead_lettered_and_valid_ones_around_them_stored(
+    db, topics, kafka_bootstrap, monkeypatch
+):
     monkeypatch.setenv("FLYWHEEL_KAFKA_MAX_EVENT_BYTES", str(MAX_BYTES))
     bad = generate_malformed(1000)
     valid = generate_stream(3000, seed=9)
@@ -175,7 +221,7 @@ def test_malformed_messages_are_dead_lettered_and_valid_ones_around_them_stored(
     assert sum(stats.dead_letters.values()) == 1000
 
     with psycopg.connect(db) as conn:
-        rows = conn.execute('SELECT raw, reason, topic, detail FROM dead_letter').fetchall()
+        rows = conn.execute("SELECT raw, reason, topic, detail FROM dead_letter").fetchall()
         stored = {r[0] for r in conn.execute("SELECT event_id FROM event_log")}
     assert len(rows) == 1000
     assert Counter(r[1] for r in rows) == Counter(reason for _, reason in bad)
@@ -183,10 +229,13 @@ def test_malformed_messages_are_dead_lettered_and_valid_ones_around_them_stored(
     # bytes and those of the session's other dead letters are not kept, its valid events not stored.
     claims = [claim_of(raw, MAX_BYTES) if raw is not None and reason != "oversized" else None for raw, reason in bad]
     private = {c.session_id for c in claims if c is not None and c.privacy_mode and c.session_id}
-    kept = [raw if c is None or not (c.privacy_mode or c.session_id in private) else None
-            for (raw, _), c in zip(bad, claims)]
-    assert sorted((bytes(r[0]) if r[0] is not None else b"<none>") for r in rows) == \
-        sorted(raw if raw is not None else b"<none>" for raw in kept)
+    kept = [
+        raw if c is None or not (c.privacy_mode or c.session_id in private) else None
+        for (raw, _), c in zip(bad, claims)
+    ]
+    assert sorted((bytes(r[0]) if r[0] is not None else b"<none>") for r in rows) == sorted(
+        raw if raw is not None else b"<none>" for raw in kept
+    )
     assert all(r[2] == topics["interactions"] and r[3] for r in rows)
     assert stored == {e.event_id for e in valid if e.session_id not in private}
 
@@ -197,13 +246,15 @@ def test_malformed_messages_are_dead_lettered_and_valid_ones_around_them_stored(
     published = Counter(m.value for m in dlq)
     for raw in redacted:
         published[raw if published[raw] else b""] -= 1
-    assert {v: n for v, n in published.items() if n} == \
-        Counter(raw or b"" for (raw, _), k in zip(bad, kept) if raw is None or k is not None)
+    assert {v: n for v, n in published.items() if n} == Counter(
+        raw or b"" for (raw, _), k in zip(bad, kept) if raw is None or k is not None
+    )
 
 
 @pytest.mark.integration
-def test_a_record_that_breaks_processing_is_dead_lettered_and_the_batch_goes_on(db, topics, kafka_bootstrap,
-                                                                                monkeypatch):
+def test_a_record_that_breaks_processing_is_dead_lettered_and_the_batch_goes_on(
+    db, topics, kafka_bootstrap, monkeypatch
+):
     from consumers.ingest import IngestConsumer
     from consumers.projection import Projector
 
@@ -227,8 +278,9 @@ def test_a_record_that_breaks_processing_is_dead_lettered_and_the_batch_goes_on(
     assert "projection bug" in rows[0][1]
     assert stored == {e.event_id for e in events} - {poison.event_id}
     # published once, with the transaction that stored it: not by the whole-batch attempt that failed
-    assert [(m.value, dict(m.headers)["dlq-reason"]) for m in read_topic(kafka_bootstrap, topics["dlq"])] == \
-        [(encode_event(poison), b"processing_error")]
+    assert [(m.value, dict(m.headers)["dlq-reason"]) for m in read_topic(kafka_bootstrap, topics["dlq"])] == [
+        (encode_event(poison), b"processing_error")
+    ]
 
 
 @pytest.mark.integration

@@ -32,10 +32,10 @@ def _own_consumer_group(monkeypatch):
     whose members were SIGKILLed by an earlier test must not slow this test's join."""
     monkeypatch.setenv("FLYWHEEL_KAFKA_CONSUMER_GROUP", f"ingest-{uuid.uuid4().hex[:8]}")
 
+
 # Columns stamped by the ingestion clock or by seq interleaving across partitions: equal within one
 # database (replay), not across two runs.
-RUN_DEPENDENT = {"trajectory": {"finalized_at", "window_closes_at", "max_event_seq"},
-                 "reward_label": {"created_at"}}
+RUN_DEPENDENT = {"trajectory": {"finalized_at", "window_closes_at", "max_event_seq"}, "reward_label": {"created_at"}}
 
 
 def _dump(url: str, exclude=None):
@@ -63,7 +63,7 @@ def _produce_slowly(bootstrap: str, topic: str, records, chunks: int, pause_s: f
     def run() -> None:
         step = -(-len(records) // chunks)
         for i in range(0, len(records), step):
-            produce(bootstrap, topic, records[i:i + step])
+            produce(bootstrap, topic, records[i : i + step])
             time.sleep(pause_s)
 
     thread = threading.Thread(target=run, daemon=True)
@@ -83,8 +83,9 @@ def _each_event_once(url: str, n: int) -> list[uuid.UUID]:
     return ids
 
 
-def test_sigkilled_consumers_leave_every_event_once_and_the_same_trajectories(db, topics, kafka_bootstrap,
-                                                                              pg_admin_url, tmp_path):
+def test_sigkilled_consumers_leave_every_event_once_and_the_same_trajectories(
+    db, topics, kafka_bootstrap, pg_admin_url, tmp_path
+):
     events = generate_stream(20_000, seed=7, concurrency=32)
     records = [kafka_record(e) for e in events]
     env = {**os.environ, "FLYWHEEL_DATABASE_URL": db}
@@ -101,14 +102,14 @@ def test_sigkilled_consumers_leave_every_event_once_and_the_same_trajectories(db
             procs[i] = consumer_process(env, log_path=logs)
             kills += 1
         producer.join()
-        wait_for(lambda: scalar(db, "SELECT count(*) FROM event_log") == len(events), 240,
-                 what="all events stored")
+        wait_for(lambda: scalar(db, "SELECT count(*) FROM event_log") == len(events), 240, what="all events stored")
     finally:
         _stop(procs)
     ids = _each_event_once(db, len(events))
     assert set(ids) == {e.event_id for e in events}
-    stored_offsets = scalar(db, "SELECT sum(next_offset) FROM consumer_offset WHERE topic = %s",
-                            (topics["interactions"],))
+    stored_offsets = scalar(
+        db, "SELECT sum(next_offset) FROM consumer_offset WHERE topic = %s", (topics["interactions"],)
+    )
     assert stored_offsets == len(events)
     assert "Traceback" not in logs.read_text(errors="replace")
 
@@ -119,11 +120,15 @@ def test_sigkilled_consumers_leave_every_event_once_and_the_same_trajectories(db
     other = pg_admin_url.rsplit("/", 1)[0] + f"/{name}"
     try:
         upgrade(url=other)
-        proc = consumer_process({**env, "FLYWHEEL_DATABASE_URL": other}, group=f"uninterrupted-{uuid.uuid4().hex[:6]}",
-                                log_path=logs)
+        proc = consumer_process(
+            {**env, "FLYWHEEL_DATABASE_URL": other}, group=f"uninterrupted-{uuid.uuid4().hex[:6]}", log_path=logs
+        )
         try:
-            wait_for(lambda: scalar(other, "SELECT count(*) FROM event_log") == len(events), 180,
-                     what="uninterrupted run stored all events")
+            wait_for(
+                lambda: scalar(other, "SELECT count(*) FROM event_log") == len(events),
+                180,
+                what="uninterrupted run stored all events",
+            )
         finally:
             _stop([proc])
         killed, clean = _dump(db, RUN_DEPENDENT), _dump(other, RUN_DEPENDENT)
@@ -156,8 +161,11 @@ def test_a_database_restart_mid_stream_loses_nothing(topics, kafka_bootstrap, tm
             assert proc.poll() is None
             start_postgres(datadir, port=port)
             producer.join()
-            wait_for(lambda: scalar(url, "SELECT count(*) FROM event_log") == len(events), 180,
-                     what="all events stored after the restart")
+            wait_for(
+                lambda: scalar(url, "SELECT count(*) FROM event_log") == len(events),
+                180,
+                what="all events stored after the restart",
+            )
         finally:
             _stop([proc])
         _each_event_once(url, len(events))
@@ -190,14 +198,15 @@ def test_every_insert_method_stores_a_batch_once_and_skips_duplicates(db, method
     assert first.stored + second.stored == len(events) and second.duplicates == len(dupes)
     assert again.stale == len(batch) and again.stored == 0
     with psycopg.connect(db) as conn:
-        assert conn.execute("SELECT count(*), count(DISTINCT event_id) FROM event_log").fetchone() == \
-            (len(events), len(events))
-        seqs = [r[0] for r in conn.execute("SELECT seq FROM event_log ORDER BY \"offset\"")]
+        assert conn.execute("SELECT count(*), count(DISTINCT event_id) FROM event_log").fetchone() == (
+            len(events),
+            len(events),
+        )
+        seqs = [r[0] for r in conn.execute('SELECT seq FROM event_log ORDER BY "offset"')]
         assert seqs == sorted(seqs)  # seq follows the partition order
         ids = [i for (a,) in conn.execute("SELECT event_ids FROM trajectory") for i in a]
         assert len(ids) == len(set(ids)) == len(events)
-        assert conn.execute("SELECT next_offset FROM consumer_offset WHERE group_id = 'g'").fetchone() == \
-            (len(batch),)
+        assert conn.execute("SELECT next_offset FROM consumer_offset WHERE group_id = 'g'").fetchone() == (len(batch),)
 
 
 def test_offsets_the_broker_no_longer_had_are_reported_as_lost(db, kafka_bootstrap, caplog):
@@ -226,9 +235,15 @@ def test_offsets_the_broker_no_longer_had_are_reported_as_lost(db, kafka_bootstr
     assert out.offset_gaps == {("t", 0): (60, 90)} and out.stored == 60
     assert [r.getMessage() for r in caplog.records if "offsets" in r.getMessage()] == [
         "t:0: offsets 60..89 (30 records) were gone from the broker when this group read on (retention deleted "
-        "them before they were consumed): their events are not in event_log"]
-    (skipped,) = [m for rm in reader.get_metrics_data().resource_metrics for sm in rm.scope_metrics
-                  for m in sm.metrics if m.name == "flywheel.consumer.offsets_skipped"]
+        "them before they were consumed): their events are not in event_log"
+    ]
+    (skipped,) = [
+        m
+        for rm in reader.get_metrics_data().resource_metrics
+        for sm in rm.scope_metrics
+        for m in sm.metrics
+        if m.name == "flywheel.consumer.offsets_skipped"
+    ]
     assert [(p.attributes["partition"], p.value) for p in skipped.data.data_points] == [(0, 30)]
     with psycopg.connect(db) as conn:
         assert conn.execute("SELECT count(*) FROM event_log").fetchone()[0] == 50 + len(msgs) - 90
@@ -272,8 +287,7 @@ def test_a_consumer_started_before_the_broker_retries_until_it_answers(db, topic
         return t
 
     stopped: dict = {}
-    consumer = IngestConsumer(bootstrap=f"127.0.0.1:{port}", group_id=f"late-{uuid.uuid4().hex[:8]}",
-                              settings=settings)
+    consumer = IngestConsumer(bootstrap=f"127.0.0.1:{port}", group_id=f"late-{uuid.uuid4().hex[:8]}", settings=settings)
     t = start(consumer, stopped)
     time.sleep(2.0)  # several failed starts
     assert t.is_alive()
@@ -282,8 +296,10 @@ def test_a_consumer_started_before_the_broker_retries_until_it_answers(db, topic
     assert not t.is_alive() and stopped["stats"].stored == 0
 
     result: dict = {}
-    t = start(IngestConsumer(bootstrap=f"127.0.0.1:{port}", group_id=f"late-{uuid.uuid4().hex[:8]}",
-                             settings=settings), result)
+    t = start(
+        IngestConsumer(bootstrap=f"127.0.0.1:{port}", group_id=f"late-{uuid.uuid4().hex[:8]}", settings=settings),
+        result,
+    )
     time.sleep(2.0)
     assert t.is_alive() and not result  # still retrying, not crashed
     relay = Relay(port, kafka_bootstrap)
@@ -314,10 +330,16 @@ def test_a_broker_outage_mid_stream_loses_nothing_and_the_consumer_rides_it_out(
         events = generate_stream(3000, seed=45)
         records = [kafka_record(e) for e in events]
         produce(bootstrap, topic, records[:1500] + [(b"k", b"{not json 1", [])])
-        settings = get_consumer_settings().model_copy(update={
-            "batch_max_records": 200, "retry_max_wait_s": 1.0, "session_timeout_ms": 6000})
-        consumer = IngestConsumer(bootstrap=bootstrap, topic=topic, group_id=f"outage-{uuid.uuid4().hex[:8]}",
-                                  dlq_topic=dlq, settings=settings)
+        settings = get_consumer_settings().model_copy(
+            update={"batch_max_records": 200, "retry_max_wait_s": 1.0, "session_timeout_ms": 6000}
+        )
+        consumer = IngestConsumer(
+            bootstrap=bootstrap,
+            topic=topic,
+            group_id=f"outage-{uuid.uuid4().hex[:8]}",
+            dlq_topic=dlq,
+            settings=settings,
+        )
         result: dict = {}
 
         def run() -> None:
@@ -345,7 +367,8 @@ def test_a_broker_outage_mid_stream_loses_nothing_and_the_consumer_rides_it_out(
 
 
 def test_a_consumer_started_while_the_database_is_down_stays_in_its_group_and_ingests_once_it_is_up(
-        topics, kafka_bootstrap, tmp_path):
+    topics, kafka_bootstrap, tmp_path
+):
     """Postgres is down when the consumer joins its group: the stored offsets cannot be read in the
     rebalance callback, which blocks the client's heartbeats. Rather than retrying there until the
     session expires (and rejoining, again and again, through the outage), the member pauses the
@@ -367,8 +390,11 @@ def test_a_consumer_started_while_the_database_is_down_stays_in_its_group_and_in
             time.sleep(8)  # longer than the session timeout (6 s)
             assert proc.poll() is None
             start_postgres(datadir, port=port)
-            wait_for(lambda: scalar(url, "SELECT count(*) FROM event_log") == len(events), 120,
-                     what="all events stored once Postgres is up")
+            wait_for(
+                lambda: scalar(url, "SELECT count(*) FROM event_log") == len(events),
+                120,
+                what="all events stored once Postgres is up",
+            )
         finally:
             _stop([proc])
         _each_event_once(url, len(events))

@@ -10,20 +10,20 @@ import json
 import subprocess
 import sys
 import uuid
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 
 import numpy as np
 import psycopg
 import pytest
 
+from consumers.testing import generate_session, kafka_record, produce
 from producers.events import encode_event
 from producers.events.types import UserErasureRequested, UserErasureRequestedEvent
-from consumers.testing import generate_session, kafka_record, produce
 from tests.fixtures.broker import read_topic
 
 pytestmark = pytest.mark.integration
 
-T0 = datetime.now(timezone.utc) - timedelta(hours=1)
+T0 = datetime.now(UTC) - timedelta(hours=1)
 
 
 @pytest.fixture(autouse=True)
@@ -38,8 +38,9 @@ def _consume():
 
 
 def _session(session_id: str, user: str = "u-1", start: datetime = T0):
-    return generate_session(np.random.default_rng(abs(hash(session_id)) % 2**32), session_id=session_id,
-                            user_id=user, start=start)
+    return generate_session(
+        np.random.default_rng(abs(hash(session_id)) % 2**32), session_id=session_id, user_id=user, start=start
+    )
 
 
 def _f32(values) -> str:
@@ -88,33 +89,36 @@ def test_impossible_values_are_dead_letters_naming_the_field_and_never_stored(db
     good = _session("s-good")
     turn = json.loads(encode_event(next(e for e in good if e.type == "model.responded")))
     bad = _mutations(turn)
-    records = [kafka_record(e) for e in good] + [(b"s-bad", json.dumps(e, allow_nan=True).encode(), [])
-                                                  for _, e in bad]
+    records = [kafka_record(e) for e in good] + [(b"s-bad", json.dumps(e, allow_nan=True).encode(), []) for _, e in bad]
     produce(kafka_bootstrap, topics["interactions"], records)
     stats = _consume()
     assert stats.stored == len(good)
     assert sum(stats.dead_letters.values()) == len(bad)
     with psycopg.connect(db) as conn:
-        rows = conn.execute("SELECT \"offset\", reason, detail FROM dead_letter ORDER BY \"offset\"").fetchall()
+        rows = conn.execute('SELECT "offset", reason, detail FROM dead_letter ORDER BY "offset"').fetchall()
         ids = {str(r[0]) for r in conn.execute("SELECT event_id FROM event_log")}
     assert not ids & {e["event_id"] for _, e in bad}
     assert len(rows) == len(bad)
-    for (field, event), (_, reason, detail) in zip(bad, rows):
+    for (field, _event), (_, reason, detail) in zip(bad, rows):
         assert reason in {"implausible", "validation"}, (field, reason, detail)
         assert field in detail, (field, detail)
     # the plausibility rules themselves, not a schema accident, refused the arrays and the times
-    assert [r for (f, _), (_, r, _) in zip(bad, rows) if f in ("completion_logprobs", "occurred_at")] == \
-        ["implausible"] * 6
+    assert [r for (f, _), (_, r, _) in zip(bad, rows) if f in ("completion_logprobs", "occurred_at")] == [
+        "implausible"
+    ] * 6
     dlq = read_topic(kafka_bootstrap, topics["dlq"])
     assert len(dlq) == len(bad)
 
 
 def test_a_reused_erasure_request_id_for_another_user_still_erases_that_user(db, topics, kafka_bootstrap):
     a, b = _session("s-a", user="u-a"), _session("s-b", user="u-b")
-    now = datetime.now(timezone.utc)
-    requests = [UserErasureRequestedEvent(session_id="erasure", user_id=user, occurred_at=now,
-                                          payload=UserErasureRequested(request_id="req-shared"))
-                for user in ("u-a", "u-b")]
+    now = datetime.now(UTC)
+    requests = [
+        UserErasureRequestedEvent(
+            session_id="erasure", user_id=user, occurred_at=now, payload=UserErasureRequested(request_id="req-shared")
+        )
+        for user in ("u-a", "u-b")
+    ]
     produce(kafka_bootstrap, topics["interactions"], [kafka_record(e) for e in a + b + requests[:1]])
     _consume()
     produce(kafka_bootstrap, topics["interactions"], [kafka_record(requests[1]), kafka_record(requests[1])])
@@ -126,8 +130,9 @@ def test_a_reused_erasure_request_id_for_another_user_still_erases_that_user(db,
         got = conn.execute("SELECT user_id, events_deleted FROM erasure_request ORDER BY user_id").fetchall()
     assert got == [("u-a", len(a)), ("u-b", len(b))]
 
-    out = subprocess.run([sys.executable, "-m", "ops.cli", "erasures", "list"], capture_output=True, text=True,
-                         timeout=120, check=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-m", "ops.cli", "erasures", "list"], capture_output=True, text=True, timeout=120, check=True
+    ).stdout
     listed = {r["user_id"]: r for r in map(json.loads, out.splitlines())}
     assert listed["u-b"]["outcome"] == "erased" and listed["u-b"]["events_deleted"] == len(b)
     assert listed["u-b"]["request_id_shared_with"] == ["u-a"] and listed["u-a"]["request_id_shared_with"] == ["u-b"]
@@ -146,25 +151,40 @@ def test_a_conflicting_duplicate_is_a_dead_letter_and_the_stored_event_stays(db,
     forged["payload"]["task_id"] = "another-task"
     forged_same_batch = json.loads(json.dumps(json.loads(encode_event(events[1]))))
     forged_same_batch["session_id"] = "s-elsewhere"
-    produce(kafka_bootstrap, topics["interactions"],
-            [kafka_record(e) for e in events] + [(b"s-dup", json.dumps(forged_same_batch).encode(), [])])
+    produce(
+        kafka_bootstrap,
+        topics["interactions"],
+        [kafka_record(e) for e in events] + [(b"s-dup", json.dumps(forged_same_batch).encode(), [])],
+    )
     consumer, reader = IngestConsumer(), InMemoryMetricReader()
     consumer.metrics = ConsumerMetrics("t", consumer.group_id, MeterProvider(metric_readers=[reader]).get_meter("t"))
     first = consumer.run(idle_exit_s=1.5)
     # later: the same bytes again (a producer retry: an ordinary duplicate) and a forged body
-    produce(kafka_bootstrap, topics["interactions"], [kafka_record(events[0]), (b"s-dup", json.dumps(forged).encode(), [])])
+    produce(
+        kafka_bootstrap, topics["interactions"], [kafka_record(events[0]), (b"s-dup", json.dumps(forged).encode(), [])]
+    )
     second = IngestConsumer().run(idle_exit_s=1.5)
 
     assert first.stored == len(events) and first.dead_letters == {"conflicting_duplicate": 1}
     assert second.stored == 0 and second.duplicates == 1 and second.dead_letters == {"conflicting_duplicate": 1}
     with psycopg.connect(db) as conn:
-        payload = conn.execute("SELECT payload FROM event_log WHERE event_id = %s", (started["event_id"],)).fetchone()[0]
+        payload = conn.execute("SELECT payload FROM event_log WHERE event_id = %s", (started["event_id"],)).fetchone()[
+            0
+        ]
         rows = conn.execute("SELECT reason, detail FROM dead_letter ORDER BY id").fetchall()
     assert payload["task_id"] == started["payload"]["task_id"]
     assert [r[0] for r in rows] == ["conflicting_duplicate"] * 2
     assert "session_id" in rows[0][1] and "payload" in rows[1][1] and "the stored event stays" in rows[1][1]
-    points = [p for rm in reader.get_metrics_data().resource_metrics for sm in rm.scope_metrics for m in sm.metrics
-              if m.name == "flywheel.consumer.dead_letters" for p in m.data.data_points]
+    points = [
+        p
+        for rm in reader.get_metrics_data().resource_metrics
+        for sm in rm.scope_metrics
+        for m in sm.metrics
+        if m.name == "flywheel.consumer.dead_letters"
+        for p in m.data.data_points
+    ]
     assert [(p.attributes["reason"], p.value) for p in points] == [("conflicting_duplicate", 1)]
-    assert sorted(dict(m.headers)["dlq-reason"] for m in read_topic(kafka_bootstrap, topics["dlq"])) == \
-        [b"conflicting_duplicate"] * 2
+    assert (
+        sorted(dict(m.headers)["dlq-reason"] for m in read_topic(kafka_bootstrap, topics["dlq"]))
+        == [b"conflicting_duplicate"] * 2
+    )

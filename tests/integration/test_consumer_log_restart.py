@@ -57,8 +57,14 @@ def _consumer(bootstrap: str, group: str, **overrides):
 
 
 def _resets(reader) -> dict[int, int]:
-    points = [p for rm in (reader.get_metrics_data() or _Empty).resource_metrics for sm in rm.scope_metrics
-              for m in sm.metrics if m.name == "flywheel.consumer.offset_resets" for p in m.data.data_points]
+    points = [
+        p
+        for rm in (reader.get_metrics_data() or _Empty).resource_metrics
+        for sm in rm.scope_metrics
+        for m in sm.metrics
+        if m.name == "flywheel.consumer.offset_resets"
+        for p in m.data.data_points
+    ]
     return {p.attributes["partition"]: p.value for p in points}
 
 
@@ -68,12 +74,12 @@ class _Empty:
 
 def _stored_offsets(db: str, group: str) -> dict[int, int]:
     with psycopg.connect(db) as conn:
-        return dict(conn.execute("SELECT partition, next_offset FROM consumer_offset WHERE group_id = %s",
-                                 (group,)).fetchall())
+        return dict(
+            conn.execute("SELECT partition, next_offset FROM consumer_offset WHERE group_id = %s", (group,)).fetchall()
+        )
 
 
-def test_a_restarted_empty_log_is_read_from_its_start_and_every_new_event_is_stored(db, restartable_broker,
-                                                                                  caplog):
+def test_a_restarted_empty_log_is_read_from_its_start_and_every_new_event_is_stored(db, restartable_broker, caplog):
     bootstrap, restart = restartable_broker
     group = f"restart-{uuid.uuid4().hex[:8]}"
     first, second = generate_stream(400, seed=71), generate_stream(120, seed=72)
@@ -120,8 +126,11 @@ def test_a_consumer_running_across_the_restart_reads_the_new_log(db, restartable
         wait_for(lambda: scalar(db, "SELECT count(*) FROM event_log") == len(first), 60, what="first stream stored")
         restart()
         produce(bootstrap, TOPIC, [kafka_record(e) for e in second])
-        wait_for(lambda: scalar(db, "SELECT count(*) FROM event_log") == len(first) + len(second), 120,
-                 what="second stream stored")
+        wait_for(
+            lambda: scalar(db, "SELECT count(*) FROM event_log") == len(first) + len(second),
+            120,
+            what="second stream stored",
+        )
     finally:
         consumer.stop()
         t.join(60)

@@ -4,6 +4,7 @@ and metrics for events by outcome, dead letters by reason, finalized trajectorie
 from __future__ import annotations
 
 import uuid
+
 import pytest
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
@@ -26,8 +27,16 @@ def _own_consumer_group(monkeypatch):
 
 def test_producer_links_parse_w3c_traceparent_and_skip_garbage():
     good = traceparent_for("s-1")
-    links = producer_links([[("traceparent", good)], [("traceparent", good)], [("traceparent", b"00-zz")],
-                            [("traceparent", b"00-" + b"0" * 32 + b"-" + b"0" * 16 + b"-01")], []], limit=10)
+    links = producer_links(
+        [
+            [("traceparent", good)],
+            [("traceparent", good)],
+            [("traceparent", b"00-zz")],
+            [("traceparent", b"00-" + b"0" * 32 + b"-" + b"0" * 16 + b"-01")],
+            [],
+        ],
+        limit=10,
+    )
     assert len(links) == 1  # duplicates collapse, malformed and all-zero (invalid) contexts are dropped
     assert format(links[0].context.trace_id, "032x") == good.decode().split("-")[1]
     assert links[0].context.is_remote
@@ -45,8 +54,9 @@ def test_batch_spans_link_producer_traces_and_metrics_are_recorded(db, topics, k
     tracer_provider.add_span_processor(SimpleSpanProcessor(exporter))
     consumer = IngestConsumer()
     consumer._tracer = tracer_provider.get_tracer("test")
-    consumer.metrics = ConsumerMetrics(consumer.topic, consumer.group_id,
-                                       MeterProvider(metric_readers=[reader]).get_meter("test"))
+    consumer.metrics = ConsumerMetrics(
+        consumer.topic, consumer.group_id, MeterProvider(metric_readers=[reader]).get_meter("test")
+    )
     stats = consumer.run(idle_exit_s=1.5)
 
     spans = [s for s in exporter.get_finished_spans() if s.name == "consumers.ingest.batch"]

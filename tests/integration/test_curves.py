@@ -13,9 +13,21 @@ def _eval_run(session, checkpoint_id: str, outcomes: list[bool], errors: int = 0
 
     run = store.create_run(session, checkpoint_id, "functions", "v1", {})
     for i, ok in enumerate(outcomes):
-        store.add_result(session, run.id, f"FN/t/{i}", 0, passed=ok, attempts=0, turns=1, completion_tokens=50,
-                         latency_s=1.0, tool_calls=2, tool_call_errors=errors if i == 0 else 0,
-                         asked_question=False, edited=True)
+        store.add_result(
+            session,
+            run.id,
+            f"FN/t/{i}",
+            0,
+            passed=ok,
+            attempts=0,
+            turns=1,
+            completion_tokens=50,
+            latency_s=1.0,
+            tool_calls=2,
+            tool_call_errors=errors if i == 0 else 0,
+            asked_question=False,
+            edited=True,
+        )
     store.finish_run(session, run, "succeeded", {})
 
 
@@ -24,11 +36,13 @@ def _served(session, checkpoint_id: str, rewards: list[float], accepted: list[bo
     from trainer.testing import insert_trajectory, make_segment
 
     for r, ok in zip(rewards, accepted):
-        tid = insert_trajectory(session, segments=[make_segment([1, 2], [3, 4])], reward=r,
-                                checkpoint_id=checkpoint_id, user_id=user)
+        tid = insert_trajectory(
+            session, segments=[make_segment([1, 2], [3, 4])], reward=r, checkpoint_id=checkpoint_id, user_id=user
+        )
         session.get(Trajectory, tid).signals = {
             "edits": {"e": {"decision": "accepted" if ok else "rejected", "persisted": 0.9 if ok else None}},
-            "dissatisfied_followups": 0 if ok else 1}
+            "dissatisfied_followups": 0 if ok else 1,
+        }
     session.flush()
 
 
@@ -36,12 +50,29 @@ def test_curve_points_follow_the_stored_evals_and_served_sessions(session, tmp_p
     from app.models import Checkpoint
     from ops.curves import collect_curves, render_curves_png, signal_moves
 
-    session.add_all([
-        Checkpoint(id="base", path=str(tmp_path / "base"), status="retired", generation=0, stable=True),
-        Checkpoint(id="c1", path=str(tmp_path / "c1"), status="production", generation=1, parent_id="base",
-                   stable=True, metrics={"steps": 2}),
-        Checkpoint(id="c1x", path=str(tmp_path / "c1x"), status="rejected", generation=1, parent_id="base",
-                   stable=True, metrics={"invert_reward": True})])
+    session.add_all(
+        [
+            Checkpoint(id="base", path=str(tmp_path / "base"), status="retired", generation=0, stable=True),
+            Checkpoint(
+                id="c1",
+                path=str(tmp_path / "c1"),
+                status="production",
+                generation=1,
+                parent_id="base",
+                stable=True,
+                metrics={"steps": 2},
+            ),
+            Checkpoint(
+                id="c1x",
+                path=str(tmp_path / "c1x"),
+                status="rejected",
+                generation=1,
+                parent_id="base",
+                stable=True,
+                metrics={"invert_reward": True},
+            ),
+        ]
+    )
     session.flush()
     _eval_run(session, "base", [True, False, False, False], errors=1)
     _eval_run(session, "c1", [True, True, True, False])

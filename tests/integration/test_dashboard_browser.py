@@ -12,8 +12,16 @@ import pytest
 from sqlalchemy import select
 
 from app.models import AuditLog, Checkpoint
-from tests.integration.test_api_support import (PNG_1PX, base, live_server, make_token, seed_checkpoint,  # noqa: F401
-                                                 seed_eval_run, seed_gate, store)
+from tests.integration.test_api_support import (  # noqa: F401
+    PNG_1PX,
+    base,
+    live_server,
+    make_token,
+    seed_checkpoint,
+    seed_eval_run,
+    seed_gate,
+    store,
+)
 
 pytestmark = [pytest.mark.integration, pytest.mark.browser]
 
@@ -31,8 +39,14 @@ def browser(tmp_path):
 
     opts = Options()
     opts.binary_location = CHROMIUM
-    for arg in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
-                "--window-size=1400,1000", f"--user-data-dir={tmp_path / 'chromium-profile'}"):
+    for arg in (
+        "--headless=new",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-dev-shm-usage",
+        "--window-size=1400,1000",
+        f"--user-data-dir={tmp_path / 'chromium-profile'}",
+    ):
         opts.add_argument(arg)
     driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=opts)
     driver.set_page_load_timeout(30)
@@ -71,8 +85,11 @@ def test_dashboard_promotes_a_gated_candidate(browser, live_server, session, sto
     wait.until(lambda d: "PASSED" in _text(d, "gate-status"))
     rows = browser.find_elements(By.CSS_SELECTOR, "#suites tbody tr")
     assert len(rows) == 1 and rows[0].text.startswith("humaneval@1")
-    wait.until(lambda d: d.execute_script("const i = document.getElementById('report-img');"
-                                          "return i.style.display === 'block' && i.naturalWidth > 0;"))
+    wait.until(
+        lambda d: d.execute_script(
+            "const i = document.getElementById('report-img');return i.style.display === 'block' && i.naturalWidth > 0;"
+        )
+    )
     timeline = [r.get_attribute("data-id") for r in browser.find_elements(By.CSS_SELECTOR, "#timeline tbody tr")]
     assert timeline == ["ckpt-0001", "base"]
 

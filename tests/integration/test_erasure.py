@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import json
 import uuid
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 
 import numpy as np
 import psycopg
 import pytest
 
-from producers.events.types import UserErasureRequested, UserErasureRequestedEvent
 from consumers.projection import trajectory_id_for
 from consumers.testing import generate_session, kafka_record, produce
+from producers.events.types import UserErasureRequested, UserErasureRequestedEvent
 from tests.fixtures.broker import read_topic
 
 pytestmark = pytest.mark.integration
@@ -23,12 +23,19 @@ def _own_consumer_group(monkeypatch):
     """A consumer group per test: the session's broker keeps every group's membership, and a group
     whose members were SIGKILLed by an earlier test must not slow this test's join."""
     monkeypatch.setenv("FLYWHEEL_KAFKA_CONSUMER_GROUP", f"ingest-{uuid.uuid4().hex[:8]}")
-T0 = datetime.now(timezone.utc) - timedelta(hours=1)
+
+
+T0 = datetime.now(UTC) - timedelta(hours=1)
 
 
 def _sessions(rng, user: str, n: int, start: datetime, prefix: str, **kw):
-    return [e for i in range(n) for e in generate_session(rng, session_id=f"{prefix}-{user}-{i}", user_id=user,
-                                                          start=start + timedelta(seconds=i), **kw)]
+    return [
+        e
+        for i in range(n)
+        for e in generate_session(
+            rng, session_id=f"{prefix}-{user}-{i}", user_id=user, start=start + timedelta(seconds=i), **kw
+        )
+    ]
 
 
 def _consume():
@@ -42,9 +49,14 @@ def _mined_task(session_id: str):
     session's request text."""
     from app.models import EvalTask
 
-    return EvalTask(task_id=f"mined-{session_id}", suite="mined", source_session_id=session_id,
-                    source_trajectory_id=trajectory_id_for(session_id), content_hash=f"hash-{session_id}",
-                    spec={"request": f"the request of {session_id}"})
+    return EvalTask(
+        task_id=f"mined-{session_id}",
+        suite="mined",
+        source_session_id=session_id,
+        source_trajectory_id=trajectory_id_for(session_id),
+        content_hash=f"hash-{session_id}",
+        spec={"request": f"the request of {session_id}"},
+    )
 
 
 def test_erasure_removes_the_users_rows_and_flags_checkpoints(db, topics, kafka_bootstrap):
@@ -66,35 +78,61 @@ def test_erasure_removes_the_users_rows_and_flags_checkpoints(db, topics, kafka_
         add_checkpoint(s, checkpoint_id="base", path="/b", status="production")
         add_checkpoint(s, checkpoint_id="ck-1", path="/c1", parent_id="base", generation=1)
         add_checkpoint(s, checkpoint_id="ck-2", path="/c2", parent_id="base", generation=1)
-        s.add_all([CheckpointTrajectory(checkpoint_id="ck-1", trajectory_id=trajectory_id_for("a-u-alice-0"),
-                                        user_id="u-alice"),
-                   CheckpointTrajectory(checkpoint_id="ck-1", trajectory_id=trajectory_id_for("b-u-bob-0"),
-                                        user_id="u-bob"),
-                   CheckpointTrajectory(checkpoint_id="ck-2", trajectory_id=trajectory_id_for("b-u-bob-1"),
-                                        user_id="u-bob")])
+        s.add_all(
+            [
+                CheckpointTrajectory(
+                    checkpoint_id="ck-1", trajectory_id=trajectory_id_for("a-u-alice-0"), user_id="u-alice"
+                ),
+                CheckpointTrajectory(
+                    checkpoint_id="ck-1", trajectory_id=trajectory_id_for("b-u-bob-0"), user_id="u-bob"
+                ),
+                CheckpointTrajectory(
+                    checkpoint_id="ck-2", trajectory_id=trajectory_id_for("b-u-bob-1"), user_id="u-bob"
+                ),
+            ]
+        )
         s.add_all([_mined_task(sid) for sid in ("a-u-alice-0", "b-u-bob-0")])  # what `eval mine` stores
     with psycopg.connect(db, autocommit=True) as conn:
         assert conn.execute("SELECT count(*) FROM trajectory WHERE user_id = 'u-alice'").fetchone()[0] == 6
-        assert sorted(conn.execute("SELECT reason, user_id FROM dead_letter").fetchall(), key=str) == \
-            [("bad_json", None), ("unknown_type", "u-alice"), ("unknown_type", "u-bob")]
+        assert sorted(conn.execute("SELECT reason, user_id FROM dead_letter").fetchall(), key=str) == [
+            ("bad_json", None),
+            ("unknown_type", "u-alice"),
+            ("unknown_type", "u-bob"),
+        ]
         with pytest.raises(psycopg.errors.RaiseException, match="append-only"):
             conn.execute("DELETE FROM event_log WHERE user_id = 'u-alice'")
 
-    request = UserErasureRequestedEvent(session_id="erasure-1", user_id="u-alice",
-                                        payload=UserErasureRequested(request_id="req-1", reason="GDPR art. 17"))
+    request = UserErasureRequestedEvent(
+        session_id="erasure-1",
+        user_id="u-alice",
+        payload=UserErasureRequested(request_id="req-1", reason="GDPR art. 17"),
+    )
     # After the request: a straggler of an old session (occurred before it) on another key, and a new session.
     straggler = generate_session(rng, session_id="a-u-alice-late", user_id="u-alice", start=T0)[:3]
-    after = generate_session(rng, session_id="a-u-alice-new", user_id="u-alice",
-                             start=datetime.now(timezone.utc) + timedelta(seconds=5))
+    after = generate_session(
+        rng, session_id="a-u-alice-new", user_id="u-alice", start=datetime.now(UTC) + timedelta(seconds=5)
+    )
     produce(kafka_bootstrap, topics["interactions"], [kafka_record(request)])
     # Her malformed records after the request (its key: the same partition, so surely after it in the
     # stream): of an old session, and of one that does not say when (both covered by the erasure:
     # stored without their bytes), and of her new session (kept whole).
-    later = [(b"erasure-1", b'{"user_id": "u-alice", "session_id": "a-u-alice-0", "occurred_at": "'
-              + T0.isoformat().encode() + b'", "type": "nope", "text": "her secret"}', []),
-             (b"erasure-1", b'{"user_id": "u-alice", "type": "nope", "text": "her secret"}', []),
-             (b"erasure-1", b'{"user_id": "u-alice", "session_id": "a-u-alice-new", "occurred_at": "'
-              + (datetime.now(timezone.utc) + timedelta(seconds=30)).isoformat().encode() + b'", "type": "nope"}', [])]
+    later = [
+        (
+            b"erasure-1",
+            b'{"user_id": "u-alice", "session_id": "a-u-alice-0", "occurred_at": "'
+            + T0.isoformat().encode()
+            + b'", "type": "nope", "text": "her secret"}',
+            [],
+        ),
+        (b"erasure-1", b'{"user_id": "u-alice", "type": "nope", "text": "her secret"}', []),
+        (
+            b"erasure-1",
+            b'{"user_id": "u-alice", "session_id": "a-u-alice-new", "occurred_at": "'
+            + (datetime.now(UTC) + timedelta(seconds=30)).isoformat().encode()
+            + b'", "type": "nope"}',
+            [],
+        ),
+    ]
     produce(kafka_bootstrap, topics["interactions"], [kafka_record(e) for e in straggler + after] + later)
     stats = _consume()
     assert stats.dead_letters == {"unknown_type": 3}
@@ -105,31 +143,43 @@ def test_erasure_removes_the_users_rows_and_flags_checkpoints(db, topics, kafka_
         assert sessions == {"a-u-alice-new"}  # old events gone, the straggler dropped, new data kept
         assert q("SELECT count(*) FROM event_log WHERE session_id = 'erasure-1'") == [(0,)]  # stored minimally
         assert q("SELECT session_id FROM trajectory WHERE user_id = 'u-alice'") == [("a-u-alice-new",)]
-        assert q("SELECT count(*) FROM trajectory_segment s JOIN trajectory t ON t.id = s.trajectory_id "
-                 "WHERE t.user_id = 'u-alice' AND t.session_id <> 'a-u-alice-new'") == [(0,)]
-        assert q("SELECT count(*) FROM reward_label WHERE trajectory_id = %s", trajectory_id_for("a-u-alice-0")) \
-            == [(0,)]
+        assert q(
+            "SELECT count(*) FROM trajectory_segment s JOIN trajectory t ON t.id = s.trajectory_id "
+            "WHERE t.user_id = 'u-alice' AND t.session_id <> 'a-u-alice-new'"
+        ) == [(0,)]
+        assert q("SELECT count(*) FROM reward_label WHERE trajectory_id = %s", trajectory_id_for("a-u-alice-0")) == [
+            (0,)
+        ]
         # alice's two before the request are gone; bob's merely names her; her later ones are kept as above
         kept = q("SELECT user_id, key, raw IS NOT NULL, headers IS NOT NULL, left(detail, 18) FROM dead_letter")
-        assert sorted(kept, key=str) == [("u-alice", None, False, False, "raw bytes not kept"),
-                                         ("u-alice", None, False, False, "raw bytes not kept"),
-                                         ("u-alice", b"erasure-1", True, True, "unknown or missing"),
-                                         ("u-bob", b"b-u-bob-0", True, True, "unknown or missing")]
-        assert q("SELECT count(*) FROM dead_letter WHERE position('her secret' in convert_from(raw, 'UTF8')) > 0") \
-            == [(0,)]
+        assert sorted(kept, key=str) == [
+            ("u-alice", None, False, False, "raw bytes not kept"),
+            ("u-alice", None, False, False, "raw bytes not kept"),
+            ("u-alice", b"erasure-1", True, True, "unknown or missing"),
+            ("u-bob", b"b-u-bob-0", True, True, "unknown or missing"),
+        ]
+        assert q("SELECT count(*) FROM dead_letter WHERE position('her secret' in convert_from(raw, 'UTF8')) > 0") == [
+            (0,)
+        ]
     # The DLQ topic got what the table holds: her two before the request whole (published before it),
     # the two it covers without key or bytes, her new session's and bob's whole.
     dlq = read_topic(kafka_bootstrap, topics["dlq"])
     assert not [m for m in dlq if b"her secret" in m.value or any(b"her secret" in v for _, v in m.headers)]
     redacted = [m for m in dlq if dict(m.headers).get("dlq-redacted") == b"erasure"]
     assert [(m.key, m.value) for m in redacted] == [(None, b"")] * 2
-    assert sorted(m.key for m in dlq if m not in redacted) == [b"a-u-alice-0", b"a-u-alice-1", b"b-u-bob-0",
-                                                               b"erasure-1"]
+    assert sorted(m.key for m in dlq if m not in redacted) == [
+        b"a-u-alice-0",
+        b"a-u-alice-1",
+        b"b-u-bob-0",
+        b"erasure-1",
+    ]
     with psycopg.connect(db) as conn:
         q = lambda sql, *p: conn.execute(sql, p).fetchall()  # noqa: E731
-        (req,) = q("SELECT user_id, events_deleted, trajectories_deleted, checkpoints_flagged, dead_letters_deleted, "
-                   "cardinality(trajectory_ids), requested_at, eval_tasks_deleted FROM erasure_request "
-                   "WHERE request_id = 'req-1'")
+        (req,) = q(
+            "SELECT user_id, events_deleted, trajectories_deleted, checkpoints_flagged, dead_letters_deleted, "
+            "cardinality(trajectory_ids), requested_at, eval_tasks_deleted FROM erasure_request "
+            "WHERE request_id = 'req-1'"
+        )
         # the straggler is erased with the rest if its partition delivered it before the request,
         # dropped at ingest if after
         straggled = req[2] - 6
@@ -137,8 +187,10 @@ def test_erasure_removes_the_users_rows_and_flags_checkpoints(db, topics, kafka_
         assert req[:1] + req[3:6] == ("u-alice", ["ck-1"], 2, 6 + straggled)
         assert req[6] == request.occurred_at
         assert req[7] == 1 and q("SELECT source_session_id FROM eval_task") == [("b-u-bob-0",)]
-        flags = dict((r[0], (r[1], r[2] is not None)) for r in q(
-            "SELECT id, trained_on_erased, erasure_flagged_at FROM checkpoint"))
+        flags = dict(
+            (r[0], (r[1], r[2] is not None))
+            for r in q("SELECT id, trained_on_erased, erasure_flagged_at FROM checkpoint")
+        )
         assert flags == {"base": (False, False), "ck-1": (True, True), "ck-2": (False, False)}
         assert q("SELECT count(*) FROM event_log WHERE user_id = 'u-bob'") == [(len(bob),)]
         assert q("SELECT count(*) FROM trajectory WHERE user_id = 'u-bob'") == [(6,)]
@@ -193,7 +245,7 @@ def test_a_session_flagged_private_part_way_is_deleted_whole(db, topics, kafka_b
     with psycopg.connect(db) as conn:
         assert conn.execute("SELECT count(*) FROM event_log WHERE session_id = 'p-late'").fetchone() == (cut,)
     flag = lambda events: [e.model_copy(update={"privacy_mode": True}) for e in events]  # noqa: E731
-    rest = flag(earlier[cut:cut + 1]) + earlier[cut + 1:]
+    rest = flag(earlier[cut : cut + 1]) + earlier[cut + 1 :]
     mixed = same_batch[:3] + flag(same_batch[3:4]) + same_batch[4:]
     produce(kafka_bootstrap, topics["interactions"], [kafka_record(e) for e in rest + mixed])
     _consume()
@@ -234,27 +286,39 @@ def test_a_private_sessions_dead_letters_keep_no_bytes(db, topics, kafka_bootstr
     private = generate_session(rng, session_id="p-dl", user_id="u-q", start=T0)
     claimed = generate_session(rng, session_id="p-claim", user_id="u-q", start=T0)
     public = generate_session(rng, session_id="o-3", user_id="u-q", start=T0)
-    produce(kafka_bootstrap, topics["interactions"],
-            [kafka_record(e) for e in private[:2]] + [_malformed(private[2], "private code 1")]
-            + [kafka_record(e) for e in claimed[:2]])
+    produce(
+        kafka_bootstrap,
+        topics["interactions"],
+        [kafka_record(e) for e in private[:2]]
+        + [_malformed(private[2], "private code 1")]
+        + [kafka_record(e) for e in claimed[:2]],
+    )
     _consume()
     with psycopg.connect(db) as conn:  # before the flag it is an ordinary session's dead letter
-        assert conn.execute("SELECT session_id, redacted, raw IS NOT NULL FROM dead_letter").fetchall() == \
-            [("p-dl", None, True)]
+        assert conn.execute("SELECT session_id, redacted, raw IS NOT NULL FROM dead_letter").fetchall() == [
+            ("p-dl", None, True)
+        ]
         assert conn.execute("SELECT count(*) FROM event_log WHERE session_id = 'p-claim'").fetchone() == (2,)
     flagged = [e.model_copy(update={"privacy_mode": True}) for e in private[3:4]]
-    produce(kafka_bootstrap, topics["interactions"],
-            [kafka_record(e) for e in flagged] + [_malformed(private[4], "private code 2")]
-            + [kafka_record(claimed[2]), _malformed(claimed[3], "private code 3", privacy_mode=True)]
-            + [kafka_record(e) for e in claimed[4:]]
-            + [kafka_record(public[0]), _malformed(public[1], "public text")]
-            + [kafka_record(e) for e in public[2:]])
+    produce(
+        kafka_bootstrap,
+        topics["interactions"],
+        [kafka_record(e) for e in flagged]
+        + [_malformed(private[4], "private code 2")]
+        + [kafka_record(claimed[2]), _malformed(claimed[3], "private code 3", privacy_mode=True)]
+        + [kafka_record(e) for e in claimed[4:]]
+        + [kafka_record(public[0]), _malformed(public[1], "public text")]
+        + [kafka_record(e) for e in public[2:]],
+    )
     _consume()
     with psycopg.connect(db) as conn:
-        rows = conn.execute("SELECT session_id, redacted, key IS NULL AND raw IS NULL AND headers IS NULL, detail "
-                            'FROM dead_letter ORDER BY session_id DESC, partition, "offset"').fetchall()
-        leaked = conn.execute("SELECT count(*) FROM dead_letter WHERE position('private code' in "
-                              "convert_from(raw, 'UTF8')) > 0").fetchone()
+        rows = conn.execute(
+            "SELECT session_id, redacted, key IS NULL AND raw IS NULL AND headers IS NULL, detail "
+            'FROM dead_letter ORDER BY session_id DESC, partition, "offset"'
+        ).fetchall()
+        leaked = conn.execute(
+            "SELECT count(*) FROM dead_letter WHERE position('private code' in convert_from(raw, 'UTF8')) > 0"
+        ).fetchone()
         stored = dict(conn.execute("SELECT session_id, count(*) FROM event_log GROUP BY session_id").fetchall())
         trajectories = conn.execute("SELECT session_id FROM trajectory").fetchall()
         tomb = dict(conn.execute("SELECT session_id, events_dropped FROM privacy_tombstone").fetchall())
@@ -262,9 +326,11 @@ def test_a_private_sessions_dead_letters_keep_no_bytes(db, topics, kafka_bootstr
     assert tomb == {"p-dl": 3, "p-claim": len(claimed) - 1}  # events (not dead letters) stored or dropped
     stripped = "raw bytes not kept: the session is in privacy mode; "
     assert [(sid, why, gone, detail.startswith(stripped)) for sid, why, gone, detail in rows] == [
-        ("p-dl", "privacy", True, True), ("p-dl", "privacy", True, True),   # before the flag, after it
-        ("p-claim", "privacy", True, True),                                 # claims the flag
-        ("o-3", None, False, False)]                                        # does not
+        ("p-dl", "privacy", True, True),
+        ("p-dl", "privacy", True, True),  # before the flag, after it
+        ("p-claim", "privacy", True, True),  # claims the flag
+        ("o-3", None, False, False),
+    ]  # does not
     assert all("secret" in detail for *_, detail in rows)  # the reason is kept
     assert leaked == (0,)
     dlq = read_topic(kafka_bootstrap, topics["dlq"])
@@ -289,6 +355,7 @@ def test_an_erasure_finds_dead_letters_through_indexes(db):
 
     with psycopg.connect(db) as conn:
         conn.execute("SET enable_seqscan = off")  # a seq scan is then chosen only if nothing else exists
-        plan = "\n".join(r[0] for r in conn.execute("EXPLAIN " + DELETE_DEAD_LETTERS,
-                                                    {"user_id": "u", "quoted": b'"u"'}))
+        plan = "\n".join(
+            r[0] for r in conn.execute("EXPLAIN " + DELETE_DEAD_LETTERS, {"user_id": "u", "quoted": b'"u"'})
+        )
     assert "Seq Scan" not in plan and "ix_dead_letter_user_id" in plan and "ix_dead_letter_unattributed" in plan, plan

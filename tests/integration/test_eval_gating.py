@@ -25,11 +25,15 @@ from tests.integration.test_eval_runner_resume import StubTask
 
 pytestmark = pytest.mark.integration
 
-TASKS = {"humaneval": [StubTask(id=f"HumanEval/{i}") for i in range(30)],
-         "dataframebench": [StubTask(id=f"dfb/{i}") for i in range(30)]}
-CONFIG = GateConfig(suites={"humaneval": SuiteGate(min_pairs=10), "dataframebench": SuiteGate(min_pairs=10)},
-                    bootstrap_resamples=1000,
-                    monitors=[MonitorBound(metric="edit_rate", worse="decrease", abs_tolerance=0.05)])
+TASKS = {
+    "humaneval": [StubTask(id=f"HumanEval/{i}") for i in range(30)],
+    "dataframebench": [StubTask(id=f"dfb/{i}") for i in range(30)],
+}
+CONFIG = GateConfig(
+    suites={"humaneval": SuiteGate(min_pairs=10), "dataframebench": SuiteGate(min_pairs=10)},
+    bootstrap_resamples=1000,
+    monitors=[MonitorBound(metric="edit_rate", worse="decrease", abs_tolerance=0.05)],
+)
 
 
 class Engine:
@@ -50,9 +54,18 @@ class Policies:
         with self.lock:
             self.calls[engine.checkpoint_id] = self.calls.get(engine.checkpoint_id, 0) + 1
         n = int(task.id.rsplit("/", 1)[1])
-        return {"passed": n in self.solves[engine.checkpoint_id], "attempts": 1, "turns": 3,
-                "completion_tokens": 80, "latency_s": 0.2, "tool_calls": 4, "tool_call_errors": 0,
-                "asked_question": False, "edited": True, "detail": {}}
+        return {
+            "passed": n in self.solves[engine.checkpoint_id],
+            "attempts": 1,
+            "turns": 3,
+            "completion_tokens": 80,
+            "latency_s": 0.2,
+            "tool_calls": 4,
+            "tool_call_errors": 0,
+            "asked_question": False,
+            "edited": True,
+            "detail": {},
+        }
 
 
 @pytest.fixture
@@ -65,8 +78,16 @@ def checkpoints(db):
 
 def gate(cid: str, **kw):
     # One sample per task whatever the shipped suites say (k samples: tests/integration/test_eval_passk.py).
-    return gate_candidate(cid, config=CONFIG, suites=sorted(TASKS), tasks=TASKS, engine_factory=Engine,
-                          workers=2, overrides={"samples_per_task": 1}, **kw)
+    return gate_candidate(
+        cid,
+        config=CONFIG,
+        suites=sorted(TASKS),
+        tasks=TASKS,
+        engine_factory=Engine,
+        workers=2,
+        overrides={"samples_per_task": 1},
+        **kw,
+    )
 
 
 def test_gate_passes_records_everything_and_caches_production(checkpoints, monkeypatch):
@@ -109,8 +130,10 @@ def test_a_gated_suite_without_results_fails_closed(checkpoints, monkeypatch):
     cfg = CONFIG.model_copy(update={"suites": {**CONFIG.suites, "mined": SuiteGate()}})
     outcome = gate_candidate("good", config=cfg, suites=["humaneval"], tasks=TASKS, engine_factory=Engine)
     assert not outcome.result.passed
-    assert {(r.suite, r.check) for r in outcome.result.failures()} == {("dataframebench", "missing_suite"),
-                                                                       ("mined", "missing_suite")}
+    assert {(r.suite, r.check) for r in outcome.result.failures()} == {
+        ("dataframebench", "missing_suite"),
+        ("mined", "missing_suite"),
+    }
 
 
 def test_only_candidates_are_gated(checkpoints, monkeypatch):
@@ -125,8 +148,9 @@ def test_only_candidates_are_gated(checkpoints, monkeypatch):
 
 def test_automation_scans_and_evaluates_each_candidate_once(checkpoints, monkeypatch):
     monkeypatch.setattr(runner, "run_sample", Policies())
-    kw = dict(config=CONFIG, suites=sorted(TASKS), tasks=TASKS, engine_factory=Engine,
-              overrides={"samples_per_task": 1})
+    kw = dict(
+        config=CONFIG, suites=sorted(TASKS), tasks=TASKS, engine_factory=Engine, overrides={"samples_per_task": 1}
+    )
     dispatched: list[str] = []
     assert automation.scan(dispatched.append, limit=10) == ["bad", "good"]
     result = automation.evaluate("good", **kw)

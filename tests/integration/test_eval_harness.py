@@ -13,6 +13,7 @@ from sqlalchemy import select
 from typer.testing import CliRunner
 
 from app.core.db import session_scope
+from app.inference.engine import InferenceEngine
 from app.models import EvalResult, EvalRun
 from app.repositories.checkpoints import add_checkpoint
 from evals import runner
@@ -20,7 +21,6 @@ from evals.config import SuiteConfig, load_suite
 from evals.harness.scripted import ScriptedPolicy, tool_call
 from evals.tasks import load_tasks
 from evals.tasks.model import Task
-from app.inference.engine import InferenceEngine
 
 pytestmark = pytest.mark.integration
 
@@ -72,38 +72,44 @@ def results_of(run_id: str) -> list[EvalResult]:
     import uuid
 
     with session_scope() as s:
-        return list(s.scalars(select(EvalResult).where(EvalResult.run_id == uuid.UUID(run_id))
-                              .order_by(EvalResult.task_id)))
+        return list(
+            s.scalars(select(EvalResult).where(EvalResult.run_id == uuid.UUID(run_id)).order_by(EvalResult.task_id))
+        )
 
 
 @pytest.mark.parametrize("source,n", [("humaneval", 4), ("dataframebench", 3)])
 def test_reference_solutions_pass_through_the_runner(ckpt, tokenizer, source, n):
     suite = load_suite(source).with_overrides(limit=n, samples_per_task=1)
     tasks = load_tasks(source, suite.split, limit=n, seed=suite.seed)
-    engine = Router(tokenizer, {t.request: ScriptedPolicy.submitting(tokenizer, t, run_command="python -c 'import solution'")
-                                for t in tasks})
+    engine = Router(
+        tokenizer,
+        {t.request: ScriptedPolicy.submitting(tokenizer, t, run_command="python -c 'import solution'") for t in tasks},
+    )
     summary = runner.run_suite(ckpt, suite, engine=engine, workers=2)
     assert summary.status == "succeeded" and summary.errors == []
     rows = results_of(summary.run_id)
     assert [r.task_id for r in rows] == sorted(t.id for t in tasks)
     failed = {r.task_id: r.detail.get("grade_output") for r in rows if not r.passed}
     assert failed == {}
-    assert all(r.edited and r.tool_call_errors == 0 and r.attempts == 0 and r.turns >= 3 for r in rows), [(r.edited, r.tool_call_errors, r.attempts, r.turns, r.detail) for r in rows]
+    assert all(r.edited and r.tool_call_errors == 0 and r.attempts == 0 and r.turns >= 3 for r in rows), [
+        (r.edited, r.tool_call_errors, r.attempts, r.turns, r.detail) for r in rows
+    ]
     assert summary.pass_rate == 1.0 and summary.monitors["edit_rate"] == 1.0
 
 
 def test_an_agent_that_does_nothing_fails_every_task(ckpt, tokenizer):
     tasks = load_tasks("humaneval", "test", limit=3, seed=5)
     engine = Router(tokenizer, {t.request: ScriptedPolicy(tokenizer, ["Which file should I change?"]) for t in tasks})
-    summary = runner.run_suite(ckpt, SuiteConfig(name="humaneval", version="t", source="humaneval"), tasks=tasks,
-                               engine=engine)
+    summary = runner.run_suite(
+        ckpt, SuiteConfig(name="humaneval", version="t", source="humaneval"), tasks=tasks, engine=engine
+    )
     rows = results_of(summary.run_id)
     assert summary.passed == 0 and len(rows) == 3
     assert all(not r.passed and not r.edited and r.asked_question for r in rows)
     assert all(r.detail["grade_exit_code"] != 0 for r in rows)
 
 
-HOSTILE_TEST = r'''
+HOSTILE_TEST = r"""
 import glob, os, sys
 escaped = []
 for path in {targets!r}:
@@ -123,7 +129,7 @@ with open("/tmp/flywheel-hostile-leftover", "w") as f:  # world-writable: allowe
     f.write("x")
 print("ESCAPED" if escaped else "CONTAINED", escaped)
 sys.exit(0 if escaped else 1)
-'''
+"""
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="file isolation uses a fresh unprivileged uid, which needs root")
@@ -133,15 +139,28 @@ def test_a_hostile_hidden_test_is_contained(ckpt, tokenizer, tmp_path, flywheel_
     (other / "secret.py").write_text("API_KEY = 'hunter2'\n")
     victim_repo_file = str(flywheel_home / "evals" / "work" / "*" / "*" / "repo" / "solution.py")
     targets = [str(tmp_path / "escape.txt"), str(other / "secret.py"), str(flywheel_home / "escape.txt")]
-    hostile = Task(id="evil/1", source="stub", split="test", request="Do the evil task.",
-                   files={"solution.py": "x = 1\n"}, test_command="python test_evil.py",
-                   test_files={"test_evil.py": HOSTILE_TEST.format(targets=targets, secrets=[str(other / "secret.py")],
-                                                                   work_glob=victim_repo_file)})
+    hostile = Task(
+        id="evil/1",
+        source="stub",
+        split="test",
+        request="Do the evil task.",
+        files={"solution.py": "x = 1\n"},
+        test_command="python test_evil.py",
+        test_files={
+            "test_evil.py": HOSTILE_TEST.format(
+                targets=targets, secrets=[str(other / "secret.py")], work_glob=victim_repo_file
+            )
+        },
+    )
     honest = load_tasks("humaneval", "test", limit=1, seed=1)[0]
-    engine = Router(tokenizer, {
-        hostile.request: ScriptedPolicy(tokenizer, [tool_call("finish", message="done")]),
-        # The honest session is slow to finish, so its repository exists while the hostile test runs.
-        honest.request: ScriptedPolicy.submitting(tokenizer, honest, run_command="sleep 3")})
+    engine = Router(
+        tokenizer,
+        {
+            hostile.request: ScriptedPolicy(tokenizer, [tool_call("finish", message="done")]),
+            # The honest session is slow to finish, so its repository exists while the hostile test runs.
+            honest.request: ScriptedPolicy.submitting(tokenizer, honest, run_command="sleep 3"),
+        },
+    )
     suite = SuiteConfig(name="isolation", version="t", source="humaneval")
     summary = runner.run_suite(ckpt, suite, tasks=[honest, hostile], engine=engine, workers=2)
     rows = {r.task_id: r for r in results_of(summary.run_id)}
@@ -157,14 +176,26 @@ def test_a_hostile_hidden_test_is_contained(ckpt, tokenizer, tmp_path, flywheel_
 def test_flywheel_eval_runs_a_real_model_end_to_end(db, tiny_model_dir):
     """``flywheel eval CHECKPOINT --suite NAME`` with the torch engine on a tiny random model: it loads
     the checkpoint, runs sessions through the harness, grades, stores results and prints intervals."""
-    from ops.cli import app
     from app.checkpoints.publish import publish_folder
+    from ops.cli import app
 
     path = publish_folder(tiny_model_dir, "tiny", {"id": "tiny"})
     with session_scope() as s:
         add_checkpoint(s, checkpoint_id="tiny", path=str(path))
-    args = ["eval", "tiny", "--suite", "humaneval", "--limit", "2", "--samples", "1", "--max-turns", "2",
-            "--max-tokens", "24"]
+    args = [
+        "eval",
+        "tiny",
+        "--suite",
+        "humaneval",
+        "--limit",
+        "2",
+        "--samples",
+        "1",
+        "--max-turns",
+        "2",
+        "--max-tokens",
+        "24",
+    ]
     result = CliRunner().invoke(app, args, catch_exceptions=False)
     assert result.exit_code == 0, result.output
     assert "humaneval" in result.output and "95% CI" in result.output

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import uuid
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 
 import pytest
 from sqlalchemy import select
@@ -17,43 +17,86 @@ from tests.integration.test_eval_runner_resume import StubTask
 
 pytestmark = pytest.mark.integration
 
-T0 = datetime(2026, 11, 1, tzinfo=timezone.utc)
-SOURCE = {tid: StubTask(id=tid, source="dataframebench", split="train", request=f"full spec of {tid}",
-                        files={"solution.py": "def f():\n    pass\n"}, test_command="python -m pytest -q",
-                        test_files={"test_solution.py": f"# hidden tests of {tid}\n"},
-                        reference_files={"solution.py": "def f():\n    return 1\n"})
-          for tid in ("dfb/A", "dfb/B", "dfb/C", "dfb/D")}
+T0 = datetime(2026, 11, 1, tzinfo=UTC)
+SOURCE = {
+    tid: StubTask(
+        id=tid,
+        source="dataframebench",
+        split="train",
+        request=f"full spec of {tid}",
+        files={"solution.py": "def f():\n    pass\n"},
+        test_command="python -m pytest -q",
+        test_files={"test_solution.py": f"# hidden tests of {tid}\n"},
+        reference_files={"solution.py": "def f():\n    return 1\n"},
+    )
+    for tid in ("dfb/A", "dfb/B", "dfb/C", "dfb/D")
+}
 
 
-def add_session(s, n: int, task_id: str, *, source: str = "dataframebench", persisted: list[float] = (0.9,),
-                ran_tests: bool = True, status: str = "finalized", request: str = "make f return 1") -> Trajectory:
+def add_session(
+    s,
+    n: int,
+    task_id: str,
+    *,
+    source: str = "dataframebench",
+    persisted: list[float] = (0.9,),
+    ran_tests: bool = True,
+    status: str = "finalized",
+    request: str = "make f return 1",
+) -> Trajectory:
     sid = f"sess-{n}"
-    traj = Trajectory(id=uuid.uuid4(), session_id=sid, user_id=f"u{n}", org_id="o", task_id=task_id,
-                      task_source=source, status=status, ran_tests=ran_tests, request_text=request,
-                      finalized_at=T0 + timedelta(minutes=n) if status == "finalized" else None,
-                      test_commands=["python -m pytest -q"] if ran_tests else [])
+    traj = Trajectory(
+        id=uuid.uuid4(),
+        session_id=sid,
+        user_id=f"u{n}",
+        org_id="o",
+        task_id=task_id,
+        task_source=source,
+        status=status,
+        ran_tests=ran_tests,
+        request_text=request,
+        finalized_at=T0 + timedelta(minutes=n) if status == "finalized" else None,
+        test_commands=["python -m pytest -q"] if ran_tests else [],
+    )
     s.add(traj)
     events = [("agent.requested", {"request_id": "r", "text": request})]
     if ran_tests:
-        events.append(("tool.executed", {"call_id": "c", "name": "run", "ok": True, "ran_tests": True,
-                                         "command": "python -m pytest -q"}))
-    events += [("edit.persistence_measured", {"edit_id": f"e{i}", "fraction_persisted": f, "delay_s": 60.0})
-               for i, f in enumerate(persisted)]
+        events.append(
+            (
+                "tool.executed",
+                {"call_id": "c", "name": "run", "ok": True, "ran_tests": True, "command": "python -m pytest -q"},
+            )
+        )
+    events += [
+        ("edit.persistence_measured", {"edit_id": f"e{i}", "fraction_persisted": f, "delay_s": 60.0})
+        for i, f in enumerate(persisted)
+    ]
     for typ, payload in events:
-        s.add(EventLog(event_id=uuid.uuid4(), type=typ, schema_version=1, occurred_at=T0, session_id=sid,
-                       user_id=f"u{n}", org_id="o", payload=payload))
+        s.add(
+            EventLog(
+                event_id=uuid.uuid4(),
+                type=typ,
+                schema_version=1,
+                occurred_at=T0,
+                session_id=sid,
+                user_id=f"u{n}",
+                org_id="o",
+                payload=payload,
+            )
+        )
     s.flush()
     return traj
 
 
 @pytest.fixture
 def sessions(db, monkeypatch):
-    monkeypatch.setattr(mined, "source_task", lambda source, task_id: SOURCE.get(task_id)
-                        if source == "dataframebench" else None)
+    monkeypatch.setattr(
+        mined, "source_task", lambda source, task_id: SOURCE.get(task_id) if source == "dataframebench" else None
+    )
     with session_scope() as s:
         add_checkpoint(s, checkpoint_id="old", path="/x/old")
         t = {
-            "late_A": add_session(s, 0, "dfb/A", persisted=[0.2]),          # not persisted, same task as good
+            "late_A": add_session(s, 0, "dfb/A", persisted=[0.2]),  # not persisted, same task as good
             "good": add_session(s, 1, "dfb/A", persisted=[1.0, 0.8]),
             "dup": add_session(s, 2, "dfb/A", request="Make  F return 1 "),  # same content, other session
             "unpersisted": add_session(s, 3, "dfb/B", persisted=[0.5, 0.4]),
@@ -72,8 +115,14 @@ def test_mining_selects_dedups_and_reserves(sessions):
         report = mined.mine_tasks(s, min_persistence=0.8)
     assert report.mined == ["dfb/A"]
     assert report.examined == 8  # the provisional one is not eligible
-    assert dict(report.skipped) == {"edits_not_persisted": 2, "duplicate": 1, "no_tests": 1, "no_source_task": 1,
-                                    "already_trained": 1, "no_persistence": 1}
+    assert dict(report.skipped) == {
+        "edits_not_persisted": 2,
+        "duplicate": 1,
+        "no_tests": 1,
+        "no_source_task": 1,
+        "already_trained": 1,
+        "no_persistence": 1,
+    }
     with session_scope() as s:
         (task,) = s.scalars(select(EvalTask)).all()
         assert (task.suite, task.source_trajectory_id, task.source_session_id) == ("mined", sessions["good"], "sess-1")
@@ -105,19 +154,30 @@ def test_contamination_check_finds_eval_tasks_in_lineage_and_manifests(sessions)
     assert cli.invoke(app, ["eval", "contamination", "--no-static"]).exit_code == 0
     with session_scope() as s:
         add_checkpoint(s, checkpoint_id="leaky", path="/x/leaky")
-        s.add(CheckpointTrajectory(checkpoint_id="leaky", trajectory_id=sessions["good"], user_id="u1",
-                                   task_id="dfb/A"))
-        add_checkpoint(s, checkpoint_id="manifest-only", path="/x/m",
-                       manifest={"trajectories": [{"trajectory_id": str(sessions["good"]), "seq": 3}],
-                                 "data": {"task_ids": ["HumanEval/7"]}})
+        s.add(
+            CheckpointTrajectory(checkpoint_id="leaky", trajectory_id=sessions["good"], user_id="u1", task_id="dfb/A")
+        )
+        add_checkpoint(
+            s,
+            checkpoint_id="manifest-only",
+            path="/x/m",
+            manifest={
+                "trajectories": [{"trajectory_id": str(sessions["good"]), "seq": 3}],
+                "data": {"task_ids": ["HumanEval/7"]},
+            },
+        )
         s.add(CheckpointTrajectory(checkpoint_id="old", trajectory_id=uuid.uuid4(), user_id="u", task_id="HumanEval/3"))
     with session_scope() as s:
-        found = {(c.checkpoint_id, c.task_id, c.via) for c in mined.find_contamination(s, ["HumanEval/3", "HumanEval/7"])}
-    assert found == {("leaky", "dfb/A", "checkpoint_trajectory.task_id"),
-                     ("leaky", "dfb/A", "checkpoint_trajectory.trajectory_id"),
-                     ("manifest-only", "dfb/A", "manifest"),
-                     ("manifest-only", "HumanEval/7", "manifest"),
-                     ("old", "HumanEval/3", "checkpoint_trajectory.task_id")}
+        found = {
+            (c.checkpoint_id, c.task_id, c.via) for c in mined.find_contamination(s, ["HumanEval/3", "HumanEval/7"])
+        }
+    assert found == {
+        ("leaky", "dfb/A", "checkpoint_trajectory.task_id"),
+        ("leaky", "dfb/A", "checkpoint_trajectory.trajectory_id"),
+        ("manifest-only", "dfb/A", "manifest"),
+        ("manifest-only", "HumanEval/7", "manifest"),
+        ("old", "HumanEval/3", "checkpoint_trajectory.task_id"),
+    }
     result = cli.invoke(app, ["eval", "contamination", "--no-static"])
     assert result.exit_code == 1 and "CONTAMINATED leaky: dfb/A" in result.output
 

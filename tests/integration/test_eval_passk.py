@@ -22,10 +22,12 @@ pytestmark = pytest.mark.integration
 
 K = 4
 TASKS = [StubTask(id=f"f/{i}") for i in range(12)]
-SUITE = SuiteConfig(name="functions_stub", version="1", source="humaneval", samples_per_task=K,
-                    sampling={"temperature": 0.7})
-CONFIG = GateConfig(suites={"functions_stub": SuiteGate(min_pairs=10, tolerance=0.3)}, bootstrap_resamples=500,
-                    monitors=[])
+SUITE = SuiteConfig(
+    name="functions_stub", version="1", source="humaneval", samples_per_task=K, sampling={"temperature": 0.7}
+)
+CONFIG = GateConfig(
+    suites={"functions_stub": SuiteGate(min_pairs=10, tolerance=0.3)}, bootstrap_resamples=500, monitors=[]
+)
 
 
 class Samples:
@@ -40,8 +42,18 @@ class Samples:
         with self.lock:
             self.calls.append((engine.checkpoint_id, task.id, sample_index))
         n = int(task.id.split("/")[1]) % 3 + (engine.checkpoint_id == "cand")
-        return {"passed": sample_index < n, "attempts": 1, "turns": 1, "completion_tokens": 20, "latency_s": 0.1,
-                "tool_calls": 1, "tool_call_errors": 0, "asked_question": False, "edited": True, "detail": {}}
+        return {
+            "passed": sample_index < n,
+            "attempts": 1,
+            "turns": 1,
+            "completion_tokens": 20,
+            "latency_s": 0.1,
+            "tool_calls": 1,
+            "tool_call_errors": 0,
+            "asked_question": False,
+            "edited": True,
+            "detail": {},
+        }
 
 
 class Engine:
@@ -57,8 +69,9 @@ def test_k_samples_per_task_are_summarized_paired_and_reported(db, monkeypatch):
     monkeypatch.setattr(runner, "run_sample", samples)
     monkeypatch.setattr(gating, "load_suite", lambda name: SUITE)
 
-    outcome = gate_candidate("cand", config=CONFIG, suites=["functions_stub"], tasks={"functions_stub": TASKS},
-                             engine_factory=Engine)
+    outcome = gate_candidate(
+        "cand", config=CONFIG, suites=["functions_stub"], tasks={"functions_stub": TASKS}, engine_factory=Engine
+    )
     assert len(samples.calls) == 2 * len(TASKS) * K
 
     # base: per task c in {0, 1, 2} of 4 -> pass@1 = 1/4, pass@4 = 8/12, best-of-4 8/12.

@@ -58,13 +58,17 @@ def test_dead_letters_stored_before_their_claim_columns_are_attributed_and_redac
         with psycopg.connect(url) as conn:
             conn.execute("INSERT INTO privacy_tombstone (session_id, events_dropped) VALUES ('s-private', 3)")
             for i, (reason, raw, user) in enumerate(rows):
-                conn.execute("INSERT INTO dead_letter (topic, partition, \"offset\", key, raw, headers, reason, "
-                             "detail, user_id) VALUES ('t', 0, %s, %s, %s, '[[\"h\", \"v\"]]', %s, 'why', %s)",
-                             (i, b"k", raw.encode(), reason, user))
+                conn.execute(
+                    'INSERT INTO dead_letter (topic, partition, "offset", key, raw, headers, reason, '
+                    "detail, user_id) VALUES ('t', 0, %s, %s, %s, '[[\"h\", \"v\"]]', %s, 'why', %s)",
+                    (i, b"k", raw.encode(), reason, user),
+                )
         upgrade(url=url)
         with psycopg.connect(url) as conn:
-            got = conn.execute("SELECT user_id, session_id, redacted, raw IS NOT NULL, key IS NOT NULL, "
-                               "headers IS NOT NULL, detail FROM dead_letter ORDER BY \"offset\"").fetchall()
+            got = conn.execute(
+                "SELECT user_id, session_id, redacted, raw IS NOT NULL, key IS NOT NULL, "
+                'headers IS NOT NULL, detail FROM dead_letter ORDER BY "offset"'
+            ).fetchall()
     finally:
         reset_engines()
         with psycopg.connect(pg_admin_url, autocommit=True) as conn:
@@ -73,11 +77,11 @@ def test_dead_letters_stored_before_their_claim_columns_are_attributed_and_redac
     private = ("privacy", False, False, False, PRIVATE_DETAIL + "why")
     assert got == [
         ("u-1", "s-1", *kept),
-        ("u-2", "s-private", *private),     # its session has a tombstone
-        ("u-3", "s-3", *private),           # its bytes ask for privacy_mode
+        ("u-2", "s-private", *private),  # its session has a tombstone
+        ("u-3", "s-3", *private),  # its bytes ask for privacy_mode
         ("u-4", "s-4", *kept),
-        (None, None, *kept),                # not JSON: found by a byte search, as before
-        (None, None, *kept),                # ids the contract refuses are not claims
-        (None, None, *kept),                # an oversized record is never parsed
-        (None, None, *kept),                # not an object
+        (None, None, *kept),  # not JSON: found by a byte search, as before
+        (None, None, *kept),  # ids the contract refuses are not claims
+        (None, None, *kept),  # an oversized record is never parsed
+        (None, None, *kept),  # not an object
     ]

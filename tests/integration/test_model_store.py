@@ -18,9 +18,9 @@ def _rows(model):
 
 
 def test_register_first_model_becomes_production_with_audit(db, tiny_model_dir, tmp_path, monkeypatch):
+    from app.checkpoints.publish import register_model
     from app.checkpoints.store import CheckpointStore
     from app.models import AuditLog, Checkpoint, Outbox, Promotion
-    from app.checkpoints.publish import register_model
 
     store = CheckpointStore(tmp_path / "ckpts")
     path = register_model(tiny_model_dir, "tiny", "production", store=store)
@@ -44,9 +44,9 @@ def test_register_first_model_becomes_production_with_audit(db, tiny_model_dir, 
 
 
 def test_register_refuses_non_model_folder(db, tmp_path):
+    from app.checkpoints.publish import register_model
     from app.checkpoints.store import CheckpointStore
     from app.core.errors import CheckpointError, ConfigurationError
-    from app.checkpoints.publish import register_model
 
     (tmp_path / "junk").mkdir()
     with pytest.raises(CheckpointError, match="config.json"):
@@ -60,10 +60,10 @@ def test_model_init_materializes_smollm2_that_answers_sensibly(db, tmp_path):
     """The real SmolLM2-135M-Instruct: converted once (cached), hardlinked into a fresh store."""
     import torch
 
-    from app.checkpoints.store import CheckpointStore
-    from app.models import Checkpoint
-    from app.inference.engine import SamplingParams
     from app.checkpoints.publish import converted_base_dir, init_base
+    from app.checkpoints.store import CheckpointStore
+    from app.inference.engine import SamplingParams
+    from app.models import Checkpoint
     from serving.torch_engine import TorchEngine
 
     store = CheckpointStore(tmp_path / "ckpts")
@@ -76,8 +76,9 @@ def test_model_init_materializes_smollm2_that_answers_sensibly(db, tmp_path):
 
     torch.set_num_threads(2)
     engine = TorchEngine(path, checkpoint_id="base")
-    prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
-                                                  add_generation_prompt=True, tokenize=False)
+    prompt = engine.tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What is the capital of France?"}], add_generation_prompt=True, tokenize=False
+    )
     ids = engine.tokenizer(prompt, add_special_tokens=False).input_ids
     gen = engine.generate([ids], SamplingParams(max_tokens=12, temperature=0.0))[0]
     assert "Paris" in engine.tokenizer.decode(gen.token_ids)

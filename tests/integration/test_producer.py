@@ -23,8 +23,7 @@ def consume_all(bootstrap: str, topic: str, expected: int, timeout_s: float = 30
     """Every record of ``topic`` (all partitions, from the start), without a consumer group."""
     from kafka import KafkaConsumer, TopicPartition
 
-    consumer = KafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False,
-                             auto_offset_reset="earliest")
+    consumer = KafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False, auto_offset_reset="earliest")
     try:
         deadline = time.monotonic() + timeout_s
         parts: set[int] = set()
@@ -62,10 +61,19 @@ def test_produce_consume_round_trip_with_key_and_trace_headers(kafka_bootstrap, 
     producer = EventProducer(spool_dir=tmp_path)  # bootstrap and topic from settings
     assert producer.topic == topic
     responded = ModelRespondedEvent(
-        session_id="s-model", user_id="u1",
-        payload=ModelResponded(request_id="r1", segment_index=0, turn_index=0, checkpoint_id="base",
-                               prompt_token_ids=[1, 2, 3], completion_token_ids=[7, 8],
-                               completion_logprobs=[-0.5, -0.25], latency_s=0.2))
+        session_id="s-model",
+        user_id="u1",
+        payload=ModelResponded(
+            request_id="r1",
+            segment_index=0,
+            turn_index=0,
+            checkpoint_id="base",
+            prompt_token_ids=[1, 2, 3],
+            completion_token_ids=[7, 8],
+            completion_logprobs=[-0.5, -0.25],
+            latency_s=0.2,
+        ),
+    )
     with tracer("test").start_as_current_span("editor-request") as span:
         producer.emit(responded)
         for i in range(30):
@@ -98,9 +106,15 @@ def test_broker_outage_spools_then_delivers_every_event_once_in_order(tmp_path):
     broker = start_broker(tmp_path / "logs", port=port)
     create_topics(broker.bootstrap, {topic: 4})
     errors: list[Exception] = []
-    producer = EventProducer(broker.bootstrap, topic, spool_dir=tmp_path / "spool",
-                             on_error=lambda exc, ev: errors.append(exc),
-                             delivery_timeout_s=2.0, connect_timeout_s=1.0, max_backoff_s=1.0)
+    producer = EventProducer(
+        broker.bootstrap,
+        topic,
+        spool_dir=tmp_path / "spool",
+        on_error=lambda exc, ev: errors.append(exc),
+        delivery_timeout_s=2.0,
+        connect_timeout_s=1.0,
+        max_backoff_s=1.0,
+    )
     try:
         for i in range(0, 40):
             producer.emit(_event(i, session=f"s{i % 5}"))
@@ -140,8 +154,9 @@ def test_spool_left_by_a_dead_producer_is_delivered_first(kafka_bootstrap, topic
     from app.core.net import free_port
 
     topic = topics["interactions"]
-    offline = EventProducer(f"127.0.0.1:{free_port()}", topic, spool_dir=tmp_path,
-                            connect_timeout_s=0.5, delivery_timeout_s=1.0)
+    offline = EventProducer(
+        f"127.0.0.1:{free_port()}", topic, spool_dir=tmp_path, connect_timeout_s=0.5, delivery_timeout_s=1.0
+    )
     for i in range(10):
         offline.emit(_event(i, session="s"))
     offline.close(timeout_s=20)

@@ -38,20 +38,26 @@ EMIT = textwrap.dedent("""
 def sdk_python(tmp_path_factory) -> Path:
     """The interpreter of a fresh virtualenv (no system site-packages) with only ``./producers``."""
     root = tmp_path_factory.mktemp("sdk")
-    shutil.copytree(REPO / "producers", root / "producers", ignore=shutil.ignore_patterns("__pycache__", "build",
-                                                                                          "*.egg-info"))
+    shutil.copytree(
+        REPO / "producers", root / "producers", ignore=shutil.ignore_patterns("__pycache__", "build", "*.egg-info")
+    )
     subprocess.run([sys.executable, "-m", "venv", str(root / "venv")], check=True)
     python = root / "venv" / "bin" / "python"
-    proc = subprocess.run([str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check",
-                           str(root / "producers")], capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check", str(root / "producers")],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     if proc.returncode != 0:
         pytest.fail(f"pip install ./producers failed:\n{proc.stderr[-3000:]}")
     return python
 
 
 def test_sdk_installs_without_heavy_dependencies(sdk_python):
-    listed = subprocess.run([str(sdk_python), "-m", "pip", "list", "--format=json"], capture_output=True, text=True,
-                            check=True).stdout
+    listed = subprocess.run(
+        [str(sdk_python), "-m", "pip", "list", "--format=json"], capture_output=True, text=True, check=True
+    ).stdout
     names = {p["name"].lower().replace("_", "-") for p in json.loads(listed)}
     assert "flywheel-producer" in names and "kafka-python" in names and "pydantic" in names
     assert not names & set(HEAVY), f"the SDK pulled in {sorted(names & set(HEAVY))}"
@@ -67,15 +73,25 @@ def test_sdk_emits_an_event_the_broker_delivers(sdk_python, tmp_path, kafka_boot
 
     topic = "editor.interactions.sdk"
     create_topics(kafka_bootstrap, {topic: 1})
-    proc = subprocess.run([str(sdk_python), "-c", EMIT, kafka_bootstrap, topic, str(tmp_path / "spool")],
-                          capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    proc = subprocess.run(
+        [str(sdk_python), "-c", EMIT, kafka_bootstrap, topic, str(tmp_path / "spool")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["sent"] == 1
     assert not set(out["loaded"]) & set(HEAVY), "emitting loaded a heavy module"
 
-    consumer = KafkaConsumer(topic, bootstrap_servers=kafka_bootstrap, auto_offset_reset="earliest",
-                             enable_auto_commit=False, consumer_timeout_ms=15_000)
+    consumer = KafkaConsumer(
+        topic,
+        bootstrap_servers=kafka_bootstrap,
+        auto_offset_reset="earliest",
+        enable_auto_commit=False,
+        consumer_timeout_ms=15_000,
+    )
     try:
         events = [decode_event(m.value) for m in consumer]
     finally:

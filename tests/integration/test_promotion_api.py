@@ -2,15 +2,25 @@
 
 from __future__ import annotations
 
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 
 import pytest
 import sqlalchemy as sa
 from sqlalchemy import select
 
 from app.models import AuditLog, Checkpoint, Outbox, Promotion
-from tests.integration.test_api_support import (PNG_1PX, auth, base, client, gated, make_token,  # noqa: F401
-                                                 seed_checkpoint, seed_eval_run, seed_gate, store)
+from tests.integration.test_api_support import (  # noqa: F401
+    PNG_1PX,
+    auth,
+    base,
+    client,
+    gated,
+    make_token,
+    seed_checkpoint,
+    seed_eval_run,
+    seed_gate,
+    store,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -21,8 +31,11 @@ def rm(session):
 
 
 def _promote(client, headers, checkpoint_id, expected="base", reason="better on humaneval"):
-    return client.post("/v1/promotions", headers=headers,
-                       json={"checkpoint_id": checkpoint_id, "reason": reason, "expected_production_id": expected})
+    return client.post(
+        "/v1/promotions",
+        headers=headers,
+        json={"checkpoint_id": checkpoint_id, "reason": reason, "expected_production_id": expected},
+    )
 
 
 def _statuses(session) -> dict[str, str]:
@@ -115,28 +128,38 @@ def test_rollback_to_previous_and_named_production(client, session, store, gated
 
     stale = client.post("/v1/rollbacks", headers=rm, json={"reason": "r", "expected_production_id": "base"})
     assert stale.status_code == 409
-    resp = client.post("/v1/rollbacks", headers=rm,
-                       json={"reason": "latency regression in prod", "expected_production_id": gated.id})
+    resp = client.post(
+        "/v1/rollbacks", headers=rm, json={"reason": "latency regression in prod", "expected_production_id": gated.id}
+    )
     assert resp.status_code == 201, resp.text
     assert resp.json()["kind"] == "rollback" and resp.json()["checkpoint_id"] == "base"
     assert _statuses(session) == {"base": "production", gated.id: "retired"}
     assert [o.event_type for o in session.scalars(select(Outbox).order_by(Outbox.id))] == [
-        "checkpoint.promoted", "checkpoint.rolled_back"]
+        "checkpoint.promoted",
+        "checkpoint.rolled_back",
+    ]
     rolled = session.scalars(select(Outbox).order_by(Outbox.id.desc()).limit(1)).one()
     assert rolled.payload["previous_production_id"] == gated.id
 
     never = seed_checkpoint(session, store, "ckpt-0003", parent_id="base", generation=1)
     seed_gate(session, never.id, "base", passed=True)
-    resp = client.post("/v1/rollbacks", headers=rm, json={"reason": "r", "expected_production_id": "base",
-                                                          "checkpoint_id": never.id})
+    resp = client.post(
+        "/v1/rollbacks", headers=rm, json={"reason": "r", "expected_production_id": "base", "checkpoint_id": never.id}
+    )
     assert resp.status_code == 409 and any("never been production" in r for r in resp.json()["error"]["reasons"])
     # Rolling "back" to a checkpoint that was production before, by name.
-    resp = client.post("/v1/rollbacks", headers=rm, json={"reason": "it was fine", "expected_production_id": "base",
-                                                          "checkpoint_id": gated.id})
+    resp = client.post(
+        "/v1/rollbacks",
+        headers=rm,
+        json={"reason": "it was fine", "expected_production_id": "base", "checkpoint_id": gated.id},
+    )
     assert resp.status_code == 201
     assert _statuses(session)[gated.id] == "production"
     assert [a.action for a in session.scalars(select(AuditLog).order_by(AuditLog.id))][-3:] == [
-        "checkpoint.promoted", "checkpoint.rolled_back", "checkpoint.rolled_back"]
+        "checkpoint.promoted",
+        "checkpoint.rolled_back",
+        "checkpoint.rolled_back",
+    ]
 
 
 def test_reject(client, session, store, gated, rm):
@@ -168,10 +191,17 @@ def test_audit_log_is_append_only(client, session, gated, rm):
 
 
 def test_checkpoint_list_is_paginated_newest_first(client, session, store, base, rm):
-    now = datetime.now(timezone.utc)
+    now = datetime.now(UTC)
     for i in range(7):
-        seed_checkpoint(session, store, f"ckpt-{i:04d}", parent_id="base", generation=1,
-                        created_at=now - timedelta(minutes=10 - i), stable_dir=False)
+        seed_checkpoint(
+            session,
+            store,
+            f"ckpt-{i:04d}",
+            parent_id="base",
+            generation=1,
+            created_at=now - timedelta(minutes=10 - i),
+            stable_dir=False,
+        )
     seen, cursor = [], None
     while True:
         page = client.get("/v1/checkpoints", headers=rm, params={"limit": 3, **({"cursor": cursor} if cursor else {})})

@@ -10,8 +10,7 @@ import sqlalchemy as sa
 from sqlalchemy import select
 
 from app.models import Checkpoint, Outbox, Promotion
-from tests.integration.test_api_support import (auth, base, live_server, make_token, seed_checkpoint,  # noqa: F401
-                                                 seed_gate, store)
+from tests.integration.test_api_support import auth, base, live_server, make_token, seed_checkpoint, seed_gate, store  # noqa: F401
 
 pytestmark = pytest.mark.integration
 
@@ -41,8 +40,9 @@ def test_two_concurrent_promotions_exactly_one_wins(live_server, session, store,
     for cid in ids:
         seed_checkpoint(session, store, cid, parent_id="base", generation=1)
         seed_gate(session, cid, "base", passed=True)
-    bodies = [{"checkpoint_id": ids[i % len(ids)], "reason": f"race {i}", "expected_production_id": "base"}
-              for i in range(2)]
+    bodies = [
+        {"checkpoint_id": ids[i % len(ids)], "reason": f"race {i}", "expected_production_id": "base"} for i in range(2)
+    ]
     responses = _race(live_server, headers, bodies)
     codes = sorted(r.status_code for r in responses)
     assert codes == [201, 409], [r.text for r in responses]

@@ -8,9 +8,9 @@ the distribution moved.
 
 from __future__ import annotations
 
-import uuid
 import json
 import time
+import uuid
 
 import psycopg
 import pytest
@@ -77,8 +77,12 @@ def test_late_signals_replay_and_relabel(db, topics, kafka_bootstrap, short_wind
         assert conn.execute("SELECT count(*) FROM event_log").fetchone()[0] == len(events)
         status = dict(conn.execute("SELECT finalized_by, count(*) FROM trajectory GROUP BY 1").fetchall())
         late_ids = [i for (ids,) in conn.execute("SELECT late_event_ids FROM trajectory") for i in ids]
-        labels = dict(conn.execute("SELECT t.session_id, r.reward FROM reward_label r JOIN trajectory t "
-                                   "ON t.id = r.trajectory_id WHERE r.spec = 'implicit@1'").fetchall())
+        labels = dict(
+            conn.execute(
+                "SELECT t.session_id, r.reward FROM reward_label r JOIN trajectory t "
+                "ON t.id = r.trajectory_id WHERE r.spec = 'implicit@1'"
+            ).fetchall()
+        )
     assert set(status) <= {"window", "signals"} and status.get("window", 0) > 0
     assert sorted(late_ids) == sorted(e.event_id for e in late)  # stored, flagged late, not folded
     assert len(labels) == sum(status.values())
@@ -107,8 +111,12 @@ def test_late_signals_replay_and_relabel(db, topics, kafka_bootstrap, short_wind
     assert rep["late_signals_used"] == len(late) and rep["changed"] > 0
     assert rep["relabeled"] == len(labels) and rep["before"]["n"] == rep["after"]["n"] == len(labels)
     with psycopg.connect(db) as conn:
-        relabeled = dict(conn.execute("SELECT t.session_id, r.reward FROM reward_label r JOIN trajectory t "
-                                      "ON t.id = r.trajectory_id WHERE r.spec = 'implicit@1'").fetchall())
+        relabeled = dict(
+            conn.execute(
+                "SELECT t.session_id, r.reward FROM reward_label r JOIN trajectory t "
+                "ON t.id = r.trajectory_id WHERE r.spec = 'implicit@1'"
+            ).fetchall()
+        )
     late_sessions = {e.session_id for e in late}
     assert any(relabeled[s] != labels[s] for s in late_sessions)
     assert all(relabeled[s] == labels[s] for s in labels if s not in late_sessions)
@@ -117,8 +125,10 @@ def test_late_signals_replay_and_relabel(db, topics, kafka_bootstrap, short_wind
     assert out.exit_code == 0, out.output
     assert "implicit@1" in out.output and "implicit@2" in out.output and "p50" in out.output
     with psycopg.connect(db) as conn:
-        n2, with_tests = conn.execute("SELECT count(*), count(*) FILTER (WHERE components ? 'test_outcome') "
-                                      "FROM reward_label WHERE spec = 'implicit@2'").fetchone()
+        n2, with_tests = conn.execute(
+            "SELECT count(*), count(*) FILTER (WHERE components ? 'test_outcome') "
+            "FROM reward_label WHERE spec = 'implicit@2'"
+        ).fetchone()
     assert n2 == with_tests == len(labels)
 
     # an in-place replay rebuilds what the consumers write: implicit@2's labels (a relabel's) are not
@@ -150,8 +160,9 @@ def test_an_erasure_while_a_relabel_scans_is_not_held_up_and_its_trajectories_ge
     with session_scope() as s:
         apply_batch(s, "g", [classify(m, 1 << 20) for m in msgs], projector_from_settings())
     with psycopg.connect(db) as conn:
-        finalized = conn.execute("SELECT id, user_id FROM trajectory WHERE status = 'finalized' "
-                                 "ORDER BY session_id").fetchall()
+        finalized = conn.execute(
+            "SELECT id, user_id FROM trajectory WHERE status = 'finalized' ORDER BY session_id"
+        ).fetchall()
     assert len(finalized) >= 6
     victim = finalized[0][1]  # the relabel scans sessions in this order: it labels this one first
     erased = {tid for tid, user in finalized if user == victim}
@@ -183,12 +194,12 @@ def test_replay_verify_compares_one_snapshot_beside_a_live_group(db, monkeypatch
     the event log must not show up on the live side only, and a trajectory whose window closed that
     the live sweep has not reached yet (the replay's sweep finalizes it) is not a difference but is
     counted as ``due_unswept``. A real difference still fails the verify."""
-    from ops.cli import app
     from app.core.db import session_scope
     from consumers import replay as replay_mod
     from consumers.batch import apply_batch
     from consumers.deadletter import Message, classify
     from consumers.ingest import projector_from_settings
+    from ops.cli import app
 
     events = generate_stream(900, seed=43, withhold_fraction=0.3)
     msgs = [Message("t", 0, i, *kafka_record(e)) for i, e in enumerate(events)]
@@ -216,8 +227,10 @@ def test_replay_verify_compares_one_snapshot_beside_a_live_group(db, monkeypatch
 
     monkeypatch.setattr(replay_mod, "rebuild", real_rebuild)
     with psycopg.connect(db) as conn:  # a projection row no replay would write
-        conn.execute("UPDATE trajectory SET num_turns = num_turns + 1 WHERE id = "
-                     "(SELECT id FROM trajectory WHERE status = 'finalized' LIMIT 1)")
+        conn.execute(
+            "UPDATE trajectory SET num_turns = num_turns + 1 WHERE id = "
+            "(SELECT id FROM trajectory WHERE status = 'finalized' LIMIT 1)"
+        )
     out = CliRunner().invoke(app, ["replay", "--verify"])
     assert out.exit_code == 1, out.output
     result = json.loads(out.output.strip().splitlines()[-1])
@@ -226,18 +239,23 @@ def test_replay_verify_compares_one_snapshot_beside_a_live_group(db, monkeypatch
     assert result["differences"][0].endswith(": num_turns differ")
 
     with psycopg.connect(db) as conn:  # a label missing, and a segment's tokens and event ids changed
-        label = conn.execute("DELETE FROM reward_label WHERE trajectory_id = (SELECT min(trajectory_id::text)::uuid "
-                             "FROM reward_label) RETURNING trajectory_id, spec").fetchone()
-        segment = conn.execute("UPDATE trajectory_segment SET token_ids = token_ids || '\\x00'::bytea, "
-                               "event_ids = event_ids[2:] WHERE (trajectory_id, segment_index) = (SELECT "
-                               "trajectory_id, segment_index FROM trajectory_segment ORDER BY 1, 2 LIMIT 1) "
-                               "RETURNING trajectory_id, segment_index").fetchone()
+        label = conn.execute(
+            "DELETE FROM reward_label WHERE trajectory_id = (SELECT min(trajectory_id::text)::uuid "
+            "FROM reward_label) RETURNING trajectory_id, spec"
+        ).fetchone()
+        segment = conn.execute(
+            "UPDATE trajectory_segment SET token_ids = token_ids || '\\x00'::bytea, "
+            "event_ids = event_ids[2:] WHERE (trajectory_id, segment_index) = (SELECT "
+            "trajectory_id, segment_index FROM trajectory_segment ORDER BY 1, 2 LIMIT 1) "
+            "RETURNING trajectory_id, segment_index"
+        ).fetchone()
     out = CliRunner().invoke(app, ["replay", "--verify"])
     assert out.exit_code == 1, out.output
     assert set(json.loads(out.output.strip().splitlines()[-1])["differences"]) == {
         result["differences"][0],
         f"trajectory_segment trajectory_id={segment[0]}, segment_index={segment[1]}: token_ids, event_ids differ",
-        f"reward_label: 1 row(s) only in the replay, e.g. trajectory_id={label[0]}, spec={label[1]}"}
+        f"reward_label: 1 row(s) only in the replay, e.g. trajectory_id={label[0]}, spec={label[1]}",
+    }
 
     out = CliRunner().invoke(app, ["replay", "--verify", "--schema", "x"])
     assert out.exit_code == 2 and "--schema" in out.output
@@ -246,8 +264,8 @@ def test_replay_verify_compares_one_snapshot_beside_a_live_group(db, monkeypatch
 def test_a_shadow_schema_is_named_checked_and_dropped_from_the_cli(db):
     """``replay --schema`` refuses a name it would not create and an existing schema with a usage
     error (exit 2) naming the way out; ``--drop-schema`` drops a replay's shadow and nothing else."""
-    from ops.cli import app
     from app.core.errors import ConflictError, NotFoundError
+    from ops.cli import app
 
     cli = CliRunner()
     for bad in ("Bad-Name", "shadow_1\n", "1shadow", "s" * 64):  # "$" would have let the newline through

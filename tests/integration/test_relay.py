@@ -10,8 +10,8 @@ import pytest
 from sqlalchemy import select, text
 
 from app.models import Outbox
-from serving.watcher import Deduper, message_identity
 from app.outbox.relay import OutboxRelay, pending_count
+from serving.watcher import Deduper, message_identity
 from tests.integration.test_api_support import base, lifecycle_topic, seed_checkpoint, seed_gate, store  # noqa: F401
 
 pytestmark = pytest.mark.integration
@@ -22,8 +22,9 @@ def consume_all(bootstrap: str, topic: str, expected: int, timeout_s: float = 20
     (plus a short grace period so extra copies would show up)."""
     from kafka import KafkaConsumer, TopicPartition
 
-    consumer = KafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False, group_id=None,
-                             auto_offset_reset="earliest")
+    consumer = KafkaConsumer(
+        bootstrap_servers=bootstrap, enable_auto_commit=False, group_id=None, auto_offset_reset="earliest"
+    )
     tp = TopicPartition(topic, 0)
     consumer.assign([tp])
     consumer.seek_to_beginning(tp)
@@ -73,7 +74,8 @@ def test_relay_publishes_in_order_with_identity_headers(session, store, base, to
 
 
 def test_relay_publishes_each_promotion_once_even_when_restarted_between_publish_and_mark(
-        session, store, base, topics, lifecycle_topic, kafka_bootstrap):
+    session, store, base, topics, lifecycle_topic, kafka_bootstrap
+):
     expected = _changes(session, store)
 
     def crash(acked: list[int]) -> None:

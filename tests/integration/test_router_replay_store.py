@@ -14,9 +14,15 @@ import psycopg
 import pytest
 import torch
 
-from producers.events.types import (ModelResponded, ModelRespondedEvent, SessionEnded, SessionEndedEvent, SessionStarted,
-                              SessionStartedEvent)
 from consumers.testing import kafka_record, produce
+from producers.events.types import (
+    ModelResponded,
+    ModelRespondedEvent,
+    SessionEnded,
+    SessionEndedEvent,
+    SessionStarted,
+    SessionStartedEvent,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -37,10 +43,23 @@ def _session(i: int, rng: np.random.Generator, max_expert: int):
         completion = rng.integers(10, 1000, size=3 + i).tolist()
         routes = rng.integers(0, max_expert, size=(len(completion), LAYERS, TOP_K))
         turns.append((prompt, completion, routes))
-        events.append(ModelRespondedEvent(**env, payload=ModelResponded(
-            request_id=f"r{turn}", segment_index=0, turn_index=turn, checkpoint_id="base", prompt_token_ids=prompt,
-            completion_token_ids=completion, completion_logprobs=[-1.0] * len(completion), latency_s=0.2,
-            routed_experts=routes.reshape(-1).tolist(), routed_experts_shape=(LAYERS, TOP_K))))
+        events.append(
+            ModelRespondedEvent(
+                **env,
+                payload=ModelResponded(
+                    request_id=f"r{turn}",
+                    segment_index=0,
+                    turn_index=turn,
+                    checkpoint_id="base",
+                    prompt_token_ids=prompt,
+                    completion_token_ids=completion,
+                    completion_logprobs=[-1.0] * len(completion),
+                    latency_s=0.2,
+                    routed_experts=routes.reshape(-1).tolist(),
+                    routed_experts_shape=(LAYERS, TOP_K),
+                ),
+            )
+        )
     events.append(SessionEndedEvent(**env, payload=SessionEnded(turns=2)))
     return events, turns
 
@@ -75,9 +94,13 @@ def test_routes_survive_the_event_path_replay_and_trainer_loading(db, topics, ka
     assert stats.stored == len(events)
 
     with psycopg.connect(db) as conn:
-        rows = {sid: (bytes(raw), shape, size) for sid, raw, shape, size in conn.execute(
-            "SELECT t.session_id, s.routed_experts, s.routed_experts_shape, s.routed_experts_itemsize "
-            "FROM trajectory_segment s JOIN trajectory t ON t.id = s.trajectory_id")}
+        rows = {
+            sid: (bytes(raw), shape, size)
+            for sid, raw, shape, size in conn.execute(
+                "SELECT t.session_id, s.routed_experts, s.routed_experts_shape, s.routed_experts_itemsize "
+                "FROM trajectory_segment s JOIN trajectory t ON t.id = s.trajectory_id"
+            )
+        }
         dead = conn.execute("SELECT reason, detail FROM dead_letter").fetchall()
     assert len(dead) == 1 and dead[0][0] == "implausible" and "routed_experts: id" in dead[0][1]
     for i, (_, turns) in enumerate(sessions):

@@ -52,8 +52,11 @@ def test_wrong_api_key_is_refused(served):
 
 def test_text_prompt_and_token_strings(served):
     url, _ = served
-    r = httpx.post(f"{url}/v1/completions", headers={"Authorization": "Bearer k3y"},
-                   json={"prompt": "hello", "max_tokens": 3, "logprobs": 0, "temperature": 0})
+    r = httpx.post(
+        f"{url}/v1/completions",
+        headers={"Authorization": "Bearer k3y"},
+        json={"prompt": "hello", "max_tokens": 3, "logprobs": 0, "temperature": 0},
+    )
     choice = r.json()["choices"][0]
     assert r.status_code == 200 and len(choice["logprobs"]["tokens"]) == 3
     assert not choice["logprobs"]["tokens"][0].startswith("token_id:")

@@ -7,10 +7,10 @@ from collections import Counter, defaultdict
 
 import pytest
 
-from producers.events import decode_event
-from evals.harness.scripted import tool_call
 from app.inference.engine import Generation, InferenceEngine, SamplingParams
+from evals.harness.scripted import tool_call
 from ops.simulator import DeveloperModel, SimulatorConfig, run_simulation, surviving_fraction, visible_check
+from producers.events import decode_event
 
 
 class OraclePolicy(InferenceEngine):
@@ -65,20 +65,33 @@ def consume(bootstrap, topic, expected, timeout_s=60.0):
 
 
 @pytest.mark.integration
-def test_simulated_sessions_reach_the_broker_with_their_late_signals(kafka_bootstrap, topics, tiny_model_dir,
-                                                                     tmp_path, monkeypatch):
+def test_simulated_sessions_reach_the_broker_with_their_late_signals(
+    kafka_bootstrap, topics, tiny_model_dir, tmp_path, monkeypatch
+):
     from transformers import AutoTokenizer
 
     from evals.tasks import load_tasks
     from producers.producer import EventProducer
 
-    config = SimulatorConfig(sessions=4, group_size=2, max_turns=3, max_tokens=4096, max_tokens_per_turn=2048,
-                             context_tokens=6144,
-                             privacy_rate=0.5,
-                             developer=DeveloperModel(accept_if_works=1.0, accept_if_looks_right=1.0,
-                                                      keep_if_works=(1.0, 1.0), followup_if_works=0.0,
-                                                      followup_if_fails=1.0),
-                             persistence_delay_s=0.5, followup_delay_s=0.2, seed=3)
+    config = SimulatorConfig(
+        sessions=4,
+        group_size=2,
+        max_turns=3,
+        max_tokens=4096,
+        max_tokens_per_turn=2048,
+        context_tokens=6144,
+        privacy_rate=0.5,
+        developer=DeveloperModel(
+            accept_if_works=1.0,
+            accept_if_looks_right=1.0,
+            keep_if_works=(1.0, 1.0),
+            followup_if_works=0.0,
+            followup_if_fails=1.0,
+        ),
+        persistence_delay_s=0.5,
+        followup_delay_s=0.2,
+        seed=3,
+    )
     tasks = load_tasks("dataframebench", "train", limit=2, seed=3)
     engine = OraclePolicy(AutoTokenizer.from_pretrained(tiny_model_dir), tasks)
     with EventProducer(spool_dir=tmp_path / "spool") as producer:
@@ -101,7 +114,7 @@ def test_simulated_sessions_reach_the_broker_with_their_late_signals(kafka_boots
         assert types[0] == "session.started" and "model.responded" in types
         assert {e.privacy_mode for e in evs} == {s["privacy_mode"]}
         end = types.index("session.ended")
-        late = Counter(types[end + 1:])
+        late = Counter(types[end + 1 :])
         assert late == Counter(evs[end].payload.expected_signals)  # exactly what session.ended announced
         fractions = [e.payload.fraction_persisted for e in evs if e.type == "edit.persistence_measured"]
         assert fractions, "the accepted edit's persistence was measured"
@@ -132,9 +145,13 @@ def test_simulator_runs_the_real_torch_engine(tiny_model_dir):
 
     engine = TorchEngine(tiny_model_dir, checkpoint_id="tiny")
     events = []
-    summaries = run_simulation(SimulatorConfig(sessions=2, group_size=2, max_turns=2, max_tokens=32,
-                                               max_tokens_per_turn=16, persistence_delay_s=0, seed=1),
-                               engine, events.append)
+    summaries = run_simulation(
+        SimulatorConfig(
+            sessions=2, group_size=2, max_turns=2, max_tokens=32, max_tokens_per_turn=16, persistence_delay_s=0, seed=1
+        ),
+        engine,
+        events.append,
+    )
     assert len(summaries) == 2 and all("error" not in s for s in summaries)
     responded = [e for e in events if e.type == "model.responded"]
     assert responded and all(e.payload.checkpoint_id == "tiny" for e in responded)
@@ -146,8 +163,15 @@ def test_simulator_runs_the_real_torch_engine(tiny_model_dir):
 def test_visible_check_reads_the_main_file():
     from evals.tasks.model import Task
 
-    task = Task(id="t", source="x", split="train", request="r", files={"solution.py": "def f():\n    pass\n"},
-                test_command="true", metadata={"entry_point": "f"})
+    task = Task(
+        id="t",
+        source="x",
+        split="train",
+        request="r",
+        files={"solution.py": "def f():\n    pass\n"},
+        test_command="true",
+        metadata={"entry_point": "f"},
+    )
     assert visible_check(task, {"solution.py": "def f(x):\n    return x\n"})
     assert not visible_check(task, {"solution.py": "def g(x):\n    return x\n"})  # not the requested function
     assert not visible_check(task, {"solution.py": "def f(x:\n"})  # does not parse

@@ -20,8 +20,13 @@ def flywheel(home, *args: str, timeout: float = 180) -> subprocess.CompletedProc
     """Run the CLI in a fresh interpreter with only the embedded stack configured."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("FLYWHEEL_")}
     env.update(FLYWHEEL_HOME=str(home), FLYWHEEL_TELEMETRY_EXPORTER="none", COLUMNS="200")
-    return subprocess.run([sys.executable, "-c", "from ops.cli import main; main()", *args],
-                          env=env, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-c", "from ops.cli import main; main()", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 @pytest.fixture
@@ -57,6 +62,7 @@ def test_stack_up_status_down(home):
 
         consumer = KafkaConsumer(bootstrap_servers=state["kafka_bootstrap"])
         try:
+
             def partitions(topic: str) -> set[int]:
                 for _ in range(50):  # empty when a metadata fetch timed out on a busy machine
                     if found := consumer.partitions_for_topic(topic):
@@ -95,10 +101,18 @@ def test_a_command_whose_database_does_not_answer_says_so_in_one_error(tmp_path)
     from app.core.net import free_port
 
     env = {k: v for k, v in os.environ.items() if not k.startswith("FLYWHEEL_")}
-    env.update(FLYWHEEL_HOME=str(tmp_path), FLYWHEEL_TELEMETRY_EXPORTER="none",
-               FLYWHEEL_DATABASE_URL=f"postgresql+psycopg://postgres@127.0.0.1:{free_port()}/flywheel")
-    out = subprocess.run([sys.executable, "-c", "from ops.cli import main; main()", "relabel", "--spec", "implicit@1"],
-                         env=env, capture_output=True, text=True, timeout=120)
+    env.update(
+        FLYWHEEL_HOME=str(tmp_path),
+        FLYWHEEL_TELEMETRY_EXPORTER="none",
+        FLYWHEEL_DATABASE_URL=f"postgresql+psycopg://postgres@127.0.0.1:{free_port()}/flywheel",
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", "from ops.cli import main; main()", "relabel", "--spec", "implicit@1"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 2, out.stderr[-2000:]
     lines = out.stderr.strip().splitlines()
     assert lines[0].startswith("error: the database does not answer: connection failed")
@@ -112,8 +126,13 @@ def test_a_command_on_a_database_without_the_schema_says_to_migrate_it(empty_dat
     exit code 2, no traceback."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("FLYWHEEL_")}
     env.update(FLYWHEEL_HOME=str(tmp_path), FLYWHEEL_TELEMETRY_EXPORTER="none", FLYWHEEL_DATABASE_URL=empty_database)
-    out = subprocess.run([sys.executable, "-c", "from ops.cli import main; main()", "relabel", "--spec", "implicit@1"],
-                         env=env, capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-c", "from ops.cli import main; main()", "relabel", "--spec", "implicit@1"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 2, out.stderr[-2000:]
     lines = out.stderr.strip().splitlines()
     assert lines[0].startswith("error: the database lacks this release's schema: relation"), lines

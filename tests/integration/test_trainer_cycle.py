@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+from datetime import UTC
 from pathlib import Path
 
 import pytest
@@ -21,9 +22,15 @@ from trainer.config import TrainerConfig
 pytestmark = pytest.mark.integration
 
 PROMPT = [1, 40, 41, 42, 43]
-CONFIG = {"max_steps": 2, "grad_accum": 2, "epochs": 2, "plot_curves": True,
-          "data": {"min_new_trajectories": 2, "micro_batch_tokens": 64},
-          "loss": {"temperature": 1.0}, "optim": {"lr": 1e-3}}
+CONFIG = {
+    "max_steps": 2,
+    "grad_accum": 2,
+    "epochs": 2,
+    "plot_curves": True,
+    "data": {"min_new_trajectories": 2, "micro_batch_tokens": 64},
+    "loss": {"temperature": 1.0},
+    "optim": {"lr": 1e-3},
+}
 
 
 @pytest.fixture(scope="module")
@@ -58,11 +65,23 @@ def _insert_sessions(session, policy_dir, n_tasks=2, checkpoint_id="base"):
         for completion, reward in (([100 + k, 101, 102, 2], 1.0), ([200 + k, 201, 202, 2], 0.0)):
             behaviour = sequence_logprobs(model, PROMPT + completion)
             second = make_segment([1, 7, 8], [300, 301], sequence_logprobs(model, [1, 7, 8, 300, 301]))
-            ids.append(insert_trajectory(session, segments=[make_segment(PROMPT, completion, behaviour), second],
-                                         reward=reward, task_id=f"task-{k}", checkpoint_id=checkpoint_id,
-                                         max_event_seq=100 + len(ids)))
-    reserved = insert_trajectory(session, segments=[make_segment(PROMPT, [5, 6], [0] * 7)], reward=1.0,
-                                 reserved_for_eval=True, checkpoint_id=checkpoint_id)
+            ids.append(
+                insert_trajectory(
+                    session,
+                    segments=[make_segment(PROMPT, completion, behaviour), second],
+                    reward=reward,
+                    task_id=f"task-{k}",
+                    checkpoint_id=checkpoint_id,
+                    max_event_seq=100 + len(ids),
+                )
+            )
+    reserved = insert_trajectory(
+        session,
+        segments=[make_segment(PROMPT, [5, 6], [0] * 7)],
+        reward=1.0,
+        reserved_for_eval=True,
+        checkpoint_id=checkpoint_id,
+    )
     session.commit()
     return ids, reserved
 
@@ -70,9 +89,9 @@ def _insert_sessions(session, policy_dir, n_tasks=2, checkpoint_id="base"):
 def test_cycle_produces_registered_candidate(session, store, production, policy_dir):
     from safetensors.torch import load_file
 
+    from app.checkpoints.delta import apply_delta, serving_state_dict
     from app.models import Checkpoint, CheckpointTrajectory, Outbox, TrainingCycle
     from trainer.cycle import run_cycle
-    from app.checkpoints.delta import apply_delta, serving_state_dict
 
     used, reserved = _insert_sessions(session, policy_dir)
     result = run_cycle(TrainerConfig.model_validate(CONFIG), store=store)
@@ -94,8 +113,15 @@ def test_cycle_produces_registered_candidate(session, store, production, policy_
     # the directory: STABLE, intact, complete, lineage in the manifest
     path = store.stable_path(cid)
     assert store.verify(cid) == []
-    for name in ("config.json", "model.safetensors", "trainer_config.json", "metrics.json", "curves.png",
-                 "delta.zst", "manifest.json"):
+    for name in (
+        "config.json",
+        "model.safetensors",
+        "trainer_config.json",
+        "metrics.json",
+        "curves.png",
+        "delta.zst",
+        "manifest.json",
+    ):
         assert (path / name).is_file(), name
     manifest = store.manifest(cid)
     assert manifest["parent_id"] == "base" and manifest["kind"] == "trained"
@@ -123,8 +149,8 @@ def test_cycle_produces_registered_candidate(session, store, production, policy_
 def test_second_cycle_is_locked_out(session, store, production, policy_dir, database_url):
     import psycopg
 
-    from trainer.cycle import run_cycle
     from app.core.locks import AdvisoryLock
+    from trainer.cycle import run_cycle
 
     _insert_sessions(session, policy_dir)
     with psycopg.connect(database_url, autocommit=True) as other:
@@ -160,8 +186,13 @@ def test_kill_during_checkpoint_write_leaves_nothing_visible(session, store, pro
 
     _insert_sessions(session, policy_dir)
     env = {**os.environ, "FLYWHEEL_DATABASE_URL": database_url}
-    proc = subprocess.Popen([sys.executable, "-c", KILL_SCRIPT, str(store.root), json.dumps(CONFIG)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", KILL_SCRIPT, str(store.root), json.dumps(CONFIG)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
     try:
         line = proc.stdout.readline()
         assert line.strip() == "WRITING", proc.stderr.read()
@@ -190,7 +221,9 @@ def test_unregistered_trained_directory_is_swept(session, store, production):
     from trainer.cycle import sweep_unregistered
 
     with store.writer("ckpt-orphan") as staging:
-        (staging / "manifest.json").write_text(json.dumps({"kind": "trained", "cycle_id": str(__import__("uuid").uuid4())}))
+        (staging / "manifest.json").write_text(
+            json.dumps({"kind": "trained", "cycle_id": str(__import__("uuid").uuid4())})
+        )
     (store.root / ".staging" / "debris").mkdir(parents=True)
     assert sweep_unregistered(store, session) == ["ckpt-orphan"]
     assert store.list_stable() == ["base"] and not (store.root / "ckpt-orphan").exists()
@@ -220,16 +253,16 @@ def test_cli_dry_run_and_once(session, store, production, policy_dir, monkeypatc
 
 def test_celery_task_is_registered():
     pytest.importorskip("app.worker.celery_app")
-    from app.worker.celery_app import celery_app
-
     import trainer.tasks  # noqa: F401
+    from app.worker.celery_app import celery_app
 
     assert "flywheel.trainer.run_cycle" in celery_app.tasks
 
 
 @pytest.mark.parametrize("deletion", ["erasure", "privacy_purge"])
-def test_trajectories_deleted_while_the_cycle_trains_leave_the_candidate_flagged(session, store, production,
-                                                                                  policy_dir, monkeypatch, deletion):
+def test_trajectories_deleted_while_the_cycle_trains_leave_the_candidate_flagged(
+    session, store, production, policy_dir, monkeypatch, deletion
+):
     """The cycle selects its trajectories, then trains for minutes to hours; an erasure (or a session
     turning private, which purges it) that deletes some of them meanwhile cannot flag a checkpoint
     that is not registered yet. Registration must: the candidate is ``trained_on_erased`` (promotion
@@ -267,23 +300,25 @@ def test_trajectories_deleted_while_the_cycle_trains_leave_the_candidate_flagged
     assert "checkpoint trained on data of an erased user" in reasons
     if deletion == "erasure":
         assert outcome[0].trajectories_deleted >= 4 and outcome[0].checkpoints_flagged == []
-        flagged = session.execute(text("SELECT checkpoints_flagged FROM erasure_request "
-                                       "WHERE request_id = 'erasure-while-training'")).scalar_one()
+        flagged = session.execute(
+            text("SELECT checkpoints_flagged FROM erasure_request WHERE request_id = 'erasure-while-training'")
+        ).scalar_one()
         assert flagged == [result.checkpoint_id]
     else:
         assert session.get(Trajectory, used[1]) is None and session.get(Trajectory, used[0]) is not None
 
 
-def test_an_eval_task_mined_while_the_cycle_trains_is_retired_at_registration(session, store, production,
-                                                                             policy_dir, monkeypatch):
+def test_an_eval_task_mined_while_the_cycle_trains_is_retired_at_registration(
+    session, store, production, policy_dir, monkeypatch
+):
     """Mining during a cycle can hold out a task the cycle already selected (and trains on): the
     gate would then score the candidate on its own training data. Registration retires that task."""
     import uuid
-    from datetime import datetime, timezone
+    from datetime import datetime
 
     import trainer.checkpointing as checkpointing
     from app.core.db import session_scope
-    from app.models import Checkpoint, EvalTask, EventLog, Trajectory, TrainingCycle
+    from app.models import Checkpoint, EvalTask, EventLog, TrainingCycle, Trajectory
     from evals import mined
     from tests.integration.test_eval_runner_resume import StubTask
     from trainer.cycle import run_cycle
@@ -291,15 +326,36 @@ def test_an_eval_task_mined_while_the_cycle_trains_is_retired_at_registration(se
     used, _ = _insert_sessions(session, policy_dir)
     mined_from = session.get(Trajectory, used[0])
     assert mined_from.task_id == "task-0"
-    for typ, payload in (("agent.requested", {"request_id": "r", "text": "make f return 1"}),
-                         ("tool.executed", {"call_id": "c", "name": "run", "ok": True, "ran_tests": True,
-                                            "command": "python -m pytest -q"}),
-                         ("edit.persistence_measured", {"edit_id": "e", "fraction_persisted": 1.0, "delay_s": 60.0})):
-        session.add(EventLog(event_id=uuid.uuid4(), type=typ, schema_version=1, occurred_at=datetime.now(timezone.utc),
-                             session_id=mined_from.session_id, user_id="user-1", org_id="org", payload=payload))
+    for typ, payload in (
+        ("agent.requested", {"request_id": "r", "text": "make f return 1"}),
+        (
+            "tool.executed",
+            {"call_id": "c", "name": "run", "ok": True, "ran_tests": True, "command": "python -m pytest -q"},
+        ),
+        ("edit.persistence_measured", {"edit_id": "e", "fraction_persisted": 1.0, "delay_s": 60.0}),
+    ):
+        session.add(
+            EventLog(
+                event_id=uuid.uuid4(),
+                type=typ,
+                schema_version=1,
+                occurred_at=datetime.now(UTC),
+                session_id=mined_from.session_id,
+                user_id="user-1",
+                org_id="org",
+                payload=payload,
+            )
+        )
     session.commit()
-    source = StubTask(id="task-0", source="test", split="train", request="spec", files={"f.py": "x = 0\n"},
-                      test_command="python -m pytest -q", test_files={"test_f.py": "# hidden\n"})
+    source = StubTask(
+        id="task-0",
+        source="test",
+        split="train",
+        request="spec",
+        files={"f.py": "x = 0\n"},
+        test_command="python -m pytest -q",
+        test_files={"test_f.py": "# hidden\n"},
+    )
     monkeypatch.setattr(mined, "source_task", lambda src, task_id: source if task_id == "task-0" else None)
     real_write, reports = checkpointing.write_checkpoint, []
 
@@ -332,12 +388,17 @@ def test_planted_regression_trains_on_the_same_data_with_the_reward_negated(sess
     used, _ = _insert_sessions(session, policy_dir)
     first = run_cycle(TrainerConfig.model_validate(CONFIG), store=store)
     assert first.status == "succeeded"
-    again = run_cycle(TrainerConfig.model_validate({**CONFIG, "data": {**CONFIG["data"], "min_new_trajectories": 1}}),
-                      store=store)
+    again = run_cycle(
+        TrainerConfig.model_validate({**CONFIG, "data": {**CONFIG["data"], "min_new_trajectories": 1}}), store=store
+    )
     assert again.status == "skipped"  # everything new was claimed by the first candidate
-    planted = run_cycle(TrainerConfig.model_validate({
-        **CONFIG, "invert_reward": True, "data": {**CONFIG["data"], "same_data_as": first.checkpoint_id}}),
-        store=store, parent_id="base")
+    planted = run_cycle(
+        TrainerConfig.model_validate(
+            {**CONFIG, "invert_reward": True, "data": {**CONFIG["data"], "same_data_as": first.checkpoint_id}}
+        ),
+        store=store,
+        parent_id="base",
+    )
     assert planted.status == "succeeded" and planted.parent_id == "base"
     m1, m2 = store.manifest(first.checkpoint_id), store.manifest(planted.checkpoint_id)
     adv1 = {t["id"]: t["advantage"] for t in m1["trajectories"]}

@@ -4,7 +4,7 @@ missing rewards, erasure), the watermark advances, and the per-cycle cap defers 
 
 from __future__ import annotations
 
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 
 import pytest
 
@@ -24,8 +24,14 @@ def lineage(session):
 
     parent = None
     for gen, cid in enumerate(["base", "c1", "c2", "c3"]):
-        add_checkpoint(session, checkpoint_id=cid, path=f"/nowhere/{cid}", parent_id=parent, generation=gen,
-                       status="production" if cid == "c3" else "retired")
+        add_checkpoint(
+            session,
+            checkpoint_id=cid,
+            path=f"/nowhere/{cid}",
+            parent_id=parent,
+            generation=gen,
+            status="production" if cid == "c3" else "retired",
+        )
         parent = cid
     session.commit()
     from app.models import Checkpoint
@@ -36,7 +42,7 @@ def lineage(session):
 def test_every_trajectory_used_or_excluded_with_reason(session, lineage):
     from app.models import ErasureRequest, EvalTask
 
-    now = datetime.now(timezone.utc)
+    now = datetime.now(UTC)
     ids = {
         "ok": insert_trajectory(session, segments=[SEG, SEG], reward=1.0, checkpoint_id="c2", task_id="t1"),
         "ok_c1": insert_trajectory(session, segments=[SEG], reward=0.0, checkpoint_id="c1", task_id="t1"),
@@ -45,16 +51,23 @@ def test_every_trajectory_used_or_excluded_with_reason(session, lineage):
         "no_reward": insert_trajectory(session, segments=[SEG], reward=None, checkpoint_id="c3"),
         "stale_gen": insert_trajectory(session, segments=[SEG], reward=1.0, checkpoint_id="base"),
         "unknown": insert_trajectory(session, segments=[SEG], reward=1.0, checkpoint_id="ghost"),
-        "stale_hours": insert_trajectory(session, segments=[SEG], reward=1.0, checkpoint_id="c3",
-                                         finalized_at=now - timedelta(hours=1), last_event_at=now - timedelta(hours=30)),
+        "stale_hours": insert_trajectory(
+            session,
+            segments=[SEG],
+            reward=1.0,
+            checkpoint_id="c3",
+            finalized_at=now - timedelta(hours=1),
+            last_event_at=now - timedelta(hours=30),
+        ),
         "erased": insert_trajectory(session, segments=[SEG], reward=1.0, checkpoint_id="c3", user_id="gone"),
         "no_tokens": insert_trajectory(session, segments=[make_segment([1, 2, 3], [])], reward=1.0, checkpoint_id="c3"),
         "no_segments": insert_trajectory(session, segments=[], reward=1.0, checkpoint_id="c3"),
         "wrong_spec": insert_trajectory(session, segments=[SEG], reward=1.0, checkpoint_id="c3", spec="other@2"),
     }
     provisional = insert_trajectory(session, segments=[SEG], reward=1.0, checkpoint_id="c3", status="provisional")
-    ancient = insert_trajectory(session, segments=[SEG], reward=1.0, checkpoint_id="c3",
-                                finalized_at=now - timedelta(hours=100))
+    ancient = insert_trajectory(
+        session, segments=[SEG], reward=1.0, checkpoint_id="c3", finalized_at=now - timedelta(hours=100)
+    )
     session.add(EvalTask(task_id="held-out", suite="mined", content_hash="h1", spec={}))
     session.add(ErasureRequest(request_id="r1", user_id="gone", trajectory_ids=[], checkpoints_flagged=[]))
     session.commit()
@@ -63,10 +76,18 @@ def test_every_trajectory_used_or_excluded_with_reason(session, lineage):
     data = select_cycle_data(session, cfg, lineage)
 
     assert [t.id for t in data.used] == [ids["ok"], ids["ok_c1"]]
-    expected = {"reserved": "reserved_for_eval", "eval_task": "eval_task", "no_reward": "no_reward",
-                "stale_gen": "stale_generations", "unknown": "unknown_checkpoint", "stale_hours": "stale_hours",
-                "erased": "erased", "no_tokens": "no_completion_tokens", "no_segments": "no_segments",
-                "wrong_spec": "no_reward"}
+    expected = {
+        "reserved": "reserved_for_eval",
+        "eval_task": "eval_task",
+        "no_reward": "no_reward",
+        "stale_gen": "stale_generations",
+        "unknown": "unknown_checkpoint",
+        "stale_hours": "stale_hours",
+        "erased": "erased",
+        "no_tokens": "no_completion_tokens",
+        "no_segments": "no_segments",
+        "wrong_spec": "no_reward",
+    }
     assert data.excluded == {str(ids[k]): v for k, v in expected.items()}
     assert str(provisional) not in data.excluded and str(ancient) not in data.excluded
     assert data.older_than_window == 1
@@ -90,16 +111,21 @@ def _register(session, checkpoint_id, parent_id, trajectories):
     """What a succeeded cycle leaves behind: the candidate row and its lineage rows."""
     from app.repositories.checkpoints import add_checkpoint, add_checkpoint_trajectories
 
-    add_checkpoint(session, checkpoint_id=checkpoint_id, path=f"/nowhere/{checkpoint_id}", parent_id=parent_id,
-                   generation=4)
+    add_checkpoint(
+        session, checkpoint_id=checkpoint_id, path=f"/nowhere/{checkpoint_id}", parent_id=parent_id, generation=4
+    )
     add_checkpoint_trajectories(session, checkpoint_id, [(t.id, t.user_id, t.task_id) for t in trajectories])
     session.commit()
 
 
 def test_cap_defers_and_lineage_marks_used(session, lineage):
-    now = datetime.now(timezone.utc)
-    ts = [insert_trajectory(session, segments=[SEG], reward=float(i), checkpoint_id="c3",
-                            finalized_at=now - timedelta(minutes=50 - i)) for i in range(6)]
+    now = datetime.now(UTC)
+    ts = [
+        insert_trajectory(
+            session, segments=[SEG], reward=float(i), checkpoint_id="c3", finalized_at=now - timedelta(minutes=50 - i)
+        )
+        for i in range(6)
+    ]
     session.commit()
     cfg = DataConfig(max_trajectories=3)
     first = select_cycle_data(session, cfg, lineage)
@@ -110,8 +136,9 @@ def test_cap_defers_and_lineage_marks_used(session, lineage):
 
     # a trajectory finalized *behind* the first cycle's high-water mark (closed by its signal
     # window, committed late) is still new: lineage, not a timestamp, decides
-    late = insert_trajectory(session, segments=[SEG], reward=1.0, checkpoint_id="c3",
-                             finalized_at=now - timedelta(minutes=55))
+    late = insert_trajectory(
+        session, segments=[SEG], reward=1.0, checkpoint_id="c3", finalized_at=now - timedelta(minutes=55)
+    )
     session.commit()
     second = select_cycle_data(session, DataConfig(max_trajectories=10), lineage)
     assert [t.id for t in second.used] == [late] + ts[3:]
@@ -121,9 +148,10 @@ def test_cap_defers_and_lineage_marks_used(session, lineage):
 def test_equal_finalized_at_is_split_by_id(session, lineage):
     # one consumer transaction finalizes many trajectories at the same instant: the cap must not
     # lose or repeat any of them
-    at = datetime.now(timezone.utc) - timedelta(minutes=5)
-    ts = sorted(insert_trajectory(session, segments=[SEG], reward=1.0, checkpoint_id="c3", finalized_at=at)
-                for _ in range(4))
+    at = datetime.now(UTC) - timedelta(minutes=5)
+    ts = sorted(
+        insert_trajectory(session, segments=[SEG], reward=1.0, checkpoint_id="c3", finalized_at=at) for _ in range(4)
+    )
     session.commit()
     cfg = DataConfig(max_trajectories=2)
     first = select_cycle_data(session, cfg, lineage)

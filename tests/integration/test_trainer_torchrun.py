@@ -34,9 +34,8 @@ def test_torchrun_two_ranks_registers_one_candidate(session, store, production, 
     from safetensors.torch import load_file
 
     from app.models import Checkpoint, TrainingCycle
-    from trainer.cycle import train_policy
-
     from app.repositories.checkpoints import get_production
+    from trainer.cycle import train_policy
     from trainer.data import select_cycle_data
 
     used, _ = _insert_sessions(session, policy_dir)
@@ -45,19 +44,47 @@ def test_torchrun_two_ranks_registers_one_candidate(session, store, production, 
     session.rollback()
     assert {t.id for t in selected.used} == set(used)
     (tmp_path / "trainer.toml").write_text(_toml(config))
-    env = {**os.environ, "FLYWHEEL_DATABASE_URL": database_url, "FLYWHEEL_CHECKPOINT_DIR": str(store.root),
-           "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                           "-m", "ops.cli", "train", "--once", "--json", "--no-progress",
-                           "--config", str(tmp_path / "trainer.toml")],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    env = {
+        **os.environ,
+        "FLYWHEEL_DATABASE_URL": database_url,
+        "FLYWHEEL_CHECKPOINT_DIR": str(store.root),
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": str(ROOT),
+    }
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            "-m",
+            "ops.cli",
+            "train",
+            "--once",
+            "--json",
+            "--no-progress",
+            "--config",
+            str(tmp_path / "trainer.toml"),
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = [json.loads(x) for x in proc.stdout.splitlines() if x.startswith("{")]
     assert len(lines) == 1, proc.stdout  # one report: rank 0's
     result = lines[0]
     assert result["status"] == "succeeded", result
-    assert result["metrics"]["placement"] == {"device": "cpu", "param_dtype": "float32", "compute_dtype": "float32",
-                                              "ranks": 2}
+    assert result["metrics"]["placement"] == {
+        "device": "cpu",
+        "param_dtype": "float32",
+        "compute_dtype": "float32",
+        "ranks": 2,
+    }
     session.expire_all()
     assert session.query(Checkpoint).filter(Checkpoint.id != "base").count() == 1
     assert session.query(TrainingCycle).filter_by(status="succeeded").count() == 1

@@ -5,10 +5,18 @@ from __future__ import annotations
 
 import pytest
 
-from serving.watcher import ServingWatcher
 from app.outbox.relay import OutboxRelay
-from tests.integration.test_api_support import (auth, base, client, lifecycle_topic, make_token,  # noqa: F401
-                                                 seed_checkpoint, seed_gate, store)
+from serving.watcher import ServingWatcher
+from tests.integration.test_api_support import (  # noqa: F401
+    auth,
+    base,
+    client,
+    lifecycle_topic,
+    make_token,
+    seed_checkpoint,
+    seed_gate,
+    store,
+)
 from tests.unit.test_api_units import RecordingEngine
 
 pytestmark = pytest.mark.integration
@@ -22,8 +30,9 @@ def _poll_until_moved(watcher: ServingWatcher, engine: RecordingEngine, calls: i
     raise AssertionError(f"engine did not move: {engine.calls}")
 
 
-def test_serving_follows_promotions_and_rollbacks(client, session, store, base, lifecycle_topic, kafka_bootstrap,
-                                                  tmp_path, monkeypatch):
+def test_serving_follows_promotions_and_rollbacks(
+    client, session, store, base, lifecycle_topic, kafka_bootstrap, tmp_path, monkeypatch
+):
     monkeypatch.setenv("FLYWHEEL_HOME", str(tmp_path))  # serving.json lands here; the API reads it here
     rm = auth(make_token(session, "release_manager", name="alice"))
     seed_checkpoint(session, store, "ckpt-0001", parent_id="base", generation=1)
@@ -31,8 +40,11 @@ def test_serving_follows_promotions_and_rollbacks(client, session, store, base, 
     seed_checkpoint(session, store, "ckpt-0002", parent_id="ckpt-0001", generation=2)
 
     def promote(cid: str, expected: str) -> None:
-        r = client.post("/v1/promotions", headers=rm,
-                        json={"checkpoint_id": cid, "reason": "gate passed", "expected_production_id": expected})
+        r = client.post(
+            "/v1/promotions",
+            headers=rm,
+            json={"checkpoint_id": cid, "reason": "gate passed", "expected_production_id": expected},
+        )
         assert r.status_code == 201, r.text
 
     promote("ckpt-0001", "base")
@@ -50,7 +62,9 @@ def test_serving_follows_promotions_and_rollbacks(client, session, store, base, 
         prod = client.get("/v1/production", headers=rm).json()
         assert prod["checkpoint"]["id"] == prod["serving_checkpoint_id"] == "ckpt-0002" and prod["serving_in_sync"]
 
-        r = client.post("/v1/rollbacks", headers=rm, json={"reason": "p99 latency", "expected_production_id": "ckpt-0002"})
+        r = client.post(
+            "/v1/rollbacks", headers=rm, json={"reason": "p99 latency", "expected_production_id": "ckpt-0002"}
+        )
         assert r.status_code == 201
         with OutboxRelay() as relay:
             assert relay.relay_pending() == 1
@@ -80,7 +94,8 @@ def test_serving_follows_promotions_and_rollbacks(client, session, store, base, 
 
 
 def test_serving_rides_out_broker_and_inference_server_outages_and_then_follows_the_promotion(
-        client, session, store, base, relayed_broker, tmp_path, monkeypatch):
+    client, session, store, base, relayed_broker, tmp_path, monkeypatch
+):
     """The broker goes away while the watcher follows production (every connection dropped, new ones
     refused), and the inference server is restarting when the promotion made meanwhile arrives (its
     first two loads fail as ``OpenAICompatibleEngine`` reports an unreachable server): the watcher keeps
@@ -130,8 +145,11 @@ def test_serving_rides_out_broker_and_inference_server_outages_and_then_follows_
         relayed_broker.relay.cut()
         time.sleep(5.0)
         assert thread.is_alive() and not errors, errors
-        r = client.post("/v1/promotions", headers=rm, json={"checkpoint_id": "ckpt-0001", "reason": "gate passed",
-                                                             "expected_production_id": "base"})
+        r = client.post(
+            "/v1/promotions",
+            headers=rm,
+            json={"checkpoint_id": "ckpt-0001", "reason": "gate passed", "expected_production_id": "base"},
+        )
         assert r.status_code == 201, r.text  # the promotion commits; its outbox message waits
         relayed_broker.relay.mend()
         with OutboxRelay() as relay:

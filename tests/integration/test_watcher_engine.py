@@ -9,8 +9,8 @@ import shutil
 
 import pytest
 
-from serving.watcher import ServingWatcher
 from app.outbox.relay import OutboxRelay
+from serving.watcher import ServingWatcher
 from tests.integration.test_api_support import auth, client, lifecycle_topic, make_token, store  # noqa: F401
 from tests.integration.test_watcher import _poll_until_moved
 
@@ -42,15 +42,16 @@ def _state(model_dir):
     return load_file(str(model_dir / "model.safetensors"))
 
 
-def test_watcher_moves_a_torch_engine_by_delta_then_full_load(client, session, store, lifecycle_topic,
-                                                              kafka_bootstrap, tiny_model_dir, tmp_path, monkeypatch):
+def test_watcher_moves_a_torch_engine_by_delta_then_full_load(
+    client, session, store, lifecycle_topic, kafka_bootstrap, tiny_model_dir, tmp_path, monkeypatch
+):
     import torch
 
-    from app.models import Checkpoint
+    from app.checkpoints.delta import write_delta
     from app.checkpoints.testing import build_tiny_model
+    from app.models import Checkpoint
     from serving.torch_engine import TorchEngine
     from tests.integration.test_api_support import seed_gate
-    from app.checkpoints.delta import write_delta
 
     monkeypatch.setenv("FLYWHEEL_HOME", str(tmp_path))
     child_src = build_tiny_model(tmp_path / "child-src", seed=1)
@@ -59,16 +60,32 @@ def test_watcher_moves_a_torch_engine_by_delta_then_full_load(client, session, s
             shutil.copytree(src, d, dirs_exist_ok=True)
             (d / "manifest.json").write_text(json.dumps({"parent_id": parent}))
             if parent:
-                write_delta(_state(tiny_model_dir), _state(child_src), d / "delta.zst",
-                            parent_id=parent, checkpoint_id=cid)
-        session.add(Checkpoint(id=cid, parent_id=parent, status="production" if parent is None else "candidate",
-                               path=str(store.stable_path(cid)), stable=True, generation=int(parent is not None),
-                               manifest={}, metrics={}))
+                write_delta(
+                    _state(tiny_model_dir), _state(child_src), d / "delta.zst", parent_id=parent, checkpoint_id=cid
+                )
+        session.add(
+            Checkpoint(
+                id=cid,
+                parent_id=parent,
+                status="production" if parent is None else "candidate",
+                path=str(store.stable_path(cid)),
+                stable=True,
+                generation=int(parent is not None),
+                manifest={},
+                metrics={},
+            )
+        )
         session.commit()
     seed_gate(session, "ckpt-0001", "base", passed=True)
     rm = auth(make_token(session, "release_manager", name="alice"))
-    assert client.post("/v1/promotions", headers=rm, json={
-        "checkpoint_id": "ckpt-0001", "reason": "r", "expected_production_id": "base"}).status_code == 201
+    assert (
+        client.post(
+            "/v1/promotions",
+            headers=rm,
+            json={"checkpoint_id": "ckpt-0001", "reason": "r", "expected_production_id": "base"},
+        ).status_code
+        == 201
+    )
     with OutboxRelay() as relay:
         relay.relay_pending()
 
@@ -82,8 +99,12 @@ def test_watcher_moves_a_torch_engine_by_delta_then_full_load(client, session, s
         for name, tensor in child.items():  # the delta carries the child's bf16 serving weights
             assert torch.equal(served[name].to(torch.bfloat16), tensor.to(torch.bfloat16)), name
 
-        assert client.post("/v1/rollbacks", headers=rm, json={
-            "reason": "r", "expected_production_id": "ckpt-0001"}).status_code == 201
+        assert (
+            client.post(
+                "/v1/rollbacks", headers=rm, json={"reason": "r", "expected_production_id": "ckpt-0001"}
+            ).status_code
+            == 201
+        )
         with OutboxRelay() as relay:
             relay.relay_pending()
         _poll_until_moved(watcher, engine, 2)

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from app.checkpoints.store import CheckpointStore
-from app.promotion.queries import InvalidCursorError, decode_cursor, encode_cursor
 from app.core.intervals import newcombe_diff_interval, wilson_interval
+from app.promotion.queries import InvalidCursorError, decode_cursor, encode_cursor
 from serving.watcher import Deduper, ProductionFollower, plan_move
 
 
@@ -77,8 +77,14 @@ def chain(tmp_path) -> tuple[CheckpointStore, dict[str, dict]]:
         while cur:
             lineage.append({"id": cur, "path": str(store.path(cur))})
             cur = parents[cur]
-        return {"type": kind, "event_id": f"ev-{outbox_id}", "outbox_id": outbox_id, "checkpoint_id": cid,
-                "path": str(store.path(cid)), "lineage": lineage}
+        return {
+            "type": kind,
+            "event_id": f"ev-{outbox_id}",
+            "outbox_id": outbox_id,
+            "checkpoint_id": cid,
+            "path": str(store.path(cid)),
+            "lineage": lineage,
+        }
 
     return store, payload
 
@@ -98,8 +104,13 @@ def test_follower_dedupes_and_jumps_to_the_newest_change(chain, tmp_path):
     store, payload = chain
     engine = RecordingEngine("base")
     follower = ProductionFollower(engine, store=store, home=tmp_path)
-    move = follower.handle_batch([(payload("c1", 1), None), (payload("c2", 2), None),
-                                  ({"type": "checkpoint.rejected", "checkpoint_id": "s1"}, None)])
+    move = follower.handle_batch(
+        [
+            (payload("c1", 1), None),
+            (payload("c2", 2), None),
+            ({"type": "checkpoint.rejected", "checkpoint_id": "s1"}, None),
+        ]
+    )
     assert move.method == "delta" and engine.calls == [("delta", "c1"), ("delta", "c2")]
     # A re-published copy (same event id) and a stale change (older outbox id) do nothing.
     assert follower.handle_batch([(payload("c1", 1), None), (payload("c2", 2), None)]) is None
@@ -125,7 +136,9 @@ def test_follower_falls_back_to_a_full_load_when_a_delta_fails(chain, tmp_path):
             raise CheckpointError("delta does not match parent weights")
 
     engine = BrokenDeltas("base")
-    assert ProductionFollower(engine, store=store, home=tmp_path).handle_batch([(payload("c2", 1), None)]).method == "full"
+    assert (
+        ProductionFollower(engine, store=store, home=tmp_path).handle_batch([(payload("c2", 1), None)]).method == "full"
+    )
     assert engine.calls == [("full", "c2")]
 
 

@@ -51,8 +51,14 @@ def store(tmp_path) -> CheckpointStore:
 
 
 def _msg(kind: str, canary_id: str, cid: str, outbox_id: int, fraction: float = 0.5) -> dict:
-    return {"type": kind, "event_id": f"e-{outbox_id}", "canary_id": canary_id, "checkpoint_id": cid,
-            "fraction": fraction, "outbox_id": outbox_id}
+    return {
+        "type": kind,
+        "event_id": f"e-{outbox_id}",
+        "canary_id": canary_id,
+        "checkpoint_id": cid,
+        "fraction": fraction,
+        "outbox_id": outbox_id,
+    }
 
 
 def test_follower_applies_the_newest_canary_change_once_and_survives_a_restart(store, tmp_path):
@@ -67,13 +73,18 @@ def test_follower_applies_the_newest_canary_change_once_and_survives_a_restart(s
     canary = CanaryFollower(EngineRouter(prod), store=store, factory=factory)
     follower = ProductionFollower(prod, store=store, home=tmp_path, canary=canary)
     # started then stopped in one batch: the newest (stopped) says what serves, nothing is built
-    follower.handle_batch([(_msg("canary.started", "c-1", "ckpt-1", 3), None),
-                           (_msg("canary.stopped", "c-1", "ckpt-1", 4), None)])
+    follower.handle_batch(
+        [(_msg("canary.started", "c-1", "ckpt-1", 3), None), (_msg("canary.stopped", "c-1", "ckpt-1", 4), None)]
+    )
     assert built == [] and canary.router.active is None
     follower.handle_batch([(_msg("canary.started", "c-2", "ckpt-2", 7, fraction=0.1), None)])
     assert built == ["ckpt-2"] and canary.router.active.canary_id == "c-2"
-    follower.handle_batch([(_msg("canary.started", "c-2", "ckpt-2", 7, fraction=0.1), None),  # redelivered
-                           (_msg("canary.stopped", "c-1", "ckpt-1", 4), None)])  # stale
+    follower.handle_batch(
+        [
+            (_msg("canary.started", "c-2", "ckpt-2", 7, fraction=0.1), None),  # redelivered
+            (_msg("canary.stopped", "c-1", "ckpt-1", 4), None),
+        ]
+    )  # stale
     assert built == ["ckpt-2"] and canary.router.active.canary_id == "c-2"
     assert prod.calls == []  # canary changes never move the production engine
     saved = read_serving_state(tmp_path)

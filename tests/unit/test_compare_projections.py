@@ -2,9 +2,11 @@
 
 from consumers.replay import PROJECTION_TABLES, Rows, compare_projections
 
-COLUMNS = {"trajectory": ("id", "status", "num_turns"),
-           "trajectory_segment": ("trajectory_id", "segment_index", "num_tokens"),
-           "reward_label": ("trajectory_id", "spec", "reward")}
+COLUMNS = {
+    "trajectory": ("id", "status", "num_turns"),
+    "trajectory_segment": ("trajectory_id", "segment_index", "num_tokens"),
+    "reward_label": ("trajectory_id", "spec", "reward"),
+}
 
 
 def _dump(**rows):
@@ -19,8 +21,9 @@ def test_identical_dumps_have_no_differences():
 def test_a_missing_row_is_named_once_and_does_not_misalign_the_rest():
     live = _dump(trajectory=[(1, "finalized", 3), (2, "finalized", 4), (3, "provisional", 1)])
     replay = _dump(trajectory=[(1, "finalized", 3), (3, "provisional", 1)])
-    assert compare_projections(live, replay, names=("live tables", "replay")) == \
-        ["trajectory: 1 row(s) only in the live tables, e.g. id=2"]
+    assert compare_projections(live, replay, names=("live tables", "replay")) == [
+        "trajectory: 1 row(s) only in the live tables, e.g. id=2"
+    ]
 
 
 def test_differing_columns_are_named_under_the_full_key_and_capped_at_limit():

@@ -12,8 +12,14 @@ import torch
 from app.inference.engine import SamplingParams
 from serving.torch_engine import TorchEngine, teacher_forced_logprobs
 
-PROMPTS = [[1, 5, 6, 7, 8, 9, 10, 11], [1, 100, 200], [1, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15],
-           [1, 42], [1, 7, 7, 7, 300, 301, 302, 303, 304, 305, 306], [1, 900, 901, 902, 903]]
+PROMPTS = [
+    [1, 5, 6, 7, 8, 9, 10, 11],
+    [1, 100, 200],
+    [1, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15],
+    [1, 42],
+    [1, 7, 7, 7, 300, 301, 302, 303, 304, 305, 306],
+    [1, 900, 901, 902, 903],
+]
 LIMITS = [12, 5, 9, 16, 3, 7]
 
 
@@ -59,8 +65,10 @@ def test_many_threads_calling_generate_decode_together(engine):
     params = SamplingParams(max_tokens=10, temperature=0.0)
     alone = [_alone(engine, p, params) for p in PROMPTS]
     out: dict[int, object] = {}
-    threads = [threading.Thread(target=lambda i=i: out.__setitem__(i, engine.generate([PROMPTS[i]], params)[0]))
-               for i in range(len(PROMPTS))]
+    threads = [
+        threading.Thread(target=lambda i=i: out.__setitem__(i, engine.generate([PROMPTS[i]], params)[0]))
+        for i in range(len(PROMPTS))
+    ]
     for t in threads:
         t.start()
     for t in threads:
@@ -89,8 +97,9 @@ def test_sequences_joining_mid_flight_get_the_alone_result(engine):
 def test_per_sequence_seed_makes_a_sample_independent_of_companions(engine):
     mine = SamplingParams(max_tokens=12, temperature=1.0, top_p=0.9, seed=11)
     alone = _alone(engine, PROMPTS[2], mine)
-    others = [engine.submit(p, SamplingParams(max_tokens=20, temperature=0.8, seed=100 + i))
-              for i, p in enumerate(PROMPTS)]
+    others = [
+        engine.submit(p, SamplingParams(max_tokens=20, temperature=0.8, seed=100 + i)) for i, p in enumerate(PROMPTS)
+    ]
     _wait_running(engine, 3)
     together = engine.submit(PROMPTS[2], mine)
     _same(alone, together.result(timeout=60))
@@ -151,8 +160,7 @@ def test_more_requests_than_max_seqs_all_complete_within_bounds(tiny_model_dir):
 
 def test_close_ends_the_loop_and_fails_what_is_left(tiny_model_dir):
     eng = TorchEngine(tiny_model_dir, checkpoint_id="c")
-    futures = [eng.submit(p, SamplingParams(max_tokens=200, temperature=0.0, stop_token_ids=()))
-               for p in PROMPTS]
+    futures = [eng.submit(p, SamplingParams(max_tokens=200, temperature=0.0, stop_token_ids=())) for p in PROMPTS]
     eng.close()
     assert not eng._scheduler._thread.is_alive()
     for f in futures:

@@ -7,16 +7,23 @@ import copy
 import pytest
 import torch
 
-from app.core.errors import CheckpointError
 from app.checkpoints.delta import apply_delta, read_delta_header, serving_state_dict, write_delta
+from app.core.errors import CheckpointError
 
 
 def _tiny_llama(seed: int):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+    cfg = LlamaConfig(
+        vocab_size=300,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+    )
     return LlamaForCausalLM(cfg)
 
 
@@ -58,9 +65,12 @@ def test_round_trip_is_bit_exact(tmp_path, monkeypatch, checksum):
         assert torch.equal(rebuilt[name].view(torch.int16), t.view(torch.int16)), name
     # the engine passes its fp32 state dict, tied alias included: same result, alias kept
     from_fp32 = apply_delta(parent, tmp_path / "delta.zst")
-    assert torch.equal(from_fp32["lm_head.weight"].view(torch.int16),
-                       expected["model.embed_tokens.weight"].view(torch.int16))
-    assert torch.equal(from_fp32["model.norm.weight"].view(torch.int16), expected["model.norm.weight"].view(torch.int16))
+    assert torch.equal(
+        from_fp32["lm_head.weight"].view(torch.int16), expected["model.embed_tokens.weight"].view(torch.int16)
+    )
+    assert torch.equal(
+        from_fp32["model.norm.weight"].view(torch.int16), expected["model.norm.weight"].view(torch.int16)
+    )
 
 
 def test_small_step_gives_small_delta(tmp_path):

@@ -35,8 +35,12 @@ def _resolve(group, args: list[str]):
         assert sub is not None, f"flywheel has no command {name!r} (args {args})"
         cmd = sub
     # typer's own option class is not a click.Option subclass: anything with option strings counts.
-    options = {opt for p in cmd.params if getattr(p, "param_type_name", "") == "option"
-               for opt in list(p.opts) + list(getattr(p, "secondary_opts", []))}
+    options = {
+        opt
+        for p in cmd.params
+        if getattr(p, "param_type_name", "") == "option"
+        for opt in list(p.opts) + list(getattr(p, "secondary_opts", []))
+    }
     for token in rest:
         if token.startswith("-"):
             assert token.split("=")[0] in options, f"`flywheel {' '.join(args)}`: unknown option {token}"
@@ -45,8 +49,19 @@ def _resolve(group, args: list[str]):
 
 def test_compose_has_the_production_services():
     services = _compose()["services"]
-    for required in ("kafka", "postgres", "redis", "vllm", "migrate", "consumer", "worker", "beat", "api",
-                     "relay", "watcher"):
+    for required in (
+        "kafka",
+        "postgres",
+        "redis",
+        "vllm",
+        "migrate",
+        "consumer",
+        "worker",
+        "beat",
+        "api",
+        "relay",
+        "watcher",
+    ):
         assert required in services, required
     kafka_env = services["kafka"]["environment"]
     assert "controller" in kafka_env["KAFKA_PROCESS_ROLES"]  # KRaft, no ZooKeeper
@@ -97,5 +112,7 @@ def test_candidate_evals_have_a_server_of_their_own():
         env = svc["environment"]
         assert env["FLYWHEEL_SERVING_URL"] == "http://vllm:8000", name
         assert env["FLYWHEEL_SERVING_EVAL_URL"] == "http://vllm-eval:8000", name
-    gpus = [services[n]["deploy"]["resources"]["reservations"]["devices"][0]["device_ids"] for n in ("vllm", "vllm-eval")]
+    gpus = [
+        services[n]["deploy"]["resources"]["reservations"]["devices"][0]["device_ids"] for n in ("vllm", "vllm-eval")
+    ]
     assert gpus[0] != gpus[1]  # the eval server never shares production's GPU

@@ -52,7 +52,7 @@ def test_stop_token_is_returned_with_its_logprob(engine):
     stop_at = greedy.token_ids[2]
     gen = engine.generate([PROMPTS[0]], SamplingParams(max_tokens=6, temperature=0.0, stop_token_ids=(stop_at,)))[0]
     first = greedy.token_ids.index(stop_at)
-    assert gen.token_ids == greedy.token_ids[:first + 1]
+    assert gen.token_ids == greedy.token_ids[: first + 1]
     assert gen.finish_reason == "stop" and len(gen.logprobs) == len(gen.token_ids)
 
 
@@ -108,9 +108,9 @@ def test_load_checkpoint_swaps_weights(engine, tmp_path):
 
 
 def test_apply_delta_serves_the_same_weights_as_a_full_load(tiny_model_dir, tmp_path):
-    from app.core.errors import CheckpointError
-    from app.checkpoints.testing import build_tiny_model
     from app.checkpoints.delta import serving_state_dict, write_delta
+    from app.checkpoints.testing import build_tiny_model
+    from app.core.errors import CheckpointError
 
     child_dir = tmp_path / "child"
     build_tiny_model(child_dir, seed=0)
@@ -121,8 +121,13 @@ def test_apply_delta_serves_the_same_weights_as_a_full_load(tiny_model_dir, tmp_
     with torch.no_grad():  # a small "training step": nudge a few weights
         child.model.layers[0].mlp.up_proj.weight[:3] += 0.05
     child.save_pretrained(child_dir)
-    write_delta(serving_state_dict(parent), serving_state_dict(child), child_dir / "delta.zst",
-                parent_id="parent", checkpoint_id="child")
+    write_delta(
+        serving_state_dict(parent),
+        serving_state_dict(child),
+        child_dir / "delta.zst",
+        parent_id="parent",
+        checkpoint_id="child",
+    )
 
     via_delta = TorchEngine(tiny_model_dir, checkpoint_id="parent")
     with pytest.raises(CheckpointError, match="serves parent"):

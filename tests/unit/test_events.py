@@ -9,16 +9,23 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from app.core.errors import InvalidEventError
-from producers.events.plausibility import MAX_VOCAB_SIZE
 from producers.events import EVENT_CLASSES, decode_event, decode_event_payload, encode_event, event_json_schema
-from producers.events.types import (ModelResponded, ModelRespondedEvent, SessionEnded, SessionEndedEvent,
-                              ToolCall)
+from producers.events.plausibility import MAX_VOCAB_SIZE
+from producers.events.types import ModelResponded, ModelRespondedEvent, SessionEnded, SessionEndedEvent, ToolCall
 
 
 def _responded(**kw) -> ModelRespondedEvent:
-    payload = dict(request_id="r1", segment_index=0, turn_index=0, checkpoint_id="base",
-                   prompt_token_ids=[1, 2, 3], completion_token_ids=[4, 5], completion_logprobs=[-0.5, -1.25],
-                   latency_s=0.3, tool_calls=[ToolCall(call_id="c1", name="run", arguments={"cmd": "pytest"})])
+    payload = dict(
+        request_id="r1",
+        segment_index=0,
+        turn_index=0,
+        checkpoint_id="base",
+        prompt_token_ids=[1, 2, 3],
+        completion_token_ids=[4, 5],
+        completion_logprobs=[-0.5, -1.25],
+        latency_s=0.3,
+        tool_calls=[ToolCall(call_id="c1", name="run", arguments={"cmd": "pytest"})],
+    )
     payload.update(kw)
     return ModelRespondedEvent(session_id="s1", user_id="u1", payload=ModelResponded(**payload))
 
@@ -36,14 +43,17 @@ def test_model_responded_round_trips_exactly(tokens, prompt):
     assert decoded.payload.completion_token_ids == tuple(tokens)
 
 
-@pytest.mark.parametrize("kw,field", [
-    (dict(completion_logprobs=[-0.5, 0.5]), "completion_logprobs"),
-    (dict(completion_logprobs=[float("nan"), -1.0]), "completion_logprobs"),
-    (dict(completion_token_ids=[4, MAX_VOCAB_SIZE]), "completion_token_ids"),
-    (dict(prompt_token_ids=[1, -2]), "prompt_token_ids"),
-    (dict(vocab_size=5), "completion_token_ids"),  # ids 4, 5 in a 5-token vocabulary
-    (dict(completion_token_ids=[], completion_logprobs=[]), "completion_token_ids"),
-])
+@pytest.mark.parametrize(
+    "kw,field",
+    [
+        (dict(completion_logprobs=[-0.5, 0.5]), "completion_logprobs"),
+        (dict(completion_logprobs=[float("nan"), -1.0]), "completion_logprobs"),
+        (dict(completion_token_ids=[4, MAX_VOCAB_SIZE]), "completion_token_ids"),
+        (dict(prompt_token_ids=[1, -2]), "prompt_token_ids"),
+        (dict(vocab_size=5), "completion_token_ids"),  # ids 4, 5 in a 5-token vocabulary
+        (dict(completion_token_ids=[], completion_logprobs=[]), "completion_token_ids"),
+    ],
+)
 def test_implausible_turns_are_refused_naming_the_field(kw, field):
     import base64
 
@@ -63,8 +73,7 @@ def test_a_logprob_rounded_just_above_zero_is_accepted():
 
 
 def test_token_arrays_are_binary_packed_not_json_lists():
-    wire = json.loads(encode_event(_responded(completion_token_ids=list(range(100)),
-                                              completion_logprobs=[-1.0] * 100)))
+    wire = json.loads(encode_event(_responded(completion_token_ids=list(range(100)), completion_logprobs=[-1.0] * 100)))
     assert isinstance(wire["payload"]["completion_token_ids"], str)
     assert isinstance(wire["payload"]["completion_logprobs"], str)
 
@@ -87,16 +96,30 @@ def test_events_are_frozen():
         (b"\xff\xfe", "bad_json"),
         (b"[1, 2]", "not_object"),
         (json.dumps({"type": "model.exploded", "session_id": "s", "user_id": "u"}).encode(), "unknown_type"),
-        (json.dumps({"type": "session.ended", "schema_version": 99, "session_id": "s", "user_id": "u",
-                     "payload": {}}).encode(), "schema_version"),
-        (json.dumps({"type": "session.ended", "schema_version": 1, "user_id": "u", "payload": {}}).encode(),
-         "validation"),
+        (
+            json.dumps(
+                {"type": "session.ended", "schema_version": 99, "session_id": "s", "user_id": "u", "payload": {}}
+            ).encode(),
+            "schema_version",
+        ),
+        (
+            json.dumps({"type": "session.ended", "schema_version": 1, "user_id": "u", "payload": {}}).encode(),
+            "validation",
+        ),
         (b"x" * 2000, "oversized"),
         # NaN is not JSON, even where the contract takes any value (a tool call's arguments)
         (encode_event(_responded()).replace(b'{"cmd":"pytest"}', b'{"cmd":NaN}'), "bad_json"),
     ],
-    ids=["bad-json", "bad-utf8", "not-object", "unknown-type", "schema-version", "no-session", "oversized",
-         "nan-argument"],  # stable ids: the raw bytes hold fresh timestamps (pytest-xdist collects per worker)
+    ids=[
+        "bad-json",
+        "bad-utf8",
+        "not-object",
+        "unknown-type",
+        "schema-version",
+        "no-session",
+        "oversized",
+        "nan-argument",
+    ],  # stable ids: the raw bytes hold fresh timestamps (pytest-xdist collects per worker)
 )
 @pytest.mark.parametrize("decode", [decode_event, decode_event_payload])
 def test_decode_rejects_with_reason(raw, reason, decode):
@@ -107,8 +130,12 @@ def test_decode_rejects_with_reason(raw, reason, decode):
 
 
 def test_stored_payload_is_the_payload_as_sent():
-    sent = {"type": "tool.executed", "session_id": "s", "user_id": "u",
-            "payload": {"ok": True, "name": "run", "call_id": "c1", "duration_s": 2, "output": "\u00e9t\u00e9"}}
+    sent = {
+        "type": "tool.executed",
+        "session_id": "s",
+        "user_id": "u",
+        "payload": {"ok": True, "name": "run", "call_id": "c1", "duration_s": 2, "output": "\u00e9t\u00e9"},
+    }
     event, payload = decode_event_payload(json.dumps(sent).encode())
     # the producer's bytes: fields, order, numbers, spacing and escapes
     assert payload == json.dumps(sent["payload"])
@@ -121,8 +148,12 @@ def test_stored_payload_is_the_payload_as_sent():
     assert json.loads(payload)["tool_calls"][0]["arguments"] == {"n": big}
     assert decode_event(raw) == event
     # a repeated key: the value validation took (the last), not the first
-    raw = json.dumps({**sent, "payload": {"x": 1}}).encode()[:-1] + b', "payload": ' + \
-        json.dumps(sent["payload"]).encode() + b"}"
+    raw = (
+        json.dumps({**sent, "payload": {"x": 1}}).encode()[:-1]
+        + b', "payload": '
+        + json.dumps(sent["payload"]).encode()
+        + b"}"
+    )
     event, payload = decode_event_payload(raw)
     assert json.loads(payload) == sent["payload"] and event.payload.name == "run"
 

@@ -26,8 +26,9 @@ def test_generation_is_deterministic(splits):
 
     functions._all.cache_clear()  # rebuild from the templates, not from the cache
     again = {s: load_tasks("functions", s) for s in SPLITS}
-    assert {s: [t.model_dump() for t in ts] for s, ts in again.items()} == \
-           {s: [t.model_dump() for t in ts] for s, ts in splits.items()}
+    assert {s: [t.model_dump() for t in ts] for s, ts in again.items()} == {
+        s: [t.model_dump() for t in ts] for s, ts in splits.items()
+    }
 
 
 def test_counts_families_and_difficulties(splits):
@@ -48,8 +49,9 @@ def test_splits_are_disjoint_by_template(splits):
     assert templates["test"] == held_out_templates()
     assert not templates["test"] & (templates["train"] | templates["test_params"])
     assert templates["test_params"] <= templates["train"]  # unseen parameters of seen templates
-    train_fns = {(t.metadata["template"], t.metadata["entry_point"], t.request.split(" For example")[0])
-                 for t in splits["train"]}
+    train_fns = {
+        (t.metadata["template"], t.metadata["entry_point"], t.request.split(" For example")[0]) for t in splits["train"]
+    }
     for t in splits["test_params"]:
         assert t.metadata["variant"] >= 4 and t.split == "test_params"
         assert (t.metadata["template"], t.metadata["entry_point"], t.request.split(" For example")[0]) not in train_fns
@@ -77,6 +79,8 @@ def test_sampled_references_pass_and_stubs_fail(splits):
 def test_a_wrong_solution_fails_the_hidden_tests(splits):
     task = next(t for ts in splits.values() for t in ts if t.metadata["template"] == "is_leap")
     entry = task.metadata["entry_point"]
-    wrong = task.model_copy(update={"reference_files": {"solution.py": f"def {entry}(year):\n    return year % 4 == 0\n"}})
+    wrong = task.model_copy(
+        update={"reference_files": {"solution.py": f"def {entry}(year):\n    return year % 4 == 0\n"}}
+    )
     result = verify_reference(wrong)
     assert not result.ok and "expected" in result.stderr

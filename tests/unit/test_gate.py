@@ -8,8 +8,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from evals.config import GateConfig, MonitorBound, SuiteGate
-from evals.gate import (Outcome, SuiteOutcomes, decide_gate, mcnemar_exact_interval, monitor_values,
-                        paired_bootstrap_interval, wilson_interval)
+from evals.gate import (
+    Outcome,
+    SuiteOutcomes,
+    decide_gate,
+    mcnemar_exact_interval,
+    monitor_values,
+    paired_bootstrap_interval,
+    wilson_interval,
+)
 
 
 def config(**kw) -> GateConfig:
@@ -25,15 +32,19 @@ def table(b: int, c: int, both: int, neither: int, *, samples: int = 1, **prod_k
     for i, (x, y) in enumerate(pattern):
         task, sample = f"t{i // samples:04d}", i % samples
         cand.append(Outcome(task, sample, x, completion_tokens=100, latency_s=1.0, tool_calls=4, edited=True))
-        prod.append(Outcome(task, sample, y, completion_tokens=100, latency_s=1.0, tool_calls=4, edited=True,
-                            **prod_kw))
+        prod.append(
+            Outcome(task, sample, y, completion_tokens=100, latency_s=1.0, tool_calls=4, edited=True, **prod_kw)
+        )
     return cand, prod
 
 
 def decide(cand, prod, cfg=None, *, version=("v1", "v1"), planned=None):
     cfg = cfg or config()
-    return decide_gate({"s": SuiteOutcomes("s", version[0], cand, planned=planned)},
-                       {"s": SuiteOutcomes("s", version[1], prod, planned=planned)}, cfg)
+    return decide_gate(
+        {"s": SuiteOutcomes("s", version[0], cand, planned=planned)},
+        {"s": SuiteOutcomes("s", version[1], prod, planned=planned)},
+        cfg,
+    )
 
 
 def checks(result, passed=None):
@@ -85,11 +96,17 @@ def test_identical_results_pass_and_report_zero_interval():
 def test_monitor_breach_fails_even_when_pass_rate_is_better():
     cand, prod = table(b=40, c=0, both=60, neither=100)
     # The candidate stops editing on half the tasks and asks questions instead.
-    cand = [Outcome(o.task_id, 0, o.passed, 100, 1.0, 4, 0, asked_question=i % 2 == 0, edited=i % 2 == 1)
-            for i, o in enumerate(cand)]
-    cfg = config(monitors=[MonitorBound(metric="edit_rate", worse="decrease", abs_tolerance=0.05),
-                           MonitorBound(metric="clarifying_question_rate", abs_tolerance=0.05),
-                           MonitorBound(metric="mean_completion_tokens", rel_tolerance=0.25)])
+    cand = [
+        Outcome(o.task_id, 0, o.passed, 100, 1.0, 4, 0, asked_question=i % 2 == 0, edited=i % 2 == 1)
+        for i, o in enumerate(cand)
+    ]
+    cfg = config(
+        monitors=[
+            MonitorBound(metric="edit_rate", worse="decrease", abs_tolerance=0.05),
+            MonitorBound(metric="clarifying_question_rate", abs_tolerance=0.05),
+            MonitorBound(metric="mean_completion_tokens", rel_tolerance=0.25),
+        ]
+    )
     r = decide(cand, prod, cfg)
     assert not r.passed
     breached = {x.metric for x in r.failures() if x.check == "monitor"}
@@ -101,11 +118,19 @@ def test_monitor_breach_fails_even_when_pass_rate_is_better():
 
 def test_monitor_relative_and_absolute_bounds():
     cand, prod = table(b=0, c=0, both=50, neither=50)
-    slow = [Outcome(o.task_id, 0, o.passed, completion_tokens=140, latency_s=1.2, tool_calls=4, tool_call_errors=1,
-                    edited=True) for o in cand]
-    cfg = config(monitors=[MonitorBound(metric="mean_completion_tokens", rel_tolerance=0.25),
-                           MonitorBound(metric="mean_latency_s", rel_tolerance=0.1, abs_tolerance=0.5),
-                           MonitorBound(metric="invalid_tool_call_rate", abs_tolerance=0.5, limit=0.2)])
+    slow = [
+        Outcome(
+            o.task_id, 0, o.passed, completion_tokens=140, latency_s=1.2, tool_calls=4, tool_call_errors=1, edited=True
+        )
+        for o in cand
+    ]
+    cfg = config(
+        monitors=[
+            MonitorBound(metric="mean_completion_tokens", rel_tolerance=0.25),
+            MonitorBound(metric="mean_latency_s", rel_tolerance=0.1, abs_tolerance=0.5),
+            MonitorBound(metric="invalid_tool_call_rate", abs_tolerance=0.5, limit=0.2),
+        ]
+    )
     r = decide(slow, prod, cfg)
     verdict = {x.metric: x.passed for x in r.reasons if x.check == "monitor"}
     # +40 % tokens > 25 %; +0.2 s latency < max(0.1 s, 0.5 s); error rate 0.25 over the 0.2 ceiling.
@@ -149,8 +174,11 @@ def test_errored_sessions_and_too_few_pairs_fail_closed():
 def test_floor_and_ungated_suites():
     cand, prod = table(b=0, c=0, both=10, neither=90)
     cfg = config(suites={"s": SuiteGate(floor=0.2), "extra": SuiteGate(gated=False)})
-    r = decide_gate({"s": SuiteOutcomes("s", "v", cand), "extra": SuiteOutcomes("extra", "v", cand[:3])},
-                    {"s": SuiteOutcomes("s", "v", prod), "extra": SuiteOutcomes("extra", "v", prod)}, cfg)
+    r = decide_gate(
+        {"s": SuiteOutcomes("s", "v", cand), "extra": SuiteOutcomes("extra", "v", cand[:3])},
+        {"s": SuiteOutcomes("s", "v", prod), "extra": SuiteOutcomes("extra", "v", prod)},
+        cfg,
+    )
     assert not r.passed
     assert [x.check for x in r.failures()] == ["floor"]
     assert not r.suites["extra"].gated and not r.suites["extra"].passed  # reported, not decisive
@@ -182,7 +210,7 @@ def test_known_interval_values():
     # Exact conditional interval: b=0 discordant of 5, n=100; Clopper-Pearson upper for p at 95 %
     # one-sided is 1 - 0.05**(1/5) = 0.4507, so the difference's upper bound is 0.05 * (2*0.4507 - 1).
     lo, hi = mcnemar_exact_interval(0, 5, 100)
-    assert lo == pytest.approx(-0.05) and hi == pytest.approx(0.05 * (2 * (1 - 0.05 ** 0.2) - 1), abs=1e-9)
+    assert lo == pytest.approx(-0.05) and hi == pytest.approx(0.05 * (2 * (1 - 0.05**0.2) - 1), abs=1e-9)
 
 
 @settings(max_examples=200, deadline=None)
@@ -210,9 +238,20 @@ def test_a_real_regression_rarely_passes(method, sims):
 
 
 def test_monitor_values_units():
-    outs = [Outcome("a", 0, True, completion_tokens=10, latency_s=1.0, tool_calls=4, tool_call_errors=1,
-                    asked_question=True, edited=False),
-            Outcome("b", 0, False, completion_tokens=30, latency_s=3.0, tool_calls=0, edited=True)]
+    outs = [
+        Outcome(
+            "a",
+            0,
+            True,
+            completion_tokens=10,
+            latency_s=1.0,
+            tool_calls=4,
+            tool_call_errors=1,
+            asked_question=True,
+            edited=False,
+        ),
+        Outcome("b", 0, False, completion_tokens=30, latency_s=3.0, tool_calls=0, edited=True),
+    ]
     v = monitor_values(outs)
     assert v["invalid_tool_call_rate"] == 0.25 and v["clarifying_question_rate"] == 0.5
     assert v["edit_rate"] == 0.5 and v["mean_completion_tokens"] == 20 and v["mean_latency_s"] == 2.0
@@ -223,8 +262,10 @@ EDIT_RATE = MonitorBound(metric="edit_rate", worse="decrease", abs_tolerance=0.0
 
 def edits(cand_edited, prod_edited):
     """Paired outcomes (one task each, all passing) that differ only in whether the session edited."""
-    return ([Outcome(f"t{i}", 0, True, edited=bool(e)) for i, e in enumerate(cand_edited)],
-            [Outcome(f"t{i}", 0, True, edited=bool(e)) for i, e in enumerate(prod_edited)])
+    return (
+        [Outcome(f"t{i}", 0, True, edited=bool(e)) for i, e in enumerate(cand_edited)],
+        [Outcome(f"t{i}", 0, True, edited=bool(e)) for i, e in enumerate(prod_edited)],
+    )
 
 
 def monitor_verdict(result, metric="edit_rate"):
@@ -252,8 +293,9 @@ def test_a_monitor_breaches_on_a_regression_the_pairs_show():
     assert v.details["drift"] == pytest.approx(0.28) and 0.05 < v.details["drift_low"] < 0.28
 
 
-@pytest.mark.parametrize("rule, bound", [("significant", lambda rate: rate <= 0.05),
-                                         ("point", lambda rate: rate >= 0.15)])
+@pytest.mark.parametrize(
+    "rule, bound", [("significant", lambda rate: rate <= 0.05), ("point", lambda rate: rate >= 0.15)]
+)
 def test_an_unchanged_checkpoints_monitor_breaches_rarely(rule, bound, sims=200):
     """Both sides draw edits from the same distribution (40 pairs, each session edits with p = 0.6,
     the two sides agree on 60 % of sessions): the significant rule's false breaches stay under its

@@ -5,17 +5,22 @@ from __future__ import annotations
 import pytest
 import torch
 
+from app.inference.engine import SamplingParams
 from evals.harness.agent import AgentBudget, grade, run_agent_session
 from evals.harness.scripted import ScriptedPolicy, tool_call
 from evals.tasks.model import HIDDEN_RUNNER, Task, hidden_runner
-from app.inference.engine import SamplingParams
 
 TASK = Task(
-    id="toy/add", source="toy", split="train", request="Implement add(a, b) in solution.py.",
+    id="toy/add",
+    source="toy",
+    split="train",
+    request="Implement add(a, b) in solution.py.",
     files={"solution.py": "def add(a, b):\n    raise NotImplementedError\n"},
     test_command=f"python {HIDDEN_RUNNER}",
-    test_files={"test_hidden.py": "assert add(2, 3) == 5\nassert add(-1, 1) == 0\n",
-                HIDDEN_RUNNER: hidden_runner("", "\n", "test_hidden.py")},
+    test_files={
+        "test_hidden.py": "assert add(2, 3) == 5\nassert add(-1, 1) == 0\n",
+        HIDDEN_RUNNER: hidden_runner("", "\n", "test_hidden.py"),
+    },
     reference_files={"solution.py": "def add(a, b):\n    return a + b\n"},
     metadata={"entry_point": "add"},
 )
@@ -30,8 +35,17 @@ def tokenizer(tiny_model_dir):
 
 def run(policy, tmp_path, budget=AgentBudget(max_turns=12), **kw):
     sent = []
-    result = run_agent_session(policy, TASK, tmp_path / "repo", budget, SamplingParams(max_tokens=400),
-                               emit=sent.append, session_id="s-1", user_id="u-1", **kw)
+    result = run_agent_session(
+        policy,
+        TASK,
+        tmp_path / "repo",
+        budget,
+        SamplingParams(max_tokens=400),
+        emit=sent.append,
+        session_id="s-1",
+        user_id="u-1",
+        **kw,
+    )
     assert sent == result.events
     return result
 
@@ -40,12 +54,16 @@ def segments_of(events):
     segs: dict[int, list[int]] = {}
     for e in events:
         if e.type == "model.responded":
-            segs.setdefault(e.payload.segment_index, []).extend(e.payload.prompt_token_ids + e.payload.completion_token_ids)
+            segs.setdefault(e.payload.segment_index, []).extend(
+                e.payload.prompt_token_ids + e.payload.completion_token_ids
+            )
     return segs
 
 
 def test_scripted_reference_passes_and_events_follow_the_contract(tokenizer, tmp_path):
-    policy = ScriptedPolicy.submitting(tokenizer, TASK, run_command="python -c 'from solution import add; print(add(1, 2))'")
+    policy = ScriptedPolicy.submitting(
+        tokenizer, TASK, run_command="python -c 'from solution import add; print(add(1, 2))'"
+    )
     result = run(policy, tmp_path, on_end=lambda r: ("edit.persistence_measured",))
     types = [e.type for e in result.events]
     assert types[:2] == ["session.started", "agent.requested"] and types[-1] == "session.ended"
@@ -96,10 +114,15 @@ def test_context_limit_summarizes_into_new_segments(tokenizer, tmp_path):
 
 
 def test_invalid_calls_are_answered_and_counted(tokenizer, tmp_path):
-    policy = ScriptedPolicy(tokenizer, ['<tool_call>{"name": "read_file", "arguments": {"path": ',
-                                        tool_call("delete_everything"),
-                                        tool_call("read_file", path="../../../etc/passwd"),
-                                        tool_call("finish")])
+    policy = ScriptedPolicy(
+        tokenizer,
+        [
+            '<tool_call>{"name": "read_file", "arguments": {"path": ',
+            tool_call("delete_everything"),
+            tool_call("read_file", path="../../../etc/passwd"),
+            tool_call("finish"),
+        ],
+    )
     result = run(policy, tmp_path)
     assert result.tool_call_errors == 2 and result.tool_calls == 4
     calls = [c for e in result.events if e.type == "model.responded" for c in e.payload.tool_calls]
@@ -113,8 +136,11 @@ def test_budgets_end_the_session(tokenizer, tmp_path):
     looping = ScriptedPolicy(tokenizer, [tool_call("search", pattern="def")] * 50)
     by_turns = run(looping, tmp_path / "a", budget=AgentBudget(max_turns=3))
     assert by_turns.reason == "turns" and by_turns.turns == 3
-    by_tokens = run(ScriptedPolicy(tokenizer, [tool_call("search", pattern="def")] * 50), tmp_path / "b",
-                    budget=AgentBudget(max_turns=50, max_completion_tokens=60))
+    by_tokens = run(
+        ScriptedPolicy(tokenizer, [tool_call("search", pattern="def")] * 50),
+        tmp_path / "b",
+        budget=AgentBudget(max_turns=50, max_completion_tokens=60),
+    )
     assert by_tokens.reason == "budget" and by_tokens.completion_tokens >= 60
 
 
@@ -124,8 +150,13 @@ def test_question_without_tool_call_ends_the_turn(tokenizer, tmp_path):
 
 
 def test_wrong_solution_fails_the_hidden_tests(tokenizer, tmp_path):
-    policy = ScriptedPolicy(tokenizer, [tool_call("edit_file", path="solution.py", old="raise NotImplementedError",
-                                                  new="return a - b"), tool_call("finish")])
+    policy = ScriptedPolicy(
+        tokenizer,
+        [
+            tool_call("edit_file", path="solution.py", old="raise NotImplementedError", new="return a - b"),
+            tool_call("finish"),
+        ],
+    )
     result = run(policy, tmp_path)
     assert result.edits[0]["lines_added"] == 1 and not grade(TASK, tmp_path / "repo")
 
@@ -134,8 +165,15 @@ def test_real_engine_logprobs_in_events_match_the_reconstructed_sequence(tiny_mo
     from serving.torch_engine import TorchEngine, teacher_forced_logprobs
 
     engine = TorchEngine(tiny_model_dir, checkpoint_id="tiny")
-    result = run_agent_session(engine, TASK, tmp_path / "repo", AgentBudget(max_turns=2, max_tokens_per_turn=12),
-                               SamplingParams(max_tokens=12, temperature=1.0, seed=0), session_id="s", user_id="u")
+    result = run_agent_session(
+        engine,
+        TASK,
+        tmp_path / "repo",
+        AgentBudget(max_turns=2, max_tokens_per_turn=12),
+        SamplingParams(max_tokens=12, temperature=1.0, seed=0),
+        session_id="s",
+        user_id="u",
+    )
     (p,) = [e.payload for e in result.events if e.type == "model.responded"][:1]
     assert p.checkpoint_id == "tiny" and len(p.completion_token_ids) == 12
     ref = teacher_forced_logprobs(engine.model, list(p.prompt_token_ids), list(p.completion_token_ids), 1.0)
@@ -150,8 +188,9 @@ def test_code_in_a_final_reply_is_applied_like_the_editors_apply_button(tokenize
     (edit,) = [e.payload for e in result.events if e.type == "edit.proposed"]
     assert edit.edit_id.startswith("apply-") and edit.path == "solution.py"
     assert grade(TASK, tmp_path / "repo")
-    unapplied = run(ScriptedPolicy(tokenizer, ["```python\ndef subtract(a, b):\n    return a - b\n```"]),
-                    tmp_path / "b")
+    unapplied = run(
+        ScriptedPolicy(tokenizer, ["```python\ndef subtract(a, b):\n    return a - b\n```"]), tmp_path / "b"
+    )
     assert not unapplied.edited  # it does not define the entry point
 
 

@@ -24,4 +24,3 @@ def test_a_loop_step_warns_only_past_the_configured_threshold(caplog, threshold_
     finally:
         client.close()
     assert any("ran for" in r.getMessage() for r in caplog.records) == warns
-

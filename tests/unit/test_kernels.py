@@ -17,8 +17,8 @@ ON_GPU = torch.cuda.is_available()
 if not ON_GPU:  # before triton is imported: run kernels on the CPU. On a GPU machine the variable
     os.environ["TRITON_INTERPRET"] = "1"  # would also turn the trainer's own kernel launches into the interpreter
 
-from kernels import chunked_logprobs
-from kernels.reference import chunked_logprobs_reference, naive_logprobs
+from kernels import chunked_logprobs  # noqa: E402
+from kernels.reference import chunked_logprobs_reference, naive_logprobs  # noqa: E402
 
 SHAPES = [(37, 101, 45), (16, 64, 32), (5, 259, 17), (1, 33, 16)]  # (N, V, H), mostly not block multiples
 
@@ -52,12 +52,14 @@ def _triton(block_v=32):
             return chunked_logprobs(h, w, y, chunk_size=block_v, backend="triton")
         lp, ent = chunked_logprobs(h.cuda(), w.cuda(), y.cuda(), chunk_size=block_v, backend="triton")
         return lp.cpu(), ent.cpu()
+
     return fn
 
 
 def _torch_chunked(chunk=8):
     def fn(h, w, y):
         return chunked_logprobs_reference(h, w, y, chunk_size=chunk)
+
     return fn
 
 

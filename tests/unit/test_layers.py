@@ -16,8 +16,9 @@ PACKAGES = ("app", "producers", "consumers", "trainer", "kernels", "evals", "ser
 def _lint_imports(root: Path) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(root)}
     script = "import sys; from importlinter.cli import lint_imports_command; sys.exit(lint_imports_command())"
-    return subprocess.run([sys.executable, "-c", script], cwd=root, env=env, capture_output=True, text=True,
-                          timeout=300)
+    return subprocess.run(
+        [sys.executable, "-c", script], cwd=root, env=env, capture_output=True, text=True, timeout=300
+    )
 
 
 def _copy_tree(dst: Path) -> None:

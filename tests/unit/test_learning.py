@@ -34,7 +34,7 @@ def sample(model, n: int, seed: int, temperature: float = 1.0) -> tuple[torch.Te
         tok = torch.multinomial(logp.exp(), 1, generator=g)
         logps.append(logp.gather(-1, tok))
         ids = torch.cat([ids, tok], dim=1)
-    return ids[:, len(PROMPT):], torch.cat(logps, dim=1)
+    return ids[:, len(PROMPT) :], torch.cat(logps, dim=1)
 
 
 def reward(tokens: torch.Tensor) -> torch.Tensor:
@@ -47,9 +47,16 @@ def train_rounds(lr: float, sign: float, rounds: int = 5) -> tuple[float, float]
     model = tiny_policy(seed=0)
     model.eval()
     before = float(reward(sample(model, 512, seed=10_000)[0]).mean())
-    config = TrainerConfig.model_validate({"grad_accum": 2, "epochs": 2, "logprob_chunk_size": 64,
-                                           "data": {"micro_batch_tokens": 64}, "loss": {"temperature": 1.0},
-                                           "optim": {"lr": lr}})
+    config = TrainerConfig.model_validate(
+        {
+            "grad_accum": 2,
+            "epochs": 2,
+            "logprob_chunk_size": 64,
+            "data": {"micro_batch_tokens": 64},
+            "loss": {"temperature": 1.0},
+            "optim": {"lr": lr},
+        }
+    )
     for r in range(rounds):
         tokens, behaviour = sample(model, 32, seed=r)
         rewards = sign * reward(tokens)

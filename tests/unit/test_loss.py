@@ -13,9 +13,14 @@ from trainer.loss import LossInputs, compute_advantages, kl_estimate, policy_los
 def _inputs(logp, old, behaviour, adv, mask=None, ref=None):
     t = lambda x: torch.tensor(x, dtype=torch.float32)  # noqa: E731
     lp = t(logp).requires_grad_()
-    return lp, LossInputs(logprobs=lp, old_logprobs=t(old), behaviour_logprobs=t(behaviour), advantages=t(adv),
-                          loss_mask=t(mask if mask is not None else [1.0] * len(logp)),
-                          ref_logprobs=None if ref is None else t(ref))
+    return lp, LossInputs(
+        logprobs=lp,
+        old_logprobs=t(old),
+        behaviour_logprobs=t(behaviour),
+        advantages=t(adv),
+        loss_mask=t(mask if mask is not None else [1.0] * len(logp)),
+        ref_logprobs=None if ref is None else t(ref),
+    )
 
 
 def test_advantages_are_reward_minus_group_mean_without_std():
@@ -45,7 +50,8 @@ def test_normalizer_is_constant_not_token_count():
     _, short = _inputs([-1.0], [-1.0], [-1.0], [1.0])
     _, long = _inputs([-1.0, -3.0, -2.0], [-1.0, -3.0, -2.0], [-1.0, -3.0, -2.0], [1.0, 0.0, 0.0])
     assert policy_loss(short, normalizer=4.0).loss.item() == pytest.approx(
-        policy_loss(long, normalizer=4.0).loss.item())
+        policy_loss(long, normalizer=4.0).loss.item()
+    )
 
 
 def test_importance_weight_is_truncated_at_cap():

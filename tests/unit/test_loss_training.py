@@ -18,7 +18,7 @@ BAD = [200, 201, 202, 203, 204, 2]
 
 
 def _completion_logprob(model, completion, temperature=1.0) -> float:
-    return float(sequence_logprobs(model, PROMPT + completion, temperature)[len(PROMPT):].sum())
+    return float(sequence_logprobs(model, PROMPT + completion, temperature)[len(PROMPT) :].sum())
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
@@ -26,13 +26,20 @@ def test_fixed_reward_raises_favoured_sequence(temperature):
     torch.manual_seed(0)
     model = tiny_policy(seed=0)
     trajectories = []
-    for k in range(3):
+    for _k in range(3):
         for completion, reward in ((GOOD, 1.0), (BAD, 0.0)):
             behaviour = sequence_logprobs(model, PROMPT + completion, temperature)
             trajectories.append(make_trajectory([make_segment(PROMPT, completion, behaviour)], reward, task_id="t"))
-    config = TrainerConfig.model_validate({
-        "epochs": 2, "grad_accum": 2, "logprob_chunk_size": 5,
-        "data": {"micro_batch_tokens": 22}, "loss": {"temperature": temperature}, "optim": {"lr": 3e-3}})
+    config = TrainerConfig.model_validate(
+        {
+            "epochs": 2,
+            "grad_accum": 2,
+            "logprob_chunk_size": 5,
+            "data": {"micro_batch_tokens": 22},
+            "loss": {"temperature": temperature},
+            "optim": {"lr": 3e-3},
+        }
+    )
     adv = compute_advantages(torch.tensor([t.reward for t in trajectories]), group_ids(trajectories))
     assert adv.tolist() == pytest.approx([0.5, -0.5] * 3)
     batches = pack_micro_batches(trajectories, adv, micro_batch_tokens=22, pad_id=2)
@@ -71,18 +78,26 @@ def test_schedule_trains_every_micro_batch_each_epoch():
 def _cycle_data(trajectories):
     from trainer.data import CycleData
 
-    return CycleData(reward_spec="implicit@1", parent_id="base", parent_generation=0, window_start=None,
-                     window_end=trajectories[-1].finalized_at, used=list(trajectories))
+    return CycleData(
+        reward_spec="implicit@1",
+        parent_id="base",
+        parent_generation=0,
+        window_start=None,
+        window_end=trajectories[-1].finalized_at,
+        used=list(trajectories),
+    )
 
 
 def test_step_budget_shrinks_the_claim_not_the_schedule():
     """Every claimed trajectory is trained; over the budget, the newest task groups are deferred whole."""
     from trainer.cycle import fit_claim_to_budget, pack_cycle
 
-    trajs = [make_trajectory([make_segment([1] * 6, [5, 6, 7])], float(i % 2), task_id=f"task-{i // 2}")
-             for i in range(8)]  # 4 groups of 2, one 10-token row each
-    cfg = TrainerConfig.model_validate({"grad_accum": 1, "epochs": 1, "max_steps": 2,
-                                        "data": {"micro_batch_tokens": 20}})  # 2 rows per micro-batch
+    trajs = [
+        make_trajectory([make_segment([1] * 6, [5, 6, 7])], float(i % 2), task_id=f"task-{i // 2}") for i in range(8)
+    ]  # 4 groups of 2, one 10-token row each
+    cfg = TrainerConfig.model_validate(
+        {"grad_accum": 1, "epochs": 1, "max_steps": 2, "data": {"micro_batch_tokens": 20}}
+    )  # 2 rows per micro-batch
     data = _cycle_data(trajs)
     assert fit_claim_to_budget(data, cfg) == 2
     rewards, groups, adv, batches = pack_cycle(data.used, cfg)

@@ -33,8 +33,15 @@ def _batches(model, poison: bool):
 def test_a_nan_micro_batch_is_skipped_and_the_weights_stay_finite():
     torch.manual_seed(0)
     model = tiny_policy(seed=0)
-    config = TrainerConfig.model_validate({"grad_accum": 1, "epochs": 1, "logprob_chunk_size": 5,
-                                           "data": {"micro_batch_tokens": 22}, "optim": {"lr": 3e-3}})
+    config = TrainerConfig.model_validate(
+        {
+            "grad_accum": 1,
+            "epochs": 1,
+            "logprob_chunk_size": 5,
+            "data": {"micro_batch_tokens": 22},
+            "optim": {"lr": 3e-3},
+        }
+    )
     batches = _batches(model, poison=True)
     compute_old_logprobs(model, batches, config)
     history = train_steps(model, batches, config, make_optimizer(model, config))
@@ -49,8 +56,15 @@ def test_a_nan_micro_batch_is_skipped_and_the_weights_stay_finite():
 def test_clean_batches_skip_nothing():
     torch.manual_seed(0)
     model = tiny_policy(seed=0)
-    config = TrainerConfig.model_validate({"grad_accum": 1, "epochs": 1, "logprob_chunk_size": 5,
-                                           "data": {"micro_batch_tokens": 22}, "optim": {"lr": 3e-3}})
+    config = TrainerConfig.model_validate(
+        {
+            "grad_accum": 1,
+            "epochs": 1,
+            "logprob_chunk_size": 5,
+            "data": {"micro_batch_tokens": 22},
+            "optim": {"lr": 3e-3},
+        }
+    )
     batches = _batches(model, poison=False)
     compute_old_logprobs(model, batches, config)
     history = train_steps(model, batches, config, make_optimizer(model, config))

@@ -9,8 +9,15 @@ import math
 import pytest
 
 from app.promotion.assignment import assign_arm, user_bucket
-from app.promotion.online_stats import (Comparison, OnlinePolicy, SessionSignals, compare_arms, compare_signal,
-                                        policy_reasons, ratio_estimate)
+from app.promotion.online_stats import (
+    Comparison,
+    OnlinePolicy,
+    SessionSignals,
+    compare_arms,
+    compare_signal,
+    policy_reasons,
+    ratio_estimate,
+)
 
 
 def _edits(user: str, accepted: int, rejected: int) -> SessionSignals:
@@ -29,14 +36,14 @@ def test_clustered_ratio_matches_the_hand_computed_delta_method():
     # Var = K/(K-1) * 0.65625 / 8^2 = 1.5 * 0.65625 / 64 = 0.015380859375.
     c = ratio_estimate(CANARY, "edit_acceptance")
     assert c.value == pytest.approx(0.625)
-    assert c.se ** 2 == pytest.approx(0.015380859375)
+    assert c.se**2 == pytest.approx(0.015380859375)
     assert (c.users, c.sessions, c.denominator) == (3, 5, 8)
     # Production per user: p1 (2, 2), p2 (1, 2), p3 (0, 2), p4 (3, 3); R = 6/9 = 2/3.
     # residuals: 2/3, -1/3, -4/3, 1 -> squares sum 4/9 + 1/9 + 16/9 + 1 = 10/3;
     # Var = 4/3 * (10/3) / 81 = 40/729.
     p = ratio_estimate(PRODUCTION, "edit_acceptance")
     assert p.value == pytest.approx(2 / 3)
-    assert p.se ** 2 == pytest.approx(40 / 729)
+    assert p.se**2 == pytest.approx(40 / 729)
     # canary - production = 5/8 - 2/3 = -1/24, 95 % interval +- 1.959964 * sqrt(0.015380859375 + 40/729)
     d = compare_signal(CANARY, PRODUCTION, "edit_acceptance")
     half = 1.959963984540054 * math.sqrt(0.015380859375 + 40 / 729)
@@ -96,7 +103,7 @@ def test_policy_from_a_stored_gate_config():
 
 def test_assignment_is_sticky_stable_and_near_the_fraction():
     # The bucket is sha256(canary_id \0 user_id)'s first 8 bytes over 2^64: stable across processes.
-    expected = int.from_bytes(hashlib.sha256(b"c-1\x00user-007").digest()[:8], "big") / 2 ** 64
+    expected = int.from_bytes(hashlib.sha256(b"c-1\x00user-007").digest()[:8], "big") / 2**64
     assert user_bucket("user-007", "c-1") == expected
     arms = [assign_arm(f"user-{i}", "c-1", 0.1) for i in range(20_000)]
     assert arms == [assign_arm(f"user-{i}", "c-1", 0.1) for i in range(20_000)]  # sticky
@@ -114,7 +121,8 @@ def test_assignment_is_sticky_stable_and_near_the_fraction():
 
 def test_the_gate_config_online_setting_and_the_promotion_side_agree():
     from app.promotion.online_stats import SIGNALS
-    from evals.config import ONLINE_SIGNALS, OnlinePolicy as OnlineSetting, load_gate_config
+    from evals.config import ONLINE_SIGNALS, load_gate_config
+    from evals.config import OnlinePolicy as OnlineSetting
 
     assert set(ONLINE_SIGNALS) == set(SIGNALS)
     shipped = load_gate_config()

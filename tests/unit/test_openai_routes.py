@@ -40,19 +40,32 @@ def _vllm_like_server(gen, routes: np.ndarray, encode_b64: bool):
 
     def enc(a: np.ndarray):
         a = a.astype(np.uint8)
-        return {"data": base64.b64encode(a.tobytes()).decode(), "shape": list(a.shape), "dtype": "uint8"} \
-            if encode_b64 else a.tolist()
+        return (
+            {"data": base64.b64encode(a.tobytes()).decode(), "shape": list(a.shape), "dtype": "uint8"}
+            if encode_b64
+            else a.tolist()
+        )
 
     def handle(request: httpx.Request) -> httpx.Response:
         if request.url.path == "/v1/models":
             return httpx.Response(200, json={"data": [{"id": "moe", "max_model_len": 2048}]})
         body = json.loads(request.content)
         assert body["prompt"] == [PROMPT]
-        return httpx.Response(200, json={
-            "choices": [{"index": 0, "token_ids": gen.token_ids, "finish_reason": gen.finish_reason,
-                         "logprobs": {"token_logprobs": gen.logprobs},
-                         "routed_experts": enc(routes[n_prompt:])}],
-            "prompt_routed_experts": enc(routes[:n_prompt])})
+        return httpx.Response(
+            200,
+            json={
+                "choices": [
+                    {
+                        "index": 0,
+                        "token_ids": gen.token_ids,
+                        "finish_reason": gen.finish_reason,
+                        "logprobs": {"token_logprobs": gen.logprobs},
+                        "routed_experts": enc(routes[n_prompt:]),
+                    }
+                ],
+                "prompt_routed_experts": enc(routes[:n_prompt]),
+            },
+        )
 
     return httpx.MockTransport(handle)
 

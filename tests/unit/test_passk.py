@@ -45,7 +45,9 @@ def outcomes(table: dict[str, list[bool]]) -> list[Outcome]:
 
 
 def test_sampling_report_pass_at_1_pass_at_k_and_best_of_k():
-    outs = outcomes({"a": [True, False, False, False], "b": [False] * 4, "c": [True] * 4, "d": [False, True, True, False]})
+    outs = outcomes(
+        {"a": [True, False, False, False], "b": [False] * 4, "c": [True] * 4, "d": [False, True, True, False]}
+    )
     r = sampling_report(outs)
     assert r.samples_per_task == 4 and r.n_tasks == 4
     assert r.pass_at_k["1"] == pytest.approx((1 / 4 + 0 + 1 + 2 / 4) / 4)
@@ -63,6 +65,7 @@ def test_pass_at_1_weighs_tasks_equally_and_an_incomplete_task_is_left_out_of_be
 
 
 # ---- the gate with k samples per task --------------------------------------------------------------
+
 
 def simulate(rng, p: np.ndarray, q: np.ndarray, k: int) -> tuple[list[Outcome], list[Outcome]]:
     prod = rng.random((len(p), k)) < p[:, None]
@@ -83,8 +86,10 @@ def test_the_gate_pairs_every_sample_and_reports_pass_at_k_per_side():
     s = gate(cand, prod, 0.1).suites["s"]
     assert s.n_pairs == 150 and s.n_tasks == 30 and s.samples_per_task == 5
     assert s.candidate_sampling.pass_at_k.keys() == {"1", "5"} and s.production_sampling.samples_per_task == 5
-    per_task = [np.mean([c.passed for c in cand if c.task_id == t]) - np.mean([x.passed for x in prod if x.task_id == t])
-                for t in sorted({o.task_id for o in cand})]
+    per_task = [
+        np.mean([c.passed for c in cand if c.task_id == t]) - np.mean([x.passed for x in prod if x.task_id == t])
+        for t in sorted({o.task_id for o in cand})
+    ]
     assert s.diff == pytest.approx(np.mean(per_task))
     assert s.diff == pytest.approx(s.candidate_sampling.pass_at_k["1"] - s.production_sampling.pass_at_k["1"])
 
@@ -99,7 +104,7 @@ def test_more_samples_per_task_separate_an_equal_from_a_worse_candidate():
     failed = {("equal", 1): 0, ("equal", 8): 0, ("worse", 1): 0, ("worse", 8): 0}
     for _ in range(sims):
         p = rng.beta(0.6, 0.6, 40)
-        for (who, k) in failed:
+        for who, k in failed:
             failed[who, k] += not gate(*simulate(rng, p, p if who == "equal" else 0.7 * p, k), tol).passed
     rate = {key: v / sims for key, v in failed.items()}
     assert rate["worse", 8] >= 0.9 and rate["worse", 8] >= rate["worse", 1]
@@ -114,10 +119,16 @@ def test_samples_of_a_task_move_together_in_the_interval():
     solved_p = rng.random(30) < 0.5
     solved_c = solved_p.copy()
     solved_c[rng.choice(np.flatnonzero(solved_p), 3, replace=False)] = False
-    one = gate([Outcome(f"t{t}", 0, bool(solved_c[t])) for t in range(30)],
-               [Outcome(f"t{t}", 0, bool(solved_p[t])) for t in range(30)], 0.05).suites["s"]
-    eight = gate([Outcome(f"t{t}", s, bool(solved_c[t])) for t in range(30) for s in range(8)],
-                 [Outcome(f"t{t}", s, bool(solved_p[t])) for t in range(30) for s in range(8)], 0.05).suites["s"]
+    one = gate(
+        [Outcome(f"t{t}", 0, bool(solved_c[t])) for t in range(30)],
+        [Outcome(f"t{t}", 0, bool(solved_p[t])) for t in range(30)],
+        0.05,
+    ).suites["s"]
+    eight = gate(
+        [Outcome(f"t{t}", s, bool(solved_c[t])) for t in range(30) for s in range(8)],
+        [Outcome(f"t{t}", s, bool(solved_p[t])) for t in range(30) for s in range(8)],
+        0.05,
+    ).suites["s"]
     assert eight.n_pairs == 8 * one.n_pairs and eight.diff == pytest.approx(one.diff)
     assert eight.diff_low == pytest.approx(one.diff_low, abs=0.02)
 

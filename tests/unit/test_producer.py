@@ -63,8 +63,16 @@ def _spooled(spool_dir) -> list:
         ({"type": "no.such_event", "session_id": "s", "user_id": "u", "payload": {}}, "unknown_type"),
         ({"type": "edit.accepted", "session_id": "s", "user_id": "u", "payload": {}}, "validation"),
         ({"type": "edit.accepted", "session_id": "", "user_id": "u", "payload": {"edit_id": "e"}}, "validation"),
-        ({"type": "edit.accepted", "schema_version": 99, "session_id": "s", "user_id": "u",
-          "payload": {"edit_id": "e"}}, "schema_version"),
+        (
+            {
+                "type": "edit.accepted",
+                "schema_version": 99,
+                "session_id": "s",
+                "user_id": "u",
+                "payload": {"edit_id": "e"},
+            },
+            "schema_version",
+        ),
         (["not", "an", "object"], "not_object"),
     ],
 )
@@ -124,8 +132,7 @@ def test_full_buffer_overflows_to_the_spool_behind_buffered_events(producer_fact
         producer.emit(_event(i))
     producer.close(timeout_s=20)
     assert producer.metrics["spooled"] == 10
-    assert [decode_event(r.value).payload.edit_id for r in _spooled(tmp_path / "spool")] == \
-        [f"e{i}" for i in range(10)]
+    assert [decode_event(r.value).payload.edit_id for r in _spooled(tmp_path / "spool")] == [f"e{i}" for i in range(10)]
 
 
 def test_a_new_producer_picks_up_the_spool_of_a_closed_one(producer_factory, tmp_path):
@@ -137,8 +144,7 @@ def test_a_new_producer_picks_up_the_spool_of_a_closed_one(producer_factory, tmp
     assert second.metrics["spool_pending"] == 5
     second.emit(_event(5))
     second.close(timeout_s=20)
-    assert [decode_event(r.value).payload.edit_id for r in _spooled(tmp_path / "spool")] == \
-        [f"e{i}" for i in range(6)]
+    assert [decode_event(r.value).payload.edit_id for r in _spooled(tmp_path / "spool")] == [f"e{i}" for i in range(6)]
 
 
 def test_on_error_that_raises_does_not_stop_the_producer(producer_factory):
@@ -176,9 +182,11 @@ def test_session_partitioner_agrees_with_kafka_default():
 
 
 def test_producer_module_imports_neither_torch_nor_sqlalchemy():
-    code = ("import sys, producers.producer; "
-            "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'sqlalchemy', 'celery')); "
-            "print(bad); sys.exit(1 if bad else 0)")
+    code = (
+        "import sys, producers.producer; "
+        "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'sqlalchemy', 'celery')); "
+        "print(bad); sys.exit(1 if bad else 0)"
+    )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
@@ -205,8 +213,11 @@ def test_a_spool_at_its_bound_drops_new_events_loudly_and_keeps_the_older_ones(p
 
     reported = []
     one = len(encode_record(_spooled_record(_event(0))))
-    producer = producer_factory(buffer_size=0, spool_max_bytes=3 * one + one // 2,  # room for 3 of them
-                                on_error=lambda exc, ev: reported.append((exc, ev)))
+    producer = producer_factory(
+        buffer_size=0,
+        spool_max_bytes=3 * one + one // 2,  # room for 3 of them
+        on_error=lambda exc, ev: reported.append((exc, ev)),
+    )
     events = [_event(i) for i in range(5)]
     for ev in events:
         producer.emit(ev)  # broker down, memory "full" (size 0): straight to the spool

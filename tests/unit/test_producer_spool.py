@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -11,8 +10,9 @@ from producers.spool import Record, Spool, SpoolFullError, decode_frames, encode
 
 
 def _rec(i: int, key: bytes | None = b"s1") -> Record:
-    return Record("editor.interactions", key, [("event-type", b"edit.accepted"), ("traceparent", b"00-ab")],
-                  f"value-{i}".encode())
+    return Record(
+        "editor.interactions", key, [("event-type", b"edit.accepted"), ("traceparent", b"00-ab")], f"value-{i}".encode()
+    )
 
 
 def _drain(spool: Spool, batch: int = 3) -> list[Record]:
@@ -34,12 +34,12 @@ def test_record_frame_round_trips_including_null_key_and_empty_headers():
 def test_append_prepend_read_commit_keep_fifo_order(tmp_path):
     spool = Spool(tmp_path)
     spool.append([_rec(i) for i in range(3, 6)])
-    spool.prepend([_rec(i) for i in range(0, 3)])      # older than what was appended
+    spool.prepend([_rec(i) for i in range(0, 3)])  # older than what was appended
     spool.append([_rec(6)])
     assert spool.pending == 7
     first, token = spool.read(2)
     assert [r.value for r in first] == [b"value-0", b"value-1"]
-    spool.prepend([_rec(-1)])                          # a refused batch goes back to the head
+    spool.prepend([_rec(-1)])  # a refused batch goes back to the head
     spool.commit(token)
     got = _drain(spool)
     assert [r.value for r in got] == [f"value-{i}".encode() for i in (-1, 2, 3, 4, 5, 6)]
@@ -56,7 +56,7 @@ def test_uncommitted_records_survive_reopen_and_a_torn_tail_is_truncated(tmp_pat
     spool.sync()
     spool.close()
     segment = next(spool.dir.glob("*.log"))
-    with open(segment, "ab") as f:                     # a crash in the middle of a write
+    with open(segment, "ab") as f:  # a crash in the middle of a write
         f.write(encode_record(_rec(99))[:-3])
     reopened = Spool(tmp_path)
     assert reopened.dir == spool.dir
@@ -98,14 +98,14 @@ def test_append_stops_at_max_bytes_prepend_does_not_and_delivery_frees_room(tmp_
     spool = Spool(tmp_path, max_bytes=3 * frame)
     spool.append([_rec(0), _rec(1)])
     with pytest.raises(SpoolFullError):
-        spool.append([_rec(2), _rec(3)])             # all or none: neither is written
+        spool.append([_rec(2), _rec(3)])  # all or none: neither is written
     spool.append([_rec(2)])
     assert (spool.pending, spool.pending_bytes) == (3, 3 * frame)
     with pytest.raises(SpoolFullError):
         spool.append([_rec(3)])
-    spool.prepend([_rec(9)])                          # already accepted: never refused
+    spool.prepend([_rec(9)])  # already accepted: never refused
     assert (spool.pending, spool.pending_bytes) == (4, 4 * frame)
-    for expected in (b"value-9", b"value-0"):        # deliver the two oldest
+    for expected in (b"value-9", b"value-0"):  # deliver the two oldest
         records, token = spool.read(1)
         assert [r.value for r in records] == [expected]
         spool.commit(token)
@@ -122,7 +122,7 @@ def test_a_zero_filled_tail_is_truncated_on_open(tmp_path):
     spool.close()
     segment = next(spool.dir.glob("*.log"))
     size = segment.stat().st_size
-    with open(segment, "ab") as f:                     # a crash after the file grew, before its data landed
+    with open(segment, "ab") as f:  # a crash after the file grew, before its data landed
         f.write(bytes(4096))
     reopened = Spool(tmp_path)
     assert reopened.pending == 3 and segment.stat().st_size == size
@@ -160,7 +160,7 @@ def test_a_segment_damaged_while_open_loses_only_the_damaged_record_and_counts_s
     assert len(decode_frames(first.read_bytes())[0]) == 6
     records, token = spool.read(1)
     spool.commit(token)
-    _flip(first, 3 * frame + 10)                       # the disk flips a byte of value-3 under a running producer
+    _flip(first, 3 * frame + 10)  # the disk flips a byte of value-3 under a running producer
     with caplog.at_level("ERROR", logger="producers.spool"):
         drained = _drain(spool)
     assert [r.value for r in drained] == [f"value-{i}".encode() for i in range(1, 12) if i != 3]
@@ -178,13 +178,13 @@ def test_a_segment_damaged_at_rest_is_salvaged_on_open(tmp_path, caplog):
     spool.commit(token)
     spool.close()
     segment = next(spool.dir.glob("*.log"))
-    _flip(segment, 4 * frame + 1)                      # value-4's length field: the resync must find value-5
+    _flip(segment, 4 * frame + 1)  # value-4's length field: the resync must find value-5
     with caplog.at_level("ERROR", logger="producers.spool"):
         reopened = Spool(tmp_path)
     assert (reopened.pending, reopened.pending_bytes) == (5, 5 * frame)
-    assert "skipped %d bytes, kept its 5 valid undelivered records" % frame in caplog.text
+    assert f"skipped {frame} bytes, kept its 5 valid undelivered records" in caplog.text
     reopened.close()
-    again = Spool(tmp_path)                            # the rewrite is durable: nothing is skipped twice
+    again = Spool(tmp_path)  # the rewrite is durable: nothing is skipped twice
     assert [r.value for r in _drain(again)] == [b"value-2", b"value-3", b"value-5", b"value-6", b"value-7"]
     again.close()
 
@@ -194,8 +194,8 @@ def test_damage_to_the_segment_being_written_moves_appends_to_a_new_segment(tmp_
     spool.append([_rec(i) for i in range(4)])
     spool.sync()
     segment = next(spool.dir.glob("*.log"))
-    _flip(segment, 10)                                 # value-0
-    records, token = spool.read(10)                    # salvages the tail segment, closing its writer
+    _flip(segment, 10)  # value-0
+    records, token = spool.read(10)  # salvages the tail segment, closing its writer
     spool.append([_rec(4)])
     assert [r.value for r in records] == [b"value-1", b"value-2", b"value-3"]
     assert len(list(spool.dir.glob("*.log"))) == 2 and spool.pending == 4
@@ -211,10 +211,10 @@ def test_a_token_from_before_a_salvage_commits_nothing(tmp_path):
     spool.sync()
     stale_records, stale = spool.read(2)
     assert [r.value for r in stale_records] == [b"value-0", b"value-1"]
-    _flip(next(spool.dir.glob("*.log")), 10)          # value-0, before ``stale`` is committed
-    records, token = spool.read(10)                    # salvages the segment: value-1 now starts the file
+    _flip(next(spool.dir.glob("*.log")), 10)  # value-0, before ``stale`` is committed
+    records, token = spool.read(10)  # salvages the segment: value-1 now starts the file
     assert [r.value for r in records] == [f"value-{i}".encode() for i in range(1, 6)]
-    spool.commit(stale)                                # offsets of the old file: void, nothing is removed
+    spool.commit(stale)  # offsets of the old file: void, nothing is removed
     assert spool.pending == 5
     spool.commit(token)
     assert spool.pending == 0 and spool.pending_bytes == 0
@@ -228,7 +228,7 @@ def test_one_flipped_byte_anywhere_costs_exactly_the_frame_it_hit(n, where):
     buf = bytearray(b"".join(frames))
     at = where.draw(st.integers(0, len(buf) - 1))
     buf[at] ^= where.draw(st.integers(1, 255))
-    hit = next(i for i in range(n) if sum(map(len, frames[:i + 1])) > at)
+    hit = next(i for i in range(n) if sum(map(len, frames[: i + 1])) > at)
     kept, count, skipped = salvage_frames(bytes(buf))
     assert count == n - 1 and skipped == len(frames[hit])
     assert [r.value for r in decode_frames(kept)[0]] == [f"value-{i}".encode() for i in range(n) if i != hit]
@@ -244,7 +244,7 @@ def test_a_zero_filled_run_costs_exactly_the_frames_it_overlaps(n, where):
     b = where.draw(st.integers(a + 1, len(buf)))
     buf[a:b] = bytes(b - a)
     starts = [sum(map(len, frames[:i])) for i in range(n)]
-    survivors = [i for i in range(n) if buf[starts[i]:starts[i] + len(frames[i])] == frames[i]]  # zeros over zeros
+    survivors = [i for i in range(n) if buf[starts[i] : starts[i] + len(frames[i])] == frames[i]]  # zeros over zeros
     kept, count, _ = salvage_frames(bytes(buf))
     assert [r.value for r in decode_frames(kept)[0]] == [f"value-{i}".encode() for i in survivors]
     assert count == len(survivors)

@@ -4,33 +4,66 @@ property that folding batch by batch (state stored in between) equals folding at
 from __future__ import annotations
 
 import copy
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from producers.events.packing import unpack_floats, unpack_ints
-from producers.events.types import (ContextSummarized, ContextSummarizedEvent, EditAccepted, EditAcceptedEvent,
-                              EditPersistenceMeasured, EditPersistenceMeasuredEvent, ModelResponded,
-                              ModelRespondedEvent, SessionEnded, SessionEndedEvent, SessionStarted,
-                              SessionStartedEvent, ToolCall, ToolExecuted, ToolExecutedEvent)
-from app.repositories.trajectories import SEGMENT_COLUMNS as DB_SEGMENT, TRAJECTORY_COLUMNS as DB_TRAJECTORY
-from consumers.projection import (SEGMENT_COLUMNS, TRAJECTORY_COLUMNS, ProjectionConfig, Projector, StoredEvent,
-                                  TrajectoryState, new_trajectory, trajectory_id_for)
+from app.repositories.trajectories import SEGMENT_COLUMNS as DB_SEGMENT
+from app.repositories.trajectories import TRAJECTORY_COLUMNS as DB_TRAJECTORY
+from consumers.projection import (
+    SEGMENT_COLUMNS,
+    TRAJECTORY_COLUMNS,
+    ProjectionConfig,
+    Projector,
+    StoredEvent,
+    TrajectoryState,
+    new_trajectory,
+    trajectory_id_for,
+)
 from consumers.rewards import load_spec
 from consumers.testing import generate_session
+from producers.events.packing import unpack_floats, unpack_ints
+from producers.events.types import (
+    ContextSummarized,
+    ContextSummarizedEvent,
+    EditAccepted,
+    EditAcceptedEvent,
+    EditPersistenceMeasured,
+    EditPersistenceMeasuredEvent,
+    ModelResponded,
+    ModelRespondedEvent,
+    SessionEnded,
+    SessionEndedEvent,
+    SessionStarted,
+    SessionStartedEvent,
+    ToolCall,
+    ToolExecuted,
+    ToolExecutedEvent,
+)
 
-T0 = datetime(2026, 1, 1, tzinfo=timezone.utc)
+T0 = datetime(2026, 1, 1, tzinfo=UTC)
 ENV = dict(session_id="s1", user_id="u1")
 
 
 def _turn(seg, turn, prompt, completion, calls=(), **kw):
-    return ModelRespondedEvent(**ENV, **kw, payload=ModelResponded(
-        request_id="r", segment_index=seg, turn_index=turn, checkpoint_id=f"ck{seg}", prompt_token_ids=prompt,
-        completion_token_ids=completion, completion_logprobs=[-0.5 - i for i in range(len(completion))],
-        latency_s=1.5, tool_calls=tuple(ToolCall(call_id=c, name="run") for c in calls)))
+    return ModelRespondedEvent(
+        **ENV,
+        **kw,
+        payload=ModelResponded(
+            request_id="r",
+            segment_index=seg,
+            turn_index=turn,
+            checkpoint_id=f"ck{seg}",
+            prompt_token_ids=prompt,
+            completion_token_ids=completion,
+            completion_logprobs=[-0.5 - i for i in range(len(completion))],
+            latency_s=1.5,
+            tool_calls=tuple(ToolCall(call_id=c, name="run") for c in calls),
+        ),
+    )
 
 
 def _stored(events, start=T0, step=timedelta(seconds=1)):
@@ -51,16 +84,24 @@ def test_state_columns_are_exactly_the_table_columns():
 
 
 def test_segments_hold_the_exact_tokens_mask_and_behaviour_logprobs():
-    events = _stored([
-        SessionStartedEvent(**ENV, payload=SessionStarted(task_id="t", checkpoint_id="base")),
-        _turn(0, 0, [1, 2, 3], [4, 5], calls=["c1"]),
-        ToolExecutedEvent(**ENV, payload=ToolExecuted(call_id="c1", name="run", ok=True, exit_code=0,
-                                                      output="ok", ran_tests=True, command="pytest")),
-        _turn(0, 1, [6], [7, 8, 9]),
-        ContextSummarizedEvent(**ENV, payload=ContextSummarized(new_segment_index=1, summary="s")),
-        _turn(1, 0, [10, 11], [12], calls=["c2"]),
-        ToolExecutedEvent(**ENV, payload=ToolExecuted(call_id="c1", name="run", ok=False, exit_code=1, ran_tests=True)),
-    ])
+    events = _stored(
+        [
+            SessionStartedEvent(**ENV, payload=SessionStarted(task_id="t", checkpoint_id="base")),
+            _turn(0, 0, [1, 2, 3], [4, 5], calls=["c1"]),
+            ToolExecutedEvent(
+                **ENV,
+                payload=ToolExecuted(
+                    call_id="c1", name="run", ok=True, exit_code=0, output="ok", ran_tests=True, command="pytest"
+                ),
+            ),
+            _turn(0, 1, [6], [7, 8, 9]),
+            ContextSummarizedEvent(**ENV, payload=ContextSummarized(new_segment_index=1, summary="s")),
+            _turn(1, 0, [10, 11], [12], calls=["c2"]),
+            ToolExecutedEvent(
+                **ENV, payload=ToolExecuted(call_id="c1", name="run", ok=False, exit_code=1, ran_tests=True)
+            ),
+        ]
+    )
     t = _fold(events)
     s0, s1 = t.segments[0], t.segments[1]
     assert unpack_ints(s0.token_ids).tolist() == [1, 2, 3, 4, 5, 6, 7, 8, 9]
@@ -84,8 +125,9 @@ def _session_with_late_signal():
         _turn(0, 0, [1], [2, 3]),
         EditAcceptedEvent(**ENV, payload=EditAccepted(edit_id="e1")),
         SessionEndedEvent(**ENV, payload=SessionEnded(expected_signals=("edit.persistence_measured",))),
-        EditPersistenceMeasuredEvent(**ENV, payload=EditPersistenceMeasured(edit_id="e1", fraction_persisted=1.0,
-                                                                            delay_s=60)),
+        EditPersistenceMeasuredEvent(
+            **ENV, payload=EditPersistenceMeasured(edit_id="e1", fraction_persisted=1.0, delay_s=60)
+        ),
     ]
 
 
@@ -111,8 +153,11 @@ def test_a_signal_ingested_after_the_window_is_late_and_does_not_change_the_labe
     assert t.labels[0].components["edit_persistence"] == 0.0
     # relabel folds every stored event: the late signal counts there
     relabeled = _fold(stored, Projector(ProjectionConfig(relabel=True), [load_spec("implicit@1")]))
-    assert relabeled.labels == [] and Projector(ProjectionConfig(), [load_spec("implicit@1")]).label(relabeled)[0] \
-        .components["edit_persistence"] == 0.5
+    assert (
+        relabeled.labels == []
+        and Projector(ProjectionConfig(), [load_spec("implicit@1")]).label(relabeled)[0].components["edit_persistence"]
+        == 0.5
+    )
 
 
 def test_a_session_that_never_ends_is_abandoned_after_its_last_event():
@@ -164,12 +209,13 @@ class FakeStore:
 
 
 def _rows(store: FakeStore):
-    return ({k: {c: getattr(v, c) for c in TRAJECTORY_COLUMNS} for k, v in store.trajectories.items()},
-            {k: {c: getattr(v, c) for c in SEGMENT_COLUMNS} for k, v in store.segments.items()})
+    return (
+        {k: {c: getattr(v, c) for c in TRAJECTORY_COLUMNS} for k, v in store.trajectories.items()},
+        {k: {c: getattr(v, c) for c in SEGMENT_COLUMNS} for k, v in store.segments.items()},
+    )
 
 
-@given(seed=st.integers(0, 10_000), cuts=st.lists(st.integers(1, 200), max_size=8),
-       out_of_order=st.booleans())
+@given(seed=st.integers(0, 10_000), cuts=st.lists(st.integers(1, 200), max_size=8), out_of_order=st.booleans())
 @settings(max_examples=40, deadline=None)
 def test_folding_in_batches_equals_folding_at_once(seed, cuts, out_of_order):
     rng = np.random.default_rng(seed)
@@ -224,19 +270,35 @@ def test_reserved_for_eval_is_a_stable_function_of_the_task():
 
 @pytest.mark.parametrize("privacy", [False])
 def test_trajectory_state_defaults_are_fresh_per_instance(privacy):
-    a, b = TrajectoryState(id=None, session_id="a", user_id="u", org_id="o"), \
-        TrajectoryState(id=None, session_id="b", user_id="u", org_id="o")
+    a, b = (
+        TrajectoryState(id=None, session_id="a", user_id="u", org_id="o"),
+        TrajectoryState(id=None, session_id="b", user_id="u", org_id="o"),
+    )
     a.event_ids.append(1)
     assert b.event_ids == []
 
 
 def _moe_turn(seg, turn, prompt, completion, routes):
     """A ``model.responded`` whose completion carries routes ``[len(completion), layers, top_k]`` (or None)."""
-    extra = {} if routes is None else dict(routed_experts=np.asarray(routes).reshape(-1).tolist(),
-                                           routed_experts_shape=np.shape(routes)[1:])
-    return ModelRespondedEvent(**ENV, payload=ModelResponded(
-        request_id="r", segment_index=seg, turn_index=turn, checkpoint_id="ck", prompt_token_ids=prompt,
-        completion_token_ids=completion, completion_logprobs=[-0.5] * len(completion), latency_s=0.1, **extra))
+    extra = (
+        {}
+        if routes is None
+        else dict(routed_experts=np.asarray(routes).reshape(-1).tolist(), routed_experts_shape=np.shape(routes)[1:])
+    )
+    return ModelRespondedEvent(
+        **ENV,
+        payload=ModelResponded(
+            request_id="r",
+            segment_index=seg,
+            turn_index=turn,
+            checkpoint_id="ck",
+            prompt_token_ids=prompt,
+            completion_token_ids=completion,
+            completion_logprobs=[-0.5] * len(completion),
+            latency_s=0.1,
+            **extra,
+        ),
+    )
 
 
 def test_segments_keep_the_routes_of_their_completion_tokens_one_byte_an_id():
@@ -244,8 +306,15 @@ def test_segments_keep_the_routes_of_their_completion_tokens_one_byte_an_id():
 
     r0 = np.arange(2 * 3 * 2).reshape(2, 3, 2) % 8
     r1 = (np.arange(3 * 3 * 2).reshape(3, 3, 2) + 5) % 8
-    t = _fold(_stored([SessionStartedEvent(**ENV, payload=SessionStarted(task_id="t", checkpoint_id="ck")),
-                       _moe_turn(0, 0, [1, 2], [3, 4], r0), _moe_turn(0, 1, [5], [6, 7, 8], r1)]))
+    t = _fold(
+        _stored(
+            [
+                SessionStartedEvent(**ENV, payload=SessionStarted(task_id="t", checkpoint_id="ck")),
+                _moe_turn(0, 0, [1, 2], [3, 4], r0),
+                _moe_turn(0, 1, [5], [6, 7, 8], r1),
+            ]
+        )
+    )
     s = t.segments[0]
     assert s.routed_experts_shape == [3, 2] and s.routed_experts_itemsize == 1
     assert len(s.routed_experts) == 5 * 3 * 2  # completion tokens x layers x top-k, one byte each
@@ -266,8 +335,11 @@ def test_an_expert_id_past_255_widens_the_segments_routes_to_two_bytes():
 def test_a_turn_without_matching_routes_empties_the_segments_routes(second):
     routes = np.zeros((1, 2, 2), dtype=int)
     other = None if second == "none" else np.zeros((1, 3, 2), dtype=int)
-    t = _fold(_stored([_moe_turn(0, 0, [1], [2], routes), _moe_turn(0, 1, [3], [4], other),
-                       _moe_turn(0, 2, [5], [6], routes)]))  # and a later turn does not start them again
+    t = _fold(
+        _stored(
+            [_moe_turn(0, 0, [1], [2], routes), _moe_turn(0, 1, [3], [4], other), _moe_turn(0, 2, [5], [6], routes)]
+        )
+    )  # and a later turn does not start them again
     s = t.segments[0]
     assert (bytes(s.routed_experts), s.routed_experts_shape, s.routed_experts_itemsize) == (b"", None, None)
 

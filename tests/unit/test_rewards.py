@@ -44,8 +44,12 @@ def test_unknown_spec_lists_what_exists():
         load_spec("implicit@99")
 
 
-@given(t=st.integers(0, 200_000), d=st.integers(1, 5_000), gap=st.integers(1, 200_000),
-       kind=st.sampled_from(["log1p", "sqrt"]))
+@given(
+    t=st.integers(0, 200_000),
+    d=st.integers(1, 5_000),
+    gap=st.integers(1, 200_000),
+    kind=st.sampled_from(["log1p", "sqrt"]),
+)
 @settings(max_examples=200, deadline=None)
 def test_length_penalty_is_decreasing_and_concave(t, d, gap, kind):
     f = lambda x: length_penalty(x, kind, 0.15, 512.0)  # noqa: E731
@@ -56,10 +60,14 @@ def test_length_penalty_is_decreasing_and_concave(t, d, gap, kind):
 
 
 def test_marginal_length_cost_falls_an_order_of_magnitude(implicit1):
-    short = compute_reward(implicit1, RewardInputs(completion_tokens=100)).components["length"] \
+    short = (
+        compute_reward(implicit1, RewardInputs(completion_tokens=100)).components["length"]
         - compute_reward(implicit1, RewardInputs(completion_tokens=200)).components["length"]
-    long = compute_reward(implicit1, RewardInputs(completion_tokens=10_000)).components["length"] \
+    )
+    long = (
+        compute_reward(implicit1, RewardInputs(completion_tokens=10_000)).components["length"]
         - compute_reward(implicit1, RewardInputs(completion_tokens=10_100)).components["length"]
+    )
     assert short > 10 * long > 0
 
 
@@ -73,8 +81,17 @@ def test_accepted_and_persisted_beats_rejected(implicit1):
 
 
 def test_components_sum_to_the_reward_and_penalties_are_capped(implicit1):
-    r = compute_reward(implicit1, RewardInputs(accepted=1, rejected=1, persistence=(0.5,), dissatisfied_followups=10,
-                                               latency_s=1000.0, completion_tokens=2048))
+    r = compute_reward(
+        implicit1,
+        RewardInputs(
+            accepted=1,
+            rejected=1,
+            persistence=(0.5,),
+            dissatisfied_followups=10,
+            latency_s=1000.0,
+            completion_tokens=2048,
+        ),
+    )
     assert r.components["dissatisfied_followups"] == -0.5 * 3  # cap = 3
     assert r.components["latency"] == pytest.approx(-0.1 * 3.0)  # max_units = 3
     assert r.reward == pytest.approx(sum(r.components.values()))
@@ -87,25 +104,47 @@ def test_test_outcome_only_in_the_spec_that_enables_it():
     assert compute_reward(load_spec("implicit@2"), inputs).components["test_outcome"] == 0.5
 
 
-@given(accepted=st.integers(0, 50), rejected=st.integers(0, 50),
-       persistence=st.lists(st.floats(0, 1), max_size=10), dissatisfied=st.integers(0, 100),
-       latency=st.floats(0, 1e6), tokens=st.integers(0, 10**7), passed=st.sampled_from([None, True, False]))
+@given(
+    accepted=st.integers(0, 50),
+    rejected=st.integers(0, 50),
+    persistence=st.lists(st.floats(0, 1), max_size=10),
+    dissatisfied=st.integers(0, 100),
+    latency=st.floats(0, 1e6),
+    tokens=st.integers(0, 10**7),
+    passed=st.sampled_from([None, True, False]),
+)
 @settings(max_examples=200, deadline=None)
 def test_reward_is_finite_and_inside_the_clip(accepted, rejected, persistence, dissatisfied, latency, tokens, passed):
     for spec_id in ("implicit@1", "implicit@2"):
         spec = load_spec(spec_id)
-        r = compute_reward(spec, RewardInputs(accepted, rejected, tuple(persistence), dissatisfied, latency, tokens, passed))
+        r = compute_reward(
+            spec, RewardInputs(accepted, rejected, tuple(persistence), dissatisfied, latency, tokens, passed)
+        )
         assert math.isfinite(r.reward) and spec.clip[0] <= r.reward <= spec.clip[1]
-        assert r == compute_reward(spec, RewardInputs(accepted, rejected, tuple(persistence), dissatisfied, latency,
-                                                      tokens, passed))
+        assert r == compute_reward(
+            spec, RewardInputs(accepted, rejected, tuple(persistence), dissatisfied, latency, tokens, passed)
+        )
 
 
 def test_inputs_from_signals_uses_the_last_decision_and_only_measured_accepted_edits():
-    signals = {"edits": {"a": {"decision": "accepted", "persisted": 0.8},
-                         "b": {"decision": "rejected", "persisted": 0.3},
-                         "c": {"decision": "accepted", "persisted": None},
-                         "d": {"decision": None, "persisted": None}},
-               "dissatisfied_followups": 2, "latency_s": 12.5, "last_test_passed": False}
+    signals = {
+        "edits": {
+            "a": {"decision": "accepted", "persisted": 0.8},
+            "b": {"decision": "rejected", "persisted": 0.3},
+            "c": {"decision": "accepted", "persisted": None},
+            "d": {"decision": None, "persisted": None},
+        },
+        "dissatisfied_followups": 2,
+        "latency_s": 12.5,
+        "last_test_passed": False,
+    }
     i = inputs_from_signals(signals, completion_tokens=77)
-    assert (i.accepted, i.rejected, i.persistence, i.dissatisfied_followups, i.latency_s, i.completion_tokens,
-            i.last_test_passed) == (2, 1, (0.8,), 2, 12.5, 77, False)
+    assert (
+        i.accepted,
+        i.rejected,
+        i.persistence,
+        i.dissatisfied_followups,
+        i.latency_s,
+        i.completion_tokens,
+        i.last_test_passed,
+    ) == (2, 1, (0.8,), 2, 12.5, 77, False)

@@ -42,7 +42,7 @@ def _batch(gens, shift: int = 0):
     for p, g in zip(PROMPTS, gens):
         seg = make_segment(p, g.token_ids, np.array([0.0] * len(p) + g.logprobs))
         routes = np.full((len(seg.token_ids), *np.shape(g.routed_experts)[1:]), -1, dtype=np.int32)
-        routes[len(p):] = np.roll(np.asarray(g.routed_experts), shift, axis=0)
+        routes[len(p) :] = np.roll(np.asarray(g.routed_experts), shift, axis=0)
         seg.routed_experts = routes
         segs.append(seg)
     trajs = [make_trajectory([s], 0.0) for s in segs]
@@ -164,9 +164,11 @@ def test_routes_that_do_not_fit_the_model_are_refused(moe_dir):
 
     model = AutoModelForCausalLM.from_pretrained(moe_dir, dtype=torch.float32)
     ids = torch.tensor([[1, 2, 3]])
-    for bad, match in ((torch.zeros(1, 3, 3, 2, dtype=torch.long), "MoE layers"),
-                       (torch.full((1, 3, 4, 2), 8, dtype=torch.long), "expert 8"),
-                       (torch.zeros(1, 4, 4, 2, dtype=torch.long), "routes cover")):
+    for bad, match in (
+        (torch.zeros(1, 3, 3, 2, dtype=torch.long), "MoE layers"),
+        (torch.full((1, 3, 4, 2), 8, dtype=torch.long), "expert 8"),
+        (torch.zeros(1, 4, 4, 2, dtype=torch.long), "routes cover"),
+    ):
         with pytest.raises(ValueError, match=match), replay_routes(model, bad):
             model(input_ids=ids)
 

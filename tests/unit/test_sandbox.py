@@ -44,7 +44,9 @@ def test_fork_bomb_is_contained_and_cleaned_up(box):
     assert r.duration_s < 20
     if os.geteuid() == 0:  # every process of the sandbox uid was killed (zombies await their reaper)
         ps = subprocess.run(["ps", "-eo", "uid=,stat="], capture_output=True, text=True).stdout.splitlines()
-        assert [line for line in ps if line.split()[0] == str(r.extra["uid"]) and not line.split()[1].startswith("Z")] == []
+        assert [
+            line for line in ps if line.split()[0] == str(r.extra["uid"]) and not line.split()[1].startswith("Z")
+        ] == []
 
 
 def test_background_process_does_not_outlive_the_run(box):

@@ -23,8 +23,13 @@ def test_shipped_gate_gates_every_shipped_suite():
     gate = load_gate_config()
     assert set(gate.gated_suites()) == {"dataframebench", "functions", "humaneval", "mined"}
     assert gate.confidence == 0.95 and gate.tolerance == 0.02
-    assert {m.metric for m in gate.monitors} >= {"invalid_tool_call_rate", "clarifying_question_rate", "edit_rate",
-                                                 "mean_completion_tokens", "mean_latency_s"}
+    assert {m.metric for m in gate.monitors} >= {
+        "invalid_tool_call_rate",
+        "clarifying_question_rate",
+        "edit_rate",
+        "mean_completion_tokens",
+        "mean_latency_s",
+    }
     assert gate.for_suite("dataframebench").min_pairs == 20
     assert gate.for_suite("unknown").tolerance == 0.02
 

@@ -8,19 +8,24 @@ import pytest
 import torch
 
 from app.core.errors import ConfigurationError
+from app.inference.device import resolve_device
 from trainer.batching import MicroBatch
 from trainer.config import load_config
-from app.inference.device import resolve_device
 from trainer.device import Placement, setup_placement
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
 def _batch() -> MicroBatch:
-    return MicroBatch(input_ids=torch.arange(8).view(2, 4), attention_mask=torch.ones(2, 4, dtype=torch.int64),
-                      hidden_index=torch.tensor([0, 5]), targets=torch.tensor([1, 6]),
-                      behaviour_logprobs=torch.tensor([-1.0, -2.0]), advantages=torch.tensor([0.5, 0.5]),
-                      trajectory_index=torch.tensor([0, 1]))
+    return MicroBatch(
+        input_ids=torch.arange(8).view(2, 4),
+        attention_mask=torch.ones(2, 4, dtype=torch.int64),
+        hidden_index=torch.tensor([0, 5]),
+        targets=torch.tensor([1, 6]),
+        behaviour_logprobs=torch.tensor([-1.0, -2.0]),
+        advantages=torch.tensor([0.5, 0.5]),
+        trajectory_index=torch.tensor([0, 1]),
+    )
 
 
 def test_config_device_defaults_to_auto_and_refuses_unknown_values():
@@ -95,9 +100,9 @@ def test_cuda_placement_moves_pinned_batches_and_uses_the_triton_kernel():
 
 @needs_cuda
 def test_cuda_cycle_trains_in_fp32_master_weights(tmp_path):
+    from tests.unit.test_trainer_distributed import _config, _trajectories
     from trainer.cycle import train_policy
     from trainer.testing import tiny_policy
-    from tests.unit.test_trainer_distributed import _config, _trajectories
 
     tiny_policy(seed=3).save_pretrained(tmp_path, safe_serialization=True)
     trained = train_policy(_config(device="cuda"), tmp_path, _trajectories())

@@ -28,8 +28,9 @@ def _trajectories(n: int = 6):
 def _config(**kw) -> TrainerConfig:
     # grad_accum=3 over 4 micro-batches: the last step of each epoch is short, so a rank
     # is left without a micro-batch in some step
-    return TrainerConfig.model_validate({"grad_accum": 3, "epochs": 2, "device": "cpu",
-                                         "data": {"micro_batch_tokens": 96}, "optim": {"lr": LR}, **kw})
+    return TrainerConfig.model_validate(
+        {"grad_accum": 3, "epochs": 2, "device": "cpu", "data": {"micro_batch_tokens": 96}, "optim": {"lr": LR}, **kw}
+    )
 
 
 def test_local_share_and_ownership_cover_every_item_once():

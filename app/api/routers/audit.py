@@ -15,17 +15,22 @@ from app.api.schemas import AuditEntry, Me, Page
 from app.core.errors import NotFoundError
 from app.core.settings import get_settings
 from app.promotion import queries
-from app.repositories.audit import list_audit
 from app.promotion.tokens import PERMISSIONS
+from app.repositories.audit import list_audit
 
 router = APIRouter(tags=["audit"], responses=AUTH_RESPONSES)
 
 
 @router.get("/audit", response_model=Page[AuditEntry], summary="The audit log, newest first")
-def audit(session: SessionDep, _: ViewerDep, limit: Annotated[int, Query(ge=1, le=500)] = 100,
-          cursor: Annotated[str | None, Query(max_length=512)] = None,
-          action: Annotated[str | None, Query(max_length=64, pattern=r"^[a-z_.]+$",
-                                              description="e.g. checkpoint.promoted")] = None):
+def audit(
+    session: SessionDep,
+    _: ViewerDep,
+    limit: Annotated[int, Query(ge=1, le=500)] = 100,
+    cursor: Annotated[str | None, Query(max_length=512)] = None,
+    action: Annotated[
+        str | None, Query(max_length=64, pattern=r"^[a-z_.]+$", description="e.g. checkpoint.promoted")
+    ] = None,
+):
     """Every change with its actor, newest first. The database refuses UPDATE and DELETE on it."""
     before = None
     if cursor:
@@ -34,8 +39,7 @@ def audit(session: SessionDep, _: ViewerDep, limit: Annotated[int, Query(ge=1, l
             raise queries.InvalidCursorError("invalid cursor")
     rows = list_audit(session, limit=limit + 1, before_id=before, action=action)
     nxt = queries.encode_cursor([rows[limit - 1].id]) if len(rows) > limit else None
-    return model_response(Page[AuditEntry](items=[AuditEntry.model_validate(r) for r in rows[:limit]],
-                                           next_cursor=nxt))
+    return model_response(Page[AuditEntry](items=[AuditEntry.model_validate(r) for r in rows[:limit]], next_cursor=nxt))
 
 
 @router.get("/me", response_model=Me, summary="Who the token belongs to")
@@ -50,9 +54,12 @@ def _allowed(path: Path) -> bool:
     return any(path.is_relative_to(root) for root in roots)
 
 
-@router.get("/reports/{decision_id}/report.png", response_class=FileResponse, responses={
-    **NOT_FOUND, 200: {"content": {"image/png": {}}, "description": "the gate report figure"}},
-    summary="The gate report PNG of a decision")
+@router.get(
+    "/reports/{decision_id}/report.png",
+    response_class=FileResponse,
+    responses={**NOT_FOUND, 200: {"content": {"image/png": {}}, "description": "the gate report figure"}},
+    summary="The gate report PNG of a decision",
+)
 def report_png(decision_id: uuid.UUID, session: SessionDep, _: ViewerDep) -> FileResponse:
     """The figure the evals wrote for a gate decision (only files under the report or checkpoint
     directories are served)."""

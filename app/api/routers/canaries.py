@@ -21,8 +21,12 @@ CanaryPath = Annotated[uuid.UUID, Path(description="canary id")]
 def canary_status(session: SessionDep, _: ViewerDep):
     """The active canary (null when none) and the 20 most recent canaries, newest first."""
     active = get_active_canary(session)
-    return model_response(CanaryStatusOut(active=CanaryOut.model_validate(active) if active else None,
-                                          recent=[CanaryOut.model_validate(c) for c in list_canaries(session, limit=20)]))
+    return model_response(
+        CanaryStatusOut(
+            active=CanaryOut.model_validate(active) if active else None,
+            recent=[CanaryOut.model_validate(c) for c in list_canaries(session, limit=20)],
+        )
+    )
 
 
 @router.get("/{canary_id}", response_model=CanaryOut, responses=NOT_FOUND, summary="One canary")
@@ -31,22 +35,32 @@ def canary_detail(canary_id: CanaryPath, session: SessionDep, _: ViewerDep) -> C
     return CanaryOut.model_validate(get_canary(session, canary_id))
 
 
-@router.post("", response_model=CanaryOut, status_code=status.HTTP_201_CREATED, responses={**NOT_FOUND, **CONFLICT},
-             summary="Start a canary of a gate-passed checkpoint (release_manager)")
+@router.post(
+    "",
+    response_model=CanaryOut,
+    status_code=status.HTTP_201_CREATED,
+    responses={**NOT_FOUND, **CONFLICT},
+    summary="Start a canary of a gate-passed checkpoint (release_manager)",
+)
 def create_canary(body: CanaryRequest, session: SessionDep, principal: ActorDep, response: Response) -> CanaryOut:
     """Serve ``checkpoint_id`` to ``fraction`` of users (sticky: ``sha256(canary_id, user_id)``
     below the fraction). Refused with 409 and every reason when a canary is already active, the
     checkpoint's gate has not passed against the current production, or it is not STABLE. One
     transaction holds the canary row, the audit entry and the ``canary.started`` outbox message."""
-    canary = start_canary(session, checkpoint_id=body.checkpoint_id, fraction=body.fraction,
-                          actor=principal.name, reason=body.reason)
+    canary = start_canary(
+        session, checkpoint_id=body.checkpoint_id, fraction=body.fraction, actor=principal.name, reason=body.reason
+    )
     session.commit()
     response.headers["Location"] = f"/v1/canaries/{canary.id}"
     return CanaryOut.model_validate(canary)
 
 
-@router.delete("", response_model=CanaryOut, responses={**NOT_FOUND, **CONFLICT},
-               summary="Stop the active canary (release_manager)")
+@router.delete(
+    "",
+    response_model=CanaryOut,
+    responses={**NOT_FOUND, **CONFLICT},
+    summary="Stop the active canary (release_manager)",
+)
 def delete_active_canary(body: CanaryStopRequest, session: SessionDep, principal: ActorDep) -> CanaryOut:
     """Stop the active canary (404 when none): every user is served by production again;
     audited and announced as ``canary.stopped``."""
@@ -55,10 +69,15 @@ def delete_active_canary(body: CanaryStopRequest, session: SessionDep, principal
     return CanaryOut.model_validate(canary)
 
 
-@router.delete("/{canary_id}", response_model=CanaryOut, responses={**NOT_FOUND, **CONFLICT},
-               summary="Stop a canary (release_manager)")
-def delete_canary(canary_id: CanaryPath, body: CanaryStopRequest, session: SessionDep,
-                  principal: ActorDep) -> CanaryOut:
+@router.delete(
+    "/{canary_id}",
+    response_model=CanaryOut,
+    responses={**NOT_FOUND, **CONFLICT},
+    summary="Stop a canary (release_manager)",
+)
+def delete_canary(
+    canary_id: CanaryPath, body: CanaryStopRequest, session: SessionDep, principal: ActorDep
+) -> CanaryOut:
     """Stop the named canary (409 when it is already stopped)."""
     canary = stop_canary(session, actor=principal.name, reason=body.reason, canary_id=canary_id)
     session.commit()

@@ -8,8 +8,18 @@ from fastapi import APIRouter, Path, Query
 
 from app.api.deps import RejecterDep, RoleFirstRoute, SessionDep, ViewerDep
 from app.api.errors import AUTH_RESPONSES, CONFLICT, NOT_FOUND, model_response
-from app.api.schemas import (CHECKPOINT_ID_PATTERN, CheckpointDetail, CheckpointStatus, CheckpointSummary,
-                             EvalReport, GateSummary, Lineage, OnlineReport, Page, RejectRequest)
+from app.api.schemas import (
+    CHECKPOINT_ID_PATTERN,
+    CheckpointDetail,
+    CheckpointStatus,
+    CheckpointSummary,
+    EvalReport,
+    GateSummary,
+    Lineage,
+    OnlineReport,
+    Page,
+    RejectRequest,
+)
 from app.models import GateDecision
 from app.promotion import queries
 from app.promotion.online import online_view
@@ -17,8 +27,9 @@ from app.promotion.service import latest_gate_decision, lineage, reject_checkpoi
 from app.repositories.checkpoints import get_checkpoint
 
 router = APIRouter(prefix="/checkpoints", tags=["checkpoints"], responses=AUTH_RESPONSES, route_class=RoleFirstRoute)
-CheckpointPath = Annotated[str, Path(min_length=1, max_length=128, pattern=CHECKPOINT_ID_PATTERN,
-                                     description="checkpoint id")]
+CheckpointPath = Annotated[
+    str, Path(min_length=1, max_length=128, pattern=CHECKPOINT_ID_PATTERN, description="checkpoint id")
+]
 
 
 def gate_summary(gate: GateDecision | None) -> GateSummary | None:
@@ -32,43 +43,64 @@ def gate_summary(gate: GateDecision | None) -> GateSummary | None:
 
 
 @router.get("", response_model=Page[CheckpointSummary], summary="List checkpoints, newest first")
-def list_checkpoints(session: SessionDep, _: ViewerDep,
-                     status: Annotated[CheckpointStatus | None, Query(description="only this status")] = None,
-                     limit: Annotated[int, Query(ge=1, le=200)] = 50,
-                     cursor: Annotated[str | None, Query(max_length=512, description="next_cursor of the previous page")] = None,
-                     ):
+def list_checkpoints(
+    session: SessionDep,
+    _: ViewerDep,
+    status: Annotated[CheckpointStatus | None, Query(description="only this status")] = None,
+    limit: Annotated[int, Query(ge=1, le=200)] = 50,
+    cursor: Annotated[str | None, Query(max_length=512, description="next_cursor of the previous page")] = None,
+):
     """Checkpoints ordered by creation time, newest first, keyset-paginated."""
     rows, nxt = queries.list_checkpoints(session, limit=limit, status=status, cursor=cursor)
-    return model_response(Page[CheckpointSummary](items=[CheckpointSummary.model_validate(r) for r in rows],
-                                                  next_cursor=nxt))
+    return model_response(
+        Page[CheckpointSummary](items=[CheckpointSummary.model_validate(r) for r in rows], next_cursor=nxt)
+    )
 
 
-@router.get("/{checkpoint_id}", response_model=CheckpointDetail, responses=NOT_FOUND,
-            summary="A checkpoint: manifest, lineage, training metrics")
+@router.get(
+    "/{checkpoint_id}",
+    response_model=CheckpointDetail,
+    responses=NOT_FOUND,
+    summary="A checkpoint: manifest, lineage, training metrics",
+)
 def get_checkpoint_detail(checkpoint_id: CheckpointPath, session: SessionDep, _: ViewerDep) -> CheckpointDetail:
     """Manifest, lineage (parent chain, trajectory count, reward spec, data window), training metrics
     and the latest gate decision."""
     row = get_checkpoint(session, checkpoint_id)
     summary = CheckpointSummary.model_validate(row).model_dump()
-    return CheckpointDetail(**summary, path=row.path, manifest=row.manifest or {}, metrics=row.metrics or {},
-                            lineage=Lineage(**queries.checkpoint_detail(session, row)),
-                            latest_gate=gate_summary(latest_gate_decision(session, row.id)))
+    return CheckpointDetail(
+        **summary,
+        path=row.path,
+        manifest=row.manifest or {},
+        metrics=row.metrics or {},
+        lineage=Lineage(**queries.checkpoint_detail(session, row)),
+        latest_gate=gate_summary(latest_gate_decision(session, row.id)),
+    )
 
 
-@router.get("/{checkpoint_id}/evals", response_model=EvalReport, responses=NOT_FOUND,
-            summary="Gate decision and eval results versus production")
+@router.get(
+    "/{checkpoint_id}/evals",
+    response_model=EvalReport,
+    responses=NOT_FOUND,
+    summary="Gate decision and eval results versus production",
+)
 def get_checkpoint_evals(checkpoint_id: CheckpointPath, session: SessionDep, _: ViewerDep) -> EvalReport:
     """The latest gate decision with its reasons, per-suite pass rates with 95% intervals versus the
     production it was compared with, per-task differences, and the link to the report PNG."""
     row = get_checkpoint(session, checkpoint_id)
     view = queries.evals_view(session, row)
     gate = view.pop("gate")
-    return EvalReport(checkpoint_id=row.id, gate=gate_summary(gate), gate_report=(gate.report if gate else {}) or {},
-                      **view)
+    return EvalReport(
+        checkpoint_id=row.id, gate=gate_summary(gate), gate_report=(gate.report if gate else {}) or {}, **view
+    )
 
 
-@router.get("/{checkpoint_id}/online", response_model=OnlineReport, responses=NOT_FOUND,
-            summary="Online product signals: overall, the canary versus production, the lineage")
+@router.get(
+    "/{checkpoint_id}/online",
+    response_model=OnlineReport,
+    responses=NOT_FOUND,
+    summary="Online product signals: overall, the canary versus production, the lineage",
+)
 def get_checkpoint_online(checkpoint_id: CheckpointPath, session: SessionDep, _: ViewerDep):
     """From finalized sessions served by the checkpoint: edit acceptance, edit persistence,
     dissatisfied follow-ups per session, serving seconds per token, mean reward and sessions, each
@@ -79,10 +111,15 @@ def get_checkpoint_online(checkpoint_id: CheckpointPath, session: SessionDep, _:
     return model_response(OnlineReport.model_validate(online_view(session, row, lineage_rows=lineage(session, row.id))))
 
 
-@router.post("/{checkpoint_id}/reject", response_model=CheckpointSummary, responses={**NOT_FOUND, **CONFLICT},
-             summary="Reject a checkpoint (release_manager or service)")
-def reject(checkpoint_id: CheckpointPath, body: RejectRequest, session: SessionDep,
-           principal: RejecterDep) -> CheckpointSummary:
+@router.post(
+    "/{checkpoint_id}/reject",
+    response_model=CheckpointSummary,
+    responses={**NOT_FOUND, **CONFLICT},
+    summary="Reject a checkpoint (release_manager or service)",
+)
+def reject(
+    checkpoint_id: CheckpointPath, body: RejectRequest, session: SessionDep, principal: RejecterDep
+) -> CheckpointSummary:
     """Mark a candidate (or gated checkpoint) ``rejected``; audited and announced as
     ``checkpoint.rejected``. Production and retired checkpoints cannot be rejected (409)."""
     row = reject_checkpoint(session, checkpoint_id=checkpoint_id, actor=principal.name, reason=body.reason)

@@ -14,5 +14,4 @@ router = APIRouter(include_in_schema=False)
 @router.get("/")
 def dashboard() -> FileResponse:
     """The dashboard page; it calls this API with the token the user pastes (kept in localStorage)."""
-    return FileResponse(STATIC_DIR / "index.html", media_type="text/html",
-                        headers={"Cache-Control": "no-cache"})
+    return FileResponse(STATIC_DIR / "index.html", media_type="text/html", headers={"Cache-Control": "no-cache"})

@@ -44,8 +44,12 @@ def _check_broker() -> str | None:
     return None if broker_healthy(bootstrap, timeout_s=2.0) else f"broker: {bootstrap} does not answer"
 
 
-@router.get("/readyz", response_model=Readiness, summary="Readiness",
-            responses={503: {"model": ErrorBody, "description": "a dependency is unreachable"}})
+@router.get(
+    "/readyz",
+    response_model=Readiness,
+    summary="Readiness",
+    responses={503: {"model": ErrorBody, "description": "a dependency is unreachable"}},
+)
 def readyz():
     """``ready`` when the database answers ``SELECT 1`` and has this release's schema (not behind
     its migration head) and the broker answers a metadata request; else 503 with the failing checks

@@ -9,8 +9,7 @@ from sqlalchemy import select
 
 from app.api.deps import ActorDep, RoleFirstRoute, SessionDep, ViewerDep
 from app.api.errors import AUTH_RESPONSES, CONFLICT, NOT_FOUND, model_response
-from app.api.schemas import (CheckpointSummary, Page, ProductionOut, PromotionOut, PromotionRequest,
-                             RollbackRequest)
+from app.api.schemas import CheckpointSummary, Page, ProductionOut, PromotionOut, PromotionRequest, RollbackRequest
 from app.models import Promotion
 from app.promotion import queries
 from app.promotion.service import promote_checkpoint, rollback_production
@@ -21,37 +20,62 @@ router = APIRouter(tags=["promotions"], responses=AUTH_RESPONSES, route_class=Ro
 
 
 @router.get("/promotions", response_model=Page[PromotionOut], summary="Production changes, newest first")
-def list_promotions(session: SessionDep, _: ViewerDep, limit: Annotated[int, Query(ge=1, le=200)] = 50,
-                    cursor: Annotated[str | None, Query(max_length=512)] = None):
+def list_promotions(
+    session: SessionDep,
+    _: ViewerDep,
+    limit: Annotated[int, Query(ge=1, le=200)] = 50,
+    cursor: Annotated[str | None, Query(max_length=512)] = None,
+):
     """Every promotion and rollback, newest first."""
     rows, nxt = queries.list_promotions(session, limit=limit, before=cursor)
     return model_response(Page[PromotionOut](items=[PromotionOut.model_validate(r) for r in rows], next_cursor=nxt))
 
 
-@router.post("/promotions", response_model=PromotionOut, status_code=status.HTTP_201_CREATED,
-             responses={**NOT_FOUND, **CONFLICT}, summary="Promote a gate-passed checkpoint (release_manager)")
-def create_promotion(body: PromotionRequest, session: SessionDep, principal: ActorDep,
-                     response: Response) -> PromotionOut:
+@router.post(
+    "/promotions",
+    response_model=PromotionOut,
+    status_code=status.HTTP_201_CREATED,
+    responses={**NOT_FOUND, **CONFLICT},
+    summary="Promote a gate-passed checkpoint (release_manager)",
+)
+def create_promotion(
+    body: PromotionRequest, session: SessionDep, principal: ActorDep, response: Response
+) -> PromotionOut:
     """Make ``checkpoint_id`` production. Refused with 409 and every reason when its gate has not
     passed (missing, failed, or compared against another production), it is not STABLE, or
     ``expected_production_id`` is not the current production. On success, one transaction holds the
     promotion row, the status changes, the audit entry and the ``checkpoint.promoted`` outbox message."""
-    change = promote_checkpoint(session, checkpoint_id=body.checkpoint_id,
-                                expected_production_id=body.expected_production_id,
-                                actor=principal.name, reason=body.reason)
+    change = promote_checkpoint(
+        session,
+        checkpoint_id=body.checkpoint_id,
+        expected_production_id=body.expected_production_id,
+        actor=principal.name,
+        reason=body.reason,
+    )
     session.commit()
     response.headers["Location"] = "/v1/production"
     return PromotionOut.model_validate(change.promotion)
 
 
-@router.post("/rollbacks", response_model=PromotionOut, status_code=status.HTTP_201_CREATED,
-             responses={**NOT_FOUND, **CONFLICT}, summary="Roll production back (release_manager)")
-def create_rollback(body: RollbackRequest, session: SessionDep, principal: ActorDep,
-                    response: Response) -> PromotionOut:
+@router.post(
+    "/rollbacks",
+    response_model=PromotionOut,
+    status_code=status.HTTP_201_CREATED,
+    responses={**NOT_FOUND, **CONFLICT},
+    summary="Roll production back (release_manager)",
+)
+def create_rollback(
+    body: RollbackRequest, session: SessionDep, principal: ActorDep, response: Response
+) -> PromotionOut:
     """Return production to the previous production checkpoint, or to ``checkpoint_id`` if it was
     production before. Same transaction shape as a promotion; announced as ``checkpoint.rolled_back``."""
-    change = rollback_production(session, expected_production_id=body.expected_production_id,
-                                 actor=principal.name, reason=body.reason, checkpoint_id=body.checkpoint_id)
+    change = rollback_production(
+        session,
+        expected_production_id=body.expected_production_id,
+        actor=principal.name,
+        reason=body.reason,
+        checkpoint_id=body.checkpoint_id,
+    )
     session.commit()
     response.headers["Location"] = "/v1/production"
     return PromotionOut.model_validate(change.promotion)
@@ -64,12 +88,17 @@ def production(session: SessionDep, _: ViewerDep):
     row = get_production(session)
     last = None
     if row is not None:
-        last = session.scalars(select(Promotion).where(Promotion.checkpoint_id == row.id)
-                               .order_by(Promotion.created_at.desc()).limit(1)).first()
+        last = session.scalars(
+            select(Promotion).where(Promotion.checkpoint_id == row.id).order_by(Promotion.created_at.desc()).limit(1)
+        ).first()
     serving = read_serving_state() or {}
     serving_id = serving.get("checkpoint_id")
-    return model_response(ProductionOut(
-        checkpoint=CheckpointSummary.model_validate(row) if row else None,
-        last_change=PromotionOut.model_validate(last) if last else None,
-        serving_checkpoint_id=serving_id, serving_updated_at=serving.get("updated_at"),
-        serving_in_sync=bool(row and serving_id == row.id)))
+    return model_response(
+        ProductionOut(
+            checkpoint=CheckpointSummary.model_validate(row) if row else None,
+            last_change=PromotionOut.model_validate(last) if last else None,
+            serving_checkpoint_id=serving_id,
+            serving_updated_at=serving.get("updated_at"),
+            serving_in_sync=bool(row and serving_id == row.id),
+        )
+    )
