@@ -20,12 +20,13 @@ HEAVY = ("torch", "triton", "sqlalchemy", "psycopg", "fastapi", "celery", "trans
 
 EMIT = textwrap.dedent("""
     import json, sys
+    from pathlib import Path
     from producers.events.types import EditAccepted, EditAcceptedEvent
     from producers.producer import EventProducer
 
     bootstrap, topic, spool = sys.argv[1:4]
     event = EditAcceptedEvent(session_id="sdk-s1", user_id="sdk-u1", payload=EditAccepted(edit_id="sdk-e1"))
-    with EventProducer(bootstrap, topic, spool_dir=spool) as producer:
+    with EventProducer(bootstrap, topic, spool_dir=Path(spool)) as producer:
         producer.emit(event)
         producer.flush(timeout_s=30)
         sent = producer.metrics["sent"]
@@ -61,7 +62,9 @@ def test_sdk_installs_without_heavy_dependencies(sdk_python):
     names = {p["name"].lower().replace("_", "-") for p in json.loads(listed)}
     assert "flywheel-producer" in names and "kafka-python" in names and "pydantic" in names
     assert not names & set(HEAVY), f"the SDK pulled in {sorted(names & set(HEAVY))}"
-    probe = subprocess.run([str(sdk_python), "-c", "import app"], capture_output=True, text=True)
+    probe = subprocess.run(
+        [str(sdk_python), "-c", "import app"], capture_output=True, text=True, cwd=sdk_python.parents[2]
+    )
     assert probe.returncode != 0, "the service's packages must not be installed with the SDK"
 
 
