@@ -206,7 +206,7 @@ def main() -> None:
     )
     samples = max(1, args.samples if args.temperature > 0 else 1)
     sampling = SamplingParams(max_tokens=b.max_tokens_per_turn, temperature=args.temperature, top_p=1.0, seed=args.seed)
-    engine = TorchEngine(model_dir, checkpoint_id="base", max_batch_size=64)
+    engine = TorchEngine(model_dir, checkpoint_id="base", max_seqs=64)
     work = Path(tempfile.mkdtemp(prefix="flywheel-bench-harness-"))
     try:
         t0 = time.perf_counter()

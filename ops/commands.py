@@ -153,11 +153,15 @@ def demo_cmd(
     sessions: int = typer.Option(16, help="simulated editor sessions per cycle (train tasks of --source)"),
     group_size: int = typer.Option(4, help="sessions per task (the trainer's groups)"),
     source: str = typer.Option("functions", help="task source of the simulated sessions (train split)"),
+    difficulty_mix: str = typer.Option(
+        None, help="request mix by task difficulty, LEVEL:WEIGHT pairs (default: '1:0.6,2:0.3,3:0.1'; 'none': uniform)"
+    ),
     max_turns: int = typer.Option(3, help="agent turns per simulated session"),
     max_tokens_per_turn: int = typer.Option(160, help="completion tokens per turn"),
     max_steps: int = typer.Option(None, help="step budget of each training cycle (default: train on all it claims)"),
     trainer_config: str = typer.Option(None, help="trainer TOML (default trainer/configs/default.toml)"),
     eval_tasks: int = typer.Option(4, help="held-out tasks per eval suite (DataFrameBench test, HumanEval)"),
+    eval_samples: int = typer.Option(1, help="samples per held-out task (suites with temperature > 0)"),
     eval_max_turns: int = typer.Option(2, help="agent turns per eval task"),
     suite: list[str] = typer.Option(
         None, "--suite", help="run the gate on these suites, which alone decide it (default: every gated suite)"
@@ -170,7 +174,7 @@ def demo_cmd(
     """Run the whole loop on the embedded stack, --cycles times: simulate sessions, ingest, finalize,
     train, evaluate, gate, and promote or reject through the API; ends with a report and learning
     curves. Re-running picks up where an interrupted run stopped."""
-    from ops.demo import DemoOptions, run_demo, stop_demo
+    from ops.demo import DEFAULT_DIFFICULTY_MIX, DemoOptions, run_demo, stop_demo
 
     if down:
         stopped = stop_demo()
@@ -182,12 +186,14 @@ def demo_cmd(
             sessions=sessions,
             group_size=group_size,
             source=source,
+            difficulty_mix=None if difficulty_mix == "none" else (difficulty_mix or DEFAULT_DIFFICULTY_MIX),
             max_turns=max_turns,
             max_tokens_per_turn=max_tokens_per_turn,
             train_max_steps=max_steps,
             trainer_config=trainer_config,
             eval_tasks=eval_tasks,
             eval_suites=tuple(suite or ()),
+            eval_samples=eval_samples,
             eval_max_turns=eval_max_turns,
             eval_max_tokens=max_tokens_per_turn,
             model_dir=model_dir,

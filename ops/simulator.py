@@ -128,6 +128,10 @@ class SimulatorConfig(BaseModel):
     """Task source (training split only)."""
     split: str = "train"
     """Split of the source; never an eval split."""
+    difficulty_mix: dict[int, float] | None = None
+    """The request mix: relative weight of each task difficulty level (tasks whose metadata has a
+    ``difficulty``, e.g. ``functions``: 1, 2, 3) when choosing the run's tasks; None, or a source
+    without difficulty levels: a uniform seeded subset."""
     max_turns: int = Field(default=6, ge=1)
     """Model turns per session."""
     max_tokens: int = Field(default=1024, ge=16)
@@ -330,6 +334,38 @@ class ModelledLatency:
         return out
 
 
+def choose_tasks(tasks: list, n: int, mix: dict[int, float], seed: int) -> list:
+    """``n`` distinct tasks drawn without replacement, each pick's difficulty level drawn with the
+    weights of ``mix`` among the levels that still have tasks (levels absent from ``mix`` weigh 0).
+    Tasks without a ``difficulty`` in their metadata count as one level, ``None``, of weight 1 when
+    no task has one (a uniform subset). Seeded; returned in pick order.
+
+    Raises:
+        ConfigurationError: a negative weight, or no task with positive weight.
+    """
+    from app.core.errors import ConfigurationError
+
+    if any(w < 0 for w in mix.values()):
+        raise ConfigurationError(f"difficulty weights must be >= 0, got {mix}")
+    rng = random.Random(seed)
+    pools: dict[int | None, list] = {}
+    for task in sorted(tasks, key=lambda t: t.id):
+        pools.setdefault(task.metadata.get("difficulty"), []).append(task)
+    weights = {level: (mix.get(level, 0.0) if level is not None else 1.0) for level in pools}
+    if list(pools) == [None]:
+        weights = {None: 1.0}
+    if not any(w > 0 for w in weights.values()):
+        raise ConfigurationError(f"no task has a difficulty level weighted above 0 by {mix}")
+    chosen = []
+    while len(chosen) < n:
+        levels = [lv for lv, pool in pools.items() if pool and weights[lv] > 0]
+        if not levels:
+            break
+        level = rng.choices(levels, weights=[weights[lv] for lv in levels])[0]
+        chosen.append(pools[level].pop(rng.randrange(len(pools[level]))))
+    return chosen
+
+
 def run_simulation(
     config: SimulatorConfig,
     engine,
@@ -360,7 +396,10 @@ def run_simulation(
         )
     rng = random.Random(config.seed)
     n_tasks = config.tasks or math.ceil(config.sessions / config.group_size)
-    tasks = load_tasks(config.source, config.split, limit=n_tasks, seed=config.seed)
+    if config.difficulty_mix:
+        tasks = choose_tasks(load_tasks(config.source, config.split), n_tasks, config.difficulty_mix, config.seed)
+    else:
+        tasks = load_tasks(config.source, config.split, limit=n_tasks, seed=config.seed)
     plan = [tasks[(i // config.group_size) % len(tasks)] for i in range(config.sessions)]
     late = LateEvents(emit)
     budget = AgentBudget(

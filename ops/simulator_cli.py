@@ -22,6 +22,11 @@ def simulate(
         5.0, "--persistence-delay", help="seconds before edit persistence is measured"
     ),
     source: str = typer.Option("dataframebench", "--source", help="task source (train split)"),
+    difficulty_mix: str = typer.Option(
+        None,
+        "--difficulty-mix",
+        help="request mix by task difficulty, LEVEL:WEIGHT pairs, e.g. '1:0.6,2:0.3,3:0.1' (default: uniform)",
+    ),
     seed: int = typer.Option(0, "--seed"),
     model_dir: Path = typer.Option(
         None, "--model-dir", help="serve this HF folder instead of the production checkpoint"
@@ -62,6 +67,7 @@ def simulate(
         concurrency=concurrency,
         persistence_delay_s=persistence_delay,
         source=source,
+        difficulty_mix=parse_mix(difficulty_mix) if difficulty_mix else None,
         seed=seed,
     )
     engine = setup_engine(checkpoint_id=checkpoint, model_dir=model_dir)
@@ -94,6 +100,18 @@ def simulate(
             }
         )
     )
+
+
+def parse_mix(text: str) -> dict[int, float]:
+    """``'1:0.6,2:0.3'`` -> ``{1: 0.6, 2: 0.3}``.
+
+    Raises:
+        typer.BadParameter: not comma-separated ``LEVEL:WEIGHT`` pairs of an int and a float.
+    """
+    try:
+        return {int(k): float(v) for k, v in (pair.split(":") for pair in text.split(",") if pair.strip())}
+    except ValueError as e:
+        raise typer.BadParameter(f"expected LEVEL:WEIGHT pairs like '1:0.6,2:0.3', got {text!r}") from e
 
 
 def register(app: typer.Typer) -> None:
