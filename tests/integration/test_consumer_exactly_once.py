@@ -141,7 +141,7 @@ def test_sigkilled_consumers_leave_every_event_once_and_the_same_trajectories(
 
 def test_a_database_restart_mid_stream_loses_nothing(topics, kafka_bootstrap, tmp_path):
     from app.core.net import free_port
-    from ops.stack import start_postgres, stop_postgres
+    from ops.postgres import start_postgres, stop_postgres
 
     datadir, port = tmp_path / "pgdata", free_port()
     server = start_postgres(datadir, port=port)
@@ -321,7 +321,7 @@ def test_a_broker_outage_mid_stream_loses_nothing_and_the_consumer_rides_it_out(
     topic once."""
     from consumers.ingest import IngestConsumer
     from consumers.settings import get_consumer_settings
-    from ops.stack import create_topics
+    from ops.broker import create_topics
 
     bootstrap, relay = relayed_broker.bootstrap, relayed_broker.relay
     topic, dlq, consumer = "interactions", "interactions.dlq", None
@@ -374,7 +374,7 @@ def test_a_consumer_started_while_the_database_is_down_stays_in_its_group_and_in
     session expires (and rejoining, again and again, through the outage), the member pauses the
     partitions and keeps heartbeating; when Postgres is back it seeks them and ingests every event once."""
     from app.core.net import free_port
-    from ops.stack import start_postgres, stop_postgres
+    from ops.postgres import start_postgres, stop_postgres
 
     datadir, port = tmp_path / "pgdata", free_port()
     url = start_postgres(datadir, port=port).url
