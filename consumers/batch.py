@@ -70,11 +70,10 @@ from app.repositories.events import (
     raw_connection,
     store_offsets,
 )
+from consumers.classify import Decoded, conflicting_duplicates
 from consumers.counts import BatchOutcome
 from consumers.deadletter import (
-    Decoded,
     claim_of_dead_letter,
-    conflicting_duplicates,
     covered_by_erasure,
     dead_letter_row,
     redacted,

@@ -182,7 +182,7 @@ def test_every_insert_method_stores_a_batch_once_and_skips_duplicates(db, method
     a redelivered batch (same offsets) are no-ops under each ``append_events`` method."""
     from app.core.db import session_scope
     from consumers.batch import apply_batch
-    from consumers.deadletter import Message, classify
+    from consumers.classify import Message, classify
     from consumers.ingest import projector_from_settings
 
     events = generate_stream(600, seed=14)
@@ -217,7 +217,7 @@ def test_offsets_the_broker_no_longer_had_are_reported_as_lost(db, kafka_bootstr
     from opentelemetry.sdk.metrics import MeterProvider
     from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
-    from consumers.deadletter import Message
+    from consumers.classify import Message
     from consumers.ingest import IngestConsumer
     from consumers.telemetry import ConsumerMetrics
 

@@ -10,10 +10,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from consumers.classify import Decoded, Message
 from consumers.deadletter import (
     Claim,
-    Decoded,
-    Message,
     claim_of,
     covered_by_erasure,
     dead_letter_row,
