@@ -81,14 +81,8 @@ from consumers.deadletter import (
 )
 from consumers.erasure import erase_user, purge_private_sessions
 from consumers.privacy_locks import lock_sessions, privacy_flagged_sessions
-from consumers.projection import (
-    Projector,
-    SegmentState,
-    StoredEvent,
-    TrajectoryState,
-    new_trajectory,
-    trajectory_id_for,
-)
+from consumers.projection import Projector, StoredEvent
+from consumers.trajectory_state import SegmentState, TrajectoryState, new_trajectory, trajectory_id_for
 
 
 class SweepOvertook(TransientError):

@@ -24,7 +24,7 @@ import orjson
 
 from app.repositories.events import DeadLetterRow
 from consumers.classify import Decoded, why_unstorable
-from consumers.projection import trajectory_id_for
+from consumers.trajectory_state import trajectory_id_for
 from producers.events.codec import DEFAULT_MAX_EVENT_BYTES
 
 BASE64_PREFIX = "base64:"

@@ -22,8 +22,8 @@ from consumers.deadletter import (
     redacted,
     redacted_private,
 )
-from consumers.projection import trajectory_id_for
 from consumers.redrive import redrive_headers
+from consumers.trajectory_state import trajectory_id_for
 
 
 @pytest.mark.parametrize(
