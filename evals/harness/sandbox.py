@@ -13,8 +13,8 @@ Invariants:
   (``evals.harness.tree_sync``). Not as root, the process-count limit is relative to the user's
   current process count.
 - No network when the kernel allows a new network namespace (``unshare -rn``, probed once per
-  process); otherwise the run proceeds with the host network and ``SandboxResult.network_isolated``
-  says so.
+  process by ``evals.harness.sandbox_host``); otherwise the run proceeds with the host network and
+  ``SandboxResult.network_isolated`` says so.
 - stdout/stderr go to files in the scratch directory, so huge output is bounded by
   ``RLIMIT_FSIZE`` (never by the harness's memory) and truncated (head + tail) in the result.
 - The child gets a minimal environment (no ``FLYWHEEL_*`` settings, credentials or proxies).
