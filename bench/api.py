@@ -82,7 +82,7 @@ def admin_url(explicit: str | None, tmp: Path) -> tuple[str, object | None]:
         with psycopg.connect(url, connect_timeout=2):
             return url, None
     except psycopg.Error:
-        from ops.stack import start_postgres
+        from ops.postgres import start_postgres
 
         datadir = tmp / "pgdata"
         server = start_postgres(datadir, database="postgres")
@@ -326,7 +326,7 @@ def main() -> None:
         with psycopg.connect(admin, autocommit=True) as conn:
             conn.execute(f'DROP DATABASE IF EXISTS "{dbname}" WITH (FORCE)')
         if embedded is not None:
-            from ops.stack import stop_postgres
+            from ops.postgres import stop_postgres
 
             stop_postgres(embedded)
         shutil.rmtree(tmp, ignore_errors=True)

@@ -286,7 +286,8 @@ def main() -> None:
     import torch
 
     torch.set_num_threads(args.threads)
-    from ops.stack import create_topics, start_broker, stop_pid
+    from ops.broker import create_topics, start_broker
+    from ops.pids import stop_pid
 
     broker = start_broker(tmp / "logs")
     admin, stop_server = scratch_server(tmp)

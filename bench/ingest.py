@@ -77,7 +77,7 @@ def scratch_server(tmp: Path):
     try:
         psycopg.connect(admin, connect_timeout=2).close()
     except psycopg.Error:
-        from ops.stack import start_postgres, stop_postgres
+        from ops.postgres import start_postgres, stop_postgres
 
         server = start_postgres(tmp / "pgdata", database="postgres")
         return f"postgresql://postgres@127.0.0.1:{server.port}/postgres", lambda: stop_postgres(tmp / "pgdata")
@@ -288,7 +288,8 @@ def main() -> None:
     os.environ["FLYWHEEL_CONSUMER_FINALIZE_GRACE_S"] = "0"
     if args.batch:
         os.environ["FLYWHEEL_CONSUMER_BATCH_MAX_RECORDS"] = str(args.batch)
-    from ops.stack import create_topics, start_broker, stop_pid
+    from ops.broker import create_topics, start_broker
+    from ops.pids import stop_pid
 
     broker = start_broker(tmp / "logs")
     admin, stop_server = scratch_server(tmp)

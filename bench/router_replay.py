@@ -158,7 +158,8 @@ def main() -> None:
     tmp = Path(tempfile.mkdtemp(prefix="flywheel-bench-routes-"))
     os.environ["FLYWHEEL_HOME"] = str(tmp)
     os.environ.setdefault("FLYWHEEL_TELEMETRY_EXPORTER", "none")
-    from ops.stack import create_topics, start_broker, stop_pid
+    from ops.broker import create_topics, start_broker
+    from ops.pids import stop_pid
 
     broker = start_broker(tmp / "logs")
     url, cleanup = _scratch(tmp)

@@ -70,11 +70,10 @@ from app.repositories.events import (
     raw_connection,
     store_offsets,
 )
+from consumers.classify import Decoded, conflicting_duplicates
 from consumers.counts import BatchOutcome
 from consumers.deadletter import (
-    Decoded,
     claim_of_dead_letter,
-    conflicting_duplicates,
     covered_by_erasure,
     dead_letter_row,
     redacted,
@@ -82,14 +81,8 @@ from consumers.deadletter import (
 )
 from consumers.erasure import erase_user, purge_private_sessions
 from consumers.privacy_locks import lock_sessions, privacy_flagged_sessions
-from consumers.projection import (
-    Projector,
-    SegmentState,
-    StoredEvent,
-    TrajectoryState,
-    new_trajectory,
-    trajectory_id_for,
-)
+from consumers.projection import Projector, StoredEvent
+from consumers.trajectory_state import SegmentState, TrajectoryState, new_trajectory, trajectory_id_for
 
 
 class SweepOvertook(TransientError):

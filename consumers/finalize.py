@@ -19,7 +19,8 @@ from app.core.db import session_scope
 from app.core.locks import AdvisoryLock
 from app.repositories import trajectories as trepo
 from app.repositories.events import raw_connection
-from consumers.projection import Projector, TrajectoryState
+from consumers.projection import Projector
+from consumers.trajectory_state import TrajectoryState
 
 
 def finalize_due_once(session, projector: Projector, grace_s: float, limit: int = 500) -> Counter:

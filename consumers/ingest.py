@@ -34,7 +34,7 @@ Failure handling (the consumer never crashes on input):
   empty, a topic re-created) is reported and, by default, the partition re-read from its start
   (``consumers.offsets``), never skipped in silence;
 - a record whose values are physically implausible, or whose ``event_id`` is stored with another
-  body, is a dead letter (``consumers.deadletter``).
+  body, is a dead letter (``consumers.classify``).
 """
 
 from __future__ import annotations
@@ -53,8 +53,9 @@ from app.core.telemetry import tracer
 from app.repositories.events import stored_dead_letters
 from consumers import offsets
 from consumers.batch import apply_batch
+from consumers.classify import Decoded, Message, classify
 from consumers.counts import BatchOutcome, IngestStats
-from consumers.deadletter import DeadLetterPublisher, Decoded, Message, classify
+from consumers.deadletter import DeadLetterPublisher
 from consumers.finalize import finalize_due
 from consumers.gc_tuning import tuned_for_ingest
 from consumers.isolation import apply_isolated
@@ -156,7 +157,7 @@ class IngestConsumer:
         return retry_transient(fn, what, self._abort, self.settings.retry_max_wait_s)
 
     def classify(self, messages: list[Message]) -> list[Decoded]:
-        """``consumers.deadletter.classify`` each record, ``occurred_at`` judged against now (UTC)."""
+        """``consumers.classify.classify`` each record, ``occurred_at`` judged against now (UTC)."""
         window = self.settings.time_window(datetime.now(UTC))
         return [classify(m, self.max_event_bytes, window) for m in messages]
 

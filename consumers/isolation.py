@@ -17,8 +17,8 @@ from sqlalchemy.orm import Session
 from app.core.db import session_scope
 from app.core.retry import is_transient
 from consumers.batch import apply_batch
+from consumers.classify import Decoded
 from consumers.counts import BatchOutcome
-from consumers.deadletter import Decoded
 from consumers.projection import Projector
 
 log = logging.getLogger(__name__)

@@ -32,9 +32,10 @@ from sqlalchemy.orm import Session
 from app.core.locks import PRIVACY_LOCK_SPACE
 from app.repositories import trajectories as trepo
 from app.repositories.events import count_tombstones, private_sessions, raw_connection
-from consumers.deadletter import Claim, Decoded, claim_of_dead_letter
+from consumers.classify import Decoded
+from consumers.deadletter import Claim, claim_of_dead_letter
 from consumers.erasure import purge_private_sessions
-from consumers.projection import TrajectoryState, trajectory_id_for
+from consumers.trajectory_state import TrajectoryState, trajectory_id_for
 
 PRIVACY_LOCK_BUCKETS = 256
 """Session-lock buckets: a batch holds at most this many advisory locks (Postgres's lock table is

@@ -1,4 +1,5 @@
-"""Trajectory projection: fold stored events, in ``event_log.seq`` order, into trajectory state.
+"""Trajectory projection: fold stored events, in ``event_log.seq`` order, into trajectory state
+(``consumers.trajectory_state``).
 
 Invariants:
 
@@ -30,23 +31,18 @@ import hashlib
 import uuid
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any, NamedTuple
 
 from app.repositories.trajectories import pack_routes
 from consumers.rewards.math import RewardResult, compute_reward, inputs_from_signals
 from consumers.rewards.spec import RewardSpec
+from consumers.trajectory_state import SegmentState, TrajectoryState
 from producers.events.types import EventBase
 
-TRAJECTORY_NAMESPACE = uuid.UUID("6f1d3c1e-6b1a-4e35-9a51-7f0d2b8c9e11")
 TOOL_OUTPUT_CHARS = 2000
 """Characters of a tool observation kept in ``tool_results`` (the tokens hold all of it)."""
-
-
-def trajectory_id_for(session_id: str) -> uuid.UUID:
-    """The deterministic trajectory id of a session (``uuid5``)."""
-    return uuid.uuid5(TRAJECTORY_NAMESPACE, session_id)
 
 
 def reserved_for_eval(task_id: str | None, fraction: float) -> bool:
@@ -79,107 +75,7 @@ class ProjectionConfig:
     """Relabel mode: fold every event (no finalization, no late rule, no token arrays)."""
 
 
-@dataclass
-class SegmentState:
-    """One ``trajectory_segment`` row; byte arrays grow as turns are folded in."""
-
-    segment_index: int
-    checkpoint_id: str | None = None
-    turn_checkpoint_ids: list[str] = field(default_factory=list)
-    turn_token_offsets: list[int] = field(default_factory=list)
-    token_ids: bytearray = field(default_factory=bytearray)
-    loss_mask: bytearray = field(default_factory=bytearray)
-    behaviour_logprobs: bytearray = field(default_factory=bytearray)
-    num_tokens: int = 0
-    num_completion_tokens: int = 0
-    num_turns: int = 0
-    tool_calls: list[dict[str, Any]] = field(default_factory=list)
-    tool_results: list[dict[str, Any]] = field(default_factory=list)
-    event_ids: list[uuid.UUID] = field(default_factory=list)
-    min_offset: dict[str, int] = field(default_factory=dict)
-    max_offset: dict[str, int] = field(default_factory=dict)
-    routed_experts: bytearray = field(default_factory=bytearray)
-    routed_experts_shape: list[int] | None = None
-    routed_experts_itemsize: int | None = None
-    dirty: bool = False
-    stored: bool = False
-    """The row exists in ``trajectory_segment`` (loaded from it or written in this transaction)."""
-
-
-@dataclass
-class TrajectoryState:
-    """One ``trajectory`` row plus the segments loaded for this fold and labels due."""
-
-    id: uuid.UUID
-    session_id: str
-    user_id: str
-    org_id: str
-    task_id: str | None = None
-    task_source: str | None = None
-    checkpoint_id: str | None = None
-    status: str = "provisional"
-    request_text: str | None = None
-    started_at: datetime | None = None
-    ended_at: datetime | None = None
-    last_event_at: datetime | None = None
-    finalized_at: datetime | None = None
-    end_reason: str | None = None
-    num_segments: int = 0
-    num_turns: int = 0
-    completion_tokens: int = 0
-    ran_tests: bool = False
-    test_commands: list[str] = field(default_factory=list)
-    expected_signals: list[str] = field(default_factory=list)
-    signals: dict[str, Any] = field(default_factory=dict)
-    event_ids: list[uuid.UUID] = field(default_factory=list)
-    max_event_seq: int | None = None
-    reserved_for_eval: bool = False
-    window_closes_at: datetime | None = None
-    finalized_by: str | None = None
-    late_event_ids: list[uuid.UUID] = field(default_factory=list)
-    # not columns:
-    segments: dict[int, SegmentState] = field(default_factory=dict)
-    dirty: bool = False
-    stored: bool = False
-    """The row exists in ``trajectory`` (loaded from it or written in this transaction)."""
-    labels: list[RewardResult] = field(default_factory=list)
-    """Labels computed by a finalization in this fold (to insert)."""
-
-
-TRAJECTORY_COLUMNS = tuple(
-    f for f in TrajectoryState.__dataclass_fields__ if f not in ("segments", "dirty", "stored", "labels")
-)
-SEGMENT_COLUMNS = tuple(f for f in SegmentState.__dataclass_fields__ if f not in ("dirty", "stored"))
-
 SegmentLoader = Callable[[uuid.UUID, int], "SegmentState | None"]
-
-
-def new_trajectory(event: EventBase) -> TrajectoryState:
-    """An empty trajectory for the session of ``event``."""
-    return TrajectoryState(
-        id=trajectory_id_for(event.session_id),
-        session_id=event.session_id,
-        user_id=event.user_id,
-        org_id=event.org_id,
-        signals=empty_signals(),
-    )
-
-
-def empty_signals() -> dict[str, Any]:
-    """The reward inputs of a session with no signal yet."""
-    return {
-        "edits": {},
-        "followups": 0,
-        "dissatisfied_followups": 0,
-        "latency_s": 0.0,
-        "tool_calls": 0,
-        "invalid_tool_calls": 0,
-        "tool_errors": 0,
-        "test_runs": 0,
-        "last_test_passed": None,
-        "summaries": 0,
-        "received_after_end": {},
-    }
 
 
 class Projector:

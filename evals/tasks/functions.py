@@ -2,9 +2,9 @@
 
 Each task asks for one Python function in ``solution.py`` (which holds its stub), e.g. "Add a
 function `count_vowels(s)` to solution.py that returns how many vowels ...". Tasks come from the
-parametrised templates of ``functions_text.py``, ``functions_data.py``, ``functions_dicts.py`` and
-``functions_basic.py`` (families ``strings``, ``parsing``, ``lists``, ``numbers``, ``dicts``;
-``difficulty`` 1-3); each template yields up to
+parametrised templates of ``functions_basic.py`` (difficulty 1, every family) and of one module per
+family: ``functions_lists.py``, ``functions_numbers.py``, ``functions_dicts.py``,
+``functions_strings.py`` and ``functions_parsing.py`` (``difficulty`` 1-3); each template yields up to
 :data:`VARIANTS` distinct parameterisations (function name, constants, separators, conditions).
 The hidden test calls the entry point on the template's cases and compares with what the
 reference returns on them (floats within 1e-6), so a reference passes by construction and the
@@ -28,14 +28,20 @@ import random
 from functools import lru_cache
 
 from app.core.errors import ConfigurationError
-from evals.tasks import (
-    functions_basic,  # noqa: F401, I001
-    functions_data,  # noqa: F401, I001
-    functions_dicts,  # noqa: F401, I001
-    functions_text,  # noqa: F401, I001  (each import registers its templates, in this order)
-)
 from evals.tasks.functions_spec import TEMPLATES, Template
 from evals.tasks.model import HIDDEN_RUNNER, Task, hidden_runner
+
+# Each import registers its templates; registration order decides the held-out templates, so it stays fixed.
+# isort: off
+from evals.tasks import (
+    functions_basic,  # noqa: F401
+    functions_lists,  # noqa: F401
+    functions_numbers,  # noqa: F401
+    functions_dicts,  # noqa: F401
+    functions_strings,  # noqa: F401
+    functions_parsing,  # noqa: F401
+)
+# isort: on
 
 SOURCE = "functions"
 SPLITS = ("train", "test", "test_params")

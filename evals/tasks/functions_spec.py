@@ -39,6 +39,9 @@ class Template:
 
 TEMPLATES: list[Template] = []
 
+WORDS = ["apple", "river", "stone", "cloud", "tiger", "lemon", "piano", "ocean", "maple", "robot", "sugar", "delta"]
+"""Words the ``strings`` and ``parsing`` templates build their cases from."""
+
 
 def template(family: str, difficulty: int) -> Callable:
     """Register the decorated ``(rng) -> dict`` function as a template named after it."""

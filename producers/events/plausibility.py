@@ -8,7 +8,7 @@ type ``implausible`` whose message starts with the field's name, which the codec
 dead-letter reason ``implausible`` (``producers.events.codec``).
 
 The time window (:class:`TimeWindow`, :func:`check_occurred_at`) depends on the ingestion clock, so the ingest consumer
-applies it (``consumers.deadletter.classify``), not the contract: replaying a months-old event
+applies it (``consumers.classify.classify``), not the contract: replaying a months-old event
 must still validate.
 """
 

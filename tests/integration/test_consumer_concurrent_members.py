@@ -28,7 +28,7 @@ pytestmark = pytest.mark.integration
 
 def _messages_by_partition(events, split_at: float):
     """Each session's first ``split_at`` share of events on partition 0, the rest on partition 1."""
-    from consumers.deadletter import Message
+    from consumers.classify import Message
 
     per_session = defaultdict(list)
     for e in events:
@@ -44,7 +44,7 @@ def _messages_by_partition(events, split_at: float):
 
 
 def _classify(msgs):
-    from consumers.deadletter import classify
+    from consumers.classify import classify
 
     return [classify(m, 1 << 20) for m in msgs]
 
@@ -184,7 +184,7 @@ def test_an_erasure_waits_for_a_concurrent_batch_of_the_users_events(db, monkeyp
 
     import numpy as np
 
-    from consumers.deadletter import Message
+    from consumers.classify import Message
     from consumers.testing import generate_session
     from producers.events.types import UserErasureRequested, UserErasureRequestedEvent
 
@@ -214,7 +214,7 @@ def test_a_privacy_flag_waits_for_a_concurrent_batch_of_the_sessions_events(db, 
 
     import numpy as np
 
-    from consumers.deadletter import Message
+    from consumers.classify import Message
     from consumers.testing import generate_session
 
     rng = np.random.default_rng(35)
@@ -252,7 +252,7 @@ def test_a_flag_published_ahead_deletes_what_a_concurrent_batch_stores_of_the_se
 
     import numpy as np
 
-    from consumers.deadletter import Message
+    from consumers.classify import Message
     from consumers.ingest import IngestConsumer
     from consumers.testing import generate_session
 
@@ -286,7 +286,7 @@ def test_two_members_applying_erasures_at_once_both_finish(db, monkeypatch, capl
 
     import numpy as np
 
-    from consumers.deadletter import Message
+    from consumers.classify import Message
     from consumers.ingest import IngestConsumer
     from consumers.testing import generate_session
     from producers.events.types import UserErasureRequested, UserErasureRequestedEvent
@@ -336,7 +336,7 @@ def test_a_batch_the_window_sweep_overtook_is_redone_with_a_later_ingestion_time
 
     import consumers.batch as batch_mod
     from app.core.db import session_scope
-    from consumers.deadletter import Message
+    from consumers.classify import Message
     from consumers.finalize import finalize_due
     from consumers.ingest import IngestConsumer, projector_from_settings
     from consumers.settings import ConsumerSettings

@@ -19,7 +19,8 @@ import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from consumers.deadletter import Message, claim_of, classify
+from consumers.classify import Message, classify
+from consumers.deadletter import claim_of
 from consumers.testing import generate_session, generate_stream, kafka_record, produce
 from producers.events import EVENT_CLASSES, encode_event
 from tests.fixtures.broker import read_topic

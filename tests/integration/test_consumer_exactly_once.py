@@ -141,7 +141,7 @@ def test_sigkilled_consumers_leave_every_event_once_and_the_same_trajectories(
 
 def test_a_database_restart_mid_stream_loses_nothing(topics, kafka_bootstrap, tmp_path):
     from app.core.net import free_port
-    from ops.stack import start_postgres, stop_postgres
+    from ops.postgres import start_postgres, stop_postgres
 
     datadir, port = tmp_path / "pgdata", free_port()
     server = start_postgres(datadir, port=port)
@@ -182,7 +182,7 @@ def test_every_insert_method_stores_a_batch_once_and_skips_duplicates(db, method
     a redelivered batch (same offsets) are no-ops under each ``append_events`` method."""
     from app.core.db import session_scope
     from consumers.batch import apply_batch
-    from consumers.deadletter import Message, classify
+    from consumers.classify import Message, classify
     from consumers.ingest import projector_from_settings
 
     events = generate_stream(600, seed=14)
@@ -217,7 +217,7 @@ def test_offsets_the_broker_no_longer_had_are_reported_as_lost(db, kafka_bootstr
     from opentelemetry.sdk.metrics import MeterProvider
     from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
-    from consumers.deadletter import Message
+    from consumers.classify import Message
     from consumers.ingest import IngestConsumer
     from consumers.telemetry import ConsumerMetrics
 
@@ -321,7 +321,7 @@ def test_a_broker_outage_mid_stream_loses_nothing_and_the_consumer_rides_it_out(
     topic once."""
     from consumers.ingest import IngestConsumer
     from consumers.settings import get_consumer_settings
-    from ops.stack import create_topics
+    from ops.broker import create_topics
 
     bootstrap, relay = relayed_broker.bootstrap, relayed_broker.relay
     topic, dlq, consumer = "interactions", "interactions.dlq", None
@@ -374,7 +374,7 @@ def test_a_consumer_started_while_the_database_is_down_stays_in_its_group_and_in
     session expires (and rejoining, again and again, through the outage), the member pauses the
     partitions and keeps heartbeating; when Postgres is back it seeks them and ingests every event once."""
     from app.core.net import free_port
-    from ops.stack import start_postgres, stop_postgres
+    from ops.postgres import start_postgres, stop_postgres
 
     datadir, port = tmp_path / "pgdata", free_port()
     url = start_postgres(datadir, port=port).url

@@ -10,8 +10,8 @@ import numpy as np
 import psycopg
 import pytest
 
-from consumers.projection import trajectory_id_for
 from consumers.testing import generate_session, kafka_record, produce
+from consumers.trajectory_state import trajectory_id_for
 from producers.events.types import UserErasureRequested, UserErasureRequestedEvent
 from tests.fixtures.broker import read_topic
 

@@ -71,7 +71,7 @@ def test_sdk_installs_without_heavy_dependencies(sdk_python):
 def test_sdk_emits_an_event_the_broker_delivers(sdk_python, tmp_path, kafka_bootstrap):
     from kafka import KafkaConsumer
 
-    from ops.stack import create_topics
+    from ops.broker import create_topics
     from producers.events import decode_event
 
     topic = "editor.interactions.sdk"

@@ -149,7 +149,7 @@ def test_an_erasure_while_a_relabel_scans_is_not_held_up_and_its_trajectories_ge
     from app.core.db import session_scope
     from app.repositories.events import raw_connection
     from consumers.batch import apply_batch
-    from consumers.deadletter import Message, classify
+    from consumers.classify import Message, classify
     from consumers.erasure import erase_now
     from consumers.ingest import projector_from_settings
     from consumers.projection import Projector
@@ -197,7 +197,7 @@ def test_replay_verify_compares_one_snapshot_beside_a_live_group(db, monkeypatch
     from app.core.db import session_scope
     from consumers import replay as replay_mod
     from consumers.batch import apply_batch
-    from consumers.deadletter import Message, classify
+    from consumers.classify import Message, classify
     from consumers.ingest import projector_from_settings
     from ops.cli import app
 

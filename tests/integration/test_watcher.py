@@ -106,7 +106,7 @@ def test_serving_rides_out_broker_and_inference_server_outages_and_then_follows_
     from app.core.errors import InfrastructureError
     from app.core.settings import get_settings
     from consumers.testing import wait_for
-    from ops.stack import create_topics
+    from ops.broker import create_topics
 
     class RestartingServer(RecordingEngine):
         failures = 2

@@ -10,10 +10,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from consumers.classify import Decoded, Message
 from consumers.deadletter import (
     Claim,
-    Decoded,
-    Message,
     claim_of,
     covered_by_erasure,
     dead_letter_row,
@@ -23,8 +22,8 @@ from consumers.deadletter import (
     redacted,
     redacted_private,
 )
-from consumers.projection import trajectory_id_for
 from consumers.redrive import redrive_headers
+from consumers.trajectory_state import trajectory_id_for
 
 
 @pytest.mark.parametrize(

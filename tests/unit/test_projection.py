@@ -13,18 +13,16 @@ from hypothesis import strategies as st
 
 from app.repositories.trajectories import SEGMENT_COLUMNS as DB_SEGMENT
 from app.repositories.trajectories import TRAJECTORY_COLUMNS as DB_TRAJECTORY
-from consumers.projection import (
+from consumers.projection import ProjectionConfig, Projector, StoredEvent
+from consumers.rewards import load_spec
+from consumers.testing import generate_session
+from consumers.trajectory_state import (
     SEGMENT_COLUMNS,
     TRAJECTORY_COLUMNS,
-    ProjectionConfig,
-    Projector,
-    StoredEvent,
     TrajectoryState,
     new_trajectory,
     trajectory_id_for,
 )
-from consumers.rewards import load_spec
-from consumers.testing import generate_session
 from producers.events.packing import unpack_floats, unpack_ints
 from producers.events.types import (
     ContextSummarized,

