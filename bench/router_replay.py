@@ -6,7 +6,7 @@ precision (bf16-rounded weights). Each session is two turns (the second prompt a
 observation to the first turn's context) and its events go the production way: the producer SDK
 (``producers.EventProducer``) -> a real broker (tansu) -> the consumer group's ingest
 (``consumers.ingest.IngestConsumer``) -> Postgres (``trajectory_segment.routed_experts``). The
-trainer's data path (``trainer.data.select_cycle_data``, ``trainer.batching.pack_micro_batches``)
+trainer's data path (``trainer.selection.select_cycle_data``, ``trainer.batching.pack_micro_batches``)
 loads them, and the trainer's fp32 model (the checkpoint's unrounded weights) scores every sampled
 token with ``trainer.step.compute_old_logprobs`` twice: ``router_replay = false`` (the *baseline*:
 the trainer routes every token itself) and ``router_replay = true`` (*ours*: R3, the serving routes
@@ -214,7 +214,7 @@ def main() -> None:
         from app.repositories.checkpoints import add_checkpoint
         from trainer.batching import pack_micro_batches
         from trainer.config import TrainerConfig
-        from trainer.data import select_cycle_data
+        from trainer.selection import select_cycle_data
 
         with session_scope() as s:
             add_checkpoint(s, checkpoint_id="moe-base", path=str(model_dir), status="production")

@@ -123,8 +123,8 @@ def run_cycle(
     from app.core.db import get_engine, session_scope
     from app.models import Checkpoint
     from app.repositories.checkpoints import get_production
-    from trainer.data import select_cycle_data
     from trainer.records import cycle_lock, fail_interrupted_cycles, finish_cycle, start_cycle
+    from trainer.selection import select_cycle_data
 
     config = config or load_config()
     store = store or CheckpointStore.from_settings()

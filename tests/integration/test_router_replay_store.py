@@ -83,7 +83,7 @@ def test_routes_survive_the_event_path_replay_and_trainer_loading(db, topics, ka
     from consumers.replay import compare_projections, drop_schema, dump_projection, replay
     from trainer.batching import pack_micro_batches
     from trainer.config import DataConfig
-    from trainer.data import select_cycle_data
+    from trainer.selection import select_cycle_data
 
     rng = np.random.default_rng(0)
     sessions = [_session(i, rng, 8 if i else 300) for i in range(3)]  # session 0 needs two bytes an id

@@ -9,7 +9,7 @@ from datetime import UTC, datetime, timedelta
 import pytest
 
 from trainer.config import DataConfig
-from trainer.data import select_cycle_data
+from trainer.selection import select_cycle_data
 from trainer.testing import insert_trajectory, make_segment
 
 pytestmark = pytest.mark.integration
