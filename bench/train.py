@@ -17,7 +17,7 @@ machine). On CUDA the line adds MFU = 6 x params x tokens/s / the GPU's dense bf
 and for ``--shape qwen3-0.6b`` the target is >= 12,000 tokens/s on one H100 (prime-rl's reported
 11.9k tokens/s for Qwen3-0.6B RL on one H100).
 
-*Ranks* (``--ranks N``, CPU, gloo): the same cycle (:func:`trainer.cycle.train_policy`: pi_old pass
+*Ranks* (``--ranks N``, CPU, gloo): the same cycle (:func:`trainer.training.train_policy`: pi_old pass
 and optimizer steps) on 1 process and on N spawned gloo ranks
 (:func:`trainer.testing.train_on_ranks`). ``loss_match`` holds when every step's loss and gradient
 norm agree within ``rel 1e-4`` (+ ``abs 1e-7``) and every final parameter within ``1e-2 x lr``

@@ -11,9 +11,10 @@ Invariants:
   trajectories (with event ids and offsets), exclusions, reward spec and resolved config.
 - A cycle claims only what it trains: every trajectory in the manifest has tokens in micro-batches
   that every epoch trains. A step budget (``max_steps``) shrinks the claim (whole task groups,
-  newest first, are deferred to the next cycle), never the schedule.
+  newest first, are deferred to the next cycle), never the schedule
+  (:func:`trainer.training.fit_claim_to_budget`).
 - Data parallel (``dp``, under torchrun): rank 0 runs this function and alone selects, writes and
-  registers; the other ranks run :func:`train_policy` on what it broadcasts
+  registers; the other ranks run :func:`trainer.training.train_policy` on what it broadcasts
   (:mod:`trainer.distributed`).
 """
 
@@ -33,14 +34,9 @@ from app.core.telemetry import tracer
 from trainer.config import TrainerConfig, load_config
 
 if TYPE_CHECKING:
-    import torch
-
-    from trainer.device import Placement
     from trainer.distributed import DataParallel
-    from trainer.step import StepMetrics
 
 _tracer = tracer("flywheel.trainer")
-MAX_SPAN_IDS = 256  # trajectory ids put on the span (the manifest has them all)
 
 
 @dataclass
@@ -203,147 +199,6 @@ def _parent_dir(store: CheckpointStore, parent) -> Path:
     raise CheckpointError(f"production checkpoint {parent.id} has no STABLE directory at {parent.path}")
 
 
-def pack_cycle(trajectories: list, config: TrainerConfig, pad_id: int = 0):
-    """Rewards, task groups, advantages and micro-batches of ``trajectories`` (rewards negated with
-    ``invert_reward``).
-
-    Returns:
-        ``(rewards [G] fp32, groups [G] int64, advantages [G] fp32, micro-batches)`` for ``G`` trajectories.
-    """
-    import torch
-
-    from trainer.batching import group_ids, pack_micro_batches
-    from trainer.loss import compute_advantages
-
-    groups = group_ids(trajectories)
-    rewards = torch.tensor([t.reward for t in trajectories], dtype=torch.float32)
-    if config.invert_reward:
-        rewards = -rewards
-    advantages = compute_advantages(rewards, groups, singleton_baseline=config.data.singleton_baseline)
-    batches = pack_micro_batches(
-        trajectories, advantages, micro_batch_tokens=config.data.micro_batch_tokens, pad_id=pad_id, seed=config.seed
-    )
-    return rewards, groups, advantages, batches
-
-
-def fit_claim_to_budget(data, config: TrainerConfig) -> int:
-    """Shrink the cycle's claim to its step budget; return how many micro-batches it packs into.
-
-    While ``planned_steps > config.max_steps``, the newest task group is deferred (the last
-    trajectories one by one once a single group is left), so advantages are computed over exactly
-    the trajectories that train.
-
-    Raises:
-        AssertionError: a claimed trajectory has no trainable token (selection excludes those).
-    """
-    from trainer.step import planned_steps
-
-    while True:
-        *_, batches = pack_cycle(data.used, config)
-        if config.max_steps is None or planned_steps(len(batches), config) <= config.max_steps or len(data.used) == 1:
-            trained = {int(i) for b in batches for i in b.trajectory_index.unique().tolist()}
-            if trained != set(range(len(data.used))):
-                raise AssertionError(f"{len(data.used) - len(trained)} claimed trajectories have no trainable token")
-            return len(batches)
-        last = data.used[-1].group
-        tail = [t.id for t in data.used if t.group == last]
-        data.defer(set(tail) if len(tail) < len(data.used) else {tail[-1]})
-
-
-@dataclass
-class TrainedPolicy:
-    """What :func:`train_policy` returns: the trained model and what the checkpoint records of it."""
-
-    model: "torch.nn.Module"
-    optimizer: "torch.optim.Optimizer"
-    history: list["StepMetrics"]
-    mismatch: dict[str, float]
-    rewards: "torch.Tensor"  # [G] fp32
-    advantages: "torch.Tensor"  # [G] fp32
-    groups: "torch.Tensor"  # [G] int64
-    parent_serving: dict[str, "torch.Tensor"]  # bf16 parent weights (rank 0 only; empty elsewhere)
-    placement: "Placement"
-    micro_batches: int = 0
-
-
-def train_policy(
-    config: TrainerConfig,
-    parent_dir: Path,
-    trajectories: list,
-    *,
-    progress: bool = False,
-    dp: "DataParallel | None" = None,
-) -> TrainedPolicy:
-    """Load the parent policy on ``config.device`` and run the cycle's optimizer steps on ``trajectories``.
-
-    Every rank of ``dp`` calls this with the same arguments; rank 0 alone keeps the parent's bf16
-    serving weights (for the delta) and draws progress.
-
-    Raises:
-        CheckpointError: ``parent_dir`` is not a model folder.
-        ConfigurationError: ``config.device`` names a device this machine lacks.
-    """
-    from app.checkpoints.delta import serving_state_dict
-    from trainer.checkpointing import load_policy
-    from trainer.device import setup_placement
-    from trainer.metrics import step_progress
-    from trainer.router_replay import checkpoint_contexts
-    from trainer.step import compute_old_logprobs, make_optimizer, planned_steps, train_steps
-
-    main = dp is None or dp.is_main
-    placement = setup_placement(config.device)
-    with _tracer.start_as_current_span("trainer.load") as span:
-        span.set_attributes({"flywheel.parent_dir": str(parent_dir), **placement.describe()})
-        model = load_policy(parent_dir)
-        if config.gradient_checkpointing:  # recomputed MoE layers keep their replayed routes
-            model.gradient_checkpointing_enable(
-                gradient_checkpointing_kwargs={"use_reentrant": False, "context_fn": checkpoint_contexts}
-            )
-        parent_serving = serving_state_dict(model) if main else {}
-        placement.place_model(model)
-    pad_id = model.config.pad_token_id if isinstance(model.config.pad_token_id, int) else 0
-    rewards, groups, advantages, batches = pack_cycle(trajectories, config, pad_id)
-    batches = [placement.move_batch(mb) for mb in batches]
-    with _tracer.start_as_current_span("trainer.old_logprobs") as span:
-        mismatch = compute_old_logprobs(model, batches, config, placement=placement, dp=dp)
-        span.set_attributes({f"flywheel.{k}": v for k, v in mismatch.items()})
-    optimizer = make_optimizer(model, config)
-    total_steps = planned_steps(len(batches), config)
-    with (
-        _tracer.start_as_current_span("trainer.train") as span,
-        step_progress(total_steps, progress and main) as advance,
-    ):
-        span.set_attribute("flywheel.trajectory_ids", [str(t.id) for t in trajectories[:MAX_SPAN_IDS]])
-
-        def on_step(m) -> None:
-            advance(m)
-            span.add_event(
-                "step",
-                {
-                    "step": m.step,
-                    "loss": m.loss,
-                    "kl": m.kl,
-                    "entropy": m.entropy,
-                    "is_clip_frac": m.is_clip_frac,
-                    "tokens_per_s": m.tokens_per_s,
-                },
-            )
-
-        history = train_steps(model, batches, config, optimizer, on_step=on_step, placement=placement, dp=dp)
-    return TrainedPolicy(
-        model=model,
-        optimizer=optimizer,
-        history=history,
-        mismatch=mismatch,
-        rewards=rewards,
-        advantages=advantages,
-        groups=groups,
-        parent_serving=parent_serving,
-        placement=placement,
-        micro_batches=len(batches),
-    )
-
-
 def _train_and_register(
     config: TrainerConfig,
     store: CheckpointStore,
@@ -359,6 +214,7 @@ def _train_and_register(
     from trainer.distributed import CycleWork
     from trainer.metrics import data_summary, summarize
     from trainer.records import register_candidate
+    from trainer.training import fit_claim_to_budget, train_policy
 
     started = time.perf_counter()
     parent_dir = _parent_dir(store, parent)

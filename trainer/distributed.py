@@ -188,7 +188,8 @@ def run_parallel_cycle(
     Raises:
         As :func:`trainer.cycle.run_cycle` on rank 0; the other ranks raise what their training raises.
     """
-    from trainer.cycle import CycleResult, run_cycle, train_policy
+    from trainer.cycle import CycleResult, run_cycle
+    from trainer.training import train_policy
 
     if dp.is_main:
         try:

@@ -223,7 +223,7 @@ def micro_batch_schedule(batches: list, config: TrainerConfig) -> Iterator[list]
     """Micro-batches per optimizer step: each of ``config.epochs`` epochs shuffles ``batches`` and
     splits them into steps of ``grad_accum``, so every micro-batch is trained once per epoch (a step
     never holds a micro-batch twice nor spans two epochs). The cycle sizes its data to the step
-    budget beforehand (``trainer.cycle``), never by cutting this schedule short."""
+    budget beforehand (``trainer.training.fit_claim_to_budget``), never by cutting this schedule short."""
     g = torch.Generator().manual_seed(config.seed)
     for _ in range(config.epochs):
         order = torch.randperm(len(batches), generator=g).tolist()

@@ -256,7 +256,7 @@ def register_checkpoint_dir(
 
 
 def train_on_ranks(model_dir: Path, trajectories: list[TrajectoryData], config, world_size: int, workdir: Path) -> dict:
-    """Run :func:`trainer.cycle.train_policy` on ``world_size`` local gloo ranks (spawned processes,
+    """Run :func:`trainer.training.train_policy` on ``world_size`` local gloo ranks (spawned processes,
     ``file://`` rendezvous in ``workdir``), or in this process without a process group for 1.
 
     Returns:
@@ -265,7 +265,7 @@ def train_on_ranks(model_dir: Path, trajectories: list[TrajectoryData], config, 
     from dataclasses import asdict
 
     if world_size == 1:
-        from trainer.cycle import train_policy
+        from trainer.training import train_policy
 
         trained = train_policy(config, Path(model_dir), trajectories)
         return {
@@ -293,8 +293,8 @@ def _train_rank(rank: int, world_size: int, rendezvous: str, model_dir: str, tra
 
     import torch.distributed as dist
 
-    from trainer.cycle import train_policy
     from trainer.distributed import DataParallel
+    from trainer.training import train_policy
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world_size)

@@ -35,8 +35,8 @@ def test_torchrun_two_ranks_registers_one_candidate(session, store, production, 
 
     from app.models import Checkpoint, TrainingCycle
     from app.repositories.checkpoints import get_production
-    from trainer.cycle import train_policy
     from trainer.selection import select_cycle_data
+    from trainer.training import train_policy
 
     used, _ = _insert_sessions(session, policy_dir)
     config = {**CONFIG, "device": "cpu", "threads": 1, "plot_curves": False}

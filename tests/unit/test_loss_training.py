@@ -90,7 +90,7 @@ def _cycle_data(trajectories):
 
 def test_step_budget_shrinks_the_claim_not_the_schedule():
     """Every claimed trajectory is trained; over the budget, the newest task groups are deferred whole."""
-    from trainer.cycle import fit_claim_to_budget, pack_cycle
+    from trainer.training import fit_claim_to_budget, pack_cycle
 
     trajs = [
         make_trajectory([make_segment([1] * 6, [5, 6, 7])], float(i % 2), task_id=f"task-{i // 2}") for i in range(8)
@@ -114,7 +114,7 @@ def test_step_budget_shrinks_the_claim_not_the_schedule():
 
 
 def test_invert_reward_negates_advantages():
-    from trainer.cycle import pack_cycle
+    from trainer.training import pack_cycle
 
     trajs = [make_trajectory([make_segment([1, 2], [5, 6])], r, task_id="t") for r in (1.0, 0.0)]
     cfg = TrainerConfig.model_validate({"invert_reward": True})

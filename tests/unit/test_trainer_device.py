@@ -101,8 +101,8 @@ def test_cuda_placement_moves_pinned_batches_and_uses_the_triton_kernel():
 @needs_cuda
 def test_cuda_cycle_trains_in_fp32_master_weights(tmp_path):
     from tests.unit.test_trainer_distributed import _config, _trajectories
-    from trainer.cycle import train_policy
     from trainer.testing import tiny_policy
+    from trainer.training import train_policy
 
     tiny_policy(seed=3).save_pretrained(tmp_path, safe_serialization=True)
     trained = train_policy(_config(device="cuda"), tmp_path, _trajectories())
