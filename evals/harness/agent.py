@@ -4,7 +4,7 @@ Invariants:
 - Every event of the contract a session produces goes through ``emit`` (when given) in causal
   order: ``session.started``, ``agent.requested``, then per turn ``model.responded`` followed by
   its ``tool.executed`` (and ``edit.proposed``) events, ``context.summarized`` at a segment
-  boundary, and last ``session.ended``.
+  boundary, and last ``session.ended`` (the events are built by ``session_events.py``).
 - ``model.responded`` carries the real token ids and behaviour log-probs; its
   ``prompt_token_ids`` are exactly the tokens appended since the previous turn of the same
   segment (see ``chat.py``), so ``concat(prompt_i + completion_i)`` over a segment's turns is the
@@ -29,27 +29,11 @@ from app.inference.engine import InferenceEngine, SamplingParams
 from evals.harness.apply import apply_target, extract_code
 from evals.harness.chat import SUMMARY_REQUEST, SYSTEM_PROMPT, ChatML, repository_message
 from evals.harness.sandbox import SandboxLimits, SandboxResult, run_in_sandbox
+from evals.harness.session_events import SessionEvents
 from evals.harness.toolcalls import ParsedCall, parse_tool_calls
 from evals.harness.tools import execute_tool
 from evals.harness.workspace import snapshot, write_files
-from producers.events.types import (
-    AgentRequested,
-    AgentRequestedEvent,
-    ContextSummarized,
-    ContextSummarizedEvent,
-    EditProposed,
-    EditProposedEvent,
-    EventBase,
-    ModelResponded,
-    ModelRespondedEvent,
-    SessionEnded,
-    SessionEndedEvent,
-    SessionStarted,
-    SessionStartedEvent,
-    ToolCall,
-    ToolExecuted,
-    ToolExecutedEvent,
-)
+from producers.events.types import EventBase, ToolCall
 
 
 @dataclass(frozen=True)
@@ -166,9 +150,9 @@ class _Reply:
 class _Session:
     def __init__(self, engine, task, workdir, budget, sampling, emit, limits, envelope) -> None:
         self.engine, self.task, self.workdir, self.budget = engine, task, workdir, budget
-        self.sampling, self._emit, self.limits, self.envelope = sampling, emit, limits, envelope
+        self.sampling, self.limits = sampling, limits
+        self.log = SessionEvents(envelope, emit)
         self.chat = ChatML(engine.tokenizer)
-        self.events: list[EventBase] = []
         self.segment, self.turn_in_segment, self.turns = 0, 0, 0
         self.context: list[int] = []
         self.completion_tokens, self.latency_s = 0, 0.0
@@ -177,42 +161,21 @@ class _Session:
         self.asked_question, self.reason, self.final_message = False, "turns", ""
         self.edits: list[dict] = []
         self.apply_code = True
-        self._ended = False
 
-    # ---- events --------------------------------------------------------------------------
-
-    def emit(self, event: EventBase) -> None:
-        self.events.append(event)
-        if self._emit is not None:
-            self._emit(event)
+    @property
+    def events(self) -> list[EventBase]:
+        return self.log.events
 
     def end(self, reason: str, expected: tuple[str, ...]) -> None:
-        if self._ended:
-            return
-        self._ended = True
-        self.emit(
-            SessionEndedEvent(
-                **self.envelope,
-                payload=SessionEnded(
-                    reason=reason, turns=self.turns, ran_tests=self.test_runs > 0, expected_signals=expected
-                ),
-            )
-        )
+        self.log.session_ended(reason, self.turns, self.test_runs > 0, expected)
 
     # ---- loop ----------------------------------------------------------------------------
 
     def loop(self) -> None:
         self.workdir.mkdir(parents=True, exist_ok=True)
         write_files(self.workdir, self.task.files)
-        self.emit(
-            SessionStartedEvent(
-                **self.envelope,
-                payload=SessionStarted(
-                    task_id=self.task.id, task_source=self.task.source, checkpoint_id=self.engine.checkpoint_id
-                ),
-            )
-        )
-        self.emit(AgentRequestedEvent(**self.envelope, payload=AgentRequested(request_id="r0", text=self.task.request)))
+        self.log.session_started(self.task.id, self.task.source, self.engine.checkpoint_id)
+        self.log.agent_requested(self.task.request)
         pending = self.chat.first_prompt(SYSTEM_PROMPT, repository_message(self.task.request, self.workdir))
         last_completion: list[int] = []
         observations: str | None = None
@@ -264,30 +227,13 @@ class _Session:
                 for i, c in enumerate(calls)
             ),
         )
-        experts = {}
-        if gen.routed_experts:
-            layers, k = len(gen.routed_experts[0]), len(gen.routed_experts[0][0])
-            experts = dict(
-                routed_experts=[e for tok in gen.routed_experts for layer in tok for e in layer],
-                routed_experts_shape=(layers, k),
-            )
-        self.emit(
-            ModelRespondedEvent(
-                **self.envelope,
-                payload=ModelResponded(
-                    request_id="r0",
-                    segment_index=self.segment,
-                    turn_index=self.turn_in_segment,
-                    checkpoint_id=self.engine.checkpoint_id,
-                    prompt_token_ids=pending,
-                    completion_token_ids=gen.token_ids,
-                    completion_logprobs=gen.logprobs,
-                    latency_s=gen.latency_s,
-                    tool_calls=reply.tool_calls,
-                    finish_reason=gen.finish_reason,
-                    **experts,
-                ),
-            )
+        self.log.model_responded(
+            segment_index=self.segment,
+            turn_index=self.turn_in_segment,
+            checkpoint_id=self.engine.checkpoint_id,
+            prompt_token_ids=pending,
+            generation=gen,
+            tool_calls=reply.tool_calls,
         )
         self.turns += 1
         self.turn_in_segment += 1
@@ -311,47 +257,27 @@ class _Session:
                     f"error: invalid tool call: {call.error}{hint}. Write "
                     '<tool_call>{"name": "<tool>", "arguments": {...}}</tool_call>'
                 )
-                self.emit(
-                    ToolExecutedEvent(
-                        **self.envelope, payload=ToolExecuted(call_id=tc.call_id, name=tc.name, ok=False, output=text)
-                    )
-                )
+                self.log.tool_executed(tc.call_id, tc.name, ok=False, output=text)
                 parts.append(f"<tool_response>\n{text}\n</tool_response>")
                 continue
             out = execute_tool(call, self.workdir, self.limits, max_output_chars=self.budget.tool_output_chars)
             if out.ran_tests:
                 self.test_runs += 1
                 self.last_test_ok = out.ok
-            self.emit(
-                ToolExecutedEvent(
-                    **self.envelope,
-                    payload=ToolExecuted(
-                        call_id=tc.call_id,
-                        name=call.name,
-                        ok=out.ok,
-                        exit_code=out.exit_code,
-                        output=out.output,
-                        duration_s=out.duration_s,
-                        ran_tests=out.ran_tests,
-                        command=out.command,
-                    ),
-                )
+            self.log.tool_executed(
+                tc.call_id,
+                call.name,
+                ok=out.ok,
+                output=out.output,
+                exit_code=out.exit_code,
+                duration_s=out.duration_s,
+                ran_tests=out.ran_tests,
+                command=out.command,
             )
             if out.edit:
                 edit_id = f"edit-{tc.call_id}"
                 self.edits.append({"edit_id": edit_id, **out.edit})
-                self.emit(
-                    EditProposedEvent(
-                        **self.envelope,
-                        payload=EditProposed(
-                            edit_id=edit_id,
-                            path=out.edit["path"],
-                            lines_added=out.edit["lines_added"],
-                            lines_removed=out.edit["lines_removed"],
-                            diff=out.edit["diff"],
-                        ),
-                    )
-                )
+                self.log.edit_proposed(edit_id, out.edit)
             parts.append(f"<tool_response>\n[{call.name}] {out.output}\n</tool_response>")
             if out.finished:
                 finished = True
@@ -373,18 +299,7 @@ class _Session:
             return False
         edit_id = f"apply-{self.turns - 1}"
         self.edits.append({"edit_id": edit_id, "applied": True, **out.edit})
-        self.emit(
-            EditProposedEvent(
-                **self.envelope,
-                payload=EditProposed(
-                    edit_id=edit_id,
-                    path=out.edit["path"],
-                    lines_added=out.edit["lines_added"],
-                    lines_removed=out.edit["lines_removed"],
-                    diff=out.edit["diff"],
-                ),
-            )
-        )
+        self.log.edit_proposed(edit_id, out.edit)
         return True
 
     def summarize(self, last_completion: list[int], observations: str | None) -> list[int]:
@@ -397,14 +312,7 @@ class _Session:
         self.segment += 1
         self.turn_in_segment = 0
         self.context = []
-        self.emit(
-            ContextSummarizedEvent(
-                **self.envelope,
-                payload=ContextSummarized(
-                    new_segment_index=self.segment, summary=summary[:100_000], summarized_tokens=replaced
-                ),
-            )
-        )
+        self.log.context_summarized(self.segment, summary, replaced)
         user = repository_message(self.task.request, self.workdir, summary=summary, observations=observations)
         return self.chat.first_prompt(SYSTEM_PROMPT, user)
 
