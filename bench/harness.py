@@ -183,7 +183,7 @@ def main() -> None:
     from app.inference.engine import SamplingParams
     from evals.config import load_suite
     from evals.harness.agent import AgentBudget
-    from evals.harness.chat import SYSTEM_PROMPT
+    from evals.harness.chat import ChatML
     from evals.tasks import load_tasks
     from serving.torch_engine import TorchEngine
 
@@ -252,7 +252,9 @@ def main() -> None:
                 "source": args.source,
                 "split": args.split,
                 "harness_per_session": {k: round(v, 2) for k, v in stats.items()},
-                "system_prompt_tokens": len(engine.tokenizer(SYSTEM_PROMPT, add_special_tokens=False).input_ids),
+                "system_prompt_tokens": len(
+                    engine.tokenizer(ChatML(engine.tokenizer).system_prompt, add_special_tokens=False).input_ids
+                ),
                 "seconds": {"baseline": round(t1 - t0, 1), "ours": round(t2 - t1, 1)},
             }
         )

@@ -27,7 +27,7 @@ from pathlib import Path
 
 from app.inference.engine import InferenceEngine, SamplingParams
 from evals.harness.apply import apply_target, extract_code
-from evals.harness.chat import SUMMARY_REQUEST, SYSTEM_PROMPT, ChatML, repository_message
+from evals.harness.chat import SUMMARY_REQUEST, ChatML, repository_message
 from evals.harness.sandbox import SandboxLimits, SandboxResult, run_in_sandbox
 from evals.harness.session_events import SessionEvents
 from evals.harness.toolcalls import ParsedCall, parse_tool_calls
@@ -176,7 +176,7 @@ class _Session:
         write_files(self.workdir, self.task.files)
         self.log.session_started(self.task.id, self.task.source, self.engine.checkpoint_id)
         self.log.agent_requested(self.task.request)
-        pending = self.chat.first_prompt(SYSTEM_PROMPT, repository_message(self.task.request, self.workdir))
+        pending = self.chat.first_prompt(self.chat.system_prompt, repository_message(self.task.request, self.workdir))
         last_completion: list[int] = []
         observations: str | None = None
         while True:
@@ -314,7 +314,7 @@ class _Session:
         self.context = []
         self.log.context_summarized(self.segment, summary, replaced)
         user = repository_message(self.task.request, self.workdir, summary=summary, observations=observations)
-        return self.chat.first_prompt(SYSTEM_PROMPT, user)
+        return self.chat.first_prompt(self.chat.system_prompt, user)
 
     def result(self) -> SessionResult:
         return SessionResult(

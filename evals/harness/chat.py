@@ -16,12 +16,18 @@ from evals.harness.workspace import snapshot
 
 IM_START, IM_END = "<|im_start|>", "<|im_end|>"
 
-SYSTEM_PROMPT = (
-    "You are a coding assistant in a code editor. Answer the developer's request with the complete new file in one "
-    "python code block; the editor applies it to the file. To use a tool instead, write "
+TOOL_PROMPT = (
+    "To use a tool instead of answering with code, write "
     '<tool_call>{"name": "<tool>", "arguments": {...}}</tool_call> with a tool among read_file(path), '
     "edit_file(path, content), search(pattern), run(command), finish(message)."
 )
+"""The product's sentence on tool calls, appended to the model's own default system prompt."""
+
+FALLBACK_SYSTEM = "You are a coding assistant in a code editor."
+"""The first sentence of the system prompt for a chat template without a default system prompt."""
+
+REPLY_INSTRUCTION = "Reply with the complete new file in one python code block."
+"""Last line of the first user turn: the editor applies the reply's code block to the file."""
 
 SUMMARY_REQUEST = (
     "The context is full. Write a short summary of the task, what you have done so far, the current "
@@ -44,6 +50,13 @@ class ChatML:
         if IM_START not in probe or not probe.endswith(f"{IM_START}assistant\n"):
             raise ConfigurationError("the agent harness needs a ChatML chat template (SmolLM2, Qwen)")
         self.im_end_id = tokenizer.convert_tokens_to_ids(IM_END)
+        default = ""
+        if probe.startswith(f"{IM_START}system\n"):
+            default = probe[len(IM_START) + len("system\n") :].split(IM_END, 1)[0].strip()
+        self.system_prompt = f"{(default or FALLBACK_SYSTEM).rstrip('.')}. {TOOL_PROMPT}"
+        """The product's system prompt: the model's own default one (what its chat template inserts
+        when a conversation has none, e.g. SmolLM2's identity line) and :data:`TOOL_PROMPT`. A
+        replaced identity line cost the 135M model measurably (docs/tasks.md)."""
 
     def encode(self, text: str) -> list[int]:
         """Token ids of ``text`` (special-token markup recognised, no BOS/EOS added)."""
@@ -83,7 +96,7 @@ def repository_message(
     A file shows as ``path:`` and a fenced block (the language from its extension), the format the
     model is asked to answer in; files too large to inline are listed by path. After a
     self-summarization the summary and the pending tool results follow, and the files are shown as
-    they are now.
+    they are now. The turn ends with :data:`REPLY_INSTRUCTION`.
     """
     files = snapshot(workdir)
     parts, listed = [request.strip()], []
@@ -101,4 +114,5 @@ def repository_message(
         parts += ["", "Summary of your work so far:", summary.strip()]
     if observations:
         parts += ["", "Latest tool results:", observations]
+    parts += ["", REPLY_INSTRUCTION]
     return "\n".join(parts)

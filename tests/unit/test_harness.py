@@ -195,17 +195,34 @@ def test_code_in_a_final_reply_is_applied_like_the_editors_apply_button(tokenize
 
 
 def test_first_prompt_asks_for_a_code_block_and_shows_the_file_in_one(tokenizer, tmp_path):
-    from evals.harness.chat import SYSTEM_PROMPT
+    from evals.harness.chat import REPLY_INSTRUCTION, TOOL_PROMPT, ChatML
 
     policy = ScriptedPolicy(tokenizer, ["```python\ndef add(a, b):\n    return a + b\n```"])
     result = run(policy, tmp_path)
     text = tokenizer.decode(policy.prompts[0])
-    assert SYSTEM_PROMPT in text and "python code block" in SYSTEM_PROMPT and "<tool_call>" in SYSTEM_PROMPT
-    assert all(name in SYSTEM_PROMPT for name in ("read_file", "edit_file", "search", "run", "finish"))
+    system = ChatML(tokenizer).system_prompt
+    assert system.endswith(TOOL_PROMPT) and system in text and "<tool_call>" in system
+    assert all(name in system for name in ("read_file", "edit_file", "search", "run", "finish"))
     assert "solution.py:\n```python\ndef add(a, b):\n    raise NotImplementedError\n```" in text
-    assert text.index(TASK.request) < text.index("solution.py:\n```python")
-    assert len(tokenizer(SYSTEM_PROMPT).input_ids) < 250  # context paid at every turn and training step
+    assert text.index(TASK.request) < text.index("solution.py:\n```python") < text.index(REPLY_INSTRUCTION)
+    assert "python code block" in REPLY_INSTRUCTION
+    assert len(tokenizer(system).input_ids) < 250  # context paid at every turn and training step
     assert result.edited and grade(TASK, tmp_path / "repo")  # the answer in that format is applied
+
+
+def test_system_prompt_keeps_the_models_own_default(tokenizer):
+    from evals.harness.chat import FALLBACK_SYSTEM, TOOL_PROMPT, ChatML
+
+    probe = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "x"}], add_generation_prompt=True, tokenize=False
+    )
+    system = ChatML(tokenizer).system_prompt
+    if probe.startswith("<|im_start|>system\n"):  # the template inserts a default system turn
+        default = probe.split("\n", 1)[1].split("<|im_end|>", 1)[0].strip()
+        assert default and system.startswith(default.rstrip("."))
+    else:
+        assert system.startswith(FALLBACK_SYSTEM.rstrip("."))
+    assert system.endswith(TOOL_PROMPT)
 
 
 def test_repository_message_lists_files_too_large_to_show(tmp_path):
