@@ -20,7 +20,7 @@ Prints one JSON line: ``ours`` = final held-out pass@1, ``baseline`` = base, ``d
 ``diff >= 0.10`` and ``lower_bound > 0`` and the planted regression rejected; ``--quick``,
 ``lower_bound > 0`` and the planted regression rejected.
 
-Flags: ``--quick`` (1 cycle, fewer sessions and held-out tasks), ``--cycles K``, ``--sessions N``
+Flags: ``--quick`` (1 cycle instead of 3), ``--cycles K``, ``--sessions N``
 (simulated sessions per cycle), ``--group-size N`` (sessions per task, the GRPO group; 4),
 ``--eval-tasks N`` (held-out tasks for the gates and the comparison), ``--max-turns N`` (2),
 ``--max-tokens-per-turn N`` (192), ``--trainer-config TOML``, ``--home DIR`` (the ``FLYWHEEL_HOME`` to
@@ -40,6 +40,7 @@ import time
 from pathlib import Path
 
 SUITE = "functions"
+HELD_OUT_TASKS = 112  # every task of the held-out templates (evals/suites/functions.toml)
 
 
 def flywheel(args: list[str], env: dict[str, str], *, capture: bool = False) -> str:
@@ -95,7 +96,7 @@ def paired(session, base: str, final: str, suite: str, limit: int) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="1 cycle, fewer sessions and held-out tasks")
+    parser.add_argument("--quick", action="store_true", help="1 cycle instead of 3")
     parser.add_argument("--cycles", type=int, default=None)
     parser.add_argument("--sessions", type=int, default=None, help="simulated sessions per cycle")
     parser.add_argument("--group-size", type=int, default=4, help="sessions per task (GRPO group)")
@@ -107,8 +108,8 @@ def main() -> None:
     parser.add_argument("--keep", action="store_true", help="leave the stack running")
     args = parser.parse_args()
     cycles = args.cycles or (1 if args.quick else 3)
-    sessions = args.sessions or (32 if args.quick else 64)
-    eval_tasks = args.eval_tasks or (40 if args.quick else 80)
+    sessions = args.sessions or 64
+    eval_tasks = args.eval_tasks or HELD_OUT_TASKS
 
     home = Path(args.home or tempfile.mkdtemp(prefix="flywheel-bench-")).resolve()
     env = {**os.environ, "FLYWHEEL_HOME": str(home)}
