@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import shutil
 import sys
 import tempfile
@@ -38,16 +37,6 @@ from dataclasses import replace
 from pathlib import Path
 
 PLAIN_SUFFIX = "Reply with the complete function in one python code block."
-
-
-def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
-    """Wilson score interval of a binomial proportion k/n (Wilson 1927); (0, 1) when n = 0."""
-    if n == 0:
-        return 0.0, 1.0
-    p = k / n
-    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
-    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
-    return max(0.0, centre - half), min(1.0, centre + half)
 
 
 class LockstepEngine:
@@ -180,6 +169,7 @@ def main() -> None:
 
     import torch
 
+    from app.core.intervals import wilson_interval as wilson
     from app.inference.engine import SamplingParams
     from evals.config import load_suite
     from evals.harness.agent import AgentBudget

@@ -18,6 +18,9 @@ previous one left):
 
 Every step runs the same ``flywheel`` command a user would run, as a subprocess, so the demo
 exercises the production code paths and their own progress bars.
+
+Size: over 400 lines because it is one recipe: the setup and cycle steps share ``DemoOptions``,
+``DemoState`` and the subprocess helper, and each step reads best beside the ones it hands over to.
 """
 
 from __future__ import annotations

@@ -9,7 +9,8 @@ import pytest
 
 from app.inference.engine import Generation, InferenceEngine, SamplingParams
 from evals.harness.scripted import tool_call
-from ops.simulator import DeveloperModel, SimulatorConfig, run_simulation, surviving_fraction, visible_check
+from ops.developer import DeveloperModel, surviving_fraction, visible_check
+from ops.simulator import SimulatorConfig, run_simulation
 from producers.events import decode_event
 
 
