@@ -61,6 +61,50 @@ def last_json(out: str) -> dict:
     return json.loads([ln for ln in out.splitlines() if ln.startswith("{")][-1])
 
 
+def run_demo(
+    cycles: int,
+    sessions: int,
+    group_size: int,
+    eval_tasks: int,
+    max_turns: int,
+    max_tokens_per_turn: int,
+    env: dict[str, str],
+    *,
+    trainer_config: str | None = None,
+) -> None:
+    """``flywheel demo`` on the in-reach suite: ``cycles`` cycles of ``sessions`` simulated sessions,
+    gated on ``eval_tasks`` held-out tasks alone (turn and token budgets as given).
+
+    Raises:
+        SystemExit: the demo failed.
+    """
+    flywheel(
+        [
+            "demo",
+            "--cycles",
+            str(cycles),
+            "--sessions",
+            str(sessions),
+            "--group-size",
+            str(group_size),
+            "--source",
+            SUITE,
+            "--suite",
+            SUITE,
+            "--eval-tasks",
+            str(eval_tasks),
+            "--eval-max-turns",
+            str(max_turns),
+            "--max-turns",
+            str(max_turns),
+            "--max-tokens-per-turn",
+            str(max_tokens_per_turn),
+            *(["--trainer-config", trainer_config] if trainer_config else []),
+        ],
+        env,
+    )
+
+
 def paired(session, base: str, final: str, suite: str, limit: int) -> dict:
     """Paired held-out comparison of ``final`` against ``base`` on the newest succeeded runs of one plan."""
     from sqlalchemy import select
@@ -117,27 +161,15 @@ def main() -> None:
     started = time.monotonic()
     common = ["--max-turns", str(args.max_turns), "--max-tokens-per-turn", str(args.max_tokens_per_turn)]
     try:
-        flywheel(
-            [
-                "demo",
-                "--cycles",
-                str(cycles),
-                "--sessions",
-                str(sessions),
-                "--group-size",
-                str(args.group_size),
-                "--source",
-                SUITE,
-                "--suite",
-                SUITE,
-                "--eval-tasks",
-                str(eval_tasks),
-                "--eval-max-turns",
-                str(args.max_turns),
-                *common,
-                *(["--trainer-config", args.trainer_config] if args.trainer_config else []),
-            ],
+        run_demo(
+            cycles,
+            sessions,
+            args.group_size,
+            eval_tasks,
+            args.max_turns,
+            args.max_tokens_per_turn,
             env,
+            trainer_config=args.trainer_config,
         )
         state = json.loads((home / "demo" / "state.json").read_text())
         first = state["candidate@1"]

@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from flywheel import SUITE, flywheel, last_json, paired  # noqa: E402  (bench/flywheel.py)
+from flywheel import SUITE, flywheel, last_json, paired, run_demo  # noqa: E402  (bench/flywheel.py)
 
 
 def write_config(directory: Path, lr: float, epochs: int, grad_accum: int) -> Path:
@@ -70,32 +70,9 @@ def main() -> None:
     env = {**os.environ, "FLYWHEEL_HOME": str(home)}
     os.environ["FLYWHEEL_HOME"] = str(home)
     started = time.monotonic()
-    common = ["--max-turns", str(args.max_turns)]
     rows = []
     try:
-        flywheel(
-            [
-                "demo",
-                "--cycles",
-                "1",
-                "--sessions",
-                str(sessions),
-                "--group-size",
-                str(args.group_size),
-                "--source",
-                SUITE,
-                "--suite",
-                SUITE,
-                "--eval-tasks",
-                str(eval_tasks),
-                "--eval-max-turns",
-                str(args.max_turns),
-                *common,
-                "--max-tokens-per-turn",
-                str(args.max_tokens_per_turn),
-            ],
-            env,
-        )
+        run_demo(1, sessions, args.group_size, eval_tasks, args.max_turns, args.max_tokens_per_turn, env)
         first = json.loads((home / "demo" / "state.json").read_text())["candidate@1"]
         configs = home / "sweep"
         configs.mkdir(exist_ok=True)
