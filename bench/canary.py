@@ -35,7 +35,8 @@ JSON line: ``ours`` = correct decisions of the policy (bad blocked, equal allowe
 ``baseline`` = 2 (the limit), ``ratio`` = ours / 2, ``target`` = 1, ``pass`` = both right.
 
 Flags: ``--quick`` (fewer, shorter sessions), ``--sessions N`` (simulated sessions per canary),
-``--source`` (the simulator's task source, training split; ``dataframebench``), ``--fraction F``
+``--source`` (the simulator's task source, training split; ``functions``, the in-reach requests, where
+the model edits in most sessions so acceptance and persistence have data on both arms), ``--fraction F``
 (share of users in the canary arm; 0.5), ``--noise X`` (the bad candidate's noise in units of each
 tensor's std; 0.5), ``--min-sessions N`` (the policy's fewest sessions per arm), ``--signals ...``,
 ``--max-tokens-per-turn N``, ``--threads N``, ``--seed N``. Measured results and time budgets:
@@ -251,7 +252,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="fewer, shorter sessions (<= 10 min on 2 busy cores)")
     ap.add_argument("--sessions", type=int, default=None, help="simulated sessions per canary")
-    ap.add_argument("--source", default="dataframebench", help="simulator task source (training split)")
+    ap.add_argument(
+        "--source", default="functions", help="simulator task source (training split; in reach, so sessions edit)"
+    )
     ap.add_argument("--fraction", type=float, default=0.5, help="share of users in the canary arm")
     ap.add_argument(
         "--noise", type=float, default=0.5, help="noise of the bad candidate, in units of each tensor's std"
@@ -268,9 +271,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2, help="torch CPU threads")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
-    sessions = args.sessions or (24 if args.quick else 96)
+    sessions = args.sessions or (64 if args.quick else 160)
     args.min_sessions = args.min_sessions or (8 if args.quick else 30)
-    max_tokens = args.max_tokens_per_turn or (64 if args.quick else 160)
+    max_tokens = args.max_tokens_per_turn or (128 if args.quick else 192)
     started = time.monotonic()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a timeout still stops the broker, drops the database
 
