@@ -23,8 +23,10 @@ Prints one JSON line: ``ours`` = final held-out pass@1, ``baseline`` = base, ``d
 Flags: ``--quick`` (1 cycle instead of 3), ``--cycles K``, ``--sessions N``
 (simulated sessions per cycle), ``--group-size N`` (sessions per task, the GRPO group; 4),
 ``--eval-tasks N`` (held-out tasks for the gates and the comparison), ``--max-turns N`` (2),
-``--max-tokens-per-turn N`` (192), ``--trainer-config TOML``, ``--home DIR`` (the ``FLYWHEEL_HOME`` to
-use; resumes a run), ``--keep`` (leave the stack running). Measured results and time budgets:
+``--max-tokens-per-turn N`` (192), ``--trainer-config TOML``, ``--difficulty-mix MIX`` (the
+simulated requests' levels; the demo's), ``--params-split`` (also compare cycle 1's candidate with base
+on ``functions_params``, unseen parameters of the training templates: ``params_split`` in the JSON
+line), ``--home DIR`` (the ``FLYWHEEL_HOME`` to use; resumes a run), ``--keep`` (leave the stack running). Measured results and time budgets:
 ``docs/benchmarks.md``.
 """
 
@@ -40,6 +42,7 @@ import time
 from pathlib import Path
 
 SUITE = "functions"
+PARAMS_SUITE = "functions_params"  # the second held-out set: unseen parameters of training templates
 HELD_OUT_TASKS = 112  # every task of the held-out templates (evals/suites/functions.toml)
 
 
@@ -71,9 +74,11 @@ def run_demo(
     env: dict[str, str],
     *,
     trainer_config: str | None = None,
+    difficulty_mix: str | None = None,
 ) -> None:
     """``flywheel demo`` on the in-reach suite: ``cycles`` cycles of ``sessions`` simulated sessions,
-    gated on ``eval_tasks`` held-out tasks alone (turn and token budgets as given).
+    gated on ``eval_tasks`` held-out tasks alone (turn and token budgets as given); the simulated
+    requests' difficulty mix is the demo's unless ``difficulty_mix`` is given.
 
     Raises:
         SystemExit: the demo failed.
@@ -100,12 +105,13 @@ def run_demo(
             "--max-tokens-per-turn",
             str(max_tokens_per_turn),
             *(["--trainer-config", trainer_config] if trainer_config else []),
+            *(["--difficulty-mix", difficulty_mix] if difficulty_mix else []),
         ],
         env,
     )
 
 
-def paired(session, base: str, final: str, suite: str, limit: int) -> dict:
+def paired(session, base: str, final: str, suite: str) -> dict:
     """Paired held-out comparison of ``final`` against ``base`` on the newest succeeded runs of one plan."""
     from sqlalchemy import select
 
@@ -148,6 +154,12 @@ def main() -> None:
     parser.add_argument("--max-turns", type=int, default=2)
     parser.add_argument("--max-tokens-per-turn", type=int, default=192)
     parser.add_argument("--trainer-config", default=None, help="trainer TOML (default: the packaged one)")
+    parser.add_argument("--difficulty-mix", default=None, help="simulated requests' levels, e.g. 1:1 (the demo's)")
+    parser.add_argument(
+        "--params-split",
+        action="store_true",
+        help="also compare cycle 1's candidate with base on functions_params (unseen parameters of training templates)",
+    )
     parser.add_argument("--home", default=None, help="FLYWHEEL_HOME to use (resumes a run; default: a new one)")
     parser.add_argument("--keep", action="store_true", help="leave the stack running")
     args = parser.parse_args()
@@ -170,6 +182,7 @@ def main() -> None:
             args.max_tokens_per_turn,
             env,
             trainer_config=args.trainer_config,
+            difficulty_mix=args.difficulty_mix,
         )
         state = json.loads((home / "demo" / "state.json").read_text())
         first = state["candidate@1"]
@@ -221,6 +234,25 @@ def main() -> None:
             )
         )
 
+        if args.params_split:
+            for ckpt in ("base", first):
+                flywheel(
+                    [
+                        "eval",
+                        "run",
+                        ckpt,
+                        "--suite",
+                        PARAMS_SUITE,
+                        "--max-turns",
+                        str(args.max_turns),
+                        "--max-tokens",
+                        str(args.max_tokens_per_turn),
+                        "--json",
+                    ],
+                    env,
+                    capture=True,
+                )
+
         from app.core.db import session_scope
         from app.core.settings import get_settings
         from app.repositories.checkpoints import get_production
@@ -258,9 +290,10 @@ def main() -> None:
                     break
                 time.sleep(2)
         with session_scope() as session:
-            comparison = paired(session, "base", final, SUITE, eval_tasks) if final != "base" else None
+            comparison = paired(session, "base", final, SUITE) if final != "base" else None
             before = product_signals(session, "base")
             after = product_signals(session, final) if final != "base" else before
+            params = paired(session, "base", first, PARAMS_SUITE) if args.params_split else None
     finally:
         if not args.keep:
             subprocess.run([sys.executable, "-m", "ops.cli", "demo", "--down"], env=env, capture_output=True)
@@ -286,6 +319,7 @@ def main() -> None:
                 "planted_checkpoint": planted,
                 "planted_rejected": rejected,
                 "planted_failures": gate.get("failures"),
+                "params_split": params,
                 "signals_before": before,
                 "signals_after": after,
                 "cycles": cycles,

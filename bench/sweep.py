@@ -123,7 +123,7 @@ def main() -> None:
                 capture=True,
             )
             with session_scope() as session:
-                cmp = paired(session, "base", ckpt, SUITE, eval_tasks)
+                cmp = paired(session, "base", ckpt, SUITE)
             rows.append(
                 {
                     "lr": lr,
@@ -136,7 +136,7 @@ def main() -> None:
             )
             print(json.dumps(rows[-1]), flush=True)
         with session_scope() as session:
-            default = paired(session, "base", first, SUITE, eval_tasks)
+            default = paired(session, "base", first, SUITE)
     finally:
         if not args.keep:
             subprocess.run([sys.executable, "-m", "ops.cli", "demo", "--down"], env=env, capture_output=True)
