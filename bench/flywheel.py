@@ -172,6 +172,7 @@ def main() -> None:
     os.environ["FLYWHEEL_HOME"] = str(home)
     started = time.monotonic()
     common = ["--max-turns", str(args.max_turns), "--max-tokens-per-turn", str(args.max_tokens_per_turn)]
+    eval_budget = ["--max-turns", str(args.max_turns), "--max-tokens", str(args.max_tokens_per_turn)]
     try:
         run_demo(
             cycles,
@@ -223,10 +224,7 @@ def main() -> None:
                     str(eval_tasks),
                     "--min-pairs",
                     str(eval_tasks),
-                    "--max-turns",
-                    str(args.max_turns),
-                    "--max-tokens",
-                    str(args.max_tokens_per_turn),
+                    *eval_budget,
                     "--json",
                 ],
                 env,
@@ -236,22 +234,7 @@ def main() -> None:
 
         if args.params_split:
             for ckpt in ("base", first):
-                flywheel(
-                    [
-                        "eval",
-                        "run",
-                        ckpt,
-                        "--suite",
-                        PARAMS_SUITE,
-                        "--max-turns",
-                        str(args.max_turns),
-                        "--max-tokens",
-                        str(args.max_tokens_per_turn),
-                        "--json",
-                    ],
-                    env,
-                    capture=True,
-                )
+                flywheel(["eval", "run", ckpt, "--suite", PARAMS_SUITE, *eval_budget, "--json"], env, capture=True)
 
         from app.core.db import session_scope
         from app.core.settings import get_settings
