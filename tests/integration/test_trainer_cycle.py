@@ -64,7 +64,12 @@ def _insert_sessions(session, policy_dir, n_tasks=2, checkpoint_id="base"):
     for k in range(n_tasks):
         for completion, reward in (([100 + k, 101, 102, 2], 1.0), ([200 + k, 201, 202, 2], 0.0)):
             behaviour = sequence_logprobs(model, PROMPT + completion)
-            second = make_segment([1, 7, 8], [300, 301], sequence_logprobs(model, [1, 7, 8, 300, 301]))
+            # The second turn differs with the outcome: were it the same in every trajectory, its
+            # gradients under advantages +A and -A would cancel exactly, and Adam would turn the
+            # rounding left of that zero into lr-sized steps that differ between one process and
+            # the ranks of an all-reduce (tests/integration/test_trainer_torchrun.py).
+            reply = [300, 301] if reward else [301, 300]
+            second = make_segment([1, 7, 8], reply, sequence_logprobs(model, [1, 7, 8, *reply]))
             ids.append(
                 insert_trajectory(
                     session,

@@ -27,9 +27,17 @@ def _trajectories(n: int = 6):
 
 def _config(**kw) -> TrainerConfig:
     # grad_accum=3 over 4 micro-batches: the last step of each epoch is short, so a rank
-    # is left without a micro-batch in some step
+    # is left without a micro-batch in some step. Adam eps 1e-6 bounds how far it scales the
+    # rounding of near-zero gradients (lr / eps), which differs between one sum and an all-reduce.
     return TrainerConfig.model_validate(
-        {"grad_accum": 3, "epochs": 2, "device": "cpu", "data": {"micro_batch_tokens": 96}, "optim": {"lr": LR}, **kw}
+        {
+            "grad_accum": 3,
+            "epochs": 2,
+            "device": "cpu",
+            "data": {"micro_batch_tokens": 96},
+            "optim": {"lr": LR, "eps": 1e-6},
+            **kw,
+        }
     )
 
 
