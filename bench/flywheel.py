@@ -24,10 +24,10 @@ Flags: ``--quick`` (1 cycle instead of 3), ``--cycles K``, ``--sessions N``
 (simulated sessions per cycle), ``--group-size N`` (sessions per task, the GRPO group; 4),
 ``--eval-tasks N`` (held-out tasks for the gates and the comparison), ``--max-turns N`` (2),
 ``--max-tokens-per-turn N`` (192), ``--trainer-config TOML``, ``--difficulty-mix MIX`` (the
-simulated requests' levels; the demo's), ``--params-split`` (also compare cycle 1's candidate with base
-on ``functions_params``, unseen parameters of the training templates: ``params_split`` in the JSON
-line), ``--home DIR`` (the ``FLYWHEEL_HOME`` to use; resumes a run), ``--keep`` (leave the stack running). Measured results and time budgets:
-``docs/benchmarks.md``.
+simulated requests' levels; the demo's), ``--params-split`` (also compare cycle 1's candidate with
+base on ``functions_params``, unseen parameters of the training templates: ``params_split`` in the
+JSON line), ``--home DIR`` (the ``FLYWHEEL_HOME`` to use; resumes a run), ``--keep`` (leave the
+stack running). Measured results and time budgets: ``docs/benchmarks.md``.
 """
 
 from __future__ import annotations
