@@ -77,12 +77,20 @@ def simulate(
         router.start(active, setup_canary_engine(active.checkpoint_id, Path(active.path)))
         typer.echo(f"canary {active.canary_id}: {active.checkpoint_id} serves {active.fraction:.1%} of users")
     typer.echo(f"simulating {sessions} sessions with checkpoint {engine.checkpoint_id}")
-    with EventProducer() as producer:
-        summaries = run_simulation(
-            config, engine, producer.emit, progress=lambda s: typer.echo(json.dumps(s)), engine_for=router.engine_for
-        )
-        producer.flush(timeout_s=60)
-        metrics = producer.metrics
+    try:
+        with EventProducer() as producer:
+            summaries = run_simulation(
+                config,
+                engine,
+                producer.emit,
+                progress=lambda s: typer.echo(json.dumps(s)),
+                engine_for=router.engine_for,
+            )
+            producer.flush(timeout_s=60)
+            metrics = producer.metrics
+    finally:
+        router.stop()
+        engine.close()
     shutdown_telemetry()
     by_checkpoint: dict[str, int] = {}
     for s in summaries:

@@ -8,6 +8,9 @@ Invariants:
   ``torch.Generator`` (seeded from its ``SamplingParams.seed``); log-probs follow ``sample_next``.
 * No sequence mixes two sets of weights: :meth:`Scheduler.paused` waits until no sequence runs and
   admits none until the weights are swapped; it also empties the prefix cache (stale K/V).
+* The decode thread never outlives the interpreter's shutdown: every open scheduler is closed (its
+  current step finished, the thread joined) by an ``atexit`` hook, so a caller that exits without
+  :meth:`Scheduler.close` does not tear torch down under a running step.
 * Bounds: at most ``max_seqs`` running; slot buffers plus cached prefixes stay within
   ``max_kv_tokens`` token entries (a running sequence reserves ``prompt + max_tokens`` up front, so
   it never needs preemption). Requests beyond the bounds wait in FIFO order.
@@ -20,9 +23,11 @@ without padding (``batched_forward.forward_step``).
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
@@ -57,6 +62,16 @@ class Sequence:
     def reserve(self) -> int:
         """Cache entries this sequence may need (tokens)."""
         return len(self.prompt) + self.params.max_tokens
+
+
+_open: weakref.WeakSet[Scheduler] = weakref.WeakSet()  # schedulers whose thread runs
+
+
+@atexit.register
+def _close_open() -> None:
+    """Close every scheduler still running (interpreter exit; daemon threads are not joined)."""
+    for scheduler in list(_open):
+        scheduler.close()
 
 
 class Scheduler:
@@ -95,6 +110,7 @@ class Scheduler:
         self._closed = False
         self._thread = threading.Thread(target=self._loop, name="torch-engine-decode", daemon=True)
         self._thread.start()
+        _open.add(self)
 
     # ---- callers' side ---------------------------------------------------------------------
 
@@ -131,6 +147,7 @@ class Scheduler:
         with self._cv:
             self._closed = True
             self._cv.notify_all()
+        _open.discard(self)
         if self._thread is not threading.current_thread():
             self._thread.join()
 

@@ -205,3 +205,29 @@ def test_moe_routed_experts_are_per_sequence(tiny_moe_model_dir):
 
 def test_speed_is_measured_at_load(engine):
     assert 0 < engine.decode_s_per_token < 10 and 0 < engine.prefill_s_per_token < 10
+
+
+def test_exit_with_a_sequence_decoding_is_clean(tiny_model_dir):
+    """A process that exits without closing its engine, mid-decode, exits 0: the atexit hook closes
+    the scheduler, so torch is not torn down under a running step ("terminate called ...", -6)."""
+    import subprocess
+    import sys
+
+    script = (
+        "import sys, time, torch\n"
+        "from app.inference.engine import SamplingParams\n"
+        "from serving.torch_engine import TorchEngine\n"
+        "torch.set_num_threads(2)\n"
+        "engine = TorchEngine(sys.argv[1], checkpoint_id='tiny')\n"
+        "futures = [engine.submit([1, 5, 6, 7], SamplingParams(max_tokens=4000, temperature=1.0, seed=i))"
+        " for i in range(8)]\n"
+        "while not any(len(s.tokens) > 8 for s in list(engine._scheduler._running)):\n"
+        "    time.sleep(0.001)\n"
+        "print('exiting mid-decode', flush=True)\n"
+    )
+    for _ in range(3):
+        proc = subprocess.run(
+            [sys.executable, "-c", script, str(tiny_model_dir)], capture_output=True, text=True, timeout=120
+        )
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        assert "exiting mid-decode" in proc.stdout and "terminate called" not in proc.stderr
