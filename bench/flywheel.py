@@ -20,14 +20,15 @@ Prints one JSON line: ``ours`` = final held-out pass@1, ``baseline`` = base, ``d
 ``diff >= 0.10`` and ``lower_bound > 0`` and the planted regression rejected; ``--quick``,
 ``lower_bound > 0`` and the planted regression rejected.
 
-Flags: ``--quick`` (1 cycle instead of 3), ``--cycles K``, ``--sessions N``
-(simulated sessions per cycle), ``--group-size N`` (sessions per task, the GRPO group; 4),
-``--eval-tasks N`` (held-out tasks for the gates and the comparison), ``--max-turns N`` (2),
-``--max-tokens-per-turn N`` (192), ``--trainer-config TOML``, ``--difficulty-mix MIX`` (the
-simulated requests' levels; the demo's), ``--params-split`` (also compare cycle 1's candidate with
-base on ``functions_params``, unseen parameters of the training templates: ``params_split`` in the
-JSON line), ``--home DIR`` (the ``FLYWHEEL_HOME`` to use; resumes a run), ``--keep`` (leave the
-stack running). Measured results and time budgets: ``docs/benchmarks.md``.
+Flags: ``--quick`` (1 cycle instead of 3), ``--cycles K``, ``--sessions N`` (simulated sessions per
+cycle), ``--group-size N`` (sessions per task, the GRPO group; 4), ``--eval-tasks N`` (held-out
+tasks for the gates and the comparison), ``--max-turns N`` (2), ``--max-tokens-per-turn N`` (192),
+``--trainer-config TOML``, ``--difficulty-mix MIX`` (the simulated requests' levels; the demo's),
+``--params-split`` (also compare the final checkpoint, or cycle 1's candidate when none was
+promoted, with base on ``functions_params``, unseen parameters of the training templates:
+``params_split`` in the JSON line, its ``checkpoint`` named), ``--home DIR`` (the ``FLYWHEEL_HOME``
+to use; resumes a run), ``--keep`` (leave the stack running). Measured results and time budgets:
+``docs/benchmarks.md``.
 """
 
 from __future__ import annotations
@@ -158,7 +159,7 @@ def main() -> None:
     parser.add_argument(
         "--params-split",
         action="store_true",
-        help="also compare cycle 1's candidate with base on functions_params (unseen parameters of training templates)",
+        help="also compare the final checkpoint (cycle 1's candidate if none was promoted) with base on functions_params",
     )
     parser.add_argument("--home", default=None, help="FLYWHEEL_HOME to use (resumes a run; default: a new one)")
     parser.add_argument("--keep", action="store_true", help="leave the stack running")
@@ -232,10 +233,6 @@ def main() -> None:
             )
         )
 
-        if args.params_split:
-            for ckpt in ("base", first):
-                flywheel(["eval", "run", ckpt, "--suite", PARAMS_SUITE, *eval_budget, "--json"], env, capture=True)
-
         from app.core.db import session_scope
         from app.core.settings import get_settings
         from app.repositories.checkpoints import get_production
@@ -244,6 +241,12 @@ def main() -> None:
         get_settings.cache_clear()
         with session_scope() as session:
             final = get_production(session).id
+        # The params split compares what the run ended with: the final checkpoint, or cycle 1's
+        # candidate when no cycle was promoted.
+        params_ckpt = final if final != "base" else first
+        if args.params_split:
+            for ckpt in ("base", params_ckpt):
+                flywheel(["eval", "run", ckpt, "--suite", PARAMS_SUITE, *eval_budget, "--json"], env, capture=True)
         # Signals after: sessions the final checkpoint serves (not trained on: no cycle follows).
         if final != "base":
             flywheel(
@@ -276,7 +279,11 @@ def main() -> None:
             comparison = paired(session, "base", final, SUITE) if final != "base" else None
             before = product_signals(session, "base")
             after = product_signals(session, final) if final != "base" else before
-            params = paired(session, "base", first, PARAMS_SUITE) if args.params_split else None
+            params = (
+                {"checkpoint": params_ckpt, **paired(session, "base", params_ckpt, PARAMS_SUITE)}
+                if args.params_split
+                else None
+            )
     finally:
         if not args.keep:
             subprocess.run([sys.executable, "-m", "ops.cli", "demo", "--down"], env=env, capture_output=True)
