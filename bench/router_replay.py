@@ -18,13 +18,19 @@ and of (token, layer) routing decisions that differ, each with and without repla
 bytes stored per completion token (next to ``layers x top_k``, one byte an entry). Ends with one
 JSON line; ``ratio`` = KL with replay / KL without, target <= 0.2 (``pass``).
 
-What remains with replay is the dense part of the mismatch: attention, norms and the experts'
-own matmuls in bf16-rounded vs fp32 weights, which replay does not touch (with replay no token's
-experts differ).
+What remains with replay is the dense part of the mismatch: attention, norms, embeddings and the
+experts' own matmuls in bf16-rounded vs fp32 weights, which replay does not touch (with replay no
+token's experts differ).
+
+The random MoE's init std defaults to ``hidden ** -0.5`` (LeCun fan-in, variance preserving): each
+expert MLP then returns about 0.6x the norm of its input, as a trained layer contributes to the
+residual stream. A larger std makes the random network chaotic (0.2: 8.7x per layer, the dense
+bf16 error grows with depth) and a smaller one quiets the MoE layers (0.05: 0.1x, 0.02: 0.006x), so
+route flips move the logits less; the ratio depends on it (``docs/benchmarks.md`` has the sweep).
 
 Flags: ``--quick`` (24 sessions of 2 x 32 tokens, 4 MoE layers), ``--sessions N``, ``--max-tokens N``
 (completion tokens per turn), ``--layers N``, ``--hidden N`` (128), ``--init-std X`` (std of the
-random MoE's init; 0.2, the project's tiny models), ``--threads N``. Measured results:
+random MoE's init; ``hidden ** -0.5``), ``--threads N``. Measured results:
 ``docs/benchmarks.md``.
 """
 
@@ -145,11 +151,12 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=None)
     ap.add_argument("--hidden", type=int, default=128)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--init-std", type=float, default=0.2, help="std of the random MoE's init")
+    ap.add_argument("--init-std", type=float, default=None, help="std of the random MoE's init (hidden ** -0.5)")
     args = ap.parse_args()
     n_sessions = args.sessions or (24 if args.quick else 96)
     max_tokens = args.max_tokens or (32 if args.quick else 64)
     layers = args.layers or (4 if args.quick else 8)
+    init_std = args.init_std if args.init_std is not None else args.hidden**-0.5
     started = time.monotonic()
 
     import torch
@@ -187,7 +194,7 @@ def main() -> None:
         from trainer.testing import build_tiny_moe
 
         model_dir = build_tiny_moe(
-            tmp / "moe", experts=8, top_k=2, num_layers=layers, hidden_size=args.hidden, initializer_range=args.init_std
+            tmp / "moe", experts=8, top_k=2, num_layers=layers, hidden_size=args.hidden, initializer_range=init_std
         )
         engine = TorchEngine(model_dir, checkpoint_id="moe-base")  # bf16-rounded weights
         t = time.monotonic()
@@ -244,7 +251,7 @@ def main() -> None:
         n_tok = sum(mb.num_trainable for mb in batches)
         print(
             f"# {n_sessions} sessions, {n_tok} sampled tokens, {layers} MoE layers x top-2 of 8 experts; "
-            f"KL without replay {kl_without:.5f}, with {kl_with:.5f}; tokens with another expert set "
+            f"KL without replay {kl_without:.3g}, with {kl_with:.3g}; tokens with another expert set "
             f"{tok_without:.1%} -> {tok_with:.1%}; generate {generate_s:.1f}s, ingest {ingest_s:.1f}s, "
             f"score {score_s:.1f}s",
             file=sys.stderr,
@@ -253,8 +260,8 @@ def main() -> None:
             json.dumps(
                 {
                     "bench": "router_replay",
-                    "ours": round(kl_with, 6),
-                    "baseline": round(kl_without, 6),
+                    "ours": float(f"{kl_with:.4g}"),
+                    "baseline": float(f"{kl_without:.4g}"),
                     "unit": "nats/token KL(behaviour||trainer)",
                     "ratio": round(ratio, 4),
                     "target": TARGET,
@@ -271,7 +278,7 @@ def main() -> None:
                     "experts": 8,
                     "top_k": 2,
                     "hidden": args.hidden,
-                    "init_std": args.init_std,
+                    "init_std": round(init_std, 4),
                     "seconds": round(time.monotonic() - started, 1),
                 }
             )
