@@ -23,10 +23,11 @@ experts' own matmuls in bf16-rounded vs fp32 weights, which replay does not touc
 token's experts differ).
 
 The random MoE's init std defaults to ``hidden ** -0.5`` (LeCun fan-in, variance preserving): each
-expert MLP then returns about 0.6x the norm of its input, as a trained layer contributes to the
-residual stream. A larger std makes the random network chaotic (0.2: 8.7x per layer, the dense
-bf16 error grows with depth) and a smaller one quiets the MoE layers (0.05: 0.1x, 0.02: 0.006x), so
-route flips move the logits less; the ratio depends on it (``docs/benchmarks.md`` has the sweep).
+expert MLP then returns about 0.6x the norm of its input, so every layer moves the residual stream
+without the network exploding. A larger std makes the random network chaotic (0.2: 8.7x per layer,
+the dense bf16 error grows with depth) and a smaller one quiets the MoE layers (0.05: 0.1x, 0.02:
+0.006x), so route flips move the logits less; the ratio depends on it (``docs/benchmarks.md`` has
+the sweep).
 
 Flags: ``--quick`` (24 sessions of 2 x 32 tokens, 4 MoE layers), ``--sessions N``, ``--max-tokens N``
 (completion tokens per turn), ``--layers N``, ``--hidden N`` (128), ``--init-std X`` (std of the
