@@ -290,7 +290,7 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)
     from ops.broker import create_topics, start_broker
-    from ops.pids import stop_pid
+    from app.core.pids import stop_pid
 
     broker = start_broker(tmp / "logs")
     admin, stop_server = scratch_server(tmp)

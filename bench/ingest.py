@@ -289,7 +289,7 @@ def main() -> None:
     if args.batch:
         os.environ["FLYWHEEL_CONSUMER_BATCH_MAX_RECORDS"] = str(args.batch)
     from ops.broker import create_topics, start_broker
-    from ops.pids import stop_pid
+    from app.core.pids import stop_pid
 
     broker = start_broker(tmp / "logs")
     admin, stop_server = scratch_server(tmp)

@@ -153,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     rounds = args.rounds or (3 if args.quick else 7)
 
     from ops.broker import create_topics, start_broker
-    from ops.pids import stop_pid
+    from app.core.pids import stop_pid
     from producers.client import default_compression
 
     compression = args.compression or default_compression()

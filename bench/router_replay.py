@@ -167,7 +167,7 @@ def main() -> None:
     os.environ["FLYWHEEL_HOME"] = str(tmp)
     os.environ.setdefault("FLYWHEEL_TELEMETRY_EXPORTER", "none")
     from ops.broker import create_topics, start_broker
-    from ops.pids import stop_pid
+    from app.core.pids import stop_pid
 
     broker = start_broker(tmp / "logs")
     url, cleanup = _scratch(tmp)

@@ -387,8 +387,10 @@ def eval_engine(checkpoint_id: str) -> "InferenceEngine":
 
 def default_workers(engine: "InferenceEngine | None" = None) -> int:
     """Default session concurrency: ``TORCH_ENGINE_WORKERS`` (64) for the in-process torch engine,
-    which decodes all in-flight sessions' sequences together (its ``max_seqs`` bounds a step);
-    1 for any other engine (a remote server, or a scripted engine that need not be thread-safe)."""
+    which decodes all in-flight sessions' sequences together (its ``max_seqs`` bounds a step), and
+    for a vLLM / OpenAI-compatible server, which batches concurrent requests the same way; 1 for
+    any other engine (a scripted engine need not be thread-safe)."""
+    from serving.openai_engine import OpenAICompatEngine
     from serving.torch_engine import TorchEngine
 
-    return TORCH_ENGINE_WORKERS if isinstance(engine, TorchEngine) else 1
+    return TORCH_ENGINE_WORKERS if isinstance(engine, TorchEngine | OpenAICompatEngine) else 1

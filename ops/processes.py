@@ -34,7 +34,7 @@ def start_service(name: str, args: list[str], home: Path, env: dict[str, str] | 
     Raises:
         ConfigurationError: no local stack state (run ``flywheel stack up`` first).
     """
-    from ops.pids import pid_alive
+    from app.core.pids import pid_alive
     from ops.stack import StackState, register_pid
 
     state = StackState.load(home)
@@ -56,7 +56,7 @@ def start_service(name: str, args: list[str], home: Path, env: dict[str, str] | 
 
 def service_status(home: Path) -> dict[str, tuple[int | None, bool]]:
     """name -> (pid, alive) for every recorded service."""
-    from ops.pids import pid_alive
+    from app.core.pids import pid_alive
     from ops.stack import StackState
 
     state = StackState.load(home)

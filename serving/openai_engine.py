@@ -6,14 +6,22 @@ and ``return_tokens_as_token_ids: true`` (``logprobs.tokens`` as ``"token_id:<id
 for older vLLM). Start vLLM with ``--logprobs-mode processed_logprobs`` so its log-probs follow the
 engine invariant (tempered, nucleus-renormalised), and ``--served-model-name`` of your choice.
 
-Weight reload uses vLLM's development endpoints (server started with ``VLLM_SERVER_DEV_MODE=1``):
+Weight reload, the calls that work on vLLM 0.32 (server started with ``VLLM_SERVER_DEV_MODE=1``,
+as :mod:`serving.vllm_server` does), in order:
 
-1. ``POST /collective_rpc {"method": "update_config", "args": [{"model_config": {"model": PATH}}]}``
-   points every worker's model config at the new checkpoint folder (PATH must be readable by the
-   server, e.g. a shared checkpoint volume);
-2. ``POST /collective_rpc {"method": "reload_weights"}`` reloads the weights in place (no restart,
-   the KV cache memory is kept);
-3. ``POST /reset_prefix_cache`` drops cached prefixes computed with the old weights.
+1. ``POST /pause?mode=wait`` lets in-flight requests finish and holds new ones, so no completion
+   mixes two checkpoints;
+2. ``POST /collective_rpc {"method": "reload_weights", "kwargs": {"weights_path": PATH}}`` reloads
+   the weights in place from the checkpoint folder PATH (readable by the server: a shared volume);
+3. ``POST /reset_prefix_cache`` drops cached prefixes computed with the old weights;
+4. ``POST /update_weight_version {"new_version": CHECKPOINT_ID}`` records which checkpoint serves:
+   ``GET /weight_info`` answers it, so any client can ask the server what it serves;
+5. ``POST /resume``, also after a failed step.
+
+A folder that is not a complete checkpoint is refused before step 2: vLLM 0.32 takes a missing
+path for a hub repo id and its engine dies on the error. A reload that fails raises
+:class:`InfrastructureError` naming what serves now (the old checkpoint, or nothing if the server
+died); the engine's ``checkpoint_id`` moves only after every step succeeded.
 
 MoE routes: a vLLM server started with ``--enable-return-routed-experts`` (no per-request switch)
 adds ``choices[i].routed_experts`` (``[gen_len, moe_layers, top_k]``) and ``prompt_routed_experts``
@@ -36,6 +44,7 @@ from __future__ import annotations
 
 import base64
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +52,7 @@ import httpx
 import numpy as np
 from tenacity import retry, retry_if_exception_type, stop_after_attempt, wait_exponential
 
+from app.checkpoints.store import check_hf_folder
 from app.core.errors import CheckpointError, InfrastructureError
 from app.inference.engine import Generation, InferenceEngine, SamplingParams
 
@@ -124,6 +134,8 @@ class OpenAICompatEngine(InferenceEngine):
             folder when it exists locally, else the SmolLM2 tokenizer).
         timeout_s: per-request timeout (seconds); generation of long batches can be slow on CPU.
         transport: an ``httpx`` transport (tests pass an ASGI transport).
+        on_reload: called with ``(checkpoint_id, folder)`` after every successful reload (a managed
+            server records it, so a restart serves the same checkpoint).
 
     Raises:
         InfrastructureError: the server is unreachable or answers with an error.
@@ -138,14 +150,16 @@ class OpenAICompatEngine(InferenceEngine):
         tokenizer_dir: Path | None = None,
         timeout_s: float = 600.0,
         transport: httpx.BaseTransport | None = None,
+        on_reload: Callable[[str, Path], None] | None = None,
     ) -> None:
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._on_reload = on_reload
         self._http = httpx.Client(
             base_url=base_url.rstrip("/"), headers=headers, timeout=timeout_s, transport=transport
         )
         info = self._request("GET", "/v1/models")["data"][0]
         self.model = model or info["id"]
-        self.checkpoint_id = info.get("checkpoint_id") or self.model
+        self.checkpoint_id = self.served_checkpoint() or info.get("checkpoint_id") or self.model
         self.max_context_tokens = int(info.get("max_model_len") or 8192)
         self.applies_deltas = info.get("checkpoint_id") is not None  # flywheel serve, not vLLM
         self.tokenizer = self._load_tokenizer(tokenizer_dir or (Path(info["root"]) if info.get("root") else None))
@@ -223,13 +237,55 @@ class OpenAICompatEngine(InferenceEngine):
         return out
 
     def load_checkpoint(self, checkpoint_id: str, path: Path) -> None:
-        """Point the server at ``path`` and reload weights in place (see the module docstring)."""
-        self._request(
-            "POST", "/collective_rpc", {"method": "update_config", "args": [{"model_config": {"model": str(path)}}]}
-        )
-        self._request("POST", "/collective_rpc", {"method": "reload_weights"})
-        self._request("POST", "/reset_prefix_cache")
+        """Reload the server's weights from the checkpoint folder ``path`` (see the module docstring).
+
+        Raises:
+            CheckpointError: ``path`` is not a complete model folder (nothing was sent).
+            InfrastructureError: a reload step failed; the message says what the server serves now.
+        """
+        check_hf_folder(Path(path))
+        previous = self.checkpoint_id
+        self._request("POST", "/pause?mode=wait")
+        try:
+            self._request(
+                "POST", "/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": str(path)}}
+            )
+            self._request("POST", "/reset_prefix_cache")
+            self._request("POST", "/update_weight_version", {"new_version": checkpoint_id})
+        except InfrastructureError as exc:
+            alive = self._alive()
+            now = f"it still serves {previous}" if alive else "the server is down and serves nothing"
+            raise InfrastructureError(f"reload of {checkpoint_id} from {path} failed ({exc}); {now}") from exc
+        finally:
+            if self._alive():
+                self._request("POST", "/resume")
         self.checkpoint_id = checkpoint_id
+        if self._on_reload is not None:
+            self._on_reload(checkpoint_id, Path(path))
+
+    def _alive(self) -> bool:
+        try:
+            return self._http.get("/health", timeout=10).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def served_checkpoint(self) -> str | None:
+        """The checkpoint the server reports it serves (its weight version), or None when it records
+        none (a vLLM server nobody reloaded reports ``default``; a server without ``/weight_info``).
+
+        Raises:
+            InfrastructureError: the server is unreachable or errs.
+        """
+        try:
+            resp = self._send("GET", "/weight_info", None)
+        except httpx.TransportError as exc:
+            raise InfrastructureError(f"inference server unreachable at {self._http.base_url}: {exc}") from exc
+        if resp.status_code == 404:  # a server without the RL routes: it cannot say
+            return None
+        if resp.status_code >= 400:
+            raise InfrastructureError(f"GET /weight_info -> {resp.status_code}: {resp.text[:500]}")
+        version = resp.json().get("weight_version")
+        return None if version in (None, "", "default") else str(version)
 
     def apply_delta(self, checkpoint_id: str, delta_path: Path, parent_id: str) -> None:
         """Apply the delta on the server when it can (``applies_deltas``), else reload the full

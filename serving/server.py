@@ -2,10 +2,11 @@
 
 Endpoints: ``GET /health``, ``GET /v1/models``, ``POST /v1/completions`` (token-id or text prompts,
 ``logprobs``, ``return_token_ids``, ``return_tokens_as_token_ids``, ``stop_token_ids``, ``seed``),
-and vLLM's development endpoints for weight reload: ``POST /collective_rpc`` (methods
-``update_config`` + ``reload_weights``; flywheel adds ``apply_delta`` with kwargs
-``checkpoint_id``, ``delta_path``, ``parent_id``) and ``POST /reset_prefix_cache`` (empties the
-engine's prefix cache). Requests are handled on FastAPI's thread pool, so concurrent completions
+and the vLLM 0.32 endpoints :mod:`serving.openai_engine` reloads weights with: ``POST /pause``,
+``POST /collective_rpc`` (method ``reload_weights`` with kwargs ``weights_path``; flywheel adds
+``apply_delta`` with kwargs ``checkpoint_id``, ``delta_path``, ``parent_id``), ``POST
+/reset_prefix_cache`` (empties the engine's prefix cache), ``POST /update_weight_version``,
+``GET /weight_info`` and ``POST /resume``. Requests are handled on FastAPI's thread pool, so concurrent completions
 decode together in the engine's continuous batch. Invariant: a reload waits for the running
 sequences to finish before it swaps weights, so no completion mixes two checkpoints.
 """
@@ -42,6 +43,12 @@ class CompletionRequest(BaseModel):
     skip_special_tokens: bool = True
 
 
+class WeightVersion(BaseModel):
+    """vLLM's ``/update_weight_version`` body: the checkpoint id the server now serves."""
+
+    new_version: str = Field(min_length=1)
+
+
 class RpcRequest(BaseModel):
     """vLLM's ``/collective_rpc`` body."""
 
@@ -58,7 +65,6 @@ def create_app(engine: TorchEngine, *, api_key: str | None = None) -> FastAPI:
     from app.core.errors import FlywheelError
 
     app = FastAPI(title="flywheel serve", version="1")
-    pending: dict[str, Path] = {}
 
     @app.exception_handler(FlywheelError)
     def _domain_error(request, exc: FlywheelError) -> JSONResponse:
@@ -142,15 +148,11 @@ def create_app(engine: TorchEngine, *, api_key: str | None = None) -> FastAPI:
 
     @app.post("/collective_rpc", dependencies=[Depends(auth)])
     def collective_rpc(req: RpcRequest) -> dict[str, Any]:
-        if req.method == "update_config":
-            overrides = req.args[0] if req.args else req.kwargs.get("overrides", {})
-            model = (overrides.get("model_config") or {}).get("model")
-            if not model:
-                raise HTTPException(status_code=400, detail="update_config needs model_config.model")
-            pending["model"] = Path(model)
-        elif req.method == "reload_weights":
-            path = pending.pop("model", engine.model_dir)
-            engine.load_checkpoint(req.kwargs.get("checkpoint_id") or Path(path).name, Path(path))
+        if req.method == "reload_weights":
+            path = req.kwargs.get("weights_path")
+            if not path:
+                raise HTTPException(status_code=400, detail="reload_weights needs kwargs.weights_path")
+            engine.load_checkpoint(Path(path).name, Path(path))
         elif req.method == "apply_delta":
             engine.apply_delta(req.kwargs["checkpoint_id"], Path(req.kwargs["delta_path"]), req.kwargs["parent_id"])
         else:
@@ -161,6 +163,25 @@ def create_app(engine: TorchEngine, *, api_key: str | None = None) -> FastAPI:
     def reset_prefix_cache() -> dict[str, bool]:
         engine.reset_prefix_cache()
         return {"success": True}
+
+    # A reload already waits for running sequences (the engine's invariant): pause and resume only
+    # acknowledge, as vLLM's do for a client that needs no more.
+    @app.post("/pause", dependencies=[Depends(auth)])
+    def pause() -> dict[str, str]:
+        return {"status": "paused"}
+
+    @app.post("/resume", dependencies=[Depends(auth)])
+    def resume() -> dict[str, str]:
+        return {"status": "resumed"}
+
+    @app.post("/update_weight_version", dependencies=[Depends(auth)])
+    def update_weight_version(body: WeightVersion) -> dict[str, Any]:
+        engine.checkpoint_id = body.new_version
+        return {"success": True, "new_version": body.new_version}
+
+    @app.get("/weight_info", dependencies=[Depends(auth)])
+    def weight_info() -> dict[str, str]:
+        return {"weight_version": engine.checkpoint_id}
 
     return app
 

@@ -20,6 +20,10 @@ Invariants:
   (atomic replace), together with the Kafka positions and the dedupe state, so a restarted watcher
   resumes where it stopped.
 
+With a managed vLLM production server (:mod:`serving.vllm_server`) the watcher also supervises it:
+every 10 s it checks the server's health and restarts a dead or hung one on the checkpoint it
+served, logging an error; requests made while it is down fail loudly in their clients.
+
 Every serving replica runs its own watcher over ALL partitions (manual assignment, not a consumer
 group): each replica must see every production change.
 
@@ -32,7 +36,8 @@ from __future__ import annotations
 import json
 import logging
 import threading
-from collections.abc import Iterable, Sequence
+import time
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -40,10 +45,12 @@ from typing import Any, Protocol
 from app.checkpoints.delta import DELTA_FILE
 from app.checkpoints.store import STABLE, CheckpointStore
 from app.core.errors import CheckpointError, InfrastructureError
+from app.core.settings import flywheel_home
 from app.core.telemetry import meter
 from app.outbox.lifecycle import PRODUCTION_CHANGES
 from app.promotion.serving_state import read_serving_state, write_serving_state
 from serving.canary import CANARY_CHANGES, CanaryFollower, EngineRouter
+from serving.vllm_server import VLLMServer, ensure_server
 
 log = logging.getLogger("flywheel.watcher")
 _moves = meter("flywheel.serving").create_counter(
@@ -297,6 +304,8 @@ class ServingWatcher:
         store: CheckpointStore | None = None,
         home: Path | None = None,
         canary: CanaryFollower | None = None,
+        supervise: Callable[[], None] | None = None,
+        supervise_interval_s: float = 10.0,
     ) -> None:
         from app.core.settings import get_settings
 
@@ -309,6 +318,20 @@ class ServingWatcher:
         self._consumer = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._supervise = supervise
+        self._supervise_interval_s = supervise_interval_s
+        self._supervised_at = 0.0
+
+    def supervise(self) -> None:
+        """Run the supervision hook (a managed server's health check and restart) if it is due; a
+        failed restart is logged as an error and tried again at the next interval, never fatal."""
+        if self._supervise is None or time.monotonic() - self._supervised_at < self._supervise_interval_s:
+            return
+        self._supervised_at = time.monotonic()
+        try:
+            self._supervise()
+        except InfrastructureError as exc:
+            log.error("the serving engine is down and could not be restarted: %s", exc)
 
     def _connect(self):
         from kafka import KafkaConsumer, TopicPartition
@@ -387,6 +410,7 @@ class ServingWatcher:
 
         backoff = Backoff(30.0, initial=1.0)
         while not self._stop.is_set():
+            self.supervise()
             try:
                 self.poll_once(timeout_ms=poll_ms)
                 backoff.reset()
@@ -449,7 +473,10 @@ def run_watch(*, once: bool = False) -> None:
 
     checkpoint_id, path = _initial_checkpoint()
     engine = setup_engine(checkpoint_id=checkpoint_id, model_dir=path)
-    watcher = ServingWatcher(engine, canary=CanaryFollower(EngineRouter(engine)))
+    supervise = None
+    if VLLMServer.load(flywheel_home(), "production") is not None:
+        supervise = lambda: ensure_server("production")  # noqa: E731
+    watcher = ServingWatcher(engine, canary=CanaryFollower(EngineRouter(engine)), supervise=supervise)
     watcher.follower.report()
     signal.signal(signal.SIGTERM, lambda *_: watcher._stop.set())
     try:

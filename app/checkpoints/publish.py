@@ -19,7 +19,7 @@ from datetime import UTC
 from pathlib import Path
 from typing import Any
 
-from app.checkpoints.store import MANIFEST, STABLE, CheckpointStore
+from app.checkpoints.store import MANIFEST, STABLE, CheckpointStore, check_hf_folder
 from app.checkpoints.tokenizer import GGUF_NAME, copy_tokenizer, publish_dir, smollm2_gguf
 from app.core.errors import CheckpointError, ConfigurationError
 
@@ -81,22 +81,6 @@ def _link_or_copy(src: Path, dst: Path) -> None:
             os.link(f, target)
         except OSError:
             shutil.copy2(f, target)
-
-
-def check_hf_folder(path: Path) -> dict[str, Any]:
-    """Validate a Hugging Face causal-LM folder and return its ``config.json``.
-
-    Raises:
-        CheckpointError: no config.json, no weights, or no tokenizer.
-    """
-    path = Path(path)
-    if not (path / "config.json").exists():
-        raise CheckpointError(f"{path} has no config.json: not a Hugging Face model folder")
-    if not any(path.glob("*.safetensors")) and not any(path.glob("*.bin")):
-        raise CheckpointError(f"{path} has no weights (*.safetensors / *.bin)")
-    if not (path / "tokenizer.json").exists() and not (path / "tokenizer_config.json").exists():
-        raise CheckpointError(f"{path} has no tokenizer files")
-    return json.loads((path / "config.json").read_text())
 
 
 def publish_folder(

@@ -14,6 +14,7 @@ import hashlib
 import json
 import os
 import shutil
+import struct
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -35,6 +36,34 @@ def sha256_file(path: Path, chunk_bytes: int = 1 << 20) -> str:
         while block := f.read(chunk_bytes):
             h.update(block)
     return h.hexdigest()
+
+
+def check_hf_folder(path: Path) -> dict[str, Any]:
+    """Validate a Hugging Face causal-LM folder and return its ``config.json``: a config, weights
+    whose safetensors headers parse, and a tokenizer (what a vLLM reload or a load needs).
+
+    Raises:
+        CheckpointError: not a folder, no config.json, no weights, an unreadable safetensors header,
+            or no tokenizer.
+    """
+    path = Path(path)
+    if not path.is_dir():
+        raise CheckpointError(f"{path} is not a folder")
+    if not (path / "config.json").exists():
+        raise CheckpointError(f"{path} has no config.json: not a Hugging Face model folder")
+    weights = sorted(path.glob("*.safetensors"))
+    if not weights and not any(path.glob("*.bin")):
+        raise CheckpointError(f"{path} has no weights (*.safetensors / *.bin)")
+    for w in weights:
+        try:
+            with open(w, "rb") as f:
+                (size,) = struct.unpack("<Q", f.read(8))
+                json.loads(f.read(size))
+        except (OSError, struct.error, ValueError) as exc:
+            raise CheckpointError(f"{w} is not a readable safetensors file: {exc}") from exc
+    if not (path / "tokenizer.json").exists() and not (path / "tokenizer_config.json").exists():
+        raise CheckpointError(f"{path} has no tokenizer files")
+    return json.loads((path / "config.json").read_text())
 
 
 class CheckpointStore:

@@ -97,6 +97,28 @@ class ServingSettings(EnvSettings):
     device: Literal["auto", "cpu", "cuda"] = Field(
         default="auto", description="device of the in-process torch engine (cuda when a GPU is visible for auto)"
     )
+    vllm_dtype: Literal["auto", "bfloat16", "float32"] = Field(
+        default="auto",
+        description="dtype of the managed vLLM servers; auto: bf16 on CUDA and on CPUs with amx_bf16/avx512_bf16, else fp32",
+    )
+    vllm_kv_cache_gib: int = Field(
+        default=2, ge=1, description="KV cache of a managed vLLM server on CPU (whole GiB, VLLM_CPU_KVCACHE_SPACE)"
+    )
+    vllm_max_model_len: int = Field(
+        default=4096, ge=256, description="context length a managed vLLM server serves (tokens)"
+    )
+    vllm_enforce_eager: bool = Field(
+        default=False,
+        description="start managed vLLM servers without torch.compile (starts in seconds, serves slower; tests)",
+    )
+    vllm_start_timeout_s: float = Field(
+        default=900.0,
+        gt=0,
+        description="how long a managed vLLM server may take to answer /health after start (seconds)",
+    )
+    vllm_threads: int | None = Field(
+        default=None, ge=1, description="OMP_NUM_THREADS of a managed vLLM server (default: vLLM's own choice)"
+    )
 
 
 class ApiSettings(EnvSettings):

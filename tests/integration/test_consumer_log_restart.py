@@ -24,7 +24,7 @@ def restartable_broker(tmp_path):
     and starts a new one on the same port, with an empty log and the test's topics created again."""
     from app.core.net import free_port
     from ops.broker import create_topics, start_broker
-    from ops.pids import stop_pid
+    from app.core.pids import stop_pid
 
     port = free_port()
     state = {"broker": start_broker(tmp_path / "broker", port)}

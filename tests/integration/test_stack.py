@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from ops.pids import pid_alive
+from app.core.pids import pid_alive
 
 pytestmark = pytest.mark.integration
 

