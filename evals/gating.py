@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from app.core.db import session_scope
 from app.core.errors import ConfigurationError, ConflictError
-from app.core.telemetry import traced
+from app.core.telemetry import link_references, span_reference, traced
 from app.models import EvalRun
 from evals import store
 from evals.config import GateConfig, load_gate_config, load_suite
@@ -136,6 +136,7 @@ def gate_candidate(
                 for role, target in (("candidate", cand_out), ("production", prod_out)):
                     run = session.get(EvalRun, uuid.UUID(runs[name][role].run_id))
                     target[name] = store.outcomes(session, run)
+                    link_references([((run.summary or {}).get("trace"), {"flywheel.link": f"eval_run.{role}"})])
         result = decide_gate(cand_out, prod_out, config)
         decision_id = uuid.uuid4()
         run_ids = {s: {r: v.run_id for r, v in d.items()} for s, d in runs.items()}
@@ -152,7 +153,7 @@ def gate_candidate(
                 production_id=production_id,
                 passed=result.passed,
                 reasons=[r.model_dump(mode="json") for r in result.reasons],
-                report=report,
+                report={**report, "trace": span_reference()},  # the promotion links to this gate
             )
             decision.report_path = str(path)
             previous = row.status

@@ -30,7 +30,7 @@ from app.core.db import session_scope
 from app.core.errors import ConfigurationError
 from app.core.intervals import wilson_interval
 from app.core.settings import flywheel_home
-from app.core.telemetry import traced
+from app.core.telemetry import link_references, span_reference, traced
 from evals import store
 from evals.config import SuiteConfig, load_suite
 from evals.gate import monitor_values
@@ -274,7 +274,8 @@ def run_suite(
     suite = load_suite(suite) if isinstance(suite, str) else suite
     plan = plan_run(suite.with_limit(limit), tasks)
     with session_scope() as session:
-        get_checkpoint(session, checkpoint_id)
+        manifest = get_checkpoint(session, checkpoint_id).manifest or {}
+    link_references([(manifest.get("trace"), {"flywheel.link": "training_cycle"})])
     with store.advisory_lock("eval", checkpoint_id, plan.suite.name, plan.suite_version):
         with session_scope() as session:
             done_run = (
@@ -304,7 +305,7 @@ def run_suite(
         if on_plan is not None:
             on_plan(plan, len(todo))
         errors = _execute(run, plan, todo, checkpoint_id, workers, engine, on_result)
-        summary = _summarize(run, plan, errors)
+        summary = {**_summarize(run, plan, errors), "trace": span_reference()}  # the gate links to this run
         complete = summary["done"] == len(plan.planned)
         with session_scope() as session:
             store.finish_run(session, session.merge(run), "succeeded" if complete else "failed", summary)

@@ -46,7 +46,7 @@ from app.checkpoints.delta import DELTA_FILE
 from app.checkpoints.store import STABLE, CheckpointStore
 from app.core.errors import CheckpointError, InfrastructureError
 from app.core.settings import flywheel_home
-from app.core.telemetry import meter
+from app.core.telemetry import extract_context, meter, tracer
 from app.outbox.lifecycle import PRODUCTION_CHANGES
 from app.promotion.serving_state import read_serving_state, write_serving_state
 from serving.canary import CANARY_CHANGES, CanaryFollower, EngineRouter
@@ -252,8 +252,15 @@ class ProductionFollower:
         accepted = [(p, h) for p, h in messages if self.accept(p, h)]
         move = None
         if accepted:
-            newest = max((p for p, _ in accepted), key=lambda p: p.get("outbox_id") or 0)
-            move = self.apply(newest)
+            newest, headers = max(accepted, key=lambda m: m[0].get("outbox_id") or 0)
+            # a child of the promotion (or rollback) span whose context the lifecycle message carries
+            with tracer("flywheel.serving").start_as_current_span(
+                "serving.reload",
+                context=extract_context(headers),
+                attributes={"flywheel.checkpoint_id": str(newest["checkpoint_id"]), "flywheel.event": newest["type"]},
+            ) as span:
+                move = self.apply(newest)
+                span.set_attribute("flywheel.method", move.method)
             for p, h in accepted:  # superseded changes of the batch count as handled too
                 self.deduper.add(message_identity(p, h))
             self.report(last_event=newest, method=move.method)

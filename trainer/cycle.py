@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 from app.checkpoints.store import STABLE, CheckpointStore
 from app.core.errors import CheckpointError, ConfigurationError
-from app.core.telemetry import tracer
+from app.core.telemetry import span_reference, tracer
 from trainer.config import TrainerConfig, load_config
 
 if TYPE_CHECKING:
@@ -248,6 +248,7 @@ def _train_and_register(
         "generation": parent.generation + 1,
         "cycle_id": str(cycle_id),
         "created_at": datetime.now(UTC).isoformat(),
+        "trace": span_reference(),  # the trainer.cycle span: eval runs and the gate link to it
         **section,
     }
     with _tracer.start_as_current_span("trainer.write_checkpoint") as span:

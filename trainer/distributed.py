@@ -9,21 +9,25 @@ Invariants:
   torchrun stop the group; rank 0 has then published nothing (the store publishes atomically) or a
   directory that the next cycle's sweep removes, exactly as a killed single-process cycle.
 - **Same result as one process.** Every optimizer step's micro-batches are split across ranks
-  (rank ``r`` takes ``group[r::world]``); each rank accumulates the gradients of its share, and the
-  gradients are then *summed* over ranks (``all_reduce``): the loss is divided by a constant token
-  count (Dr. GRPO), not by the number of micro-batches, so the sum over ranks is the single-process
-  gradient up to floating-point summation order. Clipping and AdamW then run on identical
-  gradients on every rank, so the replicas stay identical without a parameter broadcast.
+  (rank ``r`` takes ``group[r::world]``). The gradients are reduced by PyTorch's
+  ``DistributedDataParallel`` (DDP): the module it wraps (:class:`MicroBatchLoss`) has the
+  micro-batch loss as its ``forward``, so the fused log-prob path (decoder and LM head weight run
+  separately, :mod:`trainer.step`) goes through DDP's forward. Each rank accumulates its share
+  under ``no_sync()`` and its last micro-batch's backward all-reduces the buckets, overlapped with
+  that backward. The comm hook *sums* over ranks instead of DDP's mean: the loss is divided by a
+  constant token count (Dr. GRPO), not by the number of micro-batches or ranks, so the sum is the
+  single-process gradient up to floating-point summation order. Clipping and AdamW then run on
+  identical gradients on every rank, so the replicas stay identical.
+- **Every rank joins every step's all-reduce.** A rank left without a micro-batch (the last step
+  of an epoch) or whose last loss is not finite (skipped, as in one process) backpropagates a zero
+  that reaches every parameter, so its accumulated gradients are still reduced. The synced loss
+  carries the same zero, so a parameter no micro-batch used (an MoE expert no token was routed to)
+  is reduced as zeros instead of stalling DDP's reducer.
 - ``pi_old`` is computed once per micro-batch, by the rank ``i % world`` that owns it, and
   broadcast to the others.
 
-Why not the ``DistributedDataParallel`` wrapper or FSDP2: the fused log-prob path
-(:mod:`trainer.step`) runs the decoder and the LM head weight separately, not through the model's
-``forward``, which is where DDP prepares its reducer and FSDP2's root all-gathers; and the last step
-of an epoch may give a rank no micro-batch at all, which DDP's bucketed hooks cannot express. The
-explicit bucketed ``all_reduce`` here is what DDP does for gradients, with those two cases handled.
 Replicated weights bound the model to one GPU's memory (Qwen3-0.6B: ~10 GB of fp32 weights,
-gradients and AdamW state); sharding the optimizer state is the next step past that size.
+gradients and AdamW state); FSDP2's ``fully_shard`` is the step past that size.
 
 Backends: NCCL when the ranks train on CUDA, gloo on CPUs (the same code; tests run it).
 """
@@ -31,6 +35,7 @@ Backends: NCCL when the ranks train on CUDA, gloo on CPUs (the same code; tests 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -38,11 +43,12 @@ from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
 
 from app.core.errors import ConfigurationError
 
 T = TypeVar("T")
-BUCKET_ELEMENTS = 1 << 24  # gradient elements per all_reduce (64 MB of fp32), DDP's order of magnitude
+LossFn = Callable[[torch.nn.Module, Any], tuple[torch.Tensor, dict[str, float]]]
 
 
 @dataclass(frozen=True)
@@ -51,6 +57,41 @@ class CycleWork:
 
     parent_dir: Path
     trajectories: list[Any]  # trainer.data.TrajectoryData
+
+
+def zero_reaching_every_parameter(model: torch.nn.Module) -> torch.Tensor:
+    """A scalar 0 whose backward gives every trainable parameter a zero gradient (one element each)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    return torch.stack([p.reshape(-1)[0].float() for p in params]).sum() * 0.0
+
+
+class MicroBatchLoss(torch.nn.Module):
+    """The policy and its micro-batch loss as one module, so the loss is DDP's ``forward``.
+
+    ``forward(mb, sync)`` returns ``loss_fn(policy, mb)``; with ``sync`` (the backward that
+    all-reduces) the loss carries :func:`zero_reaching_every_parameter`; ``mb=None`` returns that
+    zero alone, with empty sums.
+    """
+
+    def __init__(self, policy: torch.nn.Module, loss_fn: LossFn) -> None:
+        super().__init__()
+        self.policy, self.loss_fn = policy, loss_fn
+
+    def forward(self, mb: Any, sync: bool) -> tuple[torch.Tensor, dict[str, float]]:
+        if mb is None:
+            return zero_reaching_every_parameter(self.policy), {}
+        loss, sums = self.loss_fn(self.policy, mb)
+        if sync:
+            loss = loss + zero_reaching_every_parameter(self.policy)
+        return loss, sums
+
+
+def _sum_hook(dp, bucket):  # unannotated: DDP compares the annotations with objects, not strings
+    """DDP comm hook: a future of the ``dist.GradBucket``'s gradients summed over ranks (DDP's own
+    hook averages); counts the bucket in ``dp.reduced_buckets``."""
+    dp.reduced_buckets += 1
+    work = dist.all_reduce(bucket.buffer(), async_op=True)
+    return work.get_future().then(lambda fut: fut.value()[0])
 
 
 class DataParallel:
@@ -63,6 +104,10 @@ class DataParallel:
     def __init__(self, rank: int, world_size: int) -> None:
         self.rank, self.world_size = rank, world_size
         self._work_sent = False
+        self._ddp: DistributedDataParallel | None = None
+        self._prepared = False  # a synced forward ran this step: DDP expects its backward
+        self._reduced_at_sync = 0
+        self.reduced_buckets = 0  # gradient buckets all-reduced since attach (read by tests)
 
     @property
     def is_main(self) -> bool:
@@ -77,23 +122,49 @@ class DataParallel:
         """Whether this rank computes item ``index`` of a list shared by all ranks."""
         return index % self.world_size == self.rank
 
-    def all_reduce_grads(self, model: torch.nn.Module) -> None:
-        """Sum every trainable parameter's ``.grad`` over ranks, in place (a missing grad counts as 0:
-        a rank may have had no micro-batch in the step). Buckets of :data:`BUCKET_ELEMENTS`."""
-        params = [p for p in model.parameters() if p.requires_grad]
-        for p in params:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-        bucket: list[torch.Tensor] = []
-        size = 0
-        for p in params:
-            bucket.append(p.grad)
-            size += p.grad.numel()
-            if size >= BUCKET_ELEMENTS:
-                _all_reduce_bucket(bucket)
-                bucket, size = [], 0
-        if bucket:
-            _all_reduce_bucket(bucket)
+    def attach(self, model: torch.nn.Module, loss_fn: LossFn) -> None:
+        """Wrap ``model`` (already on its device) and ``loss_fn`` in DDP for a cycle's steps; DDP
+        checks that every rank holds the same parameter shapes and broadcasts rank 0's values."""
+        device = next(model.parameters()).device
+        self._ddp = DistributedDataParallel(
+            MicroBatchLoss(model, loss_fn),
+            device_ids=[device.index] if device.type == "cuda" else None,
+            forward_sync_buffers=False,  # buffers (rotary frequencies) are not trained: synced at init only
+        )
+        self._ddp.register_comm_hook(self, _sum_hook)
+        self._prepared, self.reduced_buckets = False, 0
+
+    def detach(self) -> None:
+        """Drop the DDP wrapper and its gradient buckets (the model keeps its weights)."""
+        self._ddp = None
+
+    def loss(self, mb: Any, final: bool) -> tuple[torch.Tensor, dict[str, float]]:
+        """``(loss, sums)`` of micro-batch ``mb`` through DDP's forward: under ``no_sync()`` unless
+        ``final`` (this rank's last micro-batch of the step), so only the last one's backward
+        all-reduces; the others' gradients accumulate locally (DDP decides at the forward)."""
+        ddp = self._require_ddp()
+        if not final:
+            with ddp.no_sync():
+                return ddp(mb, False)
+        self._prepared, self._reduced_at_sync = True, self.reduced_buckets
+        return ddp(mb, True)
+
+    def finish_step(self) -> None:
+        """After this rank's micro-batches of a step: if its gradients were not all-reduced (no
+        micro-batch, or the last one's loss was not finite and skipped), backpropagate a zero that
+        reaches every parameter, so they are: every rank takes part in each step's all-reduce."""
+        ddp = self._require_ddp()
+        if not self._prepared:
+            zero, _ = ddp(None, True)
+            zero.backward()
+        elif self.reduced_buckets == self._reduced_at_sync:
+            zero_reaching_every_parameter(ddp.module.policy).backward()
+        self._prepared = False
+
+    def _require_ddp(self) -> DistributedDataParallel:
+        if self._ddp is None:
+            raise RuntimeError("DataParallel.attach must wrap the model before its micro-batches run")
+        return self._ddp
 
     def all_reduce_sums(self, values: dict[str, float], device: torch.device) -> dict[str, float]:
         """The sums over ranks of ``values`` (same keys on every rank), in float64."""
@@ -125,15 +196,6 @@ class DataParallel:
     def receive_work(self) -> CycleWork | None:
         """Other ranks: the cycle's work from rank 0, or None when rank 0 trains nothing."""
         return _broadcast_object(None)
-
-
-def _all_reduce_bucket(grads: list[torch.Tensor]) -> None:
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    dist.all_reduce(flat)
-    offset = 0
-    for g in grads:
-        g.copy_(flat[offset : offset + g.numel()].view_as(g))
-        offset += g.numel()
 
 
 def _broadcast_object(obj: Any) -> Any:

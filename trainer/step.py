@@ -261,8 +261,8 @@ def train_steps(
     """Run the cycle's optimizer steps (needs ``old_logprobs`` filled). Returns per-step metrics.
 
     ``placement``'s autocast wraps each micro-batch's forward pass (not the backward). With ``dp``
-    each rank runs its share of every step's micro-batches and the gradients and metric sums are
-    summed over ranks before clipping (:mod:`trainer.distributed`); metrics are global.
+    each rank runs its share of every step's micro-batches through DDP, which sums the gradients over
+    ranks, and the metric sums are summed before clipping (:mod:`trainer.distributed`); metrics are global.
 
     A micro-batch whose loss is not finite is skipped (no backward; counted in
     ``StepMetrics.skipped_micro_batches``, logged), and a step whose micro-batches were all skipped
@@ -271,6 +271,8 @@ def train_steps(
     """
     model.train()
     history = []
+    if dp is not None:
+        dp.attach(model, lambda policy, mb: micro_batch_loss(policy, mb, config))
     for step, group in enumerate(micro_batch_schedule(batches, config), start=1):
         lr = (
             config.optim.lr * min(1.0, step / config.optim.warmup_steps)
@@ -283,9 +285,10 @@ def train_steps(
         optimizer.zero_grad(set_to_none=True)
         m = StepMetrics(step=step, lr=lr)
         sums = dict.fromkeys(STEP_SUMS, 0.0)
-        for mb in group if dp is None else dp.local(group):
-            with _autocast(placement):
-                loss, mb_sums = micro_batch_loss(model, mb, config)
+        local = group if dp is None else dp.local(group)
+        for i, mb in enumerate(local):
+            with _autocast(placement):  # data parallel: DDP's forward, no_sync() but on this rank's last
+                loss, mb_sums = micro_batch_loss(model, mb, config) if dp is None else dp.loss(mb, i == len(local) - 1)
             if not torch.isfinite(loss.detach()):
                 m.skipped_micro_batches += 1
                 log.warning(
@@ -303,7 +306,7 @@ def train_steps(
             m.trainable_tokens += mb.num_trainable
             m.tokens += mb.num_tokens
         if dp is not None:
-            dp.all_reduce_grads(model)
+            dp.finish_step()  # every rank joins the step's gradient all-reduce
             totals = dp.all_reduce_sums(
                 {
                     **sums,
@@ -345,4 +348,6 @@ def train_steps(
         history.append(m)
         if on_step is not None:
             on_step(m)
+    if dp is not None:
+        dp.detach()
     return history

@@ -260,7 +260,9 @@ def train_on_ranks(model_dir: Path, trajectories: list[TrajectoryData], config, 
     ``file://`` rendezvous in ``workdir``), or in this process without a process group for 1.
 
     Returns:
-        Rank 0's ``{"history": [StepMetrics dicts], "mismatch": {...}, "state": fp32 state dict (CPU)}``.
+        Rank 0's ``{"history": [StepMetrics dicts], "mismatch": {...}, "state": fp32 state dict (CPU)}``;
+        with several ranks also ``"ranks"``: per rank, ``{"reductions": [(fp32 elements, inside a
+        backward pass) of each fp32 all_reduce], "flushes": steps whose finish_step all-reduced}``.
     """
     from dataclasses import asdict
 
@@ -277,18 +279,22 @@ def train_on_ranks(model_dir: Path, trajectories: list[TrajectoryData], config, 
 
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
-    rendezvous, out = workdir / "rendezvous", workdir / "rank0.pt"
+    rendezvous = workdir / "rendezvous"
     rendezvous.unlink(missing_ok=True)
     mp.start_processes(
         _train_rank,
-        args=(world_size, str(rendezvous), str(model_dir), trajectories, config, str(out)),
+        args=(world_size, str(rendezvous), str(model_dir), trajectories, config, str(workdir)),
         nprocs=world_size,
         start_method="spawn",
     )
-    return torch.load(out, weights_only=False)
+    result = torch.load(workdir / "rank0.pt", weights_only=False)
+    result["ranks"] = [torch.load(workdir / f"rank{r}.pt", weights_only=False)["record"] for r in range(world_size)]
+    return result
 
 
-def _train_rank(rank: int, world_size: int, rendezvous: str, model_dir: str, trajectories, config, out: str) -> None:
+def _train_rank(
+    rank: int, world_size: int, rendezvous: str, model_dir: str, trajectories, config, workdir: str
+) -> None:
     from dataclasses import asdict
 
     import torch.distributed as dist
@@ -297,17 +303,32 @@ def _train_rank(rank: int, world_size: int, rendezvous: str, model_dir: str, tra
     from trainer.training import train_policy
 
     torch.set_num_threads(1)
+    record: dict[str, list] = {"reductions": [], "flushes": []}
+    all_reduce = dist.all_reduce
+
+    def recording_all_reduce(tensor, *args, **kwargs):  # the gradients are fp32, the metric sums fp64
+        if tensor.dtype == torch.float32:
+            record["reductions"].append((tensor.numel(), torch._C._current_graph_task_id() != -1))
+        return all_reduce(tensor, *args, **kwargs)
+
+    class RecordingDataParallel(DataParallel):
+        def finish_step(self) -> None:
+            before = self.reduced_buckets
+            super().finish_step()
+            record["flushes"].append(self.reduced_buckets > before)
+
     dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world_size)
+    dist.all_reduce = recording_all_reduce  # this spawned process's own module
     try:
-        trained = train_policy(config, Path(model_dir), trajectories, dp=DataParallel(rank, world_size))
+        trained = train_policy(config, Path(model_dir), trajectories, dp=RecordingDataParallel(rank, world_size))
+        out = {"record": record}
         if rank == 0:
-            torch.save(
-                {
-                    "history": [asdict(m) for m in trained.history],
-                    "mismatch": trained.mismatch,
-                    "state": {k: v.detach().cpu().clone() for k, v in trained.model.state_dict().items()},
-                },
-                out,
-            )
+            out |= {
+                "history": [asdict(m) for m in trained.history],
+                "mismatch": trained.mismatch,
+                "state": {k: v.detach().cpu().clone() for k, v in trained.model.state_dict().items()},
+            }
+        torch.save(out, Path(workdir) / f"rank{rank}.pt")
     finally:
+        dist.all_reduce = all_reduce
         dist.destroy_process_group()

@@ -1,16 +1,26 @@
-"""OpenTelemetry: one tracer/meter provider per process, and W3C trace context in Kafka headers.
+"""OpenTelemetry: one tracer/meter provider per process, W3C trace context in Kafka headers, and
+span references stored with the loop's records.
 
 ``configure_telemetry`` is idempotent per process (saleor's celeryconf habit): Celery workers call it
 from ``worker_process_init``, CLIs at start. Kafka headers are kafka-python's
 ``list[tuple[str, bytes]]``.
+
+The loop's stages run in different processes and at different times, so each is its own trace;
+they are joined by span links. A stage stores its span's W3C ``traceparent`` (:func:`span_reference`)
+in the record it writes (checkpoint manifest ``trace``, eval run summary ``trace``, gate decision
+report ``trace``; a lifecycle message carries the promotion's context in its headers), and the
+stage that reads the record links to it (:func:`link_references`): promotion -> gate decision ->
+eval runs -> training cycle; serving's reload span is a child of the promotion's context.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Iterable
 
 from opentelemetry import metrics, trace
+from opentelemetry.trace import SpanContext, TraceFlags
 
 from app.core.settings import get_settings
 from producers.telemetry import KafkaHeaders, extract_context, inject_headers, meter
@@ -20,7 +30,9 @@ __all__ = [
     "configure_telemetry",
     "extract_context",
     "inject_headers",
+    "link_references",
     "meter",
+    "span_reference",
     "shutdown_telemetry",
     "tracer",
     "traced",
@@ -77,6 +89,44 @@ def shutdown_telemetry() -> None:
 def tracer(name: str) -> trace.Tracer:
     """A tracer for a flywheel module."""
     return trace.get_tracer(name)
+
+
+def span_reference(span: trace.Span | None = None) -> str | None:
+    """The W3C ``traceparent`` (``00-<trace id>-<span id>-<flags>``) of ``span`` (default: the
+    current span), for a record to store; None when there is no valid span (telemetry off)."""
+    ctx = (span or trace.get_current_span()).get_span_context()
+    if not ctx.is_valid:
+        return None
+    return f"00-{ctx.trace_id:032x}-{ctx.span_id:016x}-{int(ctx.trace_flags):02x}"
+
+
+def parse_reference(reference: object) -> SpanContext | None:
+    """The remote span context of a stored ``traceparent``; None when absent or malformed."""
+    if not isinstance(reference, str):
+        return None
+    parts = reference.split("-")
+    if len(parts) != 4 or (len(parts[1]), len(parts[2]), len(parts[3])) != (32, 16, 2):
+        return None
+    try:
+        ctx = SpanContext(
+            int(parts[1], 16), int(parts[2], 16), is_remote=True, trace_flags=TraceFlags(int(parts[3], 16))
+        )
+    except ValueError:
+        return None
+    return ctx if ctx.is_valid else None
+
+
+def link_references(references: Iterable[tuple[object, dict[str, str]]], span: trace.Span | None = None) -> int:
+    """Link ``span`` (default: the current span) to each stored ``(traceparent, attributes)``;
+    malformed or missing references are skipped. Returns how many links were added."""
+    span = span or trace.get_current_span()
+    added = 0
+    for reference, attributes in references:
+        ctx = parse_reference(reference)
+        if ctx is not None:
+            span.add_link(ctx, attributes)
+            added += 1
+    return added
 
 
 def traced(span_name: str, *, attrs: tuple[str, ...] = ()):

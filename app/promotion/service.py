@@ -33,7 +33,7 @@ from sqlalchemy.orm import Session
 from app.checkpoints.store import STABLE
 from app.core.errors import ConflictError, NotFoundError
 from app.core.locks import AdvisoryLock
-from app.core.telemetry import traced
+from app.core.telemetry import link_references, traced
 from app.models import Checkpoint, GateDecision, Promotion
 from app.outbox.lifecycle import enqueue_lifecycle
 from app.promotion.online import online_reasons
@@ -209,6 +209,7 @@ def promote_checkpoint(
     if gate is None:
         reasons.append("no gate decision: the candidate has not been evaluated")
     else:
+        link_references([((gate.report or {}).get("trace"), {"flywheel.link": "gate_decision"})])
         if not gate.passed:
             # gate reasons are dicts (evals.gate.GateReason): list only the failing, gating ones
             failed = [
