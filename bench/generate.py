@@ -1,43 +1,38 @@
-"""Generation throughput: the continuously batched torch engine vs plain ``model.generate`` and a
-hardware limit, at 1, 8, 32 and 64 concurrent sequences with mixed prompt and completion lengths.
+"""Generation throughput of the serving engines side by side, at 64 concurrent requests: vLLM in the
+dtype the demo serves in, vLLM fp32, the in-process torch engine, and plain ``model.generate``.
 
-Workload per level N: 2N chat requests (``--quick``: N) (a question, one in four after a code
+Workload: 2N chat requests at concurrency N (``--quick``: N) (a question, one in four after a code
 snippet: 40-110 prompt tokens), greedy, each with its own ``max_tokens`` drawn uniformly
 (``--quick``: 32-96, else 32-256; EOS ends a completion early): generation-heavy, as code
-completions are, since prefill (no batching gain) would otherwise dominate every side alike.
-Throughput = completion tokens (up to and including EOS or the request's limit) / wall seconds,
-prefill included.
+completions are. Throughput = completion tokens (up to and including EOS or the request's limit) /
+wall seconds, prefill included.
 
-* ours: N client threads, each sending its next request when its last one completes (N in
-  flight, as sessions do), through ``TorchEngine.generate``; the prefix cache is emptied before
-  each run so no prompt reuses another's K/V (all share the chat template's system prompt);
-* plain generate, batch 1: ``model.generate`` on one request at a time (a few requests);
-* plain generate, static batch N: the requests as left-padded ``generate`` calls of N,
-  each decoding up to its batch's largest ``max_tokens`` (tokens past a row's own limit or EOS
-  do not count);
-* limit (at 64): ``C / max(ceil(C / 64) * W / BW, 2 * P * T / G)`` with ``C`` completion tokens,
-  ``W`` weight bytes (fp32), ``BW`` measured memory copy bandwidth (bytes/s; each decode step of
-  64 sequences reads the weights once), ``P`` parameters in matrix products (all but the input
-  embedding; a tied LM head counts), ``T`` prompt + completion tokens, ``G`` measured fp32 GEMM
-  rate (FLOP/s, 1024x1024 matmul). Attention FLOPs are left out, so the limit is optimistic.
+* ``vllm-<dtype>``: a managed vLLM server (:mod:`serving.vllm_server`, the flags the stack runs, one
+  server at a time, started before its clock starts), N client threads through
+  :class:`serving.openai_engine.OpenAICompatEngine`, each sending its next request when its last one
+  completes (N in flight, as sessions do); the server's start time is reported beside it;
+* ``torch``: the same clients through ``TorchEngine.generate`` (continuous batching, fp32);
+* ``plain-static``: the requests as left-padded fp32 ``generate`` calls of N, each decoding up to its
+  batch's largest ``max_tokens`` (tokens past a row's own limit or EOS do not count).
 
-Targets at 64: ours >= 10x plain batch 1, >= 1.5x plain static batch 64, >= 0.5 of the limit.
-Prints one JSON line per level, then ONE summary JSON line; ``ratio`` = ours at 64 / plain batch
-1; ``pass`` = all three targets.
+``ours`` = the engine the demo serves with (vLLM in ``resolve_dtype("auto")``: bf16 on CPUs with
+bf16 instructions), ``baseline`` = plain static batch fp32, target ratio >= 3. Prints one JSON line
+per engine, then ONE summary JSON line with ``"engines": {NAME: tokens_per_s}``.
 
-Flags: ``--quick`` (N requests per level of N, completions of 32-96 tokens), ``--model-dir DIR`` (HF
-folder; default SmolLM2-135M-Instruct), ``--repeats N`` (runs per level, the best kept; default 1),
-``--threads N`` (2). Measured results: ``docs/benchmarks.md``.
+Flags: ``--quick``, ``--model-dir DIR`` (HF folder; default SmolLM2-135M-Instruct),
+``--concurrency N`` (64), ``--engines a,b`` (subset of vllm-bf16, vllm-fp32, torch, plain-static),
+``--threads N`` (torch threads of the in-process sides; 2). Measured results: ``docs/benchmarks.md``.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import random
+import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 QUESTIONS = [
     "Write a Python function that reverses a string.",
@@ -70,50 +65,61 @@ def build_workload(tok, n: int, lengths: tuple[int, int], seed: int) -> list[tup
     return out
 
 
-def measure_limits(model) -> dict:
-    """fp32 GEMM rate (FLOP/s), memory copy bandwidth (bytes/s), weight bytes and matmul params."""
-    import torch
+ENGINES = ("vllm-bf16", "vllm-fp32", "torch", "plain-static")
 
-    a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
-    a @ b
-    rates = []
-    for _ in range(5):
-        t0 = time.perf_counter()
-        a @ b
-        rates.append(2 * 1024**3 / (time.perf_counter() - t0))
-    src = torch.randn(64 * 2**20 // 4)
-    dst = torch.empty_like(src)
-    bws = []
-    for _ in range(5):
-        t0 = time.perf_counter()
-        dst.copy_(src)
-        bws.append(2 * src.numel() * 4 / (time.perf_counter() - t0))  # read + write
-    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    embed = model.get_input_embeddings().weight.numel()
-    tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight
-    matmul_params = sum(p.numel() for p in model.parameters() if p.dim() == 2) - (0 if tied else embed)
+
+def run_clients(generate, work: list[tuple[list[int], int]], concurrency: int) -> tuple[int, float]:
+    """(completion tokens, wall seconds) of ``work`` sent by ``concurrency`` client threads."""
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(max_workers=concurrency) as pool:
+        n = sum(pool.map(generate, work))
+    return n, time.perf_counter() - t0
+
+
+def measure_vllm(dtype: str, model_dir: Path, work, concurrency: int) -> dict:
+    """Start a vLLM server in ``dtype``, warm it, run ``work`` through it; stop it."""
+    from app.core.settings import ServingSettings
+    from app.inference.engine import SamplingParams
+    from serving.openai_engine import OpenAICompatEngine
+    from serving.vllm_server import start_server, stop_server
+
+    home = Path(tempfile.mkdtemp(prefix="bench-generate-"))
+    settings = ServingSettings(vllm_dtype=dtype)
+    t0 = time.perf_counter()
+    server = start_server("production", model_dir, "bench", home, settings=settings)
+    start_s = time.perf_counter() - t0
+    try:
+        engine = OpenAICompatEngine(server.url)
+
+        def generate(item):
+            return len(engine.generate([item[0]], SamplingParams(max_tokens=item[1], temperature=0.0))[0].token_ids)
+
+        run_clients(generate, work[:8], 8)  # warm-up: first requests pay one-off costs
+        n, s = run_clients(generate, work, concurrency)
+        engine.close()
+    finally:
+        stop_server("production", home)
     return {
-        "gemm_flop_s": max(rates),
-        "copy_bytes_s": max(bws),
-        "weight_bytes": weight_bytes,
-        "matmul_params": matmul_params,
+        "tokens_per_s": round(n / s, 2),
+        "completion_tokens": n,
+        "seconds": round(s, 2),
+        "start_s": round(start_s, 1),
     }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument(
-        "--quick", action="store_true", help="N requests per level of N, completions of 32-96 tokens (else 2N, 32-256)"
-    )
+    parser.add_argument("--quick", action="store_true", help="N requests of 32-96 tokens (else 2N of 32-256)")
     parser.add_argument("--model-dir", default=None, help="HF folder (default: SmolLM2-135M-Instruct)")
-    parser.add_argument("--repeats", type=int, default=None, help="runs per level (best kept; default 1)")
+    parser.add_argument("--concurrency", type=int, default=64)
+    parser.add_argument("--engines", default=",".join(ENGINES), help=f"subset of {','.join(ENGINES)}")
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
 
     import torch
+    from transformers import AutoTokenizer
 
-    from app.inference.engine import SamplingParams
-    from serving.torch_engine import TorchEngine
+    from serving.vllm_server import resolve_dtype
 
     torch.set_num_threads(args.threads)
     if args.model_dir is None:
@@ -121,111 +127,109 @@ def main() -> None:
 
         model_dir = converted_base_dir()
     else:
-        model_dir = args.model_dir
+        model_dir = Path(args.model_dir)
+    engines = [e for e in args.engines.split(",") if e]
+    unknown = set(engines) - set(ENGINES)
+    if unknown:
+        parser.error(f"unknown engines {sorted(unknown)}")
+    level = args.concurrency
     lengths = (32, 96) if args.quick else (32, 256)
-    waves = 1 if args.quick else 2
-    repeats = args.repeats or 1
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    work = build_workload(tok, level if args.quick else 2 * level, lengths, seed=level * 10)
+    demo_dtype = resolve_dtype("auto")
+    results: dict[str, dict] = {}
 
-    engine = TorchEngine(model_dir, checkpoint_id="bench", max_seqs=max(LEVELS), max_kv_tokens=64 * 512)
-    tok, model = engine.tokenizer, engine.model
-    eos = set(engine.eos_token_ids)
-    pad = tok.pad_token_id if tok.pad_token_id is not None else engine.eos_token_ids[0]
+    for name in engines:
+        if name.startswith("vllm-"):
+            dtype = {"vllm-bf16": "bfloat16", "vllm-fp32": "float32"}[name]
+            results[name] = measure_vllm(dtype, model_dir, work, level)
+        elif name == "torch":
+            results[name] = measure_torch(model_dir, work, level)
+        else:
+            results[name] = measure_plain(model_dir, work, level)
+        print(json.dumps({"engine": name, **results[name]}), flush=True)
+
+    rates = {k: v["tokens_per_s"] for k, v in results.items()}
+    ours_name = "vllm-bf16" if demo_dtype == "bfloat16" else "vllm-fp32"
+    ours, baseline = rates.get(ours_name), rates.get("plain-static")
+    ratio = round(ours / baseline, 2) if ours and baseline else None
+    print(
+        json.dumps(
+            {
+                "bench": "generate",
+                "ours": ours,
+                "baseline": baseline,
+                "unit": "tokens/s",
+                "ratio": ratio,
+                "target": 3,
+                "pass": ratio is not None and ratio >= 3,
+                "ours_engine": ours_name,
+                "baseline_engine": "plain-static (fp32)",
+                "engines": rates,
+                "concurrency": level,
+                "requests": len(work),
+                "completion_tokens": list(lengths),
+                "details": results,
+            }
+        )
+    )
+
+
+def measure_torch(model_dir: Path, work, concurrency: int) -> dict:
+    """The in-process continuously batched torch engine (fp32), clients as for vLLM."""
+    from app.inference.engine import SamplingParams
+    from serving.torch_engine import TorchEngine
+
+    engine = TorchEngine(model_dir, checkpoint_id="bench", max_seqs=concurrency, max_kv_tokens=concurrency * 512)
+
+    def generate(item):
+        return len(engine.generate([item[0]], SamplingParams(max_tokens=item[1], temperature=0.0))[0].token_ids)
+
+    try:
+        run_clients(generate, work[:2], 2)
+        engine._scheduler.prefix_cache.clear()
+        n, s = run_clients(generate, work, concurrency)
+    finally:
+        engine.close()
+    return {"tokens_per_s": round(n / s, 2), "completion_tokens": n, "seconds": round(s, 2)}
+
+
+def measure_plain(model_dir: Path, work, concurrency: int) -> dict:
+    """Plain fp32 ``model.generate`` on left-padded static batches of ``concurrency``."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    gen_eos = model.generation_config.eos_token_id
+    eos = {tok.eos_token_id, *([gen_eos] if isinstance(gen_eos, int) else gen_eos or [])}
+    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
 
     def count(row: list[int], limit: int) -> int:
         row = row[:limit]
         return next((i + 1 for i, t in enumerate(row) if t in eos), len(row))
 
-    def ours(work, level):
-        engine._scheduler.prefix_cache.clear()
-
-        def client(item):
-            return len(engine.generate([item[0]], SamplingParams(max_tokens=item[1], temperature=0.0))[0].token_ids)
-
-        t0 = time.perf_counter()
-        with ThreadPoolExecutor(max_workers=level) as pool:
-            n = sum(pool.map(client, work))
-        return n, time.perf_counter() - t0
-
     @torch.inference_mode()
-    def plain(work):
-        width = max(len(p) for p, _ in work)
-        ids = torch.tensor([[pad] * (width - len(p)) + p for p, _ in work])
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p, _ in work])
-        t0 = time.perf_counter()
+    def batch(items):
+        width = max(len(p) for p, _ in items)
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p, _ in items])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p, _ in items])
         out = model.generate(
             input_ids=ids,
             attention_mask=mask,
-            max_new_tokens=max(m for _, m in work),
+            max_new_tokens=max(m for _, m in items),
             do_sample=False,
             pad_token_id=pad,
             eos_token_id=list(eos),
         )
-        elapsed = time.perf_counter() - t0
-        return sum(count(row, m) for row, (_, m) in zip(out[:, width:].tolist(), work)), elapsed
+        return sum(count(row, m) for row, (_, m) in zip(out[:, width:].tolist(), items))
 
-    def plain_batches(work, level):
-        n = s = 0.0
-        for i in range(0, len(work), level):
-            dn, ds = plain(work[i : i + level])
-            n, s = n + dn, s + ds
-        return n, s
-
-    warm = build_workload(tok, 2, (4, 4), seed=99)
-    ours(warm, 2)
-    plain(warm[:1])
-    limits = measure_limits(model)
-    details: dict = {
-        "limits": {k: round(v / 1e9, 2) if k != "matmul_params" else v for k, v in limits.items()},
-        "engine_decode_s_per_token": round(engine.decode_s_per_token, 4),
-        "engine_prefill_s_per_token": round(engine.prefill_s_per_token, 5),
-    }
-    base1 = []
-    for r in range(repeats):
-        n, s = plain_batches(build_workload(tok, 3, lengths, seed=1000 + r), 1)
-        base1.append(n / s)
-    details["plain_bs1_tok_s"] = round(max(base1), 2)
-    for level in LEVELS:
-        rates: dict[str, list[float]] = {"ours": [], "plain": []}
-        for r in range(repeats):
-            work = build_workload(tok, waves * level, lengths, seed=level * 10 + r)
-            sides = (("ours", lambda w: ours(w, level)), ("plain", lambda w: plain_batches(w, level)))  # noqa: B023
-            for name, fn in sides if r % 2 == 0 else sides[::-1]:
-                n, s = fn(work)
-                rates[name].append(n / s)
-            if level == max(LEVELS):
-                total = sum(len(p) for p, _ in work) + n
-                t_min = max(
-                    math.ceil(n / level) * limits["weight_bytes"] / limits["copy_bytes_s"],
-                    2 * limits["matmul_params"] * total / limits["gemm_flop_s"],
-                )
-                rates.setdefault("limit", []).append(n / t_min)
-        details[f"c{level}"] = {k: round(max(v), 2) for k, v in rates.items()}
-        print(json.dumps({"level": level, **details[f"c{level}"]}), flush=True)
-    top = details[f"c{max(LEVELS)}"]
-    vs_bs1 = top["ours"] / details["plain_bs1_tok_s"]
-    vs_static = top["ours"] / top["plain"]
-    vs_limit = top["ours"] / top["limit"]
-    details["targets"] = {
-        "vs_plain_bs1": [round(vs_bs1, 2), 10],
-        "vs_plain_static": [round(vs_static, 2), 1.5],
-        "vs_limit": [round(vs_limit, 3), 0.5],
-    }
-    engine.close()
-    print(
-        json.dumps(
-            {
-                "bench": "generate",
-                "ours": top["ours"],
-                "baseline": details["plain_bs1_tok_s"],
-                "unit": "tokens/s",
-                "ratio": round(vs_bs1, 2),
-                "target": 10,
-                "pass": vs_bs1 >= 10 and vs_static >= 1.5 and vs_limit >= 0.5,
-                "completion_tokens": list(lengths),
-                "details": details,
-            }
-        )
-    )
+    batch(work[:1])
+    n, t0 = 0, time.perf_counter()
+    for i in range(0, len(work), concurrency):
+        n += batch(work[i : i + concurrency])
+    s = time.perf_counter() - t0
+    return {"tokens_per_s": round(n / s, 2), "completion_tokens": n, "seconds": round(s, 2)}
 
 
 if __name__ == "__main__":

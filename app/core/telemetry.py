@@ -206,7 +206,7 @@ SERVICE_LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 def configure_service_logging(level: int = logging.INFO) -> None:
     """Logging for a long-running service command (``consume``, ``relay``, ``watch``): ``level`` and
-    above to stderr with a timestamp and the logger's name; Alembic and kafka-python at WARNING, and
+    above to stderr with a timestamp and the logger's name; Alembic, httpx and kafka-python at WARNING, and
     each repeated kafka-python message at most once per 30 s (:class:`RepeatThrottle`: it logs
     every failed attempt while the broker is away). Does nothing to a root logger that already has
     handlers (a host application's or a test runner's configuration wins)."""
@@ -216,4 +216,5 @@ def configure_service_logging(level: int = logging.INFO) -> None:
     logging.basicConfig(level=level, format=SERVICE_LOG_FORMAT)
     logging.getLogger("kafka").setLevel(logging.WARNING)
     logging.getLogger("alembic").setLevel(logging.WARNING)  # its set-up lines when a service checks the schema
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per request: every health check of a server
     throttle_library_logs("kafka", every_s=30.0)

