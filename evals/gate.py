@@ -256,12 +256,13 @@ def _evaluate_suite(
     # suite had the power for its margin; otherwise the pairs cannot tell.
     ni_clear = ni_ok or hi < 0 or powered
     verdict = "" if ni_clear else "; the interval also holds 0: insufficient evidence"
+    how = "newcombe or clustered bootstrap, the wider" if method == "newcombe" and k_per_task > 1 else method
     reason(
         "non_inferiority",
         ni_ok,
         f"{name}: candidate {kc}/{n} vs production {kp}/{n} ({report.n_tasks} tasks x {k_per_task} "
         f"sample{'s' if k_per_task > 1 else ''}, paired and clustered by task), difference {diff:+.1%} "
-        f"({config.confidence:.0%} {side} {method} interval [{lo:+.1%}, {hi:+.1%}], lower bound "
+        f"({config.confidence:.0%} {side} {how} interval [{lo:+.1%}, {hi:+.1%}], lower bound "
         f"{'>' if ni_ok else '<='} -{tol:.1%}); {b} newly passed, {c} newly failed pairs{verdict}",
         metric="pass_rate_diff_lower_bound",
         value=lo,
