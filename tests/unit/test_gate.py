@@ -14,6 +14,7 @@ from evals.gate import (
     decide_gate,
     mcnemar_exact_interval,
     monitor_values,
+    newcombe_paired_interval,
     paired_bootstrap_interval,
     wilson_interval,
 )
@@ -311,6 +312,12 @@ def test_known_interval_values():
     # one-sided is 1 - 0.05**(1/5) = 0.4507, so the difference's upper bound is 0.05 * (2*0.4507 - 1).
     lo, hi = mcnemar_exact_interval(0, 5, 100)
     assert lo == pytest.approx(-0.05) and hi == pytest.approx(0.05 * (2 * (1 - 0.05**0.2) - 1), abs=1e-9)
+    # Newcombe's paired score interval, Fagerland, Lydersen & Laake (2014)'s worked example (Cavo et
+    # al. 2012: 59 both, 6 first only, 16 second only, 80 neither): 95 % two-sided -0.1186 to -0.0046.
+    assert newcombe_paired_interval(59, 6, 16, 80, two_sided=True) == pytest.approx((-0.1186, -0.0046), abs=5e-5)
+    # 0/4 vs 0/4, one-sided 95 %: +-z^2 / (n + z^2) = +-0.4035, not the bootstrap's (0, 0).
+    assert newcombe_paired_interval(0, 0, 0, 4) == pytest.approx((-0.4035, 0.4035), abs=1e-4)
+    assert newcombe_paired_interval(0, 0, 0, 0) == (-1.0, 1.0)
 
 
 @settings(max_examples=200, deadline=None)
