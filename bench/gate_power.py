@@ -1,9 +1,11 @@
 """Power and false-rejection rate of the promotion gate at a grid of suite sizes (tasks x samples).
 
 The gate (``evals.gate.decide_gate``, the shipped ``evals/gate.toml`` policy for ``--suite``) fails
-a candidate when the one-sided lower confidence bound of pass@1(candidate) - pass@1(production),
-from the task-clustered paired bootstrap, is at or below ``-tolerance`` (the non-inferiority
-margin). This bench asks, for each (T tasks, k samples per task):
+a candidate when the one-sided lower confidence bound of pass@1(candidate) - pass@1(production)
+(the shipped interval: Newcombe's paired score interval, with k > 1 samples the wider of it and the
+task-clustered paired bootstrap) is at or below ``-tolerance`` (the non-inferiority margin); below
+its power rule (``min_power``) it does not pass either (``insufficient_evidence``), and ``passed``
+below counts passes only. This bench asks, for each (T tasks, k samples per task):
 
 - *false rejection* (FRR): how often it fails a candidate exactly as good as production;
 - *power*: how often it fails a candidate ``--regression`` (5) points worse.

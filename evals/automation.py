@@ -24,7 +24,7 @@ def evaluate(checkpoint_id: str, **kwargs: Any) -> dict[str, Any]:
     """Gate one candidate with the ``FLYWHEEL_EVAL_*`` settings (keyword arguments override them).
 
     Returns:
-        ``{"checkpoint_id", "decision_id", "passed", "failures", "report_path"}``, or
+        ``{"checkpoint_id", "decision_id", "passed", "decision", "failures", "report_path"}``, or
         ``{"checkpoint_id", "skipped": reason}`` when it is already being gated, no longer a
         candidate, or already decided.
     """
@@ -52,6 +52,7 @@ def evaluate(checkpoint_id: str, **kwargs: Any) -> dict[str, Any]:
         "checkpoint_id": checkpoint_id,
         "decision_id": outcome.decision_id,
         "passed": outcome.result.passed,
+        "decision": outcome.result.decision,
         "failures": [r.message for r in outcome.result.failures()],
         "report_path": outcome.report_path,
     }

@@ -293,6 +293,8 @@ def gate_cmd(
         workers=workers,
         on_run=on_run,
     )
+    from evals.gate_terminal import explain
+
     explain(console, outcome)
     if as_json:
         typer.echo(
@@ -302,6 +304,8 @@ def gate_cmd(
                     "candidate_id": candidate,
                     "production_id": outcome.production_id,
                     "passed": outcome.result.passed,
+                    "decision": outcome.result.decision,
+                    "power": {n: x.power for n, x in outcome.result.suites.items() if x.gated},
                     "failures": [r.message for r in outcome.result.failures()],
                     "sampling": {
                         n: {
@@ -317,54 +321,6 @@ def gate_cmd(
         )
     if strict and not outcome.result.passed:
         raise typer.Exit(1)
-
-
-def explain(console, outcome) -> None:
-    """Print a gate outcome: per-suite table, every reason, the report location."""
-    from rich.table import Table
-
-    from evals.passk import format_sampling
-
-    r = outcome.result
-    t = Table(title=f"gate {outcome.candidate_id} vs {outcome.production_id}")
-    for col in ("suite", "gated", "pairs", "candidate", "production", "diff", "diff CI", "solved / broken", "verdict"):
-        t.add_column(col)
-    k = Table(title="pass@k and best-of-K (unbiased pass@k, Chen et al. 2021; mean over tasks)")
-    for col in ("suite", "tasks x samples", "candidate", "production"):
-        k.add_column(col)
-    for s in r.suites.values():
-
-        def fmt(p):
-            return f"{p.rate:.1%} [{p.low:.0%}, {p.high:.0%}]" if p else "-"
-
-        t.add_row(
-            s.suite,
-            "yes" if s.gated else "no",
-            str(s.n_pairs),
-            fmt(s.candidate),
-            fmt(s.production),
-            "-" if s.diff is None else f"{s.diff:+.1%}",
-            "-" if s.diff_low is None else f"[{s.diff_low:+.1%}, {s.diff_high:+.1%}]",
-            f"{len(s.newly_solved)} / {len(s.newly_broken)}",
-            "[green]pass[/green]" if s.passed else "[red]fail[/red]",
-        )
-        k.add_row(
-            s.suite,
-            f"{s.n_tasks} x {s.samples_per_task}",
-            format_sampling(s.candidate_sampling),
-            format_sampling(s.production_sampling),
-        )
-    console.print(t)
-    console.print(k)
-    for reason in r.reasons:
-        mark = "[green]✓[/green]" if reason.passed else ("[red]✗[/red]" if reason.gated else "[yellow]·[/yellow]")
-        console.print(f" {mark} {reason.message}", highlight=False)
-    verdict = "[bold green]PASSED[/bold green]" if r.passed else "[bold red]FAILED[/bold red]"
-    console.print(
-        f"gate {verdict} → checkpoint {outcome.candidate_id} is now "
-        f"{'gate_passed' if r.passed else 'gate_failed'}; decision {outcome.decision_id}"
-    )
-    console.print(f"report: {outcome.report_path}/report.json, gate.png, tasks.md")
 
 
 def register(app: typer.Typer) -> None:

@@ -260,9 +260,12 @@ class OnlinePolicy(_Strict):
 class GateConfig(_Strict):
     """The promotion gate: statistical non-inferiority, floors and behaviour monitors."""
 
-    method: Literal["bootstrap", "mcnemar"] = "bootstrap"
-    """Interval for the paired difference: task-clustered percentile bootstrap, or the exact
-    conditional (McNemar / Clopper-Pearson on discordant pairs) interval."""
+    method: Literal["newcombe", "bootstrap", "mcnemar"] = "newcombe"
+    """Interval for the paired difference. ``newcombe``: Newcombe's (1998) paired score interval,
+    which keeps its coverage at small n and at rates near 0 or 1; with several samples per task,
+    the wider of it and the task-clustered bootstrap (which carries the clustering). ``bootstrap``:
+    the task-clustered percentile bootstrap alone (zero width when no pair is discordant).
+    ``mcnemar``: the exact conditional interval (Clopper-Pearson on discordant pairs)."""
     confidence: float = Field(default=0.95, gt=0.5, lt=1.0)
     """Confidence level of the interval."""
     two_sided: bool = False
@@ -277,6 +280,12 @@ class GateConfig(_Strict):
     """Seed of the bootstrap (with the suite name, so each suite's stream is fixed)."""
     min_pairs: int = Field(default=1, ge=1)
     """Default fewest paired outcomes per suite."""
+    min_power: float = Field(default=0.8, ge=0, le=1)
+    """Least power (:mod:`evals.power`: the probability that an equal candidate clears the margin,
+    at the observed pairs and production's rate) at which a suite can pass; below it a suite that
+    shows no clear regression is ``insufficient_evidence``, never ``pass``."""
+    power_sims: int = Field(default=20_000, ge=100, le=1_000_000)
+    """Simulated tables behind each power figure (seeded with ``seed``)."""
     max_error_fraction: float = Field(default=0.0, ge=0, le=1)
     """Largest fraction of samples whose session errored (harness/infrastructure) before the gate
     fails closed for that suite."""

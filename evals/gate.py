@@ -1,18 +1,27 @@
 """The promotion gate: a pure decision over paired eval outcomes (no DB, no IO).
 
-Invariant: the gate fails closed. A candidate passes only if every gated suite has complete,
-paired results (same suite version, same (task, sample) keys on both sides) and, on those pairs,
-(1) the lower confidence bound of the pass-rate difference candidate - production is above
-``-tolerance`` (non-inferiority), (2) the candidate's pass rate meets the suite's absolute floor,
-and (3) no behaviour monitor breaches its bound versus production (by default: the confidence
-interval of its drift lies beyond the allowance, see ``GateConfig.monitor_rule``). Anything missing,
-unpaired or errored beyond the allowance is a failure with a reason, never a silent skip.
+Invariant: the gate fails closed and knows what it cannot know. Each suite ends ``pass``,
+``fail`` or ``insufficient_evidence``. A suite passes only if it has complete, paired results
+(same suite version, same (task, sample) keys on both sides) and, on those pairs, (1) the lower
+confidence bound of the pass-rate difference candidate - production is above ``-tolerance``
+(non-inferiority), (2) the gate had the power to make that check mean something: at the observed
+pairs and production's rate, an equal candidate clears the margin with probability at least
+``min_power`` (:mod:`evals.power`), (3) the candidate's pass rate meets the suite's absolute floor,
+and (4) no behaviour monitor breaches its bound versus production (by default: the confidence
+interval of its drift lies beyond the allowance, see ``GateConfig.monitor_rule``). Missing,
+unpaired or errored results, a breached floor or monitor, and a difference the interval puts below
+0 (or below the margin on a suite with the power) fail. Too few pairs, or too little power, with no
+such failure, are ``insufficient_evidence``: not a pass, and not promotable without a release
+manager's written override (``app.promotion.service``).
 
-With ``k`` samples per task every sample pairs with production's sample of the same index and the
-interval resamples tasks with all their samples (:func:`app.core.intervals.paired_bootstrap_interval`),
-so more samples narrow it. The data models live in :mod:`evals.gate_models`, the intervals in
-:mod:`app.core.intervals`, the monitors in :mod:`evals.monitors`, pass@k in :mod:`evals.passk`; they are
-re-exported here.
+The interval (``GateConfig.method``, default ``newcombe``) is Newcombe's paired score interval,
+which keeps its coverage at small n and rates near 0 or 1 (0/4 vs 0/4: about +-40 points, where the
+bootstrap gives zero width). With ``k`` samples per task every sample pairs with production's
+sample of the same index, and the gate takes the wider of that interval and the task-clustered
+bootstrap (:func:`app.core.intervals.paired_bootstrap_interval`, which resamples tasks with all
+their samples, so more samples narrow it). The data models live in :mod:`evals.gate_models`, the
+intervals in :mod:`app.core.intervals`, the power in :mod:`evals.power`, the monitors in
+:mod:`evals.monitors`, pass@k in :mod:`evals.passk`; they are re-exported here.
 """
 
 from __future__ import annotations
@@ -24,9 +33,15 @@ from typing import Any
 
 import numpy as np
 
-from app.core.intervals import mcnemar_exact_interval, paired_bootstrap_interval, wilson_interval
+from app.core.intervals import (
+    mcnemar_exact_interval,
+    newcombe_paired_interval,
+    paired_bootstrap_interval,
+    wilson_interval,
+)
 from evals.config import GateConfig
 from evals.gate_models import (
+    Decision,
     GateReason,
     GateResult,
     Key,
@@ -39,8 +54,10 @@ from evals.gate_models import (
 )
 from evals.monitors import check_monitor, monitor_drift_interval, monitor_values
 from evals.passk import pass_at_k, sampling_report, task_counts
+from evals.power import non_inferiority_power
 
 __all__ = [
+    "Decision",
     "GateReason",
     "GateResult",
     "Key",
@@ -54,6 +71,8 @@ __all__ = [
     "decide_gate",
     "mcnemar_exact_interval",
     "monitor_drift_interval",
+    "newcombe_paired_interval",
+    "non_inferiority_power",
     "monitor_values",
     "paired_bootstrap_interval",
     "pass_at_k",
@@ -72,6 +91,48 @@ def _task_solved(outcomes: Sequence[Outcome]) -> dict[str, bool]:
 def _fmt_keys(keys: set[Key], limit: int = 5) -> str:
     shown = ", ".join(f"{t}#{i}" for t, i in sorted(keys)[:limit])
     return shown + (f" (+{len(keys) - limit} more)" if len(keys) > limit else "")
+
+
+def _difference_interval(
+    name: str,
+    keys: list[Key],
+    c_out: list[Outcome],
+    p_out: list[Outcome],
+    table: tuple[int, int, int, int],
+    k_per_task: int,
+    config: GateConfig,
+) -> tuple[float, float]:
+    """The interval of candidate - production under ``config.method``; ``table`` is the paired
+    2x2 table (both passed, candidate only, production only, neither)."""
+    if config.method == "mcnemar":
+        _, b, c, _ = table
+        return mcnemar_exact_interval(b, c, len(keys), confidence=config.confidence, two_sided=config.two_sided)
+    score = newcombe_paired_interval(*table, confidence=config.confidence, two_sided=config.two_sided)
+    if config.method == "newcombe" and k_per_task == 1:
+        return score
+    boot = paired_bootstrap_interval(
+        [k[0] for k in keys],
+        [int(x.passed) - int(y.passed) for x, y in zip(c_out, p_out)],
+        confidence=config.confidence,
+        two_sided=config.two_sided,
+        resamples=config.bootstrap_resamples,
+        seed=np.random.SeedSequence([config.seed, zlib.crc32(name.encode())]),
+    )
+    if config.method == "bootstrap":
+        return boot
+    return min(score[0], boot[0]), max(score[1], boot[1])
+
+
+def _suite_decision(report: SuiteReport, reasons: list[GateReason]) -> Decision:
+    """``fail`` when a check failed outright, else ``insufficient_evidence`` when one could not
+    decide (or nothing paired), else ``pass``."""
+    if any(not r.passed and not r.inconclusive for r in reasons):
+        return "fail"
+    if any(not r.passed for r in reasons) or (
+        report.n_pairs == 0 and not any(r.check == "empty_suite" for r in reasons)
+    ):
+        return "insufficient_evidence"
+    return "pass"
 
 
 def _evaluate_suite(
@@ -140,9 +201,10 @@ def _evaluate_suite(
         reason(
             "too_few_pairs",
             False,
-            f"{name}: {n} paired outcomes, need at least {sg.min_pairs}",
+            f"{name}: {n} paired outcomes, need at least {sg.min_pairs}: insufficient evidence",
             value=float(n),
             bound=float(sg.min_pairs or 1),
+            inconclusive=True,
         )
     report = SuiteReport(
         suite=name,
@@ -160,31 +222,48 @@ def _evaluate_suite(
     kp = sum(o.passed for o in p_out)
     b = sum(x.passed and not y.passed for x, y in zip(c_out, p_out))
     c = sum(y.passed and not x.passed for x, y in zip(c_out, p_out))
+    both = sum(x.passed and y.passed for x, y in zip(c_out, p_out))
     c_samp, p_samp = sampling_report(c_out), sampling_report(p_out)
     diff = c_samp.pass_at_k["1"] - p_samp.pass_at_k["1"]  # mean over tasks of each task's mean difference
     k_per_task = max(n_ for n_, _ in task_counts(c_out).values())
-    if method == "bootstrap":
-        seed = np.random.SeedSequence([config.seed, zlib.crc32(name.encode())])
-        lo, hi = paired_bootstrap_interval(
-            [k[0] for k in keys],
-            [int(x.passed) - int(y.passed) for x, y in zip(c_out, p_out)],
-            confidence=config.confidence,
-            two_sided=config.two_sided,
-            resamples=config.bootstrap_resamples,
-            seed=seed,
-        )
-    else:
-        lo, hi = mcnemar_exact_interval(b, c, n, confidence=config.confidence, two_sided=config.two_sided)
+    lo, hi = _difference_interval(name, keys, c_out, p_out, (both, b, c, n - both - b - c), k_per_task, config)
     tol = sg.tolerance or 0.0
     side = "two-sided" if config.two_sided else "one-sided"
+    power = non_inferiority_power(
+        n,
+        kp / n,
+        tol,
+        confidence=config.confidence,
+        two_sided=config.two_sided,
+        sims=config.power_sims,
+        seed=config.seed,
+    )
+    powered = power >= config.min_power
+    reason(
+        "power",
+        powered,
+        f"{name}: power {power:.2f} to tell an equal candidate from one {tol:.1%} worse at {n} pairs and "
+        f"production's {kp / n:.1%} (needs {config.min_power:.2f})"
+        + ("" if powered else ": insufficient evidence for a pass"),
+        metric="power",
+        value=power,
+        bound=config.min_power,
+        details={"n": n, "base_rate": kp / n, "margin": tol, "sims": config.power_sims},
+        inconclusive=True,
+    )
     ni_ok = lo > -tol
+    # A failed check is a clear fail when the interval lies below 0 (the candidate is worse) or the
+    # suite had the power for its margin; otherwise the pairs cannot tell.
+    ni_clear = ni_ok or hi < 0 or powered
+    verdict = "" if ni_clear else "; the interval also holds 0: insufficient evidence"
+    how = "newcombe or clustered bootstrap, the wider" if method == "newcombe" and k_per_task > 1 else method
     reason(
         "non_inferiority",
         ni_ok,
         f"{name}: candidate {kc}/{n} vs production {kp}/{n} ({report.n_tasks} tasks x {k_per_task} "
         f"sample{'s' if k_per_task > 1 else ''}, paired and clustered by task), difference {diff:+.1%} "
-        f"({config.confidence:.0%} {side} {method} lower bound {lo:+.1%} "
-        f"{'>' if ni_ok else '<='} -{tol:.1%}); {b} newly passed, {c} newly failed pairs",
+        f"({config.confidence:.0%} {side} {how} interval [{lo:+.1%}, {hi:+.1%}], lower bound "
+        f"{'>' if ni_ok else '<='} -{tol:.1%}); {b} newly passed, {c} newly failed pairs{verdict}",
         metric="pass_rate_diff_lower_bound",
         value=lo,
         bound=-tol,
@@ -198,6 +277,7 @@ def _evaluate_suite(
             "confidence": config.confidence,
             "two_sided": config.two_sided,
         },
+        inconclusive=not ni_clear,
     )
     c_rate = kc / n
     reason(
@@ -256,6 +336,8 @@ def _evaluate_suite(
             diff=diff,
             diff_low=lo,
             diff_high=hi,
+            power=power,
+            margin=tol,
             candidate_only=b,
             production_only=c,
             monitors=monitors,
@@ -280,8 +362,9 @@ def decide_gate(
         config: the gate policy.
 
     Returns:
-        A :class:`GateResult`; ``passed`` only if every gated suite passes every check and at least
-        one suite is gated. Ungated suites present on both sides are reported, never decisive.
+        A :class:`GateResult`: ``decision`` is ``fail`` when no suite is gated or a gated suite
+        failed, else ``insufficient_evidence`` when a gated suite could not decide, else ``pass``
+        (``passed``). Ungated suites present on both sides are reported, never decisive.
     """
     gated = config.gated_suites()
     names = sorted(set(gated) | (set(candidate) & set(production)))
@@ -296,9 +379,21 @@ def decide_gate(
     for name in names:
         is_gated = name in gated
         report, rs = _evaluate_suite(name, is_gated, candidate.get(name), production.get(name), config)
-        ok = all(r.passed for r in rs) and (report.n_pairs > 0 or any(r.check == "empty_suite" for r in rs))
-        report = report.model_copy(update={"passed": ok})
-        suites[name] = report
+        decision = _suite_decision(report, rs)
+        suites[name] = report.model_copy(update={"passed": decision == "pass", "decision": decision})
         reasons.extend(rs)
-    passed = bool(gated) and all(r.passed for r in reasons if r.gated) and all(suites[s].passed for s in gated)
-    return GateResult(passed=passed, reasons=reasons, suites=suites, config=config.model_dump(mode="json"))
+    decisions = {suites[s].decision for s in gated}
+    overall: Decision = (
+        "fail"
+        if not gated or "fail" in decisions
+        else "insufficient_evidence"
+        if "insufficient_evidence" in decisions
+        else "pass"
+    )
+    return GateResult(
+        passed=overall == "pass",
+        decision=overall,
+        reasons=reasons,
+        suites=suites,
+        config=config.model_dump(mode="json"),
+    )

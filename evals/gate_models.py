@@ -8,11 +8,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
 Key = tuple[str, int]
+Decision = Literal["pass", "fail", "insufficient_evidence"]
+"""How a suite's comparison (and the gate) ends: ``pass``; ``fail``, a check shows a problem (a
+regression, a breached floor or monitor, missing or broken results); ``insufficient_evidence``,
+nothing failed but the pairs cannot support a pass (too few, or too little power for the margin)."""
 
 
 @dataclass(frozen=True)
@@ -54,7 +58,7 @@ class GateReason(BaseModel):
 
     check: str = Field(
         description="missing_suite | version_mismatch | missing_results | unpaired | errors | "
-        "too_few_pairs | non_inferiority | floor | monitor | empty_suite | no_gated_suites"
+        "too_few_pairs | power | non_inferiority | floor | monitor | empty_suite | no_gated_suites"
     )
     suite: str | None = None
     gated: bool = True
@@ -64,6 +68,11 @@ class GateReason(BaseModel):
     value: float | None = None
     bound: float | None = None
     details: dict[str, Any] = Field(default_factory=dict)
+    inconclusive: bool = Field(
+        default=False,
+        description="a failed check that shows no problem, only that the pairs cannot decide "
+        "(insufficient evidence, not a failure)",
+    )
 
 
 class PassRate(BaseModel):
@@ -118,6 +127,13 @@ class SuiteReport(BaseModel):
     gated: bool
     suite_version: str | None
     passed: bool
+    decision: Decision = "fail"
+    power: float | None = Field(
+        default=None,
+        description="probability that an equal candidate clears the margin at these pairs and "
+        "production's rate (evals.power); None without pairs",
+    )
+    margin: float | None = Field(default=None, description="the non-inferiority margin the power is for")
     n_pairs: int
     n_tasks: int
     candidate: PassRate | None = None
@@ -137,13 +153,16 @@ class SuiteReport(BaseModel):
 
 
 class GateResult(BaseModel):
-    """The gate's decision with every reason (passing and failing) and per-suite statistics."""
+    """The gate's decision with every reason (passing and failing) and per-suite statistics.
+    ``passed`` is ``decision == "pass"``."""
 
     passed: bool
+    decision: Decision = "fail"
     reasons: list[GateReason]
     suites: dict[str, SuiteReport]
     config: dict[str, Any]
 
     def failures(self) -> list[GateReason]:
-        """The reasons that failed a gated suite (empty when ``passed``)."""
+        """The reasons that kept a gated suite from passing, failed or inconclusive (empty when
+        ``passed``)."""
         return [r for r in self.reasons if not r.passed and r.gated]

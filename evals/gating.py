@@ -8,7 +8,10 @@ Invariants:
   fingerprint), never re-run.
 - The ``gate_decision`` row, the checkpoint's new status (``gate_passed`` | ``gate_failed``), its
   audit entry and the ``gate.decided`` outbox message commit in one transaction; the report files
-  are written first, so a decision never points at a missing report.
+  are written first, so a decision never points at a missing report. The three-way decision
+  (``pass`` | ``fail`` | ``insufficient_evidence``) and each suite's power live in the stored
+  report and the audit details; ``insufficient_evidence`` leaves the checkpoint ``gate_failed``
+  (not promotable without a release manager's override, ``app.promotion.service``).
 - One gate per candidate at a time (advisory lock).
 """
 
@@ -162,6 +165,8 @@ def gate_candidate(
                 "decision_id": str(decision_id),
                 "production_id": production_id,
                 "passed": result.passed,
+                "decision": result.decision,
+                "suites": {n: {"decision": s.decision, "power": s.power} for n, s in result.suites.items() if s.gated},
                 "previous_status": previous,
                 "failures": failed[:20],
                 "report_path": str(path),
@@ -176,6 +181,7 @@ def gate_candidate(
                 production_id=production_id,
                 decision_id=str(decision_id),
                 passed=result.passed,
+                decision=result.decision,
                 failures=failed[:20],
                 report_path=str(path),
             )

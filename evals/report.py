@@ -17,6 +17,7 @@ from evals.gate import GateResult, SamplingReport
 from evals.passk import format_sampling
 
 MAX_LISTED = 200
+DECISION_COLORS = {"pass": "tab:green", "fail": "tab:red", "insufficient_evidence": "tab:orange"}
 
 
 def report_dict(
@@ -40,6 +41,7 @@ def report_dict(
         "candidate_id": candidate_id,
         "production_id": production_id,
         "passed": result.passed,
+        "decision": result.decision,
         "created_at": datetime.now(UTC).isoformat(),
         "failures": [r.message for r in result.failures()],
         "reasons": [r.model_dump(mode="json") for r in result.reasons],
@@ -71,8 +73,8 @@ def render_png(result: GateResult, path: Path, title: str) -> Path:
     suites = [s for s in result.suites.values() if s.candidate and s.production]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.8), gridspec_kw={"width_ratios": [1, 1.2]})
     fig.suptitle(
-        title + ("  PASSED" if result.passed else "  FAILED"),
-        color="tab:green" if result.passed else "tab:red",
+        f"{title}  {result.decision.upper().replace('_', ' ')}",
+        color=DECISION_COLORS[result.decision],
         fontsize=11,
     )
     x = np.arange(len(suites))
@@ -84,20 +86,21 @@ def render_png(result: GateResult, path: Path, title: str) -> Path:
         if len(rates):  # the marker keeps a 0 % rate visible
             ax1.errorbar(x + off, vals, yerr=err, fmt="o", color="black", markersize=4, capsize=4)
     for i, s in enumerate(suites):
+        power = "-" if s.power is None else f"{s.power:.2f}"
         ax1.annotate(
-            f"Δ {s.diff:+.1%}\n[{s.diff_low:+.1%}, {s.diff_high:+.1%}]",
+            f"Δ {s.diff:+.1%}\n[{s.diff_low:+.1%}, {s.diff_high:+.1%}]\n{s.decision}, power {power}",
             (i, 1.02),
             ha="center",
             va="bottom",
             fontsize=8,
-            color="tab:green" if s.passed else "tab:red",
+            color=DECISION_COLORS[s.decision],
             xycoords=("data", "axes fraction"),
         )
     ax1.set_xticks(x, [f"{s.suite}\n({s.n_tasks} tasks x {s.samples_per_task})" for s in suites])
     ax1.set_ylim(0, 1)
     ax1.set_ylabel("pass rate")
     ax1.legend(loc="upper right", fontsize=8)
-    ax1.set_title("pass rate, 95% Wilson CI; Δ = paired difference CI", fontsize=9, pad=28)
+    ax1.set_title("pass rate, 95% Wilson CI; Δ = paired difference CI", fontsize=9, pad=40)
     labels, used, observed, colors = [], [], [], []
     for s in suites:
         for m in s.monitors:
@@ -139,14 +142,16 @@ def render_task_diff(report: dict[str, Any]) -> str:
     """Markdown list of newly solved and newly broken tasks per suite."""
     lines = [
         f"# Gate {report['decision_id']}: {report['candidate_id']} vs {report['production_id']} "
-        f"— {'PASSED' if report['passed'] else 'FAILED'}",
+        f"— {report.get('decision', 'pass' if report['passed'] else 'fail')}",
         "",
     ]
     for f in report["failures"]:
-        lines.append(f"- FAIL: {f}")
+        lines.append(f"- NOT PASSED: {f}")
     for name, d in sorted(report["task_diff"].items()):
         lines += ["", f"## {name}", ""]
         suite = report["suites"].get(name, {})
+        if suite.get("power") is not None:
+            lines.append(f"- decision: {suite['decision']}, power {suite['power']:.2f} at margin {suite['margin']:.1%}")
         for role in ("candidate", "production"):
             samp = suite.get(f"{role}_sampling")
             if samp:

@@ -9,8 +9,11 @@ Eval side (per suite, the checkpoint's newest succeeded run): pass@1 = passed / 
 Wilson 95 % interval (Wilson 1927), the invalid tool-call rate (tool-call errors / tool calls) and
 the mean completion tokens per session. Product side (finalized trajectories the checkpoint served,
 ``trajectory.checkpoint_id``): the online signals of :mod:`app.promotion.online` (mean reward, edit
-acceptance, edit persistence, dissatisfied follow-ups per session, latency per token), sessions and
-mean completion tokens.
+acceptance, edit persistence, dissatisfied follow-ups per session, latency per token) with their 95 %
+intervals clustered by user (delta method, ``app.promotion.online.signal_summary``), sessions and
+mean completion tokens. Gate side: the checkpoint's latest gate decision as a candidate (pass, fail
+or insufficient_evidence) with each gated suite's decision and power. The terminal tables live in
+:mod:`ops.report_terminal`.
 """
 
 from __future__ import annotations
@@ -43,6 +46,10 @@ class CurvePoint:
             "mean_completion_tokens"}`` (rates in [0, 1], tokens per session).
         signals: product signals of the sessions it served (see the module docstring); empty when
             it served none.
+        signal_ci: signal -> ``[low, high]``, its 95 % interval clustered by user (only signals
+            with at least two users).
+        gate: its latest gate decision as a candidate, ``{"decision", "suites": {suite:
+            {"decision", "power"}}}`` over the gated suites; empty when it was never gated.
     """
 
     checkpoint_id: str
@@ -52,6 +59,8 @@ class CurvePoint:
     invert_reward: bool = False
     suites: dict[str, dict[str, float]] = field(default_factory=dict)
     signals: dict[str, float] = field(default_factory=dict)
+    signal_ci: dict[str, list[float]] = field(default_factory=dict)
+    gate: dict[str, Any] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -97,18 +106,53 @@ def product_signals(session: Session, checkpoint_id: str) -> dict[str, float]:
     :mod:`app.promotion.online_stats` as its ratio of sums (the canary policy's point estimate), plus
     ``sessions`` and ``mean_completion_tokens``; a signal with no denominator is left out; empty when
     the checkpoint served no session."""
-    from app.promotion.online import load_sessions
+    return _signals_with_ci(session, checkpoint_id)[0]
+
+
+def _signals_with_ci(session: Session, checkpoint_id: str) -> tuple[dict[str, float], dict[str, list[float]]]:
+    """:func:`product_signals` and each signal's 95 % interval clustered by user."""
+    from app.promotion.online import load_sessions, signal_summary
     from app.promotion.online_stats import SIGNALS as ONLINE
 
     rows = [signals for _, signals in load_sessions(session, checkpoint_id)]
     if not rows:
-        return {}
+        return {}, {}
     out = {"sessions": float(len(rows)), "mean_completion_tokens": sum(r.completion_tokens for r in rows) / len(rows)}
     for name in ONLINE:
         num, den = (sum(v) for v in zip(*(r.parts(name) for r in rows)))
         if den > 0:
             out[name] = num / den
-    return out
+    summary = signal_summary(rows)["signals"]
+    ci = {k: [v["low"], v["high"]] for k, v in summary.items() if v is not None and k in out}
+    return out, ci
+
+
+def gate_view(decision: Any) -> dict[str, Any]:
+    """``{"decision", "suites": {suite: {"decision", "power"}}}`` of a stored ``gate_decision`` row
+    over its gated suites (a decision stored before the three-way gate reads as pass or fail, power
+    None)."""
+    report = decision.report or {}
+    suites = {
+        name: {
+            "decision": s.get("decision") or ("pass" if s.get("passed") else "fail"),
+            "power": s.get("power"),
+        }
+        for name, s in sorted((report.get("suites") or {}).items())
+        if s.get("gated", True)
+    }
+    return {"decision": report.get("decision") or ("pass" if decision.passed else "fail"), "suites": suites}
+
+
+def _latest_gate(session: Session, checkpoint_id: str) -> dict[str, Any]:
+    from app.models import GateDecision
+
+    row = session.scalars(
+        select(GateDecision)
+        .where(GateDecision.candidate_id == checkpoint_id)
+        .order_by(GateDecision.created_at.desc(), GateDecision.id.desc())
+        .limit(1)
+    ).first()
+    return gate_view(row) if row is not None else {}
 
 
 def collect_curves(session: Session) -> list[CurvePoint]:
@@ -117,6 +161,7 @@ def collect_curves(session: Session) -> list[CurvePoint]:
 
     points = []
     for ckpt in session.scalars(select(Checkpoint).order_by(Checkpoint.generation, Checkpoint.created_at)):
+        signals, ci = _signals_with_ci(session, ckpt.id)
         points.append(
             CurvePoint(
                 checkpoint_id=ckpt.id,
@@ -125,7 +170,9 @@ def collect_curves(session: Session) -> list[CurvePoint]:
                 parent_id=ckpt.parent_id,
                 invert_reward=bool((ckpt.metrics or {}).get("invert_reward")),
                 suites=_suite_points(session, ckpt.id),
-                signals=product_signals(session, ckpt.id),
+                signals=signals,
+                signal_ci=ci,
+                gate=_latest_gate(session, ckpt.id),
             )
         )
     return points
@@ -140,44 +187,77 @@ def signal_moves(points: list[CurvePoint]) -> dict[str, tuple[float, float]]:
     return {k: (first[k], last[k]) for k in SIGNALS if k in first and k in last}
 
 
+DECISION_MARK = {"pass": "pass", "fail": "fail", "insufficient_evidence": "insuff."}
+
+
+def _yerr(values: list[float], cis: list[list[float] | None]) -> list[list[float]]:
+    """Matplotlib's asymmetric error bars; a point without an interval gets none."""
+    return [
+        [v - ci[0] if ci else 0.0 for v, ci in zip(values, cis)],
+        [ci[1] - v if ci else 0.0 for v, ci in zip(values, cis)],
+    ]
+
+
 def render_curves_png(points: list[CurvePoint], path: Path) -> Path:
-    """Held-out pass rate per suite (with 95 % intervals) and the product signals across checkpoints."""
+    """Held-out pass rate per suite and the product signals across checkpoints, every point with its
+    95 % interval bar (Wilson for pass rates, clustered by user for signals); under each checkpoint
+    its gate decision."""
     import matplotlib
 
     matplotlib.use("Agg", force=True)
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
-    labels = [f"g{p.generation}{'*' if p.invert_reward else ''}" for p in points]
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.6))
+    labels = [
+        f"g{p.generation}{'*' if p.invert_reward else ''}"
+        + (f"\n{DECISION_MARK.get(p.gate['decision'], p.gate['decision'])}" if p.gate else "")
+        for p in points
+    ]
     xs = list(range(len(points)))
     ax = axes[0]
     for suite in sorted({s for p in points for s in p.suites}):
         pts = [(x, p.suites[suite]) for x, p in zip(xs, points) if suite in p.suites]
+        values = [s["pass_rate"] for _, s in pts]
         ax.errorbar(
             [x for x, _ in pts],
-            [s["pass_rate"] for _, s in pts],
+            values,
             capsize=3,
             marker="o",
             label=suite,
-            yerr=[[s["pass_rate"] - s["low"] for _, s in pts], [s["high"] - s["pass_rate"] for _, s in pts]],
+            yerr=_yerr(values, [[s["low"], s["high"]] for _, s in pts]),
         )
     ax.set_title("held-out pass@1 (95% Wilson)")
     ax.set_ylim(0, 1)
     ax.legend(fontsize=8)
     ax = axes[1]
     for key in ("edit_acceptance", "edit_persistence", "dissatisfied_followup_rate"):  # rates in [0, 1]
-        pts = [(x, p.signals[key]) for x, p in zip(xs, points) if key in p.signals]
-        ax.plot([x for x, _ in pts], [v for _, v in pts], marker="o", label=key)
-    ax.set_title("product signals of served sessions")
+        pts = [(x, p.signals[key], p.signal_ci.get(key)) for x, p in zip(xs, points) if key in p.signals]
+        values = [v for _, v, _ in pts]
+        ax.errorbar(
+            [x for x, _, _ in pts], values, yerr=_yerr(values, [ci for *_, ci in pts]), capsize=3, marker="o", label=key
+        )
+    ax.set_title("product signals of served sessions (95% CI by user)")
     ax.set_ylim(0, 1)
     ax.legend(fontsize=8)
     ax = axes[2]
-    pts = [(x, p.signals["mean_reward"]) for x, p in zip(xs, points) if "mean_reward" in p.signals]
-    ax.plot([x for x, _ in pts], [v for _, v in pts], marker="o", color="tab:green")
-    ax.set_title("mean reward of served sessions")
+    pts = [
+        (x, p.signals["mean_reward"], p.signal_ci.get("mean_reward"))
+        for x, p in zip(xs, points)
+        if "mean_reward" in p.signals
+    ]
+    values = [v for _, v, _ in pts]
+    ax.errorbar(
+        [x for x, _, _ in pts],
+        values,
+        yerr=_yerr(values, [ci for *_, ci in pts]),
+        capsize=3,
+        marker="o",
+        color="tab:green",
+    )
+    ax.set_title("mean reward of served sessions (95% CI by user)")
     for ax in axes:
         ax.set_xticks(xs, labels)
-        ax.set_xlabel("checkpoint generation (* = planted regression)")
+        ax.set_xlabel("checkpoint generation (* = planted regression), gate decision")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=90)
@@ -189,48 +269,30 @@ def _fmt_suite(s: dict[str, float] | None) -> str:
     return "-" if not s else f"{s['pass_rate']:.0%} [{s['low']:.0%}, {s['high']:.0%}] n={s['n']}"
 
 
-def render_curves_terminal(points: list[CurvePoint]) -> None:
-    """The learning curve as a rich table, then which way each product signal moved."""
-    from rich.console import Console
-    from rich.table import Table
+def _fmt_signal(p: CurvePoint, key: str) -> str:
+    if key not in p.signals:
+        return "-"
+    ci = p.signal_ci.get(key)
+    return f"{p.signals[key]:.3f}" + (f" [{ci[0]:.3f}, {ci[1]:.3f}]" if ci else "")
 
-    suites = sorted({s for p in points for s in p.suites})
-    table = Table(
-        "gen",
-        "checkpoint",
-        "status",
-        *suites,
-        "sessions",
-        "reward",
-        "accept",
-        "persist",
-        "dissat.",
-        "tokens",
-        title="learning curve (held-out pass@1, 95% Wilson; signals of served sessions)",
+
+def _fmt_gate(p: CurvePoint) -> str:
+    if not p.gate:
+        return "-"
+    powers = ", ".join(
+        f"{name} {s['decision']} (power {'-' if s['power'] is None else format(s['power'], '.2f')})"
+        for name, s in p.gate["suites"].items()
     )
-    for p in points:
-        sig = p.signals
-        table.add_row(
-            str(p.generation),
-            p.checkpoint_id + (" (inverted reward)" if p.invert_reward else ""),
-            p.status,
-            *(_fmt_suite(p.suites.get(s)) for s in suites),
-            str(sig.get("sessions", 0)),
-            *(f"{sig[k]:.2f}" if k in sig else "-" for k in SIGNALS),
-        )
-    con = Console()
-    con.print(table)
-    for key, (first, last) in signal_moves(points).items():
-        arrow = "up" if last > first else "down" if last < first else "unchanged"
-        con.print(f"  {key}: {first:.3f} -> {last:.3f} ({arrow})")
+    return f"{p.gate['decision']}: {powers}"
 
 
 def curves_html(points: list[CurvePoint], png_name: str) -> str:
-    """An HTML section (table + PNG) of the learning curve."""
+    """An HTML section (table + PNG) of the learning curve: pass rates and signals with their 95 %
+    intervals, and each checkpoint's gate decision with every gated suite's decision and power."""
     import html
 
     suites = sorted({s for p in points for s in p.suites})
-    head = "".join(f"<th>{html.escape(h)}</th>" for h in ("gen", "checkpoint", "status", *suites, *SIGNALS))
+    head = "".join(f"<th>{html.escape(h)}</th>" for h in ("gen", "checkpoint", "status", "gate", *suites, *SIGNALS))
     rows = "".join(
         "<tr>"
         + "".join(
@@ -239,8 +301,9 @@ def curves_html(points: list[CurvePoint], png_name: str) -> str:
                 p.generation,
                 p.checkpoint_id + (" (inverted reward)" if p.invert_reward else ""),
                 p.status,
+                _fmt_gate(p),
                 *(_fmt_suite(p.suites.get(s)) for s in suites),
-                *(f"{p.signals[k]:.3f}" if k in p.signals else "-" for k in SIGNALS),
+                *(_fmt_signal(p, k) for k in SIGNALS),
             )
         )
         + "</tr>"

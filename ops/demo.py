@@ -15,7 +15,8 @@ previous one left):
 6. train      one training cycle -> a candidate checkpoint
 7. gate       evals of candidate and production on held-out tasks, then the gate decision
 8. release    as a release manager, through the promotion API: promote if the gate passed,
-              else reject
+              else reject (a gate that found insufficient evidence, as the demo's few eval
+              tasks give, is not overridden: the demo does not promote what it cannot show)
 9. report     terminal + HTML + PNG under ``$FLYWHEEL_HOME/reports/demo/``, with learning curves
               across the cycles (``ops.curves``) and which way the product signals moved
 
@@ -368,13 +369,16 @@ def step_gate(opts: DemoOptions, state: DemoState, home: Path, cycle: int) -> st
         opts,
     )
     decided = _db_scalar(
-        "SELECT passed FROM gate_decision WHERE candidate_id = :c ORDER BY created_at DESC LIMIT 1", c=candidate
+        "SELECT coalesce(report->>'decision', CASE WHEN passed THEN 'pass' ELSE 'fail' END) FROM gate_decision "
+        "WHERE candidate_id = :c ORDER BY created_at DESC LIMIT 1",
+        c=candidate,
     )
-    return f"gate {'passed' if decided else 'failed'}"
+    return f"gate decision: {decided}"
 
 
 def step_release(opts: DemoOptions, state: DemoState, home: Path, cycle: int) -> str:
     """As a release manager, through the promotion API: promote if the gate passed, else reject."""
+    # Insufficient evidence is not overridden here: an override is a person's written judgement.
     import httpx
 
     candidate = state.data[f"candidate@{cycle}"]
@@ -407,11 +411,17 @@ def step_release(opts: DemoOptions, state: DemoState, home: Path, cycle: int) ->
             )
             verb = "promoted"
         else:
-            resp = client.post(
-                f"/checkpoints/{candidate}/reject",
-                json={"reason": f"demo cycle {cycle}: gate not passed (status {status})"},
+            decision = (ckpt.get("latest_gate") or {}).get("decision", "fail")
+            why = (
+                "the gate found insufficient evidence (too few eval pairs for the power to pass); "
+                "not promoted without evidence"
+                if decision == "insufficient_evidence"
+                else f"gate not passed (decision {decision}, status {status})"
             )
-            verb = "rejected"
+            resp = client.post(f"/checkpoints/{candidate}/reject", json={"reason": f"demo cycle {cycle}: {why}"})
+            verb = (
+                "rejected" if decision != "insufficient_evidence" else "not promoted (insufficient evidence), rejected"
+            )
         if resp.status_code >= 400:
             raise FlywheelError(f"release failed: {resp.status_code} {resp.text}")
     # The relay publishes the outbox row; give it a moment so the lifecycle topic has it.

@@ -1,7 +1,10 @@
 """The loop report: every number is read from the database and files the loop wrote.
 
 Used by ``flywheel demo`` (terminal + HTML + PNG under ``$FLYWHEEL_HOME/reports/``) and
-``flywheel report``. Pass-rate intervals are Wilson score intervals (Wilson 1927).
+``flywheel report``. Pass-rate intervals are Wilson score intervals (Wilson 1927). Every gate
+decision is reported with its outcome (pass, fail or insufficient_evidence) and, per gated suite,
+its decision and power (``report.json``: ``gates``). The terminal tables are
+:mod:`ops.report_terminal`'s.
 """
 
 from __future__ import annotations
@@ -68,11 +71,17 @@ class LoopReport:
     training_history: list[dict[str, Any]] = field(default_factory=list)
     suites: list[SuiteResult] = field(default_factory=list)
     gate_passed: bool | None = None
+    gate_decision: str | None = None
+    """The candidate's latest gate decision: pass, fail or insufficient_evidence."""
     gate_reasons: list[str] = field(default_factory=list)
     gate_report_path: str | None = None
     production_id: str | None = None
     audit: list[dict[str, Any]] = field(default_factory=list)
     curves: list[dict[str, Any]] = field(default_factory=list)
+    gates: list[dict[str, Any]] = field(default_factory=list)
+    """Every gate decision, oldest first: ``{"decision_id", "candidate_id", "production_id",
+    "decision", "suites": {suite: {"decision", "power", "margin", "n_pairs", "diff", "diff_low",
+    "diff_high"}}}`` over the gated suites."""
 
     @property
     def total_events(self) -> int:
@@ -85,8 +94,37 @@ def _reason_text(reason: Any) -> str:
     if isinstance(reason, dict):
         msg = reason.get("message") or reason.get("reason") or json.dumps(reason, default=str)
         ok = reason.get("ok", reason.get("passed"))
-        return f"{'PASS' if ok else 'FAIL' if ok is not None else '-'}  {msg}"
+        mark = "PASS" if ok else "-" if ok is None else "INSUFFICIENT" if reason.get("inconclusive") else "FAIL"
+        return f"{mark}  {msg}"
     return str(reason)
+
+
+def fmt_power(power: float | None) -> str:
+    """``0.93``, or ``-`` without pairs."""
+    return "-" if power is None else f"{power:.2f}"
+
+
+def fmt_diff(diff: float | None, low: float | None, high: float | None) -> str:
+    """``-2.1 pt [-6.0, +1.8]`` (pass-rate points), or ``-``."""
+    if diff is None or low is None or high is None:
+        return "-"
+    return f"{100 * diff:+.1f} pt [{100 * low:+.1f}, {100 * high:+.1f}]"
+
+
+def _gate_entry(decision: Any) -> dict[str, Any]:
+    """One gate decision for ``LoopReport.gates`` (see there)."""
+    from ops.curves import gate_view
+
+    stored = (decision.report or {}).get("suites") or {}
+    view = gate_view(decision)
+    keys = ("margin", "n_pairs", "diff", "diff_low", "diff_high")
+    return {
+        "decision_id": str(decision.id),
+        "candidate_id": decision.candidate_id,
+        "production_id": decision.production_id,
+        "decision": view["decision"],
+        "suites": {name: {**v, **{k: stored[name].get(k) for k in keys}} for name, v in view["suites"].items()},
+    }
 
 
 def collect_report(session: Session, candidate_id: str | None = None) -> LoopReport:
@@ -195,8 +233,12 @@ def collect_report(session: Session, candidate_id: str | None = None) -> LoopRep
                     best_of_k=samp.best_of_k,
                 )
             )
+    report.gates = [
+        _gate_entry(d) for d in session.scalars(select(GateDecision).order_by(GateDecision.created_at, GateDecision.id))
+    ]
     if decision is not None:
         report.gate_passed = decision.passed
+        report.gate_decision = _gate_entry(decision)["decision"]
         report.gate_reasons = [_reason_text(r) for r in decision.reasons or []]
         report.gate_report_path = decision.report_path
     audit = session.scalars(select(AuditLog).order_by(AuditLog.id.desc()).limit(10)).all()
@@ -213,67 +255,6 @@ def _scalar_metrics(metrics: dict[str, Any]) -> dict[str, float]:
         if isinstance(v, (int, float)) and not isinstance(v, bool):
             out[k] = float(v)
     return out
-
-
-def render_terminal(report: LoopReport) -> None:
-    """Print the report with rich."""
-    from rich.console import Console
-    from rich.table import Table
-
-    con = Console()
-    con.rule("[bold]flywheel loop report")
-    con.print(
-        f"events stored: [bold]{report.total_events}[/]  "
-        + ", ".join(f"{k} {v}" for k, v in sorted(report.events_by_type.items()))
-    )
-    con.print(
-        f"dead letters: {sum(report.dead_letters_by_reason.values())} {report.dead_letters_by_reason or ''}  "
-        f"privacy-mode events dropped: {report.privacy_events_dropped}"
-    )
-    con.print("trajectories: " + ", ".join(f"{k} {v}" for k, v in sorted(report.trajectories_by_status.items())))
-    if report.rewards:
-        r = sorted(report.rewards)
-        mean = sum(r) / len(r)
-        con.print(
-            f"rewards ({report.reward_spec}): n={len(r)} mean={mean:+.3f} min={r[0]:+.3f} "
-            f"median={r[len(r) // 2]:+.3f} max={r[-1]:+.3f}"
-        )
-    if report.candidate_id:
-        con.print(
-            f"candidate [bold]{report.candidate_id}[/] (parent {report.candidate_parent_id}, "
-            f"{report.trajectories_trained} trajectories, status {report.candidate_status})"
-        )
-        metrics = _scalar_metrics(report.training_metrics)
-        if metrics:
-            con.print("training: " + ", ".join(f"{k}={v:.4g}" for k, v in sorted(metrics.items())))
-    if report.suites:
-        table = Table(
-            "suite",
-            "checkpoint",
-            "pass rate",
-            "95% CI (Wilson)",
-            "n",
-            "pass@k, best-of-K",
-            "mean tokens",
-            "tool errors",
-        )
-        for s in sorted(report.suites, key=lambda s: (s.suite, s.checkpoint_id)):
-            table.add_row(
-                s.suite,
-                s.checkpoint_id,
-                f"{s.rate:.1%}",
-                f"[{s.low:.1%}, {s.high:.1%}]",
-                str(s.total),
-                s.pass_at_k_text,
-                f"{s.mean_completion_tokens:.0f}",
-                str(s.tool_call_errors),
-            )
-        con.print(table)
-    if report.gate_passed is not None:
-        con.print(f"gate: {'[green]PASSED[/]' if report.gate_passed else '[red]FAILED[/]'}")
-        for reason in report.gate_reasons:
-            con.print(f"  - {reason}")
-    con.print(f"serving now (production): [bold]{report.production_id}[/]")
 
 
 def render_png(report: LoopReport, path: Path) -> Path:
@@ -346,7 +327,13 @@ def render_html(report: LoopReport, png_name: str, path: Path) -> Path:
     metrics = "".join(f"<li>{e(k)} = {v:.4g}</li>" for k, v in sorted(_scalar_metrics(report.training_metrics).items()))
     reasons = "".join(f"<li>{e(r)}</li>" for r in report.gate_reasons)
     events = "".join(f"<li>{e(k)}: {v}</li>" for k, v in sorted(report.events_by_type.items()))
-    gate = "not decided" if report.gate_passed is None else ("PASSED" if report.gate_passed else "FAILED")
+    gate = report.gate_decision or "not decided"
+    latest = next((g for g in reversed(report.gates) if g["candidate_id"] == report.candidate_id), None)
+    gate_rows = "".join(
+        f"<tr><td>{e(name)}</td><td>{e(s['decision'])}</td><td>{fmt_power(s['power'])}</td>"
+        f"<td>{fmt_diff(s['diff'], s['diff_low'], s['diff_high'])}</td><td>{s['n_pairs'] or 0}</td></tr>"
+        for name, s in (latest["suites"].items() if latest else [])
+    )
     page = f"""<!doctype html><html><head><meta charset="utf-8"><title>flywheel loop report</title>
 <style>body{{font-family:system-ui,sans-serif;max-width:1100px;margin:2em auto}}td,th{{padding:4px 10px;border-bottom:1px solid #ddd}}</style>
 </head><body><h1>flywheel loop report</h1><p>generated {e(report.generated_at)}</p>
@@ -356,7 +343,9 @@ def render_html(report: LoopReport, png_name: str, path: Path) -> Path:
 <h2>training</h2><p>candidate {e(str(report.candidate_id))} from {e(str(report.candidate_parent_id))},
 {report.trajectories_trained} trajectories</p><ul>{metrics}</ul>
 <h2>evals</h2><table><tr><th>suite</th><th>checkpoint</th><th>pass rate</th><th>95% CI</th><th>n</th><th>pass@k, best-of-K</th><th>mean tokens</th></tr>{rows}</table>
-<h2>gate: {gate}</h2><ul>{reasons}</ul>
+<h2>gate: {e(gate)}</h2>
+<table><tr><th>gated suite</th><th>decision</th><th>power</th><th>difference [95% CI]</th><th>pairs</th></tr>{gate_rows}</table>
+<ul>{reasons}</ul>
 <h2>serving now: {e(str(report.production_id))}</h2>
 <img src="{e(png_name)}" style="max-width:100%"></body></html>"""
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -367,7 +356,8 @@ def render_html(report: LoopReport, png_name: str, path: Path) -> Path:
 def write_report(session: Session, out_dir: Path, candidate_id: str | None = None) -> tuple[LoopReport, Path]:
     """Collect, print, and write ``report.html`` + ``report.png`` + ``curves.png`` + ``report.json``
     into ``out_dir``; the learning curve covers every checkpoint (``ops.curves``)."""
-    from ops.curves import collect_curves, curves_html, render_curves_png, render_curves_terminal
+    from ops.curves import collect_curves, curves_html, render_curves_png
+    from ops.report_terminal import render_curves_terminal, render_terminal
 
     report = collect_report(session, candidate_id)
     points = collect_curves(session)

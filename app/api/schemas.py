@@ -32,6 +32,24 @@ CheckpointId = Annotated[
 Reason = Annotated[
     str, Field(min_length=1, max_length=2000, description="why (recorded in the audit log)"), AfterValidator(_storable)
 ]
+
+
+def _written(value: str) -> str:
+    if not value.strip():
+        raise ValueError("must be written out, not blank")
+    return value
+
+
+OverrideReason = Annotated[
+    str,
+    Field(
+        min_length=1,
+        max_length=2000,
+        description="why promote although the gate found insufficient evidence (recorded in the audit log)",
+    ),
+    AfterValidator(_storable),
+    AfterValidator(_written),
+]
 T = TypeVar("T")
 
 
@@ -95,6 +113,9 @@ class GateSummary(_Out):
     candidate_id: str
     production_id: str
     passed: bool
+    decision: Literal["pass", "fail", "insufficient_evidence"] = Field(
+        default="fail", description="the gate's three-way outcome (insufficient_evidence: not a pass)"
+    )
     reasons: list[Any]
     created_at: datetime
     report_url: str | None = Field(default=None, description="the report PNG served by this API")
@@ -163,6 +184,12 @@ class PromotionRequest(_In):
     reason: Reason
     expected_production_id: CheckpointId | None = Field(
         description="the production you saw; refused with 409 if it changed since (optimistic concurrency)"
+    )
+    override_reason: OverrideReason | None = Field(
+        default=None,
+        description="only for a candidate whose latest gate ended insufficient_evidence: a release "
+        "manager's written reason to promote it anyway (needs the override permission; 403 without "
+        "it, 422 when blank, 409 for any other gate outcome); audited as gate.overridden",
     )
 
 

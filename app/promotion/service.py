@@ -9,6 +9,10 @@ Invariants (with the database's help):
   the checkpoint that is production now, and its status is ``gate_passed``), a STABLE directory,
   and the caller's ``expected_production_id`` equal to the current production (optimistic
   concurrency: of two concurrent promotions exactly one wins, the other gets a 409);
+- a gate that ended ``insufficient_evidence`` (nothing failed; some gated suite lacked the pairs or
+  the power to pass) is not a pass: only a written ``override_reason`` from a caller the boundary
+  has checked for the ``override`` permission promotes over it, and the override is its own
+  ``gate.overridden`` audit entry beside ``checkpoint.promoted``. A failed gate has no override;
 - when the gate's stored config says ``[online] required``, a promotion also needs a canary of the
   candidate against this production in which no online signal regressed significantly, with
   enough sessions on both arms (``app.promotion.online``; fails closed);
@@ -43,6 +47,7 @@ from app.repositories.checkpoints import get_production
 
 REJECTABLE = ("candidate", "gate_passed", "gate_failed")
 MAX_LINEAGE = 256
+INSUFFICIENT = "insufficient_evidence"
 
 
 @dataclass(frozen=True)
@@ -79,6 +84,29 @@ def latest_gate_decision(session: Session, checkpoint_id: str) -> GateDecision |
         .order_by(GateDecision.created_at.desc(), GateDecision.id.desc())
         .limit(1)
     ).first()
+
+
+def gate_outcome(gate: GateDecision) -> str:
+    """``pass``, ``fail`` or ``insufficient_evidence``: the three-way decision the gate stored in its
+    report (``evals.gate``); a decision stored without one reads as pass or fail."""
+    decision = (gate.report or {}).get("decision")
+    return decision if decision in ("pass", "fail", INSUFFICIENT) else ("pass" if gate.passed else "fail")
+
+
+def _gate_refusals(gate: GateDecision) -> list[str]:
+    """The messages of the reasons that kept a gated suite from passing (``evals.gate.GateReason``
+    dicts, or plain strings)."""
+    return [
+        r.get("message", str(r)) if isinstance(r, dict) else str(r)
+        for r in gate.reasons or []
+        if not isinstance(r, dict) or (not r.get("passed") and r.get("gated", True))
+    ]
+
+
+def _gated_powers(gate: GateDecision) -> dict[str, dict]:
+    """Each gated suite's decision and power from the stored report."""
+    suites = (gate.report or {}).get("suites") or {}
+    return {n: {"decision": s.get("decision"), "power": s.get("power")} for n, s in suites.items() if s.get("gated")}
 
 
 def is_stable(row: Checkpoint) -> bool:
@@ -189,16 +217,28 @@ def _commit_production_change(
 
 @traced("promotion.promote", attrs=("checkpoint_id", "expected_production_id", "actor"))
 def promote_checkpoint(
-    session: Session, *, checkpoint_id: str, expected_production_id: str | None, actor: str, reason: str
+    session: Session,
+    *,
+    checkpoint_id: str,
+    expected_production_id: str | None,
+    actor: str,
+    reason: str,
+    override_reason: str | None = None,
 ) -> ProductionChange:
     """Make a gate-passed, STABLE candidate the production checkpoint (see module invariants).
+
+    Args:
+        override_reason: a release manager's written reason to promote a candidate whose latest
+            gate ended ``insufficient_evidence`` (the caller checked the ``override`` permission);
+            recorded as a ``gate.overridden`` audit entry. Refused for any other gate outcome.
 
     Raises:
         NotFoundError: no such checkpoint.
         ConflictError: with every reason the promotion is refused (gate missing/failed/stale,
-            wrong status, not STABLE, trained on erased data, stale ``expected_production_id``,
-            and, when the online policy is required, no canary, too few sessions or a signal of
-            the canary that regressed significantly).
+            insufficient evidence without an override, an override of a gate that did not end
+            insufficient_evidence, wrong status, not STABLE, trained on erased data, stale
+            ``expected_production_id``, and, when the online policy is required, no canary, too few
+            sessions or a signal of the canary that regressed significantly).
     """
     current = _lock_production(session)
     row = _lock_checkpoint(session, checkpoint_id)
@@ -206,30 +246,51 @@ def promote_checkpoint(
     if current is not None and current.id == row.id:
         raise ConflictError(f"checkpoint {row.id} is already production", reasons=["already production"])
     gate = latest_gate_decision(session, row.id)
+    outcome = gate_outcome(gate) if gate is not None else None
+    overriding = override_reason is not None and outcome == INSUFFICIENT
     if gate is None:
         reasons.append("no gate decision: the candidate has not been evaluated")
     else:
         link_references([((gate.report or {}).get("trace"), {"flywheel.link": "gate_decision"})])
-        if not gate.passed:
-            # gate reasons are dicts (evals.gate.GateReason): list only the failing, gating ones
-            failed = [
-                r.get("message", str(r)) if isinstance(r, dict) else str(r)
-                for r in gate.reasons or []
-                if not isinstance(r, dict) or (not r.get("passed") and r.get("gated", True))
-            ]
-            reasons.append("the latest gate decision failed: " + "; ".join(failed))
+        if outcome == INSUFFICIENT and not overriding:
+            reasons.append(
+                "the latest gate found insufficient evidence: "
+                + "; ".join(_gate_refusals(gate))
+                + " (a release manager may promote over it with a written override_reason)"
+            )
+        elif not gate.passed and outcome != INSUFFICIENT:
+            reasons.append("the latest gate decision failed: " + "; ".join(_gate_refusals(gate)))
+        if override_reason is not None and not overriding:
+            reasons.append(f"override_reason applies only to a gate that ended {INSUFFICIENT}; this one is {outcome}")
         if current is not None and gate.production_id != current.id:
             reasons.append(
                 f"the gate compared against {gate.production_id}, but production is now {current.id}: re-run the gate"
             )
         policy = OnlinePolicy.from_config((gate.report or {}).get("config"))
         reasons.extend(online_reasons(session, row.id, current.id if current else None, policy))
-    if row.status != "gate_passed":
-        reasons.append(f"checkpoint status is {row.status!r}, not 'gate_passed'")
+    wanted = "gate_failed" if outcome == INSUFFICIENT else "gate_passed"  # insufficient evidence leaves gate_failed
+    if row.status != wanted:
+        reasons.append(f"checkpoint status is {row.status!r}, not {wanted!r}")
     _check_servable(row, current, expected_production_id, reasons)
     if reasons:
         raise ConflictError(f"promotion of {row.id} refused", reasons=reasons)
     gate_id = gate.id if gate else None
+    details: dict = {"gate_decision_id": str(gate_id) if gate_id else None, "gate_decision": outcome}
+    if overriding:
+        details["override_reason"] = override_reason
+        record_audit(
+            session,
+            actor=actor,
+            action="gate.overridden",
+            target=f"checkpoint:{row.id}",
+            details={
+                "gate_decision_id": str(gate_id),
+                "decision": outcome,
+                "override_reason": override_reason,
+                "suites": _gated_powers(gate),
+                "refusals": _gate_refusals(gate)[:20],
+            },
+        )
     return _commit_production_change(
         session,
         kind="promotion",
@@ -239,7 +300,7 @@ def promote_checkpoint(
         actor=actor,
         reason=reason,
         gate_decision_id=gate_id,
-        extra_details={"gate_decision_id": str(gate_id) if gate_id else None},
+        extra_details=details,
     )
 
 

@@ -5,7 +5,8 @@ once by ``flywheel tokens create``); the database holds its sha256. A revoked to
 authenticates again. Roles:
 
 - ``viewer``: read everything (checkpoints, eval reports, production, audit log).
-- ``release_manager``: viewer + promote, roll back and reject (the people who decide what serves).
+- ``release_manager``: viewer + promote, roll back and reject (the people who decide what serves),
+  and override a gate that ended ``insufficient_evidence`` with a written reason.
 - ``service``: viewer + reject. Automation (eval scheduler, erasure job, CI) may take a candidate
   out of the running, but moving production is a human decision, so ``service`` cannot promote or
   roll back.
@@ -30,12 +31,13 @@ from app.models.promotion import ROLES
 from app.repositories.audit import record_audit
 
 Role = Literal["viewer", "release_manager", "service"]
-Permission = Literal["read", "reject", "promote"]
+Permission = Literal["read", "reject", "promote", "override"]
 
-#: What each role may do. ``promote`` covers promotions and rollbacks.
+#: What each role may do. ``promote`` covers promotions and rollbacks; ``override`` promoting over a
+#: gate that found insufficient evidence (with ``promote``, and a written reason).
 PERMISSIONS: dict[str, frozenset[str]] = {
     "viewer": frozenset({"read"}),
-    "release_manager": frozenset({"read", "reject", "promote"}),
+    "release_manager": frozenset({"read", "reject", "promote", "override"}),
     "service": frozenset({"read", "reject"}),
 }
 

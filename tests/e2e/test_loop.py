@@ -114,11 +114,13 @@ def test_demo_loop_keeps_its_invariants(loop_home, tiny_model_dir):
 
         # 3. the gate decision is stored and the checkpoint's status follows it.
         gate = conn.execute(
-            "SELECT passed, reasons FROM gate_decision WHERE candidate_id = %s", (candidate,)
+            "SELECT passed, reasons, report->>'decision' FROM gate_decision WHERE candidate_id = %s", (candidate,)
         ).fetchone()
         assert gate is not None and gate[1]
         expected_status = "production" if gate[0] else "rejected"
         assert status == expected_status
+        # Two eval tasks cannot power a pass: the gate says so, and the demo does not promote.
+        assert gate[2] in ("insufficient_evidence", "fail") and not gate[0], gate[2]
 
         # 4. the promotion (or rejection) is in the audit log ...
         audit = conn.execute(

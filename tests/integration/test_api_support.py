@@ -96,6 +96,7 @@ def seed_gate(
     reasons: list[str] | None = None,
     report_path: str | None = None,
     status: str | None = None,
+    report: dict | None = None,
 ) -> GateDecision:
     """Insert a gate decision (and move the candidate to gate_passed/gate_failed) and commit."""
     gate = GateDecision(
@@ -104,7 +105,7 @@ def seed_gate(
         production_id=production_id,
         passed=passed,
         reasons=reasons or ([] if passed else ["humaneval regressed: -0.20 (CI -0.31..-0.09)"]),
-        report={"policy": "no-regression@1"},
+        report=report if report is not None else {"policy": "no-regression@1"},
         report_path=report_path,
     )
     session.add(gate)

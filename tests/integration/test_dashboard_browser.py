@@ -108,3 +108,59 @@ def test_dashboard_promotes_a_gated_candidate(browser, live_server, session, sto
     browser.refresh()
     wait.until(lambda d: _text(d, "production-id") == "ckpt-0001")
     assert browser.find_element(By.ID, "rollback").is_enabled()
+
+
+def test_dashboard_shows_decision_and_power_and_overrides_insufficient_evidence(
+    browser, live_server, session, store, base, tmp_path
+):
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    token = make_token(session, "release_manager", name="dana")
+    seed_checkpoint(session, store, "ckpt-0001", parent_id="base", generation=1)
+    none_pass = {f"t{i}": [False] for i in range(4)}
+    seed_eval_run(session, "base", "functions", none_pass)
+    seed_eval_run(session, "ckpt-0001", "functions", none_pass)
+    power = {
+        "check": "power",
+        "suite": "functions",
+        "gated": True,
+        "passed": False,
+        "inconclusive": True,
+        "message": "functions: power 0.00 to tell an equal candidate from one 4.5% worse at 4 pairs",
+    }
+    report = {
+        "decision": "insufficient_evidence",
+        "suites": {"functions": {"gated": True, "decision": "insufficient_evidence", "power": 0.0}},
+    }
+    seed_gate(session, "ckpt-0001", "base", passed=False, reasons=[power], report=report)
+    wait = WebDriverWait(browser, 20)
+
+    browser.get(live_server + "/")
+    browser.find_element(By.ID, "token").send_keys(token)
+    browser.find_element(By.ID, "save-token").click()
+    wait.until(lambda d: _text(d, "candidate-id") == "ckpt-0001")
+    wait.until(lambda d: "INSUFFICIENT EVIDENCE" in _text(d, "gate-status"))
+    (row,) = browser.find_elements(By.CSS_SELECTOR, "#suites tbody tr")
+    cells = [c.text for c in row.find_elements(By.TAG_NAME, "td")]
+    assert cells[0] == "functions@1" and cells[4:] == ["insufficient evidence", "0.00"], cells
+    assert browser.execute_script("return document.documentElement.scrollWidth <= window.innerWidth;")
+    assert "? functions: power 0.00" in _text(browser, "gate-reasons")
+    assert not browser.find_element(By.ID, "promote").is_enabled()
+    override = browser.find_element(By.ID, "override")
+    assert override.is_displayed() and override.is_enabled()
+    browser.save_screenshot(str(tmp_path / "dashboard-insufficient.png"))
+
+    # The override needs its own written reason; without one nothing is sent.
+    browser.find_element(By.ID, "reason").send_keys("needed for the demo")
+    override.click()
+    wait.until(lambda d: "Write why" in _text(d, "message"))
+    assert _text(browser, "production-id") == "base"
+    browser.find_element(By.ID, "override-reason").send_keys("4 tasks cannot show a 4.5-point regression")
+    override.click()
+    wait.until(lambda d: _text(d, "production-id") == "ckpt-0001")
+    assert "over insufficient evidence" in _text(browser, "message")
+
+    session.expire_all()
+    audit = session.scalars(select(AuditLog).where(AuditLog.action == "gate.overridden")).one()
+    assert audit.actor == "dana" and audit.details["override_reason"] == "4 tasks cannot show a 4.5-point regression"

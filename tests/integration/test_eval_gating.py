@@ -29,10 +29,13 @@ TASKS = {
     "humaneval": [StubTask(id=f"HumanEval/{i}") for i in range(30)],
     "dataframebench": [StubTask(id=f"dfb/{i}") for i in range(30)],
 }
+# 30 tasks cannot power a 2-point margin, so the power rule (tests/unit/test_gate.py and the
+# insufficient-evidence test below) is off here: these tests are about what a decision records.
 CONFIG = GateConfig(
     suites={"humaneval": SuiteGate(min_pairs=10), "dataframebench": SuiteGate(min_pairs=10)},
     bootstrap_resamples=1000,
     monitors=[MonitorBound(metric="edit_rate", worse="decrease", abs_tolerance=0.05)],
+    min_power=0.0,
 )
 
 
@@ -80,13 +83,12 @@ def gate(cid: str, **kw):
     # One sample per task whatever the shipped suites say (k samples: tests/integration/test_eval_passk.py).
     return gate_candidate(
         cid,
-        config=CONFIG,
         suites=sorted(TASKS),
         tasks=TASKS,
         engine_factory=Engine,
         workers=2,
         overrides={"samples_per_task": 1},
-        **kw,
+        **{"config": CONFIG, **kw},
     )
 
 
@@ -172,3 +174,27 @@ def test_celery_tasks_are_thin_wrappers(checkpoints, monkeypatch):
     monkeypatch.setenv("FLYWHEEL_EVAL_SCAN_BATCH", "5")
     assert automation.scan_candidates.apply().get() == ["bad", "good"]
     assert sent == ["bad", "good"] and gated == ["good"]
+
+
+def test_an_underpowered_gate_records_insufficient_evidence(checkpoints, monkeypatch):
+    monkeypatch.setattr(runner, "run_sample", Policies())
+    outcome = gate("good", config=CONFIG.model_copy(update={"min_power": 0.8}))
+    result = outcome.result
+    assert result.decision == "insufficient_evidence" and not result.passed
+    assert {r.check for r in result.failures()} == {"power"} and all(r.inconclusive for r in result.failures())
+    with session_scope() as s:
+        assert s.get(Checkpoint, "good").status == "gate_failed"
+        decision = s.get(GateDecision, uuid.UUID(outcome.decision_id))
+        assert not decision.passed and decision.report["decision"] == "insufficient_evidence"
+        for name in TASKS:
+            suite = decision.report["suites"][name]
+            assert suite["decision"] == "insufficient_evidence" and 0.0 <= suite["power"] < 0.8
+        audit = s.scalars(select(AuditLog).where(AuditLog.action == "gate.decided")).one()
+        assert audit.details["decision"] == "insufficient_evidence"
+        assert set(audit.details["suites"]) == set(TASKS)
+        assert audit.details["suites"]["humaneval"]["power"] == decision.report["suites"]["humaneval"]["power"]
+        (msg,) = s.scalars(select(Outbox).where(Outbox.event_type == "gate.decided")).all()
+        assert msg.payload["decision"] == "insufficient_evidence" and msg.payload["passed"] is False
+    report = json.loads((Path(outcome.report_path) / "report.json").read_text())
+    assert report["decision"] == "insufficient_evidence"
+    assert {n: s["decision"] for n, s in report["suites"].items()} == dict.fromkeys(TASKS, "insufficient_evidence")

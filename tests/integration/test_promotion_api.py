@@ -255,3 +255,92 @@ def test_eval_report_with_intervals_task_diffs_and_png(client, session, store, b
     gate.report_path = "/etc/passwd"
     session.commit()
     assert client.get(url, headers=rm).status_code == 404
+
+
+INSUFFICIENT = {
+    "decision": "insufficient_evidence",
+    "suites": {
+        "functions": {"gated": True, "decision": "insufficient_evidence", "power": 0.0, "margin": 0.045},
+        "humaneval": {"gated": True, "decision": "pass", "power": 0.93, "margin": 0.045},
+    },
+}
+POWER_REASON = {
+    "check": "power",
+    "suite": "functions",
+    "gated": True,
+    "passed": False,
+    "inconclusive": True,
+    "message": "functions: power 0.00 to tell an equal candidate from one 4.5% worse at 4 pairs",
+}
+
+
+def _override(client, headers, checkpoint_id, override_reason, expected="base"):
+    return client.post(
+        "/v1/promotions",
+        headers=headers,
+        json={
+            "checkpoint_id": checkpoint_id,
+            "reason": "ship the fix",
+            "expected_production_id": expected,
+            "override_reason": override_reason,
+        },
+    )
+
+
+def test_insufficient_evidence_needs_a_release_managers_written_override(client, session, store, base, rm, monkeypatch):
+    from app.promotion import tokens
+
+    cand = seed_checkpoint(session, store, "ckpt-0001", parent_id="base", generation=1)
+    gate = seed_gate(session, cand.id, "base", passed=False, reasons=[POWER_REASON], report=INSUFFICIENT)
+    plain = _promote(client, rm, cand.id)
+    assert plain.status_code == 409
+    (why,) = plain.json()["error"]["reasons"]
+    assert "insufficient evidence" in why and "power 0.00" in why and "override_reason" in why
+    for blank in ("", "  \n\t "):
+        resp = _override(client, rm, cand.id, blank)
+        assert resp.status_code == 422, resp.text
+    for role in ("viewer", "service"):
+        other = auth(make_token(session, role))
+        assert _override(client, other, cand.id, "I have read the evals").status_code == 403
+    # A role that may promote but not override is refused before anything is written.
+    monkeypatch.setitem(tokens.PERMISSIONS, "release_manager", frozenset({"read", "reject", "promote"}))
+    resp = _override(client, rm, cand.id, "I have read the evals")
+    assert resp.status_code == 403 and "may not override" in resp.json()["error"]["message"]
+    monkeypatch.undo()
+    assert session.scalar(select(sa.func.count()).select_from(Promotion)) == 0
+    assert {a.action for a in session.scalars(select(AuditLog))} == {"token.created"}
+
+    resp = _override(client, rm, cand.id, "4 tasks cannot show it; the canary and the diff review can")
+    assert resp.status_code == 201, resp.text
+    assert _statuses(session) == {"base": "retired", cand.id: "production"}
+    overridden = session.scalars(select(AuditLog).where(AuditLog.action == "gate.overridden")).one()
+    assert overridden.actor == "alice" and overridden.target == f"checkpoint:{cand.id}"
+    assert overridden.details["override_reason"] == "4 tasks cannot show it; the canary and the diff review can"
+    assert overridden.details["decision"] == "insufficient_evidence"
+    assert overridden.details["gate_decision_id"] == str(gate.id)
+    assert overridden.details["suites"]["functions"] == {"decision": "insufficient_evidence", "power": 0.0}
+    promoted = session.scalars(select(AuditLog).where(AuditLog.action == "checkpoint.promoted")).one()
+    assert promoted.details["gate_decision"] == "insufficient_evidence"
+    assert promoted.details["override_reason"] == overridden.details["override_reason"]
+    msg = session.scalars(select(Outbox)).one()
+    assert msg.event_type == "checkpoint.promoted" and msg.payload["gate_decision"] == "insufficient_evidence"
+    latest = client.get(f"/v1/checkpoints/{cand.id}", headers=rm).json()["latest_gate"]
+    assert latest["decision"] == "insufficient_evidence" and latest["passed"] is False
+    me = client.get("/v1/me", headers=rm).json()
+    assert "override" in me["permissions"]
+
+
+def test_an_override_applies_to_insufficient_evidence_only(client, session, store, base, gated, rm):
+    assert _override(client, rm, gated.id, "no need").status_code == 409  # the gate passed: nothing to override
+    failed = seed_checkpoint(session, store, "ckpt-0002", parent_id="base", generation=1)
+    seed_gate(session, failed.id, "base", passed=False, report={"decision": "fail", "suites": {}})
+    resp = _override(client, rm, failed.id, "I trust it anyway")
+    assert resp.status_code == 409
+    reasons = resp.json()["error"]["reasons"]
+    assert any("failed" in r for r in reasons) and any("applies only" in r for r in reasons)
+    # A decision stored before the three-way gate (no "decision" in its report) is a failure.
+    old = seed_checkpoint(session, store, "ckpt-0003", parent_id="base", generation=1)
+    seed_gate(session, old.id, "base", passed=False)
+    assert _override(client, rm, old.id, "I trust it anyway").status_code == 409
+    assert session.scalar(select(sa.func.count()).select_from(Promotion)) == 0
+    assert not session.scalars(select(AuditLog).where(AuditLog.action == "gate.overridden")).all()

@@ -14,13 +14,16 @@ from evals.gate import (
     decide_gate,
     mcnemar_exact_interval,
     monitor_values,
+    newcombe_paired_interval,
     paired_bootstrap_interval,
     wilson_interval,
 )
 
 
 def config(**kw) -> GateConfig:
-    base = dict(suites={"s": SuiteGate()}, bootstrap_resamples=2000, monitors=[])
+    """A policy for the interval, floor and monitor checks; ``min_power = 0`` turns the power rule
+    off (it has its own tests below, with the shipped 0.8)."""
+    base = dict(suites={"s": SuiteGate()}, bootstrap_resamples=2000, monitors=[], min_power=0.0)
     base.update(kw)
     return GateConfig(**base)
 
@@ -51,7 +54,7 @@ def checks(result, passed=None):
     return {r.check for r in result.reasons if passed is None or r.passed == passed}
 
 
-@pytest.mark.parametrize("method", ["bootstrap", "mcnemar"])
+@pytest.mark.parametrize("method", ["newcombe", "bootstrap", "mcnemar"])
 def test_clear_win_passes(method):
     r = decide(*table(b=40, c=5, both=60, neither=95), config(method=method))
     assert r.passed, [x.message for x in r.failures()]
@@ -62,7 +65,7 @@ def test_clear_win_passes(method):
     assert len(s.newly_solved) == 40 and len(s.newly_broken) == 5
 
 
-@pytest.mark.parametrize("method", ["bootstrap", "mcnemar"])
+@pytest.mark.parametrize("method", ["newcombe", "bootstrap", "mcnemar"])
 def test_clear_loss_fails(method):
     r = decide(*table(b=3, c=30, both=60, neither=107), config(method=method))
     assert not r.passed
@@ -71,7 +74,7 @@ def test_clear_loss_fails(method):
     assert "lower bound" in fail[0].message
 
 
-@pytest.mark.parametrize("method", ["bootstrap", "mcnemar"])
+@pytest.mark.parametrize("method", ["newcombe", "bootstrap", "mcnemar"])
 def test_noise_level_difference_passes_with_enough_pairs(method):
     # 1,000 pairs, 10 vs 12 discordant: -0.2 points, well inside the 2-point margin.
     r = decide(*table(b=10, c=12, both=500, neither=478), config(method=method))
@@ -79,18 +82,116 @@ def test_noise_level_difference_passes_with_enough_pairs(method):
     assert -0.02 < r.suites["s"].diff_low < -0.002
 
 
-@pytest.mark.parametrize("method", ["bootstrap", "mcnemar"])
+@pytest.mark.parametrize("method", ["newcombe", "bootstrap", "mcnemar"])
 def test_noise_level_difference_on_few_pairs_is_inconclusive_and_fails(method):
     # Same point estimate sign, but 40 pairs cannot rule out a 2-point regression.
     r = decide(*table(b=3, c=4, both=15, neither=18), config(method=method))
-    assert not r.passed
+    assert not r.passed and r.decision == "fail"  # power rule off: the margin alone decides
     assert checks(r, passed=False) == {"non_inferiority"}
+    # Under the power rule the same pairs are insufficient evidence: the interval also holds 0.
+    r = decide(*table(b=3, c=4, both=15, neither=18), config(method=method, min_power=0.8))
+    assert r.decision == "insufficient_evidence" and not r.passed
+    assert checks(r, passed=False) == {"non_inferiority", "power"}
+    assert all(x.inconclusive for x in r.failures()) and "insufficient evidence" in r.failures()[0].message
 
 
-def test_identical_results_pass_and_report_zero_interval():
+def test_identical_results_collapse_only_the_bootstrap():
+    # 50 identical pairs: no pair is discordant, so every bootstrap replicate is 0 ...
+    r = decide(*table(b=0, c=0, both=30, neither=20), config(method="bootstrap"))
+    assert r.passed and (r.suites["s"].diff_low, r.suites["s"].diff_high) == (0.0, 0.0)
+    # ... while the score interval still says what 50 pairs cannot rule out.
     r = decide(*table(b=0, c=0, both=30, neither=20))
-    assert r.passed
-    assert (r.suites["s"].diff_low, r.suites["s"].diff_high) == (0.0, 0.0)
+    low, high = r.suites["s"].diff_low, r.suites["s"].diff_high
+    assert -0.1 < low < -0.005 and 0.005 < high < 0.1 and low == pytest.approx(-high)
+
+
+def test_zero_of_four_against_zero_of_four_is_insufficient_evidence():
+    """The demo's gate: 4 tasks, min_pairs lowered to 4, both sides solve none."""
+    from evals.config import load_gate_config
+
+    cand, prod = table(b=0, c=0, both=0, neither=4)
+    policy = load_gate_config().with_min_pairs(4).gating_only(["functions"])
+    r = decide_gate(
+        {"functions": SuiteOutcomes("functions", "v", cand)},
+        {"functions": SuiteOutcomes("functions", "v", prod)},
+        policy,
+    )
+    s = r.suites["functions"]
+    assert r.decision == "insufficient_evidence" and not r.passed
+    assert s.decision == "insufficient_evidence" and s.power == 0.0 and s.margin == 0.045
+    assert s.diff_low < -0.35 and s.diff_high > 0.35  # one-sided 95 % Newcombe: +-0.403
+    assert {x.check for x in r.failures()} == {"power", "non_inferiority"}
+    # The bootstrap's zero-width interval passes the margin, and the power rule still refuses a pass.
+    r = decide(cand, prod, config(method="bootstrap", min_power=0.8))
+    assert r.suites["s"].diff_low == 0.0 and r.decision == "insufficient_evidence"
+    assert [x.check for x in r.failures()] == ["power"]
+
+
+def test_a_clear_regression_fails_even_without_power():
+    # 0/8 against 8/8: the whole interval lies below 0, so the few pairs are enough to fail.
+    r = decide(*table(b=0, c=8, both=0, neither=0), config(min_power=0.8))
+    assert r.decision == "fail" and r.suites["s"].diff_high < 0 and r.suites["s"].power < 0.8
+    ni = next(x for x in r.failures() if x.check == "non_inferiority")
+    assert not ni.inconclusive
+
+
+def test_too_few_pairs_is_insufficient_but_broken_results_fail():
+    cand, prod = table(b=2, c=0, both=3, neither=0)
+    policy = config(suites={"s": SuiteGate(min_pairs=20, tolerance=0.9)}, min_power=0.8)  # only the count fails
+    r = decide(cand, prod, policy)
+    assert r.decision == "insufficient_evidence" and checks(r, passed=False) == {"too_few_pairs"}
+    r = decide(cand[:-1], prod, policy)
+    assert r.decision == "fail" and {"unpaired", "too_few_pairs"} <= checks(r, passed=False)
+
+
+def test_power_is_seeded_and_grows_with_pairs():
+    from evals.power import non_inferiority_power
+
+    assert non_inferiority_power(4, 0.0, 0.02) == 0.0
+    assert non_inferiority_power(200, 0.0, 0.02) == 1.0  # 200 agreeing pairs bound the difference at -1.3 pt
+    small, large = non_inferiority_power(112, 0.18, 0.045), non_inferiority_power(896, 0.18, 0.045)
+    assert small < 0.5 < 0.8 < large
+    assert non_inferiority_power(112, 0.18, 0.045) == small
+    with pytest.raises(ValueError):
+        non_inferiority_power(10, 1.5, 0.02)
+
+
+SIZED = dict(tasks=112, samples=8, tolerance=0.055, beta=(0.3684, 1.8611))
+"""The in-reach suite at the power target (docs/gate.md): 112 tasks x 8 samples at a 5.5-point
+margin, per-task pass probabilities Beta(0.368, 1.861) fitted to base's measured counts."""
+
+
+def test_a_sized_suite_passes_equal_and_fails_five_points_worse_at_the_stated_rates(sims=150):
+    """docs/gate.md: on a sized suite an equal candidate fails at most 5 % of the time and one 5
+    points worse at least 80 % of the time. Seeded draws of both hypotheses through the gate (the
+    bench's model: per-task p from the Beta, independent samples, the worse candidate shifted on the
+    logit scale so the mean drops 5 points); the bounds allow ~2 Monte Carlo standard errors."""
+    from scipy import optimize, special, stats
+
+    t, k, a, b = SIZED["tasks"], SIZED["samples"], *SIZED["beta"]
+    cfg = config(
+        suites={"s": SuiteGate(tolerance=SIZED["tolerance"], min_pairs=t * k)}, min_power=0.8, bootstrap_resamples=1000
+    )
+    grid = stats.beta.ppf((np.arange(4000) + 0.5) / 4000, a, b)
+    shift = optimize.brentq(lambda x: special.expit(special.logit(grid) - x).mean() - grid.mean() + 0.05, 0, 50)
+    keys = [(f"t{i:04d}", j) for i in range(t) for j in range(k)]
+    rng = np.random.default_rng(43)
+
+    def gate(p, q):
+        sides = [rng.random((t, k)) < x[:, None] for x in (q, p)]
+        cand, prod = ([Outcome(i, j, bool(v)) for (i, j), v in zip(keys, side.ravel())] for side in sides)
+        return decide(cand, prod, cfg, planned=keys)
+
+    equal, worse = [], []
+    for _ in range(sims):
+        p = np.clip(rng.beta(a, b, t), 1e-9, 1 - 1e-9)
+        equal.append(gate(p, p))
+        worse.append(gate(p, special.expit(special.logit(p) - shift)))
+    passed = np.mean([r.decision == "pass" for r in equal])
+    failed = np.mean([r.decision == "fail" for r in worse])
+    assert passed >= 0.95 - 0.04, passed  # false rejection <= 5 %
+    assert failed >= 0.80 - 0.06, failed  # power >= 0.8
+    assert min(r.suites["s"].power for r in equal) >= 0.8  # sized: the power rule never decides here
 
 
 def test_monitor_breach_fails_even_when_pass_rate_is_better():
@@ -173,7 +274,7 @@ def test_errored_sessions_and_too_few_pairs_fail_closed():
 
 def test_floor_and_ungated_suites():
     cand, prod = table(b=0, c=0, both=10, neither=90)
-    cfg = config(suites={"s": SuiteGate(floor=0.2), "extra": SuiteGate(gated=False)})
+    cfg = config(suites={"s": SuiteGate(floor=0.2), "extra": SuiteGate(gated=False)}, method="bootstrap")
     r = decide_gate(
         {"s": SuiteOutcomes("s", "v", cand), "extra": SuiteOutcomes("extra", "v", cand[:3])},
         {"s": SuiteOutcomes("s", "v", prod), "extra": SuiteOutcomes("extra", "v", prod)},
@@ -211,6 +312,12 @@ def test_known_interval_values():
     # one-sided is 1 - 0.05**(1/5) = 0.4507, so the difference's upper bound is 0.05 * (2*0.4507 - 1).
     lo, hi = mcnemar_exact_interval(0, 5, 100)
     assert lo == pytest.approx(-0.05) and hi == pytest.approx(0.05 * (2 * (1 - 0.05**0.2) - 1), abs=1e-9)
+    # Newcombe's paired score interval, Fagerland, Lydersen & Laake (2014)'s worked example (Cavo et
+    # al. 2012: 59 both, 6 first only, 16 second only, 80 neither): 95 % two-sided -0.1186 to -0.0046.
+    assert newcombe_paired_interval(59, 6, 16, 80, two_sided=True) == pytest.approx((-0.1186, -0.0046), abs=5e-5)
+    # 0/4 vs 0/4, one-sided 95 %: +-z^2 / (n + z^2) = +-0.4035, not the bootstrap's (0, 0).
+    assert newcombe_paired_interval(0, 0, 0, 4) == pytest.approx((-0.4035, 0.4035), abs=1e-4)
+    assert newcombe_paired_interval(0, 0, 0, 0) == (-1.0, 1.0)
 
 
 @settings(max_examples=200, deadline=None)
@@ -275,12 +382,13 @@ def monitor_verdict(result, metric="edit_rate"):
 def test_a_monitor_on_few_pairs_does_not_breach_on_noise():
     # The demo's case: 4 pairs, the candidate edited in 2 sessions, production in 3 (-25 points).
     cand, prod = edits([1, 1, 0, 0], [1, 1, 1, 0])
-    noisy = decide(cand, prod, config(monitors=[EDIT_RATE]))
+    # The bootstrap and no power rule: the pass rates are identical, so the monitor alone decides.
+    noisy = decide(cand, prod, config(monitors=[EDIT_RATE], method="bootstrap"))
     v = monitor_verdict(noisy)
     assert noisy.passed and v.passed, v.message
     assert v.details["drift"] == pytest.approx(0.25) and v.details["drift_low"] <= 0.05
     assert v.details["rule"] == "significant" and "lower bound" in v.message
-    point = decide(cand, prod, config(monitors=[EDIT_RATE], monitor_rule="point"))
+    point = decide(cand, prod, config(monitors=[EDIT_RATE], monitor_rule="point", method="bootstrap"))
     assert not point.passed and monitor_verdict(point).details["rule"] == "point"
 
 

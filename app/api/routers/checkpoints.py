@@ -23,7 +23,7 @@ from app.api.schemas import (
 from app.models import GateDecision
 from app.promotion import queries
 from app.promotion.online import online_view
-from app.promotion.service import latest_gate_decision, lineage, reject_checkpoint
+from app.promotion.service import gate_outcome, latest_gate_decision, lineage, reject_checkpoint
 from app.repositories.checkpoints import get_checkpoint
 
 router = APIRouter(prefix="/checkpoints", tags=["checkpoints"], responses=AUTH_RESPONSES, route_class=RoleFirstRoute)
@@ -37,6 +37,7 @@ def gate_summary(gate: GateDecision | None) -> GateSummary | None:
     if gate is None:
         return None
     out = GateSummary.model_validate(gate)
+    out.decision = gate_outcome(gate)
     if gate.report_path:
         out.report_url = f"/v1/reports/{gate.id}/report.png"
     return out

@@ -10,6 +10,7 @@ from sqlalchemy import select
 from app.api.deps import ActorDep, RoleFirstRoute, SessionDep, ViewerDep
 from app.api.errors import AUTH_RESPONSES, CONFLICT, NOT_FOUND, model_response
 from app.api.schemas import CheckpointSummary, Page, ProductionOut, PromotionOut, PromotionRequest, RollbackRequest
+from app.core.errors import ForbiddenError
 from app.models import Promotion
 from app.promotion import queries
 from app.promotion.service import promote_checkpoint, rollback_production
@@ -42,15 +43,24 @@ def create_promotion(
     body: PromotionRequest, session: SessionDep, principal: ActorDep, response: Response
 ) -> PromotionOut:
     """Make ``checkpoint_id`` production. Refused with 409 and every reason when its gate has not
-    passed (missing, failed, or compared against another production), it is not STABLE, or
-    ``expected_production_id`` is not the current production. On success, one transaction holds the
-    promotion row, the status changes, the audit entry and the ``checkpoint.promoted`` outbox message."""
+    passed (missing, failed, insufficient evidence without ``override_reason``, or compared against
+    another production), it is not STABLE, or ``expected_production_id`` is not the current
+    production. ``override_reason`` promotes over a gate that ended ``insufficient_evidence``: it
+    needs the ``override`` permission (403) and written text (422), and is audited as
+    ``gate.overridden``. On success, one transaction holds the promotion row, the status changes, the
+    audit entries and the ``checkpoint.promoted`` outbox message."""
+    if body.override_reason is not None and not principal.can("override"):
+        raise ForbiddenError(
+            f"role {principal.role!r} may not override the gate",
+            reasons=[f"token {principal.name!r} has role {principal.role!r}"],
+        )
     change = promote_checkpoint(
         session,
         checkpoint_id=body.checkpoint_id,
         expected_production_id=body.expected_production_id,
         actor=principal.name,
         reason=body.reason,
+        override_reason=body.override_reason,
     )
     session.commit()
     response.headers["Location"] = "/v1/production"
