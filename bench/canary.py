@@ -289,8 +289,8 @@ def main() -> None:
     import torch
 
     torch.set_num_threads(args.threads)
-    from ops.broker import create_topics, start_broker
     from app.core.pids import stop_pid
+    from ops.broker import create_topics, start_broker
 
     broker = start_broker(tmp / "logs")
     admin, stop_server = scratch_server(tmp)

@@ -288,8 +288,8 @@ def main() -> None:
     os.environ["FLYWHEEL_CONSUMER_FINALIZE_GRACE_S"] = "0"
     if args.batch:
         os.environ["FLYWHEEL_CONSUMER_BATCH_MAX_RECORDS"] = str(args.batch)
-    from ops.broker import create_topics, start_broker
     from app.core.pids import stop_pid
+    from ops.broker import create_topics, start_broker
 
     broker = start_broker(tmp / "logs")
     admin, stop_server = scratch_server(tmp)

@@ -152,8 +152,8 @@ def main(argv: list[str] | None = None) -> int:
     n = args.events or (5_000 if args.quick else 20_000)
     rounds = args.rounds or (3 if args.quick else 7)
 
-    from ops.broker import create_topics, start_broker
     from app.core.pids import stop_pid
+    from ops.broker import create_topics, start_broker
     from producers.client import default_compression
 
     compression = args.compression or default_compression()

@@ -166,8 +166,8 @@ def main() -> None:
     tmp = Path(tempfile.mkdtemp(prefix="flywheel-bench-routes-"))
     os.environ["FLYWHEEL_HOME"] = str(tmp)
     os.environ.setdefault("FLYWHEEL_TELEMETRY_EXPORTER", "none")
-    from ops.broker import create_topics, start_broker
     from app.core.pids import stop_pid
+    from ops.broker import create_topics, start_broker
 
     broker = start_broker(tmp / "logs")
     url, cleanup = _scratch(tmp)

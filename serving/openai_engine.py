@@ -11,8 +11,12 @@ as :mod:`serving.vllm_server` does), in order:
 
 1. ``POST /pause?mode=wait`` lets in-flight requests finish and holds new ones, so no completion
    mixes two checkpoints;
-2. ``POST /collective_rpc {"method": "reload_weights", "kwargs": {"weights_path": PATH}}`` reloads
-   the weights in place from the checkpoint folder PATH (readable by the server: a shared volume);
+2. ``POST /collective_rpc {"method": "reload_checkpoint", "kwargs": {"weights_path": PATH}}`` reloads
+   the weights in place from the checkpoint folder PATH (readable by the server: a shared volume).
+   ``reload_checkpoint`` is flywheel's worker extension (:mod:`serving.vllm_worker`, the server
+   started with ``--worker-extension-cls serving.vllm_worker.WeightReload``): vLLM's
+   ``reload_weights`` followed by a refresh of the layers that share a weight, without which a tied
+   LM head keeps the previous checkpoint's packed weight on CPU;
 3. ``POST /reset_prefix_cache`` drops cached prefixes computed with the old weights;
 4. ``POST /update_weight_version {"new_version": CHECKPOINT_ID}`` records which checkpoint serves:
    ``GET /weight_info`` answers it, so any client can ask the server what it serves;
@@ -248,7 +252,7 @@ class OpenAICompatEngine(InferenceEngine):
         self._request("POST", "/pause?mode=wait")
         try:
             self._request(
-                "POST", "/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": str(path)}}
+                "POST", "/collective_rpc", {"method": "reload_checkpoint", "kwargs": {"weights_path": str(path)}}
             )
             self._request("POST", "/reset_prefix_cache")
             self._request("POST", "/update_weight_version", {"new_version": checkpoint_id})

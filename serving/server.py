@@ -3,7 +3,8 @@
 Endpoints: ``GET /health``, ``GET /v1/models``, ``POST /v1/completions`` (token-id or text prompts,
 ``logprobs``, ``return_token_ids``, ``return_tokens_as_token_ids``, ``stop_token_ids``, ``seed``),
 and the vLLM 0.32 endpoints :mod:`serving.openai_engine` reloads weights with: ``POST /pause``,
-``POST /collective_rpc`` (method ``reload_weights`` with kwargs ``weights_path``; flywheel adds
+``POST /collective_rpc`` (methods ``reload_checkpoint`` (flywheel's vLLM worker extension) and
+``reload_weights``, with kwargs ``weights_path``; flywheel adds
 ``apply_delta`` with kwargs ``checkpoint_id``, ``delta_path``, ``parent_id``), ``POST
 /reset_prefix_cache`` (empties the engine's prefix cache), ``POST /update_weight_version``,
 ``GET /weight_info`` and ``POST /resume``. Requests are handled on FastAPI's thread pool, so concurrent completions
@@ -148,7 +149,7 @@ def create_app(engine: TorchEngine, *, api_key: str | None = None) -> FastAPI:
 
     @app.post("/collective_rpc", dependencies=[Depends(auth)])
     def collective_rpc(req: RpcRequest) -> dict[str, Any]:
-        if req.method == "reload_weights":
+        if req.method in ("reload_checkpoint", "reload_weights"):
             path = req.kwargs.get("weights_path")
             if not path:
                 raise HTTPException(status_code=400, detail="reload_weights needs kwargs.weights_path")

@@ -11,6 +11,8 @@ logging to ``$FLYWHEEL_HOME/logs/vllm-<role>.log``, with its state in
   ``/weight_info``);
 - ``--logprobs-mode processed_logprobs``: behaviour log-probs of the distribution actually sampled
   (after temperature and top-p), which is what the trainer's importance ratio needs;
+- ``--worker-extension-cls serving.vllm_worker.WeightReload``: the ``reload_checkpoint`` RPC, a
+  weight reload that also refreshes a tied LM head (:mod:`serving.vllm_worker`);
 - ``--served-model-name flywheel``: the name never changes across reloads; the loaded checkpoint id
   is the server's *weight version* (``GET /weight_info``), set at start and at every reload;
 - ``--dtype``: bf16 where the CPU has bf16 instructions (``amx_bf16`` / ``avx512_bf16``) or on CUDA,
@@ -45,6 +47,7 @@ log = logging.getLogger("flywheel.vllm")
 
 ROLES = ("production", "eval")
 SERVED_MODEL_NAME = "flywheel"
+WORKER_EXTENSION = "serving.vllm_worker.WeightReload"  # the reload that refreshes tied heads
 BF16_CPU_FLAGS = ("amx_bf16", "avx512_bf16")
 
 
@@ -136,6 +139,7 @@ def server_command(model_dir: Path, port: int, dtype: str, settings: ServingSett
         "--max-model-len", str(settings.vllm_max_model_len),
         "--logprobs-mode", "processed_logprobs",
         "--seed", "0",
+        "--worker-extension-cls", WORKER_EXTENSION,
         "--disable-log-stats",
     ]  # fmt: skip
     if settings.vllm_enforce_eager:

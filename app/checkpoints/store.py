@@ -58,6 +58,8 @@ def check_hf_folder(path: Path) -> dict[str, Any]:
         try:
             with open(w, "rb") as f:
                 (size,) = struct.unpack("<Q", f.read(8))
+                if size > w.stat().st_size - 8:
+                    raise ValueError(f"a header of {size} bytes in a file of {w.stat().st_size}")
                 json.loads(f.read(size))
         except (OSError, struct.error, ValueError) as exc:
             raise CheckpointError(f"{w} is not a readable safetensors file: {exc}") from exc

@@ -23,8 +23,8 @@ def restartable_broker(tmp_path):
     """``(bootstrap, restart)``: a tansu broker of this test on a fixed port; ``restart()`` stops it
     and starts a new one on the same port, with an empty log and the test's topics created again."""
     from app.core.net import free_port
-    from ops.broker import create_topics, start_broker
     from app.core.pids import stop_pid
+    from ops.broker import create_topics, start_broker
 
     port = free_port()
     state = {"broker": start_broker(tmp_path / "broker", port)}

@@ -100,8 +100,8 @@ def test_produce_consume_round_trip_with_key_and_trace_headers(kafka_bootstrap, 
 
 def test_broker_outage_spools_then_delivers_every_event_once_in_order(tmp_path):
     from app.core.net import free_port
-    from ops.broker import create_topics, start_broker
     from app.core.pids import stop_pid
+    from ops.broker import create_topics, start_broker
 
     topic, port = "editor.interactions.outage", free_port()
     broker = start_broker(tmp_path / "logs", port=port)
