@@ -39,6 +39,7 @@ from producers.errors import ConfigurationError, InvalidEventError
 from producers.events.codec import encode_event, validate_event
 from producers.events.types import EVENT_CLASSES, EventBase
 from producers.metrics import ProducerCounters
+from producers.sequence import SessionSequencer
 from producers.settings import KafkaSettings, flywheel_home
 from producers.spool import Record, Spool
 from producers.telemetry import inject_headers
@@ -105,6 +106,7 @@ class EventProducer:
         self.delivery_timeout_s, self.connect_timeout_s = delivery_timeout_s, connect_timeout_s
         self.max_backoff_s = max_backoff_s
         self._on_error = on_error
+        self._sequencer = SessionSequencer()
         self._spool = Spool(spool_dir or flywheel_home() / "spool", max_bytes=spool_max_bytes or kafka.spool_max_bytes)
         self._buffer: deque[Record] = deque()
         self._lock = threading.Lock()  # guards _buffer, _spooling, _closed and spool appends
@@ -130,6 +132,7 @@ class EventProducer:
 
     def emit(self, event: EventBase | Mapping[str, Any]) -> None:
         """Queue one event for delivery (keyed by ``session_id``); returns without network I/O.
+        An event without ``seq`` gets its session's next one (``producers.sequence``).
 
         Raises:
             ValueError: (``InvalidEventError``) the event is invalid or larger than
@@ -147,8 +150,12 @@ class EventProducer:
             except InvalidEventError:
                 self._counts["invalid"] += 1
                 raise
+        numbered = ev.seq is not None
+        ev = self._sequencer.stamp(ev)
         value = encode_event(ev)
         if len(value) > self.max_event_bytes:
+            if not numbered:
+                self._sequencer.release(ev)
             self._counts["invalid"] += 1
             raise InvalidEventError("oversized", f"event is {len(value)} bytes, limit {self.max_event_bytes}")
         headers = inject_headers([("event-type", ev.type.encode())])

@@ -34,6 +34,7 @@ EVENT_COLUMNS = (
     "partition",
     "offset",
     "trace_id",
+    "producer_seq",
 )
 
 
@@ -58,11 +59,13 @@ class EventRow(NamedTuple):
     partition: int | None
     offset: int | None
     trace_id: str | None
+    producer_seq: int | None = None
+    """the envelope's ``seq`` (the event's place in its session as the producer emitted it), if sent"""
 
 
 _TEMP_DDL = """CREATE TEMP TABLE IF NOT EXISTS _event_batch (
     ord int, event_id uuid, type text, schema_version int, occurred_at timestamptz, session_id text,
-    user_id text, org_id text, payload json, topic text, partition int, "offset" bigint, trace_id text
+    user_id text, org_id text, payload json, topic text, partition int, "offset" bigint, trace_id text, producer_seq int
 ) ON COMMIT DELETE ROWS"""
 _COLS = ", ".join(f'"{c}"' for c in EVENT_COLUMNS)
 
@@ -107,7 +110,7 @@ def append_events(
         cur.execute(
             f"INSERT INTO event_log ({_COLS}) SELECT {_COLS} FROM unnest("
             "%s::uuid[], %s::text[], %s::int[], %s::timestamptz[], %s::text[], %s::text[], %s::text[], "
-            "%s::text[]::json[], %s::text[], %s::int[], %s::bigint[], %s::text[]) WITH ORDINALITY "
+            "%s::text[]::json[], %s::text[], %s::int[], %s::bigint[], %s::text[], %s::int[]) WITH ORDINALITY "
             f"AS b({_COLS}, ord) ORDER BY ord ON CONFLICT (event_id) DO NOTHING RETURNING event_id, seq",
             [list(c) for c in cols],
         )
@@ -132,6 +135,7 @@ _BINARY_TYPES = [
     "int4",
     "int8",
     "text",
+    "int4",
 ]
 
 
@@ -279,6 +283,10 @@ class DeadLetterRow:
     """The top-level ``session_id`` the raw JSON object carries, if any (what a privacy purge looks up)."""
     redacted: str | None = None
     """Why ``key``, ``raw`` and ``headers`` are not kept: ``erasure`` or ``privacy``; None if they are."""
+    raw_size: int | None = None
+    """The record's size in bytes (``raw`` may hold only its head: an oversized record)."""
+    raw_sha256: bytes | None = None
+    """SHA-256 of the record's bytes."""
 
 
 def insert_dead_letters(session: Session, rows: Sequence[DeadLetterRow]) -> int:
@@ -288,7 +296,8 @@ def insert_dead_letters(session: Session, rows: Sequence[DeadLetterRow]) -> int:
     with raw_connection(session).cursor() as cur:
         cur.executemany(
             'INSERT INTO dead_letter (topic, partition, "offset", key, raw, headers, reason, detail, user_id, '
-            "session_id, redacted) VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s) ON CONFLICT DO NOTHING",
+            "session_id, redacted, raw_size, raw_sha256) VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s) "
+            "ON CONFLICT DO NOTHING",
             [
                 (
                     r.topic,
@@ -302,6 +311,8 @@ def insert_dead_letters(session: Session, rows: Sequence[DeadLetterRow]) -> int:
                     r.user_id,
                     r.session_id,
                     r.redacted,
+                    r.raw_size,
+                    r.raw_sha256,
                 )
                 for r in rows
             ],
@@ -319,7 +330,7 @@ def stored_dead_letters(session: Session, positions: Sequence[tuple[str, int, in
     with raw_connection(session).cursor() as cur:
         cur.execute(
             'SELECT d.topic, d.partition, d."offset", d.key, d.raw, d.headers, d.reason, d.detail, d.user_id, '
-            "d.session_id, d.redacted "
+            "d.session_id, d.redacted, d.raw_size, d.raw_sha256 "
             "FROM dead_letter d JOIN unnest(%s::text[], %s::int[], %s::bigint[]) AS p(t, n, o) "
             'ON d.topic = p.t AND d.partition = p.n AND d."offset" = p.o '
             'ORDER BY d.topic, d.partition, d."offset"',
@@ -338,8 +349,10 @@ def stored_dead_letters(session: Session, positions: Sequence[tuple[str, int, in
                 user_id=u,
                 session_id=sid,
                 redacted=why,
+                raw_size=size,
+                raw_sha256=bytes(digest) if digest is not None else None,
             )
-            for t, n, o, k, r, h, reason, detail, u, sid, why in cur.fetchall()
+            for t, n, o, k, r, h, reason, detail, u, sid, why, size, digest in cur.fetchall()
         ]
 
 
