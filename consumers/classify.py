@@ -40,11 +40,13 @@ class Message(NamedTuple):
     key: bytes | None
     value: bytes | None
     headers: Sequence[tuple[str, bytes]] = ()
+    log_id: str | None = None
+    """the identity of the partition's log it was read from (``consumers.offsets.log_id_of``), if known"""
 
     @classmethod
-    def from_record(cls, rec: Any) -> "Message":
-        """From a kafka-python ``ConsumerRecord``."""
-        return cls(rec.topic, rec.partition, rec.offset, rec.key, rec.value, rec.headers or ())
+    def from_record(cls, rec: Any, log_id: str | None = None) -> "Message":
+        """From a kafka-python ``ConsumerRecord`` read from the log ``log_id``."""
+        return cls(rec.topic, rec.partition, rec.offset, rec.key, rec.value, rec.headers or (), log_id)
 
 
 @dataclass

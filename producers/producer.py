@@ -150,14 +150,17 @@ class EventProducer:
             except InvalidEventError:
                 self._counts["invalid"] += 1
                 raise
-        numbered = ev.seq is not None
-        ev = self._sequencer.stamp(ev)
-        value = encode_event(ev)
+        stamped = self._sequencer.stamp(ev)
+        value = encode_event(stamped)
         if len(value) > self.max_event_bytes:
-            if not numbered:
-                self._sequencer.release(ev)
+            if stamped is not ev:
+                self._sequencer.release(stamped)
             self._counts["invalid"] += 1
-            raise InvalidEventError("oversized", f"event is {len(value)} bytes, limit {self.max_event_bytes}")
+            raise InvalidEventError(
+                "oversized",
+                f"{ev.type} event {ev.event_id} is {len(value)} bytes encoded, over the limit of "
+                f"{self.max_event_bytes} bytes (max_event_bytes, FLYWHEEL_KAFKA_MAX_EVENT_BYTES); it was not sent",
+            )
         headers = inject_headers([("event-type", ev.type.encode())])
         rec = Record(self.topic, ev.session_id.encode(), headers, value)
         spool_error = None

@@ -59,7 +59,7 @@ class ConsumerOffset(Base):
     partition: Mapped[int] = mapped_column(Integer, primary_key=True)
     next_offset: Mapped[int] = mapped_column(BigInteger, nullable=False)
     log_id: Mapped[str | None] = mapped_column(
-        String(64), comment="identity of the log next_offset counts in (the broker's topic id); NULL: not known yet"
+        String(128), comment="identity of the log next_offset counts in (the broker's topic id); NULL: not known yet"
     )
     updated_at: Mapped[datetime] = created_at_column()
 

@@ -29,7 +29,7 @@ depends_on: Union[str, Sequence[str], None] = None
 
 
 def upgrade() -> None:
-    op.add_column('consumer_offset', sa.Column('log_id', sa.String(length=64), nullable=True,
+    op.add_column('consumer_offset', sa.Column('log_id', sa.String(length=128), nullable=True,
                                                comment="identity of the log next_offset counts in (the broker's "
                                                        "topic id); NULL: not known yet"))
     op.add_column('event_log', sa.Column('producer_seq', sa.Integer(), nullable=True,
