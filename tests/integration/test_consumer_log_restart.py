@@ -4,14 +4,12 @@ produced afterwards is stored, and the reset is reported, never silent (real tan
 
 from __future__ import annotations
 
-import threading
-import traceback
 import uuid
 
 import psycopg
 import pytest
 
-from consumers.testing import generate_stream, kafka_record, produce, scalar, wait_for
+from consumers.testing import generate_stream, kafka_record, produce, scalar
 
 pytestmark = pytest.mark.integration
 
@@ -101,7 +99,9 @@ def test_a_restarted_empty_log_is_read_from_its_start_and_every_new_event_is_sto
     errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
     assert len(errors) == 2 and all("log was re-created" in e and "re-reading" in e for e in errors)
     for p, stored in before.items():
-        assert any(f"{TOPIC}:{p}: " in e and f"the stored next offset {stored} counts in the old log" in e for e in errors)
+        assert any(
+            f"{TOPIC}:{p}: " in e and f"the stored next offset {stored} counts in the old log" in e for e in errors
+        )
     assert _resets(reader) == {0: 1, 1: 1}
 
 

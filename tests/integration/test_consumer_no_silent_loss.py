@@ -72,7 +72,12 @@ def test_a_session_missing_events_is_held_then_marked_incomplete_and_never_train
     assert stats.stored == len(whole) + len(headless) + len(gapped) + len(legacy)
     status = dict(_q(db, "SELECT session_id, status FROM trajectory"))
     # every signal arrived for all four: only the whole one is finalized by them, the others are held
-    assert status == {"s-whole": "finalized", "s-headless": "provisional", "s-gap": "provisional", "s-legacy": "provisional"}
+    assert status == {
+        "s-whole": "finalized",
+        "s-headless": "provisional",
+        "s-gap": "provisional",
+        "s-legacy": "provisional",
+    }
 
     time.sleep(window + 0.5)
     cs = get_consumer_settings()
@@ -82,12 +87,16 @@ def test_a_session_missing_events_is_held_then_marked_incomplete_and_never_train
         for r in _q(db, "SELECT session_id, status, finalized_by, incomplete_reason, producer_seq_max FROM trajectory")
     }
     assert rows["s-whole"] == ("finalized", "signals", None, len(whole) - 1)
-    assert rows["s-headless"][:3] == ("finalized", "window", "no session.started; 2 of producer seq 0..%d missing" % (
-        len(headless) + 1
-    ))
+    assert rows["s-headless"][:3] == (
+        "finalized",
+        "window",
+        f"no session.started; 2 of producer seq 0..{len(headless) + 1} missing",
+    )
     assert rows["s-gap"][:3] == ("finalized", "window", f"1 of producer seq 0..{len(gapped)} missing")
     assert rows["s-legacy"][:3] == ("finalized", "window", "no session.started")
-    labelled = {r[0] for r in _q(db, "SELECT t.session_id FROM reward_label l JOIN trajectory t ON t.id = l.trajectory_id")}
+    labelled = {
+        r[0] for r in _q(db, "SELECT t.session_id FROM reward_label l JOIN trajectory t ON t.id = l.trajectory_id")
+    }
     assert labelled == set(rows)  # labelled like any other: the reason, not a missing label, keeps them out
 
     with session_scope() as s:
@@ -113,7 +122,9 @@ def test_a_repeated_erasure_request_erases_what_the_user_stored_since(db, topics
     _consume()
     assert _q(db, "SELECT count(*) FROM event_log WHERE user_id = 'u-back'") == [(0,)]
 
-    after = generate_session(rng, session_id="s-new", user_id="u-back", start=request.occurred_at + timedelta(minutes=1))
+    after = generate_session(
+        rng, session_id="s-new", user_id="u-back", start=request.occurred_at + timedelta(minutes=1)
+    )
     produce(kafka_bootstrap, topics["interactions"], [kafka_record(e) for e in after])
     _consume()
     assert _q(db, "SELECT count(*) FROM event_log WHERE user_id = 'u-back'") == [(len(after),)]
@@ -146,7 +157,9 @@ def test_a_resend_differing_only_in_json_spacing_is_a_duplicate(db, topics, kafk
     spaced = json.dumps(json.loads(encode_event(turn)), indent=2).encode()
     changed = json.loads(encode_event(turn))
     changed["payload"]["latency_s"] += 1.0
-    produce(kafka_bootstrap, topics["interactions"], [(key, spaced, headers), (key, json.dumps(changed).encode(), headers)])
+    produce(
+        kafka_bootstrap, topics["interactions"], [(key, spaced, headers), (key, json.dumps(changed).encode(), headers)]
+    )
     stats = _consume()
     assert stats.duplicates == 1 and dict(stats.dead_letters) == {"conflicting_duplicate": 1}
     [(detail,)] = _q(db, "SELECT detail FROM dead_letter")
@@ -155,8 +168,8 @@ def test_a_resend_differing_only_in_json_spacing_is_a_duplicate(db, topics, kafk
 
 def test_an_oversized_record_is_refused_by_the_sdk_and_bounded_in_storage(db, topics, kafka_bootstrap, tmp_path):
     from consumers.settings import get_consumer_settings
-    from producers.producer import EventProducer
     from producers.events.types import FollowupSent, FollowupSentEvent
+    from producers.producer import EventProducer
 
     limit = get_consumer_settings().dead_letter_head_bytes
     big = FollowupSentEvent(session_id="s-big", user_id="u-3", payload=FollowupSent(text="x" * 90_000))
@@ -172,7 +185,10 @@ def test_an_oversized_record_is_refused_by_the_sdk_and_bounded_in_storage(db, to
     _produce_large(kafka_bootstrap, topics["interactions"], [(b"s-big", raw), (b"s-big", small)])
     stats = _consume()
     assert dict(stats.dead_letters) == {"oversized": 1, "unknown_type": 1}
-    rows = _q(db, 'SELECT reason, length(raw), raw_size, raw_sha256, substring(raw from 1 for 16) FROM dead_letter ORDER BY "offset"')
+    rows = _q(
+        db,
+        'SELECT reason, length(raw), raw_size, raw_sha256, substring(raw from 1 for 16) FROM dead_letter ORDER BY "offset"',
+    )
     assert rows[0][:4] == ("oversized", limit, len(raw), hashlib.sha256(raw).digest())
     assert bytes(rows[0][4]) == raw[:16]
     assert rows[1][:4] == ("unknown_type", len(small), len(small), hashlib.sha256(small).digest())
