@@ -4,9 +4,10 @@ Invariants (exactly-once effect):
 
 - The offset fence (:func:`_offset_fence`): the batch's consumer offsets are locked ``FOR UPDATE``
   before any effect; a record below the stored next offset was already applied (by this process
-  before a crash, or by another member of the group before a rebalance) and is skipped. The
-  offsets advance in the same transaction as the effects, after them, and only if they all
-  succeeded.
+  before a crash, or by another member of the group before a rebalance) and is skipped, and so is
+  a record of another log than the one the stored offset counts in (``consumer_offset.log_id``).
+  The offsets and their log's identity advance in the same transaction as the effects, after
+  them, and only if they all succeeded.
 - ``event_log`` appends use ``ON CONFLICT (event_id) DO NOTHING``; only newly stored events are
   folded into the projections, in ``seq`` order, so a producer's duplicate is a no-op too. A record
   whose ``event_id`` is stored with a different body (``app.repositories.events.BODY_COLUMNS``) is
@@ -66,6 +67,7 @@ from app.repositories.events import (
     erased_users,
     insert_dead_letters,
     lock_offsets,
+    offset_log_ids,
     private_sessions,
     raw_connection,
     store_offsets,
@@ -123,22 +125,38 @@ def _offset_fence(session: Session, group_id: str, batch: list[Decoded], out: Ba
     group's stored next offsets of the batch's partitions ``FOR UPDATE`` and yield the records at or
     past them (those below were applied already: counted in ``out.stale``; a batch starting past its
     stored offset is counted in ``out.offset_gaps``). On a clean exit (the block raised nothing):
-    store, per partition, the offset after the batch's last record (``out.next_offsets``). A block
-    that raises stores nothing.
+    store, per partition, the offset after the batch's last record (``out.next_offsets``) and the
+    identity of the log it was read from (``Message.log_id``). A block that raises stores nothing.
+    Records read from another log than the one the stored offset counts in (a member that has not
+    yet seen the log re-created, or still holds records of the old one) are skipped, counted stale
+    and in ``out.foreign_log``; that partition's offset is left as stored.
     """
     first: dict[tuple[str, int], int] = {}
     last: dict[tuple[str, int], int] = {}
+    log_ids: dict[tuple[str, int], str] = {}
     for d in batch:
         k = (d.msg.topic, d.msg.partition)
         first[k] = min(first.get(k, d.msg.offset), d.msg.offset)
         last[k] = max(last.get(k, d.msg.offset), d.msg.offset)
+        if d.msg.log_id is not None:
+            log_ids[k] = d.msg.log_id
     stored_next = lock_offsets(session, group_id, first)
+    stored_ids = offset_log_ids(session, group_id, list(log_ids)) if log_ids else {}
+    foreign = {k for k, i in log_ids.items() if stored_ids.get(k, i) != i}
+    for k in foreign:
+        out.foreign_log[k] = (stored_ids[k], log_ids[k])
+        first.pop(k)
+        last.pop(k)
     out.offset_gaps = {k: (stored_next[k], f) for k, f in first.items() if f > stored_next.get(k, f)}
-    fresh = [d for d in batch if d.msg.offset >= stored_next.get((d.msg.topic, d.msg.partition), 0)]
+    fresh = [
+        d
+        for d in batch
+        if (k := (d.msg.topic, d.msg.partition)) not in foreign and d.msg.offset >= stored_next.get(k, 0)
+    ]
     out.stale = len(batch) - len(fresh)
     yield fresh
     out.next_offsets = {k: v + 1 for k, v in last.items()}
-    store_offsets(session, group_id, out.next_offsets)
+    store_offsets(session, group_id, out.next_offsets, log_ids)
 
 
 def _apply_records(

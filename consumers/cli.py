@@ -227,7 +227,7 @@ def erase(
                 "dead_letters_deleted": out.dead_letters_deleted,
                 "eval_tasks_deleted": out.eval_tasks_deleted,
                 "checkpoints_flagged": out.checkpoints_flagged,
-                "already_done": out.already_done,
+                "repeated": out.repeated,
                 "request_id_reused_from": out.reused_by,
             }
         )

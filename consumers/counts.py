@@ -53,6 +53,10 @@ class BatchOutcome:
     group read on (retention deleted them before they were consumed), so their events never reach
     the store. The offsets advance past them; the caller reports the loss."""
 
+    foreign_log: dict[tuple[str, int], tuple[str, str]] = field(default_factory=dict)
+    """(topic, partition) -> (the log identity stored with the group's offset, the batch's) where they
+    differ: the batch's records of that partition were skipped (counted stale), its offset untouched."""
+
     def merge(self, o: "BatchOutcome") -> None:
         """Add another outcome's counts (its ``messages`` excluded: the caller counted them)."""
         _add_counts(self, o)
@@ -60,6 +64,8 @@ class BatchOutcome:
         self.dead_letter_positions += o.dead_letter_positions
         for k, gap in o.offset_gaps.items():
             self.offset_gaps.setdefault(k, gap)
+        for k, ids in o.foreign_log.items():
+            self.foreign_log.setdefault(k, ids)
         for k, v in o.next_offsets.items():
             self.next_offsets[k] = max(self.next_offsets.get(k, 0), v)
 

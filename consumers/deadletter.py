@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import hashlib
 import uuid
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import replace
@@ -24,6 +25,7 @@ import orjson
 
 from app.repositories.events import DeadLetterRow
 from consumers.classify import Decoded, why_unstorable
+from consumers.settings import get_consumer_settings
 from consumers.trajectory_state import trajectory_id_for
 from producers.events.codec import DEFAULT_MAX_EVENT_BYTES
 
@@ -120,9 +122,9 @@ def covered_by_erasure(claim: Claim, erased: Mapping[str, tuple[datetime, Collec
 
 
 def _without_bytes(row: DeadLetterRow, why: str, note: str) -> DeadLetterRow:
-    """``row`` as stored when its bytes may not be kept: no key, bytes or headers, ``redacted = why``
+    """``row`` as stored when its bytes may not be kept: no key, bytes, hash or headers, ``redacted = why``
     and ``note`` before its detail (``consumers.erasure.purge_private_sessions`` does the same in SQL)."""
-    return replace(row, key=None, raw=None, headers=None, redacted=why, detail=note + row.detail)
+    return replace(row, key=None, raw=None, headers=None, raw_sha256=None, redacted=why, detail=note + row.detail)
 
 
 def redacted(row: DeadLetterRow, requested_at: datetime) -> DeadLetterRow:
@@ -143,12 +145,25 @@ def redacted_private(row: DeadLetterRow) -> DeadLetterRow:
     return _without_bytes(row, "privacy", PRIVATE_DETAIL)
 
 
+def bounded_raw(raw: bytes | None, keep_bytes: int, head_bytes: int) -> tuple[bytes | None, int | None, bytes | None]:
+    """``(bytes to store, size, SHA-256)`` of a record's value: the value whole up to ``keep_bytes``
+    bytes, else its first ``head_bytes``; ``(None, None, None)`` for no value."""
+    if raw is None:
+        return None, None, None
+    digest = hashlib.sha256(raw).digest()
+    return (raw if len(raw) <= keep_bytes else raw[:head_bytes]), len(raw), digest
+
+
 def dead_letter_row(d: Decoded, max_bytes: int = DEFAULT_MAX_EVENT_BYTES, claim: Claim | None = None) -> DeadLetterRow:
     """The ``dead_letter`` row of a classified record (headers as ``[[key, text]]``; ``user_id`` as
     :func:`claim_of` (the erasure finds a row without one by searching its bytes), not looked for in
     an oversized record or past ``max_bytes`` bytes;
-    ``claim``: the record's :func:`claim_of`, if the caller has it)."""
+    ``claim``: the record's :func:`claim_of`, if the caller has it). Its bytes are bounded
+    (:func:`bounded_raw`, the consumer settings' ``dead_letter_max_bytes`` and
+    ``dead_letter_head_bytes``); ``raw_size`` and ``raw_sha256`` describe the whole record."""
     m = d.msg
+    cs = get_consumer_settings()
+    raw, size, digest = bounded_raw(m.value, cs.dead_letter_max_bytes, cs.dead_letter_head_bytes)
     headers = [
         [header_text(k.encode("utf-8", "replace") if isinstance(k, str) else k), header_text(v)] for k, v in m.headers
     ]
@@ -158,12 +173,14 @@ def dead_letter_row(d: Decoded, max_bytes: int = DEFAULT_MAX_EVENT_BYTES, claim:
         partition=m.partition,
         offset=m.offset,
         key=m.key,
-        raw=m.value,
+        raw=raw,
         headers=headers,
         reason=d.reason or "validation",
         detail=d.detail.replace("\x00", ""),
         user_id=claim.user_id,
         session_id=claim.session_id,
+        raw_size=size,
+        raw_sha256=digest,
     )
 
 
@@ -195,7 +212,8 @@ def stored_headers(stored: Sequence[Sequence[str]] | None) -> list[tuple[str, by
 
 def dlq_record(row: DeadLetterRow, max_bytes: int) -> tuple[bytes | None, bytes, list[tuple[str, bytes]]]:
     """(key, value, headers) to publish on the DLQ topic for a stored dead letter: its raw bytes
-    (truncated past ``max_bytes``) and headers, with the reason, detail and source position added.
+    (truncated past ``max_bytes``, or as the table keeps them: a ``dlq-truncated-from`` header gives
+    the record's size whenever they are not whole) and headers, with the reason, detail and source position added.
     A row stored without its bytes (an erasure covers it, or its session is in privacy mode) is
     published without them too: an empty value, no key, and a ``dlq-redacted`` header saying why."""
     raw = row.raw or b""
@@ -207,8 +225,9 @@ def dlq_record(row: DeadLetterRow, max_bytes: int) -> tuple[bytes | None, bytes,
     ]
     if row.redacted:  # every row stored without its bytes says why (migration 0010 marked the older ones)
         headers.append(("dlq-redacted", row.redacted.encode()))
-    if len(raw) > max_bytes:
-        headers.append(("dlq-truncated-from", str(len(raw)).encode()))
+    size = max(len(raw), row.raw_size or 0) if row.raw else len(raw)
+    if len(raw) > max_bytes or size > len(raw):
+        headers.append(("dlq-truncated-from", str(size).encode()))
         raw = raw[:max_bytes]
     return row.key, raw, headers
 

@@ -14,13 +14,16 @@ Invariants:
 - Dead letters: those whose raw JSON claims the user (``dead_letter.user_id``, indexed), and any
   unattributed one (not JSON, oversized, no usable ``user_id``) whose bytes carry the quoted user
   id. A dead letter that claims another user is that user's, even if it mentions this one.
-- A request is identified by what it erases: (user id, request id). The same pair again is a
-  redelivery (``already_done``, nothing more deleted); a request id already used for another user
-  is a new request, applied in full, and logged at WARNING (``reused_by``). No request is skipped
-  for its id alone.
-- The request is stored minimally: one ``erasure_request`` row (request id, pseudonymous user id,
-  counts, affected trajectory ids and checkpoints, when it was requested). The request event is
-  not put in ``event_log``, and its free-text ``reason`` is not kept.
+- A request is identified by what it erases: (user id, request id). Every request is applied
+  whenever it arrives, the same pair again included: it erases everything of the user up to its
+  own ``requested_at`` (a user who came back after the first request loses the newer sessions
+  too), and applying it again only finds less or nothing to delete. A repeat is logged at INFO
+  with what it deleted (``repeated``); a request id already used for another user is a new
+  request, logged at WARNING (``reused_by``). No request is skipped for its id.
+- The request is stored minimally: one ``erasure_request`` row per (request id, user id),
+  pseudonymous, with counts, affected trajectory ids and checkpoints (a repeat adds to them) and
+  the latest time it was requested. The request event is not put in ``event_log``, and its
+  free-text ``reason`` is not kept.
 - What a request covers: every session of the user with an event at or before ``requested_at``
   (the request's ``occurred_at``), whole. A session entirely after it is new data and stays.
 - Across partitions: a user's sessions may sit in partitions consumed later, so the ingest batch
@@ -65,8 +68,8 @@ class ErasureOutcome:
     """eval tasks mined from the erased sessions (``evals.mined``: they hold the session's request)"""
     trajectory_ids: list[uuid.UUID] = field(default_factory=list)
     checkpoints_flagged: list[str] = field(default_factory=list)
-    already_done: bool = False
-    """this (user, request id) was applied before: a redelivery, nothing more was deleted."""
+    repeated: bool = False
+    """this (user, request id) was applied before; it was applied again, up to its own time."""
     reused_by: list[str] = field(default_factory=list)
     """other users whose erasures used this request id before (applied all the same)."""
 
@@ -83,8 +86,8 @@ def erase_now(session: Session, user_id: str, request_id: str) -> ErasureOutcome
 
 
 def erase_user(session: Session, user_id: str, request_id: str, requested_at: datetime) -> ErasureOutcome:
-    """Erase ``user_id`` in the caller's transaction (idempotent per ``(user_id, request_id)``; see
-    the module invariants for a request id reused for another user).
+    """Erase everything of ``user_id`` up to ``requested_at`` in the caller's transaction, whether or
+    not this ``(user_id, request_id)`` was applied before (see the module invariants).
 
     Raises:
         psycopg.Error: database faults (the caller's transaction rolls back as a whole).
@@ -94,15 +97,14 @@ def erase_user(session: Session, user_id: str, request_id: str, requested_at: da
     with conn.cursor() as cur:
         cur.execute("SELECT user_id FROM erasure_request WHERE request_id = %s ORDER BY user_id", (request_id,))
         earlier = [r[0] for r in cur.fetchall()]
-        if user_id in earlier:
-            out.already_done = True
-            return out
-        if earlier:
-            out.reused_by = earlier
+        out.repeated = user_id in earlier
+        others = [u for u in earlier if u != user_id]
+        if others:
+            out.reused_by = others
             log.warning(
                 "erasure request id %r was used before for user(s) %s; erasing user %r under it too",
                 request_id,
-                ", ".join(map(repr, earlier)),
+                ", ".join(map(repr, others)),
                 user_id,
             )
         # The sessions the request covers: any with an event at or before it (a session wholly
@@ -125,7 +127,17 @@ def erase_user(session: Session, user_id: str, request_id: str, requested_at: da
         cur.execute(
             "INSERT INTO erasure_request (request_id, user_id, events_deleted, trajectories_deleted, trajectory_ids, "
             "checkpoints_flagged, dead_letters_deleted, eval_tasks_deleted, requested_at) "
-            "VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s)",
+            "VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s) "
+            "ON CONFLICT (user_id, request_id) DO UPDATE SET "
+            "events_deleted = erasure_request.events_deleted + EXCLUDED.events_deleted, "
+            "trajectories_deleted = erasure_request.trajectories_deleted + EXCLUDED.trajectories_deleted, "
+            "trajectory_ids = ARRAY(SELECT DISTINCT unnest(erasure_request.trajectory_ids || "
+            "EXCLUDED.trajectory_ids) ORDER BY 1), "
+            "checkpoints_flagged = ARRAY(SELECT DISTINCT unnest(erasure_request.checkpoints_flagged || "
+            "EXCLUDED.checkpoints_flagged) ORDER BY 1), "
+            "dead_letters_deleted = erasure_request.dead_letters_deleted + EXCLUDED.dead_letters_deleted, "
+            "eval_tasks_deleted = erasure_request.eval_tasks_deleted + EXCLUDED.eval_tasks_deleted, "
+            "requested_at = GREATEST(erasure_request.requested_at, EXCLUDED.requested_at)",
             (
                 request_id,
                 user_id,
@@ -137,6 +149,17 @@ def erase_user(session: Session, user_id: str, request_id: str, requested_at: da
                 out.eval_tasks_deleted,
                 requested_at,
             ),
+        )
+    if out.repeated:
+        log.info(
+            "erasure request %r for user %r applied again, up to %s: %d events, %d trajectories, "
+            "%d dead letters deleted",
+            request_id,
+            user_id,
+            requested_at.isoformat(),
+            out.events_deleted,
+            out.trajectories_deleted,
+            out.dead_letters_deleted,
         )
     return out
 
@@ -162,7 +185,7 @@ def purge_private_sessions(session: Session, session_ids: Collection[str]) -> di
         if trajectories:
             _flag_checkpoints(cur, trajectories)
         cur.execute(
-            "UPDATE dead_letter SET key = NULL, raw = NULL, headers = NULL, redacted = 'privacy', "
+            "UPDATE dead_letter SET key = NULL, raw = NULL, raw_sha256 = NULL, headers = NULL, redacted = 'privacy', "
             "detail = %s || detail WHERE session_id = ANY(%s) AND redacted IS NULL",
             (PRIVATE_DETAIL, sorted(session_ids)),
         )

@@ -30,9 +30,10 @@ Failure handling (the consumer never crashes on input):
 - SIGKILL at any point loses nothing: uncommitted work is redelivered from the stored offsets,
   and records below a stored offset are skipped (so a zombie member after a rebalance, or a
   batch still queued when its partition moved, cannot apply anything twice);
-- a stored offset past its partition's log end (the log was re-created: a local broker restarted
-  empty, a topic re-created) is reported and, by default, the partition re-read from its start
-  (``consumers.offsets``), never skipped in silence;
+- a partition's log re-created (a local broker restarted empty, a topic re-created), seen by its
+  identity (the broker's topic id, stored beside the offsets) or by a stored offset past its end,
+  is reported and, by default, re-read from its start (``consumers.offsets``), never skipped in
+  silence;
 - a record whose values are physically implausible, or whose ``event_id`` is stored with another
   body, is a dead letter (``consumers.classify``).
 """
@@ -217,6 +218,15 @@ class IngestConsumer:
                     "isolated batch transaction",
                 )
                 self.stats.processing_errors += errors
+            for (topic, partition), (stored_log, batch_log) in outcome.foreign_log.items():
+                log.warning(
+                    "%s:%d: records read from log %s skipped: the group's stored offset counts in log %s "
+                    "(the log was re-created; the member re-reads it once it sees the new one)",
+                    topic,
+                    partition,
+                    batch_log,
+                    stored_log,
+                )
             for (topic, partition), (stored, first) in outcome.offset_gaps.items():
                 log.error(
                     "%s:%d: offsets %d..%d (%d records) were gone from the broker when this group read on "
@@ -334,11 +344,16 @@ class IngestConsumer:
             while not self._stop.is_set():
                 self._commit_done()
                 records = client.poll()
-                self._fatal = check_log_ends(client, self._drain, self.retry, self.metrics)
+                self._fatal, sought = check_log_ends(client, self._drain, self.retry, self.metrics)
                 if self._fatal is not None:
                     self._stop.set()
                     break
-                messages = [Message.from_record(r) for recs in records.values() for r in recs]
+                messages = [
+                    Message.from_record(r, client.log_ids.get(tp.partition))
+                    for tp, recs in records.items()
+                    if tp not in sought
+                    for r in recs
+                ]
                 now = time.monotonic()
                 if messages:
                     if self.stats.first_record_at is None:

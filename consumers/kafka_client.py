@@ -4,7 +4,7 @@ Kafka commit.
 
 Invariants:
 - Postgres holds the offsets: every assigned partition is sought to the next offset stored there
-  (``app.repositories.events.stored_offsets``), or to its beginning where none is stored, before
+  (``app.repositories.events.stored_positions``), or to its beginning where none is stored, before
   anything is fetched from it. Kafka commits are advisory (``enable_auto_commit`` off, commits
   asynchronous, a failed one only logged).
 - Seeking runs inside the rebalance callback, which blocks the client's heartbeats: it gives up
@@ -15,6 +15,9 @@ Invariants:
   land (the ``drain`` callback), so the next owner starts where this member stopped.
 - :attr:`GroupClient.next` holds, per partition, the next offset this member expects: the stored
   offset it sought to, raised by each commit of applied batches (never lowered by a commit).
+- :attr:`GroupClient.log_ids` holds, per partition, the identity of the log the member reads it as
+  (``consumers.offsets.log_id_of``): the one stored with the offset it sought to, until
+  ``consumers.log_ends`` judges another one the broker reports.
 - A group join unfinished after ``join_timeout_s`` (at least 3 x ``max_poll_interval_ms``) is
   abandoned: the client is closed without committing and a fresh one joins.
 """
@@ -72,6 +75,8 @@ class GroupClient:
         self.consumer: Any = None
         self.next: dict[int, int] = {}
         """partition -> the next offset this member expects on it."""
+        self.log_ids: dict[int, str | None] = {}
+        """partition -> the identity of the log this member reads it as (None: not known yet)."""
         self.assigned_at: float | None = None
         """``time.monotonic()`` of the last assignment sought to its stored offsets."""
         self.unseeked: set = set()
@@ -187,17 +192,23 @@ class GroupClient:
 
     # ---- offsets --------------------------------------------------------------------------------
 
-    def read_stored_offsets(self) -> dict[int, int]:
-        """The group's stored next offsets of the topic, ``{partition: offset}``, in a transaction of
-        their own.
+    def read_stored_offsets(self) -> dict[int, tuple[int, str | None]]:
+        """The group's stored next offsets of the topic with the identity of the log each counts in,
+        ``{partition: (offset, log_id)}``, in a transaction of their own.
 
         Raises:
             psycopg.Error / sqlalchemy.exc.DBAPIError: database faults.
         """
-        from app.repositories.events import stored_offsets
+        from app.repositories.events import stored_positions
 
         with session_scope() as s:
-            return stored_offsets(s, self.group_id, self.topic)
+            return stored_positions(s, self.group_id, self.topic)
+
+    def current_log_id(self) -> str | None:
+        """The identity of the topic's log as the client last heard it (``consumers.offsets.log_id_of``)."""
+        from consumers.offsets import log_id_of
+
+        return log_id_of(self.consumer, self.topic)
 
     def seek_to_stored(self, consumer, assigned) -> None:
         """Seek newly assigned partitions to the offsets stored in Postgres. This runs inside the
@@ -255,18 +266,20 @@ class GroupClient:
         self._apply_stored(self.consumer, tps, stored)
         self.consumer.resume(*tps)
 
-    def _apply_stored(self, consumer, assigned, stored: dict[int, int]) -> None:
+    def _apply_stored(self, consumer, assigned, stored: dict[int, tuple[int, str | None]]) -> None:
         self.assigned_at = time.monotonic()
         for tp in assigned:
             if tp.partition in stored:
-                consumer.seek(tp, stored[tp.partition])
-                self.next[tp.partition] = stored[tp.partition]
+                offset, self.log_ids[tp.partition] = stored[tp.partition]
+                consumer.seek(tp, offset)
+                self.next[tp.partition] = offset
             else:
+                self.log_ids[tp.partition] = None
                 consumer.seek_to_beginning(tp)
         log.info(
             "partitions assigned: %s (stored offsets %s)",
             sorted(tp.partition for tp in assigned),
-            {tp.partition: stored.get(tp.partition) for tp in assigned},
+            {tp.partition: stored.get(tp.partition, (None,))[0] for tp in assigned},
         )
 
     def commit(self, offsets: dict[tuple[str, int], int]) -> None:

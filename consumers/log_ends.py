@@ -1,17 +1,21 @@
-"""The ingest poll thread's check of each assigned partition's log end against the next offset the
-member holds: a log that ends below it was re-created (``consumers.offsets`` says why and what is
-done about it).
+"""The ingest poll thread's check of each assigned partition's log against what the member holds
+for it: the identity of its log (``GroupClient.log_ids``) and the next offset (``GroupClient.next``).
+A log with another identity, or one that ends below the next offset, was re-created
+(``consumers.offsets`` says why and what is done about it).
 
 Invariants:
-- It runs after every poll, so it checks each seek to a stored offset (on assignment) by the fetch
-  that follows it, and a log re-created under a running member.
+- It runs after every poll, before the poll's records are handed on, so it checks each seek to a
+  stored offset (on assignment) by the fetch that follows it, and a log re-created under a running
+  member; the records of a partition it resets or re-synchronises are dropped from that poll (they
+  are fetched again from where the partition is sought).
 - Before it reads the stored offsets again, the batches of the old log already queued land (the
   pipeline's ``drain``), so it judges the offsets they stored.
-- Only a stored offset past the log's end is reset: it is reported and counted, then rewound to the
-  log's start (a compare-and-set in Postgres) and sought there (``offset_reset = earliest``), or the
-  consumer is told to stop with ``consumers.offsets.OffsetBeyondLogEnd`` (``fail``), its stored
-  offsets untouched. A partition whose stored offset lies within the log is only re-synchronised
-  (:attr:`GroupClient.next` set to the stored offset).
+- A stored offset counting in another log than the broker's (its stored identity differs), or past
+  the log's end, is reported and counted, then pointed at the log's start (with the new identity;
+  a compare-and-set in Postgres) and sought there (``offset_reset = earliest``), or the consumer is
+  told to stop with ``consumers.offsets.OffsetBeyondLogEnd`` (``fail``), its stored offsets
+  untouched. A partition whose stored offset another member already moved is only re-synchronised
+  (:attr:`GroupClient.next` and ``log_ids`` set to what is stored, and sought there).
 """
 
 from __future__ import annotations
@@ -29,30 +33,49 @@ if TYPE_CHECKING:
 
 def check_log_ends(
     client: GroupClient, drain: Callable[[float], None], retry: Callable, metrics: ConsumerMetrics
-) -> offsets.OffsetBeyondLogEnd | None:
-    """Compare each assigned partition's log end (the high-water mark of the last fetch) with the
-    next offset ``client`` holds for it. For partitions whose log ends below it: ``drain`` the
-    pipeline (at most half the poll interval), read the stored offsets again (``retry``: the
-    consumer's transient-fault retry), and where a stored offset is past the log's end, report and
-    count it, then set it back to the log's start and seek there, or (``offset_reset = fail``)
-    return the error the consumer stops with.
+) -> tuple[offsets.OffsetBeyondLogEnd | None, set]:
+    """Compare each assigned partition's log identity (``client.current_log_id()``) and log end (the
+    high-water mark of the last fetch) with what ``client`` holds for it. For partitions whose log
+    has another identity or ends below the next offset: ``drain`` the pipeline (at most half the
+    poll interval), read the stored offsets again (``retry``: the consumer's transient-fault retry),
+    and where the stored offset counts in another log or lies past the log's end, report and count
+    it, then point it at the log's start and seek there, or (``offset_reset = fail``) return the
+    error the consumer stops with. Partitions whose identity was unknown take the current one.
 
     Returns:
-        None, or the :class:`consumers.offsets.OffsetBeyondLogEnd` to stop with (nothing was reset).
+        (None, or the :class:`consumers.offsets.OffsetBeyondLogEnd` to stop with (nothing was
+        reset); the partitions sought elsewhere, whose records of this poll must be dropped).
     Raises:
         Exception: a broker or database fault that is not transient.
     """
     consumer, settings = client.consumer, client.settings
-    ends = {tp: consumer.highwater(tp) for tp in consumer.assignment()}
-    short = [tp for tp, end in ends.items() if end is not None and end < client.next.get(tp.partition, 0)]
-    if not short:
-        return None
+    current = client.current_log_id()
+    assigned = consumer.assignment()
+    if current is not None:
+        for tp in assigned:
+            if client.log_ids.get(tp.partition) is None:
+                client.log_ids[tp.partition] = current
+    moved = {tp for tp in assigned if current is not None and client.log_ids.get(tp.partition) != current}
+    ends = {tp: consumer.highwater(tp) for tp in assigned}
+    short = [
+        tp for tp, end in ends.items() if tp not in moved and end is not None and end < client.next.get(tp.partition, 0)
+    ]
+    if not short and not moved:
+        return None, set()
     drain(settings.max_poll_interval_ms / 2000)  # batches of the old log land first
     stored = retry(client.read_stored_offsets, "reading stored offsets")
-    beyond = [tp for tp in short if stored.get(tp.partition, 0) > ends[tp]]
-    starts = retry(lambda: consumer.beginning_offsets(beyond), "reading log starts") if beyond else {}
-    found = [
-        offsets.LogRecreated(client.topic, tp.partition, stored[tp.partition], starts.get(tp) or 0, ends[tp])
+    replaced = [tp for tp in moved if stored.get(tp.partition, (0, None))[1] not in (None, current)]
+    beyond = [tp for tp in short if stored.get(tp.partition, (0, None))[0] > ends[tp]]
+    reset = replaced + beyond
+    starts = retry(lambda: consumer.beginning_offsets(reset), "reading log starts") if reset else {}
+    found: list[offsets.LogRecreated | offsets.LogReplaced] = [
+        offsets.LogReplaced(
+            client.topic, tp.partition, stored[tp.partition][0], stored[tp.partition][1], current, starts.get(tp) or 0
+        )
+        for tp in replaced
+    ]
+    found += [
+        offsets.LogRecreated(client.topic, tp.partition, stored[tp.partition][0], starts.get(tp) or 0, ends[tp])
         for tp in beyond
     ]
     offsets.report(found, settings.offset_reset)
@@ -60,17 +83,29 @@ def check_log_ends(
         metrics.record_offset_reset(r.partition)
     if found and settings.offset_reset == "fail":
         return offsets.OffsetBeyondLogEnd(
-            "a stored offset is past its partition's log end", reasons=[r.describe() for r in found]
-        )
+            "a stored offset counts in another log, or is past its partition's log end",
+            reasons=[r.describe() for r in found],
+        ), set(assigned)
+    next_offsets = {p: o for p, (o, _) in stored.items()}
     if found:
-        stored.update(retry(lambda: _rewind(client.group_id, found), "rewinding stored offsets"))
+        next_offsets.update(retry(lambda: _reset(client.group_id, found), "resetting stored offsets"))
     for tp in short:
-        client.next[tp.partition] = stored.get(tp.partition, ends[tp])
+        client.next[tp.partition] = next_offsets.get(tp.partition, ends[tp])
         if tp in beyond:
-            consumer.seek(tp, stored[tp.partition])
-    return None
+            consumer.seek(tp, next_offsets[tp.partition])
+    for tp in moved:  # reset here, or by another member already: read the new log from what is stored
+        client.log_ids[tp.partition] = current
+        if tp.partition in next_offsets:
+            client.next[tp.partition] = next_offsets[tp.partition]
+            consumer.seek(tp, next_offsets[tp.partition])
+        else:
+            client.next.pop(tp.partition, None)
+            consumer.seek_to_beginning(tp)
+    return None, set(beyond) | moved
 
 
-def _rewind(group_id: str, found: list[offsets.LogRecreated]) -> dict[int, int]:
+def _reset(group_id: str, found: list[offsets.LogRecreated | offsets.LogReplaced]) -> dict[int, int]:
     with session_scope() as s:
-        return offsets.rewind_to_start(s, group_id, found)
+        out = offsets.replace_logs(s, group_id, [r for r in found if isinstance(r, offsets.LogReplaced)])
+        out.update(offsets.rewind_to_start(s, group_id, [r for r in found if isinstance(r, offsets.LogRecreated)]))
+        return out

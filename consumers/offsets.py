@@ -21,8 +21,18 @@ offsets, counted (``flywheel.consumer.offset_resets``), and handled by
 - ``fail``: the consumer stops with :class:`OffsetBeyondLogEnd` (exit code 2 from the CLI), its
   stored offsets untouched.
 
-A re-created log already refilled up to or past the stored offset when the consumer seeks cannot be
-told from the old one by offsets: its records below the stored offset are taken as consumed.
+Offsets cannot tell a re-created log that has already refilled up to or past the stored offset
+from the old one. Its identity can: the broker's topic id (a topic re-created under the same name
+gets a new one; tansu, memory only, gives every topic a new one when it restarts) with the cluster
+id, :func:`log_id_of`. It is stored beside the offsets (``consumer_offset.log_id``) in the batch's
+transaction. When the member's client reports another identity than the one stored for a partition,
+the partition is reported at ERROR (:class:`LogReplaced`), counted like an offset past the log's
+end, and handled by the same policy: ``earliest`` points the stored offset at the new log's start
+with its identity (:func:`replace_logs`) and re-reads it, ``fail`` stops the consumer.
+
+Limits: a broker that reports no topic id (Metadata before v10) leaves only the offset check; an
+offset stored without an identity (before it was recorded) takes the first one seen; a restore
+that keeps the topic id but loses records is seen only by the offset check.
 """
 
 from __future__ import annotations
@@ -34,7 +44,7 @@ from dataclasses import dataclass
 from sqlalchemy.orm import Session
 
 from app.core.errors import FlywheelError
-from app.repositories.events import rewind_offset
+from app.repositories.events import replace_log, rewind_offset
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +73,49 @@ class LogRecreated:
         )
 
 
+def log_id_of(consumer, topic: str) -> str | None:
+    """The identity of ``topic``'s log as ``consumer`` (a ``KafkaConsumer``) last heard it from the
+    broker: ``"<cluster id>/<topic id>"``, or None while its metadata carries no topic id. Read from
+    kafka-python's cluster metadata (``cluster.topic_id``, Metadata v10+), which the client refreshes
+    after a reconnect and every ``metadata_max_age_ms``."""
+    cluster = consumer._client.cluster  # kafka-python keeps the metadata there; no public accessor
+    topic_id = cluster.topic_id(topic)
+    if topic_id is None:
+        return None
+    return f"{cluster.cluster_id or ''}/{topic_id}"
+
+
+@dataclass(frozen=True)
+class LogReplaced:
+    """A partition whose stored next offset (``stored``) counts in another log (``old``) than the one
+    the broker reports now (``new``, starting at offset ``start``)."""
+
+    topic: str
+    partition: int
+    stored: int
+    old: str
+    new: str
+    start: int
+
+    def describe(self) -> str:
+        """One line naming the partition, the stored offset and both identities."""
+        return (
+            f"{self.topic}:{self.partition}: the partition's log was re-created (log identity {self.old} -> "
+            f"{self.new}): the stored next offset {self.stored} counts in the old log, whatever the new one "
+            f"holds (a broker restarted with an empty log, a topic re-created, a cluster restored)"
+        )
+
+
+def replace_logs(session: Session, group_id: str, found: Sequence[LogReplaced]) -> dict[int, int]:
+    """Point each partition's stored offset at its new log's start, with the new identity, in the
+    caller's transaction (``app.repositories.events.replace_log``: unless another member did).
+
+    Returns:
+        ``{partition: next offset stored now}``.
+    """
+    return {r.partition: replace_log(session, group_id, r.topic, r.partition, r.new, r.start) for r in found}
+
+
 def rewind_to_start(session: Session, group_id: str, found: Sequence[LogRecreated]) -> dict[int, int]:
     """Set each partition's stored next offset back to its log's start, in the caller's transaction
     (``app.repositories.events.rewind_offset``: only where it still holds the offset that was judged).
@@ -75,7 +128,7 @@ def rewind_to_start(session: Session, group_id: str, found: Sequence[LogRecreate
     return {r.partition: rewind_offset(session, group_id, r.topic, r.partition, r.stored, r.start) for r in found}
 
 
-def report(found: Sequence[LogRecreated], policy: str) -> None:
+def report(found: Sequence[LogRecreated | LogReplaced], policy: str) -> None:
     """Log each partition at ERROR, with what ``policy`` (``earliest`` | ``fail``) does about it."""
     then = (
         "re-reading it from the log's start (FLYWHEEL_CONSUMER_OFFSET_RESET=earliest; events already stored "

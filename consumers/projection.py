@@ -23,6 +23,11 @@ Invariants:
   already have used them). ``flywheel relabel`` folds every stored event, late ones included.
   Because the close is judged against ``ingested_at``, a batch that meets a late event finalizes
   the trajectory first, exactly as the periodic sweep would have; the sweep only materializes it.
+- Incomplete sessions (``consumers.trajectory_state.incomplete_reason``: no ``session.started``, or
+  a gap in the producer's per-session ``seq``) are never finalized by their signals: they are held
+  until the window closes (a missing event may still arrive, from another partition or a re-read
+  log), and, still incomplete then, finalized with ``incomplete_reason`` set: the trainer never
+  selects them (``trainer.selection``, reason ``incomplete``).
 """
 
 from __future__ import annotations
@@ -38,7 +43,7 @@ from typing import Any, NamedTuple
 from app.repositories.trajectories import pack_routes
 from consumers.rewards.math import RewardResult, compute_reward, inputs_from_signals
 from consumers.rewards.spec import RewardSpec
-from consumers.trajectory_state import SegmentState, TrajectoryState
+from consumers.trajectory_state import SegmentState, TrajectoryState, incomplete_reason
 from producers.events.types import EventBase
 
 TOOL_OUTPUT_CHARS = 2000
@@ -98,8 +103,10 @@ class Projector:
     # ---- finalization ---------------------------------------------------------------------
 
     def finalize(self, t: TrajectoryState, at: datetime, by: str) -> None:
-        """Mark ``t`` finalized at ``at`` (``signals`` | ``window`` | ``abandoned``) and label it."""
+        """Mark ``t`` finalized at ``at`` (``signals`` | ``window`` | ``abandoned``), say whether its
+        events are incomplete (``incomplete_reason``) and label it."""
         t.status, t.finalized_at, t.finalized_by, t.dirty = "finalized", at, by, True
+        t.incomplete_reason = incomplete_reason(t)
         t.labels = self.label(t)
 
     def label(self, t: TrajectoryState) -> list[RewardResult]:
@@ -128,6 +135,9 @@ class Projector:
         t.dirty = True
         t.event_ids.append(ev.event_id)
         t.max_event_seq = se.seq if t.max_event_seq is None else max(t.max_event_seq, se.seq)
+        if ev.seq is not None:
+            t.producer_seq_count += 1
+            t.producer_seq_max = ev.seq if t.producer_seq_max is None else max(t.producer_seq_max, ev.seq)
         if t.last_event_at is None or ev.occurred_at > t.last_event_at:
             t.last_event_at = ev.occurred_at
         if t.ended_at is not None and ev.type != "session.ended":
@@ -140,7 +150,7 @@ class Projector:
             return
         if t.ended_at is None:
             t.window_closes_at = se.ingested_at + timedelta(seconds=self.config.abandon_after_s)
-        elif self._expected_arrived(t):
+        elif self._expected_arrived(t) and incomplete_reason(t) is None:  # an incomplete one waits for its window
             self.finalize(t, se.ingested_at, "signals")
 
     @staticmethod

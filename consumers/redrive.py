@@ -14,8 +14,9 @@ Invariants:
   record of the batch. A failure leaves the batch unmarked; running again publishes it again, which
   the consumer deduplicates.
 - Rows without bytes (an erasure covered them, their session is in privacy mode, or the message
-  had no value) are never published, and neither are oversized ones (the consumer would refuse
-  them again): both are counted as skipped.
+  had no value) are never published, nor rows that keep only the record's head (``raw_size``
+  past the bytes kept), nor oversized ones (the consumer would refuse them again): all are counted
+  as skipped.
 """
 
 from __future__ import annotations
@@ -168,7 +169,7 @@ def redrive(
             with session_scope() as session:
                 with raw_connection(session).cursor() as cur:
                     cur.execute(
-                        f'SELECT id, topic, partition, "offset", key, raw, headers FROM dead_letter '
+                        f'SELECT id, topic, partition, "offset", key, raw, headers, raw_size FROM dead_letter '
                         f"WHERE id > %(after)s AND {where} ORDER BY id LIMIT %(batch)s "
                         f"FOR UPDATE SKIP LOCKED",
                         params,
@@ -183,6 +184,8 @@ def redrive(
                         raw = row[5]
                         if not raw:
                             report.skipped["no_bytes"] += 1
+                        elif row[7] is not None and row[7] > len(raw):  # only the head is kept
+                            report.skipped["truncated"] += 1
                         elif len(raw) > max_bytes:
                             report.skipped["oversized"] += 1
                         else:
@@ -216,7 +219,7 @@ def _publish(publisher: DeadLetterPublisher, rows: list[tuple], topic: str | Non
         publisher.send(
             (
                 (topic or t, key, bytes(raw), redrive_headers(headers, f"{t}:{p}:{o}"))
-                for _, t, p, o, key, raw, headers in rows
+                for _, t, p, o, key, raw, headers, _size in rows
             ),
             timeout_s,
         )

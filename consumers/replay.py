@@ -59,6 +59,7 @@ def stored_event_from_row(row: tuple) -> StoredEvent:
             "user_id": data["user_id"],
             "org_id": data["org_id"],
             "payload": data["payload"],
+            **({"seq": data["producer_seq"]} if data["producer_seq"] is not None else {}),
         }
     )
     return StoredEvent(event, seq, ingested_at, data["topic"], data["partition"], data["offset"])

@@ -94,7 +94,17 @@ class ConsumerSettings(BaseSettings):
     dlq_max_bytes: int = Field(
         default=900_000,
         ge=1024,
-        description="raw bytes beyond this are truncated on the DLQ topic (the table keeps them whole)",
+        description="raw bytes beyond this are truncated on the DLQ topic (the table keeps them up to "
+        "dead_letter_max_bytes)",
+    )
+    dead_letter_max_bytes: int = Field(
+        default=2 * 1_048_576,
+        ge=1024,
+        description="a dead letter's raw bytes are stored whole up to this size (bytes); a larger record keeps "
+        "only its first dead_letter_head_bytes, with its size and SHA-256",
+    )
+    dead_letter_head_bytes: int = Field(
+        default=65_536, ge=0, description="bytes of a record over dead_letter_max_bytes kept in dead_letter.raw"
     )
     pipeline_depth: int = Field(
         default=2, ge=1, le=16, description="polled batches waiting for the DB thread before polling pauses"

@@ -79,6 +79,9 @@ class TrajectoryState:
     window_closes_at: datetime | None = None
     finalized_by: str | None = None
     late_event_ids: list[uuid.UUID] = field(default_factory=list)
+    producer_seq_count: int = 0
+    producer_seq_max: int | None = None
+    incomplete_reason: str | None = None
     # not columns:
     segments: dict[int, SegmentState] = field(default_factory=dict)
     dirty: bool = False
@@ -92,6 +95,19 @@ TRAJECTORY_COLUMNS = tuple(
     f for f in TrajectoryState.__dataclass_fields__ if f not in ("segments", "dirty", "stored", "labels")
 )
 SEGMENT_COLUMNS = tuple(f for f in SegmentState.__dataclass_fields__ if f not in ("dirty", "stored"))
+
+
+def incomplete_reason(t: TrajectoryState) -> str | None:
+    """Why the events folded into ``t`` are not the whole session, or None: no ``session.started``,
+    or producer ``seq`` values missing below the highest seen (events without ``seq`` are judged by
+    the start alone)."""
+    why = []
+    if t.started_at is None:
+        why.append("no session.started")
+    if t.producer_seq_max is not None and t.producer_seq_count <= t.producer_seq_max:
+        missing = t.producer_seq_max + 1 - t.producer_seq_count
+        why.append(f"{missing} of producer seq 0..{t.producer_seq_max} missing")
+    return "; ".join(why) or None
 
 
 def new_trajectory(event: EventBase) -> TrajectoryState:

@@ -39,6 +39,7 @@ from producers.errors import ConfigurationError, InvalidEventError
 from producers.events.codec import encode_event, validate_event
 from producers.events.types import EVENT_CLASSES, EventBase
 from producers.metrics import ProducerCounters
+from producers.sequence import SessionSequencer
 from producers.settings import KafkaSettings, flywheel_home
 from producers.spool import Record, Spool
 from producers.telemetry import inject_headers
@@ -105,6 +106,7 @@ class EventProducer:
         self.delivery_timeout_s, self.connect_timeout_s = delivery_timeout_s, connect_timeout_s
         self.max_backoff_s = max_backoff_s
         self._on_error = on_error
+        self._sequencer = SessionSequencer()
         self._spool = Spool(spool_dir or flywheel_home() / "spool", max_bytes=spool_max_bytes or kafka.spool_max_bytes)
         self._buffer: deque[Record] = deque()
         self._lock = threading.Lock()  # guards _buffer, _spooling, _closed and spool appends
@@ -130,6 +132,7 @@ class EventProducer:
 
     def emit(self, event: EventBase | Mapping[str, Any]) -> None:
         """Queue one event for delivery (keyed by ``session_id``); returns without network I/O.
+        An event without ``seq`` gets its session's next one (``producers.sequence``).
 
         Raises:
             ValueError: (``InvalidEventError``) the event is invalid or larger than
@@ -147,10 +150,17 @@ class EventProducer:
             except InvalidEventError:
                 self._counts["invalid"] += 1
                 raise
-        value = encode_event(ev)
+        stamped = self._sequencer.stamp(ev)
+        value = encode_event(stamped)
         if len(value) > self.max_event_bytes:
+            if stamped is not ev:
+                self._sequencer.release(stamped)
             self._counts["invalid"] += 1
-            raise InvalidEventError("oversized", f"event is {len(value)} bytes, limit {self.max_event_bytes}")
+            raise InvalidEventError(
+                "oversized",
+                f"{ev.type} event {ev.event_id} is {len(value)} bytes encoded, over the limit of "
+                f"{self.max_event_bytes} bytes (max_event_bytes, FLYWHEEL_KAFKA_MAX_EVENT_BYTES); it was not sent",
+            )
         headers = inject_headers([("event-type", ev.type.encode())])
         rec = Record(self.topic, ev.session_id.encode(), headers, value)
         spool_error = None

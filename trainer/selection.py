@@ -16,6 +16,8 @@ Exclusion reasons, checked in this order (the first that applies is recorded):
 
 ==========================  =====================================================================
 ``earlier_cycle``           a registered checkpoint already trained on it
+``incomplete``              its events are not the whole session (no ``session.started``, or a gap
+                            in the producer's ``seq``): ``trajectory.incomplete_reason`` says which
 ``reserved_for_eval``       the session is held out for evals
 ``eval_task``               its task is in ``eval_task`` (held-out tasks are never trained on)
 ``erased``                  its user asked for erasure after the session started
@@ -213,6 +215,8 @@ def _classify(
     age_floor: datetime,
 ) -> tuple[str | None, TrajectoryData | None]:
     """The exclusion reason of a trajectory, or ``(None, its loaded data)``."""
+    if traj.incomplete_reason is not None:
+        return "incomplete", None
     if traj.reserved_for_eval:
         return "reserved_for_eval", None
     if traj.task_id and traj.task_id in eval_tasks:

@@ -38,6 +38,9 @@ class EventLog(Base):
     partition: Mapped[int | None] = mapped_column(Integer)
     offset: Mapped[int | None] = mapped_column(BigInteger)
     trace_id: Mapped[str | None] = mapped_column(String(32))
+    producer_seq: Mapped[int | None] = mapped_column(
+        Integer, comment="the envelope's seq: the event's place in its session as the producer emitted it"
+    )
     ingested_at: Mapped[datetime] = created_at_column()
 
     __table_args__ = (
@@ -55,6 +58,9 @@ class ConsumerOffset(Base):
     topic: Mapped[str] = mapped_column(String(255), primary_key=True)
     partition: Mapped[int] = mapped_column(Integer, primary_key=True)
     next_offset: Mapped[int] = mapped_column(BigInteger, nullable=False)
+    log_id: Mapped[str | None] = mapped_column(
+        String(128), comment="identity of the log next_offset counts in (the broker's topic id); NULL: not known yet"
+    )
     updated_at: Mapped[datetime] = created_at_column()
 
 
@@ -69,6 +75,10 @@ class DeadLetter(Base):
     offset: Mapped[int] = mapped_column(BigInteger, nullable=False)
     key: Mapped[bytes | None] = mapped_column(LargeBinary)
     raw: Mapped[bytes | None] = mapped_column(LargeBinary)
+    raw_size: Mapped[int | None] = mapped_column(
+        BigInteger, comment="the record's size in bytes (raw may keep only its head)"
+    )
+    raw_sha256: Mapped[bytes | None] = mapped_column(LargeBinary, comment="SHA-256 of the record's bytes")
     headers: Mapped[list[Any] | None] = mapped_column(JSONB)
     reason: Mapped[str] = mapped_column(String(64), nullable=False)
     detail: Mapped[str] = mapped_column(Text, nullable=False, default="")

@@ -88,6 +88,17 @@ class Trajectory(Base):
         default=list,
         comment="events that arrived after finalization (kept in event_log, ignored by this label)",
     )
+    producer_seq_count: Mapped[int] = mapped_column(
+        Integer,
+        nullable=False,
+        default=0,
+        server_default=text("0"),
+        comment="events folded in that carry the producer's per-session seq",
+    )
+    producer_seq_max: Mapped[int | None] = mapped_column(Integer, comment="highest producer seq folded in")
+    incomplete_reason: Mapped[str | None] = mapped_column(
+        Text, comment="why the finalized events are incomplete (never trained on); NULL: complete"
+    )
 
     __table_args__ = (
         Index("ix_trajectory_status_finalized", "status", "finalized_at"),

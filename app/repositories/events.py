@@ -34,6 +34,7 @@ EVENT_COLUMNS = (
     "partition",
     "offset",
     "trace_id",
+    "producer_seq",
 )
 
 
@@ -58,11 +59,13 @@ class EventRow(NamedTuple):
     partition: int | None
     offset: int | None
     trace_id: str | None
+    producer_seq: int | None = None
+    """the envelope's ``seq`` (the event's place in its session as the producer emitted it), if sent"""
 
 
 _TEMP_DDL = """CREATE TEMP TABLE IF NOT EXISTS _event_batch (
     ord int, event_id uuid, type text, schema_version int, occurred_at timestamptz, session_id text,
-    user_id text, org_id text, payload json, topic text, partition int, "offset" bigint, trace_id text
+    user_id text, org_id text, payload json, topic text, partition int, "offset" bigint, trace_id text, producer_seq int
 ) ON COMMIT DELETE ROWS"""
 _COLS = ", ".join(f'"{c}"' for c in EVENT_COLUMNS)
 
@@ -107,7 +110,7 @@ def append_events(
         cur.execute(
             f"INSERT INTO event_log ({_COLS}) SELECT {_COLS} FROM unnest("
             "%s::uuid[], %s::text[], %s::int[], %s::timestamptz[], %s::text[], %s::text[], %s::text[], "
-            "%s::text[]::json[], %s::text[], %s::int[], %s::bigint[], %s::text[]) WITH ORDINALITY "
+            "%s::text[]::json[], %s::text[], %s::int[], %s::bigint[], %s::text[], %s::int[]) WITH ORDINALITY "
             f"AS b({_COLS}, ord) ORDER BY ord ON CONFLICT (event_id) DO NOTHING RETURNING event_id, seq",
             [list(c) for c in cols],
         )
@@ -132,6 +135,7 @@ _BINARY_TYPES = [
     "int4",
     "int8",
     "text",
+    "int4",
 ]
 
 
@@ -218,18 +222,46 @@ def lock_offsets(session: Session, group_id: str, first: dict[tuple[str, int], i
         return {(t, p): o for t, p, o in cur.fetchall()}
 
 
-def store_offsets(session: Session, group_id: str, next_offsets: dict[tuple[str, int], int]) -> None:
-    """Advance this group's next offsets (never backwards)."""
+def offset_log_ids(session: Session, group_id: str, keys: Sequence[tuple[str, int]]) -> dict[tuple[str, int], str]:
+    """The log identities stored with this group's offsets of ``keys`` (``(topic, partition)``),
+    where one is stored (call after :func:`lock_offsets`, which holds the rows)."""
+    if not keys:
+        return {}
+    with raw_connection(session).cursor() as cur:
+        cur.execute(
+            "SELECT topic, partition, log_id FROM consumer_offset WHERE group_id = %s AND log_id IS NOT NULL "
+            "AND (topic, partition) IN (SELECT * FROM unnest(%s::text[], %s::int[]))",
+            (group_id, [k[0] for k in keys], [k[1] for k in keys]),
+        )
+        return {(t, p): i for t, p, i in cur.fetchall()}
+
+
+def store_offsets(
+    session: Session,
+    group_id: str,
+    next_offsets: dict[tuple[str, int], int],
+    log_ids: dict[tuple[str, int], str] | None = None,
+) -> None:
+    """Advance this group's next offsets (never backwards), with the identity of the log they count
+    in where ``log_ids`` gives one (else the stored one stays)."""
     if not next_offsets:
         return
     keys = sorted(next_offsets)
+    ids = log_ids or {}
     with raw_connection(session).cursor() as cur:
         cur.execute(
-            "INSERT INTO consumer_offset (group_id, topic, partition, next_offset) "
-            "SELECT %s, t, p, o FROM unnest(%s::text[], %s::int[], %s::bigint[]) AS u(t, p, o) "
+            "INSERT INTO consumer_offset (group_id, topic, partition, next_offset, log_id) "
+            "SELECT %s, t, p, o, i FROM unnest(%s::text[], %s::int[], %s::bigint[], %s::text[]) AS u(t, p, o, i) "
             "ON CONFLICT (group_id, topic, partition) DO UPDATE SET "
-            "next_offset = GREATEST(consumer_offset.next_offset, EXCLUDED.next_offset), updated_at = now()",
-            (group_id, [k[0] for k in keys], [k[1] for k in keys], [next_offsets[k] for k in keys]),
+            "next_offset = GREATEST(consumer_offset.next_offset, EXCLUDED.next_offset), "
+            "log_id = coalesce(EXCLUDED.log_id, consumer_offset.log_id), updated_at = now()",
+            (
+                group_id,
+                [k[0] for k in keys],
+                [k[1] for k in keys],
+                [next_offsets[k] for k in keys],
+                [ids.get(k) for k in keys],
+            ),
         )
 
 
@@ -250,6 +282,38 @@ def rewind_offset(session: Session, group_id: str, topic: str, partition: int, e
         )
         row = cur.fetchone()
         return row[0] if row else to
+
+
+def replace_log(session: Session, group_id: str, topic: str, partition: int, log_id: str, start: int) -> int:
+    """Point this group's offset of one partition at the start of a new log: next offset ``start``
+    and identity ``log_id``, unless it already counts in that log (another member got there first).
+    The offset it held counted in another log and means nothing in this one (``consumers.offsets``).
+
+    Returns:
+        the next offset stored now.
+    """
+    with raw_connection(session).cursor() as cur:
+        cur.execute(
+            "UPDATE consumer_offset SET next_offset = %s, log_id = %s, updated_at = now() WHERE group_id = %s "
+            "AND topic = %s AND partition = %s AND log_id IS DISTINCT FROM %s",
+            (start, log_id, group_id, topic, partition, log_id),
+        )
+        cur.execute(
+            "SELECT next_offset FROM consumer_offset WHERE group_id = %s AND topic = %s AND partition = %s",
+            (group_id, topic, partition),
+        )
+        row = cur.fetchone()
+        return row[0] if row else start
+
+
+def stored_positions(session: Session, group_id: str, topic: str) -> dict[int, tuple[int, str | None]]:
+    """``{partition: (next_offset, log_id)}`` stored for a group and topic."""
+    with raw_connection(session).cursor() as cur:
+        cur.execute(
+            "SELECT partition, next_offset, log_id FROM consumer_offset WHERE group_id = %s AND topic = %s",
+            (group_id, topic),
+        )
+        return {p: (o, i) for p, o, i in cur.fetchall()}
 
 
 def stored_offsets(session: Session, group_id: str, topic: str) -> dict[int, int]:
@@ -279,6 +343,10 @@ class DeadLetterRow:
     """The top-level ``session_id`` the raw JSON object carries, if any (what a privacy purge looks up)."""
     redacted: str | None = None
     """Why ``key``, ``raw`` and ``headers`` are not kept: ``erasure`` or ``privacy``; None if they are."""
+    raw_size: int | None = None
+    """The record's size in bytes (``raw`` may hold only its head: an oversized record)."""
+    raw_sha256: bytes | None = None
+    """SHA-256 of the record's bytes."""
 
 
 def insert_dead_letters(session: Session, rows: Sequence[DeadLetterRow]) -> int:
@@ -288,7 +356,8 @@ def insert_dead_letters(session: Session, rows: Sequence[DeadLetterRow]) -> int:
     with raw_connection(session).cursor() as cur:
         cur.executemany(
             'INSERT INTO dead_letter (topic, partition, "offset", key, raw, headers, reason, detail, user_id, '
-            "session_id, redacted) VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s) ON CONFLICT DO NOTHING",
+            "session_id, redacted, raw_size, raw_sha256) VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s) "
+            "ON CONFLICT DO NOTHING",
             [
                 (
                     r.topic,
@@ -302,6 +371,8 @@ def insert_dead_letters(session: Session, rows: Sequence[DeadLetterRow]) -> int:
                     r.user_id,
                     r.session_id,
                     r.redacted,
+                    r.raw_size,
+                    r.raw_sha256,
                 )
                 for r in rows
             ],
@@ -319,7 +390,7 @@ def stored_dead_letters(session: Session, positions: Sequence[tuple[str, int, in
     with raw_connection(session).cursor() as cur:
         cur.execute(
             'SELECT d.topic, d.partition, d."offset", d.key, d.raw, d.headers, d.reason, d.detail, d.user_id, '
-            "d.session_id, d.redacted "
+            "d.session_id, d.redacted, d.raw_size, d.raw_sha256 "
             "FROM dead_letter d JOIN unnest(%s::text[], %s::int[], %s::bigint[]) AS p(t, n, o) "
             'ON d.topic = p.t AND d.partition = p.n AND d."offset" = p.o '
             'ORDER BY d.topic, d.partition, d."offset"',
@@ -338,8 +409,10 @@ def stored_dead_letters(session: Session, positions: Sequence[tuple[str, int, in
                 user_id=u,
                 session_id=sid,
                 redacted=why,
+                raw_size=size,
+                raw_sha256=bytes(digest) if digest is not None else None,
             )
-            for t, n, o, k, r, h, reason, detail, u, sid, why in cur.fetchall()
+            for t, n, o, k, r, h, reason, detail, u, sid, why, size, digest in cur.fetchall()
         ]
 
 

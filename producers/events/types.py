@@ -209,7 +209,10 @@ def _now() -> datetime:
 class EventBase(_Frozen):
     """The envelope every event shares.
 
-    ``event_id`` is a UUIDv7 (time-ordered) and the idempotency key end to end.
+    ``event_id`` is a UUIDv7 (time-ordered) and the idempotency key end to end. ``seq`` (optional)
+    is the event's position in its session as the producer emitted it, 0 for the first: the
+    consumer finds a session's lost events by the gaps. An event without it is encoded without
+    the field (a consumer that predates it reads the event as before).
     """
 
     event_id: UUID = Field(default_factory=uuid7)
@@ -222,6 +225,13 @@ class EventBase(_Frozen):
     user_id: str = Field(min_length=1, max_length=128, description="pseudonymous")
     org_id: str = Field(default="default", min_length=1, max_length=128)
     privacy_mode: bool = False
+    seq: int | None = Field(
+        default=None,
+        ge=0,
+        le=2**31 - 1,
+        exclude_if=lambda v: v is None,
+        description="position in the session as emitted (0 first), assigned by the producer SDK; optional",
+    )
 
     @field_validator("occurred_at")
     @classmethod

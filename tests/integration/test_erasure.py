@@ -195,13 +195,16 @@ def test_erasure_removes_the_users_rows_and_flags_checkpoints(db, topics, kafka_
         assert q("SELECT count(*) FROM event_log WHERE user_id = 'u-bob'") == [(len(bob),)]
         assert q("SELECT count(*) FROM trajectory WHERE user_id = 'u-bob'") == [(6,)]
 
-    # a redelivered request is a no-op; the projections still replay to the same rows
+    # the same request again is applied again, up to its own time (now): what alice stored after the
+    # first one goes too; the projections still replay to the same rows
     from typer.testing import CliRunner
 
     from ops.cli import app
 
     out = CliRunner().invoke(app, ["erase", "u-alice", "--request-id", "req-1"])
-    assert out.exit_code == 0 and '"already_done": true' in out.output
+    assert out.exit_code == 0 and '"repeated": true' in out.output, out.output
+    with psycopg.connect(db) as conn:
+        assert conn.execute("SELECT count(*) FROM event_log WHERE user_id = 'u-alice'").fetchone() == (0,)
     out = CliRunner().invoke(app, ["replay", "--verify"])
     assert out.exit_code == 0 and '"identical": true' in out.output, out.output
 
