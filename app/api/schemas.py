@@ -75,6 +75,12 @@ class CheckpointSummary(_Out):
     reward_spec: str | None
     num_trajectories: int
     trained_on_erased: bool
+    erasure_flagged_at: datetime | None = None
+    erasure_reason: str | None = Field(
+        default=None,
+        description="why it is flagged trained_on_erased: it trained on an erased user's data, or descends from "
+        "a checkpoint that did (null when not flagged)",
+    )
     created_at: datetime
     promoted_at: datetime | None
 
