@@ -274,6 +274,11 @@ class CanaryOut(_Out):
     stopped_at: datetime | None
     stopped_by: str | None
     stop_reason: str | None
+    ready_at: datetime | None = Field(
+        default=None,
+        description="when the canary policy found it ran its planned size with no signal regressed "
+        "(ready for promotion); null until then",
+    )
 
 
 class CanaryStatusOut(BaseModel):
