@@ -210,7 +210,8 @@ def erase(
     request_id: str = typer.Option(None, help="idempotency key (default: a new uuid)"),
 ) -> None:
     """Erase a user now (same path as a user.erasure_requested event): events, trajectories, dead
-    letters, eval tasks mined from their sessions; flag checkpoints trained on them."""
+    letters, eval tasks mined from their sessions; flag checkpoints trained on them and their
+    descendants, and roll a flagged production back to its newest clean ancestor."""
     import uuid
 
     from app.core.db import session_scope
@@ -227,6 +228,8 @@ def erase(
                 "dead_letters_deleted": out.dead_letters_deleted,
                 "eval_tasks_deleted": out.eval_tasks_deleted,
                 "checkpoints_flagged": out.checkpoints_flagged,
+                "production_rolled_back_to": out.rolled_back_to,
+                "production_unresolved": out.production_unresolved,
                 "repeated": out.repeated,
                 "request_id_reused_from": out.reused_by,
             }

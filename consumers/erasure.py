@@ -5,9 +5,12 @@ Invariants:
 - ``event_log`` rows are deleted only here, inside the caller's transaction, with
   ``SET LOCAL flywheel.erasure = 'on'`` (the append-only trigger refuses any other DELETE).
 - Every checkpoint that trained on one of the user's trajectories (``checkpoint_trajectory``, which
-  the trainer writes from its manifest and keeps after erasure) gets ``trained_on_erased = true``
-  (one still training when the erasure commits is flagged by its registration, ``trainer.records``)
-  and ``erasure_flagged_at``; nothing else about the checkpoint changes (a release manager decides).
+  the trainer writes from its manifest and keeps after erasure), and every descendant of one, gets
+  ``trained_on_erased = true`` and ``erasure_flagged_at`` with an audited reason (one still
+  training when the erasure commits is flagged by its registration, ``trainer.records``). In the
+  same transaction a flagged canary is stopped and a flagged production is rolled back to its
+  newest clean ancestor, or, with none, reported as an ERROR and an audit entry
+  (``app.promotion.erasure``).
 - Eval tasks mined from a deleted trajectory (``eval_task.source_trajectory_id``, ``evals.mined``)
   are deleted with it: they hold its session's request text and test. Past eval results keep only
   the task id and outcomes.
@@ -43,6 +46,7 @@ from datetime import datetime
 
 from sqlalchemy.orm import Session
 
+from app.promotion.erasure import FlagOutcome, flag_subtrees
 from app.repositories.events import raw_connection
 from consumers.deadletter import PRIVATE_DETAIL
 
@@ -68,6 +72,11 @@ class ErasureOutcome:
     """eval tasks mined from the erased sessions (``evals.mined``: they hold the session's request)"""
     trajectory_ids: list[uuid.UUID] = field(default_factory=list)
     checkpoints_flagged: list[str] = field(default_factory=list)
+    """checkpoints trained on the erased sessions and their descendants."""
+    rolled_back_to: str | None = None
+    """the ancestor production was rolled back to, when production was flagged."""
+    production_unresolved: list[str] = field(default_factory=list)
+    """why a flagged production still serves (no ancestor could replace it); empty otherwise."""
     repeated: bool = False
     """this (user, request id) was applied before; it was applied again, up to its own time."""
     reused_by: list[str] = field(default_factory=list)
@@ -123,7 +132,12 @@ def erase_user(session: Session, user_id: str, request_id: str, requested_at: da
         # among the unattributed ones (a partial index) any that carries the user id as a JSON string.
         cur.execute(DELETE_DEAD_LETTERS, {"user_id": user_id, "quoted": b'"' + user_id.encode() + b'"'})
         out.dead_letters_deleted = cur.rowcount
-        out.checkpoints_flagged = _flag_checkpoints(cur, out.trajectory_ids, user_id)
+        flags = _flag_checkpoints(
+            session, cur, out.trajectory_ids, user_id, actor="consumers:erasure", cause=f"erasure request {request_id}"
+        )
+        out.checkpoints_flagged = flags.flagged
+        out.rolled_back_to = flags.rollback.checkpoint.id if flags.rollback else None
+        out.production_unresolved = flags.unresolved
         cur.execute(
             "INSERT INTO erasure_request (request_id, user_id, events_deleted, trajectories_deleted, trajectory_ids, "
             "checkpoints_flagged, dead_letters_deleted, eval_tasks_deleted, requested_at) "
@@ -183,7 +197,9 @@ def purge_private_sessions(session: Session, session_ids: Collection[str]) -> di
     with raw_connection(session).cursor() as cur:
         events, trajectories, _ = _delete_sessions(cur, sorted(session_ids))
         if trajectories:
-            _flag_checkpoints(cur, trajectories)
+            _flag_checkpoints(
+                session, cur, trajectories, actor="consumers:privacy", cause="a privacy-mode session purged"
+            )
         cur.execute(
             "UPDATE dead_letter SET key = NULL, raw = NULL, raw_sha256 = NULL, headers = NULL, redacted = 'privacy', "
             "detail = %s || detail WHERE session_id = ANY(%s) AND redacted IS NULL",
@@ -212,17 +228,17 @@ def _delete_sessions(cur, sessions: list[str], user_id: str | None = None) -> tu
     return events, trajectories, cur.rowcount
 
 
-def _flag_checkpoints(cur, trajectory_ids: list[uuid.UUID], user_id: str | None = None) -> list[str]:
-    """Set ``trained_on_erased`` (and ``erasure_flagged_at``, once) on every checkpoint that trained on
-    one of ``trajectory_ids`` or, if given, on any trajectory of ``user_id``. Returns their ids, sorted."""
+def _flag_checkpoints(
+    session: Session, cur, trajectory_ids: list[uuid.UUID], user_id: str | None = None, *, actor: str, cause: str
+) -> FlagOutcome:
+    """Flag every checkpoint that trained on one of ``trajectory_ids`` or, if given, on any trajectory
+    of ``user_id``, and their descendants; stop a flagged canary and move production off a flagged
+    checkpoint (:func:`app.promotion.erasure.flag_subtrees`)."""
     cur.execute(
-        "UPDATE checkpoint SET trained_on_erased = true, "
-        "erasure_flagged_at = coalesce(erasure_flagged_at, now()) "
-        "WHERE id IN (SELECT checkpoint_id FROM checkpoint_trajectory WHERE user_id = %s "
-        "OR trajectory_id = ANY(%s)) RETURNING id",
+        "SELECT DISTINCT checkpoint_id FROM checkpoint_trajectory WHERE user_id = %s OR trajectory_id = ANY(%s)",
         (user_id, trajectory_ids),
     )
-    return sorted(r[0] for r in cur.fetchall())
+    return flag_subtrees(session, [r[0] for r in cur.fetchall()], actor=actor, cause=cause)
 
 
 def list_erasures(session: Session, user_id: str | None = None, limit: int = 50) -> list[dict]:

@@ -36,8 +36,8 @@ def simulate(
     canary: bool = typer.Option(
         True,
         "--canary/--no-canary",
-        help="serve the active canary's users with its checkpoint (sticky by user), as "
-        "live traffic does; only when serving production (no --checkpoint/--model-dir)",
+        help="serve the canary's users with its checkpoint (sticky by user), following what the serving "
+        "watcher serves, as live traffic does; only when serving production (no --checkpoint/--model-dir)",
     ),
 ) -> None:
     """Play the product backend: real agent sessions on training tasks, every event to the broker.
@@ -49,7 +49,7 @@ def simulate(
     from app.core.telemetry import configure_telemetry, shutdown_telemetry
     from ops.simulator import SimulatorConfig, run_simulation
     from producers.producer import EventProducer
-    from serving.canary import EngineRouter, active_canary_from_registry, setup_canary_engine
+    from serving.canary import TrafficRouter
     from serving.engine import setup_engine
 
     configure_telemetry("flywheel-simulator")
@@ -71,10 +71,10 @@ def simulate(
         seed=seed,
     )
     engine = setup_engine(checkpoint_id=checkpoint, model_dir=model_dir)
-    router = EngineRouter(engine)
-    active = active_canary_from_registry() if canary and checkpoint is None and model_dir is None else None
+    # Routed as production traffic is: by the canary the serving watcher serves, followed live.
+    router = TrafficRouter(engine) if canary and checkpoint is None and model_dir is None else None
+    active = router.refresh(force=True) if router is not None else None
     if active is not None:
-        router.start(active, setup_canary_engine(active.checkpoint_id, Path(active.path)))
         typer.echo(f"canary {active.canary_id}: {active.checkpoint_id} serves {active.fraction:.1%} of users")
     typer.echo(f"simulating {sessions} sessions with checkpoint {engine.checkpoint_id}")
     try:
@@ -84,12 +84,13 @@ def simulate(
                 engine,
                 producer.emit,
                 progress=lambda s: typer.echo(json.dumps(s)),
-                engine_for=router.engine_for,
+                engine_for=router.engine_for if router is not None else None,
             )
             producer.flush(timeout_s=60)
             metrics = producer.metrics
     finally:
-        router.stop()
+        if router is not None:
+            router.close()
         engine.close()
     shutdown_telemetry()
     by_checkpoint: dict[str, int] = {}

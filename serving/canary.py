@@ -1,5 +1,6 @@
-"""Serving a canary beside production: the engine router that picks an arm per user, and the
-follower that starts and stops the canary engine on ``canary.started`` / ``canary.stopped``.
+"""Serving a canary beside production: the engine router that picks an arm per user, the
+follower that starts and stops the canary engine on ``canary.started`` / ``canary.stopped``, and
+the router production traffic uses, which follows what the serving watcher serves.
 
 Invariants:
 
@@ -11,6 +12,9 @@ Invariants:
   engine; for vLLM a second server (``FLYWHEEL_SERVING_CANARY_URL``, loaded with the canary
   checkpoint by the follower) or a model name a routing layer already serves the candidate under
   (``FLYWHEEL_SERVING_CANARY_MODEL`` on the production URL; nothing is reloaded then);
+- production traffic routes by what the serving watcher reports it serves (:class:`TrafficRouter`
+  over ``serving.json``), so a canary stopped by anyone, the canary policy included, stops getting
+  users within seconds of the watcher applying ``canary.stopped``;
 - only the newest canary change of a batch acts (at most one canary is active, so the newest
   message alone says what serves), and one whose ``outbox_id`` is not newer than the last applied
   is ignored (the relay is at-least-once).
@@ -20,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -28,8 +33,9 @@ from typing import Any
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from app.checkpoints.store import STABLE, CheckpointStore
-from app.core.errors import ConfigurationError
+from app.core.errors import CheckpointError, ConfigurationError, InfrastructureError
 from app.promotion.assignment import CANARY, assign_arm
+from app.promotion.serving_state import read_serving_state
 
 log = logging.getLogger("flywheel.canary")
 
@@ -89,17 +95,22 @@ class EngineRouter:
                 return self._canary_engine
             return self.production
 
-    def start(self, active: ActiveCanary, engine) -> None:
-        """Route ``active.fraction`` of users to ``engine`` (replacing any previous canary)."""
+    def replace(self, active: ActiveCanary | None, engine):
+        """Route ``active.fraction`` of users to ``engine`` (``None``, ``None``: every user on
+        production). Returns the previous canary engine, not closed: sessions may still run on it."""
         with self._lock:
             old, self._canary_engine, self.active = self._canary_engine, engine, active
-        if old is not None and old is not engine:
+        return None if old is engine else old
+
+    def start(self, active: ActiveCanary, engine) -> None:
+        """Route ``active.fraction`` of users to ``engine`` (replacing any previous canary, closed)."""
+        old = self.replace(active, engine)
+        if old is not None:
             old.close()
 
     def stop(self) -> None:
         """Every user back on production; the canary engine is closed."""
-        with self._lock:
-            old, self._canary_engine, self.active = self._canary_engine, None, None
+        old = self.replace(None, None)
         if old is not None:
             old.close()
 
@@ -218,6 +229,105 @@ class CanaryFollower:
             active = ActiveCanary(**saved)
             folder = Path(active.path) if active.path else self.store.stable_path(active.checkpoint_id)
             self.router.start(active, self.factory(active.checkpoint_id, folder))
+
+
+def served_canary(home: Path | None = None) -> ActiveCanary | None:
+    """The canary the serving watcher reports it serves (``serving.json``, written once the canary
+    engine is built, cleared on ``canary.stopped``); the registry's active canary when no watcher
+    has reported here."""
+    state = read_serving_state(home)
+    if state is None or "canary" not in state:
+        return active_canary_from_registry()
+    return ActiveCanary(**state["canary"]) if state["canary"] else None
+
+
+class TrafficRouter:
+    """The per-user engine choice production traffic uses: the serving watcher's routing.
+
+    It follows :func:`served_canary` (re-read at most every ``refresh_s`` seconds, on the calls of
+    :meth:`engine_for`): a canary the watcher started gets its share of users, a canary it stopped
+    (by a release manager, the canary policy, a production change or an erasure) sends them back
+    to production from their next session. A replaced canary engine is closed by :meth:`close`,
+    once the sessions that may run on it are over.
+
+    Args:
+        production: the engine serving the production checkpoint.
+        factory: builds the canary engine from ``(checkpoint_id, folder)`` (default
+            :func:`setup_canary_engine`).
+        home: where ``serving.json`` lives (default ``$FLYWHEEL_HOME``).
+        refresh_s: most seconds a change of the reported canary takes to reach traffic.
+    """
+
+    def __init__(
+        self, production, *, factory: EngineFactory | None = None, home: Path | None = None, refresh_s: float = 2.0
+    ) -> None:
+        self.router = EngineRouter(production)
+        self.factory = factory or setup_canary_engine
+        self.home = home
+        self.refresh_s = refresh_s
+        self._refresh_lock = threading.Lock()
+        self._read_at: float | None = None
+        self._retired: list[Any] = []
+
+    @property
+    def active(self) -> ActiveCanary | None:
+        """The canary traffic is routed to now."""
+        return self.router.active
+
+    def refresh(self, *, force: bool = False) -> ActiveCanary | None:
+        """Re-read the served canary if due (or ``force``) and route by it. A canary engine that
+        cannot be built yet (its folder not synced, its server down) leaves every user on
+        production and is tried again at the next refresh."""
+        if not self._refresh_lock.acquire(blocking=force):
+            return self.router.active  # another thread refreshes: route by what is there
+        try:
+            now = time.monotonic()
+            if not force and self._read_at is not None and now - self._read_at < self.refresh_s:
+                return self.router.active
+            self._read_at = now
+            wanted, current = served_canary(self.home), self.router.active
+            if (wanted and wanted.canary_id) == (current and current.canary_id):
+                return current
+            engine = None
+            if wanted is not None:
+                try:
+                    folder = (
+                        Path(wanted.path)
+                        if wanted.path
+                        else CheckpointStore.from_settings().stable_path(wanted.checkpoint_id)
+                    )
+                    engine = self.factory(wanted.checkpoint_id, folder)
+                except (CheckpointError, InfrastructureError) as exc:
+                    log.warning(
+                        "canary %s cannot be served yet (%s): production serves everyone", wanted.canary_id, exc
+                    )
+                    wanted = None
+            if wanted is None and current is None:
+                return None
+            old = self.router.replace(wanted, engine)
+            if old is not None:
+                self._retired.append(old)
+            log.info(
+                "traffic: %s",
+                f"canary {wanted.canary_id} ({wanted.checkpoint_id}) serves {wanted.fraction:.1%} of users"
+                if wanted
+                else "production serves every user",
+            )
+            return wanted
+        finally:
+            self._refresh_lock.release()
+
+    def engine_for(self, user_id: str):
+        """The engine that serves this user's next session."""
+        self.refresh()
+        return self.router.engine_for(user_id)
+
+    def close(self) -> None:
+        """Close the canary engines this router built (call when the traffic it routed is over)."""
+        self.router.stop()
+        for engine in self._retired:
+            engine.close()
+        self._retired.clear()
 
 
 def active_canary_from_registry() -> ActiveCanary | None:

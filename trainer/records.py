@@ -26,6 +26,8 @@ from sqlalchemy.orm import Session
 
 from app.core.locks import AdvisoryLock
 from app.models import Checkpoint, TrainingCycle
+from app.promotion.erasure import FLAG_ACTION, TRAINED_ON_ERASED, erasure_reasons
+from app.repositories.audit import record_audit
 from app.repositories.checkpoints import add_checkpoint, add_checkpoint_trajectories
 from app.repositories.holdout import retire_trained_eval_tasks
 from trainer.data import CycleData
@@ -140,6 +142,38 @@ def _flag_if_deleted_since_selection(
     return gone, sorted(requests)
 
 
+def _record_flag(session: Session, checkpoint_id: str, reason: str, inherited_from: str | None = None) -> None:
+    """The audit entry that tells a release manager why a checkpoint is flagged ``trained_on_erased``."""
+    details = {"reason": reason, "inherited_from": inherited_from}
+    record_audit(session, actor="trainer", action=FLAG_ACTION, target=f"checkpoint:{checkpoint_id}", details=details)
+
+
+def _inherit_parent_flag(session: Session, row: Checkpoint, parent_id: str) -> None:
+    """Flag ``row`` when its parent is flagged ``trained_on_erased`` (a descendant of erased data is
+    tainted too, ``app.promotion.erasure``), with the audited reason, and name it in the erasure
+    requests that name the parent. The parent is read ``FOR SHARE``: an erasure flagging it and not
+    committed yet is waited for, and one that flags it later finds this child by its ``parent_id``.
+    Taken last in registration, so the wait holds no lock an erasure needs before its commit."""
+    flagged = session.execute(
+        text("SELECT trained_on_erased FROM checkpoint WHERE id = :id FOR SHARE"), {"id": parent_id}
+    ).scalar()
+    if not flagged:
+        return
+    session.execute(
+        text(
+            "UPDATE erasure_request SET checkpoints_flagged = array_append(checkpoints_flagged, :cid) "
+            "WHERE :pid = ANY(checkpoints_flagged) AND NOT (:cid = ANY(checkpoints_flagged))"
+        ),
+        {"cid": row.id, "pid": parent_id},
+    )
+    if not row.trained_on_erased:
+        row.trained_on_erased, row.erasure_flagged_at = True, datetime.now(UTC)
+    why = erasure_reasons(session, [parent_id]).get(parent_id, TRAINED_ON_ERASED)
+    reason = f"descends from {parent_id}, which is flagged: {why}"
+    _record_flag(session, row.id, reason, inherited_from=parent_id)
+    log.warning("candidate %s registered flagged trained_on_erased: %s", row.id, reason)
+
+
 def register_candidate(
     session: Session,
     *,
@@ -153,9 +187,10 @@ def register_candidate(
 ) -> Checkpoint:
     """Insert the candidate, its lineage, the cycle's success and ``checkpoint.created``; flush. A
     candidate that trained on trajectories an erasure or a privacy purge deleted meanwhile is
-    registered flagged ``trained_on_erased`` (promotion refuses it), and the erasure requests name it.
-    Eval tasks mined meanwhile from what it trained on are retired (``app.repositories.holdout``;
-    listed in the candidate's and the cycle's metrics as ``eval_tasks_retired``).
+    registered flagged ``trained_on_erased`` (promotion refuses it), and the erasure requests name it;
+    so is one whose parent is flagged (a descendant of erased data). Eval tasks mined meanwhile
+    from what it trained on are retired (``app.repositories.holdout``; listed in the candidate's
+    and the cycle's metrics as ``eval_tasks_retired``).
 
     The caller's transaction makes the writes atomic (see module docstring).
     """
@@ -179,6 +214,12 @@ def register_candidate(
     gone, requests = _flag_if_deleted_since_selection(session, checkpoint_id, [t.id for t in data.used])
     if gone:
         row.trained_on_erased, row.erasure_flagged_at = True, datetime.now(UTC)
+        _record_flag(
+            session,
+            row.id,
+            f"trained on data of an erased user (erasure requests {', '.join(requests) or 'none'}: "
+            "deleted while it trained)",
+        )
         log.warning(
             "candidate %s trained on %d trajectories erased or made private while it trained (erasure "
             "requests %s): registered flagged trained_on_erased, so it cannot be promoted",
@@ -196,6 +237,7 @@ def register_candidate(
             len(retired),
             ", ".join(retired[:10]),
         )
+    _inherit_parent_flag(session, row, parent.id)
     cycle = session.get(TrainingCycle, cycle_id)
     cycle.status, cycle.checkpoint_id = "succeeded", checkpoint_id
     cycle.num_trajectories = len(data.used)

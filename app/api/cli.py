@@ -109,6 +109,21 @@ def canary_stop(
         typer.echo(f"canary {row.id} of {row.checkpoint_id} stopped")
 
 
+@canary_app.command("evaluate")
+def canary_evaluate() -> None:
+    """Apply the canary policy now (what the beat task does every FLYWHEEL_CANARY_EVAL_INTERVAL s): end
+    the active canary if a signal regressed significantly, mark it ready if it ran its planned size
+    without one. Prints the evaluation as JSON."""
+    import json
+
+    from app.core.db import session_scope
+    from app.promotion.canary_policy import evaluate_canary
+
+    with session_scope() as session:
+        result = evaluate_canary(session, actor=_cli_actor())
+    typer.echo(json.dumps(result.as_dict()))
+
+
 @canary_app.command("status")
 def canary_status() -> None:
     """The active canary and its online signals versus production (95 % intervals clustered by user)."""
@@ -117,6 +132,7 @@ def canary_status() -> None:
 
     from app.core.db import session_scope
     from app.promotion.canary import get_active_canary, list_canaries
+    from app.promotion.canary_policy import ready_times
     from app.promotion.online import online_view
     from app.repositories.checkpoints import get_checkpoint
 
@@ -126,10 +142,15 @@ def canary_status() -> None:
             typer.echo("no canary has run")
             return
         view = online_view(session, get_checkpoint(session, canary.checkpoint_id))["canary"]
+        ready = ready_times(session, [canary.id]).get(str(canary.id))
         typer.echo(
             f"canary {canary.id} ({canary.status}): {canary.checkpoint_id} on {canary.fraction:.1%} of users "
             f"vs {canary.production_id}; sessions {view['canary_sessions']} vs {view['production_sessions']}"
         )
+        if ready is not None:
+            typer.echo(f"ready for promotion since {ready:%Y-%m-%d %H:%M} (the canary policy)")
+        if canary.stop_reason:
+            typer.echo(f"stopped by {canary.stopped_by}: {canary.stop_reason}")
     table = Table("signal", "canary", "production", "diff", "95% CI", "regressed")
     fmt = lambda v: "-" if v is None else f"{v:.4g}"  # noqa: E731
     for name, d in view["signals"].items():

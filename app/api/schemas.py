@@ -93,6 +93,12 @@ class CheckpointSummary(_Out):
     reward_spec: str | None
     num_trajectories: int
     trained_on_erased: bool
+    erasure_flagged_at: datetime | None = None
+    erasure_reason: str | None = Field(
+        default=None,
+        description="why it is flagged trained_on_erased: it trained on an erased user's data, or descends from "
+        "a checkpoint that did (null when not flagged)",
+    )
     created_at: datetime
     promoted_at: datetime | None
 
@@ -295,6 +301,11 @@ class CanaryOut(_Out):
     stopped_at: datetime | None
     stopped_by: str | None
     stop_reason: str | None
+    ready_at: datetime | None = Field(
+        default=None,
+        description="when the canary policy found it ran its planned size with no signal regressed "
+        "(ready for promotion); null until then",
+    )
 
 
 class CanaryStatusOut(BaseModel):

@@ -53,6 +53,9 @@ class CelerySettings(EnvSettings):
         default=300.0, gt=0, description="seconds between scans for unevaluated candidates"
     )
     outbox_interval: float = Field(default=2.0, gt=0, description="seconds between outbox relay runs")
+    canary_eval_interval: float = Field(
+        default=60.0, gt=0, description="seconds between runs of the canary policy (end on regression, mark ready)"
+    )
 
 
 class StoreSettings(EnvSettings):

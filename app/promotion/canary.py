@@ -12,7 +12,9 @@ Invariants (with the database's help):
 - each change writes, in the caller's ONE transaction: the ``canary`` row, an ``audit_log`` entry
   and a ``canary.started`` / ``canary.stopped`` outbox message (the serving watcher follows them);
 - a production change ends the active canary in the same transaction (:func:`end_canary_for_change`):
-  its comparison was against the production that just left.
+  its comparison was against the production that just left; the canary policy
+  (``app.promotion.canary_policy``) and an erasure that flags the canary's checkpoint
+  (``app.promotion.erasure``) stop it through :func:`stop_canary`, audited like any stop.
 
 Functions flush and never commit: the boundary (HTTP request, CLI command) commits. No FastAPI here.
 """

@@ -23,7 +23,7 @@ from celery.signals import beat_init, worker_init, worker_process_init
 
 from app.worker.schedule import beat_schedule, module_available
 
-TASK_MODULE_CANDIDATES = ("ops.tasks", "trainer.tasks", "evals.automation", "app.outbox.tasks")
+TASK_MODULE_CANDIDATES = ("ops.tasks", "trainer.tasks", "evals.automation", "app.outbox.tasks", "app.promotion.tasks")
 
 
 def broker_urls() -> tuple[str, str]:

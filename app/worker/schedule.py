@@ -9,6 +9,7 @@ its periods, so a stopped worker does not come back to a backlog of stale runs.
 | train | ``flywheel.trainer.run_cycle`` | ``FLYWHEEL_TRAIN_INTERVAL`` s (5 h) |
 | scan-candidates | ``flywheel.evals.scan_candidates`` | ``FLYWHEEL_EVAL_SCAN_INTERVAL`` s |
 | relay-outbox | ``flywheel.outbox.relay`` | ``FLYWHEEL_OUTBOX_INTERVAL`` s |
+| evaluate-canary | ``flywheel.promotion.evaluate_canary`` | ``FLYWHEEL_CANARY_EVAL_INTERVAL`` s (60) |
 | purge-broker-messages | ``flywheel.ops.purge_broker_messages`` | hourly, SQL broker only |
 """
 
@@ -24,6 +25,7 @@ TASK_MODULES: dict[str, str] = {
     "flywheel.trainer.run_cycle": "trainer.tasks",
     "flywheel.evals.scan_candidates": "evals.automation",
     "flywheel.outbox.relay": "app.outbox.tasks",
+    "flywheel.promotion.evaluate_canary": "app.promotion.tasks",
     "flywheel.ops.purge_broker_messages": "ops.tasks",
 }
 
@@ -45,6 +47,7 @@ def beat_schedule(settings: Settings | None = None) -> dict[str, dict[str, Any]]
         "train": ("flywheel.trainer.run_cycle", c.train_interval),
         "scan-candidates": ("flywheel.evals.scan_candidates", c.eval_scan_interval),
         "relay-outbox": ("flywheel.outbox.relay", c.outbox_interval),
+        "evaluate-canary": ("flywheel.promotion.evaluate_canary", c.canary_eval_interval),
     }
     if not c.redis_url:  # kombu's SQL transport keeps delivered rows: trim them
         entries["purge-broker-messages"] = ("flywheel.ops.purge_broker_messages", BROKER_PURGE_INTERVAL_S)

@@ -11,7 +11,19 @@ from fastapi import APIRouter, Path, Response, status
 from app.api.deps import ActorDep, RoleFirstRoute, SessionDep, ViewerDep
 from app.api.errors import AUTH_RESPONSES, CONFLICT, NOT_FOUND, model_response
 from app.api.schemas import CanaryOut, CanaryRequest, CanaryStatusOut, CanaryStopRequest
+from app.models import Canary
 from app.promotion.canary import get_active_canary, get_canary, list_canaries, start_canary, stop_canary
+from app.promotion.canary_policy import ready_times
+
+
+def canary_views(session, rows: list[Canary]) -> list[CanaryOut]:
+    """``rows`` as the API shows them, each with when the canary policy marked it ready."""
+    ready = ready_times(session, [r.id for r in rows])
+    out = [CanaryOut.model_validate(r) for r in rows]
+    for view in out:
+        view.ready_at = ready.get(str(view.id))
+    return out
+
 
 router = APIRouter(prefix="/canaries", tags=["canaries"], responses=AUTH_RESPONSES, route_class=RoleFirstRoute)
 CanaryPath = Annotated[uuid.UUID, Path(description="canary id")]
@@ -23,8 +35,8 @@ def canary_status(session: SessionDep, _: ViewerDep):
     active = get_active_canary(session)
     return model_response(
         CanaryStatusOut(
-            active=CanaryOut.model_validate(active) if active else None,
-            recent=[CanaryOut.model_validate(c) for c in list_canaries(session, limit=20)],
+            active=canary_views(session, [active])[0] if active else None,
+            recent=canary_views(session, list_canaries(session, limit=20)),
         )
     )
 
@@ -32,7 +44,7 @@ def canary_status(session: SessionDep, _: ViewerDep):
 @router.get("/{canary_id}", response_model=CanaryOut, responses=NOT_FOUND, summary="One canary")
 def canary_detail(canary_id: CanaryPath, session: SessionDep, _: ViewerDep) -> CanaryOut:
     """A canary by id."""
-    return CanaryOut.model_validate(get_canary(session, canary_id))
+    return canary_views(session, [get_canary(session, canary_id)])[0]
 
 
 @router.post(

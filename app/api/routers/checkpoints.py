@@ -20,8 +20,9 @@ from app.api.schemas import (
     Page,
     RejectRequest,
 )
-from app.models import GateDecision
+from app.models import Checkpoint, GateDecision
 from app.promotion import queries
+from app.promotion.erasure import erasure_reasons
 from app.promotion.online import online_view
 from app.promotion.service import gate_outcome, latest_gate_decision, lineage, reject_checkpoint
 from app.repositories.checkpoints import get_checkpoint
@@ -43,6 +44,17 @@ def gate_summary(gate: GateDecision | None) -> GateSummary | None:
     return out
 
 
+def checkpoint_summaries(session, rows: list[Checkpoint]) -> list[CheckpointSummary]:
+    """Summaries of ``rows``, each flagged one with the audited reason of its flag."""
+    reasons = erasure_reasons(session, [r.id for r in rows if r.trained_on_erased])
+    out = [CheckpointSummary.model_validate(r) for r in rows]
+    for summary in out:
+        summary.erasure_reason = reasons.get(
+            summary.id, "trained on erased data" if summary.trained_on_erased else None
+        )
+    return out
+
+
 @router.get("", response_model=Page[CheckpointSummary], summary="List checkpoints, newest first")
 def list_checkpoints(
     session: SessionDep,
@@ -53,9 +65,7 @@ def list_checkpoints(
 ):
     """Checkpoints ordered by creation time, newest first, keyset-paginated."""
     rows, nxt = queries.list_checkpoints(session, limit=limit, status=status, cursor=cursor)
-    return model_response(
-        Page[CheckpointSummary](items=[CheckpointSummary.model_validate(r) for r in rows], next_cursor=nxt)
-    )
+    return model_response(Page[CheckpointSummary](items=checkpoint_summaries(session, rows), next_cursor=nxt))
 
 
 @router.get(
@@ -68,7 +78,7 @@ def get_checkpoint_detail(checkpoint_id: CheckpointPath, session: SessionDep, _:
     """Manifest, lineage (parent chain, trajectory count, reward spec, data window), training metrics
     and the latest gate decision."""
     row = get_checkpoint(session, checkpoint_id)
-    summary = CheckpointSummary.model_validate(row).model_dump()
+    summary = checkpoint_summaries(session, [row])[0].model_dump()
     return CheckpointDetail(
         **summary,
         path=row.path,

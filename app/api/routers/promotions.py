@@ -9,7 +9,8 @@ from sqlalchemy import select
 
 from app.api.deps import ActorDep, RoleFirstRoute, SessionDep, ViewerDep
 from app.api.errors import AUTH_RESPONSES, CONFLICT, NOT_FOUND, model_response
-from app.api.schemas import CheckpointSummary, Page, ProductionOut, PromotionOut, PromotionRequest, RollbackRequest
+from app.api.routers.checkpoints import checkpoint_summaries
+from app.api.schemas import Page, ProductionOut, PromotionOut, PromotionRequest, RollbackRequest
 from app.core.errors import ForbiddenError
 from app.models import Promotion
 from app.promotion import queries
@@ -105,7 +106,7 @@ def production(session: SessionDep, _: ViewerDep):
     serving_id = serving.get("checkpoint_id")
     return model_response(
         ProductionOut(
-            checkpoint=CheckpointSummary.model_validate(row) if row else None,
+            checkpoint=checkpoint_summaries(session, [row])[0] if row else None,
             last_change=PromotionOut.model_validate(last) if last else None,
             serving_checkpoint_id=serving_id,
             serving_updated_at=serving.get("updated_at"),

@@ -1,0 +1,168 @@
+"""The canary policy acts, on real Postgres: a canary whose signals regressed significantly is
+ended (audited, announced), one that ran its planned size without a regression is marked ready
+once, and repeated runs (beat task, CLI) change nothing more. Production traffic routes by what
+the serving watcher serves, so an ended canary's users return to production through the broker."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from datetime import UTC, datetime, timedelta
+
+import pytest
+from sqlalchemy import select
+from typer.testing import CliRunner
+
+from app.core.settings import get_settings
+from app.models import AuditLog, Canary, Checkpoint, Outbox
+from app.outbox.relay import OutboxRelay
+from app.promotion.assignment import assign_arm
+from app.promotion.canary import start_canary
+from app.promotion.canary_policy import POLICY_ACTOR, evaluate_canary
+from app.promotion.tasks import evaluate_canary_task
+from app.worker.schedule import beat_schedule
+from ops.cli import app
+from serving.canary import CanaryFollower, EngineRouter, TrafficRouter
+from serving.watcher import ServingWatcher
+from tests.integration.test_api_support import (  # noqa: F401
+    auth,
+    base,
+    client,
+    gated,
+    lifecycle_topic,
+    make_token,
+    store,
+)
+from tests.integration.test_canary_api import _require_online, _sessions
+from tests.unit.test_api_units import RecordingEngine
+from tests.unit.test_canary_serving import ClosableEngine
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture
+def canary(session, gated) -> Canary:
+    row = start_canary(session, checkpoint_id=gated.id, fraction=0.3, actor="alice", reason="try it")
+    session.commit()
+    return row
+
+
+def _actions(session, action: str) -> list[AuditLog]:
+    return list(session.scalars(select(AuditLog).where(AuditLog.action == action).order_by(AuditLog.id)))
+
+
+def test_a_regressed_canary_is_ended_and_its_users_return_to_production(session, canary):
+    _require_online(session, min_sessions=40)  # the regression acts before the planned size is reached
+    start = datetime.now(UTC) - timedelta(minutes=5)
+    session.execute(Canary.__table__.update().values(started_at=start - timedelta(seconds=1)))
+    _sessions(session, "ckpt-0001", users=6, per_user=5, accept=0.2, reward=1.0, latency_s=9.0, start=start)
+    _sessions(session, "base", users=6, per_user=5, accept=0.8, reward=1.0, latency_s=5.0, start=start)
+    result = evaluate_canary(session)
+    session.commit()
+    assert result.outcome == "ended" and result.canary_id == str(canary.id)
+    assert any(r.startswith("online signal edit_acceptance regressed") for r in result.reasons)
+    session.expire_all()
+    row = session.get(Canary, canary.id)
+    assert row.status == "stopped" and row.stopped_by == POLICY_ACTOR
+    assert row.stop_reason.startswith("the canary policy ended it: online signal")
+    (stopped,) = _actions(session, "canary.stopped")
+    assert stopped.actor == POLICY_ACTOR and stopped.details["canary_id"] == str(canary.id)
+    message = session.scalars(select(Outbox).where(Outbox.event_type == "canary.stopped")).one()
+    assert message.payload["canary_id"] == str(canary.id)  # the serving watcher stops routing on it
+    assert session.get(Checkpoint, "base").status == "production"
+    assert evaluate_canary(session).outcome == "no_canary"  # idempotent: nothing more happens
+    session.commit()
+    assert len(_actions(session, "canary.stopped")) == 1
+
+
+def test_a_canary_that_ran_its_planned_size_is_marked_ready_once(client, session, canary):
+    _require_online(session, min_sessions=40)
+    start = datetime.now(UTC) - timedelta(minutes=5)
+    session.execute(Canary.__table__.update().values(started_at=start - timedelta(seconds=1)))
+    _sessions(session, "ckpt-0001", users=4, per_user=5, accept=0.6, reward=1.0, latency_s=5.0, start=start)
+    _sessions(session, "base", users=8, per_user=5, accept=0.6, reward=1.0, latency_s=5.0, start=start)
+    waiting = evaluate_canary(session)
+    session.commit()
+    assert waiting.outcome == "waiting"
+    assert "too few canary sessions for the online policy: 20 < 40" in waiting.reasons
+    _sessions(session, "ckpt-0001", users=4, per_user=5, accept=0.6, reward=1.0, latency_s=5.0, start=start)
+    ready = evaluate_canary(session)
+    session.commit()
+    assert (ready.outcome, ready.reasons, ready.canary_sessions, ready.production_sessions) == ("ready", [], 40, 40)
+    (entry,) = _actions(session, "canary.ready")
+    assert entry.actor == POLICY_ACTOR and entry.details["canary_id"] == str(canary.id)
+    assert "ready for a release manager's promotion" in entry.details["reason"]
+    assert set(entry.details["signals"]) == {
+        "edit_acceptance",
+        "dissatisfied_followup_rate",
+        "latency_per_token",
+        "mean_reward",
+    }
+    assert evaluate_canary(session).outcome == "already_ready"
+    session.commit()
+    assert len(_actions(session, "canary.ready")) == 1
+    viewer = auth(make_token(session, "viewer"))
+    active = client.get("/v1/canaries", headers=viewer).json()["active"]
+    assert active["status"] == "active" and active["ready_at"] is not None  # still serving, for the RM to promote
+
+
+def test_cli_and_beat_task_run_the_policy(session, canary, monkeypatch):
+    monkeypatch.setenv("FLYWHEEL_CANARY_EVAL_INTERVAL", "15")
+    get_settings.cache_clear()
+    by_task = {e["task"]: e for e in beat_schedule().values()}
+    assert by_task["flywheel.promotion.evaluate_canary"]["schedule"] == 15.0
+    out = CliRunner().invoke(app, ["canary", "evaluate"])
+    assert out.exit_code == 0, out.output
+    result = json.loads(out.output)
+    assert result["outcome"] == "waiting" and result["canary_id"] == str(canary.id)
+    assert any("too few canary sessions" in r for r in result["reasons"])
+    assert evaluate_canary_task.run()["outcome"] == "waiting"
+    session.expire_all()
+    assert session.get(Canary, uuid.UUID(result["canary_id"])).status == "active"
+
+
+def test_traffic_follows_the_watcher_when_the_policy_ends_a_canary(
+    session, store, lifecycle_topic, canary, kafka_bootstrap, tmp_path, monkeypatch
+):  # the lifecycle topic first: the canary's outbox row is written to it
+    monkeypatch.setenv("FLYWHEEL_HOME", str(tmp_path))
+    prod = RecordingEngine("base")
+    built: list[ClosableEngine] = []
+    watcher = ServingWatcher(
+        prod,
+        store=store,
+        canary=CanaryFollower(EngineRouter(prod), store=store, factory=lambda c, p: ClosableEngine(c)),
+    )
+    traffic = TrafficRouter(prod, factory=lambda c, p: built.append(ClosableEngine(c)) or built[-1], refresh_s=0)
+    users = [f"user-{i:03d}" for i in range(60)]
+    canary_users = {u for u in users if assign_arm(u, str(canary.id), canary.fraction) == "canary"}
+    assert canary_users and len(canary_users) < len(users)
+    try:
+        watcher.follower.report()  # what `flywheel watch` reports at start: no canary served yet
+        assert {traffic.engine_for(u) for u in users} == {prod}  # the registry's canary is not served yet
+        with OutboxRelay() as relay:
+            assert relay.relay_pending() == 1  # canary.started
+        for _ in range(40):
+            watcher.poll_once(timeout_ms=250)
+            if watcher.follower.canary.router.active is not None:
+                break
+        picks = {u: traffic.engine_for(u) for u in users}
+        assert [e.checkpoint_id for e in built] == ["ckpt-0001"]
+        assert {u for u, e in picks.items() if e is built[0]} == canary_users
+        start = datetime.now(UTC) - timedelta(minutes=5)
+        session.execute(Canary.__table__.update().values(started_at=start - timedelta(seconds=1)))
+        _sessions(session, "ckpt-0001", users=6, per_user=5, accept=0.2, reward=1.0, latency_s=9.0, start=start)
+        _sessions(session, "base", users=6, per_user=5, accept=0.8, reward=1.0, latency_s=5.0, start=start)
+        assert evaluate_canary(session).outcome == "ended"
+        session.commit()
+        with OutboxRelay() as relay:
+            assert relay.relay_pending() == 1  # canary.stopped
+        for _ in range(40):
+            watcher.poll_once(timeout_ms=250)
+            if watcher.follower.canary.router.active is None:
+                break
+        assert {traffic.engine_for(u) for u in users} == {prod}  # every user back on production
+        assert not built[0].closed  # sessions may still run on it until the traffic is over
+        traffic.close()
+        assert built[0].closed
+    finally:
+        watcher.stop()
