@@ -170,13 +170,13 @@ def test_an_erasure_while_a_relabel_scans_is_not_held_up_and_its_trajectories_ge
 
     real_label, labelled, erasures = Projector.label, [], []
 
-    def label_then_erase(self, t):
+    def label_then_erase(self, t, *rest):
         labelled.append(t.id)
         if len(labelled) == 4:  # with chunk=2, the first two labels are written by now
             with session_scope() as s:
                 raw_connection(s).execute("SET LOCAL lock_timeout = '5s'")
                 erasures.append(erase_now(s, victim, "erasure-during-relabel"))
-        return real_label(self, t)
+        return real_label(self, t, *rest)
 
     monkeypatch.setattr(Projector, "label", label_then_erase)
     report = relabel("implicit@1", chunk=2)
