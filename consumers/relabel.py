@@ -9,10 +9,10 @@ erasures are not held up (an erasure holds up every ingest batch while it waits)
 erased meanwhile gets no label and counts nowhere in the report's ``after``, ``relabeled``, ``changed``.
 
 A spec that weighs length by the task's difficulty (``RewardSpec.needs_task_history``) also reads
-each trajectory's task history (``consumers.rewards.difficulty``) from the stored trajectories: the
-relabel first waits for the ingest batches and sweeps in flight to commit (:func:`settle_finalizations`,
-as long as one batch), so every trajectory finalized before a labelled one is stored by then and the
-labels are a function of ``event_log`` alone.
+each trajectory's task history (``consumers.rewards.difficulty``) from the stored trajectories. It
+first waits for the ingest batches and sweeps in flight to commit (:func:`settle_finalizations`,
+which holds up ingest for about one batch), so every trajectory finalized before a labelled one is
+stored by then and the labels are a function of ``event_log`` alone.
 """
 
 from __future__ import annotations
