@@ -41,6 +41,7 @@ from datetime import datetime, timedelta
 from typing import Any, NamedTuple
 
 from app.repositories.trajectories import pack_routes
+from consumers.rewards.difficulty import TaskHistory
 from consumers.rewards.math import RewardResult, compute_reward, inputs_from_signals
 from consumers.rewards.spec import RewardSpec
 from consumers.trajectory_state import SegmentState, TrajectoryState, incomplete_reason
@@ -109,9 +110,10 @@ class Projector:
         t.incomplete_reason = incomplete_reason(t)
         t.labels = self.label(t)
 
-    def label(self, t: TrajectoryState) -> list[RewardResult]:
-        """One reward per spec from the trajectory's signals."""
-        inputs = inputs_from_signals(t.signals, t.completion_tokens)
+    def label(self, t: TrajectoryState, task_history: TaskHistory = TaskHistory()) -> list[RewardResult]:
+        """One reward per spec from the trajectory's signals and, for a spec that reads it, its task's
+        history (``flywheel relabel`` passes it; finalization labels only specs that do not read it)."""
+        inputs = inputs_from_signals(t.signals, t.completion_tokens, task_history)
         return [compute_reward(spec, inputs) for spec in self.specs]
 
     def close_if_due(self, t: TrajectoryState, now: datetime) -> bool:

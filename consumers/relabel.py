@@ -7,19 +7,29 @@ so readers see the old labels or the new ones, never a mix, and reports how the 
 While it scans, the new labels wait in a temporary table and no trajectory is locked: the group's
 erasures are not held up (an erasure holds up every ingest batch while it waits), and a trajectory
 erased meanwhile gets no label and counts nowhere in the report's ``after``, ``relabeled``, ``changed``.
+
+A spec that weighs length by the task's difficulty (``RewardSpec.needs_task_history``) also reads
+each trajectory's task history (``consumers.rewards.difficulty``) from the stored trajectories. It
+first waits for the ingest batches and sweeps in flight to commit (:func:`settle_finalizations`,
+which holds up ingest for about one batch), so every trajectory finalized before a labelled one is
+stored by then and the labels are a function of ``event_log`` alone.
 """
 
 from __future__ import annotations
 
+import uuid
 from dataclasses import dataclass, field
 
 import numpy as np
+import psycopg
 
 from app.core.db import session_scope
+from app.core.locks import AdvisoryLock
 from app.repositories import trajectories as trepo
 from app.repositories.events import iter_event_rows, raw_connection
 from consumers.projection import ProjectionConfig, Projector
 from consumers.replay import stored_event_from_row
+from consumers.rewards.difficulty import TaskHistory, task_histories, trajectory_outcome
 from consumers.rewards.spec import RewardSpec, active_specs, load_spec
 from consumers.trajectory_state import TrajectoryState, new_trajectory
 
@@ -43,6 +53,36 @@ def distribution(values: list[float]) -> dict[str, float | None]:
         "p90": float(q[4]),
         "max": float(a.max()),
     }
+
+
+def settle_finalizations() -> None:
+    """Return once every ingest batch and window sweep in flight has committed: the projection lock
+    is taken exclusively in a transaction of its own and released at its commit (new batches wait
+    that long). Afterwards every trajectory finalized before this call is stored, as finalized or as
+    provisional with its window closed.
+
+    Raises:
+        psycopg.Error: database faults.
+    """
+    with session_scope() as session:
+        raw_connection(session).execute("SELECT pg_advisory_xact_lock(%s)", (AdvisoryLock.PROJECTION,))
+
+
+def stored_task_histories(conn: psycopg.Connection, chunk: int = 5000) -> dict[uuid.UUID, TaskHistory]:
+    """The task history of every stored trajectory with a task, from the finalized ones and the
+    provisional ones whose window has closed (their finalization at ``window_closes_at`` with the
+    signals they hold is decided; only the sweep has not stored it yet: ``consumers.finalize``).
+
+    Raises:
+        psycopg.Error: database faults.
+    """
+    with conn.cursor(name=f"histories_{uuid.uuid4().hex[:8]}") as cur:
+        cur.itersize = chunk
+        cur.execute(
+            "SELECT id, task_id, coalesce(finalized_at, window_closes_at), signals FROM trajectory "
+            "WHERE task_id IS NOT NULL AND (status = 'finalized' OR window_closes_at < clock_timestamp())"
+        )
+        return task_histories((tid, task, at, trajectory_outcome(signals)) for tid, task, at, signals in cur)
 
 
 @dataclass
@@ -99,6 +139,10 @@ def relabel(spec_id: str, *, baseline: str | None = None, chunk: int = 2000) -> 
                 "AND cardinality(late_event_ids) > 0"
             ).fetchall()
         }
+        histories: dict[uuid.UUID, TaskHistory] = {}
+        if spec.needs_task_history:
+            settle_finalizations()  # after reading `finalized`: each one's earlier trajectories are stored now
+            histories = stored_task_histories(conn)
         trepo.create_label_stage(session)
         labels: list = []
         late_used: dict = {}  # trajectory id -> late signals its new label counted
@@ -106,7 +150,7 @@ def relabel(spec_id: str, *, baseline: str | None = None, chunk: int = 2000) -> 
         def close(t: TrajectoryState | None) -> None:
             if t is None:
                 return
-            labels.append((t.id, projector.label(t)[0]))
+            labels.append((t.id, projector.label(t, histories.get(t.id, TaskHistory()))[0]))
             if len(labels) >= chunk:
                 trepo.stage_labels(session, labels)
                 labels.clear()

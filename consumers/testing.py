@@ -69,12 +69,17 @@ def generate_session(
     prompt_tokens: tuple[int, int] = (150, 400),
     completion_tokens: tuple[int, int] = (20, 160),
     withhold_signal: bool = False,
+    p_tool_ok: float = 0.7,
+    p_accept: float = 0.75,
 ) -> list[EventBase]:
     """One session's events in emission order.
 
     Args:
         withhold_signal: list an expected signal in ``session.ended`` that never comes (the
             trajectory then stays provisional until its window closes).
+        p_tool_ok: probability that a tool call succeeds (a test run passes).
+        p_accept: probability that the developer accepts an edit (else rejects it). Neither
+            probability changes the draws, so sessions from one seed have the same turns and tokens.
     """
     clock = [start]
     env = dict(session_id=session_id, user_id=user_id, privacy_mode=privacy_mode)
@@ -130,7 +135,7 @@ def generate_session(
                     ),
                 )
             )
-            ok = bool(rng.random() < 0.7)
+            ok = bool(rng.random() < p_tool_ok)
             events.append(
                 ToolExecutedEvent(
                     **at(0.4),
@@ -161,7 +166,7 @@ def generate_session(
                 ),
             )
         )
-        if rng.random() < 0.75:
+        if rng.random() < p_accept:
             events.append(EditAcceptedEvent(**at(2.0), payload=EditAccepted(edit_id=edit_id)))
             expected.append("edit.persistence_measured")
             late.append(

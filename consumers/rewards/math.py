@@ -16,7 +16,17 @@ The reward is a sum of components, each off unless the spec turns it on, then cl
   the marginal cost ``c / (s + T)`` (log1p) falls as ``T`` grows, so short answers to easy tasks
   are pushed shorter while a hard task that needs a long trajectory is not punished per extra
   token as hard as a linear penalty would (Cursor, "Composer: building a fast frontier model with
-  RL", 2025, on a nonlinear length penalty).
+  RL", 2025, on a nonlinear length penalty). With ``difficulty`` on, times the task's weight
+  ``w = max(p, floor)``, ``p`` the posterior mean of the task's solve rate over its earlier
+  trajectories (``consumers.rewards.difficulty``): ``-c * w * log1p(T / s)``. An easy task (``p``
+  near 1) pays the most per token, a hard one (``p`` near 0) down to ``floor``, so length is cut
+  where it is not needed and left alone where it is. This is the Adaptive Length Penalty (Xiang et
+  al., "Just Enough Thinking: Efficient Reasoning with Adaptive Length Penalties Reinforcement
+  Learning", 2025, arXiv 2506.05256): ``r = 1[correct] - (beta / N) * max(p_solved, 1 / K) * |y|``
+  with ``p_solved`` the prompt's solve rate over ``K`` rollouts. Here ``p`` comes from the task's
+  finalized trajectories (the loop's own history) rather than a group of fresh rollouts, with a
+  Beta prior for tasks seen rarely or never, ``floor`` takes the place of ``1 / K``, and the
+  concave ``log1p`` shape of the plain penalty is kept.
 - ``test_outcome``    ``+w`` last test run passed, ``-w`` failed, 0 without a run.
 """
 
@@ -26,7 +36,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from consumers.rewards.spec import RewardSpec
+from consumers.rewards.difficulty import TaskHistory, solve_rate
+from consumers.rewards.spec import Length, RewardSpec
 
 
 @dataclass(frozen=True)
@@ -41,6 +52,8 @@ class RewardInputs:
         latency_s: total serving latency over all turns, seconds.
         completion_tokens: model tokens over all segments.
         last_test_passed: outcome of the agent's last test run, None without one.
+        task_history: outcomes of the task's trajectories finalized before this one (only a spec
+            with ``length.difficulty`` reads it; empty: the prior alone).
     """
 
     accepted: int = 0
@@ -50,6 +63,7 @@ class RewardInputs:
     latency_s: float = 0.0
     completion_tokens: int = 0
     last_test_passed: bool | None = None
+    task_history: TaskHistory = TaskHistory()
 
 
 @dataclass(frozen=True)
@@ -61,8 +75,11 @@ class RewardResult:
     components: dict[str, float] = field(default_factory=dict)
 
 
-def inputs_from_signals(signals: dict[str, Any], completion_tokens: int) -> RewardInputs:
-    """Reward inputs from a trajectory's ``signals`` JSON (see ``consumers.projection``)."""
+def inputs_from_signals(
+    signals: dict[str, Any], completion_tokens: int, task_history: TaskHistory = TaskHistory()
+) -> RewardInputs:
+    """Reward inputs from a trajectory's ``signals`` JSON (see ``consumers.projection``) and its
+    task's history."""
     edits = signals.get("edits", {}) or {}
     accepted = [e for e in edits.values() if e.get("decision") == "accepted"]
     rejected = sum(1 for e in edits.values() if e.get("decision") == "rejected")
@@ -75,6 +92,7 @@ def inputs_from_signals(signals: dict[str, Any], completion_tokens: int) -> Rewa
         latency_s=float(signals.get("latency_s", 0.0)),
         completion_tokens=int(completion_tokens),
         last_test_passed=signals.get("last_test_passed"),
+        task_history=task_history,
     )
 
 
@@ -82,6 +100,15 @@ def length_penalty(tokens: int, kind: str, coef: float, scale_tokens: float) -> 
     """The (negative) concave length penalty for ``tokens`` completion tokens."""
     x = max(0, tokens) / scale_tokens
     return -coef * (math.log1p(x) if kind == "log1p" else math.sqrt(x))
+
+
+def difficulty_weight(length: Length, history: TaskHistory) -> float:
+    """The factor on the length penalty: ``max(solve rate, floor)`` with ``length.difficulty``
+    (in [floor, 1]), 1.0 without it."""
+    d = length.difficulty
+    if d is None:
+        return 1.0
+    return max(solve_rate(history, d.prior_solved, d.prior_failed), d.floor)
 
 
 def compute_reward(spec: RewardSpec, inputs: RewardInputs) -> RewardResult:
@@ -112,7 +139,8 @@ def compute_reward(spec: RewardSpec, inputs: RewardInputs) -> RewardResult:
         comp["latency"] = -lat.weight * units
     if c.length is not None:
         ln = c.length
-        comp["length"] = length_penalty(inputs.completion_tokens, ln.kind, ln.coef, ln.scale_tokens)
+        coef = ln.coef * difficulty_weight(ln, inputs.task_history)
+        comp["length"] = length_penalty(inputs.completion_tokens, ln.kind, coef, ln.scale_tokens)
     if c.test_outcome is not None:
         t = inputs.last_test_passed
         comp["test_outcome"] = 0.0 if t is None else (c.test_outcome.weight if t else -c.test_outcome.weight)

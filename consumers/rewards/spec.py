@@ -62,13 +62,25 @@ class Latency(_Strict):
     max_units: float = Field(default=3.0, gt=0, description="cap on the penalty in units")
 
 
+class Difficulty(_Strict):
+    """Weights the length penalty by the task's solve rate: ``max(p, floor)`` with ``p`` the posterior
+    mean ``(solved + prior_solved) / (attempts + prior_solved + prior_failed)`` over the task's earlier
+    trajectories (``consumers.rewards.difficulty``), so easy tasks pay more per token than hard ones."""
+
+    prior_solved: float = Field(default=1.0, gt=0, description="Beta prior's pseudo-successes (alpha)")
+    prior_failed: float = Field(default=1.0, gt=0, description="Beta prior's pseudo-failures (beta)")
+    floor: float = Field(default=0.1, ge=0, le=1, description="least weight, for a task never solved")
+
+
 class Length(_Strict):
     """A concave penalty in completion tokens ``t``: ``-coef * f(t / scale_tokens)`` with
-    ``f = log1p`` or ``f = sqrt``; both have a falling marginal cost (see ``default.toml``)."""
+    ``f = log1p`` or ``f = sqrt``; both have a falling marginal cost (see ``default.toml``). With
+    ``difficulty`` set, it is multiplied by the task's solve-rate weight (see :class:`Difficulty`)."""
 
     kind: Literal["log1p", "sqrt"] = "log1p"
     coef: float = Field(ge=0, description="penalty scale")
     scale_tokens: float = Field(default=512.0, gt=0, description="tokens per unit of the argument")
+    difficulty: Difficulty | None = Field(default=None, description="weigh by the task's solve rate")
 
 
 class TestOutcome(_Strict):
@@ -109,9 +121,20 @@ class RewardSpec(_Strict):
         """``name@version`` (what ``reward_label.spec`` stores)."""
         return f"{self.name}@{self.version}"
 
+    @property
+    def needs_task_history(self) -> bool:
+        """Whether a label depends on other trajectories of the task (``components.length.difficulty``):
+        only ``flywheel relabel`` computes it (see :func:`active_specs`)."""
+        return self.components.length is not None and self.components.length.difficulty is not None
+
     def digest(self) -> str:
-        """sha256 of the resolved spec (first 16 hex chars), for manifests."""
-        text = json.dumps(self.model_dump(mode="json"), sort_keys=True)
+        """sha256 of the resolved spec (first 16 hex chars), for manifests. A component's optional
+        setting left unset (None) is left out, so it does not change the digest of specs without it."""
+        data = self.model_dump(mode="json")
+        for name, conf in data["components"].items():
+            if conf is not None:
+                data["components"][name] = {k: v for k, v in conf.items() if v is not None}
+        text = json.dumps(data, sort_keys=True)
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
@@ -179,8 +202,13 @@ def load_spec(spec_id: str, extra_dir: Path | None = None) -> RewardSpec:
 def active_specs() -> list[RewardSpec]:
     """The specs labeled at finalization (``FLYWHEEL_CONSUMER_REWARD_SPECS``), in order.
 
+    A spec that needs the task's history (:attr:`RewardSpec.needs_task_history`) cannot be one: the
+    trajectories finalized before a label's instant may not all be committed yet when a consumer
+    labels (another member's batch, a window the sweep has not reached), so the live label and a
+    replay's could differ. ``flywheel relabel`` labels it, from the stored trajectories.
+
     Raises:
-        ConfigurationError: an active spec does not exist.
+        ConfigurationError: an active spec does not exist, or needs the task's history.
     """
     from consumers.settings import get_consumer_settings
 
@@ -189,5 +217,10 @@ def active_specs() -> list[RewardSpec]:
     for spec_id in get_consumer_settings().reward_specs:
         if spec_id not in specs:
             raise ConfigurationError(f"active reward spec {spec_id!r} not found; available: {', '.join(sorted(specs))}")
+        if specs[spec_id].needs_task_history:
+            raise ConfigurationError(
+                f"reward spec {spec_id!r} weighs length by the task's earlier trajectories and cannot label at "
+                f"finalization; leave it out of FLYWHEEL_CONSUMER_REWARD_SPECS and run `flywheel relabel --spec {spec_id}`"
+            )
         out.append(specs[spec_id])
     return out

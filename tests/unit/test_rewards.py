@@ -10,8 +10,9 @@ from hypothesis import strategies as st
 
 from app.core.errors import ConfigurationError
 from consumers.rewards import RewardInputs, compute_reward, inputs_from_signals, load_spec
+from consumers.rewards.difficulty import TaskHistory
 from consumers.rewards.math import length_penalty
-from consumers.rewards.spec import SPEC_DIR, available_specs, read_spec_file
+from consumers.rewards.spec import SPEC_DIR, active_specs, available_specs, read_spec_file
 
 
 @pytest.fixture(scope="module")
@@ -21,9 +22,22 @@ def implicit1():
 
 def test_default_spec_is_implicit_1_and_every_shipped_spec_is_valid():
     specs = available_specs()
-    assert "implicit@1" in specs and "implicit@2" in specs
+    assert {"implicit@1", "implicit@2", "implicit@3"} <= set(specs)
     assert read_spec_file(SPEC_DIR / "default.toml").id == "implicit@1"
-    assert specs["implicit@1"].digest() != specs["implicit@2"].digest()
+    # the digests pin the numbers: a spec that gained no setting keeps the digest it always had
+    assert specs["implicit@1"].digest() == "e61c64a3dba08bca"
+    assert specs["implicit@2"].digest() == "916f61218ba9dc29"
+    assert len({s.digest() for s in specs.values()}) == len(specs)
+    assert [s.id for s in specs.values() if s.needs_task_history] == ["implicit@3"]
+
+
+def test_implicit_3_is_implicit_1_but_for_the_length_weight():
+    one, three = load_spec("implicit@1"), load_spec("implicit@3")
+    c1, c3 = one.components.model_dump(), three.components.model_dump()
+    assert c3["length"].pop("difficulty") == {"prior_solved": 1.0, "prior_failed": 1.0, "floor": 0.1}
+    assert c3["length"].pop("coef") == 2 * c1["length"].pop("coef")
+    c1["length"].pop("difficulty")
+    assert c1 == c3 and one.clip == three.clip
 
 
 def test_a_spec_with_an_unknown_field_is_refused_with_the_reason(tmp_path):
@@ -148,3 +162,69 @@ def test_inputs_from_signals_uses_the_last_decision_and_only_measured_accepted_e
         i.completion_tokens,
         i.last_test_passed,
     ) == (2, 1, (0.8,), 2, 12.5, 77, False)
+
+
+def _length(spec, tokens: int, history: TaskHistory = TaskHistory()) -> float:
+    return compute_reward(spec, RewardInputs(completion_tokens=tokens, task_history=history)).components["length"]
+
+
+def test_difficulty_weighs_length_by_the_tasks_solve_rate():
+    """implicit@3 (ALP): for the same tokens, a task its earlier trajectories solved pays more than
+    one they failed; a task never seen pays implicit@1's penalty; a task never solved pays the floor."""
+    one, three = load_spec("implicit@1"), load_spec("implicit@3")
+    easy, hard, unseen = TaskHistory(solved=9.0, attempts=10), TaskHistory(solved=1.0, attempts=10), TaskHistory()
+    for tokens in (50, 700, 4000):
+        assert _length(three, tokens, easy) < _length(three, tokens, unseen) < _length(three, tokens, hard) < 0
+        assert _length(three, tokens, unseen) == _length(one, tokens)
+        assert _length(three, tokens, easy) == pytest.approx(0.3 * 10 / 12 * -math.log1p(tokens / 512), abs=1e-9)
+        never = _length(three, tokens, TaskHistory(solved=0.0, attempts=1000))
+        assert never == pytest.approx(-0.3 * 0.1 * math.log1p(tokens / 512), abs=1e-9)
+    # the task's history moves only the length component
+    base = dict(accepted=1, rejected=1, persistence=(0.7,), dissatisfied_followups=1, latency_s=90.0)
+    a = compute_reward(three, RewardInputs(**base, completion_tokens=900, task_history=easy))
+    b = compute_reward(three, RewardInputs(**base, completion_tokens=900, task_history=hard))
+    assert {k: v for k, v in a.components.items() if k != "length"} == {
+        k: v for k, v in b.components.items() if k != "length"
+    }
+    assert a.reward < b.reward
+    # a spec without `difficulty` ignores the history
+    assert _length(one, 900, easy) == _length(one, 900, hard)
+
+
+@given(
+    solved=st.integers(0, 200),
+    more=st.integers(0, 200),
+    tokens=st.integers(0, 10**6),
+)
+@settings(max_examples=200, deadline=None)
+def test_difficulty_weight_rises_with_solve_rate_and_stays_between_floor_and_one(solved, more, tokens):
+    three = load_spec("implicit@3")
+    lower = TaskHistory(solved=float(solved), attempts=solved + more)
+    higher = TaskHistory(solved=float(solved + more), attempts=solved + more)
+    assert _length(three, tokens, higher) <= _length(three, tokens, lower) <= 0
+    plain = length_penalty(tokens, "log1p", 0.3, 512.0)
+    assert plain - 1e-9 <= _length(three, tokens, higher) and _length(three, tokens, lower) <= 0.1 * plain + 1e-9
+
+
+def test_a_spec_that_reads_task_history_cannot_be_active(monkeypatch):
+    from consumers.settings import get_consumer_settings
+
+    monkeypatch.setenv("FLYWHEEL_CONSUMER_REWARD_SPECS", '["implicit@1","implicit@3"]')
+    get_consumer_settings.cache_clear()
+    try:
+        with pytest.raises(ConfigurationError, match="flywheel relabel --spec implicit@3"):
+            active_specs()
+        monkeypatch.setenv("FLYWHEEL_CONSUMER_REWARD_SPECS", '["implicit@1","implicit@2"]')
+        get_consumer_settings.cache_clear()
+        assert [s.id for s in active_specs()] == ["implicit@1", "implicit@2"]
+    finally:
+        get_consumer_settings.cache_clear()
+
+
+def test_a_difficulty_setting_out_of_range_is_refused(tmp_path):
+    (tmp_path / "bad.toml").write_text(
+        'name = "x"\nversion = 1\n[components.length]\ncoef = 1\n[components.length.difficulty]\nfloor = 2\n'
+    )
+    with pytest.raises(ConfigurationError) as err:
+        read_spec_file(tmp_path / "bad.toml")
+    assert any("difficulty.floor" in r for r in err.value.reasons)
