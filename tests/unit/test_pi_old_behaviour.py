@@ -106,21 +106,26 @@ def test_behaviour_logprobs_as_pi_old_match_a_recomputed_pi_old():
         torch.testing.assert_close(state_b[k], state_r[k], rtol=0, atol=1e-5, msg=k)
 
 
-def test_a_serving_mismatch_changes_the_behaviour_loss():
-    """mu 0.5 nats below the trainer's log-probs: the recompute pass reweights by min(pi_old / mu, C)
-    = e^0.5, the behaviour mode's ratio pi_theta / mu = e^0.5 sits outside the clip range, so the two
-    modes differ; step 1's KL(mu || pi_theta) reports the mismatch, (r - 1) - log r per token."""
+def test_a_serving_mismatch_is_clipped_and_truncated_in_behaviour_mode():
+    """mu 1 nat below the trainer's log-probs (r = e on every token, C = 2): recompute weights every
+    token by min(pi_old / mu, C) = 2 at ratio 1; behaviour takes r = e against mu, so a positive
+    advantage sits on the clipped branch and a negative one gets weight min(r, C) = 2 (module
+    docstring of trainer/loss.py); step 1's KL(mu || pi_theta) reports the mismatch, e - 2 per token."""
     model = tiny_policy(seed=1)
-    trajectories = _trajectories(model, shift=-0.5)
+    trajectories = _trajectories(model, shift=-1.0)
     recompute, behaviour = _config("recompute"), _config("behaviour")
     mb_r, mb_b = _batches(model, trajectories, recompute)[0], _batches(model, trajectories, behaviour)[0]
     loss_r, sums_r, _ = _loss_and_grads(model, mb_r, recompute)
     loss_b, sums_b, _ = _loss_and_grads(model, mb_b, behaviour)
-    assert not torch.allclose(loss_b, loss_r, rtol=1e-2)
-    expected = (np.exp(0.5) - 1 - 0.5) * mb_b.num_trainable
-    assert sums_b["behaviour_kl_sum"] == pytest.approx(expected, rel=1e-3)
-    assert sums_r["mismatch_kl_sum"] == pytest.approx(expected, rel=1e-3) and sums_b["mismatch_kl_sum"] == 0.0
-    assert sums_b["ppo_clipped"] > 0 and sums_r["ppo_clipped"] == 0
+    adv, z, e = mb_b.advantages.double(), recompute.normalizer(), float(np.e)
+    assert float(loss_r) == pytest.approx(float(-2.0 * adv.sum()) / z, rel=1e-4)
+    expected = torch.where(adv > 0, -1.2 * (2.0 / e) * adv, -2.0 * adv).sum()  # s = C / r = 2 / e
+    assert float(loss_b) == pytest.approx(float(expected) / z, rel=1e-4)
+    n = mb_b.num_trainable
+    assert sums_b["behaviour_kl_sum"] == pytest.approx((e - 2.0) * n, rel=1e-3)
+    assert sums_r["mismatch_kl_sum"] == pytest.approx((e - 2.0) * n, rel=1e-3) and sums_b["mismatch_kl_sum"] == 0.0
+    assert sums_r["is_clipped"] == sums_b["is_clipped"] == n  # pi_old / mu, resp. pi_theta / mu, above C
+    assert sums_b["ppo_clipped"] == int((adv > 0).sum()) > 0 and sums_r["ppo_clipped"] == 0
 
 
 def test_behaviour_pi_old_is_refused_with_several_epochs():
