@@ -32,13 +32,13 @@ developers' sessions collected by *earlier* checkpoints over hours -- so this lo
    its logits are in memory (Triton kernel with autograd on GPU).
 8. **MoE router replay** (``router_replay``): the forward pass routes sampled tokens through the
    experts serving recorded, weights from the trainer's own router (R3, :mod:`trainer.router_replay`).
-9. **An update-size watch instead of a fixed trust region per cycle.** Each step's forward pass
-   measures the mean KL to pi_old and the entropy; past ``max_kl_per_token`` (or under
-   ``min_entropy``) that step takes no update and the cycle stops (``stopped_early``), so one
-   runaway cycle cannot go on moving the policy; the checkpoint still goes to the gate.
+9. **An update-size watch beside the clip** (off by default). Each step's forward pass measures
+   the mean KL to pi_old (with pi_old = mu it includes the serving mismatch) and the entropy; past
+   ``max_kl_per_token`` (or under ``min_entropy``) that step takes no update and the cycle stops
+   (``stopped_early``), so a runaway cycle cannot go on; its checkpoint still goes to the gate.
 10. **bf16 compute over fp32 master weights** (``precision``, :mod:`trainer.device`): on CUDA and
-   on CPUs with native bf16, forward passes run under autocast, the LM head included; AdamW keeps
-   fp32 weights and state.
+    on CPUs with native bf16, forward passes run under autocast, the LM head included; AdamW
+    keeps fp32 weights and state.
 """
 
 from __future__ import annotations
