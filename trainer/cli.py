@@ -32,6 +32,13 @@ def train(
     min_new: int | None = typer.Option(None, "--min-new", help="override `data.min_new_trajectories`"),
     parent: str | None = typer.Option(None, "--parent", help="train from this checkpoint instead of production"),
     device: str | None = typer.Option(None, "--device", help="override `device`: auto | cpu | cuda"),
+    precision: str | None = typer.Option(None, "--precision", help="override `precision`: auto | bf16 | fp32"),
+    pi_old: str | None = typer.Option(
+        None, "--pi-old", help="override `pi_old`: recompute | behaviour (behaviour needs --epochs 1)"
+    ),
+    max_kl: float | None = typer.Option(
+        None, "--max-kl-per-token", help="override `max_kl_per_token`: stop the cycle past this KL to pi_old"
+    ),
     dry_run: bool = typer.Option(False, "--dry-run", help="select data and report; train and write nothing"),
     as_json: bool = typer.Option(False, "--json", help="print the cycle result as one JSON line"),
     progress: bool = typer.Option(True, "--progress/--no-progress", help="rich progress bar"),
@@ -57,6 +64,9 @@ def train(
             ("data.same_data_as", same_data_as),
             ("invert_reward", invert_reward or None),
             ("device", device),
+            ("precision", precision),
+            ("pi_old", pi_old),
+            ("max_kl_per_token", max_kl),
         )
         if v is not None
     }

@@ -55,7 +55,8 @@ class LossConfig(_Config):
     """The policy loss (see ``trainer/loss.py`` for the equations and papers)."""
 
     is_cap: float = Field(default=2.0, gt=0)
-    """Truncation ``C`` of the importance weight ``pi_old / mu`` (IMPALA / TIS)."""
+    """Truncation ``C`` of the importance weight ``pi_old / mu`` (IMPALA / TIS); with
+    ``pi_old = "behaviour"``, of the weight ``pi_theta / mu`` that the ratio puts on a token."""
     clip_eps_low: float = Field(default=0.2, ge=0, lt=1)
     """PPO clip range below 1."""
     clip_eps_high: float = Field(default=0.2, ge=0)
@@ -113,9 +114,29 @@ class TrainerConfig(_Config):
     threads: int = Field(default=2, ge=1, le=256)
     """torch intra-op threads."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
-    """Where the cycle trains (``trainer/device.py``): ``cuda`` = fp32 master weights and AdamW state,
-    bf16 autocast compute, TF32, the Triton log-prob kernel; ``cpu`` = fp32 throughout; ``auto`` =
-    CUDA when a GPU is visible. Under torchrun each rank uses ``cuda:LOCAL_RANK``."""
+    """Where the cycle trains (``trainer/device.py``): ``cuda`` = TF32 and the Triton log-prob kernel;
+    ``cpu`` = the chunked torch log-prob path; ``auto`` = CUDA when a GPU is visible. Under torchrun
+    each rank uses ``cuda:LOCAL_RANK``. Weights and AdamW state are fp32 on both (``precision``)."""
+    precision: Literal["auto", "bf16", "fp32"] = "auto"
+    """Compute dtype of the forward passes (``trainer/device.py``); master weights and AdamW state
+    stay fp32. ``bf16`` = ``torch.autocast`` bf16 (on a CPU without ``amx_bf16``/``avx512_bf16``
+    emulated, slower than fp32); ``fp32`` = no autocast (and no TF32 on CUDA); ``auto`` = bf16 on
+    CUDA and on CPUs with either flag, else fp32. The resolved value is recorded as
+    ``placement.precision`` in the checkpoint's manifest and metrics."""
+    pi_old: Literal["recompute", "behaviour"] = "recompute"
+    """The PPO ratio's reference (``trainer/loss.py``): ``recompute`` scores every trainable token
+    under the parent checkpoint before the first update (one extra forward pass over the cycle's
+    data); ``behaviour`` uses the log-probs recorded at serving time (mu) as pi_old and skips that
+    pass: the ratio is ``pi_theta / mu`` with its weight truncated at ``loss.is_cap``. Needs
+    ``epochs = 1`` (each micro-batch trained in one optimizer step only)."""
+    max_kl_per_token: float | None = Field(default=None, gt=0)
+    """Stop the cycle's remaining optimizer steps once a step's forward pass measures a mean KL to
+    pi_old above this (nats per trainable token, the step's ``kl`` metric); that step takes no
+    update either. The cycle still writes its checkpoint, with ``stopped_early`` in the manifest
+    and metrics. None: no limit."""
+    min_entropy: float | None = Field(default=None, ge=0)
+    """Stop the cycle's remaining steps, as ``max_kl_per_token`` does, once a step's mean entropy of
+    the next-token distribution falls below this (nats per trainable token). None: no limit."""
     logprob_backend: Literal["auto", "torch", "triton"] = "auto"
     """Log-prob path: Triton kernel on CUDA, chunked torch elsewhere (``auto``)."""
     logprob_chunk_size: int = Field(default=1024, ge=1)
@@ -136,10 +157,15 @@ class TrainerConfig(_Config):
     optim: OptimConfig = OptimConfig()
 
     @model_validator(mode="after")
-    def _budget_covers_epochs(self) -> "TrainerConfig":
+    def _schedule_is_consistent(self) -> "TrainerConfig":
         if self.max_steps is not None and self.max_steps < self.epochs:
             raise ValueError(
                 f"max_steps={self.max_steps} cannot cover epochs={self.epochs} (one step per epoch at least)"
+            )
+        if self.pi_old == "behaviour" and self.epochs > 1:
+            raise ValueError(
+                f'pi_old = "behaviour" needs epochs = 1, got epochs={self.epochs}: after the first epoch the '
+                'policy has moved, and mu is no longer the policy the trust region starts from (use "recompute")'
             )
         return self
 

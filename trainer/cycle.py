@@ -9,6 +9,8 @@ Invariants:
   directories, and starts clean from the last succeeded cycle's watermark.
 - A candidate is always ``generation = parent.generation + 1`` and names its parent, data window,
   trajectories (with event ids and offsets), exclusions, reward spec and resolved config.
+- A cycle the update watch stopped (``max_kl_per_token``, ``min_entropy``) still registers its
+  candidate, with ``stopped_early`` (step and reason) in the manifest and metrics: the gate decides.
 - A cycle claims only what it trains: every trajectory in the manifest has tokens in micro-batches
   that every epoch trains. A step budget (``max_steps``) shrinks the claim (whole task groups,
   newest first, are deferred to the next cycle), never the schedule
@@ -214,6 +216,7 @@ def _train_and_register(
     from trainer.distributed import CycleWork
     from trainer.metrics import data_summary, summarize
     from trainer.records import register_candidate
+    from trainer.step import planned_steps
     from trainer.training import fit_claim_to_budget, train_policy
 
     started = time.perf_counter()
@@ -236,6 +239,7 @@ def _train_and_register(
         seconds=time.perf_counter() - started,
     )
     metrics["micro_batches"], metrics["epochs"] = trained.micro_batches, config.epochs
+    metrics["planned_steps"], metrics["pi_old"] = planned_steps(trained.micro_batches, config), config.pi_old
     if config.invert_reward:
         metrics["invert_reward"] = True
     metrics["placement"] = {**trained.placement.describe(), "ranks": dp.world_size if dp is not None else 1}
@@ -249,6 +253,9 @@ def _train_and_register(
         "cycle_id": str(cycle_id),
         "created_at": datetime.now(UTC).isoformat(),
         "trace": span_reference(),  # the trainer.cycle span: eval runs and the gate link to it
+        "placement": metrics["placement"],  # device and resolved precision
+        "pi_old": config.pi_old,
+        "stopped_early": metrics["stopped_early"],  # the update watch's reason, or None
         **section,
     }
     with _tracer.start_as_current_span("trainer.write_checkpoint") as span:

@@ -8,7 +8,7 @@ Three policies meet in one token's loss:
 * ``mu`` -- the behaviour policy: the serving checkpoint that sampled the token, with the serving
   engine's numerics. Its log-prob was recorded at serving time (``model.responded``).
 * ``pi_old`` -- the trainer's policy at the start of the cycle (the parent checkpoint, recomputed
-  by the trainer before the first update).
+  by the trainer before the first update), or ``mu`` itself when a batch is used once (below).
 * ``pi_theta`` -- the policy being optimized.
 
 Per token ``t`` of a trajectory with advantage ``A``:
@@ -33,6 +33,21 @@ Per token ``t`` of a trajectory with advantage ``A``:
 * ``r_t`` with clipping: PPO's clipped surrogate (Schulman et al. 2017, eq. 7) against the policy
   at the start of the cycle, so several optimizer steps on one cycle's data stay in a trust region;
   ``eps_high > eps_low`` gives DAPO's clip-higher (Yu et al. 2025).
+* ``pi_old = mu`` (``pi_old = "behaviour"``, one optimizer step per micro-batch): the recompute
+  pass is skipped, ``w_t = 1`` and the ratio ``r_t = pi_theta / mu`` carries the serving/trainer
+  mismatch, so its weight is truncated instead (``ratio_cap = C``)::
+
+      s_t = min(1, C / sg(r_t))                                (no grad)
+      L_t = -s_t * min(r_t A, clip(r_t, 1 - eps_low, 1 + eps_high) A) + beta * KL_t
+
+  A token on the unclipped branch gets the gradient ``-min(r_t, C) A grad log pi_theta``: Yao et
+  al. 2025's truncated importance weight ``min(pi_trainer / pi_sampler, C)`` on the policy
+  gradient, taken over the whole ratio, inside PPO's clip against the sampler (PPO's own setting,
+  where the sampling policy is pi_old; prime-rl also takes its ratio against the inference
+  engine's log-probs). At the first step (``pi_theta`` = parent) this is the recompute gradient
+  ``-min(pi_old / mu, C) A grad log pi`` except on tokens whose mismatch alone puts ``r_t``
+  outside the clip range on the side their advantage pushes: those get none. With ``mu`` equal
+  to the trainer's own log-probs both modes give the same loss and gradients (tests check it).
 * ``KL_t`` (optional, ``beta = 0`` by default): the k1 (``log pi_theta - log pi_ref``) or k3
   (``exp(d) - d - 1`` with ``d = log pi_ref - log pi_theta``) estimator of
   ``KL(pi_theta || pi_ref)`` from Schulman 2020, "Approximating KL Divergence" (blog).
@@ -40,6 +55,7 @@ Per token ``t`` of a trajectory with advantage ``A``:
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -121,11 +137,15 @@ class LossOutputs:
         tokens: ``[]`` number of masked tokens.
         pg_loss_sum: ``[]`` sum of the policy-gradient terms (before normalization).
         kl_sum: ``[]`` sum of the KL estimator to the reference (0 when none).
-        is_clipped: ``[]`` count of tokens whose ``pi_old / mu`` exceeded the cap.
+        is_clipped: ``[]`` count of tokens whose importance weight was truncated (``pi_old / mu``
+            above ``is_cap``, or ``pi_theta / mu`` above ``ratio_cap``).
         ppo_clipped: ``[]`` count of tokens where the clipped branch of the surrogate was taken.
         ratio_sum: ``[]`` sum of ``pi_theta / pi_old``.
-        is_weight_sum: ``[]`` sum of the truncated weights ``w_t``.
-        mismatch_kl_sum: ``[]`` sum of k3 estimates of ``KL(mu || pi_old)`` (serving/trainer drift).
+        is_weight_sum: ``[]`` sum of the truncated weights ``w_t`` (times ``s_t`` with ``ratio_cap``).
+        mismatch_kl_sum: ``[]`` sum of k3 estimates of ``KL(mu || pi_old)`` (serving/trainer drift;
+            0 when pi_old is mu).
+        behaviour_kl_sum: ``[]`` sum of k3 estimates of ``KL(mu || pi_theta)``: the mismatch plus
+            the cycle's updates so far.
     """
 
     loss: Tensor
@@ -137,6 +157,7 @@ class LossOutputs:
     ratio_sum: Tensor
     is_weight_sum: Tensor
     mismatch_kl_sum: Tensor
+    behaviour_kl_sum: Tensor
 
 
 def kl_estimate(logprobs: Tensor, ref_logprobs: Tensor, estimator: KLEstimator = "k3") -> Tensor:
@@ -168,6 +189,7 @@ def policy_loss(
     clip_eps_high: float = 0.2,
     kl_coef: float = 0.0,
     kl_estimator: KLEstimator = "k3",
+    ratio_cap: float | None = None,
 ) -> LossOutputs:
     """The truncated-importance-weighted, PPO-clipped policy-gradient loss (see the module docstring).
 
@@ -179,6 +201,8 @@ def policy_loss(
         clip_eps_low, clip_eps_high: PPO clip range ``[1 - eps_low, 1 + eps_high]``.
         kl_coef: ``beta``; requires ``inputs.ref_logprobs`` when positive.
         kl_estimator: ``k1`` or ``k3``.
+        ratio_cap: ``C`` of the ratio's weight ``s_t`` when ``old_logprobs`` are the behaviour
+            log-probs (module docstring); None: no ``s_t``.
 
     Returns:
         :class:`LossOutputs`; ``loss`` is differentiable through ``inputs.logprobs`` only.
@@ -186,8 +210,8 @@ def policy_loss(
     Raises:
         ValueError: non-positive normalizer or cap, or a KL coefficient without reference log-probs.
     """
-    if normalizer <= 0 or is_cap <= 0:
-        raise ValueError("normalizer and is_cap must be positive")
+    if normalizer <= 0 or is_cap <= 0 or (ratio_cap is not None and ratio_cap <= 0):
+        raise ValueError("normalizer, is_cap and ratio_cap must be positive")
     if kl_coef > 0 and inputs.ref_logprobs is None:
         raise ValueError("kl_coef > 0 needs ref_logprobs")
     mask = inputs.loss_mask.bool()
@@ -204,9 +228,19 @@ def policy_loss(
     log_is = old - behaviour
     raw_is = torch.exp(log_is)
     is_weight = torch.clamp(raw_is, max=is_cap)
-    ratio = torch.exp(logp - old)
-    clipped_ratio = torch.clamp(ratio, 1.0 - clip_eps_low, 1.0 + clip_eps_high)
-    surrogate = torch.minimum(ratio * adv, clipped_ratio * adv)
+    truncated = raw_is > is_cap
+    log_ratio = logp - old
+    ratio = torch.exp(log_ratio)
+    # clipped in log space: outside the range its gradient is 0 times a finite exp, never 0 * inf
+    clipped_ratio = torch.exp(torch.clamp(log_ratio, math.log1p(-clip_eps_low), math.log1p(clip_eps_high)))
+    shrink = torch.ones_like(ratio)
+    if ratio_cap is None:
+        surrogate = torch.minimum(ratio * adv, clipped_ratio * adv)
+    else:  # s_t = min(1, C / sg(r_t)) applied in log space: a huge r_t never meets s_t = 0 as inf * 0
+        log_shrink = torch.clamp(log_ratio.detach() - math.log(ratio_cap), min=0.0)
+        shrink = torch.exp(-log_shrink)
+        surrogate = torch.minimum(torch.exp(log_ratio - log_shrink) * adv, clipped_ratio * shrink * adv)
+        truncated = truncated | (log_shrink > 0)
     pg = -is_weight * surrogate
     per_token = pg
     kl = torch.zeros_like(logp)
@@ -223,9 +257,10 @@ def policy_loss(
             tokens=mask.sum().to(torch.float32),
             pg_loss_sum=masked_sum(pg.detach()),
             kl_sum=masked_sum(kl.detach()),
-            is_clipped=masked_sum((raw_is > is_cap).float()),
+            is_clipped=masked_sum(truncated.float()),
             ppo_clipped=masked_sum(took_clip.float()),
             ratio_sum=masked_sum(ratio.detach()),
-            is_weight_sum=masked_sum(is_weight),
+            is_weight_sum=masked_sum(is_weight * shrink),
             mismatch_kl_sum=masked_sum(torch.expm1(log_is) - log_is),
+            behaviour_kl_sum=masked_sum(torch.expm1(logp.detach() - behaviour) - (logp.detach() - behaviour)),
         )

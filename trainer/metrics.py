@@ -52,14 +52,16 @@ def data_summary(rewards: list[float], advantages: list[float], groups: int) -> 
 def summarize(
     history: list[StepMetrics], *, data: dict[str, Any], mismatch: dict[str, float], seconds: float
 ) -> dict[str, Any]:
-    """``metrics.json``: per-step history, final-step values, data statistics and timing."""
+    """``metrics.json``: per-step history, final-step values, data statistics, timing, and
+    ``stopped_early`` (``{"step", "reason"}`` of the step the update watch stopped at, or None)."""
     steps = [asdict(m) for m in history]
     last = steps[-1] if steps else {}
     tokens = sum(m.tokens for m in history)
     train_seconds = sum(m.seconds for m in history)
     return {
         "steps": len(history),
-        "final": {k: last.get(k) for k in CURVES + ("ratio", "advantage_mean", "lr")} if last else {},
+        "final": {k: last.get(k) for k in CURVES + ("behaviour_kl", "ratio", "advantage_mean", "lr")} if last else {},
+        "stopped_early": {"step": last["step"], "reason": last["stopped_early"]} if last.get("stopped_early") else None,
         "data": data,
         "mismatch_before_training": mismatch,
         "tokens": tokens,

@@ -10,10 +10,13 @@ developers' sessions collected by *earlier* checkpoints over hours -- so this lo
    ``max_staleness_generations`` behind, through a different inference stack. Each token's loss is
    reweighted by ``min(pi_old / mu, C)`` with ``mu`` the behaviour log-prob recorded at serving
    time (truncated importance sampling: IMPALA; Yao et al. 2025).
-2. **pi_old is recomputed, not remembered.** Before the first update the trainer scores every
-   trainable token under the parent checkpoint (``compute_old_logprobs``), so the PPO ratio and
-   its clip are against the policy at the start of the cycle. That pass also measures the
-   serving/trainer mismatch ``KL(mu || pi_old)`` before anything is trained.
+2. **pi_old is recomputed, or is mu** (``pi_old``). ``recompute``: before the first update the
+   trainer scores every trainable token under the parent checkpoint (``compute_old_logprobs``), so
+   the PPO ratio and its clip are against the policy at the start of the cycle; that pass also
+   measures the serving/trainer mismatch ``KL(mu || pi_old)``. ``behaviour`` (``epochs = 1`` only,
+   each micro-batch in one step): no such pass; pi_old is mu, the ratio ``pi_theta / mu`` has its
+   weight truncated at ``is_cap`` (``trainer/loss.py``), and the mismatch is step 1's
+   ``behaviour_kl``, ``KL(mu || pi_theta)`` before any update.
 3. **Groups are tasks, and may be singletons.** A group is every trajectory on one task; a task seen
    once is compared with the batch mean (REINFORCE baseline) instead of giving zero advantage.
 4. **No std normalization, constant normalizer** (Dr. GRPO, Liu et al. 2025): loss sums over tokens
@@ -29,6 +32,13 @@ developers' sessions collected by *earlier* checkpoints over hours -- so this lo
    its logits are in memory (Triton kernel with autograd on GPU).
 8. **MoE router replay** (``router_replay``): the forward pass routes sampled tokens through the
    experts serving recorded, weights from the trainer's own router (R3, :mod:`trainer.router_replay`).
+9. **An update-size watch beside the clip** (off by default). Each step's forward pass measures
+   the mean KL to pi_old (with pi_old = mu it includes the serving mismatch) and the entropy; past
+   ``max_kl_per_token`` (or under ``min_entropy``) that step takes no update and the cycle stops
+   (``stopped_early``), so a runaway cycle cannot go on; its checkpoint still goes to the gate.
+10. **bf16 compute over fp32 master weights** (``precision``, :mod:`trainer.device`): on CUDA and
+    on CPUs with native bf16, forward passes run under autocast, the LM head included; AdamW
+    keeps fp32 weights and state.
 """
 
 from __future__ import annotations
@@ -55,17 +65,17 @@ if TYPE_CHECKING:
     from trainer.device import Placement
     from trainer.distributed import DataParallel
 
-STEP_SUMS = (
+LOSS_SUMS = (
     "pg_loss_sum",
     "kl_sum",
     "mismatch_kl_sum",
+    "behaviour_kl_sum",
     "is_clipped",
     "ppo_clipped",
     "ratio_sum",
-    "entropy_sum",
-    "adv",
-    "advabs",
-)  # what a step adds up over its micro-batches (and, data-parallel, over ranks)
+)  # the LossOutputs fields a micro-batch adds up
+STEP_SUMS = LOSS_SUMS + ("entropy_sum", "adv", "advabs")
+# what a step adds up over its micro-batches (and, data-parallel, over ranks)
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +94,11 @@ def _trainable_hidden(
     hidden = hidden.reshape(-1, hidden.shape[-1]).index_select(0, mb.hidden_index)
     if config.loss.temperature != 1.0:
         hidden = hidden / config.loss.temperature  # logits / T == (h / T) W^T
-    return hidden, head.weight
+    weight = head.weight
+    if torch.is_autocast_enabled(hidden.device.type):  # the LM head in autocast's dtype, as nn.Linear
+        dtype = torch.get_autocast_dtype(hidden.device.type)  # would be; the kernels accumulate in fp32
+        hidden, weight = hidden.to(dtype), weight.to(dtype)
+    return hidden, weight
 
 
 def token_logprobs(model: torch.nn.Module, mb: MicroBatch, config: TrainerConfig) -> tuple[torch.Tensor, torch.Tensor]:
@@ -132,8 +146,9 @@ def micro_batch_loss(
             clip_eps_high=config.loss.clip_eps_high,
             kl_coef=config.loss.kl_coef,
             kl_estimator=config.loss.kl_estimator,
+            ratio_cap=config.loss.is_cap if config.pi_old == "behaviour" else None,
         )
-        for key in ("pg_loss_sum", "kl_sum", "mismatch_kl_sum", "is_clipped", "ppo_clipped", "ratio_sum"):
+        for key in LOSS_SUMS:
             sums[key] = sums.get(key, 0.0) + float(getattr(out, key))
         return out.loss
 
@@ -191,6 +206,13 @@ def compute_old_logprobs(
     return {"mismatch_kl": kl / n, "mismatch_is_clip_frac": clipped / n, "old_entropy": ent / n}
 
 
+def use_behaviour_logprobs(batches: list[MicroBatch]) -> None:
+    """``pi_old = "behaviour"``: set each micro-batch's ``old_logprobs`` to its behaviour log-probs
+    (the same tensor), instead of :func:`compute_old_logprobs`."""
+    for mb in batches:
+        mb.old_logprobs = mb.behaviour_logprobs
+
+
 @dataclass
 class StepMetrics:
     """Metrics of one optimizer step (token-weighted means over its micro-batches)."""
@@ -200,6 +222,9 @@ class StepMetrics:
     pg_loss: float = 0.0
     kl: float = 0.0
     mismatch_kl: float = 0.0
+    """k3 ``KL(mu || pi_old)`` (nats/token): the serving/trainer mismatch; 0 when pi_old is mu."""
+    behaviour_kl: float = 0.0
+    """k3 ``KL(mu || pi_theta)`` at this step's forward (nats/token): the mismatch plus the updates so far."""
     is_clip_frac: float = 0.0
     ppo_clip_frac: float = 0.0
     ratio: float = 0.0
@@ -215,7 +240,10 @@ class StepMetrics:
     skipped_micro_batches: int = 0
     """micro-batches whose loss was not finite (NaN/Inf): left out of the step, never backpropagated."""
     skipped_step: bool = False
-    """the optimizer step was not taken: every micro-batch skipped, or a non-finite gradient norm."""
+    """the optimizer step was not taken: every micro-batch skipped, a non-finite gradient norm, or
+    the update watch stopped the cycle here."""
+    stopped_early: str | None = None
+    """why the update watch stopped the cycle at this step (``max_kl_per_token``, ``min_entropy``); None: it did not."""
     extra: dict[str, float] = field(default_factory=dict)
 
 
@@ -248,6 +276,17 @@ def make_optimizer(model: torch.nn.Module, config: TrainerConfig) -> torch.optim
     )
 
 
+def update_watch(m: StepMetrics, config: TrainerConfig) -> str | None:
+    """Why the cycle stops at step ``m`` (its KL to pi_old above ``max_kl_per_token``, or its entropy
+    below ``min_entropy``; a KL that is not finite counts as above), or None to go on. The step's
+    forward pass measures the updates of the steps before it."""
+    if config.max_kl_per_token is not None and not m.kl <= config.max_kl_per_token:
+        return f"kl to pi_old {m.kl:.4g} nats/token > max_kl_per_token {config.max_kl_per_token:g}"
+    if config.min_entropy is not None and not m.entropy >= config.min_entropy:
+        return f"entropy {m.entropy:.4g} nats/token < min_entropy {config.min_entropy:g}"
+    return None
+
+
 def train_steps(
     model: torch.nn.Module,
     batches: list[MicroBatch],
@@ -258,7 +297,8 @@ def train_steps(
     placement: "Placement | None" = None,
     dp: "DataParallel | None" = None,
 ) -> list[StepMetrics]:
-    """Run the cycle's optimizer steps (needs ``old_logprobs`` filled). Returns per-step metrics.
+    """Run the cycle's optimizer steps (needs ``old_logprobs`` filled: :func:`compute_old_logprobs`
+    or :func:`use_behaviour_logprobs`). Returns per-step metrics.
 
     ``placement``'s autocast wraps each micro-batch's forward pass (not the backward). With ``dp``
     each rank runs its share of every step's micro-batches through DDP, which sums the gradients over
@@ -267,8 +307,11 @@ def train_steps(
     A micro-batch whose loss is not finite is skipped (no backward; counted in
     ``StepMetrics.skipped_micro_batches``, logged), and a step whose micro-batches were all skipped
     or whose gradient norm is not finite takes no optimizer step (``skipped_step``): a NaN never
-    reaches the weights, so never a checkpoint.
+    reaches the weights, so never a checkpoint. A step that :func:`update_watch` stops takes no
+    optimizer step either and is the last one (``StepMetrics.stopped_early``).
     """
+    if any(mb.old_logprobs is None for mb in batches):
+        raise ValueError("old_logprobs not filled: call compute_old_logprobs or use_behaviour_logprobs first")
     model.train()
     history = []
     if dp is not None:
@@ -325,9 +368,20 @@ def train_steps(
             m.skipped_micro_batches = int(totals.pop("skipped"))
             sums = totals
         m.grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), config.optim.max_grad_norm))
-        m.skipped_step = m.skipped_micro_batches == len(group) or not math.isfinite(m.grad_norm)
-        if m.skipped_step:
-            optimizer.zero_grad(set_to_none=True)
+        n = max(m.trainable_tokens, 1)
+        sums = defaultdict(float, sums)  # empty when every micro-batch was skipped
+        m.pg_loss, m.kl, m.mismatch_kl = sums["pg_loss_sum"] / n, sums["kl_sum"] / n, sums["mismatch_kl_sum"] / n
+        m.behaviour_kl = sums["behaviour_kl_sum"] / n
+        m.is_clip_frac, m.ppo_clip_frac = sums["is_clipped"] / n, sums["ppo_clipped"] / n
+        m.ratio, m.entropy = sums["ratio_sum"] / n, sums["entropy_sum"] / n
+        m.advantage_mean, m.advantage_abs = sums["adv"] / n, sums["advabs"] / n
+        m.stopped_early = update_watch(m, config) if m.trainable_tokens else None  # global: ranks agree
+        m.skipped_step = (
+            m.skipped_micro_batches == len(group) or not math.isfinite(m.grad_norm) or m.stopped_early is not None
+        )
+        if m.stopped_early is not None:
+            log.warning("step %d: %s; no update, the cycle's remaining steps are not run", step, m.stopped_early)
+        elif m.skipped_step:
             log.warning(
                 "step %d: no optimizer step (%d of %d micro-batches skipped, gradient norm %s)",
                 step,
@@ -335,19 +389,17 @@ def train_steps(
                 len(group),
                 m.grad_norm,
             )
+        if m.skipped_step:
+            optimizer.zero_grad(set_to_none=True)
         else:
             optimizer.step()
         m.seconds = time.perf_counter() - start
-        n = max(m.trainable_tokens, 1)
-        sums = defaultdict(float, sums)  # empty when every micro-batch was skipped
-        m.pg_loss, m.kl, m.mismatch_kl = sums["pg_loss_sum"] / n, sums["kl_sum"] / n, sums["mismatch_kl_sum"] / n
-        m.is_clip_frac, m.ppo_clip_frac = sums["is_clipped"] / n, sums["ppo_clipped"] / n
-        m.ratio, m.entropy = sums["ratio_sum"] / n, sums["entropy_sum"] / n
-        m.advantage_mean, m.advantage_abs = sums["adv"] / n, sums["advabs"] / n
         m.tokens_per_s = m.tokens / max(m.seconds, 1e-9)
         history.append(m)
         if on_step is not None:
             on_step(m)
+        if m.stopped_early is not None:
+            break
     if dp is not None:
         dp.detach()
     return history

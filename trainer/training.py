@@ -2,7 +2,8 @@
 
 :func:`pack_cycle` turns trajectories into rewards, Dr. GRPO advantages over task groups
 (:mod:`trainer.loss`) and padded micro-batches (:mod:`trainer.batching`); :func:`train_policy` loads the
-parent policy on ``config.device``, computes pi_old and runs the optimizer steps (:mod:`trainer.step`).
+parent policy on ``config.device`` in ``config.precision``, computes pi_old (or takes the behaviour
+log-probs as pi_old) and runs the optimizer steps (:mod:`trainer.step`).
 :func:`trainer.cycle.run_cycle` calls them on rank 0, the other ranks of a ``torchrun`` group through
 :func:`trainer.distributed.run_parallel_cycle`, all on the trajectories rank 0 claimed.
 
@@ -86,7 +87,7 @@ class TrainedPolicy:
     model: "torch.nn.Module"
     optimizer: "torch.optim.Optimizer"
     history: list["StepMetrics"]
-    mismatch: dict[str, float]
+    mismatch: dict[str, float]  # KL(mu || pi_old) before any update, as compute_old_logprobs returns it
     rewards: "torch.Tensor"  # [G] fp32
     advantages: "torch.Tensor"  # [G] fp32
     groups: "torch.Tensor"  # [G] int64
@@ -117,10 +118,16 @@ def train_policy(
     from trainer.device import setup_placement
     from trainer.metrics import step_progress
     from trainer.router_replay import checkpoint_contexts
-    from trainer.step import compute_old_logprobs, make_optimizer, planned_steps, train_steps
+    from trainer.step import (
+        compute_old_logprobs,
+        make_optimizer,
+        planned_steps,
+        train_steps,
+        use_behaviour_logprobs,
+    )
 
     main = dp is None or dp.is_main
-    placement = setup_placement(config.device)
+    placement = setup_placement(config.device, precision=config.precision)
     with _tracer.start_as_current_span("trainer.load") as span:
         span.set_attributes({"flywheel.parent_dir": str(parent_dir), **placement.describe()})
         model = load_policy(parent_dir)
@@ -133,9 +140,13 @@ def train_policy(
     pad_id = model.config.pad_token_id if isinstance(model.config.pad_token_id, int) else 0
     rewards, groups, advantages, batches = pack_cycle(trajectories, config, pad_id)
     batches = [placement.move_batch(mb) for mb in batches]
-    with _tracer.start_as_current_span("trainer.old_logprobs") as span:
-        mismatch = compute_old_logprobs(model, batches, config, placement=placement, dp=dp)
-        span.set_attributes({f"flywheel.{k}": v for k, v in mismatch.items()})
+    mismatch: dict[str, float] = {}
+    if config.pi_old == "behaviour":
+        use_behaviour_logprobs(batches)
+    else:
+        with _tracer.start_as_current_span("trainer.old_logprobs") as span:
+            mismatch = compute_old_logprobs(model, batches, config, placement=placement, dp=dp)
+            span.set_attributes({f"flywheel.{k}": v for k, v in mismatch.items()})
     optimizer = make_optimizer(model, config)
     total_steps = planned_steps(len(batches), config)
     with (
@@ -152,13 +163,22 @@ def train_policy(
                     "step": m.step,
                     "loss": m.loss,
                     "kl": m.kl,
+                    "behaviour_kl": m.behaviour_kl,
                     "entropy": m.entropy,
                     "is_clip_frac": m.is_clip_frac,
                     "tokens_per_s": m.tokens_per_s,
+                    **({"stopped_early": m.stopped_early} if m.stopped_early else {}),
                 },
             )
 
         history = train_steps(model, batches, config, optimizer, on_step=on_step, placement=placement, dp=dp)
+    if config.pi_old == "behaviour" and history:  # step 1's forward ran at the parent: its KL(mu || pi_theta)
+        first = history[0]
+        mismatch = {
+            "mismatch_kl": first.behaviour_kl,
+            "mismatch_is_clip_frac": first.is_clip_frac,
+            "old_entropy": first.entropy,
+        }
     return TrainedPolicy(
         model=model,
         optimizer=optimizer,

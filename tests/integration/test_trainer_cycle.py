@@ -136,6 +136,8 @@ def test_cycle_produces_registered_candidate(session, store, production, policy_
     assert TrainerConfig.model_validate_json((path / "trainer_config.json").read_text()).max_steps == 2
     metrics = json.loads((path / "metrics.json").read_text())
     assert len(metrics["history"]) == 2 and metrics["data"]["groups"] == 2
+    assert manifest["stopped_early"] is None and metrics["stopped_early"] is None and manifest["pi_old"] == "recompute"
+    assert manifest["placement"] == metrics["placement"] and manifest["placement"]["precision"] in ("bf16", "fp32")
 
     # weights moved, and the delta reproduces the candidate's serving weights bit-exactly
     parent_state = load_file(production / "model.safetensors")
@@ -149,6 +151,25 @@ def test_cycle_produces_registered_candidate(session, store, production, policy_
     again = run_cycle(TrainerConfig.model_validate(CONFIG), store=store)
     assert again.status == "skipped" and again.num_trajectories == 0
     assert again.excluded == {"earlier_cycle": 4, "reserved_for_eval": 1}
+
+
+def test_a_cycle_the_update_watch_stops_registers_its_candidate_with_the_reason(session, store, production, policy_dir):
+    from app.models import Checkpoint
+    from trainer.cycle import run_cycle
+
+    _insert_sessions(session, policy_dir)
+    config = {**CONFIG, "precision": "fp32", "max_kl_per_token": 1e-9, "optim": {"lr": 1e-2}}
+    result = run_cycle(TrainerConfig.model_validate(config), store=store)
+    assert result.status == "succeeded", result.detail
+    manifest = store.manifest(result.checkpoint_id)
+    stopped = manifest["stopped_early"]
+    assert stopped["step"] == 2 and "max_kl_per_token" in stopped["reason"]
+    assert manifest["placement"]["precision"] == "fp32"
+    session.expire_all()
+    row = session.get(Checkpoint, result.checkpoint_id)
+    assert row.metrics["stopped_early"] == stopped and row.metrics["planned_steps"] == 2
+    history = json.loads((store.stable_path(result.checkpoint_id) / "metrics.json").read_text())["history"]
+    assert len(history) == 2 and history[1]["skipped_step"] and not history[0]["skipped_step"]
 
 
 def test_second_cycle_is_locked_out(session, store, production, policy_dir, database_url):

@@ -44,7 +44,7 @@ def test_torchrun_two_ranks_registers_one_candidate(session, store, production, 
     # the ranks' all-reduce. A larger eps bounds that amplification so the 1e-5 comparison below
     # sees data parallelism, not the noise floor of near-zero gradients.
     optim = {**CONFIG["optim"], "eps": 1e-6}
-    config = {**CONFIG, "device": "cpu", "threads": 1, "plot_curves": False, "optim": optim}
+    config = {**CONFIG, "device": "cpu", "precision": "fp32", "threads": 1, "plot_curves": False, "optim": optim}
     selected = select_cycle_data(session, TrainerConfig.model_validate(config).data, get_production(session))
     session.rollback()
     assert {t.id for t in selected.used} == set(used)
@@ -88,6 +88,7 @@ def test_torchrun_two_ranks_registers_one_candidate(session, store, production, 
         "device": "cpu",
         "param_dtype": "float32",
         "compute_dtype": "float32",
+        "precision": "fp32",
         "ranks": 2,
     }
     session.expire_all()

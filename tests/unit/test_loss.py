@@ -68,6 +68,33 @@ def test_importance_weight_is_truncated_at_cap():
     assert out.mismatch_kl_sum.item() == pytest.approx(expected, rel=1e-5)
 
 
+def test_behaviour_as_pi_old_truncates_the_ratio_weight_inside_the_clip():
+    # pi_old = mu: w = 1, r = pi_theta / mu, s = min(1, C / sg(r)); dL/dlogp = -min(r, C) A on the
+    # unclipped branch, 0 on the clipped one (module docstring).
+    mu = [-2.0] * 5
+    d = [math.log(5.0), math.log(1.1), math.log(1.5), math.log(0.5), 100.0]  # log r
+    adv = [-1.0, 1.0, 1.0, -1.0, -1.0]
+    lp, inp = _inputs([m + x for m, x in zip(mu, d)], mu, mu, adv)
+    out = policy_loss(inp, normalizer=1.0, is_cap=2.0, ratio_cap=2.0)
+    # r=5, A<0: unclipped, value C A; r=1.1, A>0: unclipped; r=1.5, A>0 and r=0.5, A<0: clipped;
+    # r=e^100, A<0: value C A, gradient C A, finite
+    expected = [2.0, -1.1, -1.2, 0.8, 2.0]
+    assert out.loss.item() == pytest.approx(sum(expected), rel=1e-5)
+    out.loss.backward()
+    torch.testing.assert_close(lp.grad, torch.tensor([2.0, -1.1, 0.0, 0.0, 2.0]))
+    assert out.is_clipped.item() == 2 and out.ppo_clipped.item() == 2
+    assert out.mismatch_kl_sum.item() == 0.0  # pi_old is mu
+    # KL(mu || pi_theta) by k3 with r = pi_theta / mu: (r - 1) - log r (e^100 overflows fp32: a metric only)
+    _, first4 = _inputs([m + x for m, x in zip(mu[:4], d[:4])], mu[:4], mu[:4], adv[:4])
+    r = [5.0, 1.1, 1.5, 0.5]
+    kl = policy_loss(first4, normalizer=1.0, ratio_cap=2.0).behaviour_kl_sum.item()
+    assert kl == pytest.approx(sum(x - 1 - math.log(x) for x in r), rel=1e-5)
+    # without the ratio cap, the first token's weight would be r = 5
+    lp2, inp2 = _inputs([m + x for m, x in zip(mu[:1], d[:1])], mu[:1], mu[:1], adv[:1])
+    policy_loss(inp2, normalizer=1.0, is_cap=2.0).loss.backward()
+    torch.testing.assert_close(lp2.grad, torch.tensor([5.0]))
+
+
 def test_ppo_clip_against_cycle_start_policy():
     # ratio 1.5 with eps 0.2: positive advantage is clipped at 1.2 (zero gradient);
     # negative advantage keeps the unclipped (pessimistic) branch -1.5 A.

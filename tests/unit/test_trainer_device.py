@@ -1,12 +1,20 @@
-"""Device placement and dtype policy (trainer/device.py): the CPU path is fp32 without autocast,
-CUDA without a GPU is a clear error, and the CUDA policy (bf16 autocast over fp32 master weights,
-pinned non-blocking batches) runs where a GPU exists."""
+"""Device placement and dtype policy (trainer/device.py): fp32 compute runs without autocast; ``auto``
+precision is bf16 on CPUs whose flags say they compute it natively and fp32 elsewhere; a CPU cycle in
+bf16 runs its forward passes under autocast, the LM head included, over fp32 master weights and AdamW
+state; CUDA without a GPU is a clear error, and the CUDA policy (bf16 autocast over fp32 master
+weights, pinned non-blocking batches) runs where a GPU exists."""
 
 from __future__ import annotations
+
+import math
 
 import pytest
 import torch
 
+import app.core.cpu
+import kernels.logprob_loss
+import kernels.reference
+import trainer.checkpointing
 from app.core.errors import ConfigurationError
 from app.inference.device import resolve_device
 from trainer.batching import MicroBatch
@@ -36,7 +44,7 @@ def test_config_device_defaults_to_auto_and_refuses_unknown_values():
 
 
 def test_cpu_placement_is_fp32_without_autocast():
-    placement = setup_placement("cpu")
+    placement = setup_placement("cpu", precision="fp32")
     assert placement.device == torch.device("cpu") and not placement.is_cuda
     assert placement.param_dtype == placement.compute_dtype == torch.float32
     model = placement.place_model(torch.nn.Linear(4, 4).to(torch.bfloat16))
@@ -46,7 +54,99 @@ def test_cpu_placement_is_fp32_without_autocast():
         assert model(torch.ones(1, 4)).dtype == torch.float32
     mb = _batch()
     assert placement.move_batch(mb) is mb  # nothing copied on the CPU
-    assert placement.describe() == {"device": "cpu", "param_dtype": "float32", "compute_dtype": "float32"}
+    assert placement.describe() == {
+        "device": "cpu",
+        "param_dtype": "float32",
+        "compute_dtype": "float32",
+        "precision": "fp32",
+    }
+
+
+def test_cpu_flags_are_read_from_cpuinfo(tmp_path, monkeypatch):
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("processor\t: 0\nflags\t\t: fpu sse2 avx512f avx512_bf16\nbugs\t\t: spectre_v1\n")
+    monkeypatch.setattr(app.core.cpu, "CPUINFO", cpuinfo)
+    assert app.core.cpu.cpu_flags() == {"fpu", "sse2", "avx512f", "avx512_bf16"} and app.core.cpu.cpu_has_bf16()
+    cpuinfo.write_text("flags\t\t: fpu sse2 avx2 avx512f\n")
+    assert not app.core.cpu.cpu_has_bf16()
+    monkeypatch.setattr(app.core.cpu, "CPUINFO", tmp_path / "absent")
+    assert app.core.cpu.cpu_flags() == set() and not app.core.cpu.cpu_has_bf16()
+
+
+@pytest.mark.parametrize(
+    ("flags", "precision", "expected"),
+    [
+        ({"avx2", "amx_bf16"}, "auto", torch.bfloat16),
+        ({"avx512f", "avx512_bf16"}, "auto", torch.bfloat16),
+        ({"avx2", "avx512f"}, "auto", torch.float32),  # bf16 would be emulated: fp32
+        (set(), "auto", torch.float32),  # no /proc/cpuinfo
+        ({"amx_bf16"}, "fp32", torch.float32),
+        (set(), "bf16", torch.bfloat16),  # asked for: emulated, with a warning
+    ],
+)
+def test_cpu_precision_follows_the_flags(monkeypatch, flags, precision, expected):
+    monkeypatch.setattr(app.core.cpu, "cpu_flags", lambda: set(flags))
+    placement = setup_placement("cpu", precision=precision)
+    assert placement.compute_dtype == expected and placement.param_dtype == torch.float32
+    assert placement.describe()["precision"] == {torch.bfloat16: "bf16", torch.float32: "fp32"}[expected]
+    with placement.autocast():
+        assert torch.is_autocast_enabled("cpu") == (expected == torch.bfloat16)
+
+
+def test_config_precision_and_unknown_values():
+    assert load_config().precision == "auto"
+    assert load_config(overrides={"precision": "bf16"}).precision == "bf16"
+    with pytest.raises(ConfigurationError):
+        load_config(overrides={"precision": "fp16"})
+    with pytest.raises(ConfigurationError, match="unknown precision"):
+        setup_placement("cpu", precision="fp16")
+
+
+@pytest.mark.parametrize(("flags", "expected"), [({"amx_bf16"}, torch.bfloat16), ({"avx2"}, torch.float32)])
+def test_cpu_cycle_computes_in_the_resolved_precision_over_fp32_master_state(tmp_path, monkeypatch, flags, expected):
+    """A whole cycle (pi_old pass and steps) on the CPU with ``precision = "auto"``: the decoder's
+    matmuls and the LM head run in the resolved dtype; weights, their gradients and AdamW state stay fp32."""
+    from tests.unit.test_trainer_distributed import _config, _trajectories
+    from trainer.testing import tiny_policy
+    from trainer.training import train_policy
+
+    monkeypatch.setattr(app.core.cpu, "cpu_flags", lambda: set(flags))
+    seen: dict[str, set] = {"decoder": set(), "autocast": set(), "head": set(), "grad": set()}
+    forward = kernels.reference.chunk_forward
+
+    def recording_chunk_forward(h, weight, *args):  # the LM head of both log-prob paths
+        seen["head"].add((h.dtype, weight.dtype))
+        return forward(h, weight, *args)
+
+    monkeypatch.setattr(kernels.reference, "chunk_forward", recording_chunk_forward)
+    monkeypatch.setattr(kernels.logprob_loss, "chunk_forward", recording_chunk_forward)
+    load_policy = trainer.checkpointing.load_policy
+
+    def hooked_policy(path):
+        model = load_policy(path)
+
+        def record(module, inputs, output):
+            seen["decoder"].add(output.dtype)
+            seen["autocast"].add(torch.is_autocast_enabled("cpu"))
+
+        model.model.layers[0].mlp.down_proj.register_forward_hook(record)
+        for param in (model.model.layers[0].mlp.down_proj.weight, model.lm_head.weight):
+            param.register_hook(lambda grad: seen["grad"].add(grad.dtype))
+        return model
+
+    monkeypatch.setattr(trainer.checkpointing, "load_policy", hooked_policy)
+    tiny_policy(seed=3).save_pretrained(tmp_path, safe_serialization=True)
+    trained = train_policy(_config(precision="auto"), tmp_path, _trajectories())
+
+    assert trained.placement.compute_dtype == expected
+    assert seen["decoder"] == {expected} and seen["autocast"] == {expected == torch.bfloat16}
+    assert seen["head"] == {(expected, expected)} and seen["grad"] == {torch.float32}
+    assert all(p.dtype == torch.float32 for p in trained.model.parameters())
+    state = [t for s in trained.optimizer.state.values() for t in s.values() if t.dim() > 0]
+    assert state and all(t.dtype == torch.float32 for t in state)  # exp_avg, exp_avg_sq
+    assert all(math.isfinite(m.loss) and not m.skipped_step for m in trained.history)
+    initial = tiny_policy(seed=3).state_dict()
+    assert any(not torch.equal(initial[k], v) for k, v in trained.model.state_dict().items())
 
 
 def test_auto_follows_the_machine():

@@ -39,6 +39,7 @@ def _config(**kw) -> TrainerConfig:
             "grad_accum": 3,
             "epochs": 2,
             "device": "cpu",
+            "precision": "fp32",  # the same arithmetic on every host, whatever its bf16 flags
             "data": {"micro_batch_tokens": 96},
             "optim": {"lr": LR, "eps": 1e-6},
             **kw,
@@ -72,6 +73,32 @@ def test_two_gloo_ranks_train_what_one_process_trains(tmp_path):
     _assert_ddp_reduced_once_per_step(two, tiny_policy(seed=3), steps=4)
     # the second step of each epoch holds one micro-batch: rank 1 has none and still joins the all-reduce
     assert two["ranks"][1]["flushes"] == [False, True, False, True]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "steps"),
+    [
+        ({"max_kl_per_token": 0.01}, 3),  # step 3's forward measures KL 0.07 to pi_old: stopped there
+        ({"pi_old": "behaviour", "epochs": 1}, 2),
+    ],
+    ids=["update-watch", "behaviour-pi-old"],
+)
+def test_two_gloo_ranks_in_bf16_train_and_stop_as_one_process(tmp_path, overrides, steps):
+    """bf16 autocast under DDP, with the update watch (every rank reads the all-reduced KL, so all
+    stop at the same step) or with the behaviour log-probs as pi_old (no pi_old broadcast)."""
+    model_dir = tmp_path / "policy"
+    tiny_policy(seed=3).save_pretrained(model_dir, safe_serialization=True)
+    trajectories, config = _trajectories(), _config(precision="bf16", **overrides)
+    torch.set_num_threads(1)
+    one = train_on_ranks(model_dir, trajectories, config, 1, tmp_path / "one")
+    two = train_on_ranks(model_dir, trajectories, config, 2, tmp_path / "two")
+
+    assert len(one["history"]) == len(two["history"]) == steps
+    stopped = [h["stopped_early"] for h in two["history"]]
+    assert stopped == [h["stopped_early"] for h in one["history"]]
+    assert (stopped[-1] is not None) == ("max_kl_per_token" in overrides) and not any(stopped[:-1])
+    _assert_same_training(one, two)
+    _assert_ddp_reduced_once_per_step(two, tiny_policy(seed=3), steps=steps)
 
 
 def test_a_rank_whose_last_loss_is_not_finite_still_reduces(tmp_path):
