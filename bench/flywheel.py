@@ -1,50 +1,90 @@
-"""Does the flywheel learn? K full cycles from base on the real SmolLM2, measured on held-out tasks.
+"""Does the flywheel learn what users care about? K full cycles from base on the real SmolLM2, then a paired A/B on fresh traffic.
 
 One run, on a fresh embedded stack (its own ``FLYWHEEL_HOME``):
 
 1. ``flywheel demo --cycles K`` on the in-reach ``functions`` tasks: each cycle simulates developer
-   sessions served by production (train templates), consumes them, trains a candidate, gates it on
-   the held-out ``functions`` suite (templates never trained on) and promotes or rejects it through
-   the promotion API.
+   sessions served by production (train templates, the request mix ``--difficulty-mix``), consumes
+   them, trains a candidate, gates it on the held-out ``functions`` suite (templates never trained
+   on) and promotes or rejects it through the promotion API.
 2. A planted regression: a candidate trained from base on exactly cycle 1's data with the reward's
    sign flipped (``flywheel train --parent base --same-data-as C1 --invert-reward``), gated against
    base on the same suite. It must be rejected.
-3. Held-out pass@1 of base and of the final production checkpoint on the same held-out tasks and
-   samples (one ``eval`` run each; the gates' runs are reused when the plan matches), the paired
-   difference and its one-sided 95 % lower bound (task-clustered bootstrap, ``evals.gate``).
-4. Product signals before and after: the sessions base served (cycle 1) against sessions served by
-   the final checkpoint (one more simulation round, not trained on).
+3. In distribution (``flywheel ab base FINAL``, ``ops/ab.py``): fresh requests of the production
+   request distribution (the training templates with the same mix) whose parameters no training
+   cycle used (``functions`` ``test_params``), each (task, sample) served once by base and once by
+   the final production checkpoint on the eval server at the serving temperature and answered by
+   the same seeded simulated developer. Hidden-test pass rate and product signals of both arms,
+   each with the 95 % interval of the paired difference, clustered by task (delta method). Its
+   sessions never reach the event stream.
+4. Held out: base against the final checkpoint on the held-out templates (the gates' eval runs,
+   reused when the plan matches), the paired difference and its one-sided 95 % lower bound
+   (task-clustered bootstrap, ``evals.gate``).
+5. The curve: after each cycle, the checkpoint production serves, measured on the first tasks of
+   the same A/B draw (``--curve-pairs``; base's and the final checkpoint's sessions are reused, so
+   only an intermediate promoted checkpoint costs sessions).
 
-Prints one JSON line: ``ours`` = final held-out pass@1, ``baseline`` = base, ``diff`` and
-``lower_bound``, ``planted_rejected``, ``signals_before`` / ``signals_after``. ``pass``: default run,
-``diff >= 0.10`` and ``lower_bound > 0`` and the planted regression rejected; ``--quick``,
-``lower_bound > 0`` and the planted regression rejected.
+Prints one JSON line:
 
-Flags: ``--quick`` (1 cycle instead of 3), ``--cycles K``, ``--sessions N`` (simulated sessions per
-cycle), ``--group-size N`` (sessions per task, the GRPO group; 4), ``--eval-tasks N`` (held-out
-tasks for the gates and the comparison), ``--max-turns N`` (2), ``--max-tokens-per-turn N`` (192),
-``--trainer-config TOML``, ``--difficulty-mix MIX`` (the simulated requests' levels; the demo's),
-``--params-split`` (also compare the final checkpoint, or cycle 1's candidate when none was
-promoted, with base on ``functions_params``, unseen parameters of the training templates:
-``params_split`` in the JSON line, its ``checkpoint`` named), ``--home DIR`` (the ``FLYWHEEL_HOME``
-to use; resumes a run), ``--keep`` (leave the stack running). Measured results and time budgets:
-``docs/benchmarks.md``.
+- ``in_distribution``: ``pairs``, ``tasks``, ``samples``, ``base``, ``final`` (pass rates),
+  ``diff`` (final - base), ``ci`` (two-sided 95 %), ``lower_bound`` (one-sided 95 %);
+- ``held_out``: ``pairs``, ``base``, ``final``, ``diff``, ``lower_bound`` (one-sided 95 %);
+- ``signals_ab``: ``edit_persistence``, ``dissatisfied_followup_rate``, ``mean_completion_tokens``,
+  ``mean_latency_s``, ``edit_acceptance``, each ``{"base", "final", "diff", "ci": [lo, hi]}`` from the
+  same A/B (latency: the serving seconds per session the simulator reports);
+- ``curve``: per cycle ``{"cycle", "candidate", "promoted", "checkpoint", "pairs", "pass_rate",
+  "ci", "diff_vs_base", "diff_ci", "signals"}`` (``checkpoint``: what production serves after it);
+- ``budget_s``: seconds per phase summed over cycles (``setup``, ``simulate``, ``consume``,
+  ``train``, ``eval``, ``gate``, ``release``, ``report``, ``ab``, ``curve``): the demo's steps timed
+  from its output, ``eval`` the eval runs' own durations (taken out of ``gate``), the planted
+  regression's training and gate added to ``train`` and ``gate``/``eval``;
+- ``planted_rejected``, ``planted_failures``, ``final_checkpoint``, ``margin`` (the held-out
+  suite's non-inferiority margin, ``evals/gate.toml``), ``wall_s``, ``pass``.
+
+``pass``, default run: in-distribution ``diff >= 0.10`` with ``lower_bound > 0``, edit persistence
+up and dissatisfied follow-ups down each with a 95 % interval excluding 0, held-out ``lower_bound >
+-margin``, and the planted regression rejected. ``--quick``: at least 200 in-distribution pairs,
+``diff > 0``, and the planted regression rejected.
+
+Sizes: the A/B draws every ``test_params`` task at the mix's levels (46 at all levels, 35 at level 1)
+and samples each ``ceil(pairs / tasks)`` times: ``--ab-pairs`` 400 by default, 200 with ``--quick``.
+``--quick`` (1 cycle of 64 sessions, a 200-pair A/B = 400 sessions of at most 2 x 192 tokens, about
+100 each) is sized for 15 minutes on the 2-core machine with vLLM (~300 tokens/s at 64 concurrent
+sessions): the A/B's ~40k tokens are about 2.5 minutes of it.
+
+Flags: ``--quick``, ``--cycles K`` (3), ``--sessions N`` (simulated sessions per cycle, 64),
+``--group-size N`` (4), ``--eval-tasks N`` (held-out tasks for the gates, all 112), ``--max-turns N``
+(2), ``--max-tokens-per-turn N`` (192), ``--trainer-config TOML``, ``--difficulty-mix MIX`` (the
+demo's by default), ``--ab-pairs N``, ``--ab-tasks N`` (fewer tasks, more samples each),
+``--curve-pairs N`` (100), ``--home DIR`` (the ``FLYWHEEL_HOME`` to use; resumes a run), ``--keep``
+(leave the stack running). Measured results: ``docs/benchmarks.md``.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
+import re
 import subprocess
 import sys
 import tempfile
 import time
+from collections import defaultdict
 from pathlib import Path
 
 SUITE = "functions"
-PARAMS_SUITE = "functions_params"  # the second held-out set: unseen parameters of training templates
 HELD_OUT_TASKS = 112  # every task of the held-out templates (evals/suites/functions.toml)
+SIGNALS = (
+    "edit_persistence",
+    "dissatisfied_followup_rate",
+    "mean_completion_tokens",
+    "mean_latency_s",
+    "edit_acceptance",
+)
+# A demo step's first line: "[5/14] simulate (cycle 1/3): ..." (also "... : done earlier").
+STEP_LINE = re.compile(r"^\[\d+/\d+\] (\w+)(?: \(cycle \d+/\d+\))?: ")
+PHASE_OF_STEP = {"stack": "setup", "model": "setup", "serving": "setup", "services": "setup", "finalize": "consume"}
 
 
 def flywheel(args: list[str], env: dict[str, str], *, capture: bool = False) -> str:
@@ -59,6 +99,15 @@ def flywheel(args: list[str], env: dict[str, str], *, capture: bool = False) -> 
     if proc.returncode != 0:
         raise SystemExit(f"`flywheel {' '.join(args)}` exited with {proc.returncode}")
     return proc.stdout or ""
+
+
+def timed_flywheel(args: list[str], env: dict[str, str], budget: dict[str, float], phase: str) -> str:
+    """:func:`flywheel` with captured stdout, its seconds added to ``budget[phase]``."""
+    t0 = time.monotonic()
+    try:
+        return flywheel(args, env, capture=True)
+    finally:
+        budget[phase] += time.monotonic() - t0
 
 
 def last_json(out: str) -> dict:
@@ -76,40 +125,57 @@ def run_demo(
     *,
     trainer_config: str | None = None,
     difficulty_mix: str | None = None,
+    timings: dict[str, float] | None = None,
 ) -> None:
     """``flywheel demo`` on the in-reach suite: ``cycles`` cycles of ``sessions`` simulated sessions,
     gated on ``eval_tasks`` held-out tasks alone (turn and token budgets as given); the simulated
-    requests' difficulty mix is the demo's unless ``difficulty_mix`` is given.
+    requests' difficulty mix is the demo's unless ``difficulty_mix`` is given. With ``timings``, the
+    demo's output is passed through and each step's seconds (from its first line to the next
+    step's) are added to ``timings[step]``.
 
     Raises:
         SystemExit: the demo failed.
     """
-    flywheel(
-        [
-            "demo",
-            "--cycles",
-            str(cycles),
-            "--sessions",
-            str(sessions),
-            "--group-size",
-            str(group_size),
-            "--source",
-            SUITE,
-            "--suite",
-            SUITE,
-            "--eval-tasks",
-            str(eval_tasks),
-            "--eval-max-turns",
-            str(max_turns),
-            "--max-turns",
-            str(max_turns),
-            "--max-tokens-per-turn",
-            str(max_tokens_per_turn),
-            *(["--trainer-config", trainer_config] if trainer_config else []),
-            *(["--difficulty-mix", difficulty_mix] if difficulty_mix else []),
-        ],
-        env,
-    )
+    flags = {
+        "--cycles": cycles,
+        "--sessions": sessions,
+        "--group-size": group_size,
+        "--source": SUITE,
+        "--suite": SUITE,
+        "--eval-tasks": eval_tasks,
+        "--eval-max-turns": max_turns,
+        "--max-turns": max_turns,
+        "--max-tokens-per-turn": max_tokens_per_turn,
+        "--trainer-config": trainer_config,
+        "--difficulty-mix": difficulty_mix,
+    }
+    args = ["demo", *(x for k, v in flags.items() if v is not None for x in (k, str(v)))]
+    if timings is None:
+        flywheel(args, env)
+        return
+    time_steps([sys.executable, "-m", "ops.cli", *args], env, timings)
+
+
+def time_steps(cmd: list[str], env: dict[str, str], timings: dict[str, float]) -> None:
+    """Run ``cmd`` (a ``flywheel demo``), passing its output through, and add each step's seconds,
+    from its first line (:data:`STEP_LINE`) to the next step's or the end, to ``timings[step]``.
+
+    Raises:
+        SystemExit: the command failed.
+    """
+    proc = subprocess.Popen(cmd, env={**env, "PYTHONUNBUFFERED": "1"}, stdout=subprocess.PIPE, text=True, bufsize=1)
+    step, since = None, time.monotonic()
+    for line in proc.stdout:
+        sys.stdout.write(line)
+        if m := STEP_LINE.match(line):
+            now = time.monotonic()
+            if step is not None:
+                timings[step] = timings.get(step, 0.0) + now - since
+            step, since = m.group(1), now
+    if step is not None:
+        timings[step] = timings.get(step, 0.0) + time.monotonic() - since
+    if proc.wait() != 0:
+        raise SystemExit(f"`{' '.join(cmd[3:])}` exited with {proc.returncode}")
 
 
 def paired(session, base: str, final: str, suite: str) -> dict:
@@ -145,9 +211,58 @@ def paired(session, base: str, final: str, suite: str) -> dict:
     }
 
 
+def served_after_cycles(session, state: dict, cycles: int) -> list[dict]:
+    """Per cycle: its candidate, whether it was promoted, and what production serves after it."""
+    from sqlalchemy import select
+
+    from app.models import Promotion
+
+    promoted = set(session.scalars(select(Promotion.checkpoint_id).where(Promotion.kind == "promotion")))
+    out, serving = [], "base"
+    for c in range(1, cycles + 1):
+        candidate = state.get(f"candidate@{c}")
+        if candidate in promoted:
+            serving = candidate
+        out.append({"cycle": c, "candidate": candidate, "promoted": candidate in promoted, "checkpoint": serving})
+    return out
+
+
+def eval_seconds(session) -> float:
+    """Seconds the eval runs of this home took, each from its start to its finish."""
+    from sqlalchemy import func, select
+
+    from app.models import EvalRun
+
+    total = session.scalar(
+        select(func.sum(func.extract("epoch", EvalRun.finished_at - EvalRun.started_at))).where(
+            EvalRun.finished_at.is_not(None)
+        )
+    )
+    return float(total or 0.0)
+
+
+def ab_metrics(report: dict) -> tuple[dict, dict]:
+    """``(in_distribution, signals_ab)`` of a ``flywheel ab --json`` report."""
+    m = report["metrics"]
+    pr = m["pass_rate"]
+    in_dist = {
+        "pairs": report["pairs"],
+        "tasks": report["tasks"],
+        "samples": report["config"]["samples"],
+        "base": pr["base"],
+        "final": pr["final"],
+        "diff": pr["diff"],
+        "ci": pr["ci"],
+        "lower_bound": report["pass_rate_lower_bound"],
+        "errors": len(report["errors"]),
+    }
+    signals = {n: {k: m[n][k] for k in ("base", "final", "diff", "ci")} for n in SIGNALS}
+    return in_dist, signals
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="1 cycle instead of 3")
+    parser.add_argument("--quick", action="store_true", help="1 cycle instead of 3, a 200-pair A/B")
     parser.add_argument("--cycles", type=int, default=None)
     parser.add_argument("--sessions", type=int, default=None, help="simulated sessions per cycle")
     parser.add_argument("--group-size", type=int, default=4, help="sessions per task (GRPO group)")
@@ -156,24 +271,38 @@ def main() -> None:
     parser.add_argument("--max-tokens-per-turn", type=int, default=192)
     parser.add_argument("--trainer-config", default=None, help="trainer TOML (default: the packaged one)")
     parser.add_argument("--difficulty-mix", default=None, help="simulated requests' levels, e.g. 1:1 (the demo's)")
-    parser.add_argument(
-        "--params-split",
-        action="store_true",
-        help="also compare the final checkpoint (cycle 1's candidate if none was promoted) with base on functions_params",
-    )
+    parser.add_argument("--ab-pairs", type=int, default=None, help="fewest A/B (task, sample) pairs (400; quick 200)")
+    parser.add_argument("--ab-tasks", type=int, default=None, help="A/B tasks (default: all at the mix's levels)")
+    parser.add_argument("--curve-pairs", type=int, default=100, help="A/B pairs behind each curve point")
     parser.add_argument("--home", default=None, help="FLYWHEEL_HOME to use (resumes a run; default: a new one)")
     parser.add_argument("--keep", action="store_true", help="leave the stack running")
     args = parser.parse_args()
     cycles = args.cycles or (1 if args.quick else 3)
     sessions = args.sessions or 64
     eval_tasks = args.eval_tasks or HELD_OUT_TASKS
+    ab_pairs = args.ab_pairs or (200 if args.quick else 400)
 
     home = Path(args.home or tempfile.mkdtemp(prefix="flywheel-bench-")).resolve()
     env = {**os.environ, "FLYWHEEL_HOME": str(home)}
     os.environ["FLYWHEEL_HOME"] = str(home)
-    started = time.monotonic()
-    common = ["--max-turns", str(args.max_turns), "--max-tokens-per-turn", str(args.max_tokens_per_turn)]
+
+    from evals.config import load_gate_config
+    from ops.ab import ABConfig, plan_pairs
+    from ops.demo import DEFAULT_DIFFICULTY_MIX
+    from ops.simulator_cli import parse_mix
+
+    mix = args.difficulty_mix or DEFAULT_DIFFICULTY_MIX
+    ab_tasks = len(plan_pairs(ABConfig(tasks=args.ab_tasks, samples=1, difficulty_mix=parse_mix(mix))))
+    samples = math.ceil(ab_pairs / ab_tasks)
+    curve_tasks = max(2, min(ab_tasks, math.ceil(args.curve_pairs / samples)))
+    margin = load_gate_config().for_suite(SUITE).tolerance
+    serving = ["--max-turns", str(args.max_turns), "--max-tokens-per-turn", str(args.max_tokens_per_turn)]
+    ab_common = [*serving, "--max-tokens", str(args.max_turns * args.max_tokens_per_turn)]
+    ab_common += ["--difficulty-mix", mix, "--samples", str(samples), "--json"]
     eval_budget = ["--max-turns", str(args.max_turns), "--max-tokens", str(args.max_tokens_per_turn)]
+    steps: dict[str, float] = defaultdict(float)
+    budget: dict[str, float] = defaultdict(float)
+    started = time.monotonic()
     try:
         run_demo(
             cycles,
@@ -184,136 +313,110 @@ def main() -> None:
             args.max_tokens_per_turn,
             env,
             trainer_config=args.trainer_config,
-            difficulty_mix=args.difficulty_mix,
+            difficulty_mix=mix,
+            timings=steps,
         )
         state = json.loads((home / "demo" / "state.json").read_text())
         first = state["candidate@1"]
-        planted = last_json(
-            flywheel(
-                [
-                    "train",
-                    "--once",
-                    "--json",
-                    "--parent",
-                    "base",
-                    "--same-data-as",
-                    first,
-                    "--invert-reward",
-                    "--min-new",
-                    "1",
-                    "--no-progress",
-                    *(["--config", args.trainer_config] if args.trainer_config else []),
-                ],
-                env,
-                capture=True,
-            )
-        )["checkpoint_id"]
-        gate = last_json(
-            flywheel(
-                [
-                    "gate",
-                    planted,
-                    "--production",
-                    "base",
-                    "--suite",
-                    SUITE,
-                    "--gate-on",
-                    SUITE,
-                    "--samples",
-                    "1",
-                    "--limit",
-                    str(eval_tasks),
-                    "--min-pairs",
-                    str(eval_tasks),
-                    *eval_budget,
-                    "--json",
-                ],
-                env,
-                capture=True,
-            )
-        )
+        train = ["train", "--once", "--json", "--parent", "base", "--same-data-as", first, "--invert-reward"]
+        train += [
+            "--min-new",
+            "1",
+            "--no-progress",
+            *(["--config", args.trainer_config] if args.trainer_config else []),
+        ]
+        planted = last_json(timed_flywheel(train, env, budget, "train"))["checkpoint_id"]
+        gate_args = ["gate", planted, "--production", "base", "--suite", SUITE, "--gate-on", SUITE, "--samples", "1"]
+        gate_args += ["--limit", str(eval_tasks), "--min-pairs", str(eval_tasks), *eval_budget, "--json"]
+        gate = last_json(timed_flywheel(gate_args, env, budget, "gate"))
 
         from app.core.db import session_scope
         from app.core.settings import get_settings
         from app.repositories.checkpoints import get_production
-        from ops.curves import product_signals
 
         get_settings.cache_clear()
         with session_scope() as session:
             final = get_production(session).id
-        # The params split compares what the run ended with: the final checkpoint, or cycle 1's
-        # candidate when no cycle was promoted.
-        params_ckpt = final if final != "base" else first
-        if args.params_split:
-            for ckpt in ("base", params_ckpt):
-                flywheel(["eval", "run", ckpt, "--suite", PARAMS_SUITE, *eval_budget, "--json"], env, capture=True)
-        # Signals after: sessions the final checkpoint serves (not trained on: no cycle follows).
-        if final != "base":
-            flywheel(
-                [
-                    "simulate",
-                    "--sessions",
-                    str(sessions),
-                    "--group-size",
-                    str(args.group_size),
-                    "--source",
-                    SUITE,
-                    "--max-tokens",
-                    str(args.max_turns * args.max_tokens_per_turn),
-                    "--seed",
-                    "777",
-                    *common,
-                ],
-                env,
+            served = served_after_cycles(session, state, cycles)
+        # In distribution: one A/B of base and the final checkpoint (base against itself when no
+        # cycle was promoted: its second arm reuses the first's sessions).
+        report = last_json(timed_flywheel(["ab", "base", final, *ab_common], env, budget, "ab"))
+        in_distribution, signals_ab = ab_metrics(report)
+        curve, measured = [], {}
+        for point in served:
+            ckpt = point["checkpoint"]
+            if ckpt not in measured:  # the first curve_tasks tasks of the same draw: base and final are stored
+                ab_args = ["ab", "base", ckpt, "--tasks", str(curve_tasks), *ab_common]
+                measured[ckpt] = last_json(timed_flywheel(ab_args, env, budget, "curve"))
+            m = measured[ckpt]["metrics"]
+            curve.append(
+                {
+                    **point,
+                    "pairs": measured[ckpt]["pairs"],
+                    "pass_rate": m["pass_rate"]["final"],
+                    "ci": m["pass_rate"]["final_ci"],
+                    "diff_vs_base": m["pass_rate"]["diff"],
+                    "diff_ci": m["pass_rate"]["ci"],
+                    "signals": {n: m[n]["final"] for n in SIGNALS},
+                }
             )
-            deadline = time.monotonic() + 300
-            from sqlalchemy import text
-
-            while time.monotonic() < deadline:
-                with session_scope() as session:
-                    open_ = session.scalar(text("SELECT count(*) FROM trajectory WHERE status <> 'finalized'"))
-                if not open_:
-                    break
-                time.sleep(2)
         with session_scope() as session:
-            comparison = paired(session, "base", final, SUITE) if final != "base" else None
-            before = product_signals(session, "base")
-            after = product_signals(session, final) if final != "base" else before
-            params = (
-                {"checkpoint": params_ckpt, **paired(session, "base", params_ckpt, PARAMS_SUITE)}
-                if args.params_split
-                else None
-            )
+            held_out = paired(session, "base", final, SUITE) if final != "base" else None
+            budget["eval"] = eval_seconds(session)
     finally:
         if not args.keep:
             subprocess.run([sys.executable, "-m", "ops.cli", "demo", "--down"], env=env, capture_output=True)
 
+    for step, seconds in steps.items():
+        budget[PHASE_OF_STEP.get(step, step)] += seconds
+    budget["gate"] = max(0.0, budget["gate"] - budget["eval"])  # the gate steps' time outside their evals
     rejected = not gate["passed"]
-    if comparison is None:  # no candidate was promoted: the final checkpoint is base
-        comparison = {"pairs": 0, "base": None, "final": None, "diff": 0.0, "lower_bound": 0.0}
-    lb, diff = comparison["lower_bound"], comparison["diff"]
-    ok = (lb > 0 and rejected) if args.quick else (diff >= 0.10 and lb > 0 and rejected)
+    if held_out is None:  # no candidate was promoted: the final checkpoint is base
+        held_out = {"pairs": 0, "base": None, "final": None, "diff": 0.0, "lower_bound": 0.0}
+    diff, lb = in_distribution["diff"] or 0.0, in_distribution["lower_bound"] or 0.0
+    persistence_ci = signals_ab["edit_persistence"]["ci"]
+    followup_ci = signals_ab["dissatisfied_followup_rate"]["ci"]
+    if args.quick:
+        ok = in_distribution["pairs"] >= 200 and diff > 0 and rejected
+    else:
+        ok = (
+            diff >= 0.10
+            and lb > 0
+            and persistence_ci is not None
+            and persistence_ci[0] > 0
+            and followup_ci is not None
+            and followup_ci[1] < 0
+            and held_out["lower_bound"] > -margin
+            and rejected
+        )
+    base_rate, final_rate = in_distribution["base"], in_distribution["final"]
     print(
         json.dumps(
             {
                 "bench": "flywheel",
-                "ours": comparison["final"],
-                "baseline": comparison["base"],
-                "unit": "held-out pass@1",
-                "ratio": (comparison["final"] / comparison["base"] if comparison["base"] else None),
-                "target": "final - base >= 0.10 with lower bound > 0" if not args.quick else "lower bound > 0",
-                "diff": diff,
-                "lower_bound": lb,
-                "pairs": comparison["pairs"],
+                "ours": final_rate,
+                "baseline": base_rate,
+                "unit": "fresh-traffic pass rate (training templates, unseen parameters)",
+                "ratio": final_rate / base_rate if base_rate and final_rate is not None else None,
+                "target": (
+                    "in-distribution diff > 0 on >= 200 pairs, planted regression rejected"
+                    if args.quick
+                    else "in-distribution diff >= 0.10 (lower bound > 0), persistence up and follow-ups down "
+                    "(95 % CI excludes 0), held-out lower bound > -margin, planted regression rejected"
+                ),
+                "in_distribution": in_distribution,
+                "held_out": held_out,
+                "signals_ab": signals_ab,
+                "curve": curve,
+                "budget_s": {k: round(v) for k, v in sorted(budget.items())},
+                "margin": margin,
                 "final_checkpoint": final,
                 "planted_checkpoint": planted,
                 "planted_rejected": rejected,
                 "planted_failures": gate.get("failures"),
-                "params_split": params,
-                "signals_before": before,
-                "signals_after": after,
                 "cycles": cycles,
                 "sessions_per_cycle": sessions,
+                "difficulty_mix": mix,
                 "wall_s": round(time.monotonic() - started),
                 "home": str(home) if args.keep else None,
                 "pass": ok,

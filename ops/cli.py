@@ -19,8 +19,8 @@ def _register_all() -> None:
     from app.api import cli as api_cli
     from consumers import cli as consumers_cli
     from evals import cli as evals_cli
+    from ops import ab_cli, simulator_cli
     from ops import commands as ops_commands
-    from ops import simulator_cli
     from serving import cli as serving_cli
     from trainer import cli as trainer_cli
 
@@ -32,6 +32,7 @@ def _register_all() -> None:
         simulator_cli,
         trainer_cli,
         evals_cli,
+        ab_cli,
         api_cli,
     ):
         module.register(app)

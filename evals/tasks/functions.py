@@ -15,10 +15,13 @@ Splits (by template, so held-out tasks are ones the trainer never saw in any for
 - ``test``: every variant of the held-out templates (every 4th template of each difficulty level,
   in registration order, so the levels are mixed alike);
 - ``train``: the first :data:`TRAIN_VARIANTS` variants of the other templates;
-- ``test_params``: the remaining variants of the training templates (unseen parameterisations).
+- ``test_params``: up to :data:`PARAM_VARIANTS` further variants of each training template whose
+  behaviour is new: on the variant's hidden cases no training variant's reference (nor an earlier
+  ``test_params`` variant's) returns what the variant's reference returns, so a renamed training
+  solution fails them (unseen parameterisations, not renamed training tasks).
 
 Invariant: generation is deterministic (every template is seeded by ``"<template>:<attempt>"``)
-and the three splits are disjoint.
+and the three splits are disjoint; ``test_params`` is disjoint from ``train`` in behaviour too.
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ SOURCE = "functions"
 SPLITS = ("train", "test", "test_params")
 VARIANTS = 6
 TRAIN_VARIANTS = 4
+PARAM_VARIANTS = 4
 HELD_OUT_EVERY = 4
 TEST_FILE = "test_hidden.py"
 _ATTEMPTS = 40
@@ -81,8 +85,9 @@ def held_out_templates() -> frozenset[str]:
     return frozenset(t.key for i, t in enumerate(ordered, 1) if i % HELD_OUT_EVERY == 0)
 
 
-def _variants(t: Template) -> list[tuple[int, dict]]:
-    """Up to ``VARIANTS`` distinct parameterisations ``(attempt, spec)`` of a template."""
+def _variants(t: Template, limit: int | None = VARIANTS) -> list[tuple[int, dict]]:
+    """Up to ``limit`` (None: every one within ``_ATTEMPTS`` seeds) distinct parameterisations
+    ``(attempt, spec)`` of a template, in attempt order."""
     out, keys = [], set()
     for attempt in range(_ATTEMPTS):
         s = t.build(random.Random(f"{t.key}:{attempt}"))
@@ -90,7 +95,47 @@ def _variants(t: Template) -> list[tuple[int, dict]]:
         if key not in keys:
             keys.add(key)
             out.append((attempt, s))
-        if len(out) == VARIANTS:
+        if len(out) == limit:
+            break
+    return out
+
+
+def _reference(s: dict):
+    """The spec's reference function (our own template source, not user input)."""
+    namespace: dict = {}
+    exec(compile(f"def {s['name']}({s['args']}):\n{s['body']}", "<reference>", "exec"), namespace)
+    return namespace[s["name"]]
+
+
+def _expected_cases(s: dict) -> list[tuple[tuple, object]]:
+    """The hidden test's ``CASES`` of spec ``s``: each argument tuple with the reference's result."""
+    fn = _reference(s)
+    return [(tuple(c), fn(*copy.deepcopy(c))) for c in s["cases"]]
+
+
+def _passes(fn, cases: list[tuple[tuple, object]]) -> bool:
+    """Whether ``fn`` passes the hidden test's ``check`` (the same code) on ``cases``."""
+    namespace: dict = {"CASES": cases}
+    exec(_CHECK, namespace)  # our own test source
+    try:
+        namespace["check"](fn)
+    except Exception:  # a wrong result, or a reference of other parameters rejecting these inputs
+        return False
+    return True
+
+
+def _param_variants(variants: list[tuple[int, dict]]) -> list[tuple[int, int, dict]]:
+    """``(index, attempt, spec)`` of up to ``PARAM_VARIANTS`` variants after the first
+    ``TRAIN_VARIANTS`` whose hidden cases no earlier kept variant's reference passes."""
+    kept = [_reference(s) for _, s in variants[:TRAIN_VARIANTS]]
+    out = []
+    for index, (attempt, s) in enumerate(variants[TRAIN_VARIANTS:], TRAIN_VARIANTS):
+        cases = _expected_cases(s)
+        if any(_passes(other, cases) for other in kept):
+            continue
+        kept.append(_reference(s))
+        out.append((index, attempt, s))
+        if len(out) == PARAM_VARIANTS:
             break
     return out
 
@@ -98,10 +143,7 @@ def _variants(t: Template) -> list[tuple[int, dict]]:
 def _task(t: Template, index: int, attempt: int, s: dict, split: str) -> Task:
     name, args = s["name"], s["args"]
     reference = f"def {name}({args}):\n{s['body']}"
-    namespace: dict = {}
-    exec(compile(reference, f"<{t.key}>", "exec"), namespace)  # our own template source, not user input
-    fn = namespace[name]
-    cases = [(tuple(c), fn(*copy.deepcopy(c))) for c in s["cases"]]
+    cases = _expected_cases(s)
     r = random.Random(f"{t.key}:{attempt}:request")
     sig = f"{name}({args})"
     request = r.choice(_OPENERS).format(sig=sig, what=s["what"])
@@ -133,9 +175,14 @@ def _all() -> dict[str, tuple[Task, ...]]:
     held = held_out_templates()
     splits: dict[str, list[Task]] = {s: [] for s in SPLITS}
     for t in TEMPLATES:
-        for index, (attempt, s) in enumerate(_variants(t)):
-            split = "test" if t.key in held else "train" if index < TRAIN_VARIANTS else "test_params"
-            splits[split].append(_task(t, index, attempt, s, split))
+        if t.key in held:
+            splits["test"] += [_task(t, i, attempt, s, "test") for i, (attempt, s) in enumerate(_variants(t))]
+            continue
+        variants = _variants(t, limit=None)
+        for index, (attempt, s) in enumerate(variants[:TRAIN_VARIANTS]):
+            splits["train"].append(_task(t, index, attempt, s, "train"))
+        for index, attempt, s in _param_variants(variants):
+            splits["test_params"].append(_task(t, index, attempt, s, "test_params"))
     return {k: tuple(v) for k, v in splits.items()}
 
 

@@ -36,7 +36,7 @@ def test_counts_families_and_difficulties(splits):
     assert len(TEMPLATES) >= 60 and len({t.key for t in TEMPLATES}) == len(TEMPLATES)
     every = [t for ts in splits.values() for t in ts]
     assert len(every) >= 300 and len({t.id for t in every}) == len(every)
-    assert len(splits["test"]) >= 48 and len(splits["test_params"]) >= 48 and len(splits["train"]) >= 150
+    assert len(splits["test"]) >= 48 and len(splits["test_params"]) >= 40 and len(splits["train"]) >= 150
     for ts in splits.values():
         assert set(Counter(t.metadata["difficulty"] for t in ts)) == {1, 2, 3}
         assert set(Counter(t.metadata["family"] for t in ts)) == {"strings", "parsing", "lists", "numbers", "dicts"}
@@ -84,3 +84,37 @@ def test_a_wrong_solution_fails_the_hidden_tests(splits):
     )
     result = verify_reference(wrong)
     assert not result.ok and "expected" in result.stderr
+
+
+def _hidden_check(task: Task):
+    """The task's hidden ``check(candidate)``, loaded in-process from its test file."""
+    namespace: dict = {}
+    exec(task.test_files["test_hidden.py"], namespace)
+    return namespace["check"]
+
+
+def _reference_fn(task: Task):
+    namespace: dict = {}
+    exec(task.reference_files["solution.py"], namespace)
+    return namespace[task.metadata["entry_point"]]
+
+
+def test_unseen_parameters_are_not_renamed_training_tasks(splits):
+    """What the simulator trains on (``train``) never solves a ``test_params`` task: every training
+    variant's reference of the same template fails its hidden test, so each task's parameters
+    (constants, separators, conditions) are new, not only its function name."""
+    train_by_template: dict[str, list[Task]] = {}
+    for t in splits["train"]:
+        train_by_template.setdefault(t.metadata["template"], []).append(t)
+    for task in splits["test_params"]:
+        check = _hidden_check(task)
+        check(_reference_fn(task))  # its own reference passes
+        for seen in train_by_template[task.metadata["template"]]:
+            with pytest.raises(Exception):  # any failure: a wrong value or a rejected input
+                check(_reference_fn(seen))
+    # and no two unseen-parameter tasks of a template share their behaviour either
+    for a in splits["test_params"]:
+        for b in splits["test_params"]:
+            if a is not b and a.metadata["template"] == b.metadata["template"] and a.id < b.id:
+                with pytest.raises(Exception):
+                    _hidden_check(b)(_reference_fn(a))

@@ -1,0 +1,104 @@
+"""``flywheel ab BASE FINAL``: the paired A/B on fresh production traffic (heavy imports stay inside the command).
+
+It lives in ``ops`` beside the simulator, not in ``evals``: it composes the eval harness with the
+simulated developers of ``ops.developer``, and ``evals`` sits below ``ops`` (pyproject's layers).
+"""
+
+from __future__ import annotations
+
+import json
+
+import typer
+
+from ops.simulator_cli import parse_mix
+
+
+def ab(
+    base: str = typer.Argument(..., help="the baseline checkpoint, e.g. base"),
+    final: str = typer.Argument(..., help="the checkpoint compared with it"),
+    tasks: int = typer.Option(
+        None, "--tasks", min=2, help="tasks drawn with the mix (default: every task at the mix's levels)"
+    ),
+    samples: int = typer.Option(4, "--samples", min=1, max=64, help="sessions per task and arm"),
+    difficulty_mix: str = typer.Option(
+        None, "--difficulty-mix", help="LEVEL:WEIGHT pairs, e.g. '1:0.6,2:0.3,3:0.1' (the simulator's mix)"
+    ),
+    max_turns: int = typer.Option(6, "--max-turns", min=1, help="model turns per session"),
+    max_tokens: int = typer.Option(1024, "--max-tokens", min=16, help="completion tokens per session"),
+    max_tokens_per_turn: int = typer.Option(256, "--max-tokens-per-turn", min=8),
+    temperature: float = typer.Option(0.7, "--temperature", help="the serving temperature"),
+    seed: int = typer.Option(0, "--seed", help="seeds the task draw, sampling and the developers"),
+    workers: int = typer.Option(None, "--workers", "-w", min=1, help="sessions in flight per arm"),
+    as_json: bool = typer.Option(False, "--json", help="print the comparison as one JSON line"),
+) -> None:
+    """Serve the same fresh requests (training templates, unseen parameters) with BASE and FINAL on
+    the eval engine, let seeded simulated developers answer both, and compare pass rate and product
+    signals with task-clustered 95 % intervals. Nothing reaches the event stream."""
+    from rich.console import Console
+
+    from app.core.settings import get_settings
+    from app.core.telemetry import configure_telemetry
+    from ops.ab import ABConfig, run_ab
+
+    configure_telemetry("flywheel-ab")
+    console = Console(stderr=as_json)
+    config = ABConfig(
+        tasks=tasks,
+        samples=samples,
+        difficulty_mix=parse_mix(difficulty_mix) if difficulty_mix else None,
+        max_turns=max_turns,
+        max_tokens=max_tokens,
+        max_tokens_per_turn=max_tokens_per_turn,
+        temperature=temperature,
+        seed=seed,
+        workers=workers,
+    )
+    done = [0]
+
+    def progress(session) -> None:
+        done[0] += 1
+        if done[0] % 25 == 0:
+            console.print(f"  {session.checkpoint_id}: {done[0]} sessions served", highlight=False)
+
+    report = run_ab(base, final, config, on_session=progress)
+    out = get_settings().store.reports() / "ab"
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"{base}-vs-{final}-{config.fingerprint()}.json"
+    path.write_text(json.dumps(report, indent=2))
+    if as_json:
+        typer.echo(json.dumps({**report, "report_path": str(path)}))
+        return
+    console.print(_table(report))
+    for e in report["errors"][:10]:
+        console.print(f"[red]error[/red] {e}", highlight=False)
+    console.print(f"report: {path}")
+
+
+def _table(report: dict):
+    from rich.table import Table
+
+    def num(v, pct: bool) -> str:
+        return "-" if v is None else (f"{v:.1%}" if pct else f"{v:.3g}")
+
+    t = Table(
+        title=f"A/B {report['final']} vs {report['base']}: {report['pairs']} pairs on {report['tasks']} tasks "
+        f"({report['split']}), intervals clustered by task"
+    )
+    for col in ("metric", "base", "final", "diff", f"{report['confidence']:.0%} CI of diff"):
+        t.add_column(col)
+    for name, m in report["metrics"].items():
+        pct = name in ("pass_rate", "edit_acceptance", "edit_persistence", "dissatisfied_followup_rate")
+        ci = m["ci"]
+        t.add_row(
+            name,
+            num(m["base"], pct),
+            num(m["final"], pct),
+            "-" if m["diff"] is None else (f"{m['diff']:+.1%}" if pct else f"{m['diff']:+.3g}"),
+            "-" if ci is None else f"[{num(ci[0], pct)}, {num(ci[1], pct)}]",
+        )
+    return t
+
+
+def register(app: typer.Typer) -> None:
+    """Add this module's command to the main app."""
+    app.command("ab")(ab)

@@ -1,0 +1,49 @@
+"""bench/flywheel.py's reads of the store: what production served after each cycle, eval seconds."""
+
+from __future__ import annotations
+
+import importlib.util
+import uuid
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+
+from app.models import Promotion
+from app.repositories.checkpoints import add_checkpoint
+from evals import store
+
+pytestmark = pytest.mark.integration
+
+BENCH = Path(__file__).resolve().parents[2] / "bench" / "flywheel.py"
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("bench_flywheel", BENCH)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_served_checkpoint_per_cycle_and_eval_seconds(bench, session):
+    for cid in ("base", "c1", "c2", "c3", "planted"):
+        add_checkpoint(session, checkpoint_id=cid, path=f"/x/{cid}")
+    for cid in ("base", "c1", "c3"):  # cycle 2's candidate was rejected
+        session.add(
+            Promotion(id=uuid.uuid4(), kind="initial" if cid == "base" else "promotion", checkpoint_id=cid, actor="t")
+        )
+    for cid, seconds in (("c1", 12.5), ("base", 7.0)):
+        run = store.create_run(session, cid, "functions", "1-x", {})
+        store.finish_run(session, run, "succeeded", {})
+        run.finished_at = run.started_at + timedelta(seconds=seconds)
+    store.create_run(session, "planted", "functions", "1-x", {})  # unfinished: not counted
+    session.flush()
+    state = {"candidate@1": "c1", "candidate@2": "c2", "candidate@3": "c3"}
+    served = bench.served_after_cycles(session, state, 3)
+    assert [(p["candidate"], p["promoted"], p["checkpoint"]) for p in served] == [
+        ("c1", True, "c1"),
+        ("c2", False, "c1"),
+        ("c3", True, "c3"),
+    ]
+    assert bench.eval_seconds(session) == pytest.approx(19.5)
