@@ -38,6 +38,7 @@ from pathlib import Path
 
 import httpx
 
+from app.core.cpu import cpu_has_bf16
 from app.core.errors import ConfigurationError, InfrastructureError
 from app.core.net import free_port
 from app.core.pids import pid_alive, stop_pid
@@ -48,23 +49,11 @@ log = logging.getLogger("flywheel.vllm")
 ROLES = ("production", "eval")
 SERVED_MODEL_NAME = "flywheel"
 WORKER_EXTENSION = "serving.vllm_worker.WeightReload"  # the reload that refreshes tied heads
-BF16_CPU_FLAGS = ("amx_bf16", "avx512_bf16")
 
 
 def vllm_installed() -> bool:
     """Whether vLLM is importable here (found without importing it: the import takes seconds)."""
     return importlib.util.find_spec("vllm") is not None
-
-
-def cpu_flags() -> set[str]:
-    """The CPU feature flags of this host (``/proc/cpuinfo``; empty where it does not exist)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
 
 
 def resolve_dtype(setting: str = "auto", *, cuda: bool | None = None) -> str:
@@ -85,7 +74,7 @@ def resolve_dtype(setting: str = "auto", *, cuda: bool | None = None) -> str:
         import torch
 
         cuda = torch.cuda.is_available()
-    return "bfloat16" if cuda or any(f in cpu_flags() for f in BF16_CPU_FLAGS) else "float32"
+    return "bfloat16" if cuda or cpu_has_bf16() else "float32"
 
 
 @dataclass

@@ -1,0 +1,48 @@
+"""The managed vLLM servers' choices that need no server: dtype by CPU, the command line, refusals."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+import app.core.cpu
+from app.core.errors import ConfigurationError
+from app.core.settings import ServingSettings
+from serving.vllm_server import WORKER_EXTENSION, ensure_server, resolve_dtype, server_command, start_server
+
+
+@pytest.mark.parametrize(
+    ("flags", "cuda", "expected"),
+    [
+        ({"avx512f", "avx512_bf16"}, False, "bfloat16"),
+        ({"amx_bf16"}, False, "bfloat16"),
+        ({"avx2", "avx512f"}, False, "float32"),  # bf16 emulated there: slower than fp32
+        (set(), True, "bfloat16"),
+    ],
+)
+def test_auto_dtype_is_bf16_only_where_the_hardware_has_it(monkeypatch, flags, cuda, expected):
+    monkeypatch.setattr(app.core.cpu, "cpu_flags", lambda: set(flags))
+    assert resolve_dtype("auto", cuda=cuda) == expected
+    assert resolve_dtype("float32", cuda=cuda) == "float32"  # an explicit choice is kept
+    with pytest.raises(ConfigurationError, match="unknown serving dtype"):
+        resolve_dtype("fp8", cuda=cuda)
+
+
+def test_servers_log_behaviour_logprobs_and_reload_through_the_extension():
+    cmd = server_command(Path("/ckpt/base"), 8123, "bfloat16", ServingSettings(vllm_enforce_eager=True))
+    flag = {k: v for k, v in zip(cmd, cmd[1:]) if k.startswith("--")}
+    assert flag["--logprobs-mode"] == "processed_logprobs"
+    assert flag["--worker-extension-cls"] == WORKER_EXTENSION
+    assert flag["--model"] == "/ckpt/base" and flag["--port"] == "8123" and flag["--dtype"] == "bfloat16"
+    assert "--enforce-eager" in cmd and flag["--host"] == "127.0.0.1"
+
+
+def test_nothing_is_started_for_a_folder_that_is_not_a_model(tmp_path):
+    with pytest.raises(ConfigurationError, match="no config.json"):
+        start_server("production", tmp_path, "x", tmp_path)
+    with pytest.raises(ConfigurationError, match="unknown server role"):
+        start_server("canary", tmp_path, "x", tmp_path)
+    with pytest.raises(ConfigurationError, match="no vLLM eval server is recorded"):
+        ensure_server("eval", tmp_path)
+    assert not (tmp_path / "vllm").exists()
