@@ -148,6 +148,7 @@ def run_demo(
         "--max-tokens-per-turn": max_tokens_per_turn,
         "--trainer-config": trainer_config,
         "--difficulty-mix": difficulty_mix,
+        "--ab-tasks": 0,  # the bench measures its own curve on the A/B's draw
     }
     args = ["demo", *(x for k, v in flags.items() if v is not None for x in (k, str(v)))]
     if timings is None:

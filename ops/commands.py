@@ -168,7 +168,9 @@ def up_cmd(
 
 
 def demo_cmd(
-    cycles: int = typer.Option(1, help="full cycles (simulate -> consume -> train -> gate -> release) to run"),
+    cycles: int = typer.Option(
+        3, help="full cycles (simulate -> consume -> train -> gate -> release -> measure) to run"
+    ),
     sessions: int = typer.Option(16, help="simulated editor sessions per cycle (train tasks of --source)"),
     group_size: int = typer.Option(4, help="sessions per task (the trainer's groups)"),
     source: str = typer.Option("functions", help="task source of the simulated sessions (train split)"),
@@ -190,6 +192,8 @@ def demo_cmd(
     engine: str = typer.Option(
         None, help="vllm: managed vLLM servers (default where vLLM is installed); torch: in-process engines"
     ),
+    ab_tasks: int = typer.Option(24, min=0, help="fresh-traffic tasks of each cycle's curve point (0: none)"),
+    ab_samples: int = typer.Option(2, min=1, help="sessions per fresh-traffic task and arm"),
     seed: int = typer.Option(0),
     down: bool = typer.Option(False, "--down", help="stop everything the demo started, then exit"),
 ) -> None:
@@ -227,6 +231,8 @@ def demo_cmd(
             trace=trace,
             seed=seed,
             engine=engine,
+            ab_tasks=ab_tasks,
+            ab_samples=ab_samples,
         )
     )
 

@@ -17,7 +17,7 @@ previous one left):
 8. release    as a release manager, through the promotion API: promote if the gate passed,
               else reject (a gate that found insufficient evidence, as the demo's few eval
               tasks give, is not overridden: the demo does not promote what it cannot show)
-9. report     terminal + HTML + PNG under ``$FLYWHEEL_HOME/reports/demo/``, with learning curves
+10. report    terminal + HTML + PNG under ``$FLYWHEEL_HOME/reports/demo/``, with learning curves
               across the cycles (``ops.curves``) and which way the product signals moved
 
 Every step runs the same ``flywheel`` command a user would run, as a subprocess, so the demo
@@ -42,7 +42,8 @@ from app.core.errors import FlywheelError
 from app.core.settings import flywheel_home, get_settings
 
 SETUP_STEPS = ("stack", "model", "serving", "services")
-CYCLE_STEPS = ("simulate", "finalize", "train", "gate", "release")
+CYCLE_STEPS = ("simulate", "finalize", "train", "gate", "release", "measure")
+CURVE_SIGNALS = ("edit_persistence", "dissatisfied_followup_rate", "mean_completion_tokens")
 
 
 # The simulated request mix of the in-reach source by difficulty level (docs/simulator.md): mostly
@@ -55,7 +56,7 @@ DEFAULT_DIFFICULTY_MIX = "1:0.6,2:0.3,3:0.1"
 class DemoOptions:
     """Knobs of the demo. Defaults finish in 4 to 7 minutes on 2 CPU cores (README)."""
 
-    cycles: int = 1
+    cycles: int = 3
     sessions: int = 16
     group_size: int = 4
     source: str = "functions"
@@ -75,6 +76,8 @@ class DemoOptions:
     seed: int = 0
     finalize_timeout_s: float = 300.0
     engine: str = "vllm"  # vllm: managed vLLM servers; torch: the in-process engine
+    ab_tasks: int = 24  # fresh-traffic tasks of each curve point
+    ab_samples: int = 2  # sessions per task and arm of each curve point
 
 
 class DemoState:
@@ -429,6 +432,85 @@ def step_release(opts: DemoOptions, state: DemoState, home: Path, cycle: int) ->
     return f"{verb} {candidate}"
 
 
+def step_measure(opts: DemoOptions, state: DemoState, home: Path, cycle: int) -> str:
+    """The checkpoint now serving against base on fresh production traffic: a point of the curve."""
+    if opts.ab_tasks < 2:
+        return "skipped (--ab-tasks 0)"
+    production = _db_scalar("SELECT id FROM checkpoint WHERE status = 'production'")
+    base = _db_scalar("SELECT id FROM checkpoint WHERE parent_id IS NULL ORDER BY created_at LIMIT 1") or production
+    proc = flywheel(
+        [
+            "ab",
+            base,
+            production,
+            "--tasks",
+            str(opts.ab_tasks),
+            "--samples",
+            str(opts.ab_samples),
+            *(["--difficulty-mix", opts.difficulty_mix] if opts.difficulty_mix else []),
+            "--max-turns",
+            str(opts.max_turns),
+            "--max-tokens-per-turn",
+            str(opts.max_tokens_per_turn),
+            "--max-tokens",
+            str(opts.max_turns * opts.max_tokens_per_turn),
+            "--seed",
+            str(opts.seed),
+            "--json",
+        ],  # fmt: skip
+        opts,
+        capture=True,
+    )
+    ab = json.loads([ln for ln in proc.stdout.splitlines() if ln.startswith("{")][-1])
+    point = curve_point(cycle, ab)
+    state.data[f"curve@{cycle}"] = point
+    state.save()
+    lo, hi = point["pass_rate_ci"] or (None, None)
+    interval = f" [{lo:.0%}, {hi:.0%}]" if lo is not None else ""
+    return f"{production}: fresh-traffic pass rate {point['pass_rate']:.0%}{interval} over {point['pairs']} sessions"
+
+
+def curve_point(cycle: int, ab: dict) -> dict[str, Any]:
+    """One curve entry from a ``flywheel ab --json`` result: the served checkpoint's fresh-traffic
+    pass rate and product signals with their 95 % intervals, and the difference from base."""
+    m = ab["metrics"]
+    return {
+        "cycle": cycle,
+        "checkpoint_id": ab["final"],
+        "pairs": ab["pairs"],
+        "pass_rate": m["pass_rate"]["final"],
+        "pass_rate_ci": m["pass_rate"]["final_ci"],
+        "diff_vs_base": m["pass_rate"]["diff"],
+        "diff_vs_base_ci": m["pass_rate"]["ci"],
+        "signals": {k: {"value": m[k]["final"], "ci": m[k]["final_ci"]} for k in CURVE_SIGNALS if k in m},
+    }
+
+
+def curve_conclusion(curve: list[dict[str, Any]]) -> str:
+    """What the curve lets a reader conclude, in words (and the bigger command when it is too small)."""
+    if not curve:
+        return "no checkpoint was measured on fresh traffic."
+    last = curve[-1]
+    ci = last.get("diff_vs_base_ci")
+    if last["checkpoint_id"] == curve[0]["checkpoint_id"] and all(
+        p["checkpoint_id"] == last["checkpoint_id"] for p in curve
+    ):
+        verdict = f"production stayed {last['checkpoint_id']}: no candidate earned promotion in this run."
+    elif ci and ci[0] > 0:
+        verdict = (
+            f"{last['checkpoint_id']} beats base on fresh traffic (difference interval {ci[0]:+.0%} to {ci[1]:+.0%})."
+        )
+    elif ci and ci[1] < 0:
+        verdict = f"{last['checkpoint_id']} is worse than base on fresh traffic ({ci[0]:+.0%} to {ci[1]:+.0%})."
+    else:
+        verdict = f"{last['checkpoint_id']} cannot be told apart from base on {last['pairs']} fresh sessions."
+    return (
+        verdict + " This run is too small to conclude whether the loop improves production: "
+        "`python bench/flywheel.py` (3 cycles, at most 60 minutes on 2 CPU cores) is sized to show it "
+        "(docs/benchmarks.md#flywheel)."
+    )
+
+
 def step_report(opts: DemoOptions, state: DemoState, home: Path) -> str:
     """Terminal report plus HTML and PNG under ``$FLYWHEEL_HOME/reports/demo``, with learning curves."""
     from app.core.db import session_scope
@@ -438,7 +520,41 @@ def step_report(opts: DemoOptions, state: DemoState, home: Path) -> str:
     last = state.data.get(f"candidate@{opts.cycles}")
     with session_scope() as session:
         _, html_path = write_report(session, out, last)
+    curve = [state.data[f"curve@{c}"] for c in range(1, opts.cycles + 1) if f"curve@{c}" in state.data]
+    report = json.loads((out / "report.json").read_text())
+    report["curve"] = curve
+    report["curve_conclusion"] = curve_conclusion(curve)
+    (out / "report.json").write_text(json.dumps(report, indent=2, default=str))
+    render_curve_terminal(curve, report["curve_conclusion"])
     return f"report: {html_path}"
+
+
+def render_curve_terminal(curve: list[dict[str, Any]], conclusion: str) -> None:
+    """The fresh-traffic curve as an 80-column table, one row per cycle, then the conclusion."""
+    from rich.console import Console
+    from rich.table import Table
+
+    def pct(v, ci=None) -> str:
+        if v is None:
+            return "-"
+        return f"{v:.0%}" + (f" [{ci[0]:.0%},{ci[1]:.0%}]" if ci else "")
+
+    table = Table(title="served checkpoint on fresh traffic (95 % intervals)", title_justify="left")
+    for col in ("cycle", "serving", "pass rate", "persist", "follow-up", "tokens"):
+        table.add_column(col, overflow="fold")
+    for p in curve:
+        sig = p["signals"]
+        table.add_row(
+            str(p["cycle"]),
+            p["checkpoint_id"],
+            pct(p["pass_rate"], p["pass_rate_ci"]),
+            pct(sig.get("edit_persistence", {}).get("value")),
+            pct(sig.get("dissatisfied_followup_rate", {}).get("value")),
+            f"{sig.get('mean_completion_tokens', {}).get('value') or 0:.0f}",
+        )
+    con = Console(width=80)
+    con.print(table)
+    con.print(conclusion)
 
 
 SETUP_FUNCS = {"stack": step_stack, "model": step_model, "serving": step_serving, "services": step_services}
@@ -448,6 +564,7 @@ CYCLE_FUNCS = {
     "train": step_train,
     "gate": step_gate,
     "release": step_release,
+    "measure": step_measure,
 }
 
 

@@ -80,6 +80,7 @@ def setup_engine(
         base_url,
         api_key=key,
         on_reload=(lambda cid, path: record_checkpoint(role, cid, path)) if managed is not None else None,
+        dtype=managed.dtype if managed is not None else None,
     )
     if model_dir is not None or checkpoint_id is not None:
         cid, path = resolve_checkpoint(checkpoint_id, model_dir)

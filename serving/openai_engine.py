@@ -140,6 +140,8 @@ class OpenAICompatEngine(InferenceEngine):
         transport: an ``httpx`` transport (tests pass an ASGI transport).
         on_reload: called with ``(checkpoint_id, folder)`` after every successful reload (a managed
             server records it, so a restart serves the same checkpoint).
+        dtype: the dtype the server computes in, when known (a managed server's), reported with
+            every generation's log-probs.
 
     Raises:
         InfrastructureError: the server is unreachable or answers with an error.
@@ -155,9 +157,11 @@ class OpenAICompatEngine(InferenceEngine):
         timeout_s: float = 600.0,
         transport: httpx.BaseTransport | None = None,
         on_reload: Callable[[str, Path], None] | None = None,
+        dtype: str | None = None,
     ) -> None:
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._on_reload = on_reload
+        self.dtype = dtype
         self._http = httpx.Client(
             base_url=base_url.rstrip("/"), headers=headers, timeout=timeout_s, transport=transport
         )
@@ -236,6 +240,7 @@ class OpenAICompatEngine(InferenceEngine):
                     finish_reason=c.get("finish_reason") or "stop",
                     latency_s=latency,
                     routed_experts=sampling_routes(c, data, len(prompts), len(ids)),
+                    dtype=self.dtype,
                 )
             )
         return out

@@ -324,5 +324,6 @@ class Scheduler:
                     latency_s=seq.latency,
                     routed_experts=seq.experts if self._routers_fn() is not None else None,
                     prefill_tokens=seq.prefill_tokens,
+                    dtype="float32",  # fp32 compute (over bf16-rounded weights: serving.torch_engine)
                 )
             )

@@ -60,6 +60,8 @@ class Generation:
             position whose output distribution sampled each token; None for dense models.
         prefill_tokens: prompt tokens actually encoded for this request (the rest reused a cached
             prefix's K/V); 0 when the engine does not report it.
+        dtype: the dtype the serving engine computed ``logprobs`` in (``bfloat16`` / ``float32``);
+            None when the engine does not know it (a server it did not start).
     """
 
     token_ids: list[int]
@@ -68,6 +70,7 @@ class Generation:
     latency_s: float
     routed_experts: list[list[list[int]]] | None = field(default=None)
     prefill_tokens: int = 0
+    dtype: str | None = None
 
 
 class InferenceEngine(ABC):

@@ -106,6 +106,7 @@ class SessionEvents:
                     latency_s=generation.latency_s,
                     tool_calls=tool_calls,
                     finish_reason=generation.finish_reason,
+                    serving_dtype=generation.dtype,
                     **experts,
                 ),
             )

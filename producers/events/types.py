@@ -97,6 +97,11 @@ class ModelResponded(_Frozen):
         le=MAX_VOCAB_SIZE,
         description="vocabulary size of the serving checkpoint (token ids must be below it); optional",
     )
+    serving_dtype: Literal["bfloat16", "float16", "float32"] | None = Field(
+        default=None,
+        description="dtype the serving engine computed completion_logprobs in (bf16 serving against an "
+        "fp32 trainer is a known mismatch the trainer's importance ratio corrects); optional",
+    )
 
     @model_validator(mode="after")
     def _lengths_agree(self) -> "ModelResponded":
