@@ -60,6 +60,14 @@ def _run_demo(env: dict[str, str], model_dir: Path) -> subprocess.CompletedProce
         "2",
         "--eval-max-turns",
         "1",
+        "--cycles",
+        "1",
+        "--engine",
+        "torch",  # the tiny model's heads (16) are below what vLLM's CPU attention supports
+        "--ab-tasks",
+        "2",
+        "--ab-samples",
+        "1",
     ]
     return subprocess.run(args, env=env, capture_output=True, text=True, timeout=1200)
 
@@ -138,6 +146,13 @@ def test_demo_loop_keeps_its_invariants(loop_home, tiny_model_dir):
     assert ("checkpoint.promoted" if gate[0] else "checkpoint.rejected") in kinds, messages
     assert (home / "reports" / "demo" / "report.html").exists()
     assert (home / "reports" / "demo" / "report.png").stat().st_size > 10_000
+    # The served checkpoint measured on fresh traffic, a point per cycle, and what it lets one conclude.
+    report = json.loads((home / "reports" / "demo" / "report.json").read_text())
+    (point,) = report["curve"]
+    assert point["checkpoint_id"] == "base"  # the candidate was not promoted (asserted above)
+    assert point["pairs"] == 2 and 0 <= point["pass_rate"] <= 1 and len(point["pass_rate_ci"]) == 2
+    assert set(point["signals"]) >= {"edit_persistence", "dissatisfied_followup_rate", "mean_completion_tokens"}
+    assert "too small to conclude" in report["curve_conclusion"]
 
     # Re-running picks up where it stopped: every step is already done, nothing new is trained.
     again = _run_demo(env, tiny_model_dir)

@@ -129,10 +129,10 @@ def test_a_serving_mismatch_is_clipped_and_truncated_in_behaviour_mode():
 
 
 def test_behaviour_pi_old_is_refused_with_several_epochs():
-    assert load_config(overrides={"pi_old": "behaviour", "epochs": 1}).pi_old == "behaviour"
-    assert load_config().pi_old == "recompute"
+    assert load_config(overrides={"pi_old": "recompute", "epochs": 2}).pi_old == "recompute"
+    assert load_config().pi_old == "behaviour" and load_config().epochs == 1  # the shipped defaults
     with pytest.raises(ConfigurationError) as err:
-        load_config(overrides={"pi_old": "behaviour", "epochs": 2})
+        load_config(overrides={"epochs": 2})  # behaviour by default: several epochs need recompute
     assert "epochs = 1" in " ".join(err.value.reasons)
     with pytest.raises(ConfigurationError):
         load_config(overrides={"pi_old": "mu"})
