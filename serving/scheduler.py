@@ -165,7 +165,13 @@ class Scheduler:
                 self._cv.wait_for(lambda: self._closed or self._running or (self._waiting and not self._pauses))
                 if self._closed:
                     break
-                admitted, shape = self._admit() if not self._pauses else ([], (0, 0))
+                try:
+                    admitted, shape = self._admit() if not self._pauses else ([], (0, 0))
+                except BaseException as exc:  # the thread must outlive it: fail what waits, go on
+                    for seq in self._waiting:
+                        seq.future.set_exception(exc)
+                    self._waiting.clear()
+                    continue
                 self._busy = True
             try:
                 self._step(admitted, shape)

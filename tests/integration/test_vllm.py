@@ -136,6 +136,29 @@ def test_token_id_prompts_get_token_ids_and_the_models_own_logprobs(servers, mod
         assert (ours - served).abs().mean() < 0.15, (ours, served)
 
 
+def test_seeded_requests_with_long_prompts_never_kill_the_engine(servers):
+    """32 concurrent seeded requests of 200-900 prompt tokens: with chunked prefill on, vLLM 0.32's
+    CPU engine died on the first partial prefill of a seeded request (every request failed)."""
+    import random
+    from concurrent.futures import ThreadPoolExecutor
+
+    _, started = servers
+    engine = OpenAICompatEngine(started["production"].url, timeout_s=120)
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, 40_000) for _ in range(rng.randrange(200, 900))] for _ in range(48)]
+
+    def one(i: int) -> int:
+        params = SamplingParams(max_tokens=8, temperature=0.7, seed=i)
+        return len(engine.generate([prompts[i]], params)[0].token_ids)
+
+    try:
+        with ThreadPoolExecutor(32) as pool:
+            assert all(n > 0 for n in pool.map(one, range(len(prompts))))
+        assert engine.served_checkpoint() == "base"
+    finally:
+        engine.close()
+
+
 def test_a_promotion_through_the_api_reloads_the_production_server(
     vllm_env, models, client, session, store, lifecycle_topic
 ):
