@@ -194,6 +194,11 @@ def demo_cmd(
     ),
     ab_tasks: int = typer.Option(24, min=0, help="fresh-traffic tasks of each cycle's curve point (0: none)"),
     ab_samples: int = typer.Option(2, min=1, help="sessions per fresh-traffic task and arm"),
+    override_insufficient: str = typer.Option(
+        None,
+        help="promote a candidate whose gate found insufficient evidence, with this written reason "
+        "(the release manager's audited override); default: such a candidate is rejected",
+    ),
     seed: int = typer.Option(0),
     down: bool = typer.Option(False, "--down", help="stop everything the demo started, then exit"),
 ) -> None:
@@ -233,6 +238,7 @@ def demo_cmd(
             engine=engine,
             ab_tasks=ab_tasks,
             ab_samples=ab_samples,
+            override_insufficient=override_insufficient,
         )
     )
 

@@ -77,6 +77,7 @@ class DemoOptions:
     finalize_timeout_s: float = 300.0
     engine: str = "vllm"  # vllm: managed vLLM servers; torch: the in-process engine
     ab_tasks: int = 24  # fresh-traffic tasks of each curve point
+    override_insufficient: str | None = None  # a release manager's written reason to promote over insufficient evidence
     ab_samples: int = 2  # sessions per task and arm of each curve point
 
 
@@ -381,7 +382,8 @@ def step_gate(opts: DemoOptions, state: DemoState, home: Path, cycle: int) -> st
 
 def step_release(opts: DemoOptions, state: DemoState, home: Path, cycle: int) -> str:
     """As a release manager, through the promotion API: promote if the gate passed, else reject."""
-    # Insufficient evidence is not overridden here: an override is a person's written judgement.
+    # Insufficient evidence is overridden only with the written reason --override-insufficient
+    # gives (audited as gate.overridden): an override is a person's judgement, never the default.
     import httpx
 
     candidate = state.data[f"candidate@{cycle}"]
@@ -413,6 +415,17 @@ def step_release(opts: DemoOptions, state: DemoState, home: Path, cycle: int) ->
                 },
             )
             verb = "promoted"
+        elif (ckpt.get("latest_gate") or {}).get("decision") == "insufficient_evidence" and opts.override_insufficient:
+            resp = client.post(
+                "/promotions",
+                json={
+                    "checkpoint_id": candidate,
+                    "expected_production_id": production_id,
+                    "reason": f"demo cycle {cycle}: promoted over insufficient evidence",
+                    "override_reason": opts.override_insufficient,
+                },
+            )
+            verb = "promoted over insufficient evidence (audited override)"
         else:
             decision = (ckpt.get("latest_gate") or {}).get("decision", "fail")
             why = (
