@@ -539,7 +539,50 @@ def step_report(opts: DemoOptions, state: DemoState, home: Path) -> str:
     report["curve_conclusion"] = curve_conclusion(curve)
     (out / "report.json").write_text(json.dumps(report, indent=2, default=str))
     render_curve_terminal(curve, report["curve_conclusion"])
+    if curve:
+        render_curve_png(curve, out / "fresh_traffic.png")
+        html_path.write_text(
+            html_path.read_text().replace(
+                "</body></html>",
+                '<h2>The served checkpoint on fresh traffic</h2><img src="fresh_traffic.png">'
+                f"<p>{report['curve_conclusion']}</p></body></html>",
+            )
+        )
     return f"report: {html_path}"
+
+
+def render_curve_png(curve: list[dict[str, Any]], path: Path) -> Path:
+    """The fresh-traffic curve: per cycle, the served checkpoint's hidden-test pass rate and product
+    signals, each with its 95 % interval bar (task-clustered, ``ops.ab``)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 3.8))
+    x = [p["cycle"] for p in curve]
+    labels = [f"{p['cycle']}\n{p['checkpoint_id'][-6:]}" for p in curve]
+
+    def bars(ax, values, cis, label):
+        lo = [v - c[0] if v is not None and c else 0 for v, c in zip(values, cis)]
+        hi = [c[1] - v if v is not None and c else 0 for v, c in zip(values, cis)]
+        ax.errorbar(x, values, yerr=[lo, hi], marker="o", capsize=4, label=label)
+
+    bars(axes[0], [p["pass_rate"] for p in curve], [p["pass_rate_ci"] for p in curve], "hidden-test pass rate")
+    axes[0].set_title("served checkpoint on fresh traffic: pass rate (95 % CI)")
+    for name in ("edit_persistence", "dissatisfied_followup_rate"):
+        sig = [p["signals"].get(name, {}) for p in curve]
+        bars(axes[1], [s.get("value") for s in sig], [s.get("ci") for s in sig], name)
+    axes[1].set_title("product signals (95 % CI)")
+    for ax in axes:
+        ax.set_ylim(0, 1)
+        ax.set_xticks(x, labels)
+        ax.set_xlabel("cycle / serving checkpoint")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
 
 
 def render_curve_terminal(curve: list[dict[str, Any]], conclusion: str) -> None:
