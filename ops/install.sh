@@ -59,7 +59,8 @@ case "$mode" in
   --test)
     export CI="${CI:-}"
     # Two workers (pytest-xdist): each gets its own database and broker (tests/fixtures).
-    exec "$PY" -m pytest -q -p no:cacheprovider -n "${FLYWHEEL_TEST_WORKERS:-2}" "$@" ;;
+    # --dist loadgroup: tests marked xdist_group (the real vLLM servers) stay on one worker.
+    exec "$PY" -m pytest -q -p no:cacheprovider -n "${FLYWHEEL_TEST_WORKERS:-2}" --dist loadgroup "$@" ;;
   "") echo "installed; run 'flywheel demo' or 'python -m pytest'" ;;
   *) echo "unknown mode $mode (use --demo or --test)" >&2; exit 2 ;;
 esac

@@ -41,7 +41,8 @@ from tests.integration.test_api_support import (  # noqa: F401
     store,
 )
 
-pytestmark = [pytest.mark.integration, pytest.mark.vllm]
+# One worker runs them all (``--dist loadgroup``): the servers start once, not once per worker.
+pytestmark = [pytest.mark.integration, pytest.mark.vllm, pytest.mark.xdist_group("vllm-servers")]
 
 PROMPT = [1, 17, 300, 4242, 9, 77, 5, 1024, 333]
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0)
