@@ -564,9 +564,14 @@ def render_curve_png(curve: list[dict[str, Any]], path: Path) -> Path:
     labels = [f"{p['cycle']}\n{p['checkpoint_id'][-6:]}" for p in curve]
 
     def bars(ax, values, cis, label):
-        lo = [v - c[0] if v is not None and c else 0 for v, c in zip(values, cis)]
-        hi = [c[1] - v if v is not None and c else 0 for v, c in zip(values, cis)]
-        ax.errorbar(x, values, yerr=[lo, hi], marker="o", capsize=4, label=label)
+        # a signal undefined in a cycle (no edit to persist, fewer than two tasks) has no point
+        pts = [(c, v, ci) for c, v, ci in zip(x, values, cis) if v is not None]
+        if not pts:
+            return
+        xs, vs, intervals = zip(*pts)
+        lo = [max(0.0, v - ci[0]) if ci else 0 for v, ci in zip(vs, intervals)]
+        hi = [max(0.0, ci[1] - v) if ci else 0 for v, ci in zip(vs, intervals)]
+        ax.errorbar(xs, vs, yerr=[lo, hi], marker="o", capsize=4, label=label)
 
     bars(axes[0], [p["pass_rate"] for p in curve], [p["pass_rate_ci"] for p in curve], "hidden-test pass rate")
     axes[0].set_title("served checkpoint on fresh traffic: pass rate (95 % CI)")
