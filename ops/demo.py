@@ -234,6 +234,17 @@ def wait_serving_production(timeout_s: float = 120.0) -> str:
     )
 
 
+def session_budget_args(opts: DemoOptions) -> list[str]:
+    """The request mix and per-session budgets, as ``flywheel simulate`` and ``flywheel ab`` take them
+    (the curve's fresh traffic is served like the production traffic the cycle trained on)."""
+    return [
+        *(["--difficulty-mix", opts.difficulty_mix] if opts.difficulty_mix else []),
+        "--max-turns", str(opts.max_turns),
+        "--max-tokens-per-turn", str(opts.max_tokens_per_turn),
+        "--max-tokens", str(opts.max_turns * opts.max_tokens_per_turn),
+    ]  # fmt: skip
+
+
 def step_simulate(opts: DemoOptions, state: DemoState, home: Path, cycle: int) -> str:
     """Simulated editor sessions served by production on train tasks (only the ones not yet run)."""
     key = f"since@{cycle}"
@@ -271,13 +282,7 @@ def step_simulate(opts: DemoOptions, state: DemoState, home: Path, cycle: int) -
             str(min(opts.group_size, remaining)),
             "--source",
             opts.source,
-            *(["--difficulty-mix", opts.difficulty_mix] if opts.difficulty_mix else []),
-            "--max-turns",
-            str(opts.max_turns),
-            "--max-tokens-per-turn",
-            str(opts.max_tokens_per_turn),
-            "--max-tokens",
-            str(opts.max_turns * opts.max_tokens_per_turn),
+            *session_budget_args(opts),
             "--seed",
             str(opts.seed + 1000 * cycle + done),
         ],
@@ -460,13 +465,7 @@ def step_measure(opts: DemoOptions, state: DemoState, home: Path, cycle: int) ->
             str(opts.ab_tasks),
             "--samples",
             str(opts.ab_samples),
-            *(["--difficulty-mix", opts.difficulty_mix] if opts.difficulty_mix else []),
-            "--max-turns",
-            str(opts.max_turns),
-            "--max-tokens-per-turn",
-            str(opts.max_tokens_per_turn),
-            "--max-tokens",
-            str(opts.max_turns * opts.max_tokens_per_turn),
+            *session_budget_args(opts),
             "--seed",
             str(opts.seed),
             "--json",
