@@ -324,7 +324,7 @@ def ensure_server(
     if pid_alive(server.pid):
         # Alive but not answering for a whole health timeout: never leave a hung server behind.
         time.sleep(2.0)
-        if server_healthy(server.url, timeout_s=10.0):
+        if server_healthy(server.url, timeout_s=30.0):  # a busy 2-core server can answer slowly
             return server, False
         stop_pid(server.pid, timeout_s=20.0)
     log.error(
