@@ -132,14 +132,12 @@ def serving_up(checkpoint_id: str, model_dir: Path, home: Path | None = None, *,
     state = StackState.load(home)
     if state is None:
         raise ConfigurationError("no local stack: run `flywheel stack up` first")
-    started = []
     for role in ROLES:
         server = VLLMServer.load(home, role)
         if server is None or not (pid_alive(server.pid) and server_healthy(server.url)):
             if server is not None:
                 stop_pid(server.pid)
             server = start_server(role, model_dir, checkpoint_id, home, wait=False)
-            started.append(server)
         state.serving_urls[role] = server.url
     state.save(home)
     if wait:

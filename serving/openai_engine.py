@@ -59,6 +59,7 @@ from tenacity import retry, retry_if_exception_type, stop_after_attempt, wait_ex
 from app.checkpoints.store import check_hf_folder
 from app.core.errors import CheckpointError, InfrastructureError
 from app.inference.engine import Generation, InferenceEngine, SamplingParams
+from serving.vllm_server import server_healthy
 
 _RETRY = dict(
     retry=retry_if_exception_type(httpx.TransportError),
@@ -273,10 +274,7 @@ class OpenAICompatEngine(InferenceEngine):
             self._on_reload(checkpoint_id, Path(path))
 
     def _alive(self) -> bool:
-        try:
-            return self._http.get("/health", timeout=10).status_code == 200
-        except httpx.HTTPError:
-            return False
+        return server_healthy(str(self._http.base_url), timeout_s=10.0)
 
     def served_checkpoint(self) -> str | None:
         """The checkpoint the server reports it serves (its weight version), or None when it records
