@@ -9,7 +9,9 @@ The reward is a sum of components, each off unless the spec turns it on, then cl
 - ``edit_rejected``   ``-w * r / (a + r)``
 - ``edit_persistence`` ``+w * (mean_p - baseline)`` over accepted edits whose persistence was
   measured (``p`` = fraction of the edit still present later, the strongest implicit signal: an
-  accepted edit the developer rewrote did not help)
+  accepted edit the developer rewrote did not help). With ``zero_if_not_kept`` each rejected edit
+  adds a 0 to the mean and a session with no decided edit scores ``p = (0,)``: the share of what
+  the model proposed that the developer kept, a session that proposed nothing keeping nothing
 - ``dissatisfied_followups`` ``-w * min(n, cap)``
 - ``latency``         ``-w * min(max(0, L - free_s) / scale_s, max_units)`` with ``L`` serving seconds
 - ``length``          ``-c * log1p(T / s)`` or ``-c * sqrt(T / s)`` with ``T`` completion tokens. Concave:
@@ -127,6 +129,10 @@ def compute_reward(spec: RewardSpec, inputs: RewardInputs) -> RewardResult:
         comp["edit_rejected"] = -c.edit_rejected.weight * inputs.rejected / decided if decided else 0.0
     if c.edit_persistence is not None:
         p = inputs.persistence
+        if c.edit_persistence.zero_if_not_kept:
+            p = p + (0.0,) * inputs.rejected
+            if not decided:  # no edit proposed: nothing of the request is in the developer's code
+                p = (0.0,)
         comp["edit_persistence"] = (
             c.edit_persistence.weight * (sum(p) / len(p) - c.edit_persistence.baseline) if p else 0.0
         )

@@ -40,10 +40,18 @@ class EditRejected(_Strict):
 
 
 class EditPersistence(_Strict):
-    """``+weight * (mean fraction_persisted - baseline)`` over accepted edits with a measurement."""
+    """``+weight * (mean fraction_persisted - baseline)`` over accepted edits with a measurement.
+
+    With ``zero_if_not_kept``, the mean also counts each rejected edit as 0 persisted, and a session
+    that proposed no edit scores as one whose edit kept nothing: the component then measures how much
+    of what the model proposed is still in the developer's code, for every session.
+    """
 
     weight: float = Field(ge=0)
     baseline: float = Field(default=0.5, ge=0, le=1, description="persistence that scores zero")
+    zero_if_not_kept: bool | None = Field(
+        default=None, description="count rejected edits, and a session without an edit, as 0 persisted"
+    )
 
 
 class DissatisfiedFollowups(_Strict):

@@ -22,11 +22,12 @@ def implicit1():
 
 def test_default_spec_is_implicit_1_and_every_shipped_spec_is_valid():
     specs = available_specs()
-    assert {"implicit@1", "implicit@2", "implicit@3"} <= set(specs)
+    assert {"implicit@1", "implicit@2", "implicit@3", "implicit@4"} <= set(specs)
     assert read_spec_file(SPEC_DIR / "default.toml").id == "implicit@1"
     # the digests pin the numbers: a spec that gained no setting keeps the digest it always had
     assert specs["implicit@1"].digest() == "e61c64a3dba08bca"
     assert specs["implicit@2"].digest() == "916f61218ba9dc29"
+    assert specs["implicit@4"].digest() == "f9039ac28207df6e"
     assert len({s.digest() for s in specs.values()}) == len(specs)
     assert [s.id for s in specs.values() if s.needs_task_history] == ["implicit@3"]
 
@@ -38,6 +39,29 @@ def test_implicit_3_is_implicit_1_but_for_the_length_weight():
     assert c3["length"].pop("coef") == 2 * c1["length"].pop("coef")
     c1["length"].pop("difficulty")
     assert c1 == c3 and one.clip == three.clip
+
+
+def test_implicit_4_scores_every_session_by_what_the_developer_kept():
+    four = load_spec("implicit@4")
+    kept = RewardInputs(accepted=1, persistence=(0.9,), completion_tokens=80)
+    rewritten = RewardInputs(accepted=1, persistence=(0.1,), dissatisfied_followups=1, completion_tokens=80)
+    rejected = RewardInputs(rejected=1, dissatisfied_followups=1, completion_tokens=80)
+    nothing = RewardInputs(dissatisfied_followups=1, completion_tokens=80)
+    r = {
+        name: compute_reward(four, x)
+        for name, x in [("kept", kept), ("rewritten", rewritten), ("rejected", rejected), ("nothing", nothing)]
+    }
+    # a rejected edit keeps 0 % of itself; a session without an edit kept nothing of the request
+    assert r["rejected"].components["edit_persistence"] == pytest.approx(2.0 * (0.0 - 0.5))
+    assert r["nothing"].components["edit_persistence"] == r["rejected"].components["edit_persistence"]
+    assert r["kept"].reward > 0 > r["rewritten"].reward > r["rejected"].reward == r["nothing"].reward
+    # the accept/reject click is not a component: what it says, persistence says
+    assert set(r["kept"].components) == {"edit_persistence", "dissatisfied_followups", "latency", "length"}
+    # one kept and one rejected edit: the mean over both proposals
+    half = compute_reward(four, RewardInputs(accepted=1, rejected=1, persistence=(1.0,)))
+    assert half.components["edit_persistence"] == pytest.approx(0.0)
+    # without the setting, rejected edits and edit-less sessions leave persistence out, as before
+    assert compute_reward(load_spec("implicit@1"), rejected).components["edit_persistence"] == 0.0
 
 
 def test_a_spec_with_an_unknown_field_is_refused_with_the_reason(tmp_path):
