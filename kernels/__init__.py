@@ -10,6 +10,10 @@ from __future__ import annotations
 
 from typing import Literal
 
+import torch
+
+from kernels.reference import DEFAULT_CHUNK_SIZE, chunked_logprobs_reference
+
 Backend = Literal["auto", "torch", "triton"]
 
 
@@ -34,16 +38,14 @@ def chunked_logprobs(hidden, weight, targets, chunk_size: int | None = None, bac
     if backend not in ("auto", "torch", "triton"):
         raise ValueError(f"unknown log-prob backend {backend!r}")
     if backend == "triton" or (backend == "auto" and hidden.is_cuda):
-        import torch
-
+        # Triton fixes at a kernel's definition whether it runs interpreted (TRITON_INTERPRET, the
+        # tests' CPU mode), and CPU training never launches it: the module loads at the first call.
         from kernels.logprobs import BLOCK_V, triton_logprobs
 
         if torch.is_autocast_enabled(hidden.device.type):  # the LM head in autocast's dtype, like nn.Linear
             dtype = torch.get_autocast_dtype(hidden.device.type)
             hidden, weight = hidden.to(dtype), weight.to(dtype)
         return triton_logprobs(hidden, weight, targets, chunk_size or BLOCK_V)
-    from kernels.reference import DEFAULT_CHUNK_SIZE, chunked_logprobs_reference
-
     return chunked_logprobs_reference(hidden, weight, targets, chunk_size or DEFAULT_CHUNK_SIZE)
 
 

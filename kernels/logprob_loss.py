@@ -19,7 +19,15 @@ from collections.abc import Callable
 
 import torch
 
-from kernels.reference import DEFAULT_CHUNK_SIZE, _check_inputs, chunk_buffers, chunk_forward
+from kernels import chunked_logprobs
+from kernels.reference import (
+    DEFAULT_CHUNK_SIZE,
+    check_inputs,
+    chunk_backward,
+    chunk_buffers,
+    chunk_forward,
+    grad_buffers,
+)
 
 TokenLoss = Callable[[torch.Tensor, slice], torch.Tensor]
 """``token_loss(logprobs_chunk [n] fp32 requiring grad, token_slice) -> scalar`` contribution of the
@@ -34,8 +42,7 @@ class _FusedLogProbLoss(torch.autograd.Function):
         entropy = torch.empty_like(logprobs)
         loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        grad_hidden = torch.empty_like(hidden) if need_h else None
-        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
+        grad_hidden, grad_weight = grad_buffers(hidden, weight, need_h, need_w)
         x_buf, e_buf = chunk_buffers(min(chunk_size, n), weight.shape[0], hidden.device)
         for s in range(0, n, chunk_size):
             e = min(s + chunk_size, n)
@@ -54,15 +61,7 @@ class _FusedLogProbLoss(torch.autograd.Function):
             # d loss / d z_j = g (1[j = y] - p_j), with p = e / sum(e): one in-place pass
             grad_logits = ex.mul_((-g / total)[:, None])
             grad_logits.scatter_add_(1, y[:, None], g[:, None])
-            grad_logits = grad_logits.to(weight.dtype)
-            if need_h:
-                torch.mm(grad_logits, weight, out=grad_hidden[s:e])
-            if need_w:
-                if grad_weight.dtype == grad_logits.dtype:
-                    grad_weight.addmm_(grad_logits.t(), h)
-                else:
-                    grad_weight.add_((grad_logits.t() @ h).float())
-            del grad_logits
+            chunk_backward(grad_logits, h, weight, grad_hidden[s:e] if need_h else None, grad_weight)
         del x_buf, e_buf
         ctx.save_for_backward(grad_hidden if need_h else None, grad_weight.to(weight.dtype) if need_w else None)
         ctx.mark_non_differentiable(logprobs, entropy)
@@ -99,10 +98,8 @@ def chunked_logprob_loss(
         ``(loss [] differentiable w.r.t. hidden and weight, logprobs [N] fp32, entropy [N] fp32)``;
         log-probs and entropies are detached.
     """
-    _check_inputs(hidden, weight, targets)
+    check_inputs(hidden, weight, targets)
     if backend == "triton" or (backend == "auto" and hidden.is_cuda):
-        from kernels import chunked_logprobs
-
         lp, ent = chunked_logprobs(hidden, weight, targets, None, backend="triton")
         return token_loss(lp, slice(0, hidden.shape[0])), lp.detach(), ent.detach()
     return _FusedLogProbLoss.apply(hidden, weight, targets.long(), token_loss, int(chunk_size))

@@ -30,11 +30,23 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.reference import check_inputs
+
 # Tile sizes. tl.dot needs every dimension >= 16. The GPU defaults suit H in the hundreds to
 # thousands and V ~ 50k-150k; tests pass small blocks to exercise the masks on odd shapes.
 BLOCK_N = 64
 BLOCK_V = 128
 BLOCK_H = 64
+
+
+@triton.jit
+def _load_tile(ptr, offs_r, offs_c, mask_r, mask_c, stride_r, stride_c):
+    """The ``[R, C]`` tile ``ptr[offs_r, offs_c]`` of a strided matrix (zeros outside the masks)."""
+    return tl.load(
+        ptr + offs_r[:, None] * stride_r + offs_c[None, :] * stride_c,
+        mask=mask_r[:, None] & mask_c[None, :],
+        other=0.0,
+    )
 
 
 @triton.jit
@@ -59,16 +71,8 @@ def _logits_tile(
     for h0 in range(0, H, BLOCK_H):
         offs_h = h0 + tl.arange(0, BLOCK_H)
         mask_h = offs_h < H
-        a = tl.load(
-            h_ptr + offs_n[:, None] * stride_hn + offs_h[None, :] * stride_hh,
-            mask=mask_n[:, None] & mask_h[None, :],
-            other=0.0,
-        )
-        b = tl.load(
-            w_ptr + offs_v[:, None] * stride_wv + offs_h[None, :] * stride_wh,
-            mask=mask_v[:, None] & mask_h[None, :],
-            other=0.0,
-        )
+        a = _load_tile(h_ptr, offs_n, offs_h, mask_n, mask_h, stride_hn, stride_hh)
+        b = _load_tile(w_ptr, offs_v, offs_h, mask_v, mask_h, stride_wv, stride_wh)
         acc = tl.dot(a, tl.trans(b), acc, input_precision="ieee")
     return acc
 
@@ -90,15 +94,51 @@ def _grad_logits_tile(
 
 
 @triton.jit
-def _load_grads(glp_ptr, gent_ptr, offs_n, mask_n, HAS_GLP: tl.constexpr, HAS_GENT: tl.constexpr):
-    """Upstream gradients of the two outputs for a token block (zeros for an absent one)."""
+def _token_block(
+    y_ptr, lse_ptr, ent_ptr, glp_ptr, gent_ptr, offs_n, mask_n, HAS_GLP: tl.constexpr, HAS_GENT: tl.constexpr
+):
+    """What the backward kernels read of a token block: ``(targets, lse, E_p[z] = lse - entropy,
+    g_lp, g_ent)``, the last two the upstream gradients of the two outputs (zeros for an absent one)."""
+    y = tl.load(y_ptr + offs_n, mask=mask_n, other=0)
+    lse = tl.load(lse_ptr + offs_n, mask=mask_n, other=0.0)
+    mean_logit = lse - tl.load(ent_ptr + offs_n, mask=mask_n, other=0.0)
     g_lp = tl.zeros(offs_n.shape, dtype=tl.float32)
     g_ent = tl.zeros(offs_n.shape, dtype=tl.float32)
     if HAS_GLP:
         g_lp = tl.load(glp_ptr + offs_n, mask=mask_n, other=0.0)
     if HAS_GENT:
         g_ent = tl.load(gent_ptr + offs_n, mask=mask_n, other=0.0)
-    return g_lp, g_ent
+    return y, lse, mean_logit, g_lp, g_ent
+
+
+@triton.jit
+def _add_dot_rows(
+    out_ptr,
+    offs_r,
+    mask_r,
+    stride_or,
+    stride_oh,
+    dz,
+    src_ptr,
+    offs_k,
+    mask_k,
+    stride_sk,
+    stride_sh,
+    H,
+    BLOCK_H: tl.constexpr,
+):
+    """``out[offs_r, :] += dz @ src[offs_k, :]`` for ``dz`` ``[R, K]``, over ``H`` columns in
+    ``BLOCK_H`` tiles, into fp32 ``out``. The calling program alone owns these rows of ``out``, so the
+    read-modify-write needs no atomics."""
+    for h0 in range(0, H, BLOCK_H):
+        offs_h = h0 + tl.arange(0, BLOCK_H)
+        mask_h = offs_h < H
+        src = _load_tile(src_ptr, offs_k, offs_h, mask_k, mask_h, stride_sk, stride_sh)
+        ptrs = out_ptr + offs_r[:, None] * stride_or + offs_h[None, :] * stride_oh
+        mask = mask_r[:, None] & mask_h[None, :]
+        acc = tl.load(ptrs, mask=mask, other=0.0)
+        acc = tl.dot(dz, src, acc, input_precision="ieee")
+        tl.store(ptrs, acc, mask=mask)
 
 
 @triton.jit
@@ -190,10 +230,9 @@ def _logprobs_bwd_dh_kernel(
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
-    y = tl.load(y_ptr + offs_n, mask=mask_n, other=0)
-    lse = tl.load(lse_ptr + offs_n, mask=mask_n, other=0.0)
-    mean_logit = lse - tl.load(ent_ptr + offs_n, mask=mask_n, other=0.0)
-    g_lp, g_ent = _load_grads(glp_ptr, gent_ptr, offs_n, mask_n, HAS_GLP, HAS_GENT)
+    y, lse, mean_logit, g_lp, g_ent = _token_block(
+        y_ptr, lse_ptr, ent_ptr, glp_ptr, gent_ptr, offs_n, mask_n, HAS_GLP, HAS_GENT
+    )
     for v0 in range(0, V, BLOCK_V):
         offs_v = v0 + tl.arange(0, BLOCK_V)
         mask_v = offs_v < V
@@ -215,20 +254,9 @@ def _logprobs_bwd_dh_kernel(
         )
         dz = _grad_logits_tile(z, offs_v, mask_v, y, lse, mean_logit, g_lp, g_ent, HAS_GLP, HAS_GENT)
         dz = dz.to(w_ptr.dtype.element_ty)
-        for h0 in range(0, H, BLOCK_H):
-            offs_h = h0 + tl.arange(0, BLOCK_H)
-            mask_h = offs_h < H
-            w = tl.load(
-                w_ptr + offs_v[:, None] * stride_wv + offs_h[None, :] * stride_wh,
-                mask=mask_v[:, None] & mask_h[None, :],
-                other=0.0,
-            )
-            ptrs = dh_ptr + offs_n[:, None] * stride_dn + offs_h[None, :] * stride_dh
-            mask = mask_n[:, None] & mask_h[None, :]
-            # This program alone owns these rows of dH: read-modify-write needs no atomics.
-            acc = tl.load(ptrs, mask=mask, other=0.0)
-            acc = tl.dot(dz, w, acc, input_precision="ieee")
-            tl.store(ptrs, acc, mask=mask)
+        _add_dot_rows(
+            dh_ptr, offs_n, mask_n, stride_dn, stride_dh, dz, w_ptr, offs_v, mask_v, stride_wv, stride_wh, H, BLOCK_H
+        )
 
 
 @triton.jit
@@ -263,10 +291,9 @@ def _logprobs_bwd_dw_kernel(
     for n0 in range(0, N, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         mask_n = offs_n < N
-        y = tl.load(y_ptr + offs_n, mask=mask_n, other=0)
-        lse = tl.load(lse_ptr + offs_n, mask=mask_n, other=0.0)
-        mean_logit = lse - tl.load(ent_ptr + offs_n, mask=mask_n, other=0.0)
-        g_lp, g_ent = _load_grads(glp_ptr, gent_ptr, offs_n, mask_n, HAS_GLP, HAS_GENT)
+        y, lse, mean_logit, g_lp, g_ent = _token_block(
+            y_ptr, lse_ptr, ent_ptr, glp_ptr, gent_ptr, offs_n, mask_n, HAS_GLP, HAS_GENT
+        )
         z = _logits_tile(
             h_ptr,
             w_ptr,
@@ -285,19 +312,21 @@ def _logprobs_bwd_dw_kernel(
         )
         dz = _grad_logits_tile(z, offs_v, mask_v, y, lse, mean_logit, g_lp, g_ent, HAS_GLP, HAS_GENT)
         dz = tl.where(mask_n[:, None], dz, 0.0).to(h_ptr.dtype.element_ty)
-        for h0 in range(0, H, BLOCK_H):
-            offs_h = h0 + tl.arange(0, BLOCK_H)
-            mask_h = offs_h < H
-            a = tl.load(
-                h_ptr + offs_n[:, None] * stride_hn + offs_h[None, :] * stride_hh,
-                mask=mask_n[:, None] & mask_h[None, :],
-                other=0.0,
-            )
-            ptrs = dw_ptr + offs_v[:, None] * stride_dv + offs_h[None, :] * stride_dh
-            mask = mask_v[:, None] & mask_h[None, :]
-            acc = tl.load(ptrs, mask=mask, other=0.0)
-            acc = tl.dot(tl.trans(dz), a, acc, input_precision="ieee")
-            tl.store(ptrs, acc, mask=mask)
+        _add_dot_rows(
+            dw_ptr,
+            offs_v,
+            mask_v,
+            stride_dv,
+            stride_dh,
+            tl.trans(dz),
+            h_ptr,
+            offs_n,
+            mask_n,
+            stride_hn,
+            stride_hh,
+            H,
+            BLOCK_H,
+        )
 
 
 def logprobs_forward(
@@ -470,9 +499,7 @@ def triton_logprobs(
     Raises:
         ValueError: inconsistent shapes or block sizes.
     """
-    from kernels.reference import _check_inputs
-
-    _check_inputs(hidden, weight, targets)
+    check_inputs(hidden, weight, targets)
     for name, b in (("chunk_size", chunk_size), ("block_n", block_n), ("block_h", block_h)):
         if b < 16 or b & (b - 1):
             raise ValueError(f"{name} must be a power of two >= 16, got {b}")

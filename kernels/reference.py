@@ -20,7 +20,12 @@ import torch
 DEFAULT_CHUNK_SIZE = 1024
 
 
-def _check_inputs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> None:
+def check_inputs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> None:
+    """Check the shapes every log-prob path takes: hidden ``[N, H]``, weight ``[V, H]``, targets ``[N]``.
+
+    Raises:
+        ValueError: a tensor of the wrong rank, or ``N`` or ``H`` not matching.
+    """
     if hidden.dim() != 2 or weight.dim() != 2 or targets.dim() != 1:
         raise ValueError(
             f"expected hidden [N, H], weight [V, H], targets [N]; got "
@@ -66,6 +71,39 @@ def chunk_forward(h: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, x_buf:
     return m + log_total, target - m - log_total, entropy, total, x, ex
 
 
+def grad_buffers(
+    hidden: torch.Tensor, weight: torch.Tensor, need_hidden: bool, need_weight: bool
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """``(grad_hidden [N, H] uninitialised in hidden's dtype, grad_weight [V, H] fp32 zeros)`` that
+    :func:`chunk_backward` fills chunk by chunk; None for a gradient not needed."""
+    grad_hidden = torch.empty_like(hidden) if need_hidden else None
+    grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_weight else None
+    return grad_hidden, grad_weight
+
+
+def chunk_backward(
+    grad_logits: torch.Tensor,
+    h: torch.Tensor,
+    weight: torch.Tensor,
+    grad_hidden: torch.Tensor | None,
+    grad_weight: torch.Tensor | None,
+) -> None:
+    """Backpropagate one chunk's ``grad_logits`` ``[n, V]`` fp32 through ``logits = h @ weight^T``.
+
+    Writes ``grad_logits @ weight`` into ``grad_hidden`` (the chunk's ``[n, H]`` rows) and adds
+    ``grad_logits^T @ h`` to the fp32 accumulator ``grad_weight`` ``[V, H]``; a None target is skipped.
+    Both matmuls run in ``weight``'s dtype.
+    """
+    grad_logits = grad_logits.to(weight.dtype)
+    if grad_hidden is not None:
+        torch.mm(grad_logits, weight, out=grad_hidden)
+    if grad_weight is not None:
+        if grad_weight.dtype == grad_logits.dtype:
+            grad_weight.addmm_(grad_logits.t(), h)  # no [V, H] temporary per chunk
+        else:
+            grad_weight.add_((grad_logits.t() @ h).float())
+
+
 class _ChunkedLogProbs(torch.autograd.Function):
     """Autograd function: forward in token chunks, backward recomputes each chunk's logits."""
 
@@ -93,8 +131,7 @@ class _ChunkedLogProbs(torch.autograd.Function):
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         if grad_logprobs is None and grad_entropy is None:
             return None, None, None, None
-        grad_hidden = torch.empty_like(hidden) if need_h else None
-        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
+        grad_hidden, grad_weight = grad_buffers(hidden, weight, need_h, need_w)
         n = hidden.shape[0]
         x_buf, e_buf = chunk_buffers(min(ctx.chunk_size, n), weight.shape[0], hidden.device)
         for s in range(0, n, ctx.chunk_size):
@@ -114,15 +151,7 @@ class _ChunkedLogProbs(torch.autograd.Function):
                 grad_logits = probs.mul_(-grad_logprobs[s:e, None].float())
             if grad_logprobs is not None:
                 grad_logits.scatter_add_(1, y[:, None], grad_logprobs[s:e, None].float())
-            grad_logits = grad_logits.to(weight.dtype)
-            if need_h:
-                torch.mm(grad_logits, weight, out=grad_hidden[s:e])
-            if need_w:
-                if grad_weight.dtype == grad_logits.dtype:
-                    grad_weight.addmm_(grad_logits.t(), h)  # no [V, H] temporary per chunk
-                else:
-                    grad_weight.add_((grad_logits.t() @ h).float())
-            del grad_logits
+            chunk_backward(grad_logits, h, weight, grad_hidden[s:e] if need_h else None, grad_weight)
         del x_buf, e_buf
         if grad_weight is not None:
             grad_weight = grad_weight.to(weight.dtype)
@@ -147,22 +176,22 @@ def chunked_logprobs_reference(
     Raises:
         ValueError: inconsistent shapes or a non-positive ``chunk_size``.
     """
-    _check_inputs(hidden, weight, targets)
+    check_inputs(hidden, weight, targets)
     if chunk_size <= 0:
         raise ValueError(f"chunk_size must be positive, got {chunk_size}")
     return _ChunkedLogProbs.apply(hidden, weight, targets.long(), int(chunk_size))
 
 
 def naive_logprobs(
-    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
+    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *, entropy: bool = True
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The textbook path, ``log_softmax(hidden @ weight.T).gather(targets)``, materializing ``[N, V]``.
 
     Same API and outputs as :func:`chunked_logprobs_reference`; the ground truth in tests and the
-    baseline in ``bench/logprob.py``.
+    baseline in ``bench/logprob.py``, which passes ``entropy=False``: the entropy is then None and its
+    ``[N, V]`` temporaries are never formed.
     """
-    _check_inputs(hidden, weight, targets)
+    check_inputs(hidden, weight, targets)
     logp = torch.log_softmax((hidden @ weight.t()).float(), dim=-1)
     lp = logp.gather(1, targets.long()[:, None]).squeeze(1)
-    entropy = -(logp.exp() * logp).sum(-1)
-    return lp, entropy
+    return lp, -(logp.exp() * logp).sum(-1) if entropy else None

@@ -16,11 +16,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from transformers import AutoModelForCausalLM
+from transformers.utils import logging as hf_logging
 
-from app.checkpoints.delta import DELTA_FILE, DeltaStats, write_delta
+from app.checkpoints.delta import DELTA_FILE, DeltaStats, serving_state_dict, write_delta
 from app.checkpoints.store import MANIFEST, CheckpointStore
 from app.core.errors import CheckpointError
 from trainer.config import TrainerConfig
+from trainer.metrics import plot_curves
+from trainer.step import StepMetrics
 
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -47,9 +51,6 @@ def load_policy(path: Path) -> torch.nn.Module:
     Raises:
         CheckpointError: the directory is not a Hugging Face model folder.
     """
-    from transformers import AutoModelForCausalLM
-    from transformers.utils import logging as hf_logging
-
     hf_logging.disable_progress_bar()  # the trainer draws its own progress
     path = Path(path)
     if not (path / "config.json").exists():
@@ -90,8 +91,6 @@ def write_checkpoint(
     Raises:
         CheckpointError: ``checkpoint_id`` already exists, or the delta cannot be built.
     """
-    from app.checkpoints.delta import serving_state_dict
-
     with store.writer(checkpoint_id) as staging:
         model.save_pretrained(staging, safe_serialization=True)
         for name in TOKENIZER_FILES:
@@ -108,9 +107,6 @@ def write_checkpoint(
         metrics = {**metrics, "delta": stats.to_dict()}
         (staging / "metrics.json").write_text(json.dumps(metrics, indent=2, sort_keys=True, default=str) + "\n")
         if curves and metrics.get("history"):
-            from trainer.metrics import plot_curves
-            from trainer.step import StepMetrics
-
             history = [StepMetrics(**{k: v for k, v in h.items()}) for h in metrics["history"]]
             plot_curves(history, staging / "curves.png", title=f"{checkpoint_id} (parent {manifest.get('parent_id')})")
         if optimizer is not None:

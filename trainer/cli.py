@@ -51,8 +51,8 @@ def train(
     from app.core.telemetry import configure_telemetry, shutdown_telemetry
     from app.inference.device import resolve_device
     from trainer.config import load_config
-    from trainer.cycle import run_cycle
-    from trainer.distributed import init_data_parallel, run_parallel_cycle, shutdown_data_parallel
+    from trainer.cycle import run_cycle, run_parallel_cycle
+    from trainer.distributed import init_data_parallel, shutdown_data_parallel
 
     overrides = {
         k: v

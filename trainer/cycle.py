@@ -17,7 +17,7 @@ Invariants:
   (:func:`trainer.training.fit_claim_to_budget`).
 - Data parallel (``dp``, under torchrun): rank 0 runs this function and alone selects, writes and
   registers; the other ranks run :func:`trainer.training.train_policy` on what it broadcasts
-  (:mod:`trainer.distributed`).
+  (:func:`run_parallel_cycle`, :mod:`trainer.distributed`).
 """
 
 from __future__ import annotations
@@ -28,15 +28,31 @@ import uuid
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
+
+import torch
 
 from app.checkpoints.store import STABLE, CheckpointStore
+from app.core.db import get_engine, session_scope
 from app.core.errors import CheckpointError, ConfigurationError
 from app.core.telemetry import span_reference, tracer
+from app.models import Checkpoint
+from app.repositories.checkpoints import get_production
+from trainer.checkpointing import new_checkpoint_id, write_checkpoint
 from trainer.config import TrainerConfig, load_config
-
-if TYPE_CHECKING:
-    from trainer.distributed import DataParallel
+from trainer.distributed import CycleWork, DataParallel
+from trainer.metrics import data_summary, summarize
+from trainer.records import (
+    cycle_lock,
+    fail_interrupted_cycles,
+    finish_cycle,
+    register_candidate,
+    start_cycle,
+    succeeded_cycle_ids,
+)
+from trainer.selection import select_cycle_data
+from trainer.step import planned_steps
+from trainer.training import fit_claim_to_budget, train_policy
 
 _tracer = tracer("flywheel.trainer")
 
@@ -67,9 +83,6 @@ def sweep_unregistered(store: CheckpointStore, session) -> list[str]:
     Returns:
         Ids of removed checkpoint directories.
     """
-    from app.models import Checkpoint
-    from trainer.records import succeeded_cycle_ids
-
     store.sweep_staging()
     removed = []
     for checkpoint_id in store.list_stable():
@@ -95,7 +108,7 @@ def run_cycle(
     now: datetime | None = None,
     dry_run: bool = False,
     parent_id: str | None = None,
-    dp: "DataParallel | None" = None,
+    dp: DataParallel | None = None,
 ) -> CycleResult:
     """Run one cycle (see the module docstring).
 
@@ -116,14 +129,6 @@ def run_cycle(
         ConfigurationError: no production checkpoint (or no checkpoint ``parent_id``) or no database.
         CheckpointError: the production checkpoint's directory is missing or not STABLE.
     """
-    import torch
-
-    from app.core.db import get_engine, session_scope
-    from app.models import Checkpoint
-    from app.repositories.checkpoints import get_production
-    from trainer.records import cycle_lock, fail_interrupted_cycles, finish_cycle, start_cycle
-    from trainer.selection import select_cycle_data
-
     config = config or load_config()
     store = store or CheckpointStore.from_settings()
     torch.set_num_threads(config.threads)
@@ -208,17 +213,8 @@ def _train_and_register(
     data,
     cycle_id: uuid.UUID,
     progress: bool,
-    dp: "DataParallel | None" = None,
+    dp: DataParallel | None = None,
 ) -> CycleResult:
-    from app.core.db import session_scope
-    from app.models import Checkpoint
-    from trainer.checkpointing import new_checkpoint_id, write_checkpoint
-    from trainer.distributed import CycleWork
-    from trainer.metrics import data_summary, summarize
-    from trainer.records import register_candidate
-    from trainer.step import planned_steps
-    from trainer.training import fit_claim_to_budget, train_policy
-
     started = time.perf_counter()
     parent_dir = _parent_dir(store, parent)
     fit_claim_to_budget(data, config)  # before the other ranks see the data: they train what rank 0 claims
@@ -295,4 +291,38 @@ def _train_and_register(
         num_trajectories=len(data.used),
         excluded=data.excluded_counts(),
         metrics=summary,
+    )
+
+
+def run_parallel_cycle(
+    config: TrainerConfig,
+    dp: DataParallel,
+    *,
+    progress: bool = False,
+    dry_run: bool = False,
+    parent_id: str | None = None,
+) -> CycleResult:
+    """One cycle on every rank of ``dp`` (see :mod:`trainer.distributed`'s invariants): rank 0 runs
+    :func:`run_cycle` and returns its result, the others train what it broadcasts and return a
+    ``CycleResult`` naming their rank.
+
+    Raises:
+        As :func:`run_cycle` on rank 0; the other ranks raise what their training raises.
+    """
+    if dp.is_main:
+        try:
+            return run_cycle(config, progress=progress, dry_run=dry_run, dp=dp, parent_id=parent_id)
+        finally:
+            dp.release_followers()
+    work = dp.receive_work()
+    if work is None:
+        return CycleResult(status="skipped", detail=f"rank {dp.rank}/{dp.world_size}: rank 0 trained nothing")
+    torch.set_num_threads(config.threads)
+    trained = train_policy(config, work.parent_dir, work.trajectories, dp=dp)
+    last = trained.history[-1] if trained.history else None
+    return CycleResult(
+        status="succeeded",
+        detail=f"rank {dp.rank}/{dp.world_size}: trained with rank 0, which writes and registers the candidate",
+        num_trajectories=len(work.trajectories),
+        metrics={"steps": len(trained.history), "final_loss": last.loss if last else None},
     )

@@ -1,4 +1,6 @@
-"""Data-parallel training cycles with ``torch.distributed`` (``flywheel train`` under ``torchrun``).
+"""Data-parallel training with ``torch.distributed`` (``flywheel train`` under ``torchrun``): the
+process group, the DDP-wrapped micro-batch loss, and rank 0's broadcasts. It knows nothing of cycles
+beyond :class:`CycleWork`; :func:`trainer.cycle.run_parallel_cycle` runs a cycle on every rank.
 
 Invariants:
 
@@ -239,34 +241,3 @@ def shutdown_data_parallel() -> None:
     """Leave the process group (no-op when none was joined)."""
     if dist.is_initialized():
         dist.destroy_process_group()
-
-
-def run_parallel_cycle(
-    config, dp: DataParallel, *, progress: bool = False, dry_run: bool = False, parent_id: str | None = None
-):
-    """One cycle on every rank of ``dp`` (see the module invariants); rank 0 returns what
-    :func:`trainer.cycle.run_cycle` returns, the others a ``CycleResult`` naming their rank.
-
-    Raises:
-        As :func:`trainer.cycle.run_cycle` on rank 0; the other ranks raise what their training raises.
-    """
-    from trainer.cycle import CycleResult, run_cycle
-    from trainer.training import train_policy
-
-    if dp.is_main:
-        try:
-            return run_cycle(config, progress=progress, dry_run=dry_run, dp=dp, parent_id=parent_id)
-        finally:
-            dp.release_followers()
-    work = dp.receive_work()
-    if work is None:
-        return CycleResult(status="skipped", detail=f"rank {dp.rank}/{dp.world_size}: rank 0 trained nothing")
-    torch.set_num_threads(config.threads)
-    trained = train_policy(config, work.parent_dir, work.trajectories, dp=dp)
-    last = trained.history[-1] if trained.history else None
-    return CycleResult(
-        status="succeeded",
-        detail=f"rank {dp.rank}/{dp.world_size}: trained with rank 0, which writes and registers the candidate",
-        num_trajectories=len(work.trajectories),
-        metrics={"steps": len(trained.history), "final_loss": last.loss if last else None},
-    )

@@ -13,6 +13,9 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from matplotlib.figure import Figure
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
 from trainer.step import StepMetrics
 
 CURVES = (
@@ -74,13 +77,10 @@ def summarize(
 
 
 def plot_curves(history: list[StepMetrics], path: Path, title: str = "") -> Path:
-    """Write a grid of per-step curves (loss, KL, clip fractions, entropy, ...) to a PNG."""
-    import matplotlib
-
-    matplotlib.use("Agg", force=True)
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(3, 3, figsize=(11, 8), constrained_layout=True)
+    """Write a grid of per-step curves (loss, KL, clip fractions, entropy, ...) to a PNG (a bare
+    ``Figure``: no pyplot, no GUI backend, the PNG is drawn by Agg)."""
+    fig = Figure(figsize=(11, 8), constrained_layout=True)
+    axes = fig.subplots(3, 3)
     xs = [m.step for m in history]
     for ax, name in zip(axes.flat, CURVES):
         ax.plot(xs, [getattr(m, name) for m in history], marker="o", markersize=3)
@@ -91,7 +91,6 @@ def plot_curves(history: list[StepMetrics], path: Path, title: str = "") -> Path
     if title:
         fig.suptitle(title, fontsize=10)
     fig.savefig(path, dpi=80)
-    plt.close(fig)
     return path
 
 
@@ -101,8 +100,6 @@ def step_progress(total: int, enabled: bool = True) -> Iterator:
     if not enabled:
         yield lambda m: None
         return
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
     with Progress(
         TextColumn("[bold]train"),
         BarColumn(),

@@ -26,6 +26,7 @@ from sqlalchemy.orm import Session
 
 from app.core.locks import AdvisoryLock
 from app.models import Checkpoint, TrainingCycle
+from app.outbox.lifecycle import enqueue_lifecycle
 from app.promotion.erasure import FLAG_ACTION, TRAINED_ON_ERASED, erasure_reasons
 from app.repositories.audit import record_audit
 from app.repositories.checkpoints import add_checkpoint, add_checkpoint_trajectories
@@ -194,8 +195,6 @@ def register_candidate(
 
     The caller's transaction makes the writes atomic (see module docstring).
     """
-    from app.outbox.lifecycle import enqueue_lifecycle
-
     summary = {k: v for k, v in metrics.items() if k != "history"}
     row = add_checkpoint(
         session,

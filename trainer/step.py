@@ -50,7 +50,6 @@ import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -58,12 +57,10 @@ from kernels import chunked_logprobs
 from kernels.logprob_loss import chunked_logprob_loss
 from trainer.batching import MicroBatch
 from trainer.config import TrainerConfig
+from trainer.device import Placement
+from trainer.distributed import DataParallel
 from trainer.loss import LossInputs, policy_loss
 from trainer.router_replay import replay_routes
-
-if TYPE_CHECKING:
-    from trainer.device import Placement
-    from trainer.distributed import DataParallel
 
 LOSS_SUMS = (
     "pg_loss_sum",

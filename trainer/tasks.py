@@ -3,22 +3,23 @@
 Beat calls ``flywheel.trainer.run_cycle`` every ``FLYWHEEL_TRAIN_INTERVAL`` seconds (default 5 h).
 The cycle itself is single-flight (advisory lock) and skips when fewer than
 ``data.min_new_trajectories`` trajectories are usable, so an overlapping or early beat is harmless.
+Every Celery worker imports this module at start (``app.worker.celery_app``), so the cycle (torch,
+transformers) is imported inside the task.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from app.worker.celery_app import celery_app
+from trainer.config import load_config
 
 
 @celery_app.task(name="flywheel.trainer.run_cycle")
 def run_cycle_task(config_path: str | None = None, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
     """Run one training cycle; returns the :class:`~trainer.cycle.CycleResult` as a dict."""
-    from pathlib import Path
-
-    from trainer.config import load_config
-    from trainer.cycle import run_cycle
+    from trainer.cycle import run_cycle  # torch, transformers: loaded when a worker runs the task
 
     config = load_config(Path(config_path) if config_path else None, overrides)
     return run_cycle(config, progress=False).to_dict()

@@ -7,21 +7,30 @@ the way the consumers project them (token arrays packed with ``producers.events.
 
 from __future__ import annotations
 
+import json
+import shutil
 import uuid
+from dataclasses import asdict
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import numpy as np
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2MoeConfig
 
+from app.checkpoints.testing import build_tiny_model, tiny_config, write_model_folder
+from app.models import RewardLabel, Trajectory, TrajectorySegment
+from app.repositories.checkpoints import add_checkpoint
 from producers.events.packing import pack_floats, pack_ints
 from trainer.data import Segment, TrajectoryData
+from trainer.distributed import DataParallel
+from trainer.training import train_policy
 
 
 def tiny_policy(seed: int = 0, vocab_size: int = 512, hidden_size: int = 64, num_layers: int = 2):
     """A tiny random ``LlamaForCausalLM`` (fp32, tied embeddings) built in memory."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     cfg = LlamaConfig(
         vocab_size=vocab_size,
         hidden_size=hidden_size,
@@ -42,14 +51,7 @@ def tiny_policy(seed: int = 0, vocab_size: int = 512, hidden_size: int = 64, num
 
 
 def tiny_policy_dir(directory: Path, seed: int = 0) -> Path:
-    """A tiny random Llama HF folder: the serving area's ``build_tiny_model`` (SmolLM2 tokenizer)
-    when available, else an in-memory :func:`tiny_policy` saved without tokenizer."""
-    try:
-        from app.checkpoints.testing import build_tiny_model
-    except ImportError:
-        directory.mkdir(parents=True, exist_ok=True)
-        tiny_policy(seed).save_pretrained(directory, safe_serialization=True)
-        return directory
+    """A tiny random Llama HF folder with the SmolLM2 tokenizer (``app.checkpoints.testing.build_tiny_model``)."""
     return build_tiny_model(directory, seed=seed)
 
 
@@ -70,10 +72,6 @@ def build_tiny_moe(
     with a shared expert, ``norm_topk_prob`` false); ``initializer_range``: std of the random init.
     Same seed and arguments -> identical weights.
     """
-    from transformers import Qwen2MoeConfig
-
-    from app.checkpoints.testing import tiny_config, write_model_folder
-
     config = tiny_config(moe=True, hidden_size=hidden_size, num_layers=num_layers, initializer_range=initializer_range)
     if kind == "qwen2_moe":
         config = Qwen2MoeConfig(
@@ -157,8 +155,6 @@ def insert_trajectory(
     Returns:
         The trajectory id.
     """
-    from app.models import RewardLabel, Trajectory, TrajectorySegment
-
     now = datetime.now(UTC)
     finalized_at = finalized_at or now - timedelta(minutes=10)
     tid = uuid.uuid4()
@@ -230,11 +226,6 @@ def register_checkpoint_dir(
     Returns:
         The STABLE directory.
     """
-    import json
-    import shutil
-
-    from app.repositories.checkpoints import add_checkpoint
-
     with store.writer(checkpoint_id) as staging:
         for f in Path(src).iterdir():
             if f.is_file():
@@ -264,19 +255,13 @@ def train_on_ranks(model_dir: Path, trajectories: list[TrajectoryData], config, 
         with several ranks also ``"ranks"``: per rank, ``{"reductions": [(fp32 elements, inside a
         backward pass) of each fp32 all_reduce], "flushes": steps whose finish_step all-reduced}``.
     """
-    from dataclasses import asdict
-
     if world_size == 1:
-        from trainer.training import train_policy
-
         trained = train_policy(config, Path(model_dir), trajectories)
         return {
             "history": [asdict(m) for m in trained.history],
             "mismatch": trained.mismatch,
             "state": {k: v.detach().cpu().clone() for k, v in trained.model.state_dict().items()},
         }
-    import torch.multiprocessing as mp
-
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     rendezvous = workdir / "rendezvous"
@@ -295,13 +280,6 @@ def train_on_ranks(model_dir: Path, trajectories: list[TrajectoryData], config, 
 def _train_rank(
     rank: int, world_size: int, rendezvous: str, model_dir: str, trajectories, config, workdir: str
 ) -> None:
-    from dataclasses import asdict
-
-    import torch.distributed as dist
-
-    from trainer.distributed import DataParallel
-    from trainer.training import train_policy
-
     torch.set_num_threads(1)
     record: dict[str, list] = {"reductions": [], "flushes": []}
     all_reduce = dist.all_reduce

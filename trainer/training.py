@@ -5,7 +5,7 @@
 parent policy on ``config.device`` in ``config.precision``, computes pi_old (or takes the behaviour
 log-probs as pi_old) and runs the optimizer steps (:mod:`trainer.step`).
 :func:`trainer.cycle.run_cycle` calls them on rank 0, the other ranks of a ``torchrun`` group through
-:func:`trainer.distributed.run_parallel_cycle`, all on the trajectories rank 0 claimed.
+:func:`trainer.cycle.run_parallel_cycle`, all on the trajectories rank 0 claimed.
 
 Invariant: a cycle claims only what it trains. :func:`fit_claim_to_budget` runs on rank 0 before any
 rank trains: it shrinks the claim to the step budget (``max_steps``; whole task groups, newest first,
@@ -17,17 +17,27 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
+import torch
+
+from app.checkpoints.delta import serving_state_dict
 from app.core.telemetry import tracer
+from trainer.batching import group_ids, pack_micro_batches
+from trainer.checkpointing import load_policy
 from trainer.config import TrainerConfig
-
-if TYPE_CHECKING:
-    import torch
-
-    from trainer.device import Placement
-    from trainer.distributed import DataParallel
-    from trainer.step import StepMetrics
+from trainer.device import Placement, setup_placement
+from trainer.distributed import DataParallel
+from trainer.loss import compute_advantages
+from trainer.metrics import step_progress
+from trainer.router_replay import checkpoint_contexts
+from trainer.step import (
+    StepMetrics,
+    compute_old_logprobs,
+    make_optimizer,
+    planned_steps,
+    train_steps,
+    use_behaviour_logprobs,
+)
 
 _tracer = tracer("flywheel.trainer")
 MAX_SPAN_IDS = 256  # trajectory ids put on the span (the manifest has them all)
@@ -40,11 +50,6 @@ def pack_cycle(trajectories: list, config: TrainerConfig, pad_id: int = 0):
     Returns:
         ``(rewards [G] fp32, groups [G] int64, advantages [G] fp32, micro-batches)`` for ``G`` trajectories.
     """
-    import torch
-
-    from trainer.batching import group_ids, pack_micro_batches
-    from trainer.loss import compute_advantages
-
     groups = group_ids(trajectories)
     rewards = torch.tensor([t.reward for t in trajectories], dtype=torch.float32)
     if config.invert_reward:
@@ -66,8 +71,6 @@ def fit_claim_to_budget(data, config: TrainerConfig) -> int:
     Raises:
         AssertionError: a claimed trajectory has no trainable token (selection excludes those).
     """
-    from trainer.step import planned_steps
-
     while True:
         *_, batches = pack_cycle(data.used, config)
         if config.max_steps is None or planned_steps(len(batches), config) <= config.max_steps or len(data.used) == 1:
@@ -84,15 +87,15 @@ def fit_claim_to_budget(data, config: TrainerConfig) -> int:
 class TrainedPolicy:
     """What :func:`train_policy` returns: the trained model and what the checkpoint records of it."""
 
-    model: "torch.nn.Module"
-    optimizer: "torch.optim.Optimizer"
-    history: list["StepMetrics"]
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    history: list[StepMetrics]
     mismatch: dict[str, float]  # KL(mu || pi_old) before any update, as compute_old_logprobs returns it
-    rewards: "torch.Tensor"  # [G] fp32
-    advantages: "torch.Tensor"  # [G] fp32
-    groups: "torch.Tensor"  # [G] int64
-    parent_serving: dict[str, "torch.Tensor"]  # bf16 parent weights (rank 0 only; empty elsewhere)
-    placement: "Placement"
+    rewards: torch.Tensor  # [G] fp32
+    advantages: torch.Tensor  # [G] fp32
+    groups: torch.Tensor  # [G] int64
+    parent_serving: dict[str, torch.Tensor]  # bf16 parent weights (rank 0 only; empty elsewhere)
+    placement: Placement
     micro_batches: int = 0
 
 
@@ -102,7 +105,7 @@ def train_policy(
     trajectories: list,
     *,
     progress: bool = False,
-    dp: "DataParallel | None" = None,
+    dp: DataParallel | None = None,
 ) -> TrainedPolicy:
     """Load the parent policy on ``config.device`` and run the cycle's optimizer steps on ``trajectories``.
 
@@ -113,19 +116,6 @@ def train_policy(
         CheckpointError: ``parent_dir`` is not a model folder.
         ConfigurationError: ``config.device`` names a device this machine lacks.
     """
-    from app.checkpoints.delta import serving_state_dict
-    from trainer.checkpointing import load_policy
-    from trainer.device import setup_placement
-    from trainer.metrics import step_progress
-    from trainer.router_replay import checkpoint_contexts
-    from trainer.step import (
-        compute_old_logprobs,
-        make_optimizer,
-        planned_steps,
-        train_steps,
-        use_behaviour_logprobs,
-    )
-
     main = dp is None or dp.is_main
     placement = setup_placement(config.device, precision=config.precision)
     with _tracer.start_as_current_span("trainer.load") as span:

@@ -295,7 +295,7 @@ def test_trajectories_deleted_while_the_cycle_trains_leave_the_candidate_flagged
     refuses it) and an erasure request names it."""
     from sqlalchemy import text
 
-    import trainer.checkpointing as checkpointing
+    import trainer.cycle as cycle
     from app.core.db import session_scope
     from app.models import Checkpoint, Trajectory
     from app.promotion.service import _check_servable
@@ -304,7 +304,7 @@ def test_trajectories_deleted_while_the_cycle_trains_leave_the_candidate_flagged
 
     used, _ = _insert_sessions(session, policy_dir)
     victim = session.get(Trajectory, used[1]).session_id
-    real_write, outcome = checkpointing.write_checkpoint, []
+    real_write, outcome = cycle.write_checkpoint, []
 
     def delete_then_write(*args, **kwargs):  # after the selection, before the registration
         with session_scope() as s:
@@ -314,7 +314,7 @@ def test_trajectories_deleted_while_the_cycle_trains_leave_the_candidate_flagged
                 outcome.append(purge_private_sessions(s, [victim]))
         return real_write(*args, **kwargs)
 
-    monkeypatch.setattr(checkpointing, "write_checkpoint", delete_then_write)
+    monkeypatch.setattr(cycle, "write_checkpoint", delete_then_write)
     result = run_cycle(TrainerConfig.model_validate(CONFIG), store=store)
     assert result.status == "succeeded", result.detail
     assert outcome
@@ -342,7 +342,7 @@ def test_an_eval_task_mined_while_the_cycle_trains_is_retired_at_registration(
     import uuid
     from datetime import datetime
 
-    import trainer.checkpointing as checkpointing
+    import trainer.cycle as cycle
     from app.core.db import session_scope
     from app.models import Checkpoint, EvalTask, EventLog, TrainingCycle, Trajectory
     from evals import mined
@@ -383,14 +383,14 @@ def test_an_eval_task_mined_while_the_cycle_trains_is_retired_at_registration(
         test_files={"test_f.py": "# hidden\n"},
     )
     monkeypatch.setattr(mined, "source_task", lambda src, task_id: source if task_id == "task-0" else None)
-    real_write, reports = checkpointing.write_checkpoint, []
+    real_write, reports = cycle.write_checkpoint, []
 
     def mine_then_write(*args, **kwargs):  # after the selection, before the registration
         with session_scope() as s:
             reports.append(mined.mine_tasks(s))
         return real_write(*args, **kwargs)
 
-    monkeypatch.setattr(checkpointing, "write_checkpoint", mine_then_write)
+    monkeypatch.setattr(cycle, "write_checkpoint", mine_then_write)
     result = run_cycle(TrainerConfig.model_validate(CONFIG), store=store)
     assert result.status == "succeeded", result.detail
     assert reports and reports[0].mined == ["task-0"]

@@ -18,11 +18,24 @@ REPO = Path(__file__).resolve().parents[2]
 PACKAGES = ("app", "producers", "consumers", "trainer", "kernels", "evals", "serving", "ops", "bench")
 
 # (module path glob relative to the repo, imported module prefix or "*") -> why it is imported late.
-ALLOWED: dict[tuple[str, str], str] = {}
+ALLOWED: dict[tuple[str, str], str] = {
+    (
+        "trainer/cli.py",
+        "*",
+    ): "a CLI entry point: `flywheel --help` imports it, so the command's torch stack loads when it runs",
+    (
+        "trainer/tasks.py",
+        "trainer.cycle",
+    ): "every Celery worker imports this task module; torch and transformers load when the task runs",
+    (
+        "kernels/__init__.py",
+        "kernels.logprobs",
+    ): "Triton fixes at definition whether a kernel is interpreted, and CPU training never launches one",
+}
 
 # Packages whose in-function imports have not been moved yet. Each is a strict xfail: once a package
 # is clean, its test passes, the xfail turns into a failure, and the package leaves this set.
-PENDING = {"app", "producers", "consumers", "trainer", "kernels", "evals", "serving", "ops", "bench"}
+PENDING = {"app", "producers", "consumers", "evals", "serving", "ops", "bench"}
 
 
 def _allowed(path: str, module: str) -> bool:

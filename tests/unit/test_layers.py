@@ -43,3 +43,16 @@ def test_a_core_module_importing_a_higher_package_breaks_the_check(tmp_path):
     assert proc.returncode != 0
     assert "app.core is not allowed to import consumers" in proc.stdout
     assert "producers.files -> sqlalchemy" in proc.stdout
+
+
+def test_an_upward_import_between_trainer_rooms_breaks_the_check(tmp_path):
+    """The step (a lower room) reaching up to the cycle, even from inside a function, breaks the
+    trainer's layers contract."""
+    _copy_tree(tmp_path)
+    step = tmp_path / "trainer" / "step.py"
+    step.write_text(
+        step.read_text() + "\n\ndef _planted():\n    from trainer.cycle import run_cycle\n\n    return run_cycle\n"
+    )
+    proc = _lint_imports(tmp_path)
+    assert proc.returncode != 0
+    assert "trainer.step is not allowed to import trainer.cycle" in proc.stdout, proc.stdout[-4000:]

@@ -14,7 +14,7 @@ import torch
 import app.core.cpu
 import kernels.logprob_loss
 import kernels.reference
-import trainer.checkpointing
+import trainer.training
 from app.core.errors import ConfigurationError
 from app.inference.device import resolve_device
 from trainer.batching import MicroBatch
@@ -120,7 +120,7 @@ def test_cpu_cycle_computes_in_the_resolved_precision_over_fp32_master_state(tmp
 
     monkeypatch.setattr(kernels.reference, "chunk_forward", recording_chunk_forward)
     monkeypatch.setattr(kernels.logprob_loss, "chunk_forward", recording_chunk_forward)
-    load_policy = trainer.checkpointing.load_policy
+    load_policy = trainer.training.load_policy
 
     def hooked_policy(path):
         model = load_policy(path)
@@ -134,7 +134,7 @@ def test_cpu_cycle_computes_in_the_resolved_precision_over_fp32_master_state(tmp
             param.register_hook(lambda grad: seen["grad"].add(grad.dtype))
         return model
 
-    monkeypatch.setattr(trainer.checkpointing, "load_policy", hooked_policy)
+    monkeypatch.setattr(trainer.training, "load_policy", hooked_policy)
     tiny_policy(seed=3).save_pretrained(tmp_path, safe_serialization=True)
     trained = train_policy(_config(precision="auto"), tmp_path, _trajectories())
 
