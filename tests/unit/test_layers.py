@@ -43,3 +43,17 @@ def test_a_core_module_importing_a_higher_package_breaks_the_check(tmp_path):
     assert proc.returncode != 0
     assert "app.core is not allowed to import consumers" in proc.stdout
     assert "producers.files -> sqlalchemy" in proc.stdout
+
+
+def test_a_room_reaching_back_up_breaks_the_check(tmp_path):
+    _copy_tree(tmp_path)
+    tasks = tmp_path / "evals" / "tasks" / "__init__.py"
+    tasks.write_text(tasks.read_text() + "\nfrom evals import mined as _planted  # noqa: E402,F401\n")
+    developer = tmp_path / "ops" / "developer.py"
+    developer.write_text(
+        developer.read_text() + "\nfrom ops.simulator import SimulatorConfig as _planted  # noqa: E402,F401\n"
+    )
+    proc = _lint_imports(tmp_path)
+    assert proc.returncode != 0
+    assert "evals.tasks is not allowed to import evals.mined" in proc.stdout
+    assert "ops.developer is not allowed to import ops.simulator" in proc.stdout
