@@ -41,6 +41,19 @@ import uuid
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's packages, not an installed copy
+
+import httpx
+import psycopg
+import uvicorn
+from fastapi import FastAPI
+
+from app.core.db import reset_engines
+from app.core.migrate import upgrade
+from app.core.net import free_port as fp
+from app.promotion.tokens import TOKEN_PREFIX, hash_token
+from ops.postgres import start_postgres, stop_postgres
+
 TARGET = 0.3
 ENDPOINTS = ("/v1/checkpoints", "/v1/production")
 
@@ -50,8 +63,6 @@ ENDPOINTS = ("/v1/checkpoints", "/v1/production")
 
 def bare_app(fixtures: dict[str, object]):
     """A FastAPI app that answers each path in ``fixtures`` with that JSON (no DB, no auth)."""
-    from fastapi import FastAPI
-
     app = FastAPI()
     for path, body in fixtures.items():
         app.add_api_route(path, (lambda body=body: body), methods=["GET"])
@@ -59,8 +70,6 @@ def bare_app(fixtures: dict[str, object]):
 
 
 def serve_bare(port: int, fixture_file: Path) -> None:
-    import uvicorn
-
     uvicorn.run(
         bare_app(json.loads(fixture_file.read_text())),
         host="127.0.0.1",
@@ -75,15 +84,11 @@ def serve_bare(port: int, fixture_file: Path) -> None:
 
 def admin_url(explicit: str | None, tmp: Path) -> tuple[str, object | None]:
     """A maintenance-database URL and, if we had to start one, the embedded server's datadir."""
-    import psycopg
-
     url = explicit or os.environ.get("FLYWHEEL_TEST_ADMIN_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
     try:
         with psycopg.connect(url, connect_timeout=2):
             return url, None
     except psycopg.Error:
-        from ops.postgres import start_postgres
-
         datadir = tmp / "pgdata"
         server = start_postgres(datadir, database="postgres")
         return f"postgresql://postgres@127.0.0.1:{server.port}/postgres", datadir
@@ -91,11 +96,6 @@ def admin_url(explicit: str | None, tmp: Path) -> tuple[str, object | None]:
 
 def seed(url: str, n: int) -> str:
     """Migrate, insert ``n`` checkpoints (newest in production) and a viewer token; returns the token."""
-    import psycopg
-
-    from app.core.migrate import upgrade
-    from app.promotion.tokens import TOKEN_PREFIX, hash_token
-
     upgrade(url=url)
     now = datetime.now(UTC)
     statuses = ("retired", "gate_failed", "rejected", "gate_passed", "candidate")
@@ -143,8 +143,6 @@ def seed(url: str, n: int) -> str:
 
 
 def start(cmd: list[str], env: dict[str, str], port: int) -> subprocess.Popen:
-    import httpx
-
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
@@ -161,8 +159,6 @@ def start(cmd: list[str], env: dict[str, str], port: int) -> subprocess.Popen:
 
 async def drive(base: str, path: str, headers: dict[str, str], n: int, concurrency: int) -> dict[str, float]:
     """``n`` GETs with ``concurrency`` in flight; req/s and latency percentiles (ms)."""
-    import httpx
-
     latencies: list[float] = []
     queue = iter(range(n))
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
@@ -189,8 +185,6 @@ async def drive(base: str, path: str, headers: dict[str, str], n: int, concurren
 
 
 def free_port() -> int:
-    from app.core.net import free_port as fp
-
     return fp()
 
 
@@ -210,9 +204,6 @@ def main() -> None:
         return
     n = args.requests or (300 if args.quick else 2000)
     rounds = args.rounds or (1 if args.quick else 3)
-
-    import httpx
-    import psycopg
 
     tmp = Path(tempfile.mkdtemp(prefix="flywheel-bench-api-"))
     admin, embedded = admin_url(args.admin_url, tmp)
@@ -320,18 +311,14 @@ def main() -> None:
                 proc.wait(10)
             except subprocess.TimeoutExpired:
                 proc.kill()
-        from app.core.db import reset_engines
 
         reset_engines()
         with psycopg.connect(admin, autocommit=True) as conn:
             conn.execute(f'DROP DATABASE IF EXISTS "{dbname}" WITH (FORCE)')
         if embedded is not None:
-            from ops.postgres import stop_postgres
-
             stop_postgres(embedded)
         shutil.rmtree(tmp, ignore_errors=True)
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     main()

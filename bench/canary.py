@@ -54,13 +54,35 @@ import sys
 import tempfile
 import time
 import uuid
+from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's packages, not an installed copy
 
+import torch
 from ingest import scratch_database, scratch_server  # noqa: E402  (bench/ingest.py helpers)
+from safetensors.torch import load_file, save_file
 
 import app.repositories.binary  # noqa: E402,F401  its psycopg dumpers must exist before the first connection
+from app.checkpoints.publish import converted_base_dir, init_base, register_model
+from app.core.db import get_sessionmaker, session_scope
+from app.core.errors import ConflictError
+from app.core.pids import stop_pid
+from app.core.settings import get_settings
+from app.models import Checkpoint, GateDecision
+from app.promotion.canary import start_canary, stop_canary
+from app.promotion.online import canary_arms, online_view
+from app.promotion.online_stats import OnlinePolicy, compare_arms, policy_reasons
+from app.promotion.service import latest_gate_decision, promote_checkpoint
+from consumers.finalize import finalize_due
+from consumers.ingest import IngestConsumer, projector_from_settings
+from consumers.settings import get_consumer_settings
+from evals.config import load_gate_config
+from ops.broker import create_topics, start_broker
+from ops.simulator import SimulatorConfig, run_simulation
+from producers.producer import EventProducer
+from serving.canary import ActiveCanary, EngineRouter, setup_canary_engine
+from serving.torch_engine import TorchEngine
 
 SIGNAL_ORDER = ("edit_acceptance", "edit_persistence", "dissatisfied_followup_rate", "latency_per_token", "mean_reward")
 
@@ -68,9 +90,6 @@ SIGNAL_ORDER = ("edit_acceptance", "edit_persistence", "dissatisfied_followup_ra
 def write_noisy_copy(src: Path, dst: Path, noise: float, seed: int) -> Path:
     """A HF folder equal to ``src`` but with ``w + noise * std(w) * N(0, 1)`` for every floating
     tensor of 2 or more dimensions (embeddings, attention and MLP matrices; norms kept)."""
-    import torch
-    from safetensors.torch import load_file, save_file
-
     dst.mkdir(parents=True)
     for f in src.iterdir():
         if f.is_file() and f.name != "model.safetensors":
@@ -87,10 +106,6 @@ def write_noisy_copy(src: Path, dst: Path, noise: float, seed: int) -> Path:
 def seed_passed_gate(checkpoint_id: str, production_id: str, min_sessions: int, signals: list[str]) -> None:
     """A passed gate decision whose stored config is the shipped policy with the online
     requirement on (what ``flywheel gate`` would store with ``[online] required = true``)."""
-    from app.core.db import session_scope
-    from app.models import Checkpoint, GateDecision
-    from evals.config import load_gate_config
-
     config = load_gate_config()
     config = config.model_copy(
         update={
@@ -115,12 +130,6 @@ def seed_passed_gate(checkpoint_id: str, production_id: str, min_sessions: int, 
 
 def naive_reasons(canary, policy) -> list[str]:
     """The policy's reasons with a per-session (unclustered) interval: each session its own user."""
-    from dataclasses import replace
-
-    from app.core.db import session_scope
-    from app.promotion.online import canary_arms
-    from app.promotion.online_stats import compare_arms, policy_reasons
-
     with session_scope() as session:
         c, p = canary_arms(session, canary)
     solo = lambda rows: [replace(s, user_id=f"session-{i}") for i, (_, s) in enumerate(rows)]  # noqa: E731
@@ -129,20 +138,6 @@ def naive_reasons(canary, policy) -> list[str]:
 
 def run_canary(checkpoint_id: str, prod_engine, config, args) -> dict:
     """One canary of ``checkpoint_id``: traffic, ingest, finalize, the policy's decision, stop."""
-    from app.core.db import get_sessionmaker, session_scope
-    from app.core.errors import ConflictError
-    from app.models import Checkpoint
-    from app.promotion.canary import start_canary, stop_canary
-    from app.promotion.online import online_view
-    from app.promotion.online_stats import OnlinePolicy
-    from app.promotion.service import latest_gate_decision, promote_checkpoint
-    from consumers.finalize import finalize_due
-    from consumers.ingest import IngestConsumer, projector_from_settings
-    from consumers.settings import get_consumer_settings
-    from ops.simulator import run_simulation
-    from producers.producer import EventProducer
-    from serving.canary import ActiveCanary, EngineRouter, setup_canary_engine
-
     with session_scope() as session:
         canary = start_canary(
             session,
@@ -286,11 +281,8 @@ def main() -> None:
     )
     os.environ.setdefault("FLYWHEEL_TELEMETRY_EXPORTER", "none")
     os.environ["FLYWHEEL_SERVING_ENGINE"] = "torch"
-    import torch
 
     torch.set_num_threads(args.threads)
-    from app.core.pids import stop_pid
-    from ops.broker import create_topics, start_broker
 
     broker = start_broker(tmp / "logs")
     admin, stop_server = scratch_server(tmp)
@@ -311,14 +303,9 @@ def main() -> None:
             FLYWHEEL_KAFKA_LIFECYCLE_TOPIC=topics["lifecycle"],
             FLYWHEEL_KAFKA_CONSUMER_GROUP=f"bench-canary-{uuid.uuid4().hex[:6]}",
         )
-        from app.core.settings import get_settings
-        from consumers.settings import get_consumer_settings
 
         get_settings.cache_clear()
         get_consumer_settings.cache_clear()
-        from app.checkpoints.publish import converted_base_dir, init_base, register_model
-        from ops.simulator import SimulatorConfig
-        from serving.torch_engine import TorchEngine
 
         base_path = init_base()
         register_model(base_path, "same", "candidate", source="copy of base")

@@ -24,16 +24,23 @@ import tempfile
 import time
 from pathlib import Path
 
+import torch
+from safetensors.torch import load_file
+from transformers import AutoTokenizer
+
+from app.checkpoints.delta import apply_delta, serving_state_dict, write_delta
+from app.checkpoints.publish import converted_base_dir
+from trainer.batching import group_ids, pack_micro_batches
+from trainer.checkpointing import load_policy
+from trainer.config import load_config
+from trainer.loss import compute_advantages
+from trainer.step import compute_old_logprobs, make_optimizer, train_steps
+from trainer.testing import make_segment, make_trajectory, sequence_logprobs
+
 TARGET = 0.10
 
 
 def build_batches(model, tokenizer, n_tasks: int, completion_tokens: int, temperature: float):
-    import torch
-
-    from trainer.batching import group_ids, pack_micro_batches
-    from trainer.loss import compute_advantages
-    from trainer.testing import make_segment, make_trajectory, sequence_logprobs
-
     requests = [
         "Write a pandas function that returns the rows of df where column 'a' is above its mean.",
         "Fix the failing test: the function should return the sum of squares of a list.",
@@ -67,16 +74,6 @@ def main() -> None:
     args = p.parse_args()
     if args.quick:
         args.tasks, args.completion_tokens = 1, 32
-
-    import torch
-    from safetensors.torch import load_file
-    from transformers import AutoTokenizer
-
-    from app.checkpoints.delta import apply_delta, serving_state_dict, write_delta
-    from app.checkpoints.publish import converted_base_dir
-    from trainer.checkpointing import load_policy
-    from trainer.config import load_config
-    from trainer.step import compute_old_logprobs, make_optimizer, train_steps
 
     torch.set_num_threads(args.threads)
     base = converted_base_dir()

@@ -30,6 +30,11 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from evals.config import load_suite
+from evals.harness.agent import grade
+from evals.runner import _harness_args
+from evals.tasks import load_tasks
+
 TARGET = 0.9
 
 
@@ -73,11 +78,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=30.0)
     args = parser.parse_args(argv)
     n, rounds = (12, 1) if args.quick else (args.tasks, args.rounds)
-
-    from evals.config import load_suite
-    from evals.harness.agent import grade
-    from evals.runner import _harness_args
-    from evals.tasks import load_tasks
 
     tasks = load_tasks("humaneval", "test", limit=n, seed=0)
     suite = load_suite("humaneval")

@@ -73,6 +73,18 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
+from sqlalchemy import func, select
+
+from app.core.db import session_scope
+from app.core.settings import get_settings
+from app.models import EvalResult, EvalRun, Promotion
+from app.repositories.checkpoints import get_production
+from evals.config import load_gate_config
+from evals.gate import paired_bootstrap_interval
+from ops.ab import ABConfig, plan_pairs
+from ops.demo import DEFAULT_DIFFICULTY_MIX
+from ops.simulator_cli import parse_mix
+
 SUITE = "functions"
 OVERRIDE_REASON = (
     "bench/flywheel: the held-out gate is sized for CPU time, not power; insufficient evidence is "
@@ -189,10 +201,6 @@ def time_steps(cmd: list[str], env: dict[str, str], timings: dict[str, float]) -
 
 def paired(session, base: str, final: str, suite: str) -> dict:
     """Paired held-out comparison of ``final`` against ``base`` on the newest succeeded runs of one plan."""
-    from sqlalchemy import select
-
-    from app.models import EvalResult, EvalRun
-    from evals.gate import paired_bootstrap_interval
 
     def results(ckpt: str) -> tuple[str, dict]:
         run = session.scalars(
@@ -222,10 +230,6 @@ def paired(session, base: str, final: str, suite: str) -> dict:
 
 def served_after_cycles(session, state: dict, cycles: int) -> list[dict]:
     """Per cycle: its candidate, whether it was promoted, and what production serves after it."""
-    from sqlalchemy import select
-
-    from app.models import Promotion
-
     promoted = set(session.scalars(select(Promotion.checkpoint_id).where(Promotion.kind == "promotion")))
     out, serving = [], "base"
     for c in range(1, cycles + 1):
@@ -238,10 +242,6 @@ def served_after_cycles(session, state: dict, cycles: int) -> list[dict]:
 
 def eval_seconds(session) -> float:
     """Seconds the eval runs of this home took, each from its start to its finish."""
-    from sqlalchemy import func, select
-
-    from app.models import EvalRun
-
     total = session.scalar(
         select(func.sum(func.extract("epoch", EvalRun.finished_at - EvalRun.started_at))).where(
             EvalRun.finished_at.is_not(None)
@@ -295,11 +295,6 @@ def main() -> None:
     env = {**os.environ, "FLYWHEEL_HOME": str(home)}
     os.environ["FLYWHEEL_HOME"] = str(home)
 
-    from evals.config import load_gate_config
-    from ops.ab import ABConfig, plan_pairs
-    from ops.demo import DEFAULT_DIFFICULTY_MIX
-    from ops.simulator_cli import parse_mix
-
     mix = args.difficulty_mix or DEFAULT_DIFFICULTY_MIX
     ab_tasks = len(plan_pairs(ABConfig(tasks=args.ab_tasks, samples=1, difficulty_mix=parse_mix(mix))))
     samples = math.ceil(ab_pairs / ab_tasks)
@@ -338,10 +333,6 @@ def main() -> None:
         gate_args = ["gate", planted, "--production", "base", "--suite", SUITE, "--gate-on", SUITE, "--samples", "1"]
         gate_args += ["--limit", str(eval_tasks), "--min-pairs", str(eval_tasks), *eval_budget, "--json"]
         gate = last_json(timed_flywheel(gate_args, env, budget, "gate"))
-
-        from app.core.db import session_scope
-        from app.core.settings import get_settings
-        from app.repositories.checkpoints import get_production
 
         get_settings.cache_clear()
         with session_scope() as session:

@@ -51,11 +51,15 @@ import argparse
 import json
 import sys
 import time
+import uuid
 from pathlib import Path
 
 import numpy as np
 from scipy import optimize, special, stats
+from sqlalchemy import func, select
 
+from app.core.db import session_scope
+from app.models import EvalResult, EvalRun
 from evals.config import GateConfig, SuiteGate, load_gate_config
 from evals.gate import Outcome, SuiteOutcomes, decide_gate
 
@@ -172,13 +176,6 @@ def recommend(cells: list[dict], min_width: float) -> tuple[dict, float] | None:
 def counts_from_db(suite: str, run_ids: list[str]) -> tuple[list[tuple[int, int]], float | None, str]:
     """Per-task ``(n, c)`` of stored runs (every succeeded run of ``suite`` when ``run_ids`` is
     empty), seconds per session measured from those runs (wall time / results), and a description."""
-    import uuid
-
-    from sqlalchemy import func, select
-
-    from app.core.db import session_scope
-    from app.models import EvalResult, EvalRun
-
     with session_scope() as session:
         q = select(EvalRun)
         q = (

@@ -34,6 +34,16 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from app.checkpoints.publish import converted_base_dir
+from app.core.settings import ServingSettings
+from app.inference.engine import SamplingParams
+from serving.openai_engine import OpenAICompatEngine
+from serving.torch_engine import TorchEngine
+from serving.vllm_server import resolve_dtype, start_server, stop_server
+
 QUESTIONS = [
     "Write a Python function that reverses a string.",
     "What does the pandas groupby method do?",
@@ -78,11 +88,6 @@ def run_clients(generate, work: list[tuple[list[int], int]], concurrency: int) -
 
 def measure_vllm(dtype: str, model_dir: Path, work, concurrency: int) -> dict:
     """Start a vLLM server in ``dtype``, warm it, run ``work`` through it; stop it."""
-    from app.core.settings import ServingSettings
-    from app.inference.engine import SamplingParams
-    from serving.openai_engine import OpenAICompatEngine
-    from serving.vllm_server import start_server, stop_server
-
     home = Path(tempfile.mkdtemp(prefix="bench-generate-"))
     settings = ServingSettings(vllm_dtype=dtype)
     t0 = time.perf_counter()
@@ -116,15 +121,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
 
-    import torch
-    from transformers import AutoTokenizer
-
-    from serving.vllm_server import resolve_dtype
-
     torch.set_num_threads(args.threads)
     if args.model_dir is None:
-        from app.checkpoints.publish import converted_base_dir
-
         model_dir = converted_base_dir()
     else:
         model_dir = Path(args.model_dir)
@@ -177,9 +175,6 @@ def main() -> None:
 
 def measure_torch(model_dir: Path, work, concurrency: int) -> dict:
     """The in-process continuously batched torch engine (fp32), clients as for vLLM."""
-    from app.inference.engine import SamplingParams
-    from serving.torch_engine import TorchEngine
-
     engine = TorchEngine(model_dir, checkpoint_id="bench", max_seqs=concurrency, max_kv_tokens=concurrency * 512)
 
     def generate(item):
@@ -196,9 +191,6 @@ def measure_torch(model_dir: Path, work, concurrency: int) -> dict:
 
 def measure_plain(model_dir: Path, work, concurrency: int) -> dict:
     """Plain fp32 ``model.generate`` on left-padded static batches of ``concurrency``."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     tok = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     gen_eos = model.generation_config.eos_token_id

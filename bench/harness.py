@@ -36,6 +36,21 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's packages, not an installed copy
+
+import torch
+
+from app.checkpoints.publish import converted_base_dir
+from app.core.intervals import wilson_interval as wilson
+from app.inference.engine import SamplingParams
+from evals.config import load_suite
+from evals.harness.agent import AgentBudget, grade, run_agent_session
+from evals.harness.apply import extract_code
+from evals.harness.chat import ChatML
+from evals.harness.workspace import write_files
+from evals.tasks import load_tasks
+from serving.torch_engine import TorchEngine
+
 PLAIN_SUFFIX = "Reply with the complete function in one python code block."
 
 
@@ -104,10 +119,6 @@ def plain_prompt(tokenizer, task) -> list[int]:
 
 def run_plain(engine, tasks, sampling, samples: int, work: Path) -> list[list[bool]]:
     """Baseline: one batched generate per sample index; ``[task][sample]`` pass flags."""
-    from evals.harness.agent import grade
-    from evals.harness.apply import extract_code
-    from evals.harness.workspace import write_files
-
     prompts = [plain_prompt(engine.tokenizer, t) for t in tasks]
     out = [[False] * samples for _ in tasks]
     for s in range(samples):
@@ -124,8 +135,6 @@ def run_plain(engine, tasks, sampling, samples: int, work: Path) -> list[list[bo
 
 def run_harness(engine, tasks, budget, sampling, samples: int, work: Path) -> tuple[list[list[bool]], dict]:
     """Ours: every (task, sample) session concurrently through the lockstep batcher."""
-    from evals.harness.agent import grade, run_agent_session
-
     jobs = [(i, s) for s in range(samples) for i in range(len(tasks))]
     lock = LockstepEngine(engine, live=len(jobs))
     out = [[False] * samples for _ in tasks]
@@ -165,22 +174,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout's packages
-
-    import torch
-
-    from app.core.intervals import wilson_interval as wilson
-    from app.inference.engine import SamplingParams
-    from evals.config import load_suite
-    from evals.harness.agent import AgentBudget
-    from evals.harness.chat import ChatML
-    from evals.tasks import load_tasks
-    from serving.torch_engine import TorchEngine
 
     torch.set_num_threads(args.threads)
     if args.model_dir is None:
-        from app.checkpoints.publish import converted_base_dir
-
         model_dir = converted_base_dir()
     else:
         model_dir = Path(args.model_dir)

@@ -53,11 +53,29 @@ import json
 import os
 import re
 import shutil
+import signal
 import sys
 import tempfile
 import time
 import uuid
 from pathlib import Path
+
+import numpy as np
+import psutil
+import psycopg
+from kafka import KafkaConsumer
+
+from app.core.db import reset_engines
+from app.core.migrate import upgrade
+from app.core.pids import stop_pid
+from app.core.settings import get_settings
+from consumers.finalize import finalize_due
+from consumers.ingest import IngestConsumer, projector_from_settings
+from consumers.settings import get_consumer_settings
+from consumers.testing import consumer_process, generate_stream, kafka_record, produce, scalar
+from ops.broker import create_topics, start_broker
+from ops.postgres import start_postgres, stop_postgres
+from producers.client import default_compression
 
 TARGET = 0.5
 GROUP_SETTINGS = dict(max_poll_interval_ms=5000, session_timeout_ms=6000, heartbeat_interval_ms=1000)
@@ -66,8 +84,6 @@ GROUP_SETTINGS = dict(max_poll_interval_ms=5000, session_timeout_ms=6000, heartb
 def scratch_server(tmp: Path):
     """(libpq admin url, stop) of the Postgres server of ``FLYWHEEL_DATABASE_URL`` if set, else the
     local server 127.0.0.1:5432, else an embedded server started here (``stop`` stops only that)."""
-    import psycopg
-
     admin = os.environ.get("FLYWHEEL_TEST_ADMIN_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
     if os.environ.get("FLYWHEEL_DATABASE_URL"):
         admin = (
@@ -77,8 +93,6 @@ def scratch_server(tmp: Path):
     try:
         psycopg.connect(admin, connect_timeout=2).close()
     except psycopg.Error:
-        from ops.postgres import start_postgres, stop_postgres
-
         server = start_postgres(tmp / "pgdata", database="postgres")
         return f"postgresql://postgres@127.0.0.1:{server.port}/postgres", lambda: stop_postgres(tmp / "pgdata")
     return admin, lambda: None
@@ -86,10 +100,6 @@ def scratch_server(tmp: Path):
 
 def scratch_database(admin: str):
     """(libpq url, drop) of a fresh database on the server of ``admin``, migrated to head."""
-    import psycopg
-
-    from app.core.migrate import upgrade
-
     name = f"flywheel_bench_{uuid.uuid4().hex[:8]}"
     with psycopg.connect(admin, autocommit=True) as conn:
         conn.execute(f'CREATE DATABASE "{name}"')
@@ -97,8 +107,6 @@ def scratch_database(admin: str):
     upgrade(url=url)
 
     def drop() -> None:
-        from app.core.db import reset_engines
-
         reset_engines()
         with psycopg.connect(admin, autocommit=True) as conn:
             conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
@@ -110,8 +118,6 @@ def bare_consume(bootstrap: str, topic: str, n: int, max_records: int) -> tuple[
     """(events/s, CPU us per event) of a bare kafka-python loop over ``n`` records, both from the
     first record to the last; the CPU is this process's (the loop and its client's threads) plus the
     broker's."""
-    from kafka import KafkaConsumer
-
     c = KafkaConsumer(
         topic,
         bootstrap_servers=bootstrap,
@@ -141,8 +147,6 @@ def _bare_cpu_seconds() -> float:
 
 
 def ours_in_process(n: int) -> tuple[float, dict]:
-    from consumers.ingest import IngestConsumer
-
     stats = IngestConsumer(client_id="bench").run(stop_after=n)
     elapsed = stats.last_batch_at - stats.first_record_at
     return stats.messages / elapsed, {"batches": stats.batches, "dead_letters": sum(stats.dead_letters.values())}
@@ -164,10 +168,6 @@ def ours_processes(n: int, k: int, url: str, log: Path, group: str, topic: str) 
     events, so they count exactly what is stored) on one connection: a ``count(*)`` over
     ``event_log`` every 100 ms would itself cost a noticeable share of a core.
     """
-    import psycopg
-
-    from consumers.testing import consumer_process
-
     env = {**os.environ, "FLYWHEEL_DATABASE_URL": url}
     log_start = log.stat().st_size if log.exists() else 0
     procs = [consumer_process(env, log_path=log) for _ in range(k)]
@@ -190,8 +190,6 @@ def ours_processes(n: int, k: int, url: str, log: Path, group: str, topic: str) 
                 time.sleep(0.05)
         cpu_end = _cpu_seconds(procs)
     finally:
-        import signal
-
         for p in procs:
             os.killpg(p.pid, signal.SIGTERM)
         for p in procs:
@@ -213,16 +211,12 @@ def cpu_at(samples: list[tuple[float, dict[str, float]]], t: float) -> dict[str,
     """CPU seconds per kind at unix time ``t``, linearly interpolated (``numpy.interp``) between the
     ``samples`` ((unix s, CPU s by kind), in time order) around it; the nearest sample outside their
     span."""
-    import numpy as np
-
     times = [at for at, _ in samples]
     return {k: float(np.interp(t, times, [cpu[k] for _, cpu in samples])) for k in samples[0][1]}
 
 
 def _cpu_seconds(procs) -> dict[str, float]:
     """user+system CPU seconds of the consumer processes and of the Postgres and tansu servers."""
-    import psutil
-
     out = {"consumers": 0.0, "postgres": 0.0, "broker": 0.0}
     pids = {p.pid for p in procs}
     for proc in psutil.process_iter(["name", "pid"]):
@@ -275,7 +269,6 @@ def main() -> None:
     )
     args = ap.parse_args()
     n_target = args.events or (20_000 if args.quick else 100_000)
-    from producers.client import default_compression
 
     compression = args.compression or default_compression()
 
@@ -288,8 +281,6 @@ def main() -> None:
     os.environ["FLYWHEEL_CONSUMER_FINALIZE_GRACE_S"] = "0"
     if args.batch:
         os.environ["FLYWHEEL_CONSUMER_BATCH_MAX_RECORDS"] = str(args.batch)
-    from app.core.pids import stop_pid
-    from ops.broker import create_topics, start_broker
 
     broker = start_broker(tmp / "logs")
     admin, stop_server = scratch_server(tmp)
@@ -302,15 +293,11 @@ def main() -> None:
             FLYWHEEL_KAFKA_INTERACTIONS_TOPIC=topic,
             FLYWHEEL_KAFKA_DLQ_TOPIC="bench.dlq",
         )
-        from app.core.settings import get_settings
-        from consumers.settings import get_consumer_settings
 
         get_settings.cache_clear()
         get_consumer_settings.cache_clear()
         partitions = args.partitions or get_settings().kafka.partitions
         create_topics(broker.bootstrap, {topic: partitions, "bench.dlq": 1})
-        from app.core.db import reset_engines
-        from consumers.testing import generate_stream, kafka_record, produce, scalar
 
         events = generate_stream(n_target, seed=42, withhold_fraction=0.1, privacy_fraction=args.privacy_fraction)
         n = len(events)
@@ -360,9 +347,6 @@ def main() -> None:
         os.environ["FLYWHEEL_DATABASE_URL"] = url
         get_settings.cache_clear()
         reset_engines()
-
-        from consumers.finalize import finalize_due
-        from consumers.ingest import projector_from_settings
 
         time.sleep(1.2)  # let every 1 s window close
         pending = scalar(url, "SELECT count(*) FROM trajectory WHERE status = 'provisional'")

@@ -28,11 +28,20 @@ Flags: ``--quick`` (one round instead of three), ``--n`` (tokens; 4,096), ``--v`
 from __future__ import annotations
 
 import argparse
+import gc
+import importlib.util
 import json
 import os
+import resource
 import subprocess
 import sys
+import time
 
+import psutil
+import torch
+
+from kernels import chunked_logprobs
+from kernels.logprob_loss import chunked_logprob_loss
 from kernels.reference import naive_logprobs
 
 MEM_TARGET = 0.25
@@ -41,13 +50,6 @@ TIME_TARGET = 1.2
 
 def worker(variant: str, n: int, v: int, h: int, reps: int, chunk: int, threads: int) -> dict:
     """Run one variant in this process; returns ``{"peak_mb", "seconds"}``."""
-    import gc
-    import resource
-    import time
-
-    import psutil
-    import torch
-
     torch.set_num_threads(threads)
     g = torch.Generator().manual_seed(0)
     hidden = (torch.randn(n, h, generator=g) * 0.5).requires_grad_()
@@ -60,12 +62,10 @@ def worker(variant: str, n: int, v: int, h: int, reps: int, chunk: int, threads:
         def run():
             return naive_logprobs(hidden, weight, targets, entropy=False)[0]
     elif variant == "chunked":
-        from kernels import chunked_logprobs
 
         def run():
             return chunked_logprobs(hidden, weight, targets, chunk_size=chunk, backend="torch")[0]
     elif variant == "fused":
-        from kernels.logprob_loss import chunked_logprob_loss
 
         def loss():
             return chunked_logprob_loss(
@@ -124,12 +124,8 @@ def run_variant(variant: str, args) -> dict:
 def liger_available() -> str | None:
     """None when liger-kernel can run here, else the reason it is skipped."""
     try:
-        import importlib.util
-
         if importlib.util.find_spec("liger_kernel") is None:
             return "liger-kernel not installed"
-        import torch
-
         if not torch.cuda.is_available():
             return "liger-kernel needs a GPU (CPU only under the Triton interpreter, ~800x slower)"
     except Exception as exc:  # noqa: BLE001 - a bench reports why a column is missing

@@ -22,6 +22,11 @@ import sys
 import time
 from pathlib import Path
 
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from app.checkpoints.publish import converted_base_dir
+
 TASKS: dict[str, tuple[str, str]] = {
     "add": ("add(a, b) that returns the sum of a and b", "assert add(2, 3) == 5\nassert add(-1, 1) == 0"),
     "is_even": ("is_even(n) that returns True if n is even", "assert is_even(4)\nassert not is_even(7)"),
@@ -100,11 +105,6 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1, help="torch threads (1 is fastest on a busy shared CPU)")
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "data" / "smollm2_functions_pass.json")
     args = ap.parse_args()
-
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from app.checkpoints.publish import converted_base_dir
 
     torch.manual_seed(0)
     torch.set_num_threads(args.threads)

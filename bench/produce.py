@@ -27,25 +27,32 @@ import time
 import uuid
 from pathlib import Path
 
+from kafka import KafkaProducer
+
+from app.core.pids import stop_pid
+from ops.broker import create_topics, start_broker
+from producers.client import DEFAULT_BATCH_BYTES, default_compression
+from producers.events import encode_event
+from producers.events.types import (
+    AgentRequested,
+    AgentRequestedEvent,
+    EditAccepted,
+    EditAcceptedEvent,
+    EditProposed,
+    EditProposedEvent,
+    ModelResponded,
+    ModelRespondedEvent,
+    ToolExecuted,
+    ToolExecutedEvent,
+)
+from producers.producer import EventProducer
+
 TARGET = 0.7
 
 
 def make_events(n: int, tokens: int = 128) -> list:
     """A realistic mix per agent turn: request, model response (``tokens`` completion tokens),
     tool run, edit proposed/accepted; sessions of 10 turns."""
-    from producers.events.types import (
-        AgentRequested,
-        AgentRequestedEvent,
-        EditAccepted,
-        EditAcceptedEvent,
-        EditProposed,
-        EditProposedEvent,
-        ModelResponded,
-        ModelRespondedEvent,
-        ToolExecuted,
-        ToolExecutedEvent,
-    )
-
     events = []
     i = 0
     while len(events) < n:
@@ -86,8 +93,6 @@ def make_events(n: int, tokens: int = 128) -> list:
 
 def run_ours(bootstrap: str, topic: str, events: list, compression: str, linger_ms: int) -> tuple[float, float]:
     """``(events/s, CPU µs per event over all threads)`` of ``EventProducer`` from typed events."""
-    from producers.producer import EventProducer
-
     with tempfile.TemporaryDirectory() as spool:
         producer = EventProducer(
             bootstrap,
@@ -115,11 +120,6 @@ def run_ours(bootstrap: str, topic: str, events: list, compression: str, linger_
 
 def run_bare(bootstrap: str, topic: str, events: list, compression: str, linger_ms: int) -> tuple[float, float]:
     """``(events/s, CPU µs per event)`` of a bare ``KafkaProducer`` sending pre-encoded records."""
-    from kafka import KafkaProducer
-
-    from producers.client import DEFAULT_BATCH_BYTES
-    from producers.events import encode_event
-
     records = [(ev.session_id.encode(), encode_event(ev), [("event-type", ev.type.encode())]) for ev in events]
     producer = KafkaProducer(
         bootstrap_servers=bootstrap,
@@ -151,10 +151,6 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     n = args.events or (5_000 if args.quick else 20_000)
     rounds = args.rounds or (3 if args.quick else 7)
-
-    from app.core.pids import stop_pid
-    from ops.broker import create_topics, start_broker
-    from producers.client import default_compression
 
     compression = args.compression or default_compression()
     bootstrap, broker = os.environ.get("FLYWHEEL_KAFKA_BOOTSTRAP"), None

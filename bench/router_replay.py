@@ -46,14 +46,43 @@ import time
 import uuid
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's packages, not an installed copy
+
+import numpy as np
+import torch
+from ingest import scratch_database, scratch_server
+from transformers import AutoModelForCausalLM
+
+from app.core.db import reset_engines, session_scope
+from app.core.pids import stop_pid
+from app.core.settings import get_settings
+from app.inference.engine import SamplingParams
+from app.models import Checkpoint
+from app.repositories.checkpoints import add_checkpoint
+from consumers.ingest import IngestConsumer
+from consumers.settings import get_consumer_settings
+from ops.broker import create_topics, start_broker
+from producers.events.types import (
+    ModelResponded,
+    ModelRespondedEvent,
+    SessionEnded,
+    SessionEndedEvent,
+    SessionStarted,
+    SessionStartedEvent,
+)
+from producers.producer import EventProducer
+from serving.torch_engine import TorchEngine
+from trainer.batching import pack_micro_batches
+from trainer.config import TrainerConfig
+from trainer.selection import select_cycle_data
+from trainer.step import compute_old_logprobs
+from trainer.testing import build_tiny_moe
+
 TARGET = 0.2
 
 
 def _scratch(tmp: Path):
     """(database url, cleanup) on the local Postgres (or an embedded one), migrated to head."""
-    sys.path.insert(0, str(Path(__file__).parent))
-    from ingest import scratch_database, scratch_server
-
     admin, stop_server = scratch_server(tmp)
     url, drop = scratch_database(admin)
 
@@ -66,18 +95,6 @@ def _scratch(tmp: Path):
 
 def generate_sessions(engine, n_sessions: int, max_tokens: int, seed: int):
     """Two-turn sessions served by ``engine`` as ``model.responded`` events (routes included)."""
-    import numpy as np
-
-    from app.inference.engine import SamplingParams
-    from producers.events.types import (
-        ModelResponded,
-        ModelRespondedEvent,
-        SessionEnded,
-        SessionEndedEvent,
-        SessionStarted,
-        SessionStartedEvent,
-    )
-
     rng = np.random.default_rng(seed)
     envs = [dict(session_id=f"moe-{uuid.uuid4().hex[:10]}", user_id=f"u{i % 7}") for i in range(n_sessions)]
     events = [
@@ -118,10 +135,6 @@ def generate_sessions(engine, n_sessions: int, max_tokens: int, seed: int):
 def route_differences(model, batches, config) -> tuple[float, float, float]:
     """(KL(behaviour || trainer) per sampled token, fraction of sampled tokens whose expert set differs
     from the recorded one in some layer, fraction of (token, layer) decisions that differ)."""
-    import torch
-
-    from trainer.step import compute_old_logprobs
-
     used: list[torch.Tensor] = []
     experts = [layer.mlp.experts for layer in model.model.layers]
     hooks = [e.register_forward_pre_hook(lambda m, args: used.append(args[1])) for e in experts]
@@ -144,7 +157,6 @@ def route_differences(model, batches, config) -> tuple[float, float, float]:
 
 
 def main() -> None:
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout's packages first
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="24 sessions of 2 x 32 tokens, 4 MoE layers")
     ap.add_argument("--sessions", type=int, default=None)
@@ -160,14 +172,10 @@ def main() -> None:
     init_std = args.init_std if args.init_std is not None else args.hidden**-0.5
     started = time.monotonic()
 
-    import torch
-
     torch.set_num_threads(args.threads)
     tmp = Path(tempfile.mkdtemp(prefix="flywheel-bench-routes-"))
     os.environ["FLYWHEEL_HOME"] = str(tmp)
     os.environ.setdefault("FLYWHEEL_TELEMETRY_EXPORTER", "none")
-    from app.core.pids import stop_pid
-    from ops.broker import create_topics, start_broker
 
     broker = start_broker(tmp / "logs")
     url, cleanup = _scratch(tmp)
@@ -180,19 +188,11 @@ def main() -> None:
             FLYWHEEL_KAFKA_DLQ_TOPIC=topic + ".dlq",
             FLYWHEEL_KAFKA_CONSUMER_GROUP=f"bench-routes-{uuid.uuid4().hex[:6]}",
         )
-        from app.core.db import reset_engines, session_scope
-        from app.core.settings import get_settings
-        from consumers.settings import get_consumer_settings
 
         get_settings.cache_clear()
         get_consumer_settings.cache_clear()
         reset_engines()
         create_topics(broker.bootstrap, {topic: 2, topic + ".dlq": 1})
-
-        from transformers import AutoModelForCausalLM
-
-        from serving.torch_engine import TorchEngine
-        from trainer.testing import build_tiny_moe
 
         model_dir = build_tiny_moe(
             tmp / "moe", experts=8, top_k=2, num_layers=layers, hidden_size=args.hidden, initializer_range=init_std
@@ -203,26 +203,17 @@ def main() -> None:
         generate_s = time.monotonic() - t
         del engine
 
-        from producers.producer import EventProducer
-
         t = time.monotonic()
         producer = EventProducer(spool_dir=tmp / "spool")
         for e in events:
             producer.emit(e)
         producer.flush(timeout_s=60)
         producer.close()
-        from consumers.ingest import IngestConsumer
 
         stats = IngestConsumer().run(idle_exit_s=2.0)
         ingest_s = time.monotonic() - t
         if stats.stored != len(events):
             raise SystemExit(f"the consumer stored {stats.stored} of {len(events)} events (see its log)")
-
-        from app.models import Checkpoint
-        from app.repositories.checkpoints import add_checkpoint
-        from trainer.batching import pack_micro_batches
-        from trainer.config import TrainerConfig
-        from trainer.selection import select_cycle_data
 
         with session_scope() as s:
             add_checkpoint(s, checkpoint_id="moe-base", path=str(model_dir), status="production")

@@ -23,18 +23,20 @@ import subprocess
 import sys
 import tempfile
 import time
+import tomllib
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+
 from flywheel import SUITE, flywheel, last_json, paired, run_demo  # noqa: E402  (bench/flywheel.py)
+
+from app.core.db import session_scope
+from app.core.settings import get_settings
+from trainer.config import DEFAULT_CONFIG
 
 
 def write_config(directory: Path, lr: float, epochs: int, grad_accum: int) -> Path:
     """A trainer TOML: the packaged defaults with ``lr``, ``epochs`` and ``grad_accum`` replaced."""
-    import tomllib
-
-    from trainer.config import DEFAULT_CONFIG
-
     raw = tomllib.loads(DEFAULT_CONFIG.read_text())
     raw.update(epochs=epochs, grad_accum=grad_accum)
     raw["optim"]["lr"] = lr
@@ -76,8 +78,6 @@ def main() -> None:
         first = json.loads((home / "demo" / "state.json").read_text())["candidate@1"]
         configs = home / "sweep"
         configs.mkdir(exist_ok=True)
-        from app.core.db import session_scope
-        from app.core.settings import get_settings
 
         get_settings.cache_clear()
         for lr, ep in itertools.product(lrs, epochs):

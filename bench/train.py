@@ -40,9 +40,25 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import sys
 import tempfile
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's packages, not an installed copy
+
+import numpy as np
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+from trainer.batching import group_ids, pack_micro_batches
+from trainer.config import TrainerConfig
+from trainer.data import Segment
+from trainer.device import setup_placement
+from trainer.loss import compute_advantages
+from trainer.step import compute_old_logprobs, make_optimizer, train_steps
+from trainer.testing import make_trajectory, train_on_ranks
 
 CPU_TARGET = 0.8
 QWEN3_H100_TARGET = 12_000.0  # tokens/s
@@ -52,9 +68,6 @@ RANK_LR = 1e-4
 
 def build_model(shape: str, layers: int | None):
     """A random-weight causal LM of ``shape`` with ``layers`` decoder layers (default: the real count)."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
-
     torch.manual_seed(0)
     if shape == "qwen3-0.6b":
         cfg = Qwen3Config(
@@ -89,11 +102,6 @@ def build_model(shape: str, layers: int | None):
 def build_trajectories(n_traj: int, seq_len: int, vocab: int):
     """Synthetic trajectories: alternating prompt/tool and model turns, about half of the tokens
     the model's own (as in agent sessions); two per task."""
-    import numpy as np
-
-    from trainer.data import Segment
-    from trainer.testing import make_trajectory
-
     rng = np.random.default_rng(0)
     trajs = []
     for i in range(n_traj):
@@ -108,18 +116,11 @@ def build_trajectories(n_traj: int, seq_len: int, vocab: int):
 
 
 def build_batches(trajs, micro_batch_tokens: int):
-    import torch
-
-    from trainer.batching import group_ids, pack_micro_batches
-    from trainer.loss import compute_advantages
-
     adv = compute_advantages(torch.tensor([t.reward for t in trajs]), group_ids(trajs))
     return pack_micro_batches(trajs, adv, micro_batch_tokens=micro_batch_tokens)
 
 
 def bare_step(model, batches, placement) -> None:
-    import torch
-
     model.zero_grad(set_to_none=True)
     for mb in batches:
         with placement.autocast():
@@ -132,8 +133,6 @@ def bare_step(model, batches, placement) -> None:
 
 
 def _timed(fn, placement) -> tuple[float, float]:
-    import torch
-
     start, cpu = time.perf_counter(), time.process_time()
     fn()
     if placement.is_cuda:
@@ -142,12 +141,6 @@ def _timed(fn, placement) -> tuple[float, float]:
 
 
 def bench_step(args) -> dict:
-    import torch
-
-    from trainer.config import TrainerConfig
-    from trainer.device import setup_placement
-    from trainer.step import compute_old_logprobs, make_optimizer, train_steps
-
     placement = setup_placement(args.device)
     torch.set_num_threads(args.threads)
     model = placement.place_model(build_model(args.shape, args.layers))
@@ -241,8 +234,6 @@ def _steps_tokens_per_s(history: list[dict]) -> float:
 def compare_runs(one: dict, many: dict, lr: float) -> dict:
     """Largest disagreements between a 1-rank and an N-rank run and whether they are within tolerance
     (see the module docstring)."""
-    import math
-
     steps_ok = len(one["history"]) == len(many["history"])
     worst_rel = 0.0
     for a, b in zip(one["history"], many["history"]):
@@ -261,11 +252,6 @@ def compare_runs(one: dict, many: dict, lr: float) -> dict:
 
 
 def bench_ranks(args) -> dict:
-    import torch
-
-    from trainer.config import TrainerConfig
-    from trainer.testing import train_on_ranks
-
     torch.set_num_threads(args.threads)
     model = build_model(args.shape, args.layers)
     trajs = build_trajectories(args.trajectories, args.seq_len, model.config.vocab_size)
@@ -354,7 +340,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    import sys
-
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout's packages
     main()

@@ -18,6 +18,7 @@ from app.core.errors import ConflictError
 from app.worker.celery_app import celery_app
 from evals import store
 from evals.config import eval_settings, load_gate_config
+from evals.gating import gate_candidate
 
 
 def evaluate(checkpoint_id: str, **kwargs: Any) -> dict[str, Any]:
@@ -28,8 +29,6 @@ def evaluate(checkpoint_id: str, **kwargs: Any) -> dict[str, Any]:
         ``{"checkpoint_id", "skipped": reason}`` when it is already being gated, no longer a
         candidate, or already decided.
     """
-    from evals.gating import gate_candidate
-
     s = eval_settings()
     with session_scope() as session:
         decided = store.latest_decision(session, checkpoint_id)

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import click
 import typer
+from rich.console import Console, Group
+from rich.table import Table
 from typer.core import TyperGroup
 
 
@@ -68,7 +70,6 @@ def eval_run(
     as_json: bool = typer.Option(False, "--json", help="print one JSON line per suite"),
 ) -> None:
     """Run SUITE against CHECKPOINT in the agent harness; resumes an interrupted run of the same plan."""
-    from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from app.core.telemetry import configure_telemetry
@@ -116,9 +117,6 @@ def eval_run(
 
 
 def _runs_table(summaries):
-    from rich.console import Group
-    from rich.table import Table
-
     from evals.passk import format_pass_at_k
 
     t = Table(title="eval runs")
@@ -154,9 +152,6 @@ def _runs_table(summaries):
 @eval_app.command("suites")
 def eval_suites() -> None:
     """List the shipped suites and whether the gate uses them."""
-    from rich.console import Console
-    from rich.table import Table
-
     from evals.config import list_suites, load_gate_config, load_suite
 
     gate = load_gate_config()
@@ -268,8 +263,6 @@ def gate_cmd(
     as_json: bool = typer.Option(False, "--json", help="print the decision as one JSON line"),
 ) -> None:
     """Evaluate CANDIDATE and production on every gated suite (reusing cached runs), decide and explain."""
-    from rich.console import Console
-
     from app.core.telemetry import configure_telemetry
     from evals.config import load_gate_config
     from evals.gating import gate_candidate

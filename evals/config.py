@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from app.core.errors import ConfigurationError
+from app.core.settings import flywheel_home
 
 SUITES_DIR = Path(__file__).parent / "suites"
 GATE_TOML = Path(__file__).parent / "gate.toml"
@@ -382,6 +383,4 @@ class EvalSettings(BaseSettings):
 
 def eval_settings() -> EvalSettings:
     """The ``FLYWHEEL_EVAL_*`` settings (environment, then the local stack's env file)."""
-    from app.core.settings import flywheel_home
-
     return EvalSettings(_env_file=(flywheel_home() / "stack.env",))  # type: ignore[call-arg]

@@ -26,9 +26,13 @@ from app.core.db import session_scope
 from app.core.errors import ConfigurationError, ConflictError
 from app.core.telemetry import link_references, span_reference, traced
 from app.models import EvalRun
+from app.outbox.lifecycle import enqueue_lifecycle
+from app.repositories.audit import record_audit
+from app.repositories.checkpoints import get_checkpoint, get_production
 from evals import store
 from evals.config import GateConfig, load_gate_config, load_suite
 from evals.gate import GateResult, SuiteOutcomes, decide_gate
+from evals.report import write_report
 from evals.runner import RunSummary, plan_run, run_suite
 
 if TYPE_CHECKING:
@@ -51,8 +55,6 @@ class GateOutcome:
 
 
 def _resolve(candidate_id: str, production_id: str | None) -> str:
-    from app.repositories.checkpoints import get_checkpoint, get_production
-
     with session_scope() as session:
         cand = get_checkpoint(session, candidate_id)
         if cand.status not in store.GATEABLE:
@@ -107,11 +109,6 @@ def gate_candidate(
     Raises:
         NotFoundError: unknown checkpoint. ConflictError: not gateable, or gated elsewhere right now.
     """
-    from app.outbox.lifecycle import enqueue_lifecycle
-    from app.repositories.audit import record_audit
-    from app.repositories.checkpoints import get_checkpoint
-    from evals.report import write_report
-
     config = config or load_gate_config()
     production_id = _resolve(candidate_id, production_id)
     names = suites or config.gated_suites()

@@ -22,14 +22,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-import random
 import re
 import uuid
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from functools import lru_cache
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from sqlalchemy import exists, select, update
 from sqlalchemy.dialects.postgresql import insert
@@ -37,11 +36,10 @@ from sqlalchemy.orm import Session
 
 from app.models import Checkpoint, CheckpointTrajectory, EvalTask, EventLog, Trajectory
 from app.repositories.holdout import lock_holdout
+from evals.tasks import load_tasks
+from evals.tasks.mined import MINED_SUITE
+from evals.tasks.model import Task
 
-if TYPE_CHECKING:
-    from evals.tasks.model import Task
-
-MINED_SUITE = "mined"
 #: Sources whose tasks can be rebuilt from ``task_id`` (splits searched, in order).
 SOURCE_SPLITS = {
     "dataframebench": ("train", "test"),
@@ -71,9 +69,7 @@ def content_hash(request: str, files: dict[str, str], test_command: str, test_fi
 
 
 @lru_cache(maxsize=8)
-def _source_index(source: str) -> dict[str, "Task"]:
-    from evals.tasks import load_tasks
-
+def _source_index(source: str) -> dict[str, Task]:
     index: dict[str, Task] = {}
     for split in SOURCE_SPLITS[source]:
         for task in load_tasks(source, split):
@@ -233,17 +229,6 @@ def mine_tasks(session: Session, *, min_persistence: float = 0.8, limit: int | N
         ).rowcount
     session.flush()
     return report
-
-
-def load_mined_tasks(session: Session, *, limit: int | None = None, seed: int = 0) -> list["Task"]:
-    """The mined suite's tasks (a seeded subset of ``limit`` when given), ordered by id."""
-    from evals.tasks.model import Task
-
-    rows = session.scalars(select(EvalTask).where(EvalTask.suite == MINED_SUITE).order_by(EvalTask.task_id)).all()
-    tasks = [Task.model_validate(r.spec) for r in rows]
-    if limit is not None and limit < len(tasks):
-        tasks = sorted(random.Random(seed).sample(tasks, limit), key=lambda t: t.id)
-    return tasks
 
 
 @dataclass(frozen=True)

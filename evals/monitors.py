@@ -7,11 +7,12 @@ interval resamples tasks (clusters) exactly as :func:`app.core.intervals.paired_
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import get_args
 
 import numpy as np
 
 from app.core.intervals import _cluster_percentile_interval
-from evals.config import MonitorBound
+from evals.config import MonitorBound, MonitorName
 from evals.gate_models import MonitorReport, Outcome
 
 
@@ -23,17 +24,7 @@ def monitor_values(outcomes: Sequence[Outcome]) -> dict[str, float]:
     ``mean_completion_tokens`` in tokens; ``mean_latency_s`` and ``p90_latency_s`` in seconds.
     """
     if not outcomes:
-        return {
-            k: 0.0
-            for k in (
-                "invalid_tool_call_rate",
-                "clarifying_question_rate",
-                "edit_rate",
-                "mean_completion_tokens",
-                "mean_latency_s",
-                "p90_latency_s",
-            )
-        }
+        return dict.fromkeys(get_args(MonitorName), 0.0)
     calls = sum(o.tool_calls for o in outcomes)
     lat = np.array([o.latency_s for o in outcomes], dtype=np.float64)
     n = len(outcomes)

@@ -13,6 +13,9 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
+from app.core.settings import get_settings
 from evals.gate import GateResult, SamplingReport
 from evals.passk import format_sampling
 
@@ -68,7 +71,6 @@ def render_png(result: GateResult, path: Path, title: str) -> Path:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    import numpy as np
 
     suites = [s for s in result.suites.values() if s.candidate and s.production]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.8), gridspec_kw={"width_ratios": [1, 1.2]})
@@ -185,8 +187,6 @@ def write_report(
         (the report dict, stored in ``gate_decision.report``; the report directory).
     """
     if out_dir is None:
-        from app.core.settings import get_settings
-
         out_dir = get_settings().store.reports() / "gates" / decision_id
     out_dir.mkdir(parents=True, exist_ok=True)
     report = report_dict(decision_id, candidate_id, production_id, result, run_ids)

@@ -31,10 +31,17 @@ from app.core.errors import ConfigurationError
 from app.core.intervals import wilson_interval
 from app.core.settings import flywheel_home
 from app.core.telemetry import link_references, span_reference, traced
+from app.inference.engine import SamplingParams
+from app.repositories.checkpoints import get_checkpoint
 from evals import store
 from evals.config import SuiteConfig, load_suite
 from evals.gate import monitor_values
+from evals.harness.agent import AgentBudget, grade_result, run_agent_session
+from evals.harness.sandbox import SandboxLimits
 from evals.passk import sampling_report
+from evals.tasks import load_tasks
+from serving.engine import setup_engine
+from serving.openai_engine import OpenAICompatEngine
 
 if TYPE_CHECKING:
     from app.inference.engine import InferenceEngine
@@ -100,8 +107,6 @@ def task_hash(task: "Task") -> str:
 def load_suite_tasks(suite: SuiteConfig) -> list["Task"]:
     """The suite's tasks (``evals.tasks.load_tasks``: a source adapter's split, or the mined
     ``eval_task`` rows), a seeded subset when the suite has a limit."""
-    from evals.tasks import load_tasks
-
     return load_tasks(suite.source, suite.split, limit=suite.limit, seed=suite.seed)
 
 
@@ -123,10 +128,6 @@ def sample_seed(suite: SuiteConfig, task_id: str, sample_index: int) -> int:
 
 
 def _harness_args(suite: SuiteConfig, seed: int):
-    from app.inference.engine import SamplingParams
-    from evals.harness.agent import AgentBudget
-    from evals.harness.sandbox import SandboxLimits
-
     b = suite.budget
     budget = AgentBudget(
         max_turns=b.max_turns,
@@ -150,8 +151,6 @@ def run_sample(
         The ``eval_result`` fields: passed, attempts (the agent's test runs), turns, completion
         tokens, latency (seconds), tool calls and errors, asked_question, edited, detail.
     """
-    from evals.harness.agent import grade_result, run_agent_session
-
     budget, sampling, limits = _harness_args(suite, sample_seed(suite, task.id, sample_index))
     safe = re.sub(r"[^A-Za-z0-9_.-]+", "_", task.id)[:80]
     workdir = Path(tempfile.mkdtemp(prefix=f"{safe}-{sample_index}-", dir=work_root))
@@ -268,8 +267,6 @@ def run_suite(
     Raises:
         NotFoundError: unknown checkpoint. ConflictError: the same run is active elsewhere.
     """
-    from app.repositories.checkpoints import get_checkpoint
-
     t0 = time.perf_counter()
     suite = load_suite(suite) if isinstance(suite, str) else suite
     plan = plan_run(suite.with_limit(limit), tasks)
@@ -381,8 +378,6 @@ def eval_engine(checkpoint_id: str) -> "InferenceEngine":
     Raises:
         ConfigurationError: vLLM without an eval server, or an eval server that is the production one.
     """
-    from serving.engine import setup_engine
-
     return setup_engine(checkpoint_id=checkpoint_id, role="eval")
 
 
@@ -391,7 +386,6 @@ def default_workers(engine: "InferenceEngine | None" = None) -> int:
     which decodes all in-flight sessions' sequences together (its ``max_seqs`` bounds a step), and
     for a vLLM / OpenAI-compatible server, which batches concurrent requests the same way; 1 for
     any other engine (a scripted engine need not be thread-safe)."""
-    from serving.openai_engine import OpenAICompatEngine
     from serving.torch_engine import TorchEngine
 
     return TORCH_ENGINE_WORKERS if isinstance(engine, TorchEngine | OpenAICompatEngine) else 1

@@ -18,6 +18,7 @@ from sqlalchemy import func, select, text
 from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.orm import Session
 
+from app.core.db import get_engine
 from app.core.errors import ConflictError
 from app.core.locks import named_lock_key
 from app.models import Checkpoint, EvalResult, EvalRun, GateDecision
@@ -146,8 +147,6 @@ def advisory_lock(*parts: str) -> Iterator[None]:
     Raises:
         ConflictError: another process holds it.
     """
-    from app.core.db import get_engine
-
     key = named_lock_key(*parts)
     with get_engine().connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
         if not conn.execute(text("SELECT pg_try_advisory_lock(:k)"), {"k": key}).scalar():

@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 
 import typer
+from rich.console import Console
+from rich.table import Table
 
 from ops.simulator_cli import parse_mix
 
@@ -34,8 +36,6 @@ def ab(
     """Serve the same fresh requests (training templates, unseen parameters) with BASE and FINAL on
     the eval engine, let seeded simulated developers answer both, and compare pass rate and product
     signals with task-clustered 95 % intervals. Nothing reaches the event stream."""
-    from rich.console import Console
-
     from app.core.settings import get_settings
     from app.core.telemetry import configure_telemetry
     from ops.ab import ABConfig, run_ab
@@ -75,8 +75,6 @@ def ab(
 
 
 def _table(report: dict):
-    from rich.table import Table
-
     def num(v, pct: bool) -> str:
         return "-" if v is None else (f"{v:.1%}" if pct else f"{v:.3g}")
 

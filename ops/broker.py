@@ -10,6 +10,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from kafka import KafkaAdminClient
+from kafka.admin import NewTopic
+from kafka.errors import TopicAlreadyExistsError
+
 from app.core.errors import ConfigurationError, InfrastructureError
 from app.core.net import broker_healthy, free_port, port_open
 from app.core.pids import stop_pid
@@ -92,10 +96,6 @@ def start_broker(
 
 def create_topics(bootstrap: str, topics: dict[str, int]) -> list[str]:
     """Create missing topics (name -> partitions). Returns the names created."""
-    from kafka import KafkaAdminClient
-    from kafka.admin import NewTopic
-    from kafka.errors import TopicAlreadyExistsError
-
     admin = KafkaAdminClient(bootstrap_servers=bootstrap)
     try:
         existing = set(admin.list_topics())

@@ -7,6 +7,16 @@ from __future__ import annotations
 
 import typer
 
+from app import commands as app_commands
+from app.api import cli as api_cli
+from app.core.errors import FlywheelError
+from consumers import cli as consumers_cli
+from evals import cli as evals_cli
+from ops import ab_cli, simulator_cli
+from ops import commands as ops_commands
+from serving import cli as serving_cli
+from trainer import cli as trainer_cli
+
 app = typer.Typer(
     no_args_is_help=True, add_completion=False, help="flywheel: event-sourced online RL for a coding-agent model."
 )
@@ -15,15 +25,6 @@ app = typer.Typer(
 def _register_all() -> None:
     # Each package registers its own commands; each module imports only typer and the light core at
     # import time, so ``flywheel --help`` stays fast.
-    from app import commands as app_commands
-    from app.api import cli as api_cli
-    from consumers import cli as consumers_cli
-    from evals import cli as evals_cli
-    from ops import ab_cli, simulator_cli
-    from ops import commands as ops_commands
-    from serving import cli as serving_cli
-    from trainer import cli as trainer_cli
-
     for module in (
         app_commands,
         ops_commands,
@@ -44,8 +45,6 @@ _register_all()
 def main() -> None:
     """Console-script entry point: a :class:`FlywheelError`, a database that cannot be reached, or one
     not migrated to this release, ends with its message on stderr and exit code 2 instead of a traceback."""
-    from app.core.errors import FlywheelError
-
     try:
         app()
     except FlywheelError as exc:

@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+import time
+
 import typer
+from rich.console import Console
+from rich.table import Table
+
+from app.core.errors import ConfigurationError
 
 stack_app = typer.Typer(
     no_args_is_help=True, help="The local embedded stack (Postgres + Kafka-compatible broker + vLLM servers)."
@@ -50,9 +56,6 @@ def stack_down_cmd() -> None:
 @stack_app.command("status")
 def stack_status_cmd() -> None:
     """Health of Postgres, the broker and the managed vLLM servers (what each serves); exit 1 if one is down."""
-    from rich.console import Console
-    from rich.table import Table
-
     from ops.stack import stack_status
 
     status = stack_status()
@@ -106,7 +109,6 @@ def beat_cmd(loglevel: str = typer.Option("INFO", "--loglevel", "-l")) -> None:
 @stack_app.command("topics")
 def stack_topics_cmd(partitions: int = typer.Option(None, help="partitions of the interactions topic")) -> None:
     """Create flywheel's topics on the configured broker (production set-up; `stack up` does it locally)."""
-    from app.core.errors import ConfigurationError
     from app.core.settings import get_settings
     from ops.broker import create_topics
 
@@ -129,10 +131,6 @@ def up_cmd(
     """Run the loop's long-lived processes on the local stack so it turns by itself: consumers,
     Celery worker and beat (training every FLYWHEEL_TRAIN_INTERVAL seconds, the eval trigger),
     the API, the outbox relay and the serving watcher."""
-    import time
-
-    from rich.console import Console
-
     from app.core.migrate import upgrade
     from app.core.settings import flywheel_home, get_settings
     from ops.processes import LOOP_SERVICES, service_status, start_service

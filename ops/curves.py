@@ -18,14 +18,20 @@ or insufficient_evidence) with each gated suite's decision and power. The termin
 
 from __future__ import annotations
 
+import html
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import matplotlib
+import matplotlib.pyplot as plt
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from app.core.intervals import wilson_interval
+from app.models import Checkpoint, EvalResult, EvalRun, GateDecision
+from app.promotion.online import load_sessions, signal_summary
+from app.promotion.online_stats import SIGNALS as ONLINE
 
 SIGNALS = (
     "mean_reward",
@@ -67,8 +73,6 @@ class CurvePoint:
 
 
 def _suite_points(session: Session, checkpoint_id: str) -> dict[str, dict[str, float]]:
-    from app.models import EvalResult, EvalRun
-
     out: dict[str, dict[str, float]] = {}
     runs = session.scalars(
         select(EvalRun)
@@ -111,9 +115,6 @@ def product_signals(session: Session, checkpoint_id: str) -> dict[str, float]:
 
 def _signals_with_ci(session: Session, checkpoint_id: str) -> tuple[dict[str, float], dict[str, list[float]]]:
     """:func:`product_signals` and each signal's 95 % interval clustered by user."""
-    from app.promotion.online import load_sessions, signal_summary
-    from app.promotion.online_stats import SIGNALS as ONLINE
-
     rows = [signals for _, signals in load_sessions(session, checkpoint_id)]
     if not rows:
         return {}, {}
@@ -144,8 +145,6 @@ def gate_view(decision: Any) -> dict[str, Any]:
 
 
 def _latest_gate(session: Session, checkpoint_id: str) -> dict[str, Any]:
-    from app.models import GateDecision
-
     row = session.scalars(
         select(GateDecision)
         .where(GateDecision.candidate_id == checkpoint_id)
@@ -157,8 +156,6 @@ def _latest_gate(session: Session, checkpoint_id: str) -> dict[str, Any]:
 
 def collect_curves(session: Session) -> list[CurvePoint]:
     """One :class:`CurvePoint` per registered checkpoint, oldest first."""
-    from app.models import Checkpoint
-
     points = []
     for ckpt in session.scalars(select(Checkpoint).order_by(Checkpoint.generation, Checkpoint.created_at)):
         signals, ci = _signals_with_ci(session, ckpt.id)
@@ -202,10 +199,7 @@ def render_curves_png(points: list[CurvePoint], path: Path) -> Path:
     """Held-out pass rate per suite and the product signals across checkpoints, every point with its
     95 % interval bar (Wilson for pass rates, clustered by user for signals); under each checkpoint
     its gate decision."""
-    import matplotlib
-
     matplotlib.use("Agg", force=True)
-    import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.6))
     labels = [
@@ -289,8 +283,6 @@ def _fmt_gate(p: CurvePoint) -> str:
 def curves_html(points: list[CurvePoint], png_name: str) -> str:
     """An HTML section (table + PNG) of the learning curve: pass rates and signals with their 95 %
     intervals, and each checkpoint's gate decision with every gated suite's decision and power."""
-    import html
-
     suites = sorted({s for p in points for s in p.suites})
     head = "".join(f"<th>{html.escape(h)}</th>" for h in ("gen", "checkpoint", "status", "gate", *suites, *SIGNALS))
     rows = "".join(

@@ -38,8 +38,23 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import httpx
+import matplotlib
+import matplotlib.pyplot as plt
+from rich.console import Console
+from rich.progress import Progress
+from rich.table import Table
+from sqlalchemy import text
+
+from app.core.db import session_scope
 from app.core.errors import FlywheelError
+from app.core.migrate import upgrade
+from app.core.net import free_port
 from app.core.settings import flywheel_home, get_settings
+from ops.processes import start_service, wait_http
+from ops.report import write_report
+from ops.stack import serving_up, serving_wait, stack_down, stack_up
+from serving.engine import resolve_checkpoint
 
 SETUP_STEPS = ("stack", "model", "serving", "services")
 CYCLE_STEPS = ("simulate", "finalize", "train", "gate", "release", "measure")
@@ -135,20 +150,12 @@ def flywheel(
 
 
 def _db_scalar(sql: str, **params: Any) -> Any:
-    from sqlalchemy import text
-
-    from app.core.db import session_scope
-
     with session_scope() as session:
         return session.execute(text(sql), params).scalar()
 
 
 def step_stack(opts: DemoOptions, state: DemoState, home: Path) -> str:
     """Start (or reuse) the embedded stack and migrate."""
-    from app.core.migrate import upgrade
-    from app.core.net import free_port
-    from ops.stack import stack_up
-
     st = stack_up()
     get_settings.cache_clear()
     upgrade(url=st.database_url)
@@ -172,9 +179,6 @@ def step_model(opts: DemoOptions, state: DemoState, home: Path) -> str:
 
 def step_serving(opts: DemoOptions, state: DemoState, home: Path) -> str:
     """The managed vLLM servers (production, eval) on the production checkpoint, warming up."""
-    from ops.stack import serving_up
-    from serving.engine import resolve_checkpoint
-
     if opts.engine != "vllm":
         return f"engine {opts.engine}: each command loads its own in-process engine"
     cid, path = resolve_checkpoint(None, None)
@@ -184,9 +188,6 @@ def step_serving(opts: DemoOptions, state: DemoState, home: Path) -> str:
 
 def step_services(opts: DemoOptions, state: DemoState, home: Path) -> str:
     """The consumer, the promotion API, the outbox relay and the serving watcher in the background."""
-    from ops.processes import start_service, wait_http
-    from ops.stack import serving_wait
-
     env = _env(opts)
     env["FLYWHEEL_API_PORT"] = str(state.data["api_port"])
     started = {
@@ -214,8 +215,6 @@ def wait_serving_production(timeout_s: float = 120.0) -> str:
         FlywheelError: it still serves another checkpoint after ``timeout_s`` seconds (see
             ``logs/watcher.log``).
     """
-    import httpx
-
     production = _db_scalar("SELECT id FROM checkpoint WHERE status = 'production'")
     url = get_settings().serving.url
     deadline = time.monotonic() + timeout_s
@@ -293,8 +292,6 @@ def step_simulate(opts: DemoOptions, state: DemoState, home: Path, cycle: int) -
 
 def step_finalize(opts: DemoOptions, state: DemoState, home: Path, cycle: int) -> str:
     """Wait until the consumer has stored every session and every trajectory is finalized."""
-    from rich.progress import Progress
-
     since = state.data.get(f"since@{cycle}", {}).get("at", "-infinity")  # a state from before cycles: all
     deadline = time.monotonic() + opts.finalize_timeout_s
     seen, steady_since = -1, time.monotonic()
@@ -389,8 +386,6 @@ def step_release(opts: DemoOptions, state: DemoState, home: Path, cycle: int) ->
     """As a release manager, through the promotion API: promote if the gate passed, else reject."""
     # Insufficient evidence is overridden only with the written reason --override-insufficient
     # gives (audited as gate.overridden): an override is a person's judgement, never the default.
-    import httpx
-
     candidate = state.data[f"candidate@{cycle}"]
     if "rm_token" not in state.data:
         proc = flywheel(
@@ -525,9 +520,6 @@ def curve_conclusion(curve: list[dict[str, Any]]) -> str:
 
 def step_report(opts: DemoOptions, state: DemoState, home: Path) -> str:
     """Terminal report plus HTML and PNG under ``$FLYWHEEL_HOME/reports/demo``, with learning curves."""
-    from app.core.db import session_scope
-    from ops.report import write_report
-
     out = get_settings().store.reports() / "demo"
     last = state.data.get(f"candidate@{opts.cycles}")
     with session_scope() as session:
@@ -553,10 +545,7 @@ def step_report(opts: DemoOptions, state: DemoState, home: Path) -> str:
 def render_curve_png(curve: list[dict[str, Any]], path: Path) -> Path:
     """The fresh-traffic curve: per cycle, the served checkpoint's hidden-test pass rate and product
     signals, each with its 95 % interval bar (task-clustered, ``ops.ab``)."""
-    import matplotlib
-
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 3.8))
     x = [p["cycle"] for p in curve]
@@ -591,8 +580,6 @@ def render_curve_png(curve: list[dict[str, Any]], path: Path) -> Path:
 
 def render_curve_terminal(curve: list[dict[str, Any]], conclusion: str) -> None:
     """The fresh-traffic curve as an 80-column table, one row per cycle, then the conclusion."""
-    from rich.console import Console
-    from rich.table import Table
 
     def pct(v, ci=None) -> str:
         if v is None:
@@ -634,8 +621,6 @@ def run_demo(opts: DemoOptions) -> None:
     Raises:
         FlywheelError: a step failed; re-running continues from that step.
     """
-    from rich.console import Console
-
     home = flywheel_home()
     state = DemoState(home)
     con = Console()
@@ -666,6 +651,4 @@ def run_demo(opts: DemoOptions) -> None:
 
 def stop_demo() -> list[str]:
     """Stop every process the demo (and the stack) started."""
-    from ops.stack import stack_down
-
     return stack_down()

@@ -10,13 +10,17 @@ persistence, a dissatisfied follow-up). Every draw comes from the session's seed
 
 from __future__ import annotations
 
+import ast
 import random
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from evals.harness.agent import grade_result
+from evals.harness.apply import apply_target
+from evals.harness.sandbox import SandboxLimits
 from producers.events.types import (
     EditAccepted,
     EditAcceptedEvent,
@@ -28,9 +32,6 @@ from producers.events.types import (
     FollowupSent,
     FollowupSentEvent,
 )
-
-if TYPE_CHECKING:
-    from ops.simulator import SimulatorConfig
 
 FOLLOWUPS = (
     "This doesn't work, the tests still fail.",
@@ -92,13 +93,22 @@ class DeveloperModel(BaseModel):
         }[outcome]
 
 
+class ReactionSettings(Protocol):
+    """What a :class:`DeveloperReaction` reads of its run's settings (``ops.simulator.SimulatorConfig``
+    has these fields)."""
+
+    developer: DeveloperModel
+    run_timeout_s: float
+    """Wall-clock limit of the hidden tests (seconds)."""
+    persistence_delay_s: float
+    """Seconds between acceptance and ``edit.persistence_measured``."""
+    followup_delay_s: float
+    """Seconds between the end of a session and its follow-up."""
+
+
 def visible_check(task, final_files: dict[str, str]) -> bool:
     """What the developer sees without running anything: the task's main file parses and defines
     its entry point (any function when the task names none)."""
-    import ast
-
-    from evals.harness.apply import apply_target
-
     target = apply_target(task.files)
     if target is None or target not in final_files:
         return False
@@ -116,7 +126,7 @@ class DeveloperReaction:
 
     def __init__(
         self,
-        config: SimulatorConfig,
+        config: ReactionSettings,
         rng: random.Random,
         task,
         workdir: Path,
@@ -133,9 +143,6 @@ class DeveloperReaction:
 
     def __call__(self, result) -> list[str]:
         """``on_end`` hook: grade, accept/reject edits now, schedule late signals, return their types."""
-        from evals.harness.agent import grade_result
-        from evals.harness.sandbox import SandboxLimits
-
         dev = self.config.developer
         self.passed = False
         if result.edited:

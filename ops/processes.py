@@ -13,7 +13,11 @@ import sys
 import time
 from pathlib import Path
 
+import httpx
+
 from app.core.errors import InfrastructureError
+from app.core.pids import pid_alive
+from ops.stack import StackState, register_pid
 
 # name -> flywheel arguments. The interval of the training schedule comes from FLYWHEEL_TRAIN_INTERVAL.
 LOOP_SERVICES: dict[str, list[str]] = {
@@ -34,9 +38,6 @@ def start_service(name: str, args: list[str], home: Path, env: dict[str, str] | 
     Raises:
         ConfigurationError: no local stack state (run ``flywheel stack up`` first).
     """
-    from app.core.pids import pid_alive
-    from ops.stack import StackState, register_pid
-
     state = StackState.load(home)
     if state and pid_alive(state.extra_pids.get(name)):
         return state.extra_pids[name]
@@ -56,9 +57,6 @@ def start_service(name: str, args: list[str], home: Path, env: dict[str, str] | 
 
 def service_status(home: Path) -> dict[str, tuple[int | None, bool]]:
     """name -> (pid, alive) for every recorded service."""
-    from app.core.pids import pid_alive
-    from ops.stack import StackState
-
     state = StackState.load(home)
     if state is None:
         return {}
@@ -71,8 +69,6 @@ def wait_http(url: str, timeout_s: float = 60.0) -> None:
     Raises:
         InfrastructureError: not ready within ``timeout_s`` seconds.
     """
-    import httpx
-
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         try:

@@ -11,81 +11,34 @@ from __future__ import annotations
 
 import html
 import json
-from dataclasses import dataclass, field
+from dataclasses import asdict
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+import matplotlib
+import matplotlib.pyplot as plt
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from app.core.intervals import wilson_interval
-
-
-@dataclass
-class SuiteResult:
-    """Pass rate of one checkpoint on one suite."""
-
-    checkpoint_id: str
-    suite: str
-    passed: int
-    total: int
-    low: float
-    high: float
-    mean_completion_tokens: float
-    tool_call_errors: int
-    samples_per_task: int = 1
-    pass_at_k: dict[str, float] = field(default_factory=dict)
-    """Unbiased pass@k (Chen et al. 2021, eq. 1) by k, mean over tasks (``evals.passk``)."""
-    best_of_k: float | None = None
-    """Share of tasks with a passing sample among their ``samples_per_task`` samples."""
-
-    @property
-    def pass_at_k_text(self) -> str:
-        """``pass@1 52.0% · pass@4 81.3% · best-of-4 81.3%``."""
-        from evals.passk import format_pass_at_k
-
-        return format_pass_at_k(self.pass_at_k, self.samples_per_task, self.best_of_k)
-
-    @property
-    def rate(self) -> float:
-        return self.passed / self.total if self.total else 0.0
-
-
-@dataclass
-class LoopReport:
-    """What the loop did, read back from Postgres and the checkpoint store."""
-
-    generated_at: str
-    events_by_type: dict[str, int]
-    dead_letters_by_reason: dict[str, int]
-    privacy_events_dropped: int
-    trajectories_by_status: dict[str, int]
-    reward_spec: str | None
-    rewards: list[float]
-    candidate_id: str | None
-    candidate_parent_id: str | None
-    candidate_status: str | None
-    training_metrics: dict[str, Any]
-    trajectories_trained: int
-    training_history: list[dict[str, Any]] = field(default_factory=list)
-    suites: list[SuiteResult] = field(default_factory=list)
-    gate_passed: bool | None = None
-    gate_decision: str | None = None
-    """The candidate's latest gate decision: pass, fail or insufficient_evidence."""
-    gate_reasons: list[str] = field(default_factory=list)
-    gate_report_path: str | None = None
-    production_id: str | None = None
-    audit: list[dict[str, Any]] = field(default_factory=list)
-    curves: list[dict[str, Any]] = field(default_factory=list)
-    gates: list[dict[str, Any]] = field(default_factory=list)
-    """Every gate decision, oldest first: ``{"decision_id", "candidate_id", "production_id",
-    "decision", "suites": {suite: {"decision", "power", "margin", "n_pairs", "diff", "diff_low",
-    "diff_high"}}}`` over the gated suites."""
-
-    @property
-    def total_events(self) -> int:
-        return sum(self.events_by_type.values())
+from app.models import (
+    AuditLog,
+    Checkpoint,
+    DeadLetter,
+    EvalResult,
+    EvalRun,
+    EventLog,
+    GateDecision,
+    PrivacyTombstone,
+    RewardLabel,
+    Trajectory,
+)
+from evals.gate_models import Outcome
+from evals.passk import sampling_report
+from ops.curves import collect_curves, curves_html, gate_view, render_curves_png
+from ops.report_model import LoopReport, SuiteResult, fmt_diff, fmt_power
+from ops.report_terminal import render_curves_terminal, render_terminal
 
 
 def _reason_text(reason: Any) -> str:
@@ -99,22 +52,8 @@ def _reason_text(reason: Any) -> str:
     return str(reason)
 
 
-def fmt_power(power: float | None) -> str:
-    """``0.93``, or ``-`` without pairs."""
-    return "-" if power is None else f"{power:.2f}"
-
-
-def fmt_diff(diff: float | None, low: float | None, high: float | None) -> str:
-    """``-2.1 pt [-6.0, +1.8]`` (pass-rate points), or ``-``."""
-    if diff is None or low is None or high is None:
-        return "-"
-    return f"{100 * diff:+.1f} pt [{100 * low:+.1f}, {100 * high:+.1f}]"
-
-
 def _gate_entry(decision: Any) -> dict[str, Any]:
     """One gate decision for ``LoopReport.gates`` (see there)."""
-    from ops.curves import gate_view
-
     stored = (decision.report or {}).get("suites") or {}
     view = gate_view(decision)
     keys = ("margin", "n_pairs", "diff", "diff_low", "diff_high")
@@ -129,21 +68,6 @@ def _gate_entry(decision: Any) -> dict[str, Any]:
 
 def collect_report(session: Session, candidate_id: str | None = None) -> LoopReport:
     """Read the loop's state. ``candidate_id`` defaults to the newest trained checkpoint."""
-    from app.models import (
-        AuditLog,
-        Checkpoint,
-        DeadLetter,
-        EvalResult,
-        EvalRun,
-        EventLog,
-        GateDecision,
-        PrivacyTombstone,
-        RewardLabel,
-        Trajectory,
-    )
-    from evals.gate_models import Outcome
-    from evals.passk import sampling_report
-
     events = dict(session.execute(select(EventLog.type, func.count()).group_by(EventLog.type)).all())
     dead = dict(session.execute(select(DeadLetter.reason, func.count()).group_by(DeadLetter.reason)).all())
     dropped = session.scalar(select(func.coalesce(func.sum(PrivacyTombstone.events_dropped), 0))) or 0
@@ -259,10 +183,7 @@ def _scalar_metrics(metrics: dict[str, Any]) -> dict[str, float]:
 
 def render_png(report: LoopReport, path: Path) -> Path:
     """Reward histogram, training metrics and pass rates with intervals, in one PNG."""
-    import matplotlib
-
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
     ax = axes[0]
@@ -356,9 +277,6 @@ def render_html(report: LoopReport, png_name: str, path: Path) -> Path:
 def write_report(session: Session, out_dir: Path, candidate_id: str | None = None) -> tuple[LoopReport, Path]:
     """Collect, print, and write ``report.html`` + ``report.png`` + ``curves.png`` + ``report.json``
     into ``out_dir``; the learning curve covers every checkpoint (``ops.curves``)."""
-    from ops.curves import collect_curves, curves_html, render_curves_png
-    from ops.report_terminal import render_curves_terminal, render_terminal
-
     report = collect_report(session, candidate_id)
     points = collect_curves(session)
     report.curves = [p.as_dict() for p in points]
@@ -370,7 +288,6 @@ def write_report(session: Session, out_dir: Path, candidate_id: str | None = Non
     html_path.write_text(
         html_path.read_text().replace("</body></html>", curves_html(points, "curves.png") + "</body></html>")
     )
-    from dataclasses import asdict
 
     (out_dir / "report.json").write_text(json.dumps(asdict(report), indent=2, default=str))
     return report, html_path

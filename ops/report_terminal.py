@@ -16,11 +16,10 @@ from rich.console import Console
 from rich.table import Table
 
 from ops.curves import SIGNALS, signal_moves
-from ops.report import fmt_diff, fmt_power
+from ops.report_model import LoopReport, fmt_diff, fmt_power
 
 if TYPE_CHECKING:
     from ops.curves import CurvePoint
-    from ops.report import LoopReport
 
 DECISION_STYLE = {"pass": "green", "fail": "red", "insufficient_evidence": "yellow"}
 SIGNAL_HEADS = {

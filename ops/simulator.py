@@ -29,13 +29,19 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from datetime import UTC, datetime
 from pathlib import Path
 
 from opentelemetry import context as otel_context
 from pydantic import BaseModel, ConfigDict, Field
 
+from app.core.errors import ConfigurationError
 from app.core.telemetry import tracer
+from app.inference.engine import SamplingParams
+from evals.harness.agent import AgentBudget, run_agent_session
+from evals.harness.sandbox import SandboxLimits
+from evals.tasks import load_tasks
 from ops.developer import DeveloperModel, DeveloperReaction
 from producers.events.types import (
     EventBase,
@@ -175,8 +181,6 @@ def choose_tasks(tasks: list, n: int, mix: dict[int, float], seed: int) -> list:
     Raises:
         ConfigurationError: a negative weight, or no task with positive weight.
     """
-    from app.core.errors import ConfigurationError
-
     if any(w < 0 for w in mix.values()):
         raise ConfigurationError(f"difficulty weights must be >= 0, got {mix}")
     rng = random.Random(seed)
@@ -213,14 +217,6 @@ def run_simulation(
     Raises:
         ConfigurationError: an eval-only split or unknown source.
     """
-    from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
-
-    from app.core.errors import ConfigurationError
-    from app.inference.engine import SamplingParams
-    from evals.harness.agent import AgentBudget, run_agent_session
-    from evals.harness.sandbox import SandboxLimits
-    from evals.tasks import load_tasks
-
     if config.split != "train":
         raise ConfigurationError(
             f"the simulator plays product sessions on training tasks only (got split "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import typer
@@ -42,8 +43,6 @@ def simulate(
 ) -> None:
     """Play the product backend: real agent sessions on training tasks, every event to the broker.
     With an active canary, its share of users is served by the candidate (``flywheel canary status``)."""
-    import json
-
     import torch
 
     from app.core.telemetry import configure_telemetry, shutdown_telemetry

@@ -21,10 +21,10 @@ from pathlib import Path
 from app.core.errors import ConfigurationError
 from app.core.net import broker_healthy
 from app.core.pids import pid_alive, stop_pid
-from app.core.settings import flywheel_home
+from app.core.settings import KafkaSettings, ServingSettings, flywheel_home, get_settings
 from ops.broker import create_topics, start_broker
 from ops.postgres import postgres_healthy, start_postgres, stop_postgres
-from serving.vllm_server import ROLES, server_status, stop_server
+from serving.vllm_server import ROLES, VLLMServer, server_healthy, server_status, start_server, stop_server, wait_ready
 
 STATE_FILE = "stack.json"
 ENV_FILE = "stack.env"
@@ -66,8 +66,6 @@ def stack_up(home: Path | None = None, partitions: int | None = None) -> StackSt
     External servers named by ``FLYWHEEL_DATABASE_URL`` / ``FLYWHEEL_KAFKA_BOOTSTRAP`` in the
     environment are used as they are.
     """
-    from app.core.settings import KafkaSettings
-
     home = home or flywheel_home()
     previous = StackState.load(home)
     db_url = os.environ.get("FLYWHEEL_DATABASE_URL")
@@ -126,8 +124,6 @@ def serving_up(checkpoint_id: str, model_dir: Path, home: Path | None = None, *,
         ConfigurationError: no local stack, or vLLM is not installed.
         InfrastructureError: a server did not come up (its log's tail is in the message).
     """
-    from serving.vllm_server import VLLMServer, server_healthy, start_server
-
     home = home or flywheel_home()
     state = StackState.load(home)
     if state is None:
@@ -151,9 +147,6 @@ def serving_wait(home: Path | None = None) -> None:
     Raises:
         InfrastructureError: a server died or did not answer within ``vllm_start_timeout_s``.
     """
-    from app.core.settings import ServingSettings
-    from serving.vllm_server import VLLMServer, wait_ready
-
     home = home or flywheel_home()
     timeout_s = ServingSettings.load().vllm_start_timeout_s
     for role in ROLES:
@@ -191,8 +184,6 @@ def stack_down(home: Path | None = None) -> list[str]:
 
 def stack_status(home: Path | None = None) -> dict[str, dict[str, object]]:
     """Health of each service: ``{"postgres": {"healthy": bool, ...}, "kafka": {...}}``."""
-    from app.core.settings import get_settings
-
     home = home or flywheel_home()
     state = StackState.load(home)
     get_settings.cache_clear()

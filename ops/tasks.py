@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import os
 import socket
+from datetime import datetime, timedelta
 from typing import Any
 
-from app.worker.celery_app import celery_app
+from sqlalchemy import create_engine, text
+
+from app.worker.celery_app import broker_urls, celery_app
 
 
 @celery_app.task(name="flywheel.ops.ping")
@@ -22,12 +25,6 @@ def purge_broker_messages(older_than_s: float = 3600.0) -> int:
 
     Returns the rows deleted (0 when the broker is not the SQL transport).
     """
-    from datetime import datetime, timedelta
-
-    from sqlalchemy import create_engine, text
-
-    from app.worker.celery_app import broker_urls
-
     url = broker_urls()[0]
     if not url.startswith("sqla+"):
         return 0

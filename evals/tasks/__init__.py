@@ -7,19 +7,26 @@
 from __future__ import annotations
 
 import random
-from typing import TYPE_CHECKING
+import shutil
+import tempfile
+from pathlib import Path
 
-if TYPE_CHECKING:
-    from evals.harness.sandbox import SandboxLimits, SandboxResult
-    from evals.tasks.model import Task
+from app.core.db import session_scope
+from app.core.errors import ConfigurationError
+from evals.harness.sandbox import SandboxLimits, SandboxResult, run_in_sandbox
+from evals.harness.workspace import write_files
+from evals.tasks import dataframebench, functions, humaneval
+from evals.tasks.mined import load_mined_tasks
+from evals.tasks.model import Task
 
 SOURCES = ("dataframebench", "humaneval", "functions", "mined")
 
 
-def load_tasks(source: str, split: str, limit: int | None = None, seed: int = 0) -> list["Task"]:
+def load_tasks(source: str, split: str, limit: int | None = None, seed: int = 0) -> list[Task]:
     """Tasks of ``source``/``split``; with ``limit``, a seeded random subset ordered by id.
 
-    ``mined`` reads the ``eval_task`` table (``split`` is ignored; needs the database).
+    ``mined`` reads the ``eval_task`` table (``evals.tasks.mined``; ``split`` is ignored; needs the
+    database).
 
     Raises:
         ConfigurationError: unknown source or split (e.g. DataFrameBench ``val``).
@@ -27,24 +34,13 @@ def load_tasks(source: str, split: str, limit: int | None = None, seed: int = 0)
     ``functions`` (generated function requests) has splits ``train``, ``test`` (held-out
     templates) and ``test_params`` (unseen parameterisations of training templates).
     """
-    from app.core.errors import ConfigurationError
-
     if source == "dataframebench":
-        from evals.tasks import dataframebench
-
         tasks = dataframebench.load(split)
     elif source == "humaneval":
-        from evals.tasks import humaneval
-
         tasks = humaneval.load(split)
     elif source == "functions":
-        from evals.tasks import functions
-
         tasks = functions.load(split)
     elif source == "mined":
-        from app.core.db import session_scope
-        from evals.mined import load_mined_tasks
-
         with session_scope() as session:
             return load_mined_tasks(session, limit=limit, seed=seed)
     else:
@@ -54,7 +50,7 @@ def load_tasks(source: str, split: str, limit: int | None = None, seed: int = 0)
     return tasks
 
 
-def verify_reference(task: "Task", limits: "SandboxLimits | None" = None) -> "SandboxResult":
+def verify_reference(task: Task, limits: SandboxLimits | None = None) -> SandboxResult:
     """Run the task's hidden tests on its reference solution in the sandbox.
 
     Returns:
@@ -63,20 +59,13 @@ def verify_reference(task: "Task", limits: "SandboxLimits | None" = None) -> "Sa
     return _run_hidden(task, task.reference_files, limits)
 
 
-def verify_stub(task: "Task", limits: "SandboxLimits | None" = None) -> "SandboxResult":
+def verify_stub(task: Task, limits: SandboxLimits | None = None) -> SandboxResult:
     """Run the hidden tests on the untouched repository. ``.ok`` here means the task does not
     discriminate (a few DataFrameBench tasks pass with the bare stub): graders should know."""
     return _run_hidden(task, {}, limits)
 
 
-def _run_hidden(task: "Task", overlay: dict[str, str], limits: "SandboxLimits | None") -> "SandboxResult":
-    import shutil
-    import tempfile
-    from pathlib import Path
-
-    from evals.harness.sandbox import SandboxLimits, run_in_sandbox
-    from evals.harness.workspace import write_files
-
+def _run_hidden(task: Task, overlay: dict[str, str], limits: SandboxLimits | None) -> SandboxResult:
     work = Path(tempfile.mkdtemp(prefix="flywheel-ref-"))
     try:
         write_files(work, {**task.files, **overlay, **task.test_files})

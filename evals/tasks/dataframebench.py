@@ -12,6 +12,7 @@ import zipfile
 from functools import lru_cache
 
 from app.core.errors import ConfigurationError
+from evals.tasks.fetch import fetch_dataframebench
 from evals.tasks.model import HIDDEN_RUNNER, Task, hidden_runner
 
 SOURCE = "dataframebench"
@@ -37,8 +38,6 @@ _EPILOGUE = (
 
 @lru_cache(maxsize=4)
 def _records(split: str) -> tuple[dict, ...]:
-    from evals.tasks.fetch import fetch_dataframebench
-
     wheel = fetch_dataframebench()
     with zipfile.ZipFile(wheel) as z:
         lines = z.read(f"dataframebench/data/{split}.jsonl").decode("utf-8").splitlines()

@@ -56,3 +56,17 @@ def test_an_upward_import_between_trainer_rooms_breaks_the_check(tmp_path):
     proc = _lint_imports(tmp_path)
     assert proc.returncode != 0
     assert "trainer.step is not allowed to import trainer.cycle" in proc.stdout, proc.stdout[-4000:]
+
+
+def test_a_room_reaching_back_up_breaks_the_check(tmp_path):
+    _copy_tree(tmp_path)
+    tasks = tmp_path / "evals" / "tasks" / "__init__.py"
+    tasks.write_text(tasks.read_text() + "\nfrom evals import mined as _planted  # noqa: E402,F401\n")
+    developer = tmp_path / "ops" / "developer.py"
+    developer.write_text(
+        developer.read_text() + "\nfrom ops.simulator import SimulatorConfig as _planted  # noqa: E402,F401\n"
+    )
+    proc = _lint_imports(tmp_path)
+    assert proc.returncode != 0
+    assert "evals.tasks is not allowed to import evals.mined" in proc.stdout
+    assert "ops.developer is not allowed to import ops.simulator" in proc.stdout

@@ -1,0 +1,26 @@
+"""The mined suite as a task source: the ``eval_task`` rows of suite ``mined`` (``evals.mined``
+writes them).
+
+Invariant: a row's ``spec`` is a ``Task`` dumped as JSON, so every mined task loads back unchanged.
+"""
+
+from __future__ import annotations
+
+import random
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from app.models import EvalTask
+from evals.tasks.model import Task
+
+MINED_SUITE = "mined"
+
+
+def load_mined_tasks(session: Session, *, limit: int | None = None, seed: int = 0) -> list[Task]:
+    """The mined suite's tasks (a seeded subset of ``limit`` when given), ordered by id."""
+    rows = session.scalars(select(EvalTask).where(EvalTask.suite == MINED_SUITE).order_by(EvalTask.task_id)).all()
+    tasks = [Task.model_validate(r.spec) for r in rows]
+    if limit is not None and limit < len(tasks):
+        tasks = sorted(random.Random(seed).sample(tasks, limit), key=lambda t: t.id)
+    return tasks
