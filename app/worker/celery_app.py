@@ -10,9 +10,9 @@ Invariants:
   time, so a crashed worker's task is redelivered where the broker does so; tasks must therefore be
   idempotent (each area's task is single-flight or keyed), and eval shards do not rely on it
   (``evals.shards`` re-queues a lost worker's shard itself).
-- Two queues: ``flywheel.evals.*`` (gating, eval shards) go to ``evals``, everything else to
-  ``celery``. A worker started without ``--queues`` consumes both; a deployment gives the trainer's
-  GPU worker ``celery`` and scales CPU workers on ``evals``.
+- Two queues: eval shards (``flywheel.evals.run_shard``) go to ``evals``, everything else (gating
+  included) to ``celery``. A worker started without ``--queues`` consumes both; a deployment gives
+  the trainer's worker ``celery`` and scales shard workers on ``evals``.
 - Telemetry starts once per worker process (saleor's celeryconf habit): in each prefork child, or
   in the worker process itself for the solo/threads pools, and in beat.
 """
@@ -63,7 +63,7 @@ def celery_config() -> dict[str, Any]:
         "worker_prefetch_multiplier": 1,
         "task_default_queue": DEFAULT_QUEUE,
         "task_queues": tuple(Queue(q, Exchange(q), routing_key=q) for q in (DEFAULT_QUEUE, EVALS_QUEUE)),
-        "task_routes": {"flywheel.evals.*": {"queue": EVALS_QUEUE}},
+        "task_routes": {"flywheel.evals.run_shard": {"queue": EVALS_QUEUE}},
         "task_serializer": "json",
         "result_serializer": "json",
         "accept_content": ["json"],

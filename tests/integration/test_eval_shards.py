@@ -14,6 +14,7 @@ from sqlalchemy import select
 from app.core.db import session_scope
 from app.models import EvalResult, EvalShard
 from app.repositories.checkpoints import add_checkpoint
+from app.worker.celery_app import create_celery_app
 from evals import runner, shards, store
 from evals.config import SuiteConfig
 from evals.tasks.model import Task
@@ -96,6 +97,16 @@ def test_layout_is_contiguous_balanced_and_never_empty():
         shards.layout(TASKS, 0)
 
 
+def test_shard_messages_go_to_the_evals_queue_and_a_plain_worker_consumes_both(monkeypatch):
+    monkeypatch.setenv("FLYWHEEL_DATABASE_URL", "postgresql://u@db.example:5432/fw")
+    app = create_celery_app()
+    route = app.amqp.router.route
+    assert route({}, "flywheel.evals.run_shard")["queue"].name == "evals"
+    assert route({}, "flywheel.evals.evaluate_candidate")["queue"].name == "celery"  # gating stays serial
+    assert route({}, "flywheel.trainer.run_cycle")["queue"].name == "celery"
+    assert set(app.amqp.queues.consume_from) == {"celery", "evals"}
+
+
 def test_shards_on_workers_store_what_the_unsharded_run_stores(ckpt, monkeypatch):
     sessions = Sessions(delay_s=0.15)  # a shard (2-3 tasks x 2 samples) outlives the timeout: heartbeats keep it
     monkeypatch.setattr(runner, "run_sample", sessions)
@@ -126,6 +137,8 @@ def test_shards_on_workers_store_what_the_unsharded_run_stores(ckpt, monkeypatch
         k: v for k, v in plain.monitors.items() if "latency" not in k
     }
     assert sorted(dispatched) == [0, 1, 2]
+    # sessions here wait (as on a vLLM server): three executors take about a third of the time
+    assert sharded.elapsed_s < 0.6 * plain.elapsed_s, (sharded.elapsed_s, plain.elapsed_s)
     done = shard_rows(sharded.run_id)
     assert [s.status for s in done] == ["done"] * 3 and all(s.attempts == 1 for s in done), "none presumed lost"
     # the worker threads took the first shards, the coordinator the last (highest index first)
