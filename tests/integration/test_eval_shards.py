@@ -12,12 +12,14 @@ import pytest
 from sqlalchemy import select
 
 from app.core.db import session_scope
-from app.models import EvalResult, EvalShard
+from app.models import EvalResult, EvalRun, EvalShard
 from app.repositories.checkpoints import add_checkpoint
 from app.worker.celery_app import create_celery_app
-from evals import runner, shards, store
+from evals import automation, runner, shards, store
 from evals.config import SuiteConfig
 from evals.tasks.model import Task
+from tests.integration.test_eval_gating import CONFIG, Engine, Policies, checkpoints  # noqa: F401
+from tests.integration.test_eval_gating import TASKS as GATE_TASKS
 
 pytestmark = pytest.mark.integration
 
@@ -204,3 +206,41 @@ def test_a_shard_lost_every_time_fails_the_run_and_a_rerun_retries_it(ckpt, monk
     assert rerun.run_id == failed.run_id and rerun.status == "succeeded"
     assert (rerun.reused, rerun.ran, rerun.done) == (10, 4, 14)
     assert len(shard_rows(rerun.run_id)) == 3, "a resumed run keeps its layout"
+
+
+def test_an_automated_gate_with_shards_runs_every_sample_once_and_decides(checkpoints, monkeypatch):  # noqa: F811
+    policies = Policies()
+    monkeypatch.setattr(runner, "run_sample", policies)
+
+    class WorkerEngine(Engine):  # what a shard worker builds for the run's checkpoint (and closes)
+        def close(self):
+            pass
+
+    monkeypatch.setattr(runner, "eval_engine", WorkerEngine)
+    monkeypatch.setenv("FLYWHEEL_EVAL_SHARDS", "3")
+    sent: list[tuple[str, int]] = []
+
+    def deliver(run_id, index):  # a worker takes shard 0 at once; the gating process takes the rest
+        sent.append((run_id, index))
+        if index == 0:
+            automation.run_shard.apply(args=[run_id, index]).get()
+
+    monkeypatch.setattr(automation.run_shard, "delay", deliver)
+    result = automation.evaluate(
+        "good",
+        config=CONFIG,
+        suites=sorted(GATE_TASKS),
+        tasks=GATE_TASKS,
+        engine_factory=Engine,
+        overrides={"samples_per_task": 1},
+    )
+    assert result["passed"] is True
+    assert policies.calls == {"base": 60, "good": 60}, "every sample ran once, across shards"
+    with session_scope() as s:
+        runs = s.scalars(select(EvalRun)).all()
+        assert len(runs) == 4 and all(r.status == "succeeded" and r.summary["done"] == 30 for r in runs)
+        for run in runs:
+            rows_ = store.shards(s, run.id)
+            assert [len(r.tasks) for r in rows_] == [10, 10, 10] and {r.status for r in rows_} == {"done"}
+            assert rows_[0].worker != shards.worker_name() and rows_[2].worker == shards.worker_name()
+    assert sorted(i for _, i in sent) == sorted([0, 1, 2] * 4)
