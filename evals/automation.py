@@ -3,9 +3,12 @@
 ``flywheel.evals.evaluate_candidate(checkpoint_id)`` gates one checkpoint (enqueue it after a
 ``checkpoint.created``); ``flywheel.evals.scan_candidates`` (beat, every
 ``FLYWHEEL_EVAL_SCAN_INTERVAL`` seconds) dispatches candidates that have no gate decision yet, so a
-lost trigger only delays a gate. Invariant: a candidate is gated by at most one worker at a time
-(the gate's advisory lock); a duplicate dispatch returns ``skipped`` instead of running twice. The
-task is the transaction boundary: :func:`gate_candidate` commits the decision itself.
+lost trigger only delays a gate. With ``FLYWHEEL_EVAL_SHARDS`` > 1 each eval run of the gate is
+split into shards (:mod:`evals.shards`): ``flywheel.evals.run_shard(run_id, shard_index)`` runs one
+on any worker while the gating worker coordinates and runs shards too. Invariant: a candidate is
+gated by at most one worker at a time (the gate's advisory lock); a duplicate dispatch returns
+``skipped`` instead of running twice, and a duplicate shard message finds its shard claimed or
+done. The task is the transaction boundary: :func:`gate_candidate` commits the decision itself.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from app.worker.celery_app import celery_app
 from evals import store
 from evals.config import eval_settings, load_gate_config
 from evals.gating import gate_candidate
+from evals.shards import ShardedExecution, take_shard
 
 
 def evaluate(checkpoint_id: str, **kwargs: Any) -> dict[str, Any]:
@@ -42,6 +46,16 @@ def evaluate(checkpoint_id: str, **kwargs: Any) -> dict[str, Any]:
             k: v for k, v in (("max_turns", s.max_turns), ("max_tokens_per_turn", s.max_tokens_per_turn)) if v
         },
     }
+    if s.shards > 1:
+        opts["run_kwargs"] = {
+            "execute": ShardedExecution(
+                shards=s.shards,
+                dispatch=dispatch_shard,
+                timeout_s=s.shard_timeout_s,
+                max_attempts=s.shard_attempts,
+                heartbeat_s=s.shard_heartbeat_s,
+            )
+        }
     opts.update(kwargs)
     try:
         outcome = gate_candidate(checkpoint_id, **opts)
@@ -76,3 +90,17 @@ def evaluate_candidate(checkpoint_id: str) -> dict[str, Any]:
 def scan_candidates() -> list[str]:
     """Enqueue ``evaluate_candidate`` for STABLE candidates with no gate decision."""
     return scan(lambda cid: evaluate_candidate.delay(cid))
+
+
+@celery_app.task(name="flywheel.evals.run_shard", bind=True)
+def run_shard(self, run_id: str, shard_index: int) -> dict[str, Any]:
+    """Claim and run one shard of an eval run (:func:`evals.shards.take_shard`); a shard that is not
+    pending (done, or claimed elsewhere) is skipped, so a redelivered message is harmless."""
+    s = eval_settings()
+    worker = self.request.hostname or "celery"
+    return take_shard(run_id, shard_index, worker=worker, workers=s.workers, heartbeat_s=s.shard_heartbeat_s)
+
+
+def dispatch_shard(run_id: str, shard_index: int) -> None:
+    """Enqueue ``flywheel.evals.run_shard`` for one shard (a :data:`evals.shards.ShardDispatch`)."""
+    run_shard.delay(run_id, shard_index)

@@ -379,6 +379,15 @@ class EvalSettings(BaseSettings):
     """Candidates dispatched per beat scan."""
     min_pairs: int | None = Field(default=None, ge=1)
     """Override every suite's ``min_pairs`` (smoke deployments with a small ``limit``)."""
+    shards: int = Field(default=1, ge=1)
+    """Shards per eval run (``evals.shards``): 1 runs each run in the gating worker; N > 1 splits
+    its tasks into N shards that every Celery worker (the gating one included) claims."""
+    shard_timeout_s: float = Field(default=120.0, gt=0)
+    """A running shard whose heartbeat is older than this (seconds) is presumed lost and re-queued."""
+    shard_heartbeat_s: float = Field(default=10.0, gt=0)
+    """Seconds between a running shard's heartbeats (well under ``shard_timeout_s``)."""
+    shard_attempts: int = Field(default=3, ge=1)
+    """Lost claims per shard before the run gives it up as failed (a rerun retries it)."""
 
 
 def eval_settings() -> EvalSettings:

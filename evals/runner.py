@@ -10,7 +10,10 @@ Invariants:
   tests in the sandbox (:func:`evals.harness.agent.grade`). An exception escaping a session is
   infrastructure, not a model failure: it is *not* stored, the run ends ``failed`` and a rerun
   retries exactly those samples (the gate fails closed on the missing results meanwhile).
-- One process at a time per (checkpoint, suite, fingerprint) (a Postgres advisory lock).
+- One process at a time per (checkpoint, suite, fingerprint) (a Postgres advisory lock). That
+  process runs the remaining samples on a thread pool (:func:`execute_samples`), or hands them to
+  another executor such as :class:`evals.shards.ShardedExecution` (Celery workers); either way the
+  summary is computed from the stored results alone.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import re
 import shutil
 import tempfile
 import time
+import uuid
 from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import asdict, dataclass, field
@@ -48,6 +52,21 @@ if TYPE_CHECKING:
     from evals.tasks.model import Task
 
 ResultCallback = Callable[[str, int, dict[str, Any]], None]
+SampleExecutor = Callable[
+    [
+        uuid.UUID,
+        "RunPlan",
+        list[tuple["Task", int]],
+        str,
+        "int | None",
+        "InferenceEngine | None",
+        "ResultCallback | None",
+    ],
+    list[str],
+]
+"""Runs a run's remaining (task, sample) pairs and stores their results:
+``(run_id, plan, todo, checkpoint_id, workers, engine, on_result) -> errors``
+(:func:`execute_samples`, :class:`evals.shards.ShardedExecution`)."""
 
 
 @dataclass
@@ -244,6 +263,7 @@ def run_suite(
     force: bool = False,
     on_result: ResultCallback | None = None,
     on_plan: Callable[[RunPlan, int], None] | None = None,
+    execute: SampleExecutor | None = None,
 ) -> RunSummary:
     """Run (or resume, or reuse) ``suite`` against ``checkpoint_id``.
 
@@ -260,6 +280,8 @@ def run_suite(
         force: start a new run even if a succeeded run of the same plan exists.
         on_result: called in the main thread after each stored result ``(task_id, sample, fields)``.
         on_plan: called once with the plan and the number of samples still to run.
+        execute: runs the remaining samples (default :func:`execute_samples`, a thread pool here;
+            :class:`evals.shards.ShardedExecution` spreads them over Celery workers).
 
     Returns:
         A :class:`RunSummary`; ``cached`` when an existing succeeded run was reused.
@@ -301,7 +323,7 @@ def run_suite(
         todo = [(t, s) for t in plan.tasks for s in range(plan.suite.samples_per_task) if (t.id, s) not in done]
         if on_plan is not None:
             on_plan(plan, len(todo))
-        errors = _execute(run, plan, todo, checkpoint_id, workers, engine, on_result)
+        errors = (execute or execute_samples)(run.id, plan, todo, checkpoint_id, workers, engine, on_result)
         summary = {**_summarize(run, plan, errors), "trace": span_reference()}  # the gate links to this run
         complete = summary["done"] == len(plan.planned)
         with session_scope() as session:
@@ -320,8 +342,8 @@ def run_suite(
     )
 
 
-def _execute(
-    run,
+def execute_samples(
+    run_id: uuid.UUID,
     plan: RunPlan,
     todo: list[tuple["Task", int]],
     checkpoint_id: str,
@@ -329,15 +351,31 @@ def _execute(
     engine: "InferenceEngine | None",
     on_result: ResultCallback | None,
 ) -> list[str]:
-    """Run the remaining samples on a thread pool, committing each result as it completes."""
+    """Run ``todo`` on a thread pool, committing each result as it completes (a :data:`SampleExecutor`).
+
+    Args:
+        run_id: the eval run the results belong to.
+        plan: the run's plan (its suite's budgets and sampling).
+        todo: (task, sample index) pairs to run.
+        checkpoint_id: the checkpoint the engine serves.
+        workers: concurrent sessions; None: :func:`default_workers` for the engine.
+        engine: an engine serving the checkpoint; None: :func:`eval_engine`, built here only if
+            ``todo`` is not empty, and closed here.
+        on_result: called in this thread after each stored result; an exception it raises stops
+            the run after the samples in flight.
+
+    Returns:
+        One ``"task#sample: Error: message"`` line per sample whose session raised (not stored).
+    """
     if not todo:
         return []
     own_engine = engine is None
     if own_engine:
         engine = eval_engine(checkpoint_id)
     workers = workers or default_workers(engine)
-    work_root = flywheel_home() / "evals" / "work" / str(run.id)
-    work_root.mkdir(parents=True, exist_ok=True)
+    # Each executor its own root: shards of one run may execute side by side on one host.
+    (flywheel_home() / "evals" / "work").mkdir(parents=True, exist_ok=True)
+    work_root = Path(tempfile.mkdtemp(prefix=f"{run_id}-", dir=flywheel_home() / "evals" / "work"))
     errors: list[str] = []
     try:
         with ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="eval") as pool:
@@ -348,7 +386,7 @@ def _execute(
             while queue or pending:
                 while queue and len(pending) < 2 * max(1, workers):
                     task, s = queue.pop(0)
-                    pending[pool.submit(run_sample, engine, plan.suite, task, s, work_root, str(run.id))] = (task.id, s)
+                    pending[pool.submit(run_sample, engine, plan.suite, task, s, work_root, str(run_id))] = (task.id, s)
                 finished, _ = wait(pending, return_when=FIRST_COMPLETED)
                 for fut in finished:
                     task_id, s = pending.pop(fut)
@@ -358,7 +396,7 @@ def _execute(
                         continue
                     fields = fut.result()
                     with session_scope() as session:
-                        store.add_result(session, run.id, task_id, s, **fields)
+                        store.add_result(session, run_id, task_id, s, **fields)
                     if on_result is not None:
                         on_result(task_id, s, fields)
     finally:

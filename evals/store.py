@@ -1,9 +1,11 @@
-"""DB access for eval runs, per-task results and gate decisions (flush, never commit).
+"""DB access for eval runs, their shards, per-task results and gate decisions (flush, never commit).
 
 Invariants: at most one ``running`` eval_run per (checkpoint, suite, suite version) is resumed
 (:func:`find_run`); a result is written once per (run, task, sample) (``ON CONFLICT DO NOTHING``), so
-a resumed or duplicated worker cannot double-count; a gate decision, the checkpoint's new status and
-its ``gate.decided`` outbox row are written by the caller in one transaction.
+a resumed or duplicated worker cannot double-count; a shard is claimed by one worker at a time
+(``pending`` -> ``running`` under a row lock, ``attempts`` bumped as the claim's fencing token);
+a gate decision, the checkpoint's new status and its ``gate.decided`` outbox row are written by the
+caller in one transaction.
 """
 
 from __future__ import annotations
@@ -14,14 +16,14 @@ from contextlib import contextmanager
 from datetime import UTC, datetime
 from typing import Any
 
-from sqlalchemy import func, select, text
+from sqlalchemy import func, select, text, update
 from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.orm import Session
 
 from app.core.db import get_engine
 from app.core.errors import ConflictError
 from app.core.locks import named_lock_key
-from app.models import Checkpoint, EvalResult, EvalRun, GateDecision
+from app.models import Checkpoint, EvalResult, EvalRun, EvalShard, GateDecision
 from evals.gate import Outcome, SuiteOutcomes
 
 RESULT_FIELDS = (
@@ -209,3 +211,131 @@ def run_counts(session: Session, run_id: uuid.UUID) -> tuple[int, int]:
         select(func.count(), func.count().filter(EvalResult.passed)).where(EvalResult.run_id == run_id)
     ).one()
     return int(n), int(k)
+
+
+# ---- shards ---------------------------------------------------------------------------------------
+
+
+def create_shards(session: Session, run_id: uuid.UUID, shards: list[list[dict[str, Any]]]) -> None:
+    """Insert shard ``i`` holding the serialized tasks ``shards[i]`` (``pending``); existing rows are
+    kept as they are (``ON CONFLICT DO NOTHING``); flush."""
+    for index, tasks in enumerate(shards):
+        stmt = (
+            insert(EvalShard)
+            .values(run_id=run_id, shard_index=index, tasks=tasks, status="pending", attempts=0, errors=[])
+            .on_conflict_do_nothing(index_elements=["run_id", "shard_index"])
+        )
+        session.execute(stmt)
+    session.flush()
+
+
+def shards(session: Session, run_id: uuid.UUID) -> list[EvalShard]:
+    """Every shard of a run, by index."""
+    return list(session.scalars(select(EvalShard).where(EvalShard.run_id == run_id).order_by(EvalShard.shard_index)))
+
+
+def reset_failed_shards(session: Session, run_id: uuid.UUID) -> list[int]:
+    """Put the run's ``failed`` shards back to ``pending`` (a rerun retries them); their indexes."""
+    rows = session.execute(
+        update(EvalShard)
+        .where(EvalShard.run_id == run_id, EvalShard.status == "failed")
+        .values(status="pending")
+        .returning(EvalShard.shard_index)
+    )
+    return sorted(i for (i,) in rows)
+
+
+def mark_dispatched(session: Session, run_id: uuid.UUID, indexes: list[int]) -> None:
+    """Stamp ``dispatched_at`` (database time) on the given shards."""
+    if indexes:
+        session.execute(
+            update(EvalShard)
+            .where(EvalShard.run_id == run_id, EvalShard.shard_index.in_(indexes))
+            .values(dispatched_at=func.now())
+        )
+
+
+def claim_shard(session: Session, run_id: uuid.UUID, worker: str, index: int | None = None) -> EvalShard | None:
+    """Claim a ``pending`` shard for ``worker``: shard ``index``, or any (highest index first).
+
+    The claimed row becomes ``running`` with ``attempts`` + 1 (the claim's fencing token) and fresh
+    ``claimed_at``/``heartbeat_at`` (database time). Rows locked by a concurrent claim are skipped.
+
+    Returns:
+        The claimed shard, or None when no such shard is pending.
+    """
+    stmt = select(EvalShard).where(EvalShard.run_id == run_id, EvalShard.status == "pending")
+    if index is not None:
+        stmt = stmt.where(EvalShard.shard_index == index)
+    shard = session.scalars(
+        stmt.order_by(EvalShard.shard_index.desc()).limit(1).with_for_update(skip_locked=True)
+    ).first()
+    if shard is None:
+        return None
+    shard.status = "running"
+    shard.attempts += 1
+    shard.worker = worker[:256]
+    shard.claimed_at = shard.heartbeat_at = func.now()
+    session.flush()
+    session.refresh(shard)
+    return shard
+
+
+def heartbeat_shard(session: Session, run_id: uuid.UUID, index: int, attempt: int) -> bool:
+    """Refresh the heartbeat of claim ``attempt``; False when the shard is no longer that claim's."""
+    row = session.execute(
+        update(EvalShard)
+        .where(
+            EvalShard.run_id == run_id,
+            EvalShard.shard_index == index,
+            EvalShard.attempts == attempt,
+            EvalShard.status == "running",
+        )
+        .values(heartbeat_at=func.now())
+        .returning(EvalShard.shard_index)
+    ).first()
+    return row is not None
+
+
+def finish_shard(session: Session, run_id: uuid.UUID, index: int, attempt: int, errors: list[str]) -> bool:
+    """Close claim ``attempt``: ``done`` without errors, else ``failed`` with them appended.
+
+    Returns:
+        False (and changes nothing) when the shard is no longer that claim's.
+    """
+    shard = session.scalars(
+        select(EvalShard)
+        .where(EvalShard.run_id == run_id, EvalShard.shard_index == index, EvalShard.attempts == attempt)
+        .with_for_update()
+    ).first()
+    if shard is None or shard.status != "running":
+        return False
+    shard.status = "failed" if errors else "done"
+    shard.errors = [*shard.errors, *errors]
+    shard.finished_at = func.now()
+    session.flush()
+    return True
+
+
+def stale_shards(session: Session, run_id: uuid.UUID, timeout_s: float) -> list[EvalShard]:
+    """``running`` shards of the run whose heartbeat is older than ``timeout_s`` seconds (database
+    time), locked for update; rows locked elsewhere are skipped."""
+    cutoff = func.now() - func.make_interval(0, 0, 0, 0, 0, 0, timeout_s)
+    return list(
+        session.scalars(
+            select(EvalShard)
+            .where(EvalShard.run_id == run_id, EvalShard.status == "running", EvalShard.heartbeat_at < cutoff)
+            .order_by(EvalShard.shard_index)
+            .with_for_update(skip_locked=True)
+        )
+    )
+
+
+def release_shard(session: Session, shard: EvalShard, note: str, *, failed: bool) -> None:
+    """End a lost claim: the shard goes back to ``pending`` (or to ``failed``) with ``note`` appended
+    to its errors; ``attempts`` stays, so the lost claimant is fenced out. Flush."""
+    shard.status = "failed" if failed else "pending"
+    shard.errors = [*shard.errors, note]
+    if failed:
+        shard.finished_at = func.now()
+    session.flush()

@@ -3,7 +3,7 @@
 from app.models.base import Base
 from app.models.canary import Canary
 from app.models.checkpoints import Checkpoint, CheckpointTrajectory, TrainingCycle
-from app.models.evals import EvalResult, EvalRun, EvalTask, GateDecision
+from app.models.evals import EvalResult, EvalRun, EvalShard, EvalTask, GateDecision
 from app.models.events import ConsumerOffset, DeadLetter, EventLog, Outbox, PrivacyTombstone
 from app.models.promotion import ApiToken, AuditLog, Promotion
 from app.models.trajectories import ErasureRequest, RewardLabel, Trajectory, TrajectorySegment
@@ -16,6 +16,7 @@ __all__ = [
     "TrainingCycle",
     "EvalResult",
     "EvalRun",
+    "EvalShard",
     "EvalTask",
     "GateDecision",
     "ConsumerOffset",

@@ -1,4 +1,5 @@
-"""Eval runs, per-task results, gate decisions and tasks held out of training (owned by ``evals/``)."""
+"""Eval runs, their shards, per-task results, gate decisions and tasks held out of training (owned by
+``evals/``)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from datetime import datetime
 from typing import Any
 
 from sqlalchemy import BigInteger, Boolean, DateTime, Float, ForeignKey, Index, Integer, String, Text, UniqueConstraint
-from sqlalchemy.dialects.postgresql import JSONB, UUID
+from sqlalchemy.dialects.postgresql import JSON, JSONB, UUID
 from sqlalchemy.orm import Mapped, mapped_column
 
 from app.models.base import Base, created_at_column
@@ -58,6 +59,40 @@ class EvalResult(Base):
     created_at: Mapped[datetime] = created_at_column()
 
     __table_args__ = (UniqueConstraint("run_id", "task_id", "sample_index"),)
+
+
+class EvalShard(Base):
+    """A slice of an eval run's tasks that one worker at a time claims and runs (``evals.shards``).
+
+    Keyed by (run, shard index); the layout is fixed when the run is first sharded. ``attempts``
+    counts claims and is the fencing token of the current one: only that claimant may heartbeat or
+    finish the shard.
+    """
+
+    __tablename__ = "eval_shard"
+
+    run_id: Mapped[uuid.UUID] = mapped_column(
+        UUID(as_uuid=True), ForeignKey("eval_run.id", ondelete="CASCADE"), primary_key=True
+    )
+    shard_index: Mapped[int] = mapped_column(Integer, primary_key=True)
+    # json, not jsonb: jsonb reorders object keys, and a task's hash (its plan identity) is taken
+    # over its serialization in field order.
+    tasks: Mapped[list[Any]] = mapped_column(
+        JSON, nullable=False, default=list, comment="the shard's tasks, serialized (evals.tasks.model.Task)"
+    )
+    status: Mapped[str] = mapped_column(
+        String(16), nullable=False, default="pending", comment="pending | running | done | failed"
+    )
+    attempts: Mapped[int] = mapped_column(Integer, nullable=False, default=0, comment="claims so far")
+    worker: Mapped[str | None] = mapped_column(String(256), comment="the latest claimant")
+    errors: Mapped[list[Any]] = mapped_column(
+        JSONB, nullable=False, default=list, comment="sample errors and lost claims, oldest first"
+    )
+    dispatched_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    claimed_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    heartbeat_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    created_at: Mapped[datetime] = created_at_column()
 
 
 class GateDecision(Base):

@@ -7,8 +7,12 @@ Invariants:
   embedded stack needs nothing more. Results go to the same place (Redis, or Celery's database
   backend: ``celery_taskmeta``).
 - Tasks are acknowledged after they run (``acks_late``) and a worker reserves one message at a
-  time, so a crashed worker's task is redelivered; tasks must therefore be idempotent (each area's
-  task is single-flight or keyed).
+  time, so a crashed worker's task is redelivered where the broker does so; tasks must therefore be
+  idempotent (each area's task is single-flight or keyed), and eval shards do not rely on it
+  (``evals.shards`` re-queues a lost worker's shard itself).
+- Two queues: eval shards (``flywheel.evals.run_shard``) go to ``evals``, everything else (gating
+  included) to ``celery``. A worker started without ``--queues`` consumes both; a deployment gives
+  the trainer's worker ``celery`` and scales shard workers on ``evals``.
 - Telemetry starts once per worker process (saleor's celeryconf habit): in each prefork child, or
   in the worker process itself for the solo/threads pools, and in beat.
 """
@@ -20,9 +24,12 @@ from typing import Any
 
 from celery import Celery
 from celery.signals import beat_init, worker_init, worker_process_init
+from kombu import Exchange, Queue
 
 from app.worker.schedule import beat_schedule, module_available
 
+DEFAULT_QUEUE = "celery"
+EVALS_QUEUE = "evals"
 TASK_MODULE_CANDIDATES = ("ops.tasks", "trainer.tasks", "evals.automation", "app.outbox.tasks", "app.promotion.tasks")
 
 
@@ -54,6 +61,9 @@ def celery_config() -> dict[str, Any]:
         "task_acks_late": True,
         "task_reject_on_worker_lost": True,
         "worker_prefetch_multiplier": 1,
+        "task_default_queue": DEFAULT_QUEUE,
+        "task_queues": tuple(Queue(q, Exchange(q), routing_key=q) for q in (DEFAULT_QUEUE, EVALS_QUEUE)),
+        "task_routes": {"flywheel.evals.run_shard": {"queue": EVALS_QUEUE}},
         "task_serializer": "json",
         "result_serializer": "json",
         "accept_content": ["json"],
