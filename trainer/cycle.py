@@ -34,6 +34,7 @@ from app.checkpoints.store import STABLE, CheckpointStore
 from app.core.errors import CheckpointError, ConfigurationError
 from app.core.telemetry import span_reference, tracer
 from trainer.config import TrainerConfig, load_config
+from trainer.trace_links import link_producer_spans
 
 if TYPE_CHECKING:
     from trainer.distributed import DataParallel
@@ -222,6 +223,8 @@ def _train_and_register(
     started = time.perf_counter()
     parent_dir = _parent_dir(store, parent)
     fit_claim_to_budget(data, config)  # before the other ranks see the data: they train what rank 0 claims
+    with session_scope() as session:  # the trainer.cycle span links to the producer spans of what it trains on
+        link_producer_spans(session, data.used)
     if dp is not None:
         dp.send_work(CycleWork(parent_dir=parent_dir, trajectories=data.used))
     trained = train_policy(config, parent_dir, data.used, progress=progress, dp=dp)
