@@ -9,11 +9,13 @@ from __future__ import annotations
 import random
 from typing import TYPE_CHECKING
 
+from evals.tasks import functions_long
+
 if TYPE_CHECKING:
     from evals.harness.sandbox import SandboxLimits, SandboxResult
     from evals.tasks.model import Task
 
-SOURCES = ("dataframebench", "humaneval", "functions", "mined")
+SOURCES = ("dataframebench", "humaneval", "functions", "functions_long", "mined")
 
 
 def load_tasks(source: str, split: str, limit: int | None = None, seed: int = 0) -> list["Task"]:
@@ -25,7 +27,8 @@ def load_tasks(source: str, split: str, limit: int | None = None, seed: int = 0)
         ConfigurationError: unknown source or split (e.g. DataFrameBench ``val``).
 
     ``functions`` (generated function requests) has splits ``train``, ``test`` (held-out
-    templates) and ``test_params`` (unseen parameterisations of training templates).
+    templates) and ``test_params`` (unseen parameterisations of training templates);
+    ``functions_long`` (multi-step requests in long files) has ``train`` and ``test``.
     """
     from app.core.errors import ConfigurationError
 
@@ -41,6 +44,8 @@ def load_tasks(source: str, split: str, limit: int | None = None, seed: int = 0)
         from evals.tasks import functions
 
         tasks = functions.load(split)
+    elif source == "functions_long":
+        tasks = functions_long.load(split)
     elif source == "mined":
         from app.core.db import session_scope
         from evals.mined import load_mined_tasks
