@@ -38,7 +38,8 @@ Prints one JSON line:
   from its output, ``eval`` the eval runs' own durations (taken out of ``gate``), the planted
   regression's training and gate added to ``train`` and ``gate``/``eval``;
 - ``planted_rejected``, ``planted_failures``, ``final_checkpoint``, ``margin`` (the held-out
-  suite's non-inferiority margin, ``evals/gate.toml``), ``wall_s``, ``pass``.
+  suite's non-inferiority margin, ``evals/gate.toml``), ``multi_segment_sessions`` (simulated
+  sessions whose agent self-summarized), ``wall_s``, ``pass``.
 
 ``pass``, default run: in-distribution ``diff >= 0.10`` with ``lower_bound > 0``, edit persistence
 up and dissatisfied follow-ups down each with a 95 % interval excluding 0, held-out ``lower_bound >
@@ -83,6 +84,7 @@ from evals.config import load_gate_config
 from evals.gate import paired_bootstrap_interval
 from ops.ab import ABConfig, plan_pairs
 from ops.demo import DEFAULT_DIFFICULTY_MIX
+from ops.report import count_multi_segment_sessions
 from ops.simulator_cli import parse_mix
 
 SUITE = "functions"
@@ -363,6 +365,7 @@ def main() -> None:
         with session_scope() as session:
             held_out = paired(session, "base", final, SUITE) if final != "base" else None
             budget["eval"] = eval_seconds(session)
+            multi_segment = count_multi_segment_sessions(session)
     finally:
         if not args.keep:
             subprocess.run([sys.executable, "-m", "ops.cli", "demo", "--down"], env=env, capture_output=True)
@@ -420,6 +423,7 @@ def main() -> None:
                 "release_policy": "promote on pass; insufficient evidence promoted with an audited override",
                 "cycles": cycles,
                 "sessions_per_cycle": sessions,
+                "multi_segment_sessions": multi_segment,
                 "difficulty_mix": mix,
                 "wall_s": round(time.monotonic() - started),
                 "home": str(home) if args.keep else None,

@@ -28,7 +28,7 @@ from producers.events.types import EventBase
 
 MAX_SEGMENT_INDEX = 100_000
 """Segments per trajectory the projection accepts (an int4 column; real sessions have a handful)."""
-_TRACEPARENT = re.compile(rb"[0-9a-f]{2}-([0-9a-f]{32})-[0-9a-f]{16}-[0-9a-f]{2}\Z")
+_TRACEPARENT = re.compile(rb"[0-9a-f]{2}-([0-9a-f]{32})-([0-9a-f]{16})-[0-9a-f]{2}\Z")
 
 
 class Message(NamedTuple):
@@ -86,14 +86,15 @@ def why_unstorable(v: Any) -> str | None:
     return None
 
 
-def trace_id_of(headers: Sequence[tuple[str, bytes]]) -> str | None:
-    """The producer's trace id from a W3C ``traceparent`` header, if well formed."""
+def trace_context_of(headers: Sequence[tuple[str, bytes]]) -> tuple[str | None, str | None]:
+    """The producer's ``(trace id, span id)`` (32 and 16 lower-case hex digits) from a W3C
+    ``traceparent`` header; ``(None, None)`` when there is none or it is malformed."""
     for k, v in headers:
         if k == "traceparent" and v:
             m = _TRACEPARENT.match(v)
             if m:
-                return m.group(1).decode("ascii")
-    return None
+                return m.group(1).decode("ascii"), m.group(2).decode("ascii")
+    return None, None
 
 
 _NUL_ESCAPE = b"\\u0000"
@@ -134,6 +135,7 @@ def classify(msg: Message, max_bytes: int, window: TimeWindow | None = None) -> 
     )
     if index is not None and index > MAX_SEGMENT_INDEX:
         return Decoded(msg, reason="validation", detail=f"segment index {index} > {MAX_SEGMENT_INDEX}")
+    trace_id, span_id = trace_context_of(msg.headers)
     row = EventRow(
         event.event_id,
         event.type,
@@ -146,8 +148,9 @@ def classify(msg: Message, max_bytes: int, window: TimeWindow | None = None) -> 
         msg.topic,
         msg.partition,
         msg.offset,
-        trace_id_of(msg.headers),
+        trace_id,
         event.seq,
+        span_id,
     )
     return Decoded(msg, event=event, row=row)
 

@@ -81,11 +81,11 @@ class SuiteConfig(_Strict):
     """Human version; bump when the suite's meaning changes (the fingerprint catches the rest)."""
     description: str = ""
     """What the suite measures."""
-    source: Literal["dataframebench", "humaneval", "functions", "mined"]
+    source: Literal["dataframebench", "humaneval", "functions", "functions_long", "mined"]
     """Task source: a ``evals.tasks`` adapter, or ``mined`` (the ``eval_task`` table)."""
     split: str = "test"
-    """Split of the source; the ``train`` split of DataFrameBench and functions is for training and
-    refused here."""
+    """Split of the source; the ``train`` split of DataFrameBench, functions and functions_long is
+    for training and refused here."""
     samples_per_task: int = Field(default=1, ge=1, le=64)
     """Independent agent sessions per task, K (paired by ``sample_index`` in the gate; the run
     summary reports pass@1, pass@K and best-of-K). Sized with ``tolerance`` by
@@ -103,7 +103,7 @@ class SuiteConfig(_Strict):
 
     @model_validator(mode="after")
     def _no_training_split(self) -> "SuiteConfig":
-        if self.source in ("dataframebench", "functions") and self.split == "train":
+        if self.source in ("dataframebench", "functions", "functions_long") and self.split == "train":
             raise ValueError(f"{self.source}'s train split is for training; evaluate on a held-out split")
         return self
 

@@ -66,6 +66,11 @@ def _gate_entry(decision: Any) -> dict[str, Any]:
     }
 
 
+def count_multi_segment_sessions(session: Session) -> int:
+    """Trajectories with more than one segment (sessions whose agent self-summarized)."""
+    return session.scalar(select(func.count()).select_from(Trajectory).where(Trajectory.num_segments > 1)) or 0
+
+
 def collect_report(session: Session, candidate_id: str | None = None) -> LoopReport:
     """Read the loop's state. ``candidate_id`` defaults to the newest trained checkpoint."""
     events = dict(session.execute(select(EventLog.type, func.count()).group_by(EventLog.type)).all())
@@ -94,6 +99,7 @@ def collect_report(session: Session, candidate_id: str | None = None) -> LoopRep
         dead_letters_by_reason=dead,
         privacy_events_dropped=int(dropped),
         trajectories_by_status=trajs,
+        multi_segment_sessions=count_multi_segment_sessions(session),
         reward_spec=spec,
         rewards=rewards,
         candidate_id=cand.id if cand else None,
@@ -260,7 +266,7 @@ def render_html(report: LoopReport, png_name: str, path: Path) -> Path:
 </head><body><h1>flywheel loop report</h1><p>generated {e(report.generated_at)}</p>
 <h2>events</h2><p>{report.total_events} stored; {sum(report.dead_letters_by_reason.values())} dead letters;
 {report.privacy_events_dropped} privacy-mode events dropped</p><ul>{events}</ul>
-<h2>trajectories</h2><p>{e(json.dumps(report.trajectories_by_status))}; rewards ({e(str(report.reward_spec))}): n={len(report.rewards)}</p>
+<h2>trajectories</h2><p>{e(json.dumps(report.trajectories_by_status))}; {report.multi_segment_sessions} with more than one segment; rewards ({e(str(report.reward_spec))}): n={len(report.rewards)}</p>
 <h2>training</h2><p>candidate {e(str(report.candidate_id))} from {e(str(report.candidate_parent_id))},
 {report.trajectories_trained} trajectories</p><ul>{metrics}</ul>
 <h2>evals</h2><table><tr><th>suite</th><th>checkpoint</th><th>pass rate</th><th>95% CI</th><th>n</th><th>pass@k, best-of-K</th><th>mean tokens</th></tr>{rows}</table>

@@ -64,6 +64,8 @@ class LoopReport:
     production_id: str | None = None
     audit: list[dict[str, Any]] = field(default_factory=list)
     curves: list[dict[str, Any]] = field(default_factory=list)
+    multi_segment_sessions: int = 0
+    """Sessions (trajectories) with more than one segment: the agent self-summarized at least once."""
     gates: list[dict[str, Any]] = field(default_factory=list)
     """Every gate decision, oldest first: ``{"decision_id", "candidate_id", "production_id",
     "decision", "suites": {suite: {"decision", "power", "margin", "n_pairs", "diff", "diff_low",

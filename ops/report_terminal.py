@@ -56,7 +56,11 @@ def render_terminal(report: "LoopReport", console: Console | None = None) -> Non
         f"dead letters: {sum(report.dead_letters_by_reason.values())} {report.dead_letters_by_reason or ''}  "
         f"privacy-mode events dropped: {report.privacy_events_dropped}"
     )
-    con.print("trajectories: " + ", ".join(f"{k} {v}" for k, v in sorted(report.trajectories_by_status.items())))
+    con.print(
+        "trajectories: "
+        + ", ".join(f"{k} {v}" for k, v in sorted(report.trajectories_by_status.items()))
+        + f"; {report.multi_segment_sessions} with more than one segment (self-summarized)"
+    )
     if report.rewards:
         r = sorted(report.rewards)
         con.print(

@@ -52,6 +52,7 @@ from trainer.records import (
 )
 from trainer.selection import select_cycle_data
 from trainer.step import planned_steps
+from trainer.trace_links import link_producer_spans
 from trainer.training import fit_claim_to_budget, train_policy
 
 _tracer = tracer("flywheel.trainer")
@@ -218,6 +219,8 @@ def _train_and_register(
     started = time.perf_counter()
     parent_dir = _parent_dir(store, parent)
     fit_claim_to_budget(data, config)  # before the other ranks see the data: they train what rank 0 claims
+    with session_scope() as session:  # the trainer.cycle span links to the producer spans of what it trains on
+        link_producer_spans(session, data.used)
     if dp is not None:
         dp.send_work(CycleWork(parent_dir=parent_dir, trajectories=data.used))
     trained = train_policy(config, parent_dir, data.used, progress=progress, dp=dp)

@@ -10,7 +10,9 @@ they are joined by span links. A stage stores its span's W3C ``traceparent`` (:f
 in the record it writes (checkpoint manifest ``trace``, eval run summary ``trace``, gate decision
 report ``trace``; a lifecycle message carries the promotion's context in its headers), and the
 stage that reads the record links to it (:func:`link_references`): promotion -> gate decision ->
-eval runs -> training cycle; serving's reload span is a child of the promotion's context.
+eval runs -> training cycle -> the producer spans of the events it trained on (``event_log`` keeps
+each event's producer trace and span id; ``trainer.trace_links``); serving's reload span is a child
+of the promotion's context.
 """
 
 from __future__ import annotations

@@ -38,6 +38,9 @@ class EventLog(Base):
     partition: Mapped[int | None] = mapped_column(Integer)
     offset: Mapped[int | None] = mapped_column(BigInteger)
     trace_id: Mapped[str | None] = mapped_column(String(32))
+    span_id: Mapped[str | None] = mapped_column(
+        String(16), comment="the producer's span id (traceparent): with trace_id, the span that emitted the event"
+    )
     producer_seq: Mapped[int | None] = mapped_column(
         Integer, comment="the envelope's seq: the event's place in its session as the producer emitted it"
     )

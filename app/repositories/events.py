@@ -35,6 +35,7 @@ EVENT_COLUMNS = (
     "offset",
     "trace_id",
     "producer_seq",
+    "span_id",
 )
 
 
@@ -61,11 +62,14 @@ class EventRow(NamedTuple):
     trace_id: str | None
     producer_seq: int | None = None
     """the envelope's ``seq`` (the event's place in its session as the producer emitted it), if sent"""
+    span_id: str | None = None
+    """the span id of the producer's ``traceparent`` header (16 hex digits), if it sent one"""
 
 
 _TEMP_DDL = """CREATE TEMP TABLE IF NOT EXISTS _event_batch (
     ord int, event_id uuid, type text, schema_version int, occurred_at timestamptz, session_id text,
-    user_id text, org_id text, payload json, topic text, partition int, "offset" bigint, trace_id text, producer_seq int
+    user_id text, org_id text, payload json, topic text, partition int, "offset" bigint, trace_id text, producer_seq int,
+    span_id text
 ) ON COMMIT DELETE ROWS"""
 _COLS = ", ".join(f'"{c}"' for c in EVENT_COLUMNS)
 
@@ -110,7 +114,7 @@ def append_events(
         cur.execute(
             f"INSERT INTO event_log ({_COLS}) SELECT {_COLS} FROM unnest("
             "%s::uuid[], %s::text[], %s::int[], %s::timestamptz[], %s::text[], %s::text[], %s::text[], "
-            "%s::text[]::json[], %s::text[], %s::int[], %s::bigint[], %s::text[], %s::int[]) WITH ORDINALITY "
+            "%s::text[]::json[], %s::text[], %s::int[], %s::bigint[], %s::text[], %s::int[], %s::text[]) WITH ORDINALITY "
             f"AS b({_COLS}, ord) ORDER BY ord ON CONFLICT (event_id) DO NOTHING RETURNING event_id, seq",
             [list(c) for c in cols],
         )
@@ -136,6 +140,7 @@ _BINARY_TYPES = [
     "int8",
     "text",
     "int4",
+    "text",
 ]
 
 
@@ -196,6 +201,21 @@ def stored_bodies(session: Session, event_ids: Sequence[uuid.UUID]) -> dict[int,
             (UuidArray.of(list(event_ids)),),
         )
         return {r[0].int: tuple(r[1:]) for r in cur.fetchall()}
+
+
+def producer_spans(session: Session, event_ids: Sequence[uuid.UUID]) -> dict[uuid.UUID, tuple[str, str]]:
+    """``{event_id: (trace id, span id)}`` of the producer span that emitted each stored event of
+    ``event_ids`` (32 and 16 hex digits, from its ``traceparent`` header); events without one, and
+    erased events, are absent."""
+    if not event_ids:
+        return {}
+    with raw_connection(session).cursor() as cur:
+        cur.execute(
+            "SELECT event_id, trace_id, span_id FROM event_log "
+            "WHERE event_id = ANY(%b) AND trace_id IS NOT NULL AND span_id IS NOT NULL",
+            (UuidArray.of(list(event_ids)),),
+        )
+        return {r[0]: (r[1], r[2]) for r in cur.fetchall()}
 
 
 def lock_offsets(session: Session, group_id: str, first: dict[tuple[str, int], int]) -> dict[tuple[str, int], int]:

@@ -13,8 +13,11 @@ Invariants:
   turn would not fit, the model is asked to summarize, the context restarts from the summary
   (and the pending tool results), and a new segment begins.
 - An invalid tool call is answered with an error observation and counted; the session goes on.
-- A final reply without tool calls ends the session; code in it that defines the task's entry
-  point is applied to the main file as an edit (``apply.py``), like an editor's Apply button.
+- A final reply without tool calls (or a ``finish`` call) answers the current request; code in
+  the reply that defines the request's entry point is applied to the main file as an edit
+  (``apply.py``), like an editor's Apply button. The session ends there unless the task has
+  follow-ups (``Task.followups``): the next one is sent as a user turn of the same segment, after
+  its ``agent.requested``, and a segment restarted by a summary shows the current request.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from pathlib import Path
 
 from app.inference.engine import InferenceEngine, SamplingParams
 from evals.harness.apply import apply_target, extract_code
-from evals.harness.chat import SUMMARY_REQUEST, ChatML, repository_message
+from evals.harness.chat import SUMMARY_REQUEST, ChatML, followup_message, repository_message
 from evals.harness.sandbox import SandboxLimits, SandboxResult, run_in_sandbox
 from evals.harness.session_events import SessionEvents
 from evals.harness.toolcalls import ParsedCall, parse_tool_calls
@@ -161,6 +164,8 @@ class _Session:
         self.asked_question, self.reason, self.final_message = False, "turns", ""
         self.edits: list[dict] = []
         self.apply_code = True
+        self.request, self.entry_point = task.request, task.metadata.get("entry_point")
+        self.followups = list(task.followups)
 
     @property
     def events(self) -> list[EventBase]:
@@ -200,8 +205,15 @@ class _Session:
             completion = self.respond(pending, max_new)
             last_completion = completion.token_ids
             outcome = self.act(completion)
-            if outcome is None:  # finished, or answered without a tool call
-                return
+            if outcome is None:  # the request is answered: the developer's next one, if any
+                if not self.followups:
+                    return
+                step = self.followups.pop(0)
+                self.request, self.entry_point = step.request, step.entry_point or self.entry_point
+                self.log.agent_requested(step.request)
+                observations = None
+                pending = self.chat.continuation(last_completion, followup_message(step.request))
+                continue
             observations = outcome
             pending = self.chat.continuation(last_completion, observations)
 
@@ -291,7 +303,7 @@ class _Session:
     def apply_reply(self, message: str) -> bool:
         """Apply the reply's code to the main file (see ``apply.py``); whether an edit was made."""
         target = apply_target(self.task.files)
-        code = extract_code(message, self.task.metadata.get("entry_point")) if target else None
+        code = extract_code(message, self.entry_point) if target else None
         if code is None:
             return False
         out = execute_tool(ParsedCall("edit_file", {"path": target, "content": code}), self.workdir, self.limits)
@@ -313,7 +325,7 @@ class _Session:
         self.turn_in_segment = 0
         self.context = []
         self.log.context_summarized(self.segment, summary, replaced)
-        user = repository_message(self.task.request, self.workdir, summary=summary, observations=observations)
+        user = repository_message(self.request, self.workdir, summary=summary, observations=observations)
         return self.chat.first_prompt(self.chat.system_prompt, user)
 
     def result(self) -> SessionResult:

@@ -82,6 +82,12 @@ class ChatML:
         return text.split(IM_END, 1)[0]
 
 
+def followup_message(request: str) -> str:
+    """The user turn of a developer's follow-up request in the same session: the request, then
+    :data:`REPLY_INSTRUCTION` (the files are in the context already)."""
+    return f"{request.strip()}\n\n{REPLY_INSTRUCTION}"
+
+
 def repository_message(
     request: str,
     workdir: Path,

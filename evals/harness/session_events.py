@@ -35,7 +35,7 @@ from producers.events.types import (
     ToolExecutedEvent,
 )
 
-REQUEST_ID = "r0"  # a session answers one developer request
+REQUEST_ID = "r0"  # the id of a session's first developer request; its follow-ups are r1, r2, ...
 
 
 class SessionEvents:
@@ -52,6 +52,9 @@ class SessionEvents:
         self._emit = emit
         self.events: list[EventBase] = []
         self._ended = False
+        self._requests = 0
+        self.request_id = REQUEST_ID
+        """The request the model is answering (``r<k>`` for the ``k``-th ``agent.requested``)."""
 
     def emit(self, event: EventBase) -> None:
         """Record ``event`` and pass it to ``emit``."""
@@ -69,8 +72,11 @@ class SessionEvents:
         )
 
     def agent_requested(self, text: str) -> None:
-        """``agent.requested``: the developer's request ``text``."""
-        self.emit(AgentRequestedEvent(**self.envelope, payload=AgentRequested(request_id=REQUEST_ID, text=text)))
+        """``agent.requested``: the developer's request ``text`` (the next request of the session;
+        the model's turns after it answer it)."""
+        self.request_id = f"r{self._requests}"
+        self._requests += 1
+        self.emit(AgentRequestedEvent(**self.envelope, payload=AgentRequested(request_id=self.request_id, text=text)))
 
     def model_responded(
         self,
@@ -96,7 +102,7 @@ class SessionEvents:
             ModelRespondedEvent(
                 **self.envelope,
                 payload=ModelResponded(
-                    request_id=REQUEST_ID,
+                    request_id=self.request_id,
                     segment_index=segment_index,
                     turn_index=turn_index,
                     checkpoint_id=checkpoint_id,

@@ -15,11 +15,11 @@ from app.core.db import session_scope
 from app.core.errors import ConfigurationError
 from evals.harness.sandbox import SandboxLimits, SandboxResult, run_in_sandbox
 from evals.harness.workspace import write_files
-from evals.tasks import dataframebench, functions, humaneval
+from evals.tasks import dataframebench, functions, functions_long, humaneval
 from evals.tasks.mined import load_mined_tasks
 from evals.tasks.model import Task
 
-SOURCES = ("dataframebench", "humaneval", "functions", "mined")
+SOURCES = ("dataframebench", "humaneval", "functions", "functions_long", "mined")
 
 
 def load_tasks(source: str, split: str, limit: int | None = None, seed: int = 0) -> list[Task]:
@@ -32,7 +32,8 @@ def load_tasks(source: str, split: str, limit: int | None = None, seed: int = 0)
         ConfigurationError: unknown source or split (e.g. DataFrameBench ``val``).
 
     ``functions`` (generated function requests) has splits ``train``, ``test`` (held-out
-    templates) and ``test_params`` (unseen parameterisations of training templates).
+    templates) and ``test_params`` (unseen parameterisations of training templates);
+    ``functions_long`` (multi-step requests in long files) has ``train`` and ``test``.
     """
     if source == "dataframebench":
         tasks = dataframebench.load(split)
@@ -40,6 +41,8 @@ def load_tasks(source: str, split: str, limit: int | None = None, seed: int = 0)
         tasks = humaneval.load(split)
     elif source == "functions":
         tasks = functions.load(split)
+    elif source == "functions_long":
+        tasks = functions_long.load(split)
     elif source == "mined":
         with session_scope() as session:
             return load_mined_tasks(session, limit=limit, seed=seed)

@@ -15,6 +15,22 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 HIDDEN_RUNNER = "_run_hidden_tests.py"
 
 
+class FollowUp(BaseModel):
+    """A later message of the developer in the same session, sent after the agent's final reply to
+    the message before (a multi-step request).
+
+    Attributes:
+        request: what the developer asks next.
+        entry_point: the function this step asks for (what the editor's Apply looks for in the
+            reply); None: the task's own ``entry_point``.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    request: str
+    entry_point: str | None = None
+
+
 class Task(BaseModel):
     """A small repository plus a terse request, graded by hidden tests.
 
@@ -28,6 +44,7 @@ class Task(BaseModel):
         test_files: hidden files written next to the repository only for grading.
         reference_files: files that solve the task (overlaid on ``files``).
         metadata: source-specific facts (entry point, libraries, category, ...).
+        followups: the developer's later messages in the same session, in order (empty: one request).
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -41,6 +58,8 @@ class Task(BaseModel):
     test_files: dict[str, str] = Field(default_factory=dict)
     reference_files: dict[str, str] = Field(default_factory=dict)
     metadata: dict[str, Any] = Field(default_factory=dict)
+    followups: tuple[FollowUp, ...] = Field(default=(), exclude_if=lambda v: not v)
+    """Left out of dumps while empty, so one-request tasks dump (and hash) as they always did."""
 
     @field_validator("files", "test_files", "reference_files")
     @classmethod

@@ -20,7 +20,15 @@ from sqlalchemy.orm import Session
 from app.core.db import normalize_url
 from app.core.migrate import upgrade
 from consumers.replay import compare_projections, dump_projection
-from consumers.testing import consumer_process, generate_stream, kafka_record, produce, scalar, wait_for
+from consumers.testing import (
+    consumer_process,
+    generate_stream,
+    kafka_record,
+    produce,
+    scalar,
+    traceparent_for,
+    wait_for,
+)
 from tests.fixtures.broker import Relay, read_topic
 
 pytestmark = pytest.mark.integration
@@ -207,6 +215,8 @@ def test_every_insert_method_stores_a_batch_once_and_skips_duplicates(db, method
         ids = [i for (a,) in conn.execute("SELECT event_ids FROM trajectory") for i in a]
         assert len(ids) == len(set(ids)) == len(events)
         assert conn.execute("SELECT next_offset FROM consumer_offset WHERE group_id = 'g'").fetchone() == (len(batch),)
+        traced = conn.execute("SELECT session_id, trace_id, span_id FROM event_log").fetchall()
+        assert all(f"00-{t}-{sp}-01".encode() == traceparent_for(sid) for sid, t, sp in traced)  # the producer span
 
 
 def test_offsets_the_broker_no_longer_had_are_reported_as_lost(db, kafka_bootstrap, caplog):

@@ -10,14 +10,22 @@ import signal
 import subprocess
 import sys
 import textwrap
-from datetime import UTC
+from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
 import torch
+from opentelemetry import trace
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from sqlalchemy import select
 
 from app.checkpoints.store import CheckpointStore
+from app.models import Trajectory, TrajectorySegment
+from app.repositories.events import EventRow, append_events
 from trainer.config import TrainerConfig
+from trainer.cycle import run_cycle
 
 pytestmark = pytest.mark.integration
 
@@ -151,6 +159,53 @@ def test_cycle_produces_registered_candidate(session, store, production, policy_
     again = run_cycle(TrainerConfig.model_validate(CONFIG), store=store)
     assert again.status == "skipped" and again.num_trajectories == 0
     assert again.excluded == {"earlier_cycle": 4, "reserved_for_eval": 1}
+
+
+def test_the_cycle_span_links_to_the_producer_spans_of_the_events_it_trains_on(
+    session, store, production, policy_dir, monkeypatch
+):
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    monkeypatch.setattr(trace, "get_tracer", provider.get_tracer)
+    monkeypatch.setattr("trainer.cycle._tracer", provider.get_tracer("flywheel.trainer"))
+    used, reserved = _insert_sessions(session, policy_dir)
+    # each trajectory's events as stored by the consumer, emitted by one producer span per trajectory
+    spans, rows = {}, []
+    for tid in [*used, reserved]:
+        trace_id, span_id = f"{tid.int:032x}", f"{(tid.int >> 64) or 1:016x}"
+        spans[str(tid)] = (int(trace_id, 16), int(span_id, 16))
+        traj = session.get(Trajectory, tid)
+        for seg in session.scalars(select(TrajectorySegment).where(TrajectorySegment.trajectory_id == tid)):
+            rows += [
+                EventRow(
+                    e,
+                    "model.responded",
+                    1,
+                    datetime.now(UTC),
+                    traj.session_id,
+                    traj.user_id,
+                    "org",
+                    "{}",
+                    None,
+                    None,
+                    None,
+                    trace_id,
+                    None,
+                    span_id,
+                )
+                for e in seg.event_ids
+            ]
+    append_events(session, rows)
+    session.commit()
+
+    result = run_cycle(TrainerConfig.model_validate(CONFIG), store=store)
+    assert result.status == "succeeded", result.detail
+    (cycle,) = [s for s in exporter.get_finished_spans() if s.name == "trainer.cycle"]
+    linked = {link.attributes["flywheel.trajectory_id"]: link.context for link in cycle.links}
+    assert set(linked) == {str(u) for u in used}  # what it trained on; not the reserved trajectory
+    assert all((c.trace_id, c.span_id) == spans[tid] for tid, c in linked.items())
+    assert cycle.attributes["flywheel.producer_spans.linked"] == 4
 
 
 def test_a_cycle_the_update_watch_stops_registers_its_candidate_with_the_reason(session, store, production, policy_dir):
