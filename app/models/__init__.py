@@ -3,6 +3,7 @@
 from app.models.base import Base
 from app.models.canary import Canary
 from app.models.checkpoints import Checkpoint, CheckpointTrajectory, TrainingCycle
+from app.models.environments import TaskEnvironment
 from app.models.evals import EvalResult, EvalRun, EvalTask, GateDecision
 from app.models.events import ConsumerOffset, DeadLetter, EventLog, Outbox, PrivacyTombstone
 from app.models.promotion import ApiToken, AuditLog, Promotion
@@ -17,6 +18,7 @@ __all__ = [
     "EvalResult",
     "EvalRun",
     "EvalTask",
+    "TaskEnvironment",
     "GateDecision",
     "ConsumerOffset",
     "DeadLetter",
