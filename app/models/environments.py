@@ -32,9 +32,7 @@ class TaskEnvironment(Base):
         String(256), ForeignKey("eval_task.task_id", ondelete="CASCADE"), comment="set for mined tasks"
     )
     origin: Mapped[str] = mapped_column(String(16), nullable=False, comment="model | fallback")
-    proposal: Mapped[dict[str, Any]] = mapped_column(
-        JSONB, nullable=False, comment="canonical {dependencies, files}"
-    )
+    proposal: Mapped[dict[str, Any]] = mapped_column(JSONB, nullable=False, comment="canonical {dependencies, files}")
     verified: Mapped[bool] = mapped_column(Boolean, nullable=False)
     reason: Mapped[str | None] = mapped_column(
         Text, comment="model rows: why verification failed; fallback rows: why the model's proposal was not used"
