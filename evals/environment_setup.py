@@ -9,6 +9,9 @@ Invariants:
   its place, and its row records why the model's was not used (``reason code: detail``).
 - Every verdict is stored in ``task_environment`` under its ``env_hash``, so the same proposal for
   the same task content is verified once. The functions here flush, never commit.
+- A mined task's rows reference its ``eval_task`` row (deleted with it). Its row is locked
+  ``FOR KEY SHARE`` for the caller's transaction first, so an erasure waits for the pass; one
+  already gone (or being deleted) is skipped as ``erased``.
 - Success rate = model proposals verified / proposals asked of the model (:class:`SetupReport`).
 """
 
@@ -25,7 +28,7 @@ from sqlalchemy.orm import Session
 
 from app.core.errors import InfrastructureError
 from app.inference.engine import InferenceEngine, SamplingParams
-from app.models import TaskEnvironment
+from app.models import EvalTask, TaskEnvironment
 from evals.environments import (
     EnvironmentPolicy,
     EnvironmentProposal,
@@ -37,6 +40,7 @@ from evals.environments import (
     task_key,
     verify_environment,
 )
+from evals.mined import MINED_SUITE
 from evals.tasks.model import Task
 
 PROMPT = """Set up the environment this task's tests run in.
@@ -63,6 +67,7 @@ class SetupReport:
         fallbacks: tasks that got the resolver's environment instead.
         fallback_verified: fallbacks that verified.
         reasons: why model proposals were not used (reason code -> count).
+        erased: mined tasks skipped because their ``eval_task`` row is gone or being deleted.
         outcomes: per task ``{task_id, origin, verified, reason, env_hash}``; origin is ``cache``,
             ``model`` or ``fallback``.
     """
@@ -75,6 +80,7 @@ class SetupReport:
     fallbacks: int = 0
     fallback_verified: int = 0
     reasons: Counter = field(default_factory=Counter)
+    erased: int = 0
     outcomes: list[dict[str, Any]] = field(default_factory=list)
 
     @property
@@ -100,6 +106,7 @@ class SetupReport:
             "fallback_verified": self.fallback_verified,
             "unverified": self.unverified,
             "reasons": dict(sorted(self.reasons.items())),
+            "erased": self.erased,
         }
 
 
@@ -153,6 +160,19 @@ def environment_for(session: Session, task: Task, policy: EnvironmentPolicy) -> 
     return None if row is None else EnvironmentProposal.model_validate(row.proposal)
 
 
+def _mined_task_held(session: Session, task_id: str) -> bool:
+    """Whether the mined task's ``eval_task`` row exists, locking it ``FOR KEY SHARE`` (an erasure to
+    come waits for this transaction); one a deletion holds is skipped, not waited for."""
+    return (
+        session.execute(
+            select(EvalTask.task_id)
+            .where(EvalTask.task_id == task_id)
+            .with_for_update(read=True, key_share=True, skip_locked=True)
+        ).first()
+        is not None
+    )
+
+
 def _verdict(
     session: Session,
     task: Task,
@@ -184,7 +204,7 @@ def _verdict(
             task_key=key,
             task_id=task.id,
             source=task.source,
-            eval_task_id=task.id if task.source == "mined" else None,
+            eval_task_id=task.id if task.source == MINED_SUITE else None,
             origin=origin,
             proposal=proposal.model_dump(),
             verified=verdict.verified,
@@ -223,6 +243,9 @@ def setup_environments(
     report = SetupReport(tasks=len(tasks))
     todo: list[tuple[Task, str]] = []
     for task in tasks:
+        if task.source == MINED_SUITE and not _mined_task_held(session, task.id):
+            report.erased += 1
+            continue
         key = task_key(task, policy)
         row = cached_environment(session, key)
         if row is not None:

@@ -24,7 +24,7 @@ POLICY = EnvironmentPolicy(allowed=("numpy", "Pandas", "definitely-not-installed
 
 NUMPY_TASK = Task(
     id="env/numpy-mean",
-    source="mined",
+    source="handmade",
     split="test",
     request="add mean(xs)",
     files={"solution.py": "def mean(xs):\n    raise NotImplementedError\n"},
@@ -35,7 +35,7 @@ NUMPY_TASK = Task(
 
 DATA_TASK = Task(
     id="env/data-file",
-    source="mined",
+    source="handmade",
     split="test",
     request="add double(x)",
     files={"solution.py": "def double(x):\n    return x\n"},
