@@ -43,15 +43,20 @@ from evals.environments import (
 from evals.mined import MINED_SUITE
 from evals.tasks.model import Task
 
-PROMPT = """Set up the environment this task's tests run in.
-Reply with one JSON object and nothing else, in this format:
-{{"dependencies": ["numpy"], "files": {{}}}}
+PROMPT = """The tests of this task run with: {command}
+{files}
+
+Set up the environment these tests run in.
 "dependencies": the Python distributions the code and the tests import, chosen from: {allowed}.
 "files": extra data or config files the tests read (path -> text), never code; {{}} when none.
+Reply with one JSON object and nothing else: {{"dependencies": [...], "files": {{...}}}}"""
+"""The user turn of a proposal request (the model's chat template adds its own system prompt). The
+instruction comes last: SmolLM2-135M answered an instruction placed before the files with prose
+about the code (12 of 12 DataFrameBench tasks)."""
 
-Test command: {command}
-{files}"""
-"""The user turn of a proposal request (the model's chat template adds its own system prompt)."""
+REPLY_PREFIX = '{"dependencies": ['
+"""The start of the assistant's turn, written for the model: the reply parsed is this prefix and
+the completion. Without it SmolLM2-135M answered with prose or code; with it, with JSON."""
 
 
 @dataclass
@@ -111,9 +116,9 @@ class SetupReport:
 
 
 def proposal_prompt(task: Task, policy: EnvironmentPolicy, *, max_file_chars: int = 2500, budget: int = 6000) -> str:
-    """The request for ``task``: the format, the allowed list, the test command, then the solved
-    repository and the hidden tests as ``path:`` + fenced block (a file past ``max_file_chars`` or the
-    remaining ``budget`` of characters is cut, marked ``...``)."""
+    """The request for ``task``: the test command, the solved repository and the hidden tests as
+    ``path:`` + fenced block (a file past ``max_file_chars`` or the remaining ``budget`` of characters
+    is cut, marked ``...``), then the format and the allowed list."""
     shown = {**task.files, **task.reference_files, **task.test_files}
     parts = []
     for path, text in shown.items():
@@ -127,7 +132,8 @@ def proposal_prompt(task: Task, policy: EnvironmentPolicy, *, max_file_chars: in
 def propose_environments(
     engine: InferenceEngine, tasks: Sequence[Task], policy: EnvironmentPolicy, *, max_tokens: int = 256
 ) -> list[str]:
-    """The model's reply text to :func:`proposal_prompt` for each task, greedy, in one batch.
+    """The model's reply to :func:`proposal_prompt` for each task (:data:`REPLY_PREFIX` and its
+    completion), greedy, in one batch.
 
     Raises:
         InfrastructureError: the engine's server is unreachable or errs.
@@ -138,10 +144,10 @@ def propose_environments(
     prompts = []
     for task in tasks:
         messages = [{"role": "user", "content": proposal_prompt(task, policy)}]
-        text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False) + REPLY_PREFIX
         prompts.append(list(tok(text, add_special_tokens=False).input_ids))
     generations = engine.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0.0))
-    return [tok.decode(g.token_ids, skip_special_tokens=True) for g in generations]
+    return [REPLY_PREFIX + tok.decode(g.token_ids, skip_special_tokens=True) for g in generations]
 
 
 def cached_environment(session: Session, key: str) -> TaskEnvironment | None:

@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 
 from app.inference.engine import Generation, InferenceEngine, SamplingParams
 from app.models import EvalTask, TaskEnvironment
-from evals.environment_setup import environment_for, setup_environments
+from evals.environment_setup import REPLY_PREFIX, environment_for, setup_environments
 from evals.environments import EnvironmentPolicy, EnvironmentProposal
 from evals.harness.scripted import ScriptedPolicy
 from ops.cli import app
@@ -50,7 +50,7 @@ def rows(session) -> list[TaskEnvironment]:
 
 
 def test_a_parsed_proposal_is_verified_stored_and_reused_without_a_model_call(session, tokenizer):
-    answer = '```json\n{"dependencies": ["numpy"], "files": {}}\n```'
+    answer = '"numpy"], "files": {}}'  # the model continues REPLY_PREFIX
     engine = Counting(ScriptedPolicy(tokenizer, [answer]))
     first = setup_environments(session, [NUMPY_TASK], engine, POLICY)
     session.commit()
@@ -79,10 +79,10 @@ def test_refused_proposals_fall_back_with_their_reason_and_the_rate_counts_them(
         DATA_TASK,
     ]
     replies = [
-        '{"dependencies": ["numpy"], "files": {}}',  # right
-        '{"dependencies": [], "files": {}}',  # parses, but the reference cannot import numpy
-        "You will need numpy and pandas installed.",  # prose
-        '{"dependencies": ["torch"], "files": {}}',  # not allowed
+        '"numpy"], "files": {}}',  # right (continuing REPLY_PREFIX)
+        '], "files": {}}',  # parses, but the reference cannot import numpy
+        "numpy and pandas, you will need them.",  # prose
+        '"torch"], "files": {}}',  # not allowed
     ]
     report = setup_environments(session, tasks, ScriptedPolicy(tokenizer, replies), POLICY)
     session.commit()
@@ -96,7 +96,7 @@ def test_refused_proposals_fall_back_with_their_reason_and_the_rate_counts_them(
     assert fallback.verified and fallback.proposal["dependencies"] == ["numpy"]
     assert fallback.reason.startswith("reference_failed: ModuleNotFoundError")
     assert by_id["env/numpy-3", "fallback"].reason.startswith("unparseable")
-    assert by_id["env/numpy-3", "fallback"].detail["model_reply"] == replies[2]
+    assert by_id["env/numpy-3", "fallback"].detail["model_reply"] == REPLY_PREFIX + replies[2]
     # the data file lived only in the session: no resolver can invent it, and the row says why
     data = by_id["env/data-file", "fallback"]
     assert not data.verified and data.reason.startswith("dependency_not_allowed: torch")
@@ -128,7 +128,7 @@ def test_a_random_tiny_model_falls_back_and_the_cli_reports_it(db, tiny_model_di
     summary = json.loads(result.output.strip().splitlines()[-1])
     assert summary["proposed"] == 2 and summary["verified"] == 0 and summary["success_rate"] == 0.0
     assert summary["fallbacks"] == 2 and summary["fallback_verified"] == 2
-    assert set(summary["reasons"]) <= {"unparseable", "invalid_schema"}
+    assert summary["reasons"] and set(summary["reasons"]) <= {"unparseable", "invalid_schema", "dependency_not_allowed"}
     assert "fell back" in result.output
     stored = rows(session)
     assert len(stored) == 2 and all(r.origin == "fallback" and r.verified and r.reason for r in stored)
@@ -157,11 +157,9 @@ def test_a_mined_tasks_environment_goes_with_it(session, tokenizer):
     mined = NUMPY_TASK.model_copy(update={"id": "mined/env-1", "source": "mined"})
     session.add(EvalTask(task_id=mined.id, suite="mined", content_hash="h" * 64, spec=mined.model_dump(mode="json")))
     session.flush()
-    setup_environments(
-        session, [mined], ScriptedPolicy(tokenizer, ['{"dependencies": ["numpy"], "files": {}}']), POLICY
-    )
+    setup_environments(session, [mined], ScriptedPolicy(tokenizer, ['"numpy"], "files": {}}']), POLICY)
     session.commit()
-    assert [r.eval_task_id for r in rows(session)] == [mined.id]
+    assert [(r.eval_task_id, r.origin) for r in rows(session)] == [(mined.id, "model")]
     session.execute(delete(EvalTask).where(EvalTask.task_id == mined.id))  # as an erasure does
     session.commit()
     assert rows(session) == []
