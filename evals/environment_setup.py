@@ -49,14 +49,15 @@ PROMPT = """The tests of this task run with: {command}
 Set up the environment these tests run in.
 "dependencies": the Python distributions the code and the tests import, chosen from: {allowed}.
 "files": extra data or config files the tests read (path -> text), never code; {{}} when none.
-Reply with one JSON object and nothing else: {{"dependencies": [...], "files": {{...}}}}"""
+Reply with one JSON object and nothing else, with the keys "dependencies" (a list of names) and "files"."""
 """The user turn of a proposal request (the model's chat template adds its own system prompt). The
-instruction comes last: SmolLM2-135M answered an instruction placed before the files with prose
-about the code (12 of 12 DataFrameBench tasks)."""
+instruction comes last; the keys are described, not shown: SmolLM2-135M answered an instruction
+placed before the files with prose about the code, and copied a shown template (``[...]``) verbatim
+(docs/tasks.md)."""
 
 REPLY_PREFIX = '{"dependencies": ['
 """The start of the assistant's turn, written for the model: the reply parsed is this prefix and
-the completion. Without it SmolLM2-135M answered with prose or code; with it, with JSON."""
+the completion (without it SmolLM2-135M answered with prose or code)."""
 
 
 @dataclass
