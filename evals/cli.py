@@ -17,6 +17,8 @@ from rich.console import Console, Group
 from rich.table import Table
 from typer.core import TyperGroup
 
+from evals import environment_cli
+
 
 class _DefaultRunGroup(TyperGroup):
     """A group that treats an unknown first word as the argument of its ``run`` command."""
@@ -320,3 +322,4 @@ def register(app: typer.Typer) -> None:
     """Add this package's commands to the main app."""
     app.add_typer(eval_app, name="eval")
     app.command("gate")(gate_cmd)
+    environment_cli.register(app)

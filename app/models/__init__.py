@@ -3,6 +3,7 @@
 from app.models.base import Base
 from app.models.canary import Canary
 from app.models.checkpoints import Checkpoint, CheckpointTrajectory, TrainingCycle
+from app.models.environments import TaskEnvironment
 from app.models.evals import EvalResult, EvalRun, EvalShard, EvalTask, GateDecision
 from app.models.events import ConsumerOffset, DeadLetter, EventLog, Outbox, PrivacyTombstone
 from app.models.promotion import ApiToken, AuditLog, Promotion
@@ -18,6 +19,7 @@ __all__ = [
     "EvalRun",
     "EvalShard",
     "EvalTask",
+    "TaskEnvironment",
     "GateDecision",
     "ConsumerOffset",
     "DeadLetter",

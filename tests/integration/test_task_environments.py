@@ -1,0 +1,167 @@
+"""Environments set up by the model: verified proposals are stored and reused, refused ones fall back with
+their reason, and the success rate counts (real Postgres, the sandbox, a tiny model's tokenizer/weights)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from sqlalchemy import delete, select
+from transformers import AutoTokenizer
+from typer.testing import CliRunner
+
+from app.inference.engine import Generation, InferenceEngine, SamplingParams
+from app.models import EvalTask, TaskEnvironment
+from evals.environment_setup import REPLY_PREFIX, environment_for, setup_environments
+from evals.environments import EnvironmentPolicy, EnvironmentProposal
+from evals.harness.scripted import ScriptedPolicy
+from ops.cli import app
+from tests.unit.test_environments import DATA_TASK, NUMPY_TASK
+
+pytestmark = pytest.mark.integration
+
+POLICY = EnvironmentPolicy(allowed=("numpy", "pandas"), timeout_s=60)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model_dir):
+    return AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+class Counting(InferenceEngine):
+    """Wraps an engine and counts the prompts it was asked to complete."""
+
+    def __init__(self, inner: InferenceEngine) -> None:
+        self.inner, self.tokenizer, self.checkpoint_id, self.prompts = inner, inner.tokenizer, "counted", 0
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
+        self.prompts += len(prompts)
+        return self.inner.generate(prompts, params)
+
+    def load_checkpoint(self, checkpoint_id, path) -> None:
+        raise NotImplementedError
+
+    def apply_delta(self, checkpoint_id, delta_path, parent_id) -> None:
+        raise NotImplementedError
+
+
+def rows(session) -> list[TaskEnvironment]:
+    return list(session.scalars(select(TaskEnvironment).order_by(TaskEnvironment.task_id, TaskEnvironment.origin)))
+
+
+def test_a_parsed_proposal_is_verified_stored_and_reused_without_a_model_call(session, tokenizer):
+    answer = '"numpy"], "files": {}}'  # the model continues REPLY_PREFIX
+    engine = Counting(ScriptedPolicy(tokenizer, [answer]))
+    first = setup_environments(session, [NUMPY_TASK], engine, POLICY)
+    session.commit()
+    assert (first.proposed, first.parsed, first.verified, first.fallbacks, first.success_rate) == (1, 1, 1, 0, 1.0)
+    [row] = rows(session)
+    assert row.origin == "model" and row.verified and row.reason is None and row.proposal["dependencies"] == ["numpy"]
+    assert environment_for(session, NUMPY_TASK, POLICY) == EnvironmentProposal(dependencies=["numpy"], files={})
+
+    again = Counting(ScriptedPolicy(tokenizer, []))
+    second = setup_environments(session, [NUMPY_TASK], again, POLICY)
+    assert again.prompts == 0  # the cache answered: no model call
+    assert (second.cached, second.proposed, second.success_rate) == (1, 0, None)
+    assert second.outcomes[0]["env_hash"] == row.env_hash and len(rows(session)) == 1
+
+
+def test_refused_proposals_fall_back_with_their_reason_and_the_rate_counts_them(session, tokenizer):
+    tasks = [
+        NUMPY_TASK,
+        NUMPY_TASK.model_copy(
+            update={
+                "id": "env/numpy-2",
+                "test_files": {"test_hidden.py": "from solution import *\nassert mean([4]) == 4.0\n"},
+            }
+        ),
+        NUMPY_TASK.model_copy(update={"id": "env/numpy-3", "test_command": "python3 test_hidden.py"}),
+        DATA_TASK,
+    ]
+    replies = [
+        '"numpy"], "files": {}}',  # right (continuing REPLY_PREFIX)
+        '], "files": {}}',  # parses, but the reference cannot import numpy
+        "numpy and pandas, you will need them.",  # prose
+        '"torch"], "files": {}}',  # not allowed
+    ]
+    report = setup_environments(session, tasks, ScriptedPolicy(tokenizer, replies), POLICY)
+    session.commit()
+    assert (report.proposed, report.parsed, report.verified) == (4, 2, 1)
+    assert report.success_rate == pytest.approx(0.25)
+    assert report.fallbacks == 3 and report.fallback_verified == 2 and report.unverified == 1
+    assert report.reasons == {"reference_failed": 1, "unparseable": 1, "dependency_not_allowed": 1}
+    by_id = {(r.task_id, r.origin): r for r in rows(session)}
+    assert not by_id["env/numpy-2", "model"].verified and by_id["env/numpy-2", "model"].reason == "reference_failed"
+    fallback = by_id["env/numpy-2", "fallback"]
+    assert fallback.verified and fallback.proposal["dependencies"] == ["numpy"]
+    assert fallback.reason.startswith("reference_failed: ModuleNotFoundError")
+    assert by_id["env/numpy-3", "fallback"].reason.startswith("unparseable")
+    assert by_id["env/numpy-3", "fallback"].detail["model_reply"] == REPLY_PREFIX + replies[2]
+    # the data file lived only in the session: no resolver can invent it, and the row says why
+    data = by_id["env/data-file", "fallback"]
+    assert not data.verified and data.reason.startswith("dependency_not_allowed: torch")
+    assert environment_for(session, DATA_TASK, POLICY) is None
+
+
+def test_a_random_tiny_model_falls_back_and_the_cli_reports_it(db, tiny_model_dir, session):
+    result = CliRunner().invoke(
+        app,
+        [
+            "tasks",
+            "setup-envs",
+            "--source",
+            "functions",
+            "--split",
+            "test",
+            "--limit",
+            "2",
+            "--model-dir",
+            str(tiny_model_dir),
+            "--engine",
+            "torch",
+            "--max-tokens",
+            "24",
+            "--verbose",
+        ],
+    )
+    assert result.exit_code == 0, result.output
+    summary = json.loads(result.output.strip().splitlines()[-1])
+    assert summary["proposed"] == 2 and summary["verified"] == 0 and summary["success_rate"] == 0.0
+    assert summary["fallbacks"] == 2 and summary["fallback_verified"] == 2
+    assert summary["reasons"] and set(summary["reasons"]) <= {"unparseable", "invalid_schema", "dependency_not_allowed"}
+    assert "fell back" in result.output
+    stored = rows(session)
+    assert len(stored) == 2 and all(r.origin == "fallback" and r.verified and r.reason for r in stored)
+
+    again = CliRunner().invoke(
+        app,
+        [
+            "tasks",
+            "setup-envs",
+            "--source",
+            "functions",
+            "--split",
+            "test",
+            "--limit",
+            "2",
+            "--model-dir",
+            str(tiny_model_dir),
+            "--engine",
+            "torch",
+        ],
+    )
+    assert json.loads(again.output.strip().splitlines()[-1])["cached"] == 2
+
+
+def test_a_mined_tasks_environment_goes_with_it(session, tokenizer):
+    mined = NUMPY_TASK.model_copy(update={"id": "mined/env-1", "source": "mined"})
+    session.add(EvalTask(task_id=mined.id, suite="mined", content_hash="h" * 64, spec=mined.model_dump(mode="json")))
+    session.flush()
+    setup_environments(session, [mined], ScriptedPolicy(tokenizer, ['"numpy"], "files": {}}']), POLICY)
+    session.commit()
+    assert [(r.eval_task_id, r.origin) for r in rows(session)] == [(mined.id, "model")]
+    session.execute(delete(EvalTask).where(EvalTask.task_id == mined.id))  # as an erasure does
+    session.commit()
+    assert rows(session) == []
+    again = setup_environments(session, [mined], ScriptedPolicy(tokenizer, []), POLICY)
+    assert (again.erased, again.proposed, rows(session)) == (1, 0, [])
