@@ -11,7 +11,6 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import psycopg
-from psycopg import errors
 from sqlalchemy import Engine, create_engine
 from sqlalchemy import exc as sa_exc
 from sqlalchemy.engine import make_url
@@ -104,6 +103,6 @@ def schema_missing_reason(exc: BaseException) -> str | None:
     migrated to this release: ``flywheel db upgrade``), or None for anything else."""
     if isinstance(exc, sa_exc.DBAPIError):
         exc = exc.orig or exc
-    if isinstance(exc, (errors.UndefinedTable, errors.UndefinedColumn)):
+    if isinstance(exc, (psycopg.errors.UndefinedTable, psycopg.errors.UndefinedColumn)):
         return (str(exc).splitlines() or [type(exc).__name__])[0]
     return None
