@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
+import signal
+import uuid
 
 import typer
 
@@ -26,8 +29,6 @@ def _setup(service: str) -> None:
 def _warn_if_schema_behind() -> None:
     """Say once, at start, that the database lacks this release's migrations: the consumer then
     retries its batches until they run (``app.core.retry.is_transient``) and logs each retry."""
-    import logging
-
     from app.core.db import get_engine
     from app.core.migrate import schema_behind
 
@@ -51,8 +52,6 @@ def consume(
 ) -> None:
     """Run one ingest consumer: Kafka -> event_log + trajectories + offsets, one transaction per batch.
     Start several to split the partitions. SIGTERM/SIGINT finish the current batch and leave the group."""
-    import signal
-
     from consumers.ingest import IngestConsumer
 
     _setup("flywheel-consumer")
@@ -212,8 +211,6 @@ def erase(
     """Erase a user now (same path as a user.erasure_requested event): events, trajectories, dead
     letters, eval tasks mined from their sessions; flag checkpoints trained on them and their
     descendants, and roll a flagged production back to its newest clean ancestor."""
-    import uuid
-
     from app.core.db import session_scope
     from consumers.erasure import erase_now
 

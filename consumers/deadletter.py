@@ -22,6 +22,7 @@ from datetime import datetime
 from typing import Any, NamedTuple
 
 import orjson
+from kafka import KafkaProducer
 
 from app.repositories.events import DeadLetterRow
 from consumers.classify import Decoded, why_unstorable
@@ -265,8 +266,6 @@ class DeadLetterPublisher:
         Raises:
             kafka.errors.KafkaError: the broker did not take them.
         """
-        from kafka import KafkaProducer
-
         if self._producer is None:
             self._producer = KafkaProducer(
                 bootstrap_servers=self.bootstrap,

@@ -46,6 +46,7 @@ from datetime import datetime
 
 from sqlalchemy.orm import Session
 
+from app.core.locks import AdvisoryLock
 from app.promotion.erasure import FlagOutcome, flag_subtrees
 from app.repositories.events import raw_connection
 from consumers.deadletter import PRIVATE_DETAIL
@@ -88,7 +89,6 @@ def erase_now(session: Session, user_id: str, request_id: str) -> ErasureOutcome
     Takes the projection lock exclusively, so no ingest batch is half-way through the user's events.
     """
     conn = raw_connection(session)
-    from app.core.locks import AdvisoryLock
 
     now = conn.execute("SELECT now(), pg_advisory_xact_lock(%s)", (AdvisoryLock.PROJECTION,)).fetchone()[0]
     return erase_user(session, user_id, request_id, now)

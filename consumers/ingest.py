@@ -48,6 +48,7 @@ from datetime import UTC, datetime
 from typing import TYPE_CHECKING
 
 from app.core.db import session_scope
+from app.core.errors import ConfigurationError
 from app.core.retry import is_transient, is_unique_violation, retry_transient
 from app.core.settings import get_settings
 from app.core.telemetry import tracer
@@ -111,8 +112,6 @@ class IngestConsumer:
         self.settings = settings or get_consumer_settings()
         self.bootstrap = bootstrap or ks.bootstrap
         if not self.bootstrap:
-            from app.core.errors import ConfigurationError
-
             raise ConfigurationError("no Kafka bootstrap: set FLYWHEEL_KAFKA_BOOTSTRAP or run `flywheel stack up`")
         self.topic = topic or ks.interactions_topic
         self.dlq_topic = dlq_topic or ks.dlq_topic

@@ -31,8 +31,15 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from kafka import KafkaConsumer, TopicPartition
+from kafka.consumer.subscription_state import ConsumerRebalanceListener
+from kafka.net.compat import KafkaNetClient
+from kafka.structs import OffsetAndMetadata
+
 from app.core.db import session_scope
 from app.core.retry import Backoff, is_transient, retry_transient
+from app.repositories.events import stored_positions
+from consumers.offsets import log_id_of
 from consumers.polling import PollBackoff
 from consumers.settings import ConsumerSettings
 
@@ -42,8 +49,6 @@ log = logging.getLogger(__name__)
 def kafka_net_client(slow_step_warn_s: float):
     """kafka-python's network client factory (its ``kafka_client`` option) with the loop's slow-step
     warning at ``slow_step_warn_s`` seconds (0 turns it off) instead of its 0.1 s default."""
-    from kafka.net.compat import KafkaNetClient
-
     return functools.partial(KafkaNetClient, slow_task_threshold_secs=slow_step_warn_s)
 
 
@@ -95,9 +100,6 @@ class GroupClient:
         Raises:
             Exception: the broker cannot be reached (transient: ``app.core.retry.is_transient``).
         """
-        from kafka import KafkaConsumer
-        from kafka.consumer.subscription_state import ConsumerRebalanceListener
-
         s = self.settings
         consumer = KafkaConsumer(
             bootstrap_servers=self.bootstrap,
@@ -199,15 +201,11 @@ class GroupClient:
         Raises:
             psycopg.Error / sqlalchemy.exc.DBAPIError: database faults.
         """
-        from app.repositories.events import stored_positions
-
         with session_scope() as s:
             return stored_positions(s, self.group_id, self.topic)
 
     def current_log_id(self) -> str | None:
         """The identity of the topic's log as the client last heard it (``consumers.offsets.log_id_of``)."""
-        from consumers.offsets import log_id_of
-
         return log_id_of(self.consumer, self.topic)
 
     def seek_to_stored(self, consumer, assigned) -> None:
@@ -288,8 +286,6 @@ class GroupClient:
         commit is logged at debug level, never raised. A no-op without a client."""
         if not offsets or self.consumer is None:
             return
-        from kafka import TopicPartition
-        from kafka.structs import OffsetAndMetadata
 
         for (_, p), o in offsets.items():
             self.next[p] = max(self.next.get(p, 0), o)

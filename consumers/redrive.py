@@ -26,10 +26,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from kafka.errors import KafkaError
 from sqlalchemy.orm import Session
 
 from app.core.db import session_scope
 from app.core.errors import InfrastructureError
+from app.core.settings import get_settings
 from app.repositories.events import raw_connection
 from consumers.deadletter import DeadLetterPublisher, stored_headers
 
@@ -152,8 +154,6 @@ def redrive(
         InfrastructureError: the broker did not acknowledge a batch; that batch is not marked, the
             ones before it are.
     """
-    from app.core.settings import get_settings
-
     if not (reasons or ids or select_all):
         raise ValueError("choose what to redrive: reasons, ids or select_all")
     kafka = get_settings().kafka
@@ -213,8 +213,6 @@ def _publisher(bootstrap: str | None, max_bytes: int) -> DeadLetterPublisher:
 
 
 def _publish(publisher: DeadLetterPublisher, rows: list[tuple], topic: str | None, timeout_s: float) -> None:
-    from kafka.errors import KafkaError
-
     try:
         publisher.send(
             (

@@ -23,6 +23,7 @@ from typing import Any
 from sqlalchemy.orm import Session
 
 from app.core.db import session_scope
+from app.core.errors import ConflictError, NotFoundError
 from app.core.locks import AdvisoryLock
 from app.repositories.events import EVENT_COLUMNS, iter_event_rows, raw_connection
 from consumers.batch import project_events
@@ -105,8 +106,6 @@ def drop_shadow_schema(session: Session, schema: str) -> None:
         NotFoundError: the schema does not exist.
         ConflictError: it holds other tables than a replay's, or it is the live schema.
     """
-    from app.core.errors import ConflictError, NotFoundError
-
     conn = raw_connection(session)
     if conn.execute("SELECT 1 FROM pg_namespace WHERE nspname = %s", (_check_ident(schema),)).fetchone() is None:
         raise NotFoundError(f"schema {schema!r} does not exist")

@@ -9,11 +9,16 @@ accepted/rejected, ``session.ended`` naming the late signals to expect, then tho
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import time
 import uuid
 from collections.abc import Iterable, Sequence
 from datetime import UTC, datetime, timedelta
 
 import numpy as np
+import psycopg
+from kafka import KafkaProducer
 
 from producers.events import encode_event
 from producers.events.types import (
@@ -273,8 +278,6 @@ def produce(
     Returns:
         records sent.
     """
-    from kafka import KafkaProducer
-
     producer = KafkaProducer(
         bootstrap_servers=bootstrap,
         acks="all",
@@ -302,9 +305,6 @@ def produce(
 
 def consumer_process(env: dict[str, str], *, group: str | None = None, idle_exit_s: float | None = None, log_path=None):
     """Start ``flywheel consume`` as a subprocess (its own process group) with ``env``."""
-    import subprocess
-    import sys
-
     cmd = [sys.executable, "-c", "from ops.cli import main; main()", "consume"]
     if group:
         cmd += ["--group", group]
@@ -322,8 +322,6 @@ def wait_for(predicate, timeout_s: float, interval_s: float = 0.25, what: str = 
     Raises:
         TimeoutError: not true within ``timeout_s`` seconds.
     """
-    import time
-
     deadline = time.monotonic() + timeout_s
     while True:
         value = predicate()
@@ -336,8 +334,6 @@ def wait_for(predicate, timeout_s: float, interval_s: float = 0.25, what: str = 
 
 def scalar(url: str, sql: str, params: tuple = ()):
     """First column of the first row of ``sql`` on ``url`` (libpq URL), in autocommit."""
-    import psycopg
-
     with psycopg.connect(url.replace("postgresql+psycopg://", "postgresql://"), autocommit=True) as conn:
         row = conn.execute(sql, params).fetchone()
         return row[0] if row else None

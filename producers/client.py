@@ -6,6 +6,7 @@ murmur2) picks for its key, so every event of a session lands on one partition, 
 
 from __future__ import annotations
 
+from kafka import codec
 from kafka.partitioner import DefaultPartitioner, Partitioner
 
 DEFAULT_BATCH_BYTES = 256 * 1024
@@ -13,8 +14,6 @@ DEFAULT_BATCH_BYTES = 256 * 1024
 
 def default_compression() -> str:
     """``zstd`` when kafka-python can use ``zstandard`` here, else ``gzip`` (always available)."""
-    from kafka import codec
-
     return "zstd" if codec.has_zstd() else "gzip"
 
 

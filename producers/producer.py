@@ -34,6 +34,8 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from kafka import KafkaProducer
+
 from producers.client import DEFAULT_BATCH_BYTES, default_compression, kafka_config
 from producers.errors import ConfigurationError, InvalidEventError
 from producers.events.codec import encode_event, validate_event
@@ -392,8 +394,6 @@ class EventProducer:
         return failed, error
 
     def _connect(self):
-        from kafka import KafkaProducer
-
         return KafkaProducer(
             **kafka_config(
                 self.bootstrap,

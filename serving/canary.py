@@ -33,8 +33,12 @@ from typing import Any
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from app.checkpoints.store import STABLE, CheckpointStore
+from app.core.db import session_scope
 from app.core.errors import CheckpointError, ConfigurationError, InfrastructureError
+from app.core.settings import flywheel_home, get_settings
+from app.models import Checkpoint
 from app.promotion.assignment import CANARY, assign_arm
+from app.promotion.canary import get_active_canary
 from app.promotion.serving_state import read_serving_state
 
 log = logging.getLogger("flywheel.canary")
@@ -54,8 +58,6 @@ class CanaryServingSettings(BaseSettings):
 
 def canary_settings() -> CanaryServingSettings:
     """The ``FLYWHEEL_SERVING_CANARY_*`` settings (environment, then the local stack's env file)."""
-    from app.core.settings import flywheel_home
-
     return CanaryServingSettings(_env_file=(flywheel_home() / "stack.env",))  # type: ignore[call-arg]
 
 
@@ -127,8 +129,6 @@ def setup_canary_engine(checkpoint_id: str, path: Path, settings=None, canary: C
     Raises:
         ConfigurationError: vLLM without ``FLYWHEEL_SERVING_CANARY_URL`` or ``_MODEL``.
     """
-    from app.core.settings import get_settings
-
     settings = settings or get_settings()
     canary = canary or canary_settings()
     if settings.serving.engine == "torch":
@@ -333,10 +333,6 @@ class TrafficRouter:
 def active_canary_from_registry() -> ActiveCanary | None:
     """The active canary as the registry has it (for processes that do not follow the lifecycle
     topic, e.g. ``flywheel simulate``), with its checkpoint's folder; None when none is active."""
-    from app.core.db import session_scope
-    from app.models import Checkpoint
-    from app.promotion.canary import get_active_canary
-
     with session_scope() as session:
         row = get_active_canary(session)
         if row is None:

@@ -5,9 +5,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from app.checkpoints.store import CheckpointStore
+from app.core.db import session_scope
 from app.core.errors import ConfigurationError
-from app.core.settings import flywheel_home
+from app.core.settings import flywheel_home, get_settings
 from app.inference.engine import InferenceEngine
+from app.repositories.checkpoints import get_production
 from serving.vllm_server import VLLMServer, ensure_server, record_checkpoint
 
 ENGINE_TYPES = ("torch", "vllm", "openai")
@@ -45,8 +48,6 @@ def setup_engine(
             the production URL, or no production checkpoint.
         InfrastructureError: a managed server was down and did not come back.
     """
-    from app.core.settings import get_settings
-
     settings = settings or get_settings()
     kind = (engine or settings.serving.engine).lower()
     if kind not in ENGINE_TYPES:
@@ -100,14 +101,9 @@ def resolve_checkpoint(checkpoint_id: str | None, model_dir: Path | None) -> tup
         ConfigurationError: no checkpoint named and none in production.
         CheckpointError: the named checkpoint is not STABLE.
     """
-    from app.checkpoints.store import CheckpointStore
-
     if model_dir is not None:
         return checkpoint_id or Path(model_dir).resolve().name, Path(model_dir)
     if checkpoint_id is None:
-        from app.core.db import session_scope
-        from app.repositories.checkpoints import get_production
-
         with session_scope() as session:
             prod = get_production(session)
             if prod is None:

@@ -55,8 +55,10 @@ from typing import Any
 import httpx
 import numpy as np
 from tenacity import retry, retry_if_exception_type, stop_after_attempt, wait_exponential
+from transformers import AutoTokenizer
 
 from app.checkpoints.store import check_hf_folder
+from app.checkpoints.tokenizer import smollm2_tokenizer_dir
 from app.core.errors import CheckpointError, InfrastructureError
 from app.inference.engine import Generation, InferenceEngine, SamplingParams
 from serving.vllm_server import server_healthy
@@ -175,11 +177,7 @@ class OpenAICompatEngine(InferenceEngine):
 
     @staticmethod
     def _load_tokenizer(path: Path | None):
-        from transformers import AutoTokenizer
-
         if path is None or not (path / "tokenizer_config.json").exists():
-            from app.checkpoints.tokenizer import smollm2_tokenizer_dir
-
             path = smollm2_tokenizer_dir()
         return AutoTokenizer.from_pretrained(path)
 

@@ -20,8 +20,10 @@ from pathlib import Path
 from typing import Any
 
 from fastapi import Depends, FastAPI, Header, HTTPException
+from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
+from app.core.errors import FlywheelError
 from app.inference.engine import SamplingParams
 from serving.torch_engine import TorchEngine
 
@@ -61,10 +63,6 @@ class RpcRequest(BaseModel):
 
 def create_app(engine: TorchEngine, *, api_key: str | None = None) -> FastAPI:
     """The FastAPI app serving ``engine`` (bearer ``api_key`` required when given)."""
-    from fastapi.responses import JSONResponse
-
-    from app.core.errors import FlywheelError
-
     app = FastAPI(title="flywheel serve", version="1")
 
     @app.exception_handler(FlywheelError)

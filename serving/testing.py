@@ -2,6 +2,13 @@
 
 from __future__ import annotations
 
+import threading
+import time
+
+import uvicorn
+
+from app.core.net import free_port
+
 
 def serve_in_thread(app, timeout_s: float = 20.0):
     """Run ASGI ``app`` with uvicorn on a free 127.0.0.1 port in a daemon thread (tests).
@@ -12,13 +19,6 @@ def serve_in_thread(app, timeout_s: float = 20.0):
     Raises:
         TimeoutError: uvicorn did not start within ``timeout_s`` seconds.
     """
-    import threading
-    import time
-
-    import uvicorn
-
-    from app.core.net import free_port
-
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)

@@ -11,6 +11,7 @@ no completion mixes two checkpoints (a weight swap drains the running sequences 
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
 from concurrent.futures import Future
@@ -18,9 +19,15 @@ from dataclasses import replace
 from pathlib import Path
 
 import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
+from app.checkpoints.delta import apply_delta
 from app.core.errors import CheckpointError
+from app.core.settings import get_settings
+from app.inference.device import resolve_device
 from app.inference.engine import Generation, InferenceEngine, SamplingParams
+from serving.batched_forward import check_supported, forward_step, new_cache
+from serving.scheduler import Scheduler, Sequence
 
 
 def sample_next(
@@ -123,10 +130,6 @@ class TorchEngine(InferenceEngine):
         serving_dtype: str | None = "bfloat16",
         device: str = "auto",
     ) -> None:
-        from app.core.settings import get_settings
-        from app.inference.device import resolve_device
-        from serving.scheduler import Scheduler
-
         settings = get_settings().serving
         self.device = resolve_device(device)
         self.serving_dtype = getattr(torch, serving_dtype) if serving_dtype else None
@@ -153,10 +156,6 @@ class TorchEngine(InferenceEngine):
         Raises:
             CheckpointError: ``path`` has no ``config.json``, or the architecture cannot be batched.
         """
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
-        from serving.batched_forward import check_supported
-
         path = Path(path)
         if not (path / "config.json").exists():
             raise CheckpointError(f"{path} is not a Hugging Face model folder (no config.json)")
@@ -183,8 +182,6 @@ class TorchEngine(InferenceEngine):
         Raises:
             CheckpointError: the engine serves another checkpoint than ``parent_id``.
         """
-        from app.checkpoints.delta import apply_delta
-
         with self._drained():
             if self.checkpoint_id != parent_id:
                 raise CheckpointError(
@@ -199,14 +196,10 @@ class TorchEngine(InferenceEngine):
             self.checkpoint_id = checkpoint_id
 
     def _drained(self):
-        import contextlib
-
         return self._scheduler.paused() if self._scheduler is not None else contextlib.nullcontext()
 
     def _measure_speed(self, prompt_tokens: int = 32, steps: int = 5) -> None:
         """Set ``prefill_s_per_token`` and ``decode_s_per_token`` (batch 1, median of ``steps``)."""
-        from serving.batched_forward import forward_step, new_cache
-
         cache = new_cache(self.model)
         cache.ensure(1, prompt_tokens + steps + 1, [])
         dev = self.device
@@ -228,13 +221,9 @@ class TorchEngine(InferenceEngine):
     @property
     def kv_bytes_per_token(self) -> int:
         """Bytes of cached keys and values per token (all layers)."""
-        from serving.batched_forward import new_cache
-
         return new_cache(self.model).bytes_per_token
 
     def _eos_ids(self, path: Path) -> tuple[int, ...]:
-        from transformers import GenerationConfig
-
         ids: set[int] = set()
         if self.tokenizer.eos_token_id is not None:
             ids.add(int(self.tokenizer.eos_token_id))
@@ -267,8 +256,6 @@ class TorchEngine(InferenceEngine):
             ValueError: an empty prompt, or prompt + max_tokens above the KV bound.
             RuntimeError: the engine is closed.
         """
-        from serving.scheduler import Sequence
-
         if len(prompt) == 0:
             raise ValueError("empty prompt")
         generator = None

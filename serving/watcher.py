@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import json
 import logging
+import signal
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -42,14 +43,21 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+from kafka import KafkaConsumer, TopicPartition
+
 from app.checkpoints.delta import DELTA_FILE
 from app.checkpoints.store import STABLE, CheckpointStore
+from app.core.db import session_scope
 from app.core.errors import CheckpointError, InfrastructureError
-from app.core.settings import flywheel_home
+from app.core.retry import Backoff, is_transient
+from app.core.settings import flywheel_home, get_settings
 from app.core.telemetry import extract_context, meter, tracer
+from app.models import Checkpoint
 from app.outbox.lifecycle import PRODUCTION_CHANGES
 from app.promotion.serving_state import read_serving_state, write_serving_state
+from app.repositories.checkpoints import get_production
 from serving.canary import CANARY_CHANGES, CanaryFollower, EngineRouter
+from serving.engine import setup_engine
 from serving.vllm_server import VLLMServer, ensure_server
 
 log = logging.getLogger("flywheel.watcher")
@@ -314,8 +322,6 @@ class ServingWatcher:
         supervise: Callable[[], None] | None = None,
         supervise_interval_s: float = 10.0,
     ) -> None:
-        from app.core.settings import get_settings
-
         kafka = get_settings().kafka
         self.bootstrap = bootstrap or kafka.bootstrap
         if not self.bootstrap:
@@ -341,8 +347,6 @@ class ServingWatcher:
             log.error("the serving engine is down and could not be restarted: %s", exc)
 
     def _connect(self):
-        from kafka import KafkaConsumer, TopicPartition
-
         consumer = KafkaConsumer(
             bootstrap_servers=self.bootstrap,
             enable_auto_commit=False,
@@ -413,8 +417,6 @@ class ServingWatcher:
         Raises:
             Exception: a fault that is not transient (``app.core.retry.is_transient``).
         """
-        from app.core.retry import Backoff, is_transient
-
         backoff = Backoff(30.0, initial=1.0)
         while not self._stop.is_set():
             self.supervise()
@@ -458,10 +460,6 @@ def _initial_checkpoint() -> tuple[str | None, Path | None]:
     state = read_serving_state() or {}
     wanted = state.get("checkpoint_id")
     try:
-        from app.core.db import session_scope
-        from app.models import Checkpoint
-        from app.repositories.checkpoints import get_production
-
         with session_scope() as session:
             row = session.get(Checkpoint, wanted) if wanted else get_production(session)
             if row is not None:
@@ -474,10 +472,6 @@ def _initial_checkpoint() -> tuple[str | None, Path | None]:
 def run_watch(*, once: bool = False) -> None:
     """``flywheel watch``: build the configured engine on the last served (or production)
     checkpoint, report it, then follow production and canary changes until SIGTERM."""
-    import signal
-
-    from serving.engine import setup_engine
-
     checkpoint_id, path = _initial_checkpoint()
     engine = setup_engine(checkpoint_id=checkpoint_id, model_dir=path)
     supervise = None

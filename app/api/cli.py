@@ -6,6 +6,10 @@ Heavy modules (FastAPI, uvicorn, SQLAlchemy models, kafka) are imported inside t
 
 from __future__ import annotations
 
+import getpass
+import json
+import uuid
+
 import typer
 
 tokens_app = typer.Typer(no_args_is_help=True, help="API bearer tokens (stored as sha256 hashes).")
@@ -15,8 +19,6 @@ canary_app = typer.Typer(
 
 
 def _cli_actor() -> str:
-    import getpass
-
     try:
         return f"cli:{getpass.getuser()}"
     except (KeyError, OSError):  # no passwd entry (containers): still record that the CLI did it
@@ -97,8 +99,6 @@ def canary_stop(
     canary_id: str = typer.Option(None, "--id", help="canary id (default: the active one)"),
 ) -> None:
     """Stop a canary: every user is served by production again."""
-    import uuid
-
     from app.core.db import session_scope
     from app.promotion.canary import stop_canary
 
@@ -114,8 +114,6 @@ def canary_evaluate() -> None:
     """Apply the canary policy now (what the beat task does every FLYWHEEL_CANARY_EVAL_INTERVAL s): end
     the active canary if a signal regressed significantly, mark it ready if it ran its planned size
     without one. Prints the evaluation as JSON."""
-    import json
-
     from app.core.db import session_scope
     from app.promotion.canary_policy import evaluate_canary
 

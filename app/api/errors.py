@@ -10,13 +10,16 @@ from __future__ import annotations
 
 import logging
 
+import psycopg
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
+from sqlalchemy import exc as sa_exc
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from app.api.schemas import ErrorBody
+from app.core.db import schema_missing_reason, unreachable_reason
 from app.core.errors import AuthError, ConflictError, FlywheelError, ForbiddenError, InfrastructureError, NotFoundError
 
 log = logging.getLogger("flywheel.api")
@@ -91,8 +94,6 @@ DATABASE_RETRY_AFTER_S = 5
 
 
 async def _database_error(request: Request, exc: Exception) -> JSONResponse:
-    from app.core.db import unreachable_reason
-
     reason = unreachable_reason(exc)
     if reason is None:
         return await _schema_error(request, exc)
@@ -106,8 +107,6 @@ async def _database_error(request: Request, exc: Exception) -> JSONResponse:
 
 
 async def _schema_error(request: Request, exc: Exception) -> JSONResponse:
-    from app.core.db import schema_missing_reason
-
     reason = schema_missing_reason(exc)
     if reason is None:  # a statement's error: ours
         return await _unhandled(request, exc)
@@ -130,8 +129,6 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(FlywheelError, _flywheel_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)
-    import psycopg
-    from sqlalchemy import exc as sa_exc
 
     # connection refused or lost, pool timeout -> 503; a statement's error stays a 500
     for db_error in (

@@ -16,6 +16,7 @@ from fastapi import APIRouter, FastAPI
 from app.api.errors import install_error_handlers
 from app.api.limits import BodySizeLimit
 from app.api.routers import audit, canaries, checkpoints, dashboard, health, promotions
+from app.core.db import get_engine
 from app.core.errors import ConfigurationError
 from app.core.settings import get_settings
 from app.core.telemetry import configure_telemetry
@@ -36,7 +37,6 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     """Telemetry once per process; dispose the database pool at shutdown."""
     configure_telemetry("flywheel-api")
     yield
-    from app.core.db import get_engine
 
     try:
         get_engine().dispose()

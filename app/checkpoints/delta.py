@@ -8,8 +8,8 @@ values), or nothing (``same``), and the whole file is one zstd stream.
 
 Invariant: ``apply_delta(parent, write_delta(parent, child))`` equals ``child`` bit for bit, or
 raises. Each tensor records a checksum of the parent's and of the expected child's bf16 bytes
-(xxh3-128 when the ``xxhash`` package is installed -- ~15x faster than sha256 on 270 MB of
-weights -- else sha256; the header names the algorithm) and the zstd frame carries its own content
+(xxh3-128 -- ~15x faster than sha256 on 270 MB of weights; a delta checksummed with sha256 is
+read too: the header names the algorithm) and the zstd frame carries its own content
 checksum; applying to any other parent, or a corrupt payload, raises
 :class:`~app.core.errors.CheckpointError` rather than serving wrong weights.
 
@@ -31,6 +31,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import xxhash
 import zstandard
 
 from app.core.errors import CheckpointError
@@ -122,10 +123,7 @@ def _bits(t: torch.Tensor) -> np.ndarray:
 
 
 def _default_checksum() -> str:
-    try:
-        import xxhash  # noqa: F401
-    except ImportError:
-        return "sha256"
+    """The checksum algorithm new deltas record (``xxh3_128``; ``_checksum`` reads ``sha256`` too)."""
     return "xxh3_128"
 
 
@@ -135,10 +133,6 @@ def _checksum(bits: np.ndarray, algorithm: str) -> str:
     if algorithm == "sha256":
         return hashlib.sha256(data).hexdigest()
     if algorithm == "xxh3_128":
-        try:
-            import xxhash
-        except ImportError:
-            raise CheckpointError("this delta uses xxh3_128 checksums: pip install xxhash") from None
         return xxhash.xxh3_128(data).hexdigest()
     raise CheckpointError(f"unknown delta checksum {algorithm!r}")
 

@@ -15,13 +15,23 @@ import json
 import os
 import shutil
 import uuid
-from datetime import UTC
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+import torch
+from transformers import AutoModelForCausalLM, GenerationConfig, LlamaForCausalLM
+
 from app.checkpoints.store import MANIFEST, STABLE, CheckpointStore, check_hf_folder
 from app.checkpoints.tokenizer import GGUF_NAME, copy_tokenizer, publish_dir, smollm2_gguf
+from app.core.db import session_scope
 from app.core.errors import CheckpointError, ConfigurationError
+from app.core.paths import data_dir
+from app.models import Checkpoint, Promotion
+from app.models.checkpoints import CHECKPOINT_STATUSES
+from app.outbox.lifecycle import enqueue_lifecycle
+from app.repositories.audit import record_audit
+from app.repositories.checkpoints import add_checkpoint, get_production
 
 BASE_ID = "base"
 BASE_CACHE = "smollm2-135m-instruct-hf"
@@ -39,9 +49,6 @@ def convert_gguf(gguf: Path, out_dir: Path) -> Path:
     Returns:
         ``out_dir`` holding config.json, model.safetensors (fp32), generation_config.json, tokenizer.
     """
-    import torch
-    from transformers import AutoModelForCausalLM, GenerationConfig, LlamaForCausalLM
-
     loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     config = loaded.config
     if hasattr(config, "quantization_config"):
@@ -64,8 +71,6 @@ def convert_gguf(gguf: Path, out_dir: Path) -> Path:
 
 def converted_base_dir() -> Path:
     """The cached fp32 HF folder of SmolLM2-135M-Instruct (converted on first call, ~1 min)."""
-    from app.core.paths import data_dir
-
     gguf = smollm2_gguf()
     return publish_dir(lambda tmp: convert_gguf(gguf, tmp), data_dir() / BASE_CACHE)
 
@@ -147,8 +152,6 @@ def register_model(
     Raises:
         CheckpointError: not a HF folder. ConfigurationError: unknown status or no database.
     """
-    from app.models.checkpoints import CHECKPOINT_STATUSES
-
     if status not in CHECKPOINT_STATUSES:
         raise ConfigurationError(f"unknown status {status!r}; one of {', '.join(CHECKPOINT_STATUSES)}")
     store = store or CheckpointStore.from_settings()
@@ -170,14 +173,6 @@ def register_model(
 
 
 def _register_row(checkpoint_id: str, final: Path, status: str, store: CheckpointStore, actor: str) -> None:
-    from datetime import datetime
-
-    from app.core.db import session_scope
-    from app.models import Checkpoint, Promotion
-    from app.outbox.lifecycle import enqueue_lifecycle
-    from app.repositories.audit import record_audit
-    from app.repositories.checkpoints import add_checkpoint, get_production
-
     with session_scope() as session:
         if session.get(Checkpoint, checkpoint_id) is not None:
             return

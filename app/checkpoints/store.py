@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from app.core.errors import CheckpointError
+from app.core.settings import get_settings
 from producers.files import fsync_dir
 
 STABLE = "STABLE"
@@ -77,8 +78,6 @@ class CheckpointStore:
     @classmethod
     def from_settings(cls) -> "CheckpointStore":
         """The store at ``FLYWHEEL_CHECKPOINT_DIR`` (default ``$FLYWHEEL_HOME/checkpoints``)."""
-        from app.core.settings import get_settings
-
         return cls(get_settings().store.checkpoints())
 
     def path(self, checkpoint_id: str) -> Path:

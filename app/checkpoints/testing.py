@@ -10,6 +10,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import torch
+from transformers import AutoModelForCausalLM, GenerationConfig, LlamaConfig, MixtralConfig
+
 from app.checkpoints.tokenizer import copy_tokenizer
 
 VOCAB_SIZE = 49_152
@@ -43,10 +46,7 @@ def tiny_config(
         initializer_range=initializer_range,
     )
     if moe:
-        from transformers import MixtralConfig
-
         return MixtralConfig(num_local_experts=4, num_experts_per_tok=2, output_router_logits=False, **common)
-    from transformers import LlamaConfig
 
     return LlamaConfig(**common)
 
@@ -69,9 +69,6 @@ def build_tiny_model(directory: Path, seed: int = 0, moe: bool = False, **config
 def write_model_folder(directory: Path, config, seed: int = 0) -> Path:
     """Write a random model of ``config`` (fp32, embeddings tied, seeded init) with the SmolLM2
     tokenizer and a generation config into ``directory`` (created); returns ``directory``."""
-    import torch
-    from transformers import AutoModelForCausalLM, GenerationConfig
-
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     with torch.random.fork_rng():

@@ -12,7 +12,10 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from transformers import AutoTokenizer
+
 from app.core.errors import ConfigurationError
+from app.core.paths import data_dir
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 TOKENIZER_CACHE = "smollm2-tokenizer"
@@ -63,11 +66,8 @@ def smollm2_tokenizer_dir() -> Path:
 
     Extracted from the GGUF on first use (~10 s) and cached in ``data_dir()``.
     """
-    from app.core.paths import data_dir
 
     def build(tmp: Path) -> None:
-        from transformers import AutoTokenizer
-
         gguf = smollm2_gguf()
         tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         tok.save_pretrained(tmp)

@@ -10,7 +10,9 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+import psycopg
 from sqlalchemy import Engine, create_engine
+from sqlalchemy import exc as sa_exc
 from sqlalchemy.engine import make_url
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -87,9 +89,6 @@ def unreachable_reason(exc: BaseException) -> str | None:
     """The first line of a failure to reach Postgres at all (refused, timed out, connection lost: a
     driver error with no SQLSTATE, or the pool's timeout), or None for anything else, a statement's
     error included. Callers answer it as "unavailable, retry", not as a bug."""
-    import psycopg
-    from sqlalchemy import exc as sa_exc
-
     if isinstance(exc, sa_exc.TimeoutError):
         return str(exc).splitlines()[0]
     if isinstance(exc, sa_exc.DBAPIError):
@@ -102,11 +101,8 @@ def unreachable_reason(exc: BaseException) -> str | None:
 def schema_missing_reason(exc: BaseException) -> str | None:
     """The first line of a statement's failure on a table or column the database lacks (it was not
     migrated to this release: ``flywheel db upgrade``), or None for anything else."""
-    from psycopg import errors
-    from sqlalchemy import exc as sa_exc
-
     if isinstance(exc, sa_exc.DBAPIError):
         exc = exc.orig or exc
-    if isinstance(exc, (errors.UndefinedTable, errors.UndefinedColumn)):
+    if isinstance(exc, (psycopg.errors.UndefinedTable, psycopg.errors.UndefinedColumn)):
         return (str(exc).splitlines() or [type(exc).__name__])[0]
     return None

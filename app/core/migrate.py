@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import functools
-from pathlib import Path
 
 from alembic import command
 from alembic.config import Config
+from alembic.runtime.migration import MigrationContext
+from alembic.script import ScriptDirectory
 
-import migrations
 from app.core.db import database_url, normalize_url
+
+SCRIPT_LOCATION = "migrations:"
+"""Alembic's script directory as a package resource (``package:path``): the ``migrations`` package
+installed beside ``app``. Alembic reads its files; ``app`` imports none of its code (migrations
+build on ``app.models``, so the dependency points from ``migrations`` to ``app`` only)."""
 
 CELERY_TABLE_PREFIXES = ("kombu_", "celery_")
 """Tables kombu's SQL broker and Celery's result backend create for themselves on our database."""
@@ -29,7 +34,7 @@ def is_celery_object(obj, name: str | None, type_: str, reflected: bool, compare
 def alembic_config(url: str | None = None) -> Config:
     """An Alembic config pointing at the packaged ``migrations/`` and the given (or configured) URL."""
     cfg = Config()
-    cfg.set_main_option("script_location", str(Path(migrations.__file__).parent))
+    cfg.set_main_option("script_location", SCRIPT_LOCATION)
     cfg.attributes["url"] = normalize_url(url) if url else database_url()
     return cfg
 
@@ -50,10 +55,10 @@ def downgrade(url: str | None = None, revision: str = "base") -> None:
 
 
 @functools.lru_cache(maxsize=1)
-def _script_directory():
-    from alembic.script import ScriptDirectory
-
-    return ScriptDirectory(str(Path(migrations.__file__).parent))
+def _script_directory() -> ScriptDirectory:
+    cfg = Config()
+    cfg.set_main_option("script_location", SCRIPT_LOCATION)
+    return ScriptDirectory.from_config(cfg)
 
 
 def head_revisions() -> frozenset[str]:
@@ -71,8 +76,6 @@ def schema_behind(conn) -> str | None:
     Raises:
         sqlalchemy.exc.DBAPIError: the database fails the version query.
     """
-    from alembic.runtime.migration import MigrationContext
-
     current = frozenset(MigrationContext.configure(conn).get_current_heads())
     heads = head_revisions()
     if not current:

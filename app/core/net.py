@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import socket
 
+from kafka import KafkaAdminClient
+
 
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port free on ``host`` right now."""
@@ -24,8 +26,6 @@ def port_open(host: str, port: int, timeout: float = 0.5) -> bool:
 
 def broker_healthy(bootstrap: str, timeout_s: float = 5.0) -> bool:
     """Whether the broker answers a Kafka metadata request."""
-    from kafka import KafkaAdminClient
-
     try:
         admin = KafkaAdminClient(bootstrap_servers=bootstrap, request_timeout_ms=int(timeout_s * 1000))
     except Exception:  # kafka-python raises several types for "not there yet"

@@ -15,7 +15,13 @@ import threading
 from collections.abc import Callable
 from typing import TypeVar
 
+import psycopg
+from kafka.errors import KafkaError
+from sqlalchemy import exc as sa_exc
 from tenacity import Retrying, retry_if_exception, stop_after_delay, stop_when_event_set, wait_exponential_jitter
+
+from app.core.db import schema_missing_reason
+from app.core.errors import InfrastructureError
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -27,13 +33,6 @@ class TransientError(Exception):
 
 def is_transient(exc: BaseException) -> bool:
     """Whether ``exc`` is an infrastructure fault worth retrying rather than a bad input."""
-    import psycopg
-    from kafka.errors import KafkaError
-    from sqlalchemy import exc as sa_exc
-
-    from app.core.db import schema_missing_reason
-    from app.core.errors import InfrastructureError
-
     if schema_missing_reason(exc) is not None:  # a table or column a migration not yet run adds
         return True
     if isinstance(exc, sa_exc.DBAPIError):
@@ -64,9 +63,6 @@ def is_unique_violation(exc: BaseException) -> bool:
     """Whether ``exc`` is a unique-key violation: in a batch transaction, the sign that another member
     of the group stored the same rows first (a session split over partitions, a producer's duplicate
     on another partition), which a redo in a new transaction settles."""
-    import psycopg
-    from sqlalchemy import exc as sa_exc
-
     if isinstance(exc, sa_exc.DBAPIError):
         exc = exc.orig or exc
     return isinstance(exc, psycopg.errors.UniqueViolation)

@@ -17,11 +17,21 @@ of the promotion's context.
 
 from __future__ import annotations
 
+import functools
+import inspect
 import logging
 import threading
+import time
 from collections.abc import Iterable
 
 from opentelemetry import metrics, trace
+from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
+from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter
 from opentelemetry.trace import SpanContext, TraceFlags
 
 from app.core.settings import get_settings
@@ -56,10 +66,6 @@ def configure_telemetry(service_name: str, exporter: str | None = None) -> None:
     with _lock:
         if _configured is not None:
             return
-        from opentelemetry.sdk.metrics import MeterProvider
-        from opentelemetry.sdk.resources import Resource
-        from opentelemetry.sdk.trace import TracerProvider
-        from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter
 
         settings = get_settings().telemetry
         kind = exporter or settings.exporter
@@ -69,10 +75,6 @@ def configure_telemetry(service_name: str, exporter: str | None = None) -> None:
         if kind == "console":
             tracer_provider.add_span_processor(BatchSpanProcessor(ConsoleSpanExporter()))
         elif kind == "otlp":
-            from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
-            from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
-            from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
-
             base = settings.otlp_endpoint.rstrip("/")
             tracer_provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=f"{base}/v1/traces")))
             readers.append(PeriodicExportingMetricReader(OTLPMetricExporter(endpoint=f"{base}/v1/metrics")))
@@ -135,8 +137,6 @@ def traced(span_name: str, *, attrs: tuple[str, ...] = ()):
     """Decorator: run the function in a span named ``span_name`` whose attributes
     ``flywheel.<arg>`` are the named arguments' values (bound by signature; str-converted), so a
     training cycle, eval run or promotion is linked to the checkpoints it touched."""
-    import functools
-    import inspect
 
     def wrap(fn):
         sig = inspect.signature(fn)
@@ -171,7 +171,6 @@ class RepeatThrottle(logging.Filter):
 
     def __init__(self, prefix: str = "kafka", every_s: float = 30.0, clock=None) -> None:
         super().__init__()
-        import time
 
         self.prefix, self.every_s, self.clock = prefix, every_s, clock or time.monotonic
         self._last: dict[tuple, tuple[float, int]] = {}  # key -> (when let through, held back since)

@@ -28,12 +28,15 @@ from __future__ import annotations
 
 import json
 import logging
+import signal
 import threading
 import time
 from collections.abc import Callable
 from datetime import UTC, datetime
 from types import TracebackType
 
+from kafka import KafkaProducer
+from kafka.errors import KafkaError
 from sqlalchemy import func, select, update
 
 from app.core.db import session_scope
@@ -90,8 +93,6 @@ class OutboxRelay:
 
     def _kafka(self):
         if self._producer is None:
-            from kafka import KafkaProducer
-
             self._producer = KafkaProducer(
                 bootstrap_servers=self.bootstrap,
                 acks="all",
@@ -111,8 +112,6 @@ class OutboxRelay:
             InfrastructureError: the broker refused or did not acknowledge a message (the
                 acknowledged prefix is still marked).
         """
-        from kafka.errors import KafkaError
-
         failure: Exception | None = None
         with tracer(__name__).start_as_current_span("outbox.relay_batch"), session_scope() as session:
             if not session.scalar(select(func.pg_try_advisory_xact_lock(AdvisoryLock.RELAY))):
@@ -164,8 +163,6 @@ class OutboxRelay:
     def run_forever(self, interval_s: float = 2.0, max_backoff_s: float = 30.0) -> None:
         """Poll every ``interval_s`` seconds until :meth:`stop` (or SIGTERM/SIGINT in the main thread);
         back off exponentially while the broker or database is unreachable."""
-        import signal
-
         if threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, lambda *_: self.stop())
         backoff = Backoff(max_s=max_backoff_s, initial=interval_s)

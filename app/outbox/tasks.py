@@ -7,6 +7,7 @@ single-flight through a Postgres advisory lock.
 
 from __future__ import annotations
 
+from app.outbox.relay import OutboxRelay
 from app.worker.celery_app import celery_app
 
 _relay = None
@@ -15,8 +16,6 @@ _relay = None
 def _get_relay():
     global _relay
     if _relay is None:
-        from app.outbox.relay import OutboxRelay
-
         _relay = OutboxRelay()
     return _relay
 

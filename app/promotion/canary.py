@@ -32,7 +32,14 @@ from app.core.errors import ConflictError, NotFoundError
 from app.core.telemetry import traced
 from app.models import Canary, Checkpoint
 from app.outbox.lifecycle import enqueue_lifecycle
-from app.promotion.service import _lock_checkpoint, _lock_production, _serving_fields, is_stable, latest_gate_decision
+from app.promotion.production import (
+    check_clean,
+    latest_gate_decision,
+    lock_checkpoint,
+    lock_production,
+    serving_fields,
+    stale_gate_reason,
+)
 from app.repositories.audit import record_audit
 
 
@@ -75,16 +82,12 @@ def _check_gated(session: Session, row: Checkpoint, current: Checkpoint | None, 
     else:
         if not gate.passed:
             reasons.append("the latest gate decision failed")
-        if current is not None and gate.production_id != current.id:
-            reasons.append(
-                f"the gate compared against {gate.production_id}, but production is now {current.id}: re-run the gate"
-            )
+        stale = stale_gate_reason(gate, current)
+        if stale:
+            reasons.append(stale)
     if row.status != "gate_passed":
         reasons.append(f"checkpoint status is {row.status!r}, not 'gate_passed'")
-    if not is_stable(row):
-        reasons.append(f"checkpoint directory is not STABLE at {row.path}")
-    if row.trained_on_erased:
-        reasons.append("checkpoint trained on data of an erased user")
+    check_clean(row, reasons)
     return gate.id if gate else None
 
 
@@ -104,8 +107,8 @@ def start_canary(session: Session, *, checkpoint_id: str, fraction: float, actor
     """
     if not 0.0 < fraction < 1.0:
         raise ValueError(f"canary fraction must be in (0, 1), got {fraction}")
-    current = _lock_production(session)
-    row = _lock_checkpoint(session, checkpoint_id)
+    current = lock_production(session)
+    row = lock_checkpoint(session, checkpoint_id)
     if current is not None and current.id == row.id:
         raise ConflictError(f"checkpoint {row.id} is production", reasons=["production cannot be its own canary"])
     reasons: list[str] = []
@@ -141,7 +144,7 @@ def start_canary(session: Session, *, checkpoint_id: str, fraction: float, actor
         "gate_decision_id": str(gate_id) if gate_id else None,
     }
     record_audit(session, actor=actor, action="canary.started", target=f"checkpoint:{row.id}", details=details)
-    enqueue_lifecycle(session, "canary.started", row.id, actor=actor, **details, **_serving_fields(session, row))
+    enqueue_lifecycle(session, "canary.started", row.id, actor=actor, **details, **serving_fields(session, row))
     return canary
 
 
@@ -167,7 +170,7 @@ def stop_canary(session: Session, *, actor: str, reason: str, canary_id: uuid.UU
         NotFoundError: no such canary, or none active when no id is given.
         ConflictError: the named canary is already stopped.
     """
-    _lock_production(session)
+    lock_production(session)
     if canary_id is None:
         canary = get_active_canary(session, for_update=True)
         if canary is None:

@@ -44,7 +44,7 @@ from app.models import Canary, GateDecision
 from app.promotion.canary import get_active_canary, stop_canary
 from app.promotion.online import compare_canary
 from app.promotion.online_stats import Comparison, OnlinePolicy, policy_reasons
-from app.promotion.service import _lock_production
+from app.promotion.production import lock_production
 from app.repositories.audit import record_audit
 
 POLICY_ACTOR = "policy:canary"
@@ -110,7 +110,7 @@ def evaluate_canary(session: Session, *, actor: str = POLICY_ACTOR) -> CanaryEva
     Raises:
         sqlalchemy.exc.DBAPIError: database faults (nothing is written).
     """
-    _lock_production(session)
+    lock_production(session)
     canary = get_active_canary(session, for_update=True)
     if canary is None:
         return CanaryEvaluation(outcome="no_canary")

@@ -33,14 +33,8 @@ from sqlalchemy.orm import Session
 
 from app.models import Checkpoint
 from app.promotion.canary import get_active_canary, stop_canary
-from app.promotion.service import (
-    ProductionChange,
-    _lock_production,
-    earlier_productions,
-    is_stable,
-    lineage,
-    rollback_production,
-)
+from app.promotion.production import is_stable, lineage, lock_production
+from app.promotion.service import ProductionChange, earlier_productions, rollback_production
 from app.repositories.audit import record_audit
 
 log = logging.getLogger(__name__)
@@ -69,7 +63,7 @@ class FlagOutcome:
 
 def lock_before_flagging(session: Session) -> None:
     """Take the production advisory lock (before the caller's first checkpoint flag, see the invariants)."""
-    _lock_production(session)
+    lock_production(session)
 
 
 def _flag(session: Session, ids: Collection[str]) -> list[str]:
@@ -176,7 +170,7 @@ def leave_flagged_production(session: Session, *, actor: str) -> tuple[Productio
     Returns:
         (the rollback, or None; why no ancestor could serve, empty after a rollback).
     """
-    current = _lock_production(session)
+    current = lock_production(session)
     if current is None:
         return None, []
     session.refresh(current)  # the flag was set by SQL this transaction: not in the loaded object

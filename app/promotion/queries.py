@@ -29,7 +29,7 @@ from app.models import (
     TrainingCycle,
     Trajectory,
 )
-from app.promotion.service import latest_gate_decision, lineage
+from app.promotion.production import latest_gate_decision, lineage
 
 MAX_TASK_DIFFS = 500
 

@@ -28,25 +28,29 @@ from __future__ import annotations
 import uuid
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from pathlib import Path
 
-from sqlalchemy import literal, select, text
+from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from app.checkpoints.store import STABLE
-from app.core.errors import ConflictError, NotFoundError
-from app.core.locks import AdvisoryLock
+from app.core.errors import ConflictError
 from app.core.telemetry import link_references, traced
 from app.models import Checkpoint, GateDecision, Promotion
 from app.outbox.lifecycle import enqueue_lifecycle
+from app.promotion.canary import end_canary_for_change
 from app.promotion.online import online_reasons
 from app.promotion.online_stats import OnlinePolicy
+from app.promotion.production import (
+    check_clean,
+    latest_gate_decision,
+    lock_checkpoint,
+    lock_production,
+    serving_fields,
+    stale_gate_reason,
+)
 from app.repositories.audit import record_audit
-from app.repositories.checkpoints import get_production
 
 REJECTABLE = ("candidate", "gate_passed", "gate_failed")
-MAX_LINEAGE = 256
 INSUFFICIENT = "insufficient_evidence"
 
 
@@ -57,33 +61,6 @@ class ProductionChange:
     promotion: Promotion
     checkpoint: Checkpoint
     previous: Checkpoint | None
-
-
-def _lock_production(session: Session) -> Checkpoint | None:
-    session.execute(text("SELECT pg_advisory_xact_lock(:k)"), {"k": AdvisoryLock.PRODUCTION})
-    return get_production(session, for_update=True)
-
-
-def _lock_checkpoint(session: Session, checkpoint_id: str) -> Checkpoint:
-    row = session.scalars(
-        select(Checkpoint)
-        .where(Checkpoint.id == checkpoint_id)
-        .with_for_update()
-        .execution_options(populate_existing=True)
-    ).one_or_none()
-    if row is None:
-        raise NotFoundError(f"checkpoint {checkpoint_id!r} not found")
-    return row
-
-
-def latest_gate_decision(session: Session, checkpoint_id: str) -> GateDecision | None:
-    """The most recent gate decision for a candidate, or None."""
-    return session.scalars(
-        select(GateDecision)
-        .where(GateDecision.candidate_id == checkpoint_id)
-        .order_by(GateDecision.created_at.desc(), GateDecision.id.desc())
-        .limit(1)
-    ).first()
 
 
 def gate_outcome(gate: GateDecision) -> str:
@@ -107,39 +84,6 @@ def _gated_powers(gate: GateDecision) -> dict[str, dict]:
     """Each gated suite's decision and power from the stored report."""
     suites = (gate.report or {}).get("suites") or {}
     return {n: {"decision": s.get("decision"), "power": s.get("power")} for n, s in suites.items() if s.get("gated")}
-
-
-def is_stable(row: Checkpoint) -> bool:
-    """Whether the row says STABLE and the directory still carries the ``STABLE`` marker."""
-    return bool(row.stable) and (Path(row.path) / STABLE).exists()
-
-
-def lineage(session: Session, checkpoint_id: str, limit: int = MAX_LINEAGE) -> list[Checkpoint]:
-    """The checkpoint and its ancestors, child first (a recursive CTE over ``parent_id``)."""
-    chain = (
-        select(Checkpoint.id, Checkpoint.parent_id, literal(1).label("depth"))
-        .where(Checkpoint.id == checkpoint_id)
-        .cte("chain", recursive=True)
-    )
-    parent = (
-        select(Checkpoint.id, Checkpoint.parent_id, (chain.c.depth + 1).label("depth"))
-        .join(chain, Checkpoint.id == chain.c.parent_id)
-        .where(chain.c.depth < limit)
-    )
-    chain = chain.union_all(parent)
-    ids = [r.id for r in session.execute(select(chain.c.id, chain.c.depth).order_by(chain.c.depth))]
-    rows = {r.id: r for r in session.scalars(select(Checkpoint).where(Checkpoint.id.in_(ids)))}
-    return [rows[i] for i in ids if i in rows]
-
-
-def _serving_fields(session: Session, row: Checkpoint) -> dict:
-    # What the serving watcher needs to move the engine without a database: where each checkpoint
-    # of the lineage lives, so it can apply the delta chain from the checkpoint it serves.
-    return {
-        "path": row.path,
-        "parent_id": row.parent_id,
-        "lineage": [{"id": c.id, "path": c.path} for c in lineage(session, row.id)],
-    }
 
 
 def _switch_production(session: Session, *, new: Checkpoint, previous: Checkpoint | None) -> None:
@@ -168,10 +112,7 @@ def _check_expected(current: Checkpoint | None, expected: str | None, reasons: l
 def _check_servable(row: Checkpoint, current: Checkpoint | None, expected: str | None, reasons: list[str]) -> None:
     """Refusals shared by promotion and rollback: the target must be STABLE, clean of erased data,
     and ``expected`` must name the current production (optimistic concurrency)."""
-    if not is_stable(row):
-        reasons.append(f"checkpoint directory is not STABLE at {row.path}")
-    if row.trained_on_erased:
-        reasons.append("checkpoint trained on data of an erased user")
+    check_clean(row, reasons)
     _check_expected(current, expected, reasons)
 
 
@@ -189,8 +130,6 @@ def _commit_production_change(
 ) -> ProductionChange:
     """The one transaction shape of every production change: status switch, promotion row, audit
     entry and lifecycle outbox row, all in the caller's transaction."""
-    from app.promotion.canary import end_canary_for_change  # canary builds on this module's helpers
-
     end_canary_for_change(session, actor=actor, new_production_id=row.id)
     _switch_production(session, new=row, previous=current)
     promo = Promotion(
@@ -211,7 +150,7 @@ def _commit_production_change(
         **(extra_details or {}),
     }
     record_audit(session, actor=actor, action=action, target=f"checkpoint:{row.id}", details=details)
-    enqueue_lifecycle(session, action, row.id, actor=actor, **details, **_serving_fields(session, row))
+    enqueue_lifecycle(session, action, row.id, actor=actor, **details, **serving_fields(session, row))
     return ProductionChange(promotion=promo, checkpoint=row, previous=current)
 
 
@@ -240,8 +179,8 @@ def promote_checkpoint(
             ``expected_production_id``, and, when the online policy is required, no canary, too few
             sessions or a signal of the canary that regressed significantly).
     """
-    current = _lock_production(session)
-    row = _lock_checkpoint(session, checkpoint_id)
+    current = lock_production(session)
+    row = lock_checkpoint(session, checkpoint_id)
     reasons: list[str] = []
     if current is not None and current.id == row.id:
         raise ConflictError(f"checkpoint {row.id} is already production", reasons=["already production"])
@@ -262,10 +201,9 @@ def promote_checkpoint(
             reasons.append("the latest gate decision failed: " + "; ".join(_gate_refusals(gate)))
         if override_reason is not None and not overriding:
             reasons.append(f"override_reason applies only to a gate that ended {INSUFFICIENT}; this one is {outcome}")
-        if current is not None and gate.production_id != current.id:
-            reasons.append(
-                f"the gate compared against {gate.production_id}, but production is now {current.id}: re-run the gate"
-            )
+        stale = stale_gate_reason(gate, current)
+        if stale:
+            reasons.append(stale)
         policy = OnlinePolicy.from_config((gate.report or {}).get("config"))
         reasons.extend(online_reasons(session, row.id, current.id if current else None, policy))
     wanted = "gate_failed" if outcome == INSUFFICIENT else "gate_passed"  # insufficient evidence leaves gate_failed
@@ -334,7 +272,7 @@ def rollback_production(
         ConflictError: no production or no earlier production, the target never was production, is
             not STABLE or trained on erased data, or ``expected_production_id`` is stale.
     """
-    current = _lock_production(session)
+    current = lock_production(session)
     reasons: list[str] = []
     if current is None:
         raise ConflictError("nothing to roll back: no production checkpoint")
@@ -343,7 +281,7 @@ def rollback_production(
         raise ConflictError(
             f"no earlier production checkpoint before {current.id}", reasons=["production has never changed"]
         )
-    row = _lock_checkpoint(session, target_id)
+    row = lock_checkpoint(session, target_id)
     if row.id == current.id:
         reasons.append(f"{row.id} is already production")
     elif row.id not in earlier_productions(session):
@@ -366,7 +304,7 @@ def reject_checkpoint(session: Session, *, checkpoint_id: str, actor: str, reaso
         NotFoundError: no such checkpoint.
         ConflictError: it is production, retired or already rejected.
     """
-    row = _lock_checkpoint(session, checkpoint_id)
+    row = lock_checkpoint(session, checkpoint_id)
     if row.status not in REJECTABLE:
         raise ConflictError(
             f"cannot reject {row.id}",

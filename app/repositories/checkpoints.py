@@ -8,7 +8,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from app.core.errors import NotFoundError
-from app.models import Checkpoint
+from app.models import Checkpoint, CheckpointTrajectory
 
 
 def get_checkpoint(session: Session, checkpoint_id: str) -> Checkpoint:
@@ -66,8 +66,6 @@ def add_checkpoint(
 def add_checkpoint_trajectories(session: Session, checkpoint_id: str, rows: list[tuple[Any, str, str | None]]) -> int:
     """Record which trajectories a checkpoint trained on: ``rows`` of ``(trajectory_id, user_id,
     task_id)``. Flushes; returns the number of rows added."""
-    from app.models import CheckpointTrajectory
-
     session.add_all(
         [
             CheckpointTrajectory(checkpoint_id=checkpoint_id, trajectory_id=tid, user_id=user, task_id=task)

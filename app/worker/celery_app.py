@@ -26,6 +26,9 @@ from celery import Celery
 from celery.signals import beat_init, worker_init, worker_process_init
 from kombu import Exchange, Queue
 
+from app.core.db import database_url
+from app.core.settings import flywheel_home, get_settings
+from app.core.telemetry import configure_telemetry
 from app.worker.schedule import beat_schedule, module_available
 
 DEFAULT_QUEUE = "celery"
@@ -39,9 +42,6 @@ def broker_urls() -> tuple[str, str]:
     Raises:
         ConfigurationError: neither ``FLYWHEEL_REDIS_URL`` nor a database is configured.
     """
-    from app.core.db import database_url
-    from app.core.settings import get_settings
-
     redis = get_settings().celery.redis_url
     if redis:
         return redis, redis
@@ -51,8 +51,6 @@ def broker_urls() -> tuple[str, str]:
 
 def celery_config() -> dict[str, Any]:
     """The resolved Celery configuration (reads settings)."""
-    from app.core.settings import flywheel_home, get_settings
-
     broker, backend = broker_urls()
     sql_broker = broker.startswith("sqla+")
     return {
@@ -118,21 +116,15 @@ def _telemetry_in_worker(sender=None, **_: Any) -> None:
     # solo/threads pools run tasks in this process; prefork children get worker_process_init.
     pool = getattr(getattr(sender, "pool_cls", None), "__module__", "") or ""
     if "prefork" not in pool:
-        from app.core.telemetry import configure_telemetry
-
         configure_telemetry("flywheel-worker")
 
 
 @worker_process_init.connect
 def _telemetry_in_child(**_: Any) -> None:
     # The parent (consumer) process runs no task, so it holds no app engine a child could inherit.
-    from app.core.telemetry import configure_telemetry
-
     configure_telemetry("flywheel-worker")
 
 
 @beat_init.connect
 def _telemetry_in_beat(**_: Any) -> None:
-    from app.core.telemetry import configure_telemetry
-
     configure_telemetry("flywheel-beat")

@@ -19,6 +19,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from app.core.errors import ConfigurationError
+from consumers.settings import get_consumer_settings
 
 SPEC_DIR = Path(__file__).parent / "specs"
 
@@ -149,8 +150,6 @@ class RewardSpec(_Strict):
 def _spec_dirs(extra: Path | None) -> list[Path]:
     dirs = [SPEC_DIR]
     if extra is None:
-        from consumers.settings import get_consumer_settings
-
         extra = get_consumer_settings().reward_spec_dir
     if extra is not None:
         dirs.append(Path(extra))
@@ -218,8 +217,6 @@ def active_specs() -> list[RewardSpec]:
     Raises:
         ConfigurationError: an active spec does not exist, or needs the task's history.
     """
-    from consumers.settings import get_consumer_settings
-
     specs = available_specs()
     out = []
     for spec_id in get_consumer_settings().reward_specs:

@@ -304,40 +304,24 @@ class UserErasureRequestedEvent(EventBase):
     payload: UserErasureRequested
 
 
-EVENT_CLASSES: dict[str, type[EventBase]] = {
-    cls.model_fields["type"].default: cls
-    for cls in (
-        SessionStartedEvent,
-        AgentRequestedEvent,
-        ModelRespondedEvent,
-        ToolExecutedEvent,
-        EditProposedEvent,
-        EditAcceptedEvent,
-        EditRejectedEvent,
-        EditPersistenceMeasuredEvent,
-        FollowupSentEvent,
-        ContextSummarizedEvent,
-        SessionEndedEvent,
-        UserErasureRequestedEvent,
-    )
-}
+ENVELOPES: tuple[type[EventBase], ...] = (
+    SessionStartedEvent,
+    AgentRequestedEvent,
+    ModelRespondedEvent,
+    ToolExecutedEvent,
+    EditProposedEvent,
+    EditAcceptedEvent,
+    EditRejectedEvent,
+    EditPersistenceMeasuredEvent,
+    FollowupSentEvent,
+    ContextSummarizedEvent,
+    SessionEndedEvent,
+    UserErasureRequestedEvent,
+)
+"""Every event type's envelope class, in the order of the contract's JSON Schema."""
+
+EVENT_CLASSES: dict[str, type[EventBase]] = {cls.model_fields["type"].default: cls for cls in ENVELOPES}
 """Event type -> envelope class."""
 
-Event = Annotated[
-    Union[
-        SessionStartedEvent,
-        AgentRequestedEvent,
-        ModelRespondedEvent,
-        ToolExecutedEvent,
-        EditProposedEvent,
-        EditAcceptedEvent,
-        EditRejectedEvent,
-        EditPersistenceMeasuredEvent,
-        FollowupSentEvent,
-        ContextSummarizedEvent,
-        SessionEndedEvent,
-        UserErasureRequestedEvent,
-    ],
-    Field(discriminator="type"),
-]
+Event = Annotated[Union[ENVELOPES], Field(discriminator="type")]
 """Any editor-interaction event (discriminated on ``type``)."""

@@ -1,5 +1,6 @@
 """The import-layer contracts (``[tool.importlinter]`` in pyproject.toml) hold on this tree, and the
-check fails when a core module imports a higher package."""
+check fails when a core module imports a higher package, a promotion room reaches back up, or the
+app imports the migrations."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-PACKAGES = ("app", "producers", "consumers", "trainer", "kernels", "evals", "serving", "ops")
+PACKAGES = ("app", "producers", "consumers", "trainer", "kernels", "evals", "serving", "ops", "migrations")
 
 
 def _lint_imports(root: Path) -> subprocess.CompletedProcess:
@@ -70,3 +71,15 @@ def test_a_room_reaching_back_up_breaks_the_check(tmp_path):
     assert proc.returncode != 0
     assert "evals.tasks is not allowed to import evals.mined" in proc.stdout
     assert "ops.developer is not allowed to import ops.simulator" in proc.stdout
+
+
+def test_a_promotion_reach_back_or_an_app_import_of_migrations_breaks_the_check(tmp_path):
+    _copy_tree(tmp_path)
+    canary = tmp_path / "app" / "promotion" / "canary.py"
+    canary.write_text(canary.read_text() + "\nfrom app.promotion import service as _planted  # noqa: E402,F401\n")
+    migrate = tmp_path / "app" / "core" / "migrate.py"
+    migrate.write_text(migrate.read_text() + "\nimport migrations as _planted  # noqa: E402,F401\n")
+    proc = _lint_imports(tmp_path)
+    assert proc.returncode != 0
+    assert "app.promotion.canary is not allowed to import app.promotion.service" in proc.stdout
+    assert "app.core.migrate -> migrations" in proc.stdout

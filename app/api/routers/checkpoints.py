@@ -24,7 +24,8 @@ from app.models import Checkpoint, GateDecision
 from app.promotion import queries
 from app.promotion.erasure import erasure_reasons
 from app.promotion.online import online_view
-from app.promotion.service import gate_outcome, latest_gate_decision, lineage, reject_checkpoint
+from app.promotion.production import latest_gate_decision, lineage
+from app.promotion.service import gate_outcome, reject_checkpoint
 from app.repositories.checkpoints import get_checkpoint
 
 router = APIRouter(prefix="/checkpoints", tags=["checkpoints"], responses=AUTH_RESPONSES, route_class=RoleFirstRoute)

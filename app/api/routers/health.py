@@ -8,6 +8,8 @@ from sqlalchemy import text
 from app.api.errors import error_response
 from app.api.schemas import ErrorBody, Health, Readiness
 from app.core.db import get_engine
+from app.core.migrate import schema_behind
+from app.core.net import broker_healthy, port_open
 from app.core.settings import get_settings
 
 router = APIRouter(tags=["health"])
@@ -20,8 +22,6 @@ def healthz() -> Health:
 
 
 def _check_database() -> str | None:
-    from app.core.migrate import schema_behind
-
     try:
         with get_engine().connect() as conn:
             conn.execute(text("SELECT 1"))
@@ -32,8 +32,6 @@ def _check_database() -> str | None:
 
 
 def _check_broker() -> str | None:
-    from app.core.net import broker_healthy, port_open
-
     bootstrap = get_settings().kafka.bootstrap
     if not bootstrap:
         return "broker: FLYWHEEL_KAFKA_BOOTSTRAP is not configured"

@@ -6,6 +6,7 @@ from typing import Annotated
 
 from fastapi import APIRouter, Query, Response, status
 from sqlalchemy import select
+from sqlalchemy.orm import Session
 
 from app.api.deps import ActorDep, RoleFirstRoute, SessionDep, ViewerDep
 from app.api.errors import AUTH_RESPONSES, CONFLICT, NOT_FOUND, model_response
@@ -14,11 +15,19 @@ from app.api.schemas import Page, ProductionOut, PromotionOut, PromotionRequest,
 from app.core.errors import ForbiddenError
 from app.models import Promotion
 from app.promotion import queries
-from app.promotion.service import promote_checkpoint, rollback_production
+from app.promotion.service import ProductionChange, promote_checkpoint, rollback_production
 from app.promotion.serving_state import read_serving_state
 from app.repositories.checkpoints import get_production
 
 router = APIRouter(tags=["promotions"], responses=AUTH_RESPONSES, route_class=RoleFirstRoute)
+
+
+def _committed(session: Session, response: Response, change: ProductionChange) -> PromotionOut:
+    """Commit a production change (the request is its transaction boundary) and answer it: the
+    promotion row, with ``Location`` pointing at ``/v1/production``."""
+    session.commit()
+    response.headers["Location"] = "/v1/production"
+    return PromotionOut.model_validate(change.promotion)
 
 
 @router.get("/promotions", response_model=Page[PromotionOut], summary="Production changes, newest first")
@@ -63,9 +72,7 @@ def create_promotion(
         reason=body.reason,
         override_reason=body.override_reason,
     )
-    session.commit()
-    response.headers["Location"] = "/v1/production"
-    return PromotionOut.model_validate(change.promotion)
+    return _committed(session, response, change)
 
 
 @router.post(
@@ -87,9 +94,7 @@ def create_rollback(
         reason=body.reason,
         checkpoint_id=body.checkpoint_id,
     )
-    session.commit()
-    response.headers["Location"] = "/v1/production"
-    return PromotionOut.model_validate(change.promotion)
+    return _committed(session, response, change)
 
 
 @router.get("/production", response_model=ProductionOut, summary="The production checkpoint and what serves")
