@@ -48,11 +48,12 @@ up and dissatisfied follow-ups down each with a 95 % interval excluding 0, held-
 
 Sizes: the A/B draws every ``test_params`` task at the mix's levels (46 at all levels, 35 at level 1)
 and samples each ``ceil(pairs / tasks)`` times: ``--ab-pairs`` 400 by default, 200 with ``--quick``.
-``--quick`` (1 cycle of 64 sessions, a 200-pair A/B = 400 sessions of at most 2 x 192 tokens, about
-100 each) is sized for 15 minutes on the 2-core machine with vLLM (~300 tokens/s at 64 concurrent
-sessions): the A/B's ~40k tokens are about 2.5 minutes of it.
+``--quick`` (1 cycle of 128 sessions, a 200-pair A/B = 400 sessions of at most 2 x 192 tokens, about
+100 each) is sized for 15 minutes on the idle 2-core machine with vLLM (~300 tokens/s at 64
+concurrent sessions): the A/B's ~40k tokens are about 2.5 minutes of it; the default (3 cycles of 256
+sessions) for 60 minutes. Training, not serving, is the larger part of each cycle (docs/benchmarks.md).
 
-Flags: ``--quick``, ``--cycles K`` (3), ``--sessions N`` (simulated sessions per cycle, 64),
+Flags: ``--quick``, ``--cycles K`` (3), ``--sessions N`` (simulated sessions per cycle, 256; quick 128),
 ``--group-size N`` (4), ``--eval-tasks N`` (held-out tasks for the gates, all 112), ``--max-turns N``
 (2), ``--max-tokens-per-turn N`` (192), ``--trainer-config TOML``, ``--difficulty-mix MIX`` (the
 demo's by default), ``--ab-pairs N``, ``--ab-tasks N`` (fewer tasks, more samples each),
@@ -275,7 +276,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="1 cycle instead of 3, a 200-pair A/B")
     parser.add_argument("--cycles", type=int, default=None)
-    parser.add_argument("--sessions", type=int, default=None, help="simulated sessions per cycle")
+    parser.add_argument("--sessions", type=int, default=None, help="simulated sessions per cycle (256; quick 128)")
     parser.add_argument("--group-size", type=int, default=4, help="sessions per task (GRPO group)")
     parser.add_argument("--eval-tasks", type=int, default=None, help="held-out tasks (gates and the comparison)")
     parser.add_argument("--max-turns", type=int, default=2)
@@ -289,7 +290,7 @@ def main() -> None:
     parser.add_argument("--keep", action="store_true", help="leave the stack running")
     args = parser.parse_args()
     cycles = args.cycles or (1 if args.quick else 3)
-    sessions = args.sessions or 64
+    sessions = args.sessions or (128 if args.quick else 256)
     eval_tasks = args.eval_tasks or HELD_OUT_TASKS
     ab_pairs = args.ab_pairs or (200 if args.quick else 400)
 

@@ -73,7 +73,8 @@ class ConsumerSettings(BaseSettings):
         "redone with a later ingestion time)",
     )
     reward_specs: list[str] = Field(
-        default_factory=lambda: ["implicit@1"], description="active reward specs (name@version) labeled at finalization"
+        default_factory=lambda: ["implicit@1", "implicit@4"],
+        description="active reward specs (name@version) labeled at finalization (the trainer trains on implicit@4; relabel compares with the first)",
     )
     reward_spec_dir: Path | None = Field(default=None, description="extra directory of reward spec TOML files")
     eval_reserve_fraction: float = Field(

@@ -28,7 +28,7 @@ class _Config(BaseModel):
 class DataConfig(_Config):
     """Which trajectories a cycle trains on and how they are batched."""
 
-    reward_spec: str = Field(default="implicit@1", pattern=r"^[\w.-]+@[\w.-]+$")
+    reward_spec: str = Field(default="implicit@4", pattern=r"^[\w.-]+@[\w.-]+$")
     """Reward spec ``name@version`` whose ``reward_label`` rows are the rewards."""
     min_new_trajectories: int = Field(default=8, ge=1)
     """Skip the cycle when fewer usable trajectories arrived since the last one."""

@@ -142,7 +142,7 @@ def insert_trajectory(
     reward: float | None,
     task_id: str | None = "task-0",
     checkpoint_id: str = "base",
-    spec: str = "implicit@1",
+    spec: str = "implicit@4",
     user_id: str = "user-1",
     finalized_at: datetime | None = None,
     last_event_at: datetime | None = None,

@@ -242,8 +242,8 @@ def test_replay_verify_compares_one_snapshot_beside_a_live_group(db, monkeypatch
 
     with psycopg.connect(db) as conn:  # a label missing, and a segment's tokens and event ids changed
         label = conn.execute(
-            "DELETE FROM reward_label WHERE trajectory_id = (SELECT min(trajectory_id::text)::uuid "
-            "FROM reward_label) RETURNING trajectory_id, spec"
+            "DELETE FROM reward_label WHERE (trajectory_id, spec) = (SELECT min(trajectory_id::text)::uuid, "
+            "'implicit@1' FROM reward_label) RETURNING trajectory_id, spec"
         ).fetchone()
         segment = conn.execute(
             "UPDATE trajectory_segment SET token_ids = token_ids || '\\x00'::bytea, "

@@ -114,7 +114,7 @@ def test_cycle_produces_registered_candidate(session, store, production, policy_
     session.expire_all()
 
     row = session.get(Checkpoint, cid)
-    assert (row.status, row.parent_id, row.generation, row.reward_spec) == ("candidate", "base", 1, "implicit@1")
+    assert (row.status, row.parent_id, row.generation, row.reward_spec) == ("candidate", "base", 1, "implicit@4")
     assert row.stable and row.num_trajectories == 4 and row.metrics["steps"] == 2
     assert not row.trained_on_erased and row.erasure_flagged_at is None
     assert {r.trajectory_id for r in session.query(CheckpointTrajectory).filter_by(checkpoint_id=cid)} == set(used)
