@@ -84,7 +84,7 @@ from app.repositories.checkpoints import get_production
 from evals.config import load_gate_config
 from evals.gate import paired_bootstrap_interval
 from ops.ab import ABConfig, plan_pairs
-from ops.demo import DEFAULT_DIFFICULTY_MIX
+from ops.demo import DEFAULT_DIFFICULTY_MIX, render_curve_png
 from ops.report import count_multi_segment_sessions
 from ops.simulator_cli import parse_mix
 
@@ -272,6 +272,35 @@ def ab_metrics(report: dict) -> tuple[dict, dict]:
     return in_dist, signals
 
 
+def plot_points(curve: list[dict], measured: dict[str, dict]) -> list[dict]:
+    """The curve as :func:`ops.demo.render_curve_png` draws it: base first (cycle 0, from the first
+    measured A/B's base arm), then each cycle's served checkpoint, each with its 95 % intervals."""
+    if not curve:
+        return []
+    first = measured[curve[0]["checkpoint"]]["metrics"]
+    points = [
+        {
+            "cycle": 0,
+            "checkpoint_id": "base",
+            "pass_rate": first["pass_rate"]["base"],
+            "pass_rate_ci": first["pass_rate"]["base_ci"],
+            "signals": {n: {"value": first[n]["base"], "ci": first[n]["base_ci"]} for n in SIGNALS if n in first},
+        }
+    ]
+    for point in curve:
+        m = measured[point["checkpoint"]]["metrics"]
+        points.append(
+            {
+                "cycle": point["cycle"],
+                "checkpoint_id": point["checkpoint"],
+                "pass_rate": m["pass_rate"]["final"],
+                "pass_rate_ci": m["pass_rate"]["final_ci"],
+                "signals": {n: {"value": m[n]["final"], "ci": m[n]["final_ci"]} for n in SIGNALS if n in m},
+            }
+        )
+    return points
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="1 cycle instead of 3, a 200-pair A/B")
@@ -286,6 +315,7 @@ def main() -> None:
     parser.add_argument("--ab-pairs", type=int, default=None, help="fewest A/B (task, sample) pairs (400; quick 200)")
     parser.add_argument("--ab-tasks", type=int, default=None, help="A/B tasks (default: all at the mix's levels)")
     parser.add_argument("--curve-pairs", type=int, default=100, help="A/B pairs behind each curve point")
+    parser.add_argument("--plot", default=None, help="where to draw the curve PNG (default: HOME/flywheel_curve.png)")
     parser.add_argument("--home", default=None, help="FLYWHEEL_HOME to use (resumes a run; default: a new one)")
     parser.add_argument("--keep", action="store_true", help="leave the stack running")
     args = parser.parse_args()
@@ -363,6 +393,9 @@ def main() -> None:
                     "signals": {n: m[n]["final"] for n in SIGNALS},
                 }
             )
+        plot = render_curve_png(
+            plot_points(curve, measured), Path(args.plot) if args.plot else home / "flywheel_curve.png"
+        )
         with session_scope() as session:
             held_out = paired(session, "base", final, SUITE) if final != "base" else None
             budget["eval"] = eval_seconds(session)
@@ -425,6 +458,7 @@ def main() -> None:
                 "cycles": cycles,
                 "sessions_per_cycle": sessions,
                 "multi_segment_sessions": multi_segment,
+                "plot": str(plot),
                 "difficulty_mix": mix,
                 "wall_s": round(time.monotonic() - started),
                 "home": str(home) if args.keep else None,

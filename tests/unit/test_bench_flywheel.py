@@ -47,3 +47,34 @@ def test_steps_are_timed_from_line_to_line_and_summed_over_cycles(bench, capsys)
 def test_a_failed_demo_stops_the_bench(bench):
     with pytest.raises(SystemExit, match="exited with 3"):
         bench.time_steps([sys.executable, "-c", "print('[1/1] stack: x'); raise SystemExit(3)"], dict(os.environ), {})
+
+
+def _ab(base: float, final: float) -> dict:
+    metric = lambda b, f: {"base": b, "final": f, "base_ci": [b - 0.1, b + 0.1], "final_ci": [f - 0.1, f + 0.1]}  # noqa: E731
+    return {
+        "metrics": {
+            "pass_rate": metric(base, final),
+            "edit_persistence": metric(0.4, 0.5),
+            "dissatisfied_followup_rate": metric(0.6, 0.5),
+        }
+    }
+
+
+def test_the_curve_plot_starts_at_base_and_follows_the_served_checkpoints(bench, tmp_path):
+    measured = {"ckpt-a": _ab(0.2, 0.25), "ckpt-b": _ab(0.2, 0.3)}
+    curve = [
+        {"cycle": 1, "checkpoint": "ckpt-a"},
+        {"cycle": 2, "checkpoint": "ckpt-b"},
+        {"cycle": 3, "checkpoint": "ckpt-b"},  # cycle 3's candidate was refused: ckpt-b still serves
+    ]
+    points = bench.plot_points(curve, measured)
+    assert [(p["cycle"], p["checkpoint_id"], p["pass_rate"]) for p in points] == [
+        (0, "base", 0.2),
+        (1, "ckpt-a", 0.25),
+        (2, "ckpt-b", 0.3),
+        (3, "ckpt-b", 0.3),
+    ]
+    assert points[0]["signals"]["edit_persistence"] == {"value": 0.4, "ci": [0.30000000000000004, 0.5]}
+    path = bench.render_curve_png(points, tmp_path / "curve.png")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert bench.plot_points([], measured) == []
