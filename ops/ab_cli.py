@@ -15,6 +15,13 @@ from rich.table import Table
 from ops.simulator_cli import parse_mix
 
 
+def _check_label(value: str | None) -> str | None:
+    """A label the ``ab_comparison.label`` column stores: 1 to 128 characters, no NUL."""
+    if value is not None and not (0 < len(value) <= 128 and "\x00" not in value):
+        raise typer.BadParameter("a label has 1 to 128 characters and no NUL")
+    return value
+
+
 def ab(
     base: str = typer.Argument(..., help="the baseline checkpoint, e.g. base"),
     final: str = typer.Argument(..., help="the checkpoint compared with it"),
@@ -31,15 +38,26 @@ def ab(
     temperature: float = typer.Option(0.7, "--temperature", help="the serving temperature"),
     seed: int = typer.Option(0, "--seed", help="seeds the task draw, sampling and the developers"),
     workers: int = typer.Option(None, "--workers", "-w", min=1, help="sessions in flight per arm"),
+    label: str = typer.Option(
+        None, "--label", callback=_check_label, help="names this result on the dashboard's curve, e.g. cycle-2"
+    ),
+    record: bool = typer.Option(
+        True, "--record/--no-record", help="store the result in the database (the dashboard's curve)"
+    ),
     as_json: bool = typer.Option(False, "--json", help="print the comparison as one JSON line"),
 ) -> None:
     """Serve the same fresh requests (training templates, unseen parameters) with BASE and FINAL on
     the eval engine, let seeded simulated developers answer both, and compare pass rate and product
-    signals with task-clustered 95 % intervals. Nothing reaches the event stream."""
+    signals with task-clustered 95 % intervals. Nothing reaches the event stream. The result is
+    written as a JSON report and, unless --no-record, as one ``ab_comparison`` row (one transaction)."""
+    from app.core.db import database_url, session_scope
     from app.core.settings import get_settings
     from app.core.telemetry import configure_telemetry
+    from app.repositories.ab_comparisons import record_ab_comparison
     from ops.ab import ABConfig, run_ab
 
+    if record:
+        database_url()  # no database configured: fail now, not after the A/B
     configure_telemetry("flywheel-ab")
     console = Console(stderr=as_json)
     config = ABConfig(
@@ -65,13 +83,17 @@ def ab(
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"{base}-vs-{final}-{config.fingerprint()}.json"
     path.write_text(json.dumps(report, indent=2))
+    comparison_id = None
+    if record:
+        with session_scope() as session:
+            comparison_id = record_ab_comparison(session, report, label=label, report_path=str(path)).id
     if as_json:
-        typer.echo(json.dumps({**report, "report_path": str(path)}))
+        typer.echo(json.dumps({**report, "report_path": str(path), "comparison_id": comparison_id}))
         return
     console.print(_table(report))
     for e in report["errors"][:10]:
         console.print(f"[red]error[/red] {e}", highlight=False)
-    console.print(f"report: {path}")
+    console.print(f"report: {path}" + (f" (ab_comparison {comparison_id})" if comparison_id else ""))
 
 
 def _table(report: dict):

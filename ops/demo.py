@@ -463,6 +463,8 @@ def step_measure(opts: DemoOptions, state: DemoState, home: Path, cycle: int) ->
             *session_budget_args(opts),
             "--seed",
             str(opts.seed),
+            "--label",
+            f"cycle-{cycle}",
             "--json",
         ],  # fmt: skip
         opts,

@@ -15,7 +15,7 @@ from fastapi import APIRouter, FastAPI
 
 from app.api.errors import install_error_handlers
 from app.api.limits import BodySizeLimit
-from app.api.routers import audit, canaries, checkpoints, dashboard, health, promotions
+from app.api.routers import ab_comparisons, audit, canaries, checkpoints, dashboard, health, promotions
 from app.core.db import get_engine
 from app.core.errors import ConfigurationError
 from app.core.settings import get_settings
@@ -24,7 +24,7 @@ from app.core.telemetry import configure_telemetry
 DESCRIPTION = """\
 The release manager's API: read checkpoints and their gate reports, promote a gate-passed
 checkpoint, roll back, reject, start and stop a canary and read its online signals, read the
-append-only audit log.
+append-only audit log, read the A/B results of checkpoints on fresh traffic.
 
 Authenticate with `Authorization: Bearer <token>` (`flywheel tokens create --role ROLE --name NAME`).
 Roles: `viewer` reads; `service` reads and rejects; `release_manager` reads, rejects, promotes,
@@ -54,6 +54,7 @@ def create_app() -> FastAPI:
     v1.include_router(promotions.router)
     v1.include_router(canaries.router)
     v1.include_router(audit.router)
+    v1.include_router(ab_comparisons.router)
     app.include_router(v1)
     app.include_router(health.router)
     app.include_router(dashboard.router)

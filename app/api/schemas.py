@@ -398,3 +398,44 @@ class OnlineReport(BaseModel):
     overall: SignalSummary
     canary: CanaryComparison | None
     lineage: list[LineageSignals]
+
+
+class ABMetricOut(BaseModel):
+    """One metric of an A/B in its unit (rates as fractions): both arms and the paired difference
+    ``final - base``, each with its interval clustered by task (null: undefined, e.g. no edit to
+    persist or fewer than two tasks)."""
+
+    base: float | None
+    final: float | None
+    diff: float | None
+    ci: tuple[float, float] | None = Field(description="interval of diff")
+    base_ci: tuple[float, float] | None = None
+    final_ci: tuple[float, float] | None = None
+    higher_is_better: bool
+
+
+class ABComparisonOut(_Out):
+    """One ``flywheel ab`` result: ``checkpoint_id`` against ``base_id`` on fresh traffic (the same
+    requests served by both, answered by the same simulated developers)."""
+
+    id: int
+    created_at: datetime
+    label: str | None = Field(description="names the run, e.g. cycle-2 (the demo's cycle)")
+    base_id: str
+    checkpoint_id: str = Field(description="the compared arm: on the demo's curve, the checkpoint serving")
+    pairs: int = Field(description="(task, sample) pairs both arms completed")
+    tasks: int
+    samples: int = Field(description="sessions per task and arm asked for")
+    confidence: float = Field(description="level of every interval")
+    base_pass_rate: float | None
+    pass_rate: float | None
+    pass_rate_diff: float | None
+    diff_ci_low: float | None
+    diff_ci_high: float | None
+    pass_rate_lower_bound: float | None = Field(description="one-sided lower bound of pass_rate_diff")
+    metrics: dict[str, ABMetricOut] = Field(
+        description="pass_rate, edit_acceptance, edit_persistence, dissatisfied_followup_rate, "
+        "mean_completion_tokens, mean_latency_s"
+    )
+    config: dict[str, Any] = Field(description="the A/B settings: difficulty mix, seed, budgets")
+    detail: dict[str, Any] = Field(description="source, split, tasks_by_difficulty, sessions, errors")

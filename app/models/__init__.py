@@ -1,5 +1,6 @@
 """SQLAlchemy 2 ORM models (``Mapped[]``). Importing this package registers every table."""
 
+from app.models.ab import ABComparison
 from app.models.base import Base
 from app.models.canary import Canary
 from app.models.checkpoints import Checkpoint, CheckpointTrajectory, TrainingCycle
@@ -10,6 +11,7 @@ from app.models.promotion import ApiToken, AuditLog, Promotion
 from app.models.trajectories import ErasureRequest, RewardLabel, Trajectory, TrajectorySegment
 
 __all__ = [
+    "ABComparison",
     "Base",
     "Canary",
     "Checkpoint",

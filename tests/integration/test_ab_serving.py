@@ -1,5 +1,5 @@
 """``flywheel ab`` over the OpenAI-compatible (vLLM) path: both arms run on the eval server, production's
-server keeps its checkpoint and weights, and the report pairs every (task, sample).
+server keeps its checkpoint and weights, the report pairs every (task, sample), and each run is stored.
 
 Two ``flywheel serve`` apps on real HTTP stand in for the production and the eval vLLM servers; the
 arms are two tiny random models published in the checkpoint store."""
@@ -12,11 +12,13 @@ import shutil
 from collections.abc import Iterator
 
 import pytest
+from sqlalchemy import select
 from typer.testing import CliRunner
 
 from app.checkpoints.store import CheckpointStore
 from app.checkpoints.testing import build_tiny_model
 from app.core.settings import get_settings
+from app.models import ABComparison
 from serving.server import create_app
 from serving.testing import serve_in_thread
 from serving.torch_engine import TorchEngine
@@ -58,7 +60,7 @@ def _report(output: str) -> dict:
     return json.loads(output[output.index('{"base"') :].splitlines()[0])
 
 
-def test_flywheel_ab_serves_both_arms_on_the_eval_server(monkeypatch, servers, tmp_path):
+def test_flywheel_ab_serves_both_arms_on_the_eval_server(monkeypatch, servers, tmp_path, session):
     from ops.cli import app
 
     monkeypatch.setenv("FLYWHEEL_SERVING_ENGINE", "vllm")
@@ -92,3 +94,9 @@ def test_flywheel_ab_serves_both_arms_on_the_eval_server(monkeypatch, servers, t
     rerun = _report(again.output)
     assert rerun["sessions"] == {"base": {"ran": 0, "reused": 4}, "final": {"ran": 0, "reused": 4}}
     assert rerun["metrics"] == report["metrics"]
+    # each run is one stored result (the dashboard's curve)
+    stored = session.scalars(select(ABComparison).order_by(ABComparison.id)).all()
+    assert [(r.id, r.checkpoint_id, r.pairs) for r in stored] == [
+        (report["comparison_id"], "ab-final", 4),
+        (rerun["comparison_id"], "ab-final", 4),
+    ]
