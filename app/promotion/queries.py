@@ -60,6 +60,18 @@ def decode_cursor(cursor: str, arity: int) -> list[Any]:
     return values
 
 
+def decode_id_cursor(cursor: str) -> int:
+    """The row id of a one-value cursor (``encode_cursor([id])``): a positive bigint.
+
+    Raises:
+        InvalidCursorError: not such a cursor (a bool, a float, or an int outside 1..2**63-1).
+    """
+    (value,) = decode_cursor(cursor, 1)
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 < value < 2**63:
+        raise InvalidCursorError("invalid cursor", reasons=["pass next_cursor from a previous page"])
+    return value
+
+
 def list_checkpoints(
     session: Session, *, limit: int, status: str | None = None, cursor: str | None = None
 ) -> tuple[list[Checkpoint], str | None]:

@@ -29,9 +29,7 @@ def ab_comparisons(
     interval of their difference, and every product signal with its intervals."""
     before = None
     if cursor:
-        (before,) = queries.decode_cursor(cursor, 1)
-        if isinstance(before, bool) or not isinstance(before, int) or not 0 < before < 2**63:
-            raise queries.InvalidCursorError("invalid cursor", reasons=["pass next_cursor from a previous page"])
+        before = queries.decode_id_cursor(cursor)
     rows = list_ab_comparisons(session, limit=limit + 1, before_id=before, checkpoint_id=checkpoint_id)
     nxt = queries.encode_cursor([rows[limit - 1].id]) if len(rows) > limit else None
     items = [ABComparisonOut.model_validate(r) for r in rows[:limit]]

@@ -34,9 +34,7 @@ def audit(
     """Every change with its actor, newest first. The database refuses UPDATE and DELETE on it."""
     before = None
     if cursor:
-        (before,) = queries.decode_cursor(cursor, 1)
-        if not isinstance(before, int):
-            raise queries.InvalidCursorError("invalid cursor")
+        before = queries.decode_id_cursor(cursor)
     rows = list_audit(session, limit=limit + 1, before_id=before, action=action)
     nxt = queries.encode_cursor([rows[limit - 1].id]) if len(rows) > limit else None
     return model_response(Page[AuditEntry](items=[AuditEntry.model_validate(r) for r in rows[:limit]], next_cursor=nxt))
