@@ -14,8 +14,9 @@ import pytest
 import torch
 
 ON_GPU = torch.cuda.is_available()
-if not ON_GPU:  # before triton is imported: run kernels on the CPU. On a GPU machine the variable
-    os.environ["TRITON_INTERPRET"] = "1"  # would also turn the trainer's own kernel launches into the interpreter
+# Without a GPU the kernel runs under the Triton interpreter: tests/fixtures/environment.py sets
+# TRITON_INTERPRET before anything imports triton (importing it first decides interpreted or not).
+assert ON_GPU or os.environ.get("TRITON_INTERPRET") == "1", "run through pytest: tests/fixtures/environment.py"
 
 from kernels import chunked_logprobs  # noqa: E402
 from kernels.reference import chunked_logprobs_reference, naive_logprobs  # noqa: E402
