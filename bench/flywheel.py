@@ -7,7 +7,7 @@ One run, on a fresh embedded stack (its own ``FLYWHEEL_HOME``):
    them, trains a candidate, gates it on the held-out ``functions`` suite (templates never trained
    on) and promotes or rejects it through the promotion API.
 2. A planted regression: a candidate trained from base on exactly cycle 1's data with the reward's
-   sign flipped (``flywheel train --parent base --same-data-as C1 --invert-reward``), gated against
+   sign flipped at 5x the learning rate (``flywheel train --parent base --same-data-as C1 --invert-reward --lr``), gated against
    base on the same suite. It must be rejected.
 3. In distribution (``flywheel ab base FINAL``, ``ops/ab.py``): fresh requests of the production
    request distribution (the training templates with the same mix) whose parameters no training
@@ -50,10 +50,10 @@ Sizes: the A/B draws every ``test_params`` task at the mix's levels (46 at all l
 and samples each ``ceil(pairs / tasks)`` times: ``--ab-pairs`` 400 by default, 200 with ``--quick``.
 ``--quick`` (1 cycle of 128 sessions, a 200-pair A/B = 400 sessions of at most 2 x 192 tokens, about
 100 each) is sized for 15 minutes on the idle 2-core machine with vLLM (~300 tokens/s at 64
-concurrent sessions): the A/B's ~40k tokens are about 2.5 minutes of it; the default (3 cycles of 256
+concurrent sessions): the A/B's ~40k tokens are about 2.5 minutes of it; the default (4 cycles of 256
 sessions) for 60 minutes. Training, not serving, is the larger part of each cycle (docs/benchmarks.md).
 
-Flags: ``--quick``, ``--cycles K`` (3), ``--sessions N`` (simulated sessions per cycle, 256; quick 128),
+Flags: ``--quick``, ``--cycles K`` (4), ``--sessions N`` (simulated sessions per cycle, 256; quick 128),
 ``--group-size N`` (4), ``--eval-tasks N`` (held-out tasks for the gates, all 112), ``--max-turns N``
 (2), ``--max-tokens-per-turn N`` (192), ``--trainer-config TOML``, ``--difficulty-mix MIX`` (the
 demo's by default), ``--ab-pairs N``, ``--ab-tasks N`` (fewer tasks, more samples each),
@@ -93,6 +93,12 @@ OVERRIDE_REASON = (
     "bench/flywheel: the held-out gate is sized for CPU time, not power; insufficient evidence is "
     "promoted so the fresh-traffic A/B can measure what the loop does to production"
 )
+# The planted regression stands for an update that went wrong unnoticed: cycle 1's data with the
+# reward's sign flipped, at 5x the default learning rate, with the update watch's KL stop out of reach.
+# At the default learning rate with implicit@4 it moved the held-out templates by 0/112 (19 vs 19):
+# no regression to refuse, which tests nothing.
+PLANTED_LR = 5e-5
+PLANTED_MAX_KL = 100.0
 HELD_OUT_TASKS = 112  # every task of the held-out templates (evals/suites/functions.toml)
 SIGNALS = (
     "edit_persistence",
@@ -303,7 +309,9 @@ def plot_points(curve: list[dict], measured: dict[str, dict]) -> list[dict]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="1 cycle instead of 3, a 200-pair A/B")
+    parser.add_argument(
+        "--quick", action="store_true", help="1 cycle of 128 sessions instead of 4 of 256, a 200-pair A/B"
+    )
     parser.add_argument("--cycles", type=int, default=None)
     parser.add_argument("--sessions", type=int, default=None, help="simulated sessions per cycle (256; quick 128)")
     parser.add_argument("--group-size", type=int, default=4, help="sessions per task (GRPO group)")
@@ -319,7 +327,7 @@ def main() -> None:
     parser.add_argument("--home", default=None, help="FLYWHEEL_HOME to use (resumes a run; default: a new one)")
     parser.add_argument("--keep", action="store_true", help="leave the stack running")
     args = parser.parse_args()
-    cycles = args.cycles or (1 if args.quick else 3)
+    cycles = args.cycles or (1 if args.quick else 4)
     sessions = args.sessions or (128 if args.quick else 256)
     eval_tasks = args.eval_tasks or HELD_OUT_TASKS
     ab_pairs = args.ab_pairs or (200 if args.quick else 400)
@@ -359,6 +367,10 @@ def main() -> None:
         train += [
             "--min-new",
             "1",
+            "--lr",
+            str(PLANTED_LR),
+            "--max-kl-per-token",
+            str(PLANTED_MAX_KL),
             "--no-progress",
             *(["--config", args.trainer_config] if args.trainer_config else []),
         ]
