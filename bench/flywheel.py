@@ -84,7 +84,7 @@ from app.repositories.checkpoints import get_production
 from evals.config import load_gate_config
 from evals.gate import paired_bootstrap_interval
 from ops.ab import ABConfig, plan_pairs
-from ops.demo import DEFAULT_DIFFICULTY_MIX, render_curve_png
+from ops.demo import CURVE_SIGNALS, DEFAULT_DIFFICULTY_MIX, curve_point, render_curve_png
 from ops.report import count_multi_segment_sessions
 from ops.simulator_cli import parse_mix
 
@@ -280,31 +280,19 @@ def ab_metrics(report: dict) -> tuple[dict, dict]:
 
 def plot_points(curve: list[dict], measured: dict[str, dict]) -> list[dict]:
     """The curve as :func:`ops.demo.render_curve_png` draws it: base first (cycle 0, from the first
-    measured A/B's base arm), then each cycle's served checkpoint, each with its 95 % intervals."""
+    measured A/B's base arm), then each cycle's served checkpoint (:func:`ops.demo.curve_point`, as
+    the demo's report builds it), each with its 95 % intervals."""
     if not curve:
         return []
     first = measured[curve[0]["checkpoint"]]["metrics"]
-    points = [
-        {
-            "cycle": 0,
-            "checkpoint_id": "base",
-            "pass_rate": first["pass_rate"]["base"],
-            "pass_rate_ci": first["pass_rate"]["base_ci"],
-            "signals": {n: {"value": first[n]["base"], "ci": first[n]["base_ci"]} for n in SIGNALS if n in first},
-        }
-    ]
-    for point in curve:
-        m = measured[point["checkpoint"]]["metrics"]
-        points.append(
-            {
-                "cycle": point["cycle"],
-                "checkpoint_id": point["checkpoint"],
-                "pass_rate": m["pass_rate"]["final"],
-                "pass_rate_ci": m["pass_rate"]["final_ci"],
-                "signals": {n: {"value": m[n]["final"], "ci": m[n]["final_ci"]} for n in SIGNALS if n in m},
-            }
-        )
-    return points
+    base = {
+        "cycle": 0,
+        "checkpoint_id": "base",
+        "pass_rate": first["pass_rate"]["base"],
+        "pass_rate_ci": first["pass_rate"]["base_ci"],
+        "signals": {n: {"value": first[n]["base"], "ci": first[n]["base_ci"]} for n in CURVE_SIGNALS if n in first},
+    }
+    return [base, *(curve_point(p["cycle"], measured[p["checkpoint"]]) for p in curve)]
 
 
 def main() -> None:

@@ -49,19 +49,29 @@ def test_a_failed_demo_stops_the_bench(bench):
         bench.time_steps([sys.executable, "-c", "print('[1/1] stack: x'); raise SystemExit(3)"], dict(os.environ), {})
 
 
-def _ab(base: float, final: float) -> dict:
-    metric = lambda b, f: {"base": b, "final": f, "base_ci": [b - 0.1, b + 0.1], "final_ci": [f - 0.1, f + 0.1]}  # noqa: E731
+def _ab(checkpoint: str, base: float, final: float) -> dict:
+    """A ``flywheel ab base CHECKPOINT --json`` result, reduced to what the curve reads."""
+    metric = lambda b, f: {  # noqa: E731
+        "base": b,
+        "final": f,
+        "diff": f - b,
+        "ci": [f - b - 0.05, f - b + 0.05],
+        "base_ci": [b - 0.1, b + 0.1],
+        "final_ci": [f - 0.1, f + 0.1],
+    }
     return {
+        "final": checkpoint,
+        "pairs": 108,
         "metrics": {
             "pass_rate": metric(base, final),
             "edit_persistence": metric(0.4, 0.5),
             "dissatisfied_followup_rate": metric(0.6, 0.5),
-        }
+        },
     }
 
 
 def test_the_curve_plot_starts_at_base_and_follows_the_served_checkpoints(bench, tmp_path):
-    measured = {"ckpt-a": _ab(0.2, 0.25), "ckpt-b": _ab(0.2, 0.3)}
+    measured = {"ckpt-a": _ab("ckpt-a", 0.2, 0.25), "ckpt-b": _ab("ckpt-b", 0.2, 0.3)}
     curve = [
         {"cycle": 1, "checkpoint": "ckpt-a"},
         {"cycle": 2, "checkpoint": "ckpt-b"},
