@@ -6,9 +6,10 @@ One run, on a fresh embedded stack (its own ``FLYWHEEL_HOME``):
    sessions served by production (train templates, the request mix ``--difficulty-mix``), consumes
    them, trains a candidate, gates it on the held-out ``functions`` suite (templates never trained
    on) and promotes or rejects it through the promotion API.
-2. A planted regression: a candidate trained from base on exactly cycle 1's data with the reward's
-   sign flipped at 5x the learning rate (``flywheel train --parent base --same-data-as C1 --invert-reward --lr``), gated against
-   base on the same suite. It must be rejected.
+2. A planted regression: a candidate trained from base for 4 optimizer steps on cycle 1's data with
+   the reward's sign flipped at 10x the learning rate and the KL stop out of reach (``flywheel train
+   --parent base --same-data-as C1 --invert-reward --lr 1e-4 --max-steps 4``), gated against base on
+   the same suite. It must be rejected.
 3. In distribution (``flywheel ab base FINAL``, ``ops/ab.py``): fresh requests of the production
    request distribution (the training templates with the same mix) whose parameters no training
    cycle used (``functions`` ``test_params``), each (task, sample) served once by base and once by
@@ -37,7 +38,8 @@ Prints one JSON line:
   ``train``, ``eval``, ``gate``, ``release``, ``report``, ``ab``, ``curve``): the demo's steps timed
   from its output, ``eval`` the eval runs' own durations (taken out of ``gate``), the planted
   regression's training and gate added to ``train`` and ``gate``/``eval``;
-- ``planted_rejected``, ``planted_failures``, ``final_checkpoint``, ``margin`` (the held-out
+- ``planted_rejected``, ``planted_failures``, ``planted`` (its ``lr``, ``steps`` and held-out
+  comparison with base: ``pairs``, ``base``, ``final``, ``diff``, ``lower_bound``), ``final_checkpoint``, ``margin`` (the held-out
   suite's non-inferiority margin, ``evals/gate.toml``), ``multi_segment_sessions`` (simulated
   sessions whose agent self-summarized), ``wall_s``, ``pass``.
 
@@ -47,11 +49,11 @@ up and dissatisfied follow-ups down each with a 95 % interval excluding 0, held-
 ``diff > 0``, and the planted regression rejected.
 
 Sizes: the A/B draws every ``test_params`` task at the mix's levels (46 at all levels, 35 at level 1)
-and samples each ``ceil(pairs / tasks)`` times: ``--ab-pairs`` 400 by default, 200 with ``--quick``.
-``--quick`` (1 cycle of 128 sessions, a 200-pair A/B = 400 sessions of at most 2 x 192 tokens, about
-100 each) is sized for 15 minutes on the idle 2-core machine with vLLM (~300 tokens/s at 64
-concurrent sessions): the A/B's ~40k tokens are about 2.5 minutes of it; the default (4 cycles of 256
-sessions) for 60 minutes. Training, not serving, is the larger part of each cycle (docs/benchmarks.md).
+and samples each ``ceil(pairs / tasks)`` times: ``--ab-pairs`` 400 by default; ``--quick`` draws 40
+tasks x 5 samples, 200 pairs. ``--quick`` (1 cycle of 128 sessions, a 200-pair A/B = 400 sessions of
+at most 2 x 192 tokens, about 100 each) is sized for 15 minutes on the idle 2-core machine with vLLM;
+the default (4 cycles of 256 sessions) for 60 minutes. Training, not serving, is the larger part of
+each cycle (docs/benchmarks.md).
 
 Flags: ``--quick``, ``--cycles K`` (4), ``--sessions N`` (simulated sessions per cycle, 256; quick 128),
 ``--group-size N`` (4), ``--eval-tasks N`` (held-out tasks for the gates, all 112), ``--max-turns N``
@@ -93,11 +95,13 @@ OVERRIDE_REASON = (
     "bench/flywheel: the held-out gate is sized for CPU time, not power; insufficient evidence is "
     "promoted so the fresh-traffic A/B can measure what the loop does to production"
 )
-# The planted regression stands for an update that went wrong unnoticed: cycle 1's data with the
-# reward's sign flipped, at 5x the default learning rate, with the update watch's KL stop out of reach.
-# At the default learning rate with implicit@4 it moved the held-out templates by 0/112 (19 vs 19):
-# no regression to refuse, which tests nothing.
-PLANTED_LR = 5e-5
+# The planted regression stands for an update that went wrong unnoticed: the first PLANTED_STEPS
+# optimizer steps of cycle 1's data with the reward's sign flipped, at 10x the default learning rate,
+# with the update watch's KL stop out of reach. Measured on the held-out templates (docs/benchmarks.md):
+# at 1x it moved them by 0/112, at 5x for a whole cycle by -4/112, which 112 greedy pairs cannot call
+# (power 0.23 at the 4.5-point margin); this plant loses ~9/112 and runs to the token limit.
+PLANTED_LR = 1e-4
+PLANTED_STEPS = 4
 PLANTED_MAX_KL = 100.0
 HELD_OUT_TASKS = 112  # every task of the held-out templates (evals/suites/functions.toml)
 SIGNALS = (
@@ -319,13 +323,15 @@ def main() -> None:
     sessions = args.sessions or (128 if args.quick else 256)
     eval_tasks = args.eval_tasks or HELD_OUT_TASKS
     ab_pairs = args.ab_pairs or (200 if args.quick else 400)
+    # quick: 40 tasks x 5 samples, exactly the 200 pairs it needs (all 46 tasks would serve 230)
+    ab_tasks_flag = args.ab_tasks or (40 if args.quick else None)
 
     home = Path(args.home or tempfile.mkdtemp(prefix="flywheel-bench-")).resolve()
     env = {**os.environ, "FLYWHEEL_HOME": str(home)}
     os.environ["FLYWHEEL_HOME"] = str(home)
 
     mix = args.difficulty_mix or DEFAULT_DIFFICULTY_MIX
-    ab_tasks = len(plan_pairs(ABConfig(tasks=args.ab_tasks, samples=1, difficulty_mix=parse_mix(mix))))
+    ab_tasks = len(plan_pairs(ABConfig(tasks=ab_tasks_flag, samples=1, difficulty_mix=parse_mix(mix))))
     samples = math.ceil(ab_pairs / ab_tasks)
     curve_tasks = max(2, min(ab_tasks, math.ceil(args.curve_pairs / samples)))
     margin = load_gate_config().for_suite(SUITE).tolerance
@@ -357,6 +363,8 @@ def main() -> None:
             "1",
             "--lr",
             str(PLANTED_LR),
+            "--max-steps",
+            str(PLANTED_STEPS),
             "--max-kl-per-token",
             str(PLANTED_MAX_KL),
             "--no-progress",
@@ -373,7 +381,8 @@ def main() -> None:
             served = served_after_cycles(session, state, cycles)
         # In distribution: one A/B of base and the final checkpoint (base against itself when no
         # cycle was promoted: its second arm reuses the first's sessions).
-        report = last_json(timed_flywheel(["ab", "base", final, *ab_common], env, budget, "ab"))
+        ab_size = ["--tasks", str(ab_tasks)] if ab_tasks_flag else []
+        report = last_json(timed_flywheel(["ab", "base", final, *ab_size, *ab_common], env, budget, "ab"))
         in_distribution, signals_ab = ab_metrics(report)
         curve, measured = [], {}
         for point in served:
@@ -398,6 +407,7 @@ def main() -> None:
         )
         with session_scope() as session:
             held_out = paired(session, "base", final, SUITE) if final != "base" else None
+            planted_held_out = paired(session, "base", planted, SUITE)
             budget["eval"] = eval_seconds(session)
             multi_segment = count_multi_segment_sessions(session)
     finally:
@@ -454,6 +464,7 @@ def main() -> None:
                 "planted_rejected": rejected,
                 "planted_decision": gate.get("decision"),
                 "planted_failures": gate.get("failures"),
+                "planted": {"lr": PLANTED_LR, "steps": PLANTED_STEPS, **planted_held_out},
                 "release_policy": "promote on pass; insufficient evidence promoted with an audited override",
                 "cycles": cycles,
                 "sessions_per_cycle": sessions,
