@@ -39,9 +39,10 @@ Prints one JSON line:
   from its output, ``eval`` the eval runs' own durations (taken out of ``gate``), the planted
   regression's training and gate added to ``train`` and ``gate``/``eval``;
 - ``planted_rejected``, ``planted_failures``, ``planted`` (its ``lr``, ``steps`` and held-out
-  comparison with base: ``pairs``, ``base``, ``final``, ``diff``, ``lower_bound``), ``final_checkpoint``, ``margin`` (the held-out
-  suite's non-inferiority margin, ``evals/gate.toml``), ``multi_segment_sessions`` (simulated
-  sessions whose agent self-summarized), ``wall_s``, ``pass``.
+  comparison with base: ``pairs``, ``base``, ``final`` (the planted candidate's pass rate), ``diff``,
+  ``lower_bound``), ``final_checkpoint``, ``margin`` (the held-out suite's non-inferiority margin,
+  ``evals/gate.toml``), ``multi_segment_sessions`` (simulated sessions whose agent self-summarized),
+  ``wall_s``, ``pass``.
 
 ``pass``, default run: in-distribution ``diff >= 0.10`` with ``lower_bound > 0``, edit persistence
 up and dissatisfied follow-ups down each with a 95 % interval excluding 0, held-out ``lower_bound >
@@ -51,8 +52,8 @@ up and dissatisfied follow-ups down each with a 95 % interval excluding 0, held-
 Sizes: the A/B draws every ``test_params`` task at the mix's levels (46 at all levels, 35 at level 1)
 and samples each ``ceil(pairs / tasks)`` times: ``--ab-pairs`` 400 by default; ``--quick`` draws 40
 tasks x 5 samples, 200 pairs. ``--quick`` (1 cycle of 128 sessions, a 200-pair A/B = 400 sessions of
-at most 2 x 192 tokens, about 100 each) is sized for 15 minutes on the idle 2-core machine with vLLM;
-the default (4 cycles of 256 sessions) for 60 minutes. Training, not serving, is the larger part of
+at most 2 x 192 tokens, about 100 each) aims at 15 minutes on the idle 2-core machine with vLLM,
+the default (4 cycles of 256 sessions) at 60 minutes. Training, not serving, is the larger part of
 each cycle (docs/benchmarks.md).
 
 Flags: ``--quick``, ``--cycles K`` (4), ``--sessions N`` (simulated sessions per cycle, 256; quick 128),
