@@ -382,8 +382,8 @@ def main() -> None:
             served = served_after_cycles(session, state, cycles)
         # In distribution: one A/B of base and the final checkpoint (base against itself when no
         # cycle was promoted: its second arm reuses the first's sessions).
-        ab_size = ["--tasks", str(ab_tasks)] if ab_tasks_flag else []
-        report = last_json(timed_flywheel(["ab", "base", final, *ab_size, *ab_common], env, budget, "ab"))
+        final_ab = ["ab", "base", final, "--tasks", str(ab_tasks), *ab_common]  # the draw planned above
+        report = last_json(timed_flywheel(final_ab, env, budget, "ab"))
         in_distribution, signals_ab = ab_metrics(report)
         curve, measured = [], {}
         for point in served:
