@@ -19,8 +19,8 @@ logging to ``$FLYWHEEL_HOME/logs/vllm-<role>.log``, with its state in
   failed; none with the flag), and the simulator and the A/B seed every request;
 - ``--served-model-name flywheel``: the name never changes across reloads; the loaded checkpoint id
   is the server's *weight version* (``GET /weight_info``), set at start and at every reload;
-- ``--dtype``: bf16 where the CPU has bf16 instructions (``amx_bf16`` / ``avx512_bf16``) or on CUDA,
-  fp32 elsewhere (:func:`resolve_dtype`).
+- ``--dtype``: bf16 on CUDA and where this CPU's bf16 matmuls are measured faster than fp32, fp32
+  elsewhere (:func:`resolve_dtype`).
 
 - ``--enforce-eager`` on CPU hosts (``vllm_enforce_eager``): measured on 2 cores, an eager server
   starts in 34 s and serves 271 tokens/s at 64 concurrent requests against 82 s and 299 tokens/s
@@ -46,11 +46,11 @@ from pathlib import Path
 
 import httpx
 
-from app.core.cpu import cpu_has_bf16
 from app.core.errors import ConfigurationError, InfrastructureError
 from app.core.net import free_port
 from app.core.pids import pid_alive, stop_pid
 from app.core.settings import ServingSettings, flywheel_home
+from app.inference.precision import bf16_is_faster
 
 log = logging.getLogger("flywheel.vllm")
 
@@ -74,9 +74,11 @@ def cuda_visible() -> bool:
 def resolve_dtype(setting: str = "auto", *, cuda: bool | None = None) -> str:
     """The dtype a server runs in: ``bfloat16`` or ``float32`` (``setting`` other than ``auto`` is kept).
 
-    ``auto`` is bf16 on CUDA and on CPUs with ``amx_bf16`` or ``avx512_bf16`` (measured: vLLM serves
-    SmolLM2-135M 1.6-2.5x faster in bf16 than fp32 on both such CPUs), fp32 elsewhere, where bf16
-    matmuls are emulated and slower.
+    ``auto`` is bf16 on CUDA and on CPUs where bf16 matmuls are measured faster than fp32
+    (:func:`app.inference.precision.bf16_is_faster`), fp32 elsewhere. Measured on 2-core hosts:
+    vLLM served SmolLM2-135M 1.6-2.5x faster in bf16 on an Intel Xeon with AMX and an AMD EPYC,
+    where the probe picks bf16, and 1.5x faster in fp32 on an Intel Xeon with ``avx512_bf16`` but no
+    AMX, where it picks fp32.
 
     Raises:
         ConfigurationError: an unknown dtype.
@@ -87,7 +89,7 @@ def resolve_dtype(setting: str = "auto", *, cuda: bool | None = None) -> str:
         return setting
     if cuda is None:
         cuda = cuda_visible()
-    return "bfloat16" if cuda or cpu_has_bf16() else "float32"
+    return "bfloat16" if cuda or bf16_is_faster() else "float32"
 
 
 @dataclass

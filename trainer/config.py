@@ -121,7 +121,8 @@ class TrainerConfig(_Config):
     """Compute dtype of the forward passes (``trainer/device.py``); master weights and AdamW state
     stay fp32. ``bf16`` = ``torch.autocast`` bf16 (on a CPU without ``amx_bf16``/``avx512_bf16``
     emulated, slower than fp32); ``fp32`` = no autocast (and no TF32 on CUDA); ``auto`` = bf16 on
-    CUDA and on CPUs with either flag, else fp32. The resolved value is recorded as
+    CUDA and on CPUs where bf16 matmuls are measured faster than fp32
+    (``app.inference.precision.bf16_is_faster``), else fp32. The resolved value is recorded as
     ``placement.precision`` in the checkpoint's manifest and metrics."""
     pi_old: Literal["recompute", "behaviour"] = "recompute"
     """The PPO ratio's reference (``trainer/loss.py``): ``recompute`` scores every trainable token

@@ -8,8 +8,9 @@ AdamW state are fp32 on every device; only the compute dtype varies (``precision
   bf16 over fp32 *master* weights, the mixed precision of Micikevicius et al. 2018 ("Mixed
   Precision Training") with bf16 instead of fp16, so no loss scaling is needed; gradients reach
   the fp32 weights, AdamW updates them in fp32. ``fp32``: no autocast. ``auto``: bf16 on CUDA
-  and on CPUs that compute bf16 natively (``amx_bf16`` or ``avx512_bf16`` in ``/proc/cpuinfo``,
-  :func:`app.core.cpu.cpu_has_bf16`), fp32 on other CPUs, where bf16 is emulated and slower.
+  and on CPUs where it is measured faster (:func:`app.inference.precision.bf16_is_faster`: the CPU
+  has ``amx_bf16`` or ``avx512_bf16`` and a probe of the model's matmuls found bf16 at least 1.1x
+  faster than fp32), fp32 on other CPUs.
 * **CPU**: the chunked torch log-prob path; the rest as the precision says.
 * **CUDA** (``cuda``, or ``auto`` with a GPU): TF32 for the fp32 matmuls that remain (unless
   ``precision = "fp32"``); the Triton log-prob kernel (``kernels/``), which
@@ -33,6 +34,7 @@ import torch
 from app.core.cpu import BF16_CPU_FLAGS, cpu_has_bf16
 from app.core.errors import ConfigurationError
 from app.inference.device import resolve_device
+from app.inference.precision import bf16_is_faster
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
@@ -105,8 +107,8 @@ def resolve_precision(setting: str, device: torch.device) -> torch.dtype:
     if setting not in PRECISIONS:
         raise ConfigurationError(f"unknown precision {setting!r}; expected one of {', '.join(PRECISIONS)}")
     if setting == "auto":
-        native = device.type == "cuda" or cpu_has_bf16()
-        return torch.bfloat16 if native else torch.float32
+        faster = device.type == "cuda" or bf16_is_faster()
+        return torch.bfloat16 if faster else torch.float32
     if setting == "bf16" and device.type == "cpu" and not cpu_has_bf16():
         log.warning("precision bf16 on a CPU without %s: bf16 is emulated, slower than fp32", "/".join(BF16_CPU_FLAGS))
     return torch.bfloat16 if setting == "bf16" else torch.float32

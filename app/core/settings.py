@@ -102,7 +102,7 @@ class ServingSettings(EnvSettings):
     )
     vllm_dtype: Literal["auto", "bfloat16", "float32"] = Field(
         default="auto",
-        description="dtype of the managed vLLM servers; auto: bf16 on CUDA and on CPUs with amx_bf16/avx512_bf16, else fp32",
+        description="dtype of the managed vLLM servers; auto: bf16 on CUDA and on CPUs where bf16 matmuls are measured faster (app.inference.precision), else fp32",
     )
     vllm_kv_cache_gib: int = Field(
         default=2, ge=1, description="KV cache of a managed vLLM server on CPU (whole GiB, VLLM_CPU_KVCACHE_SPACE)"

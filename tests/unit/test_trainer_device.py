@@ -12,11 +12,13 @@ import pytest
 import torch
 
 import app.core.cpu
+import app.inference.precision
 import kernels.logprob_loss
 import kernels.reference
 import trainer.training
 from app.core.errors import ConfigurationError
 from app.inference.device import resolve_device
+from tests.unit.test_precision import decide_afresh, fake_probe  # noqa: F401 (fixture)
 from trainer.batching import MicroBatch
 from trainer.config import load_config
 from trainer.device import Placement, setup_placement
@@ -74,18 +76,20 @@ def test_cpu_flags_are_read_from_cpuinfo(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize(
-    ("flags", "precision", "expected"),
+    ("flags", "precision", "speedup", "expected"),
     [
-        ({"avx2", "amx_bf16"}, "auto", torch.bfloat16),
-        ({"avx512f", "avx512_bf16"}, "auto", torch.bfloat16),
-        ({"avx2", "avx512f"}, "auto", torch.float32),  # bf16 would be emulated: fp32
-        (set(), "auto", torch.float32),  # no /proc/cpuinfo
-        ({"amx_bf16"}, "fp32", torch.float32),
-        (set(), "bf16", torch.bfloat16),  # asked for: emulated, with a warning
+        ({"avx2", "amx_bf16"}, "auto", 2.5, torch.bfloat16),
+        ({"avx512f", "avx512_bf16"}, "auto", 1.6, torch.bfloat16),
+        ({"avx512f", "avx512_bf16"}, "auto", 0.7, torch.float32),  # measured slower: fp32
+        ({"avx2", "avx512f"}, "auto", 3.0, torch.float32),  # bf16 would be emulated: fp32
+        (set(), "auto", 3.0, torch.float32),  # no /proc/cpuinfo
+        ({"amx_bf16"}, "fp32", 2.5, torch.float32),
+        (set(), "bf16", 0.5, torch.bfloat16),  # asked for: emulated, with a warning
     ],
 )
-def test_cpu_precision_follows_the_flags(monkeypatch, flags, precision, expected):
+def test_cpu_precision_follows_the_flags_and_the_probe(monkeypatch, decide_afresh, flags, precision, speedup, expected):
     monkeypatch.setattr(app.core.cpu, "cpu_flags", lambda: set(flags))
+    monkeypatch.setattr(app.inference.precision, "cached_probe", lambda: fake_probe(speedup))
     placement = setup_placement("cpu", precision=precision)
     assert placement.compute_dtype == expected and placement.param_dtype == torch.float32
     assert placement.describe()["precision"] == {torch.bfloat16: "bf16", torch.float32: "fp32"}[expected]
@@ -102,8 +106,13 @@ def test_config_precision_and_unknown_values():
         setup_placement("cpu", precision="fp16")
 
 
-@pytest.mark.parametrize(("flags", "expected"), [({"amx_bf16"}, torch.bfloat16), ({"avx2"}, torch.float32)])
-def test_cpu_cycle_computes_in_the_resolved_precision_over_fp32_master_state(tmp_path, monkeypatch, flags, expected):
+@pytest.mark.parametrize(
+    ("flags", "speedup", "expected"),
+    [({"amx_bf16"}, 2.5, torch.bfloat16), ({"avx512_bf16"}, 0.7, torch.float32), ({"avx2"}, 3.0, torch.float32)],
+)
+def test_cpu_cycle_computes_in_the_resolved_precision_over_fp32_master_state(
+    tmp_path, monkeypatch, decide_afresh, flags, speedup, expected
+):
     """A whole cycle (pi_old pass and steps) on the CPU with ``precision = "auto"``: the decoder's
     matmuls and the LM head run in the resolved dtype; weights, their gradients and AdamW state stay fp32."""
     from tests.unit.test_trainer_distributed import _config, _trajectories
@@ -111,6 +120,7 @@ def test_cpu_cycle_computes_in_the_resolved_precision_over_fp32_master_state(tmp
     from trainer.training import train_policy
 
     monkeypatch.setattr(app.core.cpu, "cpu_flags", lambda: set(flags))
+    monkeypatch.setattr(app.inference.precision, "cached_probe", lambda: fake_probe(speedup))
     seen: dict[str, set] = {"decoder": set(), "autocast": set(), "head": set(), "grad": set()}
     forward = kernels.reference.chunk_forward
 

@@ -7,22 +7,28 @@ from pathlib import Path
 import pytest
 
 import app.core.cpu
+import app.inference.precision
 from app.core.errors import ConfigurationError
 from app.core.settings import ServingSettings
 from serving.vllm_server import WORKER_EXTENSION, ensure_server, resolve_dtype, server_command, start_server
+from tests.unit.test_precision import decide_afresh, fake_probe  # noqa: F401 (fixture)
 
 
 @pytest.mark.parametrize(
-    ("flags", "cuda", "expected"),
+    ("flags", "speedup", "cuda", "expected"),
     [
-        ({"avx512f", "avx512_bf16"}, False, "bfloat16"),
-        ({"amx_bf16"}, False, "bfloat16"),
-        ({"avx2", "avx512f"}, False, "float32"),  # bf16 emulated there: slower than fp32
-        (set(), True, "bfloat16"),
+        ({"avx512f", "avx512_bf16"}, 1.6, False, "bfloat16"),
+        ({"amx_bf16"}, 2.5, False, "bfloat16"),
+        ({"avx512f", "avx512_bf16"}, 0.7, False, "float32"),  # the instructions, but measured slower
+        ({"avx2", "avx512f"}, 3.0, False, "float32"),  # bf16 emulated there: slower than fp32
+        (set(), 0.5, True, "bfloat16"),
     ],
 )
-def test_auto_dtype_is_bf16_only_where_the_hardware_has_it(monkeypatch, flags, cuda, expected):
+def test_auto_dtype_is_bf16_only_where_it_is_measured_faster(
+    monkeypatch, decide_afresh, flags, speedup, cuda, expected
+):
     monkeypatch.setattr(app.core.cpu, "cpu_flags", lambda: set(flags))
+    monkeypatch.setattr(app.inference.precision, "cached_probe", lambda: fake_probe(speedup))
     assert resolve_dtype("auto", cuda=cuda) == expected
     assert resolve_dtype("float32", cuda=cuda) == "float32"  # an explicit choice is kept
     with pytest.raises(ConfigurationError, match="unknown serving dtype"):
