@@ -5,6 +5,17 @@ a single longer row gets a micro-batch of its own), and every token the model sa
 not the first token of a row) appears in exactly one micro-batch with its behaviour log-prob and its
 trajectory's advantage. Each segment is one row: segments of a trajectory share its advantage.
 A row's MoE routes sit at the input position whose output sampled each token (one to its left).
+
+Shared prefixes (``share_prefixes``): the sessions of one task group start from the same prompt
+(the simulator and the product send a group's request unchanged; 50 % of a real cycle's tokens were
+a group's common prefix). Rows are then packed group by group, and each micro-batch holds every
+distinct prefix once (``prefix_ids``) and each row's remaining tokens (``input_ids``):
+:func:`trainer.step.token_logprobs` runs the decoder over the prefixes, hands each row its
+prefix's keys and values, and runs the suffixes on them, so a prefix's tokens are computed (and
+back-propagated) once however many rows continue it. The budget still counts every row's full
+length, so a cycle has about as many micro-batches and optimizer steps with sharing as without. A
+prefix ends before the position that predicts any of its rows' first sampled token, so every
+trainable token's hidden state comes from the suffix pass.
 """
 
 from __future__ import annotations
@@ -35,6 +46,12 @@ class MicroBatch:
             position (position ``t`` carries the routes recorded for token ``t + 1``, the token its
             output sampled), -1 elsewhere; None when no row has routes
             (``trainer.router_replay.replay_routes`` takes it).
+        prefix_ids: shared-prefix layout only, ``[P, Lp]`` int64 distinct prefixes, right-padded;
+            ``input_ids`` then holds each row's tokens after its prefix, and ``hidden_index``
+            indexes those suffix positions. None: every row is whole.
+        prefix_mask: ``[P, Lp]`` int64, 1 on real prefix tokens.
+        prefix_index: ``[B]`` int64, the prefix row each row continues.
+        prefix_lengths: ``[B]`` int64, real tokens of each row's prefix (its suffix's first position).
     """
 
     input_ids: torch.Tensor
@@ -46,11 +63,24 @@ class MicroBatch:
     trajectory_index: torch.Tensor
     old_logprobs: torch.Tensor | None = None
     routes: torch.Tensor | None = None
+    prefix_ids: torch.Tensor | None = None
+    prefix_mask: torch.Tensor | None = None
+    prefix_index: torch.Tensor | None = None
+    prefix_lengths: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
-        """Real (non-padding) tokens in the micro-batch."""
-        return int(self.attention_mask.sum())
+        """Real (non-padding) tokens of the micro-batch's rows, a shared prefix counted in every row
+        that continues it (the tokens the rows hold, with or without sharing)."""
+        if self.prefix_lengths is None:
+            return int(self.attention_mask.sum())
+        return int(self.attention_mask.sum() + self.prefix_lengths.sum())
+
+    @property
+    def computed_tokens(self) -> int:
+        """Real tokens the forward pass computes: a shared prefix once."""
+        shared = 0 if self.prefix_mask is None else int(self.prefix_mask.sum())
+        return int(self.attention_mask.sum()) + shared
 
     @property
     def num_trainable(self) -> int:
@@ -71,15 +101,18 @@ def pack_micro_batches(
     micro_batch_tokens: int,
     pad_id: int = 0,
     seed: int = 0,
+    share_prefixes: bool = False,
 ) -> list[MicroBatch]:
     """Pack every segment of ``trajectories`` into micro-batches (longest first, then shuffled).
 
     Args:
         trajectories: the cycle's used trajectories.
         advantages: ``[G]`` float, one per trajectory (shared by all its tokens).
-        micro_batch_tokens: padded-token budget per micro-batch.
+        micro_batch_tokens: padded-token budget per micro-batch (rows x longest row).
         pad_id: token id used for padding (masked out by the attention mask).
         seed: order of the micro-batches.
+        share_prefixes: pack task groups together and compute each group's common prefix once
+            (module doc); a cycle with MoE routes is packed whole.
 
     Returns:
         Micro-batches with at least one trainable token each.
@@ -95,6 +128,10 @@ def pack_micro_batches(
         for seg in t.segments
         if len(seg.token_ids) >= 2 and seg.loss_mask[1:].any()
     ]
+    if share_prefixes and not any(seg.routed_experts is not None for _, seg in rows):
+        batches = _pack_shared(rows, trajectories, advantages, micro_batch_tokens, pad_id)
+        order = np.random.default_rng(seed).permutation(len(batches))
+        return [batches[i] for i in order]
     rows.sort(key=lambda r: -len(r[1].token_ids))
     batches, current = [], []
     for row in rows:
@@ -133,6 +170,98 @@ def _collate(rows, advantages: torch.Tensor, pad_id: int) -> MicroBatch:
         advantages=torch.cat(adv).float(),
         trajectory_index=torch.cat(traj),
         routes=_collate_routes([seg for _, seg in rows], width),
+    )
+
+
+MIN_SHARED_PREFIX = 16
+"""A group's common prefix shorter than this (tokens) is not shared: its rows keep their own."""
+
+
+def _first_target(seg) -> int:
+    """Position of a row's first trainable token (>= 1)."""
+    return int(np.flatnonzero(seg.loss_mask[1:])[0]) + 1
+
+
+def shared_prefix_length(segments: list) -> int:
+    """Tokens the rows of one group can share: their common leading tokens, ending at least one
+    position before any row's first trainable token (that position's hidden state predicts it and
+    must come from the row's own suffix pass). 0 for a group of one row."""
+    if len(segments) < 2:
+        return 0
+    limit = min(_first_target(seg) - 1 for seg in segments)
+    first = segments[0].token_ids[:limit]
+    for seg in segments[1:]:
+        differ = np.flatnonzero(seg.token_ids[:limit] != first[:limit])
+        if differ.size:
+            limit = int(differ[0])
+    return limit
+
+
+def _pack_shared(rows, trajectories, advantages, budget: int, pad_id: int) -> list[MicroBatch]:
+    """Micro-batches of whole groups (longest suffix first) in the shared-prefix layout."""
+    by_group: dict[str, list] = {}
+    for row in rows:
+        by_group.setdefault(trajectories[row[0]].group, []).append(row)
+    units = []  # (prefix length, rows) per group; a short common prefix: each row its own prompt
+    for members in by_group.values():
+        members.sort(key=lambda r: -len(r[1].token_ids))
+        shared = shared_prefix_length([seg for _, seg in members])
+        if shared >= MIN_SHARED_PREFIX:
+            units.append((shared, members))
+        else:
+            units += [(_first_target(seg) - 1, [(i, seg)]) for i, seg in members]
+    units.sort(key=lambda u: u[0] - len(u[1][0][1].token_ids))  # longest suffix first: less padding
+    batches, current, longest = [], [], 0  # current: (unit number, prefix length, row)
+    for u, (shared, members) in enumerate(units):
+        for row in members:
+            width = max(longest, len(row[1].token_ids))
+            if current and (len(current) + 1) * width > budget:
+                batches.append(_collate_shared(current, advantages, pad_id))
+                current, width = [], len(row[1].token_ids)
+            current.append((u, shared, row))
+            longest = width
+    if current:
+        batches.append(_collate_shared(current, advantages, pad_id))
+    return batches
+
+
+def _collate_shared(entries, advantages: torch.Tensor, pad_id: int) -> MicroBatch:
+    units = list(dict.fromkeys(u for u, _, _ in entries))  # distinct prefixes, first-seen order
+    prefix_of = {u: k for k, u in enumerate(units)}
+    prefixes = {u: seg.token_ids[:shared] for u, shared, (_, seg) in entries}
+    prefix_width = max(len(p) for p in prefixes.values())
+    prefix_ids = torch.full((len(units), prefix_width), pad_id, dtype=torch.int64)
+    prefix_mask = torch.zeros((len(units), prefix_width), dtype=torch.int64)
+    for u, k in prefix_of.items():
+        prefix_ids[k, : len(prefixes[u])] = torch.from_numpy(prefixes[u].astype(np.int64))
+        prefix_mask[k, : len(prefixes[u])] = 1
+    suffix = [(i, seg, shared) for _, shared, (i, seg) in entries]
+    width = max(len(seg.token_ids) - shared for _, seg, shared in suffix)
+    input_ids = torch.full((len(suffix), width), pad_id, dtype=torch.int64)
+    attention = torch.zeros((len(suffix), width), dtype=torch.int64)
+    hidden_index, targets, behaviour, adv, traj = [], [], [], [], []
+    for r, (i, seg, shared) in enumerate(suffix):
+        n = len(seg.token_ids) - shared
+        input_ids[r, :n] = torch.from_numpy(seg.token_ids[shared:].astype(np.int64))
+        attention[r, :n] = 1
+        pos = np.flatnonzero(seg.loss_mask[1:]) + 1  # target positions in the whole row (all > shared)
+        hidden_index.append(torch.from_numpy(r * width + pos - 1 - shared))
+        targets.append(torch.from_numpy(seg.token_ids[pos].astype(np.int64)))
+        behaviour.append(torch.from_numpy(seg.behaviour_logprobs[pos].astype(np.float32)))
+        adv.append(torch.full((len(pos),), float(advantages[i])))
+        traj.append(torch.full((len(pos),), i, dtype=torch.int64))
+    return MicroBatch(
+        input_ids=input_ids,
+        attention_mask=attention,
+        hidden_index=torch.cat(hidden_index).long(),
+        targets=torch.cat(targets),
+        behaviour_logprobs=torch.cat(behaviour),
+        advantages=torch.cat(adv).float(),
+        trajectory_index=torch.cat(traj),
+        prefix_ids=prefix_ids,
+        prefix_mask=prefix_mask,
+        prefix_index=torch.tensor([prefix_of[u] for u, _, _ in entries], dtype=torch.int64),
+        prefix_lengths=torch.tensor([shared for _, _, shared in suffix], dtype=torch.int64),
     )
 
 

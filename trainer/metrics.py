@@ -69,6 +69,7 @@ def summarize(
         "mismatch_before_training": mismatch,
         "tokens": tokens,
         "trainable_tokens": sum(m.trainable_tokens for m in history),
+        "computed_tokens": sum(m.computed_tokens for m in history),
         "train_seconds": train_seconds,
         "tokens_per_s": tokens / train_seconds if train_seconds else 0.0,
         "cycle_seconds": seconds,

@@ -52,6 +52,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
+from transformers import DynamicCache
 
 from kernels import chunked_logprobs
 from kernels.logprob_loss import chunked_logprob_loss
@@ -86,8 +87,11 @@ def _trainable_hidden(
     head = model.get_output_embeddings()
     if getattr(head, "bias", None) is not None:
         raise ValueError("LM heads with a bias are not supported")
-    with replay_routes(model, mb.routes if config.router_replay else None):  # MoE: serving's experts
-        hidden = decoder(input_ids=mb.input_ids, attention_mask=mb.attention_mask).last_hidden_state
+    if mb.prefix_ids is not None:
+        hidden = _suffix_hidden(decoder, mb)
+    else:
+        with replay_routes(model, mb.routes if config.router_replay else None):  # MoE: serving's experts
+            hidden = decoder(input_ids=mb.input_ids, attention_mask=mb.attention_mask).last_hidden_state
     hidden = hidden.reshape(-1, hidden.shape[-1]).index_select(0, mb.hidden_index)
     if config.loss.temperature != 1.0:
         hidden = hidden / config.loss.temperature  # logits / T == (h / T) W^T
@@ -96,6 +100,24 @@ def _trainable_hidden(
         dtype = torch.get_autocast_dtype(hidden.device.type)  # would be; the kernels accumulate in fp32
         hidden, weight = hidden.to(dtype), weight.to(dtype)
     return hidden, weight
+
+
+def _suffix_hidden(decoder: torch.nn.Module, mb: MicroBatch) -> torch.Tensor:
+    """``[B, Ls, H]`` hidden states of the rows' suffixes in the shared-prefix layout
+    (:mod:`trainer.batching`): the prefixes' keys and values (one decoder pass over ``[P, Lp]``) are
+    gathered to their rows and the suffixes attend to them, at positions continuing each row's
+    prefix. Gradients reach a prefix's activations once, summed over its rows."""
+    prefix = decoder(input_ids=mb.prefix_ids, attention_mask=mb.prefix_mask, use_cache=True).past_key_values
+    cache = DynamicCache()
+    for layer, entry in enumerate(prefix.layers):
+        cache.update(entry.keys.index_select(0, mb.prefix_index), entry.values.index_select(0, mb.prefix_index), layer)
+    mask = torch.cat([mb.prefix_mask.index_select(0, mb.prefix_index), mb.attention_mask], dim=1)
+    width = mb.input_ids.shape[1]
+    positions = mb.prefix_lengths[:, None] + torch.arange(width, device=mb.input_ids.device)[None, :]
+    out = decoder(
+        input_ids=mb.input_ids, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True
+    )
+    return out.last_hidden_state
 
 
 def token_logprobs(model: torch.nn.Module, mb: MicroBatch, config: TrainerConfig) -> tuple[torch.Tensor, torch.Tensor]:
@@ -232,8 +254,12 @@ class StepMetrics:
     lr: float = 0.0
     trainable_tokens: int = 0
     tokens: int = 0
+    """real tokens of the step's rows (a shared prefix counted in each row that continues it)"""
+    computed_tokens: int = 0
+    """real tokens the forward passes computed (a shared prefix once per micro-batch)"""
     seconds: float = 0.0
     tokens_per_s: float = 0.0
+    """``tokens / seconds``: rows' tokens trained per second"""
     skipped_micro_batches: int = 0
     """micro-batches whose loss was not finite (NaN/Inf): left out of the step, never backpropagated."""
     skipped_step: bool = False
@@ -345,6 +371,7 @@ def train_steps(
                 sums[key] = sums.get(key, 0.0) + value
             m.trainable_tokens += mb.num_trainable
             m.tokens += mb.num_tokens
+            m.computed_tokens += mb.computed_tokens
         if dp is not None:
             dp.finish_step()  # every rank joins the step's gradient all-reduce
             totals = dp.all_reduce_sums(
@@ -353,6 +380,7 @@ def train_steps(
                     "loss": m.loss,
                     "trainable": m.trainable_tokens,
                     "tokens": m.tokens,
+                    "computed": m.computed_tokens,
                     "skipped": m.skipped_micro_batches,
                 },
                 batches[0].targets.device,
@@ -362,6 +390,7 @@ def train_steps(
                 int(totals.pop("trainable")),
                 int(totals.pop("tokens")),
             )
+            m.computed_tokens = int(totals.pop("computed"))
             m.skipped_micro_batches = int(totals.pop("skipped"))
             sums = totals
         m.grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), config.optim.max_grad_norm))

@@ -56,7 +56,12 @@ def pack_cycle(trajectories: list, config: TrainerConfig, pad_id: int = 0):
         rewards = -rewards
     advantages = compute_advantages(rewards, groups, singleton_baseline=config.data.singleton_baseline)
     batches = pack_micro_batches(
-        trajectories, advantages, micro_batch_tokens=config.data.micro_batch_tokens, pad_id=pad_id, seed=config.seed
+        trajectories,
+        advantages,
+        micro_batch_tokens=config.data.micro_batch_tokens,
+        pad_id=pad_id,
+        seed=config.seed,
+        share_prefixes=config.data.share_prefixes and not config.gradient_checkpointing,
     )
     return rewards, groups, advantages, batches
 
