@@ -9,10 +9,10 @@ A row's MoE routes sit at the input position whose output sampled each token (on
 Shared prefixes (``share_prefixes``): the sessions of one task group start from the same prompt
 (the simulator and the product send a group's request unchanged; 50 % of a real cycle's tokens were
 a group's common prefix). Rows are then packed group by group, and each micro-batch holds every
-distinct prefix once (``prefix_ids``) and each row's remaining tokens (``input_ids``):
-:func:`trainer.step.token_logprobs` runs the decoder over the prefixes, hands each row its
-prefix's keys and values, and runs the suffixes on them, so a prefix's tokens are computed (and
-back-propagated) once however many rows continue it. The budget still counts every row's full
+distinct prefix once, concatenated without padding (``prefix_ids``), and each row's remaining
+tokens (``input_ids``): :func:`trainer.step.token_logprobs` runs the decoder over the prefixes
+(each attending only to itself), gathers each row's prefix keys and values, and runs the suffixes
+on them, so a prefix's tokens are computed (and back-propagated) once however many rows continue it. The budget still counts every row's full
 length, so a cycle has about as many micro-batches and optimizer steps with sharing as without. A
 prefix ends before the position that predicts any of its rows' first sampled token, so every
 trainable token's hidden state comes from the suffix pass.
@@ -46,11 +46,13 @@ class MicroBatch:
             position (position ``t`` carries the routes recorded for token ``t + 1``, the token its
             output sampled), -1 elsewhere; None when no row has routes
             (``trainer.router_replay.replay_routes`` takes it).
-        prefix_ids: shared-prefix layout only, ``[P, Lp]`` int64 distinct prefixes, right-padded;
-            ``input_ids`` then holds each row's tokens after its prefix, and ``hidden_index``
-            indexes those suffix positions. None: every row is whole.
-        prefix_mask: ``[P, Lp]`` int64, 1 on real prefix tokens.
-        prefix_index: ``[B]`` int64, the prefix row each row continues.
+        prefix_ids: shared-prefix layout only, ``[1, Np]`` int64, the micro-batch's distinct prefixes
+            one after another; ``input_ids`` then holds each row's tokens after its prefix, and
+            ``hidden_index`` indexes those suffix positions. None: every row is whole.
+        prefix_positions: ``[1, Np]`` int64, each prefix token's position in its own prefix (0 starts one).
+        prefix_gather: ``[B, Lp]`` int64, where in ``prefix_ids`` row ``b``'s prefix token ``j`` sits
+            (0 past the row's prefix).
+        prefix_mask: ``[B, Lp]`` int64, 1 on each row's real prefix tokens.
         prefix_lengths: ``[B]`` int64, real tokens of each row's prefix (its suffix's first position).
     """
 
@@ -64,8 +66,9 @@ class MicroBatch:
     old_logprobs: torch.Tensor | None = None
     routes: torch.Tensor | None = None
     prefix_ids: torch.Tensor | None = None
+    prefix_positions: torch.Tensor | None = None
+    prefix_gather: torch.Tensor | None = None
     prefix_mask: torch.Tensor | None = None
-    prefix_index: torch.Tensor | None = None
     prefix_lengths: torch.Tensor | None = None
 
     @property
@@ -79,7 +82,7 @@ class MicroBatch:
     @property
     def computed_tokens(self) -> int:
         """Real tokens the forward pass computes: a shared prefix once."""
-        shared = 0 if self.prefix_mask is None else int(self.prefix_mask.sum())
+        shared = 0 if self.prefix_ids is None else self.prefix_ids.shape[1]
         return int(self.attention_mask.sum()) + shared
 
     @property
@@ -226,15 +229,16 @@ def _pack_shared(rows, trajectories, advantages, budget: int, pad_id: int) -> li
 
 
 def _collate_shared(entries, advantages: torch.Tensor, pad_id: int) -> MicroBatch:
-    units = list(dict.fromkeys(u for u, _, _ in entries))  # distinct prefixes, first-seen order
-    prefix_of = {u: k for k, u in enumerate(units)}
-    prefixes = {u: seg.token_ids[:shared] for u, shared, (_, seg) in entries}
+    prefixes = {u: seg.token_ids[:shared] for u, shared, (_, seg) in entries}  # first-seen order
+    starts = dict(zip(prefixes, np.cumsum([0] + [len(p) for p in prefixes.values()])[:-1].tolist()))
+    prefix_ids = torch.from_numpy(np.concatenate(list(prefixes.values())).astype(np.int64))[None]
+    prefix_positions = torch.cat([torch.arange(len(p)) for p in prefixes.values()])[None]
     prefix_width = max(len(p) for p in prefixes.values())
-    prefix_ids = torch.full((len(units), prefix_width), pad_id, dtype=torch.int64)
-    prefix_mask = torch.zeros((len(units), prefix_width), dtype=torch.int64)
-    for u, k in prefix_of.items():
-        prefix_ids[k, : len(prefixes[u])] = torch.from_numpy(prefixes[u].astype(np.int64))
-        prefix_mask[k, : len(prefixes[u])] = 1
+    prefix_gather = torch.zeros((len(entries), prefix_width), dtype=torch.int64)
+    prefix_mask = torch.zeros((len(entries), prefix_width), dtype=torch.int64)
+    for r, (u, shared, _) in enumerate(entries):
+        prefix_gather[r, :shared] = torch.arange(starts[u], starts[u] + shared)
+        prefix_mask[r, :shared] = 1
     suffix = [(i, seg, shared) for _, shared, (i, seg) in entries]
     width = max(len(seg.token_ids) - shared for _, seg, shared in suffix)
     input_ids = torch.full((len(suffix), width), pad_id, dtype=torch.int64)
@@ -259,8 +263,9 @@ def _collate_shared(entries, advantages: torch.Tensor, pad_id: int) -> MicroBatc
         advantages=torch.cat(adv).float(),
         trajectory_index=torch.cat(traj),
         prefix_ids=prefix_ids,
+        prefix_positions=prefix_positions,
+        prefix_gather=prefix_gather,
         prefix_mask=prefix_mask,
-        prefix_index=torch.tensor([prefix_of[u] for u, _, _ in entries], dtype=torch.int64),
         prefix_lengths=torch.tensor([shared for _, _, shared in suffix], dtype=torch.int64),
     )
 

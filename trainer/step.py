@@ -104,14 +104,25 @@ def _trainable_hidden(
 
 def _suffix_hidden(decoder: torch.nn.Module, mb: MicroBatch) -> torch.Tensor:
     """``[B, Ls, H]`` hidden states of the rows' suffixes in the shared-prefix layout
-    (:mod:`trainer.batching`): the prefixes' keys and values (one decoder pass over ``[P, Lp]``) are
-    gathered to their rows and the suffixes attend to them, at positions continuing each row's
-    prefix. Gradients reach a prefix's activations once, summed over its rows."""
-    prefix = decoder(input_ids=mb.prefix_ids, attention_mask=mb.prefix_mask, use_cache=True).past_key_values
+    (:mod:`trainer.batching`): one decoder pass over the concatenated prefixes ``[1, Np]`` (a
+    block-diagonal causal mask: each prefix attends to itself), each row's prefix keys and values
+    gathered to ``[B, kv_heads, Lp, head_dim]``, then the suffixes attending to them at positions
+    continuing each row's prefix. Gradients reach a prefix's activations once, summed over its rows."""
+    segment = (mb.prefix_positions[0] == 0).cumsum(0)  # [Np] which prefix each token belongs to
+    causal = torch.ones(len(segment), len(segment), dtype=torch.bool, device=segment.device).tril()
+    blocks = (segment[:, None] == segment[None, :]) & causal  # [Np, Np] True: attend
+    prefix = decoder(
+        input_ids=mb.prefix_ids, position_ids=mb.prefix_positions, attention_mask=blocks[None, None], use_cache=True
+    ).past_key_values
+    rows, width = mb.prefix_gather.shape
+    flat = mb.prefix_gather.reshape(-1)
     cache = DynamicCache()
-    for layer, entry in enumerate(prefix.layers):
-        cache.update(entry.keys.index_select(0, mb.prefix_index), entry.values.index_select(0, mb.prefix_index), layer)
-    mask = torch.cat([mb.prefix_mask.index_select(0, mb.prefix_index), mb.attention_mask], dim=1)
+    for layer, entry in enumerate(prefix.layers):  # keys/values [1, kv_heads, Np, head_dim]
+        keys, values = (
+            t[0].index_select(1, flat).unflatten(1, (rows, width)).transpose(0, 1) for t in (entry.keys, entry.values)
+        )
+        cache.update(keys, values, layer)
+    mask = torch.cat([mb.prefix_mask, mb.attention_mask], dim=1)
     width = mb.input_ids.shape[1]
     positions = mb.prefix_lengths[:, None] + torch.arange(width, device=mb.input_ids.device)[None, :]
     out = decoder(

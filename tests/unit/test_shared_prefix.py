@@ -70,8 +70,8 @@ def test_each_trainable_token_is_packed_once_and_a_groups_prompt_once_per_micro_
     for mb in shared:
         full = mb.attention_mask.sum(1) + mb.prefix_lengths  # each row's whole length
         assert len(full) == 1 or len(full) * int(full.max()) <= 400  # the whole-row budget
-        assert int(mb.prefix_index.max()) < mb.prefix_ids.shape[0]
-        assert torch.equal(mb.prefix_mask.sum(1)[mb.prefix_index], mb.prefix_lengths)
+        assert int(mb.prefix_gather.max()) < mb.prefix_ids.shape[1] and mb.prefix_ids.shape[0] == 1
+        assert torch.equal(mb.prefix_mask.sum(1), mb.prefix_lengths)
         assert int(mb.hidden_index.min()) >= 0  # every predicting position lies in the suffix
     # the group whose prompts differ at token 5 keeps its rows' own prompts (one prefix per row)
     differing = [s for t in trajectories[12:] for s in t.segments]
@@ -94,7 +94,7 @@ def test_shared_prefix_log_probs_loss_and_gradients_equal_whole_rows():
         loss = sum(micro_batch_loss(model, mb, config)[0] for mb in batches)
         loss.backward()
         grads = {n: p.grad.clone() for n, p in model.named_parameters()}
-        results[share] = (logprobs, float(loss), grads)
+        results[share] = (logprobs, float(loss.detach()), grads)
     (lp0, loss0, g0), (lp1, loss1, g1) = results[False], results[True]
     assert lp0.keys() == lp1.keys()
     assert max(abs(lp0[k] - lp1[k]) for k in lp0) < 1e-4
