@@ -229,6 +229,8 @@ def _pack_shared(rows, trajectories, advantages, budget: int, pad_id: int) -> li
 
 
 def _collate_shared(entries, advantages: torch.Tensor, pad_id: int) -> MicroBatch:
+    if all(shared == 0 for _, shared, _ in entries):  # rows sampled from their second token on
+        return _collate([row for _, _, row in entries], advantages, pad_id)
     prefixes = {u: seg.token_ids[:shared] for u, shared, (_, seg) in entries}  # first-seen order
     starts = dict(zip(prefixes, np.cumsum([0] + [len(p) for p in prefixes.values()])[:-1].tolist()))
     prefix_ids = torch.from_numpy(np.concatenate(list(prefixes.values())).astype(np.int64))[None]

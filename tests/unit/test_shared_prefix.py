@@ -104,6 +104,22 @@ def test_shared_prefix_log_probs_loss_and_gradients_equal_whole_rows():
     assert any(float(g.abs().sum()) > 0 for g in g0.values())
 
 
+def test_rows_without_a_prefix_to_share_train_as_whole_rows():
+    """A row sampled from its second token on has an empty prefix: alone in its micro-batch it is
+    packed whole, beside others its prefix is empty; either way its log-probs are those of whole rows."""
+    model = tiny_policy(seed=2)
+    trajectories = [make_trajectory([make_segment([1], [40 + k, 41, 2])], float(k), task_id="t") for k in range(2)]
+    trajectories += _cycle(seed=2)[:4]
+    for cycle, budget in ((trajectories[:2], 400), (trajectories, 4000)):
+        out = []
+        for share in (False, True):
+            config = _config(share, data={"micro_batch_tokens": budget, "share_prefixes": share})
+            *_, batches = pack_cycle(cycle, config, pad_id=2)
+            with torch.no_grad():
+                out.append(_per_token(batches, [token_logprobs(model, mb, config)[0] for mb in batches]))
+        assert out[0].keys() == out[1].keys() and max(abs(out[0][k] - out[1][k]) for k in out[0]) < 1e-4
+
+
 def test_routes_and_activation_checkpointing_pack_whole_rows():
     trajectories = _cycle()
     *_, batches = pack_cycle(trajectories, _config(True, gradient_checkpointing=True))
