@@ -1,9 +1,9 @@
 """Trainer throughput with a task group's common prompt computed once (``data.share_prefixes``) against whole rows.
 
-Workload: a cycle's worth of synthetic sessions shaped like the real ones (a ``--quick`` cycle of
-the functions tasks: 116 trajectories, mean row 289 tokens, half of them a group's common prompt):
-``--groups`` task groups of 4 sessions, each group one prompt of 150-260 tokens, a first completion
-of 20-190 tokens and, in half the sessions, a 30-token follow-up and a second completion of 20-120.
+Workload: synthetic sessions shaped like a real cycle's (``--quick`` cycle 1 of the functions
+tasks: 116 trajectories in 32 groups of 3-4, a group's common prompt 167-227 tokens, the rest of a
+row 25-193, one turn): ``--groups`` task groups alternately of 4 and 3 sessions, each group one
+prompt of 165-230 tokens, each session a completion of 25-195 tokens.
 Model: SmolLM2-135M's architecture with random weights (``bench/train.py``'s ``build_model``; the
 weights do not change the cost). Both layouts are packed by :func:`trainer.batching.pack_micro_batches`
 at the trainer's default budget (2,048 tokens a micro-batch) and run the trainer's own forward,
@@ -15,8 +15,8 @@ precision ``auto`` resolves to on this host; rounds alternate and each layout ke
 ``loss_match``: the summed loss of the two layouts agrees within ``rel 1e-3``. Target: ratio >= 1.25,
 the cut in padded tokens of the real cycle (34,076 -> 26,376); ``pass`` also needs ``loss_match``.
 
-Flags: ``--quick`` (4 layers, 8 groups, 1 round), ``--groups N`` (29), ``--layers N`` (30),
-``--rounds N`` (2), ``--threads N`` (2). Measured results: ``docs/benchmarks.md``.
+Flags: ``--quick`` (4 layers, 8 groups), ``--groups N`` (16), ``--layers N`` (30),
+``--rounds N`` (1), ``--threads N`` (2). Measured results: ``docs/benchmarks.md``.
 """
 
 from __future__ import annotations
@@ -45,17 +45,15 @@ VOCAB = 49_152
 
 
 def build_cycle(groups: int, seed: int = 0) -> list:
-    """``groups`` x 4 synthetic trajectories (module doc), rewards varying within each group."""
+    """Synthetic trajectories of ``groups`` task groups of 4 and 3 sessions (module doc)."""
     from trainer.data import Segment
 
     rng = np.random.default_rng(seed)
     out = []
     for g in range(groups):
-        prompt = rng.integers(3, VOCAB, int(rng.integers(150, 261)))
-        for s in range(4):
-            parts = [(prompt, 0), (rng.integers(3, VOCAB, int(rng.integers(20, 191))), 1)]
-            if s % 2:
-                parts += [(rng.integers(3, VOCAB, 30), 0), (rng.integers(3, VOCAB, int(rng.integers(20, 121))), 1)]
+        prompt = rng.integers(3, VOCAB, int(rng.integers(165, 231)))
+        for _ in range(4 - g % 2):
+            parts = [(prompt, 0), (rng.integers(3, VOCAB, int(rng.integers(25, 196))), 1)]
             ids = np.concatenate([p for p, _ in parts]).astype(np.int32)
             mask = np.concatenate([np.full(len(p), m, dtype=np.uint8) for p, m in parts])
             mu = np.where(mask == 1, rng.normal(-1.0, 0.3, len(ids)), 0.0).astype(np.float32)
@@ -83,9 +81,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=None)
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
-    groups = args.groups or (8 if args.quick else 29)
+    groups = args.groups or (8 if args.quick else 16)
     layers = args.layers or (4 if args.quick else 30)
-    rounds = args.rounds or (1 if args.quick else 2)
+    rounds = args.rounds or 1
     torch.set_num_threads(args.threads)
     placement = setup_placement("cpu")
     model = placement.place_model(build_model("smollm2-135m", layers))

@@ -44,11 +44,12 @@ class DataConfig(_Config):
     """Segments longer than this (tokens) are truncated; later tokens are not trained on."""
     micro_batch_tokens: int = Field(default=2048, ge=16)
     """Padded tokens (rows x longest row) per micro-batch; bounds activation memory."""
-    share_prefixes: bool = True
+    share_prefixes: bool = False
     """Pack each task group's rows together and compute their common prefix (the group's prompt)
     once per micro-batch (``trainer/batching.py``); the loss and gradients are those of whole rows.
-    Not with ``gradient_checkpointing`` (its layers keep no key/value cache) or MoE routes: then
-    rows are packed whole."""
+    Off by default: on the 2-core CPU it computed 30-40 % fewer tokens but was not measurably faster
+    (``bench/shared_prefix.py``, docs/benchmarks.md). Not with ``gradient_checkpointing`` (its
+    layers keep no key/value cache) or MoE routes: then rows are packed whole."""
     singleton_baseline: Literal["zero", "batch_mean"] = "batch_mean"
     """Baseline of a trajectory alone in its task group: 0 advantage, or reward minus batch mean."""
     same_data_as: str | None = None
