@@ -35,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from train import build_model  # noqa: E402  (bench/train.py)
 
 from trainer.config import TrainerConfig  # noqa: E402
+from trainer.data import Segment  # noqa: E402
 from trainer.device import setup_placement  # noqa: E402
 from trainer.step import micro_batch_loss, use_behaviour_logprobs  # noqa: E402
 from trainer.testing import make_trajectory  # noqa: E402
@@ -46,8 +47,6 @@ VOCAB = 49_152
 
 def build_cycle(groups: int, seed: int = 0) -> list:
     """Synthetic trajectories of ``groups`` task groups of 4 and 3 sessions (module doc)."""
-    from trainer.data import Segment
-
     rng = np.random.default_rng(seed)
     out = []
     for g in range(groups):
