@@ -20,6 +20,7 @@ trainable token's hidden state comes from the suffix pass.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -149,17 +150,20 @@ def pack_micro_batches(
     return [batches[i] for i in order]
 
 
-def _collate(rows, advantages: torch.Tensor, pad_id: int) -> MicroBatch:
-    width = max(len(seg.token_ids) for _, seg in rows)
+def _collate(rows, advantages: torch.Tensor, pad_id: int, offsets: list[int] | None = None) -> MicroBatch:
+    """A micro-batch of ``rows`` (``(trajectory index, segment)``), each from token ``offsets[r]``
+    on (0: the whole row; the shared-prefix layout passes each row's prefix length)."""
+    offsets = offsets or [0] * len(rows)
+    width = max(len(seg.token_ids) - o for (_, seg), o in zip(rows, offsets))
     input_ids = torch.full((len(rows), width), pad_id, dtype=torch.int64)
     attention = torch.zeros((len(rows), width), dtype=torch.int64)
     hidden_index, targets, behaviour, adv, traj = [], [], [], [], []
-    for r, (i, seg) in enumerate(rows):
-        n = len(seg.token_ids)
-        input_ids[r, :n] = torch.from_numpy(seg.token_ids.astype(np.int64))
+    for r, ((i, seg), o) in enumerate(zip(rows, offsets)):
+        n = len(seg.token_ids) - o
+        input_ids[r, :n] = torch.from_numpy(seg.token_ids[o:].astype(np.int64))
         attention[r, :n] = 1
         pos = np.flatnonzero(seg.loss_mask[1:]) + 1  # target positions; position 0 has no context
-        hidden_index.append(torch.from_numpy(r * width + pos - 1))
+        hidden_index.append(torch.from_numpy(r * width + pos - 1 - o))  # all past the offset
         targets.append(torch.from_numpy(seg.token_ids[pos].astype(np.int64)))
         behaviour.append(torch.from_numpy(seg.behaviour_logprobs[pos].astype(np.float32)))
         adv.append(torch.full((len(pos),), float(advantages[i])))
@@ -229,46 +233,24 @@ def _pack_shared(rows, trajectories, advantages, budget: int, pad_id: int) -> li
 
 
 def _collate_shared(entries, advantages: torch.Tensor, pad_id: int) -> MicroBatch:
-    if all(shared == 0 for _, shared, _ in entries):  # rows sampled from their second token on
-        return _collate([row for _, _, row in entries], advantages, pad_id)
+    rows, offsets = [row for _, _, row in entries], [shared for _, shared, _ in entries]
+    if not any(offsets):  # rows sampled from their second token on: nothing to share
+        return _collate(rows, advantages, pad_id)
     prefixes = {u: seg.token_ids[:shared] for u, shared, (_, seg) in entries}  # first-seen order
     starts = dict(zip(prefixes, np.cumsum([0] + [len(p) for p in prefixes.values()])[:-1].tolist()))
-    prefix_ids = torch.from_numpy(np.concatenate(list(prefixes.values())).astype(np.int64))[None]
-    prefix_positions = torch.cat([torch.arange(len(p)) for p in prefixes.values()])[None]
     prefix_width = max(len(p) for p in prefixes.values())
     prefix_gather = torch.zeros((len(entries), prefix_width), dtype=torch.int64)
     prefix_mask = torch.zeros((len(entries), prefix_width), dtype=torch.int64)
     for r, (u, shared, _) in enumerate(entries):
         prefix_gather[r, :shared] = torch.arange(starts[u], starts[u] + shared)
         prefix_mask[r, :shared] = 1
-    suffix = [(i, seg, shared) for _, shared, (i, seg) in entries]
-    width = max(len(seg.token_ids) - shared for _, seg, shared in suffix)
-    input_ids = torch.full((len(suffix), width), pad_id, dtype=torch.int64)
-    attention = torch.zeros((len(suffix), width), dtype=torch.int64)
-    hidden_index, targets, behaviour, adv, traj = [], [], [], [], []
-    for r, (i, seg, shared) in enumerate(suffix):
-        n = len(seg.token_ids) - shared
-        input_ids[r, :n] = torch.from_numpy(seg.token_ids[shared:].astype(np.int64))
-        attention[r, :n] = 1
-        pos = np.flatnonzero(seg.loss_mask[1:]) + 1  # target positions in the whole row (all > shared)
-        hidden_index.append(torch.from_numpy(r * width + pos - 1 - shared))
-        targets.append(torch.from_numpy(seg.token_ids[pos].astype(np.int64)))
-        behaviour.append(torch.from_numpy(seg.behaviour_logprobs[pos].astype(np.float32)))
-        adv.append(torch.full((len(pos),), float(advantages[i])))
-        traj.append(torch.full((len(pos),), i, dtype=torch.int64))
-    return MicroBatch(
-        input_ids=input_ids,
-        attention_mask=attention,
-        hidden_index=torch.cat(hidden_index).long(),
-        targets=torch.cat(targets),
-        behaviour_logprobs=torch.cat(behaviour),
-        advantages=torch.cat(adv).float(),
-        trajectory_index=torch.cat(traj),
-        prefix_ids=prefix_ids,
-        prefix_positions=prefix_positions,
+    return dataclasses.replace(
+        _collate(rows, advantages, pad_id, offsets),
+        prefix_ids=torch.from_numpy(np.concatenate(list(prefixes.values())).astype(np.int64))[None],
+        prefix_positions=torch.cat([torch.arange(len(p)) for p in prefixes.values()])[None],
         prefix_gather=prefix_gather,
         prefix_mask=prefix_mask,
-        prefix_lengths=torch.tensor([shared for _, _, shared in suffix], dtype=torch.int64),
+        prefix_lengths=torch.tensor(offsets, dtype=torch.int64),
     )
 
 
