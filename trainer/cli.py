@@ -39,6 +39,10 @@ def train(
     max_kl: float | None = typer.Option(
         None, "--max-kl-per-token", help="override `max_kl_per_token`: stop the cycle past this KL to pi_old"
     ),
+    lora_rank: int | None = typer.Option(
+        None, "--lora-rank", help="override `lora.rank`: train rank-r adapters merged afterwards (0: every weight)"
+    ),
+    grad_accum: int | None = typer.Option(None, "--grad-accum", help="override `grad_accum`: micro-batches a step"),
     dry_run: bool = typer.Option(False, "--dry-run", help="select data and report; train and write nothing"),
     as_json: bool = typer.Option(False, "--json", help="print the cycle result as one JSON line"),
     progress: bool = typer.Option(True, "--progress/--no-progress", help="rich progress bar"),
@@ -67,6 +71,8 @@ def train(
             ("precision", precision),
             ("pi_old", pi_old),
             ("max_kl_per_token", max_kl),
+            ("lora.rank", lora_rank),
+            ("grad_accum", grad_accum),
         )
         if v is not None
     }

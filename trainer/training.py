@@ -3,7 +3,8 @@
 :func:`pack_cycle` turns trajectories into rewards, Dr. GRPO advantages over task groups
 (:mod:`trainer.loss`) and padded micro-batches (:mod:`trainer.batching`); :func:`train_policy` loads the
 parent policy on ``config.device`` in ``config.precision``, computes pi_old (or takes the behaviour
-log-probs as pi_old) and runs the optimizer steps (:mod:`trainer.step`).
+log-probs as pi_old) and runs the optimizer steps (:mod:`trainer.step`), on every weight or, with
+``lora.rank > 0``, on low-rank adapters merged into the weights afterwards (:mod:`trainer.lora`).
 :func:`trainer.cycle.run_cycle` calls them on rank 0, the other ranks of a ``torchrun`` group through
 :func:`trainer.cycle.run_parallel_cycle`, all on the trajectories rank 0 claimed.
 
@@ -27,6 +28,7 @@ from trainer.checkpointing import load_policy
 from trainer.config import TrainerConfig
 from trainer.device import Placement, setup_placement
 from trainer.distributed import DataParallel
+from trainer.lora import attach_adapters, merge_adapters
 from trainer.loss import compute_advantages
 from trainer.metrics import step_progress
 from trainer.router_replay import checkpoint_contexts
@@ -126,11 +128,12 @@ def train_policy(
     with _tracer.start_as_current_span("trainer.load") as span:
         span.set_attributes({"flywheel.parent_dir": str(parent_dir), **placement.describe()})
         model = load_policy(parent_dir)
+        parent_serving = serving_state_dict(model) if main else {}
+        adapters = attach_adapters(model, config.lora) if config.lora.rank else None
         if config.gradient_checkpointing:  # recomputed MoE layers keep their replayed routes
             model.gradient_checkpointing_enable(
                 gradient_checkpointing_kwargs={"use_reentrant": False, "context_fn": checkpoint_contexts}
             )
-        parent_serving = serving_state_dict(model) if main else {}
         placement.place_model(model)
     pad_id = model.config.pad_token_id if isinstance(model.config.pad_token_id, int) else 0
     rewards, groups, advantages, batches = pack_cycle(trajectories, config, pad_id)
@@ -167,6 +170,9 @@ def train_policy(
             )
 
         history = train_steps(model, batches, config, optimizer, on_step=on_step, placement=placement, dp=dp)
+    if adapters is not None:
+        with _tracer.start_as_current_span("trainer.merge_adapters"):
+            model = merge_adapters(adapters)
     if config.pi_old == "behaviour" and history:  # step 1's forward ran at the parent: its KL(mu || pi_theta)
         first = history[0]
         mismatch = {
