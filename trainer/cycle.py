@@ -11,9 +11,14 @@ Invariants:
   trajectories (with event ids and offsets), exclusions, reward spec and resolved config.
 - A cycle the update watch stopped (``max_kl_per_token``, ``min_entropy``) still registers its
   candidate, with ``stopped_early`` (step and reason) in the manifest and metrics: the gate decides.
-- A cycle claims only what it trains: every trajectory in the manifest has tokens in micro-batches
-  that every epoch trains. A step budget (``max_steps``) shrinks the claim (whole task groups,
-  newest first, are deferred to the next cycle), never the schedule
+  It keeps its whole claim: the trajectories of the steps it did not take set their task groups'
+  baselines (so the advantages it trained on), and for the next parent they are off-policy data
+  whose KL to it the watch would count at once. The manifest lists them as ``not_trained``
+  (``untrained_trajectories`` in the metrics).
+- A cycle claims only what it schedules: every trajectory in the manifest has tokens in micro-batches
+  that every epoch trains (unless the update watch stops the cycle: above). A step budget
+  (``max_steps``) shrinks the claim (whole task groups, newest first, are deferred to the next
+  cycle), never the schedule
   (:func:`trainer.training.fit_claim_to_budget`).
 - Data parallel (``dp``, under torchrun): rank 0 runs this function and alone selects, writes and
   registers; the other ranks run :func:`trainer.training.train_policy` on what it broadcasts
@@ -242,10 +247,13 @@ def _train_and_register(
     if config.invert_reward:
         metrics["invert_reward"] = True
     metrics["placement"] = {**trained.placement.describe(), "ranks": dp.world_size if dp is not None else 1}
+    not_trained = [str(t.id) for i, t in enumerate(data.used) if i not in trained.trained]
+    metrics["untrained_trajectories"] = len(not_trained)
     checkpoint_id = new_checkpoint_id()
     section = data.manifest_section()
     for entry, adv in zip(section["trajectories"], advantages.tolist()):
         entry["advantage"] = adv
+    section["not_trained"] = not_trained
     manifest = {
         "parent_id": parent.id,
         "generation": parent.generation + 1,

@@ -36,6 +36,7 @@ from trainer.step import (
     StepMetrics,
     compute_old_logprobs,
     make_optimizer,
+    micro_batch_schedule,
     planned_steps,
     train_steps,
     use_behaviour_logprobs,
@@ -90,6 +91,20 @@ def fit_claim_to_budget(data, config: TrainerConfig) -> int:
         data.defer(set(tail) if len(tail) < len(data.used) else {tail[-1]})
 
 
+def trained_trajectories(batches: list, config: TrainerConfig, history: list[StepMetrics]) -> set[int]:
+    """Indices (into the cycle's trajectory list) of the trajectories with tokens in an optimizer step
+    the cycle ran: all of them unless the update watch stopped it, else those of the steps before the
+    stopped one (a step skipped for a non-finite loss counts as run: its data had its turn).
+
+    ``batches`` and ``config`` must be those :func:`train_steps` ran, whose schedule
+    (:func:`trainer.step.micro_batch_schedule`) is a function of them alone.
+    """
+    if not history or history[-1].stopped_early is None:
+        return {int(i) for mb in batches for i in mb.trajectory_index.unique().tolist()}
+    ran = list(micro_batch_schedule(batches, config))[: len(history) - 1]
+    return {int(i) for group in ran for mb in group for i in mb.trajectory_index.unique().tolist()}
+
+
 @dataclass
 class TrainedPolicy:
     """What :func:`train_policy` returns: the trained model and what the checkpoint records of it."""
@@ -104,6 +119,7 @@ class TrainedPolicy:
     parent_serving: dict[str, torch.Tensor]  # bf16 parent weights (rank 0 only; empty elsewhere)
     placement: Placement
     micro_batches: int = 0
+    trained: set[int] | None = None  # indices of the trajectories an optimizer step ran on (trained_trajectories)
 
 
 def train_policy(
@@ -191,4 +207,5 @@ def train_policy(
         parent_serving=parent_serving,
         placement=placement,
         micro_batches=len(batches),
+        trained=trained_trajectories(batches, config, history),
     )

@@ -223,8 +223,40 @@ def test_a_cycle_the_update_watch_stops_registers_its_candidate_with_the_reason(
     session.expire_all()
     row = session.get(Checkpoint, result.checkpoint_id)
     assert row.metrics["stopped_early"] == stopped and row.metrics["planned_steps"] == 2
+    assert manifest["not_trained"] == [] and row.metrics["untrained_trajectories"] == 0  # step 1 was epoch 1
     history = json.loads((store.stable_path(result.checkpoint_id) / "metrics.json").read_text())["history"]
     assert len(history) == 2 and history[1]["skipped_step"] and not history[0]["skipped_step"]
+
+
+def test_a_stopped_cycle_names_what_it_did_not_train_on(session, store, production, policy_dir):
+    from app.models import Checkpoint, CheckpointTrajectory
+    from trainer.cycle import run_cycle
+
+    used, _ = _insert_sessions(session, policy_dir)
+    # one micro-batch a step, one epoch: 2+ steps; a KL stop no step after the first can pass
+    config = {
+        **CONFIG,
+        "max_steps": None,
+        "epochs": 1,
+        "grad_accum": 1,
+        "precision": "fp32",
+        "max_kl_per_token": 1e-9,
+        "data": {**CONFIG["data"], "micro_batch_tokens": 24},
+        "optim": {"lr": 1e-2},
+    }
+    result = run_cycle(TrainerConfig.model_validate(config), store=store)
+    assert result.status == "succeeded", result.detail
+    manifest = store.manifest(result.checkpoint_id)
+    assert manifest["stopped_early"]["step"] == 2
+    claimed = {t["id"] for t in manifest["trajectories"]}
+    not_trained = set(manifest["not_trained"])
+    assert claimed == {str(u) for u in used}  # the whole claim: they set the trained ones' baselines
+    assert not_trained and not_trained < claimed
+    session.expire_all()
+    row = session.get(Checkpoint, result.checkpoint_id)
+    assert row.metrics["untrained_trajectories"] == len(not_trained) and row.metrics["planned_steps"] > 2
+    lineage = session.query(CheckpointTrajectory).filter_by(checkpoint_id=result.checkpoint_id)
+    assert {str(r.trajectory_id) for r in lineage} == claimed
 
 
 def test_second_cycle_is_locked_out(session, store, production, policy_dir, database_url):
