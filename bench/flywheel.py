@@ -42,7 +42,8 @@ Prints one JSON line:
   comparison with base: ``pairs``, ``base``, ``final`` (the planted candidate's pass rate), ``diff``,
   ``lower_bound``), ``final_checkpoint``, ``margin`` (the held-out suite's non-inferiority margin,
   ``evals/gate.toml``), ``multi_segment_sessions`` (simulated sessions whose agent self-summarized),
-  ``wall_s``, ``pass``.
+  ``trainer_config`` and ``lr`` (the cycles' trainer config file and learning rate), ``wall_s``,
+  ``pass``.
 
 ``pass``, default run: in-distribution ``diff >= 0.10`` with ``lower_bound > 0``, edit persistence
 up and dissatisfied follow-ups down each with a 95 % interval excluding 0, held-out ``lower_bound >
@@ -51,14 +52,16 @@ up and dissatisfied follow-ups down each with a 95 % interval excluding 0, held-
 
 Sizes: the A/B draws every ``test_params`` task at the mix's levels (46 at all levels, 35 at level 1)
 and samples each ``ceil(pairs / tasks)`` times: ``--ab-pairs`` 400 by default; ``--quick`` draws 40
-tasks x 5 samples, 200 pairs. ``--quick`` (1 cycle of 128 sessions, a 200-pair A/B = 400 sessions of
+tasks x 5 samples, 200 pairs. ``--quick`` trains with ``trainer/configs/one_cycle.toml`` (the
+defaults at lr 4e-5: measured, it moves fresh traffic in one cycle where lr 1e-5 does not, and
+gains less than 1e-5 over four cycles; docs/trainer.md#tuning). ``--quick`` (1 cycle of 128 sessions, a 200-pair A/B = 400 sessions of
 at most 2 x 192 tokens, about 100 each) aims at 15 minutes on the idle 2-core machine with vLLM,
-the default (4 cycles of 256 sessions) at 60 minutes. Training, not serving, is the larger part of
-each cycle (docs/benchmarks.md).
+the default (4 cycles of 256 sessions) at 60 minutes (docs/benchmarks.md has the measured budget).
 
 Flags: ``--quick``, ``--cycles K`` (4), ``--sessions N`` (simulated sessions per cycle, 256; quick 128),
 ``--group-size N`` (4), ``--eval-tasks N`` (held-out tasks for the gates, all 112), ``--max-turns N``
-(2), ``--max-tokens-per-turn N`` (192), ``--trainer-config TOML``, ``--difficulty-mix MIX`` (the
+(2), ``--max-tokens-per-turn N`` (192), ``--trainer-config TOML`` (``default.toml``; quick
+``one_cycle.toml``), ``--difficulty-mix MIX`` (the
 demo's by default), ``--ab-pairs N``, ``--ab-tasks N`` (fewer tasks, more samples each),
 ``--curve-pairs N`` (100), ``--home DIR`` (the ``FLYWHEEL_HOME`` to use; resumes a run), ``--keep``
 (leave the stack running). Measured results: ``docs/benchmarks.md``.
@@ -90,6 +93,7 @@ from ops.ab import ABConfig, plan_pairs
 from ops.demo import CURVE_SIGNALS, DEFAULT_DIFFICULTY_MIX, curve_point, render_curve_png
 from ops.report import count_multi_segment_sessions
 from ops.simulator_cli import parse_mix
+from trainer.config import DEFAULT_CONFIG, load_config
 
 SUITE = "functions"
 OVERRIDE_REASON = (
@@ -104,6 +108,7 @@ OVERRIDE_REASON = (
 PLANTED_LR = 1e-4
 PLANTED_STEPS = 4
 PLANTED_MAX_KL = 100.0
+ONE_CYCLE_CONFIG = DEFAULT_CONFIG.parent / "one_cycle.toml"  # --quick's trainer config
 HELD_OUT_TASKS = 112  # every task of the held-out templates (evals/suites/functions.toml)
 SIGNALS = (
     "edit_persistence",
@@ -311,7 +316,9 @@ def main() -> None:
     parser.add_argument("--eval-tasks", type=int, default=None, help="held-out tasks (gates and the comparison)")
     parser.add_argument("--max-turns", type=int, default=2)
     parser.add_argument("--max-tokens-per-turn", type=int, default=192)
-    parser.add_argument("--trainer-config", default=None, help="trainer TOML (default: the packaged one)")
+    parser.add_argument(
+        "--trainer-config", default=None, help="trainer TOML (default: default.toml; --quick: one_cycle.toml)"
+    )
     parser.add_argument("--difficulty-mix", default=None, help="simulated requests' levels, e.g. 1:1 (the demo's)")
     parser.add_argument("--ab-pairs", type=int, default=None, help="fewest A/B (task, sample) pairs (400; quick 200)")
     parser.add_argument("--ab-tasks", type=int, default=None, help="A/B tasks (default: all at the mix's levels)")
@@ -326,6 +333,9 @@ def main() -> None:
     ab_pairs = args.ab_pairs or (200 if args.quick else 400)
     # quick: 40 tasks x 5 samples, exactly the 200 pairs it needs (all 46 tasks would serve 230)
     ab_tasks_flag = args.ab_tasks or (40 if args.quick else None)
+    # quick: one cycle must show by itself, at the learning rate that wins one cycle and loses four
+    trainer_config = args.trainer_config or (str(ONE_CYCLE_CONFIG) if args.quick else None)
+    trainer_lr = load_config(Path(trainer_config) if trainer_config else None).optim.lr
 
     home = Path(args.home or tempfile.mkdtemp(prefix="flywheel-bench-")).resolve()
     env = {**os.environ, "FLYWHEEL_HOME": str(home)}
@@ -352,7 +362,7 @@ def main() -> None:
             args.max_turns,
             args.max_tokens_per_turn,
             env,
-            trainer_config=args.trainer_config,
+            trainer_config=trainer_config,
             difficulty_mix=mix,
             timings=steps,
         )
@@ -369,7 +379,7 @@ def main() -> None:
             "--max-kl-per-token",
             str(PLANTED_MAX_KL),
             "--no-progress",
-            *(["--config", args.trainer_config] if args.trainer_config else []),
+            *(["--config", trainer_config] if trainer_config else []),
         ]
         planted = last_json(timed_flywheel(train, env, budget, "train"))["checkpoint_id"]
         gate_args = ["gate", planted, "--production", "base", "--suite", SUITE, "--gate-on", SUITE, "--samples", "1"]
@@ -469,6 +479,8 @@ def main() -> None:
                 "release_policy": "promote on pass; insufficient evidence promoted with an audited override",
                 "cycles": cycles,
                 "sessions_per_cycle": sessions,
+                "trainer_config": Path(trainer_config).name if trainer_config else "default.toml",
+                "lr": trainer_lr,
                 "multi_segment_sessions": multi_segment,
                 "plot": str(plot),
                 "difficulty_mix": mix,

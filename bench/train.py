@@ -5,8 +5,9 @@ Three measurements, chosen by the flags; each ends with one JSON line.
 *Step* (default, any device): *ours* is one optimizer step of :func:`trainer.step.train_steps` --
 decoder forward, the policy loss fused with the LM head on trainable tokens (:mod:`kernels`),
 backward, gradient clipping, AdamW -- over synthetic agent trajectories packed into micro-batches
-(gradient accumulation), under the trainer's device policy (:mod:`trainer.device`: fp32 on the CPU;
-bf16 autocast over fp32 master weights, TF32 and the Triton kernel on CUDA). The *baseline* is the
+(gradient accumulation), under the trainer's device policy (:mod:`trainer.device`: on the CPU bf16
+autocast where bf16 is measured faster, else fp32; bf16 autocast over fp32 master weights, TF32 and
+the Triton kernel on CUDA). The *baseline* is the
 bare loop a training script starts from: ``model(input_ids).logits`` for every position,
 ``log_softmax(...).gather`` of the targets, a mean over the model's tokens, backward -- no
 optimizer, no importance weights, same autocast. Both see the very same padded micro-batches;
