@@ -135,6 +135,23 @@ def make_trajectory(segments: list[Segment], reward: float, task_id: str | None 
     )
 
 
+# One task group of two outcomes: a completion the reward favours and one it does not.
+PROMPT = [1, 40, 41, 42, 43]
+GOOD = [100, 101, 102, 103, 2]  # reward 1
+BAD = [200, 201, 202, 203, 2]  # reward 0
+
+
+def good_bad_trajectories(model, copies: int = 2) -> list[TrajectoryData]:
+    """``copies`` x (``PROMPT + GOOD`` at reward 1, ``PROMPT + BAD`` at reward 0), one task group
+    ``"t"``, behaviour log-probs scored by ``model`` at temperature 1 (on-policy for it)."""
+    out = []
+    for _ in range(copies):
+        for completion, reward in ((GOOD, 1.0), (BAD, 0.0)):
+            mu = sequence_logprobs(model, PROMPT + completion)
+            out.append(make_trajectory([make_segment(PROMPT, completion, mu)], reward, task_id="t"))
+    return out
+
+
 def insert_trajectory(
     session,
     *,

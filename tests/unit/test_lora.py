@@ -13,22 +13,10 @@ from app.core.errors import ConfigurationError
 from trainer.checkpointing import load_policy
 from trainer.config import TrainerConfig, load_config
 from trainer.lora import attach_adapters, merge_adapters, trainable_parameters
-from trainer.testing import make_segment, make_trajectory, sequence_logprobs, tiny_policy
+from trainer.testing import BAD, GOOD, PROMPT, good_bad_trajectories, sequence_logprobs, tiny_policy
 from trainer.training import train_policy
 
-PROMPT = [1, 40, 41, 42, 43]
-GOOD = [100, 101, 102, 103, 2]  # reward 1
-BAD = [200, 201, 202, 203, 2]  # reward 0
 RANK = 4
-
-
-def _trajectories(model, copies: int = 2):
-    out = []
-    for _ in range(copies):
-        for completion, reward in ((GOOD, 1.0), (BAD, 0.0)):
-            mu = sequence_logprobs(model, PROMPT + completion)
-            out.append(make_trajectory([make_segment(PROMPT, completion, mu)], reward, task_id="t"))
-    return out
 
 
 def _config(rank: int = RANK, **kw) -> TrainerConfig:
@@ -61,7 +49,7 @@ def _completion_logprob(model, completion) -> float:
 
 def test_merged_checkpoint_is_the_parent_plus_a_low_rank_change(parent):
     before = load_policy(parent)
-    trained = train_policy(_config(), parent, _trajectories(before))
+    trained = train_policy(_config(), parent, good_bad_trajectories(before))
 
     state, initial = trained.model.state_dict(), before.state_dict()
     assert state.keys() == initial.keys()  # no adapter or base_layer names reach the checkpoint
@@ -83,7 +71,7 @@ def test_merged_checkpoint_is_the_parent_plus_a_low_rank_change(parent):
 
 def test_first_step_sees_the_parent_as_full_fine_tuning_does(parent):
     model = load_policy(parent)
-    trajectories = _trajectories(model)
+    trajectories = good_bad_trajectories(model)
     lora = train_policy(_config(), parent, trajectories).history[0]
     full = train_policy(_config(rank=0), parent, trajectories).history[0]
     assert lora.loss == pytest.approx(full.loss, abs=1e-6)
@@ -93,7 +81,7 @@ def test_first_step_sees_the_parent_as_full_fine_tuning_does(parent):
 @pytest.mark.parametrize("invert", [False, True])
 def test_update_follows_the_advantages(parent, invert):
     before = load_policy(parent)
-    trajectories = _trajectories(before)
+    trajectories = good_bad_trajectories(before)
     trained = train_policy(_config(invert_reward=invert), parent, trajectories).model
     trained.eval()
     good = _completion_logprob(trained, GOOD) - _completion_logprob(before, GOOD)

@@ -20,23 +20,11 @@ from trainer.step import (
     train_steps,
     use_behaviour_logprobs,
 )
-from trainer.testing import make_segment, make_trajectory, sequence_logprobs, tiny_policy
+from trainer.testing import BAD, GOOD, good_bad_trajectories, tiny_policy
 from trainer.training import pack_cycle
 
-PROMPT = [1, 40, 41, 42, 43]
-GOOD = [100, 101, 102, 103, 2]  # reward 1
-BAD = [200, 201, 202, 203, 2]  # reward 0
 FP32 = Placement(device=torch.device("cpu"))
 BF16 = Placement(device=torch.device("cpu"), compute_dtype=torch.bfloat16)
-
-
-def _trajectories(model, copies: int = 2):
-    out = []
-    for _ in range(copies):
-        for completion, reward in ((GOOD, 1.0), (BAD, 0.0)):
-            mu = sequence_logprobs(model, PROMPT + completion)
-            out.append(make_trajectory([make_segment(PROMPT, completion, mu)], reward, task_id="t"))
-    return out
 
 
 def _config(**kw) -> TrainerConfig:
@@ -87,7 +75,7 @@ def _logprob_change_by_advantage(model, batches, config, step) -> tuple[float, f
 def test_one_step_raises_positive_advantage_tokens_and_lowers_negative_ones(placement, pi_old, invert_reward):
     model = tiny_policy(seed=0)
     config = _config(pi_old=pi_old, invert_reward=invert_reward)
-    batches = _prepare(model, _trajectories(model), config, placement)
+    batches = _prepare(model, good_bad_trajectories(model), config, placement)
     assert {round(float(a), 3) for mb in batches for a in mb.advantages} == {0.5, -0.5}
     optimizer = make_optimizer(model, config)
     history = []
@@ -106,7 +94,7 @@ def test_one_step_raises_positive_advantage_tokens_and_lowers_negative_ones(plac
 def _lr_watch_run(lr: float, **kw):
     model = tiny_policy(seed=0)
     config = _config(grad_accum=1, optim={"lr": lr}, **kw)  # 2 micro-batches: 2 steps planned
-    batches = _prepare(model, _trajectories(model), config)
+    batches = _prepare(model, good_bad_trajectories(model), config)
     assert len(batches) == 2
     after_step: dict[int, dict] = {}
 
