@@ -270,6 +270,9 @@ def test_second_cycle_is_locked_out(session, store, production, policy_dir, data
         other.execute("SELECT pg_advisory_lock(%s)", (AdvisoryLock.CYCLE,))
         result = run_cycle(TrainerConfig.model_validate(CONFIG), store=store)
         assert result.status == "locked"
+        # Unlock before closing: a closed connection's locks are released by its backend
+        # some time after the client has gone, which a cycle started at once can still see.
+        other.execute("SELECT pg_advisory_unlock(%s)", (AdvisoryLock.CYCLE,))
     assert store.list_stable() == ["base"]
     assert run_cycle(TrainerConfig.model_validate(CONFIG), store=store).status == "succeeded"
 
