@@ -210,18 +210,20 @@ class TrainerConfig(_Config):
 def load_config(path: Path | None = None, overrides: dict[str, Any] | None = None) -> TrainerConfig:
     """Read a TOML trainer config (default: the packaged ``default.toml``) and apply overrides.
 
+    A config may start from another with a top-level ``extends = "FILE"`` (relative to the file
+    that names it): that file is read first (itself possibly extending another) and this one's
+    tables are merged over it key by key, so a variant states only what it changes.
+
     Args:
         path: TOML file; ``None`` for ``trainer/configs/default.toml``.
         overrides: dotted keys to values, e.g. ``{"max_steps": 2, "optim.lr": 1e-6}`` (CLI flags).
 
     Raises:
-        ConfigurationError: unreadable TOML, unknown keys or out-of-bounds values (every reason).
+        ConfigurationError: unreadable TOML, an ``extends`` chain that loops or names a missing
+            file, unknown keys or out-of-bounds values (every reason).
     """
     path = Path(path) if path else DEFAULT_CONFIG
-    try:
-        raw = tomllib.loads(path.read_text())
-    except (OSError, tomllib.TOMLDecodeError) as exc:
-        raise ConfigurationError(f"cannot read trainer config {path}: {exc}") from None
+    raw = _read_extended(path, ())
     for dotted, value in (overrides or {}).items():
         node = raw
         *parents, leaf = dotted.split(".")
@@ -233,3 +235,36 @@ def load_config(path: Path | None = None, overrides: dict[str, Any] | None = Non
     except ValidationError as exc:
         reasons = [f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors()]
         raise ConfigurationError(f"invalid trainer config {path}", reasons=reasons) from None
+
+
+def _read_extended(path: Path, chain: tuple[Path, ...]) -> dict[str, Any]:
+    """The TOML at ``path`` merged over the file its ``extends`` key names, recursively.
+
+    Raises:
+        ConfigurationError: unreadable TOML, a non-string ``extends``, or a loop of ``extends``.
+    """
+    resolved = path.resolve()
+    if resolved in chain:
+        loop = " -> ".join(str(p) for p in (*chain, resolved))
+        raise ConfigurationError(f"trainer config extends itself: {loop}")
+    try:
+        raw = tomllib.loads(path.read_text())
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise ConfigurationError(f"cannot read trainer config {path}: {exc}") from None
+    parent = raw.pop("extends", None)
+    if parent is None:
+        return raw
+    if not isinstance(parent, str):
+        raise ConfigurationError(f"{path}: extends must be a file name, got {parent!r}")
+    return _merge(_read_extended(path.parent / parent, (*chain, resolved)), raw)
+
+
+def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    """``over`` merged into ``base``: tables merge key by key, any other value replaces."""
+    merged = dict(base)
+    for key, value in over.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = _merge(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
