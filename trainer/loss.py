@@ -48,9 +48,13 @@ Per token ``t`` of a trajectory with advantage ``A``:
   ``-min(pi_old / mu, C) A grad log pi`` except on tokens whose mismatch alone puts ``r_t``
   outside the clip range on the side their advantage pushes: those get none. With ``mu`` equal
   to the trainer's own log-probs both modes give the same loss and gradients (tests check it).
-* ``KL_t`` (optional, ``beta = 0`` by default): the k1 (``log pi_theta - log pi_ref``) or k3
-  (``exp(d) - d - 1`` with ``d = log pi_ref - log pi_theta``) estimator of
-  ``KL(pi_theta || pi_ref)`` from Schulman 2020, "Approximating KL Divergence" (blog).
+* ``KL_t`` (optional, ``beta = 0`` by default): the k1 (``log pi_ref - log pi_theta``) or k3
+  (``(r - 1) - log r`` with ``r = pi_theta / pi_ref``) estimator of ``KL(pi_ref || pi_theta)``
+  from Schulman 2020, "Approximating KL Divergence" (blog), for tokens drawn from ``pi_ref``: here
+  the reference is pi_old, and the tokens were sampled by mu, which is pi_old or close to it. The
+  other orientation (``exp(log pi_ref - log pi_theta) - ...``, DeepSeekMath's, for tokens drawn
+  from pi_theta) weighs each sampled token by ``pi_ref / pi_theta``: on tokens an update has made
+  unlikely it grows without bound, so a few tokens can make a mean of 10^5 nats/token.
 """
 
 from __future__ import annotations
@@ -161,22 +165,30 @@ class LossOutputs:
 
 
 def kl_estimate(logprobs: Tensor, ref_logprobs: Tensor, estimator: KLEstimator = "k3") -> Tensor:
-    """Per-token estimate of ``KL(pi || pi_ref)`` from tokens sampled by ``pi`` (Schulman 2020).
+    """Per-token estimate of ``KL(pi_ref || pi)`` from tokens sampled by ``pi_ref`` (Schulman 2020,
+    "Approximating KL Divergence": for ``x ~ q`` and ``r = p(x) / q(x)``, ``KL(q || p)`` is the mean of
+    ``k1 = -log r`` or ``k3 = (r - 1) - log r``; here ``q = pi_ref``, ``p = pi``).
 
-    ``k1 = log pi - log pi_ref`` (unbiased, high variance, can be negative);
-    ``k3 = exp(d) - d - 1`` with ``d = log pi_ref - log pi`` (unbiased, low variance, >= 0).
+    ``k1 = log pi_ref - log pi`` (unbiased, high variance, can be negative);
+    ``k3 = (r - 1) - log r`` with ``r = pi / pi_ref`` (unbiased, lower variance, >= 0; it grows
+    like ``-log r`` where an update made a sampled token unlikely, and like ``r`` only where it made
+    one far likelier than the sampler did). As a penalty both have the gradient of ``KL(pi_ref || pi)``
+    under tokens drawn from ``pi_ref``: ``(r - 1) grad log pi`` (k3), ``-grad log pi`` (k1).
 
     Args:
         logprobs, ref_logprobs: same shape ``S``, natural log.
 
     Returns:
         ``S`` per-token estimates (nats).
+
+    Raises:
+        ValueError: an unknown estimator.
     """
+    log_r = logprobs - ref_logprobs
     if estimator == "k1":
-        return logprobs - ref_logprobs
+        return -log_r
     if estimator == "k3":
-        d = ref_logprobs - logprobs
-        return torch.expm1(d) - d
+        return torch.expm1(log_r) - log_r
     raise ValueError(f"unknown KL estimator {estimator!r}")
 
 

@@ -251,6 +251,9 @@ class StepMetrics:
     loss: float = 0.0
     pg_loss: float = 0.0
     kl: float = 0.0
+    """``KL(pi_old || pi_theta)`` at this step's forward (nats/token; ``loss.kl_estimator``, from the
+    sampled tokens, :func:`trainer.loss.kl_estimate`): the cycle's updates so far, what
+    ``max_kl_per_token`` watches. Equal to ``behaviour_kl`` when pi_old is mu."""
     mismatch_kl: float = 0.0
     """k3 ``KL(mu || pi_old)`` (nats/token): the serving/trainer mismatch; 0 when pi_old is mu."""
     behaviour_kl: float = 0.0

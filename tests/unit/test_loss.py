@@ -116,20 +116,37 @@ def test_clip_higher_is_asymmetric():
 
 
 def test_kl_estimators_hand_computed():
+    # pi = 0.5, pi_ref = 0.25: r = 2; k1 = -log 2, k3 = (2 - 1) - log 2
     logp, ref = torch.log(torch.tensor([0.5])), torch.log(torch.tensor([0.25]))
-    assert kl_estimate(logp, ref, "k1").item() == pytest.approx(math.log(2))
-    assert kl_estimate(logp, ref, "k3").item() == pytest.approx(0.5 + math.log(2) - 1)
+    assert kl_estimate(logp, ref, "k1").item() == pytest.approx(-math.log(2))
+    assert kl_estimate(logp, ref, "k3").item() == pytest.approx(1 - math.log(2))
     with pytest.raises(ValueError):
         kl_estimate(logp, ref, "k2")
+
+
+def test_kl_estimators_are_unbiased_for_kl_of_the_sampler_to_the_policy():
+    """Tokens drawn from pi_ref (the sampler: mu, or pi_old): both estimators average to the exact
+    KL(pi_ref || pi); on a token the update made 1e-6 times as likely, k3 stays near -log r (~14
+    nats) where the other orientation's exp(log pi_ref - log pi) would be 10^6."""
+    g = torch.Generator().manual_seed(0)
+    ref_p = torch.tensor([0.6, 0.3, 0.1])
+    pi_p = torch.tensor([0.2, 0.5, 0.3])
+    exact = float((ref_p * (ref_p.log() - pi_p.log())).sum())
+    x = torch.multinomial(ref_p, 400_000, replacement=True, generator=g)
+    logp, ref = pi_p.log()[x], ref_p.log()[x]
+    assert kl_estimate(logp, ref, "k3").mean().item() == pytest.approx(exact, rel=0.02)
+    assert kl_estimate(logp, ref, "k1").mean().item() == pytest.approx(exact, rel=0.02)
+    suppressed = kl_estimate(torch.tensor([math.log(1e-6)]), torch.tensor([0.0]), "k3").item()
+    assert suppressed == pytest.approx(-1 + 1e-6 + 6 * math.log(10)) and suppressed < 15
 
 
 def test_kl_penalty_adds_beta_times_estimate():
     lp, inp = _inputs([math.log(0.5)], [math.log(0.5)], [math.log(0.5)], [0.0], ref=[math.log(0.25)])
     out = policy_loss(inp, normalizer=2.0, kl_coef=0.1, kl_estimator="k3")
-    assert out.loss.item() == pytest.approx(0.1 * (0.5 + math.log(2) - 1) / 2.0, rel=1e-5)
+    assert out.loss.item() == pytest.approx(0.1 * (1 - math.log(2)) / 2.0, rel=1e-5)
     out.loss.backward()
-    # d k3 / d logp = 1 - exp(ref - logp) = 1 - 0.5
-    assert lp.grad.item() == pytest.approx(0.1 * 0.5 / 2.0, rel=1e-5)
+    # d k3 / d logp = r - 1 with r = 0.5 / 0.25
+    assert lp.grad.item() == pytest.approx(0.1 * 1.0 / 2.0, rel=1e-5)
     _, no_ref = _inputs([0.0], [0.0], [0.0], [0.0])
     with pytest.raises(ValueError):
         policy_loss(no_ref, normalizer=1.0, kl_coef=0.1)

@@ -128,3 +128,10 @@ def test_update_watch_lets_a_sane_cycle_run_and_stops_on_entropy():
     history, initial, _, final = _lr_watch_run(1e-5, min_entropy=entropy + 1.0)
     assert len(history) == 1 and "min_entropy" in history[0].stopped_early and history[0].skipped_step
     assert all(torch.equal(final[k], initial[k]) for k in final)  # stopped before its first update
+
+
+def test_the_watched_kl_is_the_behaviour_kl_when_pi_old_is_mu():
+    """With pi_old = mu the watch's KL(pi_old || pi_theta) and KL(mu || pi_theta) are one estimate
+    of one quantity from the same sampled tokens."""
+    history, *_ = _lr_watch_run(1e-2, pi_old="behaviour")
+    assert history[1].kl > 0.01 and history[1].kl == pytest.approx(history[1].behaviour_kl, rel=1e-4)
