@@ -52,16 +52,17 @@ up and dissatisfied follow-ups down each with a 95 % interval excluding 0, held-
 
 Sizes: the A/B draws every ``test_params`` task at the mix's levels (46 at all levels, 35 at level 1)
 and samples each ``ceil(pairs / tasks)`` times: ``--ab-pairs`` 400 by default; ``--quick`` draws 40
-tasks x 5 samples, 200 pairs. ``--quick`` trains with ``trainer/configs/one_cycle.toml`` (the
-defaults at lr 4e-5: measured, it moves fresh traffic in one cycle where lr 1e-5 does not, and
-gains less than 1e-5 over four cycles; docs/trainer.md#tuning). ``--quick`` (1 cycle of 128 sessions, a 200-pair A/B = 400 sessions of
-at most 2 x 192 tokens, about 100 each) aims at 15 minutes on the idle 2-core machine with vLLM,
-the default (4 cycles of 256 sessions) at 60 minutes (docs/benchmarks.md has the measured budget).
+tasks x 5 samples, 200 pairs. Both train with the trainer's defaults (``--trainer-config`` to
+change them). ``--quick`` (1 cycle of 128 sessions, a 200-pair A/B = 400 sessions of at most 2 x 192
+tokens, about 100 each) aims at 15 minutes on the idle 2-core machine with vLLM, the default (4
+cycles of 256 sessions) at 60 minutes (docs/benchmarks.md has the measured budget). Measured, one
+cycle of 128 sessions moves fresh traffic by less than 200 pairs can see (docs/benchmarks.md):
+``--quick`` checks the whole loop, the default run is the one sized to show learning.
 
 Flags: ``--quick``, ``--cycles K`` (4), ``--sessions N`` (simulated sessions per cycle, 256; quick 128),
 ``--group-size N`` (4), ``--eval-tasks N`` (held-out tasks for the gates, all 112), ``--max-turns N``
-(2), ``--max-tokens-per-turn N`` (192), ``--trainer-config TOML`` (``default.toml``; quick
-``one_cycle.toml``), ``--difficulty-mix MIX`` (the
+(2), ``--max-tokens-per-turn N`` (192), ``--trainer-config TOML`` (``default.toml``),
+``--difficulty-mix MIX`` (the
 demo's by default), ``--ab-pairs N``, ``--ab-tasks N`` (fewer tasks, more samples each),
 ``--curve-pairs N`` (100), ``--home DIR`` (the ``FLYWHEEL_HOME`` to use; resumes a run), ``--keep``
 (leave the stack running). Measured results: ``docs/benchmarks.md``.
@@ -93,7 +94,7 @@ from ops.ab import ABConfig, plan_pairs
 from ops.demo import CURVE_SIGNALS, DEFAULT_DIFFICULTY_MIX, curve_point, render_curve_png
 from ops.report import count_multi_segment_sessions
 from ops.simulator_cli import parse_mix
-from trainer.config import DEFAULT_CONFIG, load_config
+from trainer.config import load_config
 
 SUITE = "functions"
 OVERRIDE_REASON = (
@@ -108,7 +109,6 @@ OVERRIDE_REASON = (
 PLANTED_LR = 1e-4
 PLANTED_STEPS = 4
 PLANTED_MAX_KL = 100.0
-ONE_CYCLE_CONFIG = DEFAULT_CONFIG.parent / "one_cycle.toml"  # --quick's trainer config
 HELD_OUT_TASKS = 112  # every task of the held-out templates (evals/suites/functions.toml)
 SIGNALS = (
     "edit_persistence",
@@ -317,7 +317,7 @@ def main() -> None:
     parser.add_argument("--max-turns", type=int, default=2)
     parser.add_argument("--max-tokens-per-turn", type=int, default=192)
     parser.add_argument(
-        "--trainer-config", default=None, help="trainer TOML (default: default.toml; --quick: one_cycle.toml)"
+        "--trainer-config", default=None, help="trainer TOML (default: trainer/configs/default.toml)"
     )
     parser.add_argument("--difficulty-mix", default=None, help="simulated requests' levels, e.g. 1:1 (the demo's)")
     parser.add_argument("--ab-pairs", type=int, default=None, help="fewest A/B (task, sample) pairs (400; quick 200)")
@@ -333,8 +333,7 @@ def main() -> None:
     ab_pairs = args.ab_pairs or (200 if args.quick else 400)
     # quick: 40 tasks x 5 samples, exactly the 200 pairs it needs (all 46 tasks would serve 230)
     ab_tasks_flag = args.ab_tasks or (40 if args.quick else None)
-    # quick: one cycle must show by itself, at the learning rate that wins one cycle and loses four
-    trainer_config = args.trainer_config or (str(ONE_CYCLE_CONFIG) if args.quick else None)
+    trainer_config = args.trainer_config
     trainer_lr = load_config(Path(trainer_config) if trainer_config else None).optim.lr
 
     home = Path(args.home or tempfile.mkdtemp(prefix="flywheel-bench-")).resolve()

@@ -1,4 +1,4 @@
-"""The packaged trainer configs and ``extends``: a variant states only what it changes."""
+"""Trainer configs that ``extends`` another: a variant states only what it changes."""
 
 from __future__ import annotations
 
@@ -6,14 +6,6 @@ import pytest
 
 from app.core.errors import ConfigurationError
 from trainer.config import DEFAULT_CONFIG, load_config
-
-
-def test_one_cycle_config_is_the_defaults_at_its_own_learning_rate():
-    """``one_cycle.toml`` (``bench/flywheel.py --quick``) extends the defaults and changes ``optim.lr``."""
-    default = load_config().model_dump()
-    one_cycle = load_config(DEFAULT_CONFIG.parent / "one_cycle.toml").model_dump()
-    assert one_cycle["optim"].pop("lr") == 4e-5 and default["optim"].pop("lr") == 1e-5
-    assert one_cycle == default
 
 
 def test_extends_merges_tables_key_by_key_through_a_chain(tmp_path):
