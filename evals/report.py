@@ -84,6 +84,7 @@ def render_png(result: GateResult, path: Path, title: str) -> Path:
         rates = [getattr(s, role) for s in suites]
         vals = np.array([r.rate for r in rates])
         err = np.array([[r.rate - r.low for r in rates], [r.high - r.rate for r in rates]]).reshape(2, -1)
+        err = np.clip(err, 0.0, None)  # matplotlib refuses a negative error bar, even -1e-18
         ax1.bar(x + off, vals, width=0.36, color=color, alpha=0.8, label=role)
         if len(rates):  # the marker keeps a 0 % rate visible
             ax1.errorbar(x + off, vals, yerr=err, fmt="o", color="black", markersize=4, capsize=4)

@@ -188,10 +188,11 @@ DECISION_MARK = {"pass": "pass", "fail": "fail", "insufficient_evidence": "insuf
 
 
 def _yerr(values: list[float], cis: list[list[float] | None]) -> list[list[float]]:
-    """Matplotlib's asymmetric error bars; a point without an interval gets none."""
+    """Matplotlib's asymmetric error bars, never negative (matplotlib refuses one, even -1e-18, and
+    a bootstrap interval need not hold its point); a point without an interval gets none."""
     return [
-        [v - ci[0] if ci else 0.0 for v, ci in zip(values, cis)],
-        [ci[1] - v if ci else 0.0 for v, ci in zip(values, cis)],
+        [max(0.0, v - ci[0]) if ci else 0.0 for v, ci in zip(values, cis)],
+        [max(0.0, ci[1] - v) if ci else 0.0 for v, ci in zip(values, cis)],
     ]
 
 

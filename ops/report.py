@@ -220,8 +220,8 @@ def render_png(report: LoopReport, path: Path) -> Path:
                 if s.suite == suite and s.checkpoint_id == ckpt:
                     xs.append(j + i * width)
                     ys.append(s.rate)
-                    lo.append(s.rate - s.low)
-                    hi.append(s.high - s.rate)
+                    lo.append(max(0.0, s.rate - s.low))  # matplotlib refuses a negative bar
+                    hi.append(max(0.0, s.high - s.rate))
         bars = ax.bar(xs, ys, width=width, yerr=[lo, hi], capsize=4, label=ckpt)
         counts = [
             f"{s.passed}/{s.total}"

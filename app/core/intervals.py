@@ -58,7 +58,8 @@ def wilson_interval(k: int, n: int, confidence: float = 0.95) -> tuple[float, fl
     denom = 1 + z * z / n
     centre = (p + z * z / (2 * n)) / denom
     half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / denom
-    return max(0.0, centre - half), min(1.0, centre + half)
+    # low <= k/n <= high exactly: in floats centre - half at k = 0 can come out as +3e-18
+    return min(p, max(0.0, centre - half)), max(p, min(1.0, centre + half))
 
 
 def newcombe_diff_interval(

@@ -23,6 +23,10 @@ def test_wilson_interval_matches_reference_values():
     assert wilson_interval(0, 0) == (0.0, 1.0)
     with pytest.raises(ValueError):
         wilson_interval(3, 2)
+    for n in (1, 7, 112, 263, 1000):  # the interval holds its own point estimate, exactly
+        for k in range(n + 1):
+            low, high = wilson_interval(k, n)
+            assert 0.0 <= low <= k / n <= high <= 1.0, (k, n)
 
 
 def test_newcombe_difference_interval_matches_reference_values():

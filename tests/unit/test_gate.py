@@ -447,3 +447,15 @@ def test_gating_only_narrows_the_policy_explicitly():
     assert policy.gating_only(None) is policy
     with pytest.raises(ConfigurationError, match="no suite nope"):
         policy.gating_only(["nope"])
+
+
+def test_the_gate_report_draws_a_candidate_that_passed_nothing(tmp_path):
+    """0 of 112 against 19 of 112 (a planted regression's result): the PNG is written, its error
+    bars never negative, where Wilson's low end at k = 0 once came out as +3e-18 and matplotlib
+    refused the report (the gate command exited 1)."""
+    from evals.report import render_png
+
+    r = decide(*table(b=0, c=19, both=0, neither=93))
+    assert r.decision == "fail" and r.suites["s"].candidate.low == 0.0 == r.suites["s"].candidate.rate
+    out = render_png(r, tmp_path / "gate.png", "plant")
+    assert out.exists() and out.stat().st_size > 0
