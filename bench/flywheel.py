@@ -316,9 +316,7 @@ def main() -> None:
     parser.add_argument("--eval-tasks", type=int, default=None, help="held-out tasks (gates and the comparison)")
     parser.add_argument("--max-turns", type=int, default=2)
     parser.add_argument("--max-tokens-per-turn", type=int, default=192)
-    parser.add_argument(
-        "--trainer-config", default=None, help="trainer TOML (default: trainer/configs/default.toml)"
-    )
+    parser.add_argument("--trainer-config", default=None, help="trainer TOML (default: trainer/configs/default.toml)")
     parser.add_argument("--difficulty-mix", default=None, help="simulated requests' levels, e.g. 1:1 (the demo's)")
     parser.add_argument("--ab-pairs", type=int, default=None, help="fewest A/B (task, sample) pairs (400; quick 200)")
     parser.add_argument("--ab-tasks", type=int, default=None, help="A/B tasks (default: all at the mix's levels)")
