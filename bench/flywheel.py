@@ -7,7 +7,7 @@ One run, on a fresh embedded stack (its own ``FLYWHEEL_HOME``):
    them, trains a candidate, gates it on the held-out ``functions`` suite (templates never trained
    on) and promotes or rejects it through the promotion API.
 2. A planted regression: a candidate trained from base for 4 optimizer steps on cycle 1's data with
-   the reward's sign flipped at lr 1e-4 (2.5x the default) and the KL stop out of reach (``flywheel train
+   the reward's sign flipped at lr 1e-4 (10x the default) and the KL stop out of reach (``flywheel train
    --parent base --same-data-as C1 --invert-reward --lr 1e-4 --max-steps 4``), gated against base on
    the same suite. It must be rejected.
 3. In distribution (``flywheel ab base FINAL``, ``ops/ab.py``): fresh requests of the production
@@ -105,7 +105,8 @@ OVERRIDE_REASON = (
 # optimizer steps of cycle 1's data with the reward's sign flipped, at lr 1e-4, with the update watch's
 # KL stop out of reach. Measured on the held-out templates (docs/benchmarks.md): at lr 1e-5 it moved
 # them by 0/112, at 5e-5 for a whole cycle by -4/112, which 112 greedy pairs cannot call (power 0.23
-# at the 4.5-point margin); this plant loses ~9/112 and runs to the token limit.
+# at the 4.5-point margin); this plant scored 0-12 of 112 against base's 19 in five draws,
+# its completions at the token limit.
 PLANTED_LR = 1e-4
 PLANTED_STEPS = 4
 PLANTED_MAX_KL = 100.0

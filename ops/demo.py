@@ -515,7 +515,7 @@ def curve_conclusion(curve: list[dict[str, Any]]) -> str:
         verdict = f"{last['checkpoint_id']} cannot be told apart from base on {last['pairs']} fresh sessions."
     return (
         verdict + " This run is too small to conclude whether the loop improves production: "
-        "`python bench/flywheel.py` (4 cycles, 35-51 minutes on 2 CPU cores) is sized to show it "
+        "`python bench/flywheel.py` (4 cycles, 31-51 minutes on 2 CPU cores) is sized to show it "
         "(docs/benchmarks.md#flywheel)."
     )
 
