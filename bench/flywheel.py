@@ -332,8 +332,7 @@ def main() -> None:
     ab_pairs = args.ab_pairs or (200 if args.quick else 400)
     # quick: 40 tasks x 5 samples, exactly the 200 pairs it needs (all 46 tasks would serve 230)
     ab_tasks_flag = args.ab_tasks or (40 if args.quick else None)
-    trainer_config = args.trainer_config
-    trainer_lr = load_config(Path(trainer_config) if trainer_config else None).optim.lr
+    trainer_lr = load_config(Path(args.trainer_config) if args.trainer_config else None).optim.lr
 
     home = Path(args.home or tempfile.mkdtemp(prefix="flywheel-bench-")).resolve()
     env = {**os.environ, "FLYWHEEL_HOME": str(home)}
@@ -360,7 +359,7 @@ def main() -> None:
             args.max_turns,
             args.max_tokens_per_turn,
             env,
-            trainer_config=trainer_config,
+            trainer_config=args.trainer_config,
             difficulty_mix=mix,
             timings=steps,
         )
@@ -377,7 +376,7 @@ def main() -> None:
             "--max-kl-per-token",
             str(PLANTED_MAX_KL),
             "--no-progress",
-            *(["--config", trainer_config] if trainer_config else []),
+            *(["--config", args.trainer_config] if args.trainer_config else []),
         ]
         planted = last_json(timed_flywheel(train, env, budget, "train"))["checkpoint_id"]
         gate_args = ["gate", planted, "--production", "base", "--suite", SUITE, "--gate-on", SUITE, "--samples", "1"]
@@ -477,7 +476,7 @@ def main() -> None:
                 "release_policy": "promote on pass; insufficient evidence promoted with an audited override",
                 "cycles": cycles,
                 "sessions_per_cycle": sessions,
-                "trainer_config": Path(trainer_config).name if trainer_config else "default.toml",
+                "trainer_config": Path(args.trainer_config).name if args.trainer_config else "default.toml",
                 "lr": trainer_lr,
                 "multi_segment_sessions": multi_segment,
                 "plot": str(plot),

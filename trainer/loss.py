@@ -273,6 +273,6 @@ def policy_loss(
             ppo_clipped=masked_sum(took_clip.float()),
             ratio_sum=masked_sum(ratio.detach()),
             is_weight_sum=masked_sum(is_weight * shrink),
-            mismatch_kl_sum=masked_sum(torch.expm1(log_is) - log_is),
-            behaviour_kl_sum=masked_sum(torch.expm1(logp.detach() - behaviour) - (logp.detach() - behaviour)),
+            mismatch_kl_sum=masked_sum(kl_estimate(old, behaviour)),
+            behaviour_kl_sum=masked_sum(kl_estimate(logp.detach(), behaviour)),
         )

@@ -60,7 +60,7 @@ from trainer.batching import MicroBatch
 from trainer.config import TrainerConfig
 from trainer.device import Placement
 from trainer.distributed import DataParallel
-from trainer.loss import LossInputs, policy_loss
+from trainer.loss import LossInputs, kl_estimate, policy_loss
 from trainer.router_replay import replay_routes
 
 LOSS_SUMS = (
@@ -221,7 +221,7 @@ def compute_old_logprobs(
             lp, entropy = token_logprobs(model, mb, config)
         mb.old_logprobs = lp.detach()
         log_is = mb.old_logprobs - mb.behaviour_logprobs
-        kl += float((torch.expm1(log_is) - log_is).sum())
+        kl += float(kl_estimate(mb.old_logprobs, mb.behaviour_logprobs).sum())
         clipped += float((log_is > math.log(config.loss.is_cap)).sum())
         ent += float(entropy.sum())
         n += mb.num_trainable
