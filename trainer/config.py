@@ -50,6 +50,10 @@ class DataConfig(_Config):
     Off by default: on the 2-core CPU it computed 30-40 % fewer tokens but was not measurably faster
     (``bench/shared_prefix.py``, docs/benchmarks.md). Not with ``gradient_checkpointing`` (its
     layers keep no key/value cache) or MoE routes: then rows are packed whole."""
+    min_group_reward_range: float = Field(default=0.0, ge=0)
+    """Leave out every task group of two or more trajectories whose rewards span less than this
+    (``max - min``, reward units): they stay new, excluded with reason ``low_reward_contrast``
+    (:meth:`trainer.data.CycleData.exclude_low_contrast`). 0: train every group."""
     singleton_baseline: Literal["zero", "batch_mean"] = "batch_mean"
     """Baseline of a trajectory alone in its task group: 0 advantage, or reward minus batch mean."""
     same_data_as: str | None = None

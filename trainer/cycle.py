@@ -154,6 +154,7 @@ def run_cycle(
                 )
             session.expunge(parent)
             data = select_cycle_data(session, config.data, parent, now=now)
+        data.exclude_low_contrast(config.data.min_group_reward_range)
         span.set_attributes(
             {
                 "flywheel.parent_id": parent.id,

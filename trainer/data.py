@@ -102,11 +102,38 @@ class CycleData:
     def defer(self, ids: set[uuid.UUID]) -> None:
         """Move used trajectories back to new (reason ``deferred``): the cycle will not train on
         or claim them; the watermark follows what stays used."""
+        self.exclude(ids, "deferred")
+
+    def exclude(self, ids: set[uuid.UUID], reason: str) -> None:
+        """Move used trajectories to ``excluded`` with ``reason``. They stay new (unclaimed) for the
+        next cycle; the watermark follows what stays used."""
         self.used = [t for t in self.used if t.id not in ids]
         for i in ids:
-            self.excluded[str(i)] = "deferred"
-        last = max(((t.finalized_at, t.id) for t in self.used), default=None)
-        self.watermark = last
+            self.excluded[str(i)] = reason
+        self.watermark = max(((t.finalized_at, t.id) for t in self.used), default=None)
+
+    def exclude_low_contrast(self, min_range: float) -> int:
+        """Exclude every task group of two or more used trajectories whose rewards span less than
+        ``min_range`` (``max - min``, reward units; reason ``low_reward_contrast``); return how many
+        trajectories that excluded. Groups of one are kept (their baseline is
+        ``singleton_baseline``'s). With ``min_range`` 0 nothing is excluded.
+
+        A group whose sessions all ended the same way has advantages that are only its reward's
+        secondary terms (under ``implicit@4``: follow-ups, latency, length; docs/trainer.md). The
+        excluded trajectories stay new: a later session of the same task can give their group the
+        contrast it lacks, within the staleness bounds. The filter is DAPO's dynamic sampling
+        (Yu et al. 2025, arXiv 2503.14476, eq. 11: keep groups with ``0 < #correct < G``) for a
+        continuous reward.
+        """
+        if min_range <= 0:
+            return 0
+        rewards: dict[str, list[float]] = {}
+        for t in self.used:
+            rewards.setdefault(t.group, []).append(t.reward)
+        flat = {g for g, r in rewards.items() if len(r) > 1 and max(r) - min(r) < min_range}
+        ids = {t.id for t in self.used if t.group in flat}
+        self.exclude(ids, "low_reward_contrast")
+        return len(ids)
 
     def excluded_counts(self) -> dict[str, int]:
         """Number of excluded trajectories per reason."""

@@ -32,6 +32,9 @@ Exclusion reasons, checked in this order (the first that applies is recorded):
 ``no_completion_tokens``    nothing the model generated is left to train on
 ``deferred``                over ``max_trajectories`` or the cycle's step budget (``max_steps``);
                             stays new for the next cycle
+``low_reward_contrast``     after selection, its task group's rewards span less than
+                            ``min_group_reward_range`` (:meth:`CycleData.exclude_low_contrast`);
+                            stays new for the next cycle
 ==========================  =====================================================================
 """
 

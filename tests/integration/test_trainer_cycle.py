@@ -522,3 +522,40 @@ def test_planted_regression_trains_on_the_same_data_with_the_reward_negated(sess
     assert set(adv2) == set(adv1) == {str(u) for u in used}
     assert all(adv2[k] == pytest.approx(-adv1[k]) and adv1[k] != 0 for k in adv1)
     assert planted.metrics["invert_reward"] is True
+
+
+def test_a_group_without_reward_contrast_waits_for_one(session, store, production, policy_dir):
+    """``min_group_reward_range``: a task group whose rewards span less is left out with its reason,
+    unclaimed, and trains once a later session of its task gives it the contrast."""
+    from transformers import AutoModelForCausalLM
+
+    from app.models import CheckpointTrajectory
+    from trainer.testing import insert_trajectory, make_segment, sequence_logprobs
+
+    used, _ = _insert_sessions(session, policy_dir)  # two groups with rewards 1 and 0
+    model = AutoModelForCausalLM.from_pretrained(policy_dir, dtype=torch.float32)
+
+    def flat(reward):
+        completion = [120, 121, 2]
+        segment = make_segment(PROMPT, completion, sequence_logprobs(model, PROMPT + completion))
+        return insert_trajectory(session, segments=[segment], reward=reward, task_id="task-flat")
+
+    flat_ids = [flat(-1.1), flat(-1.3)]
+    session.commit()
+    cfg = {**CONFIG, "max_steps": None, "data": {**CONFIG["data"], "min_group_reward_range": 0.5}}
+    first = run_cycle(TrainerConfig.model_validate(cfg), store=store)
+    assert first.status == "succeeded" and first.num_trajectories == 4
+    assert first.excluded["low_reward_contrast"] == 2
+    manifest = store.manifest(first.checkpoint_id)
+    assert {manifest["excluded"][str(i)] for i in flat_ids} == {"low_reward_contrast"}
+    claimed = {
+        r.trajectory_id for r in session.query(CheckpointTrajectory).filter_by(checkpoint_id=first.checkpoint_id)
+    }
+    assert claimed == set(used)
+
+    peer = flat(+0.7)  # a session of the same task that worked
+    session.commit()
+    second = run_cycle(TrainerConfig.model_validate(cfg), store=store)
+    assert second.status == "succeeded" and second.num_trajectories == 3
+    trained = {t["id"]: t["advantage"] for t in store.manifest(second.checkpoint_id)["trajectories"]}
+    assert set(trained) == {str(i) for i in [*flat_ids, peer]} and trained[str(peer)] > 0
