@@ -428,8 +428,15 @@ def main() -> None:
     # The planted regression must be refused on evidence (a "fail"): with the release policy below,
     # "insufficient_evidence" would let it through.
     rejected = gate.get("decision", "pass" if gate["passed"] else "fail") == "fail"
-    if held_out is None:  # no candidate was promoted: the final checkpoint is base
-        held_out = {"pairs": 0, "base": None, "final": None, "diff": 0.0, "lower_bound": 0.0}
+    if held_out is None:  # no candidate was promoted: the final checkpoint is base, paired with itself
+        rate = planted_held_out.get("base")
+        held_out = {
+            "pairs": planted_held_out.get("pairs", 0),
+            "base": rate,
+            "final": rate,
+            "diff": 0.0,
+            "lower_bound": 0.0,
+        }
     diff, lb = in_distribution["diff"] or 0.0, in_distribution["lower_bound"] or 0.0
     persistence_ci = signals_ab["edit_persistence"]["ci"]
     followup_ci = signals_ab["dissatisfied_followup_rate"]["ci"]

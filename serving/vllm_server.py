@@ -22,6 +22,9 @@ logging to ``$FLYWHEEL_HOME/logs/vllm-<role>.log``, with its state in
 - ``--dtype``: bf16 on CUDA and where this CPU's bf16 matmuls are measured faster than fp32, fp32
   elsewhere (:func:`resolve_dtype`).
 
+- ``VLLM_CPU_OMP_THREADS_BIND`` on CPU hosts of at most 4 CPUs (``vllm_cpu_bind``, :func:`cpu_bind`):
+  the model's threads run on every CPU, none reserved for vLLM's scheduler; vLLM's own binding
+  leaves one CPU of two to the model (1.7x fewer tokens/s measured on 2 cores).
 - ``--enforce-eager`` on CPU hosts (``vllm_enforce_eager``): measured on 2 cores, an eager server
   starts in 34 s and serves 271 tokens/s at 64 concurrent requests against 82 s and 299 tokens/s
   compiled (the compile cache does not load back on this CPU build, so every start compiles).
@@ -156,14 +159,41 @@ def server_command(
     return cmd
 
 
-def server_env(settings: ServingSettings) -> dict[str, str]:
-    """The environment a server runs with (dev routes on, KV cache size in GiB on CPU)."""
+SMALL_HOST_CPUS = 4  # at most this many CPUs: vllm_cpu_bind "auto" binds the model threads to all of them
+
+
+def server_env(settings: ServingSettings, *, cuda: bool = False) -> dict[str, str]:
+    """The environment a server runs with: dev routes on; on CPU hosts the KV cache size (GiB) and
+    the CPUs its model threads run on (``vllm_cpu_bind``, :func:`cpu_bind`). Variables already set
+    in this process's environment win."""
     env = dict(os.environ)
     env["VLLM_SERVER_DEV_MODE"] = "1"
-    env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(settings.vllm_kv_cache_gib))
     if settings.vllm_threads:
         env["OMP_NUM_THREADS"] = str(settings.vllm_threads)
+    if cuda:
+        return env
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(settings.vllm_kv_cache_gib))
+    bind = cpu_bind(settings.vllm_cpu_bind, sorted(os.sched_getaffinity(0)))
+    if bind is not None and "VLLM_CPU_OMP_THREADS_BIND" not in env:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = bind
+        env.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
     return env
+
+
+def cpu_bind(setting: str, cpus: list[int]) -> str | None:
+    """``VLLM_CPU_OMP_THREADS_BIND`` for ``setting`` on a host whose usable CPU ids are ``cpus``, or
+    None to leave vLLM its own choice.
+
+    vLLM's own binding (``auto``) reserves one CPU for its scheduler process and runs the model's
+    threads on the rest: one CPU of two. Measured on a 2-core AMD EPYC (fp32,
+    ``bench/generate.py --quick``, 64 concurrent requests): 106-110 tokens/s so, 175-186 with both
+    CPUs bound and none reserved, 139 unbound (docs/benchmarks.md#generate).
+    """
+    if setting == "vllm" or (setting == "auto" and len(cpus) > SMALL_HOST_CPUS):
+        return None
+    if setting == "auto":
+        return ",".join(str(c) for c in cpus)
+    return setting
 
 
 def server_healthy(url: str, timeout_s: float = 3.0) -> bool:
@@ -228,7 +258,7 @@ def start_server(
     with open(log_path, "ab") as out:
         proc = subprocess.Popen(
             server_command(Path(model_dir), port, dtype, settings, cuda=cuda),
-            env=server_env(settings),
+            env=server_env(settings, cuda=cuda),
             stdout=out,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,

@@ -123,6 +123,13 @@ class ServingSettings(EnvSettings):
     vllm_threads: int | None = Field(
         default=None, ge=1, description="OMP_NUM_THREADS of a managed vLLM server (default: vLLM's own choice)"
     )
+    vllm_cpu_bind: str = Field(
+        default="auto",
+        pattern=r"^(auto|vllm|nobind|[0-9]+(-[0-9]+)?(,[0-9]+(-[0-9]+)?)*)$",
+        description="CPUs a managed vLLM server's model threads run on (VLLM_CPU_OMP_THREADS_BIND, CPU hosts): "
+        "auto: every CPU this process may use, none reserved, on hosts of at most 4 CPUs (vLLM's own choice "
+        "above that); vllm: vLLM's own choice (one CPU reserved for its scheduler); nobind; or a list such as 0-1",
+    )
 
 
 class ApiSettings(EnvSettings):

@@ -1,4 +1,5 @@
-"""The managed vLLM servers' choices that need no server: dtype by CPU, the command line, refusals."""
+"""The managed vLLM servers' choices that need no server: dtype by CPU, the command line, the CPUs
+the model threads run on, refusals."""
 
 from __future__ import annotations
 
@@ -10,7 +11,15 @@ import app.core.cpu
 import app.inference.precision
 from app.core.errors import ConfigurationError
 from app.core.settings import ServingSettings
-from serving.vllm_server import WORKER_EXTENSION, ensure_server, resolve_dtype, server_command, start_server
+from serving.vllm_server import (
+    WORKER_EXTENSION,
+    cpu_bind,
+    ensure_server,
+    resolve_dtype,
+    server_command,
+    server_env,
+    start_server,
+)
 from tests.unit.test_precision import decide_afresh, fake_probe  # noqa: F401 (fixture)
 
 
@@ -52,3 +61,38 @@ def test_nothing_is_started_for_a_folder_that_is_not_a_model(tmp_path):
     with pytest.raises(ConfigurationError, match="no vLLM eval server is recorded"):
         ensure_server("eval", tmp_path)
     assert not (tmp_path / "vllm").exists()
+
+
+@pytest.mark.parametrize(
+    ("setting", "cpus", "expected"),
+    [
+        ("auto", [0, 1], "0,1"),  # a small host: every CPU, none reserved for vLLM's scheduler
+        ("auto", [2, 5, 7], "2,5,7"),  # the CPUs this process may use, not 0..n-1
+        ("auto", list(range(16)), None),  # a large host: vLLM's own binding
+        ("vllm", [0, 1], None),
+        ("nobind", [0, 1], "nobind"),
+        ("0-1", list(range(16)), "0-1"),
+    ],
+)
+def test_cpu_bind_uses_every_cpu_of_a_small_host(setting, cpus, expected):
+    assert cpu_bind(setting, cpus) == expected
+
+
+def test_server_env_binds_cpu_threads_unless_the_environment_or_a_gpu_says_otherwise(monkeypatch):
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    monkeypatch.delenv("VLLM_CPU_NUM_OF_RESERVED_CPU", raising=False)
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1})
+    env = server_env(ServingSettings(vllm_cpu_bind="auto"))
+    assert (env["VLLM_CPU_OMP_THREADS_BIND"], env["VLLM_CPU_NUM_OF_RESERVED_CPU"]) == ("0,1", "0")
+    assert env["VLLM_SERVER_DEV_MODE"] == "1" and env["VLLM_CPU_KVCACHE_SPACE"] == "2"
+    assert "VLLM_CPU_OMP_THREADS_BIND" not in server_env(ServingSettings(vllm_cpu_bind="vllm"))
+    assert "VLLM_CPU_OMP_THREADS_BIND" not in server_env(ServingSettings(), cuda=True)
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "1")  # the operator's own choice wins
+    assert server_env(ServingSettings())["VLLM_CPU_OMP_THREADS_BIND"] == "1"
+
+
+def test_a_malformed_cpu_bind_is_refused():
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match="vllm_cpu_bind"):
+        ServingSettings(vllm_cpu_bind="all cores")
