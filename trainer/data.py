@@ -122,7 +122,7 @@ class CycleData:
         secondary terms (under ``implicit@4``: follow-ups, latency, length; docs/trainer.md). The
         excluded trajectories stay new: a later session of the same task can give their group the
         contrast it lacks, within the staleness bounds. The filter is DAPO's dynamic sampling
-        (Yu et al. 2025, arXiv 2503.14476, eq. 11: keep groups with ``0 < #correct < G``) for a
+        (Yu et al. 2025, arXiv 2503.14476, section 3.2: keep groups with ``0 < #correct < G``) for a
         continuous reward.
         """
         if min_range <= 0:
