@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from app.core.intervals import error_bars
 from app.core.settings import get_settings
 from evals.gate import GateResult, SamplingReport
 from evals.passk import format_sampling
@@ -83,8 +84,7 @@ def render_png(result: GateResult, path: Path, title: str) -> Path:
     for off, role, color in ((-0.18, "candidate", "tab:blue"), (0.18, "production", "tab:gray")):
         rates = [getattr(s, role) for s in suites]
         vals = np.array([r.rate for r in rates])
-        err = np.array([[r.rate - r.low for r in rates], [r.high - r.rate for r in rates]]).reshape(2, -1)
-        err = np.clip(err, 0.0, None)  # matplotlib refuses a negative error bar, even -1e-18
+        err = error_bars(vals, [(r.low, r.high) for r in rates])
         ax1.bar(x + off, vals, width=0.36, color=color, alpha=0.8, label=role)
         if len(rates):  # the marker keeps a 0 % rate visible
             ax1.errorbar(x + off, vals, yerr=err, fmt="o", color="black", markersize=4, capsize=4)

@@ -28,7 +28,7 @@ import matplotlib.pyplot as plt
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from app.core.intervals import wilson_interval
+from app.core.intervals import error_bars, wilson_interval
 from app.models import Checkpoint, EvalResult, EvalRun, GateDecision
 from app.promotion.online import load_sessions, signal_summary
 from app.promotion.online_stats import SIGNALS as ONLINE
@@ -187,15 +187,6 @@ def signal_moves(points: list[CurvePoint]) -> dict[str, tuple[float, float]]:
 DECISION_MARK = {"pass": "pass", "fail": "fail", "insufficient_evidence": "insuff."}
 
 
-def _yerr(values: list[float], cis: list[list[float] | None]) -> list[list[float]]:
-    """Matplotlib's asymmetric error bars, never negative (matplotlib refuses one, even -1e-18, and
-    a bootstrap interval need not hold its point); a point without an interval gets none."""
-    return [
-        [max(0.0, v - ci[0]) if ci else 0.0 for v, ci in zip(values, cis)],
-        [max(0.0, ci[1] - v) if ci else 0.0 for v, ci in zip(values, cis)],
-    ]
-
-
 def render_curves_png(points: list[CurvePoint], path: Path) -> Path:
     """Held-out pass rate per suite and the product signals across checkpoints, every point with its
     95 % interval bar (Wilson for pass rates, clustered by user for signals); under each checkpoint
@@ -219,7 +210,7 @@ def render_curves_png(points: list[CurvePoint], path: Path) -> Path:
             capsize=3,
             marker="o",
             label=suite,
-            yerr=_yerr(values, [[s["low"], s["high"]] for _, s in pts]),
+            yerr=error_bars(values, [[s["low"], s["high"]] for _, s in pts]),
         )
     ax.set_title("held-out pass@1 (95% Wilson)")
     ax.set_ylim(0, 1)
@@ -229,7 +220,12 @@ def render_curves_png(points: list[CurvePoint], path: Path) -> Path:
         pts = [(x, p.signals[key], p.signal_ci.get(key)) for x, p in zip(xs, points) if key in p.signals]
         values = [v for _, v, _ in pts]
         ax.errorbar(
-            [x for x, _, _ in pts], values, yerr=_yerr(values, [ci for *_, ci in pts]), capsize=3, marker="o", label=key
+            [x for x, _, _ in pts],
+            values,
+            yerr=error_bars(values, [ci for *_, ci in pts]),
+            capsize=3,
+            marker="o",
+            label=key,
         )
     ax.set_title("product signals of served sessions (95% CI by user)")
     ax.set_ylim(0, 1)
@@ -244,7 +240,7 @@ def render_curves_png(points: list[CurvePoint], path: Path) -> Path:
     ax.errorbar(
         [x for x, _, _ in pts],
         values,
-        yerr=_yerr(values, [ci for *_, ci in pts]),
+        yerr=error_bars(values, [ci for *_, ci in pts]),
         capsize=3,
         marker="o",
         color="tab:green",

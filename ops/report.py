@@ -21,7 +21,7 @@ import matplotlib.pyplot as plt
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from app.core.intervals import wilson_interval
+from app.core.intervals import error_bars, wilson_interval
 from app.models import (
     AuditLog,
     Checkpoint,
@@ -214,15 +214,14 @@ def render_png(report: LoopReport, path: Path) -> Path:
     ckpts = sorted({s.checkpoint_id for s in report.suites})
     width = 0.8 / max(1, len(ckpts))
     for i, ckpt in enumerate(ckpts):
-        xs, ys, lo, hi = [], [], [], []
+        xs, ys, cis = [], [], []
         for j, suite in enumerate(suites):
             for s in report.suites:
                 if s.suite == suite and s.checkpoint_id == ckpt:
                     xs.append(j + i * width)
                     ys.append(s.rate)
-                    lo.append(max(0.0, s.rate - s.low))  # matplotlib refuses a negative bar
-                    hi.append(max(0.0, s.high - s.rate))
-        bars = ax.bar(xs, ys, width=width, yerr=[lo, hi], capsize=4, label=ckpt)
+                    cis.append((s.low, s.high))
+        bars = ax.bar(xs, ys, width=width, yerr=error_bars(ys, cis), capsize=4, label=ckpt)
         counts = [
             f"{s.passed}/{s.total}"
             for suite in suites

@@ -62,6 +62,16 @@ def wilson_interval(k: int, n: int, confidence: float = 0.95) -> tuple[float, fl
     return min(p, max(0.0, centre - half)), max(p, min(1.0, centre + half))
 
 
+def error_bars(values: Sequence[float], intervals: Sequence[Sequence[float] | None]) -> list[list[float]]:
+    """Matplotlib's asymmetric ``yerr`` (``[below, above]``, each one per point) of ``values`` and
+    their ``(low, high)`` intervals, never negative: matplotlib refuses a negative bar (even -1e-18),
+    and a bootstrap interval need not hold its point. A point without an interval gets none."""
+    return [
+        [max(0.0, v - ci[0]) if ci else 0.0 for v, ci in zip(values, intervals)],
+        [max(0.0, ci[1] - v) if ci else 0.0 for v, ci in zip(values, intervals)],
+    ]
+
+
 def newcombe_diff_interval(
     passed_a: int, n_a: int, passed_b: int, n_b: int, confidence: float = 0.95
 ) -> tuple[float, float]:
