@@ -39,7 +39,8 @@ def evaluate(checkpoint_id: str, **kwargs: Any) -> dict[str, Any]:
     if decided is not None and not kwargs.pop("regate", False):
         return {"checkpoint_id": checkpoint_id, "skipped": f"already decided ({decided.id})"}
     opts: dict[str, Any] = {
-        "config": load_gate_config(s.gate_config).with_min_pairs(s.min_pairs),
+        "config": load_gate_config(s.gate_config).with_min_pairs(s.min_pairs).gating_only(s.gate_on),
+        "suites": s.gate_on,
         "limit": s.limit,
         "workers": s.workers,
         "overrides": {

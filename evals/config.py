@@ -379,6 +379,9 @@ class EvalSettings(BaseSettings):
     """Candidates dispatched per beat scan."""
     min_pairs: int | None = Field(default=None, ge=1)
     """Override every suite's ``min_pairs`` (smoke deployments with a small ``limit``)."""
+    gate_on: list[str] | None = None
+    """Run and decide the automated gate on these suites only (JSON list, e.g. ``["functions"]``);
+    None: every gated suite of the policy. The narrowing is stored with each decision."""
     shards: int = Field(default=1, ge=1)
     """Shards per eval run (``evals.shards``): 1 runs each run in the gating worker; N > 1 splits
     its tasks into N shards that every Celery worker (the gating one included) claims."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 
 import typer
@@ -124,51 +125,86 @@ def stack_topics_cmd(partitions: int = typer.Option(None, help="partitions of th
 
 def up_cmd(
     services: list[str] = typer.Option(
-        None, "--service", "-s", help="subset of consumer, worker, beat, api, relay, watcher"
+        None, "--service", "-s", help="subset of consumer, api, relay, watcher, worker, beat (default: all)"
     ),
-    detach: bool = typer.Option(False, "--detach", "-d", help="start and return; `flywheel stack down` stops them"),
+    detach: bool = typer.Option(
+        False, "--detach", "-d", help="start, supervise in the background and return; `flywheel stack down` stops all"
+    ),
+    serving: bool = typer.Option(
+        None, "--serving/--no-serving", help="start the managed vLLM servers (default: where vLLM is installed)"
+    ),
+    supervise: bool = typer.Option(False, "--supervise", hidden=True, help="the background supervisor of `up -d`"),
 ) -> None:
-    """Run the loop's long-lived processes on the local stack so it turns by itself: consumers,
-    Celery worker and beat (training every FLYWHEEL_TRAIN_INTERVAL seconds, the eval trigger),
-    the API, the outbox relay and the serving watcher."""
-    from app.core.migrate import upgrade
+    """Run the deployed loop on this machine so it turns by itself: the stack, production on the
+    managed vLLM servers, the consumer, the API, the outbox relay, the serving watcher, and the Celery
+    worker and beat (a training cycle every FLYWHEEL_TRAIN_INTERVAL seconds or once
+    FLYWHEEL_TRAIN_READY_TRAJECTORIES are waiting; each candidate gated; FLYWHEEL_RELEASE_POLICY
+    promotes or holds it). A process that keeps dying stops the loop with exit code 1."""
     from app.core.settings import flywheel_home, get_settings
-    from ops.processes import LOOP_SERVICES, service_status, start_service
-    from ops.stack import stack_down, stack_up
+    from ops.stack import stack_down
+    from ops.up import bring_up, detach_supervisor, loop_services, start_loop
 
-    unknown = set(services or ()) - set(LOOP_SERVICES)
-    if unknown:
-        raise typer.BadParameter(f"unknown service(s) {sorted(unknown)}; choose from {sorted(LOOP_SERVICES)}")
+    try:
+        chosen = loop_services(services)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--service") from None
     con = Console()
-    state = stack_up()
-    get_settings.cache_clear()
-    upgrade(url=state.database_url)
     home = flywheel_home()
-    for name in services or LOOP_SERVICES:
-        pid = start_service(name, LOOP_SERVICES[name], home)
-        con.print(f"{name:9s} pid {pid}  log {home / 'logs' / (name + '.log')}")
+    env = dict(os.environ)
+    if supervise:  # the background half of `up -d`: the stack is up; start and watch the services
+        supervisor = start_loop(home, chosen, env, on_event=con.print)
+        raise typer.Exit(supervisor.run())
+    up = bring_up(home, serving=serving, on_event=con.print)
+    con.print(f"postgres {up.database_url}\nkafka    {up.kafka_bootstrap}\nproduction {up.production_id}")
+    for role, url in up.serving_urls.items():
+        con.print(f"vllm {role:<10} {url}")
+    celery = get_settings().celery
     con.print(
-        f"training every {get_settings().celery.train_interval:.0f}s (FLYWHEEL_TRAIN_INTERVAL); "
-        f"API on http://{get_settings().api.host}:{get_settings().api.port}/"
+        f"training every {celery.train_interval:.0f}s (FLYWHEEL_TRAIN_INTERVAL)"
+        + (f" or once {celery.train_ready_trajectories} trajectories wait" if celery.train_ready_trajectories else "")
+        + f"; API on {up.api_url}/"
     )
     if detach:
+        pid = detach_supervisor(home, list(chosen), env)
+        con.print(f"supervisor pid {pid}  log {home / 'logs' / 'supervisor.log'}")
+        _wait_detached(home, chosen, pid)
+        con.print("the loop is up; `flywheel stack status` shows it, `flywheel stack down` stops it")
         return
     try:
-        while True:
-            time.sleep(5)
-            dead = [n for n, (_, alive) in service_status(home).items() if not alive]
-            if dead:
-                con.print(f"[red]stopped unexpectedly: {', '.join(dead)}[/] (see logs); stopping the rest")
-                break
-    except KeyboardInterrupt:
-        pass
-    con.print("stopped: " + ", ".join(stack_down()))
+        supervisor = start_loop(home, chosen, env, on_event=con.print)
+        code = supervisor.run()
+    finally:
+        con.print("stopped: " + ", ".join(stack_down()))
+    raise typer.Exit(code)
+
+
+def _wait_detached(home, services: dict[str, list[str]], supervisor_pid: int, timeout_s: float = 900.0) -> None:
+    """Wait until every service of a detached ``up`` runs (the vLLM servers' warm-up included).
+
+    Raises:
+        InfrastructureError: the supervisor exited, or the services were not all up in time.
+    """
+    from app.core.errors import InfrastructureError
+    from app.core.pids import pid_alive
+    from app.core.settings import get_settings
+    from ops.processes import service_status, wait_http
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if not pid_alive(supervisor_pid):
+            raise InfrastructureError(f"the loop's supervisor exited; see {home / 'logs' / 'supervisor.log'}")
+        status = service_status(home)
+        if all(status.get(n, (None, False))[1] for n in services):
+            if "api" in services:
+                api = get_settings().api
+                wait_http(f"{api.url or f'http://{api.host}:{api.port}'}/healthz", timeout_s=120.0)
+            return
+        time.sleep(1.0)
+    raise InfrastructureError(f"the loop's services were not all up after {timeout_s:.0f}s; see {home / 'logs'}")
 
 
 def demo_cmd(
-    cycles: int = typer.Option(
-        3, help="full cycles (simulate -> consume -> train -> gate -> release -> measure) to run"
-    ),
+    cycles: int = typer.Option(3, help="cycles of the loop to drive (traffic -> train -> gate -> release -> measure)"),
     sessions: int = typer.Option(16, help="simulated editor sessions per cycle (train tasks of --source)"),
     group_size: int = typer.Option(4, help="sessions per task (the trainer's groups)"),
     source: str = typer.Option("functions", help="task source of the simulated sessions (train split)"),
@@ -178,38 +214,36 @@ def demo_cmd(
     max_turns: int = typer.Option(3, help="agent turns per simulated session"),
     max_tokens_per_turn: int = typer.Option(160, help="completion tokens per turn"),
     max_steps: int = typer.Option(None, help="step budget of each training cycle (default: train on all it claims)"),
-    trainer_config: str = typer.Option(None, help="trainer TOML (default trainer/configs/default.toml)"),
-    eval_tasks: int = typer.Option(4, help="held-out tasks per eval suite (DataFrameBench test, HumanEval)"),
-    eval_samples: int = typer.Option(1, help="samples per held-out task (suites with temperature > 0)"),
-    eval_max_turns: int = typer.Option(2, help="agent turns per eval task"),
-    suite: list[str] = typer.Option(
-        None, "--suite", help="run the gate on these suites, which alone decide it (default: every gated suite)"
+    trainer_config: str = typer.Option(
+        None, help="trainer TOML of the loop's cycles (default trainer/configs/default.toml)"
     ),
+    eval_tasks: int = typer.Option(None, min=1, help="held-out tasks per gated suite (default: the whole suite)"),
+    eval_max_turns: int = typer.Option(2, help="agent turns per eval task"),
+    suite: list[str] = typer.Option(None, "--suite", help="suites the gate runs and decides on (default: functions)"),
     model_dir: str = typer.Option(None, help="register this HF folder as the base model instead of SmolLM2"),
     trace: bool = typer.Option(False, "--trace", help="print OpenTelemetry spans (console exporter)"),
-    engine: str = typer.Option(
-        None, help="vllm: managed vLLM servers (default where vLLM is installed); torch: in-process engines"
-    ),
     ab_tasks: int = typer.Option(24, min=0, help="fresh-traffic tasks of each cycle's curve point (0: none)"),
     ab_samples: int = typer.Option(2, min=1, help="sessions per fresh-traffic task and arm"),
+    release_policy: str = typer.Option(
+        "auto_on_pass", help="the loop's release policy: auto_on_pass (promote what the gate passes) or manual"
+    ),
     override_insufficient: str = typer.Option(
         None,
-        help="promote a candidate whose gate found insufficient evidence, with this written reason "
-        "(the release manager's audited override); default: such a candidate is rejected",
+        help="the release policy also promotes a candidate whose gate found insufficient evidence, with this "
+        "written reason (audited); default: such a candidate is held",
     ),
+    cycle_timeout: float = typer.Option(1800.0, min=1, help="seconds to wait for the loop to decide one cycle"),
     seed: int = typer.Option(0),
     down: bool = typer.Option(False, "--down", help="stop everything the demo started, then exit"),
 ) -> None:
-    """Run the whole loop on the embedded stack, --cycles times: simulate sessions, ingest, finalize,
-    train, evaluate, gate, and promote or reject through the API; ends with a report and learning
-    curves. Re-running picks up where an interrupted run stopped."""
+    """Drive the deployed loop (`flywheel up`) on the embedded stack for --cycles cycles: simulated
+    product traffic in, then the loop trains, gates and releases by itself; each served checkpoint is
+    measured on fresh traffic; ends with a report and learning curves. Re-running picks up where an
+    interrupted run stopped."""
     from ops.demo import DEFAULT_DIFFICULTY_MIX, DemoOptions, run_demo, stop_demo
-    from serving.vllm_server import vllm_installed
 
-    engine = engine or ("vllm" if vllm_installed() else "torch")
-    if engine not in ("vllm", "torch"):
-        raise typer.BadParameter(f"unknown engine {engine!r}; expected vllm or torch", param_hint="--engine")
-
+    if release_policy not in ("auto_on_pass", "manual"):
+        raise typer.BadParameter(f"unknown release policy {release_policy!r}", param_hint="--release-policy")
     if down:
         stopped = stop_demo()
         typer.echo("stopped: " + (", ".join(stopped) if stopped else "nothing"))
@@ -226,17 +260,17 @@ def demo_cmd(
             train_max_steps=max_steps,
             trainer_config=trainer_config,
             eval_tasks=eval_tasks,
-            eval_suites=tuple(suite or ()),
-            eval_samples=eval_samples,
+            eval_suites=tuple(suite or ("functions",)),
             eval_max_turns=eval_max_turns,
             eval_max_tokens=max_tokens_per_turn,
             model_dir=model_dir,
             trace=trace,
             seed=seed,
-            engine=engine,
             ab_tasks=ab_tasks,
             ab_samples=ab_samples,
+            release_policy=release_policy,
             override_insufficient=override_insufficient,
+            cycle_timeout_s=cycle_timeout,
         )
     )
 

@@ -1,33 +1,50 @@
-"""Long-lived local processes started by ``flywheel up`` and ``flywheel demo``.
+"""Long-lived local processes of the loop, started and supervised by ``flywheel up``.
 
 Each is a ``flywheel`` subcommand in its own session (process group), logging to
 ``$FLYWHEEL_HOME/logs/<name>.log``, and recorded in the stack state so ``flywheel stack down`` (and
 ``demo --down``) stop exactly what was started, by pid.
+
+Invariant of :class:`Supervisor`: a service that exits is restarted (it logs why), at most
+``max_restarts`` times in ``window_s`` seconds; one that keeps dying is given up on, every other
+service is stopped and the supervisor exits non-zero, so a loop that cannot turn never looks as if
+it does.
 """
 
 from __future__ import annotations
 
+import logging
 import os
+import signal
 import subprocess
 import sys
+import threading
 import time
+from collections import deque
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
 
 from app.core.errors import InfrastructureError
-from app.core.pids import pid_alive
+from app.core.pids import pid_alive, stop_pid
 from ops.stack import StackState, register_pid
 
-# name -> flywheel arguments. The interval of the training schedule comes from FLYWHEEL_TRAIN_INTERVAL.
+log = logging.getLogger("flywheel.up")
+
+# name -> flywheel arguments, in start order. Beat starts training cycles (FLYWHEEL_TRAIN_INTERVAL,
+# FLYWHEEL_TRAIN_READY_TRAJECTORIES) and gate scans; the worker runs them and the release policy.
 LOOP_SERVICES: dict[str, list[str]] = {
     "consumer": ["consume"],
-    "worker": ["worker"],
-    "beat": ["beat"],
     "api": ["api"],
     "relay": ["relay"],
     "watcher": ["watch"],
+    "worker": ["worker"],
+    "beat": ["beat"],
 }
+# Services that call the managed vLLM servers: started once those answer.
+SERVING_CLIENTS = ("watcher", "worker", "beat")
+SUPERVISOR = "supervisor"
 
 
 def start_service(name: str, args: list[str], home: Path, env: dict[str, str] | None = None) -> int:
@@ -42,15 +59,15 @@ def start_service(name: str, args: list[str], home: Path, env: dict[str, str] | 
     if state and pid_alive(state.extra_pids.get(name)):
         return state.extra_pids[name]
     (home / "logs").mkdir(parents=True, exist_ok=True)
-    log = open(home / "logs" / f"{name}.log", "ab")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "ops.cli", *args],
-        env=env or dict(os.environ),
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        stdin=subprocess.DEVNULL,
-        start_new_session=True,
-    )
+    with open(home / "logs" / f"{name}.log", "ab") as log_file:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "ops.cli", *args],
+            env=env or dict(os.environ),
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
     register_pid(name, proc.pid, home)
     return proc.pid
 
@@ -78,3 +95,84 @@ def wait_http(url: str, timeout_s: float = 60.0) -> None:
             pass
         time.sleep(0.5)
     raise InfrastructureError(f"{url} not ready after {timeout_s:.0f}s")
+
+
+@dataclass
+class Supervisor:
+    """Starts the loop's services and keeps them running (see the module invariant).
+
+    Args:
+        home: ``$FLYWHEEL_HOME`` (logs, stack state).
+        services: name -> flywheel arguments, started in this order.
+        env: the environment every service starts with.
+        max_restarts: restarts of one service allowed within ``window_s`` seconds.
+        window_s: seconds over which restarts are counted.
+        poll_s: seconds between liveness checks.
+        on_event: called with each line the supervisor logs (``flywheel up`` prints them).
+    """
+
+    home: Path
+    services: dict[str, list[str]]
+    env: dict[str, str]
+    max_restarts: int = 3
+    window_s: float = 600.0
+    poll_s: float = 2.0
+    on_event: Callable[[str], None] = log.info
+    _restarts: dict[str, deque[float]] = field(default_factory=dict)
+    _stop: threading.Event = field(default_factory=threading.Event)
+
+    def start(self, names: Iterable[str] | None = None) -> dict[str, int]:
+        """Start (or reuse) the named services (default all). Returns name -> pid."""
+        return {n: start_service(n, self.services[n], self.home, self.env) for n in (names or self.services)}
+
+    def check(self) -> str | None:
+        """Restart every dead service; returns the name of one that died too often (None if all run)."""
+        now = time.monotonic()
+        for name, (pid, alive) in service_status(self.home).items():
+            if alive or name not in self.services:
+                continue
+            recent = self._restarts.setdefault(name, deque())
+            while recent and now - recent[0] > self.window_s:
+                recent.popleft()
+            if len(recent) >= self.max_restarts:
+                self.on_event(
+                    f"{name} (pid {pid}) died {len(recent) + 1} times in {self.window_s:.0f}s; giving up "
+                    f"(see {self.home / 'logs' / (name + '.log')})"
+                )
+                return name
+            recent.append(now)
+            self._forget(name)
+            new = start_service(name, self.services[name], self.home, self.env)
+            self.on_event(f"{name} (pid {pid}) exited; restarted as pid {new} (restart {len(recent)})")
+        return None
+
+    def _forget(self, name: str) -> None:
+        state = StackState.load(self.home)
+        if state is not None and name in state.extra_pids:
+            del state.extra_pids[name]
+            state.save(self.home)
+
+    def stop_services(self) -> list[str]:
+        """Stop every supervised service (by pid). Returns what was stopped."""
+        stopped = []
+        for name, (pid, alive) in service_status(self.home).items():
+            if name in self.services and alive and pid is not None:
+                stop_pid(pid)
+                stopped.append(f"{name} (pid {pid})")
+            if name in self.services:
+                self._forget(name)
+        return stopped
+
+    def run(self) -> int:
+        """Supervise until SIGTERM/SIGINT (exit 0) or a service that keeps dying (exit 1); the
+        services are stopped either way. Returns the exit code."""
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: self._stop.set())
+        failed = None
+        while not self._stop.wait(self.poll_s):
+            failed = self.check()
+            if failed is not None:
+                break
+        stopped = self.stop_services()
+        self.on_event("stopped: " + (", ".join(stopped) if stopped else "nothing"))
+        return 1 if failed is not None else 0

@@ -100,6 +100,11 @@ def stack_up(home: Path | None = None, partitions: int | None = None) -> StackSt
             state.kafka_bootstrap, state.broker_pid = broker.bootstrap, broker.pid
     if previous:
         state.extra_pids = {k: v for k, v in previous.extra_pids.items() if pid_alive(v)}
+        # The managed vLLM servers outlive a restart of the stack's other services: their settings
+        # stay in stack.env for as long as their state is recorded (``stack down`` forgets them).
+        state.serving_urls = {
+            role: url for role, url in previous.serving_urls.items() if VLLMServer.load(home, role) is not None
+        }
     kafka = KafkaSettings()
     create_topics(
         state.kafka_bootstrap,
@@ -162,7 +167,8 @@ def stack_down(home: Path | None = None) -> list[str]:
     stopped: list[str] = []
     if state is None:
         return stopped
-    for name, pid in state.extra_pids.items():
+    # The supervisor of `up -d` first: it would restart the services stopped after it.
+    for name, pid in sorted(state.extra_pids.items(), key=lambda item: item[0] != "supervisor"):
         if pid_alive(pid):
             stop_pid(pid)
             stopped.append(f"{name} (pid {pid})")

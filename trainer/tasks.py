@@ -1,25 +1,60 @@
-"""Celery task of the trainer (thin: the work is :func:`trainer.cycle.run_cycle`).
+"""Celery tasks of the trainer (thin: the work is :func:`trainer.cycle.run_cycle`).
 
-Beat calls ``flywheel.trainer.run_cycle`` every ``FLYWHEEL_TRAIN_INTERVAL`` seconds (default 5 h).
-The cycle itself is single-flight (advisory lock) and skips when fewer than
-``data.min_new_trajectories`` trajectories are usable, so an overlapping or early beat is harmless.
-Every Celery worker imports this module at start (``app.worker.celery_app``), so the cycle (torch,
-transformers) is imported inside the task.
+Beat starts a cycle two ways (``app.worker.schedule``): ``flywheel.trainer.run_cycle`` every
+``FLYWHEEL_TRAIN_INTERVAL`` seconds (default 5 h), and, where ``FLYWHEEL_TRAIN_READY_TRAJECTORIES``
+is set, ``flywheel.trainer.run_cycle_when_ready`` every ``FLYWHEEL_TRAIN_CHECK_INTERVAL`` seconds,
+which starts one as soon as that many finalized trajectories are waiting
+(:func:`trainer.selection.trajectories_waiting`). The cycle itself is single-flight (advisory lock)
+and skips when fewer than ``data.min_new_trajectories`` trajectories are usable, so an overlapping
+or early start is harmless.
+
+A cycle that registers a candidate hands it to the gate at once (``flywheel.evals.evaluate_candidate``
+by name: the trainer does not import evals); beat's ``scan-candidates`` still finds any candidate
+whose message was lost. Every Celery worker imports this module at start
+(``app.worker.celery_app``), so the cycle (torch, transformers) is imported inside the task.
 """
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any
 
+from app.core.db import session_scope
+from app.core.settings import get_settings
 from app.worker.celery_app import celery_app
 from trainer.config import load_config
+from trainer.selection import trajectories_waiting
+
+log = logging.getLogger("flywheel.trainer")
+
+GATE_TASK = "flywheel.evals.evaluate_candidate"
 
 
 @celery_app.task(name="flywheel.trainer.run_cycle")
 def run_cycle_task(config_path: str | None = None, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Run one training cycle; returns the :class:`~trainer.cycle.CycleResult` as a dict."""
+    """Run one training cycle (``FLYWHEEL_TRAIN_CONFIG`` unless ``config_path`` names another TOML)
+    and send its candidate to the gate; returns the :class:`~trainer.cycle.CycleResult` as a dict."""
     from trainer.cycle import run_cycle  # torch, transformers: loaded when a worker runs the task
 
-    config = load_config(Path(config_path) if config_path else None, overrides)
-    return run_cycle(config, progress=False).to_dict()
+    path = config_path or get_settings().celery.train_config
+    config = load_config(Path(path) if path else None, overrides)
+    result = run_cycle(config, progress=False).to_dict()
+    if result.get("status") == "succeeded" and result.get("checkpoint_id"):
+        celery_app.send_task(GATE_TASK, args=[result["checkpoint_id"]])
+        log.info("candidate %s sent to the gate", result["checkpoint_id"])
+    return result
+
+
+@celery_app.task(name="flywheel.trainer.run_cycle_when_ready")
+def run_cycle_when_ready() -> dict[str, Any]:
+    """Run a cycle (:func:`run_cycle_task`) when at least ``FLYWHEEL_TRAIN_READY_TRAJECTORIES``
+    finalized trajectories are waiting; else report how many are. Returns the cycle's result, or
+    ``{"status": "waiting", "waiting": N, "ready_at": M}``."""
+    ready_at = get_settings().celery.train_ready_trajectories
+    with session_scope() as session:
+        waiting = trajectories_waiting(session)
+    if ready_at is None or waiting < ready_at:
+        return {"status": "waiting", "waiting": waiting, "ready_at": ready_at}
+    log.info("%d finalized trajectories waiting (ready at %d): starting a cycle", waiting, ready_at)
+    return run_cycle_task()

@@ -233,7 +233,13 @@ class ProductionOut(BaseModel):
 
     checkpoint: CheckpointSummary | None
     last_change: PromotionOut | None
-    serving_checkpoint_id: str | None = Field(description="reported by the serving watcher")
+    serving_checkpoint_id: str | None = Field(
+        description="what the production server itself reports serving (its /weight_info); "
+        "the serving watcher's report where the engine is in-process"
+    )
+    serving_source: Literal["server", "watcher_report"] | None = Field(
+        default=None, description="where serving_checkpoint_id was read; None when nothing answered"
+    )
     serving_updated_at: str | None
     serving_in_sync: bool
 

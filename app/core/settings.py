@@ -49,6 +49,18 @@ class CelerySettings(EnvSettings):
     model_config = SettingsConfigDict(env_prefix="FLYWHEEL_", extra="ignore")
     redis_url: str | None = None
     train_interval: float = Field(default=5 * 3600.0, gt=0, description="seconds between training cycles")
+    train_ready_trajectories: int | None = Field(
+        default=None,
+        ge=1,
+        description="start a cycle as soon as this many finalized trajectories arrived since the last "
+        "cycle and are not trained on (None: on the interval only)",
+    )
+    train_check_interval: float = Field(
+        default=60.0, gt=0, description="seconds between checks of train_ready_trajectories"
+    )
+    train_config: Path | None = Field(
+        default=None, description="trainer TOML of scheduled cycles (default trainer/configs/default.toml)"
+    )
     eval_scan_interval: float = Field(
         default=300.0, gt=0, description="seconds between scans for unevaluated candidates"
     )

@@ -7,6 +7,7 @@ its periods, so a stopped worker does not come back to a backlog of stale runs.
 | entry | task | every |
 |---|---|---|
 | train | ``flywheel.trainer.run_cycle`` | ``FLYWHEEL_TRAIN_INTERVAL`` s (5 h) |
+| train-when-ready | ``flywheel.trainer.run_cycle_when_ready`` | ``FLYWHEEL_TRAIN_CHECK_INTERVAL`` s, only with ``FLYWHEEL_TRAIN_READY_TRAJECTORIES`` |
 | scan-candidates | ``flywheel.evals.scan_candidates`` | ``FLYWHEEL_EVAL_SCAN_INTERVAL`` s |
 | relay-outbox | ``flywheel.outbox.relay`` | ``FLYWHEEL_OUTBOX_INTERVAL`` s |
 | evaluate-canary | ``flywheel.promotion.evaluate_canary`` | ``FLYWHEEL_CANARY_EVAL_INTERVAL`` s (60) |
@@ -23,6 +24,7 @@ from app.core.settings import Settings, get_settings
 # task name -> module that registers it
 TASK_MODULES: dict[str, str] = {
     "flywheel.trainer.run_cycle": "trainer.tasks",
+    "flywheel.trainer.run_cycle_when_ready": "trainer.tasks",
     "flywheel.evals.scan_candidates": "evals.automation",
     "flywheel.outbox.relay": "app.outbox.tasks",
     "flywheel.promotion.evaluate_canary": "app.promotion.tasks",
@@ -49,6 +51,8 @@ def beat_schedule(settings: Settings | None = None) -> dict[str, dict[str, Any]]
         "relay-outbox": ("flywheel.outbox.relay", c.outbox_interval),
         "evaluate-canary": ("flywheel.promotion.evaluate_canary", c.canary_eval_interval),
     }
+    if c.train_ready_trajectories is not None:
+        entries["train-when-ready"] = ("flywheel.trainer.run_cycle_when_ready", c.train_check_interval)
     if not c.redis_url:  # kombu's SQL transport keeps delivered rows: trim them
         entries["purge-broker-messages"] = ("flywheel.ops.purge_broker_messages", BROKER_PURGE_INTERVAL_S)
     return {

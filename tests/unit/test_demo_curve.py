@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ops.demo import curve_conclusion, curve_point, render_curve_png
+from ops.demo_report import curve_conclusion, curve_point, render_curve_png
 
 
 def _ab(final: str, pass_final: float, diff_ci: list[float], persistence: float | None) -> dict:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from datetime import UTC, datetime
 from typing import Annotated
 
 from fastapi import APIRouter, Query, Response, status
@@ -13,6 +14,8 @@ from app.api.errors import AUTH_RESPONSES, CONFLICT, NOT_FOUND, model_response
 from app.api.routers.checkpoints import checkpoint_summaries
 from app.api.schemas import Page, ProductionOut, PromotionOut, PromotionRequest, RollbackRequest
 from app.core.errors import ForbiddenError
+from app.core.net import served_weight_version
+from app.core.settings import get_settings
 from app.models import Promotion
 from app.promotion import queries
 from app.promotion.service import ProductionChange, promote_checkpoint, rollback_production
@@ -99,22 +102,36 @@ def create_rollback(
 
 @router.get("/production", response_model=ProductionOut, summary="The production checkpoint and what serves")
 def production(session: SessionDep, _: ViewerDep):
-    """The production checkpoint, the change that made it production, and the checkpoint the serving
-    watcher last reported loading (``serving_in_sync`` when they agree)."""
+    """The production checkpoint, the change that made it production, and the checkpoint the
+    production server reports serving (``serving_in_sync`` when they agree). With a vLLM server the
+    answer is the server's own ``/weight_info``; with the in-process engine, the serving watcher's
+    report. A server that does not answer is not in sync."""
     row = get_production(session)
     last = None
     if row is not None:
         last = session.scalars(
             select(Promotion).where(Promotion.checkpoint_id == row.id).order_by(Promotion.created_at.desc()).limit(1)
         ).first()
-    serving = read_serving_state() or {}
-    serving_id = serving.get("checkpoint_id")
+    serving_id, source, updated_at = _served_checkpoint()
     return model_response(
         ProductionOut(
             checkpoint=checkpoint_summaries(session, [row])[0] if row else None,
             last_change=PromotionOut.model_validate(last) if last else None,
             serving_checkpoint_id=serving_id,
-            serving_updated_at=serving.get("updated_at"),
+            serving_source=source,
+            serving_updated_at=updated_at,
             serving_in_sync=bool(row and serving_id == row.id),
         )
     )
+
+
+def _served_checkpoint() -> tuple[str | None, str | None, str | None]:
+    """``(checkpoint id, source, updated_at)`` of what production serves (see :func:`production`)."""
+    serving = get_settings().serving
+    if serving.engine == "vllm" and serving.url:
+        key = serving.api_key.get_secret_value() if serving.api_key else None
+        version = served_weight_version(serving.url, api_key=key)
+        return version, ("server" if version else None), datetime.now(UTC).isoformat() if version else None
+    report = read_serving_state() or {}
+    served = report.get("checkpoint_id")
+    return served, ("watcher_report" if served else None), report.get("updated_at")

@@ -1,0 +1,133 @@
+"""``flywheel up``: the deployed loop on one machine, started and supervised.
+
+What it starts, in order: the local stack where none is configured (embedded Postgres, the tansu
+broker, topics, migrations), the base model as production where there is none, the managed vLLM
+servers (production traffic, evals; ``serving.vllm_server``) where vLLM is installed, then the loop's
+processes (``ops.processes.LOOP_SERVICES``): the consumer, the API and the outbox relay at once, the
+serving watcher, the Celery worker and beat once the servers answer. Beat starts training cycles, the
+worker gates each candidate and applies the release policy (``FLYWHEEL_RELEASE_POLICY``), the relay
+publishes lifecycle messages and the watcher moves the production server to what the database says
+is production. Nobody needs to be at the keyboard for a cycle to run.
+
+Invariants: every setting a process needs is in ``$FLYWHEEL_HOME/stack.env`` (the vLLM servers'
+URLs and ``FLYWHEEL_SERVING_ENGINE=vllm`` included) before that process starts, so a restarted
+service reads the same; and what ``up`` starts, ``flywheel stack down`` stops, by pid.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from app.checkpoints.publish import init_base
+from app.core.db import session_scope
+from app.core.migrate import upgrade
+from app.core.settings import flywheel_home, get_settings
+from app.repositories.checkpoints import get_production
+from ops.processes import LOOP_SERVICES, SERVING_CLIENTS, SUPERVISOR, Supervisor, start_service, wait_http
+from ops.stack import StackState, serving_up, serving_wait, stack_up
+from serving.engine import resolve_checkpoint
+from serving.vllm_server import vllm_installed
+
+
+@dataclass(frozen=True)
+class LoopUp:
+    """What :func:`bring_up` found or started."""
+
+    database_url: str
+    kafka_bootstrap: str
+    production_id: str
+    serving_urls: dict[str, str]
+    api_url: str
+
+
+def ensure_production(on_event: Callable[[str], None]) -> str:
+    """The production checkpoint's id; the base model is materialized and registered as production
+    when the registry has none (``flywheel model init``)."""
+    with session_scope() as session:
+        prod = get_production(session)
+        if prod is not None:
+            return prod.id
+    on_event("no production checkpoint: materializing the base model (flywheel model init)")
+    init_base()
+    with session_scope() as session:
+        return get_production(session).id
+
+
+def bring_up(
+    home: Path | None = None, *, serving: bool | None = None, on_event: Callable[[str], None] = print
+) -> LoopUp:
+    """Start (or reuse) the stack, production and the managed vLLM servers (warming up, not awaited).
+
+    Args:
+        home: ``$FLYWHEEL_HOME`` (default from settings).
+        serving: start the managed vLLM servers (default: where vLLM is installed).
+        on_event: where progress lines go.
+
+    Raises:
+        ConfigurationError: vLLM asked for and not installed.
+        InfrastructureError: Postgres or the broker did not come up.
+    """
+    home = home or flywheel_home()
+    state = stack_up(home)
+    get_settings.cache_clear()
+    upgrade(url=state.database_url)
+    production_id = ensure_production(on_event)
+    urls: dict[str, str] = {}
+    if serving if serving is not None else vllm_installed():
+        cid, path = resolve_checkpoint(production_id, None)
+        urls = serving_up(cid, path, home, wait=False)
+    get_settings.cache_clear()
+    api = get_settings().api
+    return LoopUp(
+        database_url=state.database_url,
+        kafka_bootstrap=state.kafka_bootstrap,
+        production_id=production_id,
+        serving_urls=urls,
+        api_url=api.url or f"http://{api.host}:{api.port}",
+    )
+
+
+def start_loop(
+    home: Path, services: dict[str, list[str]], env: dict[str, str], *, on_event: Callable[[str], None] = print
+) -> Supervisor:
+    """Start the loop's services under a :class:`~ops.processes.Supervisor`: those that need no
+    server first, then (once the managed vLLM servers answer) those that call them.
+
+    Raises:
+        InfrastructureError: a vLLM server or the API did not come up.
+    """
+    supervisor = Supervisor(home, services, env, on_event=on_event)
+    first = [n for n in services if n not in SERVING_CLIENTS]
+    for name, pid in supervisor.start(first).items():
+        on_event(f"{name:9s} pid {pid}  log {home / 'logs' / (name + '.log')}")
+    state = StackState.load(home)
+    if state is not None and state.serving_urls:
+        on_event("waiting for the vLLM servers: " + ", ".join(f"{r} {u}" for r, u in state.serving_urls.items()))
+        serving_wait(home)
+    for name, pid in supervisor.start([n for n in services if n in SERVING_CLIENTS]).items():
+        on_event(f"{name:9s} pid {pid}  log {home / 'logs' / (name + '.log')}")
+    if "api" in services:
+        api = get_settings().api
+        wait_http(f"{api.url or f'http://{api.host}:{api.port}'}/healthz")
+    return supervisor
+
+
+def detach_supervisor(home: Path, services: list[str], env: dict[str, str]) -> int:
+    """Run the supervisor (``flywheel up --supervise``) in the background; returns its pid. It is
+    recorded with the stack, so ``flywheel stack down`` stops it (and, through it, the services)."""
+    args = ["up", "--supervise", *(a for s in services for a in ("--service", s))]
+    return start_service(SUPERVISOR, args, home, env)
+
+
+def loop_services(names: list[str] | None) -> dict[str, list[str]]:
+    """The named loop services (default all), in start order.
+
+    Raises:
+        ValueError: an unknown name.
+    """
+    unknown = set(names or ()) - set(LOOP_SERVICES)
+    if unknown:
+        raise ValueError(f"unknown service(s) {sorted(unknown)}; choose from {sorted(LOOP_SERVICES)}")
+    return {n: a for n, a in LOOP_SERVICES.items() if not names or n in names}
