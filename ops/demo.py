@@ -72,6 +72,7 @@ class DemoOptions:
     trainer_config: str | None = None
     eval_tasks: int | None = None  # held-out tasks the gate runs (None: the whole suite)
     eval_suites: tuple[str, ...] = ("functions",)
+    gate_config: str | None = None  # gate policy TOML (default evals/gate.toml)
     eval_max_turns: int = 2
     eval_max_tokens: int = 160
     finalize_window_s: float = 10.0
@@ -138,6 +139,8 @@ def loop_env(opts: DemoOptions, home: Path, api_port: int) -> dict[str, str]:
     env["FLYWHEEL_TRAIN_CONFIG"] = str(trainer_toml(opts, home))
     env["FLYWHEEL_EVAL_SCAN_INTERVAL"] = "20"
     env["FLYWHEEL_EVAL_GATE_ON"] = json.dumps(list(opts.eval_suites))
+    if opts.gate_config:
+        env["FLYWHEEL_EVAL_GATE_CONFIG"] = str(Path(opts.gate_config).resolve())
     env["FLYWHEEL_EVAL_MAX_TURNS"] = str(opts.eval_max_turns)
     env["FLYWHEEL_EVAL_MAX_TOKENS_PER_TURN"] = str(opts.eval_max_tokens)
     if opts.eval_tasks:

@@ -189,7 +189,8 @@ def stack_down(home: Path | None = None) -> list[str]:
 
 
 def stack_status(home: Path | None = None) -> dict[str, dict[str, object]]:
-    """Health of each service: ``{"postgres": {"healthy": bool, ...}, "kafka": {...}}``."""
+    """Health of each service: ``{"postgres": {"healthy": bool, ...}, "kafka": {...}}``, the managed
+    vLLM servers (``vllm-<role>``, with the checkpoint each reports serving) and the loop's processes."""
     home = home or flywheel_home()
     state = StackState.load(home)
     get_settings.cache_clear()
@@ -208,6 +209,8 @@ def stack_status(home: Path | None = None) -> dict[str, dict[str, object]]:
             "healthy": bool(bootstrap) and broker_healthy(bootstrap),
         },
         **{f"vllm-{role}": info for role, info in server_status(home).items()},
+        # the loop's processes (`flywheel up`), by the pid recorded when each started
+        **{name: {"pid": pid, "healthy": pid_alive(pid)} for name, pid in (state.extra_pids if state else {}).items()},
     }
 
 
