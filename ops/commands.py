@@ -233,6 +233,9 @@ def demo_cmd(
         help="the release policy also promotes a candidate whose gate found insufficient evidence, with this "
         "written reason (audited); default: such a candidate is held",
     ),
+    placebo: bool = typer.Option(
+        False, "--placebo", help="shuffle each cycle's rewards across its trajectories (a control)"
+    ),
     cycle_timeout: float = typer.Option(1800.0, min=1, help="seconds to wait for the loop to decide one cycle"),
     seed: int = typer.Option(0),
     down: bool = typer.Option(False, "--down", help="stop everything the demo started, then exit"),
@@ -273,6 +276,7 @@ def demo_cmd(
             release_policy=release_policy,
             override_insufficient=override_insufficient,
             cycle_timeout_s=cycle_timeout,
+            placebo=placebo,
         )
     )
 

@@ -73,6 +73,7 @@ class DemoOptions:
     eval_tasks: int | None = None  # held-out tasks the gate runs (None: the whole suite)
     eval_suites: tuple[str, ...] = ("functions",)
     gate_config: str | None = None  # gate policy TOML (default evals/gate.toml)
+    placebo: bool = False  # each cycle's rewards shuffled across its trajectories (a control run)
     eval_max_turns: int = 2
     eval_max_tokens: int = 160
     finalize_window_s: float = 10.0
@@ -111,13 +112,15 @@ class DemoState:
 def trainer_toml(opts: DemoOptions, home: Path) -> Path:
     """The trainer config of the loop's scheduled cycles: ``--trainer-config`` (default
     ``trainer/configs/default.toml``) with the demo's step budget, training on whatever a cycle's
-    traffic left (``min_new_trajectories = 1``)."""
+    traffic left (``min_new_trajectories = 1``), with shuffled rewards under ``--placebo``."""
     path = home / "demo" / "trainer.toml"
     base = Path(opts.trainer_config).resolve() if opts.trainer_config else TRAINER_DEFAULT
     lines = [f"extends = {json.dumps(str(base))}"]
     if opts.train_max_steps:
         lines.append(f"max_steps = {opts.train_max_steps}")
     lines += ["", "[data]", "min_new_trajectories = 1"]
+    if opts.placebo:
+        lines.append("placebo = true")
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("\n".join(lines) + "\n")
     return path

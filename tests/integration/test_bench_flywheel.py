@@ -1,4 +1,4 @@
-"""bench/flywheel.py's reads of the store: what production served after each cycle, eval seconds."""
+"""bench/flywheel.py's reads of the store: each cycle's gate decision, what production served after it, eval seconds."""
 
 from __future__ import annotations
 
@@ -39,11 +39,13 @@ def test_served_checkpoint_per_cycle_and_eval_seconds(bench, session):
         run.finished_at = run.started_at + timedelta(seconds=seconds)
     store.create_run(session, "planted", "functions", "1-x", {})  # unfinished: not counted
     session.flush()
-    state = {"candidate@1": "c1", "candidate@2": "c2", "candidate@3": "c3"}
-    served = bench.served_after_cycles(session, state, 3)
-    assert [(p["candidate"], p["promoted"], p["checkpoint"]) for p in served] == [
-        ("c1", True, "c1"),
-        ("c2", False, "c1"),
-        ("c3", True, "c3"),
+    store.add_gate_decision(
+        session, candidate_id="c2", production_id="c1", passed=False, reasons=[], report={"decision": "fail"}
+    )
+    served = bench.served_after_cycles(session, ["c1", "c2", "c3"])
+    assert [(p["candidate"], p["promoted"], p["promoted_by"], p["checkpoint"], p["decision"]) for p in served] == [
+        ("c1", True, "t", "c1", None),
+        ("c2", False, None, "c1", "fail"),
+        ("c3", True, "t", "c3", None),
     ]
     assert bench.eval_seconds(session) == pytest.approx(19.5)
