@@ -166,8 +166,9 @@ class Supervisor:
     def run(self) -> int:
         """Supervise until SIGTERM/SIGINT (exit 0) or a service that keeps dying (exit 1); the
         services are stopped either way. Returns the exit code."""
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, lambda *_: self._stop.set())
+        if threading.current_thread() is threading.main_thread():  # only there may handlers be set
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                signal.signal(sig, lambda *_: self._stop.set())
         failed = None
         while not self._stop.wait(self.poll_s):
             failed = self.check()
