@@ -13,10 +13,10 @@ from app.api.errors import AUTH_RESPONSES, CONFLICT, NOT_FOUND, model_response
 from app.api.routers.checkpoints import checkpoint_summaries
 from app.api.schemas import Page, ProductionOut, PromotionOut, PromotionRequest, RollbackRequest
 from app.core.errors import ForbiddenError
+from app.lifecycle.serving_state import read_serving_state
 from app.models import Promotion
 from app.promotion import queries
 from app.promotion.service import ProductionChange, promote_checkpoint, rollback_production
-from app.promotion.serving_state import read_serving_state
 from app.repositories.checkpoints import get_production
 
 router = APIRouter(tags=["promotions"], responses=AUTH_RESPONSES, route_class=RoleFirstRoute)

@@ -1,4 +1,5 @@
-"""Starting and stopping a canary: the transactions behind ``/v1/canaries`` and ``flywheel canary``.
+"""Starting and ending a canary: the transactions behind ``/v1/canaries``, ``flywheel canary``, the
+canary policy (``app.promotion.canary_policy``) and every production change.
 
 Invariants (with the database's help):
 
@@ -14,7 +15,7 @@ Invariants (with the database's help):
 - a production change ends the active canary in the same transaction (:func:`end_canary_for_change`):
   its comparison was against the production that just left; the canary policy
   (``app.promotion.canary_policy``) and an erasure that flags the canary's checkpoint
-  (``app.promotion.erasure``) stop it through :func:`stop_canary`, audited like any stop.
+  (``app.lifecycle.erasure``) stop it through :func:`stop_canary`, audited like any stop.
 
 Functions flush and never commit: the boundary (HTTP request, CLI command) commits. No FastAPI here.
 """
@@ -30,9 +31,8 @@ from sqlalchemy.orm import Session
 
 from app.core.errors import ConflictError, NotFoundError
 from app.core.telemetry import traced
-from app.models import Canary, Checkpoint
-from app.outbox.lifecycle import enqueue_lifecycle
-from app.promotion.production import (
+from app.lifecycle.messages import CanaryStarted, CanaryStopped
+from app.lifecycle.production import (
     check_clean,
     latest_gate_decision,
     lock_checkpoint,
@@ -40,6 +40,9 @@ from app.promotion.production import (
     serving_fields,
     stale_gate_reason,
 )
+from app.lifecycle.status import CheckpointStatus, GateVerdict
+from app.models import Canary, Checkpoint
+from app.outbox.lifecycle import enqueue_lifecycle
 from app.repositories.audit import record_audit
 
 
@@ -80,12 +83,12 @@ def _check_gated(session: Session, row: Checkpoint, current: Checkpoint | None, 
     if gate is None:
         reasons.append("no gate decision: the candidate has not been evaluated")
     else:
-        if not gate.passed:
-            reasons.append("the latest gate decision failed")
+        if gate.decision != GateVerdict.PASS:
+            reasons.append(f"the latest gate decided {gate.decision}, not pass")
         stale = stale_gate_reason(gate, current)
         if stale:
             reasons.append(stale)
-    if row.status != "gate_passed":
+    if row.status != CheckpointStatus.GATE_PASSED:
         reasons.append(f"checkpoint status is {row.status!r}, not 'gate_passed'")
     check_clean(row, reasons)
     return gate.id if gate else None
@@ -144,7 +147,9 @@ def start_canary(session: Session, *, checkpoint_id: str, fraction: float, actor
         "gate_decision_id": str(gate_id) if gate_id else None,
     }
     record_audit(session, actor=actor, action="canary.started", target=f"checkpoint:{row.id}", details=details)
-    enqueue_lifecycle(session, "canary.started", row.id, actor=actor, **details, **serving_fields(session, row))
+    enqueue_lifecycle(
+        session, CanaryStarted(checkpoint_id=row.id, actor=actor, **details, **serving_fields(session, row))
+    )
     return canary
 
 
@@ -158,7 +163,7 @@ def _stop(session: Session, canary: Canary, *, actor: str, reason: str) -> Canar
     record_audit(
         session, actor=actor, action="canary.stopped", target=f"checkpoint:{canary.checkpoint_id}", details=details
     )
-    enqueue_lifecycle(session, "canary.stopped", canary.checkpoint_id, actor=actor, **details)
+    enqueue_lifecycle(session, CanaryStopped(checkpoint_id=canary.checkpoint_id, actor=actor, **details))
     return canary
 
 
