@@ -37,7 +37,7 @@ from app.lifecycle.production import (
     latest_gate_decision,
     lock_checkpoint,
     lock_production,
-    serving_fields,
+    serving_lineage,
     stale_gate_reason,
 )
 from app.lifecycle.status import CheckpointStatus, GateVerdict
@@ -123,6 +123,7 @@ def start_canary(session: Session, *, checkpoint_id: str, fraction: float, actor
     gate_id = _check_gated(session, row, current, reasons)
     if reasons:
         raise ConflictError(f"canary of {row.id} refused", reasons=reasons)
+    assert current is not None  # no production is a refusal above
     canary = Canary(
         id=uuid.uuid4(),
         checkpoint_id=row.id,
@@ -139,17 +140,23 @@ def start_canary(session: Session, *, checkpoint_id: str, fraction: float, actor
             session.flush()
     except IntegrityError:  # a writer that bypassed the advisory lock started another canary
         raise ConflictError("another canary became active concurrently", reasons=["stop it first"]) from None
-    details = {
-        "reason": reason,
-        "canary_id": str(canary.id),
-        "fraction": fraction,
-        "production_id": current.id,
-        "gate_decision_id": str(gate_id) if gate_id else None,
-    }
-    record_audit(session, actor=actor, action="canary.started", target=f"checkpoint:{row.id}", details=details)
-    enqueue_lifecycle(
-        session, CanaryStarted(checkpoint_id=row.id, actor=actor, **details, **serving_fields(session, row))
+    message = CanaryStarted(
+        checkpoint_id=row.id,
+        actor=actor,
+        reason=reason,
+        canary_id=str(canary.id),
+        fraction=fraction,
+        production_id=current.id,
+        gate_decision_id=str(gate_id) if gate_id else None,
+        path=row.path,
+        parent_id=row.parent_id,
+        lineage=serving_lineage(session, row),
     )
+    details = message.model_dump(
+        mode="json", include={"reason", "canary_id", "fraction", "production_id", "gate_decision_id"}
+    )
+    record_audit(session, actor=actor, action="canary.started", target=f"checkpoint:{row.id}", details=details)
+    enqueue_lifecycle(session, message)
     return canary
 
 
@@ -159,11 +166,18 @@ def _stop(session: Session, canary: Canary, *, actor: str, reason: str) -> Canar
     canary.stopped_by = actor
     canary.stop_reason = reason
     session.flush()
-    details = {"reason": reason, "canary_id": str(canary.id), "production_id": canary.production_id}
+    message = CanaryStopped(
+        checkpoint_id=canary.checkpoint_id,
+        actor=actor,
+        reason=reason,
+        canary_id=str(canary.id),
+        production_id=canary.production_id,
+    )
+    details = message.model_dump(mode="json", include={"reason", "canary_id", "production_id"})
     record_audit(
         session, actor=actor, action="canary.stopped", target=f"checkpoint:{canary.checkpoint_id}", details=details
     )
-    enqueue_lifecycle(session, CanaryStopped(checkpoint_id=canary.checkpoint_id, actor=actor, **details))
+    enqueue_lifecycle(session, message)
     return canary
 
 

@@ -30,7 +30,7 @@ from __future__ import annotations
 import uuid
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, Literal
 
 from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
@@ -47,7 +47,7 @@ from app.lifecycle.production import (
     latest_gate_decision,
     lock_checkpoint,
     lock_production,
-    serving_fields,
+    serving_lineage,
     stale_gate_reason,
 )
 from app.lifecycle.status import OVERRIDABLE, REJECTABLE, CheckpointStatus, GateVerdict, move
@@ -110,16 +110,17 @@ def _commit_production_change(
     session: Session,
     *,
     kind: str,
-    action: str,
+    action: Literal["checkpoint.promoted", "checkpoint.rolled_back"],
     row: Checkpoint,
     current: Checkpoint | None,
     actor: str,
     reason: str,
-    gate_decision_id: uuid.UUID | None = None,
-    extra_details: dict[str, Any] | None = None,
+    gate: GateDecision | None = None,
+    override_reason: str | None = None,
 ) -> ProductionChange:
     """The one transaction shape of every production change: status switch, promotion row, audit
     entry and lifecycle outbox row, all in the caller's transaction."""
+    gate_decision_id = gate.id if gate is not None else None
     end_canary_for_change(session, actor=actor, new_production_id=row.id)
     _switch_production(session, new=row, previous=current)
     promo = Promotion(
@@ -133,16 +134,27 @@ def _commit_production_change(
     )
     session.add(promo)
     session.flush()
-    details = {
-        "reason": reason,
-        "promotion_id": str(promo.id),
-        "previous_production_id": promo.previous_production_id,
-        **(extra_details or {}),
-    }
-    record_audit(session, actor=actor, action=action, target=f"checkpoint:{row.id}", details=details)
     message = ProductionChanged(
-        type=action, checkpoint_id=row.id, actor=actor, **details, **serving_fields(session, row)
+        type=action,
+        checkpoint_id=row.id,
+        actor=actor,
+        reason=reason,
+        promotion_id=str(promo.id),
+        previous_production_id=promo.previous_production_id,
+        gate_decision_id=str(gate_decision_id) if gate_decision_id else None,
+        gate_decision=GateVerdict(gate.decision) if gate is not None else None,
+        override_reason=override_reason,
+        path=row.path,
+        parent_id=row.parent_id,
+        lineage=serving_lineage(session, row),
     )
+    audited = {"reason", "promotion_id", "previous_production_id"}
+    if gate is not None:
+        audited |= {"gate_decision_id", "gate_decision"}
+    if override_reason is not None:
+        audited.add("override_reason")
+    details = message.model_dump(mode="json", include=audited)
+    record_audit(session, actor=actor, action=action, target=f"checkpoint:{row.id}", details=details)
     enqueue_lifecycle(session, message)
     return ProductionChange(promotion=promo, checkpoint=row, previous=current)
 
@@ -228,9 +240,7 @@ def promote_checkpoint(
     if reasons:
         raise ConflictError(f"promotion of {row.id} refused", reasons=reasons)
     assert gate is not None  # no gate is a refusal above
-    details: dict[str, Any] = {"gate_decision_id": str(gate.id), "gate_decision": gate.decision}
     if override_reason is not None:  # the refusals above admit one only over an overridable gate
-        details["override_reason"] = override_reason
         row.decision = GateVerdict.OVERRIDDEN.value
         record_audit(
             session,
@@ -253,8 +263,8 @@ def promote_checkpoint(
         current=current,
         actor=actor,
         reason=reason,
-        gate_decision_id=gate.id,
-        extra_details=details,
+        gate=gate,
+        override_reason=override_reason,
     )
 
 
@@ -328,5 +338,6 @@ def reject_checkpoint(session: Session, *, checkpoint_id: str, actor: str, reaso
     session.flush()
     details = {"reason": reason, "previous_status": previous_status}
     record_audit(session, actor=actor, action="checkpoint.rejected", target=f"checkpoint:{row.id}", details=details)
-    enqueue_lifecycle(session, CheckpointRejected(checkpoint_id=row.id, actor=actor, **details))
+    message = CheckpointRejected(checkpoint_id=row.id, actor=actor, reason=reason, previous_status=previous_status)
+    enqueue_lifecycle(session, message)
     return row

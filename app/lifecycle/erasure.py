@@ -104,9 +104,9 @@ def flag_subtrees(session: Session, direct: Collection[str], *, actor: str, caus
         reasons[cid] = (f"{TRAINED_ON_ERASED} ({cause})", None)
     # Level by level, each level a new statement: a child committed meanwhile (its registration
     # waited on its parent's flag) is seen by the next level's query.
-    seen, frontier, parents = set(direct), set(direct), {}
+    seen, frontier, parents = set(direct), set(direct), dict[str, str]()
     while frontier:
-        children = dict(
+        children: dict[str, str] = dict(
             session.execute(
                 text("SELECT id, parent_id FROM checkpoint WHERE parent_id = ANY(:ids)"), {"ids": sorted(frontier)}
             ).all()
@@ -115,8 +115,8 @@ def flag_subtrees(session: Session, direct: Collection[str], *, actor: str, caus
         frontier = set(children) - seen
         seen |= frontier
         for cid in _flag(session, frontier):
-            source = _source(cid, parents, set(direct))
-            reasons[cid] = (f"descends from {source}, which was {TRAINED_ON_ERASED} ({cause})", source)
+            nearest = _source(cid, parents, set(direct))
+            reasons[cid] = (f"descends from {nearest}, which was {TRAINED_ON_ERASED} ({cause})", nearest)
     for cid in sorted(reasons):
         reason, source = reasons[cid]
         record_flag(session, cid, actor=actor, reason=reason, cause=cause, inherited_from=source)
@@ -146,7 +146,10 @@ def record_flag(
     ``trained_on_erased`` (the caller set the flag), telling a release manager why; flushes."""
     details = {"reason": reason, "cause": cause, "inherited_from": inherited_from}
     record_audit(session, actor=actor, action=FLAG_ACTION, target=f"checkpoint:{checkpoint_id}", details=details)
-    enqueue_lifecycle(session, ErasureFlagged(checkpoint_id=checkpoint_id, actor=actor, **details))
+    message = ErasureFlagged(
+        checkpoint_id=checkpoint_id, actor=actor, reason=reason, cause=cause, inherited_from=inherited_from
+    )
+    enqueue_lifecycle(session, message)
 
 
 def _source(checkpoint_id: str, parents: dict[str, str], direct: set[str]) -> str:

@@ -141,7 +141,13 @@ def online_reasons(session: Session, checkpoint_id: str, production_id: str | No
     return policy_reasons(compare_canary(session, canary, policy), policy)
 
 
-def _timeline(canary_rows, production_rows, policy: OnlinePolicy, start: datetime, end: datetime) -> list[dict]:
+def _timeline(
+    canary_rows: Sequence[tuple[datetime | None, SessionSignals]],
+    production_rows: Sequence[tuple[datetime | None, SessionSignals]],
+    policy: OnlinePolicy,
+    start: datetime,
+    end: datetime,
+) -> list[dict[str, Any]]:
     """The differences recomputed on the sessions started up to each of ``TIMELINE_POINTS`` instants."""
     points = []
     span = (end - start).total_seconds()

@@ -19,6 +19,7 @@ from sqlalchemy.orm import Session
 
 from app.core.errors import NotFoundError
 from app.core.locks import AdvisoryLock
+from app.lifecycle.messages import LineageEntry
 from app.models import Checkpoint, GateDecision
 from app.models.checkpoints import STABLE_MARKER
 from app.repositories.checkpoints import get_production
@@ -99,12 +100,8 @@ def lineage(session: Session, checkpoint_id: str, limit: int = MAX_LINEAGE) -> l
     return [rows[i] for i in ids if i in rows]
 
 
-def serving_fields(session: Session, row: Checkpoint) -> dict:
-    """What the serving watcher needs to move the engine to ``row`` without a database: its path,
-    its parent, and where each checkpoint of its lineage lives (so it can apply the delta chain
-    from the checkpoint it serves). Keys ``path``, ``parent_id``, ``lineage`` (``[{id, path}]``)."""
-    return {
-        "path": row.path,
-        "parent_id": row.parent_id,
-        "lineage": [{"id": c.id, "path": c.path} for c in lineage(session, row.id)],
-    }
+def serving_lineage(session: Session, row: Checkpoint) -> list[LineageEntry]:
+    """Where each checkpoint of ``row``'s lineage lives, child first: with the row's path and parent,
+    what the serving watcher needs to move the engine to ``row`` without a database (it applies
+    the delta chain from the checkpoint it serves)."""
+    return [LineageEntry(id=c.id, path=c.path) for c in lineage(session, row.id)]

@@ -205,21 +205,18 @@ def _first_production(session: Session, row: Checkpoint, *, actor: str) -> None:
     )
     session.add(promo)
     session.flush()
-    details = {
-        "reason": promo.reason,
-        "promotion_id": str(promo.id),
-        "previous_production_id": None,
-        "gate_decision_id": None,
-        "kind": "initial",
-    }
-    record_audit(session, actor=actor, action="checkpoint.promoted", target=f"checkpoint:{row.id}", details=details)
     message = ProductionChanged(
         type="checkpoint.promoted",
         checkpoint_id=row.id,
         actor=actor,
-        **details,
+        reason=promo.reason,
+        promotion_id=str(promo.id),
+        kind="initial",
         path=row.path,
         parent_id=None,
         lineage=[LineageEntry(id=row.id, path=row.path)],
     )
+    audited = {"reason", "promotion_id", "previous_production_id", "gate_decision_id", "kind"}
+    details = message.model_dump(mode="json", include=audited)
+    record_audit(session, actor=actor, action="checkpoint.promoted", target=f"checkpoint:{row.id}", details=details)
     enqueue_lifecycle(session, message)

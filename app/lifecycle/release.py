@@ -67,7 +67,7 @@ class ReleaseSettings(BaseSettings):
 
 def release_settings() -> ReleaseSettings:
     """The ``FLYWHEEL_RELEASE_*`` settings (environment, then the local stack's env file)."""
-    return ReleaseSettings(_env_file=(flywheel_home() / "stack.env",))  # type: ignore[call-arg]
+    return ReleaseSettings(_env_file=(flywheel_home() / "stack.env",))
 
 
 @dataclass(frozen=True)
