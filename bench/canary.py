@@ -69,11 +69,12 @@ from app.core.db import get_sessionmaker, session_scope
 from app.core.errors import ConflictError
 from app.core.pids import stop_pid
 from app.core.settings import get_settings
+from app.lifecycle.canary import start_canary, stop_canary
+from app.lifecycle.changes import promote_checkpoint
+from app.lifecycle.online import canary_arms, online_view
+from app.lifecycle.online_stats import OnlinePolicy, compare_arms, policy_reasons
+from app.lifecycle.production import latest_gate_decision
 from app.models import Checkpoint, GateDecision
-from app.promotion.canary import start_canary, stop_canary
-from app.promotion.online import canary_arms, online_view
-from app.promotion.online_stats import OnlinePolicy, compare_arms, policy_reasons
-from app.promotion.service import latest_gate_decision, promote_checkpoint
 from consumers.finalize import finalize_due
 from consumers.ingest import IngestConsumer, projector_from_settings
 from consumers.settings import get_consumer_settings
@@ -121,11 +122,13 @@ def seed_passed_gate(checkpoint_id: str, production_id: str, min_sessions: int, 
                 candidate_id=checkpoint_id,
                 production_id=production_id,
                 passed=True,
+                decision="pass",
                 reasons=[],
                 report={"config": config.model_dump(mode="json"), "note": "bench/canary.py: offline gate not run here"},
             )
         )
-        session.get(Checkpoint, checkpoint_id).status = "gate_passed"
+        row = session.get(Checkpoint, checkpoint_id)
+        row.status, row.decision = "gate_passed", "pass"  # a seeded gate, as the gate would leave it
 
 
 def naive_reasons(canary, policy) -> list[str]:

@@ -10,7 +10,7 @@ Invariants:
   training when the erasure commits is flagged by its registration, ``trainer.records``). In the
   same transaction a flagged canary is stopped and a flagged production is rolled back to its
   newest clean ancestor, or, with none, reported as an ERROR and an audit entry
-  (``app.promotion.erasure``).
+  (``app.lifecycle.erasure``).
 - Eval tasks mined from a deleted trajectory (``eval_task.source_trajectory_id``, ``evals.mined``)
   are deleted with it: they hold its session's request text and test. Past eval results keep only
   the task id and outcomes.
@@ -47,7 +47,7 @@ from datetime import datetime
 from sqlalchemy.orm import Session
 
 from app.core.locks import AdvisoryLock
-from app.promotion.erasure import FlagOutcome, flag_subtrees
+from app.lifecycle.erasure import FlagOutcome, flag_subtrees
 from app.repositories.events import raw_connection
 from consumers.deadletter import PRIVATE_DETAIL
 
@@ -233,7 +233,7 @@ def _flag_checkpoints(
 ) -> FlagOutcome:
     """Flag every checkpoint that trained on one of ``trajectory_ids`` or, if given, on any trajectory
     of ``user_id``, and their descendants; stop a flagged canary and move production off a flagged
-    checkpoint (:func:`app.promotion.erasure.flag_subtrees`)."""
+    checkpoint (:func:`app.lifecycle.erasure.flag_subtrees`)."""
     cur.execute(
         "SELECT DISTINCT checkpoint_id FROM checkpoint_trajectory WHERE user_id = %s OR trajectory_id = ANY(%s)",
         (user_id, trajectory_ids),

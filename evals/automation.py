@@ -8,16 +8,22 @@ split into shards (:mod:`evals.shards`): ``flywheel.evals.run_shard(run_id, shar
 on any worker while the gating worker coordinates and runs shards too. Invariant: a candidate is
 gated by at most one worker at a time (the gate's advisory lock); a duplicate dispatch returns
 ``skipped`` instead of running twice, and a duplicate shard message finds its shard claimed or
-done. The task is the transaction boundary: :func:`gate_candidate` commits the decision itself.
+done. The task is the transaction boundary: :func:`gate_candidate` commits the decision itself,
+then the release policy (``app.lifecycle.release``, ``FLYWHEEL_RELEASE_POLICY``) acts on it in its
+own transaction; it is idempotent, so a redelivered task that finds the candidate decided applies
+it again (completing what a crash between the two transactions left undone) and changes nothing
+twice.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import asdict
 from typing import Any
 
 from app.core.db import session_scope
 from app.core.errors import ConflictError
+from app.lifecycle.release import ReleaseSettings, apply_release_policy, release_settings
 from app.worker.celery_app import celery_app
 from evals import store
 from evals.config import eval_settings, load_gate_config
@@ -25,19 +31,35 @@ from evals.gating import gate_candidate
 from evals.shards import ShardedExecution, take_shard
 
 
-def evaluate(checkpoint_id: str, **kwargs: Any) -> dict[str, Any]:
-    """Gate one candidate with the ``FLYWHEEL_EVAL_*`` settings (keyword arguments override them).
+def release(checkpoint_id: str, settings: ReleaseSettings | None = None) -> dict[str, Any]:
+    """Apply the release policy to a decided candidate in its own transaction (idempotent).
 
     Returns:
-        ``{"checkpoint_id", "decision_id", "passed", "decision", "failures", "report_path"}``, or
-        ``{"checkpoint_id", "skipped": reason}`` when it is already being gated, no longer a
-        candidate, or already decided.
+        :class:`app.lifecycle.release.ReleaseAction` as a dict (``outcome``, ``reasons``...).
+    """
+    with session_scope() as session:
+        action = apply_release_policy(session, checkpoint_id, settings or release_settings())
+    return asdict(action)
+
+
+def evaluate(checkpoint_id: str, *, release_policy: ReleaseSettings | None = None, **kwargs: Any) -> dict[str, Any]:
+    """Gate one candidate with the ``FLYWHEEL_EVAL_*`` settings (keyword arguments override them),
+    then apply the release policy (``release_policy``, default ``FLYWHEEL_RELEASE_*``).
+
+    Returns:
+        ``{"checkpoint_id", "decision_id", "passed", "decision", "failures", "report_path",
+        "release"}``, or ``{"checkpoint_id", "skipped": reason, "release"?}`` when it is already
+        being gated, no longer a candidate, or already decided (a decided one gets the policy again).
     """
     s = eval_settings()
     with session_scope() as session:
         decided = store.latest_decision(session, checkpoint_id)
     if decided is not None and not kwargs.pop("regate", False):
-        return {"checkpoint_id": checkpoint_id, "skipped": f"already decided ({decided.id})"}
+        return {
+            "checkpoint_id": checkpoint_id,
+            "skipped": f"already decided ({decided.id})",
+            "release": release(checkpoint_id, release_policy),
+        }
     opts: dict[str, Any] = {
         "config": load_gate_config(s.gate_config).with_min_pairs(s.min_pairs).gating_only(s.gate_on),
         "suites": s.gate_on,
@@ -69,6 +91,7 @@ def evaluate(checkpoint_id: str, **kwargs: Any) -> dict[str, Any]:
         "decision": outcome.result.decision,
         "failures": [r.message for r in outcome.result.failures()],
         "report_path": outcome.report_path,
+        "release": release(checkpoint_id, release_policy),
     }
 
 

@@ -243,7 +243,7 @@ class OnlinePolicy(_Strict):
     """``[online]``: whether promotion also needs a canary whose online signals did not regress.
 
     The gate stores this resolved with its decision; ``app.promotion.service`` reads it from there
-    (``app.promotion.online_stats.OnlinePolicy``), so the policy in force is the one the candidate
+    (``app.lifecycle.online_stats.OnlinePolicy``), so the policy in force is the one the candidate
     was gated under. A signal regresses when the whole per-user clustered interval of
     (canary - production) lies on its bad side (Deng et al. 2018 delta method)."""
 

@@ -6,12 +6,11 @@ Invariants:
 - Candidate and production run the *same plan* per suite (the plan is fixed once and handed to both
   runs), so their results pair; production's succeeded run of a plan is reused (cached per suite
   fingerprint), never re-run.
-- The ``gate_decision`` row, the checkpoint's new status (``gate_passed`` | ``gate_failed``), its
-  audit entry and the ``gate.decided`` outbox message commit in one transaction; the report files
-  are written first, so a decision never points at a missing report. The three-way decision
-  (``pass`` | ``fail`` | ``insufficient_evidence``) and each suite's power live in the stored
-  report and the audit details; ``insufficient_evidence`` leaves the checkpoint ``gate_failed``
-  (not promotable without a release manager's override, ``app.promotion.service``).
+- The decision is recorded by ``app.lifecycle.gating.record_gate_decision`` in one transaction
+  (the ``gate_decision`` row, the checkpoint's status and ``decision`` column, its audit entry,
+  the ``gate.decided`` outbox message); the report files are written first, so a decision never
+  points at a missing report. ``insufficient_evidence`` and ``not_gated`` leave the checkpoint
+  ``gate_failed`` with that ``decision`` (promotable only with a written override).
 - One gate per candidate at a time (advisory lock).
 """
 
@@ -25,9 +24,9 @@ from typing import TYPE_CHECKING, Any
 from app.core.db import session_scope
 from app.core.errors import ConfigurationError, ConflictError
 from app.core.telemetry import link_references, span_reference, traced
+from app.lifecycle.gating import record_gate_decision
+from app.lifecycle.status import GATEABLE
 from app.models import EvalRun
-from app.outbox.lifecycle import enqueue_lifecycle
-from app.repositories.audit import record_audit
 from app.repositories.checkpoints import get_checkpoint, get_production
 from evals import store
 from evals.config import GateConfig, load_gate_config, load_suite
@@ -57,9 +56,9 @@ class GateOutcome:
 def _resolve(candidate_id: str, production_id: str | None) -> str:
     with session_scope() as session:
         cand = get_checkpoint(session, candidate_id)
-        if cand.status not in store.GATEABLE:
+        if cand.status not in GATEABLE:
             raise ConflictError(
-                f"checkpoint {candidate_id} is {cand.status}; only {', '.join(store.GATEABLE)} checkpoints are gated"
+                f"checkpoint {candidate_id} is {cand.status}; only {', '.join(GATEABLE)} checkpoints are gated"
             )
         if production_id is None:
             prod = get_production(session)
@@ -143,44 +142,17 @@ def gate_candidate(
         report, path = write_report(str(decision_id), candidate_id, production_id, result, run_ids)
         failed = [r.message for r in result.failures()]
         with session_scope() as session:
-            row = get_checkpoint(session, candidate_id)
-            if row.status not in store.GATEABLE:  # promoted or rejected while we evaluated
-                raise ConflictError(f"checkpoint {candidate_id} became {row.status} during the gate")
-            decision = store.add_gate_decision(
+            record_gate_decision(
                 session,
                 decision_id=decision_id,
                 candidate_id=candidate_id,
                 production_id=production_id,
-                passed=result.passed,
+                decision=result.decision,
                 reasons=[r.model_dump(mode="json") for r in result.reasons],
                 report={**report, "trace": span_reference()},  # the promotion links to this gate
-            )
-            decision.report_path = str(path)
-            previous = row.status
-            row.status = "gate_passed" if result.passed else "gate_failed"
-            details = {
-                "decision_id": str(decision_id),
-                "production_id": production_id,
-                "passed": result.passed,
-                "decision": result.decision,
-                "suites": {n: {"decision": s.decision, "power": s.power} for n, s in result.suites.items() if s.gated},
-                "previous_status": previous,
-                "failures": failed[:20],
-                "report_path": str(path),
-            }
-            record_audit(
-                session, actor="evals:gate", action="gate.decided", target=f"checkpoint:{candidate_id}", details=details
-            )
-            enqueue_lifecycle(
-                session,
-                "gate.decided",
-                candidate_id,
-                production_id=production_id,
-                decision_id=str(decision_id),
-                passed=result.passed,
-                decision=result.decision,
-                failures=failed[:20],
                 report_path=str(path),
+                failures=failed,
+                suites={n: {"decision": s.decision, "power": s.power} for n, s in result.suites.items() if s.gated},
             )
     return GateOutcome(
         decision_id=str(decision_id),

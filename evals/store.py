@@ -4,8 +4,8 @@ Invariants: at most one ``running`` eval_run per (checkpoint, suite, suite versi
 (:func:`find_run`); a result is written once per (run, task, sample) (``ON CONFLICT DO NOTHING``), so
 a resumed or duplicated worker cannot double-count; a shard is claimed by one worker at a time
 (``pending`` -> ``running`` under a row lock, ``attempts`` bumped as the claim's fencing token);
-a gate decision, the checkpoint's new status and its ``gate.decided`` outbox row are written by the
-caller in one transaction.
+a gate decision, the checkpoint's new status and its ``gate.decided`` outbox row are written by
+``app.lifecycle.gating`` in one transaction (this module only reads them).
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from app.core.db import get_engine
 from app.core.errors import ConflictError
 from app.core.locks import named_lock_key
 from app.models import Checkpoint, EvalResult, EvalRun, EvalShard, GateDecision
+from app.models.checkpoints import CheckpointStatus
 from evals.gate import Outcome, SuiteOutcomes
 
 RESULT_FIELDS = (
@@ -39,8 +40,6 @@ RESULT_FIELDS = (
     "error",
     "detail",
 )
-#: Statuses a checkpoint may be gated from (a production/retired/rejected checkpoint is not re-gated).
-GATEABLE = ("candidate", "gate_passed", "gate_failed")
 
 
 def find_run(session: Session, checkpoint_id: str, suite: str, suite_version: str, *, status: str) -> EvalRun | None:
@@ -164,35 +163,13 @@ def candidates_without_decision(session: Session, limit: int = 10) -> list[str]:
     decided = select(GateDecision.candidate_id)
     stmt = (
         select(Checkpoint.id)
-        .where(Checkpoint.status == "candidate", Checkpoint.stable.is_(True), Checkpoint.id.not_in(decided))
+        .where(
+            Checkpoint.status == CheckpointStatus.CANDIDATE, Checkpoint.stable.is_(True), Checkpoint.id.not_in(decided)
+        )
         .order_by(Checkpoint.created_at, Checkpoint.id)
         .limit(limit)
     )
     return list(session.scalars(stmt))
-
-
-def add_gate_decision(
-    session: Session,
-    *,
-    candidate_id: str,
-    production_id: str,
-    passed: bool,
-    reasons: list[dict[str, Any]],
-    report: dict[str, Any],
-    decision_id: uuid.UUID | None = None,
-) -> GateDecision:
-    """Insert a gate decision; flush."""
-    row = GateDecision(
-        id=decision_id or uuid.uuid4(),
-        candidate_id=candidate_id,
-        production_id=production_id,
-        passed=passed,
-        reasons=reasons,
-        report=report,
-    )
-    session.add(row)
-    session.flush()
-    return row
 
 
 def latest_decision(session: Session, candidate_id: str) -> GateDecision | None:

@@ -8,9 +8,9 @@ cycle's candidate (promoted or not), so a rejected candidate shows where it woul
 Eval side (per suite, the checkpoint's newest succeeded run): pass@1 = passed / results with a
 Wilson 95 % interval (Wilson 1927), the invalid tool-call rate (tool-call errors / tool calls) and
 the mean completion tokens per session. Product side (finalized trajectories the checkpoint served,
-``trajectory.checkpoint_id``): the online signals of :mod:`app.promotion.online` (mean reward, edit
+``trajectory.checkpoint_id``): the online signals of :mod:`app.lifecycle.online` (mean reward, edit
 acceptance, edit persistence, dissatisfied follow-ups per session, latency per token) with their 95 %
-intervals clustered by user (delta method, ``app.promotion.online.signal_summary``), sessions and
+intervals clustered by user (delta method, ``app.lifecycle.online.signal_summary``), sessions and
 mean completion tokens. Gate side: the checkpoint's latest gate decision as a candidate (pass, fail
 or insufficient_evidence) with each gated suite's decision and power. The terminal tables live in
 :mod:`ops.report_terminal`.
@@ -29,9 +29,9 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from app.core.intervals import error_bars, wilson_interval
+from app.lifecycle.online import load_sessions, signal_summary
+from app.lifecycle.online_stats import SIGNALS as ONLINE
 from app.models import Checkpoint, EvalResult, EvalRun, GateDecision
-from app.promotion.online import load_sessions, signal_summary
-from app.promotion.online_stats import SIGNALS as ONLINE
 
 SIGNALS = (
     "mean_reward",
@@ -107,7 +107,7 @@ def _suite_points(session: Session, checkpoint_id: str) -> dict[str, dict[str, f
 
 def product_signals(session: Session, checkpoint_id: str) -> dict[str, float]:
     """Product signals of the finalized sessions ``checkpoint_id`` served: each online signal of
-    :mod:`app.promotion.online_stats` as its ratio of sums (the canary policy's point estimate), plus
+    :mod:`app.lifecycle.online_stats` as its ratio of sums (the canary policy's point estimate), plus
     ``sessions`` and ``mean_completion_tokens``; a signal with no denominator is left out; empty when
     the checkpoint served no session."""
     return _signals_with_ci(session, checkpoint_id)[0]

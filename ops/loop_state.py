@@ -15,7 +15,6 @@ from sqlalchemy.orm import Session
 
 from app.models import Checkpoint, EventLog, PrivacyTombstone, TrainingCycle, Trajectory
 from app.repositories.checkpoints import get_production
-from evals import store
 
 # Checkpoint statuses after which nothing more happens to a candidate without a person.
 SETTLED = ("production", "rejected", "retired")
@@ -91,12 +90,8 @@ def candidate_state(session: Session, checkpoint_id: str) -> CandidateState:
     row = session.get(Checkpoint, checkpoint_id)
     if row is None:
         raise LookupError(f"no checkpoint {checkpoint_id!r}")
-    latest = store.latest_decision(session, checkpoint_id)
-    decision = None
-    if latest is not None:
-        decision = (latest.report or {}).get("decision") or ("pass" if latest.passed else "fail")
-    settled = row.status in SETTLED or (decision is not None and decision != "pass")
-    return CandidateState(checkpoint_id=row.id, status=row.status, decision=decision, settled=settled)
+    settled = row.status in SETTLED or (row.decision is not None and row.decision != "pass")
+    return CandidateState(checkpoint_id=row.id, status=row.status, decision=row.decision, settled=settled)
 
 
 def production_id(session: Session) -> str | None:

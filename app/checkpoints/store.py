@@ -23,9 +23,10 @@ from typing import Any
 
 from app.core.errors import CheckpointError
 from app.core.settings import get_settings
+from app.models.checkpoints import STABLE_MARKER
 from producers.files import fsync_dir
 
-STABLE = "STABLE"
+STABLE = STABLE_MARKER
 MANIFEST = "manifest.json"
 STAGING = ".staging"
 

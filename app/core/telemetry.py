@@ -22,7 +22,8 @@ import inspect
 import logging
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from typing import ParamSpec, TypeVar
 
 from opentelemetry import metrics, trace
 from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
@@ -36,6 +37,9 @@ from opentelemetry.trace import SpanContext, TraceFlags
 
 from app.core.settings import get_settings
 from producers.telemetry import KafkaHeaders, extract_context, inject_headers, meter
+
+P = ParamSpec("P")
+R = TypeVar("R")
 
 __all__ = [
     "KafkaHeaders",
@@ -133,16 +137,17 @@ def link_references(references: Iterable[tuple[object, dict[str, str]]], span: t
     return added
 
 
-def traced(span_name: str, *, attrs: tuple[str, ...] = ()):
+def traced(span_name: str, *, attrs: tuple[str, ...] = ()) -> Callable[[Callable[P, R]], Callable[P, R]]:
     """Decorator: run the function in a span named ``span_name`` whose attributes
     ``flywheel.<arg>`` are the named arguments' values (bound by signature; str-converted), so a
-    training cycle, eval run or promotion is linked to the checkpoints it touched."""
+    training cycle, eval run or promotion is linked to the checkpoints it touched. The decorated
+    function keeps its signature for type checkers."""
 
-    def wrap(fn):
+    def wrap(fn: Callable[P, R]) -> Callable[P, R]:
         sig = inspect.signature(fn)
 
         @functools.wraps(fn)
-        def inner(*args, **kwargs):
+        def inner(*args: P.args, **kwargs: P.kwargs) -> R:
             bound = sig.bind_partial(*args, **kwargs)
             attributes = {
                 f"flywheel.{a}": str(getattr(bound.arguments[a], "name", bound.arguments[a]))

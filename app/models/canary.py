@@ -3,7 +3,7 @@
 
 Invariant kept at the database, not only in code: at most one canary is ``active`` (the partial
 unique index ``uq_canary_one_active``, backed by an advisory lock and ``FOR UPDATE`` in
-``app.promotion.canary``). A row is never deleted: a stopped canary keeps its window
+``app.lifecycle.canary``). A row is never deleted: a stopped canary keeps its window
 (``started_at`` .. ``stopped_at``), which is what the online comparison reads.
 """
 

@@ -7,7 +7,19 @@ import uuid
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import BigInteger, Boolean, DateTime, Float, ForeignKey, Index, Integer, String, Text, UniqueConstraint
+from sqlalchemy import (
+    BigInteger,
+    Boolean,
+    CheckConstraint,
+    DateTime,
+    Float,
+    ForeignKey,
+    Index,
+    Integer,
+    String,
+    Text,
+    UniqueConstraint,
+)
 from sqlalchemy.dialects.postgresql import JSON, JSONB, UUID
 from sqlalchemy.orm import Mapped, mapped_column
 
@@ -104,12 +116,18 @@ class GateDecision(Base):
     candidate_id: Mapped[str] = mapped_column(String(128), ForeignKey("checkpoint.id"), nullable=False)
     production_id: Mapped[str] = mapped_column(String(128), ForeignKey("checkpoint.id"), nullable=False)
     passed: Mapped[bool] = mapped_column(Boolean, nullable=False)
+    decision: Mapped[str] = mapped_column(
+        String(32), nullable=False, comment="pass | fail | insufficient_evidence | not_gated (evals.gate)"
+    )
     reasons: Mapped[list[Any]] = mapped_column(JSONB, nullable=False, default=list)
     report: Mapped[dict[str, Any]] = mapped_column(JSONB, nullable=False, default=dict)
     report_path: Mapped[str | None] = mapped_column(Text)
     created_at: Mapped[datetime] = created_at_column()
 
-    __table_args__ = (Index("ix_gate_decision_candidate_created", "candidate_id", "created_at"),)
+    __table_args__ = (
+        Index("ix_gate_decision_candidate_created", "candidate_id", "created_at"),
+        CheckConstraint("decision IN ('pass', 'fail', 'insufficient_evidence', 'not_gated')", name="decision_known"),
+    )
 
 
 class EvalTask(Base):

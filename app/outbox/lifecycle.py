@@ -2,61 +2,46 @@
 
 Invariant: a lifecycle message exists iff the state change it announces committed, because the
 ``outbox`` row is inserted in the same transaction (the relay in ``app/outbox/relay.py`` publishes
-it later). Each message carries a UUIDv7 ``event_id`` fixed at write time, so a re-publish after a
-relay crash is recognisable downstream (consumers dedupe on it).
+it later). The message is a typed model (``app.lifecycle.messages``, built by the lifecycle
+writers above this package) carrying a UUIDv7 ``event_id`` fixed at write time, so a re-publish
+after a relay crash is recognisable downstream (consumers dedupe on it).
 """
 
 from __future__ import annotations
 
-from datetime import UTC, datetime
-from typing import Any
+from typing import Any, Protocol
 
 from sqlalchemy.orm import Session
-from uuid6 import uuid7
 
 from app.core.settings import get_settings
 from app.core.telemetry import inject_headers
 from app.models import Outbox
 
-LIFECYCLE_TYPES = (
-    "checkpoint.created",
-    "checkpoint.promoted",
-    "checkpoint.rolled_back",
-    "checkpoint.rejected",
-    "gate.decided",
-    "canary.started",
-    "canary.stopped",
-)
-#: Message types after which serving must move to a new production checkpoint.
-PRODUCTION_CHANGES = ("checkpoint.promoted", "checkpoint.rolled_back")
-#: Message types after which serving starts or stops routing a fraction of users to a canary.
-CANARY_CHANGES = ("canary.started", "canary.stopped")
+
+class LifecycleRecord(Protocol):
+    """What the outbox needs of a lifecycle message (``app.lifecycle.messages`` models satisfy it)."""
+
+    @property
+    def type(self) -> str: ...
+
+    @property
+    def checkpoint_id(self) -> str: ...
+
+    def model_dump(self, *, mode: str, exclude: set[str]) -> dict[str, Any]: ...
 
 
-def enqueue_lifecycle(session: Session, event_type: str, checkpoint_id: str, **fields: Any) -> Outbox:
-    """Insert a lifecycle message for ``flywheel.lifecycle`` (the configured lifecycle topic); flush.
+def enqueue_lifecycle(session: Session, message: LifecycleRecord) -> Outbox:
+    """Insert ``message`` for the configured lifecycle topic (``flywheel.lifecycle``); flush.
 
-    The JSON value is ``{"type", "event_id", "checkpoint_id", "occurred_at", **fields}``; the key is
+    The JSON value is the message's fields (``outbox_id`` is left to the relay); the key is its
     ``checkpoint_id``; the current W3C trace context is stored as headers so the relay forwards it.
-
-    Raises:
-        ValueError: ``event_type`` is not a lifecycle message type.
     """
-    if event_type not in LIFECYCLE_TYPES:
-        raise ValueError(f"unknown lifecycle message type {event_type!r}")
-    payload = {
-        "type": event_type,
-        "event_id": str(uuid7()),
-        "checkpoint_id": checkpoint_id,
-        "occurred_at": datetime.now(UTC).isoformat(),
-        **fields,
-    }
     headers = [[k, v.decode()] for k, v in inject_headers()]
     row = Outbox(
         topic=get_settings().kafka.lifecycle_topic,
-        key=checkpoint_id,
-        event_type=event_type,
-        payload=payload,
+        key=message.checkpoint_id,
+        event_type=message.type,
+        payload=message.model_dump(mode="json", exclude={"outbox_id"}),
         headers=headers or None,
     )
     session.add(row)

@@ -2,9 +2,9 @@
 ``flywheel.promotion.evaluate_canary`` and ``flywheel canary evaluate``).
 
 The policy is the canary's gate decision's resolved ``[online]`` setting
-(:class:`app.promotion.online_stats.OnlinePolicy`: signals, confidence, ``min_sessions``; its
+(:class:`app.lifecycle.online_stats.OnlinePolicy`: signals, confidence, ``min_sessions``; its
 defaults when the gate stored none), applied to canary minus production over the canary's window
-(:func:`app.promotion.online.compare_canary`). ``min_sessions`` on each arm is the canary's planned
+(:func:`app.lifecycle.online.compare_canary`). ``min_sessions`` on each arm is the canary's planned
 size.
 
 Invariants:
@@ -13,7 +13,7 @@ Invariants:
   (the locks of every canary and production change), so concurrent runs (beat, a second worker,
   the CLI) act once: a later run finds the canary stopped or already marked;
 - a canary with a policy signal regressed (its whole interval on the bad side of 0) is stopped
-  through :func:`app.promotion.canary.stop_canary` by ``POLICY_ACTOR``: audited, announced as
+  through :func:`app.lifecycle.canary.stop_canary` by ``POLICY_ACTOR``: audited, announced as
   ``canary.stopped``, which the serving watcher follows, so its users return to production; the
   stop reason names every regressed signal with its interval;
 - a canary with ``min_sessions`` on both arms, every policy signal defined and none regressed is
@@ -40,11 +40,11 @@ from sqlalchemy import text
 from sqlalchemy.orm import Session
 
 from app.core.telemetry import traced
+from app.lifecycle.canary import get_active_canary, stop_canary
+from app.lifecycle.online import compare_canary
+from app.lifecycle.online_stats import Comparison, OnlinePolicy, policy_reasons
+from app.lifecycle.production import lock_production
 from app.models import Canary, GateDecision
-from app.promotion.canary import get_active_canary, stop_canary
-from app.promotion.online import compare_canary
-from app.promotion.online_stats import Comparison, OnlinePolicy, policy_reasons
-from app.promotion.production import lock_production
 from app.repositories.audit import record_audit
 
 POLICY_ACTOR = "policy:canary"

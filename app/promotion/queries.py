@@ -19,6 +19,7 @@ from sqlalchemy.orm import Session, defer
 
 from app.core.errors import FlywheelError
 from app.core.intervals import newcombe_diff_interval, wilson_interval
+from app.lifecycle.production import latest_gate_decision, lineage
 from app.models import (
     Checkpoint,
     CheckpointTrajectory,
@@ -29,7 +30,6 @@ from app.models import (
     TrainingCycle,
     Trajectory,
 )
-from app.promotion.production import latest_gate_decision, lineage
 
 MAX_TASK_DIFFS = 500
 

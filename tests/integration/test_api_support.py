@@ -98,12 +98,16 @@ def seed_gate(
     status: str | None = None,
     report: dict | None = None,
 ) -> GateDecision:
-    """Insert a gate decision (and move the candidate to gate_passed/gate_failed) and commit."""
+    """Insert a gate decision (and move the candidate to gate_passed/gate_failed, its ``decision``
+    column to the report's decision, else pass or fail) and commit: a fixture, so it writes the rows
+    itself rather than through ``app.lifecycle.gating`` (a test may seed any status)."""
+    decision = (report or {}).get("decision") or ("pass" if passed else "fail")
     gate = GateDecision(
         id=uuid.uuid4(),
         candidate_id=candidate_id,
         production_id=production_id,
         passed=passed,
+        decision=decision,
         reasons=reasons or ([] if passed else ["humaneval regressed: -0.20 (CI -0.31..-0.09)"]),
         report=report if report is not None else {"policy": "no-regression@1"},
         report_path=report_path,
@@ -111,6 +115,7 @@ def seed_gate(
     session.add(gate)
     row = session.get(Checkpoint, candidate_id)
     row.status = status or ("gate_passed" if passed else "gate_failed")
+    row.decision = decision
     session.commit()
     return gate
 

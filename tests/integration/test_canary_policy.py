@@ -14,10 +14,10 @@ from sqlalchemy import select
 from typer.testing import CliRunner
 
 from app.core.settings import get_settings
+from app.lifecycle.assignment import assign_arm
+from app.lifecycle.canary import start_canary
 from app.models import AuditLog, Canary, Checkpoint, Outbox
 from app.outbox.relay import OutboxRelay
-from app.promotion.assignment import assign_arm
-from app.promotion.canary import start_canary
 from app.promotion.canary_policy import POLICY_ACTOR, evaluate_canary
 from app.promotion.tasks import evaluate_canary_task
 from app.worker.schedule import beat_schedule

@@ -7,8 +7,8 @@ from collections import defaultdict
 
 import pytest
 
+from app.lifecycle.assignment import assign_arm
 from app.outbox.relay import OutboxRelay
-from app.promotion.assignment import assign_arm
 from ops.simulator import SimulatorConfig, run_simulation
 from serving.canary import ActiveCanary, CanaryFollower, EngineRouter
 from serving.watcher import ServingWatcher

@@ -87,6 +87,7 @@ def test_curve_points_follow_the_stored_evals_and_served_sessions(session, tmp_p
             candidate_id="c1",
             production_id="base",
             passed=False,
+            decision="insufficient_evidence",
             reasons=[],
             report={
                 "decision": "insufficient_evidence",
@@ -153,6 +154,7 @@ def test_the_loop_report_json_carries_every_decision_with_power(session, tmp_pat
             candidate_id="c1",
             production_id="base",
             passed=False,
+            decision="insufficient_evidence",
             reasons=[{"check": "power", "passed": False, "inconclusive": True, "message": "functions: power 0.00"}],
             report={"decision": "insufficient_evidence", "suites": suites},
         )

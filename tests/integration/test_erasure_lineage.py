@@ -13,8 +13,8 @@ import pytest
 from sqlalchemy import select, text
 
 from app.checkpoints.store import STABLE
+from app.lifecycle.canary import start_canary
 from app.models import AuditLog, Canary, Checkpoint, CheckpointTrajectory, Outbox, Promotion, TrainingCycle
-from app.promotion.canary import start_canary
 from app.promotion.service import promote_checkpoint
 from consumers.erasure import erase_now
 from tests.integration.test_api_support import auth, base, client, make_token, seed_checkpoint, seed_gate, store  # noqa: F401
@@ -101,7 +101,7 @@ def test_erasure_flags_descendants_and_rolls_production_back_to_a_clean_ancestor
 def test_a_flagged_production_without_a_clean_ancestor_is_reported_loudly(session, store, chain, caplog):
     os.remove(os.path.join(session.get(Checkpoint, "base").path, STABLE))  # base can no longer be served
     _trained_on(session, "ckpt-0001", "u-bob")
-    with caplog.at_level(logging.ERROR, logger="app.promotion.erasure"):
+    with caplog.at_level(logging.ERROR, logger="app.lifecycle.erasure"):
         out = erase_now(session, "u-bob", "req-2")
         session.commit()
     assert out.rolled_back_to is None

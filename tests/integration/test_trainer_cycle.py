@@ -387,8 +387,8 @@ def test_trajectories_deleted_while_the_cycle_trains_leave_the_candidate_flagged
 
     import trainer.cycle as cycle
     from app.core.db import session_scope
+    from app.lifecycle.changes import _check_servable
     from app.models import Checkpoint, Trajectory
-    from app.promotion.service import _check_servable
     from consumers.erasure import erase_now, purge_private_sessions
     from trainer.cycle import run_cycle
 

@@ -17,7 +17,7 @@ import pytest
 from app.core.errors import ConfigurationError
 from app.core.intervals import clustered_ratio_interval, paired_ratio_diff_interval
 from app.inference.engine import Generation, InferenceEngine
-from app.promotion.online_stats import SessionSignals, ratio_estimate
+from app.lifecycle.online_stats import SessionSignals, ratio_estimate
 from evals.tasks import load_tasks
 from ops import ab
 from ops.ab import ABConfig, plan_pairs, run_ab

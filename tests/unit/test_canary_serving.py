@@ -9,8 +9,8 @@ import json
 import pytest
 
 from app.checkpoints.store import CheckpointStore
-from app.promotion.assignment import assign_arm
-from app.promotion.serving_state import read_serving_state
+from app.lifecycle.assignment import assign_arm
+from app.lifecycle.serving_state import read_serving_state
 from serving.canary import ActiveCanary, CanaryFollower, EngineRouter
 from serving.watcher import ProductionFollower
 from tests.unit.test_api_units import RecordingEngine

@@ -73,13 +73,29 @@ def test_a_room_reaching_back_up_breaks_the_check(tmp_path):
     assert "ops.developer is not allowed to import ops.simulator" in proc.stdout
 
 
-def test_a_promotion_reach_back_or_an_app_import_of_migrations_breaks_the_check(tmp_path):
+def test_a_lifecycle_reach_back_or_an_app_import_of_migrations_breaks_the_check(tmp_path):
     _copy_tree(tmp_path)
-    canary = tmp_path / "app" / "promotion" / "canary.py"
-    canary.write_text(canary.read_text() + "\nfrom app.promotion import service as _planted  # noqa: E402,F401\n")
+    canary = tmp_path / "app" / "lifecycle" / "canary.py"
+    canary.write_text(canary.read_text() + "\nfrom app.lifecycle import changes as _planted  # noqa: E402,F401\n")
     migrate = tmp_path / "app" / "core" / "migrate.py"
     migrate.write_text(migrate.read_text() + "\nimport migrations as _planted  # noqa: E402,F401\n")
     proc = _lint_imports(tmp_path)
     assert proc.returncode != 0
-    assert "app.promotion.canary is not allowed to import app.promotion.service" in proc.stdout
+    assert "app.lifecycle.canary is not allowed to import app.lifecycle.changes" in proc.stdout
     assert "app.core.migrate -> migrations" in proc.stdout
+
+
+def test_a_process_importing_promotion_the_api_importing_torch_or_an_unlisted_room_breaks_the_check(tmp_path):
+    """The contracts are as strict as the code: a process reaching into ``app.promotion``, the API
+    importing a process package or torch, and a module no layer names each break the check."""
+    _copy_tree(tmp_path)
+    watcher = tmp_path / "serving" / "watcher.py"
+    watcher.write_text(watcher.read_text() + "\nfrom app.promotion import service as _planted  # noqa: E402,F401\n")
+    deps = tmp_path / "app" / "api" / "deps.py"
+    deps.write_text(deps.read_text() + "\nimport torch as _planted  # noqa: E402,F401\n")
+    (tmp_path / "app" / "lifecycle" / "stray.py").write_text('"""A room no contract names."""\n')
+    proc = _lint_imports(tmp_path)
+    assert proc.returncode != 0
+    assert "serving.watcher -> app.promotion.service" in proc.stdout, proc.stdout[-4000:]
+    assert "app.api.deps -> torch" in proc.stdout, proc.stdout[-4000:]
+    assert "app.lifecycle.stray" in proc.stdout, proc.stdout[-4000:]

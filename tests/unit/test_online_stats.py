@@ -8,8 +8,8 @@ import math
 
 import pytest
 
-from app.promotion.assignment import assign_arm, user_bucket
-from app.promotion.online_stats import (
+from app.lifecycle.assignment import assign_arm, user_bucket
+from app.lifecycle.online_stats import (
     Comparison,
     OnlinePolicy,
     SessionSignals,
@@ -120,7 +120,7 @@ def test_assignment_is_sticky_stable_and_near_the_fraction():
 
 
 def test_the_gate_config_online_setting_and_the_promotion_side_agree():
-    from app.promotion.online_stats import SIGNALS
+    from app.lifecycle.online_stats import SIGNALS
     from evals.config import ONLINE_SIGNALS, load_gate_config
     from evals.config import OnlinePolicy as OnlineSetting
 

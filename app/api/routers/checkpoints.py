@@ -20,12 +20,12 @@ from app.api.schemas import (
     Page,
     RejectRequest,
 )
+from app.lifecycle.erasure import erasure_reasons
+from app.lifecycle.online import online_view
+from app.lifecycle.production import latest_gate_decision, lineage
 from app.models import Checkpoint, GateDecision
 from app.promotion import queries
-from app.promotion.erasure import erasure_reasons
-from app.promotion.online import online_view
-from app.promotion.production import latest_gate_decision, lineage
-from app.promotion.service import gate_outcome, reject_checkpoint
+from app.promotion.service import reject_checkpoint
 from app.repositories.checkpoints import get_checkpoint
 
 router = APIRouter(prefix="/checkpoints", tags=["checkpoints"], responses=AUTH_RESPONSES, route_class=RoleFirstRoute)
@@ -39,7 +39,6 @@ def gate_summary(gate: GateDecision | None) -> GateSummary | None:
     if gate is None:
         return None
     out = GateSummary.model_validate(gate)
-    out.decision = gate_outcome(gate)
     if gate.report_path:
         out.report_url = f"/v1/reports/{gate.id}/report.png"
     return out

@@ -16,10 +16,10 @@ from app.api.schemas import Page, ProductionOut, PromotionOut, PromotionRequest,
 from app.core.errors import ForbiddenError
 from app.core.net import served_weight_version
 from app.core.settings import get_settings
+from app.lifecycle.serving_state import read_serving_state
 from app.models import Promotion
 from app.promotion import queries
 from app.promotion.service import ProductionChange, promote_checkpoint, rollback_production
-from app.promotion.serving_state import read_serving_state
 from app.repositories.checkpoints import get_production
 
 router = APIRouter(tags=["promotions"], responses=AUTH_RESPONSES, route_class=RoleFirstRoute)

@@ -3,7 +3,7 @@
 Invariant: the arm is a pure function of ``(user_id, canary_id, fraction)``, computed with sha256
 (never Python's salted ``hash``), so every serving replica, the simulator and any later analysis
 agree on it, and one user sees one checkpoint for the whole canary. Randomising by user rather
-than by request is what makes the per-user clustered interval of ``app.promotion.online`` valid
+than by request is what makes the per-user clustered interval of ``app.lifecycle.online`` valid
 (Deng, Knoblich, Lu 2018, "Applying the Delta Method in Metric Analytics", arXiv 1803.06336).
 No database, no torch: serving imports this.
 """

@@ -6,8 +6,8 @@ Invariant: a production or canary change takes :func:`lock_production` (a transa
 advisory lock, then the production row ``FOR UPDATE``) before it locks any checkpoint row
 (:func:`lock_checkpoint`), so concurrent changes queue in one order and never deadlock.
 
-Functions flush and never commit. This module imports no other ``app.promotion`` module: the
-promotion service and the canary both build on it.
+Functions flush and never commit. This module imports no other ``app.lifecycle`` writer: the
+production changes, the canary and the erasure flags all build on it.
 """
 
 from __future__ import annotations
@@ -17,10 +17,11 @@ from pathlib import Path
 from sqlalchemy import literal, select, text
 from sqlalchemy.orm import Session
 
-from app.checkpoints.store import STABLE
 from app.core.errors import NotFoundError
 from app.core.locks import AdvisoryLock
+from app.lifecycle.messages import LineageEntry
 from app.models import Checkpoint, GateDecision
+from app.models.checkpoints import STABLE_MARKER
 from app.repositories.checkpoints import get_production
 
 MAX_LINEAGE = 256
@@ -70,7 +71,7 @@ def stale_gate_reason(gate: GateDecision, current: Checkpoint | None) -> str | N
 
 def is_stable(row: Checkpoint) -> bool:
     """Whether the row says STABLE and the directory still carries the ``STABLE`` marker."""
-    return bool(row.stable) and (Path(row.path) / STABLE).exists()
+    return bool(row.stable) and (Path(row.path) / STABLE_MARKER).exists()
 
 
 def check_clean(row: Checkpoint, reasons: list[str]) -> None:
@@ -99,12 +100,8 @@ def lineage(session: Session, checkpoint_id: str, limit: int = MAX_LINEAGE) -> l
     return [rows[i] for i in ids if i in rows]
 
 
-def serving_fields(session: Session, row: Checkpoint) -> dict:
-    """What the serving watcher needs to move the engine to ``row`` without a database: its path,
-    its parent, and where each checkpoint of its lineage lives (so it can apply the delta chain
-    from the checkpoint it serves). Keys ``path``, ``parent_id``, ``lineage`` (``[{id, path}]``)."""
-    return {
-        "path": row.path,
-        "parent_id": row.parent_id,
-        "lineage": [{"id": c.id, "path": c.path} for c in lineage(session, row.id)],
-    }
+def serving_lineage(session: Session, row: Checkpoint) -> list[LineageEntry]:
+    """Where each checkpoint of ``row``'s lineage lives, child first: with the row's path and parent,
+    what the serving watcher needs to move the engine to ``row`` without a database (it applies
+    the delta chain from the checkpoint it serves)."""
+    return [LineageEntry(id=c.id, path=c.path) for c in lineage(session, row.id)]

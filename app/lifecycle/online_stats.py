@@ -2,7 +2,7 @@
 
 Each signal is a ratio ``R = sum_i X_i / sum_i Y_i`` over the sessions ``i`` served by one
 checkpoint (for example accepted edits / decided edits). Sessions of one user are correlated, and
-the canary is randomised by user (``app.promotion.assignment``), so the user is the independent
+the canary is randomised by user (``app.lifecycle.assignment``), so the user is the independent
 unit: with ``S_u``, ``N_u`` the sums of ``X`` and ``Y`` over user ``u``'s sessions and ``K`` users,
 the delta method gives (Deng, Knoblich, Lu 2018, "Applying the Delta Method in Metric Analytics",
 arXiv 1803.06336, section 3; equal to the CR1 cluster-robust variance of a ratio):

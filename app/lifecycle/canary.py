@@ -1,4 +1,5 @@
-"""Starting and stopping a canary: the transactions behind ``/v1/canaries`` and ``flywheel canary``.
+"""Starting and ending a canary: the transactions behind ``/v1/canaries``, ``flywheel canary``, the
+canary policy (``app.promotion.canary_policy``) and every production change.
 
 Invariants (with the database's help):
 
@@ -14,7 +15,7 @@ Invariants (with the database's help):
 - a production change ends the active canary in the same transaction (:func:`end_canary_for_change`):
   its comparison was against the production that just left; the canary policy
   (``app.promotion.canary_policy``) and an erasure that flags the canary's checkpoint
-  (``app.promotion.erasure``) stop it through :func:`stop_canary`, audited like any stop.
+  (``app.lifecycle.erasure``) stop it through :func:`stop_canary`, audited like any stop.
 
 Functions flush and never commit: the boundary (HTTP request, CLI command) commits. No FastAPI here.
 """
@@ -30,16 +31,18 @@ from sqlalchemy.orm import Session
 
 from app.core.errors import ConflictError, NotFoundError
 from app.core.telemetry import traced
-from app.models import Canary, Checkpoint
-from app.outbox.lifecycle import enqueue_lifecycle
-from app.promotion.production import (
+from app.lifecycle.messages import CanaryStarted, CanaryStopped
+from app.lifecycle.production import (
     check_clean,
     latest_gate_decision,
     lock_checkpoint,
     lock_production,
-    serving_fields,
+    serving_lineage,
     stale_gate_reason,
 )
+from app.lifecycle.status import CheckpointStatus, GateVerdict
+from app.models import Canary, Checkpoint
+from app.outbox.lifecycle import enqueue_lifecycle
 from app.repositories.audit import record_audit
 
 
@@ -80,12 +83,12 @@ def _check_gated(session: Session, row: Checkpoint, current: Checkpoint | None, 
     if gate is None:
         reasons.append("no gate decision: the candidate has not been evaluated")
     else:
-        if not gate.passed:
-            reasons.append("the latest gate decision failed")
+        if gate.decision != GateVerdict.PASS:
+            reasons.append(f"the latest gate decided {gate.decision}, not pass")
         stale = stale_gate_reason(gate, current)
         if stale:
             reasons.append(stale)
-    if row.status != "gate_passed":
+    if row.status != CheckpointStatus.GATE_PASSED:
         reasons.append(f"checkpoint status is {row.status!r}, not 'gate_passed'")
     check_clean(row, reasons)
     return gate.id if gate else None
@@ -120,6 +123,7 @@ def start_canary(session: Session, *, checkpoint_id: str, fraction: float, actor
     gate_id = _check_gated(session, row, current, reasons)
     if reasons:
         raise ConflictError(f"canary of {row.id} refused", reasons=reasons)
+    assert current is not None  # no production is a refusal above
     canary = Canary(
         id=uuid.uuid4(),
         checkpoint_id=row.id,
@@ -136,15 +140,23 @@ def start_canary(session: Session, *, checkpoint_id: str, fraction: float, actor
             session.flush()
     except IntegrityError:  # a writer that bypassed the advisory lock started another canary
         raise ConflictError("another canary became active concurrently", reasons=["stop it first"]) from None
-    details = {
-        "reason": reason,
-        "canary_id": str(canary.id),
-        "fraction": fraction,
-        "production_id": current.id,
-        "gate_decision_id": str(gate_id) if gate_id else None,
-    }
+    message = CanaryStarted(
+        checkpoint_id=row.id,
+        actor=actor,
+        reason=reason,
+        canary_id=str(canary.id),
+        fraction=fraction,
+        production_id=current.id,
+        gate_decision_id=str(gate_id) if gate_id else None,
+        path=row.path,
+        parent_id=row.parent_id,
+        lineage=serving_lineage(session, row),
+    )
+    details = message.model_dump(
+        mode="json", include={"reason", "canary_id", "fraction", "production_id", "gate_decision_id"}
+    )
     record_audit(session, actor=actor, action="canary.started", target=f"checkpoint:{row.id}", details=details)
-    enqueue_lifecycle(session, "canary.started", row.id, actor=actor, **details, **serving_fields(session, row))
+    enqueue_lifecycle(session, message)
     return canary
 
 
@@ -154,11 +166,18 @@ def _stop(session: Session, canary: Canary, *, actor: str, reason: str) -> Canar
     canary.stopped_by = actor
     canary.stop_reason = reason
     session.flush()
-    details = {"reason": reason, "canary_id": str(canary.id), "production_id": canary.production_id}
+    message = CanaryStopped(
+        checkpoint_id=canary.checkpoint_id,
+        actor=actor,
+        reason=reason,
+        canary_id=str(canary.id),
+        production_id=canary.production_id,
+    )
+    details = message.model_dump(mode="json", include={"reason", "canary_id", "production_id"})
     record_audit(
         session, actor=actor, action="canary.stopped", target=f"checkpoint:{canary.checkpoint_id}", details=details
     )
-    enqueue_lifecycle(session, "canary.stopped", canary.checkpoint_id, actor=actor, **details)
+    enqueue_lifecycle(session, message)
     return canary
 
 

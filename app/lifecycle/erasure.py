@@ -5,14 +5,15 @@ Invariants (in the caller's ONE transaction, which also deletes the data):
 
 - a checkpoint trained on erased data taints its whole subtree: it and every descendant (by
   ``parent_id``, walked level by level so a child registered while the walk runs is seen) get
-  ``trained_on_erased`` and ``erasure_flagged_at``, and each newly flagged one an audit entry
-  ``checkpoint.erasure_flagged`` whose ``reason`` says why (trained on it, or descends from the
-  checkpoint that did);
+  ``trained_on_erased`` and ``erasure_flagged_at``, and each newly flagged one an audit entry and
+  a lifecycle message ``checkpoint.erasure_flagged`` whose ``reason`` says why (trained on it, or
+  descends from the checkpoint that did); a candidate registered flagged (its data was erased
+  while it trained, or its parent is flagged) gets both through :func:`record_flag`;
 - the production advisory lock is taken before any flag (the order promotions take: that lock,
   then checkpoint rows), so a concurrent promotion either sees the flag and refuses, or committed
   first and is rolled back here;
 - a flagged active canary is stopped (audited, ``canary.stopped``: its users return to production);
-- a flagged production is rolled back through ``app.promotion.service.rollback_production`` (kind
+- a flagged production is rolled back through ``app.lifecycle.changes.rollback_production`` (kind
   ``rollback``, audited, ``checkpoint.rolled_back`` on the lifecycle topic, which the serving
   watcher follows) to the newest ancestor that is clean, STABLE and served before; when there is
   none, an ERROR is logged and an audit entry ``production.erasure_unresolved`` names the
@@ -31,10 +32,13 @@ from dataclasses import dataclass, field
 from sqlalchemy import select, text
 from sqlalchemy.orm import Session
 
+from app.lifecycle.canary import get_active_canary, stop_canary
+from app.lifecycle.changes import ProductionChange, earlier_productions, rollback_production
+from app.lifecycle.messages import ErasureFlagged
+from app.lifecycle.production import is_stable, lineage, lock_production
+from app.lifecycle.status import CheckpointStatus
 from app.models import Checkpoint
-from app.promotion.canary import get_active_canary, stop_canary
-from app.promotion.production import is_stable, lineage, lock_production
-from app.promotion.service import ProductionChange, earlier_productions, rollback_production
+from app.outbox.lifecycle import enqueue_lifecycle
 from app.repositories.audit import record_audit
 
 log = logging.getLogger(__name__)
@@ -100,9 +104,9 @@ def flag_subtrees(session: Session, direct: Collection[str], *, actor: str, caus
         reasons[cid] = (f"{TRAINED_ON_ERASED} ({cause})", None)
     # Level by level, each level a new statement: a child committed meanwhile (its registration
     # waited on its parent's flag) is seen by the next level's query.
-    seen, frontier, parents = set(direct), set(direct), {}
+    seen, frontier, parents = set(direct), set(direct), dict[str, str]()
     while frontier:
-        children = dict(
+        children: dict[str, str] = dict(
             session.execute(
                 text("SELECT id, parent_id FROM checkpoint WHERE parent_id = ANY(:ids)"), {"ids": sorted(frontier)}
             ).all()
@@ -111,12 +115,11 @@ def flag_subtrees(session: Session, direct: Collection[str], *, actor: str, caus
         frontier = set(children) - seen
         seen |= frontier
         for cid in _flag(session, frontier):
-            source = _source(cid, parents, set(direct))
-            reasons[cid] = (f"descends from {source}, which was {TRAINED_ON_ERASED} ({cause})", source)
+            nearest = _source(cid, parents, set(direct))
+            reasons[cid] = (f"descends from {nearest}, which was {TRAINED_ON_ERASED} ({cause})", nearest)
     for cid in sorted(reasons):
         reason, source = reasons[cid]
-        details = {"reason": reason, "cause": cause, "inherited_from": source}
-        record_audit(session, actor=actor, action=FLAG_ACTION, target=f"checkpoint:{cid}", details=details)
+        record_flag(session, cid, actor=actor, reason=reason, cause=cause, inherited_from=source)
     out.flagged, out.newly_flagged = sorted(seen), sorted(reasons)
     if out.newly_flagged:
         log.warning("flagged %d checkpoint(s) trained on erased data or descended from one: %s", len(reasons), reasons)
@@ -128,10 +131,25 @@ def flag_subtrees(session: Session, direct: Collection[str], *, actor: str, caus
             reason=f"canary checkpoint {canary.checkpoint_id} is flagged: {_why(session, canary.checkpoint_id)}",
             canary_id=canary.id,
         )
-    production = session.scalars(select(Checkpoint.id).where(Checkpoint.status == "production")).one_or_none()
+    production = session.scalars(
+        select(Checkpoint.id).where(Checkpoint.status == CheckpointStatus.PRODUCTION)
+    ).one_or_none()
     if production in seen:
         out.rollback, out.unresolved = leave_flagged_production(session, actor=actor)
     return out
+
+
+def record_flag(
+    session: Session, checkpoint_id: str, *, actor: str, reason: str, cause: str | None, inherited_from: str | None
+) -> None:
+    """The audit entry and the ``checkpoint.erasure_flagged`` message of a checkpoint just flagged
+    ``trained_on_erased`` (the caller set the flag), telling a release manager why; flushes."""
+    details = {"reason": reason, "cause": cause, "inherited_from": inherited_from}
+    record_audit(session, actor=actor, action=FLAG_ACTION, target=f"checkpoint:{checkpoint_id}", details=details)
+    message = ErasureFlagged(
+        checkpoint_id=checkpoint_id, actor=actor, reason=reason, cause=cause, inherited_from=inherited_from
+    )
+    enqueue_lifecycle(session, message)
 
 
 def _source(checkpoint_id: str, parents: dict[str, str], direct: set[str]) -> str:
@@ -185,7 +203,7 @@ def leave_flagged_production(session: Session, *, actor: str) -> tuple[Productio
             problems.append("flagged too")
         if row.id not in served:
             problems.append("never production")
-        elif row.status != "retired":
+        elif row.status != CheckpointStatus.RETIRED:
             problems.append(f"status {row.status!r}")
         if not is_stable(row):
             problems.append(f"not STABLE at {row.path}")

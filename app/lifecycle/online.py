@@ -5,7 +5,7 @@ Invariant: only finalized trajectories count (their late signals arrived or the 
 each attributed to the checkpoint that served the session's start (``trajectory.checkpoint_id``,
 from ``model.responded`` / ``session.started``). A canary is compared with the production it ran
 beside, over the canary's own window (sessions started between ``started_at`` and ``stopped_at``),
-so both arms saw the same traffic period. The statistics are in ``app.promotion.online_stats``.
+so both arms saw the same traffic period. The statistics are in ``app.lifecycle.online_stats``.
 Reads only; no FastAPI here.
 """
 
@@ -18,8 +18,7 @@ from typing import Any
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from app.models import Canary, Checkpoint, GateDecision, RewardLabel, Trajectory
-from app.promotion.online_stats import (
+from app.lifecycle.online_stats import (
     SIGNALS,
     Comparison,
     OnlinePolicy,
@@ -29,6 +28,7 @@ from app.promotion.online_stats import (
     ratio_estimate,
     z_for,
 )
+from app.models import Canary, Checkpoint, GateDecision, RewardLabel, Trajectory
 
 TIMELINE_POINTS = 8
 
@@ -141,7 +141,13 @@ def online_reasons(session: Session, checkpoint_id: str, production_id: str | No
     return policy_reasons(compare_canary(session, canary, policy), policy)
 
 
-def _timeline(canary_rows, production_rows, policy: OnlinePolicy, start: datetime, end: datetime) -> list[dict]:
+def _timeline(
+    canary_rows: Sequence[tuple[datetime | None, SessionSignals]],
+    production_rows: Sequence[tuple[datetime | None, SessionSignals]],
+    policy: OnlinePolicy,
+    start: datetime,
+    end: datetime,
+) -> list[dict[str, Any]]:
     """The differences recomputed on the sessions started up to each of ``TIMELINE_POINTS`` instants."""
     points = []
     span = (end - start).total_seconds()
