@@ -118,7 +118,7 @@ def gate_view(session: Session, candidate: str) -> dict:
     report = row.report or {}
     suite = (report.get("suites") or {}).get(SUITE) or {}
     return {
-        "decision": report.get("decision") or ("pass" if row.passed else "fail"),
+        "decision": row.decision,
         "power": suite.get("power"),
         "stopped_at_pairs": suite.get("stopped_at_pairs"),
     }

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from app.models import Promotion
+from app.models import GateDecision, Promotion
 from app.repositories.checkpoints import add_checkpoint
 from evals import store
 
@@ -39,8 +39,10 @@ def test_served_checkpoint_per_cycle_and_eval_seconds(bench, session):
         run.finished_at = run.started_at + timedelta(seconds=seconds)
     store.create_run(session, "planted", "functions", "1-x", {})  # unfinished: not counted
     session.flush()
-    store.add_gate_decision(
-        session, candidate_id="c2", production_id="c1", passed=False, reasons=[], report={"decision": "fail"}
+    session.add(
+        GateDecision(
+            id=uuid.uuid4(), candidate_id="c2", production_id="c1", passed=False, decision="fail", reasons=[], report={}
+        )
     )
     served = bench.served_after_cycles(session, ["c1", "c2", "c3"])
     assert [(p["candidate"], p["promoted"], p["promoted_by"], p["checkpoint"], p["decision"]) for p in served] == [
