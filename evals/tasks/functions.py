@@ -79,6 +79,13 @@ def check(candidate):
 """
 
 
+def template_of(task_id: str) -> str | None:
+    """The template a ``functions`` task was generated from (``FN/<template>/<variant>`` ->
+    ``FN/<template>``), None for any other task id: the unit the gate clusters by."""
+    parts = task_id.split("/")
+    return "/".join(parts[:2]) if len(parts) == 3 and parts[0] == "FN" else None
+
+
 def held_out_templates() -> frozenset[str]:
     """Keys of the templates whose every task is in the ``test`` split (never trained on)."""
     ordered = sorted(TEMPLATES, key=lambda t: t.difficulty)  # stable: registration order within a level
