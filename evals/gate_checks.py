@@ -17,7 +17,7 @@ from app.core.intervals import mcnemar_exact_interval, newcombe_paired_interval,
 from evals.config import GateConfig
 from evals.gate_models import Decision, GateReason, Key, MonitorReport, Outcome, SequentialReport, SuiteOutcomes
 from evals.monitors import check_monitor, monitor_drift_interval, monitor_values
-from evals.sequential import betting_confidence_sequence
+from evals.sequential import betting_confidence_sequence, normal_mixture_confidence_sequence
 from evals.tasks.functions import template_of
 
 
@@ -158,8 +158,8 @@ def interval_verdict(low: float, high: float, threshold: float, *, guardrail: bo
 def sequential_report(
     name: str, pairs: Pairs, clusters: list[str], threshold: float, config: GateConfig, *, guardrail: bool
 ) -> SequentialReport:
-    """The betting confidence sequence over clusters in a seeded random order (one look after
-    each), stopped at the first look where its bounds pass or fail the suite. A run that ends
+    """The confidence sequence (``config.sequence``) over clusters in a seeded random order (one
+    look after each), stopped at the first look where its bounds pass or fail the suite. A run that ends
     without a decision is insufficient evidence: with looks at every cluster, "the margin is within
     the sequence at the end" carries no power argument."""
     by: dict[str, list[int]] = defaultdict(list)
@@ -170,7 +170,10 @@ def sequential_report(
     means = np.array([np.mean(by[names[i]]) for i in order])
     sizes = np.cumsum([len(by[names[i]]) for i in order])
     alpha = (1 - config.confidence) / (2 if config.two_sided else 1)
-    cs = betting_confidence_sequence(means, alpha)
+    if config.sequence == "betting":
+        cs = betting_confidence_sequence(means, alpha)
+    else:
+        cs = normal_mixture_confidence_sequence(means, len(means), alpha, config.sequence_burn_in)
     for t, (low, high) in enumerate(zip(cs.low, cs.high)):
         verdict = interval_verdict(float(low), float(high), threshold, guardrail=guardrail, powered=False)
         if verdict != "insufficient_evidence":
