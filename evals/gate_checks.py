@@ -155,6 +155,15 @@ def interval_verdict(low: float, high: float, threshold: float, *, guardrail: bo
     return "insufficient_evidence"
 
 
+def sequence_order(name: str, clusters: set[str], config: GateConfig) -> list[str]:
+    """The order in which the confidence sequence of suite ``name`` looks at ``clusters``: a
+    permutation seeded by the gate's seed and the suite's name, fixed before any outcome is seen
+    (what keeps a stop valid). A runner that evaluates cluster by cluster in this order and stops
+    when the sequence decides spends only ``stopped_at_pairs`` sessions."""
+    names = sorted(clusters)
+    return [names[i] for i in np.random.default_rng(_seed(config, name, "sequence")).permutation(len(names))]
+
+
 def sequential_report(
     name: str, pairs: Pairs, clusters: list[str], threshold: float, config: GateConfig, *, guardrail: bool
 ) -> SequentialReport:
@@ -165,10 +174,9 @@ def sequential_report(
     by: dict[str, list[int]] = defaultdict(list)
     for cluster, d in zip(clusters, pairs.differences()):
         by[cluster].append(d)
-    names = sorted(by)
-    order = np.random.default_rng(_seed(config, name, "sequence")).permutation(len(names))
-    means = np.array([np.mean(by[names[i]]) for i in order])
-    sizes = np.cumsum([len(by[names[i]]) for i in order])
+    names = sequence_order(name, set(by), config)
+    means = np.array([np.mean(by[c]) for c in names])
+    sizes = np.cumsum([len(by[c]) for c in names])
     alpha = (1 - config.confidence) / (2 if config.two_sided else 1)
     if config.sequence == "betting":
         cs = betting_confidence_sequence(means, alpha)
