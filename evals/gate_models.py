@@ -207,8 +207,10 @@ class GateResult(BaseModel):
 
     def decisions(self) -> dict[str, Any]:
         """The decision in brief, for a bench's JSON: ``{"decision": str, "suites": {name:
-        {"decision", "gated", "role", "power", "stopped_at_pairs", "n_pairs", "diff", "low",
-        "high"}}}`` (differences as pass-rate fractions; power and bounds None without pairs)."""
+        {"decision", "gated", "role", "decided_by", "power", "stopped_at_pairs", "n_pairs", "diff",
+        "low", "high", "sequence"}}}``: ``low``/``high`` the fixed-n interval, ``sequence`` the
+        confidence sequence's ``[low, high]`` where it stopped (differences as pass-rate fractions;
+        None without pairs)."""
         return {
             "decision": self.decision,
             "suites": {
@@ -216,12 +218,14 @@ class GateResult(BaseModel):
                     "decision": s.decision,
                     "gated": s.gated,
                     "role": s.role,
+                    "decided_by": s.decided_by,
                     "power": s.power,
                     "stopped_at_pairs": s.stopped_at_pairs,
                     "n_pairs": s.n_pairs,
                     "diff": s.diff,
                     "low": s.diff_low,
                     "high": s.diff_high,
+                    "sequence": None if s.sequential is None else [s.sequential.low, s.sequential.high],
                 }
                 for n, s in self.suites.items()
             },

@@ -159,12 +159,14 @@ def test_seed_17_cycle_2_passes_on_its_interval_at_low_power():
         "decision": "pass",
         "gated": True,
         "role": "guardrail",
+        "decided_by": "interval",
         "power": s.power,
         "stopped_at_pairs": 112,
         "n_pairs": 112,
         "diff": s.diff,
         "low": s.diff_low,
         "high": s.diff_high,
+        "sequence": [s.sequential.low, s.sequential.high],
     }
 
 
