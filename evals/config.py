@@ -226,8 +226,15 @@ class SuiteGate(_Strict):
     min_pairs: int | None = Field(default=None, ge=1)
     """Fewest paired (task, sample) outcomes that can support a decision."""
     allow_empty: bool = False
-    """Pass (with a reason) when the suite's plan holds no task on both sides, e.g. ``mined`` before
-    any task was mined; otherwise an empty suite fails closed."""
+    """When the suite's plan holds no task on both sides (e.g. ``mined`` before any task was mined)
+    or neither side ran it, the suite is ``not_gated`` (reported, never a pass); otherwise an empty
+    suite is insufficient evidence and a suite missing on one side fails."""
+    role: Literal["guardrail", "success"] = "guardrail"
+    """How the suite enters the decision (Spotify Confidence's rule, Schultzberg et al. 2024): a
+    ``guardrail`` passes when its lower bound clears ``-tolerance`` (significantly non-inferior); a
+    ``success`` suite passes only when its lower bound is above 0 (significantly better). The gate
+    passes when every gated guardrail passes and, if any success suite is gated, at least one
+    success suite passes."""
 
 
 ONLINE_SIGNALS = (
@@ -282,9 +289,25 @@ class GateConfig(_Strict):
     min_pairs: int = Field(default=1, ge=1)
     """Default fewest paired outcomes per suite."""
     min_power: float = Field(default=0.8, ge=0, le=1)
-    """Least power (:mod:`evals.power`: the probability that an equal candidate clears the margin,
-    at the observed pairs and production's rate) at which a suite can pass; below it a suite that
-    shows no clear regression is ``insufficient_evidence``, never ``pass``."""
+    """The design power (:mod:`evals.power`: the probability that an equal candidate clears the
+    margin, at the observed pairs and production's rate). Reported with each suite and never
+    withholds a pass whose interval clears the margin; it decides only what an interval that reaches
+    below the margin means: ``fail`` on a suite with this power, ``insufficient_evidence`` below it."""
+    cluster_by: Literal["template", "task"] = "template"
+    """The unit the bootstrap interval and the confidence sequence resample: ``template`` clusters
+    the tasks generated from one template (``evals.tasks.functions.template_of``; other tasks are
+    their own cluster), ``task`` clusters only the samples of one task."""
+    decide_by: Literal["interval", "sequential"] = "interval"
+    """Which bounds decide. ``interval``: the fixed-n interval of ``method``, valid when the suite is
+    looked at once, complete. ``sequential``: the confidence sequence (``sequence``) over clusters
+    in a seeded random order (:mod:`evals.sequential`), which may decide before the last
+    cluster (``stopped_at_pairs``); both are always reported."""
+    sequence: Literal["normal_mixture", "betting"] = "normal_mixture"
+    """The confidence sequence (:mod:`evals.sequential`): ``normal_mixture``, asymptotic and tuned to
+    the suite's cluster count (usable at tens of clusters); ``betting``, exact at every n and about
+    three times as wide at 21 clusters."""
+    sequence_burn_in: int = Field(default=10, ge=1)
+    """Clusters before the normal-mixture sequence takes its first look."""
     power_sims: int = Field(default=20_000, ge=100, le=1_000_000)
     """Simulated tables behind each power figure (seeded with ``seed``)."""
     max_error_fraction: float = Field(default=0.0, ge=0, le=1)

@@ -1,37 +1,32 @@
 """The promotion gate: a pure decision over paired eval outcomes (no DB, no IO).
 
-Invariant: the gate fails closed and knows what it cannot know. Each suite ends ``pass``,
-``fail`` or ``insufficient_evidence``. A suite passes only if it has complete, paired results
-(same suite version, same (task, sample) keys on both sides) and, on those pairs, (1) the lower
-confidence bound of the pass-rate difference candidate - production is above ``-tolerance``
-(non-inferiority), (2) the gate had the power to make that check mean something: at the observed
-pairs and production's rate, an equal candidate clears the margin with probability at least
-``min_power`` (:mod:`evals.power`), (3) the candidate's pass rate meets the suite's absolute floor,
-and (4) no behaviour monitor breaches its bound versus production (by default: the confidence
-interval of its drift lies beyond the allowance, see ``GateConfig.monitor_rule``). Missing,
-unpaired or errored results, a breached floor or monitor, and a difference the interval puts below
-0 (or below the margin on a suite with the power) fail. Too few pairs, or too little power, with no
-such failure, are ``insufficient_evidence``: not a pass, and not promotable without a release
-manager's written override (``app.promotion.service``).
+Invariant: the gate fails closed, decides by its intervals and knows what it cannot know. Each
+gated suite ends ``pass``, ``fail``, ``insufficient_evidence`` or (allowed to be empty and empty)
+``not_gated``. A suite passes when its results pair one-to-one with production's (same suite
+version, same (task, sample) keys), the lower bound of pass@1(candidate) - pass@1(production)
+clears its threshold (``-tolerance`` for a guardrail, 0 for a success suite), the candidate meets
+the suite's floor and no behaviour monitor breaches (``GateConfig.monitor_rule``). Missing,
+unpaired or errored results, a breached floor or monitor, and an interval wholly below 0 fail.
+An interval that reaches below the threshold fails on a guardrail with the design power
+(``min_power``, :mod:`evals.power`) and is ``insufficient_evidence`` on one without: power sizes
+suites and is reported beside each decision, and never withholds a pass. The gate passes when
+every gated guardrail passes and, where success suites are gated, one of them passes (Spotify
+Confidence's rule, Schultzberg et al. 2024); a gate where no suite was gated fails.
 
-The interval (``GateConfig.method``, default ``newcombe``) is Newcombe's paired score interval,
-which keeps its coverage at small n and rates near 0 or 1 (0/4 vs 0/4: about +-40 points, where the
-bootstrap gives zero width). With ``k`` samples per task every sample pairs with production's
-sample of the same index, and the gate takes the wider of that interval and the task-clustered
-bootstrap (:func:`app.core.intervals.paired_bootstrap_interval`, which resamples tasks with all
-their samples, so more samples narrow it). The data models live in :mod:`evals.gate_models`, the
-intervals in :mod:`app.core.intervals`, the power in :mod:`evals.power`, the monitors in
-:mod:`evals.monitors`, pass@k in :mod:`evals.passk`; they are re-exported here.
+The fixed-n interval (``GateConfig.method``, default ``newcombe``) is Newcombe's paired score
+interval, which keeps its coverage at small n and rates near 0 or 1; where a cluster (a template,
+``GateConfig.cluster_by``, or a task's samples) holds several pairs the gate takes the wider of it
+and the cluster bootstrap (:func:`app.core.intervals.paired_bootstrap_interval`). Beside it every
+suite reports the anytime-valid betting confidence sequence over its clusters
+(:mod:`evals.sequential`) and where it stopped; ``decide_by = "sequential"`` makes that the
+deciding bound. The parts live in :mod:`evals.gate_checks`, the data models in
+:mod:`evals.gate_models`; the names tests and reports use are re-exported here.
 """
 
 from __future__ import annotations
 
-import zlib
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
-from typing import Any
-
-import numpy as np
 
 from app.core.intervals import (
     mcnemar_exact_interval,
@@ -39,7 +34,17 @@ from app.core.intervals import (
     paired_bootstrap_interval,
     wilson_interval,
 )
-from evals.config import GateConfig
+from evals.config import GateConfig, SuiteGate
+from evals.gate_checks import (
+    Pairs,
+    Reasons,
+    check_monitors,
+    cluster_ids,
+    difference_interval,
+    interval_verdict,
+    pair_outcomes,
+    sequential_report,
+)
 from evals.gate_models import (
     Decision,
     GateReason,
@@ -49,6 +54,8 @@ from evals.gate_models import (
     Outcome,
     PassRate,
     SamplingReport,
+    SequentialReport,
+    SuiteDecision,
     SuiteOutcomes,
     SuiteReport,
 )
@@ -65,6 +72,8 @@ __all__ = [
     "Outcome",
     "PassRate",
     "SamplingReport",
+    "SequentialReport",
+    "SuiteDecision",
     "SuiteOutcomes",
     "SuiteReport",
     "check_monitor",
@@ -77,6 +86,7 @@ __all__ = [
     "paired_bootstrap_interval",
     "pass_at_k",
     "sampling_report",
+    "wilson_interval",
 ]
 
 
@@ -88,267 +98,221 @@ def _task_solved(outcomes: Sequence[Outcome]) -> dict[str, bool]:
     return {t: 2 * sum(v) >= len(v) for t, v in per.items()}
 
 
-def _fmt_keys(keys: set[Key], limit: int = 5) -> str:
-    shown = ", ".join(f"{t}#{i}" for t, i in sorted(keys)[:limit])
-    return shown + (f" (+{len(keys) - limit} more)" if len(keys) > limit else "")
-
-
-def _difference_interval(
-    name: str,
-    keys: list[Key],
-    c_out: list[Outcome],
-    p_out: list[Outcome],
-    table: tuple[int, int, int, int],
-    k_per_task: int,
-    config: GateConfig,
-) -> tuple[float, float]:
-    """The interval of candidate - production under ``config.method``; ``table`` is the paired
-    2x2 table (both passed, candidate only, production only, neither)."""
-    if config.method == "mcnemar":
-        _, b, c, _ = table
-        return mcnemar_exact_interval(b, c, len(keys), confidence=config.confidence, two_sided=config.two_sided)
-    score = newcombe_paired_interval(*table, confidence=config.confidence, two_sided=config.two_sided)
-    if config.method == "newcombe" and k_per_task == 1:
-        return score
-    boot = paired_bootstrap_interval(
-        [k[0] for k in keys],
-        [int(x.passed) - int(y.passed) for x, y in zip(c_out, p_out)],
-        confidence=config.confidence,
-        two_sided=config.two_sided,
-        resamples=config.bootstrap_resamples,
-        seed=np.random.SeedSequence([config.seed, zlib.crc32(name.encode())]),
+def _empty_report(name: str, gated: bool, version: str | None, config: GateConfig, **kw) -> SuiteReport:
+    return SuiteReport(
+        suite=name, gated=gated, suite_version=version, passed=False, n_pairs=0, n_tasks=0, method=config.method, **kw
     )
-    if config.method == "bootstrap":
-        return boot
-    return min(score[0], boot[0]), max(score[1], boot[1])
 
 
-def _suite_decision(report: SuiteReport, reasons: list[GateReason]) -> Decision:
-    """``fail`` when a check failed outright, else ``insufficient_evidence`` when one could not
-    decide (or nothing paired), else ``pass``."""
-    if any(not r.passed and not r.inconclusive for r in reasons):
-        return "fail"
-    if any(not r.passed for r in reasons) or (
-        report.n_pairs == 0 and not any(r.check == "empty_suite" for r in reasons)
-    ):
-        return "insufficient_evidence"
-    return "pass"
-
-
-def _evaluate_suite(
-    name: str, gated: bool, cand: SuiteOutcomes | None, prod: SuiteOutcomes | None, config: GateConfig
-) -> tuple[SuiteReport, list[GateReason]]:
-    """Every check of one suite on its paired outcomes. All samples of a task pair by
-    ``(task, sample_index)`` and enter the interval together (task-clustered); the difference is
-    the mean over tasks of each task's mean paired difference (= the difference of pass@1)."""
-    sg = config.for_suite(name)
-    method = config.method
-    reasons: list[GateReason] = []
-
-    def reason(check: str, passed: bool, message: str, **kw: Any) -> None:
-        reasons.append(GateReason(check=check, suite=name, gated=gated, passed=passed, message=message, **kw))
-
-    if cand is None or prod is None:
-        missing = [who for who, x in (("candidate", cand), ("production", prod)) if x is None]
-        reason("missing_suite", False, f"{name}: no results for {' and '.join(missing)}", details={"missing": missing})
-        return SuiteReport(
-            suite=name, gated=gated, suite_version=None, passed=False, n_pairs=0, n_tasks=0, method=method
-        ), reasons
-    if cand.suite_version != prod.suite_version:
-        reason(
-            "version_mismatch",
-            False,
-            f"{name}: candidate ran suite version {cand.suite_version}, production {prod.suite_version}",
-            details={"candidate": cand.suite_version, "production": prod.suite_version},
-        )
-    c_by = {o.key: o for o in cand.outcomes}
-    p_by = {o.key: o for o in prod.outcomes}
-    for who, side, by in (("candidate", cand, c_by), ("production", prod, p_by)):
-        if side.planned is not None and (missing := set(side.planned) - set(by)):
-            reason(
-                "missing_results",
-                False,
-                f"{name}: {who} lacks {len(missing)} planned results: {_fmt_keys(missing)}",
-                details={"side": who, "missing": len(missing)},
-            )
-    unpaired = set(c_by) ^ set(p_by)
-    if unpaired:
-        reason(
-            "unpaired",
-            False,
-            f"{name}: {len(unpaired)} (task, sample) outcomes without a partner: {_fmt_keys(unpaired)}",
-            details={"unpaired": len(unpaired)},
-        )
-    keys = sorted(set(c_by) & set(p_by))
-    n = len(keys)
-    c_out = [c_by[k] for k in keys]
-    p_out = [p_by[k] for k in keys]
-    errored = sum(o.error is not None for o in c_out + p_out)
-    if n and errored / (2 * n) > config.max_error_fraction:
-        reason(
-            "errors",
-            False,
-            f"{name}: {errored} of {2 * n} sessions errored (allowed fraction {config.max_error_fraction:.2f})",
-            value=errored / (2 * n),
-            bound=config.max_error_fraction,
-        )
-    if n == 0 and not c_by and not p_by and not unpaired and sg.allow_empty and not reasons:
-        reason("empty_suite", True, f"{name}: the suite holds no task on either side (allowed for this suite)")
-        return SuiteReport(
-            suite=name, gated=gated, suite_version=cand.suite_version, passed=True, n_pairs=0, n_tasks=0, method=method
-        ), reasons
-    if n < (sg.min_pairs or 1):
-        reason(
-            "too_few_pairs",
-            False,
-            f"{name}: {n} paired outcomes, need at least {sg.min_pairs}: insufficient evidence",
-            value=float(n),
-            bound=float(sg.min_pairs or 1),
-            inconclusive=True,
-        )
-    report = SuiteReport(
-        suite=name,
-        gated=gated,
-        suite_version=cand.suite_version,
-        passed=False,
-        n_pairs=n,
-        n_tasks=len({k[0] for k in keys}),
-        method=method,
-    )
-    if n == 0:
-        return report, reasons
-
-    kc = sum(o.passed for o in c_out)
-    kp = sum(o.passed for o in p_out)
-    b = sum(x.passed and not y.passed for x, y in zip(c_out, p_out))
-    c = sum(y.passed and not x.passed for x, y in zip(c_out, p_out))
-    both = sum(x.passed and y.passed for x, y in zip(c_out, p_out))
-    c_samp, p_samp = sampling_report(c_out), sampling_report(p_out)
-    diff = c_samp.pass_at_k["1"] - p_samp.pass_at_k["1"]  # mean over tasks of each task's mean difference
-    k_per_task = max(n_ for n_, _ in task_counts(c_out).values())
-    lo, hi = _difference_interval(name, keys, c_out, p_out, (both, b, c, n - both - b - c), k_per_task, config)
-    tol = sg.tolerance or 0.0
-    side = "two-sided" if config.two_sided else "one-sided"
+def _check_power(name: str, pairs: Pairs, margin: float, config: GateConfig, reasons: Reasons) -> float:
+    """The power figure (:mod:`evals.power`), an informational reason: it sizes the suite and says
+    whether an interval below the margin is a failure, and never withholds a pass."""
+    base = sum(o.passed for o in pairs.production) / pairs.n
     power = non_inferiority_power(
-        n,
-        kp / n,
-        tol,
+        pairs.n,
+        base,
+        margin,
         confidence=config.confidence,
         two_sided=config.two_sided,
         sims=config.power_sims,
         seed=config.seed,
     )
     powered = power >= config.min_power
-    reason(
+    reasons.add(
         "power",
         powered,
-        f"{name}: power {power:.2f} to tell an equal candidate from one {tol:.1%} worse at {n} pairs and "
-        f"production's {kp / n:.1%} (needs {config.min_power:.2f})"
-        + ("" if powered else ": insufficient evidence for a pass"),
+        f"{name}: power {power:.2f} to tell an equal candidate from one {margin:.1%} worse at {pairs.n} pairs and "
+        f"production's {base:.1%} (design {config.min_power:.2f}"
+        + ("" if powered else "; an interval below the margin is insufficient evidence, not a failure")
+        + ")",
         metric="power",
         value=power,
         bound=config.min_power,
-        details={"n": n, "base_rate": kp / n, "margin": tol, "sims": config.power_sims},
-        inconclusive=True,
+        details={"n": pairs.n, "base_rate": base, "margin": margin, "sims": config.power_sims},
+        informational=True,
     )
-    ni_ok = lo > -tol
-    # A failed check is a clear fail when the interval lies below 0 (the candidate is worse) or the
-    # suite had the power for its margin; otherwise the pairs cannot tell.
-    ni_clear = ni_ok or hi < 0 or powered
-    verdict = "" if ni_clear else "; the interval also holds 0: insufficient evidence"
-    how = "newcombe or clustered bootstrap, the wider" if method == "newcombe" and k_per_task > 1 else method
-    reason(
-        "non_inferiority",
-        ni_ok,
-        f"{name}: candidate {kc}/{n} vs production {kp}/{n} ({report.n_tasks} tasks x {k_per_task} "
-        f"sample{'s' if k_per_task > 1 else ''}, paired and clustered by task), difference {diff:+.1%} "
-        f"({config.confidence:.0%} {side} {how} interval [{lo:+.1%}, {hi:+.1%}], lower bound "
-        f"{'>' if ni_ok else '<='} -{tol:.1%}); {b} newly passed, {c} newly failed pairs{verdict}",
+    return power
+
+
+def _check_difference(
+    report: SuiteReport, pairs: Pairs, sg: SuiteGate, power: float, config: GateConfig, reasons: Reasons
+) -> SuiteReport:
+    """The deciding comparison: the fixed-n interval and the confidence sequence against the
+    suite's threshold, one reason (``non_inferiority`` for a guardrail, ``superiority`` for a
+    success suite) read from the bounds ``decide_by`` names."""
+    name, guardrail, margin = report.suite, sg.role == "guardrail", sg.tolerance or 0.0
+    threshold = -margin if guardrail else 0.0
+    c_out, p_out, n = pairs.candidate, pairs.production, pairs.n
+    b = sum(x.passed and not y.passed for x, y in zip(c_out, p_out))
+    c = sum(y.passed and not x.passed for x, y in zip(c_out, p_out))
+    both = sum(x.passed and y.passed for x, y in zip(c_out, p_out))
+    clusters = cluster_ids(pairs, config)
+    lo, hi = difference_interval(name, pairs, clusters, (both, b, c, n - both - b - c), config)
+    seq = sequential_report(name, pairs, clusters, threshold, config, guardrail=guardrail)
+    powered = power >= config.min_power
+    if config.decide_by == "sequential":
+        verdict, low, high, stopped = seq.decision, seq.low, seq.high, seq.stopped_at_pairs
+        how = f"betting confidence sequence over {seq.clusters} clusters"
+    else:
+        verdict, low, high, stopped = (
+            interval_verdict(lo, hi, threshold, guardrail=guardrail, powered=powered),
+            lo,
+            hi,
+            n,
+        )
+        how = config.method + (" or cluster bootstrap, the wider" if len(set(clusters)) < n else "")
+    kc, kp = sum(o.passed for o in c_out), sum(o.passed for o in p_out)
+    diff = report.candidate_sampling.pass_at_k["1"] - report.production_sampling.pass_at_k["1"]
+    side = "two-sided" if config.two_sided else "one-sided"
+    stop = "" if seq.stopped_at_pairs is None else f" at {seq.stopped_at_pairs} pairs"
+    why = {"pass": "", "fail": "", "insufficient_evidence": "; the bounds cannot decide: insufficient evidence"}
+    reasons.add(
+        "non_inferiority" if guardrail else "superiority",
+        verdict == "pass",
+        f"{name}: candidate {kc}/{n} vs production {kp}/{n} ({report.n_tasks} tasks x {report.samples_per_task} "
+        f"sample{'s' if report.samples_per_task > 1 else ''}, {len(set(clusters))} clusters), difference {diff:+.1%} "
+        f"({config.confidence:.0%} {side} {how} [{low:+.1%}, {high:+.1%}], lower bound "
+        f"{'>' if low > threshold else '<='} {threshold:+.1%}); {b} newly passed, {c} newly failed pairs; "
+        f"sequence [{seq.low:+.1%}, {seq.high:+.1%}] {seq.decision}{stop}{why[verdict]}",
         metric="pass_rate_diff_lower_bound",
-        value=lo,
-        bound=-tol,
+        value=low,
+        bound=threshold,
         details={
             "diff": diff,
-            "low": lo,
-            "high": hi,
+            "low": low,
+            "high": high,
+            "interval": [lo, hi],
+            "sequence": [seq.low, seq.high],
             "candidate_only": b,
             "production_only": c,
-            "method": method,
+            "method": config.method,
+            "decide_by": config.decide_by,
             "confidence": config.confidence,
             "two_sided": config.two_sided,
         },
-        inconclusive=not ni_clear,
+        inconclusive=verdict == "insufficient_evidence",
     )
-    c_rate = kc / n
-    reason(
-        "floor",
-        c_rate >= sg.floor,
-        f"{name}: candidate pass rate {c_rate:.1%} "
-        f"{'meets' if c_rate >= sg.floor else 'is below'} the floor {sg.floor:.1%}",
-        metric="pass_rate",
-        value=c_rate,
-        bound=sg.floor,
+    return report.model_copy(
+        update=dict(
+            diff=diff,
+            diff_low=lo,
+            diff_high=hi,
+            threshold=threshold,
+            decided_by=config.decide_by,
+            clusters=len(set(clusters)),
+            sequential=seq,
+            stopped_at_pairs=stopped,
+            candidate_only=b,
+            production_only=c,
+        )
     )
-    cv, pv = monitor_values(c_out), monitor_values(p_out)
-    monitors = []
-    for bound in config.monitors:
-        interval = (
-            None
-            if config.monitor_rule == "point"
-            else monitor_drift_interval(
-                bound.metric,
-                bound.worse,
-                c_out,
-                p_out,
-                confidence=config.confidence,
-                two_sided=config.two_sided,
-                resamples=config.bootstrap_resamples,
-                seed=np.random.SeedSequence(
-                    [config.seed, zlib.crc32(name.encode()), zlib.crc32(bound.metric.encode())]
-                ),
-            )
-        )
-        m = check_monitor(bound, cv[bound.metric], pv[bound.metric], interval)
-        monitors.append(m)
-        allowed = "" if m.allowed_drift is None else f", allowed {m.allowed_drift:.4g}"
-        lim = "" if m.limit is None else f", limit {m.limit:.4g}"
-        bound_text = "" if m.drift_low is None else f" ({config.confidence:.0%} {side} lower bound {m.drift_low:+.4g})"
-        reason(
-            "monitor",
-            m.passed,
-            f"{name}: {m.metric} {m.candidate:.4g} vs production {m.production:.4g}: "
-            f"drift toward {m.worse} {m.drift:+.4g}{bound_text}{allowed}{lim} -> {'ok' if m.passed else 'BREACH'}",
-            metric=m.metric,
-            value=m.candidate,
-            bound=m.limit,
-            details=m.model_dump(),
-        )
 
+
+def _check_floor(name: str, pairs: Pairs, floor: float, reasons: Reasons) -> None:
+    rate = sum(o.passed for o in pairs.candidate) / pairs.n
+    reasons.add(
+        "floor",
+        rate >= floor,
+        f"{name}: candidate pass rate {rate:.1%} {'meets' if rate >= floor else 'is below'} the floor {floor:.1%}",
+        metric="pass_rate",
+        value=rate,
+        bound=floor,
+    )
+
+
+def _rates(report: SuiteReport, pairs: Pairs, config: GateConfig) -> SuiteReport:
+    """The per-side pass rates (Wilson), pass@k and which tasks changed."""
+    n, c_out, p_out = pairs.n, pairs.candidate, pairs.production
+    kc, kp = sum(o.passed for o in c_out), sum(o.passed for o in p_out)
     cs, ps = _task_solved(c_out), _task_solved(p_out)
-    report = report.model_copy(
+    return report.model_copy(
         update=dict(
             candidate=PassRate(
-                rate=c_rate, n=n, **dict(zip(("low", "high"), wilson_interval(kc, n, config.confidence)))
+                rate=kc / n, n=n, **dict(zip(("low", "high"), wilson_interval(kc, n, config.confidence)))
             ),
             production=PassRate(
                 rate=kp / n, n=n, **dict(zip(("low", "high"), wilson_interval(kp, n, config.confidence)))
             ),
-            diff=diff,
-            diff_low=lo,
-            diff_high=hi,
-            power=power,
-            margin=tol,
-            candidate_only=b,
-            production_only=c,
-            monitors=monitors,
             newly_solved=sorted(t for t in cs if cs[t] and not ps[t]),
             newly_broken=sorted(t for t in cs if ps[t] and not cs[t]),
-            samples_per_task=k_per_task,
-            candidate_sampling=c_samp,
-            production_sampling=p_samp,
+            samples_per_task=max(k for k, _ in task_counts(c_out).values()),
+            candidate_sampling=sampling_report(c_out),
+            production_sampling=sampling_report(p_out),
         )
     )
-    return report, reasons
+
+
+def _evaluate_suite(
+    name: str, gated: bool, cand: SuiteOutcomes | None, prod: SuiteOutcomes | None, config: GateConfig
+) -> tuple[SuiteReport, list[GateReason]]:
+    """Every check of one suite on its paired outcomes, and the report they fill in. All samples
+    of a task pair by ``(task, sample_index)``; the difference is pass@1(candidate) -
+    pass@1(production), the mean over tasks of each task's mean paired difference."""
+    sg = config.for_suite(name)
+    reasons = Reasons(name, gated, [])
+    if cand is None and prod is None and sg.allow_empty:
+        reasons.add("empty_suite", True, f"{name}: neither side ran the suite (allowed to be empty): not gated")
+        return _empty_report(name, gated, None, config, decision="not_gated", role=sg.role), reasons.items
+    if cand is None or prod is None:
+        missing = [who for who, x in (("candidate", cand), ("production", prod)) if x is None]
+        reasons.add(
+            "missing_suite", False, f"{name}: no results for {' and '.join(missing)}", details={"missing": missing}
+        )
+        return _empty_report(name, gated, None, config, role=sg.role), reasons.items
+    pairs = pair_outcomes(cand, prod, config, reasons)
+    if pairs.empty and sg.allow_empty and not reasons.items:
+        reasons.add("empty_suite", True, f"{name}: the suite holds no task on either side (allowed): not gated")
+        return _empty_report(name, gated, cand.suite_version, config, decision="not_gated", role=sg.role), reasons.items
+    if pairs.n < (sg.min_pairs or 1):
+        reasons.add(
+            "too_few_pairs",
+            False,
+            f"{name}: {pairs.n} paired outcomes, need at least {sg.min_pairs}: insufficient evidence",
+            value=float(pairs.n),
+            bound=float(sg.min_pairs or 1),
+            inconclusive=True,
+        )
+    report = _empty_report(name, gated, cand.suite_version, config, role=sg.role)
+    if pairs.n == 0:
+        return report, reasons.items
+    report = _rates(
+        report.model_copy(update=dict(n_pairs=pairs.n, n_tasks=len({k[0] for k in pairs.keys}))), pairs, config
+    )
+    margin = sg.tolerance or 0.0
+    power = _check_power(name, pairs, margin, config, reasons)
+    report = _check_difference(report, pairs, sg, power, config, reasons)
+    _check_floor(name, pairs, sg.floor, reasons)
+    monitors = check_monitors(name, pairs, config, reasons)
+    return report.model_copy(update=dict(power=power, margin=margin, monitors=monitors)), reasons.items
+
+
+def _suite_decision(report: SuiteReport, reasons: list[GateReason]) -> SuiteDecision:
+    """``not_gated`` as the report says; ``fail`` when a deciding check failed outright, else
+    ``insufficient_evidence`` when one could not decide (or nothing paired), else ``pass``."""
+    if report.decision == "not_gated":
+        return "not_gated"
+    deciding = [r for r in reasons if not r.informational]
+    if any(not r.passed and not r.inconclusive for r in deciding):
+        return "fail"
+    if any(not r.passed for r in deciding) or report.n_pairs == 0:
+        return "insufficient_evidence"
+    return "pass"
+
+
+def _gate_decision(reports: list[SuiteReport]) -> Decision:
+    """Spotify Confidence's rule over the gated suites that decided: ``fail`` if none decided or
+    one failed; ``pass`` if every guardrail passed and, where success suites decided, one passed;
+    else ``insufficient_evidence``."""
+    decided = [s for s in reports if s.decision != "not_gated"]
+    if not decided or any(s.decision == "fail" for s in decided):
+        return "fail"
+    guardrails = [s for s in decided if s.role == "guardrail"]
+    successes = [s for s in decided if s.role == "success"]
+    if all(s.decision == "pass" for s in guardrails) and (
+        not successes or any(s.decision == "pass" for s in successes)
+    ):
+        return "pass"
+    return "insufficient_evidence"
 
 
 def decide_gate(
@@ -362,9 +326,10 @@ def decide_gate(
         config: the gate policy.
 
     Returns:
-        A :class:`GateResult`: ``decision`` is ``fail`` when no suite is gated or a gated suite
-        failed, else ``insufficient_evidence`` when a gated suite could not decide, else ``pass``
-        (``passed``). Ungated suites present on both sides are reported, never decisive.
+        A :class:`GateResult`: ``decision`` is ``fail`` when no gated suite decided (none gated, or
+        every one ``not_gated``) or a gated suite failed, ``pass`` under the success-and-guardrails
+        rule (:func:`_gate_decision`), else ``insufficient_evidence``. Ungated suites present on
+        both sides are reported, never decisive.
     """
     gated = config.gated_suites()
     names = sorted(set(gated) | (set(candidate) & set(production)))
@@ -377,19 +342,19 @@ def decide_gate(
             )
         )
     for name in names:
-        is_gated = name in gated
-        report, rs = _evaluate_suite(name, is_gated, candidate.get(name), production.get(name), config)
+        report, rs = _evaluate_suite(name, name in gated, candidate.get(name), production.get(name), config)
         decision = _suite_decision(report, rs)
         suites[name] = report.model_copy(update={"passed": decision == "pass", "decision": decision})
         reasons.extend(rs)
-    decisions = {suites[s].decision for s in gated}
-    overall: Decision = (
-        "fail"
-        if not gated or "fail" in decisions
-        else "insufficient_evidence"
-        if "insufficient_evidence" in decisions
-        else "pass"
-    )
+    overall = _gate_decision([suites[s] for s in gated])
+    if gated and all(suites[s].decision == "not_gated" for s in gated):
+        reasons.append(
+            GateReason(
+                check="no_gated_suites",
+                passed=False,
+                message="no gated suite had outcomes to compare; refusing to pass",
+            )
+        )
     return GateResult(
         passed=overall == "pass",
         decision=overall,

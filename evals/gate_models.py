@@ -14,9 +14,13 @@ from pydantic import BaseModel, Field
 
 Key = tuple[str, int]
 Decision = Literal["pass", "fail", "insufficient_evidence"]
-"""How a suite's comparison (and the gate) ends: ``pass``; ``fail``, a check shows a problem (a
-regression, a breached floor or monitor, missing or broken results); ``insufficient_evidence``,
-nothing failed but the pairs cannot support a pass (too few, or too little power for the margin)."""
+"""How the gate ends: ``pass``, the intervals clear every gated suite's threshold; ``fail``, a
+check shows a problem (a regression, a breached floor or monitor, missing or broken results) or no
+suite was gated; ``insufficient_evidence``, nothing failed but some interval still reaches below
+its threshold on a suite without the power to call that a failure (or too few pairs)."""
+SuiteDecision = Literal["pass", "fail", "insufficient_evidence", "not_gated"]
+"""How one suite ends: a :data:`Decision`, or ``not_gated`` for a suite allowed to be empty that
+had nothing to compare (reported, never a pass, and not counted by the gate)."""
 
 
 @dataclass(frozen=True)
@@ -58,7 +62,8 @@ class GateReason(BaseModel):
 
     check: str = Field(
         description="missing_suite | version_mismatch | missing_results | unpaired | errors | "
-        "too_few_pairs | power | non_inferiority | floor | monitor | empty_suite | no_gated_suites"
+        "too_few_pairs | power | non_inferiority | superiority | floor | monitor | empty_suite | "
+        "no_gated_suites"
     )
     suite: str | None = None
     gated: bool = True
@@ -72,6 +77,10 @@ class GateReason(BaseModel):
         default=False,
         description="a failed check that shows no problem, only that the pairs cannot decide "
         "(insufficient evidence, not a failure)",
+    )
+    informational: bool = Field(
+        default=False,
+        description="reported beside the decision and never part of it (the power figure)",
     )
 
 
@@ -120,6 +129,23 @@ class SamplingReport(BaseModel):
     best_of_k_tasks: int
 
 
+class SequentialReport(BaseModel):
+    """The anytime-valid view of one suite (:mod:`evals.sequential`): clusters in a seeded random
+    order, one look after each, bounds of the mean over clusters of each cluster's mean paired
+    difference (one-sided, each at the gate's confidence)."""
+
+    low: float = Field(description="the sequence's lower bound where it stopped (else after the last cluster)")
+    high: float = Field(description="its upper bound there")
+    clusters: int = Field(description="clusters (templates, or tasks) in the suite")
+    stopped_at_clusters: int | None = Field(
+        default=None, description="clusters seen when a bound first decided; None: it never did"
+    )
+    stopped_at_pairs: int | None = Field(
+        default=None, description="paired outcomes in those clusters; None: the sequence never decided"
+    )
+    decision: Decision = Field(description="what the sequence says (the suite's decision under decide_by = sequential)")
+
+
 class SuiteReport(BaseModel):
     """Statistics of one suite on the paired outcomes."""
 
@@ -127,7 +153,19 @@ class SuiteReport(BaseModel):
     gated: bool
     suite_version: str | None
     passed: bool
-    decision: Decision = "fail"
+    decision: SuiteDecision = "fail"
+    role: str = Field(default="guardrail", description="guardrail (non-inferiority) or success (superiority)")
+    threshold: float | None = Field(
+        default=None, description="the bound the deciding lower bound must clear: -margin, or 0 for a success suite"
+    )
+    decided_by: str = Field(default="interval", description="interval (fixed n) or sequential")
+    clusters: int = Field(default=0, description="clusters the intervals resample (templates or tasks)")
+    sequential: SequentialReport | None = None
+    stopped_at_pairs: int | None = Field(
+        default=None,
+        description="pairs at which the deciding bounds decided: where the confidence sequence stopped "
+        "under decide_by = sequential, else all pairs; None without a decision",
+    )
     power: float | None = Field(
         default=None,
         description="probability that an equal candidate clears the margin at these pairs and "
@@ -164,5 +202,31 @@ class GateResult(BaseModel):
 
     def failures(self) -> list[GateReason]:
         """The reasons that kept a gated suite from passing, failed or inconclusive (empty when
-        ``passed``)."""
-        return [r for r in self.reasons if not r.passed and r.gated]
+        ``passed``); the informational power figure is never one."""
+        return [r for r in self.reasons if not r.passed and r.gated and not r.informational]
+
+    def decisions(self) -> dict[str, Any]:
+        """The decision in brief, for a bench's JSON: ``{"decision": str, "suites": {name:
+        {"decision", "gated", "role", "decided_by", "power", "stopped_at_pairs", "n_pairs", "diff",
+        "low", "high", "sequence"}}}``: ``low``/``high`` the fixed-n interval, ``sequence`` the
+        confidence sequence's ``[low, high]`` where it stopped (differences as pass-rate fractions;
+        None without pairs)."""
+        return {
+            "decision": self.decision,
+            "suites": {
+                n: {
+                    "decision": s.decision,
+                    "gated": s.gated,
+                    "role": s.role,
+                    "decided_by": s.decided_by,
+                    "power": s.power,
+                    "stopped_at_pairs": s.stopped_at_pairs,
+                    "n_pairs": s.n_pairs,
+                    "diff": s.diff,
+                    "low": s.diff_low,
+                    "high": s.diff_high,
+                    "sequence": None if s.sequential is None else [s.sequential.low, s.sequential.high],
+                }
+                for n, s in self.suites.items()
+            },
+        }

@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 
     from evals.gating import GateOutcome
 
-STYLE = {"pass": "green", "fail": "red", "insufficient_evidence": "yellow"}
+STYLE = {"pass": "green", "fail": "red", "insufficient_evidence": "yellow", "not_gated": "dim"}
 
 
 def _table(title: str, *columns: str, names: tuple[str, ...] = ("suite",)) -> Table:
@@ -84,7 +84,9 @@ def explain(console: "Console", outcome: "GateOutcome") -> None:
     if any(s.samples_per_task > 1 for s in r.suites.values()):
         console.print(k)
     for reason in r.reasons:
-        if reason.passed:
+        if reason.informational:
+            mark = "[dim]·[/dim]"
+        elif reason.passed:
             mark = "[green]✓[/green]"
         elif not reason.gated:
             mark = "[yellow]·[/yellow]"

@@ -21,7 +21,12 @@ from evals.gate import GateResult, SamplingReport
 from evals.passk import format_sampling
 
 MAX_LISTED = 200
-DECISION_COLORS = {"pass": "tab:green", "fail": "tab:red", "insufficient_evidence": "tab:orange"}
+DECISION_COLORS = {
+    "pass": "tab:green",
+    "fail": "tab:red",
+    "insufficient_evidence": "tab:orange",
+    "not_gated": "tab:gray",
+}
 
 
 def report_dict(
@@ -154,7 +159,11 @@ def render_task_diff(report: dict[str, Any]) -> str:
         lines += ["", f"## {name}", ""]
         suite = report["suites"].get(name, {})
         if suite.get("power") is not None:
-            lines.append(f"- decision: {suite['decision']}, power {suite['power']:.2f} at margin {suite['margin']:.1%}")
+            stop = suite.get("stopped_at_pairs")
+            lines.append(
+                f"- decision: {suite['decision']}, power {suite['power']:.2f} at margin {suite['margin']:.1%}"
+                + ("" if stop is None else f", decided at {stop} pairs")
+            )
         for role in ("candidate", "production"):
             samp = suite.get(f"{role}_sampling")
             if samp:

@@ -49,7 +49,13 @@ class DeveloperModel(BaseModel):
     - ``looks_right``: the main file passes the visible check (parses, defines the entry point);
     - ``broken``: an edit was made but fails the visible check; ``no_edit``: nothing to accept.
 
-    Per edit: accept with ``accept[outcome]``, else reject. An accepted edit's measured persistence
+    What the developer *knows* is a setting (docs/simulator.md, "Noisier developers"): with
+    ``untested_rate`` it never runs a session's tests and judges by the visible check alone; with
+    ``keeps_wrong_rate`` it takes a plausible wrong edit for a working one; late signals are lost
+    (``signal_loss_rate``) or delayed (``late_signal_rate``). The defaults, all 0, are the developer
+    who always knows (it runs the hidden tests).
+
+    Per edit: accept with ``accept[seen outcome]``, else reject. An accepted edit's measured persistence
     is the share of its added lines still in the file at the end of the session times a factor
     drawn uniformly from ``keep_if_works`` when the code works (the developer keeps it) or from
     ``keep_if_fails`` when it does not (the developer rewrites most of it). A dissatisfied
@@ -74,6 +80,19 @@ class DeveloperModel(BaseModel):
     """P(dissatisfied follow-up) after a session that edited code failing the hidden tests."""
     followup_if_no_edit: float = Field(default=0.7, ge=0.0, le=1.0)
     """P(dissatisfied follow-up) after a session that changed nothing."""
+    keeps_wrong_rate: float = Field(default=0.0, ge=0.0, le=1.0)
+    """Share of plausible-but-wrong sessions (``looks_right``) the developer takes for working code:
+    it reacts as to ``works`` (accepts, keeps, is satisfied). 0: the developer always finds out."""
+    untested_rate: float = Field(default=0.0, ge=0.0, le=1.0)
+    """Share of sessions whose tests the developer never runs: it sees only the visible check, so a
+    working edit and a plausible wrong one both look ``looks_right``. 0: every session is tested."""
+    signal_loss_rate: float = Field(default=0.0, ge=0.0, le=1.0)
+    """Share of late signals (edit persistence, follow-up) that never arrive and are never announced
+    (the editor closed before measuring, the developer left)."""
+    late_signal_rate: float = Field(default=0.0, ge=0.0, le=1.0)
+    """Share of the arriving late signals delayed by a further ``late_signal_delay_s``."""
+    late_signal_delay_s: float = Field(default=60.0, ge=0.0)
+    """Extra delay of a late signal (seconds)."""
 
     def accept_probability(self, outcome: str) -> float:
         """P(accept) of an edit given the session's outcome (``works`` | ``looks_right`` | ``broken``)."""
@@ -139,11 +158,11 @@ class DeveloperReaction:
         self.passed: bool | None = None
         self.outcome = "no_edit"
         self.grade_detail: dict | None = None
-        self.accepted = self.rejected = 0
+        self.accepted = self.rejected = self.lost = self.late = 0
+        self.seen: str | None = None
 
     def __call__(self, result) -> list[str]:
         """``on_end`` hook: grade, accept/reject edits now, schedule late signals, return their types."""
-        dev = self.config.developer
         self.passed = False
         if result.edited:
             graded = grade_result(self.task, self.workdir, SandboxLimits(timeout_s=self.config.run_timeout_s))
@@ -157,18 +176,42 @@ class DeveloperReaction:
             self.outcome = (
                 "works" if graded.ok else "looks_right" if visible_check(self.task, result.final_files) else "broken"
             )
+        return self.react(result)
+
+    def seen_outcome(self) -> str:
+        """What the developer believes of the session (``self.outcome`` is the truth): an untested
+        session that passes the visible check looks ``looks_right`` whether or not it works, and a
+        plausible wrong one may be taken for ``works``. Draws only for the knobs that are set, so
+        the defaults keep the stream of the exact developer."""
+        dev = self.config.developer
+        untested = dev.untested_rate > 0 and self.rng.random() < dev.untested_rate
+        fooled = dev.keeps_wrong_rate > 0 and self.rng.random() < dev.keeps_wrong_rate
+        if untested and self.outcome in ("works", "looks_right"):
+            return "looks_right"
+        if fooled and self.outcome == "looks_right":
+            return "works"
+        return self.outcome
+
+    def react(self, result) -> list[str]:
+        """Accept or reject each edit of ``result`` now and schedule the late signals, by the outcome
+        the developer sees (:meth:`seen_outcome` of the graded ``self.outcome``); return the late
+        signals' types (what ``session.ended.expected_signals`` announces)."""
+        dev = self.config.developer
+        self.seen = seen = self.seen_outcome()
         expected: list[str] = []
         final = result.final_files
-        keep = dev.keep_if_works if self.outcome == "works" else dev.keep_if_fails
+        keep = dev.keep_if_works if seen == "works" else dev.keep_if_fails
         for edit in result.edits:
-            if self.rng.random() >= dev.accept_probability(self.outcome):
+            if self.rng.random() >= dev.accept_probability(seen):
                 self.rejected += 1
                 self.emit(EditRejectedEvent(**self.envelope, payload=EditRejected(edit_id=edit["edit_id"])))
                 continue
             self.accepted += 1
             self.emit(EditAcceptedEvent(**self.envelope, payload=EditAccepted(edit_id=edit["edit_id"])))
             fraction = surviving_fraction(edit, final.get(edit["path"], "")) * self.rng.uniform(*keep)
-            delay = self.config.persistence_delay_s
+            delay = self._late_delay(self.config.persistence_delay_s)
+            if delay is None:
+                continue
             self.schedule(
                 delay,
                 EditPersistenceMeasuredEvent(
@@ -181,15 +224,26 @@ class DeveloperReaction:
                 ),
             )
             expected.append("edit.persistence_measured")
-        if self.rng.random() < dev.followup_probability(self.outcome):
-            self.schedule(
-                self.config.followup_delay_s,
-                FollowupSentEvent(
-                    **self.envelope, payload=FollowupSent(text=self.rng.choice(FOLLOWUPS), dissatisfied=True)
-                ),
-            )
-            expected.append("followup.sent")
+        if self.rng.random() < dev.followup_probability(seen):
+            text = self.rng.choice(FOLLOWUPS)
+            delay = self._late_delay(self.config.followup_delay_s)
+            if delay is not None:
+                self.schedule(
+                    delay, FollowupSentEvent(**self.envelope, payload=FollowupSent(text=text, dissatisfied=True))
+                )
+                expected.append("followup.sent")
         return expected
+
+    def _late_delay(self, delay_s: float) -> float | None:
+        """The delay of one late signal: None when it is lost, longer when it is late."""
+        dev = self.config.developer
+        if dev.signal_loss_rate > 0 and self.rng.random() < dev.signal_loss_rate:
+            self.lost += 1
+            return None
+        if dev.late_signal_rate > 0 and self.rng.random() < dev.late_signal_rate:
+            self.late += 1
+            return delay_s + dev.late_signal_delay_s
+        return delay_s
 
 
 def surviving_fraction(edit: dict, final_text: str) -> float:

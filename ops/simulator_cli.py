@@ -29,6 +29,25 @@ def simulate(
         help="request mix by task difficulty, LEVEL:WEIGHT pairs, e.g. '1:0.6,2:0.3,3:0.1' (default: uniform)",
     ),
     seed: int = typer.Option(0, "--seed"),
+    keeps_wrong_rate: float = typer.Option(
+        0.0,
+        "--keeps-wrong-rate",
+        min=0.0,
+        max=1.0,
+        help="share of plausible-but-wrong edits the developer keeps as if they worked",
+    ),
+    untested_rate: float = typer.Option(
+        0.0, "--untested-rate", min=0.0, max=1.0, help="share of sessions whose tests it never runs"
+    ),
+    signal_loss_rate: float = typer.Option(
+        0.0, "--signal-loss-rate", min=0.0, max=1.0, help="share of late signals that never arrive"
+    ),
+    late_signal_rate: float = typer.Option(
+        0.0, "--late-signal-rate", min=0.0, max=1.0, help="share of late signals that arrive late"
+    ),
+    late_signal_delay: float = typer.Option(
+        60.0, "--late-signal-delay", min=0.0, help="extra seconds of a late signal"
+    ),
     model_dir: Path = typer.Option(
         None, "--model-dir", help="serve this HF folder instead of the production checkpoint"
     ),
@@ -46,6 +65,7 @@ def simulate(
     import torch
 
     from app.core.telemetry import configure_telemetry, shutdown_telemetry
+    from ops.developer import DeveloperModel
     from ops.simulator import SimulatorConfig, run_simulation
     from producers.producer import EventProducer
     from serving.canary import TrafficRouter
@@ -68,6 +88,13 @@ def simulate(
         source=source,
         difficulty_mix=parse_mix(difficulty_mix) if difficulty_mix else None,
         seed=seed,
+        developer=DeveloperModel(
+            keeps_wrong_rate=keeps_wrong_rate,
+            untested_rate=untested_rate,
+            signal_loss_rate=signal_loss_rate,
+            late_signal_rate=late_signal_rate,
+            late_signal_delay_s=late_signal_delay,
+        ),
     )
     engine = setup_engine(checkpoint_id=checkpoint, model_dir=model_dir)
     # Routed as production traffic is: by the canary the serving watcher serves, followed live.

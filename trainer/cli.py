@@ -25,6 +25,12 @@ def train(
     invert_reward: bool = typer.Option(
         False, "--invert-reward", help="train on the negated reward: a planted regression for the gate"
     ),
+    placebo: bool = typer.Option(
+        False,
+        "--placebo",
+        help="shuffle each cycle's rewards across its trajectories (`data.placebo`): the control arm",
+    ),
+    seed: int | None = typer.Option(None, "--seed", help="override `seed`: batch order, schedule, LoRA init, placebo"),
     same_data_as: str | None = typer.Option(
         None, "--same-data-as", help="train on exactly the trajectories this checkpoint trained on"
     ),
@@ -73,6 +79,8 @@ def train(
             ("data.min_group_reward_range", min_range),
             ("data.same_data_as", same_data_as),
             ("invert_reward", invert_reward or None),
+            ("data.placebo", placebo or None),
+            ("seed", seed),
             ("device", device),
             ("precision", precision),
             ("pi_old", pi_old),

@@ -56,6 +56,10 @@ class DataConfig(_Config):
     (:meth:`trainer.data.CycleData.exclude_low_contrast`). 0: train every group."""
     singleton_baseline: Literal["zero", "batch_mean"] = "batch_mean"
     """Baseline of a trajectory alone in its task group: 0 advantage, or reward minus batch mean."""
+    placebo: bool = False
+    """The placebo arm: shuffle each cycle's rewards across its trajectories (seeded by ``seed`` and
+    the cycle's trajectory ids) before the advantages are computed, so a gain of the placebo run is
+    not learning from the reward (Shao et al. 2025, "Spurious Rewards"). Recorded in the manifest."""
     same_data_as: str | None = None
     """Train on exactly the trajectories checkpoint ``same_data_as`` trained on (already claimed:
     ablations and planted regressions), instead of the new ones."""
@@ -136,7 +140,8 @@ class TrainerConfig(_Config):
     invert_reward: bool = False
     """Train on the negated reward: a planted regression the gate must reject (bench, drills)."""
     seed: int = 0
-    """Seed of the micro-batch order."""
+    """Seed of every draw of the cycle: the micro-batch order, the step schedule, the LoRA adapters'
+    initialisation and the placebo's permutation (``flywheel train --seed``; in the manifest)."""
     threads: int = Field(default=2, ge=1, le=256)
     """torch intra-op threads."""
     device: Literal["auto", "cpu", "cuda"] = "auto"

@@ -247,6 +247,8 @@ def _train_and_register(
     metrics["planned_steps"], metrics["pi_old"] = planned_steps(trained.micro_batches, config), config.pi_old
     if config.invert_reward:
         metrics["invert_reward"] = True
+    if config.data.placebo:
+        metrics["placebo"] = True
     metrics["placement"] = {**trained.placement.describe(), "ranks": dp.world_size if dp is not None else 1}
     not_trained = [str(t.id) for i, t in enumerate(data.used) if i not in trained.trained]
     metrics["untrained_trajectories"] = len(not_trained)
@@ -263,6 +265,8 @@ def _train_and_register(
         "trace": span_reference(),  # the trainer.cycle span: eval runs and the gate link to it
         "placement": metrics["placement"],  # device and resolved precision
         "pi_old": config.pi_old,
+        "seed": config.seed,  # every draw of the cycle (trainer.config.TrainerConfig.seed)
+        "placebo": config.data.placebo,  # rewards shuffled across the cycle's trajectories
         "stopped_early": metrics["stopped_early"],  # the update watch's reason, or None
         **section,
     }

@@ -16,9 +16,11 @@ micro-batches every epoch trains, and advantages are computed over exactly those
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from app.checkpoints.delta import serving_state_dict
@@ -46,17 +48,30 @@ _tracer = tracer("flywheel.trainer")
 MAX_SPAN_IDS = 256  # trajectory ids put on the span (the manifest has them all)
 
 
+def placebo_permutation(trajectory_ids: list, seed: int) -> np.ndarray:
+    """The placebo's permutation of one cycle: ``[G]`` int64 indices, seeded by ``seed`` and the
+    cycle's trajectory ids (sorted), so each cycle draws its own and a rerun the same."""
+    digest = hashlib.sha256("\n".join(sorted(str(i) for i in trajectory_ids)).encode()).digest()
+    rng = np.random.default_rng([seed, int.from_bytes(digest[:8], "little")])
+    return rng.permutation(len(trajectory_ids))
+
+
 def pack_cycle(trajectories: list, config: TrainerConfig, pad_id: int = 0):
     """Rewards, task groups, advantages and micro-batches of ``trajectories`` (rewards negated with
-    ``invert_reward``).
+    ``invert_reward``; with ``data.placebo`` shuffled across the trajectories by
+    :func:`placebo_permutation` before the advantages, so the cycle trains on rewards that say
+    nothing about its own trajectories: Shao et al. 2025, "Spurious Rewards").
 
     Returns:
-        ``(rewards [G] fp32, groups [G] int64, advantages [G] fp32, micro-batches)`` for ``G`` trajectories.
+        ``(rewards [G] fp32, groups [G] int64, advantages [G] fp32, micro-batches)`` for ``G``
+        trajectories; ``rewards`` are the ones trained on (shuffled under the placebo).
     """
     groups = group_ids(trajectories)
     rewards = torch.tensor([t.reward for t in trajectories], dtype=torch.float32)
     if config.invert_reward:
         rewards = -rewards
+    if config.data.placebo:
+        rewards = rewards[torch.from_numpy(placebo_permutation([t.id for t in trajectories], config.seed))]
     advantages = compute_advantages(rewards, groups, singleton_baseline=config.data.singleton_baseline)
     batches = pack_micro_batches(
         trajectories,
@@ -145,6 +160,7 @@ def train_policy(
         span.set_attributes({"flywheel.parent_dir": str(parent_dir), **placement.describe()})
         model = load_policy(parent_dir)
         parent_serving = serving_state_dict(model) if main else {}
+        torch.manual_seed(config.seed)  # the adapters' random initialisation (peft draws from torch's global RNG)
         adapters = attach_adapters(model, config.lora) if config.lora.rank else None
         if config.gradient_checkpointing:  # recomputed MoE layers keep their replayed routes
             model.gradient_checkpointing_enable(

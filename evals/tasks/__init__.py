@@ -32,7 +32,8 @@ def load_tasks(source: str, split: str, limit: int | None = None, seed: int = 0)
         ConfigurationError: unknown source or split (e.g. DataFrameBench ``val``).
 
     ``functions`` (generated function requests) has splits ``train``, ``test`` (held-out
-    templates) and ``test_params`` (unseen parameterisations of training templates);
+    templates), ``test_params`` (unseen parameterisations of training templates) and ``fresh``
+    (kinds of request no other split has);
     ``functions_long`` (multi-step requests in long files) has ``train`` and ``test``.
     """
     if source == "dataframebench":

@@ -18,7 +18,11 @@ Splits (by template, so held-out tasks are ones the trainer never saw in any for
 - ``test_params``: up to :data:`PARAM_VARIANTS` further variants of each training template whose
   behaviour is new: on the variant's hidden cases no training variant's reference (nor an earlier
   ``test_params`` variant's) returns what the variant's reference returns, so a renamed training
-  solution fails them (unseen parameterisations, not renamed training tasks).
+  solution fails them (unseen parameterisations, not renamed training tasks). Most are still a
+  one- or two-token edit of a trained request;
+- ``fresh``: up to :data:`FRESH_VARIANTS` variants of each template of ``functions_fresh.py``,
+  kinds of request no other split has (fresh traffic for the A/B: no request is a few-token edit
+  of a trained one, tests/unit/test_functions_tasks.py).
 
 Invariant: generation is deterministic (every template is seeded by ``"<template>:<attempt>"``)
 and the three splits are disjoint; ``test_params`` is disjoint from ``train`` in behaviour too.
@@ -31,7 +35,7 @@ import random
 from functools import lru_cache
 
 from app.core.errors import ConfigurationError
-from evals.tasks.functions_spec import TEMPLATES, Template
+from evals.tasks.functions_spec import FRESH_TEMPLATES, TEMPLATES, Template
 from evals.tasks.model import HIDDEN_RUNNER, Task, hidden_runner
 
 # Each import registers its templates; registration order decides the held-out templates, so it stays fixed.
@@ -43,14 +47,16 @@ from evals.tasks import (
     functions_dicts,  # noqa: F401
     functions_strings,  # noqa: F401
     functions_parsing,  # noqa: F401
+    functions_fresh,  # noqa: F401  (its own registry: the order above is untouched)
 )
 # isort: on
 
 SOURCE = "functions"
-SPLITS = ("train", "test", "test_params")
+SPLITS = ("train", "test", "test_params", "fresh")
 VARIANTS = 6
 TRAIN_VARIANTS = 4
 PARAM_VARIANTS = 4
+FRESH_VARIANTS = 4
 HELD_OUT_EVERY = 4
 TEST_FILE = "test_hidden.py"
 _ATTEMPTS = 40
@@ -77,6 +83,13 @@ def check(candidate):
         got = candidate(*copy.deepcopy(args))
         assert _same(got, want), f"{candidate.__name__}{args!r} returned {got!r}, expected {want!r}"
 """
+
+
+def template_of(task_id: str) -> str | None:
+    """The template a ``functions`` task was generated from (``FN/<template>/<variant>`` ->
+    ``FN/<template>``), None for any other task id: the unit the gate clusters by."""
+    parts = task_id.split("/")
+    return "/".join(parts[:2]) if len(parts) == 3 and parts[0] == "FN" else None
 
 
 def held_out_templates() -> frozenset[str]:
@@ -183,11 +196,15 @@ def _all() -> dict[str, tuple[Task, ...]]:
             splits["train"].append(_task(t, index, attempt, s, "train"))
         for index, attempt, s in _param_variants(variants):
             splits["test_params"].append(_task(t, index, attempt, s, "test_params"))
+    for t in FRESH_TEMPLATES:
+        splits["fresh"] += [
+            _task(t, i, attempt, s, "fresh") for i, (attempt, s) in enumerate(_variants(t, FRESH_VARIANTS))
+        ]
     return {k: tuple(v) for k, v in splits.items()}
 
 
 def load(split: str) -> list[Task]:
-    """Every task of ``split`` (``train``, ``test`` or ``test_params``), in template order.
+    """Every task of ``split`` (``train``, ``test``, ``test_params`` or ``fresh``), in template order.
 
     Raises:
         ConfigurationError: any other split.

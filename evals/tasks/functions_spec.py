@@ -38,16 +38,21 @@ class Template:
 
 
 TEMPLATES: list[Template] = []
+"""The templates of the ``train``, ``test`` and ``test_params`` splits, in registration order."""
+FRESH_TEMPLATES: list[Template] = []
+"""The templates of the ``fresh`` split (``evals/tasks/functions_fresh.py``): kinds of request no
+other split has."""
 
 WORDS = ["apple", "river", "stone", "cloud", "tiger", "lemon", "piano", "ocean", "maple", "robot", "sugar", "delta"]
 """Words the ``strings`` and ``parsing`` templates build their cases from."""
 
 
-def template(family: str, difficulty: int) -> Callable:
-    """Register the decorated ``(rng) -> dict`` function as a template named after it."""
+def template(family: str, difficulty: int, registry: list[Template] | None = None) -> Callable:
+    """Register the decorated ``(rng) -> dict`` function as a template named after it, in
+    ``registry`` (default :data:`TEMPLATES`)."""
 
     def deco(fn: Callable[[random.Random], dict]) -> Callable[[random.Random], dict]:
-        TEMPLATES.append(Template(fn.__name__.lstrip("_"), family, difficulty, fn))
+        (TEMPLATES if registry is None else registry).append(Template(fn.__name__.lstrip("_"), family, difficulty, fn))
         return fn
 
     return deco

@@ -10,9 +10,11 @@ import signal
 import subprocess
 import sys
 import textwrap
+import uuid
 from datetime import UTC, datetime
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from opentelemetry import trace
@@ -26,6 +28,7 @@ from app.models import Trajectory, TrajectorySegment
 from app.repositories.events import EventRow, append_events
 from trainer.config import TrainerConfig
 from trainer.cycle import run_cycle
+from trainer.training import placebo_permutation
 
 pytestmark = pytest.mark.integration
 
@@ -522,6 +525,32 @@ def test_planted_regression_trains_on_the_same_data_with_the_reward_negated(sess
     assert set(adv2) == set(adv1) == {str(u) for u in used}
     assert all(adv2[k] == pytest.approx(-adv1[k]) and adv1[k] != 0 for k in adv1)
     assert planted.metrics["invert_reward"] is True
+
+
+def test_a_placebo_cycle_trains_on_shuffled_rewards_and_says_so(session, store, production, policy_dir):
+    """``data.placebo`` and ``seed`` through a real cycle: the manifest records both; the advantages
+    trained on are those of a permutation of the trajectories' rewards, not of their own."""
+    used, _ = _insert_sessions(session, policy_dir, n_tasks=4)
+    result = run_cycle(
+        TrainerConfig.model_validate({**CONFIG, "seed": 7, "data": {**CONFIG["data"], "placebo": True}}), store=store
+    )
+    assert result.status == "succeeded" and result.metrics["placebo"] is True
+    manifest = store.manifest(result.checkpoint_id)
+    assert manifest["placebo"] is True and manifest["seed"] == 7
+    entries = manifest["trajectories"]  # the claimed trajectories, in the order they were packed
+    assert entries and {t["id"] for t in entries} <= {str(u) for u in used}
+    perm = placebo_permutation([uuid.UUID(t["id"]) for t in entries], 7)
+    shuffled = [entries[i]["reward"] for i in perm]
+
+    def advantages(rewards):
+        mean = {
+            g: np.mean([r for r, t in zip(rewards, entries) if t["task_id"] == g])
+            for g in {t["task_id"] for t in entries}
+        }
+        return [r - mean[t["task_id"]] for r, t in zip(rewards, entries)]
+
+    assert [t["advantage"] for t in entries] == pytest.approx(advantages(shuffled))
+    assert sorted(shuffled) == sorted(t["reward"] for t in entries)
 
 
 def test_a_group_without_reward_contrast_waits_for_one(session, store, production, policy_dir):

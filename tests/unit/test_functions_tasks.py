@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import random
+import re
+import statistics
 from collections import Counter
 
 import pytest
@@ -10,10 +12,10 @@ import pytest
 from app.core.errors import ConfigurationError
 from evals.tasks import SOURCES, load_tasks, verify_reference, verify_stub
 from evals.tasks.functions import held_out_templates
-from evals.tasks.functions_spec import TEMPLATES
+from evals.tasks.functions_spec import FRESH_TEMPLATES, TEMPLATES
 from evals.tasks.model import Task
 
-SPLITS = ("train", "test", "test_params")
+SPLITS = ("train", "test", "test_params", "fresh")
 
 
 @pytest.fixture(scope="module")
@@ -49,6 +51,8 @@ def test_splits_are_disjoint_by_template(splits):
     assert templates["test"] == held_out_templates()
     assert not templates["test"] & (templates["train"] | templates["test_params"])
     assert templates["test_params"] <= templates["train"]  # unseen parameters of seen templates
+    assert templates["fresh"] == {t.key for t in FRESH_TEMPLATES}
+    assert not templates["fresh"] & (templates["train"] | templates["test"])
     train_fns = {
         (t.metadata["template"], t.metadata["entry_point"], t.request.split(" For example")[0]) for t in splits["train"]
     }
@@ -118,3 +122,41 @@ def test_unseen_parameters_are_not_renamed_training_tasks(splits):
             if a is not b and a.metadata["template"] == b.metadata["template"] and a.id < b.id:
                 with pytest.raises(Exception):
                     _hidden_check(b)(_reference_fn(a))
+
+
+def _tokens(text: str) -> list[str]:
+    return re.findall(r"\w+|[^\w\s]", text)
+
+
+def _edit_distance(a: list[str], b: list[str]) -> int:
+    """Levenshtein distance between two token lists (insert, delete, substitute: 1 each)."""
+    prev = list(range(len(b) + 1))
+    for i, x in enumerate(a, 1):
+        cur = [i]
+        for j, y in enumerate(b, 1):
+            cur.append(min(prev[j] + 1, cur[j - 1] + 1, prev[j - 1] + (x != y)))
+        prev = cur
+    return prev[-1]
+
+
+def _nearest_trained(tasks: list[Task], train: list[Task]) -> tuple[list[int], list[int]]:
+    """Per task, the token edit distance of its reference (code) and of its request (without the
+    example) to the nearest trained task's."""
+    trained = [(_tokens(t.reference_files["solution.py"]), _tokens(t.request.split(" For example")[0])) for t in train]
+    refs, reqs = [], []
+    for t in tasks:
+        ref, req = _tokens(t.reference_files["solution.py"]), _tokens(t.request.split(" For example")[0])
+        refs.append(min(_edit_distance(ref, r) for r, _ in trained))
+        reqs.append(min(_edit_distance(req, q) for _, q in trained))
+    return refs, reqs
+
+
+def test_fresh_requests_are_not_few_token_edits_of_trained_ones(splits):
+    """Issue 59: most ``test_params`` tasks are a one- or two-token edit of a trained one (median
+    nearest reference 2 code tokens away); every ``fresh`` task's reference is at least 6 code
+    tokens and its request at least 10 word tokens from every trained task's."""
+    params_refs, _ = _nearest_trained(splits["test_params"], splits["train"])
+    assert min(params_refs) == 1 and statistics.median(params_refs) <= 2
+    refs, reqs = _nearest_trained(splits["fresh"], splits["train"])
+    assert min(refs) >= 6 and min(reqs) >= 10, (min(refs), min(reqs))
+    assert statistics.median(refs) >= 10

@@ -122,6 +122,29 @@ def test_invert_reward_negates_advantages():
     assert rewards.tolist() == [-1.0, -0.0] and adv.tolist() == pytest.approx([-0.5, 0.5])
 
 
+def test_the_placebo_shuffles_rewards_across_trajectories_before_advantages():
+    """``data.placebo``: the rewards trained on are a permutation of the real ones, seeded by
+    ``seed`` and the trajectory ids; the advantages differ from the real run's."""
+    from trainer.training import pack_cycle, placebo_permutation
+
+    trajs = [
+        make_trajectory([make_segment([1, 2], [5, 6])], float(i), task_id=f"t{i // 4}") for i in range(16)
+    ]  # 4 groups of 4, rewards 0..15
+    real_rewards, _, real_adv, _ = pack_cycle(trajs, TrainerConfig.model_validate({"seed": 3}))
+    cfg = TrainerConfig.model_validate({"seed": 3, "data": {"placebo": True}})
+    rewards, groups, adv, _ = pack_cycle(trajs, cfg)
+    assert sorted(rewards.tolist()) == real_rewards.tolist() and rewards.tolist() != real_rewards.tolist()
+    perm = placebo_permutation([t.id for t in trajs], 3)
+    assert rewards.tolist() == [float(i) for i in perm]
+    assert not torch.allclose(adv, real_adv)
+    # Within each group the advantages still sum to zero (Dr. GRPO over the shuffled rewards).
+    assert all(abs(float(adv[groups == g].sum())) < 1e-5 for g in groups.unique())
+    assert pack_cycle(trajs, cfg)[0].tolist() == rewards.tolist()  # seeded: a rerun draws the same
+    other = pack_cycle(trajs, TrainerConfig.model_validate({"seed": 4, "data": {"placebo": True}}))[0]
+    assert other.tolist() != rewards.tolist()
+    assert list(placebo_permutation([t.id for t in reversed(trajs)], 3)) == list(perm)  # by ids, not order
+
+
 def test_packing_keeps_every_trainable_token_once():
     segs = [make_segment([1, 2, 3], [4, 5]), make_segment([1] * 10, [6, 7, 8]), make_segment([9], [10])]
     trajs = [make_trajectory([segs[0], segs[1]], 1.0, "a"), make_trajectory([segs[2]], 0.0, None)]
