@@ -1,6 +1,6 @@
 """What this host allows the sandbox (``evals.harness.sandbox``): whether a fresh sandbox uid can start
-this Python interpreter, giving it the least directory access it needs to, and whether a new network
-namespace can be made.
+this Python interpreter, giving it the least directory access it needs to, whether a new network
+namespace can be made, and the operator's settings (:class:`SandboxSettings`).
 
 ``python -m evals.harness.sandbox_host`` checks the interpreter's access and exits 1 when it is
 closed; ``--grant`` (as root; ``ops/install.sh`` runs it) opens it first.
@@ -15,6 +15,25 @@ import subprocess
 import sys
 from functools import lru_cache
 from pathlib import Path
+
+from pydantic import Field
+from pydantic_settings import SettingsConfigDict
+
+from evals.harness.sandbox_bwrap import bwrap_missing
+from producers.settings import EnvSettings
+
+
+class SandboxSettings(EnvSettings):
+    """Operator settings of the sandbox (``FLYWHEEL_SANDBOX_*``)."""
+
+    model_config = SettingsConfigDict(env_prefix="FLYWHEEL_SANDBOX_", extra="ignore")
+    bwrap: str = Field(default="bwrap", description="the bubblewrap executable (name on PATH or a path)")
+    allow_unisolated: bool = Field(
+        default=False,
+        description="run untrusted code WITHOUT isolation (only rlimits and a wall clock) where bubblewrap cannot "
+        "build the sandbox; every such run logs a warning and reports isolation='none'. Off: the runner "
+        "refuses (SandboxUnavailableError) and names what is missing",
+    )
 
 
 def is_root() -> bool:
@@ -96,4 +115,6 @@ if __name__ == "__main__":  # python -m evals.harness.sandbox_host --grant  (ops
         if ok
         else f"sandbox cannot run this interpreter; closed: {[str(d) for d in closed_interpreter_dirs()]}"
     )
-    sys.exit(0 if ok else 1)
+    missing = bwrap_missing(SandboxSettings.load().bwrap, fresh_uid() if is_root() else None) if ok else None
+    print(missing or "bubblewrap builds the sandbox here")
+    sys.exit(0 if ok and missing is None else 1)
