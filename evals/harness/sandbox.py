@@ -35,6 +35,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -89,7 +90,8 @@ class SandboxResult:
         exit_code: the process's exit status; ``-N`` when killed by signal N.
         stdout, stderr: decoded (UTF-8, replacement) and truncated output.
         timed_out: the wall-clock limit fired.
-        killed_reason: None, or ``timeout`` | ``cpu_time`` | ``file_size`` | ``memory`` | ``signal:<N>``.
+        killed_reason: None, or ``timeout`` | ``cpu_time`` | ``file_size`` | ``memory`` | ``processes``
+            (a fork refused by the process limit) | ``signal:<N>``.
         duration_s: wall-clock seconds.
         truncated: stdout or stderr was cut to ``output_bytes``.
         network_isolated: the command ran in its own (empty) network namespace.
@@ -196,12 +198,17 @@ def _live_pids(uid: int) -> list[int]:
 
 
 def _kill_uid(uid: int) -> None:
-    """SIGKILL every process of ``uid`` (the pid namespace already dies with bwrap; this is the belt)."""
-    for _ in range(50):
+    """SIGKILL every process of ``uid`` (the pid namespace already dies with bwrap and the kernel
+    reaps it within milliseconds, so first wait up to 0.2 s; then this is the belt)."""
+    for _ in range(40):
         if not _live_pids(uid):
             return
+        time.sleep(0.005)
+    for _ in range(50):
         subprocess.run(["kill", "-KILL", "-1"], user=uid, group=uid, extra_groups=[], capture_output=True, timeout=10)
         time.sleep(0.05)
+        if not _live_pids(uid):
+            return
 
 
 def _unisolated_env(scratch: Path) -> dict[str, str]:
@@ -252,9 +259,8 @@ def run_in_sandbox(cmd: str | list[str], cwd: Path, limits: SandboxLimits | None
         resource.setrlimit(resource.RLIMIT_NOFILE, (limits.max_open_files,) * 2)
         resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
 
-    scratch = Path(tempfile.mkdtemp(prefix="flywheel-sbx-"))
-    for sub in ("tmp", "denials"):
-        (scratch / sub).mkdir()
+    scratch = Path(tempfile.mkdtemp(prefix="flywheel-sbx-", dir=settings.scratch_root()))
+    (scratch / ("denials" if isolated else "tmp")).mkdir()
     out_path, err_path = scratch / "stdout", scratch / "stderr"
     user_kwargs: dict = {}
     task_dir, before = cwd, None
@@ -285,12 +291,16 @@ def run_in_sandbox(cmd: str | list[str], cwd: Path, limits: SandboxLimits | None
                 close_fds=True,
                 **user_kwargs,
             )
+            # A timer kills at the wall clock while this thread blocks in wait(): Popen.wait(timeout)
+            # polls with sleeps of up to 50 ms, which was half the sandbox's start cost.
+            fired = threading.Event()
+            timer = threading.Timer(limits.timeout_s, lambda: proc.poll() is None and (fired.set(), _killpg(proc.pid)))
+            timer.start()
             try:
-                proc.wait(timeout=limits.timeout_s)
-            except subprocess.TimeoutExpired:
-                timed_out = True
-                _killpg(proc.pid)
                 proc.wait()
+            finally:
+                timer.cancel()
+            timed_out = fired.is_set()
         _killpg(proc.pid)  # stragglers outside the pid namespace (the unisolated opt-out)
         if uid is not None:
             _kill_uid(uid)
@@ -342,10 +352,15 @@ def _reason(code: int, timed_out: bool, stderr: str) -> str | None:
         return "timeout"
     if code in (-signal.SIGXCPU, 128 + signal.SIGXCPU):
         return "cpu_time"
-    if code in (-signal.SIGXFSZ, 128 + signal.SIGXFSZ):
-        return "file_size"
+    if code in (-signal.SIGXFSZ, 128 + signal.SIGXFSZ) or (code != 0 and "File too large" in stderr):
+        return "file_size"  # Python ignores SIGXFSZ: its write fails with EFBIG instead
     if code != 0 and ("MemoryError" in stderr or "Cannot allocate memory" in stderr):
         return "memory"
     if code < 0:
         return f"signal:{-code}"
+    if _FORK_REFUSED in stderr or "can't start new thread" in stderr:
+        return "processes"  # RLIMIT_NPROC refused a fork (the run may still exit 0)
     return None
+
+
+_FORK_REFUSED = "fork: retry: Resource temporarily unavailable"

@@ -6,6 +6,7 @@ What counts as a denial (``sys.addaudithook``, PEP 578):
 - ``read``: ``open``/``os.listdir``/``os.scandir`` of a path under none of ``SANDBOX_VISIBLE``
   (the mounts; everything else of the host is absent, so such an attempt fails), or an open of a
   missing path under ``/tmp`` (the sandbox's own: a host ``/tmp`` path the code expected);
+- ``write`` also: an open for writing under ``/tmp`` whose folder is missing (a host ``/tmp`` path);
 - ``write``: an open for writing, or a mkdir/remove/rename/rmdir/chmod/truncate/symlink, of a path under
   none of ``SANDBOX_WRITABLE`` (the task folder, ``/tmp``, ``/dev``: the rest is read-only);
 - ``network``: a ``socket.connect``/``sendto`` to an IP address (the sandbox has no network);
@@ -39,6 +40,19 @@ def _resolve(path) -> str | None:
     return os.path.realpath(path)
 
 
+def _plainly_visible(path) -> bool:
+    """An absolute path string under a visible root outside ``/tmp``, before resolving symlinks: the
+    fast path for the thousands of opens an import makes (realpath costs a stat per component)."""
+    if isinstance(path, bytes):
+        path = os.fsdecode(path)
+    return (
+        isinstance(path, str)
+        and path.startswith("/")
+        and not path.startswith("/tmp/")
+        and _under(os.path.normpath(path), _VISIBLE)
+    )
+
+
 def _record(kind: str, event: str, target: str) -> None:
     if _state["count"] >= _MAX:
         return
@@ -50,6 +64,8 @@ def _record(kind: str, event: str, target: str) -> None:
 def _check(event: str, args: tuple) -> None:
     if event == "open":
         path, mode, flags = (args + (None, None, None))[:3]
+        if mode in (None, "r", "rb") and not (isinstance(flags, int) and flags & 3) and _plainly_visible(path):
+            return  # a read under a mount (``io.open_code`` passes mode "rb"; ``os.open`` flags)
         target = _resolve(path)
         if target is None:
             return
@@ -58,8 +74,10 @@ def _check(event: str, args: tuple) -> None:
         )
         if not _under(target, _VISIBLE):
             _record("write" if writes else "read", event, target)
-        elif not writes and target.startswith("/tmp/") and not os.path.exists(target):
-            _record("read", event, target)  # the sandbox's /tmp is its own: a host /tmp path is absent
+        elif target.startswith("/tmp/") and not os.path.exists(os.path.dirname(target) if writes else target):
+            _record(
+                "write" if writes else "read", event, target
+            )  # the sandbox's /tmp is its own: a host path is absent
         elif writes and not _under(target, _WRITABLE):
             _record("write", event, target)
     elif event in ("os.listdir", "os.scandir"):
