@@ -55,6 +55,7 @@ from ops.processes import start_service, wait_http
 from ops.report import write_report
 from ops.stack import serving_up, serving_wait, stack_down, stack_up
 from serving.engine import resolve_checkpoint
+from serving.vllm_server import auth_headers
 
 SETUP_STEPS = ("stack", "model", "serving", "services")
 CYCLE_STEPS = ("simulate", "finalize", "train", "gate", "release", "measure")
@@ -221,7 +222,7 @@ def wait_serving_production(timeout_s: float = 120.0) -> str:
     served = None
     while time.monotonic() < deadline:
         try:
-            served = httpx.get(f"{url}/weight_info", timeout=5).json().get("weight_version")
+            served = httpx.get(f"{url}/weight_info", headers=auth_headers(), timeout=5).json().get("weight_version")
         except httpx.HTTPError:
             served = None
         if served == production:
