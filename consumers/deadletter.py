@@ -182,6 +182,7 @@ def dead_letter_row(d: Decoded, max_bytes: int = DEFAULT_MAX_EVENT_BYTES, claim:
         session_id=claim.session_id,
         raw_size=size,
         raw_sha256=digest,
+        log_id=m.log_id,
     )
 
 
