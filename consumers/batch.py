@@ -213,7 +213,7 @@ def _apply_records(
                     tombstones[claim.session_id] += 0  # the session's tombstone, counting events only
             dead.append(row)
             out.dead_letters[d.reason] += 1
-            out.dead_letter_positions.append((d.msg.topic, d.msg.partition, d.msg.offset))
+            out.dead_letter_positions.append((d.msg.topic, d.msg.partition, d.msg.offset, d.msg.log_id))
             continue
         ev = d.event
         assert ev is not None
@@ -340,6 +340,6 @@ def _store_and_project(
     if conflicts:
         insert_dead_letters(session, [dead_letter_row(c) for c in conflicts])
         out.dead_letters["conflicting_duplicate"] += len(conflicts)
-        out.dead_letter_positions += [(c.msg.topic, c.msg.partition, c.msg.offset) for c in conflicts]
+        out.dead_letter_positions += [(c.msg.topic, c.msg.partition, c.msg.offset, c.msg.log_id) for c in conflicts]
     out.trajectories += project_events(session, projector, stored, out.finalized, states)
     return Counter(se.event.session_id for se in stored)

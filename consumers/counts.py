@@ -44,8 +44,8 @@ class BatchOutcome:
     finalized: Counter = field(default_factory=Counter)
     trajectories: int = 0
     next_offsets: dict[tuple[str, int], int] = field(default_factory=dict)
-    dead_letter_positions: list[tuple[str, int, int]] = field(default_factory=list)
-    """(topic, partition, offset) of the dead letters the batch stored (an erasure later in the batch may
+    dead_letter_positions: list[tuple[str, int, int, str | None]] = field(default_factory=list)
+    """(topic, partition, offset, log id) of the dead letters the batch stored (an erasure later in the batch may
     have deleted some again): what the caller publishes to the DLQ topic before it commits."""
     offset_gaps: dict[tuple[str, int], tuple[int, int]] = field(default_factory=dict)
     """(topic, partition) -> (the group's stored next offset, the batch's first offset on it) where the

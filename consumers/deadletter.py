@@ -29,6 +29,7 @@ from consumers.classify import Decoded, why_unstorable
 from consumers.settings import get_consumer_settings
 from consumers.trajectory_state import trajectory_id_for
 from producers.events.codec import DEFAULT_MAX_EVENT_BYTES
+from producers.settings import kafka_security
 
 BASE64_PREFIX = "base64:"
 """A stored header text that starts with this is the base64 of the header's bytes (see :func:`header_text`)."""
@@ -182,6 +183,7 @@ def dead_letter_row(d: Decoded, max_bytes: int = DEFAULT_MAX_EVENT_BYTES, claim:
         session_id=claim.session_id,
         raw_size=size,
         raw_sha256=digest,
+        log_id=m.log_id,
     )
 
 
@@ -273,6 +275,7 @@ class DeadLetterPublisher:
                 linger_ms=5,
                 max_request_size=self.max_bytes + 131_072,
                 client_id=self.client_id,
+                **kafka_security(),
             )
         try:
             futures = [self._producer.send(t, key=k, value=v, headers=h) for t, k, v, h in records]

@@ -30,6 +30,7 @@ MonitorName = Literal[
     "mean_completion_tokens",
     "mean_latency_s",
     "p90_latency_s",
+    "sandbox_denial_rate",
 ]
 
 

@@ -37,6 +37,7 @@ class Outcome:
     asked_question: bool = False
     edited: bool = False
     error: str | None = None
+    sandbox_denials: int = 0
 
     @property
     def key(self) -> Key:

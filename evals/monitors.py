@@ -21,7 +21,9 @@ def monitor_values(outcomes: Sequence[Outcome]) -> dict[str, float]:
 
     ``invalid_tool_call_rate`` = tool-call errors / tool calls (0 without calls);
     ``clarifying_question_rate`` and ``edit_rate`` are fractions of sessions;
-    ``mean_completion_tokens`` in tokens; ``mean_latency_s`` and ``p90_latency_s`` in seconds.
+    ``mean_completion_tokens`` in tokens; ``mean_latency_s`` and ``p90_latency_s`` in seconds;
+    ``sandbox_denial_rate`` = fraction of sessions whose code tried something the sandbox refused
+    (a read or write outside its folder, a connection): a candidate that learned to probe its box.
     """
     if not outcomes:
         return dict.fromkeys(get_args(MonitorName), 0.0)
@@ -35,6 +37,7 @@ def monitor_values(outcomes: Sequence[Outcome]) -> dict[str, float]:
         "mean_completion_tokens": sum(o.completion_tokens for o in outcomes) / n,
         "mean_latency_s": float(lat.mean()),
         "p90_latency_s": float(np.quantile(lat, 0.9)),
+        "sandbox_denial_rate": sum(o.sandbox_denials > 0 for o in outcomes) / n,
     }
 
 
@@ -44,6 +47,7 @@ _MONITOR_PARTS: dict[str, Callable[[Outcome], tuple[float, float]]] = {
     "edit_rate": lambda o: (float(o.edited), 1.0),
     "mean_completion_tokens": lambda o: (o.completion_tokens, 1.0),
     "mean_latency_s": lambda o: (o.latency_s, 1.0),
+    "sandbox_denial_rate": lambda o: (float(o.sandbox_denials > 0), 1.0),
 }
 """Each monitor that is a ratio of sums over sessions: an outcome's (numerator, denominator) share
 (``p90_latency_s``, a quantile, is not one)."""

@@ -203,6 +203,8 @@ def run_sample(
                 "agent_tests_passed": result.passed,
                 "grade_exit_code": graded.exit_code,
                 "grade_killed": graded.killed_reason,
+                # what the session's commands and the graded code tried and the sandbox refused
+                "sandbox_denials": result.sandbox_denials + graded.denial_count,
                 "grade_s": round(graded.duration_s, 3),
                 "grade_output": graded.observation(1500) if not graded.ok else "",
                 "wall_s": round(time.perf_counter() - started, 3),

@@ -124,6 +124,7 @@ def outcomes(session: Session, run: EvalRun) -> SuiteOutcomes:
             asked_question=r.asked_question,
             edited=r.edited,
             error=r.error,
+            sandbox_denials=int((r.detail or {}).get("sandbox_denials", 0)),
         )
         for r in results(session, run.id)
     ]

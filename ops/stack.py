@@ -15,8 +15,11 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+
+from pydantic import SecretStr
 
 from app.core.errors import ConfigurationError
 from app.core.net import broker_healthy
@@ -24,7 +27,16 @@ from app.core.pids import pid_alive, stop_pid
 from app.core.settings import KafkaSettings, ServingSettings, flywheel_home, get_settings
 from ops.broker import create_topics, start_broker
 from ops.postgres import postgres_healthy, start_postgres, stop_postgres
-from serving.vllm_server import ROLES, VLLMServer, server_healthy, server_status, start_server, stop_server, wait_ready
+from serving.vllm_server import (
+    ROLES,
+    VLLMServer,
+    auth_headers,
+    server_healthy,
+    server_status,
+    start_server,
+    stop_server,
+    wait_ready,
+)
 
 STATE_FILE = "stack.json"
 ENV_FILE = "stack.env"
@@ -41,10 +53,11 @@ class StackState:
     broker_pid: int | None = None
     extra_pids: dict[str, int] = field(default_factory=dict)
     serving_urls: dict[str, str] = field(default_factory=dict)  # role -> URL of a managed vLLM server
+    serving_api_key: str = ""  # generated for the managed vLLM servers when FLYWHEEL_SERVING_API_KEY is unset
 
     def save(self, home: Path) -> None:
         home.mkdir(parents=True, exist_ok=True)
-        (home / STATE_FILE).write_text(json.dumps(asdict(self), indent=2))
+        _write_private(home / STATE_FILE, json.dumps(asdict(self), indent=2))
         env = f"FLYWHEEL_DATABASE_URL={self.database_url}\nFLYWHEEL_KAFKA_BOOTSTRAP={self.kafka_bootstrap}\n"
         if self.serving_urls:
             env += "FLYWHEEL_SERVING_ENGINE=vllm\n"
@@ -52,12 +65,32 @@ class StackState:
                 env += f"FLYWHEEL_SERVING_URL={self.serving_urls['production']}\n"
             if "eval" in self.serving_urls:
                 env += f"FLYWHEEL_SERVING_EVAL_URL={self.serving_urls['eval']}\n"
-        (home / ENV_FILE).write_text(env)
+        if self.serving_api_key:
+            env += f"FLYWHEEL_SERVING_API_KEY={self.serving_api_key}\n"
+        _write_private(home / ENV_FILE, env)
 
     @classmethod
     def load(cls, home: Path) -> "StackState | None":
         path = home / STATE_FILE
         return cls(**json.loads(path.read_text())) if path.exists() else None
+
+
+def _write_private(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` readable by its owner only (it holds credentials)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.fchmod(fd, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+
+
+def serving_settings(state: StackState) -> ServingSettings:
+    """The serving settings the managed servers start with: ``FLYWHEEL_SERVING_API_KEY`` if set, else
+    the stack's own key, generated once (``secrets.token_urlsafe(32)``) into ``state``."""
+    settings = ServingSettings.load()
+    if settings.api_key is not None:
+        return settings
+    state.serving_api_key = state.serving_api_key or secrets.token_urlsafe(32)
+    return settings.model_copy(update={"api_key": SecretStr(state.serving_api_key)})
 
 
 def stack_up(home: Path | None = None, partitions: int | None = None) -> StackState:
@@ -133,12 +166,13 @@ def serving_up(checkpoint_id: str, model_dir: Path, home: Path | None = None, *,
     state = StackState.load(home)
     if state is None:
         raise ConfigurationError("no local stack: run `flywheel stack up` first")
+    settings = serving_settings(state)
     for role in ROLES:
         server = VLLMServer.load(home, role)
         if server is None or not (pid_alive(server.pid) and server_healthy(server.url)):
             if server is not None:
                 stop_pid(server.pid)
-            server = start_server(role, model_dir, checkpoint_id, home, wait=False)
+            server = start_server(role, model_dir, checkpoint_id, home, settings=settings, wait=False)
         state.serving_urls[role] = server.url
     state.save(home)
     if wait:
@@ -153,11 +187,11 @@ def serving_wait(home: Path | None = None) -> None:
         InfrastructureError: a server died or did not answer within ``vllm_start_timeout_s``.
     """
     home = home or flywheel_home()
-    timeout_s = ServingSettings.load().vllm_start_timeout_s
+    settings = ServingSettings.load()
     for role in ROLES:
         server = VLLMServer.load(home, role)
         if server is not None:
-            wait_ready(server, timeout_s)
+            wait_ready(server, settings.vllm_start_timeout_s, auth_headers(settings))
 
 
 def stack_down(home: Path | None = None) -> list[str]:

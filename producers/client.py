@@ -53,9 +53,11 @@ def kafka_config(
     max_event_bytes: int,
     delivery_timeout_s: float,
     connect_timeout_s: float,
+    security: dict | None = None,
 ) -> dict:
     """Keyword arguments for ``kafka.KafkaProducer``: ``acks=all`` (idempotent), compression,
-    batching, and timeouts short enough that an outage is noticed within ``delivery_timeout_s``."""
+    batching, and timeouts short enough that an outage is noticed within ``delivery_timeout_s``;
+    ``security``: ``KafkaSettings.security_config()`` (TLS, SASL), added as it is."""
     delivery_ms = int(delivery_timeout_s * 1000)
     request_ms = max(1000, min(5000, delivery_ms // 2))
     return dict(
@@ -72,4 +74,5 @@ def kafka_config(
         max_block_ms=int(connect_timeout_s * 1000),
         bootstrap_timeout_ms=int(connect_timeout_s * 1000),
         reconnect_backoff_max_ms=1000,
+        **(security or {}),
     )

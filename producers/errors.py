@@ -20,6 +20,14 @@ class ConfigurationError(FlywheelError):
     """Settings or a config file are missing or invalid (e.g. no database URL)."""
 
 
+class BrokerUnavailableError(FlywheelError):
+    """The broker did not take the producer's records while security settings are in force: it is
+    down, or it refused the TLS handshake or the SASL credentials (the message names the settings,
+    never the password). The events stay spooled."""
+
+    status_code = 503
+
+
 class InvalidEventError(FlywheelError, ValueError):
     """An event failed to decode or validate. ``reason`` is a short machine-readable code
     (``bad_json``, ``unknown_type``, ``schema_version``, ``validation``, ``oversized``)."""

@@ -37,7 +37,7 @@ from typing import Any
 from kafka import KafkaProducer
 
 from producers.client import DEFAULT_BATCH_BYTES, default_compression, kafka_config
-from producers.errors import ConfigurationError, InvalidEventError
+from producers.errors import BrokerUnavailableError, ConfigurationError, InvalidEventError
 from producers.events.codec import encode_event, validate_event
 from producers.events.types import EVENT_CLASSES, EventBase
 from producers.metrics import ProducerCounters
@@ -97,6 +97,7 @@ class EventProducer:
         spool_max_bytes: int | None = None,
     ) -> None:
         kafka = KafkaSettings.load()
+        self._security = kafka
         self.bootstrap = bootstrap or kafka.bootstrap
         if not self.bootstrap:
             raise ConfigurationError("no Kafka bootstrap: pass bootstrap= or set FLYWHEEL_KAFKA_BOOTSTRAP")
@@ -403,6 +404,7 @@ class EventProducer:
                 max_event_bytes=self.max_event_bytes,
                 delivery_timeout_s=self.delivery_timeout_s,
                 connect_timeout_s=self.connect_timeout_s,
+                security=self._security.security_config(),
             )
         )
 
@@ -422,6 +424,14 @@ class EventProducer:
         self._backoff = min(self.max_backoff_s, max(0.25, self._backoff * 2))
         self._retry_at = time.monotonic() + self._backoff
         self._attempts += 1
+        if self._security.security_protocol != "PLAINTEXT" and not isinstance(exc, BrokerUnavailableError):
+            # kafka-python reports refused credentials as a bootstrap timeout: say what to check
+            reported = BrokerUnavailableError(
+                f"the broker at {self.bootstrap} did not take the records ({type(exc).__name__}: {exc}); it is "
+                f"down or refused the connection's security ({self._security.security_summary()})"
+            )
+            reported.__cause__ = exc
+            exc = reported
         log.warning("broker fault (%s: %s); spooling, retry in %.2fs", type(exc).__name__, exc, self._backoff)
         self._report(exc)
 

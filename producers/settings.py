@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -58,3 +59,61 @@ class KafkaSettings(EnvSettings):
         description="the producer's disk spool refuses new events past this many undelivered bytes (they are "
         "dropped, counted and reported) so a long broker outage cannot fill the disk",
     )
+    security_protocol: Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"] = Field(
+        default="PLAINTEXT",
+        description="how every flywheel Kafka client (producer SDK, consumers, relay, DLQ, watcher, admin) talks to "
+        "the broker: SASL_SSL in production (TLS and credentials), PLAINTEXT for the local stack",
+    )
+    sasl_mechanism: Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"] | None = Field(
+        default=None, description="SASL mechanism (SASL_* protocols); SCRAM sends no password over the wire"
+    )
+    sasl_plain_username: str | None = Field(default=None, description="SASL user name (SASL_* protocols)")
+    sasl_plain_password: SecretStr | None = Field(
+        default=None, description="SASL password (SASL_* protocols); never logged or shown"
+    )
+    ssl_cafile: Path | None = Field(
+        default=None, description="PEM file of the CA that signed the broker's certificate (SSL, SASL_SSL)"
+    )
+
+    @model_validator(mode="after")
+    def _sasl_complete(self) -> "KafkaSettings":
+        if self.security_protocol.startswith("SASL_"):
+            missing = [
+                f"FLYWHEEL_KAFKA_{n.upper()}"
+                for n in ("sasl_mechanism", "sasl_plain_username", "sasl_plain_password")
+                if getattr(self, n) is None
+            ]
+            if missing:
+                raise ValueError(f"security_protocol {self.security_protocol} needs {', '.join(missing)}")
+        elif self.sasl_mechanism is not None:
+            raise ValueError(f"sasl_mechanism is set but security_protocol {self.security_protocol} is not SASL_*")
+        return self
+
+    def security_config(self) -> dict[str, Any]:
+        """The kafka-python keyword arguments of these security settings (the password revealed here
+        only, for the client; callers never log the result)."""
+        cfg: dict[str, Any] = {"security_protocol": self.security_protocol}
+        if self.security_protocol.startswith("SASL_"):
+            assert self.sasl_plain_password is not None  # _sasl_complete
+            cfg.update(
+                sasl_mechanism=self.sasl_mechanism,
+                sasl_plain_username=self.sasl_plain_username,
+                sasl_plain_password=self.sasl_plain_password.get_secret_value(),
+            )
+        if self.ssl_cafile is not None:
+            cfg["ssl_cafile"] = str(self.ssl_cafile)
+        return cfg
+
+    def security_summary(self) -> str:
+        """The security settings for an error message, without the password."""
+        if not self.security_protocol.startswith("SASL_"):
+            return f"security_protocol {self.security_protocol}"
+        return (
+            f"security_protocol {self.security_protocol}, {self.sasl_mechanism} as {self.sasl_plain_username!r}: "
+            "check FLYWHEEL_KAFKA_SASL_PLAIN_USERNAME / FLYWHEEL_KAFKA_SASL_PLAIN_PASSWORD"
+        )
+
+
+def kafka_security() -> dict[str, Any]:
+    """``KafkaSettings.load().security_config()``: what every flywheel Kafka client adds to its kwargs."""
+    return KafkaSettings.load().security_config()

@@ -19,6 +19,9 @@ logging to ``$FLYWHEEL_HOME/logs/vllm-<role>.log``, with its state in
   failed; none with the flag), and the simulator and the A/B seed every request;
 - ``--served-model-name flywheel``: the name never changes across reloads; the loaded checkpoint id
   is the server's *weight version* (``GET /weight_info``), set at start and at every reload;
+- the serving key (``FLYWHEEL_SERVING_API_KEY``) as ``VLLM_API_KEY`` in its environment (not on the
+  command line, which ``ps`` shows) and ``--middleware serving.vllm_auth.require_key``: every route
+  but ``/health`` wants it, dev routes included (vLLM's own check covers only ``/v1``...);
 - ``--dtype``: bf16 on CUDA and where this CPU's bf16 matmuls are measured faster than fp32, fp32
   elsewhere (:func:`resolve_dtype`).
 
@@ -60,6 +63,7 @@ log = logging.getLogger("flywheel.vllm")
 ROLES = ("production", "eval")
 SERVED_MODEL_NAME = "flywheel"
 WORKER_EXTENSION = "serving.vllm_worker.WeightReload"  # the reload that refreshes tied heads
+AUTH_MIDDLEWARE = "serving.vllm_auth.require_key"  # the key on every route, dev routes included
 
 
 def vllm_installed() -> bool:
@@ -151,6 +155,7 @@ def server_command(
         "--seed", "0",
         "--no-enable-chunked-prefill",
         "--worker-extension-cls", WORKER_EXTENSION,
+        "--middleware", AUTH_MIDDLEWARE,
         "--disable-log-stats",
     ]  # fmt: skip
     eager = settings.vllm_enforce_eager if settings.vllm_enforce_eager is not None else not cuda
@@ -168,6 +173,9 @@ def server_env(settings: ServingSettings, *, cuda: bool = False) -> dict[str, st
     in this process's environment win."""
     env = dict(os.environ)
     env["VLLM_SERVER_DEV_MODE"] = "1"
+    env.pop("VLLM_API_KEY", None)
+    if settings.api_key:
+        env["VLLM_API_KEY"] = settings.api_key.get_secret_value()
     if settings.vllm_threads:
         env["OMP_NUM_THREADS"] = str(settings.vllm_threads)
     if cuda:
@@ -204,13 +212,24 @@ def server_healthy(url: str, timeout_s: float = 3.0) -> bool:
         return False
 
 
-def set_weight_version(url: str, checkpoint_id: str) -> None:
+def auth_headers(settings: ServingSettings | None = None) -> dict[str, str]:
+    """The ``Authorization`` header flywheel's clients send to its servers (empty without a key)."""
+    key = (settings or ServingSettings.load()).api_key
+    return {"Authorization": f"Bearer {key.get_secret_value()}"} if key else {}
+
+
+def set_weight_version(url: str, checkpoint_id: str, headers: dict[str, str] | None = None) -> None:
     """Record ``checkpoint_id`` as the server's weight version (``GET /weight_info`` reads it back).
 
     Raises:
         InfrastructureError: the server refused.
     """
-    resp = httpx.post(url.rstrip("/") + "/update_weight_version", json={"new_version": checkpoint_id}, timeout=30)
+    resp = httpx.post(
+        url.rstrip("/") + "/update_weight_version",
+        json={"new_version": checkpoint_id},
+        headers=auth_headers() if headers is None else headers,
+        timeout=30,
+    )
     if resp.status_code >= 400:
         raise InfrastructureError(f"{url}/update_weight_version -> {resp.status_code}: {resp.text[:300]}")
 
@@ -278,11 +297,11 @@ def start_server(
     server.save(home)
     log.info("started vLLM %s server pid %d on %s (%s, %s)", role, proc.pid, server.url, dtype, checkpoint_id)
     if wait:
-        wait_ready(server, settings.vllm_start_timeout_s)
+        wait_ready(server, settings.vllm_start_timeout_s, auth_headers(settings))
     return server
 
 
-def wait_ready(server: VLLMServer, timeout_s: float) -> None:
+def wait_ready(server: VLLMServer, timeout_s: float, headers: dict[str, str] | None = None) -> None:
     """Wait until ``server`` answers ``/health``, then set its weight version.
 
     Raises:
@@ -297,7 +316,7 @@ def wait_ready(server: VLLMServer, timeout_s: float) -> None:
                 f"{server.log_path}:\n{_log_tail(Path(server.log_path))}"
             )
         if server_healthy(server.url):
-            set_weight_version(server.url, server.checkpoint_id)
+            set_weight_version(server.url, server.checkpoint_id, headers)
             return
         time.sleep(1.0)
     stop_pid(server.pid)
@@ -388,7 +407,11 @@ def server_status(home: Path | None = None) -> dict[str, dict[str, object]]:
         version = None
         if healthy:
             try:
-                version = httpx.get(server.url + "/weight_info", timeout=5).json().get("weight_version")
+                version = (
+                    httpx.get(server.url + "/weight_info", headers=auth_headers(), timeout=5)
+                    .json()
+                    .get("weight_version")
+                )
             except (httpx.HTTPError, ValueError):
                 version = None
         out[role] = {

@@ -55,6 +55,7 @@ from app.lifecycle.messages import PRODUCTION_CHANGES, LifecycleMessageError, pa
 from app.lifecycle.serving_state import read_serving_state, write_serving_state
 from app.models import Checkpoint
 from app.repositories.checkpoints import get_production
+from producers.settings import kafka_security
 from serving.canary import CANARY_CHANGES, CanaryFollower, EngineRouter
 from serving.engine import setup_engine
 from serving.vllm_server import VLLMServer, ensure_server
@@ -352,6 +353,7 @@ class ServingWatcher:
             group_id=None,
             auto_offset_reset="earliest",
             client_id="flywheel-serving-watcher",
+            **kafka_security(),
         )
         partitions = consumer.partitions_for_topic(self.topic) or {0}
         tps = [TopicPartition(self.topic, p) for p in sorted(partitions)]

@@ -76,6 +76,11 @@ class DeadLetter(Base):
     topic: Mapped[str] = mapped_column(String(255), nullable=False)
     partition: Mapped[int] = mapped_column(Integer, nullable=False)
     offset: Mapped[int] = mapped_column(BigInteger, nullable=False)
+    log_id: Mapped[str | None] = mapped_column(
+        String(128),
+        comment="identity of the log the offset counts in (the broker's topic id, as consumer_offset.log_id); "
+        "NULL: not known",
+    )
     key: Mapped[bytes | None] = mapped_column(LargeBinary)
     raw: Mapped[bytes | None] = mapped_column(LargeBinary)
     raw_size: Mapped[int | None] = mapped_column(
@@ -100,7 +105,9 @@ class DeadLetter(Base):
     )
 
     __table_args__ = (
-        UniqueConstraint("topic", "partition", "offset"),
+        # A position is unique within one log: after a log reset the same (partition, offset) holds
+        # another record. NULLS NOT DISTINCT: a redelivery of a record whose log is not known is still one.
+        UniqueConstraint("topic", "partition", "offset", "log_id", postgresql_nulls_not_distinct=True),
         Index("ix_dead_letter_reason", "reason"),
         Index("ix_dead_letter_user_id", "user_id"),
         Index("ix_dead_letter_session_id", "session_id"),

@@ -367,22 +367,34 @@ class DeadLetterRow:
     """The record's size in bytes (``raw`` may hold only its head: an oversized record)."""
     raw_sha256: bytes | None = None
     """SHA-256 of the record's bytes."""
+    log_id: str | None = None
+    """Identity of the log ``offset`` counts in (``consumers.classify.Message.log_id``); None: not known."""
+
+
+DeadLetterPosition = tuple[str, int, int, str | None]
+"""``(topic, partition, offset, log_id)``: where a dead letter was read, in which log."""
 
 
 def insert_dead_letters(session: Session, rows: Sequence[DeadLetterRow]) -> int:
-    """Insert dead letters (a redelivered one, same topic/partition/offset, is skipped). Returns rows inserted."""
+    """Insert dead letters; a redelivered one (same topic, partition, offset and log) is skipped.
+
+    Returns:
+        The rows actually inserted (skipped redeliveries not counted; psycopg's ``rowcount`` of an
+        ``executemany`` is the sum over its statements).
+    """
     if not rows:
         return 0
     with raw_connection(session).cursor() as cur:
         cur.executemany(
-            'INSERT INTO dead_letter (topic, partition, "offset", key, raw, headers, reason, detail, user_id, '
-            "session_id, redacted, raw_size, raw_sha256) VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s) "
-            "ON CONFLICT DO NOTHING",
+            'INSERT INTO dead_letter (topic, partition, "offset", log_id, key, raw, headers, reason, detail, user_id, '
+            "session_id, redacted, raw_size, raw_sha256) "
+            "VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s) ON CONFLICT DO NOTHING",
             [
                 (
                     r.topic,
                     r.partition,
                     r.offset,
+                    r.log_id,
                     r.key,
                     r.raw,
                     Jsonb(r.headers) if r.headers is not None else None,
@@ -397,24 +409,24 @@ def insert_dead_letters(session: Session, rows: Sequence[DeadLetterRow]) -> int:
                 for r in rows
             ],
         )
-        return len(rows)
+        return max(cur.rowcount, 0)
 
 
-def stored_dead_letters(session: Session, positions: Sequence[tuple[str, int, int]]) -> list[DeadLetterRow]:
-    """The ``dead_letter`` rows at ``positions`` (topic, partition, offset) as this transaction sees
-    them (an erasure may have deleted some, or they may be stored without their bytes), in
-    partition and offset order."""
+def stored_dead_letters(session: Session, positions: Sequence[DeadLetterPosition]) -> list[DeadLetterRow]:
+    """The ``dead_letter`` rows at ``positions`` (topic, partition, offset, log) as this transaction
+    sees them (an erasure may have deleted some, or they may be stored without their bytes), in
+    partition and offset order; a row of another log at the same position is not one of them."""
     if not positions:
         return []
-    topics, partitions, offsets = (list(c) for c in zip(*positions))
+    topics, partitions, offsets, logs = (list(c) for c in zip(*positions))
     with raw_connection(session).cursor() as cur:
         cur.execute(
             'SELECT d.topic, d.partition, d."offset", d.key, d.raw, d.headers, d.reason, d.detail, d.user_id, '
-            "d.session_id, d.redacted, d.raw_size, d.raw_sha256 "
-            "FROM dead_letter d JOIN unnest(%s::text[], %s::int[], %s::bigint[]) AS p(t, n, o) "
-            'ON d.topic = p.t AND d.partition = p.n AND d."offset" = p.o '
+            "d.session_id, d.redacted, d.raw_size, d.raw_sha256, d.log_id "
+            "FROM dead_letter d JOIN unnest(%s::text[], %s::int[], %s::bigint[], %s::text[]) AS p(t, n, o, l) "
+            'ON d.topic = p.t AND d.partition = p.n AND d."offset" = p.o AND d.log_id IS NOT DISTINCT FROM p.l '
             'ORDER BY d.topic, d.partition, d."offset"',
-            (topics, partitions, offsets),
+            (topics, partitions, offsets, logs),
         )
         return [
             DeadLetterRow(
@@ -431,8 +443,9 @@ def stored_dead_letters(session: Session, positions: Sequence[tuple[str, int, in
                 redacted=why,
                 raw_size=size,
                 raw_sha256=bytes(digest) if digest is not None else None,
+                log_id=log,
             )
-            for t, n, o, k, r, h, reason, detail, u, sid, why, size, digest in cur.fetchall()
+            for t, n, o, k, r, h, reason, detail, u, sid, why, size, digest, log in cur.fetchall()
         ]
 
 

@@ -65,7 +65,8 @@ class SessionResult:
     """What happened in a session (the eval runner and the simulator read it).
 
     ``passed`` is the outcome of the agent's last test run (None: it ran none) — not the hidden
-    grade, which :func:`grade` computes. ``edits`` lists successful ``edit_file`` calls
+    grade, which :func:`grade` computes. ``sandbox_denials`` counts what the session's ``run``
+    commands tried and the sandbox refused (reads/writes outside the folder, network). ``edits`` lists successful ``edit_file`` calls
     (``edit_id``, ``path``, ``lines_added``, ``lines_removed``, ``added`` lines).
     """
 
@@ -84,6 +85,7 @@ class SessionResult:
     reason: str = "finished"
     edits: list[dict] = field(default_factory=list)
     final_message: str = ""
+    sandbox_denials: int = 0
 
 
 def run_agent_session(
@@ -159,7 +161,7 @@ class _Session:
         self.segment, self.turn_in_segment, self.turns = 0, 0, 0
         self.context: list[int] = []
         self.completion_tokens, self.latency_s = 0, 0.0
-        self.tool_calls = self.tool_errors = self.test_runs = 0
+        self.tool_calls = self.tool_errors = self.test_runs = self.sandbox_denials = 0
         self.last_test_ok: bool | None = None
         self.asked_question, self.reason, self.final_message = False, "turns", ""
         self.edits: list[dict] = []
@@ -273,6 +275,7 @@ class _Session:
                 parts.append(f"<tool_response>\n{text}\n</tool_response>")
                 continue
             out = execute_tool(call, self.workdir, self.limits, max_output_chars=self.budget.tool_output_chars)
+            self.sandbox_denials += out.sandbox_denials
             if out.ran_tests:
                 self.test_runs += 1
                 self.last_test_ok = out.ok
@@ -285,6 +288,7 @@ class _Session:
                 duration_s=out.duration_s,
                 ran_tests=out.ran_tests,
                 command=out.command,
+                sandbox_denials=out.sandbox_denials,
             )
             if out.edit:
                 edit_id = f"edit-{tc.call_id}"
@@ -345,6 +349,7 @@ class _Session:
             reason=self.reason,
             edits=self.edits,
             final_message=self.final_message,
+            sandbox_denials=self.sandbox_denials,
         )
 
 

@@ -1,27 +1,33 @@
-"""Run untrusted commands (the agent's ``run`` tool, hidden tests) in a contained subprocess.
+"""Run untrusted commands (the agent's ``run`` tool, hidden tests) in a bubblewrap sandbox.
 
 Invariants:
-- The command runs with ``cwd`` = the task directory, in its own session (process group), with
-  rlimits on CPU time, address space, file size and open files, and a wall-clock timeout after
-  which the whole group (and every process of the sandbox uid) is SIGKILLed.
-- When the harness runs as root, each run gets a fresh unprivileged uid (random, unnamed): the
-  process cannot write outside the task directory and its own scratch directory except in
-  world-writable places (``/tmp``, sticky: it cannot touch anyone's files there, and what it
-  leaves is swept after the run), and
-  ``RLIMIT_NPROC`` actually bounds a fork bomb (root is exempt from it). That uid works on a copy
-  of the task directory in its scratch directory, synced back after the run
-  (``evals.harness.tree_sync``). Not as root, the process-count limit is relative to the user's
-  current process count.
-- No network when the kernel allows a new network namespace (``unshare -rn``, probed once per
-  process by ``evals.harness.sandbox_host``); otherwise the run proceeds with the host network and
-  ``SandboxResult.network_isolated`` says so.
-- stdout/stderr go to files in the scratch directory, so huge output is bounded by
-  ``RLIMIT_FSIZE`` (never by the harness's memory) and truncated (head + tail) in the result.
+- The command runs under ``bwrap`` (:mod:`evals.harness.sandbox_bwrap`) in fresh user, mount, pid,
+  network, ipc and uts namespaces: only the task's folder (at ``/task``, its cwd) and a fresh
+  ``/tmp`` are writable; the interpreter and ``/usr`` are read-only; nothing else of the host is
+  visible (not the project, task definitions or hidden tests of other runs, ``$FLYWHEEL_HOME``,
+  checkpoints, other sessions' folders, ``/root``, other processes); there is no network.
+- rlimits on CPU time, address space, file size (output included) and open files; a wall-clock
+  timeout after which bwrap is killed, and with it (``--die-with-parent``, pid namespace) every
+  process of the run, so nothing outlives it.
+- When the harness runs as root, each run gets a fresh unprivileged uid (random, unnamed) so that
+  ``RLIMIT_NPROC`` bounds a fork bomb (root is exempt from it); that uid works on a copy of the
+  task folder in its scratch folder, synced back after the run (``evals.harness.tree_sync``). Not
+  as root, the process-count limit is relative to the user's current process count.
+- Where bubblewrap cannot build the sandbox, :class:`SandboxUnavailableError` names what is missing,
+  unless the operator set ``FLYWHEEL_SANDBOX_ALLOW_UNISOLATED=true``: then the run has rlimits and
+  the wall clock only, logs a warning, and reports ``isolation == "none"``.
+- What the code tried and was refused (reads or writes outside its folder, network, hidden
+  executables) is recorded by an audit hook in every Python process of the run and returned in
+  ``SandboxResult.denials`` / ``denial_count``; non-Python programs are refused but not counted.
+- stdout/stderr go to files in the scratch folder, so huge output is bounded by ``RLIMIT_FSIZE``
+  (never by the harness's memory) and truncated (head + tail) in the result.
 - The child gets a minimal environment (no ``FLYWHEEL_*`` settings, credentials or proxies).
 """
 
 from __future__ import annotations
 
+import json
+import logging
 import os
 import resource
 import shutil
@@ -29,20 +35,25 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from evals.harness.sandbox_bwrap import bwrap_argv, bwrap_missing, install_site, sandbox_env
 from evals.harness.sandbox_host import (
+    SandboxSettings,
     closed_interpreter_dirs,
     fresh_uid,
     interpreter_reachable,
     is_root,
-    network_isolation_available,
 )
 from evals.harness.tree_sync import chown_tree, sync_tree, tree_entries
 
+log = logging.getLogger(__name__)
 _MB = 1024 * 1024
+_DENIALS_KEPT = 50
+_DENIALS_READ_BYTES = 256 * 1024
 
 
 @dataclass(frozen=True)
@@ -57,7 +68,8 @@ class SandboxLimits:
         max_processes: processes/threads of the sandbox (``RLIMIT_NPROC``).
         max_open_files: ``RLIMIT_NOFILE``.
         output_bytes: bytes of stdout and of stderr kept in the result (head and tail halves).
-        network: allow network access (default: isolated where the kernel allows).
+        network: ignored by the bubblewrap sandbox, which never has a network (kept so that callers'
+            limits stay valid); the unisolated opt-out always has the host's.
     """
 
     timeout_s: float = 30.0
@@ -78,10 +90,15 @@ class SandboxResult:
         exit_code: the process's exit status; ``-N`` when killed by signal N.
         stdout, stderr: decoded (UTF-8, replacement) and truncated output.
         timed_out: the wall-clock limit fired.
-        killed_reason: None, or ``timeout`` | ``cpu_time`` | ``file_size`` | ``memory`` | ``signal:<N>``.
+        killed_reason: None, or ``timeout`` | ``cpu_time`` | ``file_size`` | ``memory`` | ``processes``
+            (a fork refused by the process limit) | ``signal:<N>``.
         duration_s: wall-clock seconds.
         truncated: stdout or stderr was cut to ``output_bytes``.
         network_isolated: the command ran in its own (empty) network namespace.
+        isolation: ``bwrap`` (the sandbox) or ``none`` (the operator's unisolated opt-out).
+        denials: the first attempts the sandbox refused, ``{"kind": read|write|network|exec, "event",
+            "target"}`` (from the audit hook, :mod:`evals.harness.sandbox_site.sitecustomize`).
+        denial_count: how many attempts were refused in all (Python processes only).
         extra: details, e.g. ``uid`` (the sandbox uid when run as root).
     """
 
@@ -93,6 +110,9 @@ class SandboxResult:
     duration_s: float = 0.0
     truncated: bool = False
     network_isolated: bool = False
+    isolation: str = "bwrap"
+    denials: list[dict] = field(default_factory=list)
+    denial_count: int = 0
     extra: dict = field(default_factory=dict)
 
     @property
@@ -112,8 +132,9 @@ class SandboxResult:
 
 
 class SandboxUnavailableError(RuntimeError):
-    """The unprivileged sandbox user cannot run this Python interpreter (see
-    ``evals.harness.sandbox_host.grant_interpreter_access``); untrusted code is never run as root instead."""
+    """The sandbox cannot be built here (bubblewrap missing or refused, or the sandbox uid cannot
+    reach the interpreter); untrusted code is never run unisolated or as root instead, unless the
+    operator opted out (``FLYWHEEL_SANDBOX_ALLOW_UNISOLATED``)."""
 
 
 def _user_process_count() -> int:
@@ -128,28 +149,6 @@ def _user_process_count() -> int:
     return n
 
 
-def _env(scratch: Path) -> dict[str, str]:
-    path = os.pathsep.join([str(Path(sys.executable).parent), "/usr/local/bin", "/usr/bin", "/bin"])
-    env = {
-        "PATH": path,
-        "HOME": str(scratch / "home"),
-        "TMPDIR": str(scratch / "tmp"),
-        "LANG": "C.UTF-8",
-        "LC_ALL": "C.UTF-8",
-        "PYTHONDONTWRITEBYTECODE": "1",
-        "PYTHONHASHSEED": "0",
-        "MPLBACKEND": "Agg",
-        "MPLCONFIGDIR": str(scratch / "mpl"),
-        "OMP_NUM_THREADS": "1",
-        "OPENBLAS_NUM_THREADS": "1",
-        "MKL_NUM_THREADS": "1",
-        "NUMEXPR_MAX_THREADS": "1",
-        "USER": "sandbox",
-        "LOGNAME": "sandbox",
-    }
-    return env
-
-
 def _read_capped(path: Path, limit: int) -> tuple[str, bool]:
     size = path.stat().st_size if path.exists() else 0
     with open(path, "rb") as f:
@@ -162,6 +161,23 @@ def _read_capped(path: Path, limit: int) -> tuple[str, bool]:
     return (
         head.decode("utf-8", "replace") + f"\n...[{cut} bytes truncated]...\n" + tail.decode("utf-8", "replace")
     ), True
+
+
+def _read_denials(path: Path) -> tuple[list[dict], int]:
+    """The first denials and the count of lines the audit hook wrote (read at most 256 KiB: a run
+    that floods the file is counted by lines read, which is already far past any monitor bound)."""
+    if not path.is_file():
+        return [], 0
+    with open(path, "rb") as f:
+        lines = f.read(_DENIALS_READ_BYTES).splitlines()
+    kept = []
+    for line in lines[:_DENIALS_KEPT]:
+        try:
+            item = json.loads(line)
+        except ValueError:
+            item = {"kind": "unknown", "event": "unparsed", "target": line[:100].decode("utf-8", "replace")}
+        kept.append(item if isinstance(item, dict) else {"kind": "unknown", "event": "unparsed", "target": ""})
+    return kept, len(lines)
 
 
 def _live_pids(uid: int) -> list[int]:
@@ -182,40 +198,30 @@ def _live_pids(uid: int) -> list[int]:
 
 
 def _kill_uid(uid: int) -> None:
-    """SIGKILL every process of ``uid`` (a fork bomb may escape its process group with setsid)."""
-    for _ in range(50):
-        subprocess.run(["kill", "-KILL", "-1"], user=uid, group=uid, extra_groups=[], capture_output=True, timeout=10)
+    """SIGKILL every process of ``uid`` (the pid namespace already dies with bwrap and the kernel
+    reaps it within milliseconds, so first wait up to 0.2 s; then this is the belt)."""
+    for _ in range(40):
         if not _live_pids(uid):
             return
+        time.sleep(0.005)
+    for _ in range(50):
+        subprocess.run(["kill", "-KILL", "-1"], user=uid, group=uid, extra_groups=[], capture_output=True, timeout=10)
         time.sleep(0.05)
+        if not _live_pids(uid):
+            return
 
 
-_WORLD_WRITABLE = ("/tmp", "/var/tmp", "/dev/shm")
+def _unisolated_env(scratch: Path) -> dict[str, str]:
+    env = {k: v for k, v in sandbox_env().items() if not k.startswith(("SANDBOX_", "PYTHONPATH"))}
+    return {**env, "HOME": str(scratch / "tmp"), "TMPDIR": str(scratch / "tmp"), "MPLCONFIGDIR": str(scratch / "tmp")}
 
 
-def _sweep_world_writable(uid: int, keep: tuple[Path, ...]) -> None:
-    """Remove what the sandbox uid left in world-writable directories (it can write nowhere else),
-    except ``keep`` (the task directory and the scratch directory)."""
-    kept = {str(k) for k in keep}
-    for top in _WORLD_WRITABLE:
-        try:
-            entries = list(os.scandir(top))
-        except OSError:
-            continue
-        for entry in entries:
-            try:
-                if entry.path in kept or entry.stat(follow_symlinks=False).st_uid != uid:
-                    continue
-                if entry.is_dir(follow_symlinks=False):
-                    shutil.rmtree(entry.path, ignore_errors=True)
-                else:
-                    os.unlink(entry.path)
-            except OSError:
-                continue
+_REFUSED_DIRS = ("/", "/tmp", "/var/tmp", "/dev/shm")
+_PROBE_UID = fresh_uid()  # one uid for the once-per-process bubblewrap probe
 
 
 def run_in_sandbox(cmd: str | list[str], cwd: Path, limits: SandboxLimits | None = None) -> SandboxResult:
-    """Run ``cmd`` (a shell string, or an argv list) in ``cwd`` under ``limits``.
+    """Run ``cmd`` (a shell string, or an argv list) in ``cwd`` under ``limits``, in the sandbox.
 
     Returns:
         The :class:`SandboxResult`; a limit that fires is reported there, never raised.
@@ -223,27 +229,26 @@ def run_in_sandbox(cmd: str | list[str], cwd: Path, limits: SandboxLimits | None
     Raises:
         FileNotFoundError: ``cwd`` does not exist.
         ValueError: ``cwd`` is ``/``, a home or a world-writable top directory, or too large.
-        SandboxUnavailableError: running as root, and the sandbox uid cannot start this interpreter.
+        SandboxUnavailableError: the sandbox cannot be built here (the message names what is missing)
+            and the operator did not opt out.
     """
     limits = limits or SandboxLimits()
     cwd = Path(cwd).resolve()
     if not cwd.is_dir():
         raise FileNotFoundError(f"sandbox directory {cwd} does not exist")
-    if str(cwd) in ("/", str(Path.home()), *_WORLD_WRITABLE):
+    if str(cwd) in (str(Path.home()), *_REFUSED_DIRS):
         raise ValueError(f"refusing to sandbox {cwd}: give the task's own directory")
-    argv = ["/bin/bash", "-c", cmd] if isinstance(cmd, str) else list(cmd)
-    isolated = not limits.network and network_isolation_available()
-    if isolated:
-        argv = ["unshare", "-rn", "--"] + argv
+    settings = SandboxSettings.load()
     as_root = is_root()
-    if as_root and not interpreter_reachable():
-        raise SandboxUnavailableError(
-            f"the sandbox user cannot reach the interpreter under {sys.prefix} (closed directories: "
-            f"{[str(d) for d in closed_interpreter_dirs()]}); run `python -m evals.harness.sandbox_host --grant` "
-            "(ops/install.sh does) to give others search permission on them"
-        )
-    uid = fresh_uid() if as_root else None
-    nproc = limits.max_processes if as_root else _user_process_count() + limits.max_processes
+    missing = _isolation_missing(settings, as_root)
+    if missing is not None and not settings.allow_unisolated:
+        raise SandboxUnavailableError(missing)
+    if missing is not None:
+        log.warning("sandbox: running %r WITHOUT isolation (FLYWHEEL_SANDBOX_ALLOW_UNISOLATED): %s", cmd, missing)
+    argv = ["/bin/bash", "-c", cmd] if isinstance(cmd, str) else list(cmd)
+    isolated = missing is None
+    uid = fresh_uid() if as_root and isolated else None
+    nproc = limits.max_processes if uid is not None else _user_process_count() + limits.max_processes
     cpu_s = limits.cpu_s or int(limits.timeout_s) + 1
 
     def set_limits() -> None:  # runs in the child between fork and exec: only C-level calls
@@ -254,61 +259,58 @@ def run_in_sandbox(cmd: str | list[str], cwd: Path, limits: SandboxLimits | None
         resource.setrlimit(resource.RLIMIT_NOFILE, (limits.max_open_files,) * 2)
         resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
 
-    scratch = Path(tempfile.mkdtemp(prefix="flywheel-sbx-"))
-    for sub in ("home", "tmp", "mpl"):
-        (scratch / sub).mkdir()
+    scratch = Path(tempfile.mkdtemp(prefix="flywheel-sbx-", dir=settings.scratch_root()))
+    (scratch / ("denials" if isolated else "tmp")).mkdir()
     out_path, err_path = scratch / "stdout", scratch / "stderr"
-    user_kwargs = {}
-    run_cwd = cwd
-    if as_root:
-        # The sandbox uid works on a copy of the repository inside its own scratch directory: the
-        # task directory's ancestors may be closed to it (e.g. 0700 temp dirs), and the harness's
-        # files never change owner. The copy is synced back after the run.
-        run_cwd = scratch / "repo"
-        before = tree_entries(cwd)
-        shutil.copytree(cwd, run_cwd, symlinks=True)
-        chown_tree(scratch, uid)
-        user_kwargs = {"user": uid, "group": uid, "extra_groups": []}
+    user_kwargs: dict = {}
+    task_dir, before = cwd, None
+    if isolated:
+        if uid is not None:
+            # The sandbox uid works on a copy of the repository inside its own scratch folder: the
+            # task folder's ancestors may be closed to it, and the harness's files never change
+            # owner. The copy is synced back after the run.
+            task_dir = scratch / "task"
+            before = tree_entries(cwd)
+            shutil.copytree(cwd, task_dir, symlinks=True)
+            chown_tree(scratch, uid)
+            user_kwargs = {"user": uid, "group": uid, "extra_groups": []}
+        argv = bwrap_argv(task_dir, scratch / "denials", install_site(scratch / "site"), settings.bwrap) + argv
     started = time.perf_counter()
     timed_out = False
     try:
         with open(out_path, "wb") as out, open(err_path, "wb") as err:
             proc = subprocess.Popen(
                 argv,
-                cwd=run_cwd,
+                cwd=cwd if not isolated else "/",
                 stdin=subprocess.DEVNULL,
                 stdout=out,
                 stderr=err,
-                env=_env(scratch),
+                env=sandbox_env() if isolated else _unisolated_env(scratch),
                 start_new_session=True,
                 preexec_fn=set_limits,
                 close_fds=True,
                 **user_kwargs,
             )
+            # A timer kills at the wall clock while this thread blocks in wait(): Popen.wait(timeout)
+            # polls with sleeps of up to 50 ms, which was half the sandbox's start cost.
+            fired = threading.Event()
+            timer = threading.Timer(limits.timeout_s, lambda: proc.poll() is None and (fired.set(), _killpg(proc.pid)))
+            timer.start()
             try:
-                proc.wait(timeout=limits.timeout_s)
-            except subprocess.TimeoutExpired:
-                timed_out = True
-                try:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
                 proc.wait()
-        if as_root:
-            _kill_uid(uid)  # stragglers: background jobs, setsid escapes
-        else:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
+            finally:
+                timer.cancel()
+            timed_out = fired.is_set()
+        _killpg(proc.pid)  # stragglers outside the pid namespace (the unisolated opt-out)
+        if uid is not None:
+            _kill_uid(uid)
         duration = time.perf_counter() - started
         stdout, cut_out = _read_capped(out_path, limits.output_bytes)
         stderr, cut_err = _read_capped(err_path, limits.output_bytes)
+        denials, denial_count = _read_denials(scratch / "denials" / "denials.jsonl")
     finally:
-        if as_root:
-            _sweep_world_writable(uid, keep=(scratch,))
-            if run_cwd.is_dir():
-                sync_tree(run_cwd, cwd, before)
+        if before is not None and task_dir.is_dir():
+            sync_tree(task_dir, cwd, before)
         shutil.rmtree(scratch, ignore_errors=True)
     code = proc.returncode
     return SandboxResult(
@@ -320,19 +322,45 @@ def run_in_sandbox(cmd: str | list[str], cwd: Path, limits: SandboxLimits | None
         duration_s=duration,
         truncated=cut_out or cut_err,
         network_isolated=isolated,
+        isolation="bwrap" if isolated else "none",
+        denials=denials,
+        denial_count=denial_count,
         extra={"uid": uid} if uid is not None else {},
     )
+
+
+def _isolation_missing(settings: SandboxSettings, as_root: bool) -> str | None:
+    """Why the sandbox cannot be built here, or None."""
+    if as_root and not interpreter_reachable():
+        return (
+            f"the sandbox user cannot reach the interpreter under {sys.prefix} (closed directories: "
+            f"{[str(d) for d in closed_interpreter_dirs()]}); run `python -m evals.harness.sandbox_host --grant` "
+            "(ops/install.sh does) to give others search permission on them"
+        )
+    return bwrap_missing(settings.bwrap, _PROBE_UID if as_root else None)
+
+
+def _killpg(pid: int) -> None:
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
 
 
 def _reason(code: int, timed_out: bool, stderr: str) -> str | None:
     if timed_out:
         return "timeout"
-    if code == -signal.SIGXCPU or code == 128 + signal.SIGXCPU:
+    if code in (-signal.SIGXCPU, 128 + signal.SIGXCPU):
         return "cpu_time"
-    if code == -signal.SIGXFSZ or code == 128 + signal.SIGXFSZ:
-        return "file_size"
+    if code in (-signal.SIGXFSZ, 128 + signal.SIGXFSZ) or (code != 0 and "File too large" in stderr):
+        return "file_size"  # Python ignores SIGXFSZ: its write fails with EFBIG instead
     if code != 0 and ("MemoryError" in stderr or "Cannot allocate memory" in stderr):
         return "memory"
     if code < 0:
         return f"signal:{-code}"
+    if _FORK_REFUSED in stderr or "can't start new thread" in stderr:
+        return "processes"  # RLIMIT_NPROC refused a fork (the run may still exit 0)
     return None
+
+
+_FORK_REFUSED = "fork: retry: Resource temporarily unavailable"

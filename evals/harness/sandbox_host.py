@@ -1,6 +1,6 @@
 """What this host allows the sandbox (``evals.harness.sandbox``): whether a fresh sandbox uid can start
-this Python interpreter, giving it the least directory access it needs to, and whether a new network
-namespace can be made.
+this Python interpreter, giving it the least directory access it needs to, whether a new network
+namespace can be made, and the operator's settings (:class:`SandboxSettings`).
 
 ``python -m evals.harness.sandbox_host`` checks the interpreter's access and exits 1 when it is
 closed; ``--grant`` (as root; ``ops/install.sh`` runs it) opens it first.
@@ -13,8 +13,41 @@ import random
 import shutil
 import subprocess
 import sys
+import tempfile
 from functools import lru_cache
 from pathlib import Path
+
+from pydantic import Field
+from pydantic_settings import SettingsConfigDict
+
+from evals.harness.sandbox_bwrap import bwrap_missing
+from producers.settings import EnvSettings
+
+
+class SandboxSettings(EnvSettings):
+    """Operator settings of the sandbox (``FLYWHEEL_SANDBOX_*``)."""
+
+    model_config = SettingsConfigDict(env_prefix="FLYWHEEL_SANDBOX_", extra="ignore")
+    bwrap: str = Field(default="bwrap", description="the bubblewrap executable (name on PATH or a path)")
+    allow_unisolated: bool = Field(
+        default=False,
+        description="run untrusted code WITHOUT isolation (only rlimits and a wall clock) where bubblewrap cannot "
+        "build the sandbox; every such run logs a warning and reports isolation='none'. Off: the runner "
+        "refuses (SandboxUnavailableError) and names what is missing",
+    )
+    scratch_dir: Path | None = Field(
+        default=None,
+        description="where each run's scratch folder (the task's copy, output files) is made; default /dev/shm "
+        "where it is a writable folder (tmpfs: creating and removing folders on ext4 cost ~20 ms a run here), "
+        "else the system temp folder",
+    )
+
+    def scratch_root(self) -> str:
+        """The folder for scratch folders (see ``scratch_dir``)."""
+        if self.scratch_dir is not None:
+            return str(self.scratch_dir)
+        shm = "/dev/shm"
+        return shm if os.path.isdir(shm) and os.access(shm, os.W_OK | os.X_OK) else tempfile.gettempdir()
 
 
 def is_root() -> bool:
@@ -96,4 +129,6 @@ if __name__ == "__main__":  # python -m evals.harness.sandbox_host --grant  (ops
         if ok
         else f"sandbox cannot run this interpreter; closed: {[str(d) for d in closed_interpreter_dirs()]}"
     )
-    sys.exit(0 if ok else 1)
+    missing = bwrap_missing(SandboxSettings.load().bwrap, fresh_uid() if is_root() else None) if ok else None
+    print(missing or "bubblewrap builds the sandbox here")
+    sys.exit(0 if ok and missing is None else 1)

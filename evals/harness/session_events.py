@@ -120,7 +120,7 @@ class SessionEvents:
 
     def tool_executed(self, call_id: str, name: str, ok: bool, output: str, **details: Any) -> None:
         """``tool.executed`` for one call; ``details`` are the optional ``ToolExecuted`` fields
-        (``exit_code``, ``duration_s``, ``ran_tests``, ``command``)."""
+        (``exit_code``, ``duration_s``, ``ran_tests``, ``command``, ``sandbox_denials``)."""
         self.emit(
             ToolExecutedEvent(
                 **self.envelope, payload=ToolExecuted(call_id=call_id, name=name, ok=ok, output=output, **details)

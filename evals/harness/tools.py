@@ -33,6 +33,7 @@ class ToolOutcome:
         duration_s: wall-clock seconds.
         edit: for a successful ``edit_file``: ``{"path", "lines_added", "lines_removed", "diff", "added"}``.
         finished: the agent called ``finish``.
+        sandbox_denials: ``run`` only: attempts the sandbox refused (``SandboxResult.denial_count``).
     """
 
     ok: bool
@@ -43,6 +44,7 @@ class ToolOutcome:
     duration_s: float = 0.0
     edit: dict | None = None
     finished: bool = False
+    sandbox_denials: int = 0
 
 
 def _truncate(text: str, limit: int) -> str:
@@ -87,6 +89,7 @@ def _dispatch(call: ParsedCall, workdir: Path, limits: SandboxLimits, max_chars:
             ran_tests=bool(_TEST_COMMAND.search(args["command"])),
             command=args["command"],
             duration_s=res.duration_s,
+            sandbox_denials=res.denial_count,
         )
     if call.name == "finish":
         return ToolOutcome(ok=True, output="session finished", finished=True)

@@ -137,6 +137,12 @@ class ToolExecuted(_Frozen):
     duration_s: float = Field(default=0.0, ge=0, le=MAX_LATENCY_S)
     ran_tests: bool = Field(default=False, description="the command ran the task's tests")
     command: str | None = Field(default=None, max_length=10_000)
+    sandbox_denials: int = Field(
+        default=0,
+        ge=0,
+        le=MAX_COUNT,
+        description="attempts of the command the sandbox refused (outside its folder, network)",
+    )
 
 
 class EditProposed(_Frozen):

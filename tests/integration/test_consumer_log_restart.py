@@ -147,3 +147,42 @@ def _log_ends(bootstrap: str) -> dict[int, int]:
     for r in read_topic(bootstrap, TOPIC, idle_ms=1500):
         ends[r.partition] = max(ends.get(r.partition, 0), r.offset + 1)
     return ends
+
+
+def test_dead_letters_of_a_reset_log_at_colliding_positions_are_all_kept(db, restartable_broker):
+    """Malformed records of the new log land on the (partition, offset) positions malformed records
+    of the old log hold: each is stored (keyed by the log's identity), and the DLQ topic gets the new
+    log's records, not the old rows at those positions."""
+    from app.core.db import session_scope
+    from app.repositories.events import DeadLetterRow, insert_dead_letters
+    from tests.fixtures.broker import read_topic
+
+    bootstrap, restart = restartable_broker
+    group = f"restart-{uuid.uuid4().hex[:8]}"
+    old = [(b"same-key", b"old-not-json-%d" % i, []) for i in range(5)]
+    new = [(b"same-key", b"new-not-json-%d" % i, []) for i in range(5)]  # same key: same partition, offsets 0-4
+    produce(bootstrap, TOPIC, old)
+    consumer, _ = _consumer(bootstrap, group)
+    assert sum(consumer.run(idle_exit_s=3.0).dead_letters.values()) == len(old)
+
+    restart()
+    produce(bootstrap, TOPIC, new)
+    consumer, _ = _consumer(bootstrap, group)
+    assert sum(consumer.run(idle_exit_s=3.0).dead_letters.values()) == len(new)
+    with psycopg.connect(db) as conn:
+        rows = conn.execute(
+            'SELECT partition, "offset", log_id, raw FROM dead_letter ORDER BY log_id, "offset"'
+        ).fetchall()
+    assert len(rows) == len(old) + len(new) and len({r[2] for r in rows}) == 2 and None not in {r[2] for r in rows}
+    positions = {(p, o) for p, o, _, _ in rows}
+    assert len(positions) == len(new)  # every position collides
+    assert {bytes(r[3]) for r in rows} == {v for _, v, _ in old + new}
+    published = [r.value for r in read_topic(bootstrap, DLQ, idle_ms=1500)]  # the DLQ topic was re-created too
+    assert sorted(published) == sorted(v for _, v, _ in new), published
+
+    # insert_dead_letters reports what it inserted: a redelivery (same log and position) is not counted
+    again = [DeadLetterRow(TOPIC, p, o, b"k", b"x", None, "decode", "", log_id=log) for p, o, log, _ in rows[:2]] + [
+        DeadLetterRow(TOPIC, rows[0][0], rows[0][1], b"k", b"x", None, "decode", "", log_id="a-third-log")
+    ]
+    with session_scope() as s:
+        assert insert_dead_letters(s, again) == 1

@@ -74,7 +74,7 @@ def test_writing_outside_the_directory_is_refused(box):
     assert (box / "inside.txt").read_text() == "ok\n"
     if os.geteuid() == 0:  # the sandbox uid owns only the repository
         assert not outside.exists() and not (box.parent / "escaped2.txt").exists()
-        assert "Permission denied" in r.stderr
+        assert "No such file or directory" in r.stderr and "Read-only file system" in r.stderr
     assert (box / "inside.txt").stat().st_uid == os.geteuid()  # synced back, owned by the harness
 
 

@@ -1,0 +1,115 @@
+"""Audit hook of the sandbox: every Python process started inside it (``PYTHONPATH`` points here, bound
+read-only) records what its code tried that the sandbox refuses, one JSON line per attempt, to the
+file named by ``SANDBOX_DENIALS`` (a folder outside the task's, bound writable; the harness reads it).
+
+What counts as a denial (``sys.addaudithook``, PEP 578):
+- ``read``: ``open``/``os.listdir``/``os.scandir`` of a path under none of ``SANDBOX_VISIBLE``
+  (the mounts; everything else of the host is absent, so such an attempt fails), or an open of a
+  missing path under ``/tmp`` (the sandbox's own: a host ``/tmp`` path the code expected);
+- ``write`` also: an open for writing under ``/tmp`` whose folder is missing (a host ``/tmp`` path);
+- ``write``: an open for writing, or a mkdir/remove/rename/rmdir/chmod/truncate/symlink, of a path under
+  none of ``SANDBOX_WRITABLE`` (the task folder, ``/tmp``, ``/dev``: the rest is read-only);
+- ``network``: a ``socket.connect``/``sendto`` to an IP address (the sandbox has no network);
+- ``exec``: starting an absolute executable path that is not visible.
+Paths are resolved (``os.path.realpath``) so a symlink out of the folder counts. This is a signal,
+not the guard: code can remove the hook or run a non-Python program, and the mounts refuse either way.
+Each process records at most ``_MAX`` attempts.
+"""
+
+import json
+import os
+import sys
+
+_LOG = os.environ.get("SANDBOX_DENIALS", "")
+_VISIBLE = tuple(p for p in os.environ.get("SANDBOX_VISIBLE", "").split(":") if p)
+_WRITABLE = tuple(p for p in os.environ.get("SANDBOX_WRITABLE", "").split(":") if p)
+_MAX = 200
+_WRITE_EVENTS = {"os.mkdir", "os.remove", "os.rename", "os.rmdir", "os.chmod", "os.truncate", "os.symlink", "os.link"}
+_state = {"busy": False, "count": 0}
+
+
+def _under(path: str, roots: tuple[str, ...]) -> bool:
+    return any(path == r or path.startswith(r.rstrip("/") + "/") for r in roots)
+
+
+def _resolve(path) -> str | None:
+    if isinstance(path, bytes):
+        path = os.fsdecode(path)
+    if not isinstance(path, str):  # a file descriptor
+        return None
+    return os.path.realpath(path)
+
+
+def _plainly_visible(path) -> bool:
+    """An absolute path string under a visible root outside ``/tmp``, before resolving symlinks: the
+    fast path for the thousands of opens an import makes (realpath costs a stat per component)."""
+    if isinstance(path, bytes):
+        path = os.fsdecode(path)
+    return (
+        isinstance(path, str)
+        and path.startswith("/")
+        and not path.startswith("/tmp/")
+        and _under(os.path.normpath(path), _VISIBLE)
+    )
+
+
+def _record(kind: str, event: str, target: str) -> None:
+    if _state["count"] >= _MAX:
+        return
+    _state["count"] += 1
+    with open(_LOG, "a", encoding="utf-8") as f:
+        f.write(json.dumps({"kind": kind, "event": event, "target": target[:300]}) + "\n")
+
+
+def _check(event: str, args: tuple) -> None:
+    if event == "open":
+        path, mode, flags = (args + (None, None, None))[:3]
+        if mode in (None, "r", "rb") and not (isinstance(flags, int) and flags & 3) and _plainly_visible(path):
+            return  # a read under a mount (``io.open_code`` passes mode "rb"; ``os.open`` flags)
+        target = _resolve(path)
+        if target is None:
+            return
+        writes = (isinstance(mode, str) and any(c in mode for c in "wax+")) or (
+            isinstance(flags, int) and flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT)
+        )
+        if not _under(target, _VISIBLE):
+            _record("write" if writes else "read", event, target)
+        elif target.startswith("/tmp/") and not os.path.exists(os.path.dirname(target) if writes else target):
+            _record(
+                "write" if writes else "read", event, target
+            )  # the sandbox's /tmp is its own: a host path is absent
+        elif writes and not _under(target, _WRITABLE):
+            _record("write", event, target)
+    elif event in ("os.listdir", "os.scandir"):
+        target = _resolve(args[0] if args else ".")
+        if target is not None and not _under(target, _VISIBLE):
+            _record("read", event, target)
+    elif event in _WRITE_EVENTS:
+        for path in args[:2] if event in ("os.rename", "os.link") else args[:1]:
+            target = _resolve(path)
+            if target is not None and not _under(target, _WRITABLE):
+                _record("write", event, target)
+    elif event in ("socket.connect", "socket.sendto"):
+        address = args[1] if len(args) > 1 else None
+        if isinstance(address, tuple):
+            _record("network", event, ":".join(str(a) for a in address[:2]))
+    elif event in ("subprocess.Popen", "os.exec", "os.posix_spawn"):
+        exe = _resolve(args[0]) if args else None
+        if exe is not None and os.path.isabs(os.fsdecode(args[0])) and not _under(exe, _VISIBLE):
+            _record("exec", event, exe)
+
+
+def _hook(event: str, args: tuple) -> None:
+    if _state["busy"]:
+        return
+    _state["busy"] = True
+    try:
+        _check(event, args)
+    except Exception:  # noqa: BLE001 - the hook must never break the code it watches
+        pass
+    finally:
+        _state["busy"] = False
+
+
+if _LOG and _VISIBLE:
+    sys.addaudithook(_hook)
