@@ -44,7 +44,7 @@ from app.core.net import free_port, served_weight_version
 from app.core.settings import get_settings
 from app.inference.engine import SamplingParams
 from ops.processes import Supervisor, wait_http
-from ops.stack import StackState, stack_down, stack_up
+from ops.stack import StackState, serving_settings, stack_down, stack_up
 from serving.openai_engine import OpenAICompatEngine
 from serving.vllm_server import start_server
 
@@ -77,9 +77,9 @@ def perturbed_copy(base_dir: Path, out: Path, scale: float = 0.01, seed: int = 0
     return out
 
 
-def fingerprint(url: str) -> tuple[int, ...]:
+def fingerprint(url: str, key: str | None) -> tuple[int, ...]:
     """Greedy tokens and log-probs (rounded to 0.01 nats) of :data:`PROBE` on the server at ``url``."""
-    engine = OpenAICompatEngine(url)
+    engine = OpenAICompatEngine(url, api_key=key)
     try:
         g = engine.generate([PROBE], SamplingParams(max_tokens=8, temperature=0.0))[0]
         return (*g.token_ids, *(round(x * 100) for x in g.logprobs))
@@ -87,7 +87,9 @@ def fingerprint(url: str) -> tuple[int, ...]:
         engine.close()
 
 
-def wait_served(url: str, target: str, expected: tuple[int, ...] | None, timeout_s: float = 300.0) -> float:
+def wait_served(
+    url: str, key: str | None, target: str, expected: tuple[int, ...] | None, timeout_s: float = 300.0
+) -> float:
     """Seconds until the server at ``url`` reports ``target`` and (when ``expected`` is given) answers
     the probe with that fingerprint.
 
@@ -96,7 +98,8 @@ def wait_served(url: str, target: str, expected: tuple[int, ...] | None, timeout
     """
     t0 = time.monotonic()
     while time.monotonic() - t0 < timeout_s:
-        if served_weight_version(url, timeout_s=10.0) == target and (expected is None or fingerprint(url) == expected):
+        served = served_weight_version(url, api_key=key, timeout_s=10.0)
+        if served == target and (expected is None or fingerprint(url, key) == expected):
             return time.monotonic() - t0
         time.sleep(0.05)
     raise SystemExit(f"the production server did not serve {target} within {timeout_s:.0f}s")
@@ -136,15 +139,18 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as tmp:
             register_model(perturbed_copy(base_dir, Path(tmp) / CANDIDATE), CANDIDATE, "candidate", source="bench")
 
-        t0 = time.monotonic()
-        server = start_server("production", store.stable_path("base"), "base", home)
-        cold_start_s = time.monotonic() - t0
         state = StackState.load(home)
+        settings = serving_settings(state)  # the key the managed servers require
+        key = settings.api_key.get_secret_value()
+        t0 = time.monotonic()
+        server = start_server("production", store.stable_path("base"), "base", home, settings=settings)
+        cold_start_s = time.monotonic() - t0
         state.serving_urls = {"production": server.url}
         state.save(home)
         env["FLYWHEEL_SERVING_ENGINE"] = "vllm"
         env["FLYWHEEL_SERVING_URL"] = server.url
-        prints = {"base": fingerprint(server.url)}
+        env["FLYWHEEL_SERVING_API_KEY"] = key
+        prints = {"base": fingerprint(server.url, key)}
 
         services = {"api": ["api"], "relay": ["relay"], "watcher": ["watch"]}
         Supervisor(home, services, env).start()
@@ -169,8 +175,8 @@ def main() -> None:
                     resp = client.post("/rollbacks", json=body)
                 if resp.status_code >= 400:
                     raise SystemExit(f"move {i} to {target} refused: {resp.status_code} {resp.text[:500]}")
-                t = wait_served(server.url, target, prints.get(target))
-                prints.setdefault(target, fingerprint(server.url))
+                t = wait_served(server.url, key, target, prints.get(target))
+                prints.setdefault(target, fingerprint(server.url, key))
                 timings.append({"to": target, "kind": "promotion" if i == 0 else "rollback", "s": round(t, 3)})
                 production = target
         if prints["base"] == prints[CANDIDATE]:

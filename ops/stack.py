@@ -134,10 +134,12 @@ def stack_up(home: Path | None = None, partitions: int | None = None) -> StackSt
     if previous:
         state.extra_pids = {k: v for k, v in previous.extra_pids.items() if pid_alive(v)}
         # The managed vLLM servers outlive a restart of the stack's other services: their settings
-        # stay in stack.env for as long as their state is recorded (``stack down`` forgets them).
+        # (URLs and the key they require) stay in stack.env for as long as their state is recorded
+        # (``stack down`` forgets them).
         state.serving_urls = {
             role: url for role, url in previous.serving_urls.items() if VLLMServer.load(home, role) is not None
         }
+        state.serving_api_key = previous.serving_api_key
     kafka = KafkaSettings()
     create_topics(
         state.kafka_bootstrap,
