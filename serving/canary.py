@@ -27,22 +27,26 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+import httpx
+from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from app.checkpoints.store import STABLE, CheckpointStore
 from app.core.errors import ConfigurationError, InfrastructureError
-from app.core.pids import pid_alive
+from app.core.pids import pid_alive, stop_pid
 from app.core.settings import ServingSettings, flywheel_home, get_settings
 from app.promotion.assignment import CANARY, assign_arm
 from serving.vllm_server import (
     VLLMServer,
     record_checkpoint,
     server_healthy,
+    set_weight_version,
     start_server,
     stop_server,
     wait_ready,
@@ -61,6 +65,9 @@ class CanaryServingSettings(BaseSettings):
     url: str | None = None
     """Base URL of a second OpenAI-compatible server the follower loads the canary checkpoint into
     (unset: the watcher starts a managed ``canary`` vLLM server for each canary)."""
+    drain_s: float = Field(default=30.0, ge=0)
+    """Seconds a managed canary server keeps answering after its canary ended (requests the front
+    sent it before moving the canary's users), then it is stopped."""
 
 
 def canary_settings() -> CanaryServingSettings:
@@ -130,13 +137,23 @@ class EngineRouter:
             return self._canary_engine
 
 
-class ManagedCanaryServer:
-    """The managed ``canary`` vLLM server serving one canary's checkpoint; :meth:`close` stops it.
+_owners: dict[int, "ManagedCanaryServer"] = {}  # canary server pid -> the canary that uses it now
+_owners_lock = threading.Lock()
 
-    A server of the role that already runs (a watcher restarted during a canary) is kept, and
-    reloaded only if it serves another checkpoint. Otherwise one is started without waiting: it
-    warms up (40-120 s on 2 CPUs) in a thread while the watcher goes on, and reports the canary's
-    checkpoint as its weight version once ready; until then the front routes everyone to production.
+
+class ManagedCanaryServer:
+    """The managed ``canary`` vLLM server serving one canary's checkpoint; :meth:`close` drains and stops it.
+
+    A server of the role that already runs (a watcher restarted during a canary, or the server of
+    a canary this one replaces) is kept, and reloaded only if it serves another checkpoint; it then
+    belongs to this canary, and the previous one's :meth:`close` leaves it running. Otherwise one
+    is started without waiting: it warms up (40-120 s on 2 CPUs) in a thread while the watcher goes
+    on, and reports the canary's checkpoint as its weight version once ready; until then the front
+    routes everyone to production.
+
+    Args:
+        drain_s: seconds between the end of the canary and the server's stop, for requests the
+            front sent before it moved the canary's users (``FLYWHEEL_SERVING_CANARY_DRAIN_S``).
 
     Raises:
         ConfigurationError: vLLM is not installed, or ``path`` is not a model folder.
@@ -144,17 +161,25 @@ class ManagedCanaryServer:
     """
 
     def __init__(
-        self, checkpoint_id: str, path: Path, *, home: Path | None = None, settings: ServingSettings | None = None
+        self,
+        checkpoint_id: str,
+        path: Path,
+        *,
+        home: Path | None = None,
+        settings: ServingSettings | None = None,
+        drain_s: float = 30.0,
     ) -> None:
         from serving.openai_engine import OpenAICompatEngine
 
         self.checkpoint_id = checkpoint_id
         self.home = home or flywheel_home()
         self.settings = settings or ServingSettings.load()
+        self.drain_s = drain_s
         self._closed = threading.Event()
-        self._thread: threading.Thread | None = None
         running = VLLMServer.load(self.home, CANARY_ROLE)
         if running is not None and pid_alive(running.pid) and server_healthy(running.url):
+            with _owners_lock:
+                _owners[running.pid] = self  # a pending stop of this server is called off
             client = OpenAICompatEngine(running.url)
             try:
                 if client.checkpoint_id != checkpoint_id:
@@ -167,8 +192,9 @@ class ManagedCanaryServer:
         if running is not None:
             stop_server(CANARY_ROLE, self.home)
         self.server = start_server(CANARY_ROLE, path, checkpoint_id, self.home, settings=self.settings, wait=False)
-        self._thread = threading.Thread(target=self._wait_ready, name="canary-server-start", daemon=True)
-        self._thread.start()
+        with _owners_lock:
+            _owners[self.server.pid] = self
+        threading.Thread(target=self._wait_ready, name="canary-server-start", daemon=True).start()
 
     def _wait_ready(self) -> None:
         try:
@@ -184,9 +210,27 @@ class ManagedCanaryServer:
         return self.server.url
 
     def close(self) -> None:
-        """Stop the server (its state file goes with it)."""
+        """Stop the server after ``drain_s`` seconds (in a thread), unless a newer canary took it
+        over meanwhile. Its weight version is changed at once, so the front stops sending it users."""
         self._closed.set()
-        stop_server(CANARY_ROLE, self.home)
+        try:
+            set_weight_version(self.server.url, f"{self.checkpoint_id}:stopping")
+        except (InfrastructureError, httpx.HTTPError):
+            pass  # not started yet or down: nothing is routed to it either way
+        threading.Thread(target=self._stop_after_drain, name="canary-server-stop", daemon=True).start()
+
+    def _stop_after_drain(self) -> None:
+        time.sleep(self.drain_s)
+        with _owners_lock:
+            if _owners.get(self.server.pid) is not self:
+                return  # a newer canary serves from this server now
+            _owners.pop(self.server.pid)
+        recorded = VLLMServer.load(self.home, CANARY_ROLE)
+        if recorded is not None and recorded.pid == self.server.pid:
+            stop_server(CANARY_ROLE, self.home)
+        else:
+            stop_pid(self.server.pid, timeout_s=20.0)
+        log.info("canary server %s (%s) stopped", self.server.url, self.checkpoint_id)
 
 
 def setup_canary_engine(checkpoint_id: str, path: Path, settings=None, canary: CanaryServingSettings | None = None):
@@ -205,7 +249,7 @@ def setup_canary_engine(checkpoint_id: str, path: Path, settings=None, canary: C
     from serving.openai_engine import OpenAICompatEngine
 
     if not canary.url:
-        return ManagedCanaryServer(checkpoint_id, path, settings=settings.serving)
+        return ManagedCanaryServer(checkpoint_id, path, settings=settings.serving, drain_s=canary.drain_s)
     key = settings.serving.api_key.get_secret_value() if settings.serving.api_key else None
     engine = OpenAICompatEngine(canary.url, api_key=key)
     if engine.checkpoint_id != checkpoint_id:
