@@ -181,6 +181,8 @@ def create_front(
                 400, "`user` (a stable pseudonymous user id) is required: the canary split is by user", param="user"
             )
         model = body.get("model")
+        if not isinstance(model, str) or not model:
+            raise BadRequest(400, "`model` is required (GET /v1/models lists the served names)", param="model")
         names = await router.model_names()
         if model not in names:
             raise BadRequest(

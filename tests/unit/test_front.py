@@ -155,6 +155,7 @@ def test_bad_input_gets_a_4xx_with_a_message_and_never_reaches_a_server(front):
         (client.post("/v1/completions", json=_body(user=None)), 400, "user"),
         (client.post("/v1/completions", json=_body(user="  ")), 400, "user"),
         (client.post("/v1/completions", json=_body(model="gpt-9")), 404, "gpt-9"),
+        (client.post("/v1/completions", json=_body(model=None)), 400, "`model` is required"),
         (client.post("/v1/completions", content=b'{"model": "flywheel", "user": '), 400, "not valid JSON"),
         (client.post("/v1/completions", content=b"\xff\xfe"), 400, "not valid JSON"),
         (client.post("/v1/chat/completions", json=[1, 2]), 400, "JSON object"),
