@@ -44,13 +44,18 @@ from starlette.background import BackgroundTask
 
 from app.core.errors import ConfigurationError
 from app.core.settings import EnvSettings, flywheel_home, get_settings
-from app.promotion.assignment import PRODUCTION
+from app.core.telemetry import meter
+from app.promotion.assignment import CANARY, PRODUCTION
 from serving.canary import canary_settings
 from serving.front_lifecycle import LifecycleFollower
 from serving.front_routing import UNKNOWN_CHECKPOINT, FrontRouter, Route, UpstreamUnavailable
 from serving.vllm_server import VLLMServer
 
 log = logging.getLogger("flywheel.front")
+
+_requests = meter("flywheel.serving").create_counter(
+    "flywheel.front.requests", unit="{request}", description="requests the serving front forwarded, by arm and status"
+)
 
 CHECKPOINT_HEADER = "x-flywheel-checkpoint"
 ARM_HEADER = "x-flywheel-arm"
@@ -150,6 +155,10 @@ def create_front(
     async def _bad_request(_request: Request, exc: BadRequest) -> JSONResponse:
         return exc.response
 
+    @app.exception_handler(httpx.ConnectError)
+    async def _refused(_request: Request, exc: httpx.ConnectError) -> JSONResponse:
+        return openai_error(503, f"the model server is unavailable: {exc}", code="upstream_unavailable")
+
     @app.exception_handler(UpstreamUnavailable)
     async def _unavailable(_request: Request, exc: UpstreamUnavailable) -> JSONResponse:
         return openai_error(503, f"the model server is unavailable: {exc}", code="upstream_unavailable")
@@ -173,6 +182,23 @@ def create_front(
             headers = {CHECKPOINT_HEADER: served or UNKNOWN_CHECKPOINT, ARM_HEADER: PRODUCTION}
         return JSONResponse(listing, headers=headers)
 
+    async def send(route: Route, path: str, raw: bytes) -> httpx.Response:
+        """POST ``raw`` to the route's server, the answer's body left to stream.
+
+        Raises:
+            httpx.ConnectError: the server refused the connection (nothing was sent).
+            UpstreamUnavailable: the server failed otherwise.
+        """
+        upstream = router.client.build_request(
+            "POST", route.url + path, content=raw, headers={**router.headers, "content-type": "application/json"}
+        )
+        try:
+            return await router.client.send(upstream, stream=True)
+        except httpx.ConnectError:
+            raise
+        except httpx.HTTPError as exc:
+            raise UpstreamUnavailable(f"{route.url} ({route.arm}) did not answer: {exc}") from exc
+
     async def forward(request: Request, path: str) -> Response:
         raw, body = await read_json_body(request, settings.max_body_bytes)
         user = body.get("user")
@@ -192,16 +218,16 @@ def create_front(
                 code="model_not_found",
             )
         route = await router.route(user)
-        upstream = router.client.build_request(
-            "POST",
-            route.url + path,
-            content=raw,
-            headers={**router.headers, "content-type": "application/json"},
-        )
         try:
-            resp = await router.client.send(upstream, stream=True)
-        except httpx.HTTPError as exc:
-            raise UpstreamUnavailable(f"{route.url} ({route.arm}) did not answer: {exc}") from exc
+            resp = await send(route, path, raw)
+        except httpx.ConnectError:
+            if route.arm != CANARY:
+                raise
+            # the canary server went away after it was routed to; the request never reached it
+            router.invalidate()
+            route = await router.production_route()
+            resp = await send(route, path, raw)
+        _requests.add(1, {"arm": route.arm, "status": resp.status_code})
         headers = stamp(route)
         if "content-type" in resp.headers:
             headers["content-type"] = resp.headers["content-type"]

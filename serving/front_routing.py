@@ -199,5 +199,13 @@ class FrontRouter:
                         return Route(CANARY, url, canary.checkpoint_id)
                 except UpstreamUnavailable:
                     pass  # a canary server that is starting or down: production serves its users
+        return await self.production_route()
+
+    async def production_route(self) -> Route:
+        """The production server's route.
+
+        Raises:
+            UpstreamUnavailable: production does not answer.
+        """
         served = await self.served_checkpoint(self.production_url)
         return Route(PRODUCTION, self.production_url, served or UNKNOWN_CHECKPOINT)

@@ -176,3 +176,13 @@ def test_a_server_that_is_down_is_a_503_with_a_message(front):
     r = client.post("/v1/completions", json=_body(next(u for u in USERS if assign_arm(u, "c-1", 0.5) == "production")))
     assert r.status_code == 503 and "unavailable" in r.json()["error"]["message"]
     servers.down.clear()
+
+
+def test_a_canary_server_gone_after_routing_sends_the_request_to_production(front):
+    client, servers = front
+    user = next(u for u in USERS if assign_arm(u, "c-1", 0.5) == "canary")
+    assert client.post("/v1/completions", json=_body(user)).headers["x-flywheel-arm"] == "canary"
+    servers.down.add(CANARY_URL)  # its reported checkpoint is still cached: the route says canary
+    r = client.post("/v1/completions", json=_body(user))
+    assert r.status_code == 200 and r.json()["served"] == PROD
+    assert (r.headers["x-flywheel-arm"], r.headers["x-flywheel-checkpoint"]) == ("production", "base")
