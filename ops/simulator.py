@@ -210,9 +210,11 @@ def run_simulation(
     engine_for: Callable[[str], object] | None = None,
 ) -> list[dict]:
     """Run ``config.sessions`` sessions, at most ``config.concurrency`` at once; returns one summary
-    dict per session, ordered by session index. ``engine_for(user_id)`` picks the engine that serves
-    a user's sessions (a canary's sticky arms, ``serving.canary.EngineRouter.engine_for``);
-    default ``engine`` for everyone. Each engine batches only its own sessions' sequences.
+    dict per session, ordered by session index. Each session gets its own client of ``engine``
+    where the engine offers one per user (``OpenAICompatEngine.for_user``, the serving front's
+    client: the front routes the user to production or the canary and stamps the checkpoint that
+    served, which the session's events then carry); else ``engine`` itself.
+    ``engine_for(user_id)`` overrides that choice (tests and benches that hold both engines).
 
     Raises:
         ConfigurationError: an eval-only split or unknown source.
@@ -237,11 +239,12 @@ def run_simulation(
         max_tokens_per_turn=config.max_tokens_per_turn,
     )
     limits = SandboxLimits(timeout_s=config.run_timeout_s)
-    served: dict[int, ModelledLatency] = {}
 
     def engine_of(user_id: str) -> ModelledLatency:
-        chosen = engine_for(user_id) if engine_for is not None else engine
-        return served.setdefault(id(chosen), ModelledLatency(chosen))
+        if engine_for is not None:
+            return ModelledLatency(engine_for(user_id))
+        for_user = getattr(engine, "for_user", None)
+        return ModelledLatency(for_user(user_id) if for_user is not None else engine)
 
     specs = []
     for i, task in enumerate(plan):

@@ -53,23 +53,28 @@ def simulate(
     ),
     checkpoint: str = typer.Option(None, "--checkpoint", help="checkpoint id (default: production)"),
     threads: int = typer.Option(2, "--threads", help="torch CPU threads (torch engine)"),
-    canary: bool = typer.Option(
-        True,
-        "--canary/--no-canary",
-        help="serve the canary's users with its checkpoint (sticky by user), following what the serving "
-        "watcher serves, as live traffic does; only when serving production (no --checkpoint/--model-dir)",
+    front: bool = typer.Option(
+        None,
+        "--front/--no-front",
+        help="send sessions through the serving front (FLYWHEEL_FRONT_URL) as the product backend does: it "
+        "routes each user to production or the canary and stamps the checkpoint that served. Default: on "
+        "with FLYWHEEL_SERVING_ENGINE=vllm and neither --checkpoint nor --model-dir; --no-front: the "
+        "configured engine directly, on one checkpoint, no canary",
     ),
+    front_url: str = typer.Option(None, "--front-url", help="the front's base URL (default: FLYWHEEL_FRONT_URL)"),
 ) -> None:
     """Play the product backend: real agent sessions on training tasks, every event to the broker.
-    With an active canary, its share of users is served by the candidate (``flywheel canary status``)."""
+    Through the serving front, an active canary's share of users is served by the candidate."""
     import torch
 
+    from app.core.settings import get_settings
     from app.core.telemetry import configure_telemetry, shutdown_telemetry
     from ops.developer import DeveloperModel
     from ops.simulator import SimulatorConfig, run_simulation
     from producers.producer import EventProducer
-    from serving.canary import TrafficRouter
     from serving.engine import setup_engine
+    from serving.front import FrontSettings
+    from serving.openai_engine import OpenAICompatEngine
 
     configure_telemetry("flywheel-simulator")
     torch.set_num_threads(threads)
@@ -96,27 +101,21 @@ def simulate(
             late_signal_delay_s=late_signal_delay,
         ),
     )
-    engine = setup_engine(checkpoint_id=checkpoint, model_dir=model_dir)
-    # Routed as production traffic is: by the canary the serving watcher serves, followed live.
-    router = TrafficRouter(engine) if canary and checkpoint is None and model_dir is None else None
-    active = router.refresh(force=True) if router is not None else None
-    if active is not None:
-        typer.echo(f"canary {active.canary_id}: {active.checkpoint_id} serves {active.fraction:.1%} of users")
-    typer.echo(f"simulating {sessions} sessions with checkpoint {engine.checkpoint_id}")
+    if front is None:
+        front = get_settings().serving.engine == "vllm" and checkpoint is None and model_dir is None
+    if front:
+        url = front_url or FrontSettings.load().client_url
+        engine = OpenAICompatEngine(url)  # raises, naming the URL, when no front answers there
+        typer.echo(f"simulating {sessions} sessions through the serving front at {url}")
+    else:
+        engine = setup_engine(checkpoint_id=checkpoint, model_dir=model_dir)
+        typer.echo(f"simulating {sessions} sessions with checkpoint {engine.checkpoint_id}")
     try:
         with EventProducer() as producer:
-            summaries = run_simulation(
-                config,
-                engine,
-                producer.emit,
-                progress=lambda s: typer.echo(json.dumps(s)),
-                engine_for=router.engine_for if router is not None else None,
-            )
+            summaries = run_simulation(config, engine, producer.emit, progress=lambda s: typer.echo(json.dumps(s)))
             producer.flush(timeout_s=60)
             metrics = producer.metrics
     finally:
-        if router is not None:
-            router.close()
         engine.close()
     shutdown_telemetry()
     by_checkpoint: dict[str, int] = {}

@@ -1,20 +1,23 @@
-"""Serving a canary beside production: the engine router that picks an arm per user, the
-follower that starts and stops the canary engine on ``canary.started`` / ``canary.stopped``, and
-the router production traffic uses, which follows what the serving watcher serves.
+"""Serving a canary beside production: the engine router the watcher keeps the canary engine in,
+the follower that starts and stops the canary engine on ``canary.started`` / ``canary.stopped``, and
+the managed canary vLLM server.
 
 Invariants:
 
 - a user's arm is ``app.lifecycle.assignment.assign_arm(user_id, canary_id, fraction)`` (sha256,
-  sticky for the whole canary), the same function the simulator and any analysis use;
+  sticky for the whole canary), the same function the serving front (:mod:`serving.front`) and
+  any analysis use; production traffic is split there, by the front, never here;
 - the router swaps (production engine, canary engine, canary) under one lock, so a caller never
   gets a canary engine for a canary that has stopped;
 - the canary engine is a second weight set: a second in-process ``TorchEngine`` for the torch
-  engine; for vLLM a second server (``FLYWHEEL_SERVING_CANARY_URL``, loaded with the canary
-  checkpoint by the follower) or a model name a routing layer already serves the candidate under
-  (``FLYWHEEL_SERVING_CANARY_MODEL`` on the production URL; nothing is reloaded then);
-- production traffic routes by what the serving watcher reports it serves (:class:`TrafficRouter`
-  over ``serving.json``), so a canary stopped by anyone, the canary policy included, stops getting
-  users within seconds of the watcher applying ``canary.stopped``;
+  engine; for vLLM the server at ``FLYWHEEL_SERVING_CANARY_URL`` (loaded with the canary
+  checkpoint by the follower) or, without one, the managed ``canary`` server
+  (:class:`ManagedCanaryServer`), started on the canary checkpoint at ``canary.started`` and
+  stopped at ``canary.stopped``; its state file (``$FLYWHEEL_HOME/vllm/canary.json``) is where the
+  front finds it;
+- a canary that cannot be served (vLLM missing, the server failed to start) is logged as an error
+  and leaves every user on production: the watcher goes on, and the front, which routes a canary's
+  users only to a server reporting the canary's checkpoint, keeps them on production;
 - only the newest canary change of a batch acts (at most one canary is active, so the newest
   message alone says what serves), and one whose ``outbox_id`` is not newer than the last applied
   is ignored (the relay is at-least-once).
@@ -30,19 +33,29 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+import httpx
+from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from app.checkpoints.store import STABLE, CheckpointStore
-from app.core.db import session_scope
-from app.core.errors import CheckpointError, ConfigurationError, InfrastructureError
-from app.core.settings import flywheel_home, get_settings
+from app.core.errors import ConfigurationError, InfrastructureError
+from app.core.pids import pid_alive, stop_pid
+from app.core.settings import ServingSettings, flywheel_home, get_settings
 from app.lifecycle.assignment import CANARY, assign_arm
-from app.lifecycle.canary import get_active_canary
 from app.lifecycle.messages import CANARY_CHANGES
-from app.lifecycle.serving_state import read_serving_state
-from app.models import Checkpoint
+from serving.vllm_server import (
+    VLLMServer,
+    record_checkpoint,
+    server_healthy,
+    set_weight_version,
+    start_server,
+    stop_server,
+    wait_ready,
+)
 
 log = logging.getLogger("flywheel.canary")
+
+CANARY_ROLE = "canary"  # the managed server's role (serving.vllm_server.ON_DEMAND_ROLES)
 
 
 class CanaryServingSettings(BaseSettings):
@@ -50,9 +63,11 @@ class CanaryServingSettings(BaseSettings):
 
     model_config = SettingsConfigDict(env_prefix="FLYWHEEL_SERVING_CANARY_", extra="ignore")
     url: str | None = None
-    """Base URL of a second OpenAI-compatible server the follower loads the canary checkpoint into."""
-    model: str | None = None
-    """Served model name of the candidate (on ``url``, or on the production server when ``url`` is unset)."""
+    """Base URL of a second OpenAI-compatible server the follower loads the canary checkpoint into
+    (unset: the watcher starts a managed ``canary`` vLLM server for each canary)."""
+    drain_s: float = Field(default=30.0, ge=0)
+    """Seconds a managed canary server keeps answering after its canary ended (requests the front
+    sent it before moving the canary's users), then it is stopped."""
 
 
 def canary_settings() -> CanaryServingSettings:
@@ -122,11 +137,108 @@ class EngineRouter:
             return self._canary_engine
 
 
+_owners: dict[int, "ManagedCanaryServer"] = {}  # canary server pid -> the canary that uses it now
+_owners_lock = threading.Lock()
+
+
+class ManagedCanaryServer:
+    """The managed ``canary`` vLLM server serving one canary's checkpoint; :meth:`close` drains and stops it.
+
+    A server of the role that already runs (a watcher restarted during a canary, or the server of
+    a canary this one replaces) is kept, and reloaded only if it serves another checkpoint; it then
+    belongs to this canary, and the previous one's :meth:`close` leaves it running. Otherwise one
+    is started without waiting: it warms up (40-120 s on 2 CPUs) in a thread while the watcher goes
+    on, and reports the canary's checkpoint as its weight version once ready; until then the front
+    routes everyone to production.
+
+    Args:
+        drain_s: seconds between the end of the canary and the server's stop, for requests the
+            front sent before it moved the canary's users (``FLYWHEEL_SERVING_CANARY_DRAIN_S``).
+
+    Raises:
+        ConfigurationError: vLLM is not installed, or ``path`` is not a model folder.
+        InfrastructureError: the running server refused the reload.
+    """
+
+    def __init__(
+        self,
+        checkpoint_id: str,
+        path: Path,
+        *,
+        home: Path | None = None,
+        settings: ServingSettings | None = None,
+        drain_s: float = 30.0,
+    ) -> None:
+        from serving.openai_engine import OpenAICompatEngine
+
+        self.checkpoint_id = checkpoint_id
+        self.home = home or flywheel_home()
+        self.settings = settings or ServingSettings.load()
+        self.drain_s = drain_s
+        self._closed = threading.Event()
+        running = VLLMServer.load(self.home, CANARY_ROLE)
+        if running is not None and pid_alive(running.pid) and server_healthy(running.url):
+            with _owners_lock:
+                _owners[running.pid] = self  # a pending stop of this server is called off
+            client = OpenAICompatEngine(running.url)
+            try:
+                if client.checkpoint_id != checkpoint_id:
+                    client.load_checkpoint(checkpoint_id, path)
+            finally:
+                client.close()
+            record_checkpoint(CANARY_ROLE, checkpoint_id, path, self.home)
+            self.server = VLLMServer.load(self.home, CANARY_ROLE) or running
+            return
+        if running is not None:
+            stop_server(CANARY_ROLE, self.home)
+        self.server = start_server(CANARY_ROLE, path, checkpoint_id, self.home, settings=self.settings, wait=False)
+        with _owners_lock:
+            _owners[self.server.pid] = self
+        threading.Thread(target=self._wait_ready, name="canary-server-start", daemon=True).start()
+
+    def _wait_ready(self) -> None:
+        try:
+            wait_ready(self.server, self.settings.vllm_start_timeout_s)
+            log.info("canary server %s serves %s", self.server.url, self.checkpoint_id)
+        except InfrastructureError as exc:
+            if not self._closed.is_set():
+                log.error("the canary server for %s failed: production serves every user (%s)", self.checkpoint_id, exc)
+
+    @property
+    def url(self) -> str:
+        """The server's base URL."""
+        return self.server.url
+
+    def close(self) -> None:
+        """Stop the server after ``drain_s`` seconds (in a thread), unless a newer canary took it
+        over meanwhile. Its weight version is changed at once, so the front stops sending it users."""
+        self._closed.set()
+        try:
+            set_weight_version(self.server.url, f"{self.checkpoint_id}:stopping")
+        except (InfrastructureError, httpx.HTTPError):
+            pass  # not started yet or down: nothing is routed to it either way
+        threading.Thread(target=self._stop_after_drain, name="canary-server-stop", daemon=True).start()
+
+    def _stop_after_drain(self) -> None:
+        time.sleep(self.drain_s)
+        with _owners_lock:
+            if _owners.get(self.server.pid) is not self:
+                return  # a newer canary serves from this server now
+            _owners.pop(self.server.pid)
+        recorded = VLLMServer.load(self.home, CANARY_ROLE)
+        if recorded is not None and recorded.pid == self.server.pid:
+            stop_server(CANARY_ROLE, self.home)
+        else:
+            stop_pid(self.server.pid, timeout_s=20.0)
+        log.info("canary server %s (%s) stopped", self.server.url, self.checkpoint_id)
+
+
 def setup_canary_engine(checkpoint_id: str, path: Path, settings=None, canary: CanaryServingSettings | None = None):
     """A second engine serving ``checkpoint_id`` (see the module invariants for vLLM).
 
     Raises:
-        ConfigurationError: vLLM without ``FLYWHEEL_SERVING_CANARY_URL`` or ``_MODEL``.
+        ConfigurationError: vLLM without ``FLYWHEEL_SERVING_CANARY_URL`` and vLLM not installed here.
+        InfrastructureError: the canary server is unreachable or refused the checkpoint.
     """
     settings = settings or get_settings()
     canary = canary or canary_settings()
@@ -136,16 +248,12 @@ def setup_canary_engine(checkpoint_id: str, path: Path, settings=None, canary: C
         return TorchEngine(path, checkpoint_id=checkpoint_id)
     from serving.openai_engine import OpenAICompatEngine
 
-    if not canary.url and not canary.model:
-        raise ConfigurationError(
-            "a canary on vLLM needs FLYWHEEL_SERVING_CANARY_URL (a second server) or "
-            "FLYWHEEL_SERVING_CANARY_MODEL (the candidate's served model name)"
-        )
+    if not canary.url:
+        return ManagedCanaryServer(checkpoint_id, path, settings=settings.serving, drain_s=canary.drain_s)
     key = settings.serving.api_key.get_secret_value() if settings.serving.api_key else None
-    engine = OpenAICompatEngine(canary.url or settings.serving.url, api_key=key, model=canary.model)
-    if canary.url and engine.checkpoint_id != checkpoint_id:
+    engine = OpenAICompatEngine(canary.url, api_key=key)
+    if engine.checkpoint_id != checkpoint_id:
         engine.load_checkpoint(checkpoint_id, path)
-    engine.checkpoint_id = checkpoint_id
     return engine
 
 
@@ -183,6 +291,23 @@ class CanaryFollower:
             return Path(path)
         return self.store.stable_path(payload["checkpoint_id"])
 
+    def _start(self, active: ActiveCanary, folder: Path) -> None:
+        """Build the canary engine and route to it; one that cannot be built is logged as an error
+        and leaves every user on production (the previous canary engine, if any, is closed)."""
+        try:
+            engine = self.factory(active.checkpoint_id, folder)
+        except (ConfigurationError, InfrastructureError) as exc:
+            self.router.stop()
+            log.error(
+                "canary %s (%s) cannot be served, production serves every user: %s",
+                active.canary_id,
+                active.checkpoint_id,
+                exc,
+            )
+            return
+        self.router.start(active, engine)
+        log.info("canary %s: %s serves %.1f%% of users", active.canary_id, active.checkpoint_id, 100 * active.fraction)
+
     def apply(self, payload: dict[str, Any]) -> ActiveCanary | None:
         """Start (build the canary engine, then route) or stop the message's canary.
 
@@ -197,10 +322,7 @@ class CanaryFollower:
                 fraction=float(payload["fraction"]),
                 path=str(folder),
             )
-            self.router.start(active, self.factory(active.checkpoint_id, folder))
-            log.info(
-                "canary %s: %s serves %.1f%% of users", active.canary_id, active.checkpoint_id, 100 * active.fraction
-            )
+            self._start(active, folder)
         elif self.router.active is not None and self.router.active.canary_id == str(payload["canary_id"]):
             self.router.stop()
             log.info("canary %s stopped: production serves every user", payload["canary_id"])
@@ -227,114 +349,4 @@ class CanaryFollower:
         if saved:
             active = ActiveCanary(**saved)
             folder = Path(active.path) if active.path else self.store.stable_path(active.checkpoint_id)
-            self.router.start(active, self.factory(active.checkpoint_id, folder))
-
-
-def served_canary(home: Path | None = None) -> ActiveCanary | None:
-    """The canary the serving watcher reports it serves (``serving.json``, written once the canary
-    engine is built, cleared on ``canary.stopped``); the registry's active canary when no watcher
-    has reported here."""
-    state = read_serving_state(home)
-    if state is None or "canary" not in state:
-        return active_canary_from_registry()
-    return ActiveCanary(**state["canary"]) if state["canary"] else None
-
-
-class TrafficRouter:
-    """The per-user engine choice production traffic uses: the serving watcher's routing.
-
-    It follows :func:`served_canary` (re-read at most every ``refresh_s`` seconds, on the calls of
-    :meth:`engine_for`): a canary the watcher started gets its share of users, a canary it stopped
-    (by a release manager, the canary policy, a production change or an erasure) sends them back
-    to production from their next session. A replaced canary engine is closed by :meth:`close`,
-    once the sessions that may run on it are over.
-
-    Args:
-        production: the engine serving the production checkpoint.
-        factory: builds the canary engine from ``(checkpoint_id, folder)`` (default
-            :func:`setup_canary_engine`).
-        home: where ``serving.json`` lives (default ``$FLYWHEEL_HOME``).
-        refresh_s: most seconds a change of the reported canary takes to reach traffic.
-    """
-
-    def __init__(
-        self, production, *, factory: EngineFactory | None = None, home: Path | None = None, refresh_s: float = 2.0
-    ) -> None:
-        self.router = EngineRouter(production)
-        self.factory = factory or setup_canary_engine
-        self.home = home
-        self.refresh_s = refresh_s
-        self._refresh_lock = threading.Lock()
-        self._read_at: float | None = None
-        self._retired: list[Any] = []
-
-    @property
-    def active(self) -> ActiveCanary | None:
-        """The canary traffic is routed to now."""
-        return self.router.active
-
-    def refresh(self, *, force: bool = False) -> ActiveCanary | None:
-        """Re-read the served canary if due (or ``force``) and route by it. A canary engine that
-        cannot be built yet (its folder not synced, its server down) leaves every user on
-        production and is tried again at the next refresh."""
-        if not self._refresh_lock.acquire(blocking=force):
-            return self.router.active  # another thread refreshes: route by what is there
-        try:
-            now = time.monotonic()
-            if not force and self._read_at is not None and now - self._read_at < self.refresh_s:
-                return self.router.active
-            self._read_at = now
-            wanted, current = served_canary(self.home), self.router.active
-            if (wanted and wanted.canary_id) == (current and current.canary_id):
-                return current
-            engine = None
-            if wanted is not None:
-                try:
-                    folder = (
-                        Path(wanted.path)
-                        if wanted.path
-                        else CheckpointStore.from_settings().stable_path(wanted.checkpoint_id)
-                    )
-                    engine = self.factory(wanted.checkpoint_id, folder)
-                except (CheckpointError, InfrastructureError) as exc:
-                    log.warning(
-                        "canary %s cannot be served yet (%s): production serves everyone", wanted.canary_id, exc
-                    )
-                    wanted = None
-            if wanted is None and current is None:
-                return None
-            old = self.router.replace(wanted, engine)
-            if old is not None:
-                self._retired.append(old)
-            log.info(
-                "traffic: %s",
-                f"canary {wanted.canary_id} ({wanted.checkpoint_id}) serves {wanted.fraction:.1%} of users"
-                if wanted
-                else "production serves every user",
-            )
-            return wanted
-        finally:
-            self._refresh_lock.release()
-
-    def engine_for(self, user_id: str):
-        """The engine that serves this user's next session."""
-        self.refresh()
-        return self.router.engine_for(user_id)
-
-    def close(self) -> None:
-        """Close the canary engines this router built (call when the traffic it routed is over)."""
-        self.router.stop()
-        for engine in self._retired:
-            engine.close()
-        self._retired.clear()
-
-
-def active_canary_from_registry() -> ActiveCanary | None:
-    """The active canary as the registry has it (for processes that do not follow the lifecycle
-    topic, e.g. ``flywheel simulate``), with its checkpoint's folder; None when none is active."""
-    with session_scope() as session:
-        row = get_active_canary(session)
-        if row is None:
-            return None
-        path = session.get(Checkpoint, row.checkpoint_id).path
-        return ActiveCanary(canary_id=str(row.id), checkpoint_id=row.checkpoint_id, fraction=row.fraction, path=path)
+            self._start(active, folder)

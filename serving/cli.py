@@ -1,4 +1,5 @@
-"""``flywheel model init|register``, ``flywheel serve`` and ``flywheel watch``. Heavy imports stay inside commands."""
+"""``flywheel model init|register``, ``flywheel serve``, ``flywheel watch`` and ``flywheel front``. Heavy
+imports stay inside commands."""
 
 from __future__ import annotations
 
@@ -70,8 +71,26 @@ def watch(once: bool = typer.Option(False, "--once", help="handle what is on the
     run_watch(once=once)
 
 
+def front(
+    host: str = typer.Option(None, "--host", help="listen address (default: FLYWHEEL_FRONT_HOST)"),
+    port: int = typer.Option(None, "--port", help="listen port (default: FLYWHEEL_FRONT_PORT)"),
+) -> None:
+    """The serving front: one OpenAI-compatible endpoint for the product backend. Routes each request
+    by its `user` to production or the active canary, stamps `x-flywheel-checkpoint`, follows the
+    lifecycle topic. Upstreams: FLYWHEEL_SERVING_URL and the canary server."""
+    from app.core.telemetry import configure_service_logging, configure_telemetry
+    from serving.front import FrontSettings, run_front
+
+    configure_service_logging()
+    configure_telemetry("flywheel-front")
+    settings = FrontSettings.load()
+    overrides = {k: v for k, v in (("host", host), ("port", port)) if v is not None}
+    run_front(settings.model_copy(update=overrides))
+
+
 def register(app: typer.Typer) -> None:
-    """Add ``model``, ``serve`` and ``watch`` to the main app."""
+    """Add ``model``, ``serve``, ``watch`` and ``front`` to the main app."""
     app.add_typer(model_app, name="model")
     app.command("serve")(serve)
     app.command("watch")(watch)
+    app.command("front")(front)

