@@ -125,7 +125,7 @@ def stack_topics_cmd(partitions: int = typer.Option(None, help="partitions of th
 
 def up_cmd(
     services: list[str] = typer.Option(
-        None, "--service", "-s", help="subset of consumer, api, relay, watcher, worker, beat (default: all)"
+        None, "--service", "-s", help="subset of consumer, api, relay, watcher, front, worker, beat (default: all)"
     ),
     detach: bool = typer.Option(
         False, "--detach", "-d", help="start, supervise in the background and return; `flywheel stack down` stops all"
@@ -136,8 +136,8 @@ def up_cmd(
     supervise: bool = typer.Option(False, "--supervise", hidden=True, help="the background supervisor of `up -d`"),
 ) -> None:
     """Run the deployed loop on this machine so it turns by itself: the stack, production on the
-    managed vLLM servers, the consumer, the API, the outbox relay, the serving watcher, and the Celery
-    worker and beat (a training cycle every FLYWHEEL_TRAIN_INTERVAL seconds or once
+    managed vLLM servers, the consumer, the API, the outbox relay, the serving watcher, the serving
+    front (the product backend's endpoint, FLYWHEEL_FRONT_URL), and the Celery worker and beat (a training cycle every FLYWHEEL_TRAIN_INTERVAL seconds or once
     FLYWHEEL_TRAIN_READY_TRAJECTORIES are waiting; each candidate gated; FLYWHEEL_RELEASE_POLICY
     promotes or holds it). A process that keeps dying stops the loop with exit code 1."""
     from app.core.settings import flywheel_home, get_settings
@@ -155,9 +155,13 @@ def up_cmd(
         supervisor = start_loop(home, chosen, env, on_event=con.print)
         raise typer.Exit(supervisor.run())
     up = bring_up(home, serving=serving, on_event=con.print)
+    if not up.serving_urls:  # no managed servers: nothing for the front to send requests to
+        chosen.pop("front", None)
     con.print(f"postgres {up.database_url}\nkafka    {up.kafka_bootstrap}\nproduction {up.production_id}")
     for role, url in up.serving_urls.items():
         con.print(f"vllm {role:<10} {url}")
+    if up.front_url:
+        con.print(f"front      {up.front_url}  (the product backend's endpoint)")
     celery = get_settings().celery
     con.print(
         f"training every {celery.train_interval:.0f}s (FLYWHEEL_TRAIN_INTERVAL)"

@@ -39,11 +39,12 @@ LOOP_SERVICES: dict[str, list[str]] = {
     "api": ["api"],
     "relay": ["relay"],
     "watcher": ["watch"],
+    "front": ["front"],
     "worker": ["worker"],
     "beat": ["beat"],
 }
 # Services that call the managed vLLM servers: started once those answer.
-SERVING_CLIENTS = ("watcher", "worker", "beat")
+SERVING_CLIENTS = ("watcher", "front", "worker", "beat")
 SUPERVISOR = "supervisor"
 
 

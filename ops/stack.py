@@ -22,7 +22,7 @@ from pathlib import Path
 from pydantic import SecretStr
 
 from app.core.errors import ConfigurationError
-from app.core.net import broker_healthy
+from app.core.net import broker_healthy, free_port
 from app.core.pids import pid_alive, stop_pid
 from app.core.settings import KafkaSettings, ServingSettings, flywheel_home, get_settings
 from ops.broker import create_topics, start_broker
@@ -54,6 +54,7 @@ class StackState:
     extra_pids: dict[str, int] = field(default_factory=dict)
     serving_urls: dict[str, str] = field(default_factory=dict)  # role -> URL of a managed vLLM server
     serving_api_key: str = ""  # generated for the managed vLLM servers when FLYWHEEL_SERVING_API_KEY is unset
+    front_port: int | None = None  # the serving front's port (`flywheel up`), chosen once
 
     def save(self, home: Path) -> None:
         home.mkdir(parents=True, exist_ok=True)
@@ -67,6 +68,8 @@ class StackState:
                 env += f"FLYWHEEL_SERVING_EVAL_URL={self.serving_urls['eval']}\n"
         if self.serving_api_key:
             env += f"FLYWHEEL_SERVING_API_KEY={self.serving_api_key}\n"
+        if self.front_port:
+            env += f"FLYWHEEL_FRONT_PORT={self.front_port}\nFLYWHEEL_FRONT_URL=http://127.0.0.1:{self.front_port}\n"
         _write_private(home / ENV_FILE, env)
 
     @classmethod
@@ -140,6 +143,7 @@ def stack_up(home: Path | None = None, partitions: int | None = None) -> StackSt
             role: url for role, url in previous.serving_urls.items() if VLLMServer.load(home, role) is not None
         }
         state.serving_api_key = previous.serving_api_key
+        state.front_port = previous.front_port
     kafka = KafkaSettings()
     create_topics(
         state.kafka_bootstrap,
@@ -155,8 +159,9 @@ def stack_up(home: Path | None = None, partitions: int | None = None) -> StackSt
 
 def serving_up(checkpoint_id: str, model_dir: Path, home: Path | None = None, *, wait: bool = True) -> dict[str, str]:
     """Start (or reuse) the managed vLLM servers, production and eval, on ``checkpoint_id``, side by
-    side, and point the stack's settings at them (``FLYWHEEL_SERVING_ENGINE=vllm`` and both URLs).
-    A server already running keeps the checkpoint it serves. Returns role -> URL.
+    side, and point the stack's settings at them (``FLYWHEEL_SERVING_ENGINE=vllm``, both URLs, and
+    the port of the serving front in front of them). A server already running keeps the checkpoint
+    it serves. Returns role -> URL.
 
     With ``wait=False`` they warm up in the background; :func:`serving_wait` waits for them.
 
@@ -176,6 +181,8 @@ def serving_up(checkpoint_id: str, model_dir: Path, home: Path | None = None, *,
                 stop_pid(server.pid)
             server = start_server(role, model_dir, checkpoint_id, home, settings=settings, wait=False)
         state.serving_urls[role] = server.url
+    if not state.front_port:  # the product backend's endpoint (`flywheel front`), in front of both
+        state.front_port = int(os.environ.get("FLYWHEEL_FRONT_PORT") or free_port())
     state.save(home)
     if wait:
         serving_wait(home)

@@ -4,7 +4,8 @@ What it starts, in order: the local stack where none is configured (embedded Pos
 broker, topics, migrations), the base model as production where there is none, the managed vLLM
 servers (production traffic, evals; ``serving.vllm_server``) where vLLM is installed, then the loop's
 processes (``ops.processes.LOOP_SERVICES``): the consumer, the API and the outbox relay at once, the
-serving watcher, the Celery worker and beat once the servers answer. Beat starts training cycles, the
+serving watcher, the serving front (``flywheel front``: the product backend's one endpoint), the
+Celery worker and beat once the servers answer. Beat starts training cycles, the
 worker gates each candidate and applies the release policy (``FLYWHEEL_RELEASE_POLICY``), the relay
 publishes lifecycle messages and the watcher moves the production server to what the database says
 is production. Nobody needs to be at the keyboard for a cycle to run.
@@ -39,6 +40,7 @@ class LoopUp:
     kafka_bootstrap: str
     production_id: str
     serving_urls: dict[str, str]
+    front_url: str | None
     api_url: str
 
 
@@ -80,11 +82,13 @@ def bring_up(
         urls = serving_up(cid, path, home, wait=False)
     get_settings.cache_clear()
     api = get_settings().api
+    front_port = (StackState.load(home) or state).front_port if urls else None
     return LoopUp(
         database_url=state.database_url,
         kafka_bootstrap=state.kafka_bootstrap,
         production_id=production_id,
         serving_urls=urls,
+        front_url=f"http://127.0.0.1:{front_port}" if front_port else None,
         api_url=api.url or f"http://{api.host}:{api.port}",
     )
 

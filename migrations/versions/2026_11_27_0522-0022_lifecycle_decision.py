@@ -8,7 +8,7 @@ before: the decision in each gate's report JSON (a report without one reads as p
 CHECK constraints keep ``checkpoint.status`` and both decisions inside their enums.
 
 Revision ID: 0022
-Revises: 0020
+Revises: 0021
 Create Date: 2026-11-27 05:22:00
 """
 from typing import Sequence, Union
@@ -17,7 +17,7 @@ import sqlalchemy as sa
 from alembic import op
 
 revision: str = '0022'
-down_revision: Union[str, None] = '0020'
+down_revision: Union[str, None] = '0021'
 branch_labels: Union[str, Sequence[str], None] = None
 depends_on: Union[str, Sequence[str], None] = None
 
