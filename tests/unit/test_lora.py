@@ -109,3 +109,17 @@ def test_config_refuses_saving_adapter_optimizer_state():
         load_config(overrides={"lora.rank": -1})
     assert any(r.startswith("lora.rank:") for r in refused.value.reasons)
     assert load_config().lora.rank == 0  # full fine-tuning by default
+
+
+def test_the_seed_fixes_the_adapters_and_so_the_update(parent):
+    """``seed`` seeds LoRA's random adapter initialisation: the same seed trains the same weights
+    (whatever the global RNG did in between), another seed other ones."""
+    trajectories = good_bad_trajectories(load_policy(parent))
+
+    def weights(seed: int, disturb: int) -> dict[str, torch.Tensor]:
+        torch.manual_seed(disturb)  # another global RNG state each time: only the config's seed may matter
+        return train_policy(_config(seed=seed), parent, trajectories).model.state_dict()
+
+    a, b, c = weights(5, 1), weights(5, 2), weights(6, 1)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert any(not torch.equal(a[k], c[k]) for k in a if k.endswith("proj.weight"))
