@@ -194,8 +194,6 @@ def test_the_deployed_loop_turns_by_itself_and_keeps_its_invariants(loop_home, t
             "-m",
             "ops.cli",
             "simulate",
-            "--model-dir",
-            str(tiny_vllm_model_dir),
             "--sessions",
             "2",
             "--group-size",
