@@ -67,11 +67,12 @@ class ProductionChange:
 
 def gate_refusals(gate: GateDecision) -> list[str]:
     """The messages of the reasons that kept a gated suite from passing (``evals.gate.GateReason``
-    dicts, or plain strings)."""
+    dicts, or plain strings); the informational power figure never is one."""
     return [
         r.get("message", str(r)) if isinstance(r, dict) else str(r)
         for r in gate.reasons or []
-        if not isinstance(r, dict) or (not r.get("passed") and r.get("gated", True))
+        if not isinstance(r, dict)
+        or (not r.get("passed") and r.get("gated", True) and not r.get("informational", False))
     ]
 
 
