@@ -250,7 +250,7 @@ ONLINE_SIGNALS = (
 class OnlinePolicy(_Strict):
     """``[online]``: whether promotion also needs a canary whose online signals did not regress.
 
-    The gate stores this resolved with its decision; ``app.promotion.service`` reads it from there
+    The gate stores this resolved with its decision; ``app.lifecycle.changes`` reads it from there
     (``app.lifecycle.online_stats.OnlinePolicy``), so the policy in force is the one the candidate
     was gated under. A signal regresses when the whole per-user clustered interval of
     (canary - production) lies on its bad side (Deng et al. 2018 delta method)."""

@@ -53,8 +53,9 @@ def upgrade() -> None:
 
 
 def downgrade() -> None:
-    op.drop_constraint('ck_gate_decision_decision_known', 'gate_decision', type_='check')
-    op.drop_constraint('ck_checkpoint_decision_known', 'checkpoint', type_='check')
-    op.drop_constraint('ck_checkpoint_status_known', 'checkpoint', type_='check')
+    # the metadata's naming convention expands each name to ck_<table>_<name>, as on creation
+    op.drop_constraint('decision_known', 'gate_decision', type_='check')
+    op.drop_constraint('decision_known', 'checkpoint', type_='check')
+    op.drop_constraint('status_known', 'checkpoint', type_='check')
     op.drop_column('checkpoint', 'decision')
     op.drop_column('gate_decision', 'decision')

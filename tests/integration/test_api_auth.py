@@ -144,8 +144,10 @@ def test_a_database_behind_this_release_is_not_ready_and_its_requests_are_503s(
     """The API pointed at a database without this release's migrations: ``/readyz`` says so (so a
     deploy holds traffic back) and what it would need; a request that reaches a missing table is a
     503 naming the cause, not a 500."""
+    from alembic.script import ScriptDirectory
+
     from app.core.db import reset_engines
-    from app.core.migrate import head_revisions, upgrade
+    from app.core.migrate import alembic_config, head_revisions, upgrade
     from app.core.settings import get_settings
 
     monkeypatch.setenv("FLYWHEEL_DATABASE_URL", empty_database)
@@ -161,7 +163,7 @@ def test_a_database_behind_this_release_is_not_ready_and_its_requests_are_503s(
     assert "not migrated" in resp.json()["error"]["message"]
 
     (head,) = head_revisions()
-    previous = f"{int(head) - 1:04d}"
+    previous = ScriptDirectory.from_config(alembic_config()).get_revision(head).down_revision  # not head - 1: ids skip
     upgrade(url=empty_database, revision=previous)
     reasons = client.get("/readyz").json()["error"]["reasons"]
     assert reasons == [
