@@ -126,6 +126,10 @@ class PrivacyTombstone(Base):
     last_seen_at: Mapped[datetime] = created_at_column()
 
 
+OUTBOX_CHANNEL = "flywheel_outbox"
+"""The Postgres NOTIFY channel a transaction that wrote outbox rows signals on commit (the relay LISTENs)."""
+
+
 class Outbox(Base):
     """A message to publish, written in the same transaction as the state change it announces."""
 

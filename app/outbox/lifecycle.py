@@ -2,7 +2,7 @@
 
 Invariant: a lifecycle message exists iff the state change it announces committed, because the
 ``outbox`` row is inserted in the same transaction (the relay in ``app/outbox/relay.py`` publishes
-it later). The message is a typed model (``app.lifecycle.messages``, built by the lifecycle
+it later; the transaction's ``NOTIFY`` on ``OUTBOX_CHANNEL`` wakes it at commit). The message is a typed model (``app.lifecycle.messages``, built by the lifecycle
 writers above this package) carrying a UUIDv7 ``event_id`` fixed at write time, so a re-publish
 after a relay crash is recognisable downstream (consumers dedupe on it).
 """
@@ -11,11 +11,13 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
+from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from app.core.settings import get_settings
 from app.core.telemetry import inject_headers
 from app.models import Outbox
+from app.models.events import OUTBOX_CHANNEL
 
 
 class LifecycleRecord(Protocol):
@@ -46,4 +48,7 @@ def enqueue_lifecycle(session: Session, message: LifecycleRecord) -> Outbox:
     )
     session.add(row)
     session.flush()
+    # Wakes the relay when (and only if) this transaction commits: the message leaves at once
+    # instead of at the relay's next poll.
+    session.execute(select(func.pg_notify(OUTBOX_CHANNEL, "")))
     return row

@@ -20,6 +20,9 @@ Delivery contract (at-least-once + dedupe = exactly-once effect):
   order by the ``outbox_id`` of those messages, not by arrival.
 - If the broker refuses a message, the acknowledged prefix of the batch is still marked and the
   relay raises :class:`InfrastructureError` (the loop backs off; the Celery task retries).
+- The loop wakes when a transaction that wrote outbox rows commits (Postgres ``LISTEN`` on
+  ``OUTBOX_CHANNEL``, :class:`OutboxWakeup`) and polls every ``interval_s`` regardless, so a
+  notification lost with a dropped connection delays a message to the next poll, never loses it.
 
 This module imports SQLAlchemy; the producer SDK (``producers``) never imports it.
 """
@@ -35,17 +38,19 @@ from collections.abc import Callable
 from datetime import UTC, datetime
 from types import TracebackType
 
+import psycopg
 from kafka import KafkaProducer
 from kafka.errors import KafkaError
-from sqlalchemy import func, select, update
+from sqlalchemy import func, make_url, select, update
 
-from app.core.db import session_scope
+from app.core.db import database_url, session_scope
 from app.core.errors import InfrastructureError
 from app.core.locks import AdvisoryLock
 from app.core.retry import Backoff
 from app.core.settings import get_settings
 from app.core.telemetry import tracer
 from app.models import Outbox
+from app.models.events import OUTBOX_CHANNEL
 from producers.settings import kafka_security
 
 log = logging.getLogger("flywheel.relay")
@@ -61,6 +66,44 @@ def outbox_message(row: Outbox) -> tuple[bytes | None, bytes, list[tuple[str, by
     if row.payload.get("event_id"):
         headers.append(("event-id", str(row.payload["event_id"]).encode()))
     return (row.key.encode() if row.key is not None else None), value, headers
+
+
+class OutboxWakeup:
+    """Waits for the commit of a transaction that wrote outbox rows (``NOTIFY`` on
+    ``OUTBOX_CHANNEL``, sent by ``app.outbox.lifecycle``) or for a timeout, whichever comes first.
+
+    It holds one autocommit connection of its own that LISTENs; when that connection cannot be made
+    or drops, :meth:`wait` sleeps out its timeout instead (the relay then simply polls) and the next
+    call connects again.
+    """
+
+    def __init__(self, url: Callable[[], str] | None = None) -> None:
+        self._url = url or (
+            lambda: make_url(database_url()).set(drivername="postgresql").render_as_string(hide_password=False)
+        )
+        self._conn: psycopg.Connection | None = None
+
+    def wait(self, timeout_s: float) -> bool:
+        """Block up to ``timeout_s`` seconds; True when a notification arrived."""
+        try:
+            if self._conn is None:
+                self._conn = psycopg.connect(self._url(), autocommit=True, connect_timeout=5)
+                self._conn.execute(f"LISTEN {OUTBOX_CHANNEL}")
+            return any(True for _ in self._conn.notifies(timeout=timeout_s, stop_after=1))
+        except psycopg.Error as exc:
+            log.debug("outbox wake-up unavailable (%s); polling", exc)
+            self.close()
+            time.sleep(timeout_s)
+            return False
+
+    def close(self) -> None:
+        """Close the listening connection (a later :meth:`wait` opens another)."""
+        if self._conn is not None:
+            try:
+                self._conn.close()
+            except psycopg.Error:
+                pass
+            self._conn = None
 
 
 class OutboxRelay:
@@ -90,6 +133,7 @@ class OutboxRelay:
         self.after_publish = after_publish
         self._producer = None
         self._stop = threading.Event()
+        self._wakeup = OutboxWakeup()
         self.published = 0
 
     def _kafka(self):
@@ -178,14 +222,16 @@ class OutboxRelay:
             except Exception as exc:  # retry at this boundary: broker or database down for a while
                 wait_s = backoff.next()
                 log.warning("outbox relay failed (%s); retrying in %.1fs", exc, wait_s)
-            self._stop.wait(wait_s)
+            if not self._stop.is_set():
+                self._wakeup.wait(wait_s)
 
     def stop(self) -> None:
         """Ask :meth:`run_forever` to return after the current batch."""
         self._stop.set()
 
     def close(self) -> None:
-        """Flush and close the Kafka producer."""
+        """Flush and close the Kafka producer and the wake-up connection."""
+        self._wakeup.close()
         if self._producer is not None:
             self._producer.close(timeout=10)
             self._producer = None

@@ -134,3 +134,24 @@ def test_celery_task_runs_one_relay_pass(session, store, base, topics, lifecycle
     assert relay_outbox.apply().get() == 2  # executed in-process, as a worker would
     assert pending_count() == 0
     assert relay_outbox.apply().get() == 0
+
+
+def test_a_committed_change_wakes_the_relay_long_before_its_next_poll(
+    session, store, base, topics, lifecycle_topic, kafka_bootstrap
+):
+    relay = OutboxRelay()
+    worker = threading.Thread(target=relay.run_forever, kwargs={"interval_s": 60.0}, daemon=True)
+    worker.start()
+    try:
+        time.sleep(2.0)  # the loop has made its first pass and listens
+        committed = time.monotonic()
+        expected = _changes(session, store)
+        msgs = consume_all(kafka_bootstrap, topics["lifecycle"], 2, timeout_s=20.0)
+        assert [json.loads(m.value)["type"] for m in msgs] == expected
+        # A poll every 60 s would take up to a minute; the NOTIFY at commit takes well under 10 s.
+        assert time.monotonic() - committed < 10.0
+    finally:
+        relay.stop()
+        worker.join(70)
+        relay.close()
+    assert not worker.is_alive()
