@@ -65,9 +65,10 @@ class CanaryServingSettings(BaseSettings):
     url: str | None = None
     """Base URL of a second OpenAI-compatible server the follower loads the canary checkpoint into
     (unset: the watcher starts a managed ``canary`` vLLM server for each canary)."""
-    drain_s: float = Field(default=30.0, ge=0)
-    """Seconds a managed canary server keeps answering after its canary ended (requests the front
-    sent it before moving the canary's users), then it is stopped."""
+    drain_s: float = Field(default=5.0, ge=0)
+    """Seconds a managed canary server keeps taking requests after its canary ended (the front moves
+    the canary's users within its checkpoint cache time); then it lets the requests in flight
+    finish and stops."""
 
 
 def canary_settings() -> CanaryServingSettings:
@@ -152,8 +153,9 @@ class ManagedCanaryServer:
     routes everyone to production.
 
     Args:
-        drain_s: seconds between the end of the canary and the server's stop, for requests the
-            front sent before it moved the canary's users (``FLYWHEEL_SERVING_CANARY_DRAIN_S``).
+        drain_s: seconds the server keeps taking requests after the canary ended, for requests the
+            front routes before it moves the canary's users (``FLYWHEEL_SERVING_CANARY_DRAIN_S``);
+            then the requests in flight finish and it stops.
 
     Raises:
         ConfigurationError: vLLM is not installed, or ``path`` is not a model folder.
@@ -167,7 +169,7 @@ class ManagedCanaryServer:
         *,
         home: Path | None = None,
         settings: ServingSettings | None = None,
-        drain_s: float = 30.0,
+        drain_s: float = 5.0,
     ) -> None:
         from serving.openai_engine import OpenAICompatEngine
 
@@ -210,21 +212,41 @@ class ManagedCanaryServer:
         return self.server.url
 
     def close(self) -> None:
-        """Stop the server after ``drain_s`` seconds (in a thread), unless a newer canary took it
-        over meanwhile. Its weight version is changed at once, so the front stops sending it users."""
+        """Drain and stop the server in a thread (see :meth:`_drain_and_stop`), unless a newer
+        canary takes it over meanwhile. Its weight version changes at once, so the front (which
+        routes a canary's users only to a server reporting the canary's checkpoint) stops sending
+        it users within its cache time."""
         self._closed.set()
         try:
             set_weight_version(self.server.url, f"{self.checkpoint_id}:stopping")
         except (InfrastructureError, httpx.HTTPError):
             pass  # not started yet or down: nothing is routed to it either way
-        threading.Thread(target=self._stop_after_drain, name="canary-server-stop", daemon=True).start()
+        threading.Thread(target=self._drain_and_stop, name="canary-server-stop", daemon=True).start()
 
-    def _stop_after_drain(self) -> None:
-        time.sleep(self.drain_s)
+    def _owned(self) -> bool:
         with _owners_lock:
-            if _owners.get(self.server.pid) is not self:
-                return  # a newer canary serves from this server now
-            _owners.pop(self.server.pid)
+            return _owners.get(self.server.pid) is self
+
+    def _drain_and_stop(self) -> None:
+        """Wait ``drain_s`` (the front moves the users), then ``POST /pause?mode=wait``, which returns
+        once the requests in flight have finished (however slow the host), then stop the server."""
+        time.sleep(self.drain_s)
+        if not self._owned():
+            return  # a newer canary serves from this server now
+        try:
+            httpx.post(self.server.url + "/pause", params={"mode": "wait"}, timeout=self.settings.vllm_start_timeout_s)
+        except httpx.HTTPError:
+            pass  # down already: nothing in flight to wait for
+        with _owners_lock:
+            taken = _owners.get(self.server.pid) is not self
+            if not taken:
+                _owners.pop(self.server.pid)
+        if taken:  # taken over during the pause: serve again
+            try:
+                httpx.post(self.server.url + "/resume", timeout=30)
+            except httpx.HTTPError:
+                pass
+            return
         recorded = VLLMServer.load(self.home, CANARY_ROLE)
         if recorded is not None and recorded.pid == self.server.pid:
             stop_server(CANARY_ROLE, self.home)

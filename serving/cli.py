@@ -62,7 +62,8 @@ def serve(
 
 def watch(once: bool = typer.Option(False, "--once", help="handle what is on the topic now, then exit")) -> None:
     """Follow production: move the inference engine on checkpoint.promoted / rolled_back, start and
-    stop the canary engine on canary.started / stopped, and report both in $FLYWHEEL_HOME/serving.json."""
+    stop the canary engine on canary.started / stopped (on vLLM: the managed canary server unless
+    FLYWHEEL_SERVING_CANARY_URL names one), and report both in $FLYWHEEL_HOME/serving.json."""
     from app.core.telemetry import configure_service_logging, configure_telemetry
     from serving.watcher import run_watch
 

@@ -252,7 +252,10 @@ def managed_canary_url() -> str | None:
     configured = canary_settings().url
     if configured:
         return configured
-    server = VLLMServer.load(flywheel_home(), "canary")
+    try:
+        server = VLLMServer.load(flywheel_home(), "canary")
+    except (OSError, ValueError):  # removed or replaced while read: the watcher is stopping it
+        return None
     return server.url if server is not None else None
 
 

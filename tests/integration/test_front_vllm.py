@@ -79,7 +79,7 @@ def front(production, models, gated, store, lifecycle_topic, tmp_path, monkeypat
     monkeypatch.setenv("FLYWHEEL_SERVING_VLLM_ENFORCE_EAGER", "true")
     monkeypatch.setenv("FLYWHEEL_SERVING_VLLM_KV_CACHE_GIB", "1")
     monkeypatch.setenv("FLYWHEEL_SERVING_VLLM_MAX_MODEL_LEN", "2048")
-    monkeypatch.setenv("FLYWHEEL_SERVING_CANARY_DRAIN_S", "3")
+    monkeypatch.setenv("FLYWHEEL_SERVING_CANARY_DRAIN_S", "2")
     monkeypatch.delenv("FLYWHEEL_SERVING_CANARY_URL", raising=False)
     get_settings.cache_clear()
     port = free_port()
@@ -154,6 +154,15 @@ def test_answers_are_stamped_by_the_server_and_bad_input_gets_a_4xx(front, produ
     sampling = _complete(url, "user-001", temperature=-1.0)  # vLLM's own 400, passed through
     assert sampling.status_code == 400 and sampling.headers["x-flywheel-checkpoint"] == "base"
     assert proc.poll() is None and _complete(url, "user-002").status_code == 200
+
+
+def _logs(home: Path) -> str:
+    """The tails of the front's and the canary server's logs, for a failure message."""
+    out = []
+    for path in (home.parent / "front.log", home / "logs" / "vllm-canary.log"):
+        if path.exists():
+            out.append(f"--- {path.name}\n" + "\n".join(path.read_text(errors="replace").splitlines()[-40:]))
+    return "\n".join(out)
 
 
 def _wait_for(predicate, timeout_s: float, what: str, interval_s: float = 1.0):
@@ -232,7 +241,11 @@ def test_a_canary_moves_its_users_to_a_managed_canary_server_and_back(front, pro
             session.commit()
             with OutboxRelay() as relay:
                 assert relay.relay_pending() == 1
-            assert all(f.result().status_code == 200 for f in inflight)
+            answers = [f.result() for f in inflight]
+        failed = [
+            (r.status_code, r.headers.get("x-flywheel-arm"), r.text[:300]) for r in answers if r.status_code != 200
+        ]
+        assert not failed, f"{failed}\n{_logs(home)}"
         _wait_for(
             lambda: _complete(url, on_canary[0]).headers["x-flywheel-checkpoint"] == "base", 30, "canary users back"
         )
