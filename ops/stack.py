@@ -28,6 +28,7 @@ from app.core.settings import KafkaSettings, ServingSettings, flywheel_home, get
 from ops.broker import create_topics, start_broker
 from ops.postgres import postgres_healthy, start_postgres, stop_postgres
 from serving.vllm_server import (
+    ALL_ROLES,
     ROLES,
     VLLMServer,
     auth_headers,
@@ -215,7 +216,7 @@ def stack_down(home: Path | None = None) -> list[str]:
         if pid_alive(pid):
             stop_pid(pid)
             stopped.append(f"{name} (pid {pid})")
-    for role in ROLES:
+    for role in ALL_ROLES:  # the on-demand canary server too
         server = stop_server(role, home)
         if server is not None:
             stopped.append(f"vllm-{role} (pid {server.pid})")
