@@ -250,13 +250,17 @@ def erasures_list(
 
 
 @rewards_app.command("list")
-def rewards_list() -> None:
+def rewards_list(as_json: bool = typer.Option(False, "--json", help="one JSON object per spec and line")) -> None:
     """Available reward specs (shipped and FLYWHEEL_CONSUMER_REWARD_SPEC_DIR), active ones marked."""
     from consumers.rewards.spec import available_specs
     from consumers.settings import get_consumer_settings
 
     active = set(get_consumer_settings().reward_specs)
     for spec_id, spec in sorted(available_specs().items()):
+        if as_json:
+            row = {"spec": spec_id, "active": spec_id in active, "digest": spec.digest()}
+            typer.echo(json.dumps({**row, "description": spec.description}))
+            continue
         typer.echo(f"{'*' if spec_id in active else ' '} {spec_id:20s} {spec.digest()}  {spec.description}")
 
 

@@ -40,6 +40,9 @@ def simulate(
         help="serve the canary's users with its checkpoint (sticky by user), following what the serving "
         "watcher serves, as live traffic does; only when serving production (no --checkpoint/--model-dir)",
     ),
+    as_json: bool = typer.Option(
+        False, "--json", help="print only JSON lines on stdout (one per session, then the summary)"
+    ),
 ) -> None:
     """Play the product backend: real agent sessions on training tasks, every event to the broker.
     With an active canary, its share of users is served by the candidate (``flywheel canary status``)."""
@@ -74,8 +77,10 @@ def simulate(
     router = TrafficRouter(engine) if canary and checkpoint is None and model_dir is None else None
     active = router.refresh(force=True) if router is not None else None
     if active is not None:
-        typer.echo(f"canary {active.canary_id}: {active.checkpoint_id} serves {active.fraction:.1%} of users")
-    typer.echo(f"simulating {sessions} sessions with checkpoint {engine.checkpoint_id}")
+        typer.echo(
+            f"canary {active.canary_id}: {active.checkpoint_id} serves {active.fraction:.1%} of users", err=as_json
+        )
+    typer.echo(f"simulating {sessions} sessions with checkpoint {engine.checkpoint_id}", err=as_json)
     try:
         with EventProducer() as producer:
             summaries = run_simulation(

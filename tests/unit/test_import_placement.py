@@ -32,7 +32,10 @@ ALLOWED: dict[tuple[str, str], str] = {
         "kernels.logprobs",
     ): "Triton fixes at definition whether a kernel is interpreted, and CPU training never launches one",
     # evals, ops, bench
-    ("ops/cli.py", "app.core.db"): "SQLAlchemy loads only when a failed command's error needs classifying.",
+    (
+        "ops/cli.py",
+        "app.core.failures",
+    ): "SQLAlchemy, psycopg and kafka load only when a failed command's error needs classifying.",
     (
         "ops/commands.py",
         "app",
