@@ -3,7 +3,9 @@
 Invariant: error shapes are mapped once here (``app.api.errors``); every route except ``/``,
 ``/healthz`` and ``/readyz`` requires a bearer token, checked before a request body is parsed
 (``app.api.deps.RoleFirstRoute``); a body past ``FLYWHEEL_API_MAX_BODY_BYTES`` is answered 413
-unread (``app.api.limits``); all resources live under ``/v1``.
+unread (``app.api.limits``); all resources live under ``/v1``. ``/docs`` (Swagger UI) and ``/redoc``
+load their scripts and styles from this server (``/static-offline-docs``, the assets of the
+``fastapi-offline`` package), never from a CDN, so they work on a host without internet.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 from fastapi import APIRouter, FastAPI
+from fastapi_offline import FastAPIOffline
 
 from app.api.errors import install_error_handlers
 from app.api.limits import BodySizeLimit
@@ -45,8 +48,9 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
 
 
 def create_app() -> FastAPI:
-    """A new FastAPI app (routers under ``/v1``, dashboard at ``/``, health at the root)."""
-    app = FastAPI(title="flywheel promotion API", version="1", description=DESCRIPTION, lifespan=lifespan)
+    """A new FastAPI app (routers under ``/v1``, dashboard at ``/``, health at the root, API docs at
+    ``/docs`` and ``/redoc`` served with their assets)."""
+    app = FastAPIOffline(title="flywheel promotion API", version="1", description=DESCRIPTION, lifespan=lifespan)
     install_error_handlers(app)
     app.add_middleware(BodySizeLimit, max_bytes=get_settings().api.max_body_bytes)
     v1 = APIRouter(prefix="/v1")
