@@ -57,6 +57,10 @@ ALLOWED: dict[tuple[str, str], str] = {
         "ops.ab",
     ): "A command imports what it runs when it runs, so `flywheel --help` loads only typer and rich.",
     (
+        "ops/settings_cli.py",
+        "*",
+    ): "`flywheel --help` loads this module; the settings classes of every package load when the command runs.",
+    (
         "ops/simulator_cli.py",
         "*",
     ): "`flywheel simulate` imports torch, the simulator and the producer when it runs, not at `--help`.",
