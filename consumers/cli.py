@@ -22,7 +22,7 @@ erasures_app = typer.Typer(no_args_is_help=True, help="Right-to-erasure requests
 def _setup(service: str) -> None:
     from app.core.telemetry import configure_service_logging, configure_telemetry
 
-    configure_service_logging()
+    configure_service_logging(service=service)
     configure_telemetry(service)
 
 

@@ -67,7 +67,7 @@ def watch(once: bool = typer.Option(False, "--once", help="handle what is on the
     from app.core.telemetry import configure_service_logging, configure_telemetry
     from serving.watcher import run_watch
 
-    configure_service_logging()
+    configure_service_logging(service="flywheel-watcher")
     configure_telemetry("flywheel-watcher")
     run_watch(once=once)
 

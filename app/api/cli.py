@@ -218,10 +218,14 @@ def api(
     port: int = typer.Option(None, help="default FLYWHEEL_API_PORT (8000)"),
     workers: int = typer.Option(1, min=1, help="uvicorn worker processes"),
 ) -> None:
-    """Serve the promotion API and the dashboard (uvicorn)."""
+    """Serve the promotion API and the dashboard (uvicorn); its log lines (uvicorn's included) are
+    text on a terminal, JSON lines otherwise (FLYWHEEL_LOG_FORMAT)."""
     import uvicorn
 
     from app.core.settings import get_settings
+    from app.core.telemetry import configure_service_logging
+
+    configure_service_logging(service="flywheel-api")
 
     s = get_settings().api
     uvicorn.run(
@@ -232,6 +236,7 @@ def api(
         workers=workers,
         proxy_headers=True,
         log_level="info",
+        log_config=None,  # uvicorn's loggers propagate to the root handler configured above
     )
 
 
@@ -246,7 +251,7 @@ def relay(
     from app.core.telemetry import configure_service_logging, configure_telemetry
     from app.outbox.relay import OutboxRelay
 
-    configure_service_logging()
+    configure_service_logging(service="flywheel-relay")
     configure_telemetry("flywheel-relay")
     with OutboxRelay(batch_size=batch) as r:
         if once:

@@ -46,6 +46,20 @@ class TelemetrySettings(EnvSettings):
     )
 
 
+class LogSettings(EnvSettings):
+    """How services log (``app.core.logs``)."""
+
+    model_config = SettingsConfigDict(env_prefix="FLYWHEEL_LOG_", extra="ignore")
+    format: Literal["auto", "text", "json"] = Field(
+        default="auto",
+        description="text lines, JSON lines (with trace_id and span_id inside a span), or auto: text when "
+        "stderr is a terminal, JSON otherwise",
+    )
+    level: Literal["DEBUG", "INFO", "WARNING", "ERROR", "debug", "info", "warning", "error"] = Field(
+        default="INFO", description="lowest level a service logs"
+    )
+
+
 class CelerySettings(EnvSettings):
     """Celery broker: Redis when ``FLYWHEEL_REDIS_URL`` is set, else kombu's SQLAlchemy transport
     on the flywheel Postgres (so the embedded stack needs nothing more)."""
@@ -164,6 +178,7 @@ class Settings:
         self.database = DatabaseSettings.load()
         self.kafka = KafkaSettings.load()
         self.telemetry = TelemetrySettings.load()
+        self.log = LogSettings.load()
         self.celery = CelerySettings.load()
         self.store = StoreSettings.load()
         self.serving = ServingSettings.load()
