@@ -19,11 +19,11 @@ deadletters_app = typer.Typer(
 erasures_app = typer.Typer(no_args_is_help=True, help="Right-to-erasure requests and what each one erased.")
 
 
-def _setup(service: str) -> None:
+def _setup(service: str, metrics_port: bool = False) -> None:
     from app.core.telemetry import configure_service_logging, configure_telemetry
 
     configure_service_logging(service=service)
-    configure_telemetry(service)
+    configure_telemetry(service, metrics_port=metrics_port)
 
 
 def _warn_if_schema_behind() -> None:
@@ -54,7 +54,7 @@ def consume(
     Start several to split the partitions. SIGTERM/SIGINT finish the current batch and leave the group."""
     from consumers.ingest import IngestConsumer
 
-    _setup("flywheel-consumer")
+    _setup("flywheel-consumer", metrics_port=True)
     _warn_if_schema_behind()
     consumer = IngestConsumer(topic=topic, group_id=group)
     for sig in (signal.SIGTERM, signal.SIGINT):

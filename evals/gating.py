@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from app.core.db import session_scope
 from app.core.errors import ConfigurationError, ConflictError
+from app.core.metrics import GATE_DECISIONS
 from app.core.telemetry import link_references, span_reference, traced
 from app.models import EvalRun
 from app.outbox.lifecycle import enqueue_lifecycle
@@ -182,6 +183,7 @@ def gate_candidate(
                 failures=failed[:20],
                 report_path=str(path),
             )
+    GATE_DECISIONS.add(1, {"decision": result.decision})
     return GateOutcome(
         decision_id=str(decision_id),
         candidate_id=candidate_id,

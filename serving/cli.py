@@ -68,7 +68,7 @@ def watch(once: bool = typer.Option(False, "--once", help="handle what is on the
     from serving.watcher import run_watch
 
     configure_service_logging(service="flywheel-watcher")
-    configure_telemetry("flywheel-watcher")
+    configure_telemetry("flywheel-watcher", metrics_port=not once)
     run_watch(once=once)
 
 

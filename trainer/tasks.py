@@ -9,9 +9,11 @@ transformers) is imported inside the task.
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
+from app.core.metrics import CYCLE_DURATION
 from app.worker.celery_app import celery_app
 from trainer.config import load_config
 
@@ -22,4 +24,10 @@ def run_cycle_task(config_path: str | None = None, overrides: dict[str, Any] | N
     from trainer.cycle import run_cycle  # torch, transformers: loaded when a worker runs the task
 
     config = load_config(Path(config_path) if config_path else None, overrides)
-    return run_cycle(config, progress=False).to_dict()
+    started, status = time.perf_counter(), "failed"
+    try:
+        result = run_cycle(config, progress=False)
+        status = result.status
+        return result.to_dict()
+    finally:
+        CYCLE_DURATION.record(time.perf_counter() - started, {"status": status})

@@ -252,7 +252,7 @@ def relay(
     from app.outbox.relay import OutboxRelay
 
     configure_service_logging(service="flywheel-relay")
-    configure_telemetry("flywheel-relay")
+    configure_telemetry("flywheel-relay", metrics_port=not once)
     with OutboxRelay(batch_size=batch) as r:
         if once:
             published = r.relay_pending()

@@ -60,6 +60,20 @@ class LogSettings(EnvSettings):
     )
 
 
+class MetricsSettings(EnvSettings):
+    """Where a process without its own HTTP server serves Prometheus metrics (``app.core.metrics``)."""
+
+    model_config = SettingsConfigDict(env_prefix="FLYWHEEL_METRICS_", extra="ignore")
+    port: int | None = Field(
+        default=None,
+        ge=1,
+        le=65535,
+        description="port of /metrics for the consumer, relay, watcher and Celery worker (one per process); "
+        "unset: not served (the API serves /metrics on its own port)",
+    )
+    host: str = Field(default="127.0.0.1", description="address that port listens on (0.0.0.0 in a container)")
+
+
 class CelerySettings(EnvSettings):
     """Celery broker: Redis when ``FLYWHEEL_REDIS_URL`` is set, else kombu's SQLAlchemy transport
     on the flywheel Postgres (so the embedded stack needs nothing more)."""

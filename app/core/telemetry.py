@@ -33,6 +33,7 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExport
 from opentelemetry.trace import SpanContext, TraceFlags
 
 from app.core.logs import RepeatThrottle, configure_service_logging, throttle_library_logs
+from app.core.metrics import prometheus_reader, serve_metrics
 from app.core.settings import get_settings
 from producers.telemetry import KafkaHeaders, extract_context, inject_headers, meter
 
@@ -57,12 +58,15 @@ _lock = threading.Lock()
 _configured: str | None = None
 
 
-def configure_telemetry(service_name: str, exporter: str | None = None) -> None:
-    """Install tracer and meter providers for this process (once; later calls are no-ops).
+def configure_telemetry(service_name: str, exporter: str | None = None, *, metrics_port: bool = False) -> None:
+    """Install tracer and meter providers for this process (once; later calls are no-ops). Metrics
+    are always readable by Prometheus (``app.core.metrics``), and pushed too with ``otlp``.
 
     Args:
         service_name: ``service.name`` resource attribute (e.g. ``flywheel-consumer``).
         exporter: ``none`` | ``console`` | ``otlp``; default from ``FLYWHEEL_TELEMETRY_EXPORTER``.
+        metrics_port: a long-lived process without HTTP: serve ``/metrics`` on
+            ``FLYWHEEL_METRICS_PORT`` when it is set.
     """
     global _configured
     with _lock:
@@ -73,7 +77,7 @@ def configure_telemetry(service_name: str, exporter: str | None = None) -> None:
         kind = exporter or settings.exporter
         resource = Resource.create({"service.name": service_name})
         tracer_provider = TracerProvider(resource=resource)
-        readers = []
+        readers = [prometheus_reader()]
         if kind == "console":
             tracer_provider.add_span_processor(BatchSpanProcessor(ConsoleSpanExporter()))
         elif kind == "otlp":
@@ -83,6 +87,8 @@ def configure_telemetry(service_name: str, exporter: str | None = None) -> None:
         trace.set_tracer_provider(tracer_provider)
         metrics.set_meter_provider(MeterProvider(resource=resource, metric_readers=readers))
         _configured = service_name
+        if metrics_port:
+            serve_metrics()
 
 
 def shutdown_telemetry() -> None:
