@@ -10,24 +10,25 @@ import typer
 
 db_app = typer.Typer(no_args_is_help=True, help="Database migrations.")
 events_app = typer.Typer(no_args_is_help=True, help="The event contract.")
+JSON = typer.Option(False, "--json", help="print the result as one JSON object")
 
 
 @db_app.command("upgrade")
-def db_upgrade(revision: str = typer.Argument("head", help="target revision")) -> None:
+def db_upgrade(revision: str = typer.Argument("head", help="target revision"), as_json: bool = JSON) -> None:
     """Migrate the configured database (FLYWHEEL_DATABASE_URL or the local stack) to REVISION."""
     from app.core.migrate import upgrade
 
     upgrade(revision=revision)
-    typer.echo(f"database at {revision}")
+    typer.echo(json.dumps({"revision": revision}) if as_json else f"database at {revision}")
 
 
 @db_app.command("downgrade")
-def db_downgrade(revision: str = typer.Argument(..., help="target revision, e.g. base")) -> None:
+def db_downgrade(revision: str = typer.Argument(..., help="target revision, e.g. base"), as_json: bool = JSON) -> None:
     """Migrate the configured database down to REVISION."""
     from app.core.migrate import downgrade
 
     downgrade(revision=revision)
-    typer.echo(f"database at {revision}")
+    typer.echo(json.dumps({"revision": revision}) if as_json else f"database at {revision}")
 
 
 @events_app.command("schema")

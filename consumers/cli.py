@@ -19,11 +19,11 @@ deadletters_app = typer.Typer(
 erasures_app = typer.Typer(no_args_is_help=True, help="Right-to-erasure requests and what each one erased.")
 
 
-def _setup(service: str) -> None:
+def _setup(service: str, metrics_port: bool = False) -> None:
     from app.core.telemetry import configure_service_logging, configure_telemetry
 
-    configure_service_logging()
-    configure_telemetry(service)
+    configure_service_logging(service=service)
+    configure_telemetry(service, metrics_port=metrics_port)
 
 
 def _warn_if_schema_behind() -> None:
@@ -54,7 +54,7 @@ def consume(
     Start several to split the partitions. SIGTERM/SIGINT finish the current batch and leave the group."""
     from consumers.ingest import IngestConsumer
 
-    _setup("flywheel-consumer")
+    _setup("flywheel-consumer", metrics_port=True)
     _warn_if_schema_behind()
     consumer = IngestConsumer(topic=topic, group_id=group)
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -250,13 +250,17 @@ def erasures_list(
 
 
 @rewards_app.command("list")
-def rewards_list() -> None:
+def rewards_list(as_json: bool = typer.Option(False, "--json", help="one JSON object per spec and line")) -> None:
     """Available reward specs (shipped and FLYWHEEL_CONSUMER_REWARD_SPEC_DIR), active ones marked."""
     from consumers.rewards.spec import available_specs
     from consumers.settings import get_consumer_settings
 
     active = set(get_consumer_settings().reward_specs)
     for spec_id, spec in sorted(available_specs().items()):
+        if as_json:
+            row = {"spec": spec_id, "active": spec_id in active, "digest": spec.digest()}
+            typer.echo(json.dumps({**row, "description": spec.description}))
+            continue
         typer.echo(f"{'*' if spec_id in active else ' '} {spec_id:20s} {spec.digest()}  {spec.description}")
 
 

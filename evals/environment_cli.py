@@ -25,6 +25,7 @@ def setup_envs(
         None, "--policy", exists=True, dir_okay=False, help="allowed list TOML (default evals/environments.toml)"
     ),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="one line per task"),
+    as_json: bool = typer.Option(False, "--json", help="print only the final JSON line"),
 ) -> None:
     """Propose an environment for every task without a verified one (production model, greedy), verify
     it on the reference solution, fall back to the task's imports when refused; report the success rate."""
@@ -42,6 +43,10 @@ def setup_envs(
             report = setup_environments(session, tasks, engine, policy, max_tokens=max_tokens)
     finally:
         engine.close()
+    result = json.dumps({"checkpoint_id": engine.checkpoint_id, "source": source, **report.as_dict()})
+    if as_json:
+        typer.echo(result)
+        return
     rate = "n/a" if report.success_rate is None else f"{report.success_rate:.1%}"
     typer.echo(
         f"{report.tasks} tasks: {report.cached} cached, {report.proposed} proposed by {engine.checkpoint_id}, "
@@ -54,7 +59,7 @@ def setup_envs(
         for o in report.outcomes:
             state = "verified" if o["verified"] else "UNVERIFIED"
             typer.echo(f"  {o['task_id']:<32} {o['origin']:<8} {state:<10} {o['reason'] or ''}")
-    typer.echo(json.dumps({"checkpoint_id": engine.checkpoint_id, "source": source, **report.as_dict()}))
+    typer.echo(result)
 
 
 def register(app: typer.Typer) -> None:

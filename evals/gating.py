@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from app.core.db import session_scope
 from app.core.errors import ConfigurationError, ConflictError
+from app.core.metrics import GATE_DECISIONS
 from app.core.telemetry import link_references, span_reference, traced
 from app.lifecycle.gating import record_gate_decision
 from app.lifecycle.status import GATEABLE
@@ -154,6 +155,7 @@ def gate_candidate(
                 failures=failed,
                 suites={n: {"decision": s.decision, "power": s.power} for n, s in result.suites.items() if s.gated},
             )
+    GATE_DECISIONS.add(1, {"decision": result.decision})
     return GateOutcome(
         decision_id=str(decision_id),
         candidate_id=candidate_id,

@@ -5,14 +5,15 @@ FastAPI, Celery) only inside the command that needs them, so ``flywheel --help``
 
 from __future__ import annotations
 
+import traceback
+
 import typer
 
 from app import commands as app_commands
 from app.api import cli as api_cli
-from app.core.errors import FlywheelError
 from consumers import cli as consumers_cli
 from evals import cli as evals_cli
-from ops import ab_cli, simulator_cli
+from ops import ab_cli, settings_cli, simulator_cli
 from ops import commands as ops_commands
 from serving import cli as serving_cli
 from trainer import cli as trainer_cli
@@ -35,6 +36,7 @@ def _register_all() -> None:
         evals_cli,
         ab_cli,
         api_cli,
+        settings_cli,
     ):
         module.register(app)
 
@@ -42,32 +44,31 @@ def _register_all() -> None:
 _register_all()
 
 
-def main() -> None:
-    """Console-script entry point: a :class:`FlywheelError`, a database that cannot be reached, or one
-    not migrated to this release, ends with its message on stderr and exit code 2 instead of a traceback."""
+def run(argv: list[str] | None = None) -> int:
+    """Run the ``flywheel`` command line on ``argv`` (default: ``sys.argv[1:]``) and return its exit
+    code, by the convention of :class:`app.core.failures.ExitCode`: 0 done, 1 a negative answer, 2 a
+    usage error, 3 a service unreachable, 4 a bug. A failure prints its message (and hints) on
+    stderr instead of a traceback; a bug prints its traceback."""
     try:
-        app()
-    except FlywheelError as exc:
-        typer.secho(f"error: {exc.message}", fg="red", err=True)
-        for reason in exc.reasons:
-            typer.secho(f"  - {reason}", fg="red", err=True)
-        raise SystemExit(2) from None
+        app(args=argv, prog_name="flywheel")
+    except SystemExit as exc:  # click ends every command this way, usage errors (2) included
+        return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
     except Exception as exc:
-        from app.core.db import schema_missing_reason, unreachable_reason
+        from app.core.failures import ExitCode, classify
 
-        reason = unreachable_reason(exc)
-        if reason is not None:
-            typer.secho(f"error: the database does not answer: {reason}", fg="red", err=True)
-            typer.secho(
-                "  - check FLYWHEEL_DATABASE_URL, or start the local stack: flywheel stack up", fg="red", err=True
-            )
-            raise SystemExit(2) from None
-        reason = schema_missing_reason(exc)
-        if reason is not None:
-            typer.secho(f"error: the database lacks this release's schema: {reason}", fg="red", err=True)
-            typer.secho("  - migrate it: flywheel db upgrade", fg="red", err=True)
-            raise SystemExit(2) from None
-        raise
+        failure = classify(exc)
+        if failure.code is ExitCode.INTERNAL:
+            traceback.print_exception(exc)
+        typer.secho(f"error: {failure.message}", fg="red", err=True)
+        for hint in failure.hints:
+            typer.secho(f"  - {hint}", fg="red", err=True)
+        return int(failure.code)
+    return 0
+
+
+def main() -> None:
+    """Console-script entry point: exits with :func:`run`'s code."""
+    raise SystemExit(run())
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import time
 
@@ -11,13 +12,17 @@ from rich.table import Table
 
 from app.core.errors import ConfigurationError
 
+JSON = typer.Option(False, "--json", help="print the result as one JSON object")
+
 stack_app = typer.Typer(
     no_args_is_help=True, help="The local embedded stack (Postgres + Kafka-compatible broker + vLLM servers)."
 )
 
 
 @stack_app.command("up")
-def stack_up_cmd(partitions: int = typer.Option(None, help="partitions of the interactions topic")) -> None:
+def stack_up_cmd(
+    partitions: int = typer.Option(None, help="partitions of the interactions topic"), as_json: bool = JSON
+) -> None:
     """Start embedded Postgres and the broker (unless configured), create topics, migrate."""
     from app.core.migrate import upgrade
     from app.core.settings import get_settings
@@ -26,6 +31,9 @@ def stack_up_cmd(partitions: int = typer.Option(None, help="partitions of the in
     state = stack_up(partitions=partitions)
     get_settings.cache_clear()
     upgrade(url=state.database_url)
+    if as_json:
+        typer.echo(json.dumps({"postgres": state.database_url, "kafka": state.kafka_bootstrap}))
+        return
     typer.echo(f"postgres {state.database_url}\nkafka    {state.kafka_bootstrap}")
 
 
@@ -33,6 +41,7 @@ def stack_up_cmd(partitions: int = typer.Option(None, help="partitions of the in
 def stack_serve_cmd(
     checkpoint: str = typer.Option(None, help="checkpoint to start on (default: production)"),
     wait: bool = typer.Option(True, "--wait/--no-wait", help="wait until both servers answer"),
+    as_json: bool = JSON,
 ) -> None:
     """Start (or reuse) the managed vLLM servers, production and eval, and point the stack at them."""
     from app.core.settings import get_settings
@@ -42,24 +51,35 @@ def stack_serve_cmd(
     cid, path = resolve_checkpoint(checkpoint, None)
     urls = serving_up(cid, path, wait=wait)
     get_settings.cache_clear()
+    if as_json:
+        typer.echo(json.dumps({"vllm": urls}))
+        return
     typer.echo("\n".join(f"vllm {role:<10} {url}" for role, url in urls.items()))
 
 
 @stack_app.command("down")
-def stack_down_cmd() -> None:
+def stack_down_cmd(as_json: bool = JSON) -> None:
     """Stop only the processes the stack started."""
     from ops.stack import stack_down
 
     stopped = stack_down()
+    if as_json:
+        typer.echo(json.dumps({"stopped": stopped}))
+        return
     typer.echo("stopped: " + (", ".join(stopped) if stopped else "nothing"))
 
 
 @stack_app.command("status")
-def stack_status_cmd() -> None:
-    """Health of Postgres, the broker and the managed vLLM servers (what each serves); exit 1 if one is down."""
+def stack_status_cmd(as_json: bool = JSON) -> None:
+    """Health of Postgres, the broker and the managed vLLM servers (what each serves); exit 1 if one is down.
+    With --json: ``{"healthy": bool, "services": {name: {"healthy": bool, ...}}}``."""
     from ops.stack import stack_status
 
     status = stack_status()
+    healthy = all(s["healthy"] for s in status.values())
+    if as_json:
+        typer.echo(json.dumps({"healthy": healthy, "services": status}, default=str))
+        raise typer.Exit(0 if healthy else 1)
     table = Table("service", "address", "pid", "healthy", "serves")
     for name, s in status.items():
         table.add_row(
@@ -70,7 +90,7 @@ def stack_status_cmd() -> None:
             f"{s.get('weight_version') or '-'} ({s['dtype']})" if "dtype" in s else "",
         )
     Console().print(table)
-    if not all(s["healthy"] for s in status.values()):
+    if not healthy:
         raise typer.Exit(1)
 
 
@@ -108,7 +128,9 @@ def beat_cmd(loglevel: str = typer.Option("INFO", "--loglevel", "-l")) -> None:
 
 
 @stack_app.command("topics")
-def stack_topics_cmd(partitions: int = typer.Option(None, help="partitions of the interactions topic")) -> None:
+def stack_topics_cmd(
+    partitions: int = typer.Option(None, help="partitions of the interactions topic"), as_json: bool = JSON
+) -> None:
     """Create flywheel's topics on the configured broker (production set-up; `stack up` does it locally)."""
     from app.core.settings import get_settings
     from ops.broker import create_topics
@@ -120,6 +142,9 @@ def stack_topics_cmd(partitions: int = typer.Option(None, help="partitions of th
         kafka.bootstrap,
         {kafka.interactions_topic: partitions or kafka.partitions, kafka.dlq_topic: 1, kafka.lifecycle_topic: 1},
     )
+    if as_json:
+        typer.echo(json.dumps({"created": created}))
+        return
     typer.echo("created: " + (", ".join(created) if created else "nothing (all exist)"))
 
 

@@ -62,6 +62,9 @@ def simulate(
         "configured engine directly, on one checkpoint, no canary",
     ),
     front_url: str = typer.Option(None, "--front-url", help="the front's base URL (default: FLYWHEEL_FRONT_URL)"),
+    as_json: bool = typer.Option(
+        False, "--json", help="print only JSON lines on stdout (one per session, then the summary)"
+    ),
 ) -> None:
     """Play the product backend: real agent sessions on training tasks, every event to the broker.
     Through the serving front, an active canary's share of users is served by the candidate."""
@@ -106,10 +109,10 @@ def simulate(
     if front:
         url = front_url or FrontSettings.load().client_url
         engine = OpenAICompatEngine(url)  # raises, naming the URL, when no front answers there
-        typer.echo(f"simulating {sessions} sessions through the serving front at {url}")
+        typer.echo(f"simulating {sessions} sessions through the serving front at {url}", err=as_json)
     else:
         engine = setup_engine(checkpoint_id=checkpoint, model_dir=model_dir)
-        typer.echo(f"simulating {sessions} sessions with checkpoint {engine.checkpoint_id}")
+        typer.echo(f"simulating {sessions} sessions with checkpoint {engine.checkpoint_id}", err=as_json)
     try:
         with EventProducer() as producer:
             summaries = run_simulation(config, engine, producer.emit, progress=lambda s: typer.echo(json.dumps(s)))

@@ -9,16 +9,21 @@ import os
 from pathlib import Path
 from typing import Any, Literal
 
+import platformdirs
 from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
 def flywheel_home() -> Path:
-    """The directory that holds local state (embedded stack data, checkpoints, reports).
+    """The directory that holds local state (embedded stack data, checkpoints, reports), not created here.
 
-    ``FLYWHEEL_HOME`` if set, else ``.flywheel`` under the current working directory.
+    ``FLYWHEEL_HOME`` if set (a relative path resolves under the current directory, so
+    ``FLYWHEEL_HOME=.flywheel`` keeps a checkout's state beside it), else the user's data directory
+    (platformdirs: ``~/.local/share/flywheel`` on Linux, ``$XDG_DATA_HOME/flywheel`` where set), so a
+    command finds the same stack whichever directory it runs in.
     """
-    return Path(os.environ.get("FLYWHEEL_HOME", ".flywheel")).resolve()
+    env = os.environ.get("FLYWHEEL_HOME")
+    return Path(env).resolve() if env else platformdirs.user_data_path("flywheel")
 
 
 def _env_files() -> tuple[Path, ...]:
@@ -41,9 +46,16 @@ class KafkaSettings(EnvSettings):
 
     model_config = SettingsConfigDict(env_prefix="FLYWHEEL_KAFKA_", extra="ignore")
     bootstrap: str | None = Field(default=None, description="host:port[,host:port]")
-    interactions_topic: str = "editor.interactions"
-    dlq_topic: str = "editor.interactions.dlq"
-    lifecycle_topic: str = "flywheel.lifecycle"
+    interactions_topic: str = Field(
+        default="editor.interactions", description="topic the product backend's events go to, keyed by session"
+    )
+    dlq_topic: str = Field(
+        default="editor.interactions.dlq", description="topic of dead letters: events the consumer could not store"
+    )
+    lifecycle_topic: str = Field(
+        default="flywheel.lifecycle",
+        description="topic of checkpoint and canary changes (the outbox relay publishes, serving follows)",
+    )
     partitions: int = Field(
         default=8,
         ge=1,
@@ -51,7 +63,9 @@ class KafkaSettings(EnvSettings):
         "share the load, and two per process even out uneven session keys (bench/ingest.py, 4 "
         "processes on 2 cores: 8 partitions ~5% faster than 4)",
     )
-    consumer_group: str = "flywheel-ingest"
+    consumer_group: str = Field(
+        default="flywheel-ingest", description="consumer group of the ingest consumers (they split the partitions)"
+    )
     max_event_bytes: int = Field(default=1_048_576, ge=1024, description="larger events are dead-lettered (bytes)")
     spool_max_bytes: int = Field(
         default=1 << 30,

@@ -3,6 +3,7 @@ imports stay inside commands."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import typer
@@ -11,12 +12,12 @@ model_app = typer.Typer(no_args_is_help=True, help="Model checkpoints: materiali
 
 
 @model_app.command("init")
-def model_init() -> None:
+def model_init(as_json: bool = typer.Option(False, "--json", help="print the result as one JSON object")) -> None:
     """Materialize SmolLM2-135M-Instruct (GGUF -> fp32 safetensors) as checkpoint `base`, production if none."""
     from app.checkpoints.publish import init_base
 
     path = init_base()
-    typer.echo(f"base -> {path}")
+    typer.echo(json.dumps({"checkpoint_id": "base", "path": str(path)}) if as_json else f"base -> {path}")
 
 
 @model_app.command("register")
@@ -24,13 +25,14 @@ def model_register(
     path: Path = typer.Argument(..., exists=True, file_okay=False, help="a Hugging Face causal-LM folder"),
     checkpoint_id: str = typer.Option(None, "--id", help="checkpoint id (default: the folder name)"),
     status: str = typer.Option("candidate", "--status", help="candidate | production (only if none) | ..."),
+    as_json: bool = typer.Option(False, "--json", help="print the result as one JSON object"),
 ) -> None:
     """Copy a HF model folder into the checkpoint store and add its registry row."""
     from app.checkpoints.publish import register_model
 
     cid = checkpoint_id or path.resolve().name
     final = register_model(path, cid, status, source=str(path.resolve().name))
-    typer.echo(f"{cid} -> {final}")
+    typer.echo(json.dumps({"checkpoint_id": cid, "path": str(final)}) if as_json else f"{cid} -> {final}")
 
 
 def serve(
@@ -67,8 +69,8 @@ def watch(once: bool = typer.Option(False, "--once", help="handle what is on the
     from app.core.telemetry import configure_service_logging, configure_telemetry
     from serving.watcher import run_watch
 
-    configure_service_logging()
-    configure_telemetry("flywheel-watcher")
+    configure_service_logging(service="flywheel-watcher")
+    configure_telemetry("flywheel-watcher", metrics_port=not once)
     run_watch(once=once)
 
 

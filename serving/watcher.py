@@ -51,6 +51,7 @@ from app.checkpoints.delta import DELTA_FILE
 from app.checkpoints.store import STABLE, CheckpointStore
 from app.core.db import session_scope
 from app.core.errors import CheckpointError, InfrastructureError
+from app.core.metrics import SERVING_RELOAD_DURATION
 from app.core.retry import Backoff, is_transient
 from app.core.settings import flywheel_home, get_settings
 from app.core.telemetry import extract_context, meter, tracer
@@ -221,6 +222,7 @@ class ProductionFollower:
         Raises:
             CheckpointError: the target is not available on this node (the caller retries later).
         """
+        started = time.perf_counter()
         move = plan_move(
             getattr(self.engine, "checkpoint_id", None),
             payload,
@@ -252,6 +254,7 @@ class ProductionFollower:
         }[move.method]
         log.info("serving %s %s, after %s", move.target_id, how, payload.get("type"))
         _moves.add(1, {"method": move.method})
+        SERVING_RELOAD_DURATION.record(time.perf_counter() - started, {"method": move.method})
         self.report(last_event=payload, method=move.method)
         return move
 

@@ -17,10 +17,12 @@ whose message was lost. Every Celery worker imports this module at start
 from __future__ import annotations
 
 import logging
+import time
 from pathlib import Path
 from typing import Any
 
 from app.core.db import session_scope
+from app.core.metrics import CYCLE_DURATION
 from app.core.settings import get_settings
 from app.worker.celery_app import celery_app
 from trainer.config import load_config
@@ -39,8 +41,13 @@ def run_cycle_task(config_path: str | None = None, overrides: dict[str, Any] | N
 
     path = config_path or get_settings().celery.train_config
     config = load_config(Path(path) if path else None, overrides)
-    result = run_cycle(config, progress=False).to_dict()
-    if result.get("status") == "succeeded" and result.get("checkpoint_id"):
+    started, status = time.perf_counter(), "failed"
+    try:
+        result = run_cycle(config, progress=False).to_dict()
+        status = result.get("status", status)
+    finally:
+        CYCLE_DURATION.record(time.perf_counter() - started, {"status": status})
+    if status == "succeeded" and result.get("checkpoint_id"):
         celery_app.send_task(GATE_TASK, args=[result["checkpoint_id"]])
         log.info("candidate %s sent to the gate", result["checkpoint_id"])
     return result

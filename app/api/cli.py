@@ -13,6 +13,7 @@ import uuid
 import typer
 
 tokens_app = typer.Typer(no_args_is_help=True, help="API bearer tokens (stored as sha256 hashes).")
+JSON = typer.Option(False, "--json", help="print the result as JSON")
 canary_app = typer.Typer(
     no_args_is_help=True, help="Canary: serve a gate-passed candidate to a sticky fraction of users beside production."
 )
@@ -29,6 +30,7 @@ def _cli_actor() -> str:
 def tokens_create(
     role: str = typer.Option(..., help="viewer | release_manager | service"),
     name: str = typer.Option(..., help="unique name; recorded as the actor of its writes"),
+    as_json: bool = JSON,
 ) -> None:
     """Create a token and print it ONCE (only its sha256 is stored)."""
     from app.core.db import session_scope
@@ -37,24 +39,30 @@ def tokens_create(
     with session_scope() as session:
         row, raw = create_token(session, name=name, role=role, actor=_cli_actor())
         token_id = row.id
+    if as_json:
+        typer.echo(json.dumps({"token": raw, "name": name, "role": role, "id": str(token_id)}))
+        return
     typer.echo(raw)
     typer.secho(f"token {name!r} ({role}, id {token_id}) created; it is shown only once", err=True, fg="green")
 
 
 @tokens_app.command("revoke")
-def tokens_revoke(name_or_id: str = typer.Argument(..., help="token name or id")) -> None:
+def tokens_revoke(name_or_id: str = typer.Argument(..., help="token name or id"), as_json: bool = JSON) -> None:
     """Revoke a live token (it stops authenticating immediately)."""
     from app.core.db import session_scope
     from app.promotion.tokens import revoke_token
 
     with session_scope() as session:
         row = revoke_token(session, name_or_id, actor=_cli_actor())
-        typer.echo(f"revoked {row.name} ({row.role}, id {row.id})")
+        if as_json:
+            typer.echo(json.dumps({"revoked": {"name": row.name, "role": row.role, "id": str(row.id)}}))
+        else:
+            typer.echo(f"revoked {row.name} ({row.role}, id {row.id})")
 
 
 @tokens_app.command("list")
-def tokens_list(all_: bool = typer.Option(False, "--all", help="include revoked tokens")) -> None:
-    """List tokens (name, role, id, created, revoked)."""
+def tokens_list(all_: bool = typer.Option(False, "--all", help="include revoked tokens"), as_json: bool = JSON) -> None:
+    """List tokens (name, role, id, created, revoked); with --json, one JSON object per line."""
     from rich.console import Console
     from rich.table import Table
 
@@ -64,6 +72,19 @@ def tokens_list(all_: bool = typer.Option(False, "--all", help="include revoked 
     table = Table("name", "role", "id", "created", "revoked")
     with session_scope() as session:
         for t in list_tokens(session, include_revoked=all_):
+            if as_json:
+                typer.echo(
+                    json.dumps(
+                        {
+                            "name": t.name,
+                            "role": t.role,
+                            "id": str(t.id),
+                            "created_at": t.created_at.isoformat(),
+                            "revoked_at": t.revoked_at.isoformat() if t.revoked_at else None,
+                        }
+                    )
+                )
+                continue
             table.add_row(
                 t.name,
                 t.role,
@@ -71,7 +92,8 @@ def tokens_list(all_: bool = typer.Option(False, "--all", help="include revoked 
                 f"{t.created_at:%Y-%m-%d %H:%M}",
                 f"{t.revoked_at:%Y-%m-%d %H:%M}" if t.revoked_at else "-",
             )
-    Console().print(table)
+    if not as_json:
+        Console().print(table)
 
 
 @canary_app.command("start")
@@ -79,6 +101,7 @@ def canary_start(
     checkpoint_id: str = typer.Argument(..., help="a gate-passed candidate"),
     fraction: float = typer.Option(..., min=0.0, max=1.0, help="share of users, strictly between 0 and 1"),
     reason: str = typer.Option(..., help="why (recorded in the audit log)"),
+    as_json: bool = JSON,
 ) -> None:
     """Start a canary (audited, announced on the lifecycle topic through the outbox)."""
     if not 0.0 < fraction < 1.0:
@@ -88,6 +111,9 @@ def canary_start(
 
     with session_scope() as session:
         row = start_canary(session, checkpoint_id=checkpoint_id, fraction=fraction, actor=_cli_actor(), reason=reason)
+        if as_json:
+            typer.echo(json.dumps(_canary_dict(row)))
+            return
         typer.echo(
             f"canary {row.id}: {row.checkpoint_id} serves {row.fraction:.1%} of users beside {row.production_id}"
         )
@@ -97,6 +123,7 @@ def canary_start(
 def canary_stop(
     reason: str = typer.Option(..., help="why (recorded in the audit log)"),
     canary_id: str = typer.Option(None, "--id", help="canary id (default: the active one)"),
+    as_json: bool = JSON,
 ) -> None:
     """Stop a canary: every user is served by production again."""
     from app.core.db import session_scope
@@ -106,6 +133,9 @@ def canary_stop(
         row = stop_canary(
             session, actor=_cli_actor(), reason=reason, canary_id=uuid.UUID(canary_id) if canary_id else None
         )
+        if as_json:
+            typer.echo(json.dumps(_canary_dict(row)))
+            return
         typer.echo(f"canary {row.id} of {row.checkpoint_id} stopped")
 
 
@@ -123,8 +153,10 @@ def canary_evaluate() -> None:
 
 
 @canary_app.command("status")
-def canary_status() -> None:
-    """The active canary and its online signals versus production (95 % intervals clustered by user)."""
+def canary_status(as_json: bool = JSON) -> None:
+    """The active canary and its online signals versus production (95 % intervals clustered by user).
+    With --json: the canary's row, ``ready_since`` and the online view (signals, policy verdict);
+    ``{"canary": null}`` when none has run."""
     from rich.console import Console
     from rich.table import Table
 
@@ -137,10 +169,15 @@ def canary_status() -> None:
     with session_scope() as session:
         canary = get_active_canary(session) or next(iter(list_canaries(session, limit=1)), None)
         if canary is None:
-            typer.echo("no canary has run")
+            typer.echo(json.dumps({"canary": None}) if as_json else "no canary has run")
             return
         view = online_view(session, get_checkpoint(session, canary.checkpoint_id))["canary"]
         ready = ready_times(session, [canary.id]).get(str(canary.id))
+        if as_json:
+            row = _canary_dict(canary)
+            ready_since = ready.isoformat() if ready is not None else None
+            typer.echo(json.dumps({"canary": row, "ready_since": ready_since, "online": view}, default=str))
+            return
         typer.echo(
             f"canary {canary.id} ({canary.status}): {canary.checkpoint_id} on {canary.fraction:.1%} of users "
             f"vs {canary.production_id}; sessions {view['canary_sessions']} vs {view['production_sessions']}"
@@ -159,15 +196,36 @@ def canary_status() -> None:
     typer.echo(f"online policy {verdict}" + "".join(f"\n  - {r}" for r in view["policy_reasons"]))
 
 
+def _canary_dict(row) -> dict[str, object]:
+    """A canary row as JSON-ready values."""
+    return {
+        "id": str(row.id),
+        "checkpoint_id": row.checkpoint_id,
+        "production_id": row.production_id,
+        "fraction": row.fraction,
+        "status": row.status,
+        "actor": row.actor,
+        "reason": row.reason,
+        "started_at": row.started_at.isoformat() if row.started_at else None,
+        "stopped_at": row.stopped_at.isoformat() if row.stopped_at else None,
+        "stop_reason": row.stop_reason,
+        "stopped_by": row.stopped_by,
+    }
+
+
 def api(
     host: str = typer.Option(None, help="default FLYWHEEL_API_HOST (127.0.0.1)"),
     port: int = typer.Option(None, help="default FLYWHEEL_API_PORT (8000)"),
     workers: int = typer.Option(1, min=1, help="uvicorn worker processes"),
 ) -> None:
-    """Serve the promotion API and the dashboard (uvicorn)."""
+    """Serve the promotion API and the dashboard (uvicorn); its log lines (uvicorn's included) are
+    text on a terminal, JSON lines otherwise (FLYWHEEL_LOG_FORMAT)."""
     import uvicorn
 
     from app.core.settings import get_settings
+    from app.core.telemetry import configure_service_logging
+
+    configure_service_logging(service="flywheel-api")
 
     s = get_settings().api
     uvicorn.run(
@@ -178,6 +236,7 @@ def api(
         workers=workers,
         proxy_headers=True,
         log_level="info",
+        log_config=None,  # uvicorn's loggers propagate to the root handler configured above
     )
 
 
@@ -185,17 +244,19 @@ def relay(
     once: bool = typer.Option(False, "--once", help="publish what is pending, then exit"),
     interval: float = typer.Option(None, help="seconds between polls (default FLYWHEEL_OUTBOX_INTERVAL)"),
     batch: int = typer.Option(100, min=1, help="rows per transaction"),
+    as_json: bool = typer.Option(False, "--json", help="with --once, print the count as JSON"),
 ) -> None:
     """Publish outbox rows to their topics, in order, marking each sent after the broker acks."""
     from app.core.settings import get_settings
     from app.core.telemetry import configure_service_logging, configure_telemetry
     from app.outbox.relay import OutboxRelay
 
-    configure_service_logging()
-    configure_telemetry("flywheel-relay")
+    configure_service_logging(service="flywheel-relay")
+    configure_telemetry("flywheel-relay", metrics_port=not once)
     with OutboxRelay(batch_size=batch) as r:
         if once:
-            typer.echo(f"published {r.relay_pending()} message(s)")
+            published = r.relay_pending()
+            typer.echo(json.dumps({"published": published}) if as_json else f"published {published} message(s)")
             return
         r.run_forever(interval_s=interval or get_settings().celery.outbox_interval)
 

@@ -23,7 +23,7 @@ class DatabaseSettings(EnvSettings):
 
     model_config = SettingsConfigDict(env_prefix="FLYWHEEL_DATABASE_", extra="ignore")
     url: SecretStr | None = Field(default=None, description="e.g. postgresql://user@host:5432/db")
-    pool_size: int = Field(default=5, ge=1)
+    pool_size: int = Field(default=5, ge=1, description="connections each process keeps open")
     connect_timeout_s: int = Field(
         default=10,
         ge=2,
@@ -31,15 +31,47 @@ class DatabaseSettings(EnvSettings):
         "server that does not answer (a network partition) fails the attempt, which callers retry, "
         "instead of blocking the caller for the operating system's TCP timeout",
     )
-    echo: bool = False
+    echo: bool = Field(default=False, description="log every SQL statement (debugging)")
 
 
 class TelemetrySettings(EnvSettings):
     """OpenTelemetry exporter choice."""
 
     model_config = SettingsConfigDict(env_prefix="FLYWHEEL_TELEMETRY_", extra="ignore")
-    exporter: Literal["none", "console", "otlp"] = "none"
-    otlp_endpoint: str = "http://127.0.0.1:4318"
+    exporter: Literal["none", "console", "otlp"] = Field(
+        default="none", description="where spans (and, with otlp, metrics) go: nowhere, stdout, or an OTLP collector"
+    )
+    otlp_endpoint: str = Field(
+        default="http://127.0.0.1:4318", description="base URL of the OTLP/HTTP collector (exporter otlp)"
+    )
+
+
+class LogSettings(EnvSettings):
+    """How services log (``app.core.logs``)."""
+
+    model_config = SettingsConfigDict(env_prefix="FLYWHEEL_LOG_", extra="ignore")
+    format: Literal["auto", "text", "json"] = Field(
+        default="auto",
+        description="text lines, JSON lines (with trace_id and span_id inside a span), or auto: text when "
+        "stderr is a terminal, JSON otherwise",
+    )
+    level: Literal["DEBUG", "INFO", "WARNING", "ERROR", "debug", "info", "warning", "error"] = Field(
+        default="INFO", description="lowest level a service logs"
+    )
+
+
+class MetricsSettings(EnvSettings):
+    """Where a process without its own HTTP server serves Prometheus metrics (``app.core.metrics``)."""
+
+    model_config = SettingsConfigDict(env_prefix="FLYWHEEL_METRICS_", extra="ignore")
+    port: int | None = Field(
+        default=None,
+        ge=1,
+        le=65535,
+        description="port of /metrics for the consumer, relay, watcher and Celery worker (one per process); "
+        "unset: not served (the API serves /metrics on its own port)",
+    )
+    host: str = Field(default="127.0.0.1", description="address that port listens on (0.0.0.0 in a container)")
 
 
 class CelerySettings(EnvSettings):
@@ -47,7 +79,9 @@ class CelerySettings(EnvSettings):
     on the flywheel Postgres (so the embedded stack needs nothing more)."""
 
     model_config = SettingsConfigDict(env_prefix="FLYWHEEL_", extra="ignore")
-    redis_url: str | None = None
+    redis_url: str | None = Field(
+        default=None, description="Celery broker URL (Redis); unset: kombu's SQLAlchemy transport on the database"
+    )
     train_interval: float = Field(default=5 * 3600.0, gt=0, description="seconds between training cycles")
     train_ready_trajectories: int | None = Field(
         default=None,
@@ -88,7 +122,11 @@ class ServingSettings(EnvSettings):
     """Inference engine selection: the server that serves production and the one candidates' evals use."""
 
     model_config = SettingsConfigDict(env_prefix="FLYWHEEL_SERVING_", extra="ignore")
-    engine: Literal["torch", "vllm"] = "torch"
+    engine: Literal["torch", "vllm"] = Field(
+        default="torch",
+        description="inference backend: vllm (OpenAI-compatible servers at url and eval_url) or the in-process "
+        "torch engine",
+    )
     url: str | None = Field(
         default=None,
         description="base URL of the OpenAI-compatible server (vLLM or `flywheel serve`) that serves "
@@ -99,7 +137,10 @@ class ServingSettings(EnvSettings):
         description="base URL of a second OpenAI-compatible server for evals: a candidate is loaded "
         "there, never on `url`; required for evals with engine vllm",
     )
-    api_key: SecretStr | None = None
+    api_key: SecretStr | None = Field(
+        default=None,
+        description="bearer key of the inference servers: clients send it; `flywheel serve` requires it when set",
+    )
     max_seqs: int = Field(default=64, ge=1, description="torch engine: most sequences decoded together")
     max_kv_tokens: int = Field(
         default=32_768,
@@ -148,8 +189,8 @@ class ApiSettings(EnvSettings):
     """Promotion API."""
 
     model_config = SettingsConfigDict(env_prefix="FLYWHEEL_API_", extra="ignore")
-    host: str = "127.0.0.1"
-    port: int = Field(default=8000, ge=0, le=65535)
+    host: str = Field(default="127.0.0.1", description="address `flywheel api` listens on")
+    port: int = Field(default=8000, ge=0, le=65535, description="port `flywheel api` listens on")
     url: str | None = Field(default=None, description="base URL clients use; default http://host:port")
     max_body_bytes: int = Field(
         default=1_048_576, ge=1024, description="largest request body accepted (bytes); a larger one is answered 413"
@@ -163,6 +204,7 @@ class Settings:
         self.database = DatabaseSettings.load()
         self.kafka = KafkaSettings.load()
         self.telemetry = TelemetrySettings.load()
+        self.log = LogSettings.load()
         self.celery = CelerySettings.load()
         self.store = StoreSettings.load()
         self.serving = ServingSettings.load()

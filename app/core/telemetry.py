@@ -19,9 +19,7 @@ from __future__ import annotations
 
 import functools
 import inspect
-import logging
 import threading
-import time
 from collections.abc import Callable, Iterable
 from typing import ParamSpec, TypeVar
 
@@ -35,6 +33,8 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter
 from opentelemetry.trace import SpanContext, TraceFlags
 
+from app.core.logs import RepeatThrottle, configure_service_logging, throttle_library_logs
+from app.core.metrics import prometheus_reader, serve_metrics
 from app.core.settings import get_settings
 from producers.telemetry import KafkaHeaders, extract_context, inject_headers, meter
 
@@ -43,6 +43,9 @@ R = TypeVar("R")
 
 __all__ = [
     "KafkaHeaders",
+    "RepeatThrottle",
+    "configure_service_logging",
+    "throttle_library_logs",
     "configure_telemetry",
     "extract_context",
     "inject_headers",
@@ -59,12 +62,15 @@ _lock = threading.Lock()
 _configured: str | None = None
 
 
-def configure_telemetry(service_name: str, exporter: str | None = None) -> None:
-    """Install tracer and meter providers for this process (once; later calls are no-ops).
+def configure_telemetry(service_name: str, exporter: str | None = None, *, metrics_port: bool = False) -> None:
+    """Install tracer and meter providers for this process (once; later calls are no-ops). Metrics
+    are always readable by Prometheus (``app.core.metrics``), and pushed too with ``otlp``.
 
     Args:
         service_name: ``service.name`` resource attribute (e.g. ``flywheel-consumer``).
         exporter: ``none`` | ``console`` | ``otlp``; default from ``FLYWHEEL_TELEMETRY_EXPORTER``.
+        metrics_port: a long-lived process without HTTP: serve ``/metrics`` on
+            ``FLYWHEEL_METRICS_PORT`` when it is set.
     """
     global _configured
     with _lock:
@@ -75,7 +81,7 @@ def configure_telemetry(service_name: str, exporter: str | None = None) -> None:
         kind = exporter or settings.exporter
         resource = Resource.create({"service.name": service_name})
         tracer_provider = TracerProvider(resource=resource)
-        readers = []
+        readers = [prometheus_reader()]
         if kind == "console":
             tracer_provider.add_span_processor(BatchSpanProcessor(ConsoleSpanExporter()))
         elif kind == "otlp":
@@ -85,6 +91,8 @@ def configure_telemetry(service_name: str, exporter: str | None = None) -> None:
         trace.set_tracer_provider(tracer_provider)
         metrics.set_meter_provider(MeterProvider(resource=resource, metric_readers=readers))
         _configured = service_name
+        if metrics_port:
+            serve_metrics()
 
 
 def shutdown_telemetry() -> None:
@@ -160,67 +168,3 @@ def traced(span_name: str, *, attrs: tuple[str, ...] = ()) -> Callable[[Callable
         return inner
 
     return wrap
-
-
-class RepeatThrottle(logging.Filter):
-    """A handler filter that lets each distinct message of loggers under ``prefix`` through at most
-    once per ``every_s`` seconds (distinct: same logger, level and format string), telling how many
-    it held back. For libraries that log every failed attempt: kafka-python logs ~10 ERROR lines a
-    second while its broker is away, which would bury the lines that matter. Other loggers pass.
-
-    Args:
-        prefix: logger-name prefix it applies to (``"kafka"`` covers ``kafka.cluster`` ...).
-        every_s: seconds between two lines of the same message.
-        clock: monotonic seconds (injectable for tests).
-    """
-
-    def __init__(self, prefix: str = "kafka", every_s: float = 30.0, clock=None) -> None:
-        super().__init__()
-
-        self.prefix, self.every_s, self.clock = prefix, every_s, clock or time.monotonic
-        self._last: dict[tuple, tuple[float, int]] = {}  # key -> (when let through, held back since)
-        self._lock = threading.Lock()
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        if not (record.name == self.prefix or record.name.startswith(self.prefix + ".")):
-            return True
-        key, now = (record.name, record.levelno, str(record.msg)), self.clock()
-        with self._lock:
-            last = self._last.get(key)
-            if last is not None and now - last[0] < self.every_s:
-                self._last[key] = (last[0], last[1] + 1)
-                return False
-            held = last[1] if last is not None else 0
-            self._last[key] = (now, 0)
-            if len(self._last) > 10_000:  # messages with ids in their format string: do not grow forever
-                self._last.clear()
-        if held:
-            record.msg = f"{record.msg} [{held} more like this in the last {now - last[0]:.0f}s]"
-        return True
-
-
-def throttle_library_logs(prefix: str = "kafka", every_s: float = 30.0) -> RepeatThrottle:
-    """Add a :class:`RepeatThrottle` to every handler of the root logger (call after configuring it)."""
-    throttle = RepeatThrottle(prefix, every_s)
-    for handler in logging.getLogger().handlers:
-        handler.addFilter(throttle)
-    return throttle
-
-
-SERVICE_LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
-
-
-def configure_service_logging(level: int = logging.INFO) -> None:
-    """Logging for a long-running service command (``consume``, ``relay``, ``watch``): ``level`` and
-    above to stderr with a timestamp and the logger's name; Alembic, httpx and kafka-python at WARNING, and
-    each repeated kafka-python message at most once per 30 s (:class:`RepeatThrottle`: it logs
-    every failed attempt while the broker is away). Does nothing to a root logger that already has
-    handlers (a host application's or a test runner's configuration wins)."""
-    root = logging.getLogger()
-    if root.handlers:
-        return
-    logging.basicConfig(level=level, format=SERVICE_LOG_FORMAT)
-    logging.getLogger("kafka").setLevel(logging.WARNING)
-    logging.getLogger("alembic").setLevel(logging.WARNING)  # its set-up lines when a service checks the schema
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per request: every health check of a server
-    throttle_library_logs("kafka", every_s=30.0)

@@ -116,13 +116,14 @@ def _telemetry_in_worker(sender=None, **_: Any) -> None:
     # solo/threads pools run tasks in this process; prefork children get worker_process_init.
     pool = getattr(getattr(sender, "pool_cls", None), "__module__", "") or ""
     if "prefork" not in pool:
-        configure_telemetry("flywheel-worker")
+        configure_telemetry("flywheel-worker", metrics_port=True)
 
 
 @worker_process_init.connect
 def _telemetry_in_child(**_: Any) -> None:
     # The parent (consumer) process runs no task, so it holds no app engine a child could inherit.
-    configure_telemetry("flywheel-worker")
+    # The first child binds FLYWHEEL_METRICS_PORT; the others log that it is taken.
+    configure_telemetry("flywheel-worker", metrics_port=True)
 
 
 @beat_init.connect

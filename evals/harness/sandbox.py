@@ -40,6 +40,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from app.core.metrics import SANDBOX_DENIALS
 from evals.harness.sandbox_bwrap import bwrap_argv, bwrap_missing, install_site, sandbox_env
 from evals.harness.sandbox_host import (
     SandboxSettings,
@@ -313,12 +314,15 @@ def run_in_sandbox(cmd: str | list[str], cwd: Path, limits: SandboxLimits | None
             sync_tree(task_dir, cwd, before)
         shutil.rmtree(scratch, ignore_errors=True)
     code = proc.returncode
+    reason = _reason(code, timed_out, stderr)
+    if reason is not None:
+        SANDBOX_DENIALS.add(1, {"reason": reason})
     return SandboxResult(
         exit_code=code,
         stdout=stdout,
         stderr=stderr,
         timed_out=timed_out,
-        killed_reason=_reason(code, timed_out, stderr),
+        killed_reason=reason,
         duration_s=duration,
         truncated=cut_out or cut_err,
         network_isolated=isolated,

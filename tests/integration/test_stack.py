@@ -97,7 +97,7 @@ def test_stack_up_status_down(home):
 
 def test_a_command_whose_database_does_not_answer_says_so_in_one_error(tmp_path):
     """A one-shot command (here ``flywheel relabel``) run against a Postgres that is not up: the
-    reason and what to check on stderr, exit code 2, no traceback."""
+    reason and what to check on stderr, exit code 3 (infrastructure unreachable), no traceback."""
     from app.core.net import free_port
 
     env = {k: v for k, v in os.environ.items() if not k.startswith("FLYWHEEL_")}
@@ -113,7 +113,7 @@ def test_a_command_whose_database_does_not_answer_says_so_in_one_error(tmp_path)
         text=True,
         timeout=120,
     )
-    assert out.returncode == 2, out.stderr[-2000:]
+    assert out.returncode == 3, out.stderr[-2000:]
     lines = out.stderr.strip().splitlines()
     assert lines[0].startswith("error: the database does not answer: connection failed")
     assert "Traceback" not in out.stderr
@@ -123,7 +123,7 @@ def test_a_command_whose_database_does_not_answer_says_so_in_one_error(tmp_path)
 def test_a_command_on_a_database_without_the_schema_says_to_migrate_it(empty_database, tmp_path):
     """A command run against a database never migrated to this release (a new server, a deploy that
     skipped ``flywheel db upgrade``): what is missing and the command that fixes it on stderr,
-    exit code 2, no traceback."""
+    exit code 3 (infrastructure unreachable), no traceback."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("FLYWHEEL_")}
     env.update(FLYWHEEL_HOME=str(tmp_path), FLYWHEEL_TELEMETRY_EXPORTER="none", FLYWHEEL_DATABASE_URL=empty_database)
     out = subprocess.run(
@@ -133,7 +133,7 @@ def test_a_command_on_a_database_without_the_schema_says_to_migrate_it(empty_dat
         text=True,
         timeout=120,
     )
-    assert out.returncode == 2, out.stderr[-2000:]
+    assert out.returncode == 3, out.stderr[-2000:]
     lines = out.stderr.strip().splitlines()
     assert lines[0].startswith("error: the database lacks this release's schema: relation"), lines
     assert lines[1].strip() == "- migrate it: flywheel db upgrade" and len(lines) == 2

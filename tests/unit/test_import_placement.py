@@ -32,7 +32,10 @@ ALLOWED: dict[tuple[str, str], str] = {
         "kernels.logprobs",
     ): "Triton fixes at definition whether a kernel is interpreted, and CPU training never launches one",
     # evals, ops, bench
-    ("ops/cli.py", "app.core.db"): "SQLAlchemy loads only when a failed command's error needs classifying.",
+    (
+        "ops/cli.py",
+        "app.core.failures",
+    ): "SQLAlchemy, psycopg and kafka load only when a failed command's error needs classifying.",
     (
         "ops/commands.py",
         "app",
@@ -53,6 +56,10 @@ ALLOWED: dict[tuple[str, str], str] = {
         "ops/ab_cli.py",
         "ops.ab",
     ): "A command imports what it runs when it runs, so `flywheel --help` loads only typer and rich.",
+    (
+        "ops/settings_cli.py",
+        "*",
+    ): "`flywheel --help` loads this module; the settings classes of every package load when the command runs.",
     (
         "ops/simulator_cli.py",
         "*",
