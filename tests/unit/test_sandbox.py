@@ -51,10 +51,11 @@ def test_fork_bomb_is_contained_and_cleaned_up(box):
 
 
 def test_background_process_does_not_outlive_the_run(box):
-    r = run_in_sandbox("sleep 60 & echo started", box, LIMITS)
+    marker = f"sleep {6000 + os.getpid() % 1000}"  # others on this machine run this test too
+    r = run_in_sandbox(f"{marker} & echo started", box, LIMITS)
     assert r.ok and "started" in r.stdout
     ps = subprocess.run(["ps", "-eo", "args="], capture_output=True, text=True).stdout
-    assert "sleep 60" not in ps
+    assert marker not in ps
 
 
 def test_memory_limit(box):
@@ -140,3 +141,24 @@ def test_the_sandbox_uid_can_start_this_interpreter():
 
     # ops/install.sh grants the sandbox group search permission on closed ancestors
     assert interpreter_reachable(), f"closed to the sandbox: {closed_interpreter_dirs()}"
+
+
+def test_refuses_where_bubblewrap_is_missing_unless_the_operator_opts_out(box, monkeypatch, caplog):
+    from evals.harness import sandbox
+
+    monkeypatch.setenv("FLYWHEEL_SANDBOX_BWRAP", "flywheel-no-such-bwrap")
+    with pytest.raises(sandbox.SandboxUnavailableError, match="bubblewrap .* is not installed"):
+        run_in_sandbox("python a.py", box, LIMITS)
+    monkeypatch.setenv("FLYWHEEL_SANDBOX_ALLOW_UNISOLATED", "true")
+    with caplog.at_level("WARNING", logger="evals.harness.sandbox"):
+        r = run_in_sandbox("python a.py", box, LIMITS)
+    assert r.ok and r.stdout == "45\n" and r.isolation == "none" and not r.network_isolated
+    assert any("WITHOUT isolation" in m and "not installed" in m for m in caplog.messages)
+
+
+def test_the_box_hides_the_host_and_counts_what_was_refused(box):
+    code = "import os\ntry: os.listdir('/var/lib')\nexcept OSError: print('refused')\nprint(sorted(os.listdir('/')))"
+    r = run_in_sandbox(["python", "-c", code], box, LIMITS)
+    assert r.ok and r.isolation == "bwrap" and r.stdout.startswith("refused")
+    assert "task" in r.stdout and "work" not in r.stdout and "var" not in r.stdout
+    assert r.denials[0] == {"kind": "read", "event": "os.listdir", "target": "/var/lib"}
