@@ -33,7 +33,10 @@ SETTINGS_MODULES = (
     "app.core.settings",
     "consumers.settings",
     "evals.config",
+    "evals.harness.sandbox_host",
+    "app.lifecycle.release",
     "serving.canary",
+    "serving.front",
 )
 
 # Variables read from the environment directly, outside any settings class: (name, type, default, meaning).

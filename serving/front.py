@@ -65,8 +65,10 @@ class FrontSettings(EnvSettings):
     """The serving front (``FLYWHEEL_FRONT_*``); its upstreams are ``FLYWHEEL_SERVING_URL`` and the canary server."""
 
     model_config = SettingsConfigDict(env_prefix="FLYWHEEL_FRONT_", extra="ignore")
-    host: str = "127.0.0.1"
-    port: int = Field(default=8003, ge=0, le=65535)
+    host: str = Field(default="127.0.0.1", description="the address the front listens on")
+    port: int = Field(
+        default=8003, ge=0, le=65535, description="the port the front listens on (`flywheel up` picks a free one)"
+    )
     url: str | None = Field(default=None, description="base URL clients use; default http://host:port")
     max_body_bytes: int = Field(
         default=1_048_576, ge=1024, description="largest request body accepted (bytes); a larger one is answered 413"
