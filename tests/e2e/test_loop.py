@@ -162,7 +162,8 @@ def test_the_deployed_loop_turns_by_itself_and_keeps_its_invariants(loop_home, t
     kinds = {m.get("type") for m in messages if m.get("checkpoint_id") == candidate}
     assert "checkpoint.promoted" in kinds, messages
     # 5. the production vLLM server serves what the database says is production (the watcher moved it)
-    assert served_weight_version(stack_env["FLYWHEEL_SERVING_URL"]) == candidate
+    key = stack_env.get("FLYWHEEL_SERVING_API_KEY")
+    assert served_weight_version(stack_env["FLYWHEEL_SERVING_URL"], api_key=key) == candidate
     assert (home / "reports" / "demo" / "report.html").exists()
     assert (home / "reports" / "demo" / "report.png").stat().st_size > 10_000
     # The served checkpoint measured on fresh traffic, a point per cycle, and what it lets one conclude.

@@ -27,8 +27,8 @@ from app.checkpoints.testing import build_tiny_model
 from app.core.net import free_port
 from app.core.settings import ServingSettings, get_settings
 from app.outbox.relay import OutboxRelay
-from app.promotion.assignment import assign_arm
-from app.promotion.canary import start_canary, stop_canary
+from app.lifecycle.assignment import assign_arm
+from app.lifecycle.canary import start_canary, stop_canary
 from ops.simulator import SimulatorConfig, run_simulation
 from serving.canary import CanaryFollower, EngineRouter
 from serving.openai_engine import OpenAICompatEngine

@@ -11,7 +11,7 @@ import httpx
 import pytest
 from fastapi.testclient import TestClient
 
-from app.promotion.assignment import assign_arm
+from app.lifecycle.assignment import assign_arm
 from serving.front import FrontSettings, create_front
 from serving.front_lifecycle import LifecycleFollower
 from serving.front_routing import Canary, FrontRouter, UpstreamUnavailable

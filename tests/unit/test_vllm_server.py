@@ -57,7 +57,7 @@ def test_nothing_is_started_for_a_folder_that_is_not_a_model(tmp_path):
     with pytest.raises(ConfigurationError, match="no config.json"):
         start_server("production", tmp_path, "x", tmp_path)
     with pytest.raises(ConfigurationError, match="unknown server role"):
-        start_server("canary", tmp_path, "x", tmp_path)
+        start_server("staging", tmp_path, "x", tmp_path)
     with pytest.raises(ConfigurationError, match="no vLLM eval server is recorded"):
         ensure_server("eval", tmp_path)
     assert not (tmp_path / "vllm").exists()
