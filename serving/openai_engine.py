@@ -315,6 +315,15 @@ class OpenAICompatEngine(InferenceEngine):
         if self._on_reload is not None:
             self._on_reload(checkpoint_id, Path(path))
 
+    def resume(self) -> None:
+        """``POST /resume``: a server whose reload never finished (its caller was killed between
+        ``/pause`` and ``/resume``) serves again; a running server is unaffected.
+
+        Raises:
+            InfrastructureError: the server is unreachable or refuses.
+        """
+        self._request("POST", "/resume")
+
     def _alive(self) -> bool:
         return server_healthy(str(self._http.base_url), timeout_s=10.0)
 

@@ -62,6 +62,7 @@ from app.repositories.checkpoints import get_production
 from producers.settings import kafka_security
 from serving.canary import CANARY_CHANGES, CanaryFollower, EngineRouter
 from serving.engine import setup_engine
+from serving.openai_engine import OpenAICompatEngine
 from serving.vllm_server import VLLMServer, ensure_server
 
 log = logging.getLogger("flywheel.watcher")
@@ -481,6 +482,11 @@ def run_watch(*, once: bool = False) -> None:
     checkpoint, report it, then follow production and canary changes until SIGTERM."""
     checkpoint_id, path = _initial_checkpoint()
     engine = setup_engine(checkpoint_id=checkpoint_id, model_dir=path)
+    if isinstance(engine, OpenAICompatEngine):
+        # A watcher killed mid-reload (between /pause and /resume) leaves the server holding every
+        # request; the move it was making is read again below, but a server already reporting the
+        # target would never be resumed by it.
+        engine.resume()
     supervise = None
     if VLLMServer.load(flywheel_home(), "production") is not None:
         supervise = lambda: ensure_server("production")  # noqa: E731

@@ -26,9 +26,9 @@ import pytest
 from app.checkpoints.testing import build_tiny_model
 from app.core.net import free_port
 from app.core.settings import ServingSettings, get_settings
-from app.outbox.relay import OutboxRelay
 from app.lifecycle.assignment import assign_arm
 from app.lifecycle.canary import start_canary, stop_canary
+from app.outbox.relay import OutboxRelay
 from ops.simulator import SimulatorConfig, run_simulation
 from serving.canary import CanaryFollower, EngineRouter
 from serving.openai_engine import OpenAICompatEngine

@@ -278,3 +278,21 @@ def test_a_killed_server_is_reported_then_restarted_on_the_checkpoint_it_served(
     assert json.loads((home / "vllm" / "eval.json").read_text())["pid"] == server.pid
     started["eval"] = server
     _reset(url, models["a"])
+
+
+def test_a_server_left_paused_by_a_killed_reload_serves_again_once_resumed(servers):
+    """A watcher killed between ``/pause`` and ``/resume`` leaves the server holding every request;
+    the restarted watcher's first call (``OpenAICompatEngine.resume``) lets it serve again."""
+    _, started = servers
+    url = started["production"].url
+    assert httpx.post(url + "/pause?mode=wait", timeout=30).status_code == 200
+    body = {"model": "flywheel", "prompt": PROMPT, "max_tokens": 4, "temperature": 0.0}
+    with pytest.raises(httpx.TimeoutException):  # held, not answered
+        httpx.post(url + "/v1/completions", json=body, timeout=5)
+    engine = OpenAICompatEngine(url)
+    try:
+        engine.resume()
+        assert len(engine.generate([PROMPT], GREEDY)[0].token_ids) == GREEDY.max_tokens
+        engine.resume()  # a running server is unaffected
+    finally:
+        engine.close()
