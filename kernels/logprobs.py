@@ -19,9 +19,7 @@ FlashAttention's backward).
 
 Tests run these kernels under ``TRITON_INTERPRET=1`` on the CPU against an fp32 reference.
 
-Size: over 400 lines because it is one kernel: the forward and the two backward Triton kernels share
-the logit-tile and gradient helpers, and their launchers and the autograd function pass the same
-saved tensors and block sizes between them; Triton's one-argument-per-line signatures add the length.
+The tile helpers the three kernels share are in :mod:`kernels.tiles`.
 """
 
 from __future__ import annotations
@@ -31,114 +29,13 @@ import triton
 import triton.language as tl
 
 from kernels.reference import check_inputs
+from kernels.tiles import add_dot_rows, grad_logits_tile, logits_tile, token_block
 
 # Tile sizes. tl.dot needs every dimension >= 16. The GPU defaults suit H in the hundreds to
 # thousands and V ~ 50k-150k; tests pass small blocks to exercise the masks on odd shapes.
 BLOCK_N = 64
 BLOCK_V = 128
 BLOCK_H = 64
-
-
-@triton.jit
-def _load_tile(ptr, offs_r, offs_c, mask_r, mask_c, stride_r, stride_c):
-    """The ``[R, C]`` tile ``ptr[offs_r, offs_c]`` of a strided matrix (zeros outside the masks)."""
-    return tl.load(
-        ptr + offs_r[:, None] * stride_r + offs_c[None, :] * stride_c,
-        mask=mask_r[:, None] & mask_c[None, :],
-        other=0.0,
-    )
-
-
-@triton.jit
-def _logits_tile(
-    h_ptr,
-    w_ptr,
-    offs_n,
-    offs_v,
-    mask_n,
-    mask_v,
-    H,
-    stride_hn,
-    stride_hh,
-    stride_wv,
-    stride_wh,
-    BLOCK_N: tl.constexpr,
-    BLOCK_V: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-):
-    """fp32 ``[BLOCK_N, BLOCK_V]`` tile of ``hidden @ weight^T`` (zeros outside the masks)."""
-    acc = tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.float32)
-    for h0 in range(0, H, BLOCK_H):
-        offs_h = h0 + tl.arange(0, BLOCK_H)
-        mask_h = offs_h < H
-        a = _load_tile(h_ptr, offs_n, offs_h, mask_n, mask_h, stride_hn, stride_hh)
-        b = _load_tile(w_ptr, offs_v, offs_h, mask_v, mask_h, stride_wv, stride_wh)
-        acc = tl.dot(a, tl.trans(b), acc, input_precision="ieee")
-    return acc
-
-
-@triton.jit
-def _grad_logits_tile(
-    z, offs_v, mask_v, y, lse, mean_logit, g_lp, g_ent, HAS_GLP: tl.constexpr, HAS_GENT: tl.constexpr
-):
-    """``dz = g_lp (1[j = y] - p) + g_ent p (E_p[z] - z)``, zero outside the vocabulary."""
-    p = tl.exp(z - lse[:, None])
-    p = tl.where(mask_v[None, :], p, 0.0)
-    dz = tl.zeros(z.shape, dtype=tl.float32)
-    if HAS_GLP:
-        onehot = (offs_v[None, :] == y[:, None]).to(tl.float32)
-        dz += g_lp[:, None] * (onehot - p)
-    if HAS_GENT:
-        dz += g_ent[:, None] * p * tl.where(mask_v[None, :], mean_logit[:, None] - z, 0.0)
-    return dz
-
-
-@triton.jit
-def _token_block(
-    y_ptr, lse_ptr, ent_ptr, glp_ptr, gent_ptr, offs_n, mask_n, HAS_GLP: tl.constexpr, HAS_GENT: tl.constexpr
-):
-    """What the backward kernels read of a token block: ``(targets, lse, E_p[z] = lse - entropy,
-    g_lp, g_ent)``, the last two the upstream gradients of the two outputs (zeros for an absent one)."""
-    y = tl.load(y_ptr + offs_n, mask=mask_n, other=0)
-    lse = tl.load(lse_ptr + offs_n, mask=mask_n, other=0.0)
-    mean_logit = lse - tl.load(ent_ptr + offs_n, mask=mask_n, other=0.0)
-    g_lp = tl.zeros(offs_n.shape, dtype=tl.float32)
-    g_ent = tl.zeros(offs_n.shape, dtype=tl.float32)
-    if HAS_GLP:
-        g_lp = tl.load(glp_ptr + offs_n, mask=mask_n, other=0.0)
-    if HAS_GENT:
-        g_ent = tl.load(gent_ptr + offs_n, mask=mask_n, other=0.0)
-    return y, lse, mean_logit, g_lp, g_ent
-
-
-@triton.jit
-def _add_dot_rows(
-    out_ptr,
-    offs_r,
-    mask_r,
-    stride_or,
-    stride_oh,
-    dz,
-    src_ptr,
-    offs_k,
-    mask_k,
-    stride_sk,
-    stride_sh,
-    H,
-    BLOCK_H: tl.constexpr,
-):
-    """``out[offs_r, :] += dz @ src[offs_k, :]`` for ``dz`` ``[R, K]``, over ``H`` columns in
-    ``BLOCK_H`` tiles, into fp32 ``out``. The calling program alone owns these rows of ``out``, so the
-    read-modify-write needs no atomics."""
-    for h0 in range(0, H, BLOCK_H):
-        offs_h = h0 + tl.arange(0, BLOCK_H)
-        mask_h = offs_h < H
-        src = _load_tile(src_ptr, offs_k, offs_h, mask_k, mask_h, stride_sk, stride_sh)
-        ptrs = out_ptr + offs_r[:, None] * stride_or + offs_h[None, :] * stride_oh
-        mask = mask_r[:, None] & mask_h[None, :]
-        acc = tl.load(ptrs, mask=mask, other=0.0)
-        acc = tl.dot(dz, src, acc, input_precision="ieee")
-        tl.store(ptrs, acc, mask=mask)
 
 
 @triton.jit
@@ -171,7 +68,7 @@ def _logprobs_fwd_kernel(
     for v0 in range(0, V, BLOCK_V):
         offs_v = v0 + tl.arange(0, BLOCK_V)
         mask_v = offs_v < V
-        z = _logits_tile(
+        z = logits_tile(
             h_ptr,
             w_ptr,
             offs_n,
@@ -230,13 +127,13 @@ def _logprobs_bwd_dh_kernel(
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
-    y, lse, mean_logit, g_lp, g_ent = _token_block(
+    y, lse, mean_logit, g_lp, g_ent = token_block(
         y_ptr, lse_ptr, ent_ptr, glp_ptr, gent_ptr, offs_n, mask_n, HAS_GLP, HAS_GENT
     )
     for v0 in range(0, V, BLOCK_V):
         offs_v = v0 + tl.arange(0, BLOCK_V)
         mask_v = offs_v < V
-        z = _logits_tile(
+        z = logits_tile(
             h_ptr,
             w_ptr,
             offs_n,
@@ -252,9 +149,9 @@ def _logprobs_bwd_dh_kernel(
             BLOCK_V,
             BLOCK_H,
         )
-        dz = _grad_logits_tile(z, offs_v, mask_v, y, lse, mean_logit, g_lp, g_ent, HAS_GLP, HAS_GENT)
+        dz = grad_logits_tile(z, offs_v, mask_v, y, lse, mean_logit, g_lp, g_ent, HAS_GLP, HAS_GENT)
         dz = dz.to(w_ptr.dtype.element_ty)
-        _add_dot_rows(
+        add_dot_rows(
             dh_ptr, offs_n, mask_n, stride_dn, stride_dh, dz, w_ptr, offs_v, mask_v, stride_wv, stride_wh, H, BLOCK_H
         )
 
@@ -291,10 +188,10 @@ def _logprobs_bwd_dw_kernel(
     for n0 in range(0, N, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         mask_n = offs_n < N
-        y, lse, mean_logit, g_lp, g_ent = _token_block(
+        y, lse, mean_logit, g_lp, g_ent = token_block(
             y_ptr, lse_ptr, ent_ptr, glp_ptr, gent_ptr, offs_n, mask_n, HAS_GLP, HAS_GENT
         )
-        z = _logits_tile(
+        z = logits_tile(
             h_ptr,
             w_ptr,
             offs_n,
@@ -310,9 +207,9 @@ def _logprobs_bwd_dw_kernel(
             BLOCK_V,
             BLOCK_H,
         )
-        dz = _grad_logits_tile(z, offs_v, mask_v, y, lse, mean_logit, g_lp, g_ent, HAS_GLP, HAS_GENT)
+        dz = grad_logits_tile(z, offs_v, mask_v, y, lse, mean_logit, g_lp, g_ent, HAS_GLP, HAS_GENT)
         dz = tl.where(mask_n[:, None], dz, 0.0).to(h_ptr.dtype.element_ty)
-        _add_dot_rows(
+        add_dot_rows(
             dw_ptr,
             offs_v,
             mask_v,
