@@ -29,6 +29,7 @@ from consumers.classify import Decoded, why_unstorable
 from consumers.settings import get_consumer_settings
 from consumers.trajectory_state import trajectory_id_for
 from producers.events.codec import DEFAULT_MAX_EVENT_BYTES
+from producers.settings import kafka_client_options
 
 BASE64_PREFIX = "base64:"
 """A stored header text that starts with this is the base64 of the header's bytes (see :func:`header_text`)."""
@@ -273,6 +274,7 @@ class DeadLetterPublisher:
                 linger_ms=5,
                 max_request_size=self.max_bytes + 131_072,
                 client_id=self.client_id,
+                **kafka_client_options(),
             )
         try:
             futures = [self._producer.send(t, key=k, value=v, headers=h) for t, k, v, h in records]

@@ -42,6 +42,7 @@ from app.repositories.events import stored_positions
 from consumers.offsets import log_id_of
 from consumers.polling import PollBackoff
 from consumers.settings import ConsumerSettings
+from producers.settings import kafka_client_options
 
 log = logging.getLogger(__name__)
 
@@ -115,6 +116,7 @@ class GroupClient:
             bootstrap_timeout_ms=s.bootstrap_timeout_ms,
             max_partition_fetch_bytes=max(1_048_576, self.max_event_bytes + 65_536),
             kafka_client=kafka_net_client(s.slow_io_step_warn_s),
+            **kafka_client_options(),
         )
         owner = self
 

@@ -17,6 +17,7 @@ from kafka.errors import TopicAlreadyExistsError
 from app.core.errors import ConfigurationError, InfrastructureError
 from app.core.net import broker_healthy, free_port, port_open
 from app.core.pids import stop_pid
+from producers.settings import kafka_client_options
 
 
 def tansu_path() -> Path:
@@ -96,7 +97,7 @@ def start_broker(
 
 def create_topics(bootstrap: str, topics: dict[str, int]) -> list[str]:
     """Create missing topics (name -> partitions). Returns the names created."""
-    admin = KafkaAdminClient(bootstrap_servers=bootstrap)
+    admin = KafkaAdminClient(bootstrap_servers=bootstrap, **kafka_client_options())
     try:
         existing = set(admin.list_topics())
         new = [

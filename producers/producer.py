@@ -42,7 +42,7 @@ from producers.events.codec import encode_event, validate_event
 from producers.events.types import EVENT_CLASSES, EventBase
 from producers.metrics import ProducerCounters
 from producers.sequence import SessionSequencer
-from producers.settings import KafkaSettings, flywheel_home
+from producers.settings import KafkaSettings, flywheel_home, kafka_client_options
 from producers.spool import Record, Spool
 from producers.telemetry import inject_headers
 
@@ -403,7 +403,8 @@ class EventProducer:
                 max_event_bytes=self.max_event_bytes,
                 delivery_timeout_s=self.delivery_timeout_s,
                 connect_timeout_s=self.connect_timeout_s,
-            )
+            ),
+            **kafka_client_options(),
         )
 
     def _close_client(self, timeout: float = 0) -> None:

@@ -7,10 +7,13 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Literal
 
 import platformdirs
-from pydantic import Field
+from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from producers.errors import ConfigurationError
 
 
 def flywheel_home() -> Path:
@@ -72,3 +75,47 @@ class KafkaSettings(EnvSettings):
         description="the producer's disk spool refuses new events past this many undelivered bytes (they are "
         "dropped, counted and reported) so a long broker outage cannot fill the disk",
     )
+    security_protocol: Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"] = Field(
+        default="PLAINTEXT", description="how every flywheel client talks to the brokers: TLS (SSL), SASL, or both"
+    )
+    sasl_mechanism: Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"] | None = Field(
+        default=None, description="SASL mechanism (required with SASL_PLAINTEXT and SASL_SSL)"
+    )
+    sasl_username: str | None = Field(default=None, description="SASL user name")
+    sasl_password: SecretStr | None = Field(default=None, description="SASL password")
+    ssl_cafile: Path | None = Field(
+        default=None, description="CA bundle (PEM) that verifies the brokers' certificates; default: the system's"
+    )
+    ssl_certfile: Path | None = Field(default=None, description="client certificate (PEM) for mutual TLS")
+    ssl_keyfile: Path | None = Field(default=None, description="the client certificate's private key (PEM)")
+
+    def client_options(self) -> dict[str, object]:
+        """kafka-python keyword arguments for the security settings (none for ``PLAINTEXT``), the same
+        for every producer, consumer and admin client flywheel makes.
+
+        Raises:
+            ConfigurationError: SASL without a mechanism, user name and password.
+        """
+        if self.security_protocol == "PLAINTEXT":
+            return {}
+        options: dict[str, object] = {"security_protocol": self.security_protocol}
+        if self.security_protocol.startswith("SASL"):
+            if not (self.sasl_mechanism and self.sasl_username and self.sasl_password):
+                raise ConfigurationError(
+                    f"FLYWHEEL_KAFKA_SECURITY_PROTOCOL={self.security_protocol} needs FLYWHEEL_KAFKA_SASL_MECHANISM, "
+                    "FLYWHEEL_KAFKA_SASL_USERNAME and FLYWHEEL_KAFKA_SASL_PASSWORD"
+                )
+            options.update(
+                sasl_mechanism=self.sasl_mechanism,
+                sasl_plain_username=self.sasl_username,
+                sasl_plain_password=self.sasl_password.get_secret_value(),
+            )
+        for name in ("ssl_cafile", "ssl_certfile", "ssl_keyfile"):
+            if getattr(self, name) is not None:
+                options[name] = str(getattr(self, name))
+        return options
+
+
+def kafka_client_options() -> dict[str, object]:
+    """:meth:`KafkaSettings.client_options` of the settings in force now."""
+    return KafkaSettings.load().client_options()

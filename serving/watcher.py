@@ -57,6 +57,7 @@ from app.models import Checkpoint
 from app.outbox.lifecycle import PRODUCTION_CHANGES
 from app.promotion.serving_state import read_serving_state, write_serving_state
 from app.repositories.checkpoints import get_production
+from producers.settings import kafka_client_options
 from serving.canary import CANARY_CHANGES, CanaryFollower, EngineRouter
 from serving.engine import setup_engine
 from serving.vllm_server import VLLMServer, ensure_server
@@ -356,6 +357,7 @@ class ServingWatcher:
             group_id=None,
             auto_offset_reset="earliest",
             client_id="flywheel-serving-watcher",
+            **kafka_client_options(),
         )
         partitions = consumer.partitions_for_topic(self.topic) or {0}
         tps = [TopicPartition(self.topic, p) for p in sorted(partitions)]

@@ -7,6 +7,8 @@ import socket
 
 from kafka import KafkaAdminClient
 
+from producers.settings import kafka_client_options
+
 
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port free on ``host`` right now."""
@@ -27,7 +29,9 @@ def port_open(host: str, port: int, timeout: float = 0.5) -> bool:
 def broker_healthy(bootstrap: str, timeout_s: float = 5.0) -> bool:
     """Whether the broker answers a Kafka metadata request."""
     try:
-        admin = KafkaAdminClient(bootstrap_servers=bootstrap, request_timeout_ms=int(timeout_s * 1000))
+        admin = KafkaAdminClient(
+            bootstrap_servers=bootstrap, request_timeout_ms=int(timeout_s * 1000), **kafka_client_options()
+        )
     except Exception:  # kafka-python raises several types for "not there yet"
         return False
     try:

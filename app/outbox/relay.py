@@ -46,6 +46,7 @@ from app.core.retry import Backoff
 from app.core.settings import get_settings
 from app.core.telemetry import tracer
 from app.models import Outbox
+from producers.settings import kafka_client_options
 
 log = logging.getLogger("flywheel.relay")
 
@@ -101,6 +102,7 @@ class OutboxRelay:
                 max_in_flight_requests_per_connection=1,
                 linger_ms=0,
                 client_id="flywheel-outbox-relay",
+                **kafka_client_options(),
             )
         return self._producer
 
