@@ -52,6 +52,8 @@ def run(argv: list[str] | None = None) -> int:
     try:
         app(args=argv, prog_name="flywheel")
     except SystemExit as exc:  # click ends every command this way, usage errors (2) included
+        if isinstance(exc.code, str):  # sys.exit("message"): Python would print it
+            typer.echo(exc.code, err=True)
         return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
     except Exception as exc:
         from app.core.failures import ExitCode, classify

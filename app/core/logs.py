@@ -119,7 +119,7 @@ def configure_service_logging(level: int | str | None = None, service: str | Non
     handler.setFormatter(json_formatter() if use_json(settings, sys.stderr) else logging.Formatter(TEXT_FORMAT))
     handler.addFilter(SpanContextFilter(service))
     root.addHandler(handler)
-    root.setLevel(level if level is not None else settings.level.upper())
+    root.setLevel(level if level is not None else settings.level)
     logging.getLogger("kafka").setLevel(logging.WARNING)
     logging.getLogger("alembic").setLevel(logging.WARNING)  # its set-up lines when a service checks the schema
     logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per request: every health check of a server

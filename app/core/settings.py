@@ -12,7 +12,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, SecretStr
+from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import SettingsConfigDict
 
 from producers.settings import EnvSettings, KafkaSettings, flywheel_home
@@ -55,9 +55,14 @@ class LogSettings(EnvSettings):
         description="text lines, JSON lines (with trace_id and span_id inside a span), or auto: text when "
         "stderr is a terminal, JSON otherwise",
     )
-    level: Literal["DEBUG", "INFO", "WARNING", "ERROR", "debug", "info", "warning", "error"] = Field(
-        default="INFO", description="lowest level a service logs"
+    level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field(
+        default="INFO", description="lowest level a service logs (any case)"
     )
+
+    @field_validator("level", mode="before")
+    @classmethod
+    def _upper(cls, value: object) -> object:
+        return value.upper() if isinstance(value, str) else value
 
 
 class MetricsSettings(EnvSettings):
