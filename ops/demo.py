@@ -55,6 +55,8 @@ DEFAULT_DIFFICULTY_MIX = "1:0.6,2:0.3,3:0.1"
 # A cycle starts once this share of its sessions' trajectories is finalized: privacy-mode sessions
 # (10 % by default) leave none, and a session the simulator could not serve leaves none either.
 READY_SHARE = 0.8
+# ... or once none of them was finalized for this long: the batch is over even if fewer arrived.
+QUIET_S = 30.0
 
 
 @dataclass
@@ -137,6 +139,7 @@ def loop_env(opts: DemoOptions, home: Path, api_port: int) -> dict[str, str]:
     env.setdefault("FLYWHEEL_CONSUMER_FINALIZE_INTERVAL_S", "2")
     env.setdefault("FLYWHEEL_CONSUMER_FINALIZE_GRACE_S", "1")
     env["FLYWHEEL_TRAIN_READY_TRAJECTORIES"] = str(max(1, math.floor(READY_SHARE * opts.sessions)))
+    env["FLYWHEEL_TRAIN_READY_QUIET_S"] = str(QUIET_S)
     env["FLYWHEEL_TRAIN_CHECK_INTERVAL"] = "5"
     env["FLYWHEEL_TRAIN_INTERVAL"] = str(30 * 24 * 3600)  # the cycles start when their traffic is in
     env["FLYWHEEL_TRAIN_CONFIG"] = str(trainer_toml(opts, home))

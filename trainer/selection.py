@@ -78,18 +78,22 @@ def last_watermark(session: Session) -> tuple[datetime, uuid.UUID] | None:
     return row[0], row[1] or uuid.UUID(int=0)
 
 
-def trajectories_waiting(session: Session) -> int:
-    """Finalized trajectories no checkpoint trained on, finalized since the last training cycle
-    started (whatever its outcome): what the ``train-when-ready`` schedule counts against
-    ``FLYWHEEL_TRAIN_READY_TRAJECTORIES``. Trajectories an earlier cycle left out for a reason are
-    not counted again, so they never start a cycle on their own; the interval schedule still runs.
+def trajectories_waiting(session: Session) -> tuple[int, datetime | None]:
+    """``(count, newest finalized_at)`` of the finalized trajectories no checkpoint trained on,
+    finalized since the last training cycle started (whatever its outcome): what the
+    ``train-when-ready`` schedule weighs against ``FLYWHEEL_TRAIN_READY_TRAJECTORIES``. Trajectories
+    an earlier cycle left out for a reason are not counted again, so they never start a cycle on
+    their own; the interval schedule still runs.
     """
     last_start = session.scalar(select(func.max(TrainingCycle.started_at)))
     trained = select(CheckpointTrajectory.trajectory_id).where(CheckpointTrajectory.trajectory_id == Trajectory.id)
-    query = select(func.count()).select_from(Trajectory).where(Trajectory.status == "finalized", ~trained.exists())
+    query = select(func.count(), func.max(Trajectory.finalized_at)).where(
+        Trajectory.status == "finalized", ~trained.exists()
+    )
     if last_start is not None:
         query = query.where(Trajectory.finalized_at > last_start)
-    return int(session.scalar(query) or 0)
+    count, newest = session.execute(query).one()
+    return int(count or 0), newest
 
 
 def select_cycle_data(

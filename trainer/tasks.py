@@ -18,8 +18,11 @@ from __future__ import annotations
 
 import logging
 import time
+from datetime import datetime
 from pathlib import Path
 from typing import Any
+
+from sqlalchemy import func, select
 
 from app.core.db import session_scope
 from app.core.metrics import CYCLE_DURATION
@@ -56,12 +59,28 @@ def run_cycle_task(config_path: str | None = None, overrides: dict[str, Any] | N
 @celery_app.task(name="flywheel.trainer.run_cycle_when_ready")
 def run_cycle_when_ready() -> dict[str, Any]:
     """Run a cycle (:func:`run_cycle_task`) when at least ``FLYWHEEL_TRAIN_READY_TRAJECTORIES``
-    finalized trajectories are waiting; else report how many are. Returns the cycle's result, or
-    ``{"status": "waiting", "waiting": N, "ready_at": M}``."""
-    ready_at = get_settings().celery.train_ready_trajectories
+    finalized trajectories are waiting, or (with ``FLYWHEEL_TRAIN_READY_QUIET_S``) when some are and
+    none was finalized for that many seconds; else report how many wait. Returns the cycle's result,
+    or ``{"status": "waiting", "waiting": N, "ready_at": M}``."""
+    celery = get_settings().celery
     with session_scope() as session:
-        waiting = trajectories_waiting(session)
-    if ready_at is None or waiting < ready_at:
+        waiting, newest = trajectories_waiting(session)
+        now = session.scalar(select(func.now()))
+    ready_at = celery.train_ready_trajectories
+    if not cycle_due(waiting, newest, now, ready_at, celery.train_ready_quiet_s):
         return {"status": "waiting", "waiting": waiting, "ready_at": ready_at}
-    log.info("%d finalized trajectories waiting (ready at %d): starting a cycle", waiting, ready_at)
+    log.info("%d finalized trajectories waiting (ready at %s): starting a cycle", waiting, ready_at)
     return run_cycle_task()
+
+
+def cycle_due(
+    waiting: int, newest: datetime | None, now: datetime, ready_at: int | None, quiet_s: float | None
+) -> bool:
+    """Whether ``waiting`` trajectories (the newest finalized at ``newest``) start a cycle at ``now``:
+    at least ``ready_at`` of them, or some and none finalized for ``quiet_s`` seconds. Never without
+    ``ready_at`` (the interval schedule alone runs then)."""
+    if ready_at is None or waiting == 0:
+        return False
+    if waiting >= ready_at:
+        return True
+    return quiet_s is not None and newest is not None and (now - newest).total_seconds() >= quiet_s

@@ -94,6 +94,12 @@ class CelerySettings(EnvSettings):
         description="start a cycle as soon as this many finalized trajectories arrived since the last "
         "cycle and are not trained on (None: on the interval only)",
     )
+    train_ready_quiet_s: float | None = Field(
+        default=None,
+        gt=0,
+        description="also start a cycle once fewer trajectories wait but none was finalized for this many "
+        "seconds (a batch of traffic has ended); None: only the count and the interval start one",
+    )
     train_check_interval: float = Field(
         default=60.0, gt=0, description="seconds between checks of train_ready_trajectories"
     )
