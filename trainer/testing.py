@@ -26,6 +26,7 @@ from app.repositories.checkpoints import add_checkpoint
 from producers.events.packing import pack_floats, pack_ints
 from trainer.data import Segment, TrajectoryData
 from trainer.distributed import DataParallel
+from trainer.sharding import init_sharded
 from trainer.training import train_policy
 
 
@@ -269,8 +270,10 @@ def train_on_ranks(model_dir: Path, trajectories: list[TrajectoryData], config, 
 
     Returns:
         Rank 0's ``{"history": [StepMetrics dicts], "mismatch": {...}, "state": fp32 state dict (CPU)}``;
-        with several ranks also ``"ranks"``: per rank, ``{"reductions": [(fp32 elements, inside a
-        backward pass) of each fp32 all_reduce], "flushes": steps whose finish_step all-reduced}``.
+        with several ranks also ``"published"`` (rank 0's model saved there as safetensors),
+        ``"tied"`` (its LM head is its input embedding) and ``"ranks"``: per rank, ``{"reductions": [(fp32 elements, inside a
+        backward pass) of each fp32 all_reduce], "flushes": steps whose finish_step all-reduced}``
+        (DDP; ``config.parallel.mode = "fsdp"`` trains sharded, :mod:`trainer.sharding`).
     """
     if world_size == 1:
         trained = train_policy(config, Path(model_dir), trajectories)
@@ -291,6 +294,7 @@ def train_on_ranks(model_dir: Path, trajectories: list[TrajectoryData], config, 
     )
     result = torch.load(workdir / "rank0.pt", weights_only=False)
     result["ranks"] = [torch.load(workdir / f"rank{r}.pt", weights_only=False)["record"] for r in range(world_size)]
+    result["published"] = workdir / "published"
     return result
 
 
@@ -314,15 +318,19 @@ def _train_rank(
 
     dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world_size)
     dist.all_reduce = recording_all_reduce  # this spawned process's own module
+    sharded = config.parallel.mode == "fsdp"
+    dp = init_sharded(torch.device("cpu"), config.parallel) if sharded else RecordingDataParallel(rank, world_size)
     try:
-        trained = train_policy(config, Path(model_dir), trajectories, dp=RecordingDataParallel(rank, world_size))
+        trained = train_policy(config, Path(model_dir), trajectories, dp=dp)
         out = {"record": record}
         if rank == 0:
             out |= {
                 "history": [asdict(m) for m in trained.history],
                 "mismatch": trained.mismatch,
                 "state": {k: v.detach().cpu().clone() for k, v in trained.model.state_dict().items()},
+                "tied": trained.model.get_output_embeddings().weight is trained.model.get_input_embeddings().weight,
             }
+            trained.model.save_pretrained(Path(workdir) / "published", safe_serialization=True)
         torch.save(out, Path(workdir) / f"rank{rank}.pt")
     finally:
         dist.all_reduce = all_reduce
