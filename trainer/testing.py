@@ -8,13 +8,16 @@ the way the consumers project them (token arrays packed with ``producers.events.
 from __future__ import annotations
 
 import json
+import resource
 import shutil
 import uuid
 from dataclasses import asdict
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
+from typing import Any
 
 import numpy as np
+import psutil
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -272,7 +275,8 @@ def train_on_ranks(model_dir: Path, trajectories: list[TrajectoryData], config, 
         Rank 0's ``{"history": [StepMetrics dicts], "mismatch": {...}, "state": fp32 state dict (CPU)}``;
         with several ranks also ``"published"`` (rank 0's model saved there as safetensors),
         ``"tied"`` (its LM head is its input embedding) and ``"ranks"``: per rank, ``{"reductions": [(fp32 elements, inside a
-        backward pass) of each fp32 all_reduce], "flushes": steps whose finish_step all-reduced}``
+        backward pass) of each fp32 all_reduce], "flushes": steps whose finish_step all-reduced,
+        "start_rss_bytes": the rank's RSS before loading the model, "peak_rss_bytes": its peak RSS}``
         (DDP; ``config.parallel.mode = "fsdp"`` trains sharded, :mod:`trainer.sharding`).
     """
     if world_size == 1:
@@ -302,7 +306,7 @@ def _train_rank(
     rank: int, world_size: int, rendezvous: str, model_dir: str, trajectories, config, workdir: str
 ) -> None:
     torch.set_num_threads(1)
-    record: dict[str, list] = {"reductions": [], "flushes": []}
+    record: dict[str, Any] = {"reductions": [], "flushes": [], "start_rss_bytes": psutil.Process().memory_info().rss}
     all_reduce = dist.all_reduce
 
     def recording_all_reduce(tensor, *args, **kwargs):  # the gradients are fp32, the metric sums fp64
@@ -322,6 +326,7 @@ def _train_rank(
     dp = init_sharded(torch.device("cpu"), config.parallel) if sharded else RecordingDataParallel(rank, world_size)
     try:
         trained = train_policy(config, Path(model_dir), trajectories, dp=dp)
+        record["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
         out = {"record": record}
         if rank == 0:
             out |= {
