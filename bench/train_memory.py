@@ -39,7 +39,14 @@ GiB = 2**30
 
 
 def memory_floor(
-    config, *, params: int, world: int, sharded: bool, micro_batch_tokens: int, compute_bytes: int = 4, chunk: int = 1024
+    config,
+    *,
+    params: int,
+    world: int,
+    sharded: bool,
+    micro_batch_tokens: int,
+    compute_bytes: int = 4,
+    chunk: int = 1024,
 ) -> dict[str, int]:
     """One rank's memory floor in bytes, by part, and their ``total``.
 
