@@ -29,8 +29,8 @@ the model (FSDP2, ``parallel.mode = "fsdp"``, :mod:`trainer.sharding`) instead o
 (DDP). Either way the line carries each rank's ``peak_rss_bytes`` (``ru_maxrss``), the same less the
 rank's RSS before it loaded the model (the Python + torch runtime, which no model size changes),
 and ``memory_floor_bytes`` (:func:`bench.train_memory.memory_floor`: that rank's share of fp32
-weights, gradients and AdamW state + one micro-batch's activations); ``pass`` also requires the
-peak above start <= 1.5 x the floor.
+weights, gradients and AdamW state + one micro-batch's activations, + under FSDP the largest unit
+gathered whole with its gradient); ``pass`` also requires the peak above start <= 1.5 x the floor.
 
 Models have the architecture of ``--shape`` with random weights built from a config (no download;
 throughput does not depend on the weights' values): ``smollm2-135m`` (Llama, 30 layers, hidden 576,
@@ -59,7 +59,7 @@ import numpy as np
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-from bench.train_memory import memory_floor
+from bench.train_memory import fsdp_units, memory_floor
 from trainer.batching import group_ids, pack_micro_batches
 from trainer.config import TrainerConfig
 from trainer.data import Segment
@@ -281,7 +281,12 @@ def bench_ranks(args) -> dict:
     sharded = TrainerConfig.model_validate({**settings, "parallel": {"mode": "fsdp" if args.fsdp else "ddp"}})
     params = sum(p.numel() for p in model.parameters())
     floor = memory_floor(
-        model.config, params=params, world=args.ranks, sharded=args.fsdp, micro_batch_tokens=args.micro_batch_tokens
+        model.config,
+        params=params,
+        world=args.ranks,
+        sharded=args.fsdp,
+        micro_batch_tokens=args.micro_batch_tokens,
+        unit_params=fsdp_units(model),
     )
     initial = {k: v.clone() for k, v in model.state_dict().items()}
     with tempfile.TemporaryDirectory(prefix="bench-train-") as tmp:

@@ -8,12 +8,16 @@ Run as a script (``python bench/train_memory.py [--model DIR]``) it loads the re
 prints the process RSS (psutil) after each stage of a cycle's first steps: imports, load, pack,
 optimizer, each micro-batch's forward and backward, the optimizer step. Tensor memory is invisible
 to ``tracemalloc`` (torch allocates outside Python's allocator), so RSS is the measure; the
-Python-object share is printed once from ``tracemalloc`` to show it is small. One JSON line ends it.
+Python-object share is printed once from ``tracemalloc`` to show it is small. ``--trim`` also prints
+the RSS after glibc's ``malloc_trim(0)`` at each stage: the difference is freed memory the
+allocator kept. One JSON line ends it.
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
+import ctypes.util
 import gc
 import json
 import sys
@@ -36,6 +40,7 @@ from trainer.testing import make_trajectory
 from trainer.training import pack_cycle
 
 GiB = 2**30
+LIBC = ctypes.CDLL(ctypes.util.find_library("c"))
 
 
 def memory_floor(
@@ -47,6 +52,7 @@ def memory_floor(
     micro_batch_tokens: int,
     compute_bytes: int = 4,
     chunk: int = 1024,
+    unit_params: tuple[int, ...] = (0,),
 ) -> dict[str, int]:
     """One rank's memory floor in bytes, by part, and their ``total``.
 
@@ -57,20 +63,22 @@ def memory_floor(
             gradients and AdamW state divided by ``world``) or DDP (whole on every rank).
         micro_batch_tokens: padded tokens of one micro-batch. compute_bytes: 2 under bf16, else 4.
         chunk: tokens per chunk of the fused LM head (``logprob_chunk_size``).
+        unit_params: parameters of each FSDP unit (each decoder layer; the root: embeddings tied to
+            the LM head, final norm); sharded, the largest is gathered whole with its gradient.
 
     The activation count is ours, per token and decoder layer, of what autograd keeps for backward
     (after Korthikanti et al. 2022, "Reducing Activation Recomputation", section 4.1, for SwiGLU and
     grouped-query attention with a fused attention kernel that keeps no score matrix): the two norms'
     inputs and outputs (4h), q and the attention output (2h), k and v (2 kv), o_proj's input (h),
     the MLP's gate, up, silu(gate) and product (4 I), and the log-sum-exp per head (a). The fused LM
-    head holds one chunk's fp32 logits and their gradient (2 x chunk x V x 4 bytes).
+    head holds one chunk's fp32 logits and their gradient (2 x chunk x V x 4 bytes). Sharded, a rank
+    also holds the unit it computes on gathered whole, weights and gradient (8 bytes a parameter).
     """
     h, layers = config.hidden_size, config.num_hidden_layers
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or h // heads
     kv = config.num_key_value_heads * head_dim
     per_token_layer = 7 * h + 2 * kv + 4 * config.intermediate_size + heads
-    state = 16 * params // (world if sharded else 1)  # fp32 weights 4 + gradients 4 + AdamW m, v 8
     parts = {
         "weights_bytes": 4 * params // (world if sharded else 1),
         "gradients_bytes": 4 * params // (world if sharded else 1),
@@ -78,9 +86,17 @@ def memory_floor(
         "activations_bytes": micro_batch_tokens * (layers * per_token_layer + 3 * h) * compute_bytes,
         "lm_head_chunk_bytes": 2 * min(chunk, micro_batch_tokens) * config.vocab_size * 4,
     }
-    assert parts["weights_bytes"] + parts["gradients_bytes"] + parts["optimizer_bytes"] <= state + 3
+    if sharded:  # FSDP computes on one unit gathered whole: its fp32 weights and unsharded gradient
+        parts["gathered_unit_bytes"] = 8 * max(unit_params)
     parts["total"] = sum(parts.values())
     return parts
+
+
+def fsdp_units(model: torch.nn.Module) -> tuple[int, ...]:
+    """Parameters of each FSDP unit :mod:`trainer.sharding` makes: every decoder layer, then the root
+    (everything else: embeddings tied to the LM head, final norm; tied weights once)."""
+    layers = [sum(p.numel() for p in layer.parameters()) for layer in model.get_decoder().layers]
+    return (*layers, sum(p.numel() for p in model.parameters()) - sum(layers))
 
 
 def rss() -> int:
@@ -100,14 +116,21 @@ def _trajectories(vocab: int, n: int, seq_len: int):
     return out
 
 
-def stages(model_dir: Path, n: int, seq_len: int, micro_batch_tokens: int, steps: int) -> dict:
-    """Walk a cycle's first ``steps`` optimizer steps on the real model, printing RSS after each stage."""
+def stages(model_dir: Path, n: int, seq_len: int, micro_batch_tokens: int, steps: int, trim: bool = False) -> dict:
+    """Walk a cycle's first ``steps`` optimizer steps on the real model, printing RSS after each stage
+    (with ``trim``, also after glibc's ``malloc_trim(0)``, which returns freed heap pages to the OS)."""
     marks: list[tuple[str, int]] = []
+    trimmed: list[tuple[str, int]] = []
 
     def mark(name: str) -> None:
         gc.collect()
         marks.append((name, rss()))
-        print(f"{name:<34} RSS {marks[-1][1] / GiB:6.2f} GiB", flush=True)
+        line = f"{name:<34} RSS {marks[-1][1] / GiB:6.2f} GiB"
+        if trim:  # hand freed heap memory back to the OS: what is left is live (or fragmented in place)
+            LIBC.malloc_trim(0)
+            trimmed.append((name, rss()))
+            line += f"   after malloc_trim {trimmed[-1][1] / GiB:6.2f} GiB"
+        print(line, flush=True)
 
     mark("imports (torch, transformers)")
     config = TrainerConfig.model_validate(
@@ -163,6 +186,7 @@ def stages(model_dir: Path, n: int, seq_len: int, micro_batch_tokens: int, steps
         "memory_floor_bytes": floor["total"],
         "floor": floor,
         "python_objects_peak_bytes": python_bytes,
+        **({"stages_after_malloc_trim": dict(trimmed)} if trim else {}),
     }
 
 
@@ -173,11 +197,12 @@ def main() -> None:
     p.add_argument("--seq-len", type=int, default=1024)
     p.add_argument("--micro-batch-tokens", type=int, default=2048)
     p.add_argument("--steps", type=int, default=2)
+    p.add_argument("--trim", action="store_true", help="also RSS after malloc_trim(0) at each stage (glibc)")
     args = p.parse_args()
     torch.set_num_threads(2)
     if args.model is None:
         args.model = converted_base_dir()
-    line = stages(args.model, args.trajectories, args.seq_len, args.micro_batch_tokens, args.steps)
+    line = stages(args.model, args.trajectories, args.seq_len, args.micro_batch_tokens, args.steps, args.trim)
     print(json.dumps(line))
 
 

@@ -7,6 +7,7 @@ the way the consumers project them (token arrays packed with ``producers.events.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import resource
 import shutil
@@ -276,7 +277,8 @@ def train_on_ranks(model_dir: Path, trajectories: list[TrajectoryData], config, 
         with several ranks also ``"published"`` (rank 0's model saved there as safetensors),
         ``"tied"`` (its LM head is its input embedding) and ``"ranks"``: per rank, ``{"reductions": [(fp32 elements, inside a
         backward pass) of each fp32 all_reduce], "flushes": steps whose finish_step all-reduced,
-        "start_rss_bytes": the rank's RSS before loading the model, "peak_rss_bytes": its peak RSS}``
+        "start_rss_bytes": the rank's RSS before loading the model, "peak_rss_bytes": its peak RSS
+        from then on}``
         (DDP; ``config.parallel.mode = "fsdp"`` trains sharded, :mod:`trainer.sharding`).
     """
     if world_size == 1:
@@ -302,10 +304,26 @@ def train_on_ranks(model_dir: Path, trajectories: list[TrajectoryData], config, 
     return result
 
 
+def _reset_peak_rss() -> None:
+    """Reset this process's peak RSS (``VmHWM``; Linux ``/proc/self/clear_refs``, no-op elsewhere)."""
+    with contextlib.suppress(OSError):
+        Path("/proc/self/clear_refs").write_text("5")
+
+
+def _peak_rss() -> int:
+    """This process's peak RSS in bytes since :func:`_reset_peak_rss` (``VmHWM``), else ``ru_maxrss``."""
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024  # kB
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+
+
 def _train_rank(
     rank: int, world_size: int, rendezvous: str, model_dir: str, trajectories, config, workdir: str
 ) -> None:
     torch.set_num_threads(1)
+    _reset_peak_rss()  # the spawn's own start-up (imports, unpickling the arguments) is not training
     record: dict[str, Any] = {"reductions": [], "flushes": [], "start_rss_bytes": psutil.Process().memory_info().rss}
     all_reduce = dist.all_reduce
 
@@ -326,7 +344,7 @@ def _train_rank(
     dp = init_sharded(torch.device("cpu"), config.parallel) if sharded else RecordingDataParallel(rank, world_size)
     try:
         trained = train_policy(config, Path(model_dir), trajectories, dp=dp)
-        record["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+        record["peak_rss_bytes"] = _peak_rss()
         out = {"record": record}
         if rank == 0:
             out |= {
