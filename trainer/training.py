@@ -16,6 +16,8 @@ micro-batches every epoch trains, and advantages are computed over exactly those
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -44,6 +46,19 @@ from trainer.step import (
 )
 
 _tracer = tracer("flywheel.trainer")
+_LIBC = ctypes.CDLL(ctypes.util.find_library("c") or None)
+
+
+def trim_heap() -> None:
+    """Hand the heap's freed pages back to the OS (glibc ``malloc_trim(0)``; a no-op on other C
+    libraries). Between optimizer steps almost all of a CPU trainer's resident memory above its live
+    weights, gradients and AdamW state is activations already freed but kept by the allocator, and
+    it grows step by step (docs/trainer.md, "Where the trainer's memory goes")."""
+    trim = getattr(_LIBC, "malloc_trim", None)
+    if trim is not None:
+        trim(0)
+
+
 MAX_SPAN_IDS = 256  # trajectory ids put on the span (the manifest has them all)
 
 
@@ -168,6 +183,7 @@ def train_policy(
         with _tracer.start_as_current_span("trainer.old_logprobs") as span:
             mismatch = compute_old_logprobs(model, batches, config, placement=placement, dp=dp)
             span.set_attributes({f"flywheel.{k}": v for k, v in mismatch.items()})
+    trim_heap()  # the load's and the pi_old pass's freed memory
     optimizer = make_optimizer(model, config)
     total_steps = planned_steps(len(batches), config)
     with (
@@ -177,6 +193,7 @@ def train_policy(
         span.set_attribute("flywheel.trajectory_ids", [str(t.id) for t in trajectories[:MAX_SPAN_IDS]])
 
         def on_step(m) -> None:
+            trim_heap()
             advance(m)
             span.add_event(
                 "step",
