@@ -24,7 +24,13 @@ and optimizer steps) on 1 process and on N spawned gloo ranks
 norm agree within ``rel 1e-4`` (+ ``abs 1e-7``) and every final parameter within ``1e-2 x lr``
 absolute (the ranks sum gradients in a different order; AdamW's update is at most about ``lr`` per
 step); ``pass`` requires it. Tokens/s of each count the optimizer steps' wall time on rank 0; on a
-machine with fewer cores than ranks x threads, N ranks are not faster.
+machine with fewer cores than ranks x threads, N ranks are not faster. ``--fsdp``: the N ranks shard
+the model (FSDP2, ``parallel.mode = "fsdp"``, :mod:`trainer.sharding`) instead of replicating it
+(DDP). Either way the line carries each rank's ``peak_rss_bytes`` (``ru_maxrss``), the same less the
+rank's RSS before it loaded the model (the Python + torch runtime, which no model size changes),
+and ``memory_floor_bytes`` (:func:`bench.train_memory.memory_floor`: that rank's share of fp32
+weights, gradients and AdamW state + one micro-batch's activations, + under FSDP the largest unit
+gathered whole with its gradient); ``pass`` also requires the peak above start <= 1.5 x the floor.
 
 Models have the architecture of ``--shape`` with random weights built from a config (no download;
 throughput does not depend on the weights' values): ``smollm2-135m`` (Llama, 30 layers, hidden 576,
@@ -53,6 +59,7 @@ import numpy as np
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
+from bench.train_memory import fsdp_units, memory_floor
 from trainer.batching import group_ids, pack_micro_batches
 from trainer.config import TrainerConfig
 from trainer.data import Segment
@@ -65,6 +72,7 @@ CPU_TARGET = 0.8
 QWEN3_H100_TARGET = 12_000.0  # tokens/s
 PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}  # dense, per GPU
 RANK_LR = 1e-4
+MEMORY_TARGET = 1.5  # peak RSS a rank adds after importing torch, over its analytic floor
 
 
 def build_model(shape: str, layers: int | None):
@@ -260,22 +268,32 @@ def bench_ranks(args) -> dict:
     # ranks + 1 micro-batches a step: they do not divide evenly over the ranks (gradients summed in
     # another order than in one process) and an epoch's last step leaves a rank without any
     grad_accum = args.ranks + 1
-    config = TrainerConfig.model_validate(
-        {
-            "grad_accum": grad_accum,
-            "epochs": 2,
-            "threads": args.threads,
-            "device": "cpu",
-            "data": {"micro_batch_tokens": args.micro_batch_tokens},
-            "optim": {"lr": RANK_LR},
-        }
+    settings = {
+        "grad_accum": grad_accum,
+        "epochs": 2,
+        "threads": args.threads,
+        "device": "cpu",
+        "precision": "fp32",  # the same arithmetic on every host, whatever its bf16 flags
+        "data": {"micro_batch_tokens": args.micro_batch_tokens},
+        "optim": {"lr": RANK_LR},
+    }
+    config = TrainerConfig.model_validate(settings)
+    sharded = TrainerConfig.model_validate({**settings, "parallel": {"mode": "fsdp" if args.fsdp else "ddp"}})
+    params = sum(p.numel() for p in model.parameters())
+    floor = memory_floor(
+        model.config,
+        params=params,
+        world=args.ranks,
+        sharded=args.fsdp,
+        micro_batch_tokens=args.micro_batch_tokens,
+        unit_params=fsdp_units(model),
     )
     initial = {k: v.clone() for k, v in model.state_dict().items()}
     with tempfile.TemporaryDirectory(prefix="bench-train-") as tmp:
         model.save_pretrained(Path(tmp) / "policy", safe_serialization=True)
         del model
         one = train_on_ranks(Path(tmp) / "policy", trajs, config, 1, Path(tmp) / "one")
-        many = train_on_ranks(Path(tmp) / "policy", trajs, config, args.ranks, Path(tmp) / "many")
+        many = train_on_ranks(Path(tmp) / "policy", trajs, sharded, args.ranks, Path(tmp) / "many")
     match = compare_runs(one, many, RANK_LR)
     moved = max(float((one["state"][k] - initial[k]).abs().max()) for k in one["state"] if k in initial)
     tps_1, tps_n = _steps_tokens_per_s(one["history"]), _steps_tokens_per_s(many["history"])
@@ -297,15 +315,31 @@ def bench_ranks(args) -> dict:
         f"max |param diff| {match['max_abs_diff_params']:.2e} (tolerance {match['param_tolerance']:.0e}), "
         f"max rel diff of loss / grad norm {match['max_rel_diff_loss_grad_norm']:.2e} (tolerance 1e-4)"
     )
+    peaks = [r["peak_rss_bytes"] for r in many["ranks"]]
+    above = [r["peak_rss_bytes"] - r["start_rss_bytes"] for r in many["ranks"]]
+    memory_ok = max(above) <= MEMORY_TARGET * floor["total"]
+    mode = "FSDP2" if args.fsdp else "DDP"
+    print(
+        f"{mode} peak RSS per rank {[round(b / 2**20) for b in peaks]} MiB, above each rank's start (torch "
+        f"imported) {[round(b / 2**20) for b in above]} MiB; floor {floor['total'] / 2**20:.0f} MiB "
+        f"({', '.join(f'{k} {v / 2**20:.0f}' for k, v in floor.items() if k != 'total')}); target <= "
+        f"{MEMORY_TARGET} x floor: {'met' if memory_ok else 'missed'}"
+    )
     return {
         "bench": "train",
         "ours": round(tps_n, 1),
         "baseline": round(tps_1, 1),
         "unit": "tokens/s",
         "ratio": round(tps_n / tps_1, 3),
-        "target": "loss_match",
-        "pass": match["loss_match"],
+        "target": "loss_match and peak RSS above start <= 1.5 x memory floor",
+        "pass": match["loss_match"] and memory_ok,
         "ranks": args.ranks,
+        "mode": "fsdp" if args.fsdp else "ddp",
+        "peak_rss_bytes": peaks,
+        "peak_rss_above_start_bytes": above,
+        "memory_floor_bytes": floor["total"],
+        "memory_floor_parts": {k: v for k, v in floor.items() if k != "total"},
+        "peak_over_floor": round(max(above) / floor["total"], 3),
         "tokens_per_s_1_rank": round(tps_1, 1),
         f"tokens_per_s_{args.ranks}_ranks": round(tps_n, 1),
         **match,
@@ -324,6 +358,7 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=None, help="decoder layers (default: the shape's)")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     p.add_argument("--ranks", type=int, default=1, help="> 1: compare the cycle on 1 and on N gloo ranks (CPU)")
+    p.add_argument("--fsdp", action="store_true", help="with --ranks: the N ranks shard the model (FSDP2)")
     p.add_argument("--trajectories", type=int, default=8)
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--micro-batch-tokens", type=int, default=1024)

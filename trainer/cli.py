@@ -61,13 +61,15 @@ def train(
     """Run the continual trainer: production checkpoint + new finalized trajectories -> candidate.
 
     Data parallel: ``torchrun --nproc-per-node N -m ops.cli train ...`` (gloo on CPUs, NCCL on GPUs);
-    rank 0 selects the data, writes and registers, every rank trains its share of each step."""
+    rank 0 selects the data, writes and registers, every rank trains its share of each step; with
+    ``[parallel] mode = "fsdp"`` the model is sharded over the ranks (FSDP2, trainer/sharding.py)."""
     from app.core.settings import get_settings
     from app.core.telemetry import configure_telemetry, shutdown_telemetry
     from app.inference.device import resolve_device
     from trainer.config import load_config
     from trainer.cycle import run_cycle, run_parallel_cycle
     from trainer.distributed import init_data_parallel, shutdown_data_parallel
+    from trainer.sharding import init_sharded
 
     overrides = {
         k: v
@@ -94,6 +96,8 @@ def train(
     interval = get_settings().celery.train_interval
     # ranks other than 0 wait in a collective between cycles: allow a whole interval and a cycle
     dp = init_data_parallel(resolve_device(cfg.device), timeout_s=interval + 6 * 3600.0)
+    if dp is not None and cfg.parallel.mode == "fsdp":  # the same process group, the model sharded over it
+        dp = init_sharded(resolve_device(cfg.device), cfg.parallel)
     configure_telemetry("flywheel-trainer" if dp is None else f"flywheel-trainer-rank{dp.rank}")
     show = dp is None or dp.is_main  # one report per cycle: rank 0's
     try:

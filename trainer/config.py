@@ -125,6 +125,24 @@ class LoraSettings(_Config):
     linear layer but the LM head."""
 
 
+class ParallelConfig(_Config):
+    """How ``torchrun`` ranks share the model (``trainer/distributed.py``, ``trainer/sharding.py``).
+    Outside torchrun (one process) the mode has no effect."""
+
+    mode: Literal["ddp", "fsdp"] = "ddp"
+    """``ddp``: every rank holds the whole model, gradients all-reduced (``DistributedDataParallel``);
+    for models whose fp32 weights, gradients and AdamW state fit one device. ``fsdp``: weights,
+    gradients and AdamW state sharded over the ranks (FSDP2 ``fully_shard``, per decoder layer, then
+    the root holding the tied embeddings / LM head, the final norm); each layer is gathered only
+    while it computes."""
+    reshard_after_forward: bool = True
+    """``fsdp``: free each layer's gathered weights after its forward and gather them again for its
+    backward (ZeRO-3); false keeps them from forward to backward (ZeRO-2: less traffic, more memory)."""
+    cpu_offload: bool = False
+    """``fsdp`` on CUDA: keep the sharded fp32 weights, gradients and AdamW state in host memory
+    (``CPUOffloadPolicy``; the optimizer step runs on the CPU). Refused on a CPU device."""
+
+
 class TrainerConfig(_Config):
     """One training cycle: data, loss, optimizer and run settings."""
 
@@ -188,6 +206,7 @@ class TrainerConfig(_Config):
     loss: LossConfig = LossConfig()
     optim: OptimConfig = OptimConfig()
     lora: LoraSettings = LoraSettings()
+    parallel: ParallelConfig = ParallelConfig()
 
     @model_validator(mode="after")
     def _schedule_is_consistent(self) -> "TrainerConfig":
@@ -205,7 +224,21 @@ class TrainerConfig(_Config):
                 "save_optimizer with lora.rank > 0: the AdamW state is the adapters', which are merged "
                 "into the checkpoint's weights and gone; there is nothing for it to resume"
             )
+        if self.parallel.mode == "fsdp":
+            self._fsdp_is_supported()
         return self
+
+    def _fsdp_is_supported(self) -> None:
+        refused = {
+            "lora.rank > 0": self.lora.rank > 0,  # peft's adapters are not sharded (untested with fully_shard)
+            "save_optimizer": self.save_optimizer,  # the AdamW state is sharded: no single optimizer.pt
+            # every rank must run the same collectives; a shared-prefix micro-batch runs the decoder twice
+            "data.share_prefixes": self.data.share_prefixes,
+            "parallel.cpu_offload with device cpu": self.parallel.cpu_offload and self.device == "cpu",
+        }
+        named = [k for k, v in refused.items() if v]
+        if named:
+            raise ValueError(f'parallel.mode = "fsdp" does not support {", ".join(named)}')
 
     def normalizer(self) -> float:
         """The constant loss normalizer ``Z`` (tokens)."""

@@ -29,7 +29,8 @@ Invariants:
   broadcast to the others.
 
 Replicated weights bound the model to one GPU's memory (Qwen3-0.6B: ~10 GB of fp32 weights,
-gradients and AdamW state); FSDP2's ``fully_shard`` is the step past that size.
+gradients and AdamW state); past that size ``parallel.mode = "fsdp"`` shards them
+(:mod:`trainer.sharding`, the same interface).
 
 Backends: NCCL when the ranks train on CUDA, gloo on CPUs (the same code; tests run it).
 """
@@ -115,6 +116,21 @@ class DataParallel:
     def is_main(self) -> bool:
         """Whether this is rank 0 (the one that selects data, writes and registers)."""
         return self.rank == 0
+
+    @property
+    def sharded(self) -> bool:
+        """Whether the model is sharded over the ranks (:class:`trainer.sharding.ShardedDataParallel`);
+        False here: every rank holds the whole model."""
+        return False
+
+    def clip_grad_norm(self, parameters: Any, max_norm: float) -> torch.Tensor:
+        """``torch.nn.utils.clip_grad_norm_`` (the gradients are whole and identical on every rank)."""
+        return torch.nn.utils.clip_grad_norm_(parameters, max_norm)
+
+    def score(self, batches: list[Any], fn: Callable[[torch.nn.Module, Any], Any], model: torch.nn.Module) -> dict:
+        """``{i: fn(model, batches[i])}`` for the micro-batches this rank owns (:meth:`owns`), no grad."""
+        with torch.no_grad():
+            return {i: fn(model, mb) for i, mb in enumerate(batches) if self.owns(i)}
 
     def local(self, items: list[T]) -> list[T]:
         """This rank's share of a step's micro-batches: ``items[rank::world_size]``."""

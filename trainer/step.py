@@ -214,11 +214,13 @@ def compute_old_logprobs(
     was_training = model.training
     model.eval()
     kl = clipped = ent = n = 0.0
-    for i, mb in enumerate(batches):
-        if dp is not None and not dp.owns(i):
-            continue
-        with _autocast(placement):
-            lp, entropy = token_logprobs(model, mb, config)
+    with _autocast(placement):
+        if dp is None:
+            scored = {i: token_logprobs(model, mb, config) for i, mb in enumerate(batches)}
+        else:  # this rank's share (sharded: through the FSDP root, forward passes padded to match)
+            scored = dp.score(batches, lambda policy, mb: token_logprobs(policy, mb, config), model)
+    for i, (lp, entropy) in scored.items():
+        mb = batches[i]
         mb.old_logprobs = lp.detach()
         log_is = mb.old_logprobs - mb.behaviour_logprobs
         kl += float(kl_estimate(mb.old_logprobs, mb.behaviour_logprobs).sum())
@@ -407,7 +409,8 @@ def train_steps(
             m.computed_tokens = int(totals.pop("computed"))
             m.skipped_micro_batches = int(totals.pop("skipped"))
             sums = totals
-        m.grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), config.optim.max_grad_norm))
+        clip = torch.nn.utils.clip_grad_norm_ if dp is None else dp.clip_grad_norm  # sharded: DTensor gradients
+        m.grad_norm = float(clip(model.parameters(), config.optim.max_grad_norm))
         n = max(m.trainable_tokens, 1)
         sums = defaultdict(float, sums)  # empty when every micro-batch was skipped
         m.pg_loss, m.kl, m.mismatch_kl = sums["pg_loss_sum"] / n, sums["kl_sum"] / n, sums["mismatch_kl_sum"] / n

@@ -7,14 +7,18 @@ the way the consumers project them (token arrays packed with ``producers.events.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import resource
 import shutil
 import uuid
 from dataclasses import asdict
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
+from typing import Any
 
 import numpy as np
+import psutil
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -26,6 +30,7 @@ from app.repositories.checkpoints import add_checkpoint
 from producers.events.packing import pack_floats, pack_ints
 from trainer.data import Segment, TrajectoryData
 from trainer.distributed import DataParallel
+from trainer.sharding import init_sharded
 from trainer.training import train_policy
 
 
@@ -269,8 +274,12 @@ def train_on_ranks(model_dir: Path, trajectories: list[TrajectoryData], config, 
 
     Returns:
         Rank 0's ``{"history": [StepMetrics dicts], "mismatch": {...}, "state": fp32 state dict (CPU)}``;
-        with several ranks also ``"ranks"``: per rank, ``{"reductions": [(fp32 elements, inside a
-        backward pass) of each fp32 all_reduce], "flushes": steps whose finish_step all-reduced}``.
+        with several ranks also ``"published"`` (rank 0's model saved there as safetensors),
+        ``"tied"`` (its LM head is its input embedding) and ``"ranks"``: per rank, ``{"reductions": [(fp32 elements, inside a
+        backward pass) of each fp32 all_reduce], "flushes": steps whose finish_step all-reduced,
+        "start_rss_bytes": the rank's RSS before loading the model, "peak_rss_bytes": its peak RSS
+        from then on}``
+        (DDP; ``config.parallel.mode = "fsdp"`` trains sharded, :mod:`trainer.sharding`).
     """
     if world_size == 1:
         trained = train_policy(config, Path(model_dir), trajectories)
@@ -291,14 +300,31 @@ def train_on_ranks(model_dir: Path, trajectories: list[TrajectoryData], config, 
     )
     result = torch.load(workdir / "rank0.pt", weights_only=False)
     result["ranks"] = [torch.load(workdir / f"rank{r}.pt", weights_only=False)["record"] for r in range(world_size)]
+    result["published"] = workdir / "published"
     return result
+
+
+def _reset_peak_rss() -> None:
+    """Reset this process's peak RSS (``VmHWM``; Linux ``/proc/self/clear_refs``, no-op elsewhere)."""
+    with contextlib.suppress(OSError):
+        Path("/proc/self/clear_refs").write_text("5")
+
+
+def _peak_rss() -> int:
+    """This process's peak RSS in bytes since :func:`_reset_peak_rss` (``VmHWM``), else ``ru_maxrss``."""
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024  # kB
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
 
 
 def _train_rank(
     rank: int, world_size: int, rendezvous: str, model_dir: str, trajectories, config, workdir: str
 ) -> None:
     torch.set_num_threads(1)
-    record: dict[str, list] = {"reductions": [], "flushes": []}
+    _reset_peak_rss()  # the spawn's own start-up (imports, unpickling the arguments) is not training
+    record: dict[str, Any] = {"reductions": [], "flushes": [], "start_rss_bytes": psutil.Process().memory_info().rss}
     all_reduce = dist.all_reduce
 
     def recording_all_reduce(tensor, *args, **kwargs):  # the gradients are fp32, the metric sums fp64
@@ -314,15 +340,20 @@ def _train_rank(
 
     dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world_size)
     dist.all_reduce = recording_all_reduce  # this spawned process's own module
+    sharded = config.parallel.mode == "fsdp"
+    dp = init_sharded(torch.device("cpu"), config.parallel) if sharded else RecordingDataParallel(rank, world_size)
     try:
-        trained = train_policy(config, Path(model_dir), trajectories, dp=RecordingDataParallel(rank, world_size))
+        trained = train_policy(config, Path(model_dir), trajectories, dp=dp)
+        record["peak_rss_bytes"] = _peak_rss()
         out = {"record": record}
         if rank == 0:
             out |= {
                 "history": [asdict(m) for m in trained.history],
                 "mismatch": trained.mismatch,
                 "state": {k: v.detach().cpu().clone() for k, v in trained.model.state_dict().items()},
+                "tied": trained.model.get_output_embeddings().weight is trained.model.get_input_embeddings().weight,
             }
+            trained.model.save_pretrained(Path(workdir) / "published", safe_serialization=True)
         torch.save(out, Path(workdir) / f"rank{rank}.pt")
     finally:
         dist.all_reduce = all_reduce

@@ -16,6 +16,8 @@ micro-batches every epoch trains, and advantages are computed over exactly those
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import hashlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,6 +36,7 @@ from trainer.lora import attach_adapters, merge_adapters
 from trainer.loss import compute_advantages
 from trainer.metrics import step_progress
 from trainer.router_replay import checkpoint_contexts
+from trainer.sharding import ShardedDataParallel
 from trainer.step import (
     StepMetrics,
     compute_old_logprobs,
@@ -45,6 +48,19 @@ from trainer.step import (
 )
 
 _tracer = tracer("flywheel.trainer")
+_LIBC = ctypes.CDLL(ctypes.util.find_library("c") or None)
+
+
+def trim_heap() -> None:
+    """Hand the heap's freed pages back to the OS (glibc ``malloc_trim(0)``; a no-op on other C
+    libraries). Between optimizer steps almost all of a CPU trainer's resident memory above its live
+    weights, gradients and AdamW state is activations already freed but kept by the allocator, and
+    it grows step by step (docs/trainer.md, "Where the trainer's memory goes")."""
+    trim = getattr(_LIBC, "malloc_trim", None)
+    if trim is not None:
+        trim(0)
+
+
 MAX_SPAN_IDS = 256  # trajectory ids put on the span (the manifest has them all)
 
 
@@ -124,7 +140,7 @@ def trained_trajectories(batches: list, config: TrainerConfig, history: list[Ste
 class TrainedPolicy:
     """What :func:`train_policy` returns: the trained model and what the checkpoint records of it."""
 
-    model: torch.nn.Module
+    model: torch.nn.Module | None  # None on the ranks other than 0 of a sharded (FSDP) group
     optimizer: torch.optim.Optimizer
     history: list[StepMetrics]
     mismatch: dict[str, float]  # KL(mu || pi_old) before any update, as compute_old_logprobs returns it
@@ -148,7 +164,10 @@ def train_policy(
     """Load the parent policy on ``config.device`` and run the cycle's optimizer steps on ``trajectories``.
 
     Every rank of ``dp`` calls this with the same arguments; rank 0 alone keeps the parent's bf16
-    serving weights (for the delta) and draws progress.
+    serving weights (for the delta) and draws progress. With a sharded ``dp``
+    (:class:`trainer.sharding.ShardedDataParallel`) the model is sharded before pi_old and the
+    optimizer, and the trained weights are gathered back into a whole fp32 model on rank 0 (the
+    returned ``model``; None on the other ranks).
 
     Raises:
         CheckpointError: ``parent_dir`` is not a model folder.
@@ -166,7 +185,10 @@ def train_policy(
             model.gradient_checkpointing_enable(
                 gradient_checkpointing_kwargs={"use_reentrant": False, "context_fn": checkpoint_contexts}
             )
-        placement.place_model(model)
+        if dp is not None and isinstance(dp, ShardedDataParallel):
+            dp.shard(model, placement)  # layer by layer from the CPU: the whole model never sits on the device
+        else:
+            placement.place_model(model)
     pad_id = model.config.pad_token_id if isinstance(model.config.pad_token_id, int) else 0
     rewards, groups, advantages, batches = pack_cycle(trajectories, config, pad_id)
     batches = [placement.move_batch(mb) for mb in batches]
@@ -177,6 +199,7 @@ def train_policy(
         with _tracer.start_as_current_span("trainer.old_logprobs") as span:
             mismatch = compute_old_logprobs(model, batches, config, placement=placement, dp=dp)
             span.set_attributes({f"flywheel.{k}": v for k, v in mismatch.items()})
+    trim_heap()  # the load's and the pi_old pass's freed memory
     optimizer = make_optimizer(model, config)
     total_steps = planned_steps(len(batches), config)
     with (
@@ -186,6 +209,7 @@ def train_policy(
         span.set_attribute("flywheel.trajectory_ids", [str(t.id) for t in trajectories[:MAX_SPAN_IDS]])
 
         def on_step(m) -> None:
+            trim_heap()
             advance(m)
             span.add_event(
                 "step",
@@ -205,6 +229,9 @@ def train_policy(
     if adapters is not None:
         with _tracer.start_as_current_span("trainer.merge_adapters"):
             model = merge_adapters(adapters)
+    if dp is not None and isinstance(dp, ShardedDataParallel):
+        with _tracer.start_as_current_span("trainer.gather_weights"):
+            model = dp.full_model(model)  # rank 0: the unsharded fp32 policy to publish; the others: None
     if config.pi_old == "behaviour" and history:  # step 1's forward ran at the parent: its KL(mu || pi_theta)
         first = history[0]
         mismatch = {
