@@ -65,6 +65,7 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from app.core.db import session_scope
+from app.core.pids import stop_pid
 from app.core.settings import get_settings
 from app.models import ABComparison, EvalResult, EvalRun, EventLog, GateDecision, Promotion, TrainingCycle
 from app.repositories.checkpoints import get_production
@@ -73,6 +74,7 @@ from evals.gate import paired_bootstrap_interval
 from ops.ab import ABConfig, plan_pairs
 from ops.demo import DEFAULT_DIFFICULTY_MIX
 from ops.demo_report import CURVE_SIGNALS, curve_point, render_curve_png
+from ops.processes import LOOP_SERVICES, SUPERVISOR, service_status
 from ops.report import count_multi_segment_sessions
 from ops.simulator_cli import parse_mix
 from trainer.config import load_config
@@ -294,6 +296,17 @@ def train_from_base(env: dict[str, str], data_of: str, *, invert: bool, trainer_
     return cycles[-1].checkpoint_id
 
 
+def stop_loop(home: Path) -> list[str]:
+    """Stop the supervisor of ``flywheel up -d`` and the loop's processes (by pid); the vLLM servers,
+    Postgres and the broker keep running. Returns what was stopped."""
+    stopped = []
+    for name, (pid, alive) in sorted(service_status(home).items(), key=lambda item: item[0] != SUPERVISOR):
+        if alive and pid is not None and (name == SUPERVISOR or name in LOOP_SERVICES):
+            stop_pid(pid)
+            stopped.append(name)
+    return stopped
+
+
 def gate_against_base(env: dict[str, str], candidate: str, eval_budget: list[str]) -> dict:
     """``flywheel gate CANDIDATE --production base`` on the held-out suite; the stored decision."""
     args = ["gate", candidate, "--production", "base", "--suite", SUITE, "--gate-on", SUITE, *eval_budget]
@@ -355,6 +368,9 @@ def main() -> None:  # noqa: PLR0915 - one recipe, read top to bottom
         t0 = time.monotonic()
         flywheel(demo, env)
         phase["loop"] = time.monotonic() - t0
+        # The loop's cycles are done: its processes stop (the servers and the stack stay), so no
+        # scheduled cycle races the bench's own plant for the training lock.
+        stop_loop(home)
         get_settings.cache_clear()
         with session_scope() as session:
             candidates = [c.checkpoint_id for c in succeeded_cycles(session)][:cycles]

@@ -23,7 +23,6 @@ and promotes nothing itself. Its steps (each skipped when its effect is recorded
 from __future__ import annotations
 
 import json
-import math
 import os
 import subprocess
 import sys
@@ -52,11 +51,10 @@ TRAINER_DEFAULT = Path(__file__).resolve().parents[1] / "trainer" / "configs" / 
 # one-expression requests, which the base model solves about a quarter of the time at the serving
 # temperature, the level where group-relative RL has signal; levels 2 and 3 it almost never solves.
 DEFAULT_DIFFICULTY_MIX = "1:0.6,2:0.3,3:0.1"
-# A cycle starts once this share of its sessions' trajectories is finalized: privacy-mode sessions
-# (10 % by default) leave none, and a session the simulator could not serve leaves none either.
-READY_SHARE = 0.8
-# ... or once none of them was finalized for this long: the batch is over even if fewer arrived.
-QUIET_S = 30.0
+# A cycle starts once every session of the batch left its trajectory, or once none was finalized
+# for QUIET_S seconds: privacy-mode sessions (10 % by default) and sessions the simulator could not
+# serve leave none, so the quiet period usually ends the batch.
+QUIET_S = 20.0
 
 
 @dataclass
@@ -138,7 +136,7 @@ def loop_env(opts: DemoOptions, home: Path, api_port: int) -> dict[str, str]:
     env.setdefault("FLYWHEEL_CONSUMER_SIGNAL_WINDOW_S", str(opts.finalize_window_s))
     env.setdefault("FLYWHEEL_CONSUMER_FINALIZE_INTERVAL_S", "2")
     env.setdefault("FLYWHEEL_CONSUMER_FINALIZE_GRACE_S", "1")
-    env["FLYWHEEL_TRAIN_READY_TRAJECTORIES"] = str(max(1, math.floor(READY_SHARE * opts.sessions)))
+    env["FLYWHEEL_TRAIN_READY_TRAJECTORIES"] = str(opts.sessions)
     env["FLYWHEEL_TRAIN_READY_QUIET_S"] = str(QUIET_S)
     env["FLYWHEEL_TRAIN_CHECK_INTERVAL"] = "5"
     env["FLYWHEEL_TRAIN_INTERVAL"] = str(30 * 24 * 3600)  # the cycles start when their traffic is in
