@@ -352,7 +352,7 @@ def run_demo(opts: DemoOptions) -> None:
             con.print(f"[dim]{where}: done earlier[/]")
             continue
         t0 = time.monotonic()
-        con.print(f"[bold cyan]{where}[/]: {(fn.__doc__ or '').splitlines()[0]}")
+        con.print(f"[bold cyan]{where}[/]: {' '.join((fn.__doc__ or '').split(chr(10) * 2)[0].split())}")
         get_settings.cache_clear()
         summary = fn() if cycle is None else fn(cycle)
         demo.state.mark(key)
