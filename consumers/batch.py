@@ -66,12 +66,10 @@ from app.repositories.events import (
     count_tombstones,
     erased_users,
     insert_dead_letters,
-    lock_offsets,
-    offset_log_ids,
     private_sessions,
     raw_connection,
-    store_offsets,
 )
+from app.repositories.offsets import lock_offsets, offset_log_ids, store_offsets
 from consumers.classify import Decoded, conflicting_duplicates
 from consumers.counts import BatchOutcome
 from consumers.deadletter import (

@@ -38,7 +38,7 @@ from kafka.structs import OffsetAndMetadata
 
 from app.core.db import session_scope
 from app.core.retry import Backoff, is_transient, retry_transient
-from app.repositories.events import stored_positions
+from app.repositories.offsets import stored_positions
 from consumers.offsets import log_id_of
 from consumers.polling import PollBackoff
 from consumers.settings import ConsumerSettings

@@ -44,7 +44,7 @@ from dataclasses import dataclass
 from sqlalchemy.orm import Session
 
 from app.core.errors import FlywheelError
-from app.repositories.events import replace_log, rewind_offset
+from app.repositories.offsets import replace_log, rewind_offset
 
 log = logging.getLogger(__name__)
 
