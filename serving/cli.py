@@ -85,7 +85,7 @@ def front(
     from serving.front import FrontSettings, run_front
 
     configure_service_logging()
-    configure_telemetry("flywheel-front")
+    configure_telemetry("flywheel-front", metrics_port=True)
     settings = FrontSettings.load()
     overrides = {k: v for k, v in (("host", host), ("port", port)) if v is not None}
     run_front(settings.model_copy(update=overrides))

@@ -4,8 +4,8 @@ file named by ``SANDBOX_DENIALS`` (a folder outside the task's, bound writable; 
 
 What counts as a denial (``sys.addaudithook``, PEP 578):
 - ``read``: ``open``/``os.listdir``/``os.scandir`` of a path under none of ``SANDBOX_VISIBLE``
-  (the mounts; everything else of the host is absent, so such an attempt fails), or an open of a
-  missing path under ``/tmp`` (the sandbox's own: a host ``/tmp`` path the code expected);
+  (the mounts; everything else of the host is absent, so such an attempt fails), or of a missing
+  path under ``/tmp`` (the sandbox's own: a host ``/tmp`` path the code expected);
 - ``write`` also: an open for writing under ``/tmp`` whose folder is missing (a host ``/tmp`` path);
 - ``write``: an open for writing, or a mkdir/remove/rename/rmdir/chmod/truncate/symlink, of a path under
   none of ``SANDBOX_WRITABLE`` (the task folder, ``/tmp``, ``/dev``: the rest is read-only);
@@ -82,8 +82,10 @@ def _check(event: str, args: tuple) -> None:
             _record("write", event, target)
     elif event in ("os.listdir", "os.scandir"):
         target = _resolve(args[0] if args else ".")
-        if target is not None and not _under(target, _VISIBLE):
-            _record("read", event, target)
+        if target is not None and (
+            not _under(target, _VISIBLE) or (target.startswith("/tmp/") and not os.path.exists(target))
+        ):
+            _record("read", event, target)  # a missing /tmp path is a host path the code expected
     elif event in _WRITE_EVENTS:
         for path in args[:2] if event in ("os.rename", "os.link") else args[:1]:
             target = _resolve(path)
