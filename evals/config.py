@@ -393,8 +393,9 @@ class EvalSettings(BaseSettings):
     """Gate policy TOML; default the shipped ``evals/gate.toml``."""
     limit: int | None = Field(default=None, ge=1)
     """Task limit per suite for automated gates (None: the suites' own)."""
-    workers: int = Field(default=1, ge=1)
-    """Concurrent sandboxes per run."""
+    workers: int | None = Field(default=None, ge=1)
+    """Concurrent sessions per run of an automated gate; None: the engine's default (64 on a vLLM
+    server, which batches concurrent requests; ``evals.runner.default_workers``)."""
     max_turns: int | None = Field(default=None, ge=1)
     """Turn budget override (smoke deployments on CPUs)."""
     max_tokens_per_turn: int | None = Field(default=None, ge=1)

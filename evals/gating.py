@@ -82,7 +82,7 @@ def gate_candidate(
     suites: list[str] | None = None,
     limit: int | None = None,
     overrides: dict[str, int] | None = None,
-    workers: int = 1,
+    workers: int | None = None,
     engine_factory: EngineFactory | None = None,
     tasks: dict[str, list["Task"]] | None = None,
     on_run: Callable[[str, str, RunSummary], None] | None = None,
@@ -97,7 +97,8 @@ def gate_candidate(
         suites: suites to run (default: the config's gated suites; a gated suite left out fails closed).
         limit: task limit per suite (changes the suite fingerprint for both sides alike).
         overrides: budget overrides (``max_turns``, ``max_tokens_per_turn``), both sides alike.
-        workers: concurrent sandboxes per run.
+        workers: concurrent sessions per run; None: the engine's default
+            (:func:`evals.runner.default_workers`: 64 on a vLLM server, which batches them).
         engine_factory: ``checkpoint_id -> engine`` (tests); default the configured engine.
         tasks: explicit tasks per suite instead of the suites' sources (tests).
         on_run: called after each run with ``(suite, "candidate" | "production", summary)``.
