@@ -4,45 +4,23 @@ API's title and its operations from assets the server itself serves."""
 
 from __future__ import annotations
 
-import shutil
-
 import pytest
 
+from tests.fixtures.browser import headless_chromium
 from tests.integration.test_api_support import live_server  # noqa: F401
 
 pytestmark = [pytest.mark.integration, pytest.mark.browser]
 
-CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
-CHROMEDRIVER = shutil.which("chromedriver")
-
 
 @pytest.fixture
 def offline_browser(tmp_path):
-    if not (CHROMIUM and CHROMEDRIVER):
-        pytest.skip("headless Chromium is not installed (apt-get install chromium chromium-driver)")
-    from selenium import webdriver
-    from selenium.webdriver.chrome.options import Options
-    from selenium.webdriver.chrome.service import Service
-
-    opts = Options()
-    opts.binary_location = CHROMIUM
-    for arg in (
-        "--headless=new",
-        "--no-sandbox",
-        "--disable-gpu",
-        "--disable-dev-shm-usage",
+    with headless_chromium(
+        tmp_path,
         # No name resolves and no proxy is used: only the literal 127.0.0.1 of the live server answers.
         "--host-resolver-rules=MAP * ~NOTFOUND, EXCLUDE 127.0.0.1",
         "--no-proxy-server",
-        f"--user-data-dir={tmp_path / 'chromium-profile'}",
-    ):
-        opts.add_argument(arg)
-    driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=opts)
-    driver.set_page_load_timeout(30)
-    try:
+    ) as driver:
         yield driver
-    finally:
-        driver.quit()
 
 
 def test_swagger_ui_renders_with_the_network_off(offline_browser, live_server):  # noqa: F811

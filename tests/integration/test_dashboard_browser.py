@@ -5,13 +5,13 @@ new production on the page."""
 from __future__ import annotations
 
 import os
-import shutil
 from pathlib import Path
 
 import pytest
 from sqlalchemy import select
 
 from app.models import AuditLog, Checkpoint
+from tests.fixtures.browser import headless_chromium
 from tests.integration.test_api_support import (  # noqa: F401
     PNG_1PX,
     base,
@@ -25,35 +25,11 @@ from tests.integration.test_api_support import (  # noqa: F401
 
 pytestmark = [pytest.mark.integration, pytest.mark.browser]
 
-CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
-CHROMEDRIVER = shutil.which("chromedriver")
-
 
 @pytest.fixture
 def browser(tmp_path):
-    if not (CHROMIUM and CHROMEDRIVER):
-        pytest.skip("headless Chromium is not installed (apt-get install chromium chromium-driver)")
-    from selenium import webdriver
-    from selenium.webdriver.chrome.options import Options
-    from selenium.webdriver.chrome.service import Service
-
-    opts = Options()
-    opts.binary_location = CHROMIUM
-    for arg in (
-        "--headless=new",
-        "--no-sandbox",
-        "--disable-gpu",
-        "--disable-dev-shm-usage",
-        "--window-size=1400,1000",
-        f"--user-data-dir={tmp_path / 'chromium-profile'}",
-    ):
-        opts.add_argument(arg)
-    driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=opts)
-    driver.set_page_load_timeout(30)
-    try:
+    with headless_chromium(tmp_path, "--window-size=1400,1000") as driver:
         yield driver
-    finally:
-        driver.quit()
 
 
 def _text(driver, element_id: str) -> str:
