@@ -10,15 +10,21 @@ Invariants:
 - the checkpoint stamped on a response is the weight version its server reported, read at most
   ``ttl_s`` seconds before the request and re-read after every lifecycle change
   (:meth:`FrontRouter.invalidate`), never taken from a lifecycle message;
+- one read of a report is in flight per server and lifecycle generation: the requests that find
+  the cache stale wait for that read rather than each sending their own, and a read waits as long
+  as a completion may (the client's timeout), since a server busy with a batch answers its small
+  routes late too (64 concurrent sessions on a 2-core CPU server took over 10 s to get an answer to
+  ``/weight_info`` while generating);
 - the routing state (the active canary) is swapped whole under a lock, so a request routes by one
   canary or none, and a request already sent keeps its upstream connection whatever changes after.
 """
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import httpx
@@ -88,6 +94,7 @@ class FrontRouter:
         self._canary: Canary | None = None
         self._generation = 0
         self._cache: dict[str, _Cached] = {}
+        self._inflight: dict[tuple[str, int], asyncio.Future[object]] = {}  # event-loop side only
 
     @property
     def canary(self) -> Canary | None:
@@ -125,6 +132,31 @@ class FrontRouter:
             self._cache[key] = _Cached(value, generation, time.monotonic())
         return value
 
+    async def _read(self, key: str, fetch: Callable[[], Awaitable[object]]) -> object:
+        """The cached report ``key``, else the one read in flight for this generation, else a new
+        read by ``fetch`` (stored under the generation it started in); see the module invariants.
+
+        Raises:
+            UpstreamUnavailable: as ``fetch`` raises it, to every request waiting on that read.
+        """
+        hit = self._fresh(key)
+        if hit is not None:
+            return hit.value
+        with self._lock:
+            generation = self._generation
+        flight = self._inflight.get((key, generation))
+        if flight is None:
+
+            async def read() -> object:
+                try:
+                    return self._store(key, await fetch(), generation)
+                finally:
+                    self._inflight.pop((key, generation), None)
+
+            flight = asyncio.ensure_future(read())
+            self._inflight[(key, generation)] = flight
+        return await asyncio.shield(flight)  # a cancelled request leaves the shared read running
+
     async def served_checkpoint(self, url: str) -> str | None:
         """The weight version the server at ``url`` reports (``GET /weight_info``), or None when it
         records none (``default``) or has no such route; cached (see the module invariants).
@@ -132,22 +164,20 @@ class FrontRouter:
         Raises:
             UpstreamUnavailable: the server does not answer or errs.
         """
-        key = "weight:" + url
-        hit = self._fresh(key)
-        if hit is not None:
-            return hit.value  # type: ignore[return-value]
-        with self._lock:
-            generation = self._generation
-        try:
-            resp = await self.client.get(url + "/weight_info", headers=self.headers, timeout=10.0)
-        except httpx.HTTPError as exc:
-            raise UpstreamUnavailable(f"{url} does not answer ({type(exc).__name__}: {exc})") from exc
-        if resp.status_code == 404:
-            return self._store(key, None, generation)  # type: ignore[return-value]
-        if resp.status_code >= 400:
-            raise UpstreamUnavailable(f"{url}/weight_info -> {resp.status_code}: {resp.text[:200]}")
-        version = resp.json().get("weight_version")
-        return self._store(key, None if version in (None, "", "default") else str(version), generation)  # type: ignore[return-value]
+
+        async def fetch() -> str | None:
+            try:
+                resp = await self.client.get(url + "/weight_info", headers=self.headers)
+            except httpx.HTTPError as exc:
+                raise UpstreamUnavailable(f"{url} does not answer ({type(exc).__name__}: {exc})") from exc
+            if resp.status_code == 404:
+                return None
+            if resp.status_code >= 400:
+                raise UpstreamUnavailable(f"{url}/weight_info -> {resp.status_code}: {resp.text[:200]}")
+            version = resp.json().get("weight_version")
+            return None if version in (None, "", "default") else str(version)
+
+        return await self._read("weight:" + url, fetch)  # type: ignore[return-value]
 
     async def models(self) -> dict:
         """The production server's ``GET /v1/models`` answer (the model names the front accepts),
@@ -156,19 +186,18 @@ class FrontRouter:
         Raises:
             UpstreamUnavailable: the production server does not answer or errs.
         """
-        key = "models"
-        hit = self._fresh(key)
-        if hit is not None:
-            return hit.value  # type: ignore[return-value]
-        with self._lock:
-            generation = self._generation
-        try:
-            resp = await self.client.get(self.production_url + "/v1/models", headers=self.headers, timeout=10.0)
-        except httpx.HTTPError as exc:
-            raise UpstreamUnavailable(f"{self.production_url} does not answer ({type(exc).__name__}: {exc})") from exc
-        if resp.status_code >= 400:
-            raise UpstreamUnavailable(f"{self.production_url}/v1/models -> {resp.status_code}: {resp.text[:200]}")
-        return self._store(key, resp.json(), generation)  # type: ignore[return-value]
+
+        async def fetch() -> dict:
+            url = self.production_url
+            try:
+                resp = await self.client.get(url + "/v1/models", headers=self.headers)
+            except httpx.HTTPError as exc:
+                raise UpstreamUnavailable(f"{url} does not answer ({type(exc).__name__}: {exc})") from exc
+            if resp.status_code >= 400:
+                raise UpstreamUnavailable(f"{url}/v1/models -> {resp.status_code}: {resp.text[:200]}")
+            return resp.json()
+
+        return await self._read("models", fetch)  # type: ignore[return-value]
 
     async def model_names(self) -> set[str]:
         """Ids of the models the production server serves (see :meth:`models`)."""

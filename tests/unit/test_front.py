@@ -104,6 +104,37 @@ def test_reported_checkpoints_are_cached_until_a_lifecycle_change():
         _routes(router, ["u"])
 
 
+def test_requests_that_find_the_report_stale_share_one_read_that_waits_as_long_as_a_completion():
+    """A busy server answers /weight_info late: 64 requests arriving together send one read between
+    them (not 64), with the client's upstream timeout (not a shorter one of its own); a lifecycle
+    change during that read makes the next requests read again rather than join the old read."""
+    reads: list[dict] = []
+
+    async def slow_server(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/weight_info":
+            reads.append(request.extensions["timeout"])
+            version = f"ckpt-{len(reads)}"  # what the server serves when the read arrives
+            await asyncio.sleep(0.2)
+            return httpx.Response(200, json={"weight_version": version})
+        return httpx.Response(404)
+
+    timeout = httpx.Timeout(600.0, connect=5.0)
+    router = FrontRouter(
+        PROD, lambda: None, httpx.AsyncClient(transport=httpx.MockTransport(slow_server), timeout=timeout)
+    )
+
+    async def burst() -> tuple[list, list]:
+        first = asyncio.gather(*(router.route(f"u{i}") for i in range(64)))
+        await asyncio.sleep(0.05)
+        router.invalidate()  # a promotion lands while the first read is in flight
+        second = asyncio.gather(*(router.route(f"v{i}") for i in range(64)))
+        return await first, await second
+
+    first, second = asyncio.run(burst())
+    assert len(reads) == 2 and reads[0]["read"] == 600.0
+    assert {r.checkpoint_id for r in first} == {"ckpt-1"} and {r.checkpoint_id for r in second} == {"ckpt-2"}
+
+
 def test_canary_messages_apply_in_outbox_order_once_and_stop_only_their_canary():
     router = _router(Servers())
     follower = LifecycleFollower(router, bootstrap=None, topic="t")
