@@ -52,8 +52,9 @@ TRAINER_DEFAULT = Path(__file__).resolve().parents[1] / "trainer" / "configs" / 
 # temperature, the level where group-relative RL has signal; levels 2 and 3 it almost never solves.
 DEFAULT_DIFFICULTY_MIX = "1:0.6,2:0.3,3:0.1"
 # A cycle starts once every session of the batch left its trajectory, or once none was finalized
-# for QUIET_S seconds: privacy-mode sessions (10 % by default) and sessions the simulator could not
-# serve leave none, so the quiet period usually ends the batch.
+# and no open session sent an event for QUIET_S seconds (trainer.selection.trajectories_waiting):
+# privacy-mode sessions (10 % by default) and sessions the simulator could not serve leave none, so
+# the quiet period usually ends the batch.
 QUIET_S = 20.0
 
 

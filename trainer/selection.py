@@ -79,21 +79,29 @@ def last_watermark(session: Session) -> tuple[datetime, uuid.UUID] | None:
 
 
 def trajectories_waiting(session: Session) -> tuple[int, datetime | None]:
-    """``(count, newest finalized_at)`` of the finalized trajectories no checkpoint trained on,
+    """``(count, newest activity)`` of the finalized trajectories no checkpoint trained on,
     finalized since the last training cycle started (whatever its outcome): what the
     ``train-when-ready`` schedule weighs against ``FLYWHEEL_TRAIN_READY_TRAJECTORIES``. Trajectories
     an earlier cycle left out for a reason are not counted again, so they never start a cycle on
     their own; the interval schedule still runs.
+
+    The newest activity is the latest of their ``finalized_at`` and the newest event
+    (``last_event_at``) of a trajectory still open since that cycle: a batch of traffic is quiet only
+    when no session of it is still talking, not merely when none finished lately (sessions of a
+    batch served on a loaded CPU finish in waves minutes apart).
     """
     last_start = session.scalar(select(func.max(TrainingCycle.started_at)))
     trained = select(CheckpointTrajectory.trajectory_id).where(CheckpointTrajectory.trajectory_id == Trajectory.id)
     query = select(func.count(), func.max(Trajectory.finalized_at)).where(
         Trajectory.status == "finalized", ~trained.exists()
     )
+    still_open = select(func.max(Trajectory.last_event_at)).where(Trajectory.status == "provisional")
     if last_start is not None:
         query = query.where(Trajectory.finalized_at > last_start)
+        still_open = still_open.where(Trajectory.last_event_at > last_start)
     count, newest = session.execute(query).one()
-    return int(count or 0), newest
+    talking = session.scalar(still_open)
+    return int(count or 0), max((t for t in (newest, talking) if t is not None), default=None)
 
 
 def select_cycle_data(
