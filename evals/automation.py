@@ -116,6 +116,15 @@ def scan_candidates() -> list[str]:
     return scan(lambda cid: evaluate_candidate.delay(cid))
 
 
+@celery_app.task(name="flywheel.evals.refresh_mined_suite")
+def refresh_mined_suite_task() -> dict[str, Any]:
+    """Mine new eval tasks, set up their environments, re-check contamination
+    (:func:`evals.mined_refresh.refresh_mined_suite`); a refresh already running elsewhere is skipped."""
+    from evals.mined_refresh import refresh_mined_suite
+
+    return refresh_mined_suite()
+
+
 @celery_app.task(name="flywheel.evals.run_shard", bind=True)
 def run_shard(self, run_id: str, shard_index: int) -> dict[str, Any]:
     """Claim and run one shard of an eval run (:func:`evals.shards.take_shard`); a shard that is not

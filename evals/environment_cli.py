@@ -33,10 +33,17 @@ def setup_envs(
     from evals.environment_setup import setup_environments
     from evals.environments import load_policy
     from evals.tasks import load_tasks
+    from evals.tasks.mined import MINED_SUITE
     from serving.engine import setup_engine
 
     policy = load_policy(policy_path)
-    tasks = load_tasks(source, split, limit=limit, seed=seed)
+    if source == MINED_SUITE:  # every mined task, not only those with a verified environment yet
+        from evals.tasks.mined import load_mined_tasks
+
+        with session_scope() as session:
+            tasks = load_mined_tasks(session, limit=limit, seed=seed, verified_only=False)
+    else:
+        tasks = load_tasks(source, split, limit=limit, seed=seed)
     engine = setup_engine(checkpoint_id=checkpoint, model_dir=model_dir, engine=engine_kind)
     try:
         with session_scope() as session:

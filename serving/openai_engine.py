@@ -27,15 +27,17 @@ path for a hub repo id and its engine dies on the error. A reload that fails rai
 :class:`InfrastructureError` naming what serves now (the old checkpoint, or nothing if the server
 died); the engine's ``checkpoint_id`` moves only after every step succeeded.
 
-MoE routes: a vLLM server started with ``--enable-return-routed-experts`` (no per-request switch)
-adds ``choices[i].routed_experts`` (``[gen_len, moe_layers, top_k]``) and ``prompt_routed_experts``
-(``[prompt_len, ...]``; response-level, so only usable for a one-prompt request unless the server
-puts it in the choice), indexed by the position each token was *input* at. flywheel's
-:class:`Generation` indexes a completion token by the position whose output *sampled* it, one to
-the left (``serving.torch_engine``), so :func:`sampling_routes` shifts them: token 0 gets the
-last prompt position's experts, token ``i`` the experts of generated token ``i - 1``. Arrays
-arrive as nested JSON lists or base64 ``{"data", "shape", "dtype"}`` (prime-rl's encoding). A
-response without them (dense model, flag off, prompt routes missing) yields ``routed_experts=None``.
+MoE routes: a vLLM server started with ``--enable-return-routed-experts`` adds
+``choices[i].routed_experts``, a base64 ``.npy`` array ``[rows, moe_layers, top_k]``: the experts
+each token was routed to at the position it was *input* at, for positions
+``routed_experts_prompt_start`` (a request field) to the last one forwarded (the final sampled token
+never is). flywheel's :class:`Generation` indexes a completion token by the position whose output
+*sampled* it, one to the left (``serving.torch_engine``): token 0 by the last prompt position,
+token ``i`` by generated token ``i - 1``. So every request asks for rows from the shortest prompt's
+last position on, and :func:`sampling_routes` takes each choice's ``len(completion)`` rows from its
+own last prompt position. A choice without them (a dense model, the flag off, or vLLM's CPU build,
+which cannot capture routes: it needs the V2 model runner, which needs a GPU Triton) yields
+``routed_experts=None``, and the trainer routes those tokens itself.
 
 Through the serving front (``flywheel front``): :meth:`OpenAICompatEngine.for_user` gives a client
 that sends the OpenAI ``user`` field (the front routes by it) and takes its ``checkpoint_id`` from
@@ -53,7 +55,9 @@ so by naming a ``checkpoint_id`` in ``GET /v1/models``, and the client then send
 from __future__ import annotations
 
 import base64
+import binascii
 import copy
+import io
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -93,49 +97,51 @@ def _token_ids(choice: dict[str, Any]) -> list[int]:
     return out
 
 
-def _route_array(value: Any) -> np.ndarray:
-    """``[tokens, layers, top_k]`` int64 routes from nested lists or base64 ``{"data", "shape", "dtype"}``.
+def _route_array(value: str) -> np.ndarray:
+    """``[rows, layers, top_k]`` int64 routes from vLLM's encoding (base64 of ``np.save`` bytes,
+    ``vllm.utils.serial_utils.numpy2base64``).
 
     Raises:
-        InfrastructureError: not a 3-D integer array.
+        InfrastructureError: not a base64 ``.npy`` of a 3-D integer array.
     """
-    if isinstance(value, dict):
-        raw = base64.b64decode(value["data"])
-        arr = np.frombuffer(raw, dtype=np.dtype(value.get("dtype", "int32"))).reshape(value["shape"])
-    else:
-        arr = np.asarray(value)
+    try:
+        arr = np.load(io.BytesIO(base64.b64decode(value, validate=True)), allow_pickle=False)
+    except (ValueError, TypeError, OSError, binascii.Error) as exc:
+        raise InfrastructureError(f"routed experts are not a base64 .npy array: {exc}") from exc
     if arr.ndim != 3 or (arr.size and not np.issubdtype(arr.dtype, np.integer)):
         raise InfrastructureError(f"routed experts of shape {arr.shape} ({arr.dtype}), need [tokens, layers, top_k]")
     return arr.astype(np.int64)
 
 
 def sampling_routes(
-    choice: dict[str, Any], response: dict[str, Any], n_prompts: int, n_tokens: int
+    choice: dict[str, Any], prompt_len: int, routes_start: int, n_tokens: int
 ) -> list[list[list[int]]] | None:
     """A choice's routes in :class:`Generation` order (see the module docstring), or None.
 
+    Args:
+        choice: one ``choices[i]`` of a ``/v1/completions`` answer.
+        prompt_len: tokens of that choice's prompt.
+        routes_start: the request's ``routed_experts_prompt_start`` (the position of row 0).
+        n_tokens: completion tokens of the choice.
+
     Returns:
-        ``[n_tokens][layers][top_k]`` expert ids, or None when the server sent no routes for the
-        choice or no prompt routes it can be matched with.
+        ``[n_tokens][layers][top_k]`` expert ids, or None when the server sent no routes.
 
     Raises:
-        InfrastructureError: fewer generated routes than ``n_tokens - 1`` or shapes that disagree.
+        InfrastructureError: routes that are not vLLM's encoding, or fewer rows than the completion
+            needs (``prompt_len - 1 - routes_start + n_tokens``).
     """
-    generated = choice.get("routed_experts")
-    prompt = choice.get("prompt_routed_experts")
-    if prompt is None and n_prompts == 1:
-        prompt = response.get("prompt_routed_experts")
-    if generated is None or prompt is None or n_tokens == 0:
+    value = choice.get("routed_experts")
+    if value is None or n_tokens == 0:
         return None
-    generated, prompt = _route_array(generated), _route_array(prompt)
-    if len(prompt) == 0:
-        return None
-    if len(generated) < n_tokens - 1 or (len(generated) and generated.shape[1:] != prompt.shape[1:]):
+    rows = _route_array(value)
+    first = prompt_len - 1 - routes_start
+    if first < 0 or len(rows) < first + n_tokens:
         raise InfrastructureError(
-            f"{len(generated)} routes of shape {generated.shape[1:]} for {n_tokens} tokens "
-            f"after prompt routes of shape {prompt.shape[1:]}"
+            f"{len(rows)} routed-expert rows from position {routes_start} for a {prompt_len}-token prompt "
+            f"and {n_tokens} completion tokens (need {first + n_tokens})"
         )
-    return np.concatenate([prompt[-1:], generated[: n_tokens - 1]]).tolist()
+    return rows[first : first + n_tokens].tolist()
 
 
 CHECKPOINT_HEADER = "x-flywheel-checkpoint"  # set by the serving front (serving.front) on every answer
@@ -262,6 +268,8 @@ class OpenAICompatEngine(InferenceEngine):
             body["stop_token_ids"] = list(params.stop_token_ids)
         if self.user is not None:
             body["user"] = self.user
+        routes_start = max(min(len(p) for p in prompts) - 1, 0)
+        body["routed_experts_prompt_start"] = routes_start  # ignored by a server that returns none
         t0 = time.perf_counter()
         resp = self._call("POST", "/v1/completions", body)
         latency = time.perf_counter() - t0
@@ -271,7 +279,7 @@ class OpenAICompatEngine(InferenceEngine):
         if len(choices) != len(prompts):
             raise InfrastructureError(f"asked for {len(prompts)} completions, got {len(choices)}")
         out = []
-        for c in choices:
+        for c, prompt in zip(choices, prompts):
             ids = _token_ids(c)
             lps = [float(x) for x in (c.get("logprobs") or {}).get("token_logprobs") or []]
             if len(lps) != len(ids):
@@ -282,7 +290,7 @@ class OpenAICompatEngine(InferenceEngine):
                     logprobs=lps,
                     finish_reason=c.get("finish_reason") or "stop",
                     latency_s=latency,
-                    routed_experts=sampling_routes(c, data, len(prompts), len(ids)),
+                    routed_experts=sampling_routes(c, len(prompt), routes_start, len(ids)),
                     dtype=self.dtype,
                 )
             )

@@ -164,7 +164,27 @@ def server_command(
     eager = settings.vllm_enforce_eager if settings.vllm_enforce_eager is not None else not cuda
     if eager:
         cmd.append("--enforce-eager")
+    if cuda and is_moe(model_dir):
+        cmd.append("--enable-return-routed-experts")  # the routes the trainer replays (serving.openai_engine)
     return cmd
+
+
+# vLLM captures routed experts only in its V2 model runner (0.32: "AuxOutput Connector requires Model
+# Runner V2"), which needs a GPU Triton ("Model Runner V2 requires Triton" on the CPU build), so
+# only GPU hosts are asked for routes; on the CPU build an MoE is served without them.
+ROUTES_ENV = {"VLLM_USE_V2_MODEL_RUNNER": "1"}
+
+
+def is_moe(model_dir: Path) -> bool:
+    """Whether the HF folder's ``config.json`` describes a mixture of experts (Mixtral's
+    ``num_local_experts``, Qwen-MoE's ``num_experts``, DeepSeek's ``n_routed_experts``); False when
+    there is no readable config (the path may live on another host, as in the deploy files)."""
+    try:
+        config = json.loads((Path(model_dir) / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    return any((text.get(k) or 0) > 1 for k in ("num_local_experts", "num_experts", "n_routed_experts"))
 
 
 SMALL_HOST_CPUS = 4  # at most this many CPUs: vllm_cpu_bind "auto" binds the model threads to all of them
@@ -280,7 +300,7 @@ def start_server(
     with open(log_path, "ab") as out:
         proc = subprocess.Popen(
             server_command(Path(model_dir), port, dtype, settings, cuda=cuda),
-            env=server_env(settings, cuda=cuda),
+            env={**server_env(settings, cuda=cuda), **(ROUTES_ENV if cuda and is_moe(Path(model_dir)) else {})},
             stdout=out,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,

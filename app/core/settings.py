@@ -110,6 +110,12 @@ class CelerySettings(EnvSettings):
     eval_scan_interval: float = Field(
         default=300.0, gt=0, description="seconds between scans for unevaluated candidates"
     )
+    eval_mine_interval: float = Field(
+        default=3600.0,
+        ge=0,
+        description="seconds between refreshes of the mined suite (mine sessions, verify the tasks' "
+        "environments, check contamination); 0: never on the schedule",
+    )
     outbox_interval: float = Field(default=2.0, gt=0, description="seconds between outbox relay runs")
     canary_eval_interval: float = Field(
         default=60.0, gt=0, description="seconds between runs of the canary policy (end on regression, mark ready)"

@@ -14,6 +14,12 @@
   A candidate whose gate decided ``fail`` is left as the gate left it (``gate_failed``, decision
   ``fail``): a failed gate is never promoted, the next cycle trains from production anyway, and a
   re-gate against a later production, or a person's rejection, stays possible (rejecting is final).
+  Where the gate's ``[online]`` policy requires a canary and none of the candidate ran against
+  this production, the policy starts one (``FLYWHEEL_RELEASE_CANARY_FRACTION`` of users, audited
+  as the policy) and holds; the canary policy (``app.promotion.canary_policy``) ends it on a
+  regression or marks it ready, and on ready the release policy runs again and promotes with the
+  canary's evidence (a canary that is still short of its planned size holds it again, a stopped one
+  that regressed refuses it for good).
 
 Invariant: :func:`apply_release_policy` is idempotent. It acts only on a ``gate_passed`` or
 ``gate_failed`` checkpoint; a checkpoint already production, retired or rejected is skipped, and
@@ -28,19 +34,23 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Literal
 
+from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 from sqlalchemy.orm import Session
 
 from app.core.errors import ConflictError
 from app.core.settings import flywheel_home
+from app.lifecycle.canary import start_canary
 from app.lifecycle.changes import promote_checkpoint
+from app.lifecycle.online import latest_canary
+from app.lifecycle.online_stats import OnlinePolicy
 from app.lifecycle.production import latest_gate_decision
 from app.lifecycle.status import OVERRIDABLE, CheckpointStatus, GateVerdict
 from app.repositories.checkpoints import get_checkpoint
 
 log = logging.getLogger(__name__)
 
-ReleaseOutcome = Literal["promoted", "overridden", "held", "left", "skipped"]
+ReleaseOutcome = Literal["promoted", "overridden", "canary_started", "held", "left", "skipped"]
 
 
 class ReleasePolicy(StrEnum):
@@ -63,6 +73,8 @@ class ReleaseSettings(BaseSettings):
     with it as the audited override. Unset (the default): such candidates are held for a person."""
     actor: str = "release-policy"
     """The audit log's actor of the policy's promotions."""
+    canary_fraction: float = Field(default=0.1, gt=0.0, lt=1.0)
+    """Share of users the canary gets that ``auto_on_pass`` starts where the online policy requires one."""
 
 
 def release_settings() -> ReleaseSettings:
@@ -76,7 +88,8 @@ class ReleaseAction:
 
     Attributes:
         outcome: ``promoted`` (a pass), ``overridden`` (insufficient evidence promoted with the
-            configured override), ``held`` (left for a person), ``left`` (a failed gate),
+            configured override), ``canary_started`` (the online policy wants a canary first),
+            ``held`` (left for a person), ``left`` (a failed gate),
             ``skipped`` (nothing to decide: not gated, or already production, retired or rejected).
         reasons: why it held, left or skipped (the promotion's refusals when it was refused).
         promotion_id: the promotion row when it promoted.
@@ -121,6 +134,24 @@ def apply_release_policy(session: Session, checkpoint_id: str, settings: Release
             )
         override = settings.override_insufficient
     reason = f"release policy auto_on_pass: gate {gate.id} decided {gate.decision}"
+    policy = OnlinePolicy.from_config((gate.report or {}).get("config"))
+    if policy.required and latest_canary(session, checkpoint_id, gate.production_id) is None:
+        try:
+            with session.begin_nested():
+                canary = start_canary(
+                    session,
+                    checkpoint_id=checkpoint_id,
+                    fraction=settings.canary_fraction,
+                    actor=settings.actor,
+                    reason=f"{reason}; the online policy requires a canary before promotion",
+                )
+        except ConflictError as exc:
+            return act("held", *(exc.reasons or [exc.message]))
+        return act(
+            "canary_started",
+            f"canary {canary.id} serves {settings.canary_fraction:.0%} of users; promoted once the canary "
+            "policy marks it ready",
+        )
     if override is not None:
         reason += " (promoted over it by FLYWHEEL_RELEASE_OVERRIDE_INSUFFICIENT)"
     try:

@@ -9,6 +9,7 @@ its periods, so a stopped worker does not come back to a backlog of stale runs.
 | train | ``flywheel.trainer.run_cycle`` | ``FLYWHEEL_TRAIN_INTERVAL`` s (5 h) |
 | train-when-ready | ``flywheel.trainer.run_cycle_when_ready`` | ``FLYWHEEL_TRAIN_CHECK_INTERVAL`` s, only with ``FLYWHEEL_TRAIN_READY_TRAJECTORIES`` |
 | scan-candidates | ``flywheel.evals.scan_candidates`` | ``FLYWHEEL_EVAL_SCAN_INTERVAL`` s |
+| refresh-mined-suite | ``flywheel.evals.refresh_mined_suite`` | ``FLYWHEEL_EVAL_MINE_INTERVAL`` s (1 h; 0: off) |
 | relay-outbox | ``flywheel.outbox.relay`` | ``FLYWHEEL_OUTBOX_INTERVAL`` s |
 | evaluate-canary | ``flywheel.promotion.evaluate_canary`` | ``FLYWHEEL_CANARY_EVAL_INTERVAL`` s (60) |
 | purge-broker-messages | ``flywheel.ops.purge_broker_messages`` | hourly, SQL broker only |
@@ -26,6 +27,7 @@ TASK_MODULES: dict[str, str] = {
     "flywheel.trainer.run_cycle": "trainer.tasks",
     "flywheel.trainer.run_cycle_when_ready": "trainer.tasks",
     "flywheel.evals.scan_candidates": "evals.automation",
+    "flywheel.evals.refresh_mined_suite": "evals.automation",
     "flywheel.outbox.relay": "app.outbox.tasks",
     "flywheel.promotion.evaluate_canary": "app.promotion.tasks",
     "flywheel.ops.purge_broker_messages": "ops.tasks",
@@ -51,6 +53,8 @@ def beat_schedule(settings: Settings | None = None) -> dict[str, dict[str, Any]]
         "relay-outbox": ("flywheel.outbox.relay", c.outbox_interval),
         "evaluate-canary": ("flywheel.promotion.evaluate_canary", c.canary_eval_interval),
     }
+    if c.eval_mine_interval > 0:
+        entries["refresh-mined-suite"] = ("flywheel.evals.refresh_mined_suite", c.eval_mine_interval)
     if c.train_ready_trajectories is not None:
         entries["train-when-ready"] = ("flywheel.trainer.run_cycle_when_ready", c.train_check_interval)
     if not c.redis_url:  # kombu's SQL transport keeps delivered rows: trim them

@@ -25,8 +25,8 @@ SOURCES = ("dataframebench", "humaneval", "functions", "functions_long", "mined"
 def load_tasks(source: str, split: str, limit: int | None = None, seed: int = 0) -> list[Task]:
     """Tasks of ``source``/``split``; with ``limit``, a seeded random subset ordered by id.
 
-    ``mined`` reads the ``eval_task`` table (``evals.tasks.mined``; ``split`` is ignored; needs the
-    database).
+    ``mined`` reads the ``eval_task`` table: the mined tasks with a verified environment
+    (``evals.tasks.mined``; ``split`` is ignored; needs the database).
 
     Raises:
         ConfigurationError: unknown source or split (e.g. DataFrameBench ``val``).

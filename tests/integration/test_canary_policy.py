@@ -155,3 +155,37 @@ def test_the_front_routes_by_the_registry_at_start_and_follows_the_policy_ending
         assert router.canary is None and {router.arm_of(u) for u in users} == {"production"}
     finally:
         front.stop()
+
+
+def test_auto_on_pass_starts_the_required_canary_and_promotes_it_once_ready(session, gated, monkeypatch):
+    """No one at the keyboard: the gate passed but the online policy requires a canary, so the
+    release policy starts one (audited as the policy) instead of holding forever; beat's canary pass
+    marks it ready on its sessions, and the release policy then promotes it on that evidence."""
+    from app.lifecycle.release import ReleasePolicy, ReleaseSettings, apply_release_policy
+
+    monkeypatch.setenv("FLYWHEEL_RELEASE_POLICY", "auto_on_pass")
+    _require_online(session, min_sessions=40)
+    settings = ReleaseSettings(policy=ReleasePolicy.AUTO_ON_PASS, canary_fraction=0.25)
+    started = apply_release_policy(session, gated.id, settings)
+    session.commit()
+    assert started.outcome == "canary_started"
+    canary = session.scalars(select(Canary).where(Canary.status == "active")).one()
+    assert (canary.checkpoint_id, canary.fraction, canary.actor) == (gated.id, 0.25, "release-policy")
+    again = apply_release_policy(session, gated.id, settings)  # a redelivered gate task: no second canary
+    session.commit()
+    assert again.outcome == "held" and any("too few canary sessions" in r for r in again.reasons)
+    assert len(session.scalars(select(Canary)).all()) == 1
+
+    start = datetime.now(UTC) - timedelta(minutes=5)
+    session.execute(Canary.__table__.update().values(started_at=start - timedelta(seconds=1)))
+    _sessions(session, gated.id, users=8, per_user=5, accept=0.6, reward=1.0, latency_s=5.0, start=start)
+    _sessions(session, "base", users=8, per_user=5, accept=0.6, reward=1.0, latency_s=5.0, start=start)
+    session.commit()
+    result = evaluate_canary_task.run()
+    assert result["outcome"] == "ready" and result["release"]["outcome"] == "promoted"
+    session.expire_all()
+    assert session.get(Checkpoint, gated.id).status == "production"
+    assert session.get(Canary, canary.id).status == "stopped"  # the promotion ends the canary
+    (promoted,) = _actions(session, "checkpoint.promoted")
+    assert promoted.actor == "release-policy"
+    assert evaluate_canary_task.run()["outcome"] == "no_canary"

@@ -50,6 +50,11 @@ def test_beat_schedule_comes_from_settings(monkeypatch):
     assert by_task["flywheel.outbox.relay"]["schedule"] == 0.5
     assert by_task["flywheel.evals.scan_candidates"]["schedule"] == get_settings().celery.eval_scan_interval
     assert all(entry["options"]["expires"] >= entry["schedule"] for entry in schedule.values())
+    assert schedule["refresh-mined-suite"]["task"] == "flywheel.evals.refresh_mined_suite"
+    assert schedule["refresh-mined-suite"]["schedule"] == 3600.0  # hourly by default
+    monkeypatch.setenv("FLYWHEEL_EVAL_MINE_INTERVAL", "0")
+    get_settings.cache_clear()
+    assert "refresh-mined-suite" not in beat_schedule()
 
 
 def test_beat_skips_tasks_whose_module_is_missing(monkeypatch):

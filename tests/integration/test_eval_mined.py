@@ -10,7 +10,7 @@ from sqlalchemy import select
 from typer.testing import CliRunner
 
 from app.core.db import session_scope
-from app.models import CheckpointTrajectory, EvalTask, EventLog, Trajectory
+from app.models import CheckpointTrajectory, EvalTask, EventLog, TaskEnvironment, Trajectory
 from app.repositories.checkpoints import add_checkpoint
 from evals import mined
 from tests.integration.test_eval_runner_resume import StubTask
@@ -188,6 +188,15 @@ def test_mined_tasks_load_as_the_mined_suite(sessions):
 
     with session_scope() as s:
         mined.mine_tasks(s)
+    assert load_tasks("mined", "test") == []  # in the suite only once an environment verified for it
+    with session_scope() as s:
+        for verified in (False, True):
+            s.add(
+                TaskEnvironment(
+                    env_hash=f"h{verified}", task_key="k", task_id="dfb/A", source="mined", eval_task_id="dfb/A",
+                    origin="fallback", proposal={"dependencies": [], "files": {}}, verified=verified,
+                )
+            )  # fmt: skip
     (task,) = load_tasks("mined", "test")
     assert isinstance(task, Task) and task.id == "dfb/A" and task.source == "mined"
     assert task.request == "make f return 1" and task.reference_files == SOURCE["dfb/A"].reference_files
@@ -246,3 +255,32 @@ def test_a_trajectory_an_uncommitted_erasure_is_deleting_is_skipped_without_wait
     with session_scope() as s:
         (task,) = s.scalars(select(EvalTask)).all()
         assert task.source_trajectory_id == sessions["dup"]
+
+
+def test_beats_refresh_mines_verifies_environments_and_reports_contamination(db, tiny_model_dir):
+    """``flywheel.evals.refresh_mined_suite`` end to end on a real database, a real (tiny, random)
+    model proposing environments and the sandbox verifying them: a persisted simulated session on a
+    ``functions`` task becomes a mined task with a verified environment (the resolver's, as the tiny
+    model proposes nothing usable), so the gate's suite holds it; a checkpoint that later trains on it
+    is reported as contaminated; a second refresh at the same time is turned away."""
+    from evals.mined_refresh import refresh_mined_suite
+    from evals.store import advisory_lock
+    from evals.tasks import load_tasks
+    from serving.torch_engine import TorchEngine
+
+    task_id = "FN/arithmetic/0"
+    with session_scope() as s:
+        add_session(s, 1, task_id, source="functions")
+    result = refresh_mined_suite(lambda: TorchEngine(tiny_model_dir), max_tokens=16)
+    assert result["status"] == "done" and result["mined"] == [task_id] and result["contaminated"] == []
+    assert result["environments"]["tasks"] == 1
+    (task,) = load_tasks("mined", "test")
+    assert task.id == task_id
+    with session_scope() as s:
+        add_checkpoint(s, checkpoint_id="late", path="/x/late")
+        s.add(CheckpointTrajectory(checkpoint_id="late", trajectory_id=uuid.uuid4(), user_id="u", task_id=task_id))
+    with advisory_lock("mined-suite", "refresh"):
+        assert refresh_mined_suite(lambda: TorchEngine(tiny_model_dir)) == {"status": "busy"}
+    again = refresh_mined_suite(lambda: TorchEngine(tiny_model_dir), max_tokens=16)
+    assert again["mined"] == [] and again["environments"]["cached"] == 1
+    assert [(c["checkpoint_id"], c["task_id"]) for c in again["contaminated"]] == [("late", task_id)]

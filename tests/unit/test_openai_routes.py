@@ -1,10 +1,12 @@
 """The OpenAI-compatible client turns vLLM's routed experts (indexed by the position each token was
 input at) into the engine's convention (the position whose output sampled the token): checked against
-the torch engine's own recording of the same completion, answered in vLLM's documented response shape."""
+the torch engine's own recording of the same completion, answered in vLLM 0.32's response shape
+(``choices[i].routed_experts``: base64 ``.npy``, rows from ``routed_experts_prompt_start``)."""
 
 from __future__ import annotations
 
 import base64
+import io
 import json
 
 import httpx
@@ -33,18 +35,24 @@ def _per_position_routes(engine: TorchEngine, ids: list[int]) -> np.ndarray:
     return torch.stack(seen, dim=1).numpy()
 
 
-def _vllm_like_server(gen, routes: np.ndarray, encode_b64: bool):
-    """An httpx transport answering ``/v1/models`` and ``/v1/completions`` the way vLLM does with
-    ``--enable-return-routed-experts`` (``routes``: per input position of prompt + completion)."""
-    n_prompt = len(PROMPT)
+def numpy2base64(array: np.ndarray) -> str:
+    """vLLM's encoding of routed experts (``vllm.utils.serial_utils.numpy2base64``, 0.32)."""
+    with io.BytesIO() as buffer:
+        np.save(buffer, array, allow_pickle=False)
+        return base64.b64encode(buffer.getbuffer()).decode("ascii")
 
-    def enc(a: np.ndarray):
-        a = a.astype(np.uint8)
-        return (
-            {"data": base64.b64encode(a.tobytes()).decode(), "shape": list(a.shape), "dtype": "uint8"}
-            if encode_b64
-            else a.tolist()
-        )
+
+def test_the_encoding_is_vllms_own():
+    vllm_serial = pytest.importorskip("vllm.utils.serial_utils")
+    routes = np.arange(24, dtype=np.uint8).reshape(3, 4, 2)
+    assert numpy2base64(routes) == vllm_serial.numpy2base64(routes)
+
+
+def _vllm_like_server(gens, routes: list[np.ndarray], prompts: list[list[int]]):
+    """An httpx transport answering ``/v1/models`` and ``/v1/completions`` the way vLLM 0.32 does with
+    ``--enable-return-routed-experts``: per choice, the rows of ``routes`` (per input position of
+    prompt + completion) from the request's ``routed_experts_prompt_start`` to the last position
+    forwarded (the final sampled token is not)."""
 
     def handle(request: httpx.Request) -> httpx.Response:
         if request.url.path == "/v1/models":
@@ -52,44 +60,44 @@ def _vllm_like_server(gen, routes: np.ndarray, encode_b64: bool):
         if request.url.path != "/v1/completions":
             return httpx.Response(404)
         body = json.loads(request.content)
-        assert body["prompt"] == [PROMPT]
-        return httpx.Response(
-            200,
-            json={
-                "choices": [
-                    {
-                        "index": 0,
-                        "token_ids": gen.token_ids,
-                        "finish_reason": gen.finish_reason,
-                        "logprobs": {"token_logprobs": gen.logprobs},
-                        "routed_experts": enc(routes[n_prompt:]),
-                    }
-                ],
-                "prompt_routed_experts": enc(routes[:n_prompt]),
-            },
-        )
+        assert body["prompt"] == prompts
+        start = body["routed_experts_prompt_start"]
+        choices = [
+            {
+                "index": i,
+                "token_ids": gen.token_ids,
+                "finish_reason": gen.finish_reason,
+                "logprobs": {"token_logprobs": gen.logprobs},
+                "routed_experts": numpy2base64(r[start : len(r) - 1].astype(np.uint8)),
+            }
+            for i, (gen, r) in enumerate(zip(gens, routes))
+        ]
+        return httpx.Response(200, json={"choices": choices})
 
     return httpx.MockTransport(handle)
 
 
-@pytest.mark.parametrize("encode_b64", [False, True])
-def test_vllm_routes_come_back_in_the_engines_convention(tiny_moe_model_dir, encode_b64):
+def test_vllm_routes_come_back_in_the_engines_convention(tiny_moe_model_dir):
+    """Two prompts of different lengths in one request: each choice's routes equal what the torch
+    engine recorded while sampling the same completion."""
     engine = TorchEngine(tiny_moe_model_dir)
-    gen = engine.generate([PROMPT], SamplingParams(max_tokens=8, temperature=1.0, seed=3))[0]
-    routes = _per_position_routes(engine, PROMPT + gen.token_ids)
-    client = OpenAICompatEngine("http://vllm", transport=_vllm_like_server(gen, routes, encode_b64))
-    got = client.generate([PROMPT], SamplingParams(max_tokens=8, temperature=1.0))[0]
-    assert got.token_ids == gen.token_ids
-    assert got.routed_experts == gen.routed_experts  # what the torch engine recorded while sampling
+    prompts = [PROMPT, PROMPT[:9]]
+    params = SamplingParams(max_tokens=8, temperature=1.0, seed=3)
+    gens = [engine.generate([p], params)[0] for p in prompts]
+    routes = [_per_position_routes(engine, p + g.token_ids) for p, g in zip(prompts, gens)]
+    client = OpenAICompatEngine("http://vllm", transport=_vllm_like_server(gens, routes, prompts))
+    got = client.generate(prompts, SamplingParams(max_tokens=8, temperature=1.0))
+    assert [g.token_ids for g in got] == [g.token_ids for g in gens]
+    assert [g.routed_experts for g in got] == [g.routed_experts for g in gens]
 
 
-def test_routes_are_left_out_when_they_cannot_be_matched_and_refused_when_short():
-    gen = np.zeros((4, 2, 2), dtype=int).tolist()
-    prompt = np.ones((3, 2, 2), dtype=int).tolist()
-    assert sampling_routes({"routed_experts": gen}, {}, 1, 4) is None  # no prompt routes
-    assert sampling_routes({"routed_experts": gen}, {"prompt_routed_experts": prompt}, 2, 4) is None  # whose?
-    assert sampling_routes({}, {"prompt_routed_experts": prompt}, 1, 4) is None  # dense model / flag off
-    routes = sampling_routes({"routed_experts": gen, "prompt_routed_experts": prompt}, {}, 2, 4)
-    assert np.asarray(routes).tolist() == [[[1, 1], [1, 1]]] + [[[0, 0], [0, 0]]] * 3
-    with pytest.raises(InfrastructureError, match="routes"):
-        sampling_routes({"routed_experts": gen[:2]}, {"prompt_routed_experts": prompt}, 1, 4)
+def test_routes_are_left_out_when_absent_and_refused_when_short_or_not_vllms_encoding():
+    rows = numpy2base64(np.arange(20, dtype=np.uint8).reshape(5, 2, 2))
+    assert sampling_routes({}, 3, 0, 4) is None  # a dense model / the flag off / vLLM's CPU build
+    assert sampling_routes({"routed_experts": None}, 3, 0, 4) is None
+    routes = sampling_routes({"routed_experts": rows}, 3, 1, 4)  # rows from position 1: token 0 is row 1
+    assert routes == np.arange(20).reshape(5, 2, 2)[1:5].tolist()
+    with pytest.raises(InfrastructureError, match="rows"):
+        sampling_routes({"routed_experts": rows}, 3, 0, 4)  # needs rows 2..5
+    with pytest.raises(InfrastructureError, match="base64 .npy"):
+        sampling_routes({"routed_experts": [[[0, 1]]]}, 1, 0, 1)  # nested lists are not what vLLM sends

@@ -3,6 +3,7 @@ the model threads run on, refusals."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -96,3 +97,27 @@ def test_a_malformed_cpu_bind_is_refused():
 
     with pytest.raises(ValidationError, match="vllm_cpu_bind"):
         ServingSettings(vllm_cpu_bind="all cores")
+
+
+@pytest.mark.parametrize(
+    "config, moe",
+    [
+        ({"model_type": "mixtral", "num_local_experts": 4}, True),
+        ({"model_type": "qwen2_moe", "num_experts": 8}, True),
+        ({"model_type": "deepseek_v3", "n_routed_experts": 64}, True),
+        ({"model_type": "llama"}, False),
+        ({"model_type": "llava", "text_config": {"num_local_experts": 8}}, True),
+    ],
+)
+def test_gpu_servers_of_an_moe_are_asked_for_the_routes_the_trainer_replays(tmp_path, config, moe):
+    """Only where vLLM can capture routes (a GPU: its V2 model runner); the CPU build refuses the flag."""
+    from serving.vllm_server import ROUTES_ENV, is_moe
+
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert is_moe(tmp_path) is moe
+    gpu = server_command(tmp_path, 8000, "bfloat16", ServingSettings(), cuda=True)
+    cpu = server_command(tmp_path, 8000, "float32", ServingSettings(), cuda=False)
+    assert ("--enable-return-routed-experts" in gpu) is moe
+    assert "--enable-return-routed-experts" not in cpu
+    assert ROUTES_ENV == {"VLLM_USE_V2_MODEL_RUNNER": "1"}
+    assert is_moe(tmp_path / "missing") is False
