@@ -303,6 +303,13 @@ class GateConfig(_Strict):
     looked at once, complete. ``sequential``: the confidence sequence (``sequence``) over clusters
     in a seeded random order (:mod:`evals.sequential`), which may decide before the last
     cluster (``stopped_at_pairs``); both are always reported."""
+    early_stop: bool = False
+    """Stop a gated suite's candidate run as soon as its confidence sequence decides (its lower bound
+    clears the threshold, or its upper bound falls below 0): the runner runs the candidate's samples
+    cluster by cluster in the sequence's seeded order against production's complete run, and the
+    gate decides the stopped run's prefix by the sequence (``stopped_at_pairs``, ``run_stopped``).
+    Needs ``decide_by = "sequential"``: the fixed-n interval read after looks along the way loses its
+    level. Off, or with sharded eval runs (``FLYWHEEL_EVAL_SHARDS`` > 1), every run is complete."""
     sequence: Literal["normal_mixture", "betting"] = "normal_mixture"
     """The confidence sequence (:mod:`evals.sequential`): ``normal_mixture``, asymptotic and tuned to
     the suite's cluster count (usable at tens of clusters); ``betting``, exact at every n and about
@@ -327,6 +334,15 @@ class GateConfig(_Strict):
     allowance rather than noise (a guardrail test). ``point``: the observed drift is above it, which
     fails an unchanged checkpoint often on few pairs (at 20 pairs the edit rate's paired drift has a
     standard error near 10 points). ``p90_latency_s`` and ``limit`` always use the point value."""
+
+    @model_validator(mode="after")
+    def _early_stop_reads_the_sequence(self) -> "GateConfig":
+        if self.early_stop and self.decide_by != "sequential":
+            raise ValueError(
+                'early_stop needs decide_by = "sequential": a fixed-n interval read after the sequence '
+                "looked along the way is no longer at its level"
+            )
+        return self
 
     def with_min_pairs(self, min_pairs: int | None) -> "GateConfig":
         """A copy whose every suite needs ``min_pairs`` paired outcomes (smoke runs on few tasks);
