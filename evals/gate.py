@@ -107,12 +107,17 @@ def _empty_report(name: str, gated: bool, version: str | None, config: GateConfi
     )
 
 
-def _check_power(name: str, pairs: Pairs, margin: float, config: GateConfig, reasons: Reasons) -> float:
+def _check_power(
+    name: str, pairs: Pairs, margin: float, config: GateConfig, reasons: Reasons, planned: int | None, k: int
+) -> float:
     """The power figure (:mod:`evals.power`), an informational reason: it sizes the suite and says
-    whether an interval below the margin is a failure, and never withholds a pass."""
+    whether an interval below the margin is a failure, and never withholds a pass. It is the plan's
+    power: at its ``planned`` pairs (k samples x tasks; the pairs that ran where the plan is not
+    known), at production's observed rate."""
     base = sum(o.passed for o in pairs.production) / pairs.n
+    n = max(pairs.n, planned or 0)
     power = non_inferiority_power(
-        pairs.n,
+        n,
         base,
         margin,
         confidence=config.confidence,
@@ -124,14 +129,14 @@ def _check_power(name: str, pairs: Pairs, margin: float, config: GateConfig, rea
     reasons.add(
         "power",
         powered,
-        f"{name}: power {power:.2f} to tell an equal candidate from one {margin:.1%} worse at {pairs.n} pairs and "
-        f"production's {base:.1%} (design {config.min_power:.2f}"
+        f"{name}: power {power:.2f} to tell an equal candidate from one {margin:.1%} worse at {n} pairs "
+        f"({k} sample{'s' if k > 1 else ''} a task) and production's {base:.1%} (design {config.min_power:.2f}"
         + ("" if powered else "; an interval below the margin is insufficient evidence, not a failure")
         + ")",
         metric="power",
         value=power,
         bound=config.min_power,
-        details={"n": pairs.n, "base_rate": base, "margin": margin, "sims": config.power_sims},
+        details={"n": n, "samples_per_task": k, "base_rate": base, "margin": margin, "sims": config.power_sims},
         informational=True,
     )
     return power
@@ -318,7 +323,7 @@ def _evaluate_suite(
         report.model_copy(update=dict(n_pairs=pairs.n, n_tasks=len({k[0] for k in pairs.keys}))), pairs, config
     )
     margin = sg.tolerance or 0.0
-    power = _check_power(name, pairs, margin, config, reasons)
+    power = _check_power(name, pairs, margin, config, reasons, planned_pairs, report.samples_per_task)
     report = _check_difference(report, pairs, sg, power, config, reasons, planned_clusters)
     if planned_clusters is not None:
         report = _check_stop(report, pairs, reasons)

@@ -179,8 +179,8 @@ class SuiteReport(BaseModel):
     )
     power: float | None = Field(
         default=None,
-        description="probability that an equal candidate clears the margin at these pairs and "
-        "production's rate (evals.power); None without pairs",
+        description="probability that an equal candidate clears the margin at the plan's pairs "
+        "(planned_pairs, else n_pairs) and production's rate (evals.power); None without pairs",
     )
     margin: float | None = Field(default=None, description="the non-inferiority margin the power is for")
     n_pairs: int

@@ -123,7 +123,8 @@ def gate_candidate(
         config: gate policy; default ``evals/gate.toml``.
         suites: suites to run (default: the config's gated suites; a gated suite left out fails closed).
         limit: task limit per suite (changes the suite fingerprint for both sides alike).
-        overrides: budget overrides (``max_turns``, ``max_tokens_per_turn``), both sides alike.
+        overrides: budget overrides (``max_turns``, ``max_tokens_per_turn``, ``samples_per_task``),
+            both sides alike, applied after the policy's ``samples`` (:meth:`GateConfig.plan_suite`).
         workers: concurrent sessions per run; None: the engine's default
             (:func:`evals.runner.default_workers`: 64 on a vLLM server, which batches them).
         engine_factory: ``checkpoint_id -> engine`` (tests); default the configured engine.
@@ -145,7 +146,7 @@ def gate_candidate(
     prod_out: dict[str, SuiteOutcomes] = {}
     with store.advisory_lock("gate", candidate_id):
         for name in names:
-            suite = load_suite(name).with_overrides(limit=limit, **(overrides or {}))
+            suite = config.plan_suite(load_suite(name)).with_overrides(limit=limit, **(overrides or {}))
             plan = plan_run(suite, (tasks or {}).get(name))
             runs[name] = {}
             for role, ckpt in (("production", production_id), ("candidate", candidate_id)):

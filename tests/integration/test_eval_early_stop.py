@@ -156,3 +156,24 @@ def test_a_stopped_run_is_completed_when_its_checkpoint_is_production(checkpoint
     assert prod.run_id == first.runs["functions"]["candidate"].run_id and prod.status == "succeeded"
     assert stored_run(prod.run_id) == ("succeeded", PLANNED)
     assert second.result.decision == "fail"  # base's rate against good's: a clear loss
+
+
+def test_the_gate_samples_k_times_at_the_serving_temperature_and_stops_in_whole_clusters(checkpoints, monkeypatch):
+    """``samples = 2`` in the policy: both sides run every task twice at 0.7 (the suite's own
+    decoding is greedy), the pairs cluster by template, and the candidate still stops early."""
+    policies = Policies()
+    seen: list[tuple[int, float]] = []
+
+    def sample(engine, suite, task, sample_index, work_root, run_id):
+        seen.append((suite.samples_per_task, suite.sampling.temperature))
+        return policies(engine, suite, task, sample_index, work_root, run_id)
+
+    monkeypatch.setattr(runner, "run_sample", sample)
+    config = CONFIG.model_copy(update={"suites": {"functions": SuiteGate(tolerance=0.045, min_pairs=10, samples=2)}})
+    outcome = gate_candidate("good", suites=["functions"], tasks=TASKS, engine_factory=Engine, workers=1, config=config)
+    suite = outcome.result.suites["functions"]
+    assert set(seen) == {(2, 0.7)} and policies.calls["base"] == 2 * PLANNED
+    assert outcome.result.decision == "pass" and suite.samples_per_task == 2 and suite.planned_pairs == 2 * PLANNED
+    assert suite.sequential.clusters == 30 and suite.stopped_at_pairs % 8 == 0 and policies.calls["good"] < 2 * PLANNED
+    (power,) = [r for r in outcome.result.reasons if r.check == "power"]
+    assert power.details["n"] == 2 * PLANNED and power.details["samples_per_task"] == 2
