@@ -163,7 +163,13 @@ def paired(session: Session, base: str, final: str, suite: str) -> dict:
             .order_by(EvalRun.started_at.desc())
         ).first()
         if run is None:
-            raise SystemExit(f"{ckpt} has no succeeded {suite} run")
+            stopped = session.scalars(
+                select(EvalRun.id).where(
+                    EvalRun.checkpoint_id == ckpt, EvalRun.suite == suite, EvalRun.status == "stopped"
+                )
+            ).first()
+            why = " (its gate stopped the run early: early_stop in the gate policy; the bench needs it off)"
+            raise SystemExit(f"{ckpt} has no succeeded {suite} run" + (why if stopped else ""))
         rows = session.scalars(select(EvalResult).where(EvalResult.run_id == run.id)).all()
         return run.suite_version, {(r.task_id, r.sample_index): bool(r.passed) for r in rows}
 

@@ -328,3 +328,14 @@ def test_stored_sessions_are_reused_and_the_arm_must_be_served_by_its_checkpoint
 
     with pytest.raises(ConfigurationError, match="serving production"):
         run_ab("x", "y", CONFIG, engine_for=wrong, store=tmp_path)
+
+
+def test_the_cli_refuses_an_unknown_split_or_cluster_before_serving():
+    from typer.testing import CliRunner
+
+    from ops.cli import app
+
+    for args in (["--split", "train"], ["--cluster-by", "user"]):
+        result = CliRunner().invoke(app, ["ab", "base", "final", *args, "--no-record"])
+        assert result.exit_code == 2, result.output
+        assert args[0] in result.output
