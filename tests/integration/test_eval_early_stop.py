@@ -142,14 +142,20 @@ def test_a_close_candidate_runs_the_whole_suite(checkpoints, monkeypatch):
 
 
 def test_a_stopped_run_is_completed_when_its_checkpoint_is_production(checkpoints, monkeypatch):
-    """``good`` stops early as a candidate; gated as the production side of ``close`` later, its
-    stopped run is resumed and only the samples it skipped run."""
+    """``good`` stops early as a candidate (a second gate of it reuses the stopped run and runs
+    nothing); gated as the production side of ``close`` later, its stopped run is resumed and only
+    the samples it skipped run."""
     policies = Policies()
     monkeypatch.setattr(runner, "run_sample", policies)
     first = gate("good")
     skipped = PLANNED - policies.calls["good"]
     assert skipped > 0
+    # Gated again: the stopped run is found, its stored results decide at once, nothing runs.
     policies.calls.clear()
+    again = gate("good")
+    assert policies.calls == {} and again.result.decision == "pass"
+    assert again.runs["functions"]["candidate"].run_id == first.runs["functions"]["candidate"].run_id
+    assert again.result.suites["functions"].stopped_at_pairs == first.result.suites["functions"].stopped_at_pairs
     second = gate("close", production_id="good")
     assert policies.calls["good"] == skipped
     prod = second.runs["functions"]["production"]
