@@ -13,10 +13,10 @@ One run, on a fresh embedded stack (its own ``FLYWHEEL_HOME``):
    trainer's default learning rate with the reward's sign flipped (``flywheel train --parent base
    --same-data-as C1 --invert-reward``), and the same cycle with the right sign; each gated against
    base on the same suite. The plant must fail the gate, its control must not.
-3. In distribution (``flywheel ab base FINAL``, ``ops/ab.py``): fresh requests of the production
-   request distribution whose parameters no cycle trained on (``functions`` ``test_params``), each
+3. Fresh traffic (``flywheel ab base FINAL``, ``ops/ab.py``): requests of kinds no cycle trained on
+   (``functions`` ``fresh``, the A/B's default draw) at the production request mix, each
    (task, sample) served once by base and once by the final production checkpoint and answered by
-   the same seeded simulated developer; pass rate and product signals with task-clustered 95 %
+   the same seeded simulated developer; pass rate and product signals with template-clustered 95 %
    intervals of the paired difference. Its sessions never reach the event stream.
 4. Held out: base against the final checkpoint on the held-out templates (the gates' eval runs),
    the paired difference and its one-sided 95 % lower bound (task-clustered bootstrap).
@@ -163,7 +163,13 @@ def paired(session: Session, base: str, final: str, suite: str) -> dict:
             .order_by(EvalRun.started_at.desc())
         ).first()
         if run is None:
-            raise SystemExit(f"{ckpt} has no succeeded {suite} run")
+            stopped = session.scalars(
+                select(EvalRun.id).where(
+                    EvalRun.checkpoint_id == ckpt, EvalRun.suite == suite, EvalRun.status == "stopped"
+                )
+            ).first()
+            why = " (its gate stopped the run early: early_stop in the gate policy; the bench needs it off)"
+            raise SystemExit(f"{ckpt} has no succeeded {suite} run" + (why if stopped else ""))
         rows = session.scalars(select(EvalResult).where(EvalResult.run_id == run.id)).all()
         return run.suite_version, {(r.task_id, r.sample_index): bool(r.passed) for r in rows}
 

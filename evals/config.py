@@ -119,9 +119,11 @@ class SuiteConfig(_Strict):
         max_turns: int | None = None,
         max_tokens_per_turn: int | None = None,
         samples_per_task: int | None = None,
+        temperature: float | None = None,
     ) -> "SuiteConfig":
-        """A validated copy with a task limit, fewer samples per task and/or smaller budgets (smoke
-        runs on a CPU; a gate on fewer samples than the suite was sized for has less power).
+        """A validated copy with a task limit, another number of samples per task, another sampling
+        temperature and/or smaller budgets (smoke runs on a CPU; the gate's ``samples``; a gate on
+        fewer samples than the suite was sized for has less power).
 
         ``max_tokens_per_turn`` also caps the session budget at ``max_turns * max_tokens_per_turn``.
         """
@@ -139,6 +141,8 @@ class SuiteConfig(_Strict):
             data["limit"] = limit
         if samples_per_task is not None:
             data["samples_per_task"] = samples_per_task
+        if temperature is not None:
+            data["sampling"] = {**data["sampling"], "temperature": temperature}
         return SuiteConfig.model_validate(data)
 
     def fingerprint(self, task_keys: list[str]) -> str:
@@ -230,6 +234,12 @@ class SuiteGate(_Strict):
     """When the suite's plan holds no task on both sides (e.g. ``mined`` before any task was mined)
     or neither side ran it, the suite is ``not_gated`` (reported, never a pass); otherwise an empty
     suite is insufficient evidence and a suite missing on one side fails."""
+    samples: int | None = Field(default=None, ge=1, le=64)
+    """k: samples per task the gate runs this suite at, paired by sample index and clustered with
+    their task's template (``cluster_by``). Above 1 the samples are drawn at
+    :attr:`GateConfig.serving_temperature` (greedy samples would be identical); 1 runs the suite's
+    own decoding once; None keeps the suite's ``samples_per_task`` and sampling. The power reported
+    beside each decision is for the plan's k x tasks pairs (docs/gate.md sizes k)."""
     role: Literal["guardrail", "success"] = "guardrail"
     """How the suite enters the decision (Spotify Confidence's rule, Schultzberg et al. 2024): a
     ``guardrail`` passes when its lower bound clears ``-tolerance`` (significantly non-inferior); a
@@ -303,12 +313,23 @@ class GateConfig(_Strict):
     looked at once, complete. ``sequential``: the confidence sequence (``sequence``) over clusters
     in a seeded random order (:mod:`evals.sequential`), which may decide before the last
     cluster (``stopped_at_pairs``); both are always reported."""
+    early_stop: bool = False
+    """Stop a gated suite's candidate run as soon as its confidence sequence decides (its lower bound
+    clears the threshold, or its upper bound falls below 0): the runner runs the candidate's samples
+    cluster by cluster in the sequence's seeded order against production's complete run, and the
+    gate decides the stopped run's prefix by the sequence (``stopped_at_pairs``, ``run_stopped``).
+    Needs ``decide_by = "sequential"``: the fixed-n interval read after looks along the way loses its
+    level. Off, or with sharded eval runs (``FLYWHEEL_EVAL_SHARDS`` > 1), every run is complete."""
     sequence: Literal["normal_mixture", "betting"] = "normal_mixture"
     """The confidence sequence (:mod:`evals.sequential`): ``normal_mixture``, asymptotic and tuned to
     the suite's cluster count (usable at tens of clusters); ``betting``, exact at every n and about
     three times as wide at 21 clusters."""
     sequence_burn_in: int = Field(default=10, ge=1)
     """Clusters before the normal-mixture sequence takes its first look."""
+    serving_temperature: float = Field(default=0.7, gt=0.0)
+    """Temperature of a suite's samples when its gate runs it at ``samples`` > 1: the temperature
+    production serves at (``app.inference.engine.SamplingParams`` and the simulator's default), so
+    the k samples estimate what users get."""
     power_sims: int = Field(default=20_000, ge=100, le=1_000_000)
     """Simulated tables behind each power figure (seeded with ``seed``)."""
     max_error_fraction: float = Field(default=0.0, ge=0, le=1)
@@ -327,6 +348,15 @@ class GateConfig(_Strict):
     allowance rather than noise (a guardrail test). ``point``: the observed drift is above it, which
     fails an unchanged checkpoint often on few pairs (at 20 pairs the edit rate's paired drift has a
     standard error near 10 points). ``p90_latency_s`` and ``limit`` always use the point value."""
+
+    @model_validator(mode="after")
+    def _early_stop_reads_the_sequence(self) -> "GateConfig":
+        if self.early_stop and self.decide_by != "sequential":
+            raise ValueError(
+                'early_stop needs decide_by = "sequential": a fixed-n interval read after the sequence '
+                "looked along the way is no longer at its level"
+            )
+        return self
 
     def with_min_pairs(self, min_pairs: int | None) -> "GateConfig":
         """A copy whose every suite needs ``min_pairs`` paired outcomes (smoke runs on few tasks);
@@ -351,6 +381,14 @@ class GateConfig(_Strict):
             raise ConfigurationError(f"the gate policy has no suite {', '.join(unknown)}")
         suites = {n: s.model_copy(update={"gated": n in names}) for n, s in self.suites.items()}
         return self.model_copy(update={"suites": suites})
+
+    def plan_suite(self, suite: SuiteConfig) -> SuiteConfig:
+        """The suite as the gate runs it: at this policy's ``samples`` for it (sampled at
+        ``serving_temperature`` when above 1), else unchanged."""
+        k = self.suites.get(suite.name, SuiteGate()).samples
+        if k is None:
+            return suite
+        return suite.with_overrides(samples_per_task=k, temperature=self.serving_temperature if k > 1 else None)
 
     def gated_suites(self) -> list[str]:
         """Names of the suites that decide the gate, sorted."""

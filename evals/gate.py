@@ -19,7 +19,9 @@ interval, which keeps its coverage at small n and rates near 0 or 1; where a clu
 and the cluster bootstrap (:func:`app.core.intervals.paired_bootstrap_interval`). Beside it every
 suite reports the anytime-valid betting confidence sequence over its clusters
 (:mod:`evals.sequential`) and where it stopped; ``decide_by = "sequential"`` makes that the
-deciding bound. The parts live in :mod:`evals.gate_checks`, the data models in
+deciding bound. A candidate run that stopped early (``early_stop``) is read as the prefix of its
+clusters in the sequence's order (:func:`evals.gate_checks.stopped_prefix`) and accepted only where
+the sequence, recomputed here, decides within it (``stopped_early``). The parts live in :mod:`evals.gate_checks`, the data models in
 :mod:`evals.gate_models`; the names tests and reports use are re-exported here.
 """
 
@@ -44,6 +46,7 @@ from evals.gate_checks import (
     interval_verdict,
     pair_outcomes,
     sequential_report,
+    stopped_prefix,
 )
 from evals.gate_models import (
     Decision,
@@ -104,12 +107,17 @@ def _empty_report(name: str, gated: bool, version: str | None, config: GateConfi
     )
 
 
-def _check_power(name: str, pairs: Pairs, margin: float, config: GateConfig, reasons: Reasons) -> float:
+def _check_power(
+    name: str, pairs: Pairs, margin: float, config: GateConfig, reasons: Reasons, planned: int | None, k: int
+) -> float:
     """The power figure (:mod:`evals.power`), an informational reason: it sizes the suite and says
-    whether an interval below the margin is a failure, and never withholds a pass."""
+    whether an interval below the margin is a failure, and never withholds a pass. It is the plan's
+    power: at its ``planned`` pairs (k samples x tasks; the pairs that ran where the plan is not
+    known), at production's observed rate."""
     base = sum(o.passed for o in pairs.production) / pairs.n
+    n = max(pairs.n, planned or 0)
     power = non_inferiority_power(
-        pairs.n,
+        n,
         base,
         margin,
         confidence=config.confidence,
@@ -121,25 +129,32 @@ def _check_power(name: str, pairs: Pairs, margin: float, config: GateConfig, rea
     reasons.add(
         "power",
         powered,
-        f"{name}: power {power:.2f} to tell an equal candidate from one {margin:.1%} worse at {pairs.n} pairs and "
-        f"production's {base:.1%} (design {config.min_power:.2f}"
+        f"{name}: power {power:.2f} to tell an equal candidate from one {margin:.1%} worse at {n} pairs "
+        f"({k} sample{'s' if k > 1 else ''} a task) and production's {base:.1%} (design {config.min_power:.2f}"
         + ("" if powered else "; an interval below the margin is insufficient evidence, not a failure")
         + ")",
         metric="power",
         value=power,
         bound=config.min_power,
-        details={"n": pairs.n, "base_rate": base, "margin": margin, "sims": config.power_sims},
+        details={"n": n, "samples_per_task": k, "base_rate": base, "margin": margin, "sims": config.power_sims},
         informational=True,
     )
     return power
 
 
 def _check_difference(
-    report: SuiteReport, pairs: Pairs, sg: SuiteGate, power: float, config: GateConfig, reasons: Reasons
+    report: SuiteReport,
+    pairs: Pairs,
+    sg: SuiteGate,
+    power: float,
+    config: GateConfig,
+    reasons: Reasons,
+    planned_clusters: list[str] | None = None,
 ) -> SuiteReport:
     """The deciding comparison: the fixed-n interval and the confidence sequence against the
     suite's threshold, one reason (``non_inferiority`` for a guardrail, ``superiority`` for a
-    success suite) read from the bounds ``decide_by`` names."""
+    success suite) read from the bounds ``decide_by`` names. ``planned_clusters``: the plan's
+    clusters when the run stopped early (the sequence's order and tuning come from them)."""
     name, guardrail, margin = report.suite, sg.role == "guardrail", sg.tolerance or 0.0
     threshold = -margin if guardrail else 0.0
     c_out, p_out, n = pairs.candidate, pairs.production, pairs.n
@@ -148,7 +163,9 @@ def _check_difference(
     both = sum(x.passed and y.passed for x, y in zip(c_out, p_out))
     clusters = cluster_ids(pairs, config)
     lo, hi = difference_interval(name, pairs, clusters, (both, b, c, n - both - b - c), config)
-    seq = sequential_report(name, pairs, clusters, threshold, config, guardrail=guardrail)
+    seq = sequential_report(
+        name, pairs, clusters, threshold, config, guardrail=guardrail, planned_clusters=planned_clusters
+    )
     powered = power >= config.min_power
     if config.decide_by == "sequential":
         verdict, low, high, stopped = seq.decision, seq.low, seq.high, seq.stopped_at_pairs
@@ -165,6 +182,8 @@ def _check_difference(
     diff = report.candidate_sampling.pass_at_k["1"] - report.production_sampling.pass_at_k["1"]
     side = "two-sided" if config.two_sided else "one-sided"
     stop = "" if seq.stopped_at_pairs is None else f" at {seq.stopped_at_pairs} pairs"
+    if planned_clusters is not None:
+        stop += f" (the run stopped there: {seq.stopped_at_clusters} of {seq.clusters} clusters)"
     why = {"pass": "", "fail": "", "insufficient_evidence": "; the bounds cannot decide: insufficient evidence"}
     reasons.add(
         "non_inferiority" if guardrail else "superiority",
@@ -206,6 +225,27 @@ def _check_difference(
             production_only=c,
         )
     )
+
+
+def _check_stop(report: SuiteReport, pairs: Pairs, reasons: Reasons) -> SuiteReport:
+    """A run that stopped early is accepted only where the confidence sequence, recomputed here from
+    the stored outcomes, decides within the clusters it ran; otherwise its missing pairs fail
+    closed (a rerun of the gate resumes the run and completes it)."""
+    seq = report.sequential
+    decided = seq is not None and seq.stopped_at_pairs is not None
+    reasons.add(
+        "stopped_early",
+        decided,
+        f"{report.suite}: the candidate's run stopped after {pairs.n} pairs; "
+        + (
+            f"the confidence sequence decides at {seq.stopped_at_pairs} of them ({seq.decision})"
+            if decided
+            else "the confidence sequence does not decide there, so the unrun pairs count as missing"
+        ),
+        value=float(pairs.n),
+        details={"stopped_at_clusters": None if seq is None else seq.stopped_at_clusters},
+    )
+    return report.model_copy(update=dict(run_stopped=True))
 
 
 def _check_floor(name: str, pairs: Pairs, floor: float, reasons: Reasons) -> None:
@@ -259,6 +299,10 @@ def _evaluate_suite(
             "missing_suite", False, f"{name}: no results for {' and '.join(missing)}", details={"missing": missing}
         )
         return _empty_report(name, gated, None, config, role=sg.role), reasons.items
+    planned_pairs = len(cand.planned) if cand.planned is not None else None
+    planned_clusters = None
+    if (cand.stopped or prod.stopped) and config.early_stop and cand.planned is not None:
+        cand, prod, planned_clusters = stopped_prefix(name, cand, prod, config)
     pairs = pair_outcomes(cand, prod, config, reasons)
     if pairs.empty and sg.allow_empty and not reasons.items:
         reasons.add("empty_suite", True, f"{name}: the suite holds no task on either side (allowed): not gated")
@@ -279,8 +323,11 @@ def _evaluate_suite(
         report.model_copy(update=dict(n_pairs=pairs.n, n_tasks=len({k[0] for k in pairs.keys}))), pairs, config
     )
     margin = sg.tolerance or 0.0
-    power = _check_power(name, pairs, margin, config, reasons)
-    report = _check_difference(report, pairs, sg, power, config, reasons)
+    power = _check_power(name, pairs, margin, config, reasons, planned_pairs, report.samples_per_task)
+    report = _check_difference(report, pairs, sg, power, config, reasons, planned_clusters)
+    if planned_clusters is not None:
+        report = _check_stop(report, pairs, reasons)
+    report = report.model_copy(update=dict(planned_pairs=planned_pairs))
     _check_floor(name, pairs, sg.floor, reasons)
     monitors = check_monitors(name, pairs, config, reasons)
     return report.model_copy(update=dict(power=power, margin=margin, monitors=monitors)), reasons.items

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import zlib
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -105,12 +105,54 @@ def pair_outcomes(cand: SuiteOutcomes, prod: SuiteOutcomes, config: GateConfig, 
     return pairs
 
 
+def cluster_of(task_id: str, config: GateConfig) -> str:
+    """A task's cluster: its template under ``cluster_by = "template"`` where the task has one
+    (``evals.tasks.functions.template_of``), else the task itself."""
+    return task_id if config.cluster_by == "task" else template_of(task_id) or task_id
+
+
 def cluster_ids(pairs: Pairs, config: GateConfig) -> list[str]:
-    """Each pair's cluster: its task's template under ``cluster_by = "template"`` where the task has
-    one (``evals.tasks.functions.template_of``), else its task."""
-    if config.cluster_by == "task":
-        return [k[0] for k in pairs.keys]
-    return [template_of(k[0]) or k[0] for k in pairs.keys]
+    """Each pair's cluster (:func:`cluster_of`)."""
+    return [cluster_of(k[0], config) for k in pairs.keys]
+
+
+def stopped_prefix(
+    name: str, cand: SuiteOutcomes, prod: SuiteOutcomes, config: GateConfig
+) -> tuple[SuiteOutcomes, SuiteOutcomes, list[str]]:
+    """The part of a run that stopped early (``early_stop``) that the confidence sequence may read:
+    the clusters of the candidate's plan in :func:`sequence_order`, up to the first one whose
+    planned keys are not all present on both sides.
+
+    Args:
+        name: the suite.
+        cand: the candidate's outcomes; its ``planned`` keys define the clusters.
+        prod: production's outcomes on the same plan.
+        config: the gate policy (``cluster_by``, ``seed``).
+
+    Returns:
+        ``(candidate, production, planned_clusters)``: both sides with outcomes and ``planned``
+        restricted to that prefix (results stored after the stop, beyond it, are dropped), and every
+        cluster of the plan (the sequence is tuned to their count and looks in their order).
+    """
+    planned = list(cand.planned or [])
+    members: dict[str, list[Key]] = defaultdict(list)
+    for key in planned:
+        members[cluster_of(key[0], config)].append(key)
+    have_c, have_p = {o.key for o in cand.outcomes}, {o.key for o in prod.outcomes}
+    keep: set[Key] = set()
+    for cluster in sequence_order(name, set(members), config):
+        if not all(k in have_c and k in have_p for k in members[cluster]):
+            break
+        keep.update(members[cluster])
+
+    def restrict(side: SuiteOutcomes) -> SuiteOutcomes:
+        return replace(
+            side,
+            outcomes=[o for o in side.outcomes if o.key in keep],
+            planned=[k for k in planned if k in keep],
+        )
+
+    return restrict(cand), restrict(prod), sorted(members)
 
 
 def _seed(config: GateConfig, name: str, *more: str) -> np.random.SeedSequence:
@@ -164,38 +206,79 @@ def sequence_order(name: str, clusters: set[str], config: GateConfig) -> list[st
     return [names[i] for i in np.random.default_rng(_seed(config, name, "sequence")).permutation(len(names))]
 
 
-def sequential_report(
-    name: str, pairs: Pairs, clusters: list[str], threshold: float, config: GateConfig, *, guardrail: bool
+def sequence_verdict(
+    means: np.ndarray, sizes: np.ndarray, planned: int, threshold: float, config: GateConfig, *, guardrail: bool
 ) -> SequentialReport:
-    """The confidence sequence (``config.sequence``) over clusters in a seeded random order (one
-    look after each), stopped at the first look where its bounds pass or fail the suite. A run that ends
-    without a decision is insufficient evidence: with looks at every cluster, "the margin is within
-    the sequence at the end" carries no power argument."""
-    by: dict[str, list[int]] = defaultdict(list)
-    for cluster, d in zip(clusters, pairs.differences()):
-        by[cluster].append(d)
-    names = sequence_order(name, set(by), config)
-    means = np.array([np.mean(by[c]) for c in names])
-    sizes = np.cumsum([len(by[c]) for c in names])
+    """The confidence sequence (``config.sequence``) over cluster means in look order, stopped at
+    the first look where its bounds pass or fail the suite (:func:`interval_verdict`, no power rule:
+    with looks at every cluster, "the margin is within the sequence" carries no power argument).
+
+    Args:
+        means: float ``[t]``, each looked-at cluster's mean paired difference (candidate -
+            production pass indicator), in look order; ``t`` may be less than ``planned`` (a run
+            still going, or one that stopped).
+        sizes: int ``[t]``, pairs in each of those clusters.
+        planned: clusters in the plan (``t*`` of the normal mixture; the report's ``clusters``).
+        threshold: ``-margin`` for a guardrail, 0 for a success suite.
+        config: ``sequence``, ``sequence_burn_in``, ``confidence``, ``two_sided``.
+        guardrail: whether a lower bound at or below the threshold with the upper bound above 0
+            stays undecided (it does either way without power).
+
+    Returns:
+        A :class:`SequentialReport`; ``insufficient_evidence`` with ``stopped_at_pairs`` None when
+        no look decided (or nothing was looked at).
+    """
     alpha = (1 - config.confidence) / (2 if config.two_sided else 1)
+    if len(means) == 0:
+        return SequentialReport(low=-1.0, high=1.0, clusters=planned, decision="insufficient_evidence")
     if config.sequence == "betting":
         cs = betting_confidence_sequence(means, alpha)
     else:
-        cs = normal_mixture_confidence_sequence(means, len(means), alpha, config.sequence_burn_in)
+        cs = normal_mixture_confidence_sequence(means, max(planned, 1), alpha, config.sequence_burn_in)
+    cumulative = np.cumsum(sizes)
     for t, (low, high) in enumerate(zip(cs.low, cs.high)):
         verdict = interval_verdict(float(low), float(high), threshold, guardrail=guardrail, powered=False)
         if verdict != "insufficient_evidence":
             return SequentialReport(
                 low=float(low),
                 high=float(high),
-                clusters=len(names),
+                clusters=planned,
                 stopped_at_clusters=t + 1,
-                stopped_at_pairs=int(sizes[t]),
+                stopped_at_pairs=int(cumulative[t]),
                 decision=verdict,
             )
     return SequentialReport(
-        low=float(cs.low[-1]), high=float(cs.high[-1]), clusters=len(names), decision="insufficient_evidence"
+        low=float(cs.low[-1]), high=float(cs.high[-1]), clusters=planned, decision="insufficient_evidence"
     )
+
+
+def sequential_report(
+    name: str,
+    pairs: Pairs,
+    clusters: list[str],
+    threshold: float,
+    config: GateConfig,
+    *,
+    guardrail: bool,
+    planned_clusters: list[str] | None = None,
+) -> SequentialReport:
+    """The confidence sequence over the suite's clusters in a seeded random order
+    (:func:`sequence_order`, one look after each; :func:`sequence_verdict`). ``planned_clusters``
+    (a run that stopped early, :func:`stopped_prefix`) are the plan's clusters: the order and the
+    tuning come from them, and the looks end at the first one without pairs. A run that ends
+    without a decision is insufficient evidence."""
+    by: dict[str, list[int]] = defaultdict(list)
+    for cluster, d in zip(clusters, pairs.differences()):
+        by[cluster].append(d)
+    order = sequence_order(name, set(planned_clusters) if planned_clusters is not None else set(by), config)
+    looked = []
+    for cluster in order:
+        if cluster not in by:
+            break
+        looked.append(cluster)
+    means = np.array([np.mean(by[c]) for c in looked], dtype=np.float64)
+    sizes = np.array([len(by[c]) for c in looked], dtype=np.int64)
+    return sequence_verdict(means, sizes, len(order), threshold, config, guardrail=guardrail)
 
 
 def check_monitors(name: str, pairs: Pairs, config: GateConfig, reasons: Reasons) -> list[MonitorReport]:

@@ -47,7 +47,9 @@ class Outcome:
 @dataclass(frozen=True)
 class SuiteOutcomes:
     """A checkpoint's outcomes on one suite. ``planned`` are the keys the run set out to produce
-    (None: whatever is in ``outcomes`` was the plan)."""
+    (None: whatever is in ``outcomes`` was the plan); ``stopped``: the run stopped early because
+    its confidence sequence decided (``eval_run.status = 'stopped'``, ``GateConfig.early_stop``),
+    so only a prefix of its clusters was run."""
 
     suite: str
     suite_version: str
@@ -56,6 +58,7 @@ class SuiteOutcomes:
     run_id: str | None = None
     checkpoint_id: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    stopped: bool = False
 
 
 class GateReason(BaseModel):
@@ -64,7 +67,7 @@ class GateReason(BaseModel):
     check: str = Field(
         description="missing_suite | version_mismatch | missing_results | unpaired | errors | "
         "too_few_pairs | power | non_inferiority | superiority | floor | monitor | empty_suite | "
-        "no_gated_suites"
+        "stopped_early | no_gated_suites"
     )
     suite: str | None = None
     gated: bool = True
@@ -167,10 +170,17 @@ class SuiteReport(BaseModel):
         description="pairs at which the deciding bounds decided: where the confidence sequence stopped "
         "under decide_by = sequential, else all pairs; None without a decision",
     )
+    run_stopped: bool = Field(
+        default=False,
+        description="the candidate's run stopped there (early_stop): the rest of the plan never ran",
+    )
+    planned_pairs: int | None = Field(
+        default=None, description="pairs the plan holds (more than n_pairs when the run stopped early)"
+    )
     power: float | None = Field(
         default=None,
-        description="probability that an equal candidate clears the margin at these pairs and "
-        "production's rate (evals.power); None without pairs",
+        description="probability that an equal candidate clears the margin at the plan's pairs "
+        "(planned_pairs, else n_pairs) and production's rate (evals.power); None without pairs",
     )
     margin: float | None = Field(default=None, description="the non-inferiority margin the power is for")
     n_pairs: int
@@ -208,8 +218,8 @@ class GateResult(BaseModel):
 
     def decisions(self) -> dict[str, Any]:
         """The decision in brief, for a bench's JSON: ``{"decision": str, "suites": {name:
-        {"decision", "gated", "role", "decided_by", "power", "stopped_at_pairs", "n_pairs", "diff",
-        "low", "high", "sequence"}}}``: ``low``/``high`` the fixed-n interval, ``sequence`` the
+        {"decision", "gated", "role", "decided_by", "power", "stopped_at_pairs", "run_stopped",
+        "n_pairs", "planned_pairs", "diff", "low", "high", "sequence"}}}``: ``low``/``high`` the fixed-n interval, ``sequence`` the
         confidence sequence's ``[low, high]`` where it stopped (differences as pass-rate fractions;
         None without pairs)."""
         return {
@@ -222,7 +232,9 @@ class GateResult(BaseModel):
                     "decided_by": s.decided_by,
                     "power": s.power,
                     "stopped_at_pairs": s.stopped_at_pairs,
+                    "run_stopped": s.run_stopped,
                     "n_pairs": s.n_pairs,
+                    "planned_pairs": s.planned_pairs,
                     "diff": s.diff,
                     "low": s.diff_low,
                     "high": s.diff_high,

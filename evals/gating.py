@@ -12,6 +12,9 @@ Invariants:
   points at a missing report. ``insufficient_evidence`` and ``not_gated`` leave the checkpoint
   ``gate_failed`` with that ``decision`` (promotable only with a written override).
 - One gate per candidate at a time (advisory lock).
+- Under ``early_stop`` a gated suite's candidate run may stop once its confidence sequence decides
+  (:mod:`evals.early_stop`); production's run of the plan is always complete (it is reused), and
+  the gate re-derives the stop from the stored outcomes rather than trusting the runner.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from app.models import EvalRun
 from app.repositories.checkpoints import get_checkpoint, get_production
 from evals import store
 from evals.config import GateConfig, load_gate_config, load_suite
+from evals.early_stop import SequentialStop
 from evals.gate import GateResult, SuiteOutcomes, decide_gate
 from evals.report import write_report
 from evals.runner import RunSummary, plan_run, run_suite
@@ -73,6 +77,29 @@ def _resolve(candidate_id: str, production_id: str | None) -> str:
     return production_id
 
 
+def _early_stop(
+    name: str,
+    planned: list[tuple[str, int]],
+    production: RunSummary | None,
+    config: GateConfig,
+    run_kwargs: dict[str, Any] | None,
+) -> SequentialStop | None:
+    """The stop rule of a gated suite's candidate run under ``early_stop``, against production's
+    complete run of the plan; None where the policy does not stop early, the suite is not gated,
+    production's run is not complete, or another executor (shards) runs the samples."""
+    if (
+        not config.early_stop
+        or name not in config.gated_suites()
+        or production is None
+        or production.status != "succeeded"
+        or (run_kwargs or {}).get("execute") is not None
+    ):
+        return None
+    with session_scope() as session:
+        outs = store.outcomes(session, session.get(EvalRun, uuid.UUID(production.run_id))).outcomes
+    return SequentialStop(name, planned, {o.key: o.passed for o in outs}, config)
+
+
 @traced("evals.gate", attrs=("candidate_id", "production_id"))
 def gate_candidate(
     candidate_id: str,
@@ -96,7 +123,8 @@ def gate_candidate(
         config: gate policy; default ``evals/gate.toml``.
         suites: suites to run (default: the config's gated suites; a gated suite left out fails closed).
         limit: task limit per suite (changes the suite fingerprint for both sides alike).
-        overrides: budget overrides (``max_turns``, ``max_tokens_per_turn``), both sides alike.
+        overrides: budget overrides (``max_turns``, ``max_tokens_per_turn``, ``samples_per_task``),
+            both sides alike, applied after the policy's ``samples`` (:meth:`GateConfig.plan_suite`).
         workers: concurrent sessions per run; None: the engine's default
             (:func:`evals.runner.default_workers`: 64 on a vLLM server, which batches them).
         engine_factory: ``checkpoint_id -> engine`` (tests); default the configured engine.
@@ -118,16 +146,18 @@ def gate_candidate(
     prod_out: dict[str, SuiteOutcomes] = {}
     with store.advisory_lock("gate", candidate_id):
         for name in names:
-            suite = load_suite(name).with_overrides(limit=limit, **(overrides or {}))
+            suite = config.plan_suite(load_suite(name)).with_overrides(limit=limit, **(overrides or {}))
             plan = plan_run(suite, (tasks or {}).get(name))
             runs[name] = {}
             for role, ckpt in (("production", production_id), ("candidate", candidate_id)):
+                stop = _early_stop(name, plan.planned, runs[name].get("production"), config, run_kwargs)
                 summary = run_suite(
                     ckpt,
                     plan.suite,
                     tasks=plan.tasks,
                     workers=workers,
                     engine=engine_factory(ckpt) if engine_factory else None,
+                    early_stop=stop if role == "candidate" else None,
                     **(run_kwargs or {}),
                 )
                 runs[name][role] = summary

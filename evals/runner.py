@@ -14,6 +14,9 @@ Invariants:
   process runs the remaining samples on a thread pool (:func:`execute_samples`), or hands them to
   another executor such as :class:`evals.shards.ShardedExecution` (Celery workers); either way the
   summary is computed from the stored results alone.
+- A run given the gate's stop rule (``early_stop``, :mod:`evals.early_stop`) runs its samples in
+  the rule's cluster order and ends ``stopped`` when the rule decides; a later run of the same plan
+  resumes a ``stopped`` run like a ``failed`` one.
 """
 
 from __future__ import annotations
@@ -49,6 +52,7 @@ from serving.openai_engine import OpenAICompatEngine
 
 if TYPE_CHECKING:
     from app.inference.engine import InferenceEngine
+    from evals.early_stop import SequentialStop
     from evals.tasks.model import Task
 
 ResultCallback = Callable[[str, int, dict[str, Any]], None]
@@ -67,6 +71,16 @@ SampleExecutor = Callable[
 """Runs a run's remaining (task, sample) pairs and stores their results:
 ``(run_id, plan, todo, checkpoint_id, workers, engine, on_result) -> errors``
 (:func:`execute_samples`, :class:`evals.shards.ShardedExecution`)."""
+
+
+class EarlyStopped(Exception):
+    """Raised by an ``on_result`` callback to end a run early: :func:`execute_samples` submits
+    nothing more, cancels what has not started and stores what is already running."""
+
+
+RESUMABLE = ("running", "failed", "stopped")
+"""Statuses of a run that a later :func:`run_suite` of the same plan resumes, in preference order
+(``stopped``: an early-stopped candidate run, completed when the checkpoint is later production)."""
 
 
 @dataclass
@@ -113,6 +127,8 @@ class RunSummary:
     """Unbiased pass@k (Chen et al. 2021, eq. 1) by k ("1" and str(samples_per_task))."""
     best_of_k: float | None = None
     """Share of tasks with at least one passing sample of ``samples_per_task`` (evals.passk)."""
+    stopped_at_pairs: int | None = None
+    """Where an early-stopped run's confidence sequence decided (status ``stopped``); else None."""
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -250,6 +266,7 @@ def _summary_fields(s: dict[str, Any]) -> dict[str, Any]:
         "samples_per_task": s.get("samples_per_task", 1),
         "pass_at_k": s.get("pass_at_k", {}),
         "best_of_k": s.get("best_of_k"),
+        "stopped_at_pairs": (s.get("stopped") or {}).get("stopped_at_pairs"),
     }
 
 
@@ -266,6 +283,7 @@ def run_suite(
     on_result: ResultCallback | None = None,
     on_plan: Callable[[RunPlan, int], None] | None = None,
     execute: SampleExecutor | None = None,
+    early_stop: "SequentialStop | None" = None,
 ) -> RunSummary:
     """Run (or resume, or reuse) ``suite`` against ``checkpoint_id``.
 
@@ -284,13 +302,21 @@ def run_suite(
         on_plan: called once with the plan and the number of samples still to run.
         execute: runs the remaining samples (default :func:`execute_samples`, a thread pool here;
             :class:`evals.shards.ShardedExecution` spreads them over Celery workers).
+        early_stop: the gate's stop rule for this run (:class:`evals.early_stop.SequentialStop`):
+            samples run cluster by cluster in its look order, results already stored (a resumed
+            run) are looked at first, and the run ends ``stopped`` as soon as it decides (the
+            in-process executor only).
 
     Returns:
-        A :class:`RunSummary`; ``cached`` when an existing succeeded run was reused.
+        A :class:`RunSummary`; ``cached`` when an existing succeeded run was reused;
+        ``status = "stopped"`` with ``stopped_at_pairs`` when ``early_stop`` ended it.
 
     Raises:
         NotFoundError: unknown checkpoint. ConflictError: the same run is active elsewhere.
+        ConfigurationError: ``early_stop`` with another executor.
     """
+    if early_stop is not None and execute is not None:
+        raise ConfigurationError("an early stop runs in-process; a sharded run goes to the end")
     t0 = time.perf_counter()
     suite = load_suite(suite) if isinstance(suite, str) else suite
     plan = plan_run(suite.with_limit(limit), tasks)
@@ -315,33 +341,62 @@ def run_suite(
                     elapsed_s=time.perf_counter() - t0,
                     **_summary_fields(done_run.summary),
                 )
-            run = store.find_run(
-                session, checkpoint_id, plan.suite.name, plan.suite_version, status="running"
-            ) or store.find_run(session, checkpoint_id, plan.suite.name, plan.suite_version, status="failed")
+            run = next(
+                filter(
+                    None,
+                    (
+                        store.find_run(session, checkpoint_id, plan.suite.name, plan.suite_version, status=status)
+                        for status in RESUMABLE
+                    ),
+                ),
+                None,
+            )
             if run is None:
                 run = store.create_run(session, checkpoint_id, plan.suite.name, plan.suite_version, plan.config_json())
             run.status = "running"
             done = store.done_keys(session, run.id)
+            stored = store.outcomes(session, run).outcomes if early_stop is not None and done else []
         todo = [(t, s) for t in plan.tasks for s in range(plan.suite.samples_per_task) if (t.id, s) not in done]
+        if early_stop is not None:
+            for o in stored:
+                early_stop.observe(o.task_id, o.sample_index, o.passed)
+            todo = [] if early_stop.decided else early_stop.sort(todo)
+            on_result = _stopping(on_result, early_stop)
         if on_plan is not None:
             on_plan(plan, len(todo))
         errors = (execute or execute_samples)(run.id, plan, todo, checkpoint_id, workers, engine, on_result)
         summary = {**_summarize(run, plan, errors), "trace": span_reference()}  # the gate links to this run
         complete = summary["done"] == len(plan.planned)
+        status = "succeeded" if complete else "failed"
+        if not complete and early_stop is not None and early_stop.decided and not errors:
+            status, summary["stopped"] = "stopped", early_stop.summary()
         with session_scope() as session:
-            store.finish_run(session, session.merge(run), "succeeded" if complete else "failed", summary)
+            store.finish_run(session, session.merge(run), status, summary)
     return RunSummary(
         run_id=str(run.id),
         checkpoint_id=checkpoint_id,
         suite=plan.suite.name,
         suite_version=plan.suite_version,
-        status="succeeded" if complete else "failed",
+        status=status,
         ran=len(todo),
         reused=len(done),
         errors=errors,
         elapsed_s=time.perf_counter() - t0,
         **_summary_fields(summary),
     )
+
+
+def _stopping(on_result: ResultCallback | None, early_stop: "SequentialStop") -> ResultCallback:
+    """``on_result`` followed by a look of the stop rule, which raises :class:`EarlyStopped` once it
+    has decided."""
+
+    def call(task_id: str, sample: int, fields: dict[str, Any]) -> None:
+        if on_result is not None:
+            on_result(task_id, sample, fields)
+        if early_stop.observe(task_id, sample, bool(fields["passed"])):
+            raise EarlyStopped(f"{task_id}#{sample}")
+
+    return call
 
 
 def execute_samples(
@@ -364,7 +419,8 @@ def execute_samples(
         engine: an engine serving the checkpoint; None: :func:`eval_engine`, built here only if
             ``todo`` is not empty, and closed here.
         on_result: called in this thread after each stored result; an exception it raises stops
-            the run after the samples in flight.
+            the run after the samples in flight; :class:`EarlyStopped` stops it sooner: samples not
+            yet started are cancelled, the running ones stored (without further calls).
 
     Returns:
         One ``"task#sample: Error: message"`` line per sample whose session raised (not stored).
@@ -385,13 +441,16 @@ def execute_samples(
             queue = list(todo)
             # Submit lazily (at most 2 x workers in flight) so an interrupted run leaves little
             # half-done work and results land in plan order.
-            while queue or pending:
-                while queue and len(pending) < 2 * max(1, workers):
+            stopped = False
+            while (queue and not stopped) or pending:
+                while queue and not stopped and len(pending) < 2 * max(1, workers):
                     task, s = queue.pop(0)
                     pending[pool.submit(run_sample, engine, plan.suite, task, s, work_root, str(run_id))] = (task.id, s)
                 finished, _ = wait(pending, return_when=FIRST_COMPLETED)
                 for fut in finished:
                     task_id, s = pending.pop(fut)
+                    if fut.cancelled():
+                        continue
                     exc = fut.exception()
                     if exc is not None:
                         errors.append(f"{task_id}#{s}: {type(exc).__name__}: {exc}")
@@ -399,8 +458,13 @@ def execute_samples(
                     fields = fut.result()
                     with session_scope() as session:
                         store.add_result(session, run_id, task_id, s, **fields)
-                    if on_result is not None:
-                        on_result(task_id, s, fields)
+                    if on_result is not None and not stopped:
+                        try:
+                            on_result(task_id, s, fields)
+                        except EarlyStopped:
+                            stopped = True
+                            for other in pending:
+                                other.cancel()  # only those not started; the running ones are stored
     finally:
         if own_engine and engine is not None:
             engine.close()

@@ -1,7 +1,8 @@
 """DB access for eval runs, their shards, per-task results and gate decisions (flush, never commit).
 
 Invariants: at most one ``running`` eval_run per (checkpoint, suite, suite version) is resumed
-(:func:`find_run`); a result is written once per (run, task, sample) (``ON CONFLICT DO NOTHING``), so
+(:func:`find_run`; ``stopped`` marks a run that its gate's confidence sequence ended early,
+resumed like ``running`` and ``failed`` by a later run of the plan); a result is written once per (run, task, sample) (``ON CONFLICT DO NOTHING``), so
 a resumed or duplicated worker cannot double-count; a shard is claimed by one worker at a time
 (``pending`` -> ``running`` under a row lock, ``attempts`` bumped as the claim's fencing token);
 a gate decision, the checkpoint's new status and its ``gate.decided`` outbox row are written by
@@ -135,6 +136,7 @@ def outcomes(session: Session, run: EvalRun) -> SuiteOutcomes:
         planned=planned,
         run_id=str(run.id),
         checkpoint_id=run.checkpoint_id,
+        stopped=run.status == "stopped",
     )
 
 

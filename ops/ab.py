@@ -1,9 +1,12 @@
 """Paired A/B on fresh production traffic: two checkpoints serve the same requests, simulated developers answer.
 
-The requests follow the production request distribution, the simulator's: training templates of
-``functions`` chosen with its difficulty mix (:func:`ops.simulator.choose_tasks`), but with
-parameters no training cycle used (the ``test_params`` split, whose every task fails each training
-variant's reference, ``evals.tasks.functions``). Each of ``tasks x samples`` (task, sample) pairs is
+The requests are fresh traffic at the production request mix: by default the ``fresh`` split of
+``functions`` (:mod:`evals.tasks.functions_fresh`: kinds of request in every family that were neither
+trained on nor held out for the gate, no reference within a few tokens of a trained one), drawn
+with the production mix of difficulty levels (:data:`ops.simulator.PRODUCTION_MIX`,
+:func:`ops.simulator.choose_tasks`). ``split = "test_params"`` is the older draw: training templates
+with parameters no training cycle used (every task fails each training variant's reference, yet
+most are a one- or two-token edit of a trained request). Each of ``tasks x samples`` (task, sample) pairs is
 served once by each arm through the product harness (:func:`evals.harness.agent.run_agent_session`,
 the simulator's) at the serving temperature, on the EVAL engine (:func:`evals.runner.eval_engine`:
 with vLLM the eval server, so production's server is never touched), with serving latency as the
@@ -22,7 +25,8 @@ Invariants:
   with the same settings (a prefix of the same task draw) reuses them.
 
 Every metric is a ratio over sessions (:data:`METRICS`); the paired difference of each has a
-task-clustered delta-method interval (:func:`app.core.intervals.paired_ratio_diff_interval`).
+delta-method interval clustered by template (``cluster_by``; tasks of one template are not
+independent) or by task (:func:`app.core.intervals.paired_ratio_diff_interval`).
 """
 
 from __future__ import annotations
@@ -38,7 +42,7 @@ from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -50,13 +54,16 @@ from evals.harness.agent import AgentBudget, run_agent_session
 from evals.harness.sandbox import SandboxLimits
 from evals.runner import default_workers, eval_engine, task_hash
 from evals.tasks import load_tasks
+from evals.tasks.functions import template_of
 from evals.tasks.model import Task
 from ops.developer import DeveloperModel, DeveloperReaction
-from ops.simulator import ModelledLatency, SimulatorConfig, choose_tasks
+from ops.simulator import PRODUCTION_MIX, ModelledLatency, SimulatorConfig, choose_tasks
 from producers.events.types import EditPersistenceMeasuredEvent, EventBase, FollowupSentEvent
 
 SOURCE = "functions"
-SPLIT = "test_params"  # parameters of the training templates that no training variant has
+SPLITS = ("fresh", "test_params")
+"""Splits an A/B may draw: ``fresh`` (new kinds of request, the default) or ``test_params`` (unseen
+parameters of the training templates)."""
 
 Key = tuple[str, int]
 
@@ -66,13 +73,20 @@ class ABConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
+    split: Literal["fresh", "test_params"] = "fresh"
+    """Where the requests come from (:data:`SPLITS`): ``fresh``, kinds of request never trained on
+    nor held out; ``test_params``, the older draw of unseen parameters of the training templates."""
     tasks: int | None = Field(default=None, ge=2)
     """Distinct tasks drawn with the mix (None: every task of the split at the mix's levels)."""
     samples: int = Field(default=4, ge=1, le=64)
     """Sessions per task and arm (independent samples at ``temperature``)."""
-    difficulty_mix: dict[int, float] | None = None
+    difficulty_mix: dict[int, float] | None = Field(default_factory=lambda: dict(PRODUCTION_MIX))
     """Relative weight of each difficulty level when drawing tasks, as the simulator's
-    ``difficulty_mix``; None: every level alike."""
+    ``difficulty_mix``; default the production mix (:data:`ops.simulator.PRODUCTION_MIX`); None:
+    every level alike."""
+    cluster_by: Literal["template", "task"] = "template"
+    """The unit the intervals resample: the task's template (``evals.tasks.functions.template_of``),
+    or the task (its samples only)."""
     max_turns: int = Field(default=6, ge=1)
     """Model turns per session."""
     max_tokens: int = Field(default=1024, ge=16)
@@ -99,8 +113,10 @@ class ABConfig(BaseModel):
     def fingerprint(self) -> str:
         """12 hex over what shapes one session (budgets, sampling, developer, seed), not over which
         tasks or how many samples: a smaller A/B with the same settings reuses stored sessions."""
-        shaping = self.model_dump(mode="json", exclude={"tasks", "samples", "difficulty_mix", "confidence", "workers"})
-        blob = json.dumps({"source": SOURCE, "split": SPLIT, **shaping}, sort_keys=True)
+        shaping = self.model_dump(
+            mode="json", exclude={"split", "tasks", "samples", "difficulty_mix", "cluster_by", "confidence", "workers"}
+        )
+        blob = json.dumps({"source": SOURCE, "split": self.split, **shaping}, sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:12]
 
 
@@ -182,7 +198,7 @@ def plan_pairs(config: ABConfig) -> list[tuple[Task, int]]:
     Raises:
         ConfigurationError: a mix that weighs no level of the split above 0.
     """
-    tasks = load_tasks(SOURCE, SPLIT)
+    tasks = load_tasks(SOURCE, config.split)
     mix = config.difficulty_mix or {t.metadata["difficulty"]: 1.0 for t in tasks}
     chosen = choose_tasks(tasks, config.tasks or len(tasks), mix, config.seed)
     return [(t, s) for t in chosen for s in range(config.samples)]
@@ -324,15 +340,23 @@ def run_arm(
     return arm
 
 
-def compare_arms(base: ArmRun, final: ArmRun, pairs: list[tuple[Task, int]], confidence: float = 0.95) -> dict:
+def compare_arms(
+    base: ArmRun,
+    final: ArmRun,
+    pairs: list[tuple[Task, int]],
+    confidence: float = 0.95,
+    cluster_by: Literal["template", "task"] = "template",
+) -> dict:
     """Both arms on the pairs each completed: every :data:`METRICS` entry as ``{"base", "final",
     "diff", "ci", "base_ci", "final_ci", "higher_is_better"}`` (values in the metric's unit, None
-    where undefined: no denominator or fewer than two tasks), and the pass rate's one-sided lower
-    bound of ``final - base`` at ``confidence``."""
+    where undefined: no denominator or fewer than two clusters), and the pass rate's one-sided lower
+    bound of ``final - base`` at ``confidence``; the intervals cluster the pairs by ``cluster_by``
+    (a task without a template is its own cluster). ``tasks`` counts distinct tasks, ``clusters``
+    the clusters, ``split`` the tasks' split(s)."""
     keys = [(t.id, s) for t, s in pairs if (t.id, s) in base.sessions and (t.id, s) in final.sessions]
     b = [base.sessions[k] for k in keys]
     f = [final.sessions[k] for k in keys]
-    clusters = [k[0] for k in keys]
+    clusters = [k[0] if cluster_by == "task" else template_of(k[0]) or k[0] for k in keys]
     metrics: dict[str, dict[str, Any]] = {}
     for name, (parts, better_up) in METRICS.items():
         bx, by = zip(*(parts(s) for s in b)) if b else ((), ())
@@ -358,9 +382,11 @@ def compare_arms(base: ArmRun, final: ArmRun, pairs: list[tuple[Task, int]], con
         "base": base.checkpoint_id,
         "final": final.checkpoint_id,
         "source": SOURCE,
-        "split": SPLIT,
+        "split": ",".join(sorted({t.split for t, _ in pairs})),
         "pairs": len(keys),
-        "tasks": len(set(clusters)),
+        "tasks": len({k[0] for k in keys}),
+        "cluster_by": cluster_by,
+        "clusters": len(set(clusters)),
         "tasks_by_difficulty": {str(k): v for k, v in sorted(levels.items(), key=lambda kv: str(kv[0]))},
         "confidence": confidence,
         "pass_rate_lower_bound": one_sided and one_sided.low,
@@ -397,4 +423,7 @@ def run_ab(
     for arm in arms:
         if not arm.sessions and arm.errors:
             raise InfrastructureError(f"every session of {arm.checkpoint_id} errored; first: {arm.errors[0]}")
-    return {**compare_arms(*arms, pairs, config.confidence), "config": config.model_dump(mode="json")}
+    return {
+        **compare_arms(*arms, pairs, config.confidence, config.cluster_by),
+        "config": config.model_dump(mode="json"),
+    }

@@ -25,12 +25,23 @@ def _check_label(value: str | None) -> str | None:
 def ab(
     base: str = typer.Argument(..., help="the baseline checkpoint, e.g. base"),
     final: str = typer.Argument(..., help="the checkpoint compared with it"),
+    split: str = typer.Option(
+        "fresh",
+        "--split",
+        help="fresh: kinds of request never trained on nor held out (default); "
+        "test_params: the older draw, unseen parameters of the training templates",
+    ),
     tasks: int = typer.Option(
         None, "--tasks", min=2, help="tasks drawn with the mix (default: every task at the mix's levels)"
     ),
     samples: int = typer.Option(4, "--samples", min=1, max=64, help="sessions per task and arm"),
     difficulty_mix: str = typer.Option(
-        None, "--difficulty-mix", help="LEVEL:WEIGHT pairs, e.g. '1:0.6,2:0.3,3:0.1' (the simulator's mix)"
+        None,
+        "--difficulty-mix",
+        help="LEVEL:WEIGHT pairs (default: the production mix '1:0.6,2:0.3,3:0.1'; 'none': every level alike)",
+    ),
+    cluster_by: str = typer.Option(
+        "template", "--cluster-by", help="the intervals' cluster: template (default) or task"
     ),
     max_turns: int = typer.Option(6, "--max-turns", min=1, help="model turns per session"),
     max_tokens: int = typer.Option(1024, "--max-tokens", min=16, help="completion tokens per session"),
@@ -46,10 +57,15 @@ def ab(
     ),
     as_json: bool = typer.Option(False, "--json", help="print the comparison as one JSON line"),
 ) -> None:
-    """Serve the same fresh requests (training templates, unseen parameters) with BASE and FINAL on
-    the eval engine, let seeded simulated developers answer both, and compare pass rate and product
-    signals with task-clustered 95 % intervals. Nothing reaches the event stream. The result is
-    written as a JSON report and, unless --no-record, as one ``ab_comparison`` row (one transaction)."""
+    """Serve the same fresh requests (new kinds of request at the production mix, or with --split
+    test_params unseen parameters of the training templates) with BASE and FINAL on the eval engine,
+    let seeded simulated developers answer both, and compare pass rate and product signals with
+    template-clustered 95 % intervals. Nothing reaches the event stream. The result is written as a
+    JSON report and, unless --no-record, as one ``ab_comparison`` row (one transaction)."""
+    if split not in ("fresh", "test_params"):
+        raise typer.BadParameter("fresh or test_params", param_hint="--split")
+    if cluster_by not in ("template", "task"):
+        raise typer.BadParameter("template or task", param_hint="--cluster-by")
     from app.core.db import database_url, session_scope
     from app.core.settings import get_settings
     from app.core.telemetry import configure_telemetry
@@ -60,10 +76,17 @@ def ab(
         database_url()  # no database configured: fail now, not after the A/B
     configure_telemetry("flywheel-ab")
     console = Console(stderr=as_json)
+    mix = (
+        {}
+        if difficulty_mix is None
+        else {"difficulty_mix": None if difficulty_mix == "none" else parse_mix(difficulty_mix)}
+    )
     config = ABConfig(
+        split=split,
         tasks=tasks,
         samples=samples,
-        difficulty_mix=parse_mix(difficulty_mix) if difficulty_mix else None,
+        cluster_by=cluster_by,
+        **mix,
         max_turns=max_turns,
         max_tokens=max_tokens,
         max_tokens_per_turn=max_tokens_per_turn,
@@ -102,7 +125,7 @@ def _table(report: dict):
 
     t = Table(
         title=f"A/B {report['final']} vs {report['base']}: {report['pairs']} pairs on {report['tasks']} tasks "
-        f"({report['split']}), intervals clustered by task"
+        f"({report['split']}), intervals clustered by {report.get('cluster_by', 'task')}"
     )
     for col in ("metric", "base", "final", "diff", f"{report['confidence']:.0%} CI of diff"):
         t.add_column(col)

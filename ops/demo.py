@@ -43,14 +43,14 @@ from app.core.net import free_port, served_weight_version
 from app.core.settings import flywheel_home, get_settings
 from ops import loop_state
 from ops.demo_report import curve_point, write_demo_report
+from ops.simulator import PRODUCTION_MIX
 from ops.stack import stack_down, stack_up
 
 TRAINER_DEFAULT = Path(__file__).resolve().parents[1] / "trainer" / "configs" / "default.toml"
 
-# The simulated request mix of the in-reach source by difficulty level (docs/simulator.md): mostly
-# one-expression requests, which the base model solves about a quarter of the time at the serving
-# temperature, the level where group-relative RL has signal; levels 2 and 3 it almost never solves.
-DEFAULT_DIFFICULTY_MIX = "1:0.6,2:0.3,3:0.1"
+# The simulated request mix of the in-reach source by difficulty level (ops.simulator.PRODUCTION_MIX):
+# mostly one-expression requests, the level where group-relative RL has signal.
+DEFAULT_DIFFICULTY_MIX = ",".join(f"{level}:{weight}" for level, weight in PRODUCTION_MIX.items())
 # A cycle starts once every session of the batch left its trajectory, or once none was finalized
 # and no open session sent an event for QUIET_S seconds (trainer.selection.trajectories_waiting):
 # privacy-mode sessions (10 % by default) and sessions the simulator could not serve leave none, so

@@ -51,6 +51,13 @@ log = logging.getLogger(__name__)
 _tracer = tracer("flywheel.producers.simulator")
 
 
+PRODUCTION_MIX: dict[int, float] = {1: 0.6, 2: 0.3, 3: 0.1}
+"""The production request mix of the in-reach ``functions`` source by difficulty level
+(docs/simulator.md): mostly one-expression requests, which the base model solves about a quarter of
+the time at the serving temperature; levels 2 and 3 it almost never solves. The demo's and the
+bench's simulated traffic and ``flywheel ab``'s fresh draw follow it."""
+
+
 class SimulatorConfig(BaseModel):
     """Settings of one simulator run (the CLI flags)."""
 

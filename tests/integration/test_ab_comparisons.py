@@ -29,7 +29,7 @@ pytestmark = pytest.mark.integration
 def _report(final: str, base_passes: int, final_passes: int, seed: int = 0) -> dict:
     """What ``run_ab`` returns for 4 tasks x 2 samples: base passes the first ``base_passes`` pairs,
     ``final`` the first ``final_passes``; ``final`` persists more of its edits and writes fewer tokens."""
-    config = ABConfig(tasks=4, samples=2, seed=seed, difficulty_mix={1: 1.0})
+    config = ABConfig(split="test_params", tasks=4, samples=2, seed=seed, difficulty_mix={1: 1.0})
     pairs = plan_pairs(config)
 
     def arm(checkpoint_id: str, passes: int, persisted: float, tokens: int) -> ArmRun:

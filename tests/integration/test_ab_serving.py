@@ -80,7 +80,7 @@ def test_flywheel_ab_serves_both_arms_on_the_eval_server(monkeypatch, servers, t
     report = _report(result.output)
 
     assert (report["base"], report["final"], report["pairs"], report["tasks"]) == ("ab-base", "ab-final", 4, 2)
-    assert report["split"] == "test_params" and report["errors"] == []
+    assert report["split"] == "fresh" and report["errors"] == []
     assert report["sessions"] == {"base": {"ran": 4, "reused": 0}, "final": {"ran": 4, "reused": 0}}
     assert set(report["metrics"]) >= {"pass_rate", "edit_persistence", "dissatisfied_followup_rate"}
     assert (

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import math
 import threading
+from collections import Counter
 
 import numpy as np
 import pytest
@@ -19,8 +20,10 @@ from app.core.intervals import clustered_ratio_interval, paired_ratio_diff_inter
 from app.inference.engine import Generation, InferenceEngine
 from app.lifecycle.online_stats import SessionSignals, ratio_estimate
 from evals.tasks import load_tasks
+from evals.tasks.functions import template_of
 from ops import ab
-from ops.ab import ABConfig, plan_pairs, run_ab
+from ops.ab import ABConfig, ArmRun, ArmSession, compare_arms, plan_pairs, run_ab
+from ops.simulator import PRODUCTION_MIX
 
 # ---- intervals ----------------------------------------------------------------------------------
 
@@ -96,21 +99,87 @@ def test_undefined_estimates_are_none():
 # ---- the plan ------------------------------------------------------------------------------------
 
 
-def test_the_plan_draws_unseen_parameters_of_training_templates_with_the_mix():
+def test_the_old_draw_takes_unseen_parameters_of_training_templates_with_the_mix():
     train = load_tasks("functions", "train")
     train_ids, train_requests = {t.id for t in train}, {t.request for t in train}
     train_templates = {t.metadata["template"] for t in train}
-    pairs = plan_pairs(ABConfig(samples=3, difficulty_mix={1: 1.0}))
+    pairs = plan_pairs(ABConfig(split="test_params", samples=3, difficulty_mix={1: 1.0}))
     tasks = {t.id: t for t, _ in pairs}
     assert len(pairs) == 3 * len(tasks) and len(tasks) >= 30
     for t in tasks.values():
         assert t.split == "test_params" and t.metadata["difficulty"] == 1
         assert t.id not in train_ids and t.request not in train_requests
         assert t.metadata["template"] in train_templates  # the production request distribution
-    small = plan_pairs(ABConfig(tasks=5, samples=3, difficulty_mix={1: 1.0}))
+    small = plan_pairs(ABConfig(split="test_params", tasks=5, samples=3, difficulty_mix={1: 1.0}))
     assert small == pairs[:15]  # a smaller draw is a prefix: its sessions are reused
     with pytest.raises(ConfigurationError):
         plan_pairs(ABConfig(difficulty_mix={7: 1.0}))
+
+
+def test_the_default_draw_is_fresh_traffic_at_the_production_mix():
+    """By default the A/B draws the ``fresh`` split (kinds of request neither trained on nor held
+    out for the gate) with the production mix; its pairs cluster by template."""
+    train, held_out = load_tasks("functions", "train"), load_tasks("functions", "test")
+    seen_templates = {t.metadata["template"] for t in train + held_out}
+    config = ABConfig(samples=2)
+    assert config.split == "fresh" and config.difficulty_mix == PRODUCTION_MIX and config.cluster_by == "template"
+    pairs = plan_pairs(config)
+    tasks = {t.id: t for t, _ in pairs}
+    fresh = load_tasks("functions", "fresh")
+    assert len(tasks) == len(fresh) == 47 and len(pairs) == 2 * 47  # the whole split at the mix's levels
+    assert all(t.split == "fresh" and t.metadata["template"] not in seen_templates for t in tasks.values())
+    # The draw's order follows the mix: the first 20 picks lean to level 1 as production does.
+    first = [t for t, s in plan_pairs(ABConfig(tasks=20, samples=1))]
+    levels = Counter(t.metadata["difficulty"] for t in first)
+    assert levels[1] >= 9 and levels[2] >= 2 and sum(levels.values()) == 20
+    assert [t.id for t, _ in pairs[:40:2]] == [t.id for t in first]  # a prefix of the same draw
+    # The old draw keeps its stored sessions: its fingerprint is what it was before the split existed.
+    old = ABConfig(split="test_params", difficulty_mix=None)
+    assert old.fingerprint() != ABConfig().fingerprint()
+    assert old.fingerprint() == ABConfig(split="test_params", cluster_by="task").fingerprint()
+
+
+def _sessions(checkpoint_id: str, pairs, passes) -> ArmRun:
+    run = ArmRun(checkpoint_id, ran=len(pairs))
+    for task, sample in pairs:
+        ok = passes(task.id)
+        run.sessions[(task.id, sample)] = ArmSession(
+            task_id=task.id,
+            sample=sample,
+            task_hash="h",
+            checkpoint_id=checkpoint_id,
+            passed=ok,
+            outcome="passed" if ok else "failed",
+            accepted=1,
+            rejected=int(not ok),
+            persisted_sum=float(ok),
+            persisted_n=1,
+            followups=int(not ok),
+            completion_tokens=100,
+            latency_s=1.0,
+            turns=2,
+            reason="done",
+        )
+    return run
+
+
+def test_fresh_traffic_intervals_cluster_by_template():
+    """A gain concentrated in two templates (every task of theirs newly passes): clustered by
+    template the interval of the difference is wider than clustered by task, and the report counts
+    templates as clusters beside the tasks."""
+    pairs = plan_pairs(ABConfig(samples=2))
+    tasks = sorted({t.id for t, _ in pairs})
+    winners = sorted({template_of(t) for t in tasks})[:2]
+    base = _sessions("base", pairs, lambda task_id: task_id.endswith("/0"))
+    final = _sessions("final", pairs, lambda task_id: task_id.endswith("/0") or template_of(task_id) in winners)
+    by_template = compare_arms(base, final, pairs)
+    by_task = compare_arms(base, final, pairs, cluster_by="task")
+    assert by_template["split"] == "fresh" and by_template["cluster_by"] == "template"
+    assert (by_template["tasks"], by_template["clusters"], by_task["clusters"]) == (47, 12, 47)
+    t, k = by_template["metrics"]["pass_rate"], by_task["metrics"]["pass_rate"]
+    assert t["diff"] == k["diff"] > 0
+    assert t["ci"][1] - t["ci"][0] > k["ci"][1] - k["ci"][0]
+    assert by_template["pass_rate_lower_bound"] < by_task["pass_rate_lower_bound"]
 
 
 # ---- the A/B through the harness -----------------------------------------------------------------
@@ -223,7 +292,10 @@ def test_arms_are_paired_and_a_known_difference_shows(tokenizer, tmp_path, no_ev
     solved = sum(_half(task_id, 0) for task_id in {t.id for t, _ in plan_pairs(CONFIG)})
     assert m["pass_rate"]["final"] == 1.0 and m["pass_rate"]["base"] == pytest.approx(solved / 6)
     assert m["pass_rate"]["diff"] == pytest.approx(1 - solved / 6)
-    assert report["pass_rate_lower_bound"] > 0 and m["pass_rate"]["ci"][0] > 0
+    # 6 tasks from a few templates: the one-sided bound shows the gain; the two-sided interval,
+    # clustered by template, is wide at so few clusters.
+    assert report["pass_rate_lower_bound"] > 0 and m["pass_rate"]["ci"][0] < m["pass_rate"]["diff"]
+    assert report["cluster_by"] == "template" and 2 <= report["clusters"] <= 6
     assert m["dissatisfied_followup_rate"]["diff"] < 0 and m["edit_persistence"]["diff"] > 0
 
 
@@ -256,3 +328,14 @@ def test_stored_sessions_are_reused_and_the_arm_must_be_served_by_its_checkpoint
 
     with pytest.raises(ConfigurationError, match="serving production"):
         run_ab("x", "y", CONFIG, engine_for=wrong, store=tmp_path)
+
+
+def test_the_cli_refuses_an_unknown_split_or_cluster_before_serving():
+    from typer.testing import CliRunner
+
+    from ops.cli import app
+
+    for args in (["--split", "train"], ["--cluster-by", "user"]):
+        result = CliRunner().invoke(app, ["ab", "base", "final", *args, "--no-record"])
+        assert result.exit_code == 2, result.output
+        assert args[0] in result.output
