@@ -98,9 +98,32 @@ def _task_solved(outcomes: Sequence[Outcome]) -> dict[str, bool]:
     return {t: 2 * sum(v) >= len(v) for t, v in per.items()}
 
 
-def _empty_report(name: str, gated: bool, version: str | None, config: GateConfig, **kw) -> SuiteReport:
+def _paired_sampling(outcomes: Sequence[Outcome]) -> SamplingReport:
+    """pass@k of one side's paired outcomes (:func:`evals.passk.sampling_report`).
+
+    Raises:
+        ValueError: ``outcomes`` is empty (the gate reports pass@k only once something paired).
+    """
+    report = sampling_report(outcomes)
+    if report is None:
+        raise ValueError("pass@k of an empty side: the gate computes it only for a suite with pairs")
+    return report
+
+
+def _empty_report(
+    name: str, gated: bool, version: str | None, config: GateConfig, role: str, decision: SuiteDecision = "fail"
+) -> SuiteReport:
+    """A report with no pairs yet: ``decision`` is ``not_gated`` for an empty suite allowed to be empty."""
     return SuiteReport(
-        suite=name, gated=gated, suite_version=version, passed=False, n_pairs=0, n_tasks=0, method=config.method, **kw
+        suite=name,
+        gated=gated,
+        suite_version=version,
+        passed=False,
+        n_pairs=0,
+        n_tasks=0,
+        method=config.method,
+        role=role,
+        decision=decision,
     )
 
 
@@ -135,11 +158,12 @@ def _check_power(name: str, pairs: Pairs, margin: float, config: GateConfig, rea
 
 
 def _check_difference(
-    report: SuiteReport, pairs: Pairs, sg: SuiteGate, power: float, config: GateConfig, reasons: Reasons
+    report: SuiteReport, pairs: Pairs, sg: SuiteGate, power: float, diff: float, config: GateConfig, reasons: Reasons
 ) -> SuiteReport:
     """The deciding comparison: the fixed-n interval and the confidence sequence against the
     suite's threshold, one reason (``non_inferiority`` for a guardrail, ``superiority`` for a
-    success suite) read from the bounds ``decide_by`` names."""
+    success suite) read from the bounds ``decide_by`` names. ``diff`` is pass@1(candidate) -
+    pass@1(production), the point estimate reported beside the bounds."""
     name, guardrail, margin = report.suite, sg.role == "guardrail", sg.tolerance or 0.0
     threshold = -margin if guardrail else 0.0
     c_out, p_out, n = pairs.candidate, pairs.production, pairs.n
@@ -162,7 +186,6 @@ def _check_difference(
         )
         how = config.method + (" or cluster bootstrap, the wider" if len(set(clusters)) < n else "")
     kc, kp = sum(o.passed for o in c_out), sum(o.passed for o in p_out)
-    diff = report.candidate_sampling.pass_at_k["1"] - report.production_sampling.pass_at_k["1"]
     side = "two-sided" if config.two_sided else "one-sided"
     stop = "" if seq.stopped_at_pairs is None else f" at {seq.stopped_at_pairs} pairs"
     why = {"pass": "", "fail": "", "insufficient_evidence": "; the bounds cannot decide: insufficient evidence"}
@@ -220,8 +243,11 @@ def _check_floor(name: str, pairs: Pairs, floor: float, reasons: Reasons) -> Non
     )
 
 
-def _rates(report: SuiteReport, pairs: Pairs, config: GateConfig) -> SuiteReport:
-    """The per-side pass rates (Wilson), pass@k and which tasks changed."""
+def _rates(
+    report: SuiteReport, pairs: Pairs, sampling: tuple[SamplingReport, SamplingReport], config: GateConfig
+) -> SuiteReport:
+    """The per-side pass rates (Wilson), pass@k (``sampling``: candidate's, production's) and which
+    tasks changed."""
     n, c_out, p_out = pairs.n, pairs.candidate, pairs.production
     kc, kp = sum(o.passed for o in c_out), sum(o.passed for o in p_out)
     cs, ps = _task_solved(c_out), _task_solved(p_out)
@@ -236,8 +262,8 @@ def _rates(report: SuiteReport, pairs: Pairs, config: GateConfig) -> SuiteReport
             newly_solved=sorted(t for t in cs if cs[t] and not ps[t]),
             newly_broken=sorted(t for t in cs if ps[t] and not cs[t]),
             samples_per_task=max(k for k, _ in task_counts(c_out).values()),
-            candidate_sampling=sampling_report(c_out),
-            production_sampling=sampling_report(p_out),
+            candidate_sampling=sampling[0],
+            production_sampling=sampling[1],
         )
     )
 
@@ -275,12 +301,17 @@ def _evaluate_suite(
     report = _empty_report(name, gated, cand.suite_version, config, role=sg.role)
     if pairs.n == 0:
         return report, reasons.items
+    sampling = _paired_sampling(pairs.candidate), _paired_sampling(pairs.production)
     report = _rates(
-        report.model_copy(update=dict(n_pairs=pairs.n, n_tasks=len({k[0] for k in pairs.keys}))), pairs, config
+        report.model_copy(update=dict(n_pairs=pairs.n, n_tasks=len({k[0] for k in pairs.keys}))),
+        pairs,
+        sampling,
+        config,
     )
     margin = sg.tolerance or 0.0
     power = _check_power(name, pairs, margin, config, reasons)
-    report = _check_difference(report, pairs, sg, power, config, reasons)
+    diff = sampling[0].pass_at_k["1"] - sampling[1].pass_at_k["1"]
+    report = _check_difference(report, pairs, sg, power, diff, config, reasons)
     _check_floor(name, pairs, sg.floor, reasons)
     monitors = check_monitors(name, pairs, config, reasons)
     return report.model_copy(update=dict(power=power, margin=margin, monitors=monitors)), reasons.items
