@@ -69,8 +69,8 @@ from app.core.pids import stop_pid
 from app.core.settings import get_settings
 from app.models import ABComparison, EvalResult, EvalRun, EventLog, GateDecision, Promotion, TrainingCycle
 from app.repositories.checkpoints import get_production
-from evals.config import load_gate_config
 from evals.gate import paired_bootstrap_interval
+from evals.gate_config import load_gate_config
 from ops.ab import ABConfig, plan_pairs
 from ops.demo import DEFAULT_DIFFICULTY_MIX
 from ops.demo_report import CURVE_SIGNALS, curve_point, render_curve_png

@@ -26,7 +26,8 @@ from app.core.errors import ConflictError
 from app.lifecycle.release import ReleaseSettings, apply_release_policy, release_settings
 from app.worker.celery_app import celery_app
 from evals import store
-from evals.config import eval_settings, load_gate_config
+from evals.config import eval_settings
+from evals.gate_config import load_gate_config
 from evals.gating import gate_candidate
 from evals.shards import ShardedExecution, take_shard
 

@@ -34,7 +34,6 @@ from app.core.intervals import (
     paired_bootstrap_interval,
     wilson_interval,
 )
-from evals.config import GateConfig, SuiteGate
 from evals.gate_checks import (
     Pairs,
     Reasons,
@@ -45,6 +44,7 @@ from evals.gate_checks import (
     pair_outcomes,
     sequential_report,
 )
+from evals.gate_config import GateConfig, SuiteGate
 from evals.gate_models import (
     Decision,
     GateReason,
