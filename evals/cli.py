@@ -243,7 +243,7 @@ def eval_contamination(
     extra: list[str] = []
     if static:
         from evals.config import load_suite
-        from evals.runner import load_suite_tasks
+        from evals.plan import load_suite_tasks
 
         for name in ("functions", "functions_params", "dataframebench", "humaneval"):
             extra += [t.id for t in load_suite_tasks(load_suite(name))]

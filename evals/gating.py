@@ -33,8 +33,9 @@ from evals import store
 from evals.config import load_suite
 from evals.gate import GateResult, SuiteOutcomes, decide_gate
 from evals.gate_config import GateConfig, load_gate_config
+from evals.plan import plan_run
 from evals.report import write_report
-from evals.runner import RunSummary, plan_run, run_suite
+from evals.runner import RunSummary, run_suite
 
 if TYPE_CHECKING:
     from app.inference.engine import InferenceEngine

@@ -18,7 +18,6 @@ Invariants:
 
 from __future__ import annotations
 
-import hashlib
 import re
 import shutil
 import tempfile
@@ -31,7 +30,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from app.core.db import session_scope
-from app.core.errors import ConfigurationError
 from app.core.intervals import wilson_interval
 from app.core.settings import flywheel_home
 from app.core.telemetry import link_references, span_reference, traced
@@ -43,7 +41,7 @@ from evals.gate import monitor_values
 from evals.harness.agent import AgentBudget, grade_result, run_agent_session
 from evals.harness.sandbox import SandboxLimits
 from evals.passk import sampling_report
-from evals.tasks import load_tasks
+from evals.plan import RunPlan, plan_run, sample_seed
 from serving.engine import setup_engine
 from serving.openai_engine import OpenAICompatEngine
 
@@ -67,24 +65,6 @@ SampleExecutor = Callable[
 """Runs a run's remaining (task, sample) pairs and stores their results:
 ``(run_id, plan, todo, checkpoint_id, workers, engine, on_result) -> errors``
 (:func:`execute_samples`, :class:`evals.shards.ShardedExecution`)."""
-
-
-@dataclass
-class RunPlan:
-    """What a run will execute: tasks, (task, sample) keys, and the effective suite version."""
-
-    suite: SuiteConfig
-    tasks: list["Task"]
-    planned: list[tuple[str, int]]
-    suite_version: str
-
-    def config_json(self) -> dict[str, Any]:
-        """The resolved plan as stored in ``eval_run.config``."""
-        return {
-            "suite": self.suite.model_dump(mode="json"),
-            "planned": [list(k) for k in self.planned],
-            "task_hashes": {t.id: task_hash(t) for t in self.tasks},
-        }
 
 
 @dataclass
@@ -116,34 +96,6 @@ class RunSummary:
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
-
-
-def task_hash(task: "Task") -> str:
-    """12 hex of sha256 over the task's full content (request, files, hidden tests)."""
-    return hashlib.sha256(task.model_dump_json().encode()).hexdigest()[:12]
-
-
-def load_suite_tasks(suite: SuiteConfig) -> list["Task"]:
-    """The suite's tasks (``evals.tasks.load_tasks``: a source adapter's split, or the mined
-    ``eval_task`` rows), a seeded subset when the suite has a limit."""
-    return load_tasks(suite.source, suite.split, limit=suite.limit, seed=suite.seed)
-
-
-def plan_run(suite: SuiteConfig, tasks: list["Task"] | None = None) -> RunPlan:
-    """Fix the plan of a suite run (tasks loaded unless given)."""
-    tasks = load_suite_tasks(suite) if tasks is None else tasks
-    ids = [t.id for t in tasks]
-    if len(set(ids)) != len(ids):
-        raise ConfigurationError(f"suite {suite.name}: duplicate task ids")
-    planned = [(t.id, s) for t in tasks for s in range(suite.samples_per_task)]
-    version = suite.fingerprint([f"{t.id}:{task_hash(t)}" for t in tasks])
-    return RunPlan(suite=suite, tasks=tasks, planned=planned, suite_version=version)
-
-
-def sample_seed(suite: SuiteConfig, task_id: str, sample_index: int) -> int:
-    """Sampling seed of one (task, sample): stable across runs and checkpoints, so samples pair."""
-    digest = hashlib.sha256(f"{suite.seed}:{task_id}:{sample_index}".encode()).digest()
-    return int.from_bytes(digest[:4], "big") & 0x7FFFFFFF
 
 
 def _harness_args(suite: SuiteConfig, seed: int):

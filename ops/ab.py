@@ -48,7 +48,8 @@ from app.core.settings import flywheel_home
 from app.inference.engine import InferenceEngine, SamplingParams
 from evals.harness.agent import AgentBudget, run_agent_session
 from evals.harness.sandbox import SandboxLimits
-from evals.runner import default_workers, eval_engine, task_hash
+from evals.plan import task_hash
+from evals.runner import default_workers, eval_engine
 from evals.tasks import load_tasks
 from evals.tasks.model import Task
 from ops.developer import DeveloperModel, DeveloperReaction
