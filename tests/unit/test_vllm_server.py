@@ -11,15 +11,8 @@ import app.core.cpu
 import app.inference.precision
 from app.core.errors import ConfigurationError
 from app.core.settings import ServingSettings
-from serving.vllm_server import (
-    WORKER_EXTENSION,
-    cpu_bind,
-    ensure_server,
-    resolve_dtype,
-    server_command,
-    server_env,
-    start_server,
-)
+from serving.vllm_command import WORKER_EXTENSION, cpu_bind, resolve_dtype, server_command, server_env
+from serving.vllm_server import ensure_server, start_server
 from tests.unit.test_precision import decide_afresh, fake_probe  # noqa: F401 (fixture)
 
 
