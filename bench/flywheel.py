@@ -33,19 +33,19 @@ Prints one JSON line: ``in_distribution`` (``pairs``, ``tasks``, ``samples``, ``
 ``planted_control`` (``decision`` and the held-out comparison with base), ``budget_s`` (seconds per
 phase from the database's timestamps), ``seed``, ``placebo``, ``release_policy``, ``wall_s``, ``pass``.
 
-``pass``, default run: in-distribution ``diff >= 0.10`` with ``lower_bound > 0``, edit persistence
-up and dissatisfied follow-ups down each with a 95 % interval excluding 0, held-out ``lower_bound >
--margin``, the final checkpoint promoted by the gate's pass, the plant failed and its control not
-failed. ``--quick``: at least 200 in-distribution pairs, ``diff > 0``, the plant failed. A
-``--placebo`` run (rewards shuffled within each cycle) is a control: it reports, and ``pass`` means
-the fresh-traffic interval includes 0.
+``pass``, default run: in-distribution ``diff >= 0.10`` with ``lower_bound > 0``, edit persistence up and dissatisfied
+follow-ups down each with a 95 % interval excluding 0, held-out ``lower_bound > -margin``, the final checkpoint
+promoted by the gate's pass, the plant failed and its control not failed. ``--quick``: at least 200 in-distribution
+pairs, ``diff > 0``, the plant failed. A ``--placebo`` run (rewards shuffled within each cycle) is a control: it
+reports, and ``pass`` means the fresh-traffic interval includes 0.
 
-Flags: ``--quick`` (1 cycle of 128 sessions, a 200-pair A/B), ``--cycles K`` (4), ``--sessions N``
-(256), ``--group-size N`` (4), ``--eval-tasks N`` (held-out tasks of the gates; the whole suite),
-``--max-turns N`` (2), ``--max-tokens-per-turn N`` (192), ``--trainer-config TOML``,
-``--difficulty-mix MIX``, ``--ab-pairs N`` (400; quick 200), ``--ab-tasks N``, ``--curve-pairs N``
-(100), ``--seed S`` (0), ``--placebo``, ``--home DIR`` (resumes a run), ``--keep``. Measured
-results: ``docs/benchmarks.md``.
+Flags: ``--quick`` (1 cycle of 128 sessions, a 200-pair A/B), ``--cycles K`` (4), ``--sessions N`` (256),
+``--group-size N`` (4), ``--eval-tasks N`` (held-out tasks of the gates; the whole suite), ``--max-turns N`` (2),
+``--max-tokens-per-turn N`` (192), ``--trainer-config TOML``, ``--difficulty-mix MIX``, ``--ab-pairs N`` (400; quick
+200), ``--ab-tasks N``, ``--curve-pairs N`` (100), ``--seed S`` (0), ``--placebo``, ``--home DIR`` (resumes a run),
+``--keep``. Measured results: ``docs/benchmarks.md``.
+
+Size: over 400 lines: one recipe read top to bottom, the store's read-outs beside it.
 """
 
 from __future__ import annotations
