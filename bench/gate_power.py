@@ -60,8 +60,8 @@ from sqlalchemy import func, select
 
 from app.core.db import session_scope
 from app.models import EvalResult, EvalRun
-from evals.config import GateConfig, SuiteGate, load_gate_config
 from evals.gate import Outcome, SuiteOutcomes, decide_gate
+from evals.gate_config import GateConfig, SuiteGate, load_gate_config
 
 TARGET_POWER = 0.8
 TARGET_FRR = 0.05

@@ -42,7 +42,8 @@ from app.core.settings import ServingSettings
 from app.inference.engine import SamplingParams
 from serving.openai_engine import OpenAICompatEngine
 from serving.torch_engine import TorchEngine
-from serving.vllm_server import resolve_dtype, start_server, stop_server
+from serving.vllm_command import resolve_dtype
+from serving.vllm_server import start_server, stop_server
 
 QUESTIONS = [
     "Write a Python function that reverses a string.",

@@ -20,6 +20,10 @@ Around it: ``consumers.polling`` (riding out broker faults), ``consumers.log_end
 logs), ``consumers.lag`` (the lag gauge), ``consumers.gc_tuning`` (GIL and collector settings
 while ``run`` runs); counts in ``consumers.counts``.
 
+Size: over 400 lines because the two threads share the pipeline's state (the queue, the batches
+committed but not yet acknowledged to Kafka, paused partitions, the shutdown order), which is this
+module's one job; what surrounds it already lives in the modules named above.
+
 Failure handling (the consumer never crashes on input):
 
 - transient database or broker faults (a broker not up yet at start too) are retried with exponential

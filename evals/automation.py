@@ -26,8 +26,10 @@ from app.core.errors import ConflictError
 from app.lifecycle.release import ReleaseSettings, apply_release_policy, release_settings
 from app.worker.celery_app import celery_app
 from evals import store
-from evals.config import eval_settings, load_gate_config
+from evals.config import eval_settings
+from evals.gate_config import load_gate_config
 from evals.gating import gate_candidate
+from evals.mined_refresh import refresh_mined_suite
 from evals.shards import ShardedExecution, take_shard
 
 
@@ -120,8 +122,6 @@ def scan_candidates() -> list[str]:
 def refresh_mined_suite_task() -> dict[str, Any]:
     """Mine new eval tasks, set up their environments, re-check contamination
     (:func:`evals.mined_refresh.refresh_mined_suite`); a refresh already running elsewhere is skipped."""
-    from evals.mined_refresh import refresh_mined_suite
-
     return refresh_mined_suite()
 
 

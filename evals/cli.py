@@ -155,7 +155,8 @@ def _runs_table(summaries):
 @eval_app.command("suites")
 def eval_suites(as_json: bool = JSON) -> None:
     """List the shipped suites and whether the gate uses them (--json: one object per suite and line)."""
-    from evals.config import list_suites, load_gate_config, load_suite
+    from evals.config import list_suites, load_suite
+    from evals.gate_config import load_gate_config
 
     gate = load_gate_config()
     if as_json:
@@ -242,7 +243,7 @@ def eval_contamination(
     extra: list[str] = []
     if static:
         from evals.config import load_suite
-        from evals.runner import load_suite_tasks
+        from evals.plan import load_suite_tasks
 
         for name in ("functions", "functions_params", "dataframebench", "humaneval"):
             extra += [t.id for t in load_suite_tasks(load_suite(name))]
@@ -290,7 +291,7 @@ def gate_cmd(
     """Evaluate CANDIDATE and production on every gated suite (reusing cached runs), decide and explain.
     Exits 0 when the gate passes, 1 when it fails or finds insufficient evidence."""
     from app.core.telemetry import configure_telemetry
-    from evals.config import load_gate_config
+    from evals.gate_config import load_gate_config
     from evals.gating import gate_candidate
 
     configure_telemetry("flywheel-evals")

@@ -29,6 +29,7 @@ from sqlalchemy.orm import Session
 from app.core.errors import InfrastructureError
 from app.inference.engine import InferenceEngine, SamplingParams
 from app.models import EvalTask, TaskEnvironment
+from evals.environment_imports import resolve_environment
 from evals.environments import (
     EnvironmentPolicy,
     EnvironmentProposal,
@@ -36,7 +37,6 @@ from evals.environments import (
     Verification,
     environment_hash,
     parse_proposal,
-    resolve_environment,
     task_key,
     verify_environment,
 )

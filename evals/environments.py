@@ -3,7 +3,8 @@
 A task mined from a session arrives with its code and its tests but not with what they run in.
 An environment says that: distributions from an allowed list (``evals/environments.toml``) and
 data or config files. :mod:`evals.environment_setup` asks the production model for one and falls
-back to :func:`resolve_environment` (the task's imports) when the proposal is refused.
+back to :func:`evals.environment_imports.resolve_environment` (the task's imports) when the
+proposal is refused.
 
 Invariants:
 - An environment is materialized as a virtualenv without system site-packages (stdlib
@@ -23,17 +24,14 @@ Invariants:
 
 from __future__ import annotations
 
-import ast
 import hashlib
 import json
 import shutil
-import sys
 import sysconfig
 import tempfile
 import tomllib
 import venv
 from dataclasses import dataclass, field
-from functools import lru_cache
 from importlib import metadata
 from pathlib import Path, PurePosixPath
 from typing import Annotated, Any
@@ -210,7 +208,7 @@ def check_proposal(proposal: EnvironmentProposal, task: Task, policy: Environmen
         canonical = canonicalize_name(name)
         if canonical not in policy.allowed:
             return "dependency_not_allowed", f"{name} is not on the allowed list"
-        if not _installed(canonical):
+        if not distribution_installed(canonical):
             return "dependency_not_installed", f"{name} is allowed but not installed on this host"
     if len(proposal.files) > policy.max_files:
         return "too_many_files", f"{len(proposal.files)} files, at most {policy.max_files}"
@@ -238,7 +236,8 @@ def _file_problem(path: str, text: str, taken: dict[str, str], policy: Environme
     return None
 
 
-def _installed(name: str) -> bool:
+def distribution_installed(name: str) -> bool:
+    """Whether the distribution ``name`` is installed in this environment."""
     try:
         metadata.distribution(name)
     except metadata.PackageNotFoundError:
@@ -354,73 +353,3 @@ def verify_environment(task: Task, proposal: EnvironmentProposal, policy: Enviro
     stub, _ = run_in_environment(task, proposal, {}, limits)
     detail["stub_passes"] = stub.ok
     return Verification(True, None, detail)
-
-
-@lru_cache(maxsize=1)
-def _module_distributions() -> dict[str, tuple[str, ...]]:
-    return {m: tuple(canonicalize_name(d) for d in ds) for m, ds in metadata.packages_distributions().items()}
-
-
-def imported_modules(sources: dict[str, str]) -> tuple[set[str], list[str]]:
-    """Top-level names of the absolute imports in the Python ``sources`` (path -> text).
-
-    Returns:
-        ``(module names, paths that are not valid Python)``.
-    """
-    names: set[str] = set()
-    broken: list[str] = []
-    for path, text in sorted(sources.items()):
-        try:
-            tree = ast.parse(text, filename=path)
-        except SyntaxError:
-            broken.append(path)
-            continue
-        names |= _imports(tree, embedded=True)
-    return names, broken
-
-
-def _imports(tree: ast.AST, *, embedded: bool) -> set[str]:
-    """Top-level names ``tree`` imports; with ``embedded``, also those of string constants that parse as
-    Python with an import (a hidden-test runner execs its prelude from a string)."""
-    names: set[str] = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            names.update(alias.name.split(".")[0] for alias in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            names.add(node.module.split(".")[0])
-        elif embedded and isinstance(node, ast.Constant) and isinstance(node.value, str) and "import " in node.value:
-            try:
-                names |= _imports(ast.parse(node.value), embedded=False)
-            except SyntaxError:
-                continue
-    return names
-
-
-def resolve_environment(task: Task, policy: EnvironmentPolicy) -> tuple[EnvironmentProposal, dict[str, Any]]:
-    """The deterministic fallback: the allowed installed distributions that provide the modules the
-    task's Python files (repository, reference, tests) import; no extra files.
-
-    Standard-library modules and the task's own modules are skipped; a module provided by the
-    requirement closure of the chosen distributions (``dateutil`` via ``pandas``) is covered.
-
-    Returns:
-        ``(canonical proposal, detail)``; detail has ``modules`` (third-party imports seen),
-        ``unresolved`` (modules no allowed distribution provides) and ``unparsed`` (files not valid Python).
-    """
-    files = {**task.files, **task.reference_files, **task.test_files}
-    modules, broken = imported_modules({p: t for p, t in files.items() if p.endswith(".py")})
-    local = {PurePosixPath(p).parts[0].removesuffix(".py") for p in files}
-    third_party = sorted(m for m in modules if m not in sys.stdlib_module_names and m not in local)
-    provided = _module_distributions()
-    deps = sorted(
-        {
-            next(d for d in provided[m] if d in policy.allowed)
-            for m in third_party
-            if set(provided.get(m, ())) & set(policy.allowed)
-        }
-    )
-    deps = [d for d in deps if _installed(d)]
-    closure = requirement_closure(deps)
-    unresolved = [m for m in third_party if not set(provided.get(m, ())) & set(closure)]
-    detail = {"modules": third_party, "unresolved": unresolved, "unparsed": broken}
-    return EnvironmentProposal(dependencies=deps, files={}).canonical(), detail

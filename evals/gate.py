@@ -23,6 +23,9 @@ deciding bound. A candidate run that stopped early (``early_stop``) is read as t
 clusters in the sequence's order (:func:`evals.gate_checks.stopped_prefix`) and accepted only where
 the sequence, recomputed here, decides within it (``stopped_early``). The parts live in :mod:`evals.gate_checks`, the data models in
 :mod:`evals.gate_models`; the names tests and reports use are re-exported here.
+
+Size: over 400 lines: one pure decision, its checks in the order they apply (the statistics live in
+:mod:`evals.gate_checks`, the types in :mod:`evals.gate_models`).
 """
 
 from __future__ import annotations
@@ -36,7 +39,6 @@ from app.core.intervals import (
     paired_bootstrap_interval,
     wilson_interval,
 )
-from evals.config import GateConfig, SuiteGate
 from evals.gate_checks import (
     Pairs,
     Reasons,
@@ -48,6 +50,7 @@ from evals.gate_checks import (
     sequential_report,
     stopped_prefix,
 )
+from evals.gate_config import GateConfig, SuiteGate
 from evals.gate_models import (
     Decision,
     GateReason,
@@ -101,9 +104,32 @@ def _task_solved(outcomes: Sequence[Outcome]) -> dict[str, bool]:
     return {t: 2 * sum(v) >= len(v) for t, v in per.items()}
 
 
-def _empty_report(name: str, gated: bool, version: str | None, config: GateConfig, **kw) -> SuiteReport:
+def _paired_sampling(outcomes: Sequence[Outcome]) -> SamplingReport:
+    """pass@k of one side's paired outcomes (:func:`evals.passk.sampling_report`).
+
+    Raises:
+        ValueError: ``outcomes`` is empty (the gate reports pass@k only once something paired).
+    """
+    report = sampling_report(outcomes)
+    if report is None:
+        raise ValueError("pass@k of an empty side: the gate computes it only for a suite with pairs")
+    return report
+
+
+def _empty_report(
+    name: str, gated: bool, version: str | None, config: GateConfig, role: str, decision: SuiteDecision = "fail"
+) -> SuiteReport:
+    """A report with no pairs yet: ``decision`` is ``not_gated`` for an empty suite allowed to be empty."""
     return SuiteReport(
-        suite=name, gated=gated, suite_version=version, passed=False, n_pairs=0, n_tasks=0, method=config.method, **kw
+        suite=name,
+        gated=gated,
+        suite_version=version,
+        passed=False,
+        n_pairs=0,
+        n_tasks=0,
+        method=config.method,
+        role=role,
+        decision=decision,
     )
 
 
@@ -147,14 +173,16 @@ def _check_difference(
     pairs: Pairs,
     sg: SuiteGate,
     power: float,
+    diff: float,
     config: GateConfig,
     reasons: Reasons,
     planned_clusters: list[str] | None = None,
 ) -> SuiteReport:
     """The deciding comparison: the fixed-n interval and the confidence sequence against the
     suite's threshold, one reason (``non_inferiority`` for a guardrail, ``superiority`` for a
-    success suite) read from the bounds ``decide_by`` names. ``planned_clusters``: the plan's
-    clusters when the run stopped early (the sequence's order and tuning come from them)."""
+    success suite) read from the bounds ``decide_by`` names. ``diff`` is pass@1(candidate) -
+    pass@1(production), the point estimate reported beside the bounds. ``planned_clusters``: the
+    plan's clusters when the run stopped early (the sequence's order and tuning come from them)."""
     name, guardrail, margin = report.suite, sg.role == "guardrail", sg.tolerance or 0.0
     threshold = -margin if guardrail else 0.0
     c_out, p_out, n = pairs.candidate, pairs.production, pairs.n
@@ -179,7 +207,6 @@ def _check_difference(
         )
         how = config.method + (" or cluster bootstrap, the wider" if len(set(clusters)) < n else "")
     kc, kp = sum(o.passed for o in c_out), sum(o.passed for o in p_out)
-    diff = report.candidate_sampling.pass_at_k["1"] - report.production_sampling.pass_at_k["1"]
     side = "two-sided" if config.two_sided else "one-sided"
     stop = "" if seq.stopped_at_pairs is None else f" at {seq.stopped_at_pairs} pairs"
     if planned_clusters is not None:
@@ -232,16 +259,16 @@ def _check_stop(report: SuiteReport, pairs: Pairs, reasons: Reasons) -> SuiteRep
     the stored outcomes, decides within the clusters it ran; otherwise its missing pairs fail
     closed (a rerun of the gate resumes the run and completes it)."""
     seq = report.sequential
-    decided = seq is not None and seq.stopped_at_pairs is not None
+    decides = (
+        f"the confidence sequence decides at {seq.stopped_at_pairs} of them ({seq.decision})"
+        if seq is not None and seq.stopped_at_pairs is not None
+        else None
+    )
     reasons.add(
         "stopped_early",
-        decided,
+        decides is not None,
         f"{report.suite}: the candidate's run stopped after {pairs.n} pairs; "
-        + (
-            f"the confidence sequence decides at {seq.stopped_at_pairs} of them ({seq.decision})"
-            if decided
-            else "the confidence sequence does not decide there, so the unrun pairs count as missing"
-        ),
+        + (decides or "the confidence sequence does not decide there, so the unrun pairs count as missing"),
         value=float(pairs.n),
         details={"stopped_at_clusters": None if seq is None else seq.stopped_at_clusters},
     )
@@ -260,8 +287,11 @@ def _check_floor(name: str, pairs: Pairs, floor: float, reasons: Reasons) -> Non
     )
 
 
-def _rates(report: SuiteReport, pairs: Pairs, config: GateConfig) -> SuiteReport:
-    """The per-side pass rates (Wilson), pass@k and which tasks changed."""
+def _rates(
+    report: SuiteReport, pairs: Pairs, sampling: tuple[SamplingReport, SamplingReport], config: GateConfig
+) -> SuiteReport:
+    """The per-side pass rates (Wilson), pass@k (``sampling``: candidate's, production's) and which
+    tasks changed."""
     n, c_out, p_out = pairs.n, pairs.candidate, pairs.production
     kc, kp = sum(o.passed for o in c_out), sum(o.passed for o in p_out)
     cs, ps = _task_solved(c_out), _task_solved(p_out)
@@ -276,8 +306,8 @@ def _rates(report: SuiteReport, pairs: Pairs, config: GateConfig) -> SuiteReport
             newly_solved=sorted(t for t in cs if cs[t] and not ps[t]),
             newly_broken=sorted(t for t in cs if ps[t] and not cs[t]),
             samples_per_task=max(k for k, _ in task_counts(c_out).values()),
-            candidate_sampling=sampling_report(c_out),
-            production_sampling=sampling_report(p_out),
+            candidate_sampling=sampling[0],
+            production_sampling=sampling[1],
         )
     )
 
@@ -319,12 +349,17 @@ def _evaluate_suite(
     report = _empty_report(name, gated, cand.suite_version, config, role=sg.role)
     if pairs.n == 0:
         return report, reasons.items
+    sampling = _paired_sampling(pairs.candidate), _paired_sampling(pairs.production)
     report = _rates(
-        report.model_copy(update=dict(n_pairs=pairs.n, n_tasks=len({k[0] for k in pairs.keys}))), pairs, config
+        report.model_copy(update=dict(n_pairs=pairs.n, n_tasks=len({k[0] for k in pairs.keys}))),
+        pairs,
+        sampling,
+        config,
     )
     margin = sg.tolerance or 0.0
     power = _check_power(name, pairs, margin, config, reasons, planned_pairs, report.samples_per_task)
-    report = _check_difference(report, pairs, sg, power, config, reasons, planned_clusters)
+    diff = sampling[0].pass_at_k["1"] - sampling[1].pass_at_k["1"]
+    report = _check_difference(report, pairs, sg, power, diff, config, reasons, planned_clusters)
     if planned_clusters is not None:
         report = _check_stop(report, pairs, reasons)
     report = report.model_copy(update=dict(planned_pairs=planned_pairs))

@@ -103,7 +103,7 @@ class MonitorReport(BaseModel):
     ``drift`` is the observed change in the bad direction (production - candidate when ``worse`` is
     ``decrease``), in the metric's unit; ``drift_low``/``drift_high`` its confidence interval (None
     under the point rule, or for ``p90_latency_s``); ``rule`` the comparison that decided (see
-    :attr:`evals.config.GateConfig.monitor_rule`)."""
+    :attr:`evals.gate_config.GateConfig.monitor_rule`)."""
 
     metric: str
     candidate: float

@@ -33,11 +33,13 @@ from app.lifecycle.status import GATEABLE
 from app.models import EvalRun
 from app.repositories.checkpoints import get_checkpoint, get_production
 from evals import store
-from evals.config import GateConfig, load_gate_config, load_suite
+from evals.config import load_suite
 from evals.early_stop import SequentialStop
 from evals.gate import GateResult, SuiteOutcomes, decide_gate
+from evals.gate_config import GateConfig, load_gate_config
+from evals.plan import plan_run
 from evals.report import write_report
-from evals.runner import RunSummary, plan_run, run_suite
+from evals.runner import RunSummary, run_suite
 
 if TYPE_CHECKING:
     from app.inference.engine import InferenceEngine

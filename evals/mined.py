@@ -153,60 +153,11 @@ def mine_tasks(session: Session, *, min_persistence: float = 0.8, limit: int | N
         report.examined += 1
         facts = _session_facts(session, traj.session_id)
         request = facts["request"] or traj.request_text
-        skip = None
-        if not request:
-            skip = "no_request"
-        elif not facts["persistence"]:
-            skip = "no_persistence"
-        elif sum(facts["persistence"]) / len(facts["persistence"]) < min_persistence:
-            skip = "edits_not_persisted"
-        elif not (traj.ran_tests or facts["test_commands"]):
-            skip = "no_tests"
-        if skip is None and (src := source_task(traj.task_source, traj.task_id)) is None:
-            skip = "no_source_task"
-        if skip is None and (
-            traj.task_id in trained_tasks
-            or session.scalar(select(exists().where(CheckpointTrajectory.trajectory_id == traj.id)))
-        ):
-            skip = "already_trained"
-        if skip is None and not _still_there(session, traj.id):
-            skip = "erased"
-        if skip is not None:
-            report.skipped[skip] += 1
+        skip, src = _skip_reason(session, traj, facts, request, trained_tasks, min_persistence)
+        if skip is not None or src is None:
+            report.skipped[skip or "no_source_task"] += 1
             continue
-        chash = content_hash(request, src.files, src.test_command, src.test_files)
-        spec = src.model_copy(
-            update={
-                "id": traj.task_id,
-                "source": MINED_SUITE,
-                "split": "test",
-                "request": request,
-                "reference_files": dict(src.reference_files),
-                "metadata": {
-                    **src.metadata,
-                    "source_task_id": src.id,
-                    "source": traj.task_source,
-                    "session_id": traj.session_id,
-                    "trajectory_id": str(traj.id),
-                    "persistence": facts["persistence"],
-                    "tests_ran": facts["test_commands"] or traj.test_commands,
-                },
-            }
-        )
-        inserted = session.execute(
-            insert(EvalTask)
-            .values(
-                task_id=traj.task_id,
-                suite=MINED_SUITE,
-                source_session_id=traj.session_id,
-                source_trajectory_id=traj.id,
-                content_hash=chash,
-                spec=spec.model_dump(mode="json"),
-            )
-            .on_conflict_do_nothing()
-            .returning(EvalTask.task_id)
-        ).first()
-        if inserted is not None:
+        if _insert_held_out(session, traj, _held_out_spec(src, traj, request, facts), request, src):
             report.mined.append(traj.task_id)
             mined_task_ids.add(traj.task_id)
         else:
@@ -214,21 +165,97 @@ def mine_tasks(session: Session, *, min_persistence: float = 0.8, limit: int | N
         # Either way the session itself is eval material now: never train on it.
         traj.reserved_for_eval = True
     if mined_task_ids:
-        # every other trajectory on a mined task too (those being deleted skipped, as above; the trainer
-        # also leaves out any trajectory whose task is in eval_task)
-        siblings = (
-            select(Trajectory.id)
-            .where(Trajectory.task_id.in_(mined_task_ids), Trajectory.reserved_for_eval.is_(False))
-            .with_for_update(read=True, key_share=True, skip_locked=True)
-        )
-        report.reserved_trajectories = session.execute(
-            update(Trajectory)
-            .where(Trajectory.id.in_(siblings))
-            .values(reserved_for_eval=True)
-            .execution_options(synchronize_session=False)
-        ).rowcount
+        report.reserved_trajectories = _reserve_siblings(session, mined_task_ids)
     session.flush()
     return report
+
+
+def _skip_reason(
+    session: Session,
+    traj: Trajectory,
+    facts: dict[str, Any],
+    request: str | None,
+    trained_tasks: set[str],
+    min_persistence: float,
+) -> tuple[str | None, Task | None]:
+    """Why ``traj`` is not held out (a :func:`mine_tasks` skip reason), else None, with its source
+    task once found; checks cheapest first, the row lock (``erased``) last."""
+    if not request:
+        return "no_request", None
+    if not facts["persistence"]:
+        return "no_persistence", None
+    if sum(facts["persistence"]) / len(facts["persistence"]) < min_persistence:
+        return "edits_not_persisted", None
+    if not (traj.ran_tests or facts["test_commands"]):
+        return "no_tests", None
+    src = source_task(traj.task_source, traj.task_id)
+    if src is None:
+        return "no_source_task", None
+    if traj.task_id in trained_tasks or session.scalar(
+        select(exists().where(CheckpointTrajectory.trajectory_id == traj.id))
+    ):
+        return "already_trained", src
+    if not _still_there(session, traj.id):
+        return "erased", src
+    return None, src
+
+
+def _held_out_spec(src: Task, traj: Trajectory, request: str, facts: dict[str, Any]) -> Task:
+    """The mined task: the source task under the trajectory's task id, with the developer's request
+    and where it came from in its metadata."""
+    return src.model_copy(
+        update={
+            "id": traj.task_id,
+            "source": MINED_SUITE,
+            "split": "test",
+            "request": request,
+            "reference_files": dict(src.reference_files),
+            "metadata": {
+                **src.metadata,
+                "source_task_id": src.id,
+                "source": traj.task_source,
+                "session_id": traj.session_id,
+                "trajectory_id": str(traj.id),
+                "persistence": facts["persistence"],
+                "tests_ran": facts["test_commands"] or traj.test_commands,
+            },
+        }
+    )
+
+
+def _insert_held_out(session: Session, traj: Trajectory, spec: Task, request: str, src: Task) -> bool:
+    """Insert the ``eval_task`` row; False when the task id is held out already."""
+    inserted = session.execute(
+        insert(EvalTask)
+        .values(
+            task_id=traj.task_id,
+            suite=MINED_SUITE,
+            source_session_id=traj.session_id,
+            source_trajectory_id=traj.id,
+            content_hash=content_hash(request, src.files, src.test_command, src.test_files),
+            spec=spec.model_dump(mode="json"),
+        )
+        .on_conflict_do_nothing()
+        .returning(EvalTask.task_id)
+    ).first()
+    return inserted is not None
+
+
+def _reserve_siblings(session: Session, task_ids: set[str]) -> int:
+    """Reserve every other trajectory on a mined task for evals; returns how many. Those being
+    deleted are skipped, as above; the trainer also leaves out any trajectory whose task is in
+    ``eval_task``."""
+    siblings = (
+        select(Trajectory.id)
+        .where(Trajectory.task_id.in_(task_ids), Trajectory.reserved_for_eval.is_(False))
+        .with_for_update(read=True, key_share=True, skip_locked=True)
+    )
+    return session.execute(
+        update(Trajectory)
+        .where(Trajectory.id.in_(siblings))
+        .values(reserved_for_eval=True)
+        .execution_options(synchronize_session=False)
+    ).rowcount
 
 
 @dataclass(frozen=True)

@@ -30,8 +30,13 @@ from opentelemetry.metrics import CallbackOptions, Observation
 from app.core.db import session_scope
 from app.core.errors import ConflictError
 from app.inference.engine import InferenceEngine
+from evals.environment_setup import setup_environments
+from evals.environments import load_policy
+from evals.mined import find_contamination, mine_tasks
 from evals.store import advisory_lock
+from evals.tasks.mined import load_mined_tasks
 from producers.telemetry import meter
+from serving.engine import setup_engine
 
 log = logging.getLogger("flywheel.evals.mined")
 
@@ -56,8 +61,6 @@ _evals.create_observable_gauge(
 
 def production_engine() -> InferenceEngine:
     """A client of the production server as it serves now (nothing is loaded into it)."""
-    from serving.engine import setup_engine
-
     return setup_engine(role="production")
 
 
@@ -81,10 +84,6 @@ def refresh_mined_suite(
     Raises:
         sqlalchemy.exc.DBAPIError: database faults (what was committed before stays).
     """
-    from evals.environment_setup import setup_environments
-    from evals.environments import load_policy
-    from evals.mined import find_contamination, mine_tasks
-    from evals.tasks.mined import load_mined_tasks
 
     try:
         with advisory_lock("mined-suite", "refresh"):

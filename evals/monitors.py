@@ -12,7 +12,7 @@ from typing import get_args
 import numpy as np
 
 from app.core.intervals import _cluster_percentile_interval
-from evals.config import MonitorBound, MonitorName
+from evals.gate_config import MonitorBound, MonitorName
 from evals.gate_models import MonitorReport, Outcome
 
 
@@ -110,7 +110,7 @@ def monitor_drift_interval(
 def check_monitor(
     bound: MonitorBound, candidate: float, production: float, interval: tuple[float, float] | None = None
 ) -> MonitorReport:
-    """Apply one monitor bound (see :class:`evals.config.MonitorBound`).
+    """Apply one monitor bound (see :class:`evals.gate_config.MonitorBound`).
 
     Args:
         candidate, production: the metric's values (:func:`monitor_values`).

@@ -17,11 +17,13 @@ Invariants:
 - A run given the gate's stop rule (``early_stop``, :mod:`evals.early_stop`) runs its samples in
   the rule's cluster order and ends ``stopped`` when the rule decides; a later run of the same plan
   resumes a ``stopped`` run like a ``failed`` one.
+
+Size: over 400 lines: one job, running a suite's sessions and storing them; resume, the executors and
+the early stop share that one loop (the plan is :mod:`evals.plan`).
 """
 
 from __future__ import annotations
 
-import hashlib
 import re
 import shutil
 import tempfile
@@ -46,7 +48,7 @@ from evals.gate import monitor_values
 from evals.harness.agent import AgentBudget, grade_result, run_agent_session
 from evals.harness.sandbox import SandboxLimits
 from evals.passk import sampling_report
-from evals.tasks import load_tasks
+from evals.plan import RunPlan, plan_run, sample_seed
 from serving.engine import setup_engine
 from serving.openai_engine import OpenAICompatEngine
 
@@ -84,24 +86,6 @@ RESUMABLE = ("running", "failed", "stopped")
 
 
 @dataclass
-class RunPlan:
-    """What a run will execute: tasks, (task, sample) keys, and the effective suite version."""
-
-    suite: SuiteConfig
-    tasks: list["Task"]
-    planned: list[tuple[str, int]]
-    suite_version: str
-
-    def config_json(self) -> dict[str, Any]:
-        """The resolved plan as stored in ``eval_run.config``."""
-        return {
-            "suite": self.suite.model_dump(mode="json"),
-            "planned": [list(k) for k in self.planned],
-            "task_hashes": {t.id: task_hash(t) for t in self.tasks},
-        }
-
-
-@dataclass
 class RunSummary:
     """The state of a run after :func:`run_suite` returns."""
 
@@ -132,34 +116,6 @@ class RunSummary:
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
-
-
-def task_hash(task: "Task") -> str:
-    """12 hex of sha256 over the task's full content (request, files, hidden tests)."""
-    return hashlib.sha256(task.model_dump_json().encode()).hexdigest()[:12]
-
-
-def load_suite_tasks(suite: SuiteConfig) -> list["Task"]:
-    """The suite's tasks (``evals.tasks.load_tasks``: a source adapter's split, or the mined
-    ``eval_task`` rows), a seeded subset when the suite has a limit."""
-    return load_tasks(suite.source, suite.split, limit=suite.limit, seed=suite.seed)
-
-
-def plan_run(suite: SuiteConfig, tasks: list["Task"] | None = None) -> RunPlan:
-    """Fix the plan of a suite run (tasks loaded unless given)."""
-    tasks = load_suite_tasks(suite) if tasks is None else tasks
-    ids = [t.id for t in tasks]
-    if len(set(ids)) != len(ids):
-        raise ConfigurationError(f"suite {suite.name}: duplicate task ids")
-    planned = [(t.id, s) for t in tasks for s in range(suite.samples_per_task)]
-    version = suite.fingerprint([f"{t.id}:{task_hash(t)}" for t in tasks])
-    return RunPlan(suite=suite, tasks=tasks, planned=planned, suite_version=version)
-
-
-def sample_seed(suite: SuiteConfig, task_id: str, sample_index: int) -> int:
-    """Sampling seed of one (task, sample): stable across runs and checkpoints, so samples pair."""
-    digest = hashlib.sha256(f"{suite.seed}:{task_id}:{sample_index}".encode()).digest()
-    return int.from_bytes(digest[:4], "big") & 0x7FFFFFFF
 
 
 def _harness_args(suite: SuiteConfig, seed: int):

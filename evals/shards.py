@@ -43,7 +43,8 @@ from app.core.errors import ConfigurationError
 from app.models import EvalRun, EvalShard
 from evals import store
 from evals.config import SuiteConfig
-from evals.runner import ResultCallback, RunPlan, eval_engine, execute_samples, task_hash
+from evals.plan import RunPlan, task_hash
+from evals.runner import ResultCallback, eval_engine, execute_samples
 from evals.tasks.model import Task
 
 if TYPE_CHECKING:

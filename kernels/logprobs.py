@@ -20,6 +20,9 @@ FlashAttention's backward).
 Tests run these kernels under ``TRITON_INTERPRET=1`` on the CPU against an fp32 reference.
 
 The tile helpers the three kernels share are in :mod:`kernels.tiles`.
+
+Size: over 400 lines because the forward kernel, its two backward kernels, their launchers and the
+autograd function are one kernel (STYLE.md 8), each backward read against the forward it inverts.
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ stream are seeded by (seed, task, sample), so both arms of a pair face the same 
 Invariants:
 
 - Measurement, never training: the harness runs with ``emit=None`` and the developer's events go
-  to an in-memory :class:`DeveloperSignals`; no A/B session reaches the event stream.
+  to an in-memory :class:`ops.developer.DeveloperSignals`; no A/B session reaches the event stream.
 - Paired: a (task, sample) enters the comparison only when both arms completed it; an errored
   session is infrastructure, reported, never stored, and run again by the next A/B.
 - Each arm's sessions are stored per (checkpoint, settings fingerprint) under
@@ -27,6 +27,9 @@ Invariants:
 Every metric is a ratio over sessions (:data:`METRICS`); the paired difference of each has a
 delta-method interval clustered by template (``cluster_by``; tasks of one template are not
 independent) or by task (:func:`app.core.intervals.paired_ratio_diff_interval`).
+
+Size: over 400 lines: one comparison read top to bottom, the draw, both arms' sessions and the
+paired read-out (the developer's signals are :mod:`ops.developer`).
 """
 
 from __future__ import annotations
@@ -52,13 +55,13 @@ from app.core.settings import flywheel_home
 from app.inference.engine import InferenceEngine, SamplingParams
 from evals.harness.agent import AgentBudget, run_agent_session
 from evals.harness.sandbox import SandboxLimits
-from evals.runner import default_workers, eval_engine, task_hash
+from evals.plan import task_hash
+from evals.runner import default_workers, eval_engine
 from evals.tasks import load_tasks
 from evals.tasks.functions import template_of
 from evals.tasks.model import Task
-from ops.developer import DeveloperModel, DeveloperReaction
+from ops.developer import DeveloperModel, DeveloperReaction, DeveloperSignals
 from ops.simulator import PRODUCTION_MIX, ModelledLatency, SimulatorConfig, choose_tasks
-from producers.events.types import EditPersistenceMeasuredEvent, EventBase, FollowupSentEvent
 
 SOURCE = "functions"
 SPLITS = ("fresh", "test_params")
@@ -161,27 +164,6 @@ class ArmRun:
     errors: list[str] = field(default_factory=list)
     ran: int = 0
     reused: int = 0
-
-
-class DeveloperSignals:
-    """The simulated developer's events of one session, kept in memory (never emitted)."""
-
-    def __init__(self) -> None:
-        self.events: list[EventBase] = []
-        self.persisted: list[float] = []
-        self.followups = 0
-
-    def emit(self, event: EventBase) -> None:
-        """An immediate reaction (edit accepted or rejected)."""
-        self.events.append(event)
-
-    def schedule(self, delay_s: float, event: EventBase) -> None:
-        """A late signal: recorded now (the A/B does not wait for it)."""
-        self.events.append(event)
-        if isinstance(event, EditPersistenceMeasuredEvent):
-            self.persisted.append(event.payload.fraction_persisted)
-        elif isinstance(event, FollowupSentEvent) and event.payload.dissatisfied:
-            self.followups += 1
 
 
 def pair_seed(seed: int, stream: str, task_id: str, sample: int) -> int:

@@ -4,7 +4,8 @@
 :class:`DeveloperReaction` applies them to one session: it grades the edited repository with the
 task's hidden tests, classifies the outcome the developer sees (``works``, ``looks_right``,
 ``broken``, ``no_edit``), accepts or rejects each edit now, and schedules the late signals (edit
-persistence, a dissatisfied follow-up). Every draw comes from the session's seeded
+persistence, a dissatisfied follow-up), to the event stream or to a :class:`DeveloperSignals` kept
+in memory (the A/B's). Every draw comes from the session's seeded
 ``random.Random``.
 """
 
@@ -253,3 +254,24 @@ def surviving_fraction(edit: dict, final_text: str) -> float:
         return 1.0
     remaining = set(final_text.splitlines())
     return sum(1 for ln in added if ln in remaining) / len(added)
+
+
+class DeveloperSignals:
+    """The simulated developer's events of one session, kept in memory (never emitted)."""
+
+    def __init__(self) -> None:
+        self.events: list[EventBase] = []
+        self.persisted: list[float] = []
+        self.followups = 0
+
+    def emit(self, event: EventBase) -> None:
+        """An immediate reaction (edit accepted or rejected)."""
+        self.events.append(event)
+
+    def schedule(self, delay_s: float, event: EventBase) -> None:
+        """A late signal: recorded now (the A/B does not wait for it)."""
+        self.events.append(event)
+        if isinstance(event, EditPersistenceMeasuredEvent):
+            self.persisted.append(event.payload.fraction_persisted)
+        elif isinstance(event, FollowupSentEvent) and event.payload.dissatisfied:
+            self.followups += 1

@@ -30,6 +30,7 @@ import time
 import uuid
 from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -42,6 +43,7 @@ from app.inference.engine import SamplingParams
 from evals.harness.agent import AgentBudget, run_agent_session
 from evals.harness.sandbox import SandboxLimits
 from evals.tasks import load_tasks
+from evals.tasks.model import Task
 from ops.developer import DeveloperModel, DeveloperReaction
 from producers.events.types import (
     EventBase,
@@ -209,6 +211,135 @@ def choose_tasks(tasks: list, n: int, mix: dict[int, float], seed: int) -> list:
     return chosen
 
 
+@dataclass(frozen=True)
+class SessionSpec:
+    """One planned session: its task, who plays it, and the seeds it runs with."""
+
+    index: int
+    task: Task
+    session_id: str
+    user_id: str
+    privacy: bool
+    rng: random.Random
+    seed: int
+    engine: ModelledLatency
+
+
+def plan_sessions(
+    config: SimulatorConfig, engine, engine_for: Callable[[str], object] | None = None
+) -> list[SessionSpec]:
+    """The sessions of a run, in order: ``config.group_size`` consecutive sessions share a task,
+    users and privacy mode drawn from ``config.seed``; each session's client is chosen as
+    :func:`run_simulation` says.
+
+    Raises:
+        ConfigurationError: an eval-only split or unknown source.
+    """
+    if config.split != "train":
+        raise ConfigurationError(
+            f"the simulator plays product sessions on training tasks only (got split "
+            f"{config.split!r}); eval splits never reach the event stream"
+        )
+    rng = random.Random(config.seed)
+    n_tasks = config.tasks or math.ceil(config.sessions / config.group_size)
+    if config.difficulty_mix:
+        tasks = choose_tasks(load_tasks(config.source, config.split), n_tasks, config.difficulty_mix, config.seed)
+    else:
+        tasks = load_tasks(config.source, config.split, limit=n_tasks, seed=config.seed)
+
+    def engine_of(user_id: str) -> ModelledLatency:
+        if engine_for is not None:
+            return ModelledLatency(engine_for(user_id))
+        for_user = getattr(engine, "for_user", None)
+        return ModelledLatency(for_user(user_id) if for_user is not None else engine)
+
+    specs = []
+    for i in range(config.sessions):
+        user_id = f"user-{rng.randrange(config.users):03d}"
+        specs.append(
+            SessionSpec(
+                index=i,
+                task=tasks[(i // config.group_size) % len(tasks)],
+                session_id=f"sim-{uuid.uuid4()}",
+                user_id=user_id,
+                privacy=rng.random() < config.privacy_rate,
+                rng=random.Random(rng.random()),
+                seed=config.seed * 100_003 + i,
+                engine=engine_of(user_id),
+            )
+        )
+    return specs
+
+
+def play_session(
+    config: SimulatorConfig, spec: SessionSpec, root: Path, emit: Callable[[EventBase], None], late: LateEvents
+) -> dict:
+    """Play one session through the agent harness, the simulated developer reacting at its end;
+    returns its summary (``error`` instead when the session raised: one broken session must not
+    stop the others, and it emitted its end)."""
+    workdir = root / spec.session_id
+    envelope = dict(session_id=spec.session_id, user_id=spec.user_id, org_id=config.org_id, privacy_mode=spec.privacy)
+    dev = DeveloperReaction(config, spec.rng, spec.task, workdir, envelope, emit, late.schedule)
+    budget = AgentBudget(
+        max_turns=config.max_turns,
+        max_completion_tokens=config.max_tokens,
+        context_tokens=config.context_tokens,
+        max_tokens_per_turn=config.max_tokens_per_turn,
+    )
+    sampling = SamplingParams(
+        max_tokens=config.max_tokens_per_turn, temperature=config.temperature, top_p=config.top_p, seed=spec.seed
+    )
+    started = time.perf_counter()
+    # One trace per session: the producer injects this span's context into every event's
+    # headers, and the consumer links its batch spans to it.
+    with _tracer.start_as_current_span(
+        "simulator.session",
+        attributes={"flywheel.session_id": spec.session_id, "flywheel.task_id": spec.task.id},
+    ):
+        try:
+            result = run_agent_session(
+                spec.engine,
+                spec.task,
+                workdir,
+                budget,
+                sampling,
+                emit=emit,
+                session_id=spec.session_id,
+                user_id=spec.user_id,
+                org_id=config.org_id,
+                privacy_mode=spec.privacy,
+                limits=SandboxLimits(timeout_s=config.run_timeout_s),
+                on_end=dev,
+            )
+        except Exception as exc:
+            log.exception("session %s failed", spec.session_id)
+            return {"session": spec.index, "session_id": spec.session_id, "error": repr(exc)}
+        finally:
+            shutil.rmtree(workdir, ignore_errors=True)
+    return {
+        "session": spec.index,
+        "session_id": spec.session_id,
+        "task_id": spec.task.id,
+        "user_id": spec.user_id,
+        "checkpoint_id": spec.engine.checkpoint_id,
+        "reason": result.reason,
+        "turns": result.turns,
+        "segments": result.segments,
+        "completion_tokens": result.completion_tokens,
+        "latency_s": round(result.latency_s, 3),
+        "tool_calls": result.tool_calls,
+        "tool_call_errors": result.tool_call_errors,
+        "edited": result.edited,
+        "outcome": dev.outcome,
+        "passed": dev.passed,
+        "accepted": dev.accepted,
+        "rejected": dev.rejected,
+        "grade": dev.grade_detail,
+        "privacy_mode": spec.privacy,
+        "wall_s": round(time.perf_counter() - started, 1),
+    }
+
+
 def run_simulation(
     config: SimulatorConfig,
     engine,
@@ -226,115 +357,13 @@ def run_simulation(
     Raises:
         ConfigurationError: an eval-only split or unknown source.
     """
-    if config.split != "train":
-        raise ConfigurationError(
-            f"the simulator plays product sessions on training tasks only (got split "
-            f"{config.split!r}); eval splits never reach the event stream"
-        )
-    rng = random.Random(config.seed)
-    n_tasks = config.tasks or math.ceil(config.sessions / config.group_size)
-    if config.difficulty_mix:
-        tasks = choose_tasks(load_tasks(config.source, config.split), n_tasks, config.difficulty_mix, config.seed)
-    else:
-        tasks = load_tasks(config.source, config.split, limit=n_tasks, seed=config.seed)
-    plan = [tasks[(i // config.group_size) % len(tasks)] for i in range(config.sessions)]
+    specs = plan_sessions(config, engine, engine_for)
     late = LateEvents(emit)
-    budget = AgentBudget(
-        max_turns=config.max_turns,
-        max_completion_tokens=config.max_tokens,
-        context_tokens=config.context_tokens,
-        max_tokens_per_turn=config.max_tokens_per_turn,
-    )
-    limits = SandboxLimits(timeout_s=config.run_timeout_s)
-
-    def engine_of(user_id: str) -> ModelledLatency:
-        if engine_for is not None:
-            return ModelledLatency(engine_for(user_id))
-        for_user = getattr(engine, "for_user", None)
-        return ModelledLatency(for_user(user_id) if for_user is not None else engine)
-
-    specs = []
-    for i, task in enumerate(plan):
-        user_id = f"user-{rng.randrange(config.users):03d}"
-        specs.append(
-            dict(
-                index=i,
-                task=task,
-                session_id=f"sim-{uuid.uuid4()}",
-                user_id=user_id,
-                privacy=rng.random() < config.privacy_rate,
-                rng=random.Random(rng.random()),
-                seed=config.seed * 100_003 + i,
-                engine=engine_of(user_id),
-            )
-        )
     root = Path(tempfile.mkdtemp(prefix="flywheel-sim-"))
-
-    def one(spec: dict) -> dict:
-        workdir = root / spec["session_id"]
-        envelope = dict(
-            session_id=spec["session_id"], user_id=spec["user_id"], org_id=config.org_id, privacy_mode=spec["privacy"]
-        )
-        dev = DeveloperReaction(config, spec["rng"], spec["task"], workdir, envelope, emit, late.schedule)
-        started = time.perf_counter()
-        # One trace per session: the producer injects this span's context into every event's
-        # headers, and the consumer links its batch spans to it.
-        with _tracer.start_as_current_span(
-            "simulator.session",
-            attributes={"flywheel.session_id": spec["session_id"], "flywheel.task_id": spec["task"].id},
-        ):
-            try:
-                result = run_agent_session(
-                    spec["engine"],
-                    spec["task"],
-                    workdir,
-                    budget,
-                    SamplingParams(
-                        max_tokens=config.max_tokens_per_turn,
-                        temperature=config.temperature,
-                        top_p=config.top_p,
-                        seed=spec["seed"],
-                    ),
-                    emit=emit,
-                    session_id=spec["session_id"],
-                    user_id=spec["user_id"],
-                    org_id=config.org_id,
-                    privacy_mode=spec["privacy"],
-                    limits=limits,
-                    on_end=dev,
-                )
-                return {
-                    "session": spec["index"],
-                    "session_id": spec["session_id"],
-                    "task_id": spec["task"].id,
-                    "user_id": spec["user_id"],
-                    "checkpoint_id": spec["engine"].checkpoint_id,
-                    "reason": result.reason,
-                    "turns": result.turns,
-                    "segments": result.segments,
-                    "completion_tokens": result.completion_tokens,
-                    "latency_s": round(result.latency_s, 3),
-                    "tool_calls": result.tool_calls,
-                    "tool_call_errors": result.tool_call_errors,
-                    "edited": result.edited,
-                    "outcome": dev.outcome,
-                    "passed": dev.passed,
-                    "accepted": dev.accepted,
-                    "rejected": dev.rejected,
-                    "grade": dev.grade_detail,
-                    "privacy_mode": spec["privacy"],
-                    "wall_s": round(time.perf_counter() - started, 1),
-                }
-            except Exception as exc:  # one broken session must not stop the others (it emitted its end)
-                log.exception("session %s failed", spec["session_id"])
-                return {"session": spec["index"], "session_id": spec["session_id"], "error": repr(exc)}
-            finally:
-                shutil.rmtree(workdir, ignore_errors=True)
-
     summaries: list[dict] = []
     try:
         with ThreadPoolExecutor(max_workers=min(config.concurrency, len(specs)), thread_name_prefix="session") as pool:
-            pending = {pool.submit(one, spec) for spec in specs}
+            pending = {pool.submit(play_session, config, spec, root, emit, late) for spec in specs}
             while pending:
                 finished, pending = wait(pending, timeout=0.5, return_when=FIRST_COMPLETED)
                 for fut in finished:

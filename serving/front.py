@@ -127,6 +127,87 @@ def stamp(route: Route) -> dict[str, str]:
     return {CHECKPOINT_HEADER: route.checkpoint_id, ARM_HEADER: route.arm}
 
 
+async def _bad_request(_request: Request, exc: BadRequest) -> JSONResponse:
+    return exc.response
+
+
+async def _unavailable(_request: Request, exc: Exception) -> JSONResponse:
+    return openai_error(503, f"the model server is unavailable: {exc}", code="upstream_unavailable")
+
+
+async def checked_request(request: Request, router: FrontRouter, max_body_bytes: int) -> tuple[bytes, str]:
+    """The raw body and its ``user`` of a completion request the front can route.
+
+    Raises:
+        BadRequest: a body too large or not a JSON object (see :func:`read_json_body`), no ``user``
+            or ``model`` (400), or a ``model`` the servers do not serve (404).
+    """
+    raw, body = await read_json_body(request, max_body_bytes)
+    user = body.get("user")
+    if not isinstance(user, str) or not user.strip():
+        raise BadRequest(
+            400, "`user` (a stable pseudonymous user id) is required: the canary split is by user", param="user"
+        )
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise BadRequest(400, "`model` is required (GET /v1/models lists the served names)", param="model")
+    names = await router.model_names()
+    if model not in names:
+        raise BadRequest(
+            404,
+            f"model {model!r} is not served here; served: {', '.join(sorted(names)) or 'none'}",
+            param="model",
+            code="model_not_found",
+        )
+    return raw, user
+
+
+async def send(router: FrontRouter, route: Route, path: str, raw: bytes) -> httpx.Response:
+    """POST ``raw`` to the route's server, the answer's body left to stream.
+
+    Raises:
+        httpx.ConnectError: the server refused the connection (nothing was sent).
+        UpstreamUnavailable: the server failed otherwise.
+    """
+    upstream = router.client.build_request(
+        "POST", route.url + path, content=raw, headers={**router.headers, "content-type": "application/json"}
+    )
+    try:
+        return await router.client.send(upstream, stream=True)
+    except httpx.ConnectError:
+        raise
+    except httpx.HTTPError as exc:
+        raise UpstreamUnavailable(f"{route.url} ({route.arm}) did not answer: {exc}") from exc
+
+
+async def forward(router: FrontRouter, request: Request, path: str, max_body_bytes: int) -> Response:
+    """Route a completion request by its user and stream the answer back, stamped (a canary server
+    that refuses the connection after it was routed to sends the request to production instead).
+
+    Raises:
+        BadRequest: see :func:`checked_request`.
+        httpx.ConnectError, UpstreamUnavailable: the server that should answer did not.
+    """
+    raw, user = await checked_request(request, router, max_body_bytes)
+    route = await router.route(user)
+    try:
+        resp = await send(router, route, path, raw)
+    except httpx.ConnectError:
+        if route.arm != CANARY:
+            raise
+        # the canary server went away after it was routed to; the request never reached it
+        router.invalidate()
+        route = await router.production_route()
+        resp = await send(router, route, path, raw)
+    _requests.add(1, {"arm": route.arm, "status": resp.status_code})
+    headers = stamp(route)
+    if "content-type" in resp.headers:
+        headers["content-type"] = resp.headers["content-type"]
+    return StreamingResponse(
+        resp.aiter_bytes(), status_code=resp.status_code, headers=headers, background=BackgroundTask(resp.aclose)
+    )
+
+
 def create_front(
     router: FrontRouter,
     settings: FrontSettings,
@@ -152,18 +233,9 @@ def create_front(
             await router.client.aclose()
 
     app = FastAPI(title="flywheel serving front", lifespan=lifespan)
-
-    @app.exception_handler(BadRequest)
-    async def _bad_request(_request: Request, exc: BadRequest) -> JSONResponse:
-        return exc.response
-
-    @app.exception_handler(httpx.ConnectError)
-    async def _refused(_request: Request, exc: httpx.ConnectError) -> JSONResponse:
-        return openai_error(503, f"the model server is unavailable: {exc}", code="upstream_unavailable")
-
-    @app.exception_handler(UpstreamUnavailable)
-    async def _unavailable(_request: Request, exc: UpstreamUnavailable) -> JSONResponse:
-        return openai_error(503, f"the model server is unavailable: {exc}", code="upstream_unavailable")
+    app.add_exception_handler(BadRequest, _bad_request)
+    app.add_exception_handler(httpx.ConnectError, _unavailable)
+    app.add_exception_handler(UpstreamUnavailable, _unavailable)
 
     @app.get("/healthz")
     async def healthz() -> dict:
@@ -184,66 +256,13 @@ def create_front(
             headers = {CHECKPOINT_HEADER: served or UNKNOWN_CHECKPOINT, ARM_HEADER: PRODUCTION}
         return JSONResponse(listing, headers=headers)
 
-    async def send(route: Route, path: str, raw: bytes) -> httpx.Response:
-        """POST ``raw`` to the route's server, the answer's body left to stream.
-
-        Raises:
-            httpx.ConnectError: the server refused the connection (nothing was sent).
-            UpstreamUnavailable: the server failed otherwise.
-        """
-        upstream = router.client.build_request(
-            "POST", route.url + path, content=raw, headers={**router.headers, "content-type": "application/json"}
-        )
-        try:
-            return await router.client.send(upstream, stream=True)
-        except httpx.ConnectError:
-            raise
-        except httpx.HTTPError as exc:
-            raise UpstreamUnavailable(f"{route.url} ({route.arm}) did not answer: {exc}") from exc
-
-    async def forward(request: Request, path: str) -> Response:
-        raw, body = await read_json_body(request, settings.max_body_bytes)
-        user = body.get("user")
-        if not isinstance(user, str) or not user.strip():
-            raise BadRequest(
-                400, "`user` (a stable pseudonymous user id) is required: the canary split is by user", param="user"
-            )
-        model = body.get("model")
-        if not isinstance(model, str) or not model:
-            raise BadRequest(400, "`model` is required (GET /v1/models lists the served names)", param="model")
-        names = await router.model_names()
-        if model not in names:
-            raise BadRequest(
-                404,
-                f"model {model!r} is not served here; served: {', '.join(sorted(names)) or 'none'}",
-                param="model",
-                code="model_not_found",
-            )
-        route = await router.route(user)
-        try:
-            resp = await send(route, path, raw)
-        except httpx.ConnectError:
-            if route.arm != CANARY:
-                raise
-            # the canary server went away after it was routed to; the request never reached it
-            router.invalidate()
-            route = await router.production_route()
-            resp = await send(route, path, raw)
-        _requests.add(1, {"arm": route.arm, "status": resp.status_code})
-        headers = stamp(route)
-        if "content-type" in resp.headers:
-            headers["content-type"] = resp.headers["content-type"]
-        return StreamingResponse(
-            resp.aiter_bytes(), status_code=resp.status_code, headers=headers, background=BackgroundTask(resp.aclose)
-        )
-
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        return await forward(request, "/v1/completions")
+        return await forward(router, request, "/v1/completions", settings.max_body_bytes)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        return await forward(request, "/v1/chat/completions")
+        return await forward(router, request, "/v1/chat/completions", settings.max_body_bytes)
 
     return app
 

@@ -3,8 +3,9 @@ production change makes it re-read what the servers serve.
 
 Invariants:
 
-- the topic is read over ALL its partitions by manual assignment (no consumer group), like the
-  serving watcher: every front replica sees every change;
+- the topic is read by the follower the serving watcher uses too (:mod:`serving.lifecycle_topic`:
+  all partitions, typed messages, positions advanced after a batch is applied); every front
+  replica sees every change;
 - at start the front seeks to the topic's end, THEN reads the active canary from the database, then
   applies what arrives after those positions, so no change between the two reads is missed; without
   a database it replays the topic from its beginning instead (the newest canary change wins);
@@ -17,22 +18,15 @@ Invariants:
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Iterable
 from typing import Any
 
-from kafka import KafkaConsumer, TopicPartition
-
 from app.core.db import session_scope
-from app.core.retry import Backoff
+from app.core.errors import InfrastructureError
 from app.lifecycle.canary import get_active_canary
-from app.lifecycle.messages import (
-    CANARY_CHANGES,
-    PRODUCTION_CHANGES,
-    LifecycleMessageError,
-    parse_lifecycle_message,
-)
+from app.lifecycle.messages import CANARY_CHANGES, PRODUCTION_CHANGES
 from serving.front_routing import Canary, FrontRouter
+from serving.lifecycle_topic import LifecycleBatch, LifecycleTopicFollower
 
 log = logging.getLogger("flywheel.front")
 
@@ -52,7 +46,8 @@ def canary_from_registry() -> Canary | None:
 
 class LifecycleFollower:
     """Applies lifecycle messages to a :class:`FrontRouter`; :meth:`start` reads them from Kafka in
-    a daemon thread (see the module invariants).
+    a daemon thread through a :class:`serving.lifecycle_topic.LifecycleTopicFollower` (see the
+    module invariants).
 
     Args:
         router: the routing state to change.
@@ -62,14 +57,18 @@ class LifecycleFollower:
 
     def __init__(self, router: FrontRouter, *, bootstrap: str | None, topic: str) -> None:
         self.router = router
-        self.bootstrap = bootstrap
-        self.topic = topic
         self.applied_outbox_id = 0
-        self.positions: dict[int, int] = {}  # partition -> next offset, so a reconnect resumes there
-        self._from_beginning = False
-        self._consumer: KafkaConsumer | None = None
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self.topic_follower = (
+            LifecycleTopicFollower(
+                self._apply_batch,
+                bootstrap=bootstrap,
+                topic=topic,
+                client_id="flywheel-serving-front",
+                start_at="end",
+            )
+            if bootstrap
+            else None
+        )
 
     def apply(self, payloads: Iterable[dict[str, Any]]) -> Canary | None:
         """Apply a batch of decoded lifecycle messages in ``outbox_id`` order; returns the canary routed to."""
@@ -100,96 +99,45 @@ class LifecycleFollower:
                 log.info("canary %s stopped: production serves every user", canary_id)
         return self.router.canary
 
-    def _connect(self, *, from_beginning: bool) -> KafkaConsumer:
-        consumer = KafkaConsumer(
-            bootstrap_servers=self.bootstrap,
-            enable_auto_commit=False,
-            group_id=None,
-            client_id="flywheel-serving-front",
-        )
-        partitions = consumer.partitions_for_topic(self.topic) or {0}
-        tps = [TopicPartition(self.topic, p) for p in sorted(partitions)]
-        consumer.assign(tps)
-        for tp in tps:
-            if tp.partition in self.positions:
-                consumer.seek(tp, self.positions[tp.partition])
-            elif from_beginning:
-                consumer.seek_to_beginning(tp)
-            else:
-                consumer.seek_to_end(tp)
-            self.positions[tp.partition] = consumer.position(tp)  # resolved now, before the registry is read
-        return consumer
+    def _apply_batch(self, batch: LifecycleBatch) -> None:
+        self.apply(r.payload for r in batch.records)
 
     def begin(self) -> Canary | None:
         """Take the starting state: positions at the topic's end, then the database's active canary
         (the topic from its beginning when the database cannot be read). Never raises: a broker that
         is down is connected to later by the thread, a database that is down is logged."""
-        from_beginning = False
-        if self.bootstrap:
+        if self.topic_follower is not None:
             try:
-                self._consumer = self._connect(from_beginning=False)
+                self.topic_follower.connect()
             except Exception as exc:  # the broker is down: the thread connects once it is back
                 log.warning("lifecycle topic unreachable at start (%s); following it once it answers", exc)
         try:
             self.router.set_canary(canary_from_registry())
         except Exception as exc:  # no registry: the topic's own history says which canary runs
             log.error("no active canary read from the database (%s); replaying the lifecycle topic", exc)
-            from_beginning = True
-            if self._consumer is not None:
-                self._consumer.seek_to_beginning()
-                self.positions.clear()
-        self._from_beginning = from_beginning
+            if self.topic_follower is not None:
+                self.topic_follower.replay_from_beginning()
         return self.router.canary
 
     def poll_once(self, timeout_ms: int = 1000) -> int:
         """Read and apply one batch; returns how many messages it held.
 
         Raises:
+            InfrastructureError: no broker is configured.
             kafka.errors.KafkaError: the broker failed (the caller reconnects).
         """
-        if self._consumer is None:
-            self._consumer = self._connect(from_beginning=self._from_beginning)
-        records = self._consumer.poll(timeout_ms=timeout_ms, max_records=500)
-        payloads = []
-        for tp, msgs in records.items():
-            for m in msgs:
-                self.positions[tp.partition] = m.offset + 1
-                try:  # the one typed parse every follower shares (app.lifecycle.messages)
-                    payloads.append(parse_lifecycle_message(m.value).model_dump(mode="json"))
-                except LifecycleMessageError as exc:
-                    log.warning("skipping lifecycle message %s:%s: %s", tp.partition, m.offset, exc)
-        self.apply(payloads)
-        return sum(len(msgs) for msgs in records.values())
-
-    def run(self) -> None:
-        """Poll until :meth:`stop`; a broker fault is logged and retried (1 s doubling, at most 30 s)
-        while the front keeps routing by what it knows."""
-        backoff = Backoff(30.0, initial=1.0)
-        while not self._stop.is_set():
-            try:
-                self.poll_once()
-                backoff.reset()
-            except Exception as exc:
-                wait_s = backoff.next()
-                log.warning("following the lifecycle topic failed (%s); retrying in %.0fs", exc, wait_s)
-                if self._consumer is not None:
-                    self._consumer.close()
-                    self._consumer = None
-                self._stop.wait(wait_s)
+        if self.topic_follower is None:
+            raise InfrastructureError("no broker configured (FLYWHEEL_KAFKA_BOOTSTRAP): no lifecycle topic to read")
+        return self.topic_follower.poll_once(timeout_ms)
 
     def start(self) -> None:
         """Follow the topic in a daemon thread (no-op without a broker configured)."""
-        if not self.bootstrap:
+        if self.topic_follower is None:
             log.warning("no broker configured (FLYWHEEL_KAFKA_BOOTSTRAP): the front follows no lifecycle changes")
             return
-        self._thread = threading.Thread(target=self.run, name="front-lifecycle", daemon=True)
-        self._thread.start()
+        self.topic_follower.start("front-lifecycle")
 
     def stop(self, timeout_s: float = 10.0) -> None:
         """Stop following and close the consumer."""
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout_s)
-        if self._consumer is not None:
-            self._consumer.close()
-            self._consumer = None
+        if self.topic_follower is not None:
+            self.topic_follower.stop(timeout_s)

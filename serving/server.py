@@ -24,7 +24,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from app.core.errors import FlywheelError
-from app.inference.engine import SamplingParams
+from app.inference.engine import Generation, SamplingParams
 from serving.torch_engine import TorchEngine
 
 
@@ -98,65 +98,11 @@ def create_app(engine: TorchEngine, *, api_key: str | None = None) -> FastAPI:
 
     @app.post("/v1/completions", dependencies=[Depends(auth)])
     def completions(req: CompletionRequest) -> dict[str, Any]:
-        prompts = _token_prompts(engine, req.prompt)
-        if any(not p for p in prompts):
-            raise HTTPException(status_code=400, detail="empty prompt")
-        params = SamplingParams(
-            max_tokens=req.max_tokens,
-            temperature=req.temperature,
-            top_p=req.top_p,
-            seed=req.seed,
-            stop_token_ids=tuple(req.stop_token_ids or ()),
-        )
-        expanded = [p for p in prompts for _ in range(req.n)]
-        gens = engine.generate(expanded, params)
-        choices = []
-        for i, g in enumerate(gens):
-            text = engine.tokenizer.decode(g.token_ids, skip_special_tokens=req.skip_special_tokens)
-            choice: dict[str, Any] = {"index": i, "text": text, "finish_reason": g.finish_reason, "logprobs": None}
-            if req.return_token_ids:
-                choice["token_ids"] = g.token_ids
-                choice["prompt_token_ids"] = expanded[i]
-            if req.logprobs is not None:
-                tokens = (
-                    [f"token_id:{t}" for t in g.token_ids]
-                    if req.return_tokens_as_token_ids
-                    else engine.tokenizer.convert_ids_to_tokens(g.token_ids)
-                )
-                choice["logprobs"] = {
-                    "tokens": tokens,
-                    "token_logprobs": g.logprobs,
-                    "top_logprobs": None,
-                    "text_offset": None,
-                }
-            choices.append(choice)
-        completion_tokens = sum(len(g.token_ids) for g in gens)
-        prompt_tokens = sum(len(p) for p in expanded)
-        return {
-            "id": f"cmpl-{uuid.uuid4().hex}",
-            "object": "text_completion",
-            "created": int(time.time()),
-            "model": engine.checkpoint_id,
-            "choices": choices,
-            "usage": {
-                "prompt_tokens": prompt_tokens,
-                "completion_tokens": completion_tokens,
-                "total_tokens": prompt_tokens + completion_tokens,
-            },
-        }
+        return complete(engine, req)
 
     @app.post("/collective_rpc", dependencies=[Depends(auth)])
     def collective_rpc(req: RpcRequest) -> dict[str, Any]:
-        if req.method in ("reload_checkpoint", "reload_weights"):
-            path = req.kwargs.get("weights_path")
-            if not path:
-                raise HTTPException(status_code=400, detail="reload_weights needs kwargs.weights_path")
-            engine.load_checkpoint(Path(path).name, Path(path))
-        elif req.method == "apply_delta":
-            engine.apply_delta(req.kwargs["checkpoint_id"], Path(req.kwargs["delta_path"]), req.kwargs["parent_id"])
-        else:
-            raise HTTPException(status_code=400, detail=f"unsupported method {req.method!r}")
-        return {"results": [None]}
+        return call_rpc(engine, req)
 
     @app.post("/reset_prefix_cache", dependencies=[Depends(auth)])
     def reset_prefix_cache() -> dict[str, bool]:
@@ -191,3 +137,75 @@ def _token_prompts(engine: TorchEngine, prompt) -> list[list[int]]:
     if prompt and isinstance(prompt[0], int):
         return [list(prompt)]
     return [engine.tokenizer(p, add_special_tokens=False).input_ids if isinstance(p, str) else list(p) for p in prompt]
+
+
+def call_rpc(engine: TorchEngine, req: RpcRequest) -> dict[str, Any]:
+    """The weight moves vLLM's ``/collective_rpc`` takes (``reload_checkpoint`` / ``reload_weights``
+    with ``weights_path``) and ``apply_delta``, flywheel's own.
+
+    Raises:
+        HTTPException: 400 for another method or a reload without ``weights_path``.
+    """
+    if req.method in ("reload_checkpoint", "reload_weights"):
+        path = req.kwargs.get("weights_path")
+        if not path:
+            raise HTTPException(status_code=400, detail="reload_weights needs kwargs.weights_path")
+        engine.load_checkpoint(Path(path).name, Path(path))
+    elif req.method == "apply_delta":
+        engine.apply_delta(req.kwargs["checkpoint_id"], Path(req.kwargs["delta_path"]), req.kwargs["parent_id"])
+    else:
+        raise HTTPException(status_code=400, detail=f"unsupported method {req.method!r}")
+    return {"results": [None]}
+
+
+def complete(engine: TorchEngine, req: CompletionRequest) -> dict[str, Any]:
+    """Answer one ``/v1/completions`` request as vLLM's server does: ``n`` completions of each
+    prompt, token ids and log-probs when asked, usage counted in tokens.
+
+    Raises:
+        HTTPException: 400 for an empty prompt.
+    """
+    prompts = _token_prompts(engine, req.prompt)
+    if any(not p for p in prompts):
+        raise HTTPException(status_code=400, detail="empty prompt")
+    params = SamplingParams(
+        max_tokens=req.max_tokens,
+        temperature=req.temperature,
+        top_p=req.top_p,
+        seed=req.seed,
+        stop_token_ids=tuple(req.stop_token_ids or ()),
+    )
+    expanded = [p for p in prompts for _ in range(req.n)]
+    gens = engine.generate(expanded, params)
+    completion_tokens = sum(len(g.token_ids) for g in gens)
+    prompt_tokens = sum(len(p) for p in expanded)
+    return {
+        "id": f"cmpl-{uuid.uuid4().hex}",
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": engine.checkpoint_id,
+        "choices": [_choice(engine, req, i, g, expanded[i]) for i, g in enumerate(gens)],
+        "usage": {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+        },
+    }
+
+
+def _choice(
+    engine: TorchEngine, req: CompletionRequest, index: int, g: Generation, prompt: list[int]
+) -> dict[str, Any]:
+    text = engine.tokenizer.decode(g.token_ids, skip_special_tokens=req.skip_special_tokens)
+    choice: dict[str, Any] = {"index": index, "text": text, "finish_reason": g.finish_reason, "logprobs": None}
+    if req.return_token_ids:
+        choice["token_ids"] = g.token_ids
+        choice["prompt_token_ids"] = prompt
+    if req.logprobs is not None:
+        tokens = (
+            [f"token_id:{t}" for t in g.token_ids]
+            if req.return_tokens_as_token_ids
+            else engine.tokenizer.convert_ids_to_tokens(g.token_ids)
+        )
+        choice["logprobs"] = {"tokens": tokens, "token_logprobs": g.logprobs, "top_logprobs": None, "text_offset": None}
+    return choice

@@ -17,7 +17,8 @@ Invariants:
 - The engine moves by the delta chain (``delta.zst`` of each checkpoint between the serving one and
   the target) when the target descends from what is served and the engine applies deltas itself
   (the torch engine, ``flywheel serve``); by a full load otherwise (rollbacks, unrelated lineage, a
-  missing or failing delta, vLLM, which can only reload a folder). Every move is logged with its
+  missing or failing delta, vLLM, which can only reload a folder; :mod:`serving.moves` plans it).
+  Every move is logged with its
   method and counted in the ``flywheel.serving.weight_moves`` metric (attribute ``method``).
 - What serves (production, and the canary when one runs) is reported in ``$FLYWHEEL_HOME/serving.json``
   (atomic replace), together with the Kafka positions and the dedupe state, so a restarted watcher
@@ -28,10 +29,8 @@ every 10 s it checks the server's health and restarts a dead or hung one on the 
 served, logging an error; requests made while it is down fail loudly in their clients.
 
 Every serving replica runs its own watcher over ALL partitions (manual assignment, not a consumer
-group): each replica must see every production change.
-
-Size: over 400 lines because production moves and canary starts and stops share one message loop,
-one dedupe of redelivered lifecycle messages and one state file; splitting them would split that loop.
+group): each replica must see every production change. The topic is read by the follower the
+serving front uses too (:mod:`serving.lifecycle_topic`).
 """
 
 from __future__ import annotations
@@ -41,27 +40,24 @@ import signal
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
-from kafka import KafkaConsumer, TopicPartition
-
-from app.checkpoints.delta import DELTA_FILE
-from app.checkpoints.store import STABLE, CheckpointStore
+from app.checkpoints.store import CheckpointStore
 from app.core.db import session_scope
 from app.core.errors import CheckpointError, InfrastructureError
 from app.core.metrics import SERVING_RELOAD_DURATION
-from app.core.retry import Backoff, is_transient
+from app.core.retry import is_transient
 from app.core.settings import flywheel_home, get_settings
 from app.core.telemetry import extract_context, meter, tracer
-from app.lifecycle.messages import PRODUCTION_CHANGES, LifecycleMessageError, parse_lifecycle_message
+from app.lifecycle.messages import PRODUCTION_CHANGES
 from app.lifecycle.serving_state import read_serving_state, write_serving_state
 from app.models import Checkpoint
 from app.repositories.checkpoints import get_production
-from producers.settings import kafka_security
 from serving.canary import CANARY_CHANGES, CanaryFollower, EngineRouter
 from serving.engine import setup_engine
+from serving.lifecycle_topic import LifecycleBatch, LifecycleTopicFollower
+from serving.moves import Engine, Move, plan_move, resolve_dir
 from serving.openai_engine import OpenAICompatEngine
 from serving.vllm_server import VLLMServer, ensure_server
 
@@ -73,28 +69,6 @@ _moves = meter("flywheel.serving").create_counter(
 )
 
 SEEN_IDS_KEPT = 512
-
-
-class Engine(Protocol):
-    """The part of ``app.inference.engine.InferenceEngine`` the watcher drives."""
-
-    checkpoint_id: str
-
-    def load_checkpoint(self, checkpoint_id: str, path: Path) -> None: ...
-
-    def apply_delta(self, checkpoint_id: str, delta_path: Path, parent_id: str) -> None: ...
-
-    # optional: ``applies_deltas`` (default True), False when apply_delta reloads the full folder
-
-
-@dataclass(frozen=True)
-class Move:
-    """How the engine gets from the serving checkpoint to the target."""
-
-    target_id: str
-    method: str  # "noop" | "delta" | "full"
-    steps: tuple[tuple[str, Path, str], ...] = ()  # (checkpoint_id, delta path, parent id), parent first
-    path: Path | None = None  # full-load directory
 
 
 def message_identity(payload: dict[str, Any], headers: Iterable[tuple[str, bytes]] | None = None) -> str | None:
@@ -136,45 +110,6 @@ class Deduper:
     def ids(self) -> list[str]:
         """The remembered ids, oldest first."""
         return list(self._seen)
-
-
-def _resolve_dir(entry_path: str | None, checkpoint_id: str, store: CheckpointStore) -> Path:
-    if entry_path and (Path(entry_path) / STABLE).exists():
-        return Path(entry_path)
-    return store.stable_path(checkpoint_id)
-
-
-def plan_move(serving_id: str | None, payload: dict[str, Any], store: CheckpointStore, *, deltas: bool = True) -> Move:
-    """The cheapest way from ``serving_id`` to the message's checkpoint.
-
-    ``payload["lineage"]`` lists ``{"id", "path"}`` from the target back to the base (written by
-    ``app.promotion.service``). Delta steps are returned parent first. ``deltas=False`` (an engine
-    that cannot apply them, e.g. vLLM) plans a full load of the target instead.
-
-    Raises:
-        CheckpointError: the target directory is missing or not STABLE.
-    """
-    target = payload["checkpoint_id"]
-    if serving_id == target:
-        return Move(target_id=target, method="noop")
-    chain = payload.get("lineage") or [{"id": target, "path": payload.get("path")}]
-    ids = [c["id"] for c in chain]
-    full = Move(target_id=target, method="full", path=_resolve_dir(payload.get("path"), target, store))
-    if not deltas or serving_id is None or serving_id not in ids[1:]:
-        return full
-    steps = []
-    descendants = chain[: ids.index(serving_id)]  # target ... child of serving
-    parent = serving_id
-    for entry in reversed(descendants):
-        try:
-            delta = _resolve_dir(entry.get("path"), entry["id"], store) / DELTA_FILE
-        except CheckpointError:
-            return full
-        if not delta.exists():
-            return full
-        steps.append((entry["id"], delta, parent))
-        parent = entry["id"]
-    return Move(target_id=target, method="delta", steps=tuple(steps))
 
 
 class ProductionFollower:
@@ -239,7 +174,7 @@ class ProductionFollower:
                 move = Move(
                     target_id=move.target_id,
                     method="full",
-                    path=_resolve_dir(payload.get("path"), move.target_id, self.store),
+                    path=resolve_dir(payload.get("path"), move.target_id, self.store),
                 )
         if move.method == "full":
             self.engine.load_checkpoint(move.target_id, move.path)
@@ -311,7 +246,8 @@ class ProductionFollower:
 
 
 class ServingWatcher:
-    """Reads the lifecycle topic (all partitions, manual assignment) and feeds a :class:`ProductionFollower`.
+    """Reads the lifecycle topic through a :class:`serving.lifecycle_topic.LifecycleTopicFollower`
+    and feeds a :class:`ProductionFollower`.
 
     Positions are saved in ``serving.json`` after each batch; with none saved the watcher reads the
     topic from the beginning and jumps to the newest production change it finds.
@@ -330,14 +266,22 @@ class ServingWatcher:
         supervise_interval_s: float = 10.0,
     ) -> None:
         kafka = get_settings().kafka
-        self.bootstrap = bootstrap or kafka.bootstrap
-        if not self.bootstrap:
+        bootstrap = bootstrap or kafka.bootstrap
+        if not bootstrap:
             raise InfrastructureError("no broker configured: set FLYWHEEL_KAFKA_BOOTSTRAP or run `flywheel stack up`")
-        self.topic = topic or kafka.lifecycle_topic
         self.follower = ProductionFollower(engine, store=store, home=home, canary=canary)
-        self._consumer = None
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self.topic_follower = LifecycleTopicFollower(
+            self._apply_batch,
+            bootstrap=bootstrap,
+            topic=topic or kafka.lifecycle_topic,
+            client_id="flywheel-serving-watcher",
+            start_at="beginning",
+            positions={int(p): int(o) for p, o in self.follower.offsets.items()},
+            # a checkpoint not synced here yet, or a broker or database fault, clears by itself
+            retry=lambda exc: isinstance(exc, CheckpointError) or is_transient(exc),
+            before_poll=self.supervise,
+        )
+        self._last_move: Move | None = None
         self._supervise = supervise
         self._supervise_interval_s = supervise_interval_s
         self._supervised_at = 0.0
@@ -353,25 +297,10 @@ class ServingWatcher:
         except InfrastructureError as exc:
             log.error("the serving engine is down and could not be restarted: %s", exc)
 
-    def _connect(self):
-        consumer = KafkaConsumer(
-            bootstrap_servers=self.bootstrap,
-            enable_auto_commit=False,
-            group_id=None,
-            auto_offset_reset="earliest",
-            client_id="flywheel-serving-watcher",
-            **kafka_security(),
-        )
-        partitions = consumer.partitions_for_topic(self.topic) or {0}
-        tps = [TopicPartition(self.topic, p) for p in sorted(partitions)]
-        consumer.assign(tps)
-        for tp in tps:
-            saved = self.follower.offsets.get(str(tp.partition))
-            if saved is not None:
-                consumer.seek(tp, int(saved))
-            else:
-                consumer.seek_to_beginning(tp)
-        return consumer
+    def _apply_batch(self, batch: LifecycleBatch) -> None:
+        self._last_move = self.follower.handle_batch([(r.payload, r.headers) for r in batch.records])
+        self.follower.offsets.update({str(p): o for p, o in batch.positions.items()})
+        self.follower.report()
 
     def poll_once(self, timeout_ms: int = 1000) -> Move | None:
         """Poll one batch, apply its newest production change, save positions. Returns the move made.
@@ -382,39 +311,13 @@ class ServingWatcher:
             Exception: the broker or the database failed (``kafka.errors.KafkaError``,
                 ``sqlalchemy.exc.DBAPIError``...); likewise nothing is advanced.
         """
-        if self._consumer is None:
-            self._consumer = self._connect()
-        records = self._consumer.poll(timeout_ms=timeout_ms, max_records=500)
-        batch, positions = [], {}
-        for tp, msgs in records.items():
-            for m in msgs:
-                try:  # one typed parse for every follower (app.lifecycle.messages)
-                    payload = parse_lifecycle_message(m.value).model_dump(mode="json")
-                except LifecycleMessageError as exc:
-                    log.warning("skipping lifecycle message %s:%s: %s", tp.partition, m.offset, exc)
-                    payload = None
-                if payload is not None:
-                    batch.append((payload, m.headers))
-                positions[str(tp.partition)] = m.offset + 1
-        if not positions:
-            return None
-        try:
-            move = self.follower.handle_batch(batch)
-        except Exception:
-            for tp in self._consumer.assignment():  # re-read this batch next time
-                saved = self.follower.offsets.get(str(tp.partition))
-                self._consumer.seek(tp, int(saved)) if saved is not None else self._consumer.seek_to_beginning(tp)
-            raise
-        self.follower.offsets.update(positions)
-        self.follower.report()
-        return move
+        self._last_move = None
+        self.topic_follower.poll_once(timeout_ms)
+        return self._last_move
 
     def caught_up(self) -> bool:
-        """Whether every assigned partition has been read to its current end offset."""
-        if self._consumer is None:
-            self._consumer = self._connect()
-        ends = self._consumer.end_offsets(list(self._consumer.assignment()))
-        return all(self._consumer.position(tp) >= end for tp, end in ends.items())
+        """Whether every partition has been read to its current end offset."""
+        return self.topic_follower.caught_up()
 
     def run(self, *, idle_exit: bool = False, poll_ms: int = 1000) -> None:
         """Poll until :meth:`stop` (or, with ``idle_exit``, until the topic is read to its end). A
@@ -425,43 +328,15 @@ class ServingWatcher:
         Raises:
             Exception: a fault that is not transient (``app.core.retry.is_transient``).
         """
-        backoff = Backoff(30.0, initial=1.0)
-        while not self._stop.is_set():
-            self.supervise()
-            try:
-                self.poll_once(timeout_ms=poll_ms)
-                backoff.reset()
-                if idle_exit and self.caught_up():
-                    return
-            except Exception as exc:
-                if not (isinstance(exc, CheckpointError) or is_transient(exc)):
-                    raise
-                wait_s = backoff.next()
-                if isinstance(exc, CheckpointError):  # the directory may not be synced yet
-                    log.warning("cannot move serving yet (%s); retrying in %.0fs", exc, wait_s)
-                else:
-                    log.warning(
-                        "following production failed (%s: %s); retrying in %.0fs",
-                        type(exc).__name__,
-                        str(exc).splitlines()[0] if str(exc) else "",
-                        wait_s,
-                    )
-                self._stop.wait(wait_s)
+        self.topic_follower.run(idle_exit=idle_exit, poll_ms=poll_ms)
 
     def start(self) -> threading.Thread:
         """Run in a daemon thread (embed in a serving process that owns the engine)."""
-        self._thread = threading.Thread(target=self.run, name="serving-watcher", daemon=True)
-        self._thread.start()
-        return self._thread
+        return self.topic_follower.start("serving-watcher")
 
     def stop(self, timeout_s: float = 10.0) -> None:
         """Stop polling and close the consumer."""
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout_s)
-        if self._consumer is not None:
-            self._consumer.close()
-            self._consumer = None
+        self.topic_follower.stop(timeout_s)
 
 
 def _initial_checkpoint() -> tuple[str | None, Path | None]:
@@ -492,7 +367,7 @@ def run_watch(*, once: bool = False) -> None:
         supervise = lambda: ensure_server("production")  # noqa: E731
     watcher = ServingWatcher(engine, canary=CanaryFollower(EngineRouter(engine)), supervise=supervise)
     watcher.follower.report()
-    signal.signal(signal.SIGTERM, lambda *_: watcher._stop.set())
+    signal.signal(signal.SIGTERM, lambda *_: watcher.topic_follower.request_stop())
     try:
         watcher.run(idle_exit=once)
     finally:

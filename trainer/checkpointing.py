@@ -24,7 +24,7 @@ from app.checkpoints.store import MANIFEST, CheckpointStore
 from app.core.errors import CheckpointError
 from trainer.config import TrainerConfig
 from trainer.metrics import plot_curves
-from trainer.step import StepMetrics
+from trainer.step_metrics import StepMetrics
 
 TOKENIZER_FILES = (
     "tokenizer.json",

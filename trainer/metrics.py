@@ -16,7 +16,7 @@ from typing import Any
 from matplotlib.figure import Figure
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from trainer.step import StepMetrics
+from trainer.step_metrics import StepMetrics
 
 CURVES = (
     "loss",

@@ -47,9 +47,7 @@ import contextlib
 import logging
 import math
 import time
-from collections import defaultdict
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
 
 import torch
 from transformers import DynamicCache
@@ -62,18 +60,7 @@ from trainer.device import Placement
 from trainer.distributed import DataParallel
 from trainer.loss import LossInputs, kl_estimate, policy_loss
 from trainer.router_replay import replay_routes
-
-LOSS_SUMS = (
-    "pg_loss_sum",
-    "kl_sum",
-    "mismatch_kl_sum",
-    "behaviour_kl_sum",
-    "is_clipped",
-    "ppo_clipped",
-    "ratio_sum",
-)  # the LossOutputs fields a micro-batch adds up
-STEP_SUMS = LOSS_SUMS + ("entropy_sum", "adv", "advabs")
-# what a step adds up over its micro-batches (and, data-parallel, over ranks)
+from trainer.step_metrics import LOSS_SUMS, STEP_SUMS, StepMetrics, fill_means, update_watch
 
 log = logging.getLogger(__name__)
 
@@ -245,47 +232,6 @@ def use_behaviour_logprobs(batches: list[MicroBatch]) -> None:
         mb.old_logprobs = mb.behaviour_logprobs
 
 
-@dataclass
-class StepMetrics:
-    """Metrics of one optimizer step (token-weighted means over its micro-batches)."""
-
-    step: int
-    loss: float = 0.0
-    pg_loss: float = 0.0
-    kl: float = 0.0
-    """``KL(pi_old || pi_theta)`` at this step's forward (nats/token; ``loss.kl_estimator``, from the
-    sampled tokens, :func:`trainer.loss.kl_estimate`): the cycle's updates so far, what
-    ``max_kl_per_token`` watches. Equal to ``behaviour_kl`` when pi_old is mu."""
-    mismatch_kl: float = 0.0
-    """k3 ``KL(mu || pi_old)`` (nats/token): the serving/trainer mismatch; 0 when pi_old is mu."""
-    behaviour_kl: float = 0.0
-    """k3 ``KL(mu || pi_theta)`` at this step's forward (nats/token): the mismatch plus the updates so far."""
-    is_clip_frac: float = 0.0
-    ppo_clip_frac: float = 0.0
-    ratio: float = 0.0
-    entropy: float = 0.0
-    advantage_mean: float = 0.0
-    advantage_abs: float = 0.0
-    grad_norm: float = 0.0
-    lr: float = 0.0
-    trainable_tokens: int = 0
-    tokens: int = 0
-    """real tokens of the step's rows (a shared prefix counted in each row that continues it)"""
-    computed_tokens: int = 0
-    """real tokens the forward passes computed (a shared prefix once per micro-batch)"""
-    seconds: float = 0.0
-    tokens_per_s: float = 0.0
-    """``tokens / seconds``: rows' tokens trained per second"""
-    skipped_micro_batches: int = 0
-    """micro-batches whose loss was not finite (NaN/Inf): left out of the step, never backpropagated."""
-    skipped_step: bool = False
-    """the optimizer step was not taken: every micro-batch skipped, a non-finite gradient norm, or
-    the update watch stopped the cycle here."""
-    stopped_early: str | None = None
-    """why the update watch stopped the cycle at this step (``max_kl_per_token``, ``min_entropy``); None: it did not."""
-    extra: dict[str, float] = field(default_factory=dict)
-
-
 def micro_batch_schedule(batches: list, config: TrainerConfig) -> Iterator[list]:
     """Micro-batches per optimizer step: each of ``config.epochs`` epochs shuffles ``batches`` and
     splits them into steps of ``grad_accum``, so every micro-batch is trained once per epoch (a step
@@ -313,17 +259,6 @@ def make_optimizer(model: torch.nn.Module, config: TrainerConfig) -> torch.optim
         eps=o.eps,
         weight_decay=o.weight_decay,
     )
-
-
-def update_watch(m: StepMetrics, config: TrainerConfig) -> str | None:
-    """Why the cycle stops at step ``m`` (its KL to pi_old above ``max_kl_per_token``, or its entropy
-    below ``min_entropy``; a KL that is not finite counts as above), or None to go on. The step's
-    forward pass measures the updates of the steps before it."""
-    if config.max_kl_per_token is not None and not m.kl <= config.max_kl_per_token:
-        return f"kl to pi_old {m.kl:.4g} nats/token > max_kl_per_token {config.max_kl_per_token:g}"
-    if config.min_entropy is not None and not m.entropy >= config.min_entropy:
-        return f"entropy {m.entropy:.4g} nats/token < min_entropy {config.min_entropy:g}"
-    return None
 
 
 def train_steps(
@@ -366,72 +301,18 @@ def train_steps(
         start = time.perf_counter()
         optimizer.zero_grad(set_to_none=True)
         m = StepMetrics(step=step, lr=lr)
-        sums = dict.fromkeys(STEP_SUMS, 0.0)
-        local = group if dp is None else dp.local(group)
-        for i, mb in enumerate(local):
-            with _autocast(placement):  # data parallel: DDP's forward, no_sync() but on this rank's last
-                loss, mb_sums = micro_batch_loss(model, mb, config) if dp is None else dp.loss(mb, i == len(local) - 1)
-            if not torch.isfinite(loss.detach()):
-                m.skipped_micro_batches += 1
-                log.warning(
-                    "step %d: a micro-batch's loss is %s; skipped (%d tokens)",
-                    step,
-                    float(loss.detach()),
-                    mb.num_tokens,
-                )
-                continue
-            loss.backward()
-            m.loss += float(loss.detach())
-            mb_sums["adv"], mb_sums["advabs"] = float(mb.advantages.sum()), float(mb.advantages.abs().sum())
-            for key, value in mb_sums.items():
-                sums[key] = sums.get(key, 0.0) + value
-            m.trainable_tokens += mb.num_trainable
-            m.tokens += mb.num_tokens
-            m.computed_tokens += mb.computed_tokens
+        sums = _accumulate_gradients(model, group, m, config, placement, dp)
         if dp is not None:
             dp.finish_step()  # every rank joins the step's gradient all-reduce
-            totals = dp.all_reduce_sums(
-                {
-                    **sums,
-                    "loss": m.loss,
-                    "trainable": m.trainable_tokens,
-                    "tokens": m.tokens,
-                    "computed": m.computed_tokens,
-                    "skipped": m.skipped_micro_batches,
-                },
-                batches[0].targets.device,
-            )
-            m.loss, m.trainable_tokens, m.tokens = (
-                totals.pop("loss"),
-                int(totals.pop("trainable")),
-                int(totals.pop("tokens")),
-            )
-            m.computed_tokens = int(totals.pop("computed"))
-            m.skipped_micro_batches = int(totals.pop("skipped"))
-            sums = totals
+            sums = _sum_over_ranks(dp, m, sums, batches[0].targets.device)
         clip = torch.nn.utils.clip_grad_norm_ if dp is None else dp.clip_grad_norm  # sharded: DTensor gradients
         m.grad_norm = float(clip(model.parameters(), config.optim.max_grad_norm))
-        n = max(m.trainable_tokens, 1)
-        sums = defaultdict(float, sums)  # empty when every micro-batch was skipped
-        m.pg_loss, m.kl, m.mismatch_kl = sums["pg_loss_sum"] / n, sums["kl_sum"] / n, sums["mismatch_kl_sum"] / n
-        m.behaviour_kl = sums["behaviour_kl_sum"] / n
-        m.is_clip_frac, m.ppo_clip_frac = sums["is_clipped"] / n, sums["ppo_clipped"] / n
-        m.ratio, m.entropy = sums["ratio_sum"] / n, sums["entropy_sum"] / n
-        m.advantage_mean, m.advantage_abs = sums["adv"] / n, sums["advabs"] / n
+        fill_means(m, sums)
         m.stopped_early = update_watch(m, config) if m.trainable_tokens else None  # global: ranks agree
         m.skipped_step = (
             m.skipped_micro_batches == len(group) or not math.isfinite(m.grad_norm) or m.stopped_early is not None
         )
-        if m.stopped_early is not None:
-            log.warning("step %d: %s; no update, the cycle's remaining steps are not run", step, m.stopped_early)
-        elif m.skipped_step:
-            log.warning(
-                "step %d: no optimizer step (%d of %d micro-batches skipped, gradient norm %s)",
-                step,
-                m.skipped_micro_batches,
-                len(group),
-                m.grad_norm,
-            )
+        _log_skipped(m, len(group))
         if m.skipped_step:
             optimizer.zero_grad(set_to_none=True)
         else:
@@ -446,3 +327,72 @@ def train_steps(
     if dp is not None:
         dp.detach()
     return history
+
+
+def _accumulate_gradients(
+    model: torch.nn.Module,
+    group: list[MicroBatch],
+    m: StepMetrics,
+    config: TrainerConfig,
+    placement: "Placement | None",
+    dp: "DataParallel | None",
+) -> dict[str, float]:
+    """Forward and backward over this rank's micro-batches of one step, skipping any whose loss is
+    not finite; counts tokens into ``m`` and returns the step's sums (:data:`STEP_SUMS`)."""
+    sums = dict.fromkeys(STEP_SUMS, 0.0)
+    local = group if dp is None else dp.local(group)
+    for i, mb in enumerate(local):
+        with _autocast(placement):  # data parallel: DDP's forward, no_sync() but on this rank's last
+            loss, mb_sums = micro_batch_loss(model, mb, config) if dp is None else dp.loss(mb, i == len(local) - 1)
+        if not torch.isfinite(loss.detach()):
+            m.skipped_micro_batches += 1
+            log.warning(
+                "step %d: a micro-batch's loss is %s; skipped (%d tokens)",
+                m.step,
+                float(loss.detach()),
+                mb.num_tokens,
+            )
+            continue
+        loss.backward()
+        m.loss += float(loss.detach())
+        mb_sums["adv"], mb_sums["advabs"] = float(mb.advantages.sum()), float(mb.advantages.abs().sum())
+        for key, value in mb_sums.items():
+            sums[key] = sums.get(key, 0.0) + value
+        m.trainable_tokens += mb.num_trainable
+        m.tokens += mb.num_tokens
+        m.computed_tokens += mb.computed_tokens
+    return sums
+
+
+def _sum_over_ranks(dp: DataParallel, m: StepMetrics, sums: dict[str, float], device: torch.device) -> dict[str, float]:
+    """Data parallel: the step's sums and ``m``'s counts summed over ranks (``m`` updated in place),
+    so every rank reports and decides on global metrics."""
+    totals = dp.all_reduce_sums(
+        {
+            **sums,
+            "loss": m.loss,
+            "trainable": m.trainable_tokens,
+            "tokens": m.tokens,
+            "computed": m.computed_tokens,
+            "skipped": m.skipped_micro_batches,
+        },
+        device,
+    )
+    m.loss = totals.pop("loss")
+    m.trainable_tokens, m.tokens = int(totals.pop("trainable")), int(totals.pop("tokens"))
+    m.computed_tokens = int(totals.pop("computed"))
+    m.skipped_micro_batches = int(totals.pop("skipped"))
+    return totals
+
+
+def _log_skipped(m: StepMetrics, micro_batches: int) -> None:
+    if m.stopped_early is not None:
+        log.warning("step %d: %s; no update, the cycle's remaining steps are not run", m.step, m.stopped_early)
+    elif m.skipped_step:
+        log.warning(
+            "step %d: no optimizer step (%d of %d micro-batches skipped, gradient norm %s)",
+            m.step,
+            m.skipped_micro_batches,
+            micro_batches,
+            m.grad_norm,
+        )

@@ -38,7 +38,6 @@ from trainer.metrics import step_progress
 from trainer.router_replay import checkpoint_contexts
 from trainer.sharding import ShardedDataParallel
 from trainer.step import (
-    StepMetrics,
     compute_old_logprobs,
     make_optimizer,
     micro_batch_schedule,
@@ -46,6 +45,7 @@ from trainer.step import (
     train_steps,
     use_behaviour_logprobs,
 )
+from trainer.step_metrics import StepMetrics
 
 _tracer = tracer("flywheel.trainer")
 _LIBC = ctypes.CDLL(ctypes.util.find_library("c") or None)

@@ -1,4 +1,5 @@
-"""Request and response models of the promotion API (pydantic v2; these ARE the OpenAPI schema).
+"""Request and response models of the promotion API (pydantic v2; these ARE the OpenAPI schema);
+the canary, online-signal and A/B ones are :mod:`app.api.online_schemas`.
 
 Invariant: every free-text input is valid UTF-8 without NUL (Postgres refuses NUL in text), and
 every checkpoint id matches :data:`CHECKPOINT_ID_PATTERN`, so bad input is a 422, never a 500.
@@ -55,11 +56,15 @@ OverrideReason = Annotated[
 T = TypeVar("T")
 
 
-class _In(BaseModel):
+class RequestModel(BaseModel):
+    """A request body: an unknown field is a 422, never silently dropped."""
+
     model_config = ConfigDict(extra="forbid")
 
 
-class _Out(BaseModel):
+class ResponseModel(BaseModel):
+    """A response read from ORM rows (``from_attributes``)."""
+
     model_config = ConfigDict(from_attributes=True)
 
 
@@ -84,7 +89,7 @@ class Page(BaseModel, Generic[T]):
     next_cursor: str | None = None
 
 
-class CheckpointSummary(_Out):
+class CheckpointSummary(ResponseModel):
     """A checkpoint row as listed."""
 
     id: str
@@ -119,7 +124,7 @@ class Lineage(BaseModel):
     data_window: dict[str, Any] = Field(description="start/end of its training data; watermark when known")
 
 
-class GateSummary(_Out):
+class GateSummary(ResponseModel):
     """A gate decision on a candidate versus the production it was compared with."""
 
     id: uuid.UUID
@@ -191,7 +196,7 @@ class EvalReport(BaseModel):
     gate_report: dict[str, Any] = Field(default_factory=dict, description="the gate's own report, verbatim")
 
 
-class PromotionRequest(_In):
+class PromotionRequest(RequestModel):
     """Make a gate-passed candidate production."""
 
     checkpoint_id: CheckpointId
@@ -207,7 +212,7 @@ class PromotionRequest(_In):
     )
 
 
-class RollbackRequest(_In):
+class RollbackRequest(RequestModel):
     """Return production to an earlier production checkpoint."""
 
     reason: Reason
@@ -217,13 +222,13 @@ class RollbackRequest(_In):
     )
 
 
-class RejectRequest(_In):
+class RejectRequest(RequestModel):
     """Take a candidate out of the running."""
 
     reason: Reason
 
 
-class PromotionOut(_Out):
+class PromotionOut(ResponseModel):
     """A production change (promotion or rollback)."""
 
     id: uuid.UUID
@@ -252,7 +257,7 @@ class ProductionOut(BaseModel):
     serving_in_sync: bool
 
 
-class AuditEntry(_Out):
+class AuditEntry(ResponseModel):
     """One append-only audit record."""
 
     id: int
@@ -282,174 +287,3 @@ class Readiness(BaseModel):
 
     status: Literal["ready"]
     checks: dict[str, str]
-
-
-class CanaryRequest(_In):
-    """Serve a gate-passed candidate to a sticky fraction of users beside production."""
-
-    checkpoint_id: CheckpointId
-    fraction: float = Field(
-        gt=0, lt=1, examples=[0.1], description="share of users served by the candidate (sticky by user id hash)"
-    )
-    reason: Reason
-
-
-class CanaryStopRequest(_In):
-    """Why a canary is stopped."""
-
-    reason: Reason
-
-
-class CanaryOut(_Out):
-    """A canary: who started it, its split, and its window."""
-
-    id: uuid.UUID
-    checkpoint_id: str
-    production_id: str
-    fraction: float
-    status: Literal["active", "stopped"]
-    actor: str
-    reason: str
-    gate_decision_id: uuid.UUID | None
-    started_at: datetime
-    stopped_at: datetime | None
-    stopped_by: str | None
-    stop_reason: str | None
-    ready_at: datetime | None = Field(
-        default=None,
-        description="when the canary policy found it ran its planned size with no signal regressed "
-        "(ready for promotion); null until then",
-    )
-
-
-class CanaryStatusOut(BaseModel):
-    """The active canary (null when none) and the most recent ones."""
-
-    active: CanaryOut | None
-    recent: list[CanaryOut]
-
-
-class SignalValue(BaseModel):
-    """One signal of one checkpoint: the ratio and its 95 % interval clustered by user."""
-
-    value: float
-    low: float
-    high: float
-    se: float
-    users: int
-    sessions: int
-
-
-class SignalSummary(BaseModel):
-    """Every online signal of one checkpoint over a set of sessions (null: not defined yet)."""
-
-    sessions: int
-    users: int
-    signals: dict[str, SignalValue | None]
-
-
-class SignalDiffOut(BaseModel):
-    """canary - production of one signal, with its interval; ``regressed`` when the interval lies
-    wholly on the bad side of 0."""
-
-    unit: str
-    higher_is_better: bool
-    canary: float | None
-    production: float | None
-    diff: float | None
-    low: float | None
-    high: float | None
-    regressed: bool
-
-
-class TimelinePoint(BaseModel):
-    """The comparison on the sessions started up to ``at``."""
-
-    at: datetime
-    canary_sessions: int
-    production_sessions: int
-    signals: dict[str, SignalDiffOut]
-
-
-class CanaryComparison(BaseModel):
-    """The newest canary of a checkpoint versus the production it ran beside."""
-
-    id: uuid.UUID
-    status: str
-    fraction: float
-    production_id: str
-    started_at: datetime
-    stopped_at: datetime | None
-    canary_sessions: int
-    production_sessions: int
-    signals: dict[str, SignalDiffOut]
-    policy_passed: bool
-    policy_reasons: list[str]
-    timeline: list[TimelinePoint]
-
-
-class OnlinePolicyOut(BaseModel):
-    """The online policy the checkpoint's gate decision stored."""
-
-    required: bool
-    min_sessions: int
-    signals: list[str]
-    confidence: float
-
-
-class LineageSignals(SignalSummary):
-    """The online signals of one checkpoint of the lineage."""
-
-    checkpoint_id: str
-    status: str
-
-
-class OnlineReport(BaseModel):
-    """Online product signals of a checkpoint: overall, its canary, and across its lineage."""
-
-    checkpoint_id: str
-    policy: OnlinePolicyOut
-    overall: SignalSummary
-    canary: CanaryComparison | None
-    lineage: list[LineageSignals]
-
-
-class ABMetricOut(BaseModel):
-    """One metric of an A/B in its unit (rates as fractions): both arms and the paired difference
-    ``final - base``, each with its interval clustered by task (null: undefined, e.g. no edit to
-    persist or fewer than two tasks)."""
-
-    base: float | None
-    final: float | None
-    diff: float | None
-    ci: tuple[float, float] | None = Field(description="interval of diff")
-    base_ci: tuple[float, float] | None = None
-    final_ci: tuple[float, float] | None = None
-    higher_is_better: bool
-
-
-class ABComparisonOut(_Out):
-    """One ``flywheel ab`` result: ``checkpoint_id`` against ``base_id`` on fresh traffic (the same
-    requests served by both, answered by the same simulated developers)."""
-
-    id: int
-    created_at: datetime
-    label: str | None = Field(description="names the run, e.g. cycle-2 (the demo's cycle)")
-    base_id: str
-    checkpoint_id: str = Field(description="the compared arm: on the demo's curve, the checkpoint serving")
-    pairs: int = Field(description="(task, sample) pairs both arms completed")
-    tasks: int
-    samples: int = Field(description="sessions per task and arm asked for")
-    confidence: float = Field(description="level of every interval")
-    base_pass_rate: float | None
-    pass_rate: float | None
-    pass_rate_diff: float | None
-    diff_ci_low: float | None
-    diff_ci_high: float | None
-    pass_rate_lower_bound: float | None = Field(description="one-sided lower bound of pass_rate_diff")
-    metrics: dict[str, ABMetricOut] = Field(
-        description="pass_rate, edit_acceptance, edit_persistence, dissatisfied_followup_rate, "
-        "mean_completion_tokens, mean_latency_s"
-    )
-    config: dict[str, Any] = Field(description="the A/B settings: difficulty mix, seed, budgets")
-    detail: dict[str, Any] = Field(description="source, split, tasks_by_difficulty, sessions, errors")

@@ -1,7 +1,7 @@
 """Whether bf16 is the faster compute dtype on this CPU: measured once per host, not read off its flags.
 
 The trainer's ``precision = "auto"`` (:func:`trainer.device.resolve_precision`) and the vLLM
-servers' ``dtype = "auto"`` (:func:`serving.vllm_server.resolve_dtype`) ask :func:`bf16_is_faster`.
+servers' ``dtype = "auto"`` (:func:`serving.vllm_command.resolve_dtype`) ask :func:`bf16_is_faster`.
 The CPU flags ``amx_bf16``/``avx512_bf16`` (:func:`app.core.cpu.cpu_has_bf16`) say bf16 instructions
 exist, not that bf16 is faster: on two 2-core hosts with them bf16 was the faster dtype (an Intel
 Xeon with AMX, an AMD EPYC), on a third, an Intel Xeon with ``avx512_bf16`` but no AMX, it was the

@@ -13,7 +13,8 @@ import pytest
 from app.core.db import session_scope
 from app.repositories.checkpoints import add_checkpoint
 from evals import gating, runner
-from evals.config import GateConfig, SuiteConfig, SuiteGate
+from evals.config import SuiteConfig
+from evals.gate_config import GateConfig, SuiteGate
 from evals.gating import gate_candidate
 from ops.report import collect_report
 from tests.integration.test_eval_runner_resume import StubTask

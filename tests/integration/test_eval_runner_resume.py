@@ -19,6 +19,7 @@ from app.models import EvalRun
 from app.repositories.checkpoints import add_checkpoint
 from evals import runner, store
 from evals.config import SuiteConfig
+from evals.plan import plan_run
 
 pytestmark = pytest.mark.integration
 
@@ -139,7 +140,7 @@ def test_session_errors_are_not_stored_and_rerun_retries_only_them(ckpt, monkeyp
 
 def test_the_same_run_cannot_execute_twice_at_once(ckpt, monkeypatch):
     monkeypatch.setattr(runner, "run_sample", Sessions())
-    plan = runner.plan_run(SUITE, TASKS)
+    plan = plan_run(SUITE, TASKS)
     with store.advisory_lock("eval", ckpt, SUITE.name, plan.suite_version):
         with pytest.raises(ConflictError, match="already running"):
             runner.run_suite(ckpt, SUITE, tasks=TASKS, engine=object())

@@ -140,7 +140,7 @@ def test_serving_rides_out_broker_and_inference_server_outages_and_then_follows_
     thread = threading.Thread(target=run, daemon=True)
     thread.start()
     try:
-        wait_for(lambda: watcher._consumer is not None, 30, what="the watcher to connect")
+        wait_for(lambda: watcher.topic_follower.connected, 30, what="the watcher to connect")
         time.sleep(1.0)
         relayed_broker.relay.cut()
         time.sleep(5.0)

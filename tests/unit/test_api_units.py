@@ -11,7 +11,8 @@ import pytest
 from app.checkpoints.store import CheckpointStore
 from app.core.intervals import newcombe_diff_interval, wilson_interval
 from app.promotion.queries import InvalidCursorError, decode_cursor, encode_cursor
-from serving.watcher import Deduper, ProductionFollower, plan_move
+from serving.moves import plan_move
+from serving.watcher import Deduper, ProductionFollower
 
 
 def test_wilson_interval_matches_reference_values():

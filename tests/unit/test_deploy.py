@@ -110,7 +110,7 @@ def test_vllm_servers_log_the_behaviour_policy_and_start_from_a_checkpoint_that_
 
 def test_the_deploy_files_run_vllm_with_the_flags_the_tests_ran():
     from app.core.settings import ServingSettings
-    from serving.vllm_server import server_command
+    from serving.vllm_command import server_command
 
     tested = server_command(Path("/checkpoints/base"), 8000, "bfloat16", ServingSettings(), cuda=True)  # GPU hosts
     tested = tested[tested.index("--model") :]  # after `python -m vllm.entrypoints.openai.api_server`

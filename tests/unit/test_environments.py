@@ -7,14 +7,13 @@ import json
 
 import pytest
 
+from evals.environment_imports import imported_modules, resolve_environment
 from evals.environments import (
     ENV_DIR,
     EnvironmentPolicy,
     EnvironmentProposal,
     environment_hash,
-    imported_modules,
     parse_proposal,
-    resolve_environment,
     task_key,
     verify_environment,
 )

@@ -7,7 +7,6 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from evals.config import GateConfig, MonitorBound, SuiteGate
 from evals.gate import (
     Outcome,
     SuiteOutcomes,
@@ -18,6 +17,7 @@ from evals.gate import (
     paired_bootstrap_interval,
     wilson_interval,
 )
+from evals.gate_config import GateConfig, MonitorBound, SuiteGate
 
 
 def config(**kw) -> GateConfig:
@@ -109,7 +109,7 @@ def test_identical_results_collapse_only_the_bootstrap():
 
 def test_zero_of_four_against_zero_of_four_is_insufficient_evidence():
     """The demo's gate: 4 tasks, min_pairs lowered to 4, both sides solve none."""
-    from evals.config import load_gate_config
+    from evals.gate_config import load_gate_config
 
     cand, prod = table(b=0, c=0, both=0, neither=4)
     policy = load_gate_config().with_min_pairs(4).gating_only(["functions"])
@@ -142,7 +142,7 @@ def test_seed_17_cycle_2_passes_on_its_interval_at_low_power():
     [+0.2, +7.3] on the held-out suite's 112 greedy pairs against its 4.5-point margin, at power
     0.23. The interval clears the margin (it even excludes 0), so the suite and the gate pass;
     power is reported beside the decision."""
-    from evals.config import load_gate_config
+    from evals.gate_config import load_gate_config
 
     cand, prod = table(b=4, c=0, both=18, neither=90)
     policy = load_gate_config().gating_only(["functions"])
@@ -504,7 +504,7 @@ def test_monitor_drift_interval_of_a_ratio_metric():
 
 def test_gating_only_narrows_the_policy_explicitly():
     from app.core.errors import ConfigurationError
-    from evals.config import load_gate_config
+    from evals.gate_config import load_gate_config
 
     policy = load_gate_config()
     assert {"functions", "humaneval"} <= set(policy.gated_suites())

@@ -7,8 +7,8 @@ import io
 
 from rich.console import Console
 
-from evals.config import GateConfig, SuiteGate
 from evals.gate import Outcome, SuiteOutcomes, decide_gate
+from evals.gate_config import GateConfig, SuiteGate
 from evals.gate_terminal import explain
 from evals.gating import GateOutcome
 

@@ -161,9 +161,9 @@ ALLOWED: dict[tuple[str, str], str] = {
         "serving.openai_engine",
     ): "The canary engine's backend is a setting: a torch-backed watcher never loads the vLLM client and its tokenizer.",
     (
-        "serving/vllm_server.py",
+        "serving/vllm_command.py",
         "torch",
-    ): "`flywheel stack` loads this module to manage vLLM servers; torch (seconds to import) is needed only to ask whether CUDA is visible.",
+    ): "`flywheel stack` loads this module to start vLLM servers; torch (seconds to import) is needed only to ask whether CUDA is visible.",
 }
 
 

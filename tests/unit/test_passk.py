@@ -10,8 +10,8 @@ from fractions import Fraction
 import numpy as np
 import pytest
 
-from evals.config import GateConfig, SuiteGate
 from evals.gate import Outcome, SuiteOutcomes, decide_gate, pass_at_k, sampling_report
+from evals.gate_config import GateConfig, SuiteGate
 from evals.passk import format_sampling
 
 
@@ -134,7 +134,8 @@ def test_samples_of_a_task_move_together_in_the_interval():
 
 
 def test_shipped_suites_with_several_samples_sample_at_a_temperature_and_smoke_runs_can_take_fewer():
-    from evals.config import list_suites, load_gate_config, load_suite
+    from evals.config import list_suites, load_suite
+    from evals.gate_config import load_gate_config
 
     gate = load_gate_config()
     for name in list_suites():

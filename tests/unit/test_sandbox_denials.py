@@ -8,7 +8,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from app.inference.engine import SamplingParams
-from evals.config import load_gate_config
+from evals.gate_config import load_gate_config
 from evals.gate_models import Outcome
 from evals.harness.agent import AgentBudget, run_agent_session
 from evals.harness.scripted import ScriptedPolicy, tool_call

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from evals.config import GateConfig, SuiteGate
 from evals.gate import Outcome, SuiteOutcomes, decide_gate
+from evals.gate_config import GateConfig, SuiteGate
 from evals.sequential import betting_confidence_sequence, normal_mixture_confidence_sequence
 
 
@@ -151,7 +151,7 @@ def test_the_sequence_on_the_held_out_suite(b, c, both, decision):
     """docs/gate.md: at the held-out suite's 21 templates, under decide_by = sequential with the
     shipped policy, +3.6 points (seed 17's cycle 2) stops and passes, an equal candidate that churns
     3 and 3 tasks cannot be told from a 4.5-point loss, and a collapse (0 of 19) fails."""
-    from evals.config import load_gate_config
+    from evals.gate_config import load_gate_config
 
     policy = load_gate_config().gating_only(["functions"]).model_copy(update={"decide_by": "sequential"})
     cand, prod = held_out(b, c, both)

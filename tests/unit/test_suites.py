@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from app.core.errors import ConfigurationError
-from evals.config import SuiteConfig, list_suites, load_gate_config, load_suite
+from evals.config import SuiteConfig, list_suites, load_suite
+from evals.gate_config import load_gate_config
 
 
 def test_shipped_suites_load():

@@ -1,6 +1,6 @@
 """The strictly typed modules type-check (``[tool.mypy]`` in pyproject.toml: ``mypy --strict`` on
-``app/lifecycle`` and ``trainer/loss.py``), and the check fails on a planted type error, so CI
-runs a type checker that can say no."""
+``app/lifecycle``, ``trainer/loss.py`` and ``evals/gate.py``), and the check fails on a planted type
+error, so CI runs a type checker that can say no."""
 
 from __future__ import annotations
 

@@ -14,7 +14,8 @@ from starlette.testclient import TestClient
 from app.core.settings import ServingSettings
 from ops.stack import ENV_FILE, STATE_FILE, StackState, serving_settings
 from serving.vllm_auth import require_key
-from serving.vllm_server import AUTH_MIDDLEWARE, auth_headers, server_command, server_env
+from serving.vllm_command import AUTH_MIDDLEWARE, server_command, server_env
+from serving.vllm_server import auth_headers
 
 ROUTES = ["/v1/completions", "/collective_rpc", "/update_weights", "/weight_info", "/tokenize", "/metrics"]
 

@@ -12,15 +12,8 @@ import app.core.cpu
 import app.inference.precision
 from app.core.errors import ConfigurationError
 from app.core.settings import ServingSettings
-from serving.vllm_server import (
-    WORKER_EXTENSION,
-    cpu_bind,
-    ensure_server,
-    resolve_dtype,
-    server_command,
-    server_env,
-    start_server,
-)
+from serving.vllm_command import WORKER_EXTENSION, cpu_bind, resolve_dtype, server_command, server_env
+from serving.vllm_server import ensure_server, start_server
 from tests.unit.test_precision import decide_afresh, fake_probe  # noqa: F401 (fixture)
 
 
@@ -111,7 +104,7 @@ def test_a_malformed_cpu_bind_is_refused():
 )
 def test_gpu_servers_of_an_moe_are_asked_for_the_routes_the_trainer_replays(tmp_path, config, moe):
     """Only where vLLM can capture routes (a GPU: its V2 model runner); the CPU build refuses the flag."""
-    from serving.vllm_server import ROUTES_ENV, is_moe
+    from serving.vllm_command import ROUTES_ENV, is_moe
 
     (tmp_path / "config.json").write_text(json.dumps(config))
     assert is_moe(tmp_path) is moe

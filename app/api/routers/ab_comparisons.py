@@ -8,7 +8,8 @@ from fastapi import APIRouter, Query
 
 from app.api.deps import SessionDep, ViewerDep
 from app.api.errors import AUTH_RESPONSES, model_response
-from app.api.schemas import CHECKPOINT_ID_PATTERN, ABComparisonOut, Page
+from app.api.online_schemas import ABComparisonOut
+from app.api.schemas import CHECKPOINT_ID_PATTERN, Page
 from app.promotion import queries
 from app.repositories.ab_comparisons import list_ab_comparisons
 

@@ -10,7 +10,7 @@ from fastapi import APIRouter, Path, Response, status
 
 from app.api.deps import ActorDep, RoleFirstRoute, SessionDep, ViewerDep
 from app.api.errors import AUTH_RESPONSES, CONFLICT, NOT_FOUND, model_response
-from app.api.schemas import CanaryOut, CanaryRequest, CanaryStatusOut, CanaryStopRequest
+from app.api.online_schemas import CanaryOut, CanaryRequest, CanaryStatusOut, CanaryStopRequest
 from app.lifecycle.canary import get_active_canary, get_canary, list_canaries, start_canary, stop_canary
 from app.models import Canary
 from app.promotion.canary_policy import ready_times

@@ -8,6 +8,7 @@ from fastapi import APIRouter, Path, Query
 
 from app.api.deps import RejecterDep, RoleFirstRoute, SessionDep, ViewerDep
 from app.api.errors import AUTH_RESPONSES, CONFLICT, NOT_FOUND, model_response
+from app.api.online_schemas import OnlineReport
 from app.api.schemas import (
     CHECKPOINT_ID_PATTERN,
     CheckpointDetail,
@@ -16,7 +17,6 @@ from app.api.schemas import (
     EvalReport,
     GateSummary,
     Lineage,
-    OnlineReport,
     Page,
     RejectRequest,
 )
