@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from evals.config import GateConfig
 from evals.gate_checks import cluster_of, sequence_order, sequence_verdict
+from evals.gate_config import GateConfig
 from evals.gate_models import Key, SequentialReport
 
 if TYPE_CHECKING:

@@ -18,7 +18,7 @@ from app.core.db import session_scope
 from app.models import Checkpoint, EvalResult, EvalRun, GateDecision
 from app.repositories.checkpoints import add_checkpoint
 from evals import runner
-from evals.config import GateConfig, SuiteGate
+from evals.gate_config import GateConfig, SuiteGate
 from evals.gating import gate_candidate
 from tests.integration.test_eval_runner_resume import StubTask
 

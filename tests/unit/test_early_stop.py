@@ -9,9 +9,9 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from evals.config import GateConfig, SuiteGate
 from evals.early_stop import SequentialStop
 from evals.gate import Outcome, SuiteOutcomes, decide_gate
+from evals.gate_config import GateConfig, SuiteGate
 
 POLICY = GateConfig(
     suites={"s": SuiteGate(tolerance=0.045)}, bootstrap_resamples=1000, decide_by="sequential", early_stop=True

@@ -6,9 +6,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from evals.config import GateConfig, SuiteGate, load_gate_config, load_suite
+from evals.config import load_suite
 from evals.gate import Outcome, SuiteOutcomes, decide_gate, non_inferiority_power
 from evals.gate_checks import sequence_order
+from evals.gate_config import GateConfig, SuiteGate, load_gate_config
 from evals.tasks.functions import load, template_of
 
 
