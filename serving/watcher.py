@@ -22,6 +22,8 @@ Invariants:
 - What serves (production, and the canary when one runs) is reported in ``$FLYWHEEL_HOME/serving.json``
   (atomic replace), together with the Kafka positions and the dedupe state, so a restarted watcher
   resumes where it stopped.
+- A partition whose log ends below the position read to was re-created (a restarted in-memory
+  broker): it is read again from its start, so no production change published there is skipped.
 
 With a managed vLLM production server (:mod:`serving.vllm_server`) the watcher also supervises it:
 every 10 s it checks the server's health and restarts a dead or hung one on the checkpoint it
@@ -385,6 +387,8 @@ class ServingWatcher:
         if self._consumer is None:
             self._consumer = self._connect()
         records = self._consumer.poll(timeout_ms=timeout_ms, max_records=500)
+        if not records and self._reread_recreated_logs():
+            return None
         batch, positions = [], {}
         for tp, msgs in records.items():
             for m in msgs:
@@ -408,6 +412,36 @@ class ServingWatcher:
         self.follower.offsets.update(positions)
         self.follower.report()
         return move
+
+    def _reread_recreated_logs(self) -> bool:
+        """Read again from its start every assigned partition whose log ends below the position this
+        watcher reads from (the broker lost the log: the local stack's broker keeps it in memory and
+        starts empty after a restart; a topic deleted and re-created). Without it a production change
+        published there would wait until the new log grew past the old position, i.e. be skipped.
+        Reading the new log from its start re-applies nothing (messages are deduplicated on their
+        ``event_id`` and their ``outbox_id``). Returns whether any partition was.
+
+        The log's end is the high-water mark of the last fetch (``KafkaConsumer.highwater``). The
+        consumer is closed and made again (its next poll connects): kafka-python's fetches of a
+        re-created topic by the client that knew the old one returned nothing (tansu 0.5, measured).
+        """
+        stale = []
+        for tp in self._consumer.assignment():
+            end, position = self._consumer.highwater(tp), self._consumer.position(tp)
+            if end is not None and position > end:
+                log.warning(
+                    "lifecycle partition %s:%d ends at %d, below the position %d read to: the log was "
+                    "re-created (a restarted broker); reading it from its start",
+                    tp.topic, tp.partition, end, position,
+                )  # fmt: skip
+                stale.append(tp)
+        if not stale:
+            return False
+        for tp in stale:
+            self.follower.offsets.pop(str(tp.partition), None)
+        self._consumer.close()
+        self._consumer = None
+        return True
 
     def caught_up(self) -> bool:
         """Whether every assigned partition has been read to its current end offset."""
