@@ -9,7 +9,7 @@ invariants are then read from the database and the broker:
 - every outbox row is marked sent and on the lifecycle topic, each once to a consumer that dedupes;
 - no trajectory is in two checkpoints' training manifests; no candidate has two gate decisions;
 - the production vLLM server's ``/weight_info`` names the checkpoint the database says is production
-  within the reload time.
+  within the reload time (after its own death, the watcher's mid-reload, and a broker restart).
 
 Already covered elsewhere and not repeated here: consumers SIGKILLed mid-batch
 (``test_consumer_exactly_once.py``), a trainer process SIGKILLed while writing its checkpoint
@@ -550,7 +550,8 @@ def _paused(url: str) -> bool:
 @pytest.mark.xdist_group("vllm-servers")
 class TestServingFaults:
     """The production vLLM server and its watcher; the tests share one :func:`serving_loop`, in this
-    order (the second restarts the server the first moved to the promoted checkpoint)."""
+    order (the second restarts the server the first moved to the promoted checkpoint; the third
+    restarts the broker and rolls back to the base)."""
 
     def test_a_watcher_killed_mid_reload_is_restarted_and_production_serves_the_promoted_checkpoint(self, serving_loop):
         """A promotion reaches the watcher while a long request runs, so its reload waits in
@@ -619,3 +620,28 @@ class TestServingFaults:
         ok = httpx.post(f"{sl.server_url}/v1/completions", json={**LONG_REQUEST, "max_tokens": 4}, timeout=60)
         assert ok.status_code == 200
         print(f"production server killed mid-request: back on {production} after {recovered_s:.1f}s")
+
+    def test_a_rollback_published_after_a_broker_restart_reaches_the_production_server(self, serving_loop):
+        """The broker SIGKILLed and brought back by ``flywheel stack up`` (on its port, its log empty):
+        a rollback committed afterwards is published by the relay (a new producer: the old one's id
+        died with the broker) and applied by the watcher (it reads the new log from its start), so the
+        production server serves what the database says is production."""
+        from app.core.db import session_scope
+        from app.promotion.service import rollback_production
+
+        sl, loop = serving_loop, serving_loop.loop
+        wait_for(lambda: sl.served() == sl.production() is not None, 180, what="production served")
+        before = sl.production()
+        bootstrap = loop.bootstrap
+        os.kill(loop.state.broker_pid, signal.SIGKILL)
+        time.sleep(2)
+        assert stack_up(loop.home).kafka_bootstrap == bootstrap
+        get_settings.cache_clear()
+        with session_scope() as session:
+            rollback_production(session, expected_production_id=before, actor="test", reason="fault test")
+        committed = time.monotonic()
+        after = sl.production()
+        assert after != before
+        wait_for(lambda: sl.served() == after, 180, interval_s=0.5, what="the rollback served")
+        assert sl.production() == after and loop.all_running(), loop.events
+        print(f"rollback after a broker restart: served {time.monotonic() - committed:.1f}s after its commit")
