@@ -18,11 +18,12 @@ import os
 import secrets
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from pydantic import SecretStr
 
 from app.core.errors import ConfigurationError
-from app.core.net import broker_healthy, free_port
+from app.core.net import broker_healthy, free_port, port_open
 from app.core.pids import pid_alive, stop_pid
 from app.core.settings import KafkaSettings, ServingSettings, flywheel_home, get_settings
 from ops.broker import create_topics, start_broker
@@ -119,7 +120,8 @@ def stack_up(home: Path | None = None, partitions: int | None = None) -> StackSt
         ):
             state.database_url, state.postgres_pid = previous.database_url, previous.postgres_pid
         else:
-            pg = start_postgres(datadir)
+            # Back on the port it had: the loop's running processes hold the URL (issue 54).
+            pg = start_postgres(datadir, port=_reusable_port(previous.database_url if previous else None))
             state.database_url, state.postgres_pid = pg.url, pg.pid
         state.postgres_datadir = str(datadir)
     if not bootstrap:
@@ -133,7 +135,7 @@ def stack_up(home: Path | None = None, partitions: int | None = None) -> StackSt
         else:
             if previous and previous.broker_pid and pid_alive(previous.broker_pid):
                 stop_pid(previous.broker_pid)  # alive but not answering: never orphan it
-            broker = start_broker(home / "logs")
+            broker = start_broker(home / "logs", _reusable_port(previous.kafka_bootstrap if previous else None))
             state.kafka_bootstrap, state.broker_pid = broker.bootstrap, broker.pid
     if previous:
         state.extra_pids = {k: v for k, v in previous.extra_pids.items() if pid_alive(v)}
@@ -156,6 +158,21 @@ def stack_up(home: Path | None = None, partitions: int | None = None) -> StackSt
     )
     state.save(home)
     return state
+
+
+def _reusable_port(address: str | None) -> int | None:
+    """The port of a server this stack ran before (``address``: a database URL or ``host:port``), when
+    nothing listens on it now; else None (a fresh port).
+
+    A server restarted on its old port is found again by every process that read the old settings:
+    the loop's services read ``stack.env`` once, at start, and keep running through an outage.
+    """
+    if not address:
+        return None
+    port = urlsplit(address if "//" in address else f"//{address}").port
+    if port is None or port_open("127.0.0.1", port):
+        return None
+    return port
 
 
 def serving_up(checkpoint_id: str, model_dir: Path, home: Path | None = None, *, wait: bool = True) -> dict[str, str]:

@@ -7,9 +7,14 @@ Invariants:
 - a partition with a known position resumes there, one without starts at the topic's beginning or
   end (``start_at``); positions are resolved when the consumer connects, so a caller that reads
   other state right after :meth:`LifecycleTopicFollower.connect` misses no change made between;
-  a position the broker no longer holds (a memory-only broker that restarted) resumes at the
-  partition's beginning: the handlers dedupe, so a replay costs nothing where a skip would lose a
-  change;
+  a position the broker no longer holds (a memory-only broker that restarted, a topic deleted and
+  re-created) resumes at the partition's beginning: the handlers dedupe, so a replay costs nothing
+  where a skip would lose a change. A log that ends below the position read to is such a log even
+  when the broker does not say so (tansu 0.5 answers the old position's fetches with nothing, not
+  an out-of-range error): an empty poll checks each partition's end (the last fetch's high-water
+  mark) and reads a partition that ends below its position again from offset 0 on a new consumer
+  (kafka-python's fetches of a re-created topic by the client that knew the old one returned
+  nothing, measured);
 - every record is parsed once into the typed message (:func:`app.lifecycle.messages.parse_lifecycle_message`);
   one that does not parse is logged and skipped, its offset consumed;
 - a batch's positions advance only once its handler returned: a handler that raises leaves them
@@ -167,6 +172,7 @@ class LifecycleTopicFollower:
                     continue
                 records.append(LifecycleRecord(message.model_dump(mode="json"), list(m.headers or [])))
         if not positions:
+            self._reread_recreated_logs(consumer)
             return 0
         try:
             self.handle(LifecycleBatch(records, positions))
@@ -175,6 +181,26 @@ class LifecycleTopicFollower:
             raise
         self.positions.update(positions)
         return sum(len(msgs) for msgs in polled.values())
+
+    def _reread_recreated_logs(self, consumer: KafkaConsumer) -> bool:
+        """Read again from offset 0 every partition whose log ends below the position read to (see
+        the module invariants); returns whether any did."""
+        stale = []
+        for tp in consumer.assignment():
+            end, position = consumer.highwater(tp), consumer.position(tp)
+            if end is not None and position > end:
+                log.warning(
+                    "%s: lifecycle partition %s:%d ends at %d, below the position %d read to: the log "
+                    "was re-created (a restarted broker); reading it from its start",
+                    self.client_id, tp.topic, tp.partition, end, position,
+                )  # fmt: skip
+                stale.append(tp.partition)
+        if not stale:
+            return False
+        for partition in stale:
+            self.positions[partition] = 0
+        self._close()
+        return True
 
     def caught_up(self) -> bool:
         """Whether every partition has been read to its current end offset.

@@ -23,6 +23,8 @@ Invariants:
 - What serves (production, and the canary when one runs) is reported in ``$FLYWHEEL_HOME/serving.json``
   (atomic replace), together with the Kafka positions and the dedupe state, so a restarted watcher
   resumes where it stopped.
+- A partition whose log ends below the position read to was re-created (a restarted in-memory
+  broker): it is read again from its start, so no production change published there is skipped.
 
 With a managed vLLM production server (:mod:`serving.vllm_server`) the watcher also supervises it:
 every 10 s it checks the server's health and restarts a dead or hung one on the checkpoint it

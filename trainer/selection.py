@@ -80,17 +80,21 @@ def last_watermark(session: Session) -> tuple[datetime, uuid.UUID] | None:
 
 def trajectories_waiting(session: Session) -> tuple[int, datetime | None]:
     """``(count, newest activity)`` of the finalized trajectories no checkpoint trained on,
-    finalized since the last training cycle started (whatever its outcome): what the
+    finalized since the last training cycle that finished (succeeded or skipped) started: what the
     ``train-when-ready`` schedule weighs against ``FLYWHEEL_TRAIN_READY_TRAJECTORIES``. Trajectories
-    an earlier cycle left out for a reason are not counted again, so they never start a cycle on
-    their own; the interval schedule still runs.
+    a finished cycle left out for a reason are not counted again, so they never start a cycle on
+    their own; the interval schedule still runs. A cycle that failed or never finished (its worker
+    was killed: the row says ``running`` until the next cycle marks it ``failed``) decided nothing,
+    so what it would have trained on still counts and starts the next cycle.
 
     The newest activity is the latest of their ``finalized_at`` and the newest event
     (``last_event_at``) of a trajectory still open since that cycle: a batch of traffic is quiet only
     when no session of it is still talking, not merely when none finished lately (sessions of a
     batch served on a loaded CPU finish in waves minutes apart).
     """
-    last_start = session.scalar(select(func.max(TrainingCycle.started_at)))
+    last_start = session.scalar(
+        select(func.max(TrainingCycle.started_at)).where(TrainingCycle.status.in_(("succeeded", "skipped")))
+    )
     trained = select(CheckpointTrajectory.trajectory_id).where(CheckpointTrajectory.trajectory_id == Trajectory.id)
     query = select(func.count(), func.max(Trajectory.finalized_at)).where(
         Trajectory.status == "finalized", ~trained.exists()

@@ -92,7 +92,7 @@ class CelerySettings(EnvSettings):
         default=None,
         ge=1,
         description="start a cycle as soon as this many finalized trajectories arrived since the last "
-        "cycle and are not trained on (None: on the interval only)",
+        "finished cycle and are not trained on (None: on the interval only)",
     )
     train_ready_quiet_s: float | None = Field(
         default=None,

@@ -18,8 +18,11 @@ Delivery contract (at-least-once + dedupe = exactly-once effect):
   can commit a lower id after a higher one was published; writers that need a strict order
   serialise themselves (production changes hold an advisory lock while they write), and consumers
   order by the ``outbox_id`` of those messages, not by arrival.
-- If the broker refuses a message, the acknowledged prefix of the batch is still marked and the
-  relay raises :class:`InfrastructureError` (the loop backs off; the Celery task retries).
+- If the broker refuses a message, the acknowledged prefix of the batch is still marked, the Kafka
+  producer is closed and the relay raises :class:`InfrastructureError` (the loop backs off; the
+  Celery task retries); the next batch starts a new producer. An idempotent producer the broker no
+  longer knows (a restarted broker: tansu keeps producer ids in memory) fails for good once its
+  epoch bump is refused, so keeping it would fail every later batch (issue 54).
 - The loop wakes when a transaction that wrote outbox rows commits (Postgres ``LISTEN`` on
   ``OUTBOX_CHANNEL``, :class:`OutboxWakeup`) and polls every ``interval_s`` regardless, so a
   notification lost with a dropped connection delays a message to the next poll, never loses it.
@@ -193,6 +196,7 @@ class OutboxRelay:
                 session.execute(update(Outbox).where(Outbox.id.in_(acked)).values(sent_at=datetime.now(UTC)))
         self.published += len(acked)
         if failure is not None:
+            self._close_producer()
             raise InfrastructureError(f"broker refused outbox row {futures[len(acked)][0]}: {failure}")
         return len(acked)
 
@@ -232,8 +236,13 @@ class OutboxRelay:
     def close(self) -> None:
         """Flush and close the Kafka producer and the wake-up connection."""
         self._wakeup.close()
+        self._close_producer(timeout_s=10.0)
+
+    def _close_producer(self, timeout_s: float = 0.0) -> None:
+        """Close the Kafka producer (waiting up to ``timeout_s`` s for sends in flight); the next
+        batch starts a new one."""
         if self._producer is not None:
-            self._producer.close(timeout=10)
+            self._producer.close(timeout=timeout_s)
             self._producer = None
 
     def __enter__(self) -> "OutboxRelay":

@@ -155,3 +155,42 @@ def test_a_committed_change_wakes_the_relay_long_before_its_next_poll(
         worker.join(70)
         relay.close()
     assert not worker.is_alive()
+
+
+def test_a_relay_publishes_again_after_its_broker_restarted(session, store, base, db, tmp_path, monkeypatch):
+    """A relay whose idempotent producer the broker forgot (tansu restarted on the same port: its
+    producer ids lived in memory) publishes again: the failed batch closes the producer and the next
+    one starts a new one. Kept, the producer would fail every later batch (the relay never recovers)."""
+    from app.core.net import free_port
+    from app.core.pids import stop_pid
+    from app.core.settings import get_settings
+    from ops.broker import create_topics, start_broker
+
+    port = free_port()
+    broker = start_broker(tmp_path / "broker", port)
+    bootstrap, topic = broker.bootstrap, "flywheel.lifecycle.restart"
+    monkeypatch.setenv("FLYWHEEL_KAFKA_LIFECYCLE_TOPIC", topic)
+    get_settings.cache_clear()
+    try:
+        create_topics(bootstrap, {topic: 1})
+        with OutboxRelay(bootstrap, ack_timeout_s=10.0) as relay:
+            _changes(session, store)
+            assert relay.relay_pending() == 2
+            stop_pid(broker.pid)
+            broker = start_broker(tmp_path / "broker", port)
+            create_topics(bootstrap, {topic: 1})
+            from app.lifecycle.messages import CheckpointCreated
+            from app.outbox.lifecycle import enqueue_lifecycle
+
+            enqueue_lifecycle(session, CheckpointCreated(checkpoint_id="ckpt-0002", path=str(store.root)))
+            session.commit()
+            published, deadline = 0, time.monotonic() + 60
+            while published == 0 and time.monotonic() < deadline:
+                try:
+                    published = relay.relay_pending()
+                except Exception:  # noqa: BLE001 -- the first batch may meet the forgotten producer
+                    time.sleep(1.0)
+            assert published == 1
+        assert [json.loads(m.value)["type"] for m in consume_all(bootstrap, topic, 1)] == ["checkpoint.created"]
+    finally:
+        stop_pid(broker.pid)

@@ -161,3 +161,60 @@ def test_serving_rides_out_broker_and_inference_server_outages_and_then_follows_
         watcher.stop()
     thread.join(60)  # a poll in flight may take kafka-python's request timeout to give up after the outage
     assert not thread.is_alive()
+
+
+def test_serving_follows_a_promotion_published_after_its_broker_restarted_empty(
+    session, store, base, db, tmp_path, monkeypatch
+):
+    """The broker restarts on its port with an empty log (tansu keeps messages in memory) while the
+    watcher has read past where the new log will be: a promotion published there is still applied
+    (the watcher sees its position beyond the log's end and reads the new log from its start), and
+    nothing it applied before is applied again."""
+    from app.core.net import free_port
+    from app.core.pids import stop_pid
+    from app.core.settings import get_settings
+    from app.lifecycle.messages import CheckpointCreated
+    from app.outbox.lifecycle import enqueue_lifecycle
+    from app.promotion.service import promote_checkpoint
+    from ops.broker import create_topics, start_broker
+
+    port, topic = free_port(), "flywheel.lifecycle.restarted"
+    broker = start_broker(tmp_path / "broker", port)
+    monkeypatch.setenv("FLYWHEEL_KAFKA_BOOTSTRAP", broker.bootstrap)
+    monkeypatch.setenv("FLYWHEEL_KAFKA_LIFECYCLE_TOPIC", topic)
+    monkeypatch.setenv("FLYWHEEL_HOME", str(tmp_path))
+    get_settings.cache_clear()
+    watcher = None
+    try:
+        create_topics(broker.bootstrap, {topic: 1})
+        for cid, parent, generation in (("ckpt-0001", "base", 1), ("ckpt-0002", "ckpt-0001", 2)):
+            seed_checkpoint(session, store, cid, parent_id=parent, generation=generation)
+            seed_gate(session, cid, parent, passed=True)
+        promote_checkpoint(session, checkpoint_id="ckpt-0001", expected_production_id="base", actor="a", reason="r")
+        for i in range(5):  # the old log grows past where the new one will be
+            enqueue_lifecycle(session, CheckpointCreated(checkpoint_id=f"other-{i}", path=str(store.root)))
+        session.commit()
+        with OutboxRelay() as relay:
+            assert relay.relay_pending() == 6
+        engine = RecordingEngine("base")
+        watcher = ServingWatcher(engine, store=store)
+        _poll_until_moved(watcher, engine, 1)
+        for _ in range(4):
+            watcher.poll_once(timeout_ms=250)  # read to the end of the old log
+        assert engine.calls == [("delta", "ckpt-0001")]
+
+        stop_pid(broker.pid)
+        broker = start_broker(tmp_path / "broker", port)
+        create_topics(broker.bootstrap, {topic: 1})
+        promote_checkpoint(
+            session, checkpoint_id="ckpt-0002", expected_production_id="ckpt-0001", actor="a", reason="r"
+        )
+        session.commit()
+        with OutboxRelay() as relay:
+            assert relay.relay_pending() == 1
+        _poll_until_moved(watcher, engine, 2)
+        assert engine.calls == [("delta", "ckpt-0001"), ("delta", "ckpt-0002")]
+    finally:
+        if watcher is not None:
+            watcher.stop()
+        stop_pid(broker.pid)
