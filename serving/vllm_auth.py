@@ -104,9 +104,11 @@ def refusal(
     return 401
 
 
+REFUSALS = {401: {"error": "Unauthorized"}, 403: {"error": "Forbidden: this key may not use this route"}}
+
+
 def _refused(status: int) -> JSONResponse:
-    message = "Unauthorized" if status == 401 else "Forbidden: this key may not use this route"
-    return JSONResponse({"error": message}, status_code=status)
+    return JSONResponse(REFUSALS[status], status_code=status)
 
 
 async def require_key(request: Request, call_next: Next) -> Response:
