@@ -140,8 +140,8 @@ def main() -> None:
             register_model(perturbed_copy(base_dir, Path(tmp) / CANDIDATE), CANDIDATE, "candidate", source="bench")
 
         state = StackState.load(home)
-        settings = serving_settings(state)  # the key the managed servers require
-        key = settings.api_key.get_secret_value()
+        settings = serving_settings(state)  # the keys the managed servers require
+        key = settings.api_key.get_secret_value()  # the probes' inference key; the watcher reloads with the admin key
         t0 = time.monotonic()
         server = start_server("production", store.stable_path("base"), "base", home, settings=settings)
         cold_start_s = time.monotonic() - t0
@@ -150,6 +150,7 @@ def main() -> None:
         env["FLYWHEEL_SERVING_ENGINE"] = "vllm"
         env["FLYWHEEL_SERVING_URL"] = server.url
         env["FLYWHEEL_SERVING_API_KEY"] = key
+        env["FLYWHEEL_SERVING_ADMIN_KEY"] = settings.admin_key.get_secret_value()
         prints = {"base": fingerprint(server.url, key)}
 
         services = {"api": ["api"], "relay": ["relay"], "watcher": ["watch"]}

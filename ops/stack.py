@@ -32,7 +32,7 @@ from serving.vllm_server import (
     ALL_ROLES,
     ROLES,
     VLLMServer,
-    auth_headers,
+    admin_headers,
     server_healthy,
     server_status,
     start_server,
@@ -55,7 +55,10 @@ class StackState:
     broker_pid: int | None = None
     extra_pids: dict[str, int] = field(default_factory=dict)
     serving_urls: dict[str, str] = field(default_factory=dict)  # role -> URL of a managed vLLM server
-    serving_api_key: str = ""  # generated for the managed vLLM servers when FLYWHEEL_SERVING_API_KEY is unset
+    # The managed vLLM servers' keys, each generated when its setting is unset (serving.vllm_auth):
+    serving_api_key: str = ""  # FLYWHEEL_SERVING_API_KEY, the inference key every client holds
+    serving_admin_key: str = ""  # FLYWHEEL_SERVING_ADMIN_KEY, the production and canary reloads (the watcher)
+    serving_eval_admin_key: str = ""  # FLYWHEEL_SERVING_EVAL_ADMIN_KEY, the eval server's reloads (the workers)
     front_port: int | None = None  # the serving front's port (`flywheel up`), chosen once
 
     def save(self, home: Path) -> None:
@@ -68,8 +71,13 @@ class StackState:
                 env += f"FLYWHEEL_SERVING_URL={self.serving_urls['production']}\n"
             if "eval" in self.serving_urls:
                 env += f"FLYWHEEL_SERVING_EVAL_URL={self.serving_urls['eval']}\n"
-        if self.serving_api_key:
-            env += f"FLYWHEEL_SERVING_API_KEY={self.serving_api_key}\n"
+        for name, key in (
+            ("FLYWHEEL_SERVING_API_KEY", self.serving_api_key),
+            ("FLYWHEEL_SERVING_ADMIN_KEY", self.serving_admin_key),
+            ("FLYWHEEL_SERVING_EVAL_ADMIN_KEY", self.serving_eval_admin_key),
+        ):
+            if key:
+                env += f"{name}={key}\n"
         if self.front_port:
             env += f"FLYWHEEL_FRONT_PORT={self.front_port}\nFLYWHEEL_FRONT_URL=http://127.0.0.1:{self.front_port}\n"
         _write_private(home / ENV_FILE, env)
@@ -88,14 +96,25 @@ def _write_private(path: Path, text: str) -> None:
         f.write(text)
 
 
+STACK_KEYS = {  # ServingSettings field -> the StackState field that keeps the stack's own key
+    "api_key": "serving_api_key",
+    "admin_key": "serving_admin_key",
+    "eval_admin_key": "serving_eval_admin_key",
+}
+
+
 def serving_settings(state: StackState) -> ServingSettings:
-    """The serving settings the managed servers start with: ``FLYWHEEL_SERVING_API_KEY`` if set, else
-    the stack's own key, generated once (``secrets.token_urlsafe(32)``) into ``state``."""
+    """The serving settings the managed servers start with: each of the three keys (inference, admin,
+    eval admin) from its setting if set, else the stack's own, generated once
+    (``secrets.token_urlsafe(32)``) into ``state``, which ``save`` writes to ``stack.env``."""
     settings = ServingSettings.load()
-    if settings.api_key is not None:
-        return settings
-    state.serving_api_key = state.serving_api_key or secrets.token_urlsafe(32)
-    return settings.model_copy(update={"api_key": SecretStr(state.serving_api_key)})
+    update: dict[str, SecretStr] = {}
+    for field_name, state_name in STACK_KEYS.items():
+        if getattr(settings, field_name) is not None:
+            continue
+        setattr(state, state_name, getattr(state, state_name) or secrets.token_urlsafe(32))
+        update[field_name] = SecretStr(getattr(state, state_name))
+    return settings.model_copy(update=update)
 
 
 def stack_up(home: Path | None = None, partitions: int | None = None) -> StackState:
@@ -145,7 +164,8 @@ def stack_up(home: Path | None = None, partitions: int | None = None) -> StackSt
         state.serving_urls = {
             role: url for role, url in previous.serving_urls.items() if VLLMServer.load(home, role) is not None
         }
-        state.serving_api_key = previous.serving_api_key
+        for state_name in STACK_KEYS.values():
+            setattr(state, state_name, getattr(previous, state_name))
         state.front_port = previous.front_port
     kafka = KafkaSettings()
     create_topics(
@@ -218,7 +238,7 @@ def serving_wait(home: Path | None = None) -> None:
     for role in ROLES:
         server = VLLMServer.load(home, role)
         if server is not None:
-            wait_ready(server, settings.vllm_start_timeout_s, auth_headers(settings))
+            wait_ready(server, settings.vllm_start_timeout_s, admin_headers(role, settings))
 
 
 def stack_down(home: Path | None = None) -> list[str]:

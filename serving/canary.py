@@ -40,11 +40,12 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from app.checkpoints.store import STABLE, CheckpointStore
 from app.core.errors import ConfigurationError, InfrastructureError
 from app.core.pids import pid_alive, stop_pid
-from app.core.settings import ServingSettings, flywheel_home, get_settings
+from app.core.settings import ServingSettings, flywheel_home, get_settings, secret_value
 from app.lifecycle.assignment import CANARY, assign_arm
 from app.lifecycle.messages import CANARY_CHANGES
 from serving.vllm_server import (
     VLLMServer,
+    admin_headers,
     record_checkpoint,
     server_healthy,
     set_weight_version,
@@ -182,7 +183,11 @@ class ManagedCanaryServer:
         if running is not None and pid_alive(running.pid) and server_healthy(running.url):
             with _owners_lock:
                 _owners[running.pid] = self  # a pending stop of this server is called off
-            client = OpenAICompatEngine(running.url)
+            client = OpenAICompatEngine(
+                running.url,
+                api_key=secret_value(self.settings.api_key),
+                admin_key=secret_value(self.settings.admin_key),
+            )
             try:
                 if client.checkpoint_id != checkpoint_id:
                     client.load_checkpoint(checkpoint_id, path)
@@ -200,7 +205,7 @@ class ManagedCanaryServer:
 
     def _wait_ready(self) -> None:
         try:
-            wait_ready(self.server, self.settings.vllm_start_timeout_s)
+            wait_ready(self.server, self.settings.vllm_start_timeout_s, self._admin)
             log.info("canary server %s serves %s", self.server.url, self.checkpoint_id)
         except InfrastructureError as exc:
             if not self._closed.is_set():
@@ -211,6 +216,11 @@ class ManagedCanaryServer:
         """The server's base URL."""
         return self.server.url
 
+    @property
+    def _admin(self) -> dict[str, str]:
+        """The canary server's admin key header (the watcher's ``FLYWHEEL_SERVING_ADMIN_KEY``)."""
+        return admin_headers(CANARY_ROLE, self.settings)
+
     def close(self) -> None:
         """Drain and stop the server in a thread (see :meth:`_drain_and_stop`), unless a newer
         canary takes it over meanwhile. Its weight version changes at once, so the front (which
@@ -218,7 +228,7 @@ class ManagedCanaryServer:
         it users within its cache time."""
         self._closed.set()
         try:
-            set_weight_version(self.server.url, f"{self.checkpoint_id}:stopping")
+            set_weight_version(self.server.url, f"{self.checkpoint_id}:stopping", self._admin)
         except (InfrastructureError, httpx.HTTPError):
             pass  # not started yet or down: nothing is routed to it either way
         threading.Thread(target=self._drain_and_stop, name="canary-server-stop", daemon=True).start()
@@ -234,7 +244,12 @@ class ManagedCanaryServer:
         if not self._owned():
             return  # a newer canary serves from this server now
         try:
-            httpx.post(self.server.url + "/pause", params={"mode": "wait"}, timeout=self.settings.vllm_start_timeout_s)
+            httpx.post(
+                self.server.url + "/pause",
+                params={"mode": "wait"},
+                headers=self._admin,
+                timeout=self.settings.vllm_start_timeout_s,
+            )
         except httpx.HTTPError:
             pass  # down already: nothing in flight to wait for
         with _owners_lock:
@@ -243,7 +258,7 @@ class ManagedCanaryServer:
                 _owners.pop(self.server.pid)
         if taken:  # taken over during the pause: serve again
             try:
-                httpx.post(self.server.url + "/resume", timeout=30)
+                httpx.post(self.server.url + "/resume", headers=self._admin, timeout=30)
             except httpx.HTTPError:
                 pass
             return
@@ -272,8 +287,9 @@ def setup_canary_engine(checkpoint_id: str, path: Path, settings=None, canary: C
 
     if not canary.url:
         return ManagedCanaryServer(checkpoint_id, path, settings=settings.serving, drain_s=canary.drain_s)
-    key = settings.serving.api_key.get_secret_value() if settings.serving.api_key else None
-    engine = OpenAICompatEngine(canary.url, api_key=key)
+    engine = OpenAICompatEngine(
+        canary.url, api_key=secret_value(settings.serving.api_key), admin_key=secret_value(settings.serving.admin_key)
+    )
     if engine.checkpoint_id != checkpoint_id:
         engine.load_checkpoint(checkpoint_id, path)
     return engine

@@ -47,7 +47,7 @@ def serve(
     """Serve the torch engine over vLLM's OpenAI-compatible HTTP subset (completions + weight reload)."""
     import uvicorn
 
-    from app.core.settings import get_settings
+    from app.core.settings import get_settings, secret_value
     from serving.engine import resolve_checkpoint
     from serving.server import create_app
     from serving.torch_engine import TorchEngine
@@ -56,8 +56,8 @@ def serve(
     engine = TorchEngine(
         path, checkpoint_id=cid, num_threads=threads, max_seqs=max_seqs, device=device or get_settings().serving.device
     )
-    key = get_settings().serving.api_key
-    app = create_app(engine, api_key=key.get_secret_value() if key else None)
+    serving = get_settings().serving
+    app = create_app(engine, api_key=secret_value(serving.api_key), admin_key=secret_value(serving.admin_key))
     typer.echo(f"serving {cid} from {path} on http://{host}:{port}")
     uvicorn.run(app, host=host, port=port, log_level="warning")
 

@@ -8,7 +8,7 @@ from pathlib import Path
 from app.checkpoints.store import CheckpointStore
 from app.core.db import session_scope
 from app.core.errors import ConfigurationError
-from app.core.settings import flywheel_home, get_settings
+from app.core.settings import flywheel_home, get_settings, secret_value
 from app.inference.engine import InferenceEngine
 from app.repositories.checkpoints import get_production
 from serving.vllm_server import VLLMServer, ensure_server, record_checkpoint
@@ -42,11 +42,15 @@ def setup_engine(
 
     A server this host manages (:mod:`serving.vllm_server`) is restarted first if it died, and every
     reload through the client is recorded in its state, so a later restart serves the same checkpoint.
+    The client sends the inference key, and on the reload routes the role's admin key where this
+    process holds one (``FLYWHEEL_SERVING_ADMIN_KEY``: the watcher; ``FLYWHEEL_SERVING_EVAL_ADMIN_KEY``:
+    the eval runner); a process without it that names a checkpoint the server does not serve gets the
+    server's 403 as an :class:`InfrastructureError`.
 
     Raises:
         ConfigurationError: unknown engine type or role, no URL for the role, an eval URL equal to
             the production URL, or no production checkpoint.
-        InfrastructureError: a managed server was down and did not come back.
+        InfrastructureError: a managed server was down and did not come back, or refused a reload.
     """
     settings = settings or get_settings()
     kind = (engine or settings.serving.engine).lower()
@@ -76,10 +80,10 @@ def setup_engine(
     managed = VLLMServer.load(flywheel_home(), role)
     if managed is not None and _same_server(managed.url, base_url):
         ensure_server(role, settings=settings.serving)  # restarted on its recorded checkpoint if it died
-    key = settings.serving.api_key.get_secret_value() if settings.serving.api_key else None
     client = OpenAICompatEngine(
         base_url,
-        api_key=key,
+        api_key=secret_value(settings.serving.api_key),
+        admin_key=secret_value(settings.serving.admin_key_for(role)),
         on_reload=(lambda cid, path: record_checkpoint(role, cid, path)) if managed is not None else None,
         dtype=managed.dtype if managed is not None else None,
     )

@@ -22,6 +22,10 @@ as :mod:`serving.vllm_server` does), in order:
    ``GET /weight_info`` answers it, so any client can ask the server what it serves;
 5. ``POST /resume``, also after a failed step.
 
+Each of these is an admin route of a keyed server (:mod:`serving.vllm_auth`): the client sends its
+``admin_key`` on them and its ``api_key`` everywhere else, so the inference key alone gets 403 there
+(reported as an :class:`InfrastructureError` naming the admin key settings).
+
 A folder that is not a complete checkpoint is refused before step 2: vLLM 0.32 takes a missing
 path for a hub repo id and its engine dies on the error. A reload that fails raises
 :class:`InfrastructureError` naming what serves now (the old checkpoint, or nothing if the server
@@ -152,7 +156,9 @@ class OpenAICompatEngine(InferenceEngine):
 
     Args:
         base_url: e.g. ``http://127.0.0.1:8001`` (without ``/v1``).
-        api_key: bearer token, if the server wants one.
+        api_key: the inference key (bearer token), if the server wants one.
+        admin_key: the server's admin key, sent instead of ``api_key`` on the weight-reload routes
+            (only the serving watcher and the eval runner hold one); without it those get ``api_key``.
         model: served model name (default: the first of ``GET /v1/models``).
         tokenizer_dir: where to load the tokenizer from (default: the served model's ``root``
             folder when it exists locally, else the SmolLM2 tokenizer).
@@ -173,6 +179,7 @@ class OpenAICompatEngine(InferenceEngine):
         base_url: str,
         *,
         api_key: str | None = None,
+        admin_key: str | None = None,
         model: str | None = None,
         tokenizer_dir: Path | None = None,
         timeout_s: float = 600.0,
@@ -182,6 +189,7 @@ class OpenAICompatEngine(InferenceEngine):
         user: str | None = None,
     ) -> None:
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._admin_headers = {"Authorization": f"Bearer {admin_key}"} if admin_key else None
         self._on_reload = on_reload
         self.dtype = dtype
         self.user = user
@@ -209,20 +217,26 @@ class OpenAICompatEngine(InferenceEngine):
         return AutoTokenizer.from_pretrained(path)
 
     @retry(**_RETRY)
-    def _send(self, method: str, url: str, body: dict | None) -> httpx.Response:
-        return self._http.request(method, url, json=body)
+    def _send(self, method: str, url: str, body: dict | None, headers: dict[str, str] | None = None) -> httpx.Response:
+        return self._http.request(method, url, json=body, headers=headers)
 
-    def _call(self, method: str, url: str, body: dict | None = None) -> httpx.Response:
+    def _call(self, method: str, url: str, body: dict | None = None, *, admin: bool = False) -> httpx.Response:
         try:
-            resp = self._send(method, url, body)
+            resp = self._send(method, url, body, self._admin_headers if admin else None)
         except httpx.TransportError as exc:
             raise InfrastructureError(f"inference server unreachable at {self._http.base_url}: {exc}") from exc
+        if resp.status_code == 403 and admin:
+            raise InfrastructureError(
+                f"{method} {url} -> 403: this client's key may not use the server's weight-reload routes; only "
+                "the serving watcher (FLYWHEEL_SERVING_ADMIN_KEY) and the eval runner on the eval server "
+                "(FLYWHEEL_SERVING_EVAL_ADMIN_KEY) hold an admin key"
+            )
         if resp.status_code >= 400:
             raise InfrastructureError(f"{method} {url} -> {resp.status_code}: {resp.text[:500]}")
         return resp
 
-    def _request(self, method: str, url: str, body: dict | None = None) -> dict[str, Any]:
-        resp = self._call(method, url, body)
+    def _request(self, method: str, url: str, body: dict | None = None, *, admin: bool = False) -> dict[str, Any]:
+        resp = self._call(method, url, body, admin=admin)
         return resp.json() if resp.content else {}
 
     def for_user(self, user_id: str) -> "OpenAICompatEngine":
@@ -305,20 +319,23 @@ class OpenAICompatEngine(InferenceEngine):
         """
         check_hf_folder(Path(path))
         previous = self.checkpoint_id
-        self._request("POST", "/pause?mode=wait")
+        self._request("POST", "/pause?mode=wait", admin=True)
         try:
             self._request(
-                "POST", "/collective_rpc", {"method": "reload_checkpoint", "kwargs": {"weights_path": str(path)}}
+                "POST",
+                "/collective_rpc",
+                {"method": "reload_checkpoint", "kwargs": {"weights_path": str(path)}},
+                admin=True,
             )
-            self._request("POST", "/reset_prefix_cache")
-            self._request("POST", "/update_weight_version", {"new_version": checkpoint_id})
+            self._request("POST", "/reset_prefix_cache", admin=True)
+            self._request("POST", "/update_weight_version", {"new_version": checkpoint_id}, admin=True)
         except InfrastructureError as exc:
             alive = self._alive()
             now = f"it still serves {previous}" if alive else "the server is down and serves nothing"
             raise InfrastructureError(f"reload of {checkpoint_id} from {path} failed ({exc}); {now}") from exc
         finally:
             if self._alive():
-                self._request("POST", "/resume")
+                self._request("POST", "/resume", admin=True)
         self.checkpoint_id = checkpoint_id
         if self._on_reload is not None:
             self._on_reload(checkpoint_id, Path(path))
@@ -328,9 +345,9 @@ class OpenAICompatEngine(InferenceEngine):
         ``/pause`` and ``/resume``) serves again; a running server is unaffected.
 
         Raises:
-            InfrastructureError: the server is unreachable or refuses.
+            InfrastructureError: the server is unreachable or refuses (403: no admin key).
         """
-        self._request("POST", "/resume")
+        self._request("POST", "/resume", admin=True)
 
     def _alive(self) -> bool:
         return server_healthy(str(self._http.base_url), timeout_s=10.0)
@@ -372,6 +389,7 @@ class OpenAICompatEngine(InferenceEngine):
                     "method": "apply_delta",
                     "kwargs": {"checkpoint_id": checkpoint_id, "delta_path": str(delta_path), "parent_id": parent_id},
                 },
+                admin=True,
             )
             self.checkpoint_id = checkpoint_id
             return

@@ -10,6 +10,10 @@ and the vLLM 0.32 endpoints :mod:`serving.openai_engine` reloads weights with: `
 ``GET /weight_info`` and ``POST /resume``. Requests are handled on FastAPI's thread pool, so concurrent completions
 decode together in the engine's continuous batch. Invariant: a reload waits for the running
 sequences to finish before it swaps weights, so no completion mixes two checkpoints.
+
+Keys as on a managed vLLM server (:func:`serving.vllm_auth.key_check`): with ``api_key`` every route
+but ``/health`` wants a key, the reload routes the ``admin_key`` (the inference key gets 403 there,
+and without an admin key they answer no one).
 """
 
 from __future__ import annotations
@@ -19,13 +23,14 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from fastapi import Depends, FastAPI, Header, HTTPException
+from fastapi import FastAPI, HTTPException
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from app.core.errors import FlywheelError
 from app.inference.engine import Generation, SamplingParams
 from serving.torch_engine import TorchEngine
+from serving.vllm_auth import key_check
 
 
 class CompletionRequest(BaseModel):
@@ -61,9 +66,11 @@ class RpcRequest(BaseModel):
     timeout: float | None = None
 
 
-def create_app(engine: TorchEngine, *, api_key: str | None = None) -> FastAPI:
-    """The FastAPI app serving ``engine`` (bearer ``api_key`` required when given)."""
+def create_app(engine: TorchEngine, *, api_key: str | None = None, admin_key: str | None = None) -> FastAPI:
+    """The FastAPI app serving ``engine``; with keys, bearer ``api_key`` on the inference routes and
+    ``admin_key`` on the reload routes (401 without a key, 403 with the other role's)."""
     app = FastAPI(title="flywheel serve", version="1")
+    app.middleware("http")(key_check(api_key, admin_key))
 
     @app.exception_handler(FlywheelError)
     def _domain_error(request, exc: FlywheelError) -> JSONResponse:
@@ -72,15 +79,11 @@ def create_app(engine: TorchEngine, *, api_key: str | None = None) -> FastAPI:
             content={"error": {"message": exc.message, "type": type(exc).__name__}},
         )
 
-    def auth(authorization: str | None = Header(default=None)) -> None:
-        if api_key and authorization != f"Bearer {api_key}":
-            raise HTTPException(status_code=401, detail="invalid API key")
-
     @app.get("/health")
     def health() -> dict[str, str]:
         return {"status": "ok", "checkpoint_id": engine.checkpoint_id}
 
-    @app.get("/v1/models", dependencies=[Depends(auth)])
+    @app.get("/v1/models")
     def models() -> dict[str, Any]:
         return {
             "object": "list",
@@ -96,35 +99,35 @@ def create_app(engine: TorchEngine, *, api_key: str | None = None) -> FastAPI:
             ],
         }
 
-    @app.post("/v1/completions", dependencies=[Depends(auth)])
+    @app.post("/v1/completions")
     def completions(req: CompletionRequest) -> dict[str, Any]:
         return complete(engine, req)
 
-    @app.post("/collective_rpc", dependencies=[Depends(auth)])
+    @app.post("/collective_rpc")
     def collective_rpc(req: RpcRequest) -> dict[str, Any]:
         return call_rpc(engine, req)
 
-    @app.post("/reset_prefix_cache", dependencies=[Depends(auth)])
+    @app.post("/reset_prefix_cache")
     def reset_prefix_cache() -> dict[str, bool]:
         engine.reset_prefix_cache()
         return {"success": True}
 
     # A reload already waits for running sequences (the engine's invariant): pause and resume only
     # acknowledge, as vLLM's do for a client that needs no more.
-    @app.post("/pause", dependencies=[Depends(auth)])
+    @app.post("/pause")
     def pause() -> dict[str, str]:
         return {"status": "paused"}
 
-    @app.post("/resume", dependencies=[Depends(auth)])
+    @app.post("/resume")
     def resume() -> dict[str, str]:
         return {"status": "resumed"}
 
-    @app.post("/update_weight_version", dependencies=[Depends(auth)])
+    @app.post("/update_weight_version")
     def update_weight_version(body: WeightVersion) -> dict[str, Any]:
         engine.checkpoint_id = body.new_version
         return {"success": True, "new_version": body.new_version}
 
-    @app.get("/weight_info", dependencies=[Depends(auth)])
+    @app.get("/weight_info")
     def weight_info() -> dict[str, str]:
         return {"weight_version": engine.checkpoint_id}
 

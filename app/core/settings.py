@@ -12,10 +12,15 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, SecretStr, field_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import SettingsConfigDict
 
 from producers.settings import EnvSettings, KafkaSettings, flywheel_home
+
+
+def secret_value(secret: SecretStr | None) -> str | None:
+    """The plain value of an optional secret setting (None stays None), for the one call that sends it."""
+    return secret.get_secret_value() if secret is not None else None
 
 
 class DatabaseSettings(EnvSettings):
@@ -139,7 +144,8 @@ class StoreSettings(EnvSettings):
 class ServingSettings(EnvSettings):
     """Inference engine selection: the server that serves production and the one candidates' evals use."""
 
-    model_config = SettingsConfigDict(env_prefix="FLYWHEEL_SERVING_", extra="ignore")
+    # hide_input_in_errors: a refused setting never echoes the keys in its error message
+    model_config = SettingsConfigDict(env_prefix="FLYWHEEL_SERVING_", extra="ignore", hide_input_in_errors=True)
     engine: Literal["torch", "vllm"] = Field(
         default="torch",
         description="inference backend: vllm (OpenAI-compatible servers at url and eval_url) or the in-process "
@@ -157,7 +163,20 @@ class ServingSettings(EnvSettings):
     )
     api_key: SecretStr | None = Field(
         default=None,
-        description="bearer key of the inference servers: clients send it; `flywheel serve` requires it when set",
+        description="inference key of the servers (completions, models, /weight_info): every flywheel client "
+        "sends it; a server started with it refuses requests without it (401) and answers 403 when it is "
+        "sent to a weight-reload route",
+    )
+    admin_key: SecretStr | None = Field(
+        default=None,
+        description="admin key of the production and canary servers' weight-reload routes (/collective_rpc, "
+        "/pause, /resume, /update_weight_version, /sleep, /wake_up...): held by the serving watcher only; "
+        "required with api_key to start a managed server",
+    )
+    eval_admin_key: SecretStr | None = Field(
+        default=None,
+        description="admin key of the eval server's weight-reload routes: held by the eval runner (the "
+        "workers), which loads each candidate there; never opens production's",
     )
     max_seqs: int = Field(default=64, ge=1, description="torch engine: most sequences decoded together")
     max_kv_tokens: int = Field(
@@ -201,6 +220,22 @@ class ServingSettings(EnvSettings):
         "auto: every CPU this process may use, none reserved, on hosts of at most 4 CPUs (vLLM's own choice "
         "above that); vllm: vLLM's own choice (one CPU reserved for its scheduler); nobind; or a list such as 0-1",
     )
+
+    @model_validator(mode="after")
+    def _keys_differ(self) -> "ServingSettings":
+        """A key that opens two roles is no split at all: each set key must differ from the others."""
+        keys = [k.get_secret_value() for k in (self.api_key, self.admin_key, self.eval_admin_key) if k is not None]
+        if len(set(keys)) != len(keys):
+            raise ValueError(
+                "FLYWHEEL_SERVING_API_KEY, FLYWHEEL_SERVING_ADMIN_KEY and FLYWHEEL_SERVING_EVAL_ADMIN_KEY "
+                "must differ from each other"
+            )
+        return self
+
+    def admin_key_for(self, role: str) -> SecretStr | None:
+        """The admin key of the server in ``role``: ``eval_admin_key`` for ``eval``, ``admin_key`` for
+        ``production`` and ``canary`` (the servers the watcher moves)."""
+        return self.eval_admin_key if role == "eval" else self.admin_key
 
 
 class ApiSettings(EnvSettings):

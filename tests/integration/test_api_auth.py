@@ -191,3 +191,44 @@ def test_a_database_that_does_not_answer_is_a_503_not_a_500(client, monkeypatch)
         monkeypatch.undo()
         get_settings.cache_clear()
         reset_engines()
+
+
+def test_the_plaintext_token_is_stored_and_logged_nowhere(db, client, caplog):
+    """Issue 56: API tokens stored only as hashes. After a token is created (CLI), used for a read and
+    a write, and revoked, no column of any table and no log line holds its plaintext; only its
+    sha256 is in ``api_token``."""
+    import psycopg
+    from typer.testing import CliRunner
+
+    from ops.cli import app
+
+    runner = CliRunner()
+    with caplog.at_level("DEBUG"):
+        created = runner.invoke(app, ["tokens", "create", "--role", "release_manager", "--name", "carol"])
+        assert created.exit_code == 0, created.output
+        raw = created.stdout.strip().splitlines()[0]
+        assert client.get("/v1/me", headers=auth(raw)).status_code == 200
+        rejected = client.post("/v1/checkpoints/nope/reject", json={"reason": "r"}, headers=auth(raw))
+        assert rejected.status_code == 404  # authenticated, then the checkpoint is missing
+        assert runner.invoke(app, ["tokens", "revoke", "carol"]).exit_code == 0
+        assert client.get("/v1/me", headers=auth(raw)).status_code == 401
+    assert raw not in caplog.text
+    secret_part = raw.removeprefix("fw_")
+    with psycopg.connect(db) as conn:
+        tables = [
+            r[0]
+            for r in conn.execute(
+                "SELECT quote_ident(table_schema) || '.' || quote_ident(table_name) FROM information_schema.tables "
+                "WHERE table_schema NOT IN ('pg_catalog', 'information_schema') AND table_type = 'BASE TABLE'"
+            )
+        ]
+        assert "public.api_token" in tables
+        holding = [
+            t
+            for t in tables
+            if conn.execute(f"SELECT count(*) FROM {t} x WHERE x::text LIKE %s", (f"%{secret_part}%",)).fetchone()[0]
+        ]
+        hashed = conn.execute(
+            "SELECT count(*) FROM api_token WHERE token_hash = %s", (hashlib.sha256(raw.encode()).hexdigest(),)
+        ).fetchone()[0]
+    assert holding == [] and hashed == 1

@@ -6,13 +6,17 @@ password) and loses nothing: the events stay spooled and go out once a broker ta
 from __future__ import annotations
 
 import subprocess
+import threading
 import time
 
 import pytest
+from kafka.errors import KafkaError
 from pydantic import ValidationError
 
-from app.core.net import free_port, port_open
+from app.core.net import broker_healthy, free_port, port_open
 from app.core.pids import stop_pid
+from consumers.kafka_client import GroupClient
+from consumers.settings import ConsumerSettings
 from consumers.testing import generate_stream
 from ops.broker import create_topics, start_broker, tansu_path
 from producers.errors import BrokerUnavailableError
@@ -95,6 +99,7 @@ def test_wrong_credentials_give_a_clear_error_and_the_sdk_spools(sasl_broker, tm
     assert refused and "SCRAM-SHA-512 as 'alice'" in str(refused[0])
     assert "FLYWHEEL_KAFKA_SASL_PLAIN_PASSWORD" in str(refused[0])
     assert PASSWORD not in caplog.text and all(PASSWORD not in str(e) for e in errors)
+    assert _scram_exchange_began(caplog.text, "SCRAM-SHA-512", "alice")  # the SDK logged in with the settings
 
     # nothing lost: a broker that takes the producer (here a plain one) receives every spooled event
     for k in SASL_ENV:
@@ -109,3 +114,46 @@ def test_wrong_credentials_give_a_clear_error_and_the_sdk_spools(sasl_broker, tm
         assert got == {e.session_id.encode() for e in events}
     finally:
         stop_pid(broker.pid)
+
+
+SCRAM_256_ENV = {**SASL_ENV, "FLYWHEEL_KAFKA_SASL_MECHANISM": "SCRAM-SHA-256"}
+
+
+def _scram_exchange_began(log: str, mechanism: str, user: str) -> bool:
+    """Whether kafka-python's DEBUG log shows a SCRAM login of ``user`` with ``mechanism``: the
+    SASL handshake naming the mechanism and the client-first message ``n,,n=<user>,r=<nonce>``
+    (RFC 5802 section 5.1), answered by the broker's ``e=unknown-user``."""
+    return (
+        f"SaslHandshakeRequest(version=1, mechanism='{mechanism}')" in log
+        and f"auth_bytes=b'n,,n={user},r=" in log
+        and "auth_bytes=b'e=unknown-user'" in log
+    )
+
+
+def test_scram_sha_256_from_settings_reaches_the_kafka_clients(sasl_broker, monkeypatch, caplog):
+    """No broker here can hold a SCRAM user while it requires authentication (docs/operations.md,
+    "Kafka security"), so no login succeeds; what is tested is that the settings reach kafka-python
+    in the admin client (health checks, topic creation) and the ingest consumer: each starts a real
+    SCRAM-SHA-256 exchange as the configured user, which tansu refuses, and neither comes up."""
+    for k, v in SCRAM_256_ENV.items():
+        monkeypatch.setenv(k, v)
+    with caplog.at_level("DEBUG", logger="kafka"):
+        assert broker_healthy(sasl_broker, timeout_s=2.0) is False
+    assert _scram_exchange_began(caplog.text, "SCRAM-SHA-256", "alice")
+    caplog.clear()
+
+    member = GroupClient(
+        bootstrap=sasl_broker,
+        topic="interactions",
+        group_id="g",
+        client_id="c",
+        max_event_bytes=1_000_000,
+        settings=ConsumerSettings(bootstrap_timeout_ms=2000),
+        stop=threading.Event(),
+        abort=threading.Event(),
+        drain=lambda timeout_s: None,
+    )
+    with caplog.at_level("DEBUG", logger="kafka"), pytest.raises(KafkaError):  # the bootstrap timed out
+        member.new_consumer()
+    assert _scram_exchange_began(caplog.text, "SCRAM-SHA-256", "alice")
+    assert PASSWORD not in caplog.text

@@ -1,4 +1,6 @@
-"""The vLLM client code path against ``flywheel serve`` over real HTTP (uvicorn on a free port)."""
+"""The vLLM client code path against ``flywheel serve`` over real HTTP (uvicorn on a free port),
+keyed as a managed vLLM server is (serving.vllm_auth): the inference key generates, only the admin
+key reloads."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ from serving.server import create_app
 from serving.torch_engine import TorchEngine, teacher_forced_logprobs
 
 PROMPTS = [[1, 5, 6, 7, 8, 9, 10, 11], [1, 100, 200]]
+ADMIN = "adm1n-key"
 
 
 @pytest.fixture(scope="module")
@@ -21,7 +24,7 @@ def served(tiny_model_dir) -> Iterator[tuple[str, TorchEngine]]:
     from serving.testing import serve_in_thread
 
     engine = TorchEngine(tiny_model_dir, checkpoint_id="tiny-a", num_threads=2)
-    url, server, thread = serve_in_thread(create_app(engine, api_key="k3y"))
+    url, server, thread = serve_in_thread(create_app(engine, api_key="k3y", admin_key=ADMIN))
     try:
         yield url, engine
     finally:
@@ -67,7 +70,7 @@ def test_reload_through_collective_rpc(served, tmp_path, tiny_model_dir):
 
     url, engine = served
     other = build_tiny_model(tmp_path / "tiny-b", seed=5)
-    client = OpenAICompatEngine(url, api_key="k3y")
+    client = OpenAICompatEngine(url, api_key="k3y", admin_key=ADMIN)
     before = client.generate([PROMPTS[0]], SamplingParams(max_tokens=5, temperature=0.0))[0]
     client.load_checkpoint("tiny-b", other)
     after = client.generate([PROMPTS[0]], SamplingParams(max_tokens=5, temperature=0.0))[0]
@@ -82,3 +85,30 @@ def test_reload_through_collective_rpc(served, tmp_path, tiny_model_dir):
     assert engine.model_dir == tiny_model_dir
     again = client.generate([PROMPTS[0]], SamplingParams(max_tokens=5, temperature=0.0))[0]
     assert again.token_ids == before.token_ids
+
+
+def test_only_the_admin_key_reloads(served, tmp_path):
+    from app.checkpoints.testing import build_tiny_model
+    from app.core.errors import InfrastructureError
+
+    url, engine = served
+    other = build_tiny_model(tmp_path / "tiny-x", seed=7)
+    rpc = {"method": "reload_checkpoint", "kwargs": {"weights_path": str(other)}}
+    assert httpx.post(f"{url}/collective_rpc", json=rpc).status_code == 401
+    inference = {"Authorization": "Bearer k3y"}
+    admin = {"Authorization": f"Bearer {ADMIN}"}
+    for path in ("/collective_rpc", "/pause", "/resume", "/update_weight_version", "/reset_prefix_cache"):
+        assert httpx.post(f"{url}{path}", json=rpc, headers=inference).status_code == 403, path
+    assert (
+        httpx.post(f"{url}/v1/completions", json={"prompt": [1, 2], "max_tokens": 1}, headers=admin).status_code == 403
+    )
+    assert httpx.get(f"{url}/weight_info", headers=inference).status_code == 200
+    assert httpx.get(f"{url}/health").status_code == 200
+
+    client = OpenAICompatEngine(url, api_key="k3y")  # a client, not the watcher
+    served_before = engine.checkpoint_id
+    with pytest.raises(InfrastructureError, match="403.*FLYWHEEL_SERVING_ADMIN_KEY"):
+        client.load_checkpoint("tiny-x", other)
+    assert engine.checkpoint_id == served_before and client.checkpoint_id == served_before
+    assert client.generate([PROMPTS[1]], SamplingParams(max_tokens=2, temperature=0.0))[0].token_ids
+    client.close()

@@ -25,7 +25,13 @@ from trainer.config import TrainerConfig, _merge
 DEPLOY = Path(__file__).resolve().parents[2] / "ops" / "deploy"
 COMPOSE = DEPLOY / "compose.yaml"
 K8S = sorted((DEPLOY / "k8s").glob("*.yaml"))
-ENV = {"POSTGRES_PASSWORD": "x", "PATH": "/usr/local/bin:/usr/bin:/bin"}
+ENV = {
+    "POSTGRES_PASSWORD": "x",
+    "FLYWHEEL_SERVING_API_KEY": "i",
+    "FLYWHEEL_SERVING_ADMIN_KEY": "a",
+    "FLYWHEEL_SERVING_EVAL_ADMIN_KEY": "e",
+    "PATH": "/usr/local/bin:/usr/bin:/bin",
+}
 
 
 def _docker_compose() -> list[str] | None:
@@ -121,6 +127,43 @@ def test_kubernetes_runs_the_compose_services_with_the_same_settings():
     vllm = {d["metadata"]["name"]: _containers(d)[0]["args"] for d in docs if d["kind"] == "Deployment"}
     for name in ("vllm", "vllm-canary", "vllm-eval"):
         assert vllm[name] == compose[name]["command"], name
+
+
+# Who holds which serving key (serving/vllm_auth.py): every flywheel service the inference key; the
+# production and canary servers' admin key only the watcher; the eval server's only the workers.
+ADMIN_KEY_HOLDERS = {
+    "FLYWHEEL_SERVING_ADMIN_KEY": {"watcher"},
+    "FLYWHEEL_SERVING_EVAL_ADMIN_KEY": {"worker", "eval-worker"},
+}
+SERVER_ADMIN_KEY = {  # the server -> the setting (compose) / Secret key (Kubernetes) of its admin key
+    "vllm": ("FLYWHEEL_SERVING_ADMIN_KEY", "admin-key"),
+    "vllm-canary": ("FLYWHEEL_SERVING_ADMIN_KEY", "admin-key"),
+    "vllm-eval": ("FLYWHEEL_SERVING_EVAL_ADMIN_KEY", "eval-admin-key"),
+}
+
+
+def test_only_the_watcher_and_the_eval_runner_hold_an_admin_key():
+    compose = yaml.safe_load(COMPOSE.read_text())["services"]
+    for setting, holders in ADMIN_KEY_HOLDERS.items():
+        assert {n for n, svc in compose.items() if setting in (svc.get("environment") or {})} == holders, setting
+    for name, (setting, _) in SERVER_ADMIN_KEY.items():
+        env = compose[name]["environment"]
+        assert env["FLYWHEEL_VLLM_ADMIN_KEY"].startswith(f"${{{setting}:?"), name
+        assert env["VLLM_API_KEY"].startswith("${FLYWHEEL_SERVING_API_KEY:?"), name
+    deployments = {d["metadata"]["name"]: d for d in _k8s_docs() if d["kind"] in ("Deployment", "Job")}
+    secret_keys = {
+        name: {
+            e["name"]: e["valueFrom"]["secretKeyRef"]["key"]
+            for c in _containers(d)
+            for e in c.get("env", [])
+            if "secretKeyRef" in e.get("valueFrom", {})
+        }
+        for name, d in deployments.items()
+    }
+    for setting, holders in ADMIN_KEY_HOLDERS.items():
+        assert {n for n, env in secret_keys.items() if setting in env} == holders, setting
+    for name, (_, key) in SERVER_ADMIN_KEY.items():
+        assert secret_keys[name]["FLYWHEEL_VLLM_ADMIN_KEY"] == key and secret_keys[name]["VLLM_API_KEY"] == "api-key"
 
 
 def test_every_kubernetes_flywheel_command_exists_in_the_cli():
