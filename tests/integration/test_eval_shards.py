@@ -110,7 +110,7 @@ def test_shard_messages_go_to_the_evals_queue_and_a_plain_worker_consumes_both(m
 
 
 def test_shards_on_workers_store_what_the_unsharded_run_stores(ckpt, monkeypatch):
-    sessions = Sessions(delay_s=0.15)  # a shard (2-3 tasks x 2 samples) outlives the timeout: heartbeats keep it
+    sessions = Sessions(delay_s=0.6)  # a shard (2-3 tasks x 2 samples) outlives the timeout: heartbeats keep it
     monkeypatch.setattr(runner, "run_sample", sessions)
     plain = runner.run_suite(ckpt, SUITE, tasks=TASKS, engine=StubEngine(), workers=1)
 
@@ -128,7 +128,7 @@ def test_shards_on_workers_store_what_the_unsharded_run_stores(ckpt, monkeypatch
         engine=StubEngine(),
         workers=1,
         force=True,
-        execute=shards.ShardedExecution(shards=3, dispatch=dispatch, timeout_s=0.5, heartbeat_s=0.1, poll_s=0.05),
+        execute=shards.ShardedExecution(shards=3, dispatch=dispatch, timeout_s=2.0, heartbeat_s=0.1, poll_s=0.05),
     )
     pool.shutdown(wait=True)
     assert sharded.run_id != plain.run_id and sharded.status == "succeeded"
@@ -168,7 +168,7 @@ def test_a_lost_workers_shard_is_retried_and_the_lost_claim_is_fenced_out(ckpt, 
         tasks=TASKS,
         engine=StubEngine(),
         workers=1,
-        execute=shards.ShardedExecution(shards=3, dispatch=dispatch, timeout_s=0.5, heartbeat_s=0.1, poll_s=0.05),
+        execute=shards.ShardedExecution(shards=3, dispatch=dispatch, timeout_s=2.0, heartbeat_s=0.1, poll_s=0.05),
     )
     assert summary.status == "succeeded" and summary.done == summary.planned == 14
     first = shard_rows(summary.run_id)[0]

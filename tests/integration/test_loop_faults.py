@@ -445,6 +445,7 @@ SERVING_ENV = {
     "FLYWHEEL_SERVING_VLLM_ENFORCE_EAGER": "true",
     "FLYWHEEL_SERVING_VLLM_KV_CACHE_GIB": "1",
     "FLYWHEEL_SERVING_VLLM_MAX_MODEL_LEN": "4096",
+    "VLLM_ALLOW_LONG_MAX_MODEL_LEN": "1",  # the tiny Llama declares 2,048 positions; the long request needs 4,004
 }
 LONG_REQUEST = {"model": "flywheel", "prompt": [1, 17, 300, 4242], "max_tokens": 4000, "ignore_eos": True}
 
