@@ -143,6 +143,9 @@ def loop_env(opts: DemoOptions, home: Path, api_port: int) -> dict[str, str]:
     env["FLYWHEEL_TRAIN_INTERVAL"] = str(30 * 24 * 3600)  # the cycles start when their traffic is in
     env["FLYWHEEL_TRAIN_CONFIG"] = str(trainer_toml(opts, home))
     env["FLYWHEEL_EVAL_SCAN_INTERVAL"] = "20"
+    # No mining: the simulated traffic plays a fixed pool of training tasks, and a task mined from it
+    # would be held out of the very cycles the demo and the bench measure.
+    env.setdefault("FLYWHEEL_EVAL_MINE_INTERVAL", "0")
     env["FLYWHEEL_EVAL_GATE_ON"] = json.dumps(list(opts.eval_suites))
     if opts.gate_config:
         env["FLYWHEEL_EVAL_GATE_CONFIG"] = str(Path(opts.gate_config).resolve())

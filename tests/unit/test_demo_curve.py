@@ -41,3 +41,11 @@ def test_the_picture_skips_undefined_signals(tmp_path):
     curve = [curve_point(1, _ab("base", 0.0, [0.0, 0.0], None)), curve_point(2, _ab("ckpt-2", 0.5, [0.1, 0.4], 0.4))]
     path = render_curve_png(curve, tmp_path / "fresh_traffic.png")
     assert path.stat().st_size > 10_000
+
+
+def test_the_demos_loop_mines_no_eval_tasks_from_its_own_training_traffic(tmp_path):
+    """Beat's hourly mined-suite refresh is off in the demo's (and so the bench's) loop: a task mined
+    from the simulated traffic would be held out of the cycles being measured."""
+    from ops.demo import DemoOptions, loop_env
+
+    assert loop_env(DemoOptions(), tmp_path, 8000)["FLYWHEEL_EVAL_MINE_INTERVAL"] == "0"
