@@ -46,6 +46,7 @@ from consumers.testing import generate_stream, kafka_record, produce, scalar, wa
 from ops.postgres import stop_postgres
 from ops.processes import Supervisor, service_status
 from ops.stack import StackState, stack_down, stack_up
+from tests.e2e.test_loop import SMOKE_GATE  # the smoke deployment's gate, one copy
 from tests.fixtures.broker import read_topic
 
 pytestmark = pytest.mark.integration
@@ -126,17 +127,6 @@ def _service_env(home: Path) -> dict[str, str]:
     return env
 
 
-SMOKE_GATE = """
-method = "newcombe"
-confidence = 0.95
-two_sided = false
-tolerance = 0.95
-min_pairs = 2
-
-[suites.functions]
-gated = true
-floor = 0.0
-"""
 TRAINER_TOML = """
 max_steps = 2
 grad_accum = 2
