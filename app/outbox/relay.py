@@ -20,7 +20,10 @@ Delivery contract (at-least-once + dedupe = exactly-once effect):
   order by the ``outbox_id`` of those messages, not by arrival.
 - If the broker refuses a message, the acknowledged prefix of the batch is still marked, the Kafka
   producer is closed and the relay raises :class:`InfrastructureError` (the loop backs off; the
-  Celery task retries); the next batch starts a new producer. An idempotent producer the broker no
+  Celery task retries); the next batch starts a new producer. A batch the broker does not take in
+  ``ack_timeout_s`` (``flush`` times out, or ``send`` finds no metadata) is handled the same way,
+  nothing of it marked: a producer whose sends hang on a broker that restarted under it would
+  otherwise time out every later batch too. An idempotent producer the broker no
   longer knows (a restarted broker: tansu keeps producer ids in memory) fails for good once its
   epoch bump is refused, so keeping it would fail every later batch (issue 54).
 - The loop wakes when a transaction that wrote outbox rows commits (Postgres ``LISTEN`` on
@@ -176,12 +179,16 @@ class OutboxRelay:
             )
             if not rows:
                 return 0
-            producer = self._kafka()
             futures = []
-            for row in rows:
-                key, value, headers = outbox_message(row)
-                futures.append((row.id, producer.send(row.topic, key=key, value=value, headers=headers)))
-            producer.flush(timeout=self.ack_timeout_s)
+            try:
+                producer = self._kafka()
+                for row in rows:
+                    key, value, headers = outbox_message(row)
+                    futures.append((row.id, producer.send(row.topic, key=key, value=value, headers=headers)))
+                producer.flush(timeout=self.ack_timeout_s)
+            except KafkaError as exc:  # no metadata, or no acknowledgement in time: nothing is marked
+                self._close_producer()
+                raise InfrastructureError(f"broker did not take outbox rows {rows[0].id}..{rows[-1].id}: {exc}") from exc
             acked: list[int] = []
             for row_id, fut in futures:
                 try:
@@ -241,9 +248,18 @@ class OutboxRelay:
     def _close_producer(self, timeout_s: float = 0.0) -> None:
         """Close the Kafka producer (waiting up to ``timeout_s`` s for sends in flight); the next
         batch starts a new one."""
-        if self._producer is not None:
-            self._producer.close(timeout=timeout_s)
-            self._producer = None
+        producer, self._producer = self._producer, None
+        if producer is None:
+            return
+        try:
+            producer.close(timeout=timeout_s)
+        except KafkaError as exc:
+            # kafka-python (3.0) flushes before it closes and raises when records are still in
+            # flight, leaving its sender thread retrying them; stopped here, it aborts them.
+            log.warning("closing the Kafka producer with records in flight (%s): aborting them", exc)
+            sender = getattr(producer, "_sender", None)
+            if sender is not None:
+                sender.force_close()
 
     def __enter__(self) -> "OutboxRelay":
         return self

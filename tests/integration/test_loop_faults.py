@@ -618,6 +618,7 @@ class TestServingFaults:
         died with the broker) and applied by the watcher (it reads the new log from its start), so the
         production server serves what the database says is production."""
         from app.core.db import session_scope
+        from app.outbox.relay import pending_count
         from app.promotion.service import rollback_production
 
         sl, loop = serving_loop, serving_loop.loop
@@ -633,6 +634,10 @@ class TestServingFaults:
         committed = time.monotonic()
         after = sl.production()
         assert after != before
-        wait_for(lambda: sl.served() == after, 180, interval_s=0.5, what="the rollback served")
+        try:
+            wait_for(lambda: sl.served() == after, 180, interval_s=0.5, what="the rollback served")
+        except TimeoutError as exc:
+            tails = {name: loop.log(name)[-4000:] for name in ("relay", "watcher")}
+            raise AssertionError(f"{exc}; outbox pending {pending_count()}; logs: {tails}") from exc
         assert sl.production() == after and loop.all_running(), loop.events
         print(f"rollback after a broker restart: served {time.monotonic() - committed:.1f}s after its commit")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
 
@@ -192,5 +193,51 @@ def test_a_relay_publishes_again_after_its_broker_restarted(session, store, base
                     time.sleep(1.0)
             assert published == 1
         assert [json.loads(m.value)["type"] for m in consume_all(bootstrap, topic, 1)] == ["checkpoint.created"]
+    finally:
+        stop_pid(broker.pid)
+
+
+def test_a_batch_the_broker_does_not_acknowledge_in_time_closes_the_producer(
+    session, store, base, db, tmp_path, monkeypatch
+):
+    """A broker that stops answering (SIGSTOPped: its sockets stay open, nothing comes back) makes
+    the batch's flush time out: the relay raises ``InfrastructureError``, marks nothing and drops its
+    producer, and once the broker answers again the next batch publishes on a new producer."""
+    import signal
+
+    from app.core.errors import InfrastructureError
+    from app.core.net import free_port
+    from app.core.pids import stop_pid
+    from app.core.settings import get_settings
+    from ops.broker import create_topics, start_broker
+
+    broker = start_broker(tmp_path / "broker", free_port())
+    bootstrap, topic = broker.bootstrap, "flywheel.lifecycle.frozen"
+    monkeypatch.setenv("FLYWHEEL_KAFKA_LIFECYCLE_TOPIC", topic)
+    get_settings.cache_clear()
+    try:
+        create_topics(bootstrap, {topic: 1})
+        with OutboxRelay(bootstrap, ack_timeout_s=3.0) as relay:
+            _changes(session, store)
+            assert relay.relay_pending() == 2
+            from app.lifecycle.messages import CheckpointCreated
+            from app.outbox.lifecycle import enqueue_lifecycle
+
+            enqueue_lifecycle(session, CheckpointCreated(checkpoint_id="ckpt-0002", path=str(store.root)))
+            session.commit()
+            os.kill(broker.pid, signal.SIGSTOP)
+            try:
+                with pytest.raises(InfrastructureError, match="did not take outbox rows"):
+                    relay.relay_pending()
+                assert relay._producer is None and pending_count() == 1
+            finally:
+                os.kill(broker.pid, signal.SIGCONT)
+            published, deadline = 0, time.monotonic() + 60
+            while published == 0 and time.monotonic() < deadline:
+                try:
+                    published = relay.relay_pending()
+                except InfrastructureError:
+                    time.sleep(1.0)
+            assert published == 1 and pending_count() == 0
     finally:
         stop_pid(broker.pid)
