@@ -188,7 +188,9 @@ class OutboxRelay:
                 producer.flush(timeout=self.ack_timeout_s)
             except KafkaError as exc:  # no metadata, or no acknowledgement in time: nothing is marked
                 self._close_producer()
-                raise InfrastructureError(f"broker did not take outbox rows {rows[0].id}..{rows[-1].id}: {exc}") from exc
+                raise InfrastructureError(
+                    f"broker did not take outbox rows {rows[0].id}..{rows[-1].id}: {exc}"
+                ) from exc
             acked: list[int] = []
             for row_id, fut in futures:
                 try:
