@@ -1,16 +1,17 @@
 """Trainer sweep on one cycle's real data: which learning rate and epochs move held-out pass@1.
 
-Runs one flywheel cycle from base on the in-reach ``functions`` tasks (``flywheel demo --cycles 1``:
-real SmolLM2 sessions, the simulated developers' signals, the implicit reward), then trains one
-candidate per grid point from base on exactly that cycle's trajectories (``flywheel train --parent
-base --same-data-as C1 --config ...``) and evaluates every candidate and base on the same held-out
-tasks and samples. Rollouts are shared by every grid point, so the comparison isolates the trainer
+Runs one cycle of the deployed loop from base on the in-reach ``functions`` tasks (``flywheel demo
+--cycles 1``, which drives ``flywheel up``: real SmolLM2 sessions on vLLM, the simulated developers'
+signals, the implicit reward), stops the loop's processes (the servers and the stack stay), then
+trains one candidate per grid point from base on exactly that cycle's trajectories (``flywheel train
+--parent base --same-data-as C1 --config ...``) and evaluates every candidate and base on the same
+held-out tasks and samples. Rollouts are shared by every grid point, so the comparison isolates the trainer
 settings. Prints a table and ends with one JSON line whose ``ours`` is the best grid point's paired
 difference against base and ``baseline`` the default config's.
 
 Flags: ``--quick`` (2 grid points, fewer sessions and tasks), ``--lr`` and ``--epochs`` (comma-separated
 grid values), ``--grad-accum N`` (4), ``--sessions N``, ``--group-size N`` (8), ``--eval-tasks N``,
-``--max-turns N`` (2), ``--max-tokens-per-turn N`` (192), ``--home DIR``, ``--keep``.
+``--max-turns N`` (2), ``--max-tokens-per-turn N`` (192), ``--seed N`` (0), ``--home DIR``, ``--keep``.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from flywheel import SUITE, flywheel, last_json, paired, run_demo  # noqa: E402  (bench/flywheel.py)
+from flywheel import SUITE, flywheel, paired, stop_loop, succeeded_cycles, train_from_base  # noqa: E402
 
 from app.core.db import session_scope
 from app.core.settings import get_settings
@@ -60,6 +61,7 @@ def main() -> None:
     parser.add_argument("--eval-tasks", type=int, default=None)
     parser.add_argument("--max-turns", type=int, default=2)
     parser.add_argument("--max-tokens-per-turn", type=int, default=192)
+    parser.add_argument("--seed", type=int, default=0, help="seeds the traffic and the training order")
     parser.add_argument("--home", default=None)
     parser.add_argument("--keep", action="store_true")
     args = parser.parse_args()
@@ -74,35 +76,25 @@ def main() -> None:
     started = time.monotonic()
     rows = []
     try:
-        run_demo(1, sessions, args.group_size, eval_tasks, args.max_turns, args.max_tokens_per_turn, env)
-        first = json.loads((home / "demo" / "state.json").read_text())["candidate@1"]
+        budget = ["--max-turns", str(args.max_turns), "--max-tokens-per-turn", str(args.max_tokens_per_turn)]
+        demo = ["demo", "--cycles", "1", "--sessions", str(sessions), "--group-size", str(args.group_size)]
+        demo += ["--source", SUITE, "--suite", SUITE, *budget, "--eval-max-turns", str(args.max_turns)]
+        demo += ["--eval-tasks", str(eval_tasks), "--ab-tasks", "0", "--seed", str(args.seed)]
+        flywheel(demo, env)
+        stop_loop(home)  # no scheduled cycle races the grid's training for the lock
+        get_settings.cache_clear()
+        with session_scope() as session:
+            cycles = succeeded_cycles(session)
+        if not cycles:
+            raise SystemExit("the loop's first cycle registered no checkpoint")
+        first = cycles[0].checkpoint_id
         configs = home / "sweep"
         configs.mkdir(exist_ok=True)
 
-        get_settings.cache_clear()
         for lr, ep in itertools.product(lrs, epochs):
             t0 = time.monotonic()
             cfg = write_config(configs, lr, ep, args.grad_accum)
-            ckpt = last_json(
-                flywheel(
-                    [
-                        "train",
-                        "--once",
-                        "--json",
-                        "--parent",
-                        "base",
-                        "--same-data-as",
-                        first,
-                        "--min-new",
-                        "1",
-                        "--no-progress",
-                        "--config",
-                        str(cfg),
-                    ],
-                    env,
-                    capture=True,
-                )
-            )["checkpoint_id"]
+            ckpt = train_from_base(env, first, invert=False, trainer_config=str(cfg))
             flywheel(
                 [
                     "eval",
@@ -120,7 +112,6 @@ def main() -> None:
                     str(args.max_tokens_per_turn),
                 ],
                 env,
-                capture=True,
             )
             with session_scope() as session:
                 cmp = paired(session, "base", ckpt, SUITE)
