@@ -192,3 +192,5 @@ def test_the_image_installs_as_the_readme_does():
     dockerfile = (DEPLOY / "Dockerfile").read_text()
     assert "bash ops/install.sh" in dockerfile
     assert "bash ops/install.sh" in (DEPLOY.parents[1] / "README.md").read_text()
+    # the CPU trainer's memory stays near its floor only with jemalloc (docs/trainer.md)
+    assert "libjemalloc2" in dockerfile and "ENV LD_PRELOAD=/usr/local/lib/libjemalloc.so.2" in dockerfile
