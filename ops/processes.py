@@ -46,6 +46,46 @@ LOOP_SERVICES: dict[str, list[str]] = {
 # Services that call the managed vLLM servers: started once those answer.
 SERVING_CLIENTS = ("watcher", "front", "worker", "beat")
 SUPERVISOR = "supervisor"
+# Services that serve /metrics on FLYWHEEL_METRICS_PORT (the API serves it on its own port; beat has none).
+METRICS_SERVICES = ("consumer", "relay", "watcher", "front", "worker")
+
+
+def metrics_port(name: str, base: int | None) -> int | None:
+    """The ``/metrics`` port of loop service ``name`` when ``FLYWHEEL_METRICS_PORT`` is ``base``: one
+    host runs every service, so ``base`` starts a block and each service takes ``base`` plus its place
+    in :data:`LOOP_SERVICES` (consumer ``base``, relay ``base + 2``, ..., worker ``base + 5``), the same
+    after a restart. None: no base, or a service without metrics of its own.
+
+    Raises:
+        ValueError: the block would pass port 65535.
+    """
+    if base is None or name not in METRICS_SERVICES:
+        return None
+    port = base + list(LOOP_SERVICES).index(name)
+    if port > 65535:
+        raise ValueError(f"FLYWHEEL_METRICS_PORT={base} leaves no port for {name} ({port} > 65535)")
+    return port
+
+
+def service_env(name: str, env: dict[str, str]) -> dict[str, str]:
+    """``env`` as service ``name`` gets it: ``FLYWHEEL_METRICS_PORT`` replaced by its own port
+    (:func:`metrics_port`), or removed for a service without metrics of its own.
+
+    Raises:
+        ValueError: ``FLYWHEEL_METRICS_PORT`` is not a port number, or the block passes 65535.
+    """
+    raw = env.get("FLYWHEEL_METRICS_PORT")
+    if not raw:
+        return env
+    try:
+        base = int(raw)
+    except ValueError:
+        raise ValueError(f"FLYWHEEL_METRICS_PORT must be a port number, got {raw!r}") from None
+    port = metrics_port(name, base)
+    out = {k: v for k, v in env.items() if k != "FLYWHEEL_METRICS_PORT"}
+    if port is not None:
+        out["FLYWHEEL_METRICS_PORT"] = str(port)
+    return out
 
 
 def start_service(name: str, args: list[str], home: Path, env: dict[str, str] | None = None) -> int:
@@ -110,6 +150,9 @@ class Supervisor:
         window_s: seconds over which restarts are counted.
         poll_s: seconds between liveness checks.
         on_event: called with each line the supervisor logs (``flywheel up`` prints them).
+
+    With ``FLYWHEEL_METRICS_PORT`` in ``env``, each service serves ``/metrics`` on a port of its own
+    (:func:`service_env`).
     """
 
     home: Path
@@ -124,7 +167,9 @@ class Supervisor:
 
     def start(self, names: Iterable[str] | None = None) -> dict[str, int]:
         """Start (or reuse) the named services (default all). Returns name -> pid."""
-        return {n: start_service(n, self.services[n], self.home, self.env) for n in (names or self.services)}
+        return {
+            n: start_service(n, self.services[n], self.home, service_env(n, self.env)) for n in (names or self.services)
+        }
 
     def check(self) -> str | None:
         """Restart every dead service; returns the name of one that died too often (None if all run)."""
@@ -143,7 +188,7 @@ class Supervisor:
                 return name
             recent.append(now)
             self._forget(name)
-            new = start_service(name, self.services[name], self.home, self.env)
+            new = start_service(name, self.services[name], self.home, service_env(name, self.env))
             self.on_event(f"{name} (pid {pid}) exited; restarted as pid {new} (restart {len(recent)})")
         return None
 

@@ -17,6 +17,7 @@ service reads the same; and what ``up`` starts, ``flywheel stack down`` stops, b
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,7 +27,15 @@ from app.core.db import session_scope
 from app.core.migrate import upgrade
 from app.core.settings import flywheel_home, get_settings
 from app.repositories.checkpoints import get_production
-from ops.processes import LOOP_SERVICES, SERVING_CLIENTS, SUPERVISOR, Supervisor, start_service, wait_http
+from ops.processes import (
+    LOOP_SERVICES,
+    SERVING_CLIENTS,
+    SUPERVISOR,
+    Supervisor,
+    service_env,
+    start_service,
+    wait_http,
+)
 from ops.stack import StackState, serving_up, serving_wait, stack_up
 from serving.engine import resolve_checkpoint
 from serving.vllm_server import vllm_installed
@@ -103,19 +112,39 @@ def start_loop(
         InfrastructureError: a vLLM server or the API did not come up.
     """
     supervisor = Supervisor(home, services, env, on_event=on_event)
+    ports = {n: service_env(n, env).get("FLYWHEEL_METRICS_PORT") for n in services}
+    if env.get("FLYWHEEL_METRICS_PORT"):
+        write_prometheus_targets(home, {n: int(p) for n, p in ports.items() if p})
+
+    def started(name: str, pid: int) -> None:
+        metrics = f"  metrics :{ports[name]}" if ports.get(name) else ""
+        on_event(f"{name:9s} pid {pid}  log {home / 'logs' / (name + '.log')}{metrics}")
+
     first = [n for n in services if n not in SERVING_CLIENTS]
     for name, pid in supervisor.start(first).items():
-        on_event(f"{name:9s} pid {pid}  log {home / 'logs' / (name + '.log')}")
+        started(name, pid)
     state = StackState.load(home)
     if state is not None and state.serving_urls:
         on_event("waiting for the vLLM servers: " + ", ".join(f"{r} {u}" for r, u in state.serving_urls.items()))
         serving_wait(home)
     for name, pid in supervisor.start([n for n in services if n in SERVING_CLIENTS]).items():
-        on_event(f"{name:9s} pid {pid}  log {home / 'logs' / (name + '.log')}")
+        started(name, pid)
     if "api" in services:
         api = get_settings().api
         wait_http(f"{api.url or f'http://{api.host}:{api.port}'}/healthz")
     return supervisor
+
+
+def write_prometheus_targets(home: Path, ports: dict[str, int], host: str = "127.0.0.1") -> Path:
+    """Write ``$FLYWHEEL_HOME/prometheus_targets.json``, the loop's ``/metrics`` endpoints (service ->
+    port) in Prometheus' ``file_sd_configs`` format (one target per service, labelled ``service``).
+    Returns its path."""
+    targets = [
+        {"targets": [f"{host}:{port}"], "labels": {"job": "flywheel", "service": name}} for name, port in ports.items()
+    ]
+    path = home / "prometheus_targets.json"
+    path.write_text(json.dumps(targets, indent=2) + "\n")
+    return path
 
 
 def detach_supervisor(home: Path, services: list[str], env: dict[str, str]) -> int:

@@ -78,8 +78,9 @@ class MetricsSettings(EnvSettings):
         default=None,
         ge=1,
         le=65535,
-        description="port of /metrics for the consumer, relay, watcher and Celery worker (one per process); "
-        "unset: not served (the API serves /metrics on its own port)",
+        description="port of /metrics for the consumer, relay, watcher, front and Celery worker (one per "
+        "process); under `flywheel up` the first of a block, each service taking this plus its place "
+        "(docs/operations.md); unset: not served (the API serves /metrics on its own port)",
     )
     host: str = Field(default="127.0.0.1", description="address that port listens on (0.0.0.0 in a container)")
 

@@ -72,3 +72,40 @@ def test_a_process_that_keeps_dying_stops_the_loop_with_exit_code_1(up_home):
     assert any(f"relay (pid {relay})" in e for e in events if e.startswith("stopped:")), events
     _wait(lambda: not pid_alive(relay), 15, "the healthy relay is stopped with the loop")
     assert service_status(home) == {}
+
+
+def test_each_supervised_service_serves_metrics_on_a_port_of_its_own(up_home):
+    """``FLYWHEEL_METRICS_PORT`` under the supervisor starts a block: the consumer and the relay
+    (real processes on the test database and broker) answer ``/metrics`` on their own ports at once,
+    where a shared port would leave all but the first without metrics; beat gets none."""
+    import httpx
+
+    from app.core.net import free_port
+    from ops.processes import service_env
+    from ops.up import write_prometheus_targets
+
+    home, env = up_home
+    base = free_port()
+    env = {**env, "FLYWHEEL_METRICS_PORT": str(base)}
+    assert "FLYWHEEL_METRICS_PORT" not in service_env("beat", env)
+    with pytest.raises(ValueError, match="port number"):
+        service_env("relay", {**env, "FLYWHEEL_METRICS_PORT": "x"})
+    sup = Supervisor(home, {"consumer": ["consume"], "relay": ["relay"]}, env, poll_s=0.2)
+    sup.start()
+    ports = {"consumer": base, "relay": base + 2}
+    try:
+
+        def serving(port: int) -> bool:
+            try:
+                return httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=2).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        _wait(lambda: all(serving(p) for p in ports.values()), 60, "both services' /metrics")
+        for name, port in ports.items():  # each process says which port it took
+            assert f"metrics on http://127.0.0.1:{port}/metrics" in (home / "logs" / f"{name}.log").read_text()
+        assert not serving(base + 1)  # the API's place in the block: the API serves /metrics on its own port
+        targets = write_prometheus_targets(home, ports)
+        assert f"127.0.0.1:{base + 2}" in targets.read_text()
+    finally:
+        sup.stop_services()
