@@ -330,6 +330,27 @@ def test_stored_sessions_are_reused_and_the_arm_must_be_served_by_its_checkpoint
         run_ab("x", "y", CONFIG, engine_for=wrong, store=tmp_path)
 
 
+def test_two_runs_arms_compare_on_the_same_draw_without_serving_again(tokenizer, tmp_path):
+    """Real minus placebo: each run measured its own checkpoint against base in its own home; one
+    run's stored arm copied into the other's store pairs the two checkpoints on the same requests
+    and developers, and nothing is served again."""
+    import shutil
+
+    real_home, placebo_home = tmp_path / "real", tmp_path / "placebo"
+    engine_for, _ = _engines(tokenizer, base=_half, real=lambda task_id, seed: True, placebo=_half)
+    run_ab("base", "real", CONFIG, engine_for=engine_for, store=real_home)
+    run_ab("base", "placebo", CONFIG, engine_for=engine_for, store=placebo_home)
+    shutil.copytree(real_home / "real", placebo_home / "real")
+
+    def no_engine(checkpoint_id):
+        raise AssertionError("both arms are stored: no engine is needed")
+
+    report = run_ab("placebo", "real", CONFIG, engine_for=no_engine, store=placebo_home)
+    solved = sum(_half(t.id, 0) for t, _ in plan_pairs(CONFIG)) / len(plan_pairs(CONFIG))
+    assert report["pairs"] == 18 and report["sessions"]["final"] == {"ran": 0, "reused": 18}
+    assert report["metrics"]["pass_rate"]["diff"] == pytest.approx(1 - solved)
+
+
 def test_the_cli_refuses_an_unknown_split_or_cluster_before_serving():
     from typer.testing import CliRunner
 
