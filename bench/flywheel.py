@@ -8,7 +8,9 @@ One run, on a fresh embedded stack (its own ``FLYWHEEL_HOME``):
    sends simulated product traffic on the in-reach ``functions`` tasks; beat starts each training
    cycle once the cycle's traffic is finalized, the worker gates the candidate on the held-out
    ``functions`` suite (templates never trained on) and the release policy ``auto_on_pass``
-   promotes it only if the gate passed; no override anywhere.
+   promotes it only if the gate passed; no override anywhere. ``--long-sessions S`` (default 0): a
+   share S of each cycle's task groups plays long ``functions_long`` sessions, which self-summarize
+   (``docs/tasks.md``); the A/B and the gates stay on ``functions``.
 2. A planted regression and its control: from base, on cycle 1's data, one normal cycle at the
    trainer's default learning rate with the reward's sign flipped (``flywheel train --parent base
    --same-data-as C1 --invert-reward``), and the same cycle with the right sign; each gated against
@@ -26,12 +28,13 @@ Every figure is read from the database the loop wrote (training cycles, gate dec
 with their actor, eval runs and results, stored A/B comparisons, session timestamps), never from a
 command's printed output or the demo's state file.
 
-Prints one JSON line: ``in_distribution`` (``pairs``, ``tasks``, ``samples``, ``base``, ``final``,
-``diff``, ``ci``, ``lower_bound``), ``held_out`` (``pairs``, ``base``, ``final``, ``diff``, ``ci``,
-``lower_bound``), ``signals_ab``, ``curve``, ``gate_decisions`` (per cycle: ``candidate``,
-``decision``, ``power``, ``stopped_at_pairs``, ``promoted``, ``promoted_by``), ``planted`` and
-``planted_control`` (``decision`` and the held-out comparison with base), ``budget_s`` (seconds per
-phase from the database's timestamps), ``seed``, ``placebo``, ``release_policy``, ``wall_s``, ``pass``.
+Prints one JSON line: ``in_distribution`` (``pairs``, ``tasks``, ``samples``, ``base``, ``final``, ``diff``,
+``ci``, ``lower_bound``), ``held_out`` (``pairs``, ``base``, ``final``, ``diff``, ``ci``, ``lower_bound``),
+``signals_ab``, ``curve``, ``gate_decisions`` (per cycle: ``candidate``, ``decision``, ``power``,
+``stopped_at_pairs``, ``promoted``, ``promoted_by``), ``planted`` and ``planted_control`` (``decision`` and the
+held-out comparison with base), ``budget_s`` (seconds per phase from the database's timestamps),
+``multi_segment_sessions`` (trajectories with more than one segment), ``seed``, ``placebo``,
+``long_session_share``, ``release_policy``, ``wall_s``, ``pass``.
 
 ``pass``, default run: in-distribution ``diff >= 0.10`` with ``lower_bound > 0``, edit persistence up and dissatisfied
 follow-ups down each with a 95 % interval excluding 0, held-out ``lower_bound > -margin``, the final checkpoint
@@ -67,7 +70,7 @@ from app.repositories.checkpoints import get_production
 from evals.gate import paired_bootstrap_interval
 from evals.gate_config import load_gate_config
 from ops.ab import ABConfig, plan_pairs
-from ops.demo import DEFAULT_DIFFICULTY_MIX
+from ops.demo import DEFAULT_DIFFICULTY_MIX, DemoOptions, trainer_toml
 from ops.demo_report import CURVE_SIGNALS, curve_point, render_curve_png
 from ops.processes import LOOP_SERVICES, SUPERVISOR, service_status
 from ops.report import count_multi_segment_sessions
@@ -114,11 +117,7 @@ def gate_view(session: Session, candidate: str) -> dict:
         return {"decision": None, "power": None, "stopped_at_pairs": None}
     report = row.report or {}
     suite = (report.get("suites") or {}).get(SUITE) or {}
-    return {
-        "decision": row.decision,
-        "power": suite.get("power"),
-        "stopped_at_pairs": suite.get("stopped_at_pairs"),
-    }
+    return {"decision": row.decision, "power": suite.get("power"), "stopped_at_pairs": suite.get("stopped_at_pairs")}
 
 
 def served_after_cycles(session: Session, candidates: list[str]) -> list[dict]:
@@ -152,17 +151,10 @@ def paired(session: Session, base: str, final: str, suite: str) -> dict:
     """
 
     def results(ckpt: str) -> tuple[str, dict]:
-        run = session.scalars(
-            select(EvalRun)
-            .where(EvalRun.checkpoint_id == ckpt, EvalRun.suite == suite, EvalRun.status == "succeeded")
-            .order_by(EvalRun.started_at.desc())
-        ).first()
+        runs = select(EvalRun).where(EvalRun.checkpoint_id == ckpt, EvalRun.suite == suite)
+        run = session.scalars(runs.where(EvalRun.status == "succeeded").order_by(EvalRun.started_at.desc())).first()
         if run is None:
-            stopped = session.scalars(
-                select(EvalRun.id).where(
-                    EvalRun.checkpoint_id == ckpt, EvalRun.suite == suite, EvalRun.status == "stopped"
-                )
-            ).first()
+            stopped = session.scalars(runs.where(EvalRun.status == "stopped")).first()
             why = " (its gate stopped the run early: early_stop in the gate policy; the bench needs it off)"
             raise SystemExit(f"{ckpt} has no succeeded {suite} run" + (why if stopped else ""))
         rows = session.scalars(select(EvalResult).where(EvalResult.run_id == run.id)).all()
@@ -327,6 +319,7 @@ def main() -> None:  # noqa: PLR0915 - one recipe, read top to bottom
     parser.add_argument("--max-tokens-per-turn", type=int, default=192)
     parser.add_argument("--trainer-config", default=None, help="trainer TOML (default: trainer/configs/default.toml)")
     parser.add_argument("--difficulty-mix", default=None, help="simulated requests' levels (the demo's)")
+    parser.add_argument("--long-sessions", type=float, default=0.0, help="share of task groups played as long sessions")
     parser.add_argument("--ab-pairs", type=int, default=None, help="fewest A/B (task, sample) pairs (400; quick 200)")
     parser.add_argument("--ab-tasks", type=int, default=None, help="A/B tasks (default: all at the mix's levels)")
     parser.add_argument("--curve-pairs", type=int, default=100, help="A/B pairs behind each curve point")
@@ -336,6 +329,8 @@ def main() -> None:  # noqa: PLR0915 - one recipe, read top to bottom
     parser.add_argument("--home", default=None, help="FLYWHEEL_HOME to use (resumes a run; default: a new one)")
     parser.add_argument("--keep", action="store_true", help="leave the loop running")
     args = parser.parse_args()
+    if not 0.0 <= args.long_sessions <= 1.0:
+        parser.error(f"--long-sessions is a share of the task groups, 0 to 1 (got {args.long_sessions})")
     cycles = args.cycles or (1 if args.quick else 4)
     sessions = args.sessions or (128 if args.quick else 256)
     ab_pairs = args.ab_pairs or (200 if args.quick else 400)
@@ -365,7 +360,7 @@ def main() -> None:  # noqa: PLR0915 - one recipe, read top to bottom
         demo += ["--release-policy", RELEASE_POLICY, "--cycle-timeout", "5400"]
         demo += [*(["--eval-tasks", str(args.eval_tasks)] if args.eval_tasks else [])]
         demo += [*(["--trainer-config", args.trainer_config] if args.trainer_config else [])]
-        demo += [*(["--placebo"] if args.placebo else [])]
+        demo += [*(["--placebo"] if args.placebo else []), "--long-sessions", str(args.long_sessions)]
         t0 = time.monotonic()
         flywheel(demo, env)
         phase["loop"] = time.monotonic() - t0
@@ -376,8 +371,11 @@ def main() -> None:  # noqa: PLR0915 - one recipe, read top to bottom
         with session_scope() as session:
             candidates = [c.checkpoint_id for c in succeeded_cycles(session)][:cycles]
         t0 = time.monotonic()
-        planted = train_from_base(env, candidates[0], invert=True, trainer_config=args.trainer_config)
-        control = train_from_base(env, candidates[0], invert=False, trainer_config=args.trainer_config)
+        # the cycles' segment length with long sessions (ops.demo.trainer_toml), never their --placebo
+        plant = DemoOptions(trainer_config=args.trainer_config, long_session_share=args.long_sessions)
+        plant_config = str(trainer_toml(plant, home / "plant")) if args.long_sessions else args.trainer_config
+        planted = train_from_base(env, candidates[0], invert=True, trainer_config=plant_config)
+        control = train_from_base(env, candidates[0], invert=False, trainer_config=plant_config)
         phase["plant_train"] = time.monotonic() - t0
         t0 = time.monotonic()
         planted_gate = gate_against_base(env, planted, eval_budget)
@@ -486,6 +484,7 @@ def main() -> None:  # noqa: PLR0915 - one recipe, read top to bottom
                 "trainer_config": Path(args.trainer_config).name if args.trainer_config else "default.toml",
                 "lr": trainer_lr,
                 "multi_segment_sessions": multi_segment,
+                "long_session_share": args.long_sessions,
                 "plot": str(plot),
                 "difficulty_mix": mix,
                 "wall_s": round(time.monotonic() - started),

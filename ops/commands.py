@@ -242,6 +242,13 @@ def demo_cmd(
     ),
     max_turns: int = typer.Option(3, help="agent turns per simulated session"),
     max_tokens_per_turn: int = typer.Option(160, help="completion tokens per turn"),
+    long_sessions: float = typer.Option(
+        0.0,
+        min=0.0,
+        max=1.0,
+        help="share of each cycle's task groups played as long functions_long sessions, which self-summarize "
+        "(at least 4 turns; the trainer then keeps segments that long); the fresh-traffic A/B stays on --source",
+    ),
     max_steps: int = typer.Option(None, help="step budget of each training cycle (default: train on all it claims)"),
     trainer_config: str = typer.Option(
         None, help="trainer TOML of the loop's cycles (default trainer/configs/default.toml)"
@@ -290,6 +297,7 @@ def demo_cmd(
             difficulty_mix=None if difficulty_mix == "none" else (difficulty_mix or DEFAULT_DIFFICULTY_MIX),
             max_turns=max_turns,
             max_tokens_per_turn=max_tokens_per_turn,
+            long_session_share=long_sessions,
             train_max_steps=max_steps,
             trainer_config=trainer_config,
             eval_tasks=eval_tasks,

@@ -13,7 +13,8 @@ and promotes nothing itself. Its steps (each skipped when its effect is recorded
                release policy ``auto_on_pass`` (a candidate the gate passes is promoted, audited as
                the policy; one it fails or cannot decide is held), the watcher reloading the
                production vLLM server
-4. per cycle: ``simulate`` (sessions through ``flywheel simulate``, the product backend's path),
+4. per cycle: ``simulate`` (sessions through ``flywheel simulate``, the product backend's path;
+   ``--long-sessions S``: a share S of the task groups long ``functions_long`` sessions),
    ``decide`` (wait until the loop has trained, gated and released the cycle's candidate, and the
    production server serves what the database says is production), ``measure`` (the checkpoint
    now serving against base on fresh traffic, ``flywheel ab``: a point of the curve)
@@ -41,10 +42,12 @@ from app.core.errors import FlywheelError
 from app.core.migrate import upgrade
 from app.core.net import free_port, served_weight_version
 from app.core.settings import flywheel_home, get_settings
+from evals.harness.agent import AgentBudget
 from ops import loop_state
 from ops.demo_report import curve_point, write_demo_report
-from ops.simulator import PRODUCTION_MIX
+from ops.simulator import PRODUCTION_MIX, SimulatorConfig
 from ops.stack import stack_down, stack_up
+from trainer.config import load_config
 
 TRAINER_DEFAULT = Path(__file__).resolve().parents[1] / "trainer" / "configs" / "default.toml"
 
@@ -56,6 +59,12 @@ DEFAULT_DIFFICULTY_MIX = ",".join(f"{level}:{weight}" for level, weight in PRODU
 # privacy-mode sessions (10 % by default) and sessions the simulator could not serve leave none, so
 # the quiet period usually ends the batch.
 QUIET_S = 20.0
+# The trainer's segment length when the traffic has long sessions (``--long-sessions``): a segment
+# holds the context the simulator keeps (3,072 tokens) plus its summary turn (the request, about 50
+# tokens, and the summary). The default ``data.max_seq_len`` (2,048) is below a long session's first
+# prompt (2,087-2,324 tokens), so truncated there a long segment keeps no sampled token and the
+# trainer leaves its trajectory out (``no_completion_tokens``).
+LONG_SEGMENT_TOKENS = SimulatorConfig().context_tokens + AgentBudget().summary_tokens + 256
 
 
 @dataclass
@@ -69,6 +78,7 @@ class DemoOptions:
     difficulty_mix: str | None = DEFAULT_DIFFICULTY_MIX
     max_turns: int = 3
     max_tokens_per_turn: int = 160
+    long_session_share: float = 0.0  # share of task groups played as long functions_long sessions
     train_max_steps: int | None = None
     trainer_config: str | None = None
     eval_tasks: int | None = None  # held-out tasks the gate runs (None: the whole suite)
@@ -113,13 +123,16 @@ class DemoState:
 def trainer_toml(opts: DemoOptions, home: Path) -> Path:
     """The trainer config of the loop's scheduled cycles: ``--trainer-config`` (default
     ``trainer/configs/default.toml``) with the demo's step budget, training on whatever a cycle's
-    traffic left (``min_new_trajectories = 1``), with shuffled rewards under ``--placebo``."""
+    traffic left (``min_new_trajectories = 1``), with shuffled rewards under ``--placebo``, and
+    segments up to :data:`LONG_SEGMENT_TOKENS` long where the traffic has long sessions."""
     path = home / "demo" / "trainer.toml"
     base = Path(opts.trainer_config).resolve() if opts.trainer_config else TRAINER_DEFAULT
     lines = [f"extends = {json.dumps(str(base))}"]
     if opts.train_max_steps:
         lines.append(f"max_steps = {opts.train_max_steps}")
     lines += ["", "[data]", "min_new_trajectories = 1"]
+    if opts.long_session_share > 0 and load_config(base).data.max_seq_len < LONG_SEGMENT_TOKENS:
+        lines.append(f"max_seq_len = {LONG_SEGMENT_TOKENS}")
     if opts.placebo:
         lines.append("placebo = true")
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -243,6 +256,8 @@ class Demo:
             return f"{done} sessions already simulated"
         args = ["simulate", "--sessions", str(remaining), "--group-size", str(min(self.opts.group_size, remaining))]
         args += ["--source", self.opts.source, *session_budget_args(self.opts)]
+        if self.opts.long_session_share > 0:  # the A/B's fresh traffic stays on --source
+            args += ["--long-sessions", str(self.opts.long_session_share)]
         args += ["--seed", str(self.opts.seed + 1000 * cycle + done)]
         flywheel(args, self.env)
         return f"{remaining} sessions simulated"

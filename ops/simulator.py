@@ -14,7 +14,8 @@ Invariants: ``session.ended.expected_signals`` lists exactly the late events tha
 (one entry per event), and those are emitted (the run waits for the last delay before closing
 the producer). Sessions on one task form a group (``group_size``, the trainer's GRPO groups); all
 sessions run concurrently (at most ``concurrency`` in flight), so one engine batches every
-session's model calls.
+session's model calls. A share of the groups (``long_session_share``, default none) plays long
+``functions_long`` sessions, with the turns it takes them to self-summarize.
 """
 
 from __future__ import annotations
@@ -59,6 +60,14 @@ PRODUCTION_MIX: dict[int, float] = {1: 0.6, 2: 0.3, 3: 0.1}
 the time at the serving temperature; levels 2 and 3 it almost never solves. The demo's and the
 bench's simulated traffic and ``flywheel ab``'s fresh draw follow it."""
 
+LONG_SESSION_SOURCE = "functions_long"
+"""Where long sessions come from (``SimulatorConfig.long_session_share``): multi-step requests in
+long files, whose sessions self-summarize (docs/tasks.md)."""
+LONG_SESSION_MIN_TURNS = 4
+"""The fewest model turns that take a ``functions_long`` session into its second segment: two
+answers, then the summary turn (the third request no longer fits the 3,072-token context), then
+the third answer, the first turn of the new segment (docs/tasks.md, "Long sessions")."""
+
 
 class SimulatorConfig(BaseModel):
     """Settings of one simulator run (the CLI flags)."""
@@ -82,9 +91,13 @@ class SimulatorConfig(BaseModel):
     ``difficulty``, e.g. ``functions``: 1, 2, 3) when choosing the run's tasks; None, or a source
     without difficulty levels: a uniform seeded subset."""
     max_turns: int = Field(default=6, ge=1)
-    """Model turns per session."""
+    """Model turns per session (a long session's: at least :data:`LONG_SESSION_MIN_TURNS`)."""
     max_tokens: int = Field(default=1024, ge=16)
-    """Completion tokens per session."""
+    """Completion tokens per session (a long session's: at least :data:`LONG_SESSION_MIN_TURNS` x
+    ``max_tokens_per_turn``)."""
+    long_session_share: float = Field(default=0.0, ge=0.0, le=1.0)
+    """Share of the run's task groups played on :data:`LONG_SESSION_SOURCE` train tasks instead of
+    ``source`` (whole groups; :func:`plan_sessions` says how many and which); 0: none."""
     max_tokens_per_turn: int = Field(default=256, ge=8)
     """Completion tokens per turn."""
     context_tokens: int = Field(default=3072, ge=256)
@@ -213,7 +226,7 @@ def choose_tasks(tasks: list, n: int, mix: dict[int, float], seed: int) -> list:
 
 @dataclass(frozen=True)
 class SessionSpec:
-    """One planned session: its task, who plays it, and the seeds it runs with."""
+    """One planned session: its task, who plays it, the seeds and the turn and token budget it runs with."""
 
     index: int
     task: Task
@@ -223,6 +236,23 @@ class SessionSpec:
     rng: random.Random
     seed: int
     engine: ModelledLatency
+    max_turns: int
+    max_tokens: int
+
+
+def long_groups(config: SimulatorConfig) -> list[int]:
+    """Indices of the run's task groups played on :data:`LONG_SESSION_SOURCE`, ascending.
+
+    Of the run's ``ceil(sessions / group_size)`` groups, ``round(long_session_share x groups)``
+    (halves up), and at least one when the share is above 0, chosen without replacement by a
+    stream seeded from ``config.seed`` apart from the plan's own stream (so the users, privacy
+    modes and seeds of every session are those of the same run without long sessions).
+    """
+    if config.long_session_share <= 0:
+        return []
+    n_groups = math.ceil(config.sessions / config.group_size)
+    n_long = min(n_groups, max(1, math.floor(config.long_session_share * n_groups + 0.5)))
+    return sorted(random.Random(f"{config.seed}/long-sessions").sample(range(n_groups), n_long))
 
 
 def plan_sessions(
@@ -231,6 +261,12 @@ def plan_sessions(
     """The sessions of a run, in order: ``config.group_size`` consecutive sessions share a task,
     users and privacy mode drawn from ``config.seed``; each session's client is chosen as
     :func:`run_simulation` says.
+
+    The groups :func:`long_groups` names play distinct ``functions_long`` train tasks (a seeded
+    subset; reused in turn past its 84), ``max_turns`` raised to :data:`LONG_SESSION_MIN_TURNS` and
+    ``max_tokens`` to that many turns of ``max_tokens_per_turn`` where lower; every other group
+    plays the task of ``config.source`` it plays without long sessions. With ``long_session_share = 0``
+    the plan is the one of the simulator before the setting existed (same draws, same order).
 
     Raises:
         ConfigurationError: an eval-only split or unknown source.
@@ -246,6 +282,10 @@ def plan_sessions(
         tasks = choose_tasks(load_tasks(config.source, config.split), n_tasks, config.difficulty_mix, config.seed)
     else:
         tasks = load_tasks(config.source, config.split, limit=n_tasks, seed=config.seed)
+    long = long_groups(config)
+    long_tasks = load_tasks(LONG_SESSION_SOURCE, "train", limit=len(long), seed=config.seed) if long else []
+    long_turns = max(config.max_turns, LONG_SESSION_MIN_TURNS)
+    long_tokens = max(config.max_tokens, LONG_SESSION_MIN_TURNS * config.max_tokens_per_turn)
 
     def engine_of(user_id: str) -> ModelledLatency:
         if engine_for is not None:
@@ -256,16 +296,20 @@ def plan_sessions(
     specs = []
     for i in range(config.sessions):
         user_id = f"user-{rng.randrange(config.users):03d}"
+        group = i // config.group_size
+        is_long = group in long
         specs.append(
             SessionSpec(
                 index=i,
-                task=tasks[(i // config.group_size) % len(tasks)],
+                task=long_tasks[long.index(group) % len(long_tasks)] if is_long else tasks[group % len(tasks)],
                 session_id=f"sim-{uuid.uuid4()}",
                 user_id=user_id,
                 privacy=rng.random() < config.privacy_rate,
                 rng=random.Random(rng.random()),
                 seed=config.seed * 100_003 + i,
                 engine=engine_of(user_id),
+                max_turns=long_turns if is_long else config.max_turns,
+                max_tokens=long_tokens if is_long else config.max_tokens,
             )
         )
     return specs
@@ -281,8 +325,8 @@ def play_session(
     envelope = dict(session_id=spec.session_id, user_id=spec.user_id, org_id=config.org_id, privacy_mode=spec.privacy)
     dev = DeveloperReaction(config, spec.rng, spec.task, workdir, envelope, emit, late.schedule)
     budget = AgentBudget(
-        max_turns=config.max_turns,
-        max_completion_tokens=config.max_tokens,
+        max_turns=spec.max_turns,
+        max_completion_tokens=spec.max_tokens,
         context_tokens=config.context_tokens,
         max_tokens_per_turn=config.max_tokens_per_turn,
     )

@@ -28,6 +28,14 @@ def simulate(
         "--difficulty-mix",
         help="request mix by task difficulty, LEVEL:WEIGHT pairs, e.g. '1:0.6,2:0.3,3:0.1' (default: uniform)",
     ),
+    long_sessions: float = typer.Option(
+        0.0,
+        "--long-sessions",
+        min=0.0,
+        max=1.0,
+        help="share of the task groups played as long functions_long sessions, which self-summarize "
+        "(their turns raised to at least 4); 0: none",
+    ),
     seed: int = typer.Option(0, "--seed"),
     keeps_wrong_rate: float = typer.Option(
         0.0,
@@ -95,6 +103,7 @@ def simulate(
         persistence_delay_s=persistence_delay,
         source=source,
         difficulty_mix=parse_mix(difficulty_mix) if difficulty_mix else None,
+        long_session_share=long_sessions,
         seed=seed,
         developer=DeveloperModel(
             keeps_wrong_rate=keeps_wrong_rate,
@@ -130,6 +139,7 @@ def simulate(
                 "sessions": len(summaries),
                 "errors": sum(1 for s in summaries if "error" in s),
                 "passed": sum(1 for s in summaries if s.get("passed")),
+                "multi_segment": sum(1 for s in summaries if s.get("segments", 1) > 1),
                 "accepted": sum(s.get("accepted", 0) for s in summaries),
                 "rejected": sum(s.get("rejected", 0) for s in summaries),
                 "by_checkpoint": by_checkpoint,

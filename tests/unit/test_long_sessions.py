@@ -22,7 +22,8 @@ from evals.harness.agent import AgentBudget, run_agent_session
 from evals.harness.chat import ChatML, repository_message
 from evals.harness.workspace import write_files
 from evals.tasks import functions, functions_long, load_tasks, verify_reference, verify_stub
-from ops.simulator import SimulatorConfig
+from ops.demo import LONG_SEGMENT_TOKENS
+from ops.simulator import LONG_SESSION_MIN_TURNS, PRODUCTION_MIX, SimulatorConfig, run_simulation
 from producers.events.packing import unpack_floats, unpack_ints
 from serving.torch_engine import TorchEngine
 from trainer.config import TrainerConfig
@@ -150,7 +151,7 @@ def test_a_tiny_model_on_a_long_task_self_summarizes_and_every_segment_trains_wi
     trajectories = [_trajectory_data(state, reward, group="FNL"), other]
     config = TrainerConfig.model_validate({"data": {"micro_batch_tokens": 4096}})
     _, _, advantages, batches = pack_cycle(trajectories, config)
-    assert advantages[0] == -0.5  # reward minus the mean reward of its task's group
+    assert float(advantages[0]) == pytest.approx(-0.5)  # reward minus the mean reward of its task's group
     rows, tokens = set(), 0
     for b in batches:
         mine = b.trajectory_index == 0
@@ -160,3 +161,37 @@ def test_a_tiny_model_on_a_long_task_self_summarizes_and_every_segment_trains_wi
         tokens += int(mine.sum())
     assert len(rows) == state.num_segments  # each segment is a row of its own
     assert tokens == sum(int(s.loss_mask[1:].sum()) for s in trajectories[0].segments)
+
+
+def test_long_sessions_in_simulated_traffic_summarize_under_the_demos_two_turns(long_context_model):
+    """``long_session_share`` through the real simulator: at the demo's and the bench's budget (2
+    turns of 160 tokens) a long group's sessions get the turns to self-summarize, and each segment
+    fits the segment length the demo's trainer keeps (the trainer's default keeps none of them)."""
+    engine = TorchEngine(long_context_model, checkpoint_id="tiny", serving_dtype=None, device="cpu")
+    config = SimulatorConfig(
+        sessions=1,
+        group_size=1,
+        source="functions",
+        difficulty_mix=PRODUCTION_MIX,
+        max_turns=2,
+        max_tokens_per_turn=160,
+        max_tokens=320,
+        long_session_share=1.0,
+        persistence_delay_s=0,
+        followup_delay_s=0,
+    )
+    events = []
+    try:
+        summaries = run_simulation(config, engine, events.append)
+    finally:
+        engine.close()
+    assert [s.get("error") for s in summaries] == [None]
+    assert summaries[0]["task_id"].startswith("FNL/train/")
+    assert all(2 < s["turns"] <= LONG_SESSION_MIN_TURNS and s["segments"] > 1 for s in summaries)
+    default_seq_len = TrainerConfig().data.max_seq_len
+    for s in summaries:
+        state, _ = _fold([e for e in events if e.session_id == s["session_id"]])
+        assert state.num_segments > 1  # what the loop report counts as a multi-segment session
+        for seg in _trajectory_data(state, 0.0, group="FNL").segments:
+            assert len(seg.token_ids) <= LONG_SEGMENT_TOKENS
+            assert int(np.argmax(seg.loss_mask)) > default_seq_len  # its first sampled token
