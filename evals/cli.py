@@ -3,7 +3,8 @@ inside the command functions, never at module level.
 
 ``flywheel eval CHECKPOINT --suite NAME`` runs a suite (``eval`` is a group whose default command is
 ``run``, so ``flywheel eval contamination`` / ``mine`` / ``suites`` are subcommands);
-``flywheel gate CANDIDATE`` evaluates and decides.
+``flywheel gate CANDIDATE`` evaluates and decides; ``flywheel eval floors`` derives the gate's floors
+from a checkpoint's stored results (:mod:`evals.floors_cli`).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from rich.console import Console, Group
 from rich.table import Table
 from typer.core import TyperGroup
 
-from evals import environment_cli
+from evals import environment_cli, floors_cli
 
 
 class _DefaultRunGroup(TyperGroup):
@@ -39,6 +40,8 @@ LIMIT = typer.Option(None, "--limit", "-n", min=1, help="seeded subset of N task
 WORKERS = typer.Option(
     None, "--workers", "-w", min=1, help="concurrent sessions (default: 64 with the torch engine, else 1)"
 )
+eval_app.command("floors")(floors_cli.eval_floors)
+
 MAX_TURNS = typer.Option(None, "--max-turns", min=1, help="override the suite's turn budget")
 MAX_TOKENS = typer.Option(None, "--max-tokens", min=1, help="override completion tokens per turn")
 JSON = typer.Option(False, "--json", help="print the result as JSON")
@@ -278,7 +281,10 @@ def gate_cmd(
         None, "--config", exists=True, dir_okay=False, help="gate policy TOML (default evals/gate.toml)"
     ),
     min_pairs: int | None = typer.Option(
-        None, "--min-pairs", min=1, help="override every suite's minimum paired outcomes (smoke runs)"
+        None,
+        "--min-pairs",
+        min=1,
+        help="override every suite's minimum paired outcomes and drop its floor (smoke runs)",
     ),
     gate_on: list[str] | None = typer.Option(
         None, "--gate-on", help="decide on these suites only (others reported; stored with the decision)"

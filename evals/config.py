@@ -197,7 +197,8 @@ class EvalSettings(BaseSettings):
     scan_batch: int = Field(default=1, ge=1)
     """Candidates dispatched per beat scan."""
     min_pairs: int | None = Field(default=None, ge=1)
-    """Override every suite's ``min_pairs`` (smoke deployments with a small ``limit``)."""
+    """Override every suite's ``min_pairs`` and set its floor to 0 (smoke deployments with a small
+    ``limit``: a floor holds its 1 % refusal of an equal candidate only at the suite's full size)."""
     gate_on: list[str] | None = None
     """Run and decide the automated gate on these suites only (JSON list, e.g. ``["functions"]``);
     None: every gated suite of the policy. The narrowing is stored with each decision."""

@@ -8,11 +8,16 @@ re-read under the policy it was made by.
 
 from __future__ import annotations
 
+import os
+import tempfile
 import tomllib
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Literal
 
+import tomlkit
 from pydantic import Field, model_validator
+from tomlkit.items import Comment, Table, Whitespace
 
 from app.core.errors import ConfigurationError
 from evals.config import StrictConfig, SuiteConfig
@@ -70,7 +75,10 @@ class SuiteGate(StrictConfig):
     difference, an equal candidate fails with probability about ``Phi(1.645 - tolerance / se)``, so
     the margin and the suite size are chosen together (docs/gate.md, ``bench/gate_power.py``)."""
     floor: float = Field(default=0.0, ge=0, le=1)
-    """Absolute minimum pass rate of the candidate."""
+    """Absolute minimum pass rate of the candidate (its passed samples over its paired ones): a
+    backstop below the non-inferiority test, derived from production's measured outcomes so that
+    an equal candidate falls below it at most 1 % of the time (:mod:`evals.floors`,
+    ``flywheel eval floors``)."""
     min_pairs: int | None = Field(default=None, ge=1)
     """Fewest paired (task, sample) outcomes that can support a decision."""
     allow_empty: bool = False
@@ -202,11 +210,14 @@ class GateConfig(StrictConfig):
         return self
 
     def with_min_pairs(self, min_pairs: int | None) -> "GateConfig":
-        """A copy whose every suite needs ``min_pairs`` paired outcomes (smoke runs on few tasks);
-        None keeps the policy. The resolved config is stored with each decision."""
+        """A copy whose every suite needs ``min_pairs`` paired outcomes and has no floor (smoke runs
+        on few tasks); None keeps the policy. A floor holds its 1 % refusal of an equal candidate
+        only at the suite size it was derived at (:mod:`evals.floors`): on 4 pairs a 8.5 % floor
+        refuses a candidate that, like production, solves none. The resolved config is stored with
+        each decision."""
         if min_pairs is None:
             return self
-        suites = {n: s.model_copy(update={"min_pairs": min_pairs}) for n, s in self.suites.items()}
+        suites = {n: s.model_copy(update={"min_pairs": min_pairs, "floor": 0.0}) for n, s in self.suites.items()}
         return self.model_copy(update={"min_pairs": min_pairs, "suites": suites})
 
     def gating_only(self, names: list[str] | None) -> "GateConfig":
@@ -261,3 +272,84 @@ def load_gate_config(path: Path | None = None) -> GateConfig:
         return GateConfig.model_validate(tomllib.loads(path.read_text()))
     except ValueError as exc:
         raise ConfigurationError(f"invalid gate config {path.name}: {exc}") from None
+
+
+def _comment_column(table: Table) -> int:
+    """The column the comments of ``table``'s keys start at (the first commented key's), else 30."""
+    for key, item in table.value.body:
+        if key is not None and item.trivia.comment:
+            return len(f"{key.as_string().strip()} = {item.as_string()}") + len(item.trivia.comment_ws)
+    return 30
+
+
+def _continuations(table: Table, at: int) -> int:
+    """How many indented comment lines (a key's comment continued) start at body index ``at``."""
+    body = table.value.body
+    n = 0
+    while at + n < len(body) and body[at + n][0] is None:
+        item = body[at + n][1]
+        if not (isinstance(item, Comment) and item.trivia.indent):
+            break
+        n += 1
+    return n
+
+
+def _after_last_key(table: Table) -> int:
+    """Where a new key goes in ``table``: after its last key and that key's continued comment,
+    before a blank line or the comments that introduce what follows (appending would put it below
+    those)."""
+    at = max(i for i, (key, _) in enumerate(table.value.body) if key is not None) + 1
+    return at + _continuations(table, at)
+
+
+def write_floors(path: Path, floors: Mapping[str, tuple[float, str]]) -> None:
+    """Set ``[suites.NAME] floor`` of each named suite in the policy file at ``path`` to its value,
+    with its comment (where the number comes from) on that line; every other line, comment and
+    key order stays as it was (tomlkit round-trips the rest byte for byte). Written to a temporary
+    file in the same folder and renamed over ``path`` only after the result validates.
+
+    Args:
+        path: a gate policy TOML (``evals/gate.toml`` or the configured ``FLYWHEEL_EVAL_GATE_CONFIG``).
+        floors: ``suite -> (floor, comment)``; every suite must have a ``[suites.NAME]`` table.
+
+    Raises:
+        ConfigurationError: a missing or invalid file, a suite without its table, or a result that
+            does not validate as a :class:`GateConfig`.
+    """
+    if not path.exists():
+        raise ConfigurationError(f"gate config {path} not found")
+    try:
+        doc = tomlkit.parse(path.read_text())
+    except tomlkit.exceptions.ParseError as exc:
+        raise ConfigurationError(f"invalid gate config {path.name}: {exc}") from None
+    suites = doc.get("suites")
+    for name, (floor, comment) in floors.items():
+        table = suites.get(name) if suites is not None else None
+        if not isinstance(table, Table):
+            raise ConfigurationError(f"gate config {path.name} has no [suites.{name}] table")
+        old = table.get("floor")
+        item = tomlkit.item(float(floor))
+        if old is not None:
+            item.trivia.indent = old.trivia.indent
+        item.comment(comment)
+        item.trivia.comment_ws = " " * max(1, _comment_column(table) - len(f"floor = {item.as_string()}"))
+        if old is not None:
+            table["floor"] = item
+            body = table.value.body
+            at = next(i for i, (key, _) in enumerate(body) if key is not None and key.key == "floor") + 1
+            for i in range(at, at + _continuations(table, at)):  # the old comment's further lines
+                body[i] = (None, Whitespace(""))  # in place: the container's key index stays right
+        elif (at := _after_last_key(table)) < len(table.value.body):
+            table.value._insert_at(at, "floor", item)  # noqa: SLF001 - tomlkit has no public insert
+        else:
+            table["floor"] = item
+    text = tomlkit.dumps(doc)
+    try:
+        GateConfig.model_validate(tomllib.loads(text))
+    except ValueError as exc:
+        raise ConfigurationError(f"the floors would make {path.name} invalid: {exc}") from None
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.chmod(tmp, path.stat().st_mode)
+    os.replace(tmp, path)

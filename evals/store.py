@@ -58,6 +58,17 @@ def find_run(session: Session, checkpoint_id: str, suite: str, suite_version: st
     ).first()
 
 
+def succeeded_runs(session: Session, checkpoint_id: str, suite: str) -> list[EvalRun]:
+    """Every ``succeeded`` run of this checkpoint on this suite (any version), newest first."""
+    return list(
+        session.scalars(
+            select(EvalRun)
+            .where(EvalRun.checkpoint_id == checkpoint_id, EvalRun.suite == suite, EvalRun.status == "succeeded")
+            .order_by(EvalRun.finished_at.desc().nulls_last(), EvalRun.started_at.desc())
+        )
+    )
+
+
 def create_run(session: Session, checkpoint_id: str, suite: str, suite_version: str, config: dict[str, Any]) -> EvalRun:
     """Insert a ``running`` eval_run; flush."""
     run = EvalRun(

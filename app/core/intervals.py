@@ -17,7 +17,8 @@ Invariant: pure functions of counts and arrays (numpy, scipy); same inputs and s
   Wilson intervals, it keeps its coverage at small n and at rates near 0 or 1, where the
   bootstrap collapses (0/4 vs 0/4 gives the bootstrap a zero-width interval; this one spans
   about +-0.40 at one-sided 95 %).
-- Wilson (1927) score intervals for one checkpoint's pass rate.
+- Wilson (1927) score intervals for one checkpoint's pass rate (two-sided, or one-sided lower on an
+  effective sample size).
 - *Clustered ratio metrics* (delta method): ``R = sum X / sum Y`` over units grouped in clusters
   (the samples of one task), linearised per cluster (Deng, Knoblich & Lu 2018, "Applying the Delta
   Method in Metric Analytics", arXiv 1803.06336, section 3), with the CR1 factor ``G / (G - 1)``
@@ -53,13 +54,34 @@ def wilson_interval(k: int, n: int, confidence: float = 0.95) -> tuple[float, fl
         raise ValueError(f"k={k} outside [0, {n}]")
     if n == 0:
         return 0.0, 1.0
-    z = float(stats.norm.ppf(1 - (1 - confidence) / 2))
-    p = k / n
+    return _wilson(k / n, n, float(stats.norm.ppf(1 - (1 - confidence) / 2)))
+
+
+def _wilson(p: float, n: float, z: float) -> tuple[float, float]:
     denom = 1 + z * z / n
     centre = (p + z * z / (2 * n)) / denom
     half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / denom
-    # low <= k/n <= high exactly: in floats centre - half at k = 0 can come out as +3e-18
+    # low <= p <= high exactly: in floats centre - half at p = 0 can come out as +3e-18
     return min(p, max(0.0, centre - half)), max(p, min(1.0, centre + half))
+
+
+def wilson_lower(rate: float, n: float, confidence: float = 0.99) -> float:
+    """One-sided Wilson (1927) lower bound of a proportion observed as ``rate`` on ``n`` trials: the
+    smallest ``p`` with ``(rate - p) / sqrt(p (1 - p) / n) <= z``, ``z`` the ``confidence`` quantile
+    of the standard normal. ``n`` may be fractional: an effective sample size ``n / deff`` under a
+    design effect (Korn & Graubard 1998, *Survey Methodology* 24:193, put ``n / deff`` into a
+    binomial interval the same way). 0.0 when ``n <= 0``.
+
+    Raises:
+        ValueError: ``rate`` outside [0, 1] or ``confidence`` outside (0.5, 1).
+    """
+    if not 0.0 <= rate <= 1.0:
+        raise ValueError(f"rate={rate} outside [0, 1]")
+    if not 0.5 < confidence < 1.0:
+        raise ValueError(f"confidence={confidence} outside (0.5, 1)")
+    if n <= 0:
+        return 0.0
+    return _wilson(rate, n, float(stats.norm.ppf(confidence)))[0]
 
 
 def error_bars(values: Sequence[float], intervals: Sequence[Sequence[float] | None]) -> list[list[float]]:
