@@ -9,6 +9,8 @@ Invariants:
 - rlimits on CPU time, address space, file size (output included) and open files; a wall-clock
   timeout after which bwrap is killed, and with it (``--die-with-parent``, pid namespace) every
   process of the run, so nothing outlives it.
+- The rlimits and the uid are set by util-linux's ``prlimit`` and ``setpriv`` exec'd before bwrap
+  (the harness ``vfork``s; no Python runs in the child).
 - When the harness runs as root, each run gets a fresh unprivileged uid (random, unnamed) so that
   ``RLIMIT_NPROC`` bounds a fork bomb (root is exempt from it); that uid works on a copy of the
   task folder in its scratch folder, synced back after the run (``evals.harness.tree_sync``). Not
