@@ -22,7 +22,9 @@ sessions' folders, ``/root`` beyond the interpreter's own path, nor other proces
 from __future__ import annotations
 
 import importlib.metadata
+import importlib.util
 import os
+import py_compile
 import shutil
 import subprocess
 import sys
@@ -41,13 +43,18 @@ _MERGED_USR_LINKS = {"/bin": "usr/bin", "/sbin": "usr/sbin", "/lib": "usr/lib", 
 
 def interpreter_roots() -> list[str]:
     """The interpreter's installation directories (resolved, deduplicated, outside ``/usr``)."""
+    return list(_interpreter_roots())
+
+
+@lru_cache(maxsize=1)
+def _interpreter_roots() -> tuple[str, ...]:
     roots: list[str] = []
     for p in (sys.base_prefix, sys.prefix, os.path.dirname(os.path.realpath(sys.executable))):
         real = os.path.realpath(p)
         if real.startswith("/usr/") or real == "/usr" or any(real == r or real.startswith(r + "/") for r in roots):
             continue
         roots.append(real)
-    return roots
+    return tuple(roots)
 
 
 @lru_cache(maxsize=1)
@@ -70,11 +77,33 @@ def flywheel_entries() -> tuple[tuple[str, bool], ...]:
     return tuple(sorted(seen.items()))
 
 
+_SITE_SOURCE = Path(__file__).resolve().parent / "sandbox_site" / "sitecustomize.py"
+
+
+@lru_cache(maxsize=2)
+def _site_files(mtime_ns: int, size: int) -> tuple[bytes, bytes]:
+    """The audit hook's source and its checked-hash ``.pyc`` (compiled once per version of the file:
+    the sandbox's interpreter never writes bytecode, so without it every Python process of every run
+    would compile the hook again, ~3 ms; a checked hash makes a stale ``.pyc`` recompile, never run)."""
+    source = _SITE_SOURCE.read_bytes()
+    with tempfile.TemporaryDirectory(prefix="flywheel-sbx-site-") as d:
+        src, cfile = Path(d) / "sitecustomize.py", Path(d) / "sitecustomize.pyc"
+        src.write_bytes(source)
+        py_compile.compile(
+            str(src), cfile=str(cfile), doraise=True, invalidation_mode=py_compile.PycInvalidationMode.CHECKED_HASH
+        )
+        return source, cfile.read_bytes()
+
+
 def install_site(dest: Path) -> Path:
-    """Copy the audit hook (``evals/harness/sandbox_site/sitecustomize.py``) into ``dest`` (created),
-    a folder the sandbox uid can reach, to be bound read-only at :data:`SITE_DIR`. Returns ``dest``."""
-    dest.mkdir(parents=True, exist_ok=True)
-    shutil.copyfile(Path(__file__).resolve().parent / "sandbox_site" / "sitecustomize.py", dest / "sitecustomize.py")
+    """Write the audit hook (``evals/harness/sandbox_site/sitecustomize.py``) and its compiled
+    ``__pycache__`` entry into ``dest`` (created), a folder the sandbox uid can reach, to be bound
+    read-only at :data:`SITE_DIR`. Returns ``dest``."""
+    st = _SITE_SOURCE.stat()
+    source, pyc = _site_files(st.st_mtime_ns, st.st_size)
+    (dest / "__pycache__").mkdir(parents=True, exist_ok=True)
+    (dest / "sitecustomize.py").write_bytes(source)
+    (dest / importlib.util.cache_from_source("sitecustomize.py")).write_bytes(pyc)
     return dest
 
 
@@ -95,7 +124,9 @@ def visible_roots() -> list[str]:
     ]
 
 
-def bwrap_argv(task_dir: Path, denials_dir: Path, site_dir: Path, bwrap: str = "bwrap") -> list[str]:
+def bwrap_argv(
+    task_dir: Path, denials_dir: Path, site_dir: Path, bwrap: str = "bwrap", info_fd: int | None = None
+) -> list[str]:
     """The ``bwrap`` arguments (up to the ``--`` before the command) for a run in ``task_dir``.
 
     Args:
@@ -103,8 +134,12 @@ def bwrap_argv(task_dir: Path, denials_dir: Path, site_dir: Path, bwrap: str = "
         denials_dir: host folder bound writable at :data:`DENIALS_DIR` (the audit hook's output).
         site_dir: host folder from :func:`install_site`, bound read-only at :data:`SITE_DIR`.
         bwrap: the bubblewrap executable.
+        info_fd: a file descriptor (passed to bwrap) it writes a JSON object to and closes, outside
+            the sandbox, with ``child-pid``: the host pid of the sandbox's init.
     """
     argv = [bwrap, "--unshare-all", "--die-with-parent", "--new-session", "--ro-bind", "/usr", "/usr"]
+    if info_fd is not None:
+        argv += ["--info-fd", str(info_fd)]
     for link, target in _MERGED_USR_LINKS.items():
         if os.path.islink(link):
             argv += ["--symlink", target, link]

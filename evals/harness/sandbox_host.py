@@ -21,7 +21,7 @@ from pydantic import Field
 from pydantic_settings import SettingsConfigDict
 
 from evals.harness.sandbox_bwrap import bwrap_missing
-from producers.settings import EnvSettings
+from producers.settings import EnvSettings, _env_files
 
 
 class SandboxSettings(EnvSettings):
@@ -48,6 +48,31 @@ class SandboxSettings(EnvSettings):
             return str(self.scratch_dir)
         shm = "/dev/shm"
         return shm if os.path.isdir(shm) and os.access(shm, os.W_OK | os.X_OK) else tempfile.gettempdir()
+
+
+_settings_cache: list = []  # [(key, settings)]: the last SandboxSettings built and what it was built from
+
+
+def load_settings() -> SandboxSettings:
+    """``SandboxSettings.load()``, built again only when what it reads changed: the ``FLYWHEEL_*``
+    environment (any case: pydantic matches names case-insensitively) and the env files it reads
+    (``$FLYWHEEL_HOME/stack.env``: path, size, modification time). Building costs
+    ~0.5 ms of pydantic, paid by every sandboxed run otherwise."""
+    file_key = []
+    for env_file in _env_files():
+        try:
+            st = env_file.stat()
+            file_key.append((str(env_file), st.st_size, st.st_mtime_ns, st.st_ino))
+        except OSError:
+            file_key.append((str(env_file), None))
+    env_key = tuple(sorted((k, v) for k, v in os.environ.items() if k.upper().startswith("FLYWHEEL_")))
+    key = (env_key, tuple(file_key))
+    cached = _settings_cache[:1]
+    if cached and cached[0][0] == key:
+        return cached[0][1]
+    settings = SandboxSettings.load()
+    _settings_cache[:] = [(key, settings)]
+    return settings
 
 
 def is_root() -> bool:

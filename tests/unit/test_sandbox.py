@@ -162,3 +162,103 @@ def test_the_box_hides_the_host_and_counts_what_was_refused(box):
     assert r.ok and r.isolation == "bwrap" and r.stdout.startswith("refused")
     assert "task" in r.stdout and "work" not in r.stdout and "var" not in r.stdout
     assert r.denials[0] == {"kind": "read", "event": "os.listdir", "target": "/var/lib"}
+
+
+def test_the_sandbox_process_runs_as_its_uid_without_capabilities_and_with_the_limits(box):
+    r = run_in_sandbox(
+        "grep -E '^(Uid|Gid|Groups|CapPrm|CapEff|CapBnd):' /proc/self/status; ulimit -u -n -v -c", box, LIMITS
+    )
+    assert r.ok, r.observation()
+    status = dict(line.split(":", 1) for line in r.stdout.splitlines() if ":" in line)
+    assert all(int(status[cap], 16) == 0 for cap in ("CapPrm", "CapEff", "CapBnd")) and not status["Groups"].strip()
+    if "uid" in r.extra:  # root: real, effective, saved and filesystem uid/gid are all the fresh uid
+        assert status["Uid"].split() == [str(r.extra["uid"])] * 4 == status["Gid"].split()
+    limits = [
+        line.split()[-1]
+        for line in r.stdout.splitlines()
+        if line.startswith(("max user", "open files", "virt", "core"))
+    ]
+    assert limits == ["0", "256", str(LIMITS.memory_mb * 1024), "32"] or limits == [
+        "32",
+        "256",
+        str(LIMITS.memory_mb * 1024),
+        "0",
+    ]
+
+
+def _hook_denials(tmp_path, code: str) -> tuple[list[dict], str]:
+    """Run ``code`` in a plain Python process with the sandbox's audit hook on ``PYTHONPATH`` (no
+    bubblewrap: the hook alone), visible roots ``/usr``, the interpreter and ``tmp_path/task``."""
+    import json
+    import sys
+
+    from evals.harness.sandbox_bwrap import install_site, interpreter_roots
+
+    site, log = install_site(tmp_path / "site"), tmp_path / "denials.jsonl"
+    task = tmp_path / "task"
+    task.mkdir(exist_ok=True)
+    env = {
+        "PATH": os.environ["PATH"],
+        "PYTHONPATH": str(site),
+        "SANDBOX_DENIALS": str(log),
+        "SANDBOX_VISIBLE": ":".join(["/usr", str(task), *interpreter_roots()]),
+        "SANDBOX_WRITABLE": str(task),
+    }
+    p = subprocess.run([sys.executable, "-c", code], cwd=task, env=env, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    lines = log.read_text().splitlines() if log.exists() else []
+    return [json.loads(line) for line in lines], p.stdout
+
+
+def test_the_audit_hook_fast_paths_still_deny_what_the_box_refuses(tmp_path):
+    outside = tmp_path / "outside.txt"
+    outside.write_text("secret")
+    code = (
+        "import os, socket, sys\n"
+        "import email.mime.text, decimal  # imports: thousands of events the hook lets through\n"
+        "print('json' in sys.modules)\n"
+        f"open({str(outside)!r}).read()\n"
+        "os.listdir('/etc')\n"
+        "for p in ('/usrx/y', '/usr/flywheel-nope'):  # a sibling of /usr is not under it\n"
+        "    try: open(p, 'rb' if p.startswith('/usrx') else 'w')\n"
+        "    except OSError: pass\n"
+        "open('inside.txt', 'w').write('ok')\n"
+        "os.symlink('/etc/hostname', 'link'); open('link').read()\n"
+        "s = socket.socket(); s.settimeout(0.01)\n"
+        "try: s.connect(('127.0.0.1', 9))\n"
+        "except OSError: pass\n"
+    )
+    denials, stdout = _hook_denials(tmp_path, code)
+    assert stdout.strip() == "False"  # json is imported only when a denial is written
+    assert [(d["kind"], d["event"], d["target"]) for d in denials] == [
+        ("read", "open", str(outside)),
+        ("read", "os.listdir", "/etc"),
+        ("read", "open", "/usrx/y"),
+        ("write", "open", "/usr/flywheel-nope"),
+        ("write", "os.symlink", "/etc/hostname"),
+        ("read", "open", "/etc/hostname"),  # a symlink out of the folder is resolved
+        ("network", "socket.connect", "127.0.0.1:9"),
+    ]
+
+
+def test_the_audit_hook_ships_compiled(tmp_path):
+    import importlib.util
+
+    from evals.harness.sandbox_bwrap import install_site
+
+    site = install_site(tmp_path / "site")
+    pyc = (site / importlib.util.cache_from_source("sitecustomize.py")).read_bytes()
+    source = (site / "sitecustomize.py").read_bytes()
+    assert int.from_bytes(pyc[4:8], "little") == 0b11  # a checked-hash .pyc: a stale one is never run
+    assert pyc[8:16] == importlib.util.source_hash(source)
+
+
+def test_the_init_pid_bwrap_reports_counts_only_while_it_runs_as_the_sandbox_uid():
+    from evals.harness.sandbox import _sandbox_init
+
+    me = f'{{"child-pid": {os.getpid()}}}'.encode()
+    assert _sandbox_init(me, os.getuid() + 1) is None  # a pid of another uid (e.g. reused) never counts
+    assert _sandbox_init(b"{", 1) is None and _sandbox_init(b'{"child-pid": 0}', 1) is None
+    fd = _sandbox_init(me, os.getuid())
+    assert fd is not None
+    os.close(fd)
