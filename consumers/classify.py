@@ -41,7 +41,7 @@ class Message(NamedTuple):
     value: bytes | None
     headers: Sequence[tuple[str, bytes]] = ()
     log_id: str | None = None
-    """the identity of the partition's log it was read from (``consumers.offsets.log_id_of``), if known"""
+    """the identity of the partition's log it was read from (``app.core.kafka_meta.log_id_of``), if known"""
 
     @classmethod
     def from_record(cls, rec: Any, log_id: str | None = None) -> "Message":

@@ -16,7 +16,7 @@ Invariants:
 - :attr:`GroupClient.next` holds, per partition, the next offset this member expects: the stored
   offset it sought to, raised by each commit of applied batches (never lowered by a commit).
 - :attr:`GroupClient.log_ids` holds, per partition, the identity of the log the member reads it as
-  (``consumers.offsets.log_id_of``): the one stored with the offset it sought to, until
+  (``app.core.kafka_meta.log_id_of``): the one stored with the offset it sought to, until
   ``consumers.log_ends`` judges another one the broker reports.
 - A group join unfinished after ``join_timeout_s`` (at least 3 x ``max_poll_interval_ms``) is
   abandoned: the client is closed without committing and a fresh one joins.
@@ -37,9 +37,9 @@ from kafka.net.compat import KafkaNetClient
 from kafka.structs import OffsetAndMetadata
 
 from app.core.db import session_scope
+from app.core.kafka_meta import log_id_of
 from app.core.retry import Backoff, is_transient, retry_transient
 from app.repositories.offsets import stored_positions
-from consumers.offsets import log_id_of
 from consumers.polling import PollBackoff
 from consumers.settings import ConsumerSettings
 from producers.settings import kafka_security
@@ -207,7 +207,7 @@ class GroupClient:
             return stored_positions(s, self.group_id, self.topic)
 
     def current_log_id(self) -> str | None:
-        """The identity of the topic's log as the client last heard it (``consumers.offsets.log_id_of``)."""
+        """The identity of the topic's log as the client last heard it (``app.core.kafka_meta.log_id_of``)."""
         return log_id_of(self.consumer, self.topic)
 
     def seek_to_stored(self, consumer, assigned) -> None:

@@ -24,8 +24,8 @@ offsets, counted (``flywheel.consumer.offset_resets``), and handled by
 Offsets cannot tell a re-created log that has already refilled up to or past the stored offset
 from the old one. Its identity can: the broker's topic id (a topic re-created under the same name
 gets a new one; tansu, memory only, gives every topic a new one when it restarts) with the cluster
-id, :func:`log_id_of`. It is stored beside the offsets (``consumer_offset.log_id``) in the batch's
-transaction. When the member's client reports another identity than the one stored for a partition,
+id, :func:`app.core.kafka_meta.log_id_of`. It is stored beside the offsets
+(``consumer_offset.log_id``) in the batch's transaction. When the member's client reports another identity than the one stored for a partition,
 the partition is reported at ERROR (:class:`LogReplaced`), counted like an offset past the log's
 end, and handled by the same policy: ``earliest`` points the stored offset at the new log's start
 with its identity (:func:`replace_logs`) and re-reads it, ``fail`` stops the consumer.
@@ -71,18 +71,6 @@ class LogRecreated:
             f"{self.end} (log start {self.start}): the partition's log was re-created (a broker restarted with "
             f"an empty log, a topic re-created, a cluster restored)"
         )
-
-
-def log_id_of(consumer, topic: str) -> str | None:
-    """The identity of ``topic``'s log as ``consumer`` (a ``KafkaConsumer``) last heard it from the
-    broker: ``"<cluster id>/<topic id>"``, or None while its metadata carries no topic id. Read from
-    kafka-python's cluster metadata (``cluster.topic_id``, Metadata v10+), which the client refreshes
-    after a reconnect and every ``metadata_max_age_ms``."""
-    cluster = consumer._client.cluster  # kafka-python keeps the metadata there; no public accessor
-    topic_id = cluster.topic_id(topic)
-    if topic_id is None:
-        return None
-    return f"{cluster.cluster_id or ''}/{topic_id}"
 
 
 @dataclass(frozen=True)

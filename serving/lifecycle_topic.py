@@ -9,12 +9,17 @@ Invariants:
   other state right after :meth:`LifecycleTopicFollower.connect` misses no change made between;
   a position the broker no longer holds (a memory-only broker that restarted, a topic deleted and
   re-created) resumes at the partition's beginning: the handlers dedupe, so a replay costs nothing
-  where a skip would lose a change. A log that ends below the position read to is such a log even
-  when the broker does not say so (tansu 0.5 answers the old position's fetches with nothing, not
-  an out-of-range error): an empty poll checks each partition's end (the last fetch's high-water
-  mark) and reads a partition that ends below its position again from offset 0 on a new consumer
-  (kafka-python's fetches of a re-created topic by the client that knew the old one returned
-  nothing, measured);
+  where a skip would lose a change. The follower knows such a log two ways, and reads every
+  partition of it again from offset 0 on a new consumer (kafka-python's fetches of a re-created
+  topic by the client that knew the old one returned nothing, measured; tansu 0.5 answers the old
+  position's fetches with nothing, not an out-of-range error):
+  - its identity (:func:`app.core.kafka_meta.log_id_of`: the broker's topic id) differs from the
+    one the follower read before, checked after every poll (that poll's records dropped) and at
+    every connect (a new consumer after a fault). This holds when the new log has already grown
+    past the old position, where offsets alone would skip its first records;
+  - a partition ends below its position (the last fetch's high-water mark; tansu's ``ListOffsets``
+    under-reports the end), checked after every empty poll: a broker without topic ids, or a
+    follower that never saw the old log's identity (it started on the new log with saved positions);
 - every record is parsed once into the typed message (:func:`app.lifecycle.messages.parse_lifecycle_message`);
   one that does not parse is logged and skipped, its offset consumed;
 - a batch's positions advance only once its handler returned: a handler that raises leaves them
@@ -34,6 +39,7 @@ from typing import Any, Literal
 
 from kafka import KafkaConsumer, TopicPartition
 
+from app.core.kafka_meta import log_id_of
 from app.core.retry import Backoff
 from app.lifecycle.messages import LifecycleMessageError, parse_lifecycle_message
 from producers.settings import kafka_security
@@ -100,6 +106,7 @@ class LifecycleTopicFollower:
         self.retry = retry
         self.before_poll = before_poll
         self._consumer: KafkaConsumer | None = None
+        self._log_id: str | None = None  # the topic's log identity as last read; kept across consumers
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -127,6 +134,8 @@ class LifecycleTopicFollower:
         partitions = consumer.partitions_for_topic(self.topic) or {0}
         tps = [TopicPartition(self.topic, p) for p in sorted(partitions)]
         consumer.assign(tps)
+        if self._log_replaced(consumer):
+            self.positions = dict.fromkeys(sorted(partitions), 0)
         self._place(consumer, tps)
         for tp in tps:  # resolved now, so state read after connect() misses nothing
             self.positions[tp.partition] = consumer.position(tp)
@@ -160,6 +169,10 @@ class LifecycleTopicFollower:
         """
         consumer = self.connect()
         polled = consumer.poll(timeout_ms=timeout_ms, max_records=500)
+        if self._log_replaced(consumer):  # these records may come from the new log's middle
+            self.positions = {tp.partition: 0 for tp in consumer.assignment()}
+            self._close()
+            return 0
         records: list[LifecycleRecord] = []
         positions: dict[int, int] = {}
         for tp, msgs in polled.items():
@@ -181,6 +194,20 @@ class LifecycleTopicFollower:
             raise
         self.positions.update(positions)
         return sum(len(msgs) for msgs in polled.values())
+
+    def _log_replaced(self, consumer: KafkaConsumer) -> bool:
+        """Whether the topic's log identity as ``consumer`` last heard it differs from the one read
+        before (logged); records the identity either way (the first one seen is taken as it is)."""
+        current = log_id_of(consumer, self.topic)
+        previous, self._log_id = self._log_id, current or self._log_id
+        if current is None or previous is None or current == previous:
+            return False
+        log.warning(
+            "%s: lifecycle topic %s is another log (identity %s -> %s): the topic was re-created (a "
+            "restarted broker); reading every partition from its start",
+            self.client_id, self.topic, previous, current,
+        )  # fmt: skip
+        return True
 
     def _reread_recreated_logs(self, consumer: KafkaConsumer) -> bool:
         """Read again from offset 0 every partition whose log ends below the position read to (see

@@ -110,7 +110,9 @@ def test_shard_messages_go_to_the_evals_queue_and_a_plain_worker_consumes_both(m
 
 
 def test_shards_on_workers_store_what_the_unsharded_run_stores(ckpt, monkeypatch):
-    sessions = Sessions(delay_s=0.6)  # a shard (2-3 tasks x 2 samples) outlives the timeout: heartbeats keep it
+    # A shard (2-3 tasks x 2 samples, one at a time) runs 4-6 s, past the 3.5 s timeout: only heartbeats
+    # keep it. The margin (35 beats) holds on a loaded 2-core CI machine, where 2 s stalls were seen.
+    sessions = Sessions(delay_s=1.0)
     monkeypatch.setattr(runner, "run_sample", sessions)
     plain = runner.run_suite(ckpt, SUITE, tasks=TASKS, engine=StubEngine(), workers=1)
 
@@ -128,7 +130,7 @@ def test_shards_on_workers_store_what_the_unsharded_run_stores(ckpt, monkeypatch
         engine=StubEngine(),
         workers=1,
         force=True,
-        execute=shards.ShardedExecution(shards=3, dispatch=dispatch, timeout_s=2.0, heartbeat_s=0.1, poll_s=0.05),
+        execute=shards.ShardedExecution(shards=3, dispatch=dispatch, timeout_s=3.5, heartbeat_s=0.1, poll_s=0.05),
     )
     pool.shutdown(wait=True)
     assert sharded.run_id != plain.run_id and sharded.status == "succeeded"

@@ -70,3 +70,44 @@ def test_the_follower_reads_every_partition_skips_junk_and_rereads_a_failed_batc
         assert again == [] and resumed.caught_up()  # resumed after what was applied: nothing twice
     finally:
         resumed.stop()
+
+
+def test_a_log_recreated_past_the_old_position_is_read_from_its_start(tmp_path):
+    """A broker restarted with an empty log (tansu keeps it in memory) whose new log grew past the
+    position the follower read the old one to before the follower polled again: offsets alone would
+    resume mid-log and skip the new log's first change; the topic's new identity makes the follower
+    read every partition from offset 0."""
+    from app.core.net import free_port
+    from app.core.pids import stop_pid
+    from ops.broker import start_broker
+
+    topic, port = "lifecycle-recreated", free_port()
+    broker = start_broker(tmp_path / "broker", port)
+    bootstrap = broker.bootstrap
+
+    def publish(*checkpoints: str) -> None:
+        producer = KafkaProducer(bootstrap_servers=bootstrap)
+        for checkpoint in checkpoints:
+            message = ProductionChanged(type="checkpoint.promoted", checkpoint_id=checkpoint)
+            producer.send(topic, message.model_dump_json().encode(), partition=0)
+        producer.flush()
+        producer.close()
+
+    seen: list[str] = []
+    follower = _follower(bootstrap, topic, lambda b: seen.extend(r.payload["checkpoint_id"] for r in b.records))
+    try:
+        create_topics(bootstrap, {topic: 1})
+        publish("old")
+        _poll_until(follower, lambda: seen == ["old"])
+        assert follower.positions == {0: 1}
+
+        stop_pid(broker.pid)
+        broker = start_broker(tmp_path / "broker", port)
+        create_topics(bootstrap, {topic: 1})
+        publish("first", "second", "third")  # the new log ends at 3, past the old position 1
+        _poll_until(follower, lambda: "third" in seen)
+        assert seen == ["old", "first", "second", "third"]  # nothing of the new log skipped
+        assert follower.positions[0] == 3
+    finally:
+        follower.stop()
+        stop_pid(broker.pid)

@@ -247,6 +247,12 @@ def _restarted(loop: Loop, name: str, old_pid: int, timeout_s: float = 60.0) -> 
     return wait_for(new_pid, timeout_s, interval_s=0.1, what=f"{name} restarted")
 
 
+def _crash_excerpt(log_text: str, chars: int = 6000) -> str:
+    """The part of a service's log (appended to across restarts) from its last traceback on, else its tail."""
+    at = log_text.rfind("Traceback")
+    return log_text[at : at + chars] if at >= 0 else log_text[-chars:]
+
+
 def _rows(url: str, sql: str, params: tuple = ()) -> list[tuple]:
     with psycopg.connect(url, autocommit=True) as conn:
         return conn.execute(sql, params).fetchall()
@@ -426,7 +432,8 @@ class TestLoopFaults:
         twice = "SELECT trajectory_id FROM checkpoint_trajectory GROUP BY trajectory_id HAVING count(*) > 1"
         assert _rows(url, twice) == []
         restarts = {n: loop.restarts(n) - restarts_before[n] for n in loop.services}
-        assert restarts == dict.fromkeys(loop.services, 0), loop.events  # they rode the outages out
+        logs = {n: _crash_excerpt(loop.log(n)) for n, count in restarts.items() if count}
+        assert restarts == dict.fromkeys(loop.services, 0), (loop.events, logs)  # they rode the outages out
 
 
 # ---- serving: the production vLLM server and the watcher that follows production ----------------

@@ -81,6 +81,14 @@ ALLOWED: dict[tuple[str, str], str] = {
         "*",
     ): "A command imports what it runs when it runs, so `flywheel --help` loads only typer and rich.",
     (
+        "evals/floors_cli.py",
+        "*",
+    ): "A command imports what it runs when it runs, so `flywheel --help` loads only typer and rich.",
+    (
+        "evals/harness/sandbox_site/sitecustomize.py",
+        "json",
+    ): "Every sandboxed process loads this hook at start; only one that is refused something pays for json.",
+    (
         "evals/report.py",
         "matplotlib",
     ): "matplotlib (about a second) loads when a gate report is drawn, not in every Celery worker.",
