@@ -73,6 +73,13 @@ def celery_config() -> dict[str, Any]:
         # polling_interval there: it polls every 1 s); pre-ping survives a restarted Postgres.
         "broker_transport_options": {"pool_pre_ping": True} if sql_broker else {},
         "database_engine_options": {"pool_pre_ping": True},
+        # Storing a task's result retries through a database restart: Celery's database backend
+        # gives up after 3 retries tens of milliseconds apart, and the BackendStoreError that
+        # follows ends the worker. Full-jitter backoff from 0.2 s, at most 5 s, 30 retries.
+        "result_backend_always_retry": True,
+        "result_backend_max_retries": 30,
+        "result_backend_base_sleep_between_retries_ms": 200,
+        "result_backend_max_sleep_between_retries_ms": 5000,
         "beat_schedule": beat_schedule(get_settings()),
         "beat_schedule_filename": str(flywheel_home() / "celerybeat-schedule"),
         "worker_hijack_root_logger": False,

@@ -19,6 +19,7 @@ import uuid
 from pathlib import Path
 
 import pytest
+from kombu import Exchange, Queue
 from sqlalchemy import select
 
 from app.checkpoints.publish import publish_folder
@@ -136,13 +137,16 @@ class Worker:
         self._out.close()
 
 
-def create_broker_tables(app) -> None:
-    """On the SQL transport, create kombu's and Celery's result tables before two workers race to
-    (both run ``CREATE TABLE`` on first use; the loser exits)."""
+def create_broker_tables(app, queues: tuple[str, ...] = ()) -> None:
+    """On the SQL transport, create kombu's and Celery's result tables, and the rows of ``queues``,
+    before two workers race to (both run ``CREATE TABLE``, and both insert a new queue's row, on
+    first use; the loser exits)."""
     if not app.conf.broker_url.startswith("sqla+"):
         return
     with app.connection_for_write() as conn:
         conn.default_channel.session  # noqa: B018  (kombu creates its tables on first use)
+        for name in queues:
+            Queue(name, Exchange(name), routing_key=name).bind(conn.default_channel).declare()
     app.backend.ResultSession().close()
 
 
@@ -176,7 +180,7 @@ def test_two_workers_share_the_shards_and_a_killed_workers_shard_is_retried(
         **broker_env,
     )
     app = create_celery_app()
-    create_broker_tables(app)
+    create_broker_tables(app, (queue,))
     workers = [Worker(name, queue, env, tmp_path / f"{name}.log") for name in ("w1", "w2")]
     try:
         suite, tasks = suite_and_tasks()
