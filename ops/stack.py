@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -89,11 +90,13 @@ class StackState:
 
 
 def _write_private(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` readable by its owner only (it holds credentials)."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    os.fchmod(fd, 0o600)
+    """Write ``text`` to ``path`` readable by its owner only (it holds credentials), atomically: a
+    temporary file beside it, renamed over it, so a concurrent reader (``flywheel up``'s supervisor
+    rewrites the state while ``stack status`` reads it) never sees a half-written file."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)  # mode 0o600
     with os.fdopen(fd, "w") as f:
         f.write(text)
+    os.replace(tmp, path)
 
 
 STACK_KEYS = {  # ServingSettings field -> the StackState field that keeps the stack's own key
