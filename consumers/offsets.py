@@ -25,9 +25,9 @@ Offsets cannot tell a re-created log that has already refilled up to or past the
 from the old one. Its identity can: the broker's topic id (a topic re-created under the same name
 gets a new one; tansu, memory only, gives every topic a new one when it restarts) with the cluster
 id, :func:`app.core.kafka_meta.log_id_of`. It is stored beside the offsets
-(``consumer_offset.log_id``) in the batch's transaction. When the member's client reports another identity than the one stored for a partition,
-the partition is reported at ERROR (:class:`LogReplaced`), counted like an offset past the log's
-end, and handled by the same policy: ``earliest`` points the stored offset at the new log's start
+(``consumer_offset.log_id``) in the batch's transaction. When the member's client reports another
+identity than the one stored for a partition, the partition is reported at ERROR
+(:class:`LogReplaced`), counted like an offset past the log's end, and handled by the same policy: ``earliest`` points the stored offset at the new log's start
 with its identity (:func:`replace_logs`) and re-reads it, ``fail`` stops the consumer.
 
 Limits: a broker that reports no topic id (Metadata before v10) leaves only the offset check; an
