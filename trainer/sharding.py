@@ -49,9 +49,11 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM
 
+from app.core.errors import ConfigurationError
 from trainer.config import ParallelConfig
 from trainer.device import Placement
 from trainer.distributed import DataParallel, LossFn
+from trainer.router_replay import moe_routers
 
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -146,7 +148,12 @@ class ShardedDataParallel(DataParallel):
 
     def shard(self, model: torch.nn.Module, placement: Placement) -> None:
         """Shard ``model`` (fp32, on the CPU or already on ``placement.device``) in place: each decoder
-        layer, then the root. Call before creating the optimizer (its parameters become DTensors)."""
+        layer, then the root. Call before creating the optimizer (its parameters become DTensors).
+
+        Raises:
+            ConfigurationError: ``model`` is MoE and this torch lacks
+                ``FSDPModule.set_reduce_scatter_unused_params`` (before 2.13).
+        """
         kwargs: dict[str, Any] = {"mesh": self.mesh, "reshard_after_forward": self.config.reshard_after_forward}
         if placement.compute_dtype != placement.param_dtype:
             kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=placement.compute_dtype, reduce_dtype=torch.float32)
@@ -156,11 +163,18 @@ class ShardedDataParallel(DataParallel):
             fully_shard(layer, **kwargs)
         root = ShardedPolicy(model)
         fully_shard(root, **kwargs)
+        # An MoE expert no token used gets zeros and joins the same collectives. torch 2.11 (outside the
+        # pinned 2.13, but what GPU images often carry) lacks the switch: a dense model uses every
+        # parameter, so it trains the same there; an MoE model is refused.
+        unused_switch = hasattr(FSDPModule, "set_reduce_scatter_unused_params")
+        if not unused_switch and moe_routers(model):
+            raise ConfigurationError(f"FSDP2 on an MoE model needs torch >= 2.13 (this is {torch.__version__})")
         for unit in root.modules():
             if isinstance(unit, FSDPModule):
                 unit.set_gradient_divide_factor(1.0)  # sum over ranks, not the mean
                 unit.set_force_sum_reduction_for_comms(True)  # a plain SUM (gloo has no PREMUL_SUM)
-                unit.set_reduce_scatter_unused_params(True)  # an MoE expert no token used: zeros, same collectives
+                if unused_switch:
+                    unit.set_reduce_scatter_unused_params(True)
         self._root = root
 
     def attach(self, model: torch.nn.Module, loss_fn: LossFn) -> None:

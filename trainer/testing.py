@@ -304,6 +304,41 @@ def train_on_ranks(model_dir: Path, trajectories: list[TrajectoryData], config, 
     return result
 
 
+def train_sharded_in_process(model_dir: Path, trajectories: list[TrajectoryData], config, workdir: Path) -> dict:
+    """Run :func:`trainer.training.train_policy` sharded (FSDP2, :mod:`trainer.sharding`) on one rank
+    in this process: a process group of world size 1 (NCCL when ``config.device`` is CUDA, else gloo;
+    ``file://`` rendezvous in ``workdir``), destroyed before returning. On a single GPU this is the
+    sharded code path end to end (mesh, ``fully_shard``, mixed precision, CPU offload, the gathered
+    state dict) that several ranks run.
+
+    Returns:
+        ``{"history": [StepMetrics dicts], "mismatch": {...}, "state": fp32 state dict (CPU),
+        "tied": the gathered model's LM head is its input embedding, "peak_cuda_bytes": the CUDA
+        allocator's peak during training (0 on the CPU)}``.
+    """
+    workdir = Path(workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    rendezvous = workdir / "rendezvous"
+    rendezvous.unlink(missing_ok=True)
+    device = torch.device(config.device)
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    dist.init_process_group("nccl" if cuda else "gloo", init_method=f"file://{rendezvous}", rank=0, world_size=1)
+    try:
+        trained = train_policy(config, Path(model_dir), trajectories, dp=init_sharded(device, config.parallel))
+        model = trained.model
+        return {
+            "history": [asdict(m) for m in trained.history],
+            "mismatch": trained.mismatch,
+            "state": {k: v.detach().cpu().clone() for k, v in model.state_dict().items()},
+            "tied": model.get_output_embeddings().weight is model.get_input_embeddings().weight,
+            "peak_cuda_bytes": torch.cuda.max_memory_allocated() if cuda else 0,
+        }
+    finally:
+        dist.destroy_process_group()
+
+
 def _reset_peak_rss() -> None:
     """Reset this process's peak RSS (``VmHWM``; Linux ``/proc/self/clear_refs``, no-op elsewhere)."""
     with contextlib.suppress(OSError):
