@@ -8,8 +8,10 @@ from __future__ import annotations
 import pytest
 import torch
 from safetensors.torch import load_file
+from torch.distributed.fsdp import FSDPModule
 
 from app.checkpoints.testing import build_tiny_model
+from app.core.errors import ConfigurationError
 from tests.unit.test_trainer_distributed import LR, _assert_same_training, _config, _trajectories
 from trainer.checkpointing import load_policy
 from trainer.config import TrainerConfig
@@ -96,3 +98,13 @@ def test_one_sharded_rank_trains_what_one_process_does(tmp_path, device, precisi
     for a, b in zip(one["history"], sharded["history"], strict=True):
         assert b["loss"] == pytest.approx(a["loss"], rel=2e-2, abs=1e-3), a["step"]
     assert sharded["history"][0]["grad_norm"] == pytest.approx(one["history"][0]["grad_norm"], rel=5e-2)
+
+
+def test_an_moe_model_is_refused_where_torch_cannot_reduce_its_unused_experts(tmp_path, monkeypatch):
+    """torch before 2.13 (2.11 on GPU images) has no ``set_reduce_scatter_unused_params``: an expert
+    no token routed to would leave the ranks' collectives out of step, so the MoE model is refused."""
+    monkeypatch.delattr(FSDPModule, "set_reduce_scatter_unused_params")
+    model_dir = build_tiny_model(tmp_path / "policy", seed=3, moe=True)
+    config = _config(parallel={"mode": "fsdp"})
+    with pytest.raises(ConfigurationError, match="MoE model needs torch >= 2.13"):
+        train_sharded_in_process(model_dir, _trajectories(), config, tmp_path / "sharded")
