@@ -16,6 +16,11 @@ the producer). Sessions on one task form a group (``group_size``, the trainer's 
 sessions run concurrently (at most ``concurrency`` in flight), so one engine batches every
 session's model calls. A share of the groups (``long_session_share``, default none) plays long
 ``functions_long`` sessions, with the turns it takes them to self-summarize.
+
+Size: over 400 lines because the plan (which tasks at which request mix, in which groups) and its
+play (each session's turns, the developer's reaction and the events each emits, in the order the
+product backend emits them) are one recipe read top to bottom; the developer model
+(:mod:`ops.developer`) and the CLI (:mod:`ops.simulator_cli`) live beside it.
 """
 
 from __future__ import annotations

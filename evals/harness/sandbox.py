@@ -24,6 +24,10 @@ Invariants:
 - stdout/stderr go to files in the scratch folder, so huge output is bounded by ``RLIMIT_FSIZE``
   (never by the harness's memory) and truncated (head + tail) in the result.
 - The child gets a minimal environment (no ``FLYWHEEL_*`` settings, credentials or proxies).
+
+Size: over 400 lines because the run's life (scratch folder, uid, rlimits, bwrap, the wall clock,
+output capture, the sync back and the denials read) is one sequence that must clean up on every
+exit; the bwrap command line, the tree sync and the audit hook live in their own modules.
 """
 
 from __future__ import annotations

@@ -1,5 +1,8 @@
 """Exactly-once effect under crashes: consumers killed with SIGKILL mid-stream, and a Postgres
-restart mid-stream, lose nothing and duplicate nothing (real tansu broker, real Postgres)."""
+restart mid-stream, lose nothing and duplicate nothing (real tansu broker, real Postgres).
+
+Size: over 400 lines because every fault (a SIGKILL, a database or broker outage, a consumer started
+before either) runs on the same stream, process and read-back helpers at the top; one test a fault."""
 
 from __future__ import annotations
 

