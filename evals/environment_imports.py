@@ -19,12 +19,8 @@ from typing import Any
 
 from packaging.utils import canonicalize_name
 
-from evals.environments import (
-    EnvironmentPolicy,
-    EnvironmentProposal,
-    distribution_installed,
-    requirement_closure,
-)
+from evals.environments import EnvironmentPolicy, EnvironmentProposal, distribution_installed
+from evals.harness.environment import requirement_closure
 from evals.tasks.model import Task
 
 

@@ -27,25 +27,22 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
-import sysconfig
 import tempfile
 import tomllib
-import venv
 from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path, PurePosixPath
 from typing import Annotated, Any
 
-from packaging.requirements import InvalidRequirement, Requirement
 from packaging.utils import canonicalize_name
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError, field_validator
 
+from evals.harness.environment import ENV_DIR, command_in_environment, materialize_environment
 from evals.harness.sandbox import SandboxLimits, SandboxResult, run_in_sandbox
 from evals.harness.workspace import write_files
 from evals.tasks.model import Task
 
 POLICY_TOML = Path(__file__).with_name("environments.toml")
-ENV_DIR = ".flywheel-env"
 """The virtualenv's folder inside the repository (no proposed file may use it)."""
 FORMAT_VERSION = 1
 """Part of every task key: bump when materialization or verification changes meaning."""
@@ -245,51 +242,10 @@ def distribution_installed(name: str) -> bool:
     return True
 
 
-def requirement_closure(names: list[str]) -> dict[str, metadata.Distribution]:
-    """The installed distributions ``names`` need: each, and recursively what its metadata requires
-    (markers evaluated for this interpreter without extras). A requirement that is not installed is
-    left out; a name in ``names`` that is not installed raises.
-
-    Raises:
-        importlib.metadata.PackageNotFoundError: a name in ``names`` is not installed.
-    """
-    out: dict[str, metadata.Distribution] = {}
-    todo = [(canonicalize_name(n), True) for n in names]
-    while todo:
-        name, required = todo.pop()
-        if name in out:
-            continue
-        try:
-            dist = metadata.distribution(name)
-        except metadata.PackageNotFoundError:
-            if required:
-                raise
-            continue
-        out[name] = dist
-        for line in dist.requires or ():
-            try:
-                req = Requirement(line)
-            except InvalidRequirement:
-                continue
-            if req.marker is None or req.marker.evaluate({"extra": ""}):
-                todo.append((canonicalize_name(req.name), False))
-    return dict(sorted(out.items()))
-
-
-def _top_level_entries(dist: metadata.Distribution) -> set[str]:
-    """Names directly under site-packages that ``dist`` installed (packages, modules, its dist-info)."""
-    if dist.files is None:
-        return set((dist.read_text("top_level.txt") or "").split())
-    return {
-        f.parts[0]
-        for f in dist.files
-        if f.parts and f.parts[0] not in ("..", "__pycache__") and not f.parts[0].endswith(".pth")
-    }
-
-
 def build_environment(repo: Path, proposal: EnvironmentProposal) -> dict[str, str]:
     """Create the virtualenv ``repo/.flywheel-env`` holding links to ``proposal``'s distributions and
-    their requirement closure, and write ``proposal.files`` into ``repo``.
+    their requirement closure (:func:`evals.harness.environment.materialize_environment`), and write
+    ``proposal.files`` into ``repo``.
 
     Returns:
         ``{distribution: version}`` of every linked distribution.
@@ -297,22 +253,9 @@ def build_environment(repo: Path, proposal: EnvironmentProposal) -> dict[str, st
     Raises:
         importlib.metadata.PackageNotFoundError: a proposed distribution is not installed.
     """
-    env_dir = repo / ENV_DIR
-    venv.EnvBuilder(with_pip=False, symlinks=True, clear=True).create(env_dir)
-    site = Path(sysconfig.get_path("purelib", scheme="venv", vars={"base": str(env_dir), "platbase": str(env_dir)}))
-    closure = requirement_closure(proposal.dependencies)
-    for dist in closure.values():
-        for top in sorted(_top_level_entries(dist)):
-            source, link = Path(str(dist.locate_file(top))), site / top
-            if source.exists() and not link.exists():
-                link.symlink_to(source, target_is_directory=source.is_dir())
+    resolved = materialize_environment(repo, proposal.dependencies)
     write_files(repo, proposal.files)
-    return {name: dist.version for name, dist in closure.items()}
-
-
-def command_in_environment(test_command: str) -> str:
-    """``test_command`` run from the repository root with the environment's interpreter first on PATH."""
-    return f'export VIRTUAL_ENV="$PWD/{ENV_DIR}" PATH="$PWD/{ENV_DIR}/bin:$PATH"; {test_command}'
+    return resolved
 
 
 def run_in_environment(

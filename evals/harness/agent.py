@@ -31,6 +31,7 @@ from pathlib import Path
 from app.inference.engine import InferenceEngine, SamplingParams
 from evals.harness.apply import apply_target, extract_code
 from evals.harness.chat import SUMMARY_REQUEST, ChatML, followup_message, repository_message
+from evals.harness.environment import command_in_environment, materialize_environment
 from evals.harness.sandbox import SandboxLimits, SandboxResult, run_in_sandbox
 from evals.harness.session_events import SessionEvents
 from evals.harness.toolcalls import ParsedCall, parse_tool_calls
@@ -181,6 +182,8 @@ class _Session:
     def loop(self) -> None:
         self.workdir.mkdir(parents=True, exist_ok=True)
         write_files(self.workdir, self.task.files)
+        if self.task.environment is not None:  # the agent's test runs see what the grade will
+            materialize_environment(self.workdir, self.task.environment)
         self.log.session_started(self.task.id, self.task.source, self.engine.checkpoint_id)
         self.log.agent_requested(self.task.request)
         pending = self.chat.first_prompt(self.chat.system_prompt, repository_message(self.task.request, self.workdir))
@@ -354,12 +357,17 @@ class _Session:
 
 
 def grade_result(task, workdir: Path, limits: SandboxLimits | None = None) -> SandboxResult:
-    """Run the task's hidden tests on a copy of ``workdir`` (the agent's repository is untouched)."""
+    """Run the task's hidden tests on a copy of ``workdir`` (the agent's repository is untouched),
+    in the task's environment when it names one (a fresh one: the agent's is not copied)."""
     scratch = Path(tempfile.mkdtemp(prefix="flywheel-grade-"))
     try:
         write_files(scratch, snapshot(workdir))
         write_files(scratch, task.test_files)  # hidden files win over same-named agent files
-        return run_in_sandbox(task.test_command, scratch, limits or SandboxLimits(timeout_s=60))
+        command = task.test_command
+        if task.environment is not None:
+            materialize_environment(scratch, task.environment)
+            command = command_in_environment(command)
+        return run_in_sandbox(command, scratch, limits or SandboxLimits(timeout_s=60))
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
 

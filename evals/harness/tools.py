@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from evals.harness.environment import command_in_environment, has_environment
 from evals.harness.sandbox import SandboxLimits, run_in_sandbox
 from evals.harness.toolcalls import ParsedCall
 from evals.harness.workspace import PathEscapeError, resolve_inside, snapshot
@@ -81,7 +82,10 @@ def _dispatch(call: ParsedCall, workdir: Path, limits: SandboxLimits, max_chars:
     if call.name == "search":
         return _search(workdir, args["pattern"], args.get("path"))
     if call.name == "run":
-        res = run_in_sandbox(args["command"], workdir, limits)
+        command = args["command"]
+        if has_environment(workdir):  # the task's environment (Task.environment) runs the command
+            command = command_in_environment(command)
+        res = run_in_sandbox(command, workdir, limits)
         return ToolOutcome(
             ok=res.ok,
             output=res.observation(max_chars),

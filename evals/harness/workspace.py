@@ -9,7 +9,9 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-SKIP_DIRS = {".git", "__pycache__", ".pytest_cache", ".mypy_cache"}
+from evals.harness.environment import ENV_DIR
+
+SKIP_DIRS = {".git", "__pycache__", ".pytest_cache", ".mypy_cache", ENV_DIR}  # ENV_DIR: links into the host
 
 
 class PathEscapeError(ValueError):

@@ -1,5 +1,5 @@
 """The mined suite as a task source: the ``eval_task`` rows of suite ``mined`` (``evals.mined``
-writes them) that have a verified environment.
+writes them) that have a verified environment, each loaded to run in it.
 
 Invariant: a row's ``spec`` is a ``Task`` dumped as JSON, so every mined task loads back unchanged.
 """
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import random
 
-from sqlalchemy import select
+from sqlalchemy import case, select
 from sqlalchemy.orm import Session
 
 from app.models import EvalTask, TaskEnvironment
@@ -22,7 +22,10 @@ def load_mined_tasks(
 ) -> list[Task]:
     """The mined suite's tasks (a seeded subset of ``limit`` when given), ordered by id: by default
     only those with an environment verified for them (``task_environment``, set up by
-    ``evals.mined_refresh`` or ``flywheel tasks setup-envs``), the ones the gate may hold a candidate to."""
+    ``evals.mined_refresh`` or ``flywheel tasks setup-envs``), the ones the gate may hold a candidate to.
+    Verified-only, each comes with its environment applied (:func:`with_environment`), so its sessions
+    and its grading run in what verified it; with ``verified_only=False`` (setting environments up)
+    the tasks come as mined."""
     query = select(EvalTask).where(EvalTask.suite == MINED_SUITE)
     if verified_only:
         verified = select(TaskEnvironment.env_hash).where(
@@ -31,6 +34,36 @@ def load_mined_tasks(
         query = query.where(verified.exists())
     rows = session.scalars(query.order_by(EvalTask.task_id)).all()
     tasks = [Task.model_validate(r.spec) for r in rows]
+    if verified_only:  # the tasks as the gate runs them; setting environments up needs them bare
+        tasks = [
+            with_environment(t, verified_environment(session, r.task_id)) for t, r in zip(tasks, rows, strict=True)
+        ]
     if limit is not None and limit < len(tasks):
         tasks = sorted(random.Random(seed).sample(tasks, limit), key=lambda t: t.id)
     return tasks
+
+
+def verified_environment(session: Session, eval_task_id: str) -> TaskEnvironment | None:
+    """The environment verified for the mined task ``eval_task_id``: a model's before the resolver's
+    fallback, the first stored of each (the order :func:`evals.environment_setup.cached_environment`
+    reuses them in), or None."""
+    return session.scalars(
+        select(TaskEnvironment)
+        .where(TaskEnvironment.eval_task_id == eval_task_id, TaskEnvironment.verified.is_(True))
+        .order_by(case((TaskEnvironment.origin == "model", 0), else_=1), TaskEnvironment.created_at)
+        .limit(1)
+    ).first()
+
+
+def with_environment(task: Task, environment: TaskEnvironment | None) -> Task:
+    """``task`` to run in ``environment`` (its canonical ``{dependencies, files}`` proposal): the
+    distributions as ``Task.environment``, the files added to the repository. Unchanged for None."""
+    if environment is None:
+        return task
+    proposal = environment.proposal
+    return task.model_copy(
+        update={
+            "environment": tuple(proposal.get("dependencies", ())),
+            "files": {**task.files, **proposal.get("files", {})},
+        }
+    )

@@ -45,6 +45,7 @@ class Task(BaseModel):
         reference_files: files that solve the task (overlaid on ``files``).
         metadata: source-specific facts (entry point, libraries, category, ...).
         followups: the developer's later messages in the same session, in order (empty: one request).
+        environment: distributions its tests run with (see the field), None for the host's interpreter.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -60,6 +61,11 @@ class Task(BaseModel):
     metadata: dict[str, Any] = Field(default_factory=dict)
     followups: tuple[FollowUp, ...] = Field(default=(), exclude_if=lambda v: not v)
     """Left out of dumps while empty, so one-request tasks dump (and hash) as they always did."""
+    environment: tuple[str, ...] | None = Field(default=None, exclude_if=lambda v: v is None)
+    """Distributions the hidden tests need (canonical names), linked into the repository's
+    virtualenv before the session and its grading (:mod:`evals.harness.environment`); None: the
+    task runs on the sandbox's interpreter as it is. Set from a verified environment when a mined
+    task is loaded (:func:`evals.tasks.mined.load_mined_tasks`); left out of dumps while None."""
 
     @field_validator("files", "test_files", "reference_files")
     @classmethod

@@ -4,6 +4,7 @@ their reason, and the success rate counts (real Postgres, the sandbox, a tiny mo
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 from sqlalchemy import delete, select
@@ -14,7 +15,15 @@ from app.inference.engine import Generation, InferenceEngine, SamplingParams
 from app.models import EvalTask, TaskEnvironment
 from evals.environment_setup import REPLY_PREFIX, environment_for, setup_environments
 from evals.environments import EnvironmentPolicy, EnvironmentProposal
+from evals.harness.agent import grade_result
+from evals.harness.chat import repository_message
+from evals.harness.environment import ENV_DIR, materialize_environment
+from evals.harness.sandbox import SandboxLimits
 from evals.harness.scripted import ScriptedPolicy
+from evals.harness.toolcalls import ParsedCall
+from evals.harness.tools import execute_tool
+from evals.harness.workspace import write_files
+from evals.tasks.mined import load_mined_tasks
 from ops.cli import app
 from tests.unit.test_environments import DATA_TASK, NUMPY_TASK
 
@@ -165,3 +174,41 @@ def test_a_mined_tasks_environment_goes_with_it(session, tokenizer):
     assert rows(session) == []
     again = setup_environments(session, [mined], ScriptedPolicy(tokenizer, []), POLICY)
     assert (again.erased, again.proposed, rows(session)) == (1, 0, [])
+
+
+def test_a_mined_task_runs_and_is_graded_in_its_verified_environment(session, tokenizer, tmp_path):
+    """The gate's load of a mined task carries the environment that verified it: its distributions
+    (a virtualenv of exactly those, in the session's repository and in the graded copy) and its
+    files. Inside it the host's other packages are gone: a solution importing pandas, which this
+    host has, fails where the environment names numpy only, on the agent's runs as on the grade."""
+    mined = DATA_TASK.model_copy(update={"id": "mined/env-2", "source": "mined"})
+    session.add(EvalTask(task_id=mined.id, suite="mined", content_hash="h" * 64, spec=mined.model_dump(mode="json")))
+    session.flush()
+    proposal = '"numpy"], "files": {"fixtures/cases.json": "[[1, 2], [3, 6]]"}}'
+    setup_environments(session, [mined], ScriptedPolicy(tokenizer, [proposal]), POLICY)
+    session.commit()
+    assert [(r.eval_task_id, r.verified) for r in rows(session)] == [(mined.id, True)]
+
+    (task,) = load_mined_tasks(session)
+    assert task.environment == ("numpy",) and task.files["fixtures/cases.json"] == "[[1, 2], [3, 6]]"
+    assert load_mined_tasks(session, verified_only=False)[0].environment is None  # as mined, for set-up
+
+    def repo(name: str, solution: str) -> Path:
+        path = tmp_path / name
+        write_files(path, {**task.files, "solution.py": solution})
+        return path
+
+    assert grade_result(task, repo("reference", task.reference_files["solution.py"])).ok
+    with_pandas = "import pandas\n\n\ndef double(x):\n    return 2 * x\n"
+    graded = grade_result(task, repo("pandas", with_pandas))
+    assert not graded.ok and "No module named 'pandas'" in graded.stderr, graded.stderr[-600:]
+    assert grade_result(task.model_copy(update={"environment": None}), repo("host", with_pandas)).ok
+
+    # the agent's own test runs: the session's repository holds the environment, the run tool uses it
+    workdir = repo("session", with_pandas)
+    materialize_environment(workdir, task.environment)
+    run = ParsedCall("run", {"command": "python test_hidden.py"}, True, None)
+    write_files(workdir, task.test_files)
+    outcome = execute_tool(run, workdir, SandboxLimits(timeout_s=60))
+    assert not outcome.ok and "No module named 'pandas'" in outcome.output
+    assert ENV_DIR not in repository_message(task.request, workdir)  # the links never reach the prompt
