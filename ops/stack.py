@@ -92,11 +92,20 @@ class StackState:
 def _write_private(path: Path, text: str) -> None:
     """Write ``text`` to ``path`` readable by its owner only (it holds credentials), atomically: a
     temporary file beside it, renamed over it, so a concurrent reader (``flywheel up``'s supervisor
-    rewrites the state while ``stack status`` reads it) never sees a half-written file."""
+    rewrites the state while ``stack status`` reads it) never sees a half-written file; a write that
+    fails (a full disk) leaves the old file and no temporary one.
+
+    Raises:
+        OSError: the file could not be written or renamed.
+    """
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)  # mode 0o600
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
 
 
 STACK_KEYS = {  # ServingSettings field -> the StackState field that keeps the stack's own key
