@@ -20,7 +20,7 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -67,13 +67,17 @@ def metrics_port(name: str, base: int | None) -> int | None:
     return port
 
 
-def service_env(name: str, env: dict[str, str]) -> dict[str, str]:
-    """``env`` as service ``name`` gets it: ``FLYWHEEL_METRICS_PORT`` replaced by its own port
-    (:func:`metrics_port`), or removed for a service without metrics of its own.
+def service_env(name: str, env: dict[str, str], services: Collection[str] = LOOP_SERVICES) -> dict[str, str]:
+    """``env`` as service ``name`` of ``services`` gets it: ``FLYWHEEL_METRICS_PORT`` replaced by its
+    own port (:func:`metrics_port`), or removed for a service without metrics of its own; beat
+    beside a ``relay`` process does not also schedule the relay (``FLYWHEEL_OUTBOX_BEAT_RELAY=false``
+    unless ``env`` sets it).
 
     Raises:
         ValueError: ``FLYWHEEL_METRICS_PORT`` is not a port number, or the block passes 65535.
     """
+    if name == "beat" and "relay" in services:
+        env = {"FLYWHEEL_OUTBOX_BEAT_RELAY": "false", **env}
     raw = env.get("FLYWHEEL_METRICS_PORT")
     if not raw:
         return env
@@ -168,7 +172,8 @@ class Supervisor:
     def start(self, names: Iterable[str] | None = None) -> dict[str, int]:
         """Start (or reuse) the named services (default all). Returns name -> pid."""
         return {
-            n: start_service(n, self.services[n], self.home, service_env(n, self.env)) for n in (names or self.services)
+            n: start_service(n, self.services[n], self.home, service_env(n, self.env, self.services))
+            for n in (names or self.services)
         }
 
     def check(self) -> str | None:
@@ -188,7 +193,7 @@ class Supervisor:
                 return name
             recent.append(now)
             self._forget(name)
-            new = start_service(name, self.services[name], self.home, service_env(name, self.env))
+            new = start_service(name, self.services[name], self.home, service_env(name, self.env, self.services))
             self.on_event(f"{name} (pid {pid}) exited; restarted as pid {new} (restart {len(recent)})")
         return None
 

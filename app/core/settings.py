@@ -123,6 +123,11 @@ class CelerySettings(EnvSettings):
         "environments, check contamination); 0: never on the schedule",
     )
     outbox_interval: float = Field(default=2.0, gt=0, description="seconds between outbox relay runs")
+    outbox_beat_relay: bool = Field(
+        default=True,
+        description="beat schedules the outbox relay on the worker every FLYWHEEL_OUTBOX_INTERVAL s; "
+        "`flywheel up`, which runs the relay as a process of its own, turns it off for its beat",
+    )
     canary_eval_interval: float = Field(
         default=60.0, gt=0, description="seconds between runs of the canary policy (end on regression, mark ready)"
     )

@@ -10,7 +10,7 @@ its periods, so a stopped worker does not come back to a backlog of stale runs.
 | train-when-ready | ``flywheel.trainer.run_cycle_when_ready`` | ``FLYWHEEL_TRAIN_CHECK_INTERVAL`` s, only with ``FLYWHEEL_TRAIN_READY_TRAJECTORIES`` |
 | scan-candidates | ``flywheel.evals.scan_candidates`` | ``FLYWHEEL_EVAL_SCAN_INTERVAL`` s |
 | refresh-mined-suite | ``flywheel.evals.refresh_mined_suite`` | ``FLYWHEEL_EVAL_MINE_INTERVAL`` s (1 h; 0: off) |
-| relay-outbox | ``flywheel.outbox.relay`` | ``FLYWHEEL_OUTBOX_INTERVAL`` s |
+| relay-outbox | ``flywheel.outbox.relay`` | ``FLYWHEEL_OUTBOX_INTERVAL`` s, unless ``FLYWHEEL_OUTBOX_BEAT_RELAY=false`` |
 | evaluate-canary | ``flywheel.promotion.evaluate_canary`` | ``FLYWHEEL_CANARY_EVAL_INTERVAL`` s (60) |
 | purge-broker-messages | ``flywheel.ops.purge_broker_messages`` | hourly, SQL broker only |
 """
@@ -50,9 +50,10 @@ def beat_schedule(settings: Settings | None = None) -> dict[str, dict[str, Any]]
     entries = {
         "train": ("flywheel.trainer.run_cycle", c.train_interval),
         "scan-candidates": ("flywheel.evals.scan_candidates", c.eval_scan_interval),
-        "relay-outbox": ("flywheel.outbox.relay", c.outbox_interval),
         "evaluate-canary": ("flywheel.promotion.evaluate_canary", c.canary_eval_interval),
     }
+    if c.outbox_beat_relay:
+        entries["relay-outbox"] = ("flywheel.outbox.relay", c.outbox_interval)
     if c.eval_mine_interval > 0:
         entries["refresh-mined-suite"] = ("flywheel.evals.refresh_mined_suite", c.eval_mine_interval)
     if c.train_ready_trajectories is not None:

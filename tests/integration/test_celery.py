@@ -55,6 +55,9 @@ def test_beat_schedule_comes_from_settings(monkeypatch):
     monkeypatch.setenv("FLYWHEEL_EVAL_MINE_INTERVAL", "0")
     get_settings.cache_clear()
     assert "refresh-mined-suite" not in beat_schedule()
+    monkeypatch.setenv("FLYWHEEL_OUTBOX_BEAT_RELAY", "false")  # flywheel up: the relay is a process
+    get_settings.cache_clear()
+    assert "relay-outbox" not in beat_schedule() and "train" in beat_schedule()
 
 
 def test_beat_skips_tasks_whose_module_is_missing(monkeypatch):

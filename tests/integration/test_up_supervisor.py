@@ -88,6 +88,10 @@ def test_each_supervised_service_serves_metrics_on_a_port_of_its_own(up_home):
     base = free_port()
     env = {**env, "FLYWHEEL_METRICS_PORT": str(base)}
     assert "FLYWHEEL_METRICS_PORT" not in service_env("beat", env)
+    # beat beside the relay process leaves the relay to it; alone (or told otherwise) it relays too
+    assert service_env("beat", env)["FLYWHEEL_OUTBOX_BEAT_RELAY"] == "false"
+    assert "FLYWHEEL_OUTBOX_BEAT_RELAY" not in service_env("beat", env, services=["worker", "beat"])
+    assert service_env("beat", {**env, "FLYWHEEL_OUTBOX_BEAT_RELAY": "true"})["FLYWHEEL_OUTBOX_BEAT_RELAY"] == "true"
     with pytest.raises(ValueError, match="port number"):
         service_env("relay", {**env, "FLYWHEEL_METRICS_PORT": "x"})
     sup = Supervisor(home, {"consumer": ["consume"], "relay": ["relay"]}, env, poll_s=0.2)

@@ -26,4 +26,6 @@ def test_no_module_is_over_the_limits():
         elif lines > SOFT_LIMIT and "Size:" not in (ast.get_docstring(ast.parse(text)) or ""):
             unexplained.append(f"{path.relative_to(REPO)} ({lines})")
     assert not over, f"modules over {HARD_LIMIT} lines: split them: {over}"
-    assert not unexplained, f"modules over {SOFT_LIMIT} lines without a 'Size:' reason in their docstring: {unexplained}"
+    assert not unexplained, (
+        f"modules over {SOFT_LIMIT} lines without a 'Size:' reason in their docstring: {unexplained}"
+    )
