@@ -145,7 +145,7 @@ def eval_floors(
     equal candidate falls below at most 1 - confidence of the time (docs/gate.md)."""
     from app.core.db import session_scope
     from app.core.errors import ConfigurationError
-    from app.repositories.checkpoints import get_production
+    from app.repositories.checkpoints import require_production
     from evals.config import eval_settings
     from evals.gate_config import GATE_TOML, load_gate_config, write_floors
 
@@ -153,10 +153,7 @@ def eval_floors(
     policy = load_gate_config(path)
     if checkpoint is None:
         with session_scope() as session:
-            production = get_production(session)
-            if production is None:
-                raise ConfigurationError("no production checkpoint: name one with --checkpoint")
-            checkpoint = production.id
+            checkpoint = require_production(session, "name one with --checkpoint").id
     names = suite or policy.gated_suites()
     unknown = sorted(set(names) - set(policy.suites))
     if unknown:

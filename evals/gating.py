@@ -25,13 +25,13 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from app.core.db import session_scope
-from app.core.errors import ConfigurationError, ConflictError
+from app.core.errors import ConflictError
 from app.core.metrics import GATE_DECISIONS
 from app.core.telemetry import link_references, span_reference, traced
 from app.lifecycle.gating import record_gate_decision
 from app.lifecycle.status import GATEABLE
 from app.models import EvalRun
-from app.repositories.checkpoints import get_checkpoint, get_production
+from app.repositories.checkpoints import get_checkpoint, require_production
 from evals import store
 from evals.config import load_suite
 from evals.early_stop import SequentialStop
@@ -68,10 +68,7 @@ def _resolve(candidate_id: str, production_id: str | None) -> str:
                 f"checkpoint {candidate_id} is {cand.status}; only {', '.join(GATEABLE)} checkpoints are gated"
             )
         if production_id is None:
-            prod = get_production(session)
-            if prod is None:
-                raise ConfigurationError("no production checkpoint to compare against (flywheel model init)")
-            production_id = prod.id
+            production_id = require_production(session, "nothing to compare against (flywheel model init)").id
         else:
             get_checkpoint(session, production_id)
     if production_id == candidate_id:

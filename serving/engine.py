@@ -10,7 +10,7 @@ from app.core.db import session_scope
 from app.core.errors import ConfigurationError
 from app.core.settings import flywheel_home, get_settings, secret_value
 from app.inference.engine import InferenceEngine
-from app.repositories.checkpoints import get_production
+from app.repositories.checkpoints import require_production
 from serving.vllm_server import VLLMServer, ensure_server, record_checkpoint
 
 ENGINE_TYPES = ("torch", "vllm", "openai")
@@ -109,8 +109,5 @@ def resolve_checkpoint(checkpoint_id: str | None, model_dir: Path | None) -> tup
         return checkpoint_id or Path(model_dir).resolve().name, Path(model_dir)
     if checkpoint_id is None:
         with session_scope() as session:
-            prod = get_production(session)
-            if prod is None:
-                raise ConfigurationError("no production checkpoint: run `flywheel model init` first")
-            checkpoint_id = prod.id
+            checkpoint_id = require_production(session).id
     return checkpoint_id, CheckpointStore.from_settings().stable_path(checkpoint_id)

@@ -7,7 +7,7 @@ from typing import Any
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from app.core.errors import NotFoundError
+from app.core.errors import ConfigurationError, NotFoundError
 from app.models import Checkpoint, CheckpointTrajectory
 
 
@@ -29,6 +29,18 @@ def get_production(session: Session, *, for_update: bool = False) -> Checkpoint 
     if for_update:
         stmt = stmt.with_for_update()
     return session.scalars(stmt).one_or_none()
+
+
+def require_production(session: Session, hint: str = "run `flywheel model init` first") -> Checkpoint:
+    """The current production checkpoint.
+
+    Raises:
+        ConfigurationError: there is none (``hint`` says what to do, after "no production checkpoint: ").
+    """
+    production = get_production(session)
+    if production is None:
+        raise ConfigurationError(f"no production checkpoint: {hint}")
+    return production
 
 
 def add_checkpoint(
