@@ -120,17 +120,27 @@ class DemoState:
         self.path.chmod(0o600)
 
 
+def min_new_trajectories(opts: DemoOptions) -> int:
+    """The fewest trajectories a scheduled cycle trains on: a quarter of a cycle's sessions (at
+    least 1). A batch leaves about 90 % of its sessions as trajectories (privacy mode leaves none),
+    so it always trains; the few stragglers finalized after their batch's cycle selected its data
+    are fewer, so they wait for the next batch (``train-when-ready`` does not start a cycle below
+    this) instead of training a candidate of their own."""
+    return max(1, opts.sessions // 4)
+
+
 def trainer_toml(opts: DemoOptions, home: Path) -> Path:
     """The trainer config of the loop's scheduled cycles: ``--trainer-config`` (default
-    ``trainer/configs/default.toml``) with the demo's step budget, training on whatever a cycle's
-    traffic left (``min_new_trajectories = 1``), with shuffled rewards under ``--placebo``, and
-    segments up to :data:`LONG_SEGMENT_TOKENS` long where the traffic has long sessions."""
+    ``trainer/configs/default.toml``) with the demo's step budget, training on a cycle's traffic
+    (``min_new_trajectories``: :func:`min_new_trajectories`), with shuffled rewards under
+    ``--placebo``, and segments up to :data:`LONG_SEGMENT_TOKENS` long where the traffic has long
+    sessions."""
     path = home / "demo" / "trainer.toml"
     base = Path(opts.trainer_config).resolve() if opts.trainer_config else TRAINER_DEFAULT
     lines = [f"extends = {json.dumps(str(base))}"]
     if opts.train_max_steps:
         lines.append(f"max_steps = {opts.train_max_steps}")
-    lines += ["", "[data]", "min_new_trajectories = 1"]
+    lines += ["", "[data]", f"min_new_trajectories = {min_new_trajectories(opts)}"]
     if opts.long_session_share > 0 and load_config(base).data.max_seq_len < LONG_SEGMENT_TOKENS:
         lines.append(f"max_seq_len = {LONG_SEGMENT_TOKENS}")
     if opts.placebo:

@@ -59,28 +59,39 @@ def run_cycle_task(config_path: str | None = None, overrides: dict[str, Any] | N
 @celery_app.task(name="flywheel.trainer.run_cycle_when_ready")
 def run_cycle_when_ready() -> dict[str, Any]:
     """Run a cycle (:func:`run_cycle_task`) when at least ``FLYWHEEL_TRAIN_READY_TRAJECTORIES``
-    finalized trajectories are waiting, or (with ``FLYWHEEL_TRAIN_READY_QUIET_S``) when some are and
-    none was finalized for that many seconds; else report how many wait. Returns the cycle's result,
-    or ``{"status": "waiting", "waiting": N, "ready_at": M}``."""
+    finalized trajectories are waiting, or (with ``FLYWHEEL_TRAIN_READY_QUIET_S``) when at least the
+    cycle's ``data.min_new_trajectories`` are and none was finalized for that many seconds; else
+    report how many wait. Returns the cycle's result, or ``{"status": "waiting", "waiting": N,
+    "ready_at": M}``."""
     celery = get_settings().celery
     with session_scope() as session:
         waiting, newest = trajectories_waiting(session)
         now = session.scalar(select(func.now()))
     ready_at = celery.train_ready_trajectories
-    if not cycle_due(waiting, newest, now, ready_at, celery.train_ready_quiet_s):
+    min_waiting = load_config(Path(celery.train_config) if celery.train_config else None).data.min_new_trajectories
+    if not cycle_due(waiting, newest, now, ready_at, celery.train_ready_quiet_s, min_waiting):
         return {"status": "waiting", "waiting": waiting, "ready_at": ready_at}
     log.info("%d finalized trajectories waiting (ready at %s): starting a cycle", waiting, ready_at)
     return run_cycle_task()
 
 
 def cycle_due(
-    waiting: int, newest: datetime | None, now: datetime, ready_at: int | None, quiet_s: float | None
+    waiting: int,
+    newest: datetime | None,
+    now: datetime,
+    ready_at: int | None,
+    quiet_s: float | None,
+    min_waiting: int = 1,
 ) -> bool:
     """Whether ``waiting`` trajectories (the newest finalized at ``newest``) start a cycle at ``now``:
-    at least ``ready_at`` of them, or some and none finalized for ``quiet_s`` seconds. Never without
-    ``ready_at`` (the interval schedule alone runs then)."""
+    at least ``ready_at`` of them, or at least ``min_waiting`` (the cycle's
+    ``data.min_new_trajectories``) and none finalized for ``quiet_s`` seconds, so the stragglers of a
+    batch finalized after its cycle selected its data wait for the next batch instead of training a
+    cycle of their own. Never without ``ready_at`` (the interval schedule alone runs then)."""
     if ready_at is None or waiting == 0:
         return False
     if waiting >= ready_at:
         return True
+    if waiting < min_waiting:
+        return False
     return quiet_s is not None and newest is not None and (now - newest).total_seconds() >= quiet_s

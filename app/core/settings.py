@@ -103,9 +103,9 @@ class CelerySettings(EnvSettings):
     train_ready_quiet_s: float | None = Field(
         default=None,
         gt=0,
-        description="also start a cycle once fewer trajectories wait but none was finalized and no open "
-        "session sent an event for this many seconds (a batch of traffic has ended); None: only the count "
-        "and the interval start one",
+        description="also start a cycle once fewer trajectories wait, at least the cycle's "
+        "data.min_new_trajectories, but none was finalized and no open session sent an event for this many "
+        "seconds (a batch of traffic has ended); None: only the count and the interval start one",
     )
     train_check_interval: float = Field(
         default=60.0, gt=0, description="seconds between checks of train_ready_trajectories"

@@ -112,4 +112,9 @@ def test_the_demo_keeps_long_segments_in_training_only_when_its_traffic_has_long
     plain = load_config(trainer_toml(DemoOptions(), tmp_path / "plain"))
     long = load_config(trainer_toml(DemoOptions(long_session_share=0.25), tmp_path / "long"))
     assert plain.data.max_seq_len == load_config(None).data.max_seq_len < LONG_SEGMENT_TOKENS
-    assert long.data.max_seq_len == LONG_SEGMENT_TOKENS and long.data.min_new_trajectories == 1
+    assert long.data.max_seq_len == LONG_SEGMENT_TOKENS and long.data.min_new_trajectories == 4  # 16 sessions
+    bench = load_config(trainer_toml(DemoOptions(sessions=256), tmp_path / "bench"))
+    assert (
+        bench.data.min_new_trajectories == 64
+        and load_config(trainer_toml(DemoOptions(sessions=3), tmp_path)).data.min_new_trajectories == 1
+    )

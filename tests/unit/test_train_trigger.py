@@ -25,3 +25,12 @@ def test_nothing_waiting_or_no_threshold_never_starts_one():
     old = NOW - timedelta(hours=1)
     assert not cycle_due(0, None, NOW, ready_at=12, quiet_s=30)
     assert not cycle_due(50, old, NOW, ready_at=None, quiet_s=30)
+
+
+def test_a_quiet_straggler_below_the_cycles_minimum_waits_for_the_next_batch():
+    """Seen in the seed-31 bench: one trajectory finalized after its batch's cycle had selected its
+    data started a cycle of its own on the quiet rule (a candidate trained on 1 trajectory)."""
+    old = NOW - timedelta(seconds=31)
+    assert not cycle_due(1, old, NOW, ready_at=256, quiet_s=30, min_waiting=64)
+    assert cycle_due(64, old, NOW, ready_at=256, quiet_s=30, min_waiting=64)
+    assert cycle_due(256, NOW, NOW, ready_at=256, quiet_s=30, min_waiting=300)  # a full batch always starts
