@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from sqlalchemy import case, select
+from sqlalchemy import select
 from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.orm import Session
 
@@ -41,6 +41,7 @@ from evals.environments import (
     verify_environment,
 )
 from evals.mined import MINED_SUITE
+from evals.tasks.mined import preferred_verified_environment
 from evals.tasks.model import Task
 
 PROMPT = """The tests of this task run with: {command}
@@ -153,12 +154,7 @@ def propose_environments(
 
 def cached_environment(session: Session, key: str) -> TaskEnvironment | None:
     """The verified environment stored for task key ``key`` (a model's before a fallback's), or None."""
-    return session.scalars(
-        select(TaskEnvironment)
-        .where(TaskEnvironment.task_key == key, TaskEnvironment.verified.is_(True))
-        .order_by(case((TaskEnvironment.origin == "model", 0), else_=1), TaskEnvironment.created_at)
-        .limit(1)
-    ).first()
+    return preferred_verified_environment(session, TaskEnvironment.task_key == key)
 
 
 def environment_for(session: Session, task: Task, policy: EnvironmentPolicy) -> EnvironmentProposal | None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import random
 
-from sqlalchemy import case, select
+from sqlalchemy import ColumnElement, case, select
 from sqlalchemy.orm import Session
 
 from app.models import EvalTask, TaskEnvironment
@@ -43,16 +43,21 @@ def load_mined_tasks(
     return tasks
 
 
-def verified_environment(session: Session, eval_task_id: str) -> TaskEnvironment | None:
-    """The environment verified for the mined task ``eval_task_id``: a model's before the resolver's
-    fallback, the first stored of each (the order :func:`evals.environment_setup.cached_environment`
-    reuses them in), or None."""
+def preferred_verified_environment(session: Session, *where: ColumnElement[bool]) -> TaskEnvironment | None:
+    """The verified ``task_environment`` row matching ``where`` that is used: a model's before the
+    resolver's fallback, the first stored of each, or None (also
+    :func:`evals.environment_setup.cached_environment`'s order)."""
     return session.scalars(
         select(TaskEnvironment)
-        .where(TaskEnvironment.eval_task_id == eval_task_id, TaskEnvironment.verified.is_(True))
+        .where(*where, TaskEnvironment.verified.is_(True))
         .order_by(case((TaskEnvironment.origin == "model", 0), else_=1), TaskEnvironment.created_at)
         .limit(1)
     ).first()
+
+
+def verified_environment(session: Session, eval_task_id: str) -> TaskEnvironment | None:
+    """The environment verified for the mined task ``eval_task_id`` (:func:`preferred_verified_environment`)."""
+    return preferred_verified_environment(session, TaskEnvironment.eval_task_id == eval_task_id)
 
 
 def with_environment(task: Task, environment: TaskEnvironment | None) -> Task:
