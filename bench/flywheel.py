@@ -33,7 +33,8 @@ Prints one JSON line: ``in_distribution`` (``pairs``, ``tasks``, ``samples``, ``
 ``signals_ab``, ``curve``, ``gate_decisions`` (per cycle: ``candidate``, ``decision``, ``power``,
 ``stopped_at_pairs``, ``promoted``, ``promoted_by``), ``planted`` and ``planted_control`` (``decision`` and the
 held-out comparison with base), ``budget_s`` (seconds per phase from the database's timestamps),
-``multi_segment_sessions`` (trajectories with more than one segment), ``seed``, ``placebo``,
+``multi_segment_sessions`` (trajectories with more than one segment), ``seed``, ``placebo``, ``developer``
+(the training traffic's noise knobs: ``--keeps-wrong-rate``, ``--untested-rate``, ``--signal-loss-rate``),
 ``long_session_share``, ``release_policy``, ``wall_s``, ``pass``.
 
 ``pass``, default run: in-distribution ``diff >= 0.10`` with ``lower_bound > 0``, edit persistence up and dissatisfied
@@ -59,6 +60,7 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
+from pydantic import ValidationError
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
@@ -70,8 +72,9 @@ from app.repositories.checkpoints import get_production
 from evals.gate import paired_bootstrap_interval
 from evals.gate_config import load_gate_config
 from ops.ab import ABConfig, plan_pairs
-from ops.demo import DEFAULT_DIFFICULTY_MIX, DemoOptions, trainer_toml
+from ops.demo import DEFAULT_DIFFICULTY_MIX, DemoOptions, developer_args, trainer_toml
 from ops.demo_report import CURVE_SIGNALS, curve_point, render_curve_png
+from ops.developer import DeveloperModel
 from ops.processes import LOOP_SERVICES, SUPERVISOR, service_status
 from ops.report import count_multi_segment_sessions
 from ops.simulator_cli import parse_mix
@@ -325,12 +328,25 @@ def main() -> None:  # noqa: PLR0915 - one recipe, read top to bottom
     parser.add_argument("--curve-pairs", type=int, default=100, help="A/B pairs behind each curve point")
     parser.add_argument("--seed", type=int, default=0, help="seeds the traffic, training order and the A/B draw")
     parser.add_argument("--placebo", action="store_true", help="shuffle each cycle's rewards (a control run)")
+    parser.add_argument(
+        "--keeps-wrong-rate", type=float, default=0.0, help="share of plausible wrong edits the developer keeps"
+    )
+    parser.add_argument("--untested-rate", type=float, default=0.0, help="share of sessions whose tests it never runs")
+    parser.add_argument("--signal-loss-rate", type=float, default=0.0, help="share of late signals that never arrive")
     parser.add_argument("--plot", default=None, help="where to draw the curve PNG (default: HOME/flywheel_curve.png)")
     parser.add_argument("--home", default=None, help="FLYWHEEL_HOME to use (resumes a run; default: a new one)")
     parser.add_argument("--keep", action="store_true", help="leave the loop running")
     args = parser.parse_args()
     if not 0.0 <= args.long_sessions <= 1.0:
         parser.error(f"--long-sessions is a share of the task groups, 0 to 1 (got {args.long_sessions})")
+    try:  # the training traffic's developer (docs/simulator.md, "Noisier developers")
+        developer = DeveloperModel(
+            keeps_wrong_rate=args.keeps_wrong_rate,
+            untested_rate=args.untested_rate,
+            signal_loss_rate=args.signal_loss_rate,
+        )
+    except ValidationError as exc:
+        parser.error(f"developer noise: {exc}")
     cycles = args.cycles or (1 if args.quick else 4)
     sessions = args.sessions or (128 if args.quick else 256)
     ab_pairs = args.ab_pairs or (200 if args.quick else 400)
@@ -361,6 +377,7 @@ def main() -> None:  # noqa: PLR0915 - one recipe, read top to bottom
         demo += [*(["--eval-tasks", str(args.eval_tasks)] if args.eval_tasks else [])]
         demo += [*(["--trainer-config", args.trainer_config] if args.trainer_config else [])]
         demo += [*(["--placebo"] if args.placebo else []), "--long-sessions", str(args.long_sessions)]
+        demo += developer_args(developer)
         t0 = time.monotonic()
         flywheel(demo, env)
         phase["loop"] = time.monotonic() - t0
@@ -454,7 +471,7 @@ def main() -> None:  # noqa: PLR0915 - one recipe, read top to bottom
                 "bench": "flywheel",
                 "ours": final_rate,
                 "baseline": base_rate,
-                "unit": "fresh-traffic pass rate (training templates, unseen parameters)",
+                "unit": "fresh-traffic pass rate (the A/B's split: kinds of request no cycle trained on)",
                 "ratio": final_rate / base_rate if base_rate and final_rate is not None else None,
                 "target": (
                     "placebo: fresh-traffic interval includes 0"
@@ -479,6 +496,9 @@ def main() -> None:  # noqa: PLR0915 - one recipe, read top to bottom
                 "release_policy": f"{RELEASE_POLICY}, no override",
                 "seed": args.seed,
                 "placebo": args.placebo,
+                "developer": developer.model_dump(
+                    include={"keeps_wrong_rate", "untested_rate", "signal_loss_rate", "late_signal_rate"}
+                ),
                 "cycles": cycles,
                 "sessions_per_cycle": sessions,
                 "trainer_config": Path(args.trainer_config).name if args.trainer_config else "default.toml",

@@ -272,6 +272,15 @@ def demo_cmd(
     placebo: bool = typer.Option(
         False, "--placebo", help="shuffle each cycle's rewards across its trajectories (a control)"
     ),
+    keeps_wrong_rate: float = typer.Option(
+        0.0, min=0.0, max=1.0, help="the training traffic's developer keeps this share of plausible wrong edits"
+    ),
+    untested_rate: float = typer.Option(
+        0.0, min=0.0, max=1.0, help="share of training sessions whose tests the developer never runs"
+    ),
+    signal_loss_rate: float = typer.Option(
+        0.0, min=0.0, max=1.0, help="share of the training traffic's late signals that never arrive"
+    ),
     cycle_timeout: float = typer.Option(1800.0, min=1, help="seconds to wait for the loop to decide one cycle"),
     seed: int = typer.Option(0),
     down: bool = typer.Option(False, "--down", help="stop everything the demo started, then exit"),
@@ -281,6 +290,7 @@ def demo_cmd(
     measured on fresh traffic; ends with a report and learning curves. Re-running picks up where an
     interrupted run stopped."""
     from ops.demo import DEFAULT_DIFFICULTY_MIX, DemoOptions, run_demo, stop_demo
+    from ops.developer import DeveloperModel
 
     if release_policy not in ("auto_on_pass", "manual"):
         raise typer.BadParameter(f"unknown release policy {release_policy!r}", param_hint="--release-policy")
@@ -314,6 +324,9 @@ def demo_cmd(
             override_insufficient=override_insufficient,
             cycle_timeout_s=cycle_timeout,
             placebo=placebo,
+            developer=DeveloperModel(
+                keeps_wrong_rate=keeps_wrong_rate, untested_rate=untested_rate, signal_loss_rate=signal_loss_rate
+            ),
         )
     )
 

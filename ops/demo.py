@@ -29,7 +29,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -45,6 +45,7 @@ from app.core.settings import flywheel_home, get_settings
 from evals.harness.agent import AgentBudget
 from ops import loop_state
 from ops.demo_report import curve_point, write_demo_report
+from ops.developer import DeveloperModel
 from ops.simulator import PRODUCTION_MIX, SimulatorConfig
 from ops.stack import stack_down, stack_up
 from trainer.config import load_config
@@ -85,6 +86,7 @@ class DemoOptions:
     eval_suites: tuple[str, ...] = ("functions",)
     gate_config: str | None = None  # gate policy TOML (default evals/gate.toml)
     placebo: bool = False  # each cycle's rewards shuffled across its trajectories (a control run)
+    developer: DeveloperModel = field(default_factory=DeveloperModel)  # the training traffic's developer noise
     eval_max_turns: int = 2
     eval_max_tokens: int = 160
     finalize_window_s: float = 10.0
@@ -212,6 +214,28 @@ def session_budget_args(opts: DemoOptions) -> list[str]:
     ]  # fmt: skip
 
 
+def developer_args(developer: DeveloperModel) -> list[str]:
+    """``flywheel simulate``'s flags for the developer's noise knobs that differ from the exact
+    developer's (docs/simulator.md, "Noisier developers"); ``[]`` for the default developer.
+
+    Only the loop's training traffic takes them: the fresh-traffic A/B and the curve measure the
+    hidden tests' pass rate, which no developer noise changes, with the exact developer's signals."""
+    exact = DeveloperModel()
+    flags = {
+        "keeps_wrong_rate": "--keeps-wrong-rate",
+        "untested_rate": "--untested-rate",
+        "signal_loss_rate": "--signal-loss-rate",
+        "late_signal_rate": "--late-signal-rate",
+        "late_signal_delay_s": "--late-signal-delay",
+    }
+    return [
+        arg
+        for name, flag in flags.items()
+        if getattr(developer, name) != getattr(exact, name)
+        for arg in (flag, repr(getattr(developer, name)))
+    ]
+
+
 @dataclass
 class Demo:
     """One demo run: its options, progress, home and the environment of the loop it drives."""
@@ -268,6 +292,7 @@ class Demo:
         args += ["--source", self.opts.source, *session_budget_args(self.opts)]
         if self.opts.long_session_share > 0:  # the A/B's fresh traffic stays on --source
             args += ["--long-sessions", str(self.opts.long_session_share)]
+        args += developer_args(self.opts.developer)
         args += ["--seed", str(self.opts.seed + 1000 * cycle + done)]
         flywheel(args, self.env)
         return f"{remaining} sessions simulated"

@@ -158,10 +158,18 @@ def results(run_id: str) -> list[tuple]:
 
 def suite_and_tasks():
     """12 generated function requests, every other one already solved in its repository (so the
-    pass rate is neither 0 nor 1 whatever the tiny random model writes); short budgets."""
+    pass rate is neither 0 nor 1 whatever the tiny random model writes); short budgets. Each grading
+    sleeps 1 s first, so a shard (3 tasks) stays part-stored for seconds: the test's 50 ms poll sees
+    it mid-shard on any machine (without the sleep a fast one finished shards between two polls)."""
     tasks = load_tasks("functions", "test", limit=12, seed=0)
     tasks = [
-        t.model_copy(update={"files": {**t.files, **t.reference_files}}) if i % 2 else t for i, t in enumerate(tasks)
+        t.model_copy(
+            update={
+                "files": {**t.files, **t.reference_files} if i % 2 else t.files,
+                "test_command": f"sleep 1 && {t.test_command}",
+            }
+        )
+        for i, t in enumerate(tasks)
     ]
     return load_suite("functions").with_overrides(max_turns=2, max_tokens_per_turn=24), tasks
 
