@@ -43,8 +43,8 @@ promoted by the gate's pass, the plant failed and its control not failed. ``--qu
 pairs, ``diff > 0``, the plant failed. A ``--placebo`` run (rewards shuffled within each cycle) is a control: it
 reports, and ``pass`` means the fresh-traffic interval includes 0.
 
-Flags and their defaults: ``--help``; measured results: ``docs/benchmarks.md``. Size: over 400 lines:
-one recipe read top to bottom, the store's read-outs beside it.
+Flags and their defaults: ``--help``; measured results: ``docs/benchmarks.md``; the store's read-outs:
+``ops/loop_outcome.py``.
 """
 
 from __future__ import annotations
@@ -62,32 +62,31 @@ from pathlib import Path
 
 from pydantic import ValidationError
 from sqlalchemy import func, select
-from sqlalchemy.orm import Session
 
 from app.core.db import session_scope
 from app.core.pids import stop_pid
 from app.core.settings import get_settings
-from app.models import ABComparison, EvalResult, EvalRun, EventLog, GateDecision, Promotion, TrainingCycle
 from app.repositories.checkpoints import get_production
-from evals.gate import paired_bootstrap_interval
 from evals.gate_config import load_gate_config
 from ops.ab import ABConfig, plan_pairs
-from ops.demo import DEFAULT_DIFFICULTY_MIX, DemoOptions, developer_args, trainer_toml
+from ops.demo import DEFAULT_DIFFICULTY_MIX, DemoOptions, trainer_toml
 from ops.demo_report import CURVE_SIGNALS, curve_point, render_curve_png
-from ops.developer import DeveloperModel
+from ops.developer import DeveloperModel, developer_args
+from ops.loop_outcome import (
+    SUITE,
+    ab_from_store,
+    ab_metrics,
+    gate_view,
+    loop_budget,
+    paired,
+    served_after_cycles,
+    succeeded_cycles,
+)
 from ops.processes import LOOP_SERVICES, SUPERVISOR, service_status
 from ops.report import count_multi_segment_sessions
 from ops.simulator_cli import parse_mix
 from trainer.config import load_config
 
-SUITE = "functions"
-SIGNALS = (
-    "edit_persistence",
-    "dissatisfied_followup_rate",
-    "mean_completion_tokens",
-    "mean_latency_s",
-    "edit_acceptance",
-)
 RELEASE_POLICY = "auto_on_pass"
 
 
@@ -100,165 +99,6 @@ def flywheel(args: list[str], env: dict[str, str]) -> None:
     proc = subprocess.run([sys.executable, "-m", "ops.cli", *args], env=env)
     if proc.returncode != 0:
         raise SystemExit(f"`flywheel {' '.join(args)}` exited with {proc.returncode}")
-
-
-def succeeded_cycles(session: Session, since=None) -> list[TrainingCycle]:
-    """Training cycles that registered a checkpoint, oldest first (started after ``since`` if given)."""
-    q = select(TrainingCycle).where(TrainingCycle.status == "succeeded", TrainingCycle.checkpoint_id.is_not(None))
-    if since is not None:
-        q = q.where(TrainingCycle.started_at > since)
-    return list(session.scalars(q.order_by(TrainingCycle.started_at)))
-
-
-def gate_view(session: Session, candidate: str) -> dict:
-    """The newest gate decision of ``candidate``: ``decision`` and, for the held-out suite, ``power``
-    and ``stopped_at_pairs`` (None where the gate did not record them)."""
-    row = session.scalars(
-        select(GateDecision).where(GateDecision.candidate_id == candidate).order_by(GateDecision.created_at.desc())
-    ).first()
-    if row is None:
-        return {"decision": None, "power": None, "stopped_at_pairs": None}
-    report = row.report or {}
-    suite = (report.get("suites") or {}).get(SUITE) or {}
-    return {"decision": row.decision, "power": suite.get("power"), "stopped_at_pairs": suite.get("stopped_at_pairs")}
-
-
-def served_after_cycles(session: Session, candidates: list[str]) -> list[dict]:
-    """Per cycle: its candidate, the gate's decision, whether and by whom it was promoted, and what
-    production serves after it (the base until a candidate is promoted)."""
-    promotions = {
-        p.checkpoint_id: p.actor for p in session.scalars(select(Promotion).where(Promotion.kind == "promotion"))
-    }
-    out, serving = [], "base"
-    for cycle, candidate in enumerate(candidates, 1):
-        if candidate in promotions:
-            serving = candidate
-        out.append(
-            {
-                "cycle": cycle,
-                "candidate": candidate,
-                **gate_view(session, candidate),
-                "promoted": candidate in promotions,
-                "promoted_by": promotions.get(candidate),
-                "checkpoint": serving,
-            }
-        )
-    return out
-
-
-def paired(session: Session, base: str, final: str, suite: str) -> dict:
-    """Paired held-out comparison of ``final`` against ``base`` on the newest succeeded runs of one plan.
-
-    Raises:
-        SystemExit: the two were evaluated on different plans, or one was not evaluated.
-    """
-
-    def results(ckpt: str) -> tuple[str, dict]:
-        runs = select(EvalRun).where(EvalRun.checkpoint_id == ckpt, EvalRun.suite == suite)
-        run = session.scalars(runs.where(EvalRun.status == "succeeded").order_by(EvalRun.started_at.desc())).first()
-        if run is None:
-            stopped = session.scalars(runs.where(EvalRun.status == "stopped")).first()
-            why = " (its gate stopped the run early: early_stop in the gate policy; the bench needs it off)"
-            raise SystemExit(f"{ckpt} has no succeeded {suite} run" + (why if stopped else ""))
-        rows = session.scalars(select(EvalResult).where(EvalResult.run_id == run.id)).all()
-        return run.suite_version, {(r.task_id, r.sample_index): bool(r.passed) for r in rows}
-
-    version_b, base_res = results(base)
-    version_f, final_res = results(final)
-    if version_b != version_f:
-        raise SystemExit(f"base and final were evaluated on different plans ({version_b} vs {version_f})")
-    keys = sorted(set(base_res) & set(final_res))
-    diffs = [int(final_res[k]) - int(base_res[k]) for k in keys]
-    clusters = [k[0] for k in keys]
-    low, _ = paired_bootstrap_interval(clusters, diffs, confidence=0.95, two_sided=False)
-    ci = paired_bootstrap_interval(clusters, diffs, confidence=0.95, two_sided=True)
-    n = len(keys)
-    return {
-        "pairs": n,
-        "base": sum(base_res[k] for k in keys) / n,
-        "final": sum(final_res[k] for k in keys) / n,
-        "diff": sum(diffs) / n,
-        "ci": list(ci),
-        "lower_bound": low,
-    }
-
-
-def eval_seconds(session: Session) -> float:
-    """Seconds the eval runs of this home took, each from its start to its finish."""
-    total = session.scalar(
-        select(func.sum(func.extract("epoch", EvalRun.finished_at - EvalRun.started_at))).where(
-            EvalRun.finished_at.is_not(None)
-        )
-    )
-    return float(total or 0.0)
-
-
-def loop_budget(session: Session) -> dict[str, float]:
-    """Seconds per phase of the loop, from the database's timestamps: ``simulate`` (first to last
-    event of the traffic), ``train`` (training cycles that ran), ``eval`` (eval runs), ``gate`` (from a
-    cycle's end to its candidate's decision, evals excluded), ``release`` (decision to promotion)."""
-    first, last = session.execute(select(func.min(EventLog.occurred_at), func.max(EventLog.occurred_at))).one()
-    train = session.scalar(
-        select(func.sum(func.extract("epoch", TrainingCycle.finished_at - TrainingCycle.started_at))).where(
-            TrainingCycle.status == "succeeded"
-        )
-    )
-    decided = select(GateDecision.created_at - TrainingCycle.finished_at).join(
-        TrainingCycle, TrainingCycle.checkpoint_id == GateDecision.candidate_id
-    )
-    gate = sum(float(d.total_seconds()) for d in session.scalars(decided))
-    release = select(Promotion.created_at - GateDecision.created_at).join(
-        GateDecision, GateDecision.id == Promotion.gate_decision_id
-    )
-    evals = eval_seconds(session)
-    return {
-        "simulate": (last - first).total_seconds() if first and last else 0.0,
-        "train": float(train or 0.0),
-        "eval": evals,
-        "gate": max(0.0, gate - evals),
-        "release": sum(float(d.total_seconds()) for d in session.scalars(release)),
-    }
-
-
-def ab_from_store(session: Session, label: str) -> dict:
-    """The stored ``flywheel ab`` result labelled ``label`` as its report (``metrics``, ``pairs``...).
-
-    Raises:
-        SystemExit: no comparison carries that label.
-    """
-    row = session.scalars(
-        select(ABComparison).where(ABComparison.label == label).order_by(ABComparison.id.desc())
-    ).first()
-    if row is None:
-        raise SystemExit(f"no stored A/B comparison labelled {label!r}")
-    return {
-        "final": row.checkpoint_id,
-        "pairs": row.pairs,
-        "tasks": row.tasks,
-        "samples": row.samples,
-        "lower_bound": row.pass_rate_lower_bound,
-        "metrics": row.metrics,
-        "errors": (row.detail or {}).get("error_count", 0),
-    }
-
-
-def ab_metrics(report: dict) -> tuple[dict, dict]:
-    """``(in_distribution, signals_ab)`` of a stored A/B result (:func:`ab_from_store`)."""
-    m = report["metrics"]
-    pr = m["pass_rate"]
-    in_dist = {
-        "pairs": report["pairs"],
-        "tasks": report["tasks"],
-        "samples": report["samples"],
-        "base": pr["base"],
-        "final": pr["final"],
-        "diff": pr["diff"],
-        "ci": pr["ci"],
-        "lower_bound": report["lower_bound"],
-        "errors": report["errors"],
-    }
-    signals = {n: {k: m[n][k] for k in ("base", "final", "diff", "ci")} for n in SIGNALS if n in m}
-    return in_dist, signals
 
 
 def plot_points(curve: list[dict], measured: dict[str, dict]) -> list[dict]:

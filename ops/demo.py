@@ -45,7 +45,7 @@ from app.core.settings import flywheel_home, get_settings
 from evals.harness.agent import AgentBudget
 from ops import loop_state
 from ops.demo_report import curve_point, write_demo_report
-from ops.developer import DeveloperModel
+from ops.developer import DeveloperModel, developer_args
 from ops.simulator import PRODUCTION_MIX, SimulatorConfig
 from ops.stack import stack_down, stack_up
 from trainer.config import load_config
@@ -212,28 +212,6 @@ def session_budget_args(opts: DemoOptions) -> list[str]:
         "--max-tokens-per-turn", str(opts.max_tokens_per_turn),
         "--max-tokens", str(opts.max_turns * opts.max_tokens_per_turn),
     ]  # fmt: skip
-
-
-def developer_args(developer: DeveloperModel) -> list[str]:
-    """``flywheel simulate``'s flags for the developer's noise knobs that differ from the exact
-    developer's (docs/simulator.md, "Noisier developers"); ``[]`` for the default developer.
-
-    Only the loop's training traffic takes them: the fresh-traffic A/B and the curve measure the
-    hidden tests' pass rate, which no developer noise changes, with the exact developer's signals."""
-    exact = DeveloperModel()
-    flags = {
-        "keeps_wrong_rate": "--keeps-wrong-rate",
-        "untested_rate": "--untested-rate",
-        "signal_loss_rate": "--signal-loss-rate",
-        "late_signal_rate": "--late-signal-rate",
-        "late_signal_delay_s": "--late-signal-delay",
-    }
-    return [
-        arg
-        for name, flag in flags.items()
-        if getattr(developer, name) != getattr(exact, name)
-        for arg in (flag, repr(getattr(developer, name)))
-    ]
 
 
 @dataclass

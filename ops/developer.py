@@ -113,6 +113,29 @@ class DeveloperModel(BaseModel):
         }[outcome]
 
 
+def developer_args(developer: DeveloperModel) -> list[str]:
+    """``flywheel simulate``'s flags for the developer's noise knobs that differ from the exact
+    developer's (docs/simulator.md, "Noisier developers"); ``[]`` for the default developer.
+
+    ``flywheel demo`` (and so the bench) gives them to its training traffic only: the fresh-traffic
+    A/B and the curve measure the hidden tests' pass rate, which no developer noise changes, and keep
+    the exact developer's signals."""
+    exact = DeveloperModel()
+    flags = {
+        "keeps_wrong_rate": "--keeps-wrong-rate",
+        "untested_rate": "--untested-rate",
+        "signal_loss_rate": "--signal-loss-rate",
+        "late_signal_rate": "--late-signal-rate",
+        "late_signal_delay_s": "--late-signal-delay",
+    }
+    return [
+        arg
+        for name, flag in flags.items()
+        if getattr(developer, name) != getattr(exact, name)
+        for arg in (flag, repr(getattr(developer, name)))
+    ]
+
+
 class ReactionSettings(Protocol):
     """What a :class:`DeveloperReaction` reads of its run's settings (``ops.simulator.SimulatorConfig``
     has these fields)."""

@@ -118,3 +118,21 @@ def test_noise_knobs_are_bounded():
     for knob in ("keeps_wrong_rate", "untested_rate", "signal_loss_rate", "late_signal_rate"):
         with pytest.raises(ValueError):
             DeveloperModel(**{knob: 1.5})
+
+
+def test_the_demos_developer_noise_reaches_flywheel_simulate_as_set():
+    """``developer_args`` gives ``flywheel simulate`` the knobs that differ from the exact developer;
+    the simulate command parses them back to the same values (and the exact developer adds none)."""
+    import typer
+
+    from ops.cli import app
+    from ops.developer import DeveloperModel, developer_args
+
+    assert developer_args(DeveloperModel()) == []
+    noisy = DeveloperModel(keeps_wrong_rate=0.3, untested_rate=0.25, signal_loss_rate=0.2)
+    args = developer_args(noisy)
+    assert args == ["--keeps-wrong-rate", "0.3", "--untested-rate", "0.25", "--signal-loss-rate", "0.2"]
+    simulate = typer.main.get_command(app).commands["simulate"]
+    params = simulate.make_context("simulate", list(args)).params
+    assert (params["keeps_wrong_rate"], params["untested_rate"], params["signal_loss_rate"]) == (0.3, 0.25, 0.2)
+    assert params["late_signal_rate"] == 0.0

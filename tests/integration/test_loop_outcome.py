@@ -1,32 +1,22 @@
-"""bench/flywheel.py's reads of the store: each cycle's gate decision, what production served after it, eval seconds."""
+"""The loop's outcome read from the store (``ops.loop_outcome``, the bench's figures): each cycle's gate
+decision, what production served after it, eval seconds."""
 
 from __future__ import annotations
 
-import importlib.util
 import uuid
 from datetime import timedelta
-from pathlib import Path
 
 import pytest
 
 from app.models import GateDecision, Promotion
 from app.repositories.checkpoints import add_checkpoint
 from evals import store
+from ops.loop_outcome import eval_seconds, served_after_cycles
 
 pytestmark = pytest.mark.integration
 
-BENCH = Path(__file__).resolve().parents[2] / "bench" / "flywheel.py"
 
-
-@pytest.fixture(scope="module")
-def bench():
-    spec = importlib.util.spec_from_file_location("bench_flywheel", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def test_served_checkpoint_per_cycle_and_eval_seconds(bench, session):
+def test_served_checkpoint_per_cycle_and_eval_seconds(session):
     for cid in ("base", "c1", "c2", "c3", "planted"):
         add_checkpoint(session, checkpoint_id=cid, path=f"/x/{cid}")
     for cid in ("base", "c1", "c3"):  # cycle 2's candidate was rejected
@@ -44,10 +34,10 @@ def test_served_checkpoint_per_cycle_and_eval_seconds(bench, session):
             id=uuid.uuid4(), candidate_id="c2", production_id="c1", passed=False, decision="fail", reasons=[], report={}
         )
     )
-    served = bench.served_after_cycles(session, ["c1", "c2", "c3"])
+    served = served_after_cycles(session, ["c1", "c2", "c3"])
     assert [(p["candidate"], p["promoted"], p["promoted_by"], p["checkpoint"], p["decision"]) for p in served] == [
         ("c1", True, "t", "c1", None),
         ("c2", False, None, "c1", "fail"),
         ("c3", True, "t", "c3", None),
     ]
-    assert bench.eval_seconds(session) == pytest.approx(19.5)
+    assert eval_seconds(session) == pytest.approx(19.5)
