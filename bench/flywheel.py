@@ -69,7 +69,7 @@ from app.core.settings import get_settings
 from app.repositories.checkpoints import get_production
 from evals.gate_config import load_gate_config
 from ops.ab import ABConfig, plan_pairs
-from ops.demo import DEFAULT_DIFFICULTY_MIX, DemoOptions, trainer_toml
+from ops.demo import DEFAULT_DIFFICULTY_MIX, DemoOptions, min_new_trajectories, trainer_toml
 from ops.demo_report import CURVE_SIGNALS, curve_point, render_curve_png
 from ops.developer import DeveloperModel, developer_args
 from ops.loop_outcome import (
@@ -226,7 +226,9 @@ def main() -> None:  # noqa: PLR0915 - one recipe, read top to bottom
         stop_loop(home)
         get_settings.cache_clear()
         with session_scope() as session:
-            candidates = [c.checkpoint_id for c in succeeded_cycles(session)][:cycles]
+            # the loop's cycles: each trained on at least the demo's batch minimum (a straggler's cycle would not)
+            scheduled = succeeded_cycles(session, min_trajectories=min_new_trajectories(DemoOptions(sessions=sessions)))
+            candidates = [c.checkpoint_id for c in scheduled][:cycles]
         t0 = time.monotonic()
         # the cycles' segment length with long sessions (ops.demo.trainer_toml), never their --placebo
         plant = DemoOptions(trainer_config=args.trainer_config, long_session_share=args.long_sessions)

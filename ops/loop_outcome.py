@@ -21,11 +21,15 @@ SIGNALS = (  # the product signals the A/B reports beside the pass rate
 )
 
 
-def succeeded_cycles(session: Session, since=None) -> list[TrainingCycle]:
-    """Training cycles that registered a checkpoint, oldest first (started after ``since`` if given)."""
+def succeeded_cycles(session: Session, since=None, *, min_trajectories: int = 0) -> list[TrainingCycle]:
+    """Training cycles that registered a checkpoint, oldest first (started after ``since`` if given;
+    with ``min_trajectories``, those that trained on at least that many trajectories: the loop's
+    scheduled cycles, not a cycle on a few stragglers)."""
     q = select(TrainingCycle).where(TrainingCycle.status == "succeeded", TrainingCycle.checkpoint_id.is_not(None))
     if since is not None:
         q = q.where(TrainingCycle.started_at > since)
+    if min_trajectories:
+        q = q.where(TrainingCycle.num_trajectories >= min_trajectories)
     return list(session.scalars(q.order_by(TrainingCycle.started_at)))
 
 
