@@ -26,26 +26,38 @@ def pid_alive(pid: int | None) -> bool:
 
 
 def stop_pid(pid: int, timeout_s: float = 10.0) -> None:
-    """SIGTERM, wait, then SIGKILL a process group leader we started."""
-    if not pid_alive(pid):
-        return
-    try:
-        os.kill(pid, signal.SIGTERM)
-    except ProcessLookupError:
-        return
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline and pid_alive(pid):
-        try:
-            os.waitpid(pid, os.WNOHANG)
-        except ChildProcessError:
-            pass
-        time.sleep(0.1)
+    """Stop a process group leader we started: SIGTERM to the leader, wait up to ``timeout_s``
+    seconds, SIGKILL; then SIGKILL whatever is left of its process group (children that outlived
+    it, such as a vLLM server's engine process after the server was killed), also when the leader
+    was already dead. Linux allocates no new process a pid still in use as a process group id, so
+    the group killed is the one the leader started."""
     if pid_alive(pid):
-        os.kill(pid, signal.SIGKILL)
-    for _ in range(20):  # reap it if it is our child, so no zombie outlives the test or CLI
         try:
-            if os.waitpid(pid, os.WNOHANG)[0]:
+            os.kill(pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline and pid_alive(pid):
+            try:
+                os.waitpid(pid, os.WNOHANG)
+            except ChildProcessError:
+                pass
+            time.sleep(0.1)
+        if pid_alive(pid):
+            os.kill(pid, signal.SIGKILL)
+        for _ in range(20):  # reap it if it is our child, so no zombie outlives the test or CLI
+            try:
+                if os.waitpid(pid, os.WNOHANG)[0]:
+                    break
+            except ChildProcessError:
                 break
-        except ChildProcessError:
-            break
-        time.sleep(0.05)
+            time.sleep(0.05)
+    _kill_group(pid)
+
+
+def _kill_group(pgid: int) -> None:
+    """SIGKILL the process group ``pgid`` if it still exists (no-op when it does not, or is not ours)."""
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
