@@ -25,12 +25,20 @@ def pid_alive(pid: int | None) -> bool:
         return True
 
 
-def stop_pid(pid: int, timeout_s: float = 10.0) -> None:
+def stop_pid(pid: int | None, timeout_s: float = 10.0) -> None:
     """Stop a process group leader we started: SIGTERM to the leader, wait up to ``timeout_s``
     seconds, SIGKILL; then SIGKILL whatever is left of its process group (children that outlived
     it, such as a vLLM server's engine process after the server was killed), also when the leader
     was already dead. Linux allocates no new process a pid still in use as a process group id, so
-    the group killed is the one the leader started."""
+    the group killed is the one the leader started. No pid (None, 0) stops nothing.
+
+    Raises:
+        ValueError: ``pid`` is negative (``os.kill`` would read it as a process group).
+    """
+    if not pid:
+        return
+    if pid < 0:
+        raise ValueError(f"not a pid: {pid}")
     if pid_alive(pid):
         try:
             os.kill(pid, signal.SIGTERM)
@@ -56,7 +64,10 @@ def stop_pid(pid: int, timeout_s: float = 10.0) -> None:
 
 
 def _kill_group(pgid: int) -> None:
-    """SIGKILL the process group ``pgid`` if it still exists (no-op when it does not, or is not ours)."""
+    """SIGKILL the process group ``pgid`` if it still exists (no-op when it does not, is not ours, or
+    is this process's own group)."""
+    if pgid == os.getpgrp():
+        return
     try:
         os.killpg(pgid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):

@@ -8,6 +8,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from app.core.pids import pid_alive, stop_pid
 
 # The leader starts a child that ignores SIGTERM (as a busy engine process may), prints its pid, and sleeps.
@@ -59,3 +61,19 @@ def test_a_pid_that_leads_no_group_touches_no_other_process():
     proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
     stop_pid(proc.pid, timeout_s=5.0)
     assert not pid_alive(proc.pid) and pid_alive(os.getpid())
+
+
+def test_no_pid_stops_nothing():
+    """A state file's missing pid (None, 0) must not become ``killpg(0)``, our own process group; a
+    negative one (a group, to ``os.kill``) is refused."""
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])  # in our group
+    try:
+        stop_pid(None)
+        stop_pid(0)
+        assert pid_alive(child.pid) and pid_alive(os.getpid())
+        with pytest.raises(ValueError):
+            stop_pid(-child.pid)
+        assert pid_alive(child.pid)
+    finally:
+        child.kill()
+        child.wait()
