@@ -384,6 +384,10 @@ class IngestConsumer:
             self._shutdown(worker)
             self.stats.last_batch_at = time.monotonic()
             self._commit_done()
+            # the lag gauge from the offsets just committed: the loop's last snapshot may predate the
+            # DB thread's last batch (it finished between that poll and the idle check)
+            if client.consumer is not None:
+                self.metrics.set_lag(partition_lag(client.consumer, client.next))
             self.close()
         if self._worker_error is not None and not self._abort.is_set():
             raise self._worker_error
