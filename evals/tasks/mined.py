@@ -7,9 +7,10 @@ Invariant: a row's ``spec`` is a ``Task`` dumped as JSON, so every mined task lo
 from __future__ import annotations
 
 import random
+from datetime import datetime
 
 from sqlalchemy import ColumnElement, case, select
-from sqlalchemy.orm import Session
+from sqlalchemy.orm import InstrumentedAttribute, Session
 
 from app.models import EvalTask, TaskEnvironment
 from evals.tasks.model import Task
@@ -32,15 +33,20 @@ def load_mined_tasks(
             TaskEnvironment.eval_task_id == EvalTask.task_id, TaskEnvironment.verified.is_(True)
         )
         query = query.where(verified.exists())
-    rows = session.scalars(query.order_by(EvalTask.task_id)).all()
+    rows = list(session.scalars(query.order_by(EvalTask.task_id)).all())
+    if limit is not None and limit < len(rows):
+        rows = sorted(random.Random(seed).sample(rows, limit), key=lambda r: r.task_id)
     tasks = [Task.model_validate(r.spec) for r in rows]
-    if verified_only:  # the tasks as the gate runs them; setting environments up needs them bare
-        tasks = [
-            with_environment(t, verified_environment(session, r.task_id)) for t, r in zip(tasks, rows, strict=True)
-        ]
-    if limit is not None and limit < len(tasks):
-        tasks = sorted(random.Random(seed).sample(tasks, limit), key=lambda t: t.id)
-    return tasks
+    if not verified_only:  # setting environments up needs the tasks as mined
+        return tasks
+    environments = verified_environments(session, [r.task_id for r in rows])
+    return [with_environment(t, environments.get(r.task_id)) for t, r in zip(tasks, rows, strict=True)]
+
+
+def _preference() -> tuple[ColumnElement[int], InstrumentedAttribute[datetime]]:
+    """The order in which verified environments are preferred: a model's before the resolver's
+    fallback, then the first stored."""
+    return case((TaskEnvironment.origin == "model", 0), else_=1), TaskEnvironment.created_at
 
 
 def preferred_verified_environment(session: Session, *where: ColumnElement[bool]) -> TaskEnvironment | None:
@@ -48,16 +54,30 @@ def preferred_verified_environment(session: Session, *where: ColumnElement[bool]
     resolver's fallback, the first stored of each, or None (also
     :func:`evals.environment_setup.cached_environment`'s order)."""
     return session.scalars(
-        select(TaskEnvironment)
-        .where(*where, TaskEnvironment.verified.is_(True))
-        .order_by(case((TaskEnvironment.origin == "model", 0), else_=1), TaskEnvironment.created_at)
-        .limit(1)
+        select(TaskEnvironment).where(*where, TaskEnvironment.verified.is_(True)).order_by(*_preference()).limit(1)
     ).first()
 
 
 def verified_environment(session: Session, eval_task_id: str) -> TaskEnvironment | None:
     """The environment verified for the mined task ``eval_task_id`` (:func:`preferred_verified_environment`)."""
     return preferred_verified_environment(session, TaskEnvironment.eval_task_id == eval_task_id)
+
+
+def verified_environments(session: Session, eval_task_ids: list[str]) -> dict[str, TaskEnvironment]:
+    """The environment verified for each of ``eval_task_ids`` that has one, in one query: for each,
+    the row :func:`verified_environment` would give. Tasks without one are absent."""
+    if not eval_task_ids:
+        return {}
+    rows = session.scalars(
+        select(TaskEnvironment)
+        .where(TaskEnvironment.eval_task_id.in_(eval_task_ids), TaskEnvironment.verified.is_(True))
+        .order_by(TaskEnvironment.eval_task_id, *_preference())
+    ).all()
+    preferred: dict[str, TaskEnvironment] = {}
+    for row in rows:  # the first of each task's rows is its preferred one
+        if row.eval_task_id is not None:
+            preferred.setdefault(row.eval_task_id, row)
+    return preferred
 
 
 def with_environment(task: Task, environment: TaskEnvironment | None) -> Task:

@@ -23,7 +23,7 @@ from evals.harness.scripted import ScriptedPolicy
 from evals.harness.toolcalls import ParsedCall
 from evals.harness.tools import execute_tool
 from evals.harness.workspace import write_files
-from evals.tasks.mined import load_mined_tasks
+from evals.tasks.mined import load_mined_tasks, verified_environment, verified_environments
 from ops.cli import app
 from tests.unit.test_environments import DATA_TASK, NUMPY_TASK
 
@@ -174,6 +174,45 @@ def test_a_mined_tasks_environment_goes_with_it(session, tokenizer):
     assert rows(session) == []
     again = setup_environments(session, [mined], ScriptedPolicy(tokenizer, []), POLICY)
     assert (again.erased, again.proposed, rows(session)) == (1, 0, [])
+
+
+def test_the_mined_suite_loads_each_tasks_preferred_environment_in_one_lookup(session):
+    """``verified_environments`` gives, for many tasks at once, the row ``verified_environment``
+    gives for each: a model's verified proposal before the fallback's, unverified rows never, a task
+    without a verified row absent; ``load_mined_tasks`` loads only verified tasks, each with its own."""
+    ids = [f"mined/batch-{i}" for i in range(3)]
+    for i, task_id in enumerate(ids):
+        spec = NUMPY_TASK.model_copy(update={"id": task_id, "source": "mined"}).model_dump(mode="json")
+        session.add(EvalTask(task_id=task_id, suite="mined", content_hash=f"{i}" * 64, spec=spec))
+    session.flush()
+
+    def env(n: int, task_id: str, origin: str, verified: bool, dependency: str) -> TaskEnvironment:
+        proposal = {"dependencies": [dependency], "files": {}}
+        return TaskEnvironment(
+            env_hash=f"{n:064d}", task_key="k" * 64, task_id=task_id, source="mined", eval_task_id=task_id,
+            origin=origin, proposal=proposal, verified=verified,
+        )  # fmt: skip
+
+    session.add_all(
+        [
+            env(1, ids[0], "fallback", True, "numpy"),  # stored first, but a model's row comes first
+            env(2, ids[0], "model", True, "pandas"),
+            env(3, ids[1], "model", False, "scipy"),  # never verified: not used
+            env(4, ids[1], "fallback", True, "numpy"),
+            env(5, ids[2], "model", False, "scipy"),  # no verified row: the task is not gated on
+        ]
+    )
+    session.flush()
+
+    batched = verified_environments(session, ids)
+    assert {k: v.env_hash for k, v in batched.items()} == {
+        task_id: e.env_hash for task_id in ids if (e := verified_environment(session, task_id)) is not None
+    }
+    assert {k: v.proposal["dependencies"] for k, v in batched.items()} == {ids[0]: ["pandas"], ids[1]: ["numpy"]}
+    assert verified_environments(session, []) == {}
+    loaded = {t.id: t.environment for t in load_mined_tasks(session) if t.id in ids}
+    assert loaded == {ids[0]: ("pandas",), ids[1]: ("numpy",)}
+    session.rollback()
 
 
 def test_a_mined_task_runs_and_is_graded_in_its_verified_environment(session, tokenizer, tmp_path):
