@@ -58,14 +58,10 @@ def preferred_verified_environment(session: Session, *where: ColumnElement[bool]
     ).first()
 
 
-def verified_environment(session: Session, eval_task_id: str) -> TaskEnvironment | None:
-    """The environment verified for the mined task ``eval_task_id`` (:func:`preferred_verified_environment`)."""
-    return preferred_verified_environment(session, TaskEnvironment.eval_task_id == eval_task_id)
-
-
 def verified_environments(session: Session, eval_task_ids: list[str]) -> dict[str, TaskEnvironment]:
-    """The environment verified for each of ``eval_task_ids`` that has one, in one query: for each,
-    the row :func:`verified_environment` would give. Tasks without one are absent."""
+    """The environment verified for each of the mined tasks ``eval_task_ids`` that has one, in one
+    query: for each, the row :func:`preferred_verified_environment` gives for that task. Tasks
+    without one are absent."""
     if not eval_task_ids:
         return {}
     rows = session.scalars(

@@ -23,7 +23,7 @@ from evals.harness.scripted import ScriptedPolicy
 from evals.harness.toolcalls import ParsedCall
 from evals.harness.tools import execute_tool
 from evals.harness.workspace import write_files
-from evals.tasks.mined import load_mined_tasks, verified_environment, verified_environments
+from evals.tasks.mined import load_mined_tasks, preferred_verified_environment, verified_environments
 from ops.cli import app
 from tests.unit.test_environments import DATA_TASK, NUMPY_TASK
 
@@ -177,8 +177,8 @@ def test_a_mined_tasks_environment_goes_with_it(session, tokenizer):
 
 
 def test_the_mined_suite_loads_each_tasks_preferred_environment_in_one_lookup(session):
-    """``verified_environments`` gives, for many tasks at once, the row ``verified_environment``
-    gives for each: a model's verified proposal before the fallback's, unverified rows never, a task
+    """``verified_environments`` gives, for many tasks at once, the row
+    ``preferred_verified_environment`` gives for each: a model's verified proposal before the fallback's, unverified rows never, a task
     without a verified row absent; ``load_mined_tasks`` loads only verified tasks, each with its own."""
     ids = [f"mined/batch-{i}" for i in range(3)]
     for i, task_id in enumerate(ids):
@@ -206,7 +206,9 @@ def test_the_mined_suite_loads_each_tasks_preferred_environment_in_one_lookup(se
 
     batched = verified_environments(session, ids)
     assert {k: v.env_hash for k, v in batched.items()} == {
-        task_id: e.env_hash for task_id in ids if (e := verified_environment(session, task_id)) is not None
+        task_id: e.env_hash
+        for task_id in ids
+        if (e := preferred_verified_environment(session, TaskEnvironment.eval_task_id == task_id)) is not None
     }
     assert {k: v.proposal["dependencies"] for k, v in batched.items()} == {ids[0]: ["pandas"], ids[1]: ["numpy"]}
     assert verified_environments(session, []) == {}
