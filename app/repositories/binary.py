@@ -16,7 +16,7 @@ from typing import Any
 
 import orjson
 import psycopg
-from psycopg.adapt import Dumper
+from psycopg.adapt import Dumper, PyFormat
 
 UUID_OID = 2950
 UUID_ARRAY_OID = 2951
@@ -64,6 +64,20 @@ class _UuidArrayDumper(Dumper):
 
     def dump(self, obj: bytes) -> bytes:
         return obj
+
+
+def with_binary_dumpers(conn: psycopg.Connection) -> psycopg.Connection:
+    """``conn``, able to bind :class:`UuidArray` parameters; returns ``conn`` itself.
+
+    A connection copies psycopg's global adapters when it opens, so registering the dumper globally
+    (below) reaches only connections opened after this module was imported. One opened earlier (a
+    pooled connection of a process that imported this module late) would send a :class:`UuidArray`
+    as ``bytea``, and Postgres would refuse ``= ANY(...)`` with "op ANY/ALL (array) requires array on
+    right side". Checking costs one dictionary lookup; registering happens once per connection.
+    """
+    if conn.adapters.get_dumper(UuidArray, PyFormat.BINARY) is not _UuidArrayDumper:
+        conn.adapters.register_dumper(UuidArray, _UuidArrayDumper)
+    return conn
 
 
 psycopg.adapters.register_dumper(UuidArray, _UuidArrayDumper)

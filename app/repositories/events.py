@@ -19,7 +19,7 @@ import psycopg
 from psycopg.types.json import Jsonb
 from sqlalchemy.orm import Session
 
-from app.repositories.binary import UuidArray
+from app.repositories.binary import UuidArray, with_binary_dumpers
 
 EVENT_COLUMNS = (
     "event_id",
@@ -40,8 +40,9 @@ EVENT_COLUMNS = (
 
 
 def raw_connection(session: Session) -> psycopg.Connection:
-    """The psycopg connection under ``session``'s current transaction (for COPY and arrays)."""
-    return session.connection().connection.driver_connection  # type: ignore[return-value]
+    """The psycopg connection under ``session``'s current transaction (for COPY and arrays), able to
+    bind :class:`~app.repositories.binary.UuidArray` parameters whenever it was opened."""
+    return with_binary_dumpers(session.connection().connection.driver_connection)  # type: ignore[arg-type]
 
 
 class EventRow(NamedTuple):
