@@ -14,7 +14,7 @@ from sqlalchemy import create_engine
 from sqlalchemy.orm import Session
 
 from app.core.db import normalize_url
-from app.repositories.binary import UuidArray
+from app.repositories.binary import UUID_ARRAY_OID, UuidArray
 from app.repositories.trajectories import load_trajectories
 
 pytestmark = pytest.mark.integration
@@ -39,7 +39,7 @@ def test_uuid_arrays_bind_on_a_connection_opened_before_the_dumper_was_registere
             session.rollback()
             assert load_trajectories(session, [trajectory_id], dict, lock=False) == {}
             driver = session.connection().connection.driver_connection
-            assert driver.adapters.get_dumper(UuidArray, PyFormat.BINARY).oid == 2951  # uuid[]
+            assert driver.adapters.get_dumper(UuidArray, PyFormat.BINARY).oid == UUID_ARRAY_OID
             row = driver.execute(
                 "SELECT %s::uuid = ANY(%b)", (str(trajectory_id), UuidArray.of([uuid.uuid4(), trajectory_id]))
             ).fetchone()

@@ -177,8 +177,8 @@ def test_a_mined_tasks_environment_goes_with_it(session, tokenizer):
 
 
 def test_the_mined_suite_loads_each_tasks_preferred_environment_in_one_lookup(session):
-    """``verified_environments`` gives, for many tasks at once, the row
-    ``preferred_verified_environment`` gives for each: a model's verified proposal before the fallback's, unverified rows never, a task
+    """``verified_environments`` gives, for many tasks at once, the row ``preferred_verified_environment``
+    gives for each: a model's verified proposal before the fallback's, unverified rows never, a task
     without a verified row absent; ``load_mined_tasks`` loads only verified tasks, each with its own."""
     ids = [f"mined/batch-{i}" for i in range(3)]
     for i, task_id in enumerate(ids):
