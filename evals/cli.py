@@ -349,6 +349,20 @@ def gate_cmd(
         raise typer.Exit(1)
 
 
+@eval_app.command("sandbox-check")
+def eval_sandbox_check(as_json: bool = JSON) -> None:
+    """Whether this process can grade: bubblewrap builds the sandbox here (exit 0) or not (exit 1, with
+    what to grant). A grading container's readiness probe; `flywheel worker` runs it at start."""
+    from evals.harness.sandbox_preflight import sandbox_preflight
+
+    result = sandbox_preflight()
+    if as_json:
+        typer.echo(json.dumps({"ready": result.ready, "unisolated": result.unisolated, "reason": result.reason}))
+    else:
+        typer.echo(result.message(), err=not result.ready)
+    raise typer.Exit(0 if result.ready else 1)
+
+
 def register(app: typer.Typer) -> None:
     """Add this package's commands to the main app."""
     app.add_typer(eval_app, name="eval")

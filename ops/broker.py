@@ -50,6 +50,21 @@ class BrokerProcess:
         return f"{self.host}:{self.port}"
 
 
+def broker_argv(listen: str, advertise: str) -> list[str]:
+    """The ``tansu`` command line of a memory-storage broker listening on ``listen`` and telling
+    clients to connect to ``advertise`` (both ``host:port``)."""
+    return [
+        str(tansu_path()),
+        "broker",
+        "--listener-url",
+        f"tcp://{listen}",
+        "--advertised-listener-url",
+        f"tcp://{advertise}",
+        "--storage-engine",
+        "memory://tansu/",
+    ]
+
+
 def start_broker(
     log_dir: Path, port: int | None = None, timeout_s: float = 30.0, *, advertised_port: int | None = None
 ) -> BrokerProcess:
@@ -66,18 +81,8 @@ def start_broker(
     port = port or free_port()
     log_dir.mkdir(parents=True, exist_ok=True)
     log = open(log_dir / f"broker-{port}.log", "ab")
-    url = f"tcp://127.0.0.1:{port}"
     proc = subprocess.Popen(
-        [
-            str(tansu_path()),
-            "broker",
-            "--listener-url",
-            url,
-            "--advertised-listener-url",
-            f"tcp://127.0.0.1:{advertised_port or port}",
-            "--storage-engine",
-            "memory://tansu/",
-        ],
+        broker_argv(f"127.0.0.1:{port}", f"127.0.0.1:{advertised_port or port}"),
         stdout=log,
         stderr=subprocess.STDOUT,
         stdin=subprocess.DEVNULL,

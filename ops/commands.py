@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
 
@@ -10,7 +11,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from app.core.errors import ConfigurationError
+from app.core.errors import ConfigurationError, InfrastructureError
 
 JSON = typer.Option(False, "--json", help="print the result as one JSON object")
 
@@ -103,13 +104,23 @@ def worker_cmd(
     queues: str | None = typer.Option(None, "--queues", "-Q", help="comma-separated queues to consume"),
     beat: bool = typer.Option(False, "--beat", "-B", help="also run the beat scheduler in this process"),
     loglevel: str = typer.Option("INFO", "--loglevel", "-l"),
+    preflight: bool = typer.Option(
+        True, help="check first that this process can build the graders' sandbox, and refuse to start if not"
+    ),
 ) -> None:
-    """Run a Celery worker for flywheel's tasks (training cycles, eval gating, outbox relay)."""
+    """Run a Celery worker for flywheel's tasks (training cycles, eval gating, outbox relay). It grades
+    (gates, eval shards), so it starts only where the sandbox can be built (`flywheel eval sandbox-check`)."""
     from app.core.logs import configure_service_logging, use_json
     from app.core.settings import LogSettings
     from app.worker.celery_app import celery_app
+    from evals.harness.sandbox_preflight import sandbox_preflight
 
     configure_service_logging(loglevel, service="flywheel-worker")
+    if preflight:
+        check = sandbox_preflight()
+        if not check.ready:
+            logging.getLogger("flywheel.sandbox").error("sandbox preflight: %s", check.message())
+            raise InfrastructureError(check.message())
     argv = [
         *(["--quiet"] if use_json(LogSettings.load()) else []),  # no banner on a stream of JSON lines
         "worker",
@@ -133,6 +144,20 @@ def beat_cmd(loglevel: str = typer.Option("INFO", "--loglevel", "-l")) -> None:
     configure_service_logging(loglevel, service="flywheel-beat")
     quiet = ["--quiet"] if use_json(LogSettings.load()) else []  # no banner on a stream of JSON lines
     celery_app.start([*quiet, "beat", f"--loglevel={loglevel}"])
+
+
+@stack_app.command("broker")
+def stack_broker_cmd(
+    listen: str = typer.Option("127.0.0.1:9092", help="host:port the broker listens on"),
+    advertise: str = typer.Option(None, help="host:port clients are told to connect to (default: --listen)"),
+) -> None:
+    """Run the Kafka-protocol broker of the embedded stack (tansu, memory storage) in the foreground:
+    the broker of compose's stand-in images on hosts that cannot pull Apache Kafka's. What it holds
+    is lost when it stops (Postgres is the durable record)."""
+    from ops.broker import broker_argv
+
+    argv = broker_argv(listen, advertise or listen)
+    os.execv(argv[0], argv)
 
 
 @stack_app.command("topics")

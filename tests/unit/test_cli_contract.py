@@ -33,7 +33,7 @@ ALWAYS_JSON = {
     "events schema",
 }
 # Long-running processes: they log, they do not report.
-SERVICES = {"worker", "beat", "up", "demo", "serve", "watch", "api", "front"}
+SERVICES = {"worker", "beat", "up", "demo", "serve", "watch", "api", "front", "stack broker"}
 
 
 def leaf_commands() -> dict[str, click.Command]:

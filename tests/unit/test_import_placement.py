@@ -49,6 +49,10 @@ ALLOWED: dict[tuple[str, str], str] = {
         "serving",
     ): "A command imports what it runs when it runs, so `flywheel --help` loads only typer and rich.",
     (
+        "ops/commands.py",
+        "evals.harness.sandbox_preflight",
+    ): "`flywheel worker` checks the sandbox when it runs, so `flywheel --help` loads only typer and rich.",
+    (
         "ops/ab_cli.py",
         "app",
     ): "A command imports what it runs when it runs, so `flywheel --help` loads only typer and rich.",
