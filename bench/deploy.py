@@ -167,7 +167,7 @@ def main() -> None:
     ap.add_argument("--sessions", type=int, default=None)
     ap.add_argument("--lr", type=float, default=1e-6, help="the trainer's learning rate (a small step)")
     ap.add_argument("--steps", type=int, default=2, help="optimizer steps a cycle")
-    ap.add_argument("--wait-s", type=float, default=5400, help="longest wait for a cycle, gate and promotion")
+    ap.add_argument("--wait-s", type=float, default=10800, help="longest wait for a cycle, gate and promotion (s)")
     ap.add_argument("--rebuild", action="store_true", help="rebuild flywheel's image first (after a change)")
     ap.add_argument("--keep", action="store_true", help="leave the deploy running (docker compose -p flywheel-bench)")
     args = ap.parse_args()
@@ -221,7 +221,9 @@ def main() -> None:
         for service in ("worker", "eval-worker", "watcher", "consumer"):
             print(f"--- {service}\n{deploy.logs(service)}", file=sys.stderr)
     finally:
-        if not args.keep:
+        if args.keep:
+            print(f"kept: {deploy.command_line()} down -v", file=sys.stderr)
+        else:
             deploy.run("down", "-v", "--remove-orphans", check=False, timeout_s=600)
     faults = result.get("faults", [])
     result["build_s"] = round(build_s, 1)

@@ -103,9 +103,17 @@ class Deploy:
                 service["environment"]["FLYWHEEL_TRAIN_CONFIG"] = "/etc/flywheel/trainer.toml"
             override["services"][name] = service
         (workdir / "compose.bench.yaml").write_text(json.dumps(override, indent=2))
-        env = {**os.environ, **keys, "FLYWHEEL_VLLM_DTYPE": dtype}
-        env["FLYWHEEL_VLLM_CPUS"] = ",".join(str(c) for c in sorted(os.sched_getaffinity(0)))
-        return cls(project, workdir, compose, env)
+        keys["FLYWHEEL_VLLM_DTYPE"] = dtype
+        keys["FLYWHEEL_VLLM_CPUS"] = ",".join(str(c) for c in sorted(os.sched_getaffinity(0)))
+        env_file = workdir / "deploy.env"  # what an operator needs to reach a kept deploy (owner only)
+        env_file.touch(mode=0o600)
+        env_file.write_text("".join(f"{k}={v}\n" for k, v in keys.items()))
+        return cls(project, workdir, compose, {**os.environ, **keys})
+
+    def command_line(self) -> str:
+        """The compose command an operator types to reach this deploy (``... ps``, ``... down -v``)."""
+        files = " ".join(self.files())
+        return f"cd {DEPLOY} && docker compose -p {self.project} --env-file {self.workdir / 'deploy.env'} {files}"
 
     def files(self) -> list[str]:
         return ["-f", "compose.yaml", "-f", "compose.local.yaml", "-f", str(self.workdir / "compose.bench.yaml")]
