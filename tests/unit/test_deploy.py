@@ -132,12 +132,28 @@ def _pinned_vllm() -> str:
 
 
 def test_candidate_evals_have_a_server_of_their_own():
-    services = _compose()["services"]
     for name, svc in _flywheel_services(_compose()).items():
         env = svc["environment"]
         assert env["FLYWHEEL_SERVING_URL"] == "http://vllm:8000", name
         assert env["FLYWHEEL_SERVING_EVAL_URL"] == "http://vllm-eval:8000", name
-    gpus = [
-        services[n]["deploy"]["resources"]["reservations"]["devices"][0]["device_ids"] for n in ("vllm", "vllm-eval")
-    ]
-    assert gpus[0] != gpus[1]  # the eval server never shares production's GPU
+    placement = yaml.safe_load((COMPOSE.parent / "compose.gpu.yaml").read_text())["services"]
+    gpus = {n: placement[n]["deploy"]["resources"]["reservations"]["devices"][0]["device_ids"] for n in placement}
+    assert gpus["vllm"] != gpus["vllm-eval"]  # the eval server never shares production's GPU
+    assert len({tuple(v) for v in gpus.values()}) == len(gpus)  # one GPU each
+    assert placement["worker"]["image"] == "flywheel:cuda"  # the trainer's image is the CUDA build
+
+
+def test_the_graders_get_what_the_sandbox_needs_and_nothing_more():
+    services = _compose()["services"]
+    for name, svc in services.items():
+        assert not svc.get("privileged"), name
+        assert not svc.get("cap_add"), name
+        grades = svc.get("command", [None])[0] == "worker"
+        opts = svc.get("security_opt", [])
+        assert (opts == ["seccomp=./seccomp-sandbox.json", "systempaths=unconfined"]) == grades, (name, opts)
+
+
+def test_nothing_but_the_front_and_the_api_is_published_beyond_the_host():
+    for name, svc in _compose()["services"].items():
+        for port in svc.get("ports", []):
+            assert name in ("api", "front") or str(port).startswith("127.0.0.1:"), (name, port)

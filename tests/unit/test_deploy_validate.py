@@ -41,11 +41,12 @@ def _docker_compose() -> list[str] | None:
     return None
 
 
-def _compose_validator() -> list[str]:
+def _compose_validator():
+    """A function of a compose file's path to the command that validates it."""
     if (compose := _docker_compose()) is not None:
-        return [*compose, "config", "-q", "-f"]
+        return lambda path: [*compose, "-p", "check", "-f", str(path), "config", "-q"]
     if (tool := shutil.which("check-jsonschema")) is not None:
-        return [tool, "--builtin-schema", "vendor.compose-spec"]
+        return lambda path: [tool, "--builtin-schema", "vendor.compose-spec", str(path)]
     pytest.skip("no compose validator: neither `docker compose` nor check-jsonschema (pip install -e '.[dev]')")
 
 
@@ -60,14 +61,30 @@ def _run(args: list[str], path: Path) -> subprocess.CompletedProcess:
     return subprocess.run([*args, str(path)], capture_output=True, text=True, env=ENV, timeout=120)
 
 
+def _validate(path: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(_compose_validator()(path), capture_output=True, text=True, env=ENV, timeout=120)
+
+
 def test_compose_file_validates_and_a_broken_one_does_not(tmp_path):
-    validator = _compose_validator()
-    ok = _run(validator, COMPOSE)
+    ok = _validate(COMPOSE)
     assert ok.returncode == 0, ok.stdout + ok.stderr
     broken = yaml.safe_load(COMPOSE.read_text())
     broken["services"]["front"]["depends_on"] = "vllm"  # a string where a list or mapping goes
+    (tmp_path / "seccomp-sandbox.json").write_text((DEPLOY / "seccomp-sandbox.json").read_text())
     (tmp_path / "compose.yaml").write_text(yaml.safe_dump(broken))
-    assert _run(validator, tmp_path / "compose.yaml").returncode != 0
+    assert _validate(tmp_path / "compose.yaml").returncode != 0
+
+
+@pytest.mark.parametrize("override", ["compose.local.yaml", "compose.gpu.yaml"])
+def test_each_override_resolves_with_the_compose_file(override, tmp_path):
+    """``docker compose config`` of the compose file with the override, where Compose v2 is installed
+    (as the deploy is started); else the override alone against the compose-spec schema."""
+    if (compose := _docker_compose()) is not None:
+        args = [*compose, "-p", "check", "-f", str(COMPOSE), "-f", str(DEPLOY / override), "config", "-q"]
+        out = subprocess.run(args, capture_output=True, text=True, env=ENV, cwd=DEPLOY, timeout=120)
+    else:
+        out = _validate(DEPLOY / override)
+    assert out.returncode == 0, out.stdout + out.stderr
 
 
 def test_every_name_the_compose_file_uses_is_a_service_it_defines():

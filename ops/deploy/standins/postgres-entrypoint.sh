@@ -7,7 +7,8 @@ if [ ! -s "$PGDATA/PG_VERSION" ]; then
   user="${POSTGRES_USER:-postgres}"
   pwfile="$(mktemp)"
   printf '%s' "$POSTGRES_PASSWORD" > "$pwfile"
-  initdb -D "$PGDATA" --username="$user" --pwfile="$pwfile" --auth-local=trust --auth-host=scram-sha-256 >/dev/null
+  initdb -D "$PGDATA" --username="$user" --pwfile="$pwfile" --encoding=UTF8 --locale=C.UTF-8 \
+    --auth-local=trust --auth-host=scram-sha-256 >/dev/null
   rm -f "$pwfile"
   printf 'host all all all scram-sha-256\n' >> "$PGDATA/pg_hba.conf"
   db="${POSTGRES_DB:-$user}"
