@@ -61,6 +61,7 @@ from serving.engine import setup_engine
 from serving.lifecycle_topic import LifecycleBatch, LifecycleTopicFollower
 from serving.moves import Engine, Move, plan_move, resolve_dir
 from serving.openai_engine import OpenAICompatEngine
+from serving.reconcile import reconcile_served
 from serving.vllm_server import VLLMServer, ensure_server
 
 log = logging.getLogger("flywheel.watcher")
@@ -365,8 +366,16 @@ def run_watch(*, once: bool = False) -> None:
         # target would never be resumed by it.
         engine.resume()
     supervise = None
-    if VLLMServer.load(flywheel_home(), "production") is not None:
-        supervise = lambda: ensure_server("production")  # noqa: E731
+    managed = VLLMServer.load(flywheel_home(), "production") is not None
+    if managed or isinstance(engine, OpenAICompatEngine):
+        store = CheckpointStore.from_settings()
+
+        def supervise() -> None:
+            if managed:  # the stack's own server: restarted when it died
+                ensure_server("production")
+            if isinstance(engine, OpenAICompatEngine):  # any server: serving what production is
+                reconcile_served(engine, store)
+
     watcher = ServingWatcher(engine, canary=CanaryFollower(EngineRouter(engine)), supervise=supervise)
     watcher.follower.report()
     signal.signal(signal.SIGTERM, lambda *_: watcher.topic_follower.request_stop())

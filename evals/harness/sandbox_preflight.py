@@ -23,7 +23,7 @@ log = logging.getLogger("flywheel.sandbox")
 REMEDY = (
     "in a container grant what bubblewrap needs: compose's x-grader (seccomp=ops/deploy/seccomp-sandbox.json and "
     "systempaths=unconfined), in Kubernetes hostUsers: false, procMount: Unmasked and the seccomp profile "
-    "(docs/sandbox.md, 'In a container'); on a host, install bubblewrap and allow unprivileged user namespaces"
+    "(ops/deploy/RUNBOOK.md, 'Graders need a sandbox'); on a host, install bubblewrap and allow unprivileged user namespaces"
 )
 
 
