@@ -70,8 +70,8 @@ def _trainable_hidden(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(hidden [N, H] of the positions predicting trainable tokens, divided by the temperature,
     LM head weight [V, H])``."""
-    decoder = model.get_decoder()
-    head = model.get_output_embeddings()
+    decoder = model.get_decoder()  # type: ignore[operator]  # a transformers/peft method (torch: Tensor | Module)
+    head = model.get_output_embeddings()  # type: ignore[operator]  # a transformers/peft method (torch: Tensor | Module)
     if getattr(head, "bias", None) is not None:
         raise ValueError("LM heads with a bias are not supported")
     if mb.prefix_ids is not None:
@@ -95,6 +95,8 @@ def _suffix_hidden(decoder: torch.nn.Module, mb: MicroBatch) -> torch.Tensor:
     block-diagonal causal mask: each prefix attends to itself), each row's prefix keys and values
     gathered to ``[B, kv_heads, Lp, head_dim]``, then the suffixes attending to them at positions
     continuing each row's prefix. Gradients reach a prefix's activations once, summed over its rows."""
+    assert mb.prefix_positions is not None and mb.prefix_gather is not None  # the shared-prefix layout
+    assert mb.prefix_mask is not None and mb.prefix_lengths is not None
     segment = (mb.prefix_positions[0] == 0).cumsum(0)  # [Np] which prefix each token belongs to
     causal = torch.ones(len(segment), len(segment), dtype=torch.bool, device=segment.device).tril()
     blocks = (segment[:, None] == segment[None, :]) & causal  # [Np, Np] True: attend
