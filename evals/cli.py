@@ -12,10 +12,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import click
 import typer
 from rich.console import Console, Group
 from rich.table import Table
+from typer._click.core import Context as ClickContext  # the click typer vendors: its groups take this
 from typer.core import TyperGroup
 
 from evals import environment_cli, floors_cli
@@ -24,7 +24,7 @@ from evals import environment_cli, floors_cli
 class _DefaultRunGroup(TyperGroup):
     """A group that treats an unknown first word as the argument of its ``run`` command."""
 
-    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+    def parse_args(self, ctx: ClickContext, args: list[str]) -> list[str]:
         if args and args[0] not in self.commands and args[0] not in ("--help", "-h"):
             args = ["run", *args]
         return super().parse_args(ctx, args)

@@ -215,4 +215,4 @@ class EvalSettings(BaseSettings):
 
 def eval_settings() -> EvalSettings:
     """The ``FLYWHEEL_EVAL_*`` settings (environment, then the local stack's env file)."""
-    return EvalSettings(_env_file=(flywheel_home() / "stack.env",))  # type: ignore[call-arg]
+    return EvalSettings(_env_file=(flywheel_home() / "stack.env",))

@@ -79,9 +79,10 @@ def measure_floors(checkpoint: str, names: list[str], policy: GateConfig, confid
             runs = store.succeeded_runs(session, checkpoint, name)
             planned = policy.plan_suite(load_suite(name))
             matching = [r for r in runs if _plan_matches(r.config or {}, planned)]
-            run = (matching or runs or [None])[0]
+            candidates = matching or runs
+            run = candidates[0] if candidates else None
             outcomes = store.outcomes(session, run).outcomes if run is not None else []
-            if not outcomes:
+            if run is None or not outcomes:
                 rows.append(SuiteFloor(name, current))
                 continue
             estimate = derive_floor(

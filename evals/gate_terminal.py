@@ -73,7 +73,9 @@ def explain(console: "Console", outcome: "GateOutcome") -> None:
             f"[{STYLE[s.decision]}]{s.decision}[/]",
             "-" if s.power is None else f"{s.power:.2f}",
             "-" if s.margin is None else f"{100 * s.margin:.1f}",
-            "-" if s.diff_low is None else f"{100 * s.diff:+.1f} [{100 * s.diff_low:+.1f}, {100 * s.diff_high:+.1f}]",
+            "-"
+            if s.diff is None or s.diff_low is None or s.diff_high is None
+            else f"{100 * s.diff:+.1f} [{100 * s.diff_low:+.1f}, {100 * s.diff_high:+.1f}]",
         )
         for side, samp in (("candidate", s.candidate_sampling), ("production", s.production_sampling)):
             k.add_row(s.suite, side, format_sampling(samp))

@@ -95,7 +95,7 @@ def _early_stop(
     ):
         return None
     with session_scope() as session:
-        outs = store.outcomes(session, session.get(EvalRun, uuid.UUID(production.run_id))).outcomes
+        outs = store.outcomes(session, session.get_one(EvalRun, uuid.UUID(production.run_id))).outcomes
     return SequentialStop(name, planned, {o.key: o.passed for o in outs}, config)
 
 
@@ -164,7 +164,7 @@ def gate_candidate(
                     on_run(name, role, summary)
             with session_scope() as session:
                 for role, target in (("candidate", cand_out), ("production", prod_out)):
-                    run = session.get(EvalRun, uuid.UUID(runs[name][role].run_id))
+                    run = session.get_one(EvalRun, uuid.UUID(runs[name][role].run_id))
                     target[name] = store.outcomes(session, run)
                     link_references([((run.summary or {}).get("trace"), {"flywheel.link": f"eval_run.{role}"})])
         result = decide_gate(cand_out, prod_out, config)

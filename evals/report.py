@@ -89,7 +89,7 @@ def render_png(result: GateResult, path: Path, title: str) -> Path:
     for off, role, color in ((-0.18, "candidate", "tab:blue"), (0.18, "production", "tab:gray")):
         rates = [getattr(s, role) for s in suites]
         vals = np.array([r.rate for r in rates])
-        err = error_bars(vals, [(r.low, r.high) for r in rates])
+        err = error_bars([r.rate for r in rates], [(r.low, r.high) for r in rates])
         ax1.bar(x + off, vals, width=0.36, color=color, alpha=0.8, label=role)
         if len(rates):  # the marker keeps a 0 % rate visible
             ax1.errorbar(x + off, vals, yerr=err, fmt="o", color="black", markersize=4, capsize=4)

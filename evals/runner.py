@@ -384,7 +384,7 @@ def execute_samples(
     if not todo:
         return []
     own_engine = engine is None
-    if own_engine:
+    if engine is None:
         engine = eval_engine(checkpoint_id)
     workers = workers or default_workers(engine)
     # Each executor its own root: shards of one run may execute side by side on one host.

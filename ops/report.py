@@ -148,6 +148,7 @@ def collect_report(session: Session, candidate_id: str | None = None) -> LoopRep
             ).all()
             planned_k = int(((run.config or {}).get("suite") or {}).get("samples_per_task") or 0) or None
             samp = sampling_report([Outcome(t, i, i < c) for t, n, c in per_task for i in range(n)], planned_k)
+            assert samp is not None  # total > 0: the run has outcomes
             report.suites.append(
                 SuiteResult(
                     ckpt,

@@ -24,6 +24,7 @@ from pathlib import Path
 
 from app.checkpoints.publish import init_base
 from app.core.db import session_scope
+from app.core.errors import InfrastructureError
 from app.core.migrate import upgrade
 from app.core.settings import flywheel_home, get_settings
 from app.repositories.checkpoints import get_production
@@ -63,7 +64,10 @@ def ensure_production(on_event: Callable[[str], None]) -> str:
     on_event("no production checkpoint: materializing the base model (flywheel model init)")
     init_base()
     with session_scope() as session:
-        return get_production(session).id
+        production = get_production(session)
+        if production is None:
+            raise InfrastructureError("flywheel model init made no production checkpoint")
+        return production.id
 
 
 def bring_up(

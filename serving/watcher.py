@@ -179,6 +179,8 @@ class ProductionFollower:
                     path=resolve_dir(payload.get("path"), move.target_id, self.store),
                 )
         if move.method == "full":
+            if move.path is None:
+                raise CheckpointError(f"no directory for checkpoint {move.target_id}")
             self.engine.load_checkpoint(move.target_id, move.path)
         if isinstance(payload.get("outbox_id"), int):
             self.applied_outbox_id = max(self.applied_outbox_id, payload["outbox_id"])
@@ -264,7 +266,7 @@ class ServingWatcher:
         store: CheckpointStore | None = None,
         home: Path | None = None,
         canary: CanaryFollower | None = None,
-        supervise: Callable[[], None] | None = None,
+        supervise: Callable[[], object] | None = None,
         supervise_interval_s: float = 10.0,
     ) -> None:
         kafka = get_settings().kafka
@@ -364,7 +366,7 @@ def run_watch(*, once: bool = False) -> None:
         # request; the move it was making is read again below, but a server already reporting the
         # target would never be resumed by it.
         engine.resume()
-    supervise = None
+    supervise: Callable[[], object] | None = None
     if VLLMServer.load(flywheel_home(), "production") is not None:
         supervise = lambda: ensure_server("production")  # noqa: E731
     watcher = ServingWatcher(engine, canary=CanaryFollower(EngineRouter(engine)), supervise=supervise)

@@ -134,9 +134,9 @@ def pack_micro_batches(
         if len(seg.token_ids) >= 2 and seg.loss_mask[1:].any()
     ]
     if share_prefixes and not any(seg.routed_experts is not None for _, seg in rows):
-        batches = _pack_shared(rows, trajectories, advantages, micro_batch_tokens, pad_id)
-        order = np.random.default_rng(seed).permutation(len(batches))
-        return [batches[i] for i in order]
+        shared = _pack_shared(rows, trajectories, advantages, micro_batch_tokens, pad_id)
+        order = np.random.default_rng(seed).permutation(len(shared))
+        return [shared[i] for i in order]
     rows.sort(key=lambda r: -len(r[1].token_ids))
     batches: list[MicroBatch] = []
     current: list[Any] = []

@@ -148,16 +148,18 @@ def micro_batch_loss(
     """
     hidden, weight = _trainable_hidden(model, mb, config)
     sums: dict[str, float] = {}
+    old = mb.old_logprobs
+    assert old is not None  # pi_old is set before the steps (compute_old_logprobs or the behaviour's)
 
     def token_loss(lp: torch.Tensor, sl: slice) -> torch.Tensor:
         out = policy_loss(
             LossInputs(
                 logprobs=lp,
-                old_logprobs=mb.old_logprobs[sl],
+                old_logprobs=old[sl],
                 behaviour_logprobs=mb.behaviour_logprobs[sl],
                 advantages=mb.advantages[sl],
                 loss_mask=torch.ones_like(lp, dtype=torch.bool),
-                ref_logprobs=mb.old_logprobs[sl],
+                ref_logprobs=old[sl],
             ),
             normalizer=config.normalizer(),
             is_cap=config.loss.is_cap,

@@ -21,7 +21,7 @@ import numpy as np
 import psutil
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from torch.multiprocessing.spawn import start_processes
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2MoeConfig
 
 from app.checkpoints.testing import build_tiny_model, tiny_config, write_model_folder
@@ -293,7 +293,7 @@ def train_on_ranks(model_dir: Path, trajectories: list[TrajectoryData], config, 
     workdir.mkdir(parents=True, exist_ok=True)
     rendezvous = workdir / "rendezvous"
     rendezvous.unlink(missing_ok=True)
-    mp.start_processes(
+    start_processes(
         _train_rank,
         args=(world_size, str(rendezvous), str(model_dir), trajectories, config, str(workdir)),
         nprocs=world_size,
