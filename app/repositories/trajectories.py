@@ -93,7 +93,7 @@ def pack_routes(stored: bytes | bytearray, itemsize: int | None, ids: np.ndarray
     return bytes(stored) + ids.astype(ROUTE_DTYPES[size]).tobytes(), size
 
 
-def unpack_routes(raw: bytes | memoryview | None, itemsize: int | None) -> np.ndarray:
+def unpack_routes(raw: bytes | bytearray | memoryview | None, itemsize: int | None) -> np.ndarray:
     """Stored ``routed_experts`` bytes -> flat ``int16``/``int32`` ids ``[n]`` (empty if none).
 
     Raises:
