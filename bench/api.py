@@ -51,7 +51,7 @@ from fastapi import FastAPI
 from app.core.db import reset_engines
 from app.core.migrate import upgrade
 from app.core.net import free_port as fp
-from app.promotion.tokens import TOKEN_PREFIX, hash_token
+from app.repositories.tokens import TOKEN_PREFIX, hash_token
 from ops.postgres import start_postgres, stop_postgres
 
 TARGET = 0.3

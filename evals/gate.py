@@ -9,7 +9,10 @@ the suite's floor and no behaviour monitor breaches (``GateConfig.monitor_rule``
 unpaired or errored results, a breached floor or monitor, and an interval wholly below 0 fail.
 An interval that reaches below the threshold fails on a guardrail with the design power
 (``min_power``, :mod:`evals.power`) and is ``insufficient_evidence`` on one without: power sizes
-suites and is reported beside each decision, and never withholds a pass. The gate passes when
+suites and is reported beside each decision, and never withholds a pass. A guardrail that cannot
+be sized (``SuiteGate.check = "deterioration"``: production near 0 %, or a suite still growing) fails
+only when its interval lies wholly below 0, and is otherwise decided by its floor and monitors. The
+gate passes when
 every gated guardrail passes and, where success suites are gated, one of them passes (Spotify
 Confidence's rule, Schultzberg et al. 2024); a gate where no suite was gated fails.
 
@@ -17,8 +20,8 @@ The fixed-n interval (``GateConfig.method``, default ``newcombe``) is Newcombe's
 interval, which keeps its coverage at small n and rates near 0 or 1; where a cluster (a template,
 ``GateConfig.cluster_by``, or a task's samples) holds several pairs the gate takes the wider of it
 and the cluster bootstrap (:func:`app.core.intervals.paired_bootstrap_interval`). Beside it every
-suite reports the anytime-valid betting confidence sequence over its clusters
-(:mod:`evals.sequential`) and where it stopped; ``decide_by = "sequential"`` makes that the
+suite reports the anytime-valid confidence sequence over its clusters (``GateConfig.sequence``:
+normal-mixture or betting, :mod:`evals.sequential`) and where it stopped; ``decide_by = "sequential"`` makes that the
 deciding bound. A candidate run that stopped early (``early_stop``) is read as the prefix of its
 clusters in the sequence's order (:func:`evals.gate_checks.stopped_prefix`) and accepted only where
 the sequence, recomputed here, decides within it (``stopped_early``). The parts live in :mod:`evals.gate_checks`, the data models in
@@ -172,7 +175,7 @@ def _check_difference(
     report: SuiteReport,
     pairs: Pairs,
     sg: SuiteGate,
-    power: float,
+    power: float | None,
     diff: float,
     config: GateConfig,
     reasons: Reasons,
@@ -194,10 +197,10 @@ def _check_difference(
     seq = sequential_report(
         name, pairs, clusters, threshold, config, guardrail=guardrail, planned_clusters=planned_clusters
     )
-    powered = power >= config.min_power
+    powered = power is not None and power >= config.min_power
     if config.decide_by == "sequential":
         verdict, low, high, stopped = seq.decision, seq.low, seq.high, seq.stopped_at_pairs
-        how = f"betting confidence sequence over {seq.clusters} clusters"
+        how = f"{config.sequence.replace('_', '-')} confidence sequence over {seq.clusters} clusters"
     else:
         verdict, low, high, stopped = (
             interval_verdict(lo, hi, threshold, guardrail=guardrail, powered=powered),
@@ -206,23 +209,30 @@ def _check_difference(
             n,
         )
         how = config.method + (" or cluster bootstrap, the wider" if len(set(clusters)) < n else "")
+    deterioration = sg.check == "deterioration"
+    if deterioration:
+        verdict = "fail" if high < 0 else "pass"
     kc, kp = sum(o.passed for o in c_out), sum(o.passed for o in p_out)
     side = "two-sided" if config.two_sided else "one-sided"
     stop = "" if seq.stopped_at_pairs is None else f" at {seq.stopped_at_pairs} pairs"
     if planned_clusters is not None:
         stop += f" (the run stopped there: {seq.stopped_at_clusters} of {seq.clusters} clusters)"
     why = {"pass": "", "fail": "", "insufficient_evidence": "; the bounds cannot decide: insufficient evidence"}
+    bound_said = f"lower bound {'>' if low > threshold else '<='} {threshold:+.1%}"
+    if deterioration:
+        why = {v: "; a deterioration check (not sized): floor and monitors decide" for v in ("pass", "fail")}
+        bound_said = f"upper bound {'<' if high < 0 else '>='} 0: {'significantly worse' if high < 0 else 'not worse'}"
     reasons.add(
-        "non_inferiority" if guardrail else "superiority",
+        "deterioration" if deterioration else "non_inferiority" if guardrail else "superiority",
         verdict == "pass",
         f"{name}: candidate {kc}/{n} vs production {kp}/{n} ({report.n_tasks} tasks x {report.samples_per_task} "
         f"sample{'s' if report.samples_per_task > 1 else ''}, {len(set(clusters))} clusters), difference {diff:+.1%} "
-        f"({config.confidence:.0%} {side} {how} [{low:+.1%}, {high:+.1%}], lower bound "
-        f"{'>' if low > threshold else '<='} {threshold:+.1%}); {b} newly passed, {c} newly failed pairs; "
+        f"({config.confidence:.0%} {side} {how} [{low:+.1%}, {high:+.1%}], {bound_said}); "
+        f"{b} newly passed, {c} newly failed pairs; "
         f"sequence [{seq.low:+.1%}, {seq.high:+.1%}] {seq.decision}{stop}{why[verdict]}",
-        metric="pass_rate_diff_lower_bound",
-        value=low,
-        bound=threshold,
+        metric="pass_rate_diff_upper_bound" if deterioration else "pass_rate_diff_lower_bound",
+        value=high if deterioration else low,
+        bound=0.0 if deterioration else threshold,
         details={
             "diff": diff,
             "low": low,
@@ -243,7 +253,8 @@ def _check_difference(
             diff=diff,
             diff_low=lo,
             diff_high=hi,
-            threshold=threshold,
+            threshold=0.0 if deterioration else threshold,
+            check=sg.check,
             decided_by=config.decide_by,
             clusters=len(set(clusters)),
             sequential=seq,
@@ -357,7 +368,11 @@ def _evaluate_suite(
         config,
     )
     margin = sg.tolerance or 0.0
-    power = _check_power(name, pairs, margin, config, reasons, planned_pairs, report.samples_per_task)
+    power = (
+        None
+        if sg.check == "deterioration"
+        else _check_power(name, pairs, margin, config, reasons, planned_pairs, report.samples_per_task)
+    )
     diff = sampling[0].pass_at_k["1"] - sampling[1].pass_at_k["1"]
     report = _check_difference(report, pairs, sg, power, diff, config, reasons, planned_clusters)
     if planned_clusters is not None:

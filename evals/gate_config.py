@@ -91,12 +91,29 @@ class SuiteGate(StrictConfig):
     :attr:`GateConfig.serving_temperature` (greedy samples would be identical); 1 runs the suite's
     own decoding once; None keeps the suite's ``samples_per_task`` and sampling. The power reported
     beside each decision is for the plan's k x tasks pairs (docs/gate.md sizes k)."""
+    check: Literal["non_inferiority", "deterioration"] = "non_inferiority"
+    """Which test a guardrail's interval gets. ``non_inferiority``: it passes when the lower bound
+    clears ``-tolerance`` (the suite is sized for it: docs/gate.md). ``deterioration``: it fails only
+    when the whole interval lies below 0 (the candidate is significantly worse), and otherwise its
+    floor and monitors decide: the form of a guardrail that cannot be powered (Schultzberg et al.
+    2024's deterioration metrics), for a suite where production's pass rate is too low for any
+    candidate, even an identical one, to clear a margin (DataFrameBench for SmolLM2-135M: 0/100 gives
+    an identical candidate a bound of -2.6 points), or a suite still growing (``mined``). No power is
+    reported for it. Only a guardrail takes it."""
     role: Literal["guardrail", "success"] = "guardrail"
     """How the suite enters the decision (Spotify Confidence's rule, Schultzberg et al. 2024): a
     ``guardrail`` passes when its lower bound clears ``-tolerance`` (significantly non-inferior); a
     ``success`` suite passes only when its lower bound is above 0 (significantly better). The gate
     passes when every gated guardrail passes and, if any success suite is gated, at least one
     success suite passes."""
+
+    @model_validator(mode="after")
+    def _deterioration_is_a_guardrail(self) -> "SuiteGate":
+        if self.check == "deterioration" and self.role != "guardrail":
+            raise ValueError(
+                "check = 'deterioration' is a guardrail's test; a success suite needs its superiority test"
+            )
+        return self
 
 
 ONLINE_SIGNALS = (

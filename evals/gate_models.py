@@ -159,6 +159,11 @@ class SuiteReport(BaseModel):
     passed: bool
     decision: SuiteDecision = "fail"
     role: str = Field(default="guardrail", description="guardrail (non-inferiority) or success (superiority)")
+    check: str = Field(
+        default="non_inferiority",
+        description="a guardrail's test: non_inferiority (lower bound above -margin) or deterioration "
+        "(fails only when the interval lies wholly below 0; floor and monitors decide otherwise)",
+    )
     threshold: float | None = Field(
         default=None, description="the bound the deciding lower bound must clear: -margin, or 0 for a success suite"
     )

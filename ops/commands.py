@@ -105,9 +105,13 @@ def worker_cmd(
     loglevel: str = typer.Option("INFO", "--loglevel", "-l"),
 ) -> None:
     """Run a Celery worker for flywheel's tasks (training cycles, eval gating, outbox relay)."""
+    from app.core.logs import configure_service_logging, use_json
+    from app.core.settings import LogSettings
     from app.worker.celery_app import celery_app
 
+    configure_service_logging(loglevel, service="flywheel-worker")
     argv = [
+        *(["--quiet"] if use_json(LogSettings.load()) else []),  # no banner on a stream of JSON lines
         "worker",
         f"--pool={pool or ('solo' if concurrency == 1 else 'prefork')}",
         f"--concurrency={concurrency}",
@@ -122,9 +126,13 @@ def worker_cmd(
 
 def beat_cmd(loglevel: str = typer.Option("INFO", "--loglevel", "-l")) -> None:
     """Run the Celery beat scheduler (one per deployment; schedule in app/worker/schedule.py)."""
+    from app.core.logs import configure_service_logging, use_json
+    from app.core.settings import LogSettings
     from app.worker.celery_app import celery_app
 
-    celery_app.start(["beat", f"--loglevel={loglevel}"])
+    configure_service_logging(loglevel, service="flywheel-beat")
+    quiet = ["--quiet"] if use_json(LogSettings.load()) else []  # no banner on a stream of JSON lines
+    celery_app.start([*quiet, "beat", f"--loglevel={loglevel}"])
 
 
 @stack_app.command("topics")

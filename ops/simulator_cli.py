@@ -118,8 +118,10 @@ def simulate(
         front = get_settings().serving.engine == "vllm" and checkpoint is None and model_dir is None
     engine: InferenceEngine
     if front:
-        url = front_url or FrontSettings.load().client_url
-        engine = OpenAICompatEngine(url)  # raises, naming the URL, when no front answers there
+        front_settings = FrontSettings.load()
+        url = front_url or front_settings.client_url
+        key = front_settings.api_key.get_secret_value() if front_settings.api_key else None
+        engine = OpenAICompatEngine(url, api_key=key)  # raises, naming the URL, when no front answers there
         typer.echo(f"simulating {sessions} sessions through the serving front at {url}", err=as_json)
     else:
         engine = setup_engine(checkpoint_id=checkpoint, model_dir=model_dir)

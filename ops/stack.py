@@ -61,6 +61,7 @@ class StackState:
     serving_admin_key: str = ""  # FLYWHEEL_SERVING_ADMIN_KEY, the production and canary reloads (the watcher)
     serving_eval_admin_key: str = ""  # FLYWHEEL_SERVING_EVAL_ADMIN_KEY, the eval server's reloads (the workers)
     front_port: int | None = None  # the serving front's port (`flywheel up`), chosen once
+    front_api_key: str = ""  # FLYWHEEL_FRONT_API_KEY: the stack's own inference token, the simulated product backend's
 
     def save(self, home: Path) -> None:
         home.mkdir(parents=True, exist_ok=True)
@@ -81,6 +82,8 @@ class StackState:
                 env += f"{name}={key}\n"
         if self.front_port:
             env += f"FLYWHEEL_FRONT_PORT={self.front_port}\nFLYWHEEL_FRONT_URL=http://127.0.0.1:{self.front_port}\n"
+        if self.front_api_key:
+            env += f"FLYWHEEL_FRONT_API_KEY={self.front_api_key}\n"
         _write_private(home / ENV_FILE, env)
 
     @classmethod
@@ -179,6 +182,7 @@ def stack_up(home: Path | None = None, partitions: int | None = None) -> StackSt
         for state_name in STACK_KEYS.values():
             setattr(state, state_name, getattr(previous, state_name))
         state.front_port = previous.front_port
+        state.front_api_key = previous.front_api_key
     kafka = KafkaSettings()
     create_topics(
         state.kafka_bootstrap,

@@ -3,6 +3,7 @@ rows that kombu's SQL transport leaves behind (it marks them invisible, never de
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 from datetime import datetime, timedelta
@@ -12,10 +13,13 @@ from sqlalchemy import create_engine, text
 
 from app.worker.celery_app import broker_urls, celery_app
 
+log = logging.getLogger("flywheel.ops.tasks")
+
 
 @celery_app.task(name="flywheel.ops.ping")
 def ping(payload: Any = None) -> dict[str, Any]:
     """Echo ``payload`` with the worker's host and pid (health check and test probe)."""
+    log.info("ping answered by pid %d", os.getpid())
     return {"pong": True, "payload": payload, "hostname": socket.gethostname(), "pid": os.getpid()}
 
 

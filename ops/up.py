@@ -24,10 +24,11 @@ from pathlib import Path
 
 from app.checkpoints.publish import init_base
 from app.core.db import session_scope
-from app.core.errors import InfrastructureError
+from app.core.errors import InfrastructureError, NotFoundError
 from app.core.migrate import upgrade
 from app.core.settings import flywheel_home, get_settings
 from app.repositories.checkpoints import get_production
+from app.repositories.tokens import authenticate, create_token, revoke_token
 from ops.processes import (
     LOOP_SERVICES,
     SERVING_CLIENTS,
@@ -70,6 +71,35 @@ def ensure_production(on_event: Callable[[str], None]) -> str:
         return production.id
 
 
+FRONT_TOKEN_NAME = "flywheel-up"
+"""The inference token ``flywheel up`` holds for its own clients of the front (the demo's simulated
+product backend): ``FLYWHEEL_FRONT_API_KEY`` in ``stack.env``."""
+
+
+def ensure_front_key(home: Path) -> str:
+    """The stack's inference token for the serving front, created (audited, actor ``flywheel up``)
+    where ``stack.env`` holds none that authenticates (first start, a new database, a revoked key),
+    and saved in the stack's state (owner-only file).
+
+    Raises:
+        InfrastructureError: no stack state under ``home`` (``stack_up`` runs first).
+    """
+    state = StackState.load(home)
+    if state is None:
+        raise InfrastructureError(f"no stack state under {home}: start the stack first")
+    with session_scope() as session:
+        if state.front_api_key and authenticate(session, state.front_api_key) is not None:
+            return state.front_api_key
+        try:  # a live token of that name whose plaintext this stack lost: replace it
+            revoke_token(session, FRONT_TOKEN_NAME, actor="flywheel up")
+        except NotFoundError:
+            pass
+        _, raw = create_token(session, name=FRONT_TOKEN_NAME, role="inference", actor="flywheel up")
+    state.front_api_key = raw
+    state.save(home)
+    return raw
+
+
 def bring_up(
     home: Path | None = None, *, serving: bool | None = None, on_event: Callable[[str], None] = print
 ) -> LoopUp:
@@ -93,6 +123,7 @@ def bring_up(
     if serving if serving is not None else vllm_installed():
         cid, path = resolve_checkpoint(production_id, None)
         urls = serving_up(cid, path, home, wait=False)
+        ensure_front_key(home)
     get_settings.cache_clear()
     api = get_settings().api
     front_port = (StackState.load(home) or state).front_port if urls else None

@@ -13,6 +13,9 @@ at start, so a restarted front routes the same users the same way.
 Bad input is answered 4xx in OpenAI's error shape (``{"error": {"message", "type", "param",
 "code"}}``), never 500: a body over ``FLYWHEEL_FRONT_MAX_BODY_BYTES`` 413, JSON that does not parse
 or is not an object 400, a missing ``user`` 400 (the split is by user), an unknown ``model`` 404.
+Every route but ``/healthz`` needs the product backend's own key (``Authorization: Bearer <key>`` of
+an ``inference`` token, :mod:`serving.front_keys`): without a live one it is 401 and nothing is
+forwarded; each forwarded request is logged with its caller's name (logger ``flywheel.front.access``).
 An upstream that does not answer is 503 with the reason. Errors of the upstream itself (a 400 for
 bad sampling parameters) pass through unchanged.
 
@@ -36,22 +39,26 @@ from contextlib import asynccontextmanager
 
 import httpx
 import uvicorn
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import Field
+from pydantic import Field, SecretStr
 from pydantic_settings import SettingsConfigDict
+from sqlalchemy.exc import OperationalError
 from starlette.background import BackgroundTask
+from starlette.concurrency import run_in_threadpool
 
 from app.core.errors import ConfigurationError
 from app.core.settings import EnvSettings, flywheel_home, get_settings
 from app.core.telemetry import meter
 from app.lifecycle.assignment import CANARY, PRODUCTION
 from serving.canary import canary_settings
+from serving.front_keys import Caller, FrontKeys, bearer_key
 from serving.front_lifecycle import LifecycleFollower
 from serving.front_routing import UNKNOWN_CHECKPOINT, FrontRouter, Route, UpstreamUnavailable
 from serving.vllm_server import VLLMServer
 
 log = logging.getLogger("flywheel.front")
+access_log = logging.getLogger("flywheel.front.access")
 
 _requests = meter("flywheel.serving").create_counter(
     "flywheel.front.requests", unit="{request}", description="requests the serving front forwarded, by arm and status"
@@ -70,6 +77,11 @@ class FrontSettings(EnvSettings):
         default=8003, ge=0, le=65535, description="the port the front listens on (`flywheel up` picks a free one)"
     )
     url: str | None = Field(default=None, description="base URL clients use; default http://host:port")
+    api_key: SecretStr | None = Field(
+        default=None,
+        description="the key a client of the front sends (an inference token; `flywheel up` writes its own "
+        "for the simulator); the front itself checks callers against the token table",
+    )
     max_body_bytes: int = Field(
         default=1_048_576, ge=1024, description="largest request body accepted (bytes); a larger one is answered 413"
     )
@@ -78,6 +90,11 @@ class FrontSettings(EnvSettings):
     )
     upstream_timeout_s: float = Field(default=600.0, gt=0, description="read timeout of one upstream answer (seconds)")
     max_connections: int = Field(default=256, ge=1, description="pooled connections to the upstream servers")
+    key_cache_s: float = Field(
+        default=30.0,
+        gt=0,
+        description="seconds a caller's key check is reused (a revoked inference token stops working within it)",
+    )
 
     @property
     def client_url(self) -> str:
@@ -97,6 +114,8 @@ class BadRequest(Exception):
     def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None) -> None:
         super().__init__(message)
         self.response = openai_error(status, message, param=param, code=code)
+        if status == 401:
+            self.response.headers["www-authenticate"] = "Bearer"
 
 
 async def read_json_body(request: Request, max_bytes: int) -> tuple[bytes, dict]:
@@ -133,6 +152,39 @@ async def _bad_request(_request: Request, exc: BadRequest) -> JSONResponse:
 
 async def _unavailable(_request: Request, exc: Exception) -> JSONResponse:
     return openai_error(503, f"the model server is unavailable: {exc}", code="upstream_unavailable")
+
+
+async def _keys_unavailable(_request: Request, exc: Exception) -> JSONResponse:
+    log.warning("cannot check a caller's key: %s", exc)
+    return openai_error(503, "cannot check the API key now: the token store is unavailable", code="auth_unavailable")
+
+
+def caller_dependency(keys: FrontKeys) -> Callable:
+    """A FastAPI dependency that answers the request's :class:`Caller`.
+
+    Raises:
+        BadRequest: 401 without a bearer key, or with one that is unknown, revoked or not of role
+            ``inference``.
+        sqlalchemy.exc.OperationalError: the token store cannot be reached (answered 503).
+    """
+
+    async def caller(request: Request) -> Caller:
+        raw = bearer_key(request.headers.get("authorization"))
+        if raw is None:
+            raise BadRequest(
+                401,
+                "missing API key: send 'Authorization: Bearer <key>' with the product backend's key "
+                "(an inference token: flywheel tokens create --role inference --name NAME)",
+                code="invalid_api_key",
+            )
+        hit, found = keys.cached(raw)
+        if not hit:
+            found = await run_in_threadpool(keys.resolve, raw)
+        if found is None:
+            raise BadRequest(401, "invalid or revoked API key (an inference token is needed)", code="invalid_api_key")
+        return found
+
+    return caller
 
 
 async def checked_request(request: Request, router: FrontRouter, max_body_bytes: int) -> tuple[bytes, str]:
@@ -180,7 +232,7 @@ async def send(router: FrontRouter, route: Route, path: str, raw: bytes) -> http
         raise UpstreamUnavailable(f"{route.url} ({route.arm}) did not answer: {exc}") from exc
 
 
-async def forward(router: FrontRouter, request: Request, path: str, max_body_bytes: int) -> Response:
+async def forward(router: FrontRouter, request: Request, path: str, max_body_bytes: int, caller: Caller) -> Response:
     """Route a completion request by its user and stream the answer back, stamped (a canary server
     that refuses the connection after it was routed to sends the request to production instead).
 
@@ -199,7 +251,17 @@ async def forward(router: FrontRouter, request: Request, path: str, max_body_byt
         router.invalidate()
         route = await router.production_route()
         resp = await send(router, route, path, raw)
-    _requests.add(1, {"arm": route.arm, "status": resp.status_code})
+    _requests.add(1, {"arm": route.arm, "status": resp.status_code, "caller": caller.name})
+    access_log.info(
+        "%s %s for %s (user %s): %s, %s, %d",
+        request.method,
+        path,
+        caller.name,
+        user,
+        route.arm,
+        route.checkpoint_id,
+        resp.status_code,
+    )
     headers = stamp(route)
     if "content-type" in resp.headers:
         headers["content-type"] = resp.headers["content-type"]
@@ -211,6 +273,7 @@ async def forward(router: FrontRouter, request: Request, path: str, max_body_byt
 def create_front(
     router: FrontRouter,
     settings: FrontSettings,
+    keys: FrontKeys,
     *,
     on_start: Callable[[], None] | None = None,
     on_stop: Callable[[], None] | None = None,
@@ -218,6 +281,7 @@ def create_front(
     """The front's app over ``router`` (its HTTP client is closed when the app stops).
 
     Args:
+        keys: who may call it (every route but ``/healthz``).
         on_start, on_stop: run at the app's start and stop (the lifecycle follower's thread).
     """
 
@@ -236,6 +300,8 @@ def create_front(
     app.add_exception_handler(BadRequest, _bad_request)  # type: ignore[arg-type]  # Starlette types handlers as taking Exception
     app.add_exception_handler(httpx.ConnectError, _unavailable)
     app.add_exception_handler(UpstreamUnavailable, _unavailable)
+    app.add_exception_handler(OperationalError, _keys_unavailable)
+    caller = caller_dependency(keys)
 
     @app.get("/healthz")
     async def healthz() -> dict:
@@ -246,7 +312,7 @@ def create_front(
             "canary": None if canary is None else {**canary.__dict__, "url": router.canary_base_url()},
         }
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", dependencies=[Depends(caller)])
     async def models(user: str | None = None) -> Response:
         listing = await router.models()
         if user:
@@ -257,12 +323,12 @@ def create_front(
         return JSONResponse(listing, headers=headers)
 
     @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
-        return await forward(router, request, "/v1/completions", settings.max_body_bytes)
+    async def completions(request: Request, who: Caller = Depends(caller)) -> Response:
+        return await forward(router, request, "/v1/completions", settings.max_body_bytes, who)
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request) -> Response:
-        return await forward(router, request, "/v1/chat/completions", settings.max_body_bytes)
+    async def chat_completions(request: Request, who: Caller = Depends(caller)) -> Response:
+        return await forward(router, request, "/v1/chat/completions", settings.max_body_bytes, who)
 
     return app
 
@@ -307,7 +373,8 @@ def build_front(settings: FrontSettings | None = None) -> tuple[FastAPI, Lifecyc
     follower = LifecycleFollower(router, bootstrap=config.kafka.bootstrap, topic=config.kafka.lifecycle_topic)
     follower.begin()
 
-    app = create_front(router, settings, on_start=follower.start, on_stop=follower.stop)
+    keys = FrontKeys(ttl_s=settings.key_cache_s)
+    app = create_front(router, settings, keys, on_start=follower.start, on_stop=follower.stop)
     return app, follower
 
 

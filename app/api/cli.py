@@ -32,13 +32,13 @@ def _cli_actor() -> str:
 
 @tokens_app.command("create")
 def tokens_create(
-    role: str = typer.Option(..., help="viewer | release_manager | service"),
+    role: str = typer.Option(..., help="viewer | release_manager | service | inference (the serving front's callers)"),
     name: str = typer.Option(..., help="unique name; recorded as the actor of its writes"),
     as_json: bool = JSON,
 ) -> None:
     """Create a token and print it ONCE (only its sha256 is stored)."""
     from app.core.db import session_scope
-    from app.promotion.tokens import create_token
+    from app.repositories.tokens import create_token
 
     with session_scope() as session:
         row, raw = create_token(session, name=name, role=role, actor=_cli_actor())
@@ -54,7 +54,7 @@ def tokens_create(
 def tokens_revoke(name_or_id: str = typer.Argument(..., help="token name or id"), as_json: bool = JSON) -> None:
     """Revoke a live token (it stops authenticating immediately)."""
     from app.core.db import session_scope
-    from app.promotion.tokens import revoke_token
+    from app.repositories.tokens import revoke_token
 
     with session_scope() as session:
         row = revoke_token(session, name_or_id, actor=_cli_actor())
@@ -71,7 +71,7 @@ def tokens_list(all_: bool = typer.Option(False, "--all", help="include revoked 
     from rich.table import Table
 
     from app.core.db import session_scope
-    from app.promotion.tokens import list_tokens
+    from app.repositories.tokens import list_tokens
 
     table = Table("name", "role", "id", "created", "revoked")
     with session_scope() as session:

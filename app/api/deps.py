@@ -21,7 +21,7 @@ from sqlalchemy.orm import Session
 
 from app.core.db import get_sessionmaker
 from app.core.errors import AuthError, ForbiddenError
-from app.promotion.tokens import Principal, authenticate
+from app.repositories.tokens import Principal, authenticate
 
 bearer_scheme = HTTPBearer(
     auto_error=False,

@@ -126,3 +126,4 @@ def configure_service_logging(level: int | str | None = None, service: str | Non
     logging.getLogger("alembic").setLevel(logging.WARNING)  # its set-up lines when a service checks the schema
     logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per request: every health check of a server
     throttle_library_logs("kafka", every_s=30.0)
+    logging.captureWarnings(True)  # a library's warning is a line in the same format (py.warnings)

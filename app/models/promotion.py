@@ -17,7 +17,7 @@ from sqlalchemy.orm import Mapped, mapped_column
 
 from app.models.base import Base, created_at_column
 
-ROLES = ("viewer", "release_manager", "service")
+ROLES = ("viewer", "release_manager", "service", "inference")
 
 
 class ApiToken(Base):

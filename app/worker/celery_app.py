@@ -23,12 +23,13 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 from celery import Celery
-from celery.signals import beat_init, worker_init, worker_process_init
+from celery.signals import beat_init, setup_logging, worker_init, worker_process_init
 from kombu import Exchange, Queue
+from opentelemetry.instrumentation.celery import CeleryInstrumentor
 
 from app.core.db import database_url
 from app.core.settings import flywheel_home, get_settings
-from app.core.telemetry import configure_telemetry
+from app.core.telemetry import configure_service_logging, configure_telemetry
 from app.worker.schedule import beat_schedule, module_available
 
 DEFAULT_QUEUE = "celery"
@@ -118,21 +119,39 @@ def create_celery_app(name: str = "flywheel") -> Celery:
 celery_app = create_celery_app()
 
 
+@setup_logging.connect
+def _service_logging(loglevel: int | str | None = None, **_: Any) -> None:
+    # A receiver of this signal replaces Celery's own logging set-up: the worker and beat log as every
+    # flywheel service does (JSON lines with the trace and span ids under FLYWHEEL_LOG_FORMAT=json).
+    # `flywheel worker` and `flywheel beat` configure it first with their service's name; this names
+    # a worker started with `celery -A app.worker.celery_app` directly.
+    configure_service_logging(loglevel or None, service="flywheel-worker")
+
+
+def _traced_tasks(service: str) -> None:
+    """Telemetry for a process that runs or sends tasks: each task runs in a span (OpenTelemetry's
+    Celery instrumentation), a child of the span that sent it where the sender was traced (beat's
+    publish, a gate's shard), so a task's log lines carry its trace id."""
+    configure_telemetry(service, metrics_port=service == "flywheel-worker")
+    if not CeleryInstrumentor().is_instrumented_by_opentelemetry:
+        CeleryInstrumentor().instrument()
+
+
 @worker_init.connect
 def _telemetry_in_worker(sender: object = None, **_: Any) -> None:
     # solo/threads pools run tasks in this process; prefork children get worker_process_init.
     pool = getattr(getattr(sender, "pool_cls", None), "__module__", "") or ""
     if "prefork" not in pool:
-        configure_telemetry("flywheel-worker", metrics_port=True)
+        _traced_tasks("flywheel-worker")
 
 
 @worker_process_init.connect
 def _telemetry_in_child(**_: Any) -> None:
     # The parent (consumer) process runs no task, so it holds no app engine a child could inherit.
     # The first child binds FLYWHEEL_METRICS_PORT; the others log that it is taken.
-    configure_telemetry("flywheel-worker", metrics_port=True)
+    _traced_tasks("flywheel-worker")
 
 
 @beat_init.connect
 def _telemetry_in_beat(**_: Any) -> None:
-    configure_telemetry("flywheel-beat")
+    _traced_tasks("flywheel-beat")

@@ -22,7 +22,7 @@ MATRIX = [
     ("GET", "/v1/production", None, {"viewer": 200, "service": 200, "release_manager": 200}),
     ("GET", "/v1/promotions", None, {"viewer": 200, "service": 200, "release_manager": 200}),
     ("GET", "/v1/audit", None, {"viewer": 200, "service": 200, "release_manager": 200}),
-    ("GET", "/v1/me", None, {"viewer": 200, "service": 200, "release_manager": 200}),
+    ("GET", "/v1/me", None, {"viewer": 200, "service": 200, "release_manager": 200, "inference": 200}),
     (
         "GET",
         "/v1/reports/00000000-0000-0000-0000-000000000000/report.png",
@@ -42,7 +42,8 @@ MATRIX = [
 
 @pytest.fixture
 def tokens(session):
-    return {role: make_token(session, role, name=f"{role}-token") for role in ("viewer", "service", "release_manager")}
+    roles = ("viewer", "service", "release_manager", "inference")  # inference: the front's callers, no API route
+    return {role: make_token(session, role, name=f"{role}-token") for role in roles}
 
 
 def _assert_error(resp, status: int, code: str) -> None:
@@ -70,7 +71,7 @@ def test_auth_matrix(client, base, tokens, method, path, body, allowed):
 
 
 def test_revoked_token_stops_working_and_writes_are_attributed(client, base, session, tokens):
-    from app.promotion.tokens import revoke_token
+    from app.repositories.tokens import revoke_token
 
     headers = auth(tokens["service"])
     assert client.get("/v1/me", headers=headers).json() == {

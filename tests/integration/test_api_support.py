@@ -141,7 +141,7 @@ def seed_eval_run(session, checkpoint_id: str, suite: str, results: dict[str, li
 
 def make_token(session, role: str, name: str | None = None) -> str:
     """Create a token (committed) and return the plaintext."""
-    from app.promotion.tokens import create_token
+    from app.repositories.tokens import create_token
 
     _, raw = create_token(session, name=name or f"{role}-{uuid.uuid4().hex[:6]}", role=role, actor="test")
     session.commit()

@@ -24,11 +24,13 @@ import httpx
 import pytest
 
 from app.checkpoints.testing import build_tiny_model
+from app.core.db import session_scope
 from app.core.net import free_port
 from app.core.settings import ServingSettings, get_settings
 from app.lifecycle.assignment import assign_arm
 from app.lifecycle.canary import start_canary, stop_canary
 from app.outbox.relay import OutboxRelay
+from app.repositories.tokens import create_token
 from ops.simulator import SimulatorConfig, run_simulation
 from serving.canary import CanaryFollower, EngineRouter
 from serving.openai_engine import OpenAICompatEngine
@@ -81,6 +83,9 @@ def front(production, models, gated, store, lifecycle_topic, tmp_path, monkeypat
     monkeypatch.setenv("FLYWHEEL_SERVING_VLLM_MAX_MODEL_LEN", "2048")
     monkeypatch.setenv("FLYWHEEL_SERVING_CANARY_DRAIN_S", "2")
     monkeypatch.delenv("FLYWHEEL_SERVING_CANARY_URL", raising=False)
+    with session_scope() as session:  # the product backend's own key (an inference token)
+        _, key = create_token(session, name="product-backend", role="inference", actor="test")
+    monkeypatch.setenv("FLYWHEEL_FRONT_API_KEY", key)
     get_settings.cache_clear()
     port = free_port()
     env = {**os.environ, "FLYWHEEL_FRONT_PORT": str(port), "FLYWHEEL_FRONT_CHECKPOINT_TTL_S": "0.5"}
@@ -113,7 +118,12 @@ def _complete(url: str, user: str | None, **extra) -> httpx.Response:
     body = {"model": "flywheel", "prompt": [1, 17, 300, 4242, 9], "max_tokens": 8, "temperature": 0, **extra}
     if user is not None:
         body["user"] = user
-    return httpx.post(url + "/v1/completions", json=body, timeout=120)
+    return httpx.post(url + "/v1/completions", json=body, headers=_auth(), timeout=120)
+
+
+def _auth() -> dict[str, str]:
+    """The product backend's key, as the front fixture created it."""
+    return {"Authorization": f"Bearer {os.environ['FLYWHEEL_FRONT_API_KEY']}"}
 
 
 def _weight_version(url: str) -> str:
@@ -134,6 +144,7 @@ def test_answers_are_stamped_by_the_server_and_bad_input_gets_a_4xx(front, produ
             "messages": [{"role": "user", "content": "hi"}],
             "max_tokens": 4,
         },
+        headers=_auth(),
         timeout=120,
     )
     assert chat.status_code == 200 and chat.headers["x-flywheel-checkpoint"] == "base", chat.text
@@ -144,8 +155,17 @@ def test_answers_are_stamped_by_the_server_and_bad_input_gets_a_4xx(front, produ
     bad = [
         (_complete(url, None), 400, "user"),
         (_complete(url, "user-001", model="gpt-9"), 404, "gpt-9"),
-        (httpx.post(url + "/v1/completions", content=b'{"model": "flywheel",', timeout=30), 400, "not valid JSON"),
-        (httpx.post(url + "/v1/completions", json=["flywheel"], timeout=30), 400, "JSON object"),
+        (
+            httpx.post(url + "/v1/completions", content=b'{"model": "flywheel",', headers=_auth(), timeout=30),
+            400,
+            "not valid JSON",
+        ),
+        (httpx.post(url + "/v1/completions", json=["flywheel"], headers=_auth(), timeout=30), 400, "JSON object"),
+        (
+            httpx.post(url + "/v1/completions", json={"model": "flywheel", "user": "u", "prompt": [1]}, timeout=30),
+            401,
+            "API key",
+        ),
         (_complete(url, "user-001", prompt="x" * (1 << 20)), 413, "over the limit"),
     ]
     for response, status, words in bad:
@@ -213,7 +233,7 @@ def test_a_canary_moves_its_users_to_a_managed_canary_server_and_back(front, pro
 
         # the simulator as a product backend of the front: its events carry the stamped checkpoint
         events = []
-        client = OpenAICompatEngine(url)
+        client = OpenAICompatEngine(url, api_key=os.environ["FLYWHEEL_FRONT_API_KEY"])
         try:
             summaries = run_simulation(
                 SimulatorConfig(

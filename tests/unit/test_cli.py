@@ -65,6 +65,7 @@ def test_worker_and_beat_pass_the_right_celery_arguments(monkeypatch):
     calls = []
     monkeypatch.setattr(celery_app, "worker_main", lambda argv: calls.append(("worker", argv)))
     monkeypatch.setattr(celery_app, "start", lambda argv: calls.append(("start", argv)))
+    monkeypatch.setenv("FLYWHEEL_LOG_FORMAT", "text")
     runner = CliRunner()
     assert runner.invoke(app, ["worker"]).exit_code == 0
     assert runner.invoke(app, ["worker", "-c", "3", "-Q", "evals", "--beat"]).exit_code == 0
@@ -75,3 +76,6 @@ def test_worker_and_beat_pass_the_right_celery_arguments(monkeypatch):
         ["worker", "--pool=prefork", "--concurrency=3", "--loglevel=INFO", "--queues=evals", "--beat"],
     )
     assert calls[2] == ("start", ["beat", "--loglevel=DEBUG"])
+    monkeypatch.setenv("FLYWHEEL_LOG_FORMAT", "json")  # JSON lines: Celery's banner stays off
+    assert runner.invoke(app, ["worker"]).exit_code == 0 and runner.invoke(app, ["beat"]).exit_code == 0
+    assert calls[3][1][:2] == ["--quiet", "worker"] and calls[4][1][:2] == ["--quiet", "beat"]

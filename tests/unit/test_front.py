@@ -13,10 +13,15 @@ from fastapi.testclient import TestClient
 
 from app.lifecycle.assignment import assign_arm
 from serving.front import FrontSettings, create_front
+from serving.front_keys import Caller, FrontKeys
 from serving.front_lifecycle import LifecycleFollower
 from serving.front_routing import Canary, FrontRouter, UpstreamUnavailable
 
 PROD, CANARY_URL = "http://prod:1", "http://canary:2"
+KEY = "fw_product-backend-key"
+KEYS = {KEY: Caller("product-backend", "t-1")}
+"""The live inference tokens of these tests (the token table's lookup is
+tests/integration/test_front_keys.py)."""
 USERS = [f"user-{i:05d}" for i in range(4000)]
 
 
@@ -154,7 +159,8 @@ def front():
     servers = Servers()
     router = _router(servers)
     router.set_canary(Canary("c-1", "cand", 0.5))
-    with TestClient(create_front(router, FrontSettings(max_body_bytes=2048))) as client:
+    app = create_front(router, FrontSettings(max_body_bytes=2048), FrontKeys(KEYS.get))
+    with TestClient(app, headers={"Authorization": f"Bearer {KEY}"}) as client:
         yield client, servers
 
 
@@ -217,3 +223,30 @@ def test_a_canary_server_gone_after_routing_sends_the_request_to_production(fron
     r = client.post("/v1/completions", json=_body(user))
     assert r.status_code == 200 and r.json()["served"] == PROD
     assert (r.headers["x-flywheel-arm"], r.headers["x-flywheel-checkpoint"]) == ("production", "base")
+
+
+def test_a_request_without_the_product_backends_key_is_a_401_and_reaches_no_server(front, caplog):
+    client, servers = front
+    for headers in ({"Authorization": ""}, {"Authorization": "Bearer fw_wrong"}, {"Authorization": f"Basic {KEY}"}):
+        for r in (
+            client.post("/v1/completions", json=_body(), headers=headers),
+            client.get("/v1/models", headers=headers),
+        ):
+            assert r.status_code == 401, r.text
+            assert r.headers["www-authenticate"] == "Bearer" and "API key" in r.json()["error"]["message"]
+    assert servers.received == []
+    assert client.get("/healthz", headers={"Authorization": ""}).status_code == 200  # probes need no key
+    with caplog.at_level("INFO", logger="flywheel.front.access"):
+        assert client.post("/v1/completions", json=_body("user-7")).status_code == 200
+    assert any("product-backend" in m and "user-7" in m for m in caplog.messages)
+
+
+def test_a_revoked_key_stops_working_within_the_cache_time():
+    live, now = dict(KEYS), [0.0]
+    keys = FrontKeys(live.get, ttl_s=30.0, clock=lambda: now[0])
+    assert keys.resolve(KEY) == KEYS[KEY]
+    del live[KEY]  # revoked in the token table
+    now[0] = 29.0
+    assert keys.resolve(KEY) == KEYS[KEY]  # the cached answer
+    now[0] = 30.5
+    assert keys.resolve(KEY) is None and keys.cached(KEY) == (True, None)

@@ -15,8 +15,8 @@ from app.api.schemas import AuditEntry, Me, Page
 from app.core.errors import NotFoundError
 from app.core.settings import get_settings
 from app.promotion import queries
-from app.promotion.tokens import PERMISSIONS
 from app.repositories.audit import list_audit
+from app.repositories.tokens import PERMISSIONS
 
 router = APIRouter(tags=["audit"], responses=AUTH_RESPONSES)
 

@@ -10,6 +10,8 @@ authenticates again. Roles:
 - ``service``: viewer + reject. Automation (eval scheduler, erasure job, CI) may take a candidate
   out of the running, but moving production is a human decision, so ``service`` cannot promote or
   roll back.
+- ``inference``: calls the serving front (``infer``) and nothing else: the key the product backend
+  holds (``serving.front_keys``); it reads no API route.
 """
 
 from __future__ import annotations
@@ -30,8 +32,8 @@ from app.models import ApiToken
 from app.models.promotion import ROLES
 from app.repositories.audit import record_audit
 
-Role = Literal["viewer", "release_manager", "service"]
-Permission = Literal["read", "reject", "promote", "override"]
+Role = Literal["viewer", "release_manager", "service", "inference"]
+Permission = Literal["read", "reject", "promote", "override", "infer"]
 
 #: What each role may do. ``promote`` covers promotions and rollbacks; ``override`` promoting over a
 #: gate that found insufficient evidence (with ``promote``, and a written reason).
@@ -39,6 +41,7 @@ PERMISSIONS: dict[str, frozenset[str]] = {
     "viewer": frozenset({"read"}),
     "release_manager": frozenset({"read", "reject", "promote", "override"}),
     "service": frozenset({"read", "reject"}),
+    "inference": frozenset({"infer"}),
 }
 
 TOKEN_PREFIX = "fw_"
