@@ -310,12 +310,10 @@ class Demo:
 
     def step_measure(self, cycle: int) -> str:
         """The checkpoint now serving against base on fresh production traffic: a point of the curve."""
-        if self.opts.ab_tasks < 2:
-            return "skipped (--ab-tasks 0)"
         with session_scope() as session:
             production, base = loop_state.production_id(session), loop_state.base_id(session)
-        if production is None:
-            return "skipped (no production checkpoint)"
+        if self.opts.ab_tasks < 2 or production is None:
+            return "skipped (no production checkpoint)" if production is None else "skipped (--ab-tasks 0)"
         args = ["ab", base or production, production, "--tasks", str(self.opts.ab_tasks)]
         args += ["--samples", str(self.opts.ab_samples), *session_budget_args(self.opts)]
         args += ["--seed", str(self.opts.seed), "--label", f"cycle-{cycle}", "--json"]

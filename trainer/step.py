@@ -68,8 +68,7 @@ log = logging.getLogger(__name__)
 def _trainable_hidden(
     model: torch.nn.Module, mb: MicroBatch, config: TrainerConfig
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(hidden [N, H] of the positions predicting trainable tokens, divided by the temperature,
-    LM head weight [V, H])``."""
+    """``(hidden [N, H] at the positions predicting trainable tokens / temperature, LM head weight [V, H])``."""
     decoder = model.get_decoder()  # type: ignore[operator]  # a transformers/peft method (torch: Tensor | Module)
     head = model.get_output_embeddings()  # type: ignore[operator]  # a transformers/peft method (torch: Tensor | Module)
     if getattr(head, "bias", None) is not None:
@@ -131,8 +130,7 @@ def token_logprobs(model: torch.nn.Module, mb: MicroBatch, config: TrainerConfig
     """
     hidden, weight = _trainable_hidden(model, mb, config)
     torch_path = config.logprob_backend == "torch" or (config.logprob_backend == "auto" and not hidden.is_cuda)
-    # the chunk size is in tokens for the torch path; the Triton kernel keeps its own vocabulary tile,
-    # as in micro_batch_loss
+    # the chunk size is in tokens for the torch path; the Triton kernel keeps its own vocabulary tile
     chunk = config.logprob_chunk_size if torch_path else None
     return chunked_logprobs(hidden, weight, mb.targets, chunk, config.logprob_backend)
 
