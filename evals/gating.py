@@ -13,7 +13,7 @@ Invariants:
   ``gate_failed`` with that ``decision`` (promotable only with a written override).
 - One gate per candidate at a time (advisory lock).
 - Under ``early_stop`` a gated suite's candidate run may stop once its confidence sequence decides
-  (:mod:`evals.early_stop`); production's run of the plan is always complete (it is reused), and
+  (:mod:`evals.gate.early_stop`); production's run of the plan is always complete (it is reused), and
   the gate re-derives the stop from the stored outcomes rather than trusting the runner.
 """
 
@@ -34,9 +34,10 @@ from app.models import EvalRun
 from app.repositories.checkpoints import get_checkpoint, require_production
 from evals import store
 from evals.config import load_suite
-from evals.early_stop import SequentialStop
-from evals.gate import GateResult, SuiteOutcomes, decide_gate
-from evals.gate_config import GateConfig, load_gate_config
+from evals.gate.decision import decide_gate
+from evals.gate.early_stop import SequentialStop
+from evals.gate.models import GateResult, SuiteOutcomes
+from evals.gate.policy import GateConfig, load_gate_config
 from evals.plan import plan_run
 from evals.report import write_report
 from evals.runner import RunSummary, run_suite

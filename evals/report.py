@@ -1,6 +1,6 @@
 """Gate reports: ``report.json``, ``gate.png`` and ``tasks.md`` under ``<reports>/gates/<decision_id>/``.
 
-Invariant: a report is derived only from the :class:`~evals.gate.GateResult` (plus ids), so the
+Invariant: a report is derived only from the :class:`~evals.gate.models.GateResult` (plus ids), so the
 stored ``gate_decision.report`` and the files on disk say the same thing. Files are written to a
 temporary name and renamed, so a reader never sees a half-written report.
 """
@@ -17,8 +17,8 @@ import numpy as np
 
 from app.core.intervals import error_bars
 from app.core.settings import get_settings
-from evals.gate import GateResult, SamplingReport
-from evals.passk import format_sampling
+from evals.gate.models import GateResult, SamplingReport
+from evals.gate.passk import format_sampling
 
 MAX_LISTED = 200
 DECISION_COLORS = {

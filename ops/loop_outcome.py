@@ -9,7 +9,7 @@ from sqlalchemy import Interval, func, select, type_coerce
 from sqlalchemy.orm import Session
 
 from app.models import ABComparison, EvalResult, EvalRun, EventLog, GateDecision, Promotion, TrainingCycle
-from evals.gate import paired_bootstrap_interval
+from evals.gate.decision import paired_bootstrap_interval
 
 SUITE = "functions"  # the held-out suite the bench's gates decide on
 SIGNALS = (  # the product signals the A/B reports beside the pass rate

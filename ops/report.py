@@ -34,8 +34,8 @@ from app.models import (
     RewardLabel,
     Trajectory,
 )
-from evals.gate_models import Outcome
-from evals.passk import sampling_report
+from evals.gate.models import Outcome
+from evals.gate.passk import sampling_report
 from ops.curves import collect_curves, curves_html, gate_view, render_curves_png
 from ops.report_model import LoopReport, SuiteResult, fmt_diff, fmt_power
 from ops.report_terminal import render_curves_terminal, render_terminal
