@@ -78,7 +78,7 @@ from app.models import Checkpoint, GateDecision
 from consumers.finalize import finalize_due
 from consumers.ingest import IngestConsumer, projector_from_settings
 from consumers.settings import get_consumer_settings
-from evals.gate_config import load_gate_config
+from evals.gate.policy import load_gate_config
 from ops.broker import create_topics, start_broker
 from ops.simulator import SimulatorConfig, run_simulation
 from producers.producer import EventProducer

@@ -67,7 +67,7 @@ from app.core.db import session_scope
 from app.core.pids import stop_pid
 from app.core.settings import get_settings
 from app.repositories.checkpoints import get_production
-from evals.gate_config import load_gate_config
+from evals.gate.policy import load_gate_config
 from ops.ab import ABConfig, plan_pairs
 from ops.demo import DEFAULT_DIFFICULTY_MIX, DemoOptions, min_new_trajectories, trainer_toml
 from ops.demo_report import CURVE_SIGNALS, curve_point, render_curve_png
@@ -200,7 +200,7 @@ def main() -> None:  # noqa: PLR0915 - one recipe, read top to bottom
     ab_tasks = len(plan_pairs(ABConfig(tasks=ab_tasks_flag, samples=1, difficulty_mix=parse_mix(mix))))
     samples = math.ceil(ab_pairs / ab_tasks)
     curve_tasks = max(2, min(ab_tasks, math.ceil(args.curve_pairs / samples)))
-    margin = load_gate_config().for_suite(SUITE).tolerance
+    margin = load_gate_config().for_suite(SUITE).margin
     budget = ["--max-turns", str(args.max_turns), "--max-tokens-per-turn", str(args.max_tokens_per_turn)]
     ab_common = [*budget, "--max-tokens", str(args.max_turns * args.max_tokens_per_turn)]
     ab_common += ["--difficulty-mix", mix, "--samples", str(samples), "--seed", str(args.seed), "--json"]

@@ -1,9 +1,9 @@
 """Power and false-rejection rate of the promotion gate at a grid of suite sizes (tasks x samples).
 
-The gate (``evals.gate.decide_gate``, the shipped ``evals/gate.toml`` policy for ``--suite``) fails
+The gate (``evals.gate.decision.decide_gate``, the shipped ``evals/gate.toml`` policy for ``--suite``) fails
 a candidate when the one-sided lower confidence bound of pass@1(candidate) - pass@1(production)
 (the shipped interval: Newcombe's paired score interval, with k > 1 samples the wider of it and the
-task-clustered paired bootstrap) is at or below ``-tolerance`` (the non-inferiority margin); below
+task-clustered paired bootstrap) is at or below ``-margin`` (the non-inferiority margin); below
 its power rule (``min_power``) it does not pass either (``insufficient_evidence``), and ``passed``
 below counts passes only. This bench asks, for each (T tasks, k samples per task):
 
@@ -20,21 +20,21 @@ coupling through the shared sampling seed, so this is the conservative case: cor
 only narrow the interval). The worse candidate's tasks are shifted on the *logit* scale,
 ``q = expit(logit(p) - s)``, with one ``s`` solved so the population mean drops by exactly the
 regression (easy tasks stay easy, none leaves [0, 1]). Every simulated pair of runs goes through
-``decide_gate`` itself; its ``passed`` gives the figures at the configured tolerance, and its
-``diff_low`` (the bound) gives the range of tolerances that would meet both targets at that size:
-``FRR <= 0.05`` needs ``tolerance >= -q05(bound | equal)``; ``power >= 0.8`` needs
-``tolerance <= -q80(bound | worse)``.
+``decide_gate`` itself; its ``passed`` gives the figures at the configured margin, and its
+``diff_low`` (the bound) gives the range of margins that would meet both targets at that size:
+``FRR <= 0.05`` needs ``margin >= -q05(bound | equal)``; ``power >= 0.8`` needs
+``margin <= -q80(bound | worse)``.
 
-Chosen default: the cheapest cell (fewest sessions T*k, then more tasks) whose tolerances meeting
+Chosen default: the cheapest cell (fewest sessions T*k, then more tasks) whose margins meeting
 both targets (on a 0.5-point grid) span at least ``--min-width`` (1 point: a cell that meets them at
-a single tolerance is within the simulation's Monte Carlo error of failing), and the middle of those
-tolerances, to be written to ``evals/gate.toml`` (docs/gate.md). The grid table also shows power and
-FRR at the configured tolerance. Eval wall time per checkpoint = T*k sessions x seconds per session (measured
+a single margin is within the simulation's Monte Carlo error of failing), and the middle of those
+margins, to be written to ``evals/gate.toml`` (docs/gate.md). The grid table also shows power and
+FRR at the configured margin. Eval wall time per checkpoint = T*k sessions x seconds per session (measured
 from the stored runs with ``--from-db``, else ``--seconds-per-session``, flagged as not measured).
 
-JSON line: ours = power at the chosen size and tolerance, baseline = FRR there, ratio = power / 0.8,
-target 0.8 (and FRR <= 0.05); pass when both hold. Without any cell and tolerance meeting both, the
-largest cell at the configured tolerance is reported and pass is false. Simulated gates use 2,000
+JSON line: ours = power at the chosen size and margin, baseline = FRR there, ratio = power / 0.8,
+target 0.8 (and FRR <= 0.05); pass when both hold. Without any cell and margin meeting both, the
+largest cell at the configured margin is reported and pass is false. Simulated gates use 2,000
 bootstrap replicates (the shipped policy: 10,000), which moves each bound only by Monte Carlo noise.
 
 Flags: ``--quick`` (fewer simulations, resamples and cells), ``--suite NAME`` (its gate settings in
@@ -60,8 +60,9 @@ from sqlalchemy import func, select
 
 from app.core.db import session_scope
 from app.models import EvalResult, EvalRun
-from evals.gate import Outcome, SuiteOutcomes, decide_gate
-from evals.gate_config import GateConfig, SuiteGate, load_gate_config
+from evals.gate.decision import decide_gate
+from evals.gate.models import Outcome, SuiteOutcomes
+from evals.gate.policy import GateConfig, SuiteGate, load_gate_config
 
 TARGET_POWER = 0.8
 TARGET_FRR = 0.05
@@ -110,7 +111,7 @@ def one_gate(
     """Sample ``k`` outcomes per task for production (``p``) and the candidate (``q``) and decide.
 
     Returns:
-        (gate passed, the lower bound of the pass@1 difference it compared with ``-tolerance``).
+        (gate passed, the lower bound of the pass@1 difference it compared with ``-margin``).
     """
     prod = rng.random((len(p), k)) < p[:, None]
     cand = rng.random((len(q), k)) < q[:, None]
@@ -154,20 +155,20 @@ def simulate_cell(
     }
 
 
-def at_tolerance(cell: dict, tol: float) -> tuple[float, float]:
-    """(power, FRR) of a cell had the suite's tolerance been ``tol``: the gate's non-inferiority check
-    fails exactly when its lower bound is at or below ``-tol`` (``evals.gate._evaluate_suite``)."""
+def at_margin(cell: dict, tol: float) -> tuple[float, float]:
+    """(power, FRR) of a cell had the suite's margin been ``tol``: the gate's non-inferiority check
+    fails exactly when its lower bound is at or below ``-tol`` (``evals.gate.decision._evaluate_suite``)."""
     return float(np.mean(cell["w_low"] <= -tol)), float(np.mean(cell["eq_low"] <= -tol))
 
 
 def recommend(cells: list[dict], min_width: float) -> tuple[dict, float] | None:
-    """The cheapest cell (fewest sessions, then more tasks) whose tolerances meeting power >= 0.8
+    """The cheapest cell (fewest sessions, then more tasks) whose margins meeting power >= 0.8
     and FRR <= 0.05 (on a 0.5-point grid) span at least ``min_width``, so the choice survives the
-    simulation's Monte Carlo error and a small drift of production's pass rates; the tolerance is
+    simulation's Monte Carlo error and a small drift of production's pass rates; the margin is
     the middle of that span. None when no cell has one."""
     grid = [t / 200 for t in range(1, 41)]  # 0.005 .. 0.2
     for cell in sorted(cells, key=lambda c: (c["sessions"], -c["tasks"])):
-        good = [t for t in grid if (lambda pw, fr: pw >= TARGET_POWER and fr <= TARGET_FRR)(*at_tolerance(cell, t))]
+        good = [t for t in grid if (lambda pw, fr: pw >= TARGET_POWER and fr <= TARGET_FRR)(*at_margin(cell, t))]
         if good and good[-1] - good[0] >= min_width - 1e-9:
             return cell, good[len(good) // 2]
     return None
@@ -239,7 +240,7 @@ def main() -> None:
         "--min-width",
         type=float,
         default=0.01,
-        help="the chosen size's tolerances meeting both targets must span this much (1 point)",
+        help="the chosen size's margins meeting both targets must span this much (1 point)",
     )
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
@@ -254,7 +255,7 @@ def main() -> None:
             "bootstrap_resamples": min(args.resamples or (1000 if args.quick else 2000), shipped.bootstrap_resamples),
         }
     )
-    tol = config.for_suite(args.suite).tolerance
+    tol = config.for_suite(args.suite).margin
 
     measured_s = None
     if args.from_db is not None:
@@ -290,7 +291,7 @@ def main() -> None:
     )
     print(
         f"gate: {config.method}, {config.confidence:.0%} {'two' if config.two_sided else 'one'}-sided, "
-        f"tolerance {tol:.3f} (suite {args.suite}), {config.bootstrap_resamples} resamples; {sims} gates per "
+        f"margin {tol:.3f} (suite {args.suite}), {config.bootstrap_resamples} resamples; {sims} gates per "
         f"cell and hypothesis; {session_s:.2f} s per session ({session_src}), concurrency {args.concurrency}",
         file=sys.stderr,
     )
@@ -321,12 +322,12 @@ def main() -> None:
         chosen, chosen_tol = best
     else:
         chosen, chosen_tol = max(cells, key=lambda c: c["sessions"]), tol
-    power, frr = at_tolerance(chosen, chosen_tol)
+    power, frr = at_margin(chosen, chosen_tol)
     passed = power >= TARGET_POWER and frr <= TARGET_FRR
     mc_se = float(np.sqrt(max(power * (1 - power), frr * (1 - frr), 0.01) / sims))
     print(
         f"chosen: {chosen['tasks']} tasks x {chosen['samples']} samples = {chosen['sessions']} sessions at "
-        f"tolerance {chosen_tol:.3f}{'' if chosen_tol == tol else f' (configured {tol:.3f})'}: power {power:.3f}, "
+        f"margin {chosen_tol:.3f}{'' if chosen_tol == tol else f' (configured {tol:.3f})'}: power {power:.3f}, "
         f"FRR {frr:.3f} (Monte Carlo s.e. ~{mc_se:.3f}); eval wall time {chosen['wall_s'] / 60:.1f} min per "
         f"checkpoint; {time.perf_counter() - started:.0f} s simulated",
         file=sys.stderr,
@@ -345,8 +346,8 @@ def main() -> None:
                 "suite": args.suite,
                 "tasks": chosen["tasks"],
                 "samples_per_task": chosen["samples"],
-                "tolerance": chosen_tol,
-                "configured_tolerance": tol,
+                "margin": chosen_tol,
+                "configured_margin": tol,
                 "regression": args.regression,
                 "beta": [round(a, 4), round(b, 4)],
                 "seconds_per_session": session_s,

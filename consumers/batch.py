@@ -55,6 +55,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import datetime
 
+import psycopg
 from sqlalchemy.orm import Session
 
 from app.core.locks import AdvisoryLock
@@ -65,6 +66,7 @@ from app.repositories.events import (
     append_events,
     count_tombstones,
     erased_users,
+    fetch_value,
     insert_dead_letters,
     private_sessions,
     raw_connection,
@@ -111,7 +113,7 @@ def apply_batch(
     # erased_users). Taken up front, not upgraded from shared: two upgrades would deadlock.
     erasing = any(d.event is not None and d.event.type == "user.erasure_requested" for d in batch)
     lock = "pg_advisory_xact_lock" if erasing else "pg_advisory_xact_lock_shared"
-    now = conn.execute(f"SELECT now(), {lock}(%s)", (AdvisoryLock.PROJECTION,)).fetchone()[0]
+    now = fetch_value(conn, f"SELECT now(), {lock}(%s)", (AdvisoryLock.PROJECTION,))
     with _offset_fence(session, group_id, batch, out) as fresh:
         _apply_records(session, conn, fresh, projector, now, insert_method, out)
     return out
@@ -159,7 +161,7 @@ def _offset_fence(session: Session, group_id: str, batch: list[Decoded], out: Ba
 
 def _apply_records(
     session: Session,
-    conn,
+    conn: psycopg.Connection,
     fresh: list[Decoded],
     projector: Projector,
     now: datetime,
@@ -178,8 +180,8 @@ def _apply_records(
     # one before a request is erased with the user's rows; one after it that the request covers (by
     # what its bytes claim) keeps its place and reason, not its bytes.
     claims = [claim_of_dead_letter(d) if d.reason is not None else None for d in fresh]
-    events = [d for d in fresh if d.event is not None]
-    sessions = {d.event.session_id for d in events} | {c.session_id for c in claims if c is not None and c.session_id}
+    events = [d.event for d in fresh if d.event is not None]
+    sessions = {e.session_id for e in events} | {c.session_id for c in claims if c is not None and c.session_id}
     flagged = privacy_flagged_sessions(fresh, claims)
     private = private_sessions(session, list(sessions))
     if flagged - private:  # not published ahead (publish_private_sessions): hold every session lock from here on
@@ -188,13 +190,10 @@ def _apply_records(
     stored_sessions: set[str] = set()
     erased = erased_users(
         session,
-        list(
-            {d.event.user_id for d in events}  # type: ignore[union-attr]
-            | {c.user_id for c in claims if c is not None and c.user_id is not None}
-        ),
+        list({e.user_id for e in events} | {c.user_id for c in claims if c is not None and c.user_id is not None}),
     )
-    tombstones: Counter = Counter()
-    stored_per_session: Counter = Counter()
+    tombstones: Counter[str] = Counter()
+    stored_per_session: Counter[str] = Counter()
     newly_private: set[str] = set()
     chunk: list[Decoded] = []
     dead: list[DeadLetterRow] = []
@@ -210,6 +209,7 @@ def _apply_records(
                     private.add(claim.session_id)
                     tombstones[claim.session_id] += 0  # the session's tombstone, counting events only
             dead.append(row)
+            assert d.reason is not None  # a claim is made of dead letters only
             out.dead_letters[d.reason] += 1
             out.dead_letter_positions.append((d.msg.topic, d.msg.partition, d.msg.offset, d.msg.log_id))
             continue
@@ -219,7 +219,7 @@ def _apply_records(
             stored_per_session += _store_and_project(session, projector, chunk, now, insert_method, out)
             insert_dead_letters(session, dead)
             chunk, dead = [], []
-            res = erase_user(session, ev.user_id, ev.payload.request_id, ev.occurred_at)  # type: ignore[attr-defined]
+            res = erase_user(session, ev.user_id, ev.payload.request_id, ev.occurred_at)
             out.erasures.append(res)
             at, tids = erased.get(ev.user_id, (ev.occurred_at, set()))
             erased[ev.user_id] = (max(at, ev.occurred_at), tids | set(res.trajectory_ids))
@@ -259,7 +259,7 @@ def project_events(
     session: Session,
     projector: Projector,
     events: list[StoredEvent],
-    finalized: Counter | None = None,
+    finalized: Counter[str] | None = None,
     states: dict[uuid.UUID, TrajectoryState] | None = None,
 ) -> int:
     """Fold stored events (any order; folded by ``seq``) into their trajectories and write them back.
@@ -291,7 +291,7 @@ def project_events(
             t = states[tid] = new_trajectory(se.event)
         was = t.status
         projector.apply(t, se)
-        if finalized is not None and t.status == "finalized" and was != "finalized":
+        if finalized is not None and t.status == "finalized" and was != "finalized" and t.finalized_by is not None:
             finalized[t.finalized_by] += 1
     written, _, _ = trepo.save_trajectories(session, list(states.values()))
     return written
@@ -299,7 +299,7 @@ def project_events(
 
 def _store_and_project(
     session: Session, projector: Projector, chunk: list[Decoded], now: datetime, method: str, out: BatchOutcome
-) -> Counter:
+) -> Counter[str]:
     """Append ``chunk``'s events, fold the new ones into their trajectories, count them in ``out``.
 
     Returns:
@@ -316,7 +316,12 @@ def _store_and_project(
     sessions = {d.event.session_id for d in chunk}  # type: ignore[union-attr]
     states = trepo.load_trajectories(session, map(trajectory_id_for, sessions), TrajectoryState)  # uuid5 per session
     for t in states.values():
-        if t.status == "finalized" and t.finalized_by != "signals" and t.finalized_at >= now:
+        if (
+            t.status == "finalized"
+            and t.finalized_by != "signals"
+            and t.finalized_at is not None
+            and t.finalized_at >= now
+        ):
             raise SweepOvertook(
                 f"trajectory {t.id} was finalized by its window at {t.finalized_at.isoformat()}, "
                 f"not before this batch's ingestion time {now.isoformat()}"
@@ -326,10 +331,12 @@ def _store_and_project(
     stored: list[StoredEvent] = []
     duplicates: list[Decoded] = []
     for d in chunk:
+        ev = d.event
+        assert ev is not None  # a chunk holds decoded events only
         # pop: a second record with the same id in this batch is a duplicate, not a new event
-        seq = inserted.pop(d.event.event_id.int, None)  # type: ignore[union-attr]
+        seq = inserted.pop(ev.event_id.int, None)
         if seq is not None:
-            stored.append(StoredEvent(d.event, seq, now, d.msg.topic, d.msg.partition, d.msg.offset))
+            stored.append(StoredEvent(ev, seq, now, d.msg.topic, d.msg.partition, d.msg.offset))
         else:
             duplicates.append(d)
     out.stored += len(stored)

@@ -125,7 +125,7 @@ def classify(msg: Message, max_bytes: int, window: TimeWindow | None = None) -> 
         why = check_occurred_at(event.occurred_at, window)
         if why:
             return Decoded(msg, reason="implausible", detail=f"{event.type}: {why}")
-    p = event.payload  # type: ignore[attr-defined]
+    p = event.payload
     index = (
         p.segment_index
         if event.type == "model.responded"
@@ -160,12 +160,12 @@ def same_payload(event: EventBase, stored: str) -> bool:
     both are parsed and validated into the event type's payload model and dumped canonically (JSON
     mode: field order, spacing, number spelling and fields left at their defaults do not count).
     A stored payload that no longer validates is compared as parsed JSON."""
-    mine = event.payload  # type: ignore[attr-defined]
+    mine = event.payload
     try:
         theirs = type(mine).model_validate_json(stored)
     except Exception:  # noqa: BLE001 -- validated by an older version of the contract
-        return orjson.loads(stored) == orjson.loads(mine.model_dump_json(exclude_unset=True))
-    return theirs.model_dump(mode="json") == mine.model_dump(mode="json")
+        return bool(orjson.loads(stored) == orjson.loads(mine.model_dump_json(exclude_unset=True)))
+    return bool(theirs.model_dump(mode="json") == mine.model_dump(mode="json"))
 
 
 def conflicting_duplicates(session: Session, duplicates: Sequence[Decoded]) -> list[Decoded]:

@@ -9,8 +9,12 @@ import json
 import logging
 import signal
 import uuid
+from typing import TYPE_CHECKING, Any
 
 import typer
+
+if TYPE_CHECKING:  # commands import what they run, so `flywheel --help` stays light
+    from sqlalchemy.orm import Session
 
 rewards_app = typer.Typer(no_args_is_help=True, help="Reward specs (TOML, name@version).")
 deadletters_app = typer.Typer(
@@ -109,7 +113,7 @@ def relabel(
         f"{report.late_signals_used} late signals now counted",
     )
 
-    def cell(v, fmt: str) -> str:
+    def cell(v: float | None, fmt: str) -> str:
         return "-" if v is None else format(v, fmt)
 
     for k in ("n", "mean", "std", "min", "p10", "p25", "p50", "p75", "p90", "max"):
@@ -182,7 +186,7 @@ def replay(
                 f"`flywheel replay --drop-schema {schema}` if an earlier replay made it",
                 param_hint="--schema",
             ) from None
-    result = {
+    result: dict[str, Any] = {
         "events": report.events,
         "trajectories": report.trajectories,
         "finalized_by_window": report.finalized_by_window,
@@ -302,7 +306,7 @@ def deadletters_list(
             _hint_reasons(s, [reason])
 
 
-def _hint_reasons(session, asked: list[str]) -> None:
+def _hint_reasons(session: Session, asked: list[str]) -> None:
     """On stderr, which of ``asked`` no dead letter has, next to the reasons there are (a typo shows)."""
     from sqlalchemy import text
 

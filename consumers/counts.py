@@ -19,7 +19,7 @@ _SUMMED = ("stale", "stored", "duplicates", "privacy_dropped", "erased_dropped",
 """The integer counts a batch outcome and the run totals both add up."""
 
 
-def _add_counts(total, o: "BatchOutcome") -> None:
+def _add_counts(total: BatchOutcome | IngestStats, o: BatchOutcome) -> None:
     for name in _SUMMED:
         setattr(total, name, getattr(total, name) + getattr(o, name))
     total.dead_letters.update(o.dead_letters)
@@ -37,11 +37,11 @@ class BatchOutcome:
     (counted in ``privacy_dropped``, the sessions' tombstones); events an erasure request later in the
     batch deleted count here and in that request's ``events_deleted``."""
     duplicates: int = 0
-    dead_letters: Counter = field(default_factory=Counter)
+    dead_letters: Counter[str] = field(default_factory=Counter)
     privacy_dropped: int = 0
     erased_dropped: int = 0
     erasures: list[ErasureOutcome] = field(default_factory=list)
-    finalized: Counter = field(default_factory=Counter)
+    finalized: Counter[str] = field(default_factory=Counter)
     trajectories: int = 0
     next_offsets: dict[tuple[str, int], int] = field(default_factory=dict)
     dead_letter_positions: list[tuple[str, int, int, str | None]] = field(default_factory=list)
@@ -84,8 +84,8 @@ class IngestStats:
     """trajectory writes (a trajectory counts once per batch that folded events into it)."""
     erasures: int = 0
     """erasure requests applied."""
-    dead_letters: Counter = field(default_factory=Counter)
-    finalized: Counter = field(default_factory=Counter)
+    dead_letters: Counter[str] = field(default_factory=Counter)
+    finalized: Counter[str] = field(default_factory=Counter)
     batches: int = 0
     processing_errors: int = 0
     first_record_at: float | None = None

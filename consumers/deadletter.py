@@ -67,7 +67,7 @@ class Claim(NamedTuple):
     privacy_mode: bool = False
 
 
-def _claimed_str(obj: dict, key: str) -> str | None:
+def _claimed_str(obj: dict[str, Any], key: str) -> str | None:
     v = obj.get(key)
     if not isinstance(v, str) or not 0 < len(v) <= MAX_USER_ID_CHARS or why_unstorable(v):
         return None
@@ -256,8 +256,12 @@ class DeadLetterPublisher:
 
         Raises:
             kafka.errors.KafkaError: the broker did not take them (transient: callers retry).
+            ValueError: this publisher was made without a topic (for :meth:`send` only).
         """
-        self.send(((self.topic, *dlq_record(r, self.max_bytes)) for r in rows), timeout_s)
+        topic = self.topic
+        if topic is None:
+            raise ValueError("this dead-letter publisher has no DLQ topic: use send()")
+        self.send(((topic, *dlq_record(r, self.max_bytes)) for r in rows), timeout_s)
 
     def send(
         self, records: Iterable[tuple[str, bytes | None, bytes, list[tuple[str, bytes]]]], timeout_s: float = 30.0

@@ -43,12 +43,14 @@ from collections import Counter
 from collections.abc import Collection
 from dataclasses import dataclass, field
 from datetime import datetime
+from typing import Any
 
+import psycopg
 from sqlalchemy.orm import Session
 
 from app.core.locks import AdvisoryLock
 from app.lifecycle.erasure import FlagOutcome, flag_subtrees
-from app.repositories.events import raw_connection
+from app.repositories.events import fetch_value, raw_connection
 from consumers.deadletter import PRIVATE_DETAIL
 
 log = logging.getLogger(__name__)
@@ -90,7 +92,7 @@ def erase_now(session: Session, user_id: str, request_id: str) -> ErasureOutcome
     """
     conn = raw_connection(session)
 
-    now = conn.execute("SELECT now(), pg_advisory_xact_lock(%s)", (AdvisoryLock.PROJECTION,)).fetchone()[0]
+    now = fetch_value(conn, "SELECT now(), pg_advisory_xact_lock(%s)", (AdvisoryLock.PROJECTION,))
     return erase_user(session, user_id, request_id, now)
 
 
@@ -208,7 +210,9 @@ def purge_private_sessions(session: Session, session_ids: Collection[str]) -> di
     return dict(events)
 
 
-def _delete_sessions(cur, sessions: list[str], user_id: str | None = None) -> tuple[Counter, list[uuid.UUID], int]:
+def _delete_sessions(
+    cur: psycopg.Cursor[Any], sessions: list[str], user_id: str | None = None
+) -> tuple[Counter[str], list[uuid.UUID], int]:
     """Delete the ``event_log`` rows of ``sessions`` (the one DELETE the append-only trigger lets
     through: ``flywheel.erasure`` is on for it alone), their trajectories (cascading to segments
     and labels), only ``user_id``'s rows if given, and the eval tasks mined from those trajectories.
@@ -229,7 +233,13 @@ def _delete_sessions(cur, sessions: list[str], user_id: str | None = None) -> tu
 
 
 def _flag_checkpoints(
-    session: Session, cur, trajectory_ids: list[uuid.UUID], user_id: str | None = None, *, actor: str, cause: str
+    session: Session,
+    cur: psycopg.Cursor[Any],
+    trajectory_ids: list[uuid.UUID],
+    user_id: str | None = None,
+    *,
+    actor: str,
+    cause: str,
 ) -> FlagOutcome:
     """Flag every checkpoint that trained on one of ``trajectory_ids`` or, if given, on any trajectory
     of ``user_id``, and their descendants; stop a flagged canary and move production off a flagged
@@ -241,7 +251,7 @@ def _flag_checkpoints(
     return flag_subtrees(session, [r[0] for r in cur.fetchall()], actor=actor, cause=cause)
 
 
-def list_erasures(session: Session, user_id: str | None = None, limit: int = 50) -> list[dict]:
+def list_erasures(session: Session, user_id: str | None = None, limit: int = 50) -> list[dict[str, Any]]:
     """Processed erasure requests, newest first (``user_id``: only that user's), as JSON-ready dicts:
     the request's key, when it was requested and applied, what it deleted and flagged, ``outcome``
     (``erased``: something was deleted; ``nothing_stored``: the user had nothing stored), and

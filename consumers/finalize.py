@@ -15,43 +15,44 @@ from __future__ import annotations
 
 from collections import Counter
 
+from sqlalchemy.orm import Session
+
 from app.core.db import session_scope
 from app.core.locks import AdvisoryLock
 from app.repositories import trajectories as trepo
-from app.repositories.events import raw_connection
+from app.repositories.events import fetch_value, raw_connection
 from consumers.projection import Projector
 from consumers.trajectory_state import TrajectoryState
 
 
-def finalize_due_once(session, projector: Projector, grace_s: float, limit: int = 500) -> Counter:
+def finalize_due_once(session: Session, projector: Projector, grace_s: float, limit: int = 500) -> Counter[str]:
     """Finalize up to ``limit`` due trajectories in the caller's transaction.
 
     Returns:
         Counter of finalizations by kind (``window`` / ``abandoned``).
     """
     # shared like an ingest batch: an in-place replay (exclusive) never interleaves with a sweep
-    now = (
-        raw_connection(session)
-        .execute("SELECT now(), pg_advisory_xact_lock_shared(%s)", (AdvisoryLock.PROJECTION,))
-        .fetchone()[0]
+    now = fetch_value(
+        raw_connection(session), "SELECT now(), pg_advisory_xact_lock_shared(%s)", (AdvisoryLock.PROJECTION,)
     )
     due = trepo.due_for_window(session, now, grace_s, TrajectoryState, limit=limit)
-    done: Counter = Counter()
+    done: Counter[str] = Counter()
     for t in due.values():
         # The window closed before `now - grace`, so any instant past it triggers the close.
         if projector.close_if_due(t, now):
+            assert t.finalized_by is not None  # set by the close
             done[t.finalized_by] += 1
     trepo.save_trajectories(session, list(due.values()))
     return done
 
 
-def finalize_due(projector: Projector, grace_s: float, limit: int = 500) -> Counter:
+def finalize_due(projector: Projector, grace_s: float, limit: int = 500) -> Counter[str]:
     """Sweep until nothing is due, one transaction per ``limit`` trajectories.
 
     Raises:
         sqlalchemy.exc.OperationalError: the database is unreachable (callers retry).
     """
-    total: Counter = Counter()
+    total: Counter[str] = Counter()
     while True:
         with session_scope() as session:
             done = finalize_due_once(session, projector, grace_s, limit)

@@ -48,8 +48,9 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 from datetime import UTC, datetime
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from app.core.db import session_scope
 from app.core.errors import ConfigurationError
@@ -79,6 +80,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 _STOP = object()
+T = TypeVar("T")
 
 
 def projector_from_settings(cs: ConsumerSettings | None = None) -> Projector:
@@ -142,8 +144,8 @@ class IngestConsumer:
             self.bootstrap, self.dlq_topic, self.settings.dlq_max_bytes, client_id=f"{client_id}-dlq"
         )
         self._tracer = tracer("flywheel.consumers.ingest")
-        self._work: queue.Queue = queue.Queue(maxsize=self.settings.pipeline_depth)
-        self._done: queue.Queue = queue.Queue()
+        self._work: queue.Queue[Any] = queue.Queue(maxsize=self.settings.pipeline_depth)
+        self._done: queue.Queue[dict[tuple[str, int], int]] = queue.Queue()
         self._worker_error: BaseException | None = None
         self._fatal: offsets.OffsetBeyondLogEnd | None = None  # offset_reset = fail found a re-created log
         self._last_sweep = time.monotonic()
@@ -156,7 +158,7 @@ class IngestConsumer:
         if self.client.consumer is None:  # still reaching the broker: nothing is queued, stop retrying
             self._abort.set()
 
-    def retry(self, fn, what: str):
+    def retry(self, fn: Callable[[], T], what: str) -> T:
         """``app.core.retry.retry_transient`` bound to this consumer's abort flag."""
         return retry_transient(fn, what, self._abort, self.settings.retry_max_wait_s)
 
@@ -300,7 +302,7 @@ class IngestConsumer:
                 break
         self.client.commit(done)
 
-    def _hand_over(self, item) -> None:
+    def _hand_over(self, item: tuple[list[Message], list[Decoded]]) -> None:
         """Queue a batch for the DB thread. Normally a slot frees within one batch time; if the DB
         stage is stuck (an outage being retried), keep the group membership alive with paused polls
         (no fetching, so nothing piles up) instead of being evicted after ``max_poll_interval_ms``."""

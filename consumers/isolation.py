@@ -43,7 +43,7 @@ def apply_isolated(
     total = BatchOutcome(messages=len(decoded))
     errors = [0]
 
-    def bisect(session, part: list[Decoded]) -> None:
+    def bisect(session: Session, part: list[Decoded]) -> None:
         try:
             with session.begin_nested():  # conflict-safe insert: see append_events
                 total.merge(apply_batch(session, group_id, part, projector, "copy_upsert"))

@@ -28,10 +28,11 @@ import functools
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
 from kafka import KafkaConsumer, TopicPartition
+from kafka.consumer.fetcher import ConsumerRecord
 from kafka.consumer.subscription_state import ConsumerRebalanceListener
 from kafka.net.compat import KafkaNetClient
 from kafka.structs import OffsetAndMetadata
@@ -47,7 +48,7 @@ from producers.settings import kafka_security
 log = logging.getLogger(__name__)
 
 
-def kafka_net_client(slow_step_warn_s: float):
+def kafka_net_client(slow_step_warn_s: float) -> Callable[..., KafkaNetClient]:
     """kafka-python's network client factory (its ``kafka_client`` option) with the loop's slow-step
     warning at ``slow_step_warn_s`` seconds (0 turns it off) instead of its 0.1 s default."""
     return functools.partial(KafkaNetClient, slow_task_threshold_secs=slow_step_warn_s)
@@ -85,7 +86,7 @@ class GroupClient:
         """partition -> the identity of the log this member reads it as (None: not known yet)."""
         self.assigned_at: float | None = None
         """``time.monotonic()`` of the last assignment sought to its stored offsets."""
-        self.unseeked: set = set()
+        self.unseeked: set[TopicPartition] = set()
         """assigned partitions paused until their stored offsets can be read."""
         self.joining_since: float | None = time.monotonic()
         """``time.monotonic()`` when the current group join began; None once it has finished."""
@@ -94,7 +95,7 @@ class GroupClient:
 
     # ---- lifecycle ------------------------------------------------------------------------------
 
-    def new_consumer(self):
+    def new_consumer(self) -> KafkaConsumer:
         """A ``KafkaConsumer`` subscribed to the topic, with the rebalance listener that seeks to the
         stored offsets.
 
@@ -121,7 +122,7 @@ class GroupClient:
         owner = self
 
         class _SeekToStored(ConsumerRebalanceListener):
-            def on_partitions_revoked(self, revoked) -> None:
+            def on_partitions_revoked(self, revoked: set[TopicPartition]) -> None:
                 # Let queued batches land first so the next owner starts where we stopped (if they
                 # do not in time, the offset rows they lock make the later write skip what was done).
                 owner._drain(owner.settings.max_poll_interval_ms / 2000)
@@ -129,7 +130,7 @@ class GroupClient:
                 owner.unseeked.difference_update(revoked)
                 log.info("partitions revoked: %s", sorted(tp.partition for tp in revoked))
 
-            def on_partitions_assigned(self, assigned) -> None:
+            def on_partitions_assigned(self, assigned: set[TopicPartition]) -> None:
                 owner.seek_to_stored(consumer, assigned)
 
         consumer.subscribe([self.topic], listener=_SeekToStored())
@@ -155,7 +156,7 @@ class GroupClient:
             raise
         return True
 
-    def poll(self, timeout_ms: int | None = None) -> dict:
+    def poll(self, timeout_ms: int | None = None) -> dict[TopicPartition, list[ConsumerRecord]]:
         """One ``KafkaConsumer.poll`` of at most ``batch_max_records`` (``timeout_ms``: default
         ``poll_timeout_ms``); a transient broker fault waits a backoff and returns ``{}``
         (``consumers.polling.PollBackoff``).
@@ -210,7 +211,7 @@ class GroupClient:
         """The identity of the topic's log as the client last heard it (``app.core.kafka_meta.log_id_of``)."""
         return log_id_of(self.consumer, self.topic)
 
-    def seek_to_stored(self, consumer, assigned) -> None:
+    def seek_to_stored(self, consumer: KafkaConsumer, assigned: Collection[TopicPartition]) -> None:
         """Seek newly assigned partitions to the offsets stored in Postgres. This runs inside the
         rebalance callback, which blocks the client's heartbeats: if Postgres does not answer within
         half the session timeout (an outage), the partitions are paused instead, so the member stays in
@@ -266,7 +267,9 @@ class GroupClient:
         self._apply_stored(self.consumer, tps, stored)
         self.consumer.resume(*tps)
 
-    def _apply_stored(self, consumer, assigned, stored: dict[int, tuple[int, str | None]]) -> None:
+    def _apply_stored(
+        self, consumer: KafkaConsumer, assigned: Collection[TopicPartition], stored: dict[int, tuple[int, str | None]]
+    ) -> None:
         self.assigned_at = time.monotonic()
         for tp in assigned:
             if tp.partition in stored:
@@ -292,7 +295,7 @@ class GroupClient:
         for (_, p), o in offsets.items():
             self.next[p] = max(self.next.get(p, 0), o)
 
-        def done(_offsets, result) -> None:
+        def done(_offsets: object, result: object) -> None:
             if isinstance(result, Exception):  # advisory only: Postgres holds the offsets
                 log.debug("kafka offset commit failed: %s", result)
 

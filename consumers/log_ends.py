@@ -21,7 +21,9 @@ Invariants:
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
+
+from kafka import TopicPartition
 
 from app.core.db import session_scope
 from consumers import offsets
@@ -32,8 +34,8 @@ if TYPE_CHECKING:
 
 
 def check_log_ends(
-    client: GroupClient, drain: Callable[[float], None], retry: Callable, metrics: ConsumerMetrics
-) -> tuple[offsets.OffsetBeyondLogEnd | None, set]:
+    client: GroupClient, drain: Callable[[float], None], retry: Callable[..., Any], metrics: ConsumerMetrics
+) -> tuple[offsets.OffsetBeyondLogEnd | None, set[TopicPartition]]:
     """Compare each assigned partition's log identity (``client.current_log_id()``) and log end (the
     high-water mark of the last fetch) with what ``client`` holds for it. For partitions whose log
     has another identity or ends below the next offset: ``drain`` the pipeline (at most half the
@@ -73,6 +75,7 @@ def check_log_ends(
             client.topic, tp.partition, stored[tp.partition][0], stored[tp.partition][1], current, starts.get(tp) or 0
         )
         for tp in replaced
+        if current is not None  # always: a partition moved only to a known log
     ]
     found += [
         offsets.LogRecreated(client.topic, tp.partition, stored[tp.partition][0], starts.get(tp) or 0, ends[tp])

@@ -17,6 +17,9 @@ import threading
 import time
 from collections.abc import Callable
 
+from kafka import TopicPartition
+from kafka.consumer.fetcher import ConsumerRecord
+
 from app.core.retry import Backoff, is_transient
 
 log = logging.getLogger(__name__)
@@ -31,7 +34,9 @@ class PollBackoff:
         self._backoff = Backoff(max_wait_s)
         self._faults_since = self._warned_at = 0.0
 
-    def poll(self, poll: Callable[[], dict]) -> dict:
+    def poll(
+        self, poll: Callable[[], dict[TopicPartition, list[ConsumerRecord]]]
+    ) -> dict[TopicPartition, list[ConsumerRecord]]:
         """Call ``poll`` (one ``KafkaConsumer.poll``) and return its records; ``{}`` after a
         transient fault, once its backoff has passed (or ``stop`` was set meanwhile).
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 import zlib
 from collections.abc import Collection, Sequence
 
+import psycopg
 from sqlalchemy.orm import Session
 
 from app.core.locks import PRIVACY_LOCK_SPACE
@@ -48,7 +49,7 @@ def session_lock_bucket(session_id: str) -> int:
     return zlib.crc32(session_id.encode("utf-8", "surrogatepass")) % PRIVACY_LOCK_BUCKETS
 
 
-def lock_sessions(conn, sessions: Collection[str], exclusive: Collection[str] = ()) -> None:
+def lock_sessions(conn: psycopg.Connection, sessions: Collection[str], exclusive: Collection[str] = ()) -> None:
     """Take the session locks of ``sessions`` (shared) and ``exclusive`` (exclusive) until the
     transaction ends, in bucket order (so two batches never wait on each other in a cycle), in one
     round trip. A bucket holding any exclusive session is taken exclusively.

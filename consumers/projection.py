@@ -280,9 +280,10 @@ class Projector:
         return max(t.segments, default=0)
 
     def _edit(self, t: TrajectoryState, edit_id: str) -> dict[str, Any]:
-        return t.signals["edits"].setdefault(
+        edit: dict[str, Any] = t.signals["edits"].setdefault(
             edit_id, {"proposed": False, "lines_added": 0, "lines_removed": 0, "decision": None, "persisted": None}
         )
+        return edit
 
     def _on_edit_proposed(self, t: TrajectoryState, se: StoredEvent) -> None:
         p = se.event.payload

@@ -47,7 +47,7 @@ class RedriveReport:
     """Rows matching the selection (never redriven ones only, unless ``again``)."""
     published: int = 0
     """Records the broker acknowledged (with ``dry_run``: that would be published)."""
-    skipped: Counter = field(default_factory=Counter)
+    skipped: Counter[str] = field(default_factory=Counter)
     """Rows not published, by why: ``no_bytes``, ``oversized``."""
     ids: list[int] = field(default_factory=list)
     """``dead_letter.id`` of the published rows."""
@@ -85,7 +85,8 @@ def list_dead_letters(
     reason, ``detail`` (first 300 characters), claimed ``user_id`` and ``session_id``, ``bytes`` (raw
     length; None when the bytes are not kept), ``redacted`` (why not: ``erasure`` | ``privacy``),
     ``created_at``, ``redriven_at``."""
-    where, params = ["id > %s"], [after_id]
+    where: list[str] = ["id > %s"]
+    params: list[object] = [after_id]
     if reason:
         where.append("reason = %s")
         params.append(reason)
@@ -212,7 +213,7 @@ def _publisher(bootstrap: str | None, max_bytes: int) -> DeadLetterPublisher:
     return DeadLetterPublisher(bootstrap, topic=None, max_bytes=max_bytes, client_id="flywheel-redrive")
 
 
-def _publish(publisher: DeadLetterPublisher, rows: list[tuple], topic: str | None, timeout_s: float) -> None:
+def _publish(publisher: DeadLetterPublisher, rows: list[tuple[Any, ...]], topic: str | None, timeout_s: float) -> None:
     try:
         publisher.send(
             (

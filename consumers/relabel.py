@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import uuid
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import psycopg
@@ -30,6 +31,7 @@ from app.repositories.events import iter_event_rows, raw_connection
 from consumers.projection import ProjectionConfig, Projector
 from consumers.replay import stored_event_from_row
 from consumers.rewards.difficulty import TaskHistory, task_histories, trajectory_outcome
+from consumers.rewards.math import RewardResult
 from consumers.rewards.spec import RewardSpec, active_specs, load_spec
 from consumers.trajectory_state import TrajectoryState, new_trajectory
 
@@ -97,7 +99,7 @@ class RelabelReport:
     changed: int = 0
     late_signals_used: int = 0
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         return {
             "spec": self.spec,
             "baseline": self.baseline,
@@ -127,11 +129,13 @@ def relabel(spec_id: str, *, baseline: str | None = None, chunk: int = 2000) -> 
             has_own = conn.execute("SELECT 1 FROM reward_label WHERE spec = %s LIMIT 1", (spec.id,)).fetchone()
             baseline = spec.id if has_own else active_specs()[0].id
         report = RelabelReport(spec=spec.id, baseline=baseline)
-        before = dict(
+        before: dict[uuid.UUID, float] = dict(
             conn.execute("SELECT trajectory_id, reward FROM reward_label WHERE spec = %s", (baseline,)).fetchall()
         )
         report.before = distribution(list(before.values()))
-        finalized = dict(conn.execute("SELECT session_id, id FROM trajectory WHERE status = 'finalized'").fetchall())
+        finalized: dict[str, uuid.UUID] = dict(
+            conn.execute("SELECT session_id, id FROM trajectory WHERE status = 'finalized'").fetchall()
+        )
         late = {
             r[0]: set(r[1])
             for r in conn.execute(
@@ -144,8 +148,8 @@ def relabel(spec_id: str, *, baseline: str | None = None, chunk: int = 2000) -> 
             settle_finalizations()  # after reading `finalized`: each one's earlier trajectories are stored now
             histories = stored_task_histories(conn)
         trepo.create_label_stage(session)
-        labels: list = []
-        late_used: dict = {}  # trajectory id -> late signals its new label counted
+        labels: list[tuple[uuid.UUID, RewardResult]] = []
+        late_used: dict[uuid.UUID, int] = {}  # trajectory id -> late signals its new label counted
 
         def close(t: TrajectoryState | None) -> None:
             if t is None:

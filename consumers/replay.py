@@ -16,16 +16,17 @@ from __future__ import annotations
 
 import re
 import uuid
-from collections.abc import Collection
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+import psycopg
 from sqlalchemy.orm import Session
 
 from app.core.db import session_scope
 from app.core.errors import ConflictError, NotFoundError
 from app.core.locks import AdvisoryLock
-from app.repositories.events import EVENT_COLUMNS, iter_event_rows, raw_connection
+from app.repositories.events import EVENT_COLUMNS, fetch_value, iter_event_rows, raw_connection
 from consumers.batch import project_events
 from consumers.finalize import finalize_due_once
 from consumers.projection import Projector, StoredEvent
@@ -41,7 +42,7 @@ def is_schema_name(name: str) -> bool:
     return _SCHEMA_NAME.fullmatch(name) is not None
 
 
-def stored_event_from_row(row: tuple) -> StoredEvent:
+def stored_event_from_row(row: tuple[Any, ...]) -> StoredEvent:
     """A :class:`StoredEvent` from an ``iter_event_rows`` row (``seq, ingested_at, *EVENT_COLUMNS``).
 
     Raises:
@@ -77,7 +78,7 @@ def create_shadow_schema(session: Session, schema: str) -> str:
     Returns the live schema they were copied from (the current one)."""
     _check_ident(schema)
     conn = raw_connection(session)
-    home = conn.execute("SELECT current_schema()").fetchone()[0]
+    home: str = fetch_value(conn, "SELECT current_schema()")
     conn.execute(f'CREATE SCHEMA "{schema}"')
     for t in PROJECTION_TABLES:
         conn.execute(f'CREATE TABLE "{schema}".{t} (LIKE "{home}".{t} INCLUDING ALL)')
@@ -117,7 +118,7 @@ def drop_shadow_schema(session: Session, schema: str) -> None:
             (schema,),
         )
     }
-    if tables != set(PROJECTION_TABLES) or schema == conn.execute("SELECT current_schema()").fetchone()[0]:
+    if tables != set(PROJECTION_TABLES) or schema == fetch_value(conn, "SELECT current_schema()"):
         raise ConflictError(
             f"schema {schema!r} is not a replay's shadow schema (it holds {len(tables)} tables, "
             f"not just {', '.join(PROJECTION_TABLES)}); left alone"
@@ -161,7 +162,7 @@ def rebuild(
         report.finalized_by_window += sum(done.values())
         if not done:
             break
-    report.trajectories = conn.execute("SELECT count(*) FROM trajectory").fetchone()[0]
+    report.trajectories = fetch_value(conn, "SELECT count(*) FROM trajectory")
     return report
 
 
@@ -178,7 +179,9 @@ def replay(projector: Projector, *, grace_s: float, schema: str | None = None, c
             _enter_shadow_schema(session, schema)
         else:
             conn.execute("SELECT pg_advisory_xact_lock(%s)", (AdvisoryLock.PROJECTION,))
-            before = dict(conn.execute("SELECT spec, count(*) FROM reward_label GROUP BY spec").fetchall())
+            before: dict[str, int] = dict(
+                conn.execute("SELECT spec, count(*) FROM reward_label GROUP BY spec").fetchall()
+            )
             conn.execute("TRUNCATE " + ", ".join(PROJECTION_TABLES))
         rebuild(session, projector, grace_s=grace_s, chunk=chunk, report=report)
         if schema is None:
@@ -241,7 +244,7 @@ _ORDER = {
 """Each projection table's key: rows are dumped in its order and matched by it."""
 
 
-def _columns(conn, schema: str, table: str) -> list[str]:
+def _columns(conn: psycopg.Connection, schema: str, table: str) -> list[str]:
     """``table``'s column names in ``schema``, in table order."""
     return [
         r[0]
@@ -253,14 +256,14 @@ def _columns(conn, schema: str, table: str) -> list[str]:
     ]
 
 
-def _only_in(table: str, n: int, side: str, key_values) -> str:
+def _only_in(table: str, n: int, side: str, key_values: Iterable[Any]) -> str:
     """The difference line for ``n`` keys that only ``side`` has (``key_values``: the first one's)."""
     return f"{table}: {n} row(s) only in the {side}, e.g. " + ", ".join(
         f"{c}={v}" for c, v in zip(_ORDER[table], key_values)
     )
 
 
-def _columns_differ(table: str, key_values, columns) -> str:
+def _columns_differ(table: str, key_values: Iterable[Any], columns: Iterable[str]) -> str:
     """The difference line for a key both sides have whose ``columns`` differ."""
     return (
         f"{table} "
@@ -269,10 +272,10 @@ def _columns_differ(table: str, key_values, columns) -> str:
     )
 
 
-class Rows(list):
+class Rows(list[tuple[Any, ...]]):
     """A table's rows as tuples (a list), with ``columns``: the names of the tuples' fields."""
 
-    def __init__(self, rows=(), columns: tuple[str, ...] = ()):
+    def __init__(self, rows: Iterable[tuple[Any, ...]] = (), columns: tuple[str, ...] = ()) -> None:
         super().__init__(rows)
         self.columns = columns
 
@@ -283,7 +286,7 @@ def dump_projection(
     """Every row of the projection tables of ``schema`` (default: the current one), as tuples in key
     order, leaving out ``exclude[table]`` columns (never a key column)."""
     conn = raw_connection(session)
-    schema = schema or conn.execute("SELECT current_schema()").fetchone()[0]
+    schema = schema or fetch_value(conn, "SELECT current_schema()")
     out: dict[str, Rows] = {}
     for t in PROJECTION_TABLES:
         cols = tuple(c for c in _columns(conn, schema, t) if c in _ORDER[t] or c not in (exclude or {}).get(t, set()))
@@ -354,7 +357,7 @@ def compare_projections(
         cols = ra.columns or rb.columns
         at = [cols.index(c) for c in _ORDER[t]]
 
-        def by_key(rows: list[tuple]) -> dict[tuple, tuple]:
+        def by_key(rows: list[tuple[Any, ...]]) -> dict[tuple[Any, ...], tuple[Any, ...]]:
             return {tuple(r[i] for i in at): r for r in rows}  # noqa: B023
 
         ka, kb = by_key(ra), by_key(rb)

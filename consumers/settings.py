@@ -150,7 +150,7 @@ class ConsumerSettings(BaseSettings):
     @classmethod
     def load(cls) -> "ConsumerSettings":
         """From the environment and the local stack's env file."""
-        return cls(_env_file=(flywheel_home() / "stack.env",))  # type: ignore[call-arg]
+        return cls(_env_file=(flywheel_home() / "stack.env",))
 
 
 @lru_cache(maxsize=1)

@@ -18,8 +18,10 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
+from collections.abc import Iterable, Mapping
+from typing import Any
 
-from opentelemetry.metrics import CallbackOptions, Observation
+from opentelemetry.metrics import CallbackOptions, Meter, Observation
 from opentelemetry.trace import Link, SpanContext, TraceFlags
 
 from app.core.telemetry import meter
@@ -28,7 +30,7 @@ from app.core.telemetry import meter
 class ConsumerMetrics:
     """The ingest consumer's instruments; ``record_*`` methods are cheap and thread-safe."""
 
-    def __init__(self, topic: str, group_id: str, meter_=None) -> None:
+    def __init__(self, topic: str, group_id: str, meter_: Meter | None = None) -> None:
         m = meter_ or meter("flywheel.consumers")
         self._attrs = {"topic": topic, "group": group_id}
         self.events = m.create_counter(
@@ -71,7 +73,7 @@ class ConsumerMetrics:
             description="records applied per second (10 s window)",
         )
 
-    def record_batch(self, outcome, seconds: float) -> None:
+    def record_batch(self, outcome: Any, seconds: float) -> None:
         """Count one applied batch (a ``consumers.counts.BatchOutcome``)."""
         a = self._attrs
         for name, n in (
@@ -100,7 +102,7 @@ class ConsumerMetrics:
         """Count one stored offset found past its partition's log end."""
         self.offset_resets.add(1, {**self._attrs, "partition": partition})
 
-    def record_finalized(self, by_kind) -> None:
+    def record_finalized(self, by_kind: Mapping[str, int]) -> None:
         """Count finalizations (``{by: n}``)."""
         for by, n in by_kind.items():
             if n:
@@ -119,16 +121,16 @@ class ConsumerMetrics:
             span = self._window[-1][0] - self._window[0][0]
             return sum(n for _, n in list(self._window)[1:]) / span if span > 0 else 0.0
 
-    def _observe_lag(self, _options: CallbackOptions):
+    def _observe_lag(self, _options: CallbackOptions) -> list[Observation]:
         with self._lock:
             lag = dict(self._lag)
         return [Observation(v, {**self._attrs, "partition": p}) for p, v in lag.items()]
 
-    def _observe_rate(self, _options: CallbackOptions):
+    def _observe_rate(self, _options: CallbackOptions) -> list[Observation]:
         return [Observation(self.rate(), self._attrs)]
 
 
-def producer_links(headers_of_batch, limit: int) -> list[Link]:
+def producer_links(headers_of_batch: Iterable[Iterable[tuple[str, bytes | None]]], limit: int) -> list[Link]:
     """Span links to the distinct producer trace contexts (W3C ``traceparent``) of a batch, at most
     ``limit``. Parsed directly (not through the propagator) because it runs per record."""
     links: list[Link] = []

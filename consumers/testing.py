@@ -13,8 +13,10 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any, Literal, TypeVar
 
 import numpy as np
 import psycopg
@@ -47,6 +49,8 @@ from producers.events.types import (
     ToolExecuted,
     ToolExecutedEvent,
 )
+
+T = TypeVar("T")
 
 VOCAB = 49_152
 
@@ -89,7 +93,7 @@ def generate_session(
     clock = [start]
     env = dict(session_id=session_id, user_id=user_id, privacy_mode=privacy_mode)
 
-    def at(seconds: float) -> dict:
+    def at(seconds: float) -> dict[str, Any]:
         clock[0] = clock[0] + timedelta(seconds=seconds)
         ms = int(clock[0].timestamp() * 1000)
         return dict(env, occurred_at=clock[0], event_id=_uuid7_like(rng, ms))
@@ -210,7 +214,7 @@ def generate_stream(
     start: datetime | None = None,
     privacy_fraction: float = 0.0,
     withhold_fraction: float = 0.0,
-    **session_kw,
+    **session_kw: Any,
 ) -> list[EventBase]:
     """About ``n_events`` events of many sessions, interleaved as ``concurrency`` sessions would be
     live at once (each session's own order is kept). Whole sessions only: may exceed ``n_events``
@@ -265,10 +269,10 @@ def kafka_record(event: EventBase) -> tuple[bytes, bytes, list[tuple[str, bytes]
 def produce(
     bootstrap: str,
     topic: str,
-    records: Iterable[tuple[bytes | None, bytes | None, Sequence]],
+    records: Iterable[tuple[bytes | None, bytes | None, Sequence[tuple[str, bytes]]]],
     *,
     linger_ms: int = 20,
-    compression: str = "none",
+    compression: Literal["none", "gzip", "zstd"] = "none",
 ) -> int:
     """Send (key, value, headers) records with a kafka-python producer and wait for every ack.
 
@@ -303,7 +307,9 @@ def produce(
 # ---- running consumers in tests and benches ----------------------------------------------------
 
 
-def consumer_process(env: dict[str, str], *, group: str | None = None, idle_exit_s: float | None = None, log_path=None):
+def consumer_process(
+    env: dict[str, str], *, group: str | None = None, idle_exit_s: float | None = None, log_path: Path | None = None
+) -> subprocess.Popen[bytes]:
     """Start ``flywheel consume`` as a subprocess (its own process group) with ``env``."""
     cmd = [sys.executable, "-c", "from ops.cli import main; main()", "consume"]
     if group:
@@ -316,7 +322,7 @@ def consumer_process(env: dict[str, str], *, group: str | None = None, idle_exit
     )
 
 
-def wait_for(predicate, timeout_s: float, interval_s: float = 0.25, what: str = "condition"):
+def wait_for(predicate: Callable[[], T], timeout_s: float, interval_s: float = 0.25, what: str = "condition") -> T:
     """Poll ``predicate()`` until truthy; return its value.
 
     Raises:
@@ -332,7 +338,7 @@ def wait_for(predicate, timeout_s: float, interval_s: float = 0.25, what: str = 
         time.sleep(interval_s)
 
 
-def scalar(url: str, sql: str, params: tuple = ()):
+def scalar(url: str, sql: str, params: tuple[Any, ...] = ()) -> Any:
     """First column of the first row of ``sql`` on ``url`` (libpq URL), in autocommit."""
     with psycopg.connect(url.replace("postgresql+psycopg://", "postgresql://"), autocommit=True) as conn:
         row = conn.execute(sql, params).fetchone()

@@ -27,7 +27,7 @@ from app.lifecycle.release import ReleaseSettings, apply_release_policy, release
 from app.worker.celery_app import celery_app
 from evals import store
 from evals.config import eval_settings
-from evals.gate_config import load_gate_config
+from evals.gate.policy import load_gate_config
 from evals.gating import gate_candidate
 from evals.mined_refresh import refresh_mined_suite
 from evals.shards import ShardedExecution, take_shard

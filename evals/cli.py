@@ -12,10 +12,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import click
 import typer
 from rich.console import Console, Group
 from rich.table import Table
+from typer._click.core import Context as ClickContext  # the click typer vendors: its groups take this
 from typer.core import TyperGroup
 
 from evals import environment_cli, floors_cli
@@ -24,7 +24,7 @@ from evals import environment_cli, floors_cli
 class _DefaultRunGroup(TyperGroup):
     """A group that treats an unknown first word as the argument of its ``run`` command."""
 
-    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+    def parse_args(self, ctx: ClickContext, args: list[str]) -> list[str]:
         if args and args[0] not in self.commands and args[0] not in ("--help", "-h"):
             args = ["run", *args]
         return super().parse_args(ctx, args)
@@ -123,7 +123,7 @@ def eval_run(
 
 
 def _runs_table(summaries):
-    from evals.passk import format_pass_at_k
+    from evals.gate.passk import format_pass_at_k
 
     t = Table(title="eval runs")
     for col in ("suite", "checkpoint", "status", "done", "pass rate", "95% CI", "pass@k, best-of-K", "sessions"):
@@ -159,13 +159,13 @@ def _runs_table(summaries):
 def eval_suites(as_json: bool = JSON) -> None:
     """List the shipped suites and whether the gate uses them (--json: one object per suite and line)."""
     from evals.config import list_suites, load_suite
-    from evals.gate_config import load_gate_config
+    from evals.gate.policy import load_gate_config
 
     gate = load_gate_config()
     if as_json:
         for name in list_suites():
             s = load_suite(name)
-            row = {"suite": name, "gated": name in gate.gated_suites(), "margin": gate.for_suite(name).tolerance}
+            row = {"suite": name, "gated": name in gate.gated_suites(), "margin": gate.for_suite(name).margin}
             typer.echo(json.dumps({**row, "config": s.model_dump(mode="json")}))
         return
     t = Table(title="eval suites")
@@ -196,7 +196,7 @@ def eval_suites(as_json: bool = JSON) -> None:
             str(s.budget.max_turns),
             str(s.budget.max_completion_tokens),
             "yes" if name in gate.gated_suites() else "no",
-            f"{gate.for_suite(name).tolerance:.1%}",
+            f"{gate.for_suite(name).margin:.1%}",
         )
     Console().print(t)
 
@@ -297,7 +297,7 @@ def gate_cmd(
     """Evaluate CANDIDATE and production on every gated suite (reusing cached runs), decide and explain.
     Exits 0 when the gate passes, 1 when it fails or finds insufficient evidence."""
     from app.core.telemetry import configure_telemetry
-    from evals.gate_config import load_gate_config
+    from evals.gate.policy import load_gate_config
     from evals.gating import gate_candidate
 
     configure_telemetry("flywheel-evals")

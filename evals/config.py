@@ -1,5 +1,5 @@
 """Typed configs of the eval side: suites (``evals/suites/*.toml``) and the automation's settings;
-the gate's (``evals/gate.toml``) are :mod:`evals.gate_config`.
+the gate's (``evals/gate.toml``) are :mod:`evals.gate.policy`.
 
 Invariant: every knob that changes which tasks run or how they are scored lives in a validated,
 ``extra="forbid"`` model, and a suite's *effective version* (:func:`SuiteConfig.fingerprint`)
@@ -81,7 +81,7 @@ class SuiteConfig(StrictConfig):
     for training and refused here."""
     samples_per_task: int = Field(default=1, ge=1, le=64)
     """Independent agent sessions per task, K (paired by ``sample_index`` in the gate; the run
-    summary reports pass@1, pass@K and best-of-K). Sized with ``tolerance`` by
+    summary reports pass@1, pass@K and best-of-K). Sized with ``margin`` by
     ``bench/gate_power.py`` (docs/gate.md)."""
     limit: int | None = Field(default=None, ge=1)
     """Maximum number of tasks (a seeded subset); None runs every task."""
@@ -215,4 +215,4 @@ class EvalSettings(BaseSettings):
 
 def eval_settings() -> EvalSettings:
     """The ``FLYWHEEL_EVAL_*`` settings (environment, then the local stack's env file)."""
-    return EvalSettings(_env_file=(flywheel_home() / "stack.env",))  # type: ignore[call-arg]
+    return EvalSettings(_env_file=(flywheel_home() / "stack.env",))

@@ -1,5 +1,5 @@
 """``flywheel eval floors``: derive each gated suite's floor from a checkpoint's stored eval results
-(:mod:`evals.floors`), print them beside the policy's, and with ``--write`` set them in the gate
+(:mod:`evals.gate.floors`), print them beside the policy's, and with ``--write`` set them in the gate
 policy file. A suite without a succeeded run of that checkpoint is reported and left unchanged."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import typer
 from rich import box
@@ -16,8 +16,8 @@ from rich.table import Table
 
 if TYPE_CHECKING:
     from evals.config import SuiteConfig
-    from evals.floors import FloorEstimate
-    from evals.gate_config import GateConfig
+    from evals.gate.floors import FloorEstimate
+    from evals.gate.policy import GateConfig
 
 
 @dataclass(frozen=True)
@@ -47,7 +47,7 @@ class SuiteFloor:
         )
 
 
-def _plan_matches(config: dict, planned: SuiteConfig) -> bool:
+def _plan_matches(config: dict[str, Any], planned: SuiteConfig) -> bool:
     """Whether a run's stored plan (``eval_run.config``) sampled as ``planned``."""
     suite = config.get("suite") or {}
     return (
@@ -68,8 +68,8 @@ def measure_floors(checkpoint: str, names: list[str], policy: GateConfig, confid
     from app.repositories.checkpoints import get_checkpoint
     from evals import store
     from evals.config import load_suite
-    from evals.floors import derive_floor
-    from evals.gate_checks import cluster_of
+    from evals.gate.checks import cluster_of
+    from evals.gate.floors import derive_floor
 
     rows = []
     with session_scope() as session:
@@ -79,9 +79,10 @@ def measure_floors(checkpoint: str, names: list[str], policy: GateConfig, confid
             runs = store.succeeded_runs(session, checkpoint, name)
             planned = policy.plan_suite(load_suite(name))
             matching = [r for r in runs if _plan_matches(r.config or {}, planned)]
-            run = (matching or runs or [None])[0]
+            candidates = matching or runs
+            run = candidates[0] if candidates else None
             outcomes = store.outcomes(session, run).outcomes if run is not None else []
-            if not outcomes:
+            if run is None or not outcomes:
                 rows.append(SuiteFloor(name, current))
                 continue
             estimate = derive_floor(
@@ -147,7 +148,7 @@ def eval_floors(
     from app.core.errors import ConfigurationError
     from app.repositories.checkpoints import require_production
     from evals.config import eval_settings
-    from evals.gate_config import GATE_TOML, load_gate_config, write_floors
+    from evals.gate.policy import GATE_TOML, load_gate_config, write_floors
 
     path = config or eval_settings().gate_config or GATE_TOML
     policy = load_gate_config(path)

@@ -11,11 +11,12 @@ from typing import TYPE_CHECKING
 from rich import box
 from rich.table import Table
 
-from evals.passk import format_sampling
+from evals.gate.passk import format_sampling
 
 if TYPE_CHECKING:
     from rich.console import Console
 
+    from evals.gate.models import PassRate
     from evals.gating import GateOutcome
 
 STYLE = {"pass": "green", "fail": "red", "insufficient_evidence": "yellow", "not_gated": "dim"}
@@ -33,7 +34,7 @@ def explain(console: "Console", outcome: "GateOutcome") -> None:
     suite's decision with its power and the paired difference, pass@k when a suite sampled more than
     once, every reason, the decision and where the report is."""
 
-    def fmt(p):
+    def fmt(p: PassRate | None) -> str:
         return f"{p.rate:.1%} [{p.low:.0%}, {p.high:.0%}]" if p else "-"
 
     r = outcome.result
@@ -73,7 +74,9 @@ def explain(console: "Console", outcome: "GateOutcome") -> None:
             f"[{STYLE[s.decision]}]{s.decision}[/]",
             "-" if s.power is None else f"{s.power:.2f}",
             "-" if s.margin is None else f"{100 * s.margin:.1f}",
-            "-" if s.diff_low is None else f"{100 * s.diff:+.1f} [{100 * s.diff_low:+.1f}, {100 * s.diff_high:+.1f}]",
+            "-"
+            if s.diff is None or s.diff_low is None or s.diff_high is None
+            else f"{100 * s.diff:+.1f} [{100 * s.diff_low:+.1f}, {100 * s.diff_high:+.1f}]",
         )
         for side, samp in (("candidate", s.candidate_sampling), ("production", s.production_sampling)):
             k.add_row(s.suite, side, format_sampling(samp))

@@ -13,7 +13,7 @@ Invariants:
   ``gate_failed`` with that ``decision`` (promotable only with a written override).
 - One gate per candidate at a time (advisory lock).
 - Under ``early_stop`` a gated suite's candidate run may stop once its confidence sequence decides
-  (:mod:`evals.early_stop`); production's run of the plan is always complete (it is reused), and
+  (:mod:`evals.gate.early_stop`); production's run of the plan is always complete (it is reused), and
   the gate re-derives the stop from the stored outcomes rather than trusting the runner.
 """
 
@@ -34,9 +34,10 @@ from app.models import EvalRun
 from app.repositories.checkpoints import get_checkpoint, require_production
 from evals import store
 from evals.config import load_suite
-from evals.early_stop import SequentialStop
-from evals.gate import GateResult, SuiteOutcomes, decide_gate
-from evals.gate_config import GateConfig, load_gate_config
+from evals.gate.decision import decide_gate
+from evals.gate.early_stop import SequentialStop
+from evals.gate.models import GateResult, SuiteOutcomes
+from evals.gate.policy import GateConfig, load_gate_config
 from evals.plan import plan_run
 from evals.report import write_report
 from evals.runner import RunSummary, run_suite
@@ -95,7 +96,7 @@ def _early_stop(
     ):
         return None
     with session_scope() as session:
-        outs = store.outcomes(session, session.get(EvalRun, uuid.UUID(production.run_id))).outcomes
+        outs = store.outcomes(session, session.get_one(EvalRun, uuid.UUID(production.run_id))).outcomes
     return SequentialStop(name, planned, {o.key: o.passed for o in outs}, config)
 
 
@@ -164,7 +165,7 @@ def gate_candidate(
                     on_run(name, role, summary)
             with session_scope() as session:
                 for role, target in (("candidate", cand_out), ("production", prod_out)):
-                    run = session.get(EvalRun, uuid.UUID(runs[name][role].run_id))
+                    run = session.get_one(EvalRun, uuid.UUID(runs[name][role].run_id))
                     target[name] = store.outcomes(session, run)
                     link_references([((run.summary or {}).get("trace"), {"flywheel.link": f"eval_run.{role}"})])
         result = decide_gate(cand_out, prod_out, config)

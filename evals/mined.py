@@ -28,9 +28,9 @@ from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from functools import lru_cache
-from typing import Any
+from typing import Any, cast
 
-from sqlalchemy import exists, select, update
+from sqlalchemy import CursorResult, exists, select, update
 from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.orm import Session
 
@@ -154,8 +154,8 @@ def mine_tasks(session: Session, *, min_persistence: float = 0.8, limit: int | N
         facts = _session_facts(session, traj.session_id)
         request = facts["request"] or traj.request_text
         skip, src = _skip_reason(session, traj, facts, request, trained_tasks, min_persistence)
-        if skip is not None or src is None:
-            report.skipped[skip or "no_source_task"] += 1
+        if skip is not None or src is None or request is None or traj.task_id is None:
+            report.skipped[skip or "no_source_task"] += 1  # (_skip_reason skips a session with no request)
             continue
         if _insert_held_out(session, traj, _held_out_spec(src, traj, request, facts), request, src):
             report.mined.append(traj.task_id)
@@ -250,12 +250,16 @@ def _reserve_siblings(session: Session, task_ids: set[str]) -> int:
         .where(Trajectory.task_id.in_(task_ids), Trajectory.reserved_for_eval.is_(False))
         .with_for_update(read=True, key_share=True, skip_locked=True)
     )
-    return session.execute(
-        update(Trajectory)
-        .where(Trajectory.id.in_(siblings))
-        .values(reserved_for_eval=True)
-        .execution_options(synchronize_session=False)
-    ).rowcount
+    result = cast(  # an UPDATE's result is a CursorResult, which has rowcount
+        CursorResult[Any],
+        session.execute(
+            update(Trajectory)
+            .where(Trajectory.id.in_(siblings))
+            .values(reserved_for_eval=True)
+            .execution_options(synchronize_session=False)
+        ),
+    )
+    return result.rowcount
 
 
 @dataclass(frozen=True)
@@ -300,7 +304,8 @@ def find_contamination(session: Session, extra_task_ids: Iterable[str] = ()) -> 
                 CheckpointTrajectory.task_id.in_(eval_ids)
             )
         ):
-            found.add(Contamination(ckpt, task, "checkpoint_trajectory.task_id"))
+            if task is not None:  # always: selected by task_id
+                found.add(Contamination(ckpt, task, "checkpoint_trajectory.task_id"))
     if by_traj:
         ids = [uuid.UUID(t) for t in by_traj]
         for ckpt, traj in session.execute(
@@ -315,6 +320,6 @@ def find_contamination(session: Session, extra_task_ids: Iterable[str] = ()) -> 
         _manifest_ids(manifest or {}, tasks, trajs)
         for task in tasks & eval_ids:
             found.add(Contamination(ckpt_id, task, "manifest"))
-        for traj in trajs & set(by_traj):
-            found.add(Contamination(ckpt_id, by_traj[traj], "manifest"))
+        for traj_id in trajs & set(by_traj):
+            found.add(Contamination(ckpt_id, by_traj[traj_id], "manifest"))
     return sorted(found, key=lambda c: (c.checkpoint_id, c.task_id, c.via))

@@ -1,6 +1,6 @@
 """Gate reports: ``report.json``, ``gate.png`` and ``tasks.md`` under ``<reports>/gates/<decision_id>/``.
 
-Invariant: a report is derived only from the :class:`~evals.gate.GateResult` (plus ids), so the
+Invariant: a report is derived only from the :class:`~evals.gate.models.GateResult` (plus ids), so the
 stored ``gate_decision.report`` and the files on disk say the same thing. Files are written to a
 temporary name and renamed, so a reader never sees a half-written report.
 """
@@ -17,8 +17,8 @@ import numpy as np
 
 from app.core.intervals import error_bars
 from app.core.settings import get_settings
-from evals.gate import GateResult, SamplingReport
-from evals.passk import format_sampling
+from evals.gate.models import GateResult, SamplingReport
+from evals.gate.passk import format_sampling
 
 MAX_LISTED = 200
 DECISION_COLORS = {
@@ -89,7 +89,7 @@ def render_png(result: GateResult, path: Path, title: str) -> Path:
     for off, role, color in ((-0.18, "candidate", "tab:blue"), (0.18, "production", "tab:gray")):
         rates = [getattr(s, role) for s in suites]
         vals = np.array([r.rate for r in rates])
-        err = error_bars(vals, [(r.low, r.high) for r in rates])
+        err = error_bars([r.rate for r in rates], [(r.low, r.high) for r in rates])
         ax1.bar(x + off, vals, width=0.36, color=color, alpha=0.8, label=role)
         if len(rates):  # the marker keeps a 0 % rate visible
             ax1.errorbar(x + off, vals, yerr=err, fmt="o", color="black", markersize=4, capsize=4)

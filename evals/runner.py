@@ -14,7 +14,7 @@ Invariants:
   process runs the remaining samples on a thread pool (:func:`execute_samples`), or hands them to
   another executor such as :class:`evals.shards.ShardedExecution` (Celery workers); either way the
   summary is computed from the stored results alone.
-- A run given the gate's stop rule (``early_stop``, :mod:`evals.early_stop`) runs its samples in
+- A run given the gate's stop rule (``early_stop``, :mod:`evals.gate.early_stop`) runs its samples in
   the rule's cluster order and ends ``stopped`` when the rule decides; a later run of the same plan
   resumes a ``stopped`` run like a ``failed`` one.
 
@@ -44,17 +44,17 @@ from app.inference.engine import SamplingParams
 from app.repositories.checkpoints import get_checkpoint
 from evals import store
 from evals.config import SuiteConfig, load_suite
-from evals.gate import monitor_values
+from evals.gate.monitors import monitor_values
+from evals.gate.passk import sampling_report
 from evals.harness.agent import AgentBudget, grade_result, run_agent_session
 from evals.harness.sandbox import SandboxLimits
-from evals.passk import sampling_report
 from evals.plan import RunPlan, plan_run, sample_seed
 from serving.engine import setup_engine
 from serving.openai_engine import OpenAICompatEngine
 
 if TYPE_CHECKING:
     from app.inference.engine import InferenceEngine
-    from evals.early_stop import SequentialStop
+    from evals.gate.early_stop import SequentialStop
     from evals.tasks.model import Task
 
 ResultCallback = Callable[[str, int, dict[str, Any]], None]
@@ -110,7 +110,7 @@ class RunSummary:
     pass_at_k: dict[str, float] = field(default_factory=dict)
     """Unbiased pass@k (Chen et al. 2021, eq. 1) by k ("1" and str(samples_per_task))."""
     best_of_k: float | None = None
-    """Share of tasks with at least one passing sample of ``samples_per_task`` (evals.passk)."""
+    """Share of tasks with at least one passing sample of ``samples_per_task`` (evals.gate.passk)."""
     stopped_at_pairs: int | None = None
     """Where an early-stopped run's confidence sequence decided (status ``stopped``); else None."""
 
@@ -188,7 +188,7 @@ def run_sample(
 
 def _summarize(run, plan: RunPlan, errors: list[str]) -> dict[str, Any]:
     """The run's stored summary: pass rate with its Wilson interval over all samples, pass@1 and
-    pass@K (K = the plan's samples per task) and best-of-K over tasks (:mod:`evals.passk`), monitors."""
+    pass@K (K = the plan's samples per task) and best-of-K over tasks (:mod:`evals.gate.passk`), monitors."""
     with session_scope() as session:
         outs = store.outcomes(session, session.merge(run)).outcomes
     k, n = sum(o.passed for o in outs), len(outs)
@@ -258,7 +258,7 @@ def run_suite(
         on_plan: called once with the plan and the number of samples still to run.
         execute: runs the remaining samples (default :func:`execute_samples`, a thread pool here;
             :class:`evals.shards.ShardedExecution` spreads them over Celery workers).
-        early_stop: the gate's stop rule for this run (:class:`evals.early_stop.SequentialStop`):
+        early_stop: the gate's stop rule for this run (:class:`evals.gate.early_stop.SequentialStop`):
             samples run cluster by cluster in its look order, results already stored (a resumed
             run) are looked at first, and the run ends ``stopped`` as soon as it decides (the
             in-process executor only).
@@ -384,7 +384,7 @@ def execute_samples(
     if not todo:
         return []
     own_engine = engine is None
-    if own_engine:
+    if engine is None:
         engine = eval_engine(checkpoint_id)
     workers = workers or default_workers(engine)
     # Each executor its own root: shards of one run may execute side by side on one host.

@@ -170,7 +170,7 @@ def run_claimed(
         Whatever building the engine raises; the claim is then left to the coordinator's reaper.
     """
     with session_scope() as session:
-        run = session.get(EvalRun, claim.run_id)
+        run = session.get_one(EvalRun, claim.run_id)
         suite = SuiteConfig.model_validate(run.config["suite"])
         hashes = run.config.get("task_hashes", {})
         checkpoint_id, version = run.checkpoint_id, run.suite_version

@@ -26,7 +26,7 @@ from app.core.errors import ConflictError
 from app.core.locks import named_lock_key
 from app.models import Checkpoint, EvalResult, EvalRun, EvalShard, GateDecision
 from app.models.checkpoints import CheckpointStatus
-from evals.gate import Outcome, SuiteOutcomes
+from evals.gate.models import Outcome, SuiteOutcomes
 
 RESULT_FIELDS = (
     "passed",

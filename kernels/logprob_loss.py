@@ -61,9 +61,9 @@ class _FusedLogProbLoss(torch.autograd.Function):
             # d loss / d z_j = g (1[j = y] - p_j), with p = e / sum(e): one in-place pass
             grad_logits = ex.mul_((-g / total)[:, None])
             grad_logits.scatter_add_(1, y[:, None], g[:, None])
-            chunk_backward(grad_logits, h, weight, grad_hidden[s:e] if need_h else None, grad_weight)
+            chunk_backward(grad_logits, h, weight, grad_hidden[s:e] if grad_hidden is not None else None, grad_weight)
         del x_buf, e_buf
-        ctx.save_for_backward(grad_hidden if need_h else None, grad_weight.to(weight.dtype) if need_w else None)
+        ctx.save_for_backward(grad_hidden, grad_weight.to(weight.dtype) if grad_weight is not None else None)
         ctx.mark_non_differentiable(logprobs, entropy)
         return loss, logprobs, entropy
 

@@ -294,8 +294,8 @@ def logprobs_backward(
     v = weight.shape[0]
     has_glp, has_gent = grad_logprobs is not None, grad_entropy is not None
     dummy = torch.zeros(1, dtype=torch.float32, device=hidden.device)
-    glp = grad_logprobs.float().contiguous() if has_glp else dummy
-    gent = grad_entropy.float().contiguous() if has_gent else dummy
+    glp = grad_logprobs.float().contiguous() if grad_logprobs is not None else dummy
+    gent = grad_entropy.float().contiguous() if grad_entropy is not None else dummy
     common = dict(HAS_GLP=has_glp, HAS_GENT=has_gent, BLOCK_N=block_n, BLOCK_V=block_v, BLOCK_H=block_h)
     strides = (hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1))
     grad_hidden = grad_weight = None

@@ -148,10 +148,11 @@ class _ChunkedLogProbs(torch.autograd.Function):
                     # d logprob / d z_j = 1[j = y] - p_j
                     grad_logits.addcmul_(probs, grad_logprobs[s:e, None].float(), value=-1.0)
             else:
+                assert grad_logprobs is not None  # one of the two is set (the early return above)
                 grad_logits = probs.mul_(-grad_logprobs[s:e, None].float())
             if grad_logprobs is not None:
                 grad_logits.scatter_add_(1, y[:, None], grad_logprobs[s:e, None].float())
-            chunk_backward(grad_logits, h, weight, grad_hidden[s:e] if need_h else None, grad_weight)
+            chunk_backward(grad_logits, h, weight, grad_hidden[s:e] if grad_hidden is not None else None, grad_weight)
         del x_buf, e_buf
         if grad_weight is not None:
             grad_weight = grad_weight.to(weight.dtype)

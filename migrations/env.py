@@ -6,6 +6,7 @@ import os
 
 from alembic import context
 from sqlalchemy import create_engine, pool
+from sqlalchemy.schema import SchemaItem
 
 import app.models  # noqa: F401  (registers every table)
 from app.core.db import database_url, normalize_url
@@ -18,7 +19,9 @@ target_metadata = Base.metadata
 _only = {t for t in os.environ.get("FLYWHEEL_AUTOGEN_TABLES", "").split(",") if t}
 
 
-def include_object(obj, name, type_, reflected, compare_to):
+def include_object(
+    obj: SchemaItem, name: str | None, type_: str, reflected: bool, compare_to: SchemaItem | None
+) -> bool:
     """During authoring, ``FLYWHEEL_AUTOGEN_TABLES`` limits autogenerate to one area's tables.
     Tables Celery creates for itself on the same database are never Alembic's."""
     if is_celery_object(obj, name, type_, reflected, compare_to):

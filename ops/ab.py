@@ -406,6 +406,6 @@ def run_ab(
         if not arm.sessions and arm.errors:
             raise InfrastructureError(f"every session of {arm.checkpoint_id} errored; first: {arm.errors[0]}")
     return {
-        **compare_arms(*arms, pairs, config.confidence, config.cluster_by),
+        **compare_arms(arms[0], arms[1], pairs, config.confidence, config.cluster_by),
         "config": config.model_dump(mode="json"),
     }

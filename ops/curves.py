@@ -217,12 +217,12 @@ def render_curves_png(points: list[CurvePoint], path: Path) -> Path:
     ax.legend(fontsize=8)
     ax = axes[1]
     for key in ("edit_acceptance", "edit_persistence", "dissatisfied_followup_rate"):  # rates in [0, 1]
-        pts = [(x, p.signals[key], p.signal_ci.get(key)) for x, p in zip(xs, points) if key in p.signals]
-        values = [v for _, v, _ in pts]
+        signal_pts = [(x, p.signals[key], p.signal_ci.get(key)) for x, p in zip(xs, points) if key in p.signals]
+        values = [v for _, v, _ in signal_pts]
         ax.errorbar(
-            [x for x, _, _ in pts],
+            [x for x, _, _ in signal_pts],
             values,
-            yerr=error_bars(values, [ci for *_, ci in pts]),
+            yerr=error_bars(values, [ci for *_, ci in signal_pts]),
             capsize=3,
             marker="o",
             label=key,
@@ -231,16 +231,16 @@ def render_curves_png(points: list[CurvePoint], path: Path) -> Path:
     ax.set_ylim(0, 1)
     ax.legend(fontsize=8)
     ax = axes[2]
-    pts = [
+    reward_pts = [
         (x, p.signals["mean_reward"], p.signal_ci.get("mean_reward"))
         for x, p in zip(xs, points)
         if "mean_reward" in p.signals
     ]
-    values = [v for _, v, _ in pts]
+    values = [v for _, v, _ in reward_pts]
     ax.errorbar(
-        [x for x, _, _ in pts],
+        [x for x, _, _ in reward_pts],
         values,
-        yerr=error_bars(values, [ci for *_, ci in pts]),
+        yerr=error_bars(values, [ci for *_, ci in reward_pts]),
         capsize=3,
         marker="o",
         color="tab:green",

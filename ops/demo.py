@@ -286,8 +286,8 @@ class Demo:
                 with session_scope() as session:
                     stored, finalized = loop_state.trajectories_since(session, since)
                     cycles = loop_state.cycles_since(session, since)
-                    done = [c for c in cycles if c.status == "succeeded" and c.checkpoint_id]
-                    cand = loop_state.candidate_state(session, done[0].checkpoint_id) if done else None
+                    done = [c.checkpoint_id for c in cycles if c.status == "succeeded" and c.checkpoint_id]
+                    cand = loop_state.candidate_state(session, done[0]) if done else None
                     production = loop_state.production_id(session)
                 progress.update(bar, description=self._progress_line(stored, finalized, cycles, cand))
                 if cand is not None and cand.settled and self._serving() == production:
@@ -310,10 +310,10 @@ class Demo:
 
     def step_measure(self, cycle: int) -> str:
         """The checkpoint now serving against base on fresh production traffic: a point of the curve."""
-        if self.opts.ab_tasks < 2:
-            return "skipped (--ab-tasks 0)"
         with session_scope() as session:
             production, base = loop_state.production_id(session), loop_state.base_id(session)
+        if self.opts.ab_tasks < 2 or production is None:
+            return "skipped (no production checkpoint)" if production is None else "skipped (--ab-tasks 0)"
         args = ["ab", base or production, production, "--tasks", str(self.opts.ab_tasks)]
         args += ["--samples", str(self.opts.ab_samples), *session_budget_args(self.opts)]
         args += ["--seed", str(self.opts.seed), "--label", f"cycle-{cycle}", "--json"]

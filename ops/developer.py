@@ -140,13 +140,23 @@ class ReactionSettings(Protocol):
     """What a :class:`DeveloperReaction` reads of its run's settings (``ops.simulator.SimulatorConfig``
     has these fields)."""
 
-    developer: DeveloperModel
-    run_timeout_s: float
-    """Wall-clock limit of the hidden tests (seconds)."""
-    persistence_delay_s: float
-    """Seconds between acceptance and ``edit.persistence_measured``."""
-    followup_delay_s: float
-    """Seconds between the end of a session and its follow-up."""
+    @property
+    def developer(self) -> DeveloperModel: ...
+
+    @property
+    def run_timeout_s(self) -> float:
+        """Wall-clock limit of the hidden tests (seconds)."""
+        ...
+
+    @property
+    def persistence_delay_s(self) -> float:
+        """Seconds between acceptance and ``edit.persistence_measured``."""
+        ...
+
+    @property
+    def followup_delay_s(self) -> float:
+        """Seconds between the end of a session and its follow-up."""
+        ...
 
 
 def visible_check(task, final_files: dict[str, str]) -> bool:

@@ -5,11 +5,11 @@ every one comes from the rows the loop wrote, never from a command's printed out
 
 from __future__ import annotations
 
-from sqlalchemy import func, select
+from sqlalchemy import Interval, func, select, type_coerce
 from sqlalchemy.orm import Session
 
 from app.models import ABComparison, EvalResult, EvalRun, EventLog, GateDecision, Promotion, TrainingCycle
-from evals.gate import paired_bootstrap_interval
+from evals.gate.decision import paired_bootstrap_interval
 
 SUITE = "functions"  # the held-out suite the bench's gates decide on
 SIGNALS = (  # the product signals the A/B reports beside the pass rate
@@ -130,11 +130,11 @@ def loop_budget(session: Session) -> dict[str, float]:
             TrainingCycle.status == "succeeded"
         )
     )
-    decided = select(GateDecision.created_at - TrainingCycle.finished_at).join(
+    decided = select(type_coerce(GateDecision.created_at - TrainingCycle.finished_at, Interval)).join(
         TrainingCycle, TrainingCycle.checkpoint_id == GateDecision.candidate_id
     )
     gate = sum(float(d.total_seconds()) for d in session.scalars(decided))
-    release = select(Promotion.created_at - GateDecision.created_at).join(
+    release = select(type_coerce(Promotion.created_at - GateDecision.created_at, Interval)).join(
         GateDecision, GateDecision.id == Promotion.gate_decision_id
     )
     evals = eval_seconds(session)

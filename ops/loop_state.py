@@ -45,7 +45,7 @@ class CandidateState:
 def mark(session: Session) -> Mark:
     """The current point (see :class:`Mark`)."""
     seq = session.scalar(select(func.coalesce(func.max(EventLog.seq), 0)))
-    return Mark(seq=int(seq or 0), at=session.scalar(select(func.now())))
+    return Mark(seq=int(seq or 0), at=session.execute(select(func.now())).scalar_one())
 
 
 def sessions_since(session: Session, since: Mark) -> int:

@@ -34,8 +34,8 @@ from app.models import (
     RewardLabel,
     Trajectory,
 )
-from evals.gate_models import Outcome
-from evals.passk import sampling_report
+from evals.gate.models import Outcome
+from evals.gate.passk import sampling_report
 from ops.curves import collect_curves, curves_html, gate_view, render_curves_png
 from ops.report_model import LoopReport, SuiteResult, fmt_diff, fmt_power
 from ops.report_terminal import render_curves_terminal, render_terminal
@@ -148,6 +148,7 @@ def collect_report(session: Session, candidate_id: str | None = None) -> LoopRep
             ).all()
             planned_k = int(((run.config or {}).get("suite") or {}).get("samples_per_task") or 0) or None
             samp = sampling_report([Outcome(t, i, i < c) for t, n, c in per_task for i in range(n)], planned_k)
+            assert samp is not None  # total > 0: the run has outcomes
             report.suites.append(
                 SuiteResult(
                     ckpt,

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from evals.passk import format_pass_at_k
+from evals.gate.passk import format_pass_at_k
 
 
 @dataclass
@@ -24,7 +24,7 @@ class SuiteResult:
     tool_call_errors: int
     samples_per_task: int = 1
     pass_at_k: dict[str, float] = field(default_factory=dict)
-    """Unbiased pass@k (Chen et al. 2021, eq. 1) by k, mean over tasks (``evals.passk``)."""
+    """Unbiased pass@k (Chen et al. 2021, eq. 1) by k, mean over tasks (``evals.gate.passk``)."""
     best_of_k: float | None = None
     """Share of tasks with a passing sample among their ``samples_per_task`` samples."""
 

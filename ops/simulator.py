@@ -39,6 +39,7 @@ from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 from opentelemetry import context as otel_context
 from pydantic import BaseModel, ConfigDict, Field
@@ -135,7 +136,8 @@ class LateEvents:
     """Late signals due at a wall-clock time, emitted by the simulator loop as they fall due."""
 
     def __init__(self, emit: Callable[[EventBase], None]) -> None:
-        self._emit, self._heap, self._lock, self._n = emit, [], threading.Lock(), 0
+        self._emit, self._lock, self._n = emit, threading.Lock(), 0
+        self._heap: list[tuple[float, int, EventBase, otel_context.Context]] = []
 
     def schedule(self, delay_s: float, event: EventBase) -> None:
         """Emit ``event`` after ``delay_s`` seconds, inside the trace context current now (the
@@ -219,7 +221,7 @@ def choose_tasks(tasks: list, n: int, mix: dict[int, float], seed: int) -> list:
         weights = {None: 1.0}
     if not any(w > 0 for w in weights.values()):
         raise ConfigurationError(f"no task has a difficulty level weighted above 0 by {mix}")
-    chosen = []
+    chosen: list[Any] = []
     while len(chosen) < n:
         levels = [lv for lv, pool in pools.items() if pool and weights[lv] > 0]
         if not levels:
@@ -347,7 +349,7 @@ def play_session(
     ):
         try:
             result = run_agent_session(
-                spec.engine,
+                spec.engine,  # type: ignore[arg-type]  # forwards the wrapped engine's interface
                 spec.task,
                 workdir,
                 budget,

@@ -80,6 +80,7 @@ def simulate(
 
     from app.core.settings import get_settings
     from app.core.telemetry import configure_telemetry, shutdown_telemetry
+    from app.inference.engine import InferenceEngine
     from ops.developer import DeveloperModel
     from ops.simulator import SimulatorConfig, run_simulation
     from producers.producer import EventProducer
@@ -115,6 +116,7 @@ def simulate(
     )
     if front is None:
         front = get_settings().serving.engine == "vllm" and checkpoint is None and model_dir is None
+    engine: InferenceEngine
     if front:
         front_settings = FrontSettings.load()
         url = front_url or front_settings.client_url

@@ -298,12 +298,12 @@ def stack_status(home: Path | None = None) -> dict[str, dict[str, object]]:
         "postgres": {
             "url": db_url,
             "pid": state.postgres_pid if state else None,
-            "healthy": bool(db_url) and postgres_healthy(db_url),
+            "healthy": bool(db_url and postgres_healthy(db_url)),
         },
         "kafka": {
             "bootstrap": bootstrap,
             "pid": state.broker_pid if state else None,
-            "healthy": bool(bootstrap) and broker_healthy(bootstrap),
+            "healthy": bool(bootstrap and broker_healthy(bootstrap)),
         },
         **{f"vllm-{role}": info for role, info in server_status(home).items()},
         # the loop's processes (`flywheel up`), by the pid recorded when each started

@@ -65,7 +65,10 @@ def ensure_production(on_event: Callable[[str], None]) -> str:
     on_event("no production checkpoint: materializing the base model (flywheel model init)")
     init_base()
     with session_scope() as session:
-        return get_production(session).id
+        production = get_production(session)
+        if production is None:
+            raise InfrastructureError("flywheel model init made no production checkpoint")
+        return production.id
 
 
 FRONT_TOKEN_NAME = "flywheel-up"

@@ -6,7 +6,10 @@ murmur2) picks for its key, so every event of a session lands on one partition, 
 
 from __future__ import annotations
 
+from typing import Any
+
 from kafka import codec
+from kafka.cluster import ClusterMetadata
 from kafka.partitioner import DefaultPartitioner, Partitioner
 
 DEFAULT_BATCH_BYTES = 256 * 1024
@@ -30,7 +33,15 @@ class SessionPartitioner(Partitioner):
         self._cache: dict[tuple[str, bytes, int], int] = {}
         self._max = max_entries
 
-    def partition(self, topic, key, serialized_key, value, serialized_value, cluster):
+    def partition(
+        self,
+        topic: str,
+        key: object,
+        serialized_key: bytes | None,
+        value: object,
+        serialized_value: bytes | None,
+        cluster: ClusterMetadata,
+    ) -> int:
         if serialized_key is None:
             return self._default.partition(topic, key, serialized_key, value, serialized_value, cluster)
         parts = cluster.partitions_for_topic(topic)
@@ -53,8 +64,8 @@ def kafka_config(
     max_event_bytes: int,
     delivery_timeout_s: float,
     connect_timeout_s: float,
-    security: dict | None = None,
-) -> dict:
+    security: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     """Keyword arguments for ``kafka.KafkaProducer``: ``acks=all`` (idempotent), compression,
     batching, and timeouts short enough that an outage is noticed within ``delivery_timeout_s``;
     ``security``: ``KafkaSettings.security_config()`` (TLS, SASL), added as it is."""

@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from kafka import KafkaProducer
+from kafka.producer.future import FutureRecordMetadata
 
 from producers.client import DEFAULT_BATCH_BYTES, default_compression, kafka_config
 from producers.errors import BrokerUnavailableError, ConfigurationError, InvalidEventError
@@ -98,9 +99,10 @@ class EventProducer:
     ) -> None:
         kafka = KafkaSettings.load()
         self._security = kafka
-        self.bootstrap = bootstrap or kafka.bootstrap
-        if not self.bootstrap:
+        bootstrap = bootstrap or kafka.bootstrap
+        if not bootstrap:
             raise ConfigurationError("no Kafka bootstrap: pass bootstrap= or set FLYWHEEL_KAFKA_BOOTSTRAP")
+        self.bootstrap = bootstrap
         self.topic = topic or kafka.interactions_topic
         self.max_event_bytes = max_event_bytes or kafka.max_event_bytes
         self.compression = compression or default_compression()
@@ -117,7 +119,7 @@ class EventProducer:
         self._closed = False
         self._counters = ProducerCounters()
         self._counts = self._counters.counts
-        self._client = None
+        self._client: KafkaProducer | None = None
         self._inflight = 0
         self._down = False  # last broker attempt failed
         self._retry_at = 0.0
@@ -250,7 +252,7 @@ class EventProducer:
     def __enter__(self) -> "EventProducer":
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     # ---- sender thread ------------------------------------------------------------------------
@@ -351,7 +353,7 @@ class EventProducer:
             if not records:
                 return
         self._inflight = len(records)
-        failed, exc = self._send(records)
+        failed, error = self._send(self._client, records)
         if token is not None:
             if failed:
                 self._spool.prepend(failed)
@@ -371,14 +373,15 @@ class EventProducer:
         self._counts["sent"] += len(records) - len(failed)
         self._inflight = 0
         if failed:
-            self._fault(exc or RuntimeError(f"{len(failed)} records not acknowledged"))
+            self._fault(error or RuntimeError(f"{len(failed)} records not acknowledged"))
         else:
             self._down, self._backoff = False, 0.0
             self._attempts += 1
 
-    def _send(self, records: list[Record]) -> tuple[list[Record], Exception | None]:
+    def _send(self, client: KafkaProducer, records: list[Record]) -> tuple[list[Record], Exception | None]:
         """Send a batch and wait for its acknowledgements. Returns the records not acknowledged."""
-        client, futures, error = self._client, [], None
+        futures: list[FutureRecordMetadata] = []
+        error: Exception | None = None
         try:
             for r in records:
                 futures.append(client.send(r.topic, value=r.value, key=r.key, headers=r.headers))
@@ -394,7 +397,7 @@ class EventProducer:
             error = next((f.exception for f in futures if f.is_done and f.failed()), None)
         return failed, error
 
-    def _connect(self):
+    def _connect(self) -> KafkaProducer:
         return KafkaProducer(
             **kafka_config(
                 self.bootstrap,
@@ -410,6 +413,8 @@ class EventProducer:
 
     def _close_client(self, timeout: float = 0) -> None:
         client, self._client = self._client, None
+        if client is None:
+            return
         try:
             client.close(timeout=timeout)
         except Exception:  # closing a broken client can fail in many ways; it is discarded anyway

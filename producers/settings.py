@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, Self
 
 import platformdirs
 from pydantic import Field, SecretStr, model_validator
@@ -36,9 +36,9 @@ class EnvSettings(BaseSettings):
     model_config = SettingsConfigDict(env_file_encoding="utf-8", extra="ignore")
 
     @classmethod
-    def load(cls):
+    def load(cls) -> Self:
         """Build from the environment and the local stack's env file, if present."""
-        return cls(_env_file=_env_files())  # type: ignore[call-arg]
+        return cls(_env_file=_env_files())
 
 
 class KafkaSettings(EnvSettings):

@@ -37,7 +37,7 @@ import threading
 import zlib
 from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import NamedTuple
+from typing import BinaryIO, NamedTuple
 
 from producers.errors import ConfigurationError
 from producers.files import fsync_dir
@@ -71,7 +71,7 @@ class ReadToken(NamedTuple):
 
     segment: int
     end_offset: int
-    count: int
+    records: int
     rewrite: int = 0
     """How many times the segment had been salvaged (rewritten) when it was read: a token from
     before a rewrite no longer names offsets of the file and commits nothing (its records are
@@ -223,7 +223,7 @@ class Spool:
         self._segments: list[int] = sorted(int(p.stem) for p in self.dir.glob(f"*{_SUFFIX}"))
         self._acked: dict[int, int] = {n: self._read_ack(n) for n in self._segments}
         self._rewrites: dict[int, int] = {}
-        self._writer = None
+        self._writer: BinaryIO | None = None  # the tail segment's; None exactly when _writer_seg is
         self._writer_seg: int | None = None
         self._dirty = False
         recovered = [self._recover(n) for n in self._segments]
@@ -333,23 +333,25 @@ class Spool:
                     errno.ENOSPC,
                     f"spool {self.dir} holds {self._pending_bytes} undelivered bytes (limit {self.max_bytes})",
                 )
-            if self._writer is None or self._writer.tell() >= self.segment_bytes:
-                self._open_tail()
-            self._writer.write(data)
-            self._seg_pending[self._writer_seg] += len(records)
+            writer, seg = self._writer, self._writer_seg
+            if writer is None or seg is None or writer.tell() >= self.segment_bytes:
+                writer, seg = self._open_tail()
+            writer.write(data)
+            self._seg_pending[seg] += len(records)
             self._pending_bytes += len(data)
             self._dirty = True
 
-    def _open_tail(self) -> None:
+    def _open_tail(self) -> tuple[BinaryIO, int]:
         if self._writer is not None:
             self._close_writer()
         n = self._segments[-1] + 1 if self._segments else _FIRST_SEGMENT
-        self._writer = open(self._path(n), "ab")
+        writer = self._writer = open(self._path(n), "ab")
         self._writer_seg = n
         self._segments.append(n)
         self._acked[n] = 0
         self._seg_pending[n] = 0
         fsync_dir(self.dir)
+        return writer, n
 
     def prepend(self, records: Iterable[Record]) -> None:
         """Put records at the head, ahead of everything spooled; durable when this returns."""
@@ -385,7 +387,7 @@ class Spool:
         with self._lock:
             while self._segments:
                 n = self._segments[0]
-                if n == self._writer_seg:
+                if self._writer is not None and n == self._writer_seg:
                     self._writer.flush()
                     size = self._writer.tell()
                 else:
@@ -435,8 +437,12 @@ class Spool:
                 return
             self._pending_bytes -= token.end_offset - self._acked[n]
             self._acked[n] = token.end_offset
-            self._seg_pending[n] -= token.count
-            size = self._writer.tell() if n == self._writer_seg else self._path(n).stat().st_size
+            self._seg_pending[n] -= token.records
+            size = (
+                self._writer.tell()
+                if self._writer is not None and n == self._writer_seg
+                else self._path(n).stat().st_size
+            )
             if token.end_offset >= size:
                 self._drop_segment(n)
             else:
@@ -444,13 +450,15 @@ class Spool:
 
     def _close_writer(self) -> None:
         """Flush, fsync and close the tail segment's writer; the next append opens a new segment."""
+        if self._writer is None:
+            return
         self._writer.flush()
         os.fsync(self._writer.fileno())
         self._writer.close()
         self._writer, self._writer_seg, self._dirty = None, None, False
 
     def _drop_segment(self, n: int) -> None:
-        if n == self._writer_seg:
+        if self._writer is not None and n == self._writer_seg:
             self._writer.close()
             self._writer, self._writer_seg, self._dirty = None, None, False
         self._path(n).unlink(missing_ok=True)

@@ -74,7 +74,7 @@ class CanaryServingSettings(BaseSettings):
 
 def canary_settings() -> CanaryServingSettings:
     """The ``FLYWHEEL_SERVING_CANARY_*`` settings (environment, then the local stack's env file)."""
-    return CanaryServingSettings(_env_file=(flywheel_home() / "stack.env",))  # type: ignore[call-arg]
+    return CanaryServingSettings(_env_file=(flywheel_home() / "stack.env",))
 
 
 @dataclass(frozen=True)

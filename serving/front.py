@@ -297,7 +297,7 @@ def create_front(
             await router.client.aclose()
 
     app = FastAPI(title="flywheel serving front", lifespan=lifespan)
-    app.add_exception_handler(BadRequest, _bad_request)
+    app.add_exception_handler(BadRequest, _bad_request)  # type: ignore[arg-type]  # Starlette types handlers as taking Exception
     app.add_exception_handler(httpx.ConnectError, _unavailable)
     app.add_exception_handler(UpstreamUnavailable, _unavailable)
     app.add_exception_handler(OperationalError, _keys_unavailable)

@@ -95,7 +95,7 @@ class LifecycleTopicFollower:
         start_at: StartAt,
         positions: Mapping[int, int] | None = None,
         retry: Callable[[BaseException], bool] = _always,
-        before_poll: Callable[[], None] | None = None,
+        before_poll: Callable[[], object] | None = None,
     ) -> None:
         self.handle = handle
         self.bootstrap = bootstrap
@@ -138,7 +138,9 @@ class LifecycleTopicFollower:
             self.positions = dict.fromkeys(sorted(partitions), 0)
         self._place(consumer, tps)
         for tp in tps:  # resolved now, so state read after connect() misses nothing
-            self.positions[tp.partition] = consumer.position(tp)
+            position = consumer.position(tp)  # None only past a timeout, which this call has not
+            if position is not None:
+                self.positions[tp.partition] = position
         self._consumer = consumer
         return consumer
 
@@ -215,7 +217,7 @@ class LifecycleTopicFollower:
         stale = []
         for tp in consumer.assignment():
             end, position = consumer.highwater(tp), consumer.position(tp)
-            if end is not None and position > end:
+            if end is not None and position is not None and position > end:
                 log.warning(
                     "%s: lifecycle partition %s:%d ends at %d, below the position %d read to: the log "
                     "was re-created (a restarted broker); reading it from its start",
@@ -237,7 +239,7 @@ class LifecycleTopicFollower:
         """
         consumer = self.connect()
         ends = consumer.end_offsets(list(consumer.assignment()))
-        return all(consumer.position(tp) >= end for tp, end in ends.items())
+        return all((consumer.position(tp) or 0) >= end for tp, end in ends.items())
 
     def run(self, *, idle_exit: bool = False, poll_ms: int = 1000) -> None:
         """Poll until :meth:`stop` (or, with ``idle_exit``, until the topic is read to its end); a

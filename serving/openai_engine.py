@@ -82,7 +82,7 @@ from app.core.errors import CheckpointError, InfrastructureError
 from app.inference.engine import Generation, InferenceEngine, SamplingParams
 from serving.vllm_server import server_healthy
 
-_RETRY = dict(
+_RETRY: dict[str, Any] = dict(
     retry=retry_if_exception_type(httpx.TransportError),
     stop=stop_after_attempt(4),
     wait=wait_exponential(multiplier=0.5, max=8),

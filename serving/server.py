@@ -57,7 +57,7 @@ class WeightVersion(BaseModel):
     new_version: str = Field(min_length=1)
 
 
-class RpcRequest(BaseModel):
+class RpcRequest(BaseModel):  # type: ignore[no-redef]  # the pydantic plugin's __init__ names its **kwargs so too
     """vLLM's ``/collective_rpc`` body."""
 
     method: str

@@ -33,7 +33,7 @@ def refresh_shared_weights(model: torch.nn.Module) -> list[str]:
         if len(group) < 2:
             continue
         for name, module in group:
-            module.quant_method.process_weights_after_loading(module)
+            module.quant_method.process_weights_after_loading(module)  # type: ignore[union-attr,operator]  # vLLM's layer attribute
             refreshed.append(name)
     return refreshed
 

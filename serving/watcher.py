@@ -180,6 +180,8 @@ class ProductionFollower:
                     path=resolve_dir(payload.get("path"), move.target_id, self.store),
                 )
         if move.method == "full":
+            if move.path is None:
+                raise CheckpointError(f"no directory for checkpoint {move.target_id}")
             self.engine.load_checkpoint(move.target_id, move.path)
         if isinstance(payload.get("outbox_id"), int):
             self.applied_outbox_id = max(self.applied_outbox_id, payload["outbox_id"])
@@ -265,7 +267,7 @@ class ServingWatcher:
         store: CheckpointStore | None = None,
         home: Path | None = None,
         canary: CanaryFollower | None = None,
-        supervise: Callable[[], None] | None = None,
+        supervise: Callable[[], object] | None = None,
         supervise_interval_s: float = 10.0,
     ) -> None:
         kafka = get_settings().kafka
@@ -365,16 +367,18 @@ def run_watch(*, once: bool = False) -> None:
         # request; the move it was making is read again below, but a server already reporting the
         # target would never be resumed by it.
         engine.resume()
-    supervise = None
+    supervise: Callable[[], object] | None = None
     managed = VLLMServer.load(flywheel_home(), "production") is not None
     if managed or isinstance(engine, OpenAICompatEngine):
         store = CheckpointStore.from_settings()
 
-        def supervise() -> None:
+        def reconcile() -> None:
             if managed:  # the stack's own server: restarted when it died
                 ensure_server("production")
             if isinstance(engine, OpenAICompatEngine):  # any server: serving what production is
                 reconcile_served(engine, store)
+
+        supervise = reconcile
 
     watcher = ServingWatcher(engine, canary=CanaryFollower(EngineRouter(engine)), supervise=supervise)
     watcher.follower.report()

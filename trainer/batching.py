@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -133,11 +134,12 @@ def pack_micro_batches(
         if len(seg.token_ids) >= 2 and seg.loss_mask[1:].any()
     ]
     if share_prefixes and not any(seg.routed_experts is not None for _, seg in rows):
-        batches = _pack_shared(rows, trajectories, advantages, micro_batch_tokens, pad_id)
-        order = np.random.default_rng(seed).permutation(len(batches))
-        return [batches[i] for i in order]
+        shared = _pack_shared(rows, trajectories, advantages, micro_batch_tokens, pad_id)
+        order = np.random.default_rng(seed).permutation(len(shared))
+        return [shared[i] for i in order]
     rows.sort(key=lambda r: -len(r[1].token_ids))
-    batches, current = [], []
+    batches: list[MicroBatch] = []
+    current: list[Any] = []
     for row in rows:
         longest = len(current[0][1].token_ids) if current else len(row[1].token_ids)
         if current and (len(current) + 1) * longest > micro_batch_tokens:
@@ -218,7 +220,9 @@ def _pack_shared(rows, trajectories, advantages, budget: int, pad_id: int) -> li
         else:
             units += [(_first_target(seg) - 1, [(i, seg)]) for i, seg in members]
     units.sort(key=lambda u: u[0] - len(u[1][0][1].token_ids))  # longest suffix first: less padding
-    batches, current, longest = [], [], 0  # current: (unit number, prefix length, row)
+    batches: list[MicroBatch] = []
+    current: list[Any] = []  # (unit number, prefix length, row)
+    longest = 0
     for u, (shared, members) in enumerate(units):
         for row in members:
             width = max(longest, len(row[1].token_ids))

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, PreTrainedModel
 from transformers.utils import logging as hf_logging
 
 from app.checkpoints.delta import DELTA_FILE, DeltaStats, serving_state_dict, write_delta
@@ -45,7 +45,7 @@ def new_checkpoint_id(now: datetime | None = None) -> str:
     return f"ckpt-{now:%Y%m%d%H%M%S}-{secrets.token_hex(3)}"
 
 
-def load_policy(path: Path) -> torch.nn.Module:
+def load_policy(path: Path) -> PreTrainedModel:
     """The fp32 causal LM of a checkpoint directory, in train mode, with tied weights kept tied.
 
     Raises:
@@ -92,7 +92,7 @@ def write_checkpoint(
         CheckpointError: ``checkpoint_id`` already exists, or the delta cannot be built.
     """
     with store.writer(checkpoint_id) as staging:
-        model.save_pretrained(staging, safe_serialization=True)
+        model.save_pretrained(staging, safe_serialization=True)  # type: ignore[operator]  # a transformers/peft method (torch: Tensor | Module)
         for name in TOKENIZER_FILES:
             if (Path(parent_dir) / name).is_file():
                 shutil.copy2(Path(parent_dir) / name, staging / name)

@@ -95,9 +95,8 @@ def sweep_unregistered(store: CheckpointStore, session) -> list[str]:
         manifest = store.manifest(checkpoint_id)
         if manifest.get("kind") != "trained" or session.get(Checkpoint, checkpoint_id) is not None:
             continue
-        if manifest.get("cycle_id") in succeeded_cycle_ids(
-            session, [manifest.get("cycle_id")] if manifest.get("cycle_id") else []
-        ):
+        cycle_of = manifest.get("cycle_id")
+        if cycle_of in succeeded_cycle_ids(session, [cycle_of] if cycle_of else []):
             continue
         path = store.path(checkpoint_id)
         (path / STABLE).unlink(missing_ok=True)  # invisible first, then gone
@@ -163,7 +162,7 @@ def run_cycle(
             }
         )
         cycle_id = uuid.uuid4()
-        base = dict(
+        base: dict[str, Any] = dict(
             cycle_id=str(cycle_id),
             parent_id=parent.id,
             num_trajectories=len(data.used),
@@ -231,6 +230,7 @@ def _train_and_register(
         dp.send_work(CycleWork(parent_dir=parent_dir, trajectories=data.used))
     trained = train_policy(config, parent_dir, data.used, progress=progress, dp=dp)
     model, optimizer, history, mismatch = trained.model, trained.optimizer, trained.history, trained.mismatch
+    assert model is not None  # run_cycle runs on rank 0, which gets the trained model
     rewards, advantages, groups, parent_serving = (
         trained.rewards,
         trained.advantages,
@@ -250,6 +250,7 @@ def _train_and_register(
     if config.data.placebo:
         metrics["placebo"] = True
     metrics["placement"] = {**trained.placement.describe(), "ranks": dp.world_size if dp is not None else 1}
+    assert trained.trained is not None  # train_policy always says which trajectories it trained on
     not_trained = [str(t.id) for i, t in enumerate(data.used) if i not in trained.trained]
     metrics["untrained_trajectories"] = len(not_trained)
     checkpoint_id = new_checkpoint_id()
@@ -291,7 +292,7 @@ def _train_and_register(
             cycle_id=cycle_id,
             checkpoint_id=checkpoint_id,
             path=str(path),
-            parent=session.get(Checkpoint, parent.id),
+            parent=session.get_one(Checkpoint, parent.id),
             data=data,
             manifest=store.manifest(checkpoint_id),
             metrics=metrics,

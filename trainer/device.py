@@ -27,7 +27,7 @@ import contextlib
 import dataclasses
 import logging
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
 
@@ -36,7 +36,10 @@ from app.core.errors import ConfigurationError
 from app.inference.device import resolve_device
 from app.inference.precision import bf16_is_faster
 
-T = TypeVar("T")
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
+
+T = TypeVar("T", bound="DataclassInstance")
 log = logging.getLogger(__name__)
 
 

@@ -248,8 +248,10 @@ def init_data_parallel(device: torch.device, *, timeout_s: float = 1800.0) -> Da
         torch.cuda.set_device(device)  # NCCL's object collectives use the current device
     if not dist.is_initialized():
         backend = "nccl" if device.type == "cuda" else "gloo"
-        kwargs = {"device_id": device} if device.type == "cuda" else {}
-        dist.init_process_group(backend, init_method="env://", timeout=timedelta(seconds=timeout_s), **kwargs)
+        device_id = device if device.type == "cuda" else None
+        dist.init_process_group(
+            backend, init_method="env://", timeout=timedelta(seconds=timeout_s), device_id=device_id
+        )
     return DataParallel(dist.get_rank(), dist.get_world_size())
 
 

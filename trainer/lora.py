@@ -14,8 +14,11 @@ parent's.
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
+from transformers import PreTrainedModel
 
 from trainer.config import LoraSettings
 
@@ -34,7 +37,7 @@ def attach_adapters(model: torch.nn.Module, settings: LoraSettings) -> PeftModel
         raise ValueError("attach_adapters needs lora.rank > 0")
     config = LoraConfig(
         r=settings.rank,
-        lora_alpha=settings.alpha,
+        lora_alpha=settings.alpha,  # type: ignore[arg-type]  # peft types it int; it only divides by it
         lora_dropout=0.0,
         target_modules=settings.target_modules,
         bias="none",
@@ -43,11 +46,11 @@ def attach_adapters(model: torch.nn.Module, settings: LoraSettings) -> PeftModel
     return get_peft_model(model, config)
 
 
-def merge_adapters(peft_model: PeftModel) -> torch.nn.Module:
+def merge_adapters(peft_model: PeftModel) -> PreTrainedModel:
     """Fold the trained adapters into the frozen weights (``W += (alpha / r) * B @ A``, fp32) and return
     the plain model, with every parameter trainable again, as :func:`trainer.checkpointing.load_policy`
     gives it."""
-    model = peft_model.merge_and_unload()
+    model = cast(PreTrainedModel, peft_model.merge_and_unload())  # the causal LM the adapters wrapped
     for p in model.parameters():
         p.requires_grad_(True)
     return model

@@ -20,9 +20,9 @@ import logging
 import uuid
 from collections.abc import Iterator
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, cast
 
-from sqlalchemy import select, text, update
+from sqlalchemy import CursorResult, select, text, update
 from sqlalchemy.orm import Session
 
 from app.core.locks import AdvisoryLock
@@ -55,10 +55,15 @@ def cycle_lock(engine) -> Iterator[bool]:
 
 def fail_interrupted_cycles(session: Session) -> int:
     """Mark ``running`` cycles as failed (only called while holding the lock: they are dead)."""
-    result = session.execute(
-        update(TrainingCycle)
-        .where(TrainingCycle.status == "running")
-        .values(status="failed", finished_at=datetime.now(UTC), detail="interrupted: the process died before finishing")
+    result = cast(  # an UPDATE's result is a CursorResult, which has rowcount
+        CursorResult[Any],
+        session.execute(
+            update(TrainingCycle)
+            .where(TrainingCycle.status == "running")
+            .values(
+                status="failed", finished_at=datetime.now(UTC), detail="interrupted: the process died before finishing"
+            )
+        ),
     )
     return result.rowcount or 0
 
@@ -148,7 +153,7 @@ def register_candidate(
             ", ".join(retired[:10]),
         )
     inherit_parent_flag(session, row)
-    cycle = session.get(TrainingCycle, cycle_id)
+    cycle = session.get_one(TrainingCycle, cycle_id)
     cycle.status, cycle.checkpoint_id = "succeeded", checkpoint_id
     cycle.num_trajectories = len(data.used)
     cycle.watermark_finalized_at, cycle.watermark_trajectory_id = data.watermark or (None, None)

@@ -43,6 +43,7 @@ from __future__ import annotations
 import math
 import uuid
 from datetime import datetime, timedelta
+from typing import Literal
 
 import numpy as np
 from sqlalchemy import func, select
@@ -73,7 +74,7 @@ def last_watermark(session: Session) -> tuple[datetime, uuid.UUID] | None:
         .order_by(TrainingCycle.watermark_finalized_at.desc(), TrainingCycle.finished_at.desc())
         .limit(1)
     ).first()
-    if row is None:
+    if row is None or row[0] is None:
         return None
     return row[0], row[1] or uuid.UUID(int=0)
 
@@ -122,7 +123,7 @@ def select_cycle_data(
     Returns:
         :class:`CycleData`; ``used`` ordered by ``(finalized_at, id)``.
     """
-    now = now or session.scalar(select(func.now()))
+    now = now or session.execute(select(func.now())).scalar_one()
     age_floor = now - timedelta(hours=config.max_age_hours)
     previous = last_watermark(session)
     data = CycleData(
@@ -186,6 +187,7 @@ def select_cycle_data(
         if reason is not None:
             data.excluded[str(traj.id)] = reason
         else:
+            assert item is not None and traj.finalized_at is not None  # a used trajectory, finalized
             data.used.append(item)
             data.watermark = (traj.finalized_at, traj.id)
     return data
@@ -248,6 +250,7 @@ def _classify(
     age_floor: datetime,
 ) -> tuple[str | None, TrajectoryData | None]:
     """The exclusion reason of a trajectory, or ``(None, its loaded data)``."""
+    assert traj.finalized_at is not None  # selected among finalized trajectories
     if traj.incomplete_reason is not None:
         return "incomplete", None
     if traj.reserved_for_eval:
@@ -309,7 +312,7 @@ def _classify(
     return None, item
 
 
-def _token_routes(seg: TrajectorySegment, mask: np.ndarray) -> np.ndarray | None | bool:
+def _token_routes(seg: TrajectorySegment, mask: np.ndarray) -> np.ndarray | Literal[False] | None:
     """The segment's stored routes spread over its tokens (``Segment.routed_experts``), None when it
     has none, False when they do not cover exactly its completion tokens."""
     shape = getattr(seg, "routed_experts_shape", None)

@@ -62,7 +62,7 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     Raises:
         ValueError: the model's decoder has no ``layers`` list.
     """
-    layers = getattr(model.get_decoder(), "layers", None)
+    layers = getattr(model.get_decoder(), "layers", None)  # type: ignore[operator]  # a transformers/peft method (torch: Tensor | Module)
     if layers is None:
         raise ValueError(f"{type(model).__name__}: its decoder has no .layers to shard")
     return list(layers)
@@ -112,16 +112,16 @@ def clip_grad_norm(parameters: Iterable[torch.nn.Parameter], max_norm: float) ->
     Returns:
         The total norm, a 0-d fp32 tensor (may be inf/NaN: the caller skips such a step).
     """
-    params = [p for p in parameters if p.grad is not None]
-    if not params:
+    grads = [p.grad for p in parameters if p.grad is not None]
+    if not grads:
         return torch.zeros(())
-    total = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type=2.0)
+    total = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
     if isinstance(total, DTensor):
         total = total.full_tensor()
     coef = min(max_norm / (float(total) + 1e-6), 1.0)  # torch.nn.utils.clip_grad_norm_'s coefficient
     if coef < 1.0:
-        for p in params:
-            p.grad.mul_(coef)
+        for g in grads:
+            g.mul_(coef)
     return total
 
 

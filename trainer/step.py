@@ -68,10 +68,9 @@ log = logging.getLogger(__name__)
 def _trainable_hidden(
     model: torch.nn.Module, mb: MicroBatch, config: TrainerConfig
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(hidden [N, H] of the positions predicting trainable tokens, divided by the temperature,
-    LM head weight [V, H])``."""
-    decoder = model.get_decoder()
-    head = model.get_output_embeddings()
+    """``(hidden [N, H] at the positions predicting trainable tokens / temperature, LM head weight [V, H])``."""
+    decoder = model.get_decoder()  # type: ignore[operator]  # a transformers/peft method (torch: Tensor | Module)
+    head = model.get_output_embeddings()  # type: ignore[operator]  # a transformers/peft method (torch: Tensor | Module)
     if getattr(head, "bias", None) is not None:
         raise ValueError("LM heads with a bias are not supported")
     if mb.prefix_ids is not None:
@@ -95,6 +94,8 @@ def _suffix_hidden(decoder: torch.nn.Module, mb: MicroBatch) -> torch.Tensor:
     block-diagonal causal mask: each prefix attends to itself), each row's prefix keys and values
     gathered to ``[B, kv_heads, Lp, head_dim]``, then the suffixes attending to them at positions
     continuing each row's prefix. Gradients reach a prefix's activations once, summed over its rows."""
+    assert mb.prefix_positions is not None and mb.prefix_gather is not None  # the shared-prefix layout
+    assert mb.prefix_mask is not None and mb.prefix_lengths is not None
     segment = (mb.prefix_positions[0] == 0).cumsum(0)  # [Np] which prefix each token belongs to
     causal = torch.ones(len(segment), len(segment), dtype=torch.bool, device=segment.device).tril()
     blocks = (segment[:, None] == segment[None, :]) & causal  # [Np, Np] True: attend
@@ -129,8 +130,7 @@ def token_logprobs(model: torch.nn.Module, mb: MicroBatch, config: TrainerConfig
     """
     hidden, weight = _trainable_hidden(model, mb, config)
     torch_path = config.logprob_backend == "torch" or (config.logprob_backend == "auto" and not hidden.is_cuda)
-    # the chunk size is in tokens for the torch path; the Triton kernel keeps its own vocabulary tile,
-    # as in micro_batch_loss
+    # the chunk size is in tokens for the torch path; the Triton kernel keeps its own vocabulary tile
     chunk = config.logprob_chunk_size if torch_path else None
     return chunked_logprobs(hidden, weight, mb.targets, chunk, config.logprob_backend)
 
@@ -146,16 +146,18 @@ def micro_batch_loss(
     """
     hidden, weight = _trainable_hidden(model, mb, config)
     sums: dict[str, float] = {}
+    old = mb.old_logprobs
+    assert old is not None  # pi_old is set before the steps (compute_old_logprobs or the behaviour's)
 
     def token_loss(lp: torch.Tensor, sl: slice) -> torch.Tensor:
         out = policy_loss(
             LossInputs(
                 logprobs=lp,
-                old_logprobs=mb.old_logprobs[sl],
+                old_logprobs=old[sl],
                 behaviour_logprobs=mb.behaviour_logprobs[sl],
                 advantages=mb.advantages[sl],
                 loss_mask=torch.ones_like(lp, dtype=torch.bool),
-                ref_logprobs=mb.old_logprobs[sl],
+                ref_logprobs=old[sl],
             ),
             normalizer=config.normalizer(),
             is_cap=config.loss.is_cap,

@@ -66,7 +66,7 @@ def run_cycle_when_ready() -> dict[str, Any]:
     celery = get_settings().celery
     with session_scope() as session:
         waiting, newest = trajectories_waiting(session)
-        now = session.scalar(select(func.now()))
+        now = session.execute(select(func.now())).scalar_one()
     ready_at = celery.train_ready_trajectories
     min_waiting = load_config(Path(celery.train_config) if celery.train_config else None).data.min_new_trajectories
     if not cycle_due(waiting, newest, now, ready_at, celery.train_ready_quiet_s, min_waiting):

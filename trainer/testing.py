@@ -21,7 +21,7 @@ import numpy as np
 import psutil
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from torch.multiprocessing.spawn import start_processes
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2MoeConfig
 
 from app.checkpoints.testing import build_tiny_model, tiny_config, write_model_folder
@@ -283,6 +283,7 @@ def train_on_ranks(model_dir: Path, trajectories: list[TrajectoryData], config, 
     """
     if world_size == 1:
         trained = train_policy(config, Path(model_dir), trajectories)
+        assert trained.model is not None  # one process: rank 0
         return {
             "history": [asdict(m) for m in trained.history],
             "mismatch": trained.mismatch,
@@ -292,7 +293,7 @@ def train_on_ranks(model_dir: Path, trajectories: list[TrajectoryData], config, 
     workdir.mkdir(parents=True, exist_ok=True)
     rendezvous = workdir / "rendezvous"
     rendezvous.unlink(missing_ok=True)
-    mp.start_processes(
+    start_processes(
         _train_rank,
         args=(world_size, str(rendezvous), str(model_dir), trajectories, config, str(workdir)),
         nprocs=world_size,
@@ -328,11 +329,12 @@ def train_sharded_in_process(model_dir: Path, trajectories: list[TrajectoryData]
     try:
         trained = train_policy(config, Path(model_dir), trajectories, dp=init_sharded(device, config.parallel))
         model = trained.model
+        assert model is not None  # rank 0
         return {
             "history": [asdict(m) for m in trained.history],
             "mismatch": trained.mismatch,
             "state": {k: v.detach().cpu().clone() for k, v in model.state_dict().items()},
-            "tied": model.get_output_embeddings().weight is model.get_input_embeddings().weight,
+            "tied": model.get_output_embeddings().weight is model.get_input_embeddings().weight,  # type: ignore[operator]  # a transformers/peft method (torch: Tensor | Module)
             "peak_cuda_bytes": torch.cuda.max_memory_allocated() if cuda else 0,
         }
     finally:
@@ -380,15 +382,16 @@ def _train_rank(
     try:
         trained = train_policy(config, Path(model_dir), trajectories, dp=dp)
         record["peak_rss_bytes"] = _peak_rss()
-        out = {"record": record}
+        out: dict[str, Any] = {"record": record}
         if rank == 0:
+            assert trained.model is not None
             out |= {
                 "history": [asdict(m) for m in trained.history],
                 "mismatch": trained.mismatch,
                 "state": {k: v.detach().cpu().clone() for k, v in trained.model.state_dict().items()},
-                "tied": trained.model.get_output_embeddings().weight is trained.model.get_input_embeddings().weight,
+                "tied": trained.model.get_output_embeddings().weight is trained.model.get_input_embeddings().weight,  # type: ignore[operator]  # a transformers/peft method (torch: Tensor | Module)
             }
-            trained.model.save_pretrained(Path(workdir) / "published", safe_serialization=True)
+            trained.model.save_pretrained(Path(workdir) / "published", safe_serialization=True)  # type: ignore[operator]  # a transformers/peft method (torch: Tensor | Module)
         torch.save(out, Path(workdir) / f"rank{rank}.pt")
     finally:
         dist.all_reduce = all_reduce

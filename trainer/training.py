@@ -229,9 +229,10 @@ def train_policy(
     if adapters is not None:
         with _tracer.start_as_current_span("trainer.merge_adapters"):
             model = merge_adapters(adapters)
+    trained_model: torch.nn.Module | None = model
     if dp is not None and isinstance(dp, ShardedDataParallel):
         with _tracer.start_as_current_span("trainer.gather_weights"):
-            model = dp.full_model(model)  # rank 0: the unsharded fp32 policy to publish; the others: None
+            trained_model = dp.full_model(model)  # rank 0: the unsharded fp32 policy to publish; the others: None
     if config.pi_old == "behaviour" and history:  # step 1's forward ran at the parent: its KL(mu || pi_theta)
         first = history[0]
         mismatch = {
@@ -240,7 +241,7 @@ def train_policy(
             "old_entropy": first.entropy,
         }
     return TrainedPolicy(
-        model=model,
+        model=trained_model,
         optimizer=optimizer,
         history=history,
         mismatch=mismatch,

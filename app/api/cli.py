@@ -9,8 +9,12 @@ from __future__ import annotations
 import getpass
 import json
 import uuid
+from typing import TYPE_CHECKING
 
 import typer
+
+if TYPE_CHECKING:  # the commands import the models when they run, so `flywheel --help` stays light
+    from app.models import Canary
 
 tokens_app = typer.Typer(no_args_is_help=True, help="API bearer tokens (stored as sha256 hashes).")
 JSON = typer.Option(False, "--json", help="print the result as JSON")
@@ -187,7 +191,10 @@ def canary_status(as_json: bool = JSON) -> None:
         if canary.stop_reason:
             typer.echo(f"stopped by {canary.stopped_by}: {canary.stop_reason}")
     table = Table("signal", "canary", "production", "diff", "95% CI", "regressed")
-    fmt = lambda v: "-" if v is None else f"{v:.4g}"  # noqa: E731
+
+    def fmt(v: float | None) -> str:
+        return "-" if v is None else f"{v:.4g}"
+
     for name, d in view["signals"].items():
         ci = "-" if d["low"] is None else f"{d['low']:+.4g}..{d['high']:+.4g}"
         table.add_row(name, fmt(d["canary"]), fmt(d["production"]), fmt(d["diff"]), ci, "YES" if d["regressed"] else "")
@@ -196,7 +203,7 @@ def canary_status(as_json: bool = JSON) -> None:
     typer.echo(f"online policy {verdict}" + "".join(f"\n  - {r}" for r in view["policy_reasons"]))
 
 
-def _canary_dict(row) -> dict[str, object]:
+def _canary_dict(row: Canary) -> dict[str, object]:
     """A canary row as JSON-ready values."""
     return {
         "id": str(row.id),

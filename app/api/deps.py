@@ -9,10 +9,10 @@ not a 422.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from typing import Annotated
+from collections.abc import Callable, Coroutine, Iterator
+from typing import Annotated, Any
 
-from fastapi import Depends, Request
+from fastapi import Depends, Request, Response
 from fastapi.concurrency import run_in_threadpool
 from fastapi.dependencies.models import Dependant
 from fastapi.routing import APIRoute
@@ -59,7 +59,7 @@ def get_principal(
     return principal
 
 
-def require(permission: str):
+def require(permission: str) -> Callable[[Principal], Principal]:
     """A dependency that admits only principals whose role grants ``permission`` (else 403)."""
 
     def dependency(principal: Annotated[Principal, Depends(get_principal)]) -> Principal:
@@ -105,13 +105,13 @@ class RoleFirstRoute(APIRoute):
     """An ``APIRoute`` that, when it takes a body and requires a permission (:func:`require`),
     authenticates the caller and checks the role before FastAPI reads and validates the body."""
 
-    def get_route_handler(self):
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
         handler = super().get_route_handler()
         permission = _required_permission(self.dependant)
         if self.body_field is None or permission is None:
             return handler
 
-        async def role_first(request: Request):
+        async def role_first(request: Request) -> Response:
             await run_in_threadpool(_check_role, request, permission)
             return await handler(request)
 

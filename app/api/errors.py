@@ -9,6 +9,7 @@ whose details go to the log, never to the client.
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import psycopg
 from fastapi import FastAPI, Request
@@ -126,9 +127,10 @@ async def _unhandled(request: Request, exc: Exception) -> JSONResponse:
 
 def install_error_handlers(app: FastAPI) -> None:
     """Register the handlers above on ``app`` (once, in the app factory)."""
-    app.add_exception_handler(FlywheelError, _flywheel_error)
-    app.add_exception_handler(RequestValidationError, _validation_error)
-    app.add_exception_handler(StarletteHTTPException, _http_error)
+    # Starlette types a handler as taking any Exception; each of ours takes the class it is registered for.
+    app.add_exception_handler(FlywheelError, _flywheel_error)  # type: ignore[arg-type]
+    app.add_exception_handler(RequestValidationError, _validation_error)  # type: ignore[arg-type]
+    app.add_exception_handler(StarletteHTTPException, _http_error)  # type: ignore[arg-type]
 
     # connection refused or lost, pool timeout -> 503; a statement's error stays a 500
     for db_error in (
@@ -140,19 +142,19 @@ def install_error_handlers(app: FastAPI) -> None:
     ):
         app.add_exception_handler(db_error, _database_error)
     # a table or column the database lacks (not migrated to this release) -> 503 naming it; others 500
-    for db_error in (sa_exc.ProgrammingError, psycopg.ProgrammingError):
-        app.add_exception_handler(db_error, _schema_error)
+    for schema_error in (sa_exc.ProgrammingError, psycopg.ProgrammingError):
+        app.add_exception_handler(schema_error, _schema_error)
     app.add_exception_handler(Exception, _unhandled)
 
 
 #: OpenAPI ``responses=`` entries for the error answers of authenticated routes.
-AUTH_RESPONSES = {
+AUTH_RESPONSES: dict[int | str, dict[str, Any]] = {
     401: {"model": ErrorBody, "description": "missing, unknown or revoked token"},
     403: {"model": ErrorBody, "description": "the token's role lacks the permission"},
     422: {"model": ErrorBody, "description": "invalid request"},
 }
-NOT_FOUND = {404: {"model": ErrorBody, "description": "no such entity"}}
-CONFLICT = {
+NOT_FOUND: dict[int | str, dict[str, Any]] = {404: {"model": ErrorBody, "description": "no such entity"}}
+CONFLICT: dict[int | str, dict[str, Any]] = {
     409: {"model": ErrorBody, "description": "refused, with every reason"},
     400: {"model": ErrorBody, "description": "the body is not JSON"},
 }

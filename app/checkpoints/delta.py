@@ -27,7 +27,7 @@ import struct
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import numpy as np
 import torch
@@ -77,7 +77,7 @@ class DeltaStats:
 
 def _dedupe(state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """Drop tied aliases (same storage, offset, shape): ``(unique tensors, {alias: canonical})``."""
-    seen: dict[tuple, str] = {}
+    seen: dict[tuple[object, ...], str] = {}
     unique: dict[str, torch.Tensor] = {}
     aliases: dict[str, str] = {}
     for name, t in state.items():
@@ -129,7 +129,7 @@ def _default_checksum() -> str:
 
 def _checksum(bits: np.ndarray, algorithm: str) -> str:
     """Hex digest of a tensor's raw bytes with ``algorithm`` (``xxh3_128`` or ``sha256``)."""
-    data = memoryview(np.ascontiguousarray(bits)).cast("B")
+    data = np.ascontiguousarray(bits).data.cast("B")
     if algorithm == "sha256":
         return hashlib.sha256(data).hexdigest()
     if algorithm == "xxh3_128":
@@ -247,8 +247,9 @@ def write_delta(
     )
 
 
-def _read_exact(reader, n: int) -> bytes:
-    chunks, left = [], n
+def _read_exact(reader: IO[bytes], n: int) -> bytes:
+    chunks: list[bytes] = []
+    left = n
     while left:
         try:
             block = reader.read(left)
@@ -271,14 +272,14 @@ def read_delta_header(delta_path: Path) -> dict[str, Any]:
         return _read_header(r, delta_path)
 
 
-def _read_header(reader, delta_path: Path) -> dict[str, Any]:
+def _read_header(reader: IO[bytes], delta_path: Path) -> dict[str, Any]:
     try:
         head = _read_exact(reader, len(MAGIC) + 4)
     except zstandard.ZstdError as exc:
         raise CheckpointError(f"{delta_path} is not a zstd stream: {exc}") from None
     if head[: len(MAGIC)] != MAGIC:
         raise CheckpointError(f"{delta_path} is not a flywheel weight delta")
-    header = json.loads(_read_exact(reader, struct.unpack("<I", head[len(MAGIC) :])[0]))
+    header: dict[str, Any] = json.loads(_read_exact(reader, struct.unpack("<I", head[len(MAGIC) :])[0]))
     if header.get("format") != FORMAT:
         raise CheckpointError(f"{delta_path}: unsupported delta format {header.get('format')!r}")
     return header

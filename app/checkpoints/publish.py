@@ -51,7 +51,7 @@ def convert_gguf(gguf: Path, out_dir: Path) -> Path:
     if hasattr(config, "quantization_config"):
         delattr(config, "quantization_config")
     config.tie_word_embeddings = True
-    config.torch_dtype = torch.float32
+    config.dtype = torch.float32
     fresh = LlamaForCausalLM(config)
     missing, unexpected = fresh.load_state_dict(loaded.state_dict(), strict=False)
     # Only the tied LM head may be absent from the GGUF state dict.

@@ -67,7 +67,8 @@ def check_hf_folder(path: Path) -> dict[str, Any]:
             raise CheckpointError(f"{w} is not a readable safetensors file: {exc}") from exc
     if not (path / "tokenizer.json").exists() and not (path / "tokenizer_config.json").exists():
         raise CheckpointError(f"{path} has no tokenizer files")
-    return json.loads((path / "config.json").read_text())
+    config: dict[str, Any] = json.loads((path / "config.json").read_text())
+    return config
 
 
 class CheckpointStore:
@@ -112,7 +113,8 @@ class CheckpointStore:
 
     def manifest(self, checkpoint_id: str) -> dict[str, Any]:
         """The manifest of a STABLE checkpoint."""
-        return json.loads((self.stable_path(checkpoint_id) / MANIFEST).read_text())
+        manifest: dict[str, Any] = json.loads((self.stable_path(checkpoint_id) / MANIFEST).read_text())
+        return manifest
 
     @contextmanager
     def writer(self, checkpoint_id: str) -> Iterator[Path]:

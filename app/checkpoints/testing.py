@@ -9,9 +9,10 @@ deterministic for a given seed, so two folders built with the same seed are iden
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
-from transformers import AutoModelForCausalLM, GenerationConfig, LlamaConfig, MixtralConfig
+from transformers import AutoModelForCausalLM, GenerationConfig, LlamaConfig, MixtralConfig, PreTrainedConfig
 
 from app.checkpoints.tokenizer import copy_tokenizer
 
@@ -27,9 +28,9 @@ def tiny_config(
     num_heads: int = 4,
     max_position_embeddings: int = 2048,
     initializer_range: float = 0.2,
-):
+) -> PreTrainedConfig:
     """A tiny ``LlamaConfig`` (or ``MixtralConfig`` with 4 experts, top-2, when ``moe``)."""
-    common = dict(
+    common: dict[str, Any] = dict(
         vocab_size=VOCAB_SIZE,
         hidden_size=hidden_size,
         intermediate_size=hidden_size * 2,
@@ -51,7 +52,7 @@ def tiny_config(
     return LlamaConfig(**common)
 
 
-def build_tiny_model(directory: Path, seed: int = 0, moe: bool = False, **config_overrides) -> Path:
+def build_tiny_model(directory: Path, seed: int = 0, moe: bool = False, **config_overrides: Any) -> Path:
     """Write a tiny random causal LM as a Hugging Face folder into ``directory`` (created).
 
     Args:
@@ -66,7 +67,7 @@ def build_tiny_model(directory: Path, seed: int = 0, moe: bool = False, **config
     return write_model_folder(directory, tiny_config(moe=moe, **config_overrides), seed)
 
 
-def write_model_folder(directory: Path, config, seed: int = 0) -> Path:
+def write_model_folder(directory: Path, config: PreTrainedConfig, seed: int = 0) -> Path:
     """Write a random model of ``config`` (fp32, embeddings tied, seeded init) with the SmolLM2
     tokenizer and a generation config into ``directory`` (created); returns ``directory``."""
     directory = Path(directory)

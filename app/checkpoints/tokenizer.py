@@ -10,6 +10,7 @@ import importlib.util
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 from transformers import AutoTokenizer
@@ -39,7 +40,7 @@ def smollm2_gguf() -> Path:
     return path
 
 
-def publish_dir(build, final: Path) -> Path:
+def publish_dir(build: Callable[[Path], object], final: Path) -> Path:
     """Build a directory with ``build(tmp_dir)`` and rename it to ``final`` atomically.
 
     If another process published ``final`` first, its copy wins and ours is discarded.

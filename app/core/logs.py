@@ -14,6 +14,8 @@ import logging
 import sys
 import threading
 import time
+from collections.abc import Callable
+from typing import TextIO
 
 from opentelemetry import trace
 from pythonjsonlogger.json import JsonFormatter
@@ -51,7 +53,7 @@ def json_formatter() -> logging.Formatter:
     )
 
 
-def use_json(settings: LogSettings, stream=None) -> bool:
+def use_json(settings: LogSettings, stream: TextIO | None = None) -> bool:
     """Whether to write JSON lines: ``json``, or ``auto`` on a stream that is not a terminal."""
     if settings.format == "auto":
         stream = stream or sys.stderr
@@ -71,11 +73,11 @@ class RepeatThrottle(logging.Filter):
         clock: monotonic seconds (injectable for tests).
     """
 
-    def __init__(self, prefix: str = "kafka", every_s: float = 30.0, clock=None) -> None:
+    def __init__(self, prefix: str = "kafka", every_s: float = 30.0, clock: Callable[[], float] | None = None) -> None:
         super().__init__()
 
         self.prefix, self.every_s, self.clock = prefix, every_s, clock or time.monotonic
-        self._last: dict[tuple, tuple[float, int]] = {}  # key -> (when let through, held back since)
+        self._last: dict[tuple[str, int, str], tuple[float, int]] = {}  # key -> (when let through, held back since)
         self._lock = threading.Lock()
 
     def filter(self, record: logging.LogRecord) -> bool:
@@ -91,7 +93,7 @@ class RepeatThrottle(logging.Filter):
             self._last[key] = (now, 0)
             if len(self._last) > 10_000:  # messages with ids in their format string: do not grow forever
                 self._last.clear()
-        if held:
+        if held and last is not None:
             record.msg = f"{record.msg} [{held} more like this in the last {now - last[0]:.0f}s]"
         return True
 

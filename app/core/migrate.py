@@ -8,6 +8,8 @@ from alembic import command
 from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
+from sqlalchemy.engine import Connection
+from sqlalchemy.schema import SchemaItem, Table
 
 from app.core.db import database_url, normalize_url
 
@@ -20,12 +22,16 @@ CELERY_TABLE_PREFIXES = ("kombu_", "celery_")
 """Tables kombu's SQL broker and Celery's result backend create for themselves on our database."""
 
 
-def table_of(obj, type_: str) -> str | None:
+def table_of(obj: SchemaItem, type_: str) -> str | None:
     """The table name of a schema object Alembic compares (a table, or a column/index/constraint of one)."""
-    return obj.name if type_ == "table" else getattr(getattr(obj, "table", None), "name", None)
+    return (
+        obj.name if type_ == "table" and isinstance(obj, Table) else getattr(getattr(obj, "table", None), "name", None)
+    )
 
 
-def is_celery_object(obj, name: str | None, type_: str, reflected: bool, compare_to) -> bool:
+def is_celery_object(
+    obj: SchemaItem, name: str | None, type_: str, reflected: bool, compare_to: SchemaItem | None
+) -> bool:
     """Whether a schema object Alembic reflected is one of Celery's own tables or their indexes, which
     no migration manages (the arguments of Alembic's ``include_object`` hook)."""
     return reflected and compare_to is None and (table_of(obj, type_) or "").startswith(CELERY_TABLE_PREFIXES)
@@ -66,7 +72,7 @@ def head_revisions() -> frozenset[str]:
     return frozenset(_script_directory().get_heads())
 
 
-def schema_behind(conn) -> str | None:
+def schema_behind(conn: Connection) -> str | None:
     """Why the database behind ``conn`` (a SQLAlchemy ``Connection``) lacks this release's schema, or
     None: never migrated, or at revisions older than this release's heads. A database a newer
     release has migrated further (a revision this release does not know) is not behind: migrations

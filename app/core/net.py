@@ -15,7 +15,8 @@ def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port free on ``host`` right now."""
     with socket.socket() as s:
         s.bind((host, 0))
-        return s.getsockname()[1]
+        port: int = s.getsockname()[1]
+        return port
 
 
 def port_open(host: str, port: int, timeout: float = 0.5) -> bool:

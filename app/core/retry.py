@@ -18,7 +18,15 @@ from typing import TypeVar
 import psycopg
 from kafka.errors import KafkaError
 from sqlalchemy import exc as sa_exc
-from tenacity import Retrying, retry_if_exception, stop_after_delay, stop_when_event_set, wait_exponential_jitter
+from tenacity import (
+    RetryCallState,
+    Retrying,
+    retry_if_exception,
+    stop_after_delay,
+    stop_when_event_set,
+    wait_exponential_jitter,
+)
+from tenacity.stop import stop_base
 
 from app.core.db import schema_missing_reason
 from app.core.errors import InfrastructureError
@@ -80,21 +88,25 @@ def retry_transient(
         retrying.
     """
 
-    def _log(rs) -> None:
-        log.warning("%s failed (attempt %d), retrying: %s", what, rs.attempt_number, rs.outcome.exception())
+    def _log(rs: RetryCallState) -> None:
+        error = rs.outcome.exception() if rs.outcome is not None else None
+        log.warning("%s failed (attempt %d), retrying: %s", what, rs.attempt_number, error)
 
     backoff = wait_exponential_jitter(initial=0.1, max=max_wait_s)
 
-    def wait(rs) -> float:  # never sleep past the time to give up
+    def wait(rs: RetryCallState) -> float:  # never sleep past the time to give up
         if give_up_after_s is None:
             return backoff(rs)
-        return max(0.0, min(backoff(rs), give_up_after_s - rs.seconds_since_start))
+        return max(0.0, min(backoff(rs), give_up_after_s - (rs.seconds_since_start or 0.0)))
 
-    until = stop_when_event_set(stop)
+    def sleep(seconds: float) -> None:  # wakes as soon as ``stop`` is set
+        stop.wait(seconds)
+
+    until: stop_base = stop_when_event_set(stop)
     if give_up_after_s is not None:
         until = until | stop_after_delay(give_up_after_s)
     return Retrying(
-        retry=retry_if_exception(is_transient), reraise=True, wait=wait, stop=until, sleep=stop.wait, before_sleep=_log
+        retry=retry_if_exception(is_transient), reraise=True, wait=wait, stop=until, sleep=sleep, before_sleep=_log
     )(fn)
 
 
@@ -113,7 +125,7 @@ class Backoff:
     def next(self) -> float:
         """Count a failure; the seconds to wait before the next try."""
         self.failures += 1
-        return min(self.initial * 2 ** min(self.failures - 1, 32), self.max_s)
+        return min(self.initial * 2.0 ** min(self.failures - 1, 32), self.max_s)
 
     def reset(self) -> None:
         self.failures = 0

@@ -27,7 +27,7 @@ from opentelemetry import metrics, trace
 from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
 from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 from opentelemetry.sdk.metrics import MeterProvider
-from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
+from opentelemetry.sdk.metrics.export import MetricReader, PeriodicExportingMetricReader
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter
@@ -81,7 +81,7 @@ def configure_telemetry(service_name: str, exporter: str | None = None, *, metri
         kind = exporter or settings.exporter
         resource = Resource.create({"service.name": service_name})
         tracer_provider = TracerProvider(resource=resource)
-        readers = [prometheus_reader()]
+        readers: list[MetricReader] = [prometheus_reader()]
         if kind == "console":
             tracer_provider.add_span_processor(BatchSpanProcessor(ConsoleSpanExporter()))
         elif kind == "otlp":

@@ -66,7 +66,7 @@ class ProductionChange:
 
 
 def gate_refusals(gate: GateDecision) -> list[str]:
-    """The messages of the reasons that kept a gated suite from passing (``evals.gate.GateReason``
+    """The messages of the reasons that kept a gated suite from passing (``evals.gate.models.GateReason``
     dicts, or plain strings); the informational power figure never is one."""
     return [
         r.get("message", str(r)) if isinstance(r, dict) else str(r)

@@ -46,7 +46,7 @@ def record_gate_decision(
     """Store a gate's decision on ``candidate_id`` and move its status (see module invariants).
 
     Args:
-        decision: ``evals.gate.GateResult.decision``: ``pass``, ``fail``, ``insufficient_evidence``
+        decision: ``evals.gate.models.GateResult.decision``: ``pass``, ``fail``, ``insufficient_evidence``
             or ``not_gated``.
         reasons: the gate's reasons as JSON (``GateReason.model_dump(mode="json")``).
         report: the gate report (with its config and trace reference) stored on the row.

@@ -178,7 +178,7 @@ def compare_signal(
 
 @dataclass(frozen=True)
 class OnlinePolicy:
-    """The resolved ``[online]`` gate setting (``evals.gate_config.OnlinePolicy`` validates the TOML;
+    """The resolved ``[online]`` gate setting (``evals.gate.policy.OnlinePolicy`` validates the TOML;
     the gate decision stores it resolved, and promotion reads it from there)."""
 
     required: bool = False

@@ -41,7 +41,7 @@ class CheckpointStatus(StrEnum):
 
 
 class GateVerdict(StrEnum):
-    """What the latest gate found for a checkpoint (``evals.gate.GateResult.decision``), or that a
+    """What the latest gate found for a checkpoint (``evals.gate.models.GateResult.decision``), or that a
     release manager promoted over it."""
 
     PASS = "pass"

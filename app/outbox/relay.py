@@ -131,18 +131,19 @@ class OutboxRelay:
         ack_timeout_s: float = 30.0,
         after_publish: Callable[[list[int]], None] | None = None,
     ) -> None:
-        self.bootstrap = bootstrap or get_settings().kafka.bootstrap
-        if not self.bootstrap:
+        bootstrap = bootstrap or get_settings().kafka.bootstrap
+        if not bootstrap:
             raise InfrastructureError("no broker configured: set FLYWHEEL_KAFKA_BOOTSTRAP or run `flywheel stack up`")
+        self.bootstrap = bootstrap
         self.batch_size = batch_size
         self.ack_timeout_s = ack_timeout_s
         self.after_publish = after_publish
-        self._producer = None
+        self._producer: KafkaProducer | None = None
         self._stop = threading.Event()
         self._wakeup = OutboxWakeup()
         self.published = 0
 
-    def _kafka(self):
+    def _kafka(self) -> KafkaProducer:
         if self._producer is None:
             self._producer = KafkaProducer(
                 bootstrap_servers=self.bootstrap,

@@ -10,10 +10,10 @@ from __future__ import annotations
 from app.outbox.relay import OutboxRelay
 from app.worker.celery_app import celery_app
 
-_relay = None
+_relay: OutboxRelay | None = None
 
 
-def _get_relay():
+def _get_relay() -> OutboxRelay:
     global _relay
     if _relay is None:
         _relay = OutboxRelay()

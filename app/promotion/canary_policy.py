@@ -35,6 +35,7 @@ import uuid
 from collections.abc import Collection
 from dataclasses import asdict, dataclass, field
 from datetime import datetime
+from typing import Any
 
 from sqlalchemy import text
 from sqlalchemy.orm import Session
@@ -68,7 +69,7 @@ class CanaryEvaluation:
     production_sessions: int = 0
     reasons: list[str] = field(default_factory=list)
 
-    def as_dict(self) -> dict:
+    def as_dict(self) -> dict[str, Any]:
         """JSON-ready."""
         return asdict(self)
 

@@ -251,6 +251,6 @@ def list_promotions(session: Session, *, limit: int, before: str | None = None) 
     return rows, nxt
 
 
-def gate_decision(session: Session, decision_id) -> GateDecision | None:
+def gate_decision(session: Session, decision_id: uuid.UUID) -> GateDecision | None:
     """A gate decision by id."""
     return session.get(GateDecision, decision_id)

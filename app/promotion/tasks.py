@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import asdict
+from typing import Any
 
 from app.core.db import session_scope
 from app.lifecycle.release import ReleasePolicy, apply_release_policy, release_settings
@@ -21,7 +22,7 @@ log = logging.getLogger(__name__)
 
 
 @celery_app.task(name="flywheel.promotion.evaluate_canary", ignore_result=True)
-def evaluate_canary_task() -> dict:
+def evaluate_canary_task() -> dict[str, Any]:
     """Evaluate the active canary in one transaction; returns the evaluation as a dict.
 
     No Celery retry: a failed pass writes nothing and beat runs the next one.

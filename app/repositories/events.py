@@ -45,6 +45,19 @@ def raw_connection(session: Session) -> psycopg.Connection:
     return with_binary_dumpers(session.connection().connection.driver_connection)  # type: ignore[arg-type]
 
 
+def fetch_value(conn: psycopg.Connection, query: str, params: Sequence[Any] = ()) -> Any:
+    """The first value of the row ``query`` returns (a query that always returns one: ``now()``,
+    ``count(*)``, ``current_schema()``).
+
+    Raises:
+        LookupError: it returned no row.
+    """
+    row = conn.execute(query, params).fetchone()
+    if row is None:
+        raise LookupError(f"no row from {query!r}")
+    return row[0]
+
+
 class EventRow(NamedTuple):
     """One ``event_log`` row to insert, fields in :data:`EVENT_COLUMNS` order; ``payload`` is JSON
     text. (A tuple: one is built per consumed record.)"""
@@ -108,7 +121,7 @@ def append_events(
                 f"INSERT INTO event_log ({_COLS}) SELECT {_COLS} FROM _event_batch ORDER BY ord "
                 "ON CONFLICT (event_id) DO NOTHING RETURNING event_id, seq"
             )
-            inserted = dict(cur.fetchall())
+            inserted: dict[uuid.UUID, int] = dict(cur.fetchall())
             cur.execute("TRUNCATE _event_batch")  # ON COMMIT DELETE ROWS only helps after commit
             return inserted
         cols = list(zip(*[_values(r) for r in rows]))
@@ -122,7 +135,7 @@ def append_events(
         return dict(cur.fetchall())
 
 
-def _values(r: EventRow) -> tuple:
+def _values(r: EventRow) -> tuple[Any, ...]:
     return r  # EventRow's fields are EVENT_COLUMNS, in order
 
 
@@ -185,12 +198,12 @@ BODY_COLUMNS = ("type", "schema_version", "occurred_at", "session_id", "user_id"
 ``event_id`` and equal values here are the same event."""
 
 
-def body_of(row: EventRow) -> tuple:
+def body_of(row: EventRow) -> tuple[Any, ...]:
     """``row``'s values of :data:`BODY_COLUMNS`, in order (``payload`` as JSON text)."""
     return (row.type, row.schema_version, row.occurred_at, row.session_id, row.user_id, row.org_id, row.payload)
 
 
-def stored_bodies(session: Session, event_ids: Sequence[uuid.UUID]) -> dict[int, tuple]:
+def stored_bodies(session: Session, event_ids: Sequence[uuid.UUID]) -> dict[int, tuple[Any, ...]]:
     """``{event_id.int: values of BODY_COLUMNS}`` of the stored events among ``event_ids``
     (``payload`` as the JSON text stored, which is the text appended)."""
     if not event_ids:
@@ -367,7 +380,7 @@ def erased_users(session: Session, user_ids: Sequence[str]) -> dict[str, tuple[d
 
 def iter_event_rows(
     conn: psycopg.Connection, *, where: str = "TRUE", params: Sequence[Any] = (), order: str = "seq", chunk: int = 5000
-) -> Iterator[list[tuple]]:
+) -> Iterator[list[tuple[Any, ...]]]:
     """Stream ``event_log`` rows (``seq, ingested_at`` + :data:`EVENT_COLUMNS`) in chunks through a
     server-side cursor. ``where``/``order`` are trusted SQL fragments written by callers in this repo."""
     with conn.cursor(name=f"events_{uuid.uuid4().hex[:8]}") as cur:

@@ -13,8 +13,9 @@ from datetime import datetime
 from typing import Any, Protocol, TypeVar
 
 import numpy as np
+from psycopg import Cursor
 from psycopg.rows import dict_row
-from sqlalchemy import ARRAY, BigInteger, Boolean, Column, DateTime, Float, Integer, LargeBinary
+from sqlalchemy import ARRAY, BigInteger, Boolean, Column, DateTime, Float, Integer, LargeBinary, Table
 from sqlalchemy.dialects.postgresql import JSONB, UUID
 from sqlalchemy.orm import Session
 
@@ -29,9 +30,14 @@ SEGMENT_COLUMNS = tuple(c.name for c in TrajectorySegment.__table__.columns if c
 class Label(Protocol):
     """A reward label to store (``consumers.rewards.math.RewardResult``)."""
 
-    spec: str
-    reward: float
-    components: dict[str, float]
+    @property
+    def spec(self) -> str: ...
+
+    @property
+    def reward(self) -> float: ...
+
+    @property
+    def components(self) -> dict[str, float]: ...
 
 
 class TrajectoryLike(Protocol):
@@ -57,11 +63,11 @@ _S_COLS = ", ".join(SEGMENT_COLUMNS)
 T = TypeVar("T")
 S = TypeVar("S")
 
-ROUTE_DTYPES = {1: np.dtype("u1"), 2: np.dtype("<u2")}
+ROUTE_DTYPES: dict[int, np.dtype[Any]] = {1: np.dtype("u1"), 2: np.dtype("<u2")}
 """``trajectory_segment.routed_experts`` item size (bytes) -> its numpy dtype."""
 
 
-def pack_routes(stored: bytes, itemsize: int | None, ids: np.ndarray) -> tuple[bytes, int]:
+def pack_routes(stored: bytes | bytearray, itemsize: int | None, ids: np.ndarray) -> tuple[bytes, int]:
     """Append expert ids to a segment's stored routes, widening them to two bytes an id if needed.
 
     Args:
@@ -73,19 +79,21 @@ def pack_routes(stored: bytes, itemsize: int | None, ids: np.ndarray) -> tuple[b
         ``(bytes, itemsize)``: 1 byte an id while every id (stored and new) is below 256, else 2.
 
     Raises:
-        ValueError: an id outside ``[0, 65535]``.
+        ValueError: an id outside ``[0, 65535]``, or ``stored`` bytes without their ``itemsize``.
     """
     ids = np.asarray(ids)
     if ids.size and (int(ids.min()) < 0 or int(ids.max()) > 0xFFFF):
         raise ValueError(f"expert ids must lie in [0, 65535], got [{int(ids.min())}, {int(ids.max())}]")
     size = itemsize if stored else 1
+    if size is None:
+        raise ValueError(f"{len(stored)} stored routed_experts bytes without their item size")
     need = 2 if ids.size and int(ids.max()) > 0xFF else 1
     if need > size:
         stored, size = unpack_routes(stored, size).astype(ROUTE_DTYPES[need]).tobytes(), need
     return bytes(stored) + ids.astype(ROUTE_DTYPES[size]).tobytes(), size
 
 
-def unpack_routes(raw: bytes | memoryview | None, itemsize: int | None) -> np.ndarray:
+def unpack_routes(raw: bytes | bytearray | memoryview | None, itemsize: int | None) -> np.ndarray:
     """Stored ``routed_experts`` bytes -> flat ``int16``/``int32`` ids ``[n]`` (empty if none).
 
     Raises:
@@ -95,7 +103,8 @@ def unpack_routes(raw: bytes | memoryview | None, itemsize: int | None) -> np.nd
         return np.zeros(0, dtype=np.int32)
     if itemsize not in ROUTE_DTYPES or len(raw) % itemsize:
         raise ValueError(f"routed_experts of {len(raw)} bytes at item size {itemsize}")
-    return np.frombuffer(bytes(raw), dtype=ROUTE_DTYPES[itemsize]).astype(np.int32)
+    ids: np.ndarray = np.frombuffer(bytes(raw), dtype=ROUTE_DTYPES[itemsize]).astype(np.int32)
+    return ids
 
 
 def _segment_from_row(row: dict[str, Any], factory: Callable[..., S]) -> S:
@@ -145,11 +154,11 @@ def load_segment(session: Session, trajectory_id: uuid.UUID, index: int, factory
         return _segment_from_row(row, factory) if row else None
 
 
-def _trajectory_values(t: TrajectoryLike) -> tuple:
+def _trajectory_values(t: TrajectoryLike) -> tuple[Any, ...]:
     return tuple(getattr(t, c) for c in TRAJECTORY_COLUMNS)
 
 
-def _segment_values(tid: uuid.UUID, s: Any) -> tuple:
+def _segment_values(tid: uuid.UUID, s: Any) -> tuple[Any, ...]:
     vals: list[Any] = [tid]
     for c in SEGMENT_COLUMNS:
         v = getattr(s, c)
@@ -157,7 +166,7 @@ def _segment_values(tid: uuid.UUID, s: Any) -> tuple:
     return tuple(vals)
 
 
-def _pg_type(col) -> str:
+def _pg_type(col: Column[Any]) -> str:
     """The binary-COPY type name of a column."""
     t = col.type
     if isinstance(t, ARRAY):
@@ -177,11 +186,11 @@ def _pg_type(col) -> str:
     return "text"
 
 
-def _is_uuid_array(col) -> bool:
+def _is_uuid_array(col: Column[Any]) -> bool:
     return isinstance(col.type, ARRAY) and isinstance(col.type.item_type, UUID)
 
 
-def _copy_rows(cur, target: str, table, rows: list[tuple]) -> None:
+def _copy_rows(cur: Cursor[Any], target: str, table: Table, rows: list[tuple[Any, ...]]) -> None:
     """Binary COPY whole rows shaped like ``table`` into ``target`` (``table`` itself or its temp twin).
 
     uuid[] and jsonb values are pre-encoded in their binary formats (faster than psycopg's generic
@@ -196,13 +205,13 @@ def _copy_rows(cur, target: str, table, rows: list[tuple]) -> None:
     with cur.copy(f"COPY {target} ({names}) FROM STDIN (FORMAT BINARY)") as copy:
         copy.set_types(["bytea" if i in encoders else _pg_type(c) for i, c in enumerate(table.columns)])
         for r in rows:
-            r = list(r)
+            values = list(r)
             for i, encode in encoders.items():
-                r[i] = encode(r[i])
-            copy.write_row(r)
+                values[i] = encode(values[i])
+            copy.write_row(values)
 
 
-def _copy_upsert(cur, table, key: tuple[str, ...], rows: list[tuple]) -> None:
+def _copy_upsert(cur: Cursor[Any], table: Table, key: tuple[str, ...], rows: list[tuple[Any, ...]]) -> None:
     """Upsert whole rows in one statement: binary COPY into a temp table shaped like ``table``, then
     ``INSERT .. SELECT .. ON CONFLICT (key) DO UPDATE`` every column (one executor run for the batch
     instead of one per row; bytea travels raw, not hex). The temp table keeps the columns' storage
@@ -223,7 +232,9 @@ def _copy_upsert(cur, table, key: tuple[str, ...], rows: list[tuple]) -> None:
     cur.execute(f"DELETE FROM {tmp}")  # several saves may share one transaction (replay)
 
 
-def _write_rows(cur, table, key: tuple[str, ...], new: list[tuple], stored: list[tuple]) -> None:
+def _write_rows(
+    cur: Cursor[Any], table: Table, key: tuple[str, ...], new: list[tuple[Any, ...]], stored: list[tuple[Any, ...]]
+) -> None:
     """Rows not loaded from the table go straight in by COPY (most rows of a batch: a trajectory or
     segment is usually new in the batch that starts it); loaded ones are upserted. Were a "new" row
     inserted concurrently after all, the COPY fails with a unique violation and the consumer redoes
@@ -235,7 +246,10 @@ def _write_rows(cur, table, key: tuple[str, ...], new: list[tuple], stored: list
 
 
 def _insert_labels(
-    cur, labels: Sequence[tuple[uuid.UUID, Label, datetime | None]], on_conflict: str, table: str = "reward_label"
+    cur: Cursor[Any],
+    labels: Sequence[tuple[uuid.UUID, Label, datetime | None]],
+    on_conflict: str,
+    table: str = "reward_label",
 ) -> None:
     """Insert ``(trajectory_id, label, created_at or None for now())`` rows into ``table`` in one
     statement, ``ON CONFLICT (trajectory_id, spec)`` then ``on_conflict`` (one label per trajectory
@@ -276,14 +290,14 @@ def save_trajectories(
     with conn.cursor() as cur:
         _write_rows(
             cur,
-            Trajectory.__table__,
+            Trajectory.metadata.tables[Trajectory.__tablename__],
             ("id",),
             [_trajectory_values(t) for t in dirty if not t.stored],
             [_trajectory_values(t) for t in dirty if t.stored],
         )
         _write_rows(
             cur,
-            TrajectorySegment.__table__,
+            TrajectorySegment.metadata.tables[TrajectorySegment.__tablename__],
             ("trajectory_id", "segment_index"),
             [_segment_values(tid, s) for tid, s in segs if not s.stored],
             [_segment_values(tid, s) for tid, s in segs if s.stored],

@@ -87,7 +87,7 @@ def celery_config() -> dict[str, Any]:
     }
 
 
-class _LazyConfig(Mapping):
+class _LazyConfig(Mapping[str, Any]):
     """Celery reads its configuration source on first use; this one calls :func:`celery_config`
     then, so importing a task module needs no database or Redis."""
 
@@ -138,7 +138,7 @@ def _traced_tasks(service: str) -> None:
 
 
 @worker_init.connect
-def _telemetry_in_worker(sender=None, **_: Any) -> None:
+def _telemetry_in_worker(sender: object = None, **_: Any) -> None:
     # solo/threads pools run tasks in this process; prefork children get worker_process_init.
     pool = getattr(getattr(sender, "pool_cls", None), "__module__", "") or ""
     if "prefork" not in pool:

@@ -31,6 +31,7 @@ import sys
 import tempfile
 from functools import lru_cache
 from pathlib import Path
+from typing import Any
 
 TASK_DIR = "/task"
 HOME_DIR = "/home/sandbox"
@@ -212,7 +213,7 @@ def bwrap_missing(bwrap: str = "bwrap", uid: int | None = None) -> str | None:
         for sub in ("task", "denials"):
             os.mkdir(os.path.join(d, sub))
         install_site(Path(d) / "site")
-        kwargs = {}
+        kwargs: dict[str, Any] = {}
         if uid is not None:
             for dirpath, _, _ in os.walk(d):
                 os.chown(dirpath, uid, uid)

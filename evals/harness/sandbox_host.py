@@ -16,6 +16,7 @@ import sys
 import tempfile
 from functools import lru_cache
 from pathlib import Path
+from typing import Any
 
 from pydantic import Field
 from pydantic_settings import SettingsConfigDict
@@ -58,7 +59,7 @@ def load_settings() -> SandboxSettings:
     environment (any case: pydantic matches names case-insensitively) and the env files it reads
     (``$FLYWHEEL_HOME/stack.env``: path, size, modification time). Building costs
     ~0.5 ms of pydantic, paid by every sandboxed run otherwise."""
-    file_key = []
+    file_key: list[tuple[object, ...]] = []
     for env_file in _env_files():
         try:
             st = env_file.stat()
@@ -131,7 +132,7 @@ def network_isolation_available() -> bool:
     """Whether ``unshare -rn`` works here (probed once, as the sandbox would run it)."""
     if shutil.which("unshare") is None:
         return False
-    kwargs = {"user": fresh_uid(), "group": fresh_uid(), "extra_groups": []} if is_root() else {}
+    kwargs: dict[str, Any] = {"user": fresh_uid(), "group": fresh_uid(), "extra_groups": []} if is_root() else {}
     try:
         probe = subprocess.run(["unshare", "-rn", "true"], capture_output=True, timeout=10, cwd="/", **kwargs)
     except (OSError, subprocess.SubprocessError):

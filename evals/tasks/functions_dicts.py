@@ -82,7 +82,8 @@ def key_of_extreme(r):
 
 @template("dicts", 1)
 def filter_dict(r):
-    k, word, op = r.choice([0, 10, 50]), *r.choice([("greater than", ">"), ("at most", "<=")])
+    k = r.choice([0, 10, 50])
+    word, op = r.choice([("greater than", ">"), ("at most", "<=")])
     name = r.choice(["filter_dict", "keep_entries", "select_items"])
     return spec(
         name,

@@ -29,7 +29,8 @@ def sum_selected(r):
 
 @template("lists", 1)
 def filter_threshold(r):
-    k, word, op = r.choice([0, 5, 10]), *r.choice([("greater than", ">"), ("less than", "<"), ("at least", ">=")])
+    k = r.choice([0, 5, 10])
+    word, op = r.choice([("greater than", ">"), ("less than", "<"), ("at least", ">=")])
     name = r.choice(["filter_values", "keep_values", "select"])
     return spec(
         name,

@@ -22,7 +22,7 @@ Revises: 0010
 Create Date: 2026-11-21 22:00:00
 """
 import json
-from typing import Sequence, Union
+from typing import Any, Sequence, Union
 
 import sqlalchemy as sa
 from alembic import op
@@ -37,7 +37,7 @@ MAX_ID_CHARS = 128
 PAGE = 1000
 
 
-def _claimed(obj: dict, key: str) -> str | None:
+def _claimed(obj: dict[str, Any], key: str) -> str | None:
     v = obj.get(key)
     if not isinstance(v, str) or not 0 < len(v) <= MAX_ID_CHARS or "\x00" in v:
         return None

@@ -136,7 +136,7 @@ def decode_event_payload(raw: bytes | None, max_bytes: int = DEFAULT_MAX_EVENT_B
         return event, bytes(_PAYLOAD_SLICE.decode(raw).payload).decode()  # type: ignore[arg-type]
     except (msgspec.DecodeError, UnicodeDecodeError):
         _refuse_non_strict(raw)  # type: ignore[arg-type]
-        return event, event.payload.model_dump_json(exclude_unset=True)  # type: ignore[attr-defined]
+        return event, event.payload.model_dump_json(exclude_unset=True)
 
 
 def event_json_schema() -> dict[str, Any]:

@@ -14,7 +14,7 @@ tokens validates ~2x faster than as a tuple of ints, and holds 4 bytes per token
 from __future__ import annotations
 
 import base64
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Annotated, Any, ClassVar
 
 import numpy as np
@@ -22,7 +22,7 @@ from pydantic import GetCoreSchemaHandler, WithJsonSchema
 from pydantic_core import PydanticCustomError, core_schema
 
 
-def pack_ints(values) -> bytes:
+def pack_ints(values: Sequence[int] | np.ndarray) -> bytes:
     """Token ids -> raw bytes (``<i4``, 4 bytes per token)."""
     if isinstance(values, TokenArray):
         return values.raw
@@ -36,7 +36,7 @@ def unpack_ints(raw: bytes | memoryview | None) -> np.ndarray:
     return np.frombuffer(bytes(raw), dtype="<i4").astype(np.int32)
 
 
-def pack_floats(values) -> bytes:
+def pack_floats(values: Sequence[float] | np.ndarray) -> bytes:
     """Log-probs -> raw bytes (``<f4``, 4 bytes per token)."""
     if isinstance(values, LogProbArray):
         return values.raw
@@ -50,7 +50,7 @@ def unpack_floats(raw: bytes | memoryview | None) -> np.ndarray:
     return np.frombuffer(bytes(raw), dtype="<f4").astype(np.float32)
 
 
-class PackedArray(Sequence):
+class PackedArray(Sequence[Any]):
     """An immutable array of 4-byte little-endian numbers kept as its raw bytes (``raw``).
 
     Reads as a sequence of Python numbers; equal to any sequence with the same values (and to an
@@ -110,19 +110,20 @@ class PackedArray(Sequence):
         """A read-only view, shape ``[len(self)]``, dtype :attr:`dtype`."""
         return np.frombuffer(self.raw, dtype=self.dtype)
 
-    def tolist(self) -> list:
+    def tolist(self) -> list[Any]:
         """The values as Python numbers."""
-        return self.numpy().tolist()
+        values: list[Any] = self.numpy().tolist()
+        return values
 
     def __len__(self) -> int:
         return len(self.raw) >> 2
 
-    def __getitem__(self, index):
+    def __getitem__(self, index: Any) -> Any:
         if isinstance(index, slice):
             return tuple(self.numpy()[index].tolist())
         return self.numpy()[index].item()
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[Any]:
         return iter(self.tolist())
 
     def __eq__(self, other: object) -> bool:
@@ -135,10 +136,10 @@ class PackedArray(Sequence):
     def __hash__(self) -> int:
         return hash((self.dtype, self.raw))
 
-    def __add__(self, other):
+    def __add__(self, other: Iterable[Any]) -> tuple[Any, ...]:
         return tuple(self) + tuple(other)
 
-    def __radd__(self, other):
+    def __radd__(self, other: object) -> Any:
         return type(other)(list(other) + self.tolist()) if isinstance(other, (list, tuple)) else NotImplemented
 
     def __repr__(self) -> str:
@@ -146,7 +147,7 @@ class PackedArray(Sequence):
         shown = ", ".join(map(repr, values[:8])) + (", ..." if len(values) > 8 else "")
         return f"{type(self).__name__}([{shown}], n={len(values)})"
 
-    def __reduce__(self):
+    def __reduce__(self) -> tuple[type[PackedArray], tuple[bytes]]:
         return (type(self), (self.raw,))
 
     @classmethod

@@ -15,7 +15,7 @@ must still validate.
 from __future__ import annotations
 
 from datetime import datetime, timedelta
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 import numpy as np
 from pydantic_core import PydanticCustomError
@@ -55,7 +55,23 @@ def _check_ids(name: str, ids: np.ndarray, high: int) -> None:
         raise _implausible(f"{name}: id {int(ids[bad[0]])} at index {int(bad[0])} is outside [0, {high})")
 
 
-def check_model_turn(prompt_ids, completion_ids, logprobs, vocab_size: int, routed_experts=None) -> None:
+class PackedValues(Protocol):
+    """What the checks read of a ``producers.events.packing`` array: its bytes and a numpy view."""
+
+    raw: bytes
+
+    def __len__(self) -> int: ...
+
+    def numpy(self) -> np.ndarray: ...
+
+
+def check_model_turn(
+    prompt_ids: PackedValues,
+    completion_ids: PackedValues,
+    logprobs: PackedValues,
+    vocab_size: int,
+    routed_experts: PackedValues | None = None,
+) -> None:
     """Check one ``model.responded`` payload's arrays (``producers.events.packing`` arrays: ``raw`` holds
     little-endian ``<i4`` ids / ``<f4`` log-probs in nats, shape ``[n]``).
 

@@ -8,7 +8,7 @@ field keeps the version; removing or retyping a field bumps it.
 from __future__ import annotations
 
 from datetime import UTC, datetime
-from typing import Annotated, Any, Literal, Union
+from typing import TYPE_CHECKING, Annotated, Any, Literal, Union, get_args
 from uuid import UUID
 
 from pydantic import AwareDatetime, BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -243,6 +243,9 @@ class EventBase(_Frozen):
         exclude_if=lambda v: v is None,
         description="position in the session as emitted (0 first), assigned by the producer SDK; optional",
     )
+    if TYPE_CHECKING:
+        # Each envelope declares its payload's model; code that dispatched on ``type`` reads it.
+        payload: Any
 
     @field_validator("occurred_at")
     @classmethod
@@ -310,24 +313,27 @@ class UserErasureRequestedEvent(EventBase):
     payload: UserErasureRequested
 
 
-ENVELOPES: tuple[type[EventBase], ...] = (
-    SessionStartedEvent,
-    AgentRequestedEvent,
-    ModelRespondedEvent,
-    ToolExecutedEvent,
-    EditProposedEvent,
-    EditAcceptedEvent,
-    EditRejectedEvent,
-    EditPersistenceMeasuredEvent,
-    FollowupSentEvent,
-    ContextSummarizedEvent,
-    SessionEndedEvent,
-    UserErasureRequestedEvent,
-)
+Event = Annotated[
+    Union[
+        SessionStartedEvent,
+        AgentRequestedEvent,
+        ModelRespondedEvent,
+        ToolExecutedEvent,
+        EditProposedEvent,
+        EditAcceptedEvent,
+        EditRejectedEvent,
+        EditPersistenceMeasuredEvent,
+        FollowupSentEvent,
+        ContextSummarizedEvent,
+        SessionEndedEvent,
+        UserErasureRequestedEvent,
+    ],
+    Field(discriminator="type"),
+]
+"""Any editor-interaction event (discriminated on ``type``); its members are every envelope class."""
+
+ENVELOPES: tuple[type[EventBase], ...] = get_args(get_args(Event)[0])
 """Every event type's envelope class, in the order of the contract's JSON Schema."""
 
 EVENT_CLASSES: dict[str, type[EventBase]] = {cls.model_fields["type"].default: cls for cls in ENVELOPES}
 """Event type -> envelope class."""
-
-Event = Annotated[Union[ENVELOPES], Field(discriminator="type")]
-"""Any editor-interaction event (discriminated on ``type``)."""

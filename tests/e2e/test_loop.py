@@ -32,7 +32,7 @@ SMOKE_GATE = """
 method = "newcombe"
 confidence = 0.95
 two_sided = false
-tolerance = 0.95
+margin = 0.95
 min_pairs = 2
 
 [suites.functions]

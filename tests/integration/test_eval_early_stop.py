@@ -18,7 +18,7 @@ from app.core.db import session_scope
 from app.models import Checkpoint, EvalResult, EvalRun, GateDecision
 from app.repositories.checkpoints import add_checkpoint
 from evals import runner
-from evals.gate_config import GateConfig, SuiteGate
+from evals.gate.policy import GateConfig, SuiteGate
 from evals.gating import gate_candidate
 from tests.integration.test_eval_runner_resume import StubTask
 
@@ -28,7 +28,7 @@ pytestmark = pytest.mark.integration
 TASKS = {"functions": [StubTask(id=f"FN/tpl{t:02d}/{v}") for t in range(30) for v in range(4)]}
 PLANNED = 120
 CONFIG = GateConfig(
-    suites={"functions": SuiteGate(tolerance=0.045, min_pairs=10)},
+    suites={"functions": SuiteGate(margin=0.045, min_pairs=10)},
     bootstrap_resamples=1000,
     decide_by="sequential",
     early_stop=True,
@@ -175,7 +175,7 @@ def test_the_gate_samples_k_times_at_the_serving_temperature_and_stops_in_whole_
         return policies(engine, suite, task, sample_index, work_root, run_id)
 
     monkeypatch.setattr(runner, "run_sample", sample)
-    config = CONFIG.model_copy(update={"suites": {"functions": SuiteGate(tolerance=0.045, min_pairs=10, samples=2)}})
+    config = CONFIG.model_copy(update={"suites": {"functions": SuiteGate(margin=0.045, min_pairs=10, samples=2)}})
     outcome = gate_candidate("good", suites=["functions"], tasks=TASKS, engine_factory=Engine, workers=1, config=config)
     suite = outcome.result.suites["functions"]
     assert set(seen) == {(2, 0.7)} and policies.calls["base"] == 2 * PLANNED

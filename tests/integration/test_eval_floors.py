@@ -14,9 +14,9 @@ from app.core.failures import ExitCode
 from app.models import EvalResult, EvalRun
 from app.repositories.checkpoints import add_checkpoint
 from evals.config import load_suite
-from evals.floors import derive_floor
-from evals.gate_checks import cluster_of
-from evals.gate_config import GATE_TOML, load_gate_config
+from evals.gate.checks import cluster_of
+from evals.gate.floors import derive_floor
+from evals.gate.policy import GATE_TOML, load_gate_config
 from ops.cli import run
 
 pytestmark = pytest.mark.integration

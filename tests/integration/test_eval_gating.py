@@ -19,7 +19,7 @@ from app.core.errors import ConflictError
 from app.models import AuditLog, Checkpoint, EvalRun, GateDecision, Outbox
 from app.repositories.checkpoints import add_checkpoint
 from evals import automation, runner
-from evals.gate_config import GateConfig, MonitorBound, SuiteGate
+from evals.gate.policy import GateConfig, MonitorBound, SuiteGate
 from evals.gating import gate_candidate
 from tests.integration.test_eval_runner_resume import StubTask
 

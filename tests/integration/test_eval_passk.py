@@ -14,7 +14,7 @@ from app.core.db import session_scope
 from app.repositories.checkpoints import add_checkpoint
 from evals import gating, runner
 from evals.config import SuiteConfig
-from evals.gate_config import GateConfig, SuiteGate
+from evals.gate.policy import GateConfig, SuiteGate
 from evals.gating import gate_candidate
 from ops.report import collect_report
 from tests.integration.test_eval_runner_resume import StubTask
@@ -27,7 +27,7 @@ SUITE = SuiteConfig(
     name="functions_stub", version="1", source="humaneval", samples_per_task=K, sampling={"temperature": 0.7}
 )
 CONFIG = GateConfig(
-    suites={"functions_stub": SuiteGate(min_pairs=10, tolerance=0.3)}, bootstrap_resamples=500, monitors=[]
+    suites={"functions_stub": SuiteGate(min_pairs=10, margin=0.3)}, bootstrap_resamples=500, monitors=[]
 )
 
 

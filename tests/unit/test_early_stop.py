@@ -9,12 +9,13 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from evals.early_stop import SequentialStop
-from evals.gate import Outcome, SuiteOutcomes, decide_gate
-from evals.gate_config import GateConfig, SuiteGate
+from evals.gate.decision import decide_gate
+from evals.gate.early_stop import SequentialStop
+from evals.gate.models import Outcome, SuiteOutcomes
+from evals.gate.policy import GateConfig, SuiteGate
 
 POLICY = GateConfig(
-    suites={"s": SuiteGate(tolerance=0.045)}, bootstrap_resamples=1000, decide_by="sequential", early_stop=True
+    suites={"s": SuiteGate(margin=0.045)}, bootstrap_resamples=1000, decide_by="sequential", early_stop=True
 )
 
 

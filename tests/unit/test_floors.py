@@ -1,4 +1,4 @@
-"""Suite floors (evals/floors.py): known bounds, the equal candidate's refusal rate, the shipped
+"""Suite floors (evals/gate/floors.py): known bounds, the equal candidate's refusal rate, the shipped
 floors against the documented counts, and the policy file written with its comments kept."""
 
 from __future__ import annotations
@@ -10,9 +10,10 @@ import pytest
 
 from app.core.errors import ConfigurationError
 from app.core.intervals import wilson_interval, wilson_lower
-from evals.floors import FLOOR_STEP, derive_floor, design_effect, equal_refusal, round_down
-from evals.gate import Outcome, SuiteOutcomes, decide_gate
-from evals.gate_config import GATE_TOML, load_gate_config, write_floors
+from evals.gate.decision import decide_gate
+from evals.gate.floors import FLOOR_STEP, derive_floor, design_effect, equal_refusal, round_down
+from evals.gate.models import Outcome, SuiteOutcomes
+from evals.gate.policy import GATE_TOML, load_gate_config, write_floors
 
 
 def outcomes(k: int, n: int) -> list[bool]:

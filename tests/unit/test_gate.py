@@ -7,16 +7,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from evals.gate import (
-    Outcome,
-    SuiteOutcomes,
+from evals.gate.decision import (
     decide_gate,
     mcnemar_exact_interval,
     newcombe_paired_interval,
     paired_bootstrap_interval,
     wilson_interval,
 )
-from evals.gate_config import GateConfig, SuiteGate
+from evals.gate.models import Outcome, SuiteOutcomes
+from evals.gate.policy import GateConfig, SuiteGate
 
 
 def config(**kw) -> GateConfig:
@@ -108,7 +107,7 @@ def test_identical_results_collapse_only_the_bootstrap():
 
 def test_zero_of_four_against_zero_of_four_is_insufficient_evidence():
     """The demo's gate: 4 tasks, min_pairs lowered to 4, both sides solve none."""
-    from evals.gate_config import load_gate_config
+    from evals.gate.policy import load_gate_config
 
     cand, prod = table(b=0, c=0, both=0, neither=4)
     policy = load_gate_config().with_min_pairs(4).gating_only(["functions"])
@@ -141,7 +140,7 @@ def test_seed_17_cycle_2_passes_on_its_interval_at_low_power():
     [+0.2, +7.3] on the held-out suite's 112 greedy pairs against its 4.5-point margin, at power
     0.23. The interval clears the margin (it even excludes 0), so the suite and the gate pass;
     power is reported beside the decision."""
-    from evals.gate_config import load_gate_config
+    from evals.gate.policy import load_gate_config
 
     cand, prod = table(b=4, c=0, both=18, neither=90)
     policy = load_gate_config().gating_only(["functions"])
@@ -174,7 +173,7 @@ def test_seed_17_cycle_2_passes_on_its_interval_at_low_power():
 def test_an_interval_below_the_margin_fails_only_with_power():
     """Intervals that hold 0 and reach below the 4.5-point margin: on 40 pairs (power ~0.1) that is
     insufficient evidence; on 400 pairs at 5 % (power 0.88) it is a failure."""
-    policy = config(suites={"s": SuiteGate(tolerance=0.045)}, min_power=0.8)
+    policy = config(suites={"s": SuiteGate(margin=0.045)}, min_power=0.8)
     for (b, c, neither), decision in (((2, 4, 34), "insufficient_evidence"), ((11, 20, 369), "fail")):
         r = decide(*table(b=b, c=c, both=0, neither=neither), policy)
         s = r.suites["s"]
@@ -184,7 +183,7 @@ def test_an_interval_below_the_margin_fails_only_with_power():
 
 def test_too_few_pairs_is_insufficient_but_broken_results_fail():
     cand, prod = table(b=2, c=0, both=3, neither=0)
-    policy = config(suites={"s": SuiteGate(min_pairs=20, tolerance=0.9)}, min_power=0.8)  # only the count fails
+    policy = config(suites={"s": SuiteGate(min_pairs=20, margin=0.9)}, min_power=0.8)  # only the count fails
     r = decide(cand, prod, policy)
     assert r.decision == "insufficient_evidence" and checks(r, passed=False) == {"too_few_pairs"}
     r = decide(cand[:-1], prod, policy)
@@ -192,7 +191,7 @@ def test_too_few_pairs_is_insufficient_but_broken_results_fail():
 
 
 def test_power_is_seeded_and_grows_with_pairs():
-    from evals.power import non_inferiority_power
+    from evals.gate.power import non_inferiority_power
 
     assert non_inferiority_power(4, 0.0, 0.02) == 0.0
     assert non_inferiority_power(200, 0.0, 0.02) == 1.0  # 200 agreeing pairs bound the difference at -1.3 pt
@@ -203,7 +202,7 @@ def test_power_is_seeded_and_grows_with_pairs():
         non_inferiority_power(10, 1.5, 0.02)
 
 
-SIZED = dict(tasks=112, samples=8, tolerance=0.055, beta=(0.3684, 1.8611))
+SIZED = dict(tasks=112, samples=8, margin=0.055, beta=(0.3684, 1.8611))
 """The in-reach suite at the power target (docs/gate.md): 112 tasks x 8 samples at a 5.5-point
 margin, per-task pass probabilities Beta(0.368, 1.861) fitted to base's measured counts."""
 
@@ -217,7 +216,7 @@ def test_a_sized_suite_passes_equal_and_fails_five_points_worse_at_the_stated_ra
 
     t, k, a, b = SIZED["tasks"], SIZED["samples"], *SIZED["beta"]
     cfg = config(
-        suites={"s": SuiteGate(tolerance=SIZED["tolerance"], min_pairs=t * k)}, min_power=0.8, bootstrap_resamples=1000
+        suites={"s": SuiteGate(margin=SIZED["margin"], min_pairs=t * k)}, min_power=0.8, bootstrap_resamples=1000
     )
     grid = stats.beta.ppf((np.arange(4000) + 0.5) / 4000, a, b)
     shift = optimize.brentq(lambda x: special.expit(special.logit(grid) - x).mean() - grid.mean() + 0.05, 0, 50)
@@ -367,7 +366,7 @@ def test_a_real_regression_rarely_passes(method, sims):
 
 def test_gating_only_narrows_the_policy_explicitly():
     from app.core.errors import ConfigurationError
-    from evals.gate_config import load_gate_config
+    from evals.gate.policy import load_gate_config
 
     policy = load_gate_config()
     assert {"functions", "humaneval"} <= set(policy.gated_suites())

@@ -6,8 +6,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from evals.gate import Outcome, monitor_drift_interval, monitor_values
-from evals.gate_config import MonitorBound
+from evals.gate.models import Outcome
+from evals.gate.monitors import monitor_drift_interval, monitor_values
+from evals.gate.policy import MonitorBound
 from tests.unit.test_gate import config, decide, table
 
 

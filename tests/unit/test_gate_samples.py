@@ -7,9 +7,11 @@ import numpy as np
 import pytest
 
 from evals.config import load_suite
-from evals.gate import Outcome, SuiteOutcomes, decide_gate, non_inferiority_power
-from evals.gate_checks import sequence_order
-from evals.gate_config import GateConfig, SuiteGate, load_gate_config
+from evals.gate.checks import sequence_order
+from evals.gate.decision import decide_gate
+from evals.gate.models import Outcome, SuiteOutcomes
+from evals.gate.policy import GateConfig, SuiteGate, load_gate_config
+from evals.gate.power import non_inferiority_power
 from evals.tasks.functions import load, template_of
 
 
@@ -37,7 +39,7 @@ def test_the_shipped_held_out_gate_states_its_size_and_power():
     112 pairs; k = 8 at the serving temperature reaches 0.8 at the 4.5-point margin (docs/gate.md)."""
     policy = load_gate_config()
     sg = policy.for_suite("functions")
-    assert sg.samples == 1 and sg.tolerance == 0.045 and policy.serving_temperature == 0.7
+    assert sg.samples == 1 and sg.margin == 0.045 and policy.serving_temperature == 0.7
     tasks = len(load("test"))
     assert tasks == 112
     rate = 0.165  # base's pass rate on the held-out tasks at T = 0.7 (docs/gate.md)
@@ -78,7 +80,7 @@ def test_a_stopped_run_reports_the_power_of_its_whole_plan():
     """A run stopped after 12 of 21 templates: the pairs that ran are fewer than the plan, the
     power is the plan's (448 pairs) at production's rate on the pairs that ran."""
     policy = GateConfig(
-        suites={"functions": SuiteGate(tolerance=0.045, samples=4)},
+        suites={"functions": SuiteGate(margin=0.045, samples=4)},
         bootstrap_resamples=1000,
         decide_by="sequential",
         early_stop=True,

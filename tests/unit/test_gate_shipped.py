@@ -12,8 +12,9 @@ from __future__ import annotations
 import pytest
 
 from evals.config import load_suite
-from evals.gate import Outcome, SuiteOutcomes, decide_gate
-from evals.gate_config import load_gate_config
+from evals.gate.decision import decide_gate
+from evals.gate.models import Outcome, SuiteOutcomes
+from evals.gate.policy import load_gate_config
 
 BASE = {
     # suite: (tasks, production's passes per sample, source of the figure)

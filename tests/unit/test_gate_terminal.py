@@ -7,8 +7,9 @@ import io
 
 from rich.console import Console
 
-from evals.gate import Outcome, SuiteOutcomes, decide_gate
-from evals.gate_config import GateConfig, SuiteGate
+from evals.gate.decision import decide_gate
+from evals.gate.models import Outcome, SuiteOutcomes
+from evals.gate.policy import GateConfig, SuiteGate
 from evals.gate_terminal import explain
 from evals.gating import GateOutcome
 

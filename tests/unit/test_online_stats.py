@@ -121,8 +121,8 @@ def test_assignment_is_sticky_stable_and_near_the_fraction():
 
 def test_the_gate_config_online_setting_and_the_promotion_side_agree():
     from app.lifecycle.online_stats import SIGNALS
-    from evals.gate_config import ONLINE_SIGNALS, load_gate_config
-    from evals.gate_config import OnlinePolicy as OnlineSetting
+    from evals.gate.policy import ONLINE_SIGNALS, load_gate_config
+    from evals.gate.policy import OnlinePolicy as OnlineSetting
 
     assert set(ONLINE_SIGNALS) == set(SIGNALS)
     shipped = load_gate_config()

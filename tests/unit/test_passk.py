@@ -10,9 +10,10 @@ from fractions import Fraction
 import numpy as np
 import pytest
 
-from evals.gate import Outcome, SuiteOutcomes, decide_gate, pass_at_k, sampling_report
-from evals.gate_config import GateConfig, SuiteGate
-from evals.passk import format_sampling
+from evals.gate.decision import decide_gate
+from evals.gate.models import Outcome, SuiteOutcomes
+from evals.gate.passk import format_sampling, pass_at_k, sampling_report
+from evals.gate.policy import GateConfig, SuiteGate
 
 
 def brute_force_pass_at_k(n: int, c: int, k: int) -> float:
@@ -74,8 +75,8 @@ def simulate(rng, p: np.ndarray, q: np.ndarray, k: int) -> tuple[list[Outcome], 
     return mk(cand), mk(prod)
 
 
-def gate(cand, prod, tolerance: float):
-    cfg = GateConfig(suites={"s": SuiteGate(tolerance=tolerance)}, bootstrap_resamples=500, monitors=[])
+def gate(cand, prod, margin: float):
+    cfg = GateConfig(suites={"s": SuiteGate(margin=margin)}, bootstrap_resamples=500, monitors=[])
     return decide_gate({"s": SuiteOutcomes("s", "v", cand)}, {"s": SuiteOutcomes("s", "v", prod)}, cfg)
 
 
@@ -135,14 +136,14 @@ def test_samples_of_a_task_move_together_in_the_interval():
 
 def test_shipped_suites_with_several_samples_sample_at_a_temperature_and_smoke_runs_can_take_fewer():
     from evals.config import list_suites, load_suite
-    from evals.gate_config import load_gate_config
+    from evals.gate.policy import load_gate_config
 
     gate = load_gate_config()
     for name in list_suites():
         s = load_suite(name)
         if s.samples_per_task > 1:
             assert s.sampling.temperature > 0, name  # greedy samples would be identical copies
-            assert gate.for_suite(name).tolerance > 0.02, name  # sized margin, not the round-1 default
+            assert gate.for_suite(name).margin > 0.02, name  # sized margin, not the round-1 default
     many = load_suite("humaneval").with_overrides(samples_per_task=8)
     one = many.with_overrides(samples_per_task=1, limit=4)
     assert one.samples_per_task == 1 and one.limit == 4 and many.samples_per_task == 8

@@ -8,11 +8,11 @@ import pytest
 from transformers import AutoTokenizer
 
 from app.inference.engine import SamplingParams
-from evals.gate_config import load_gate_config
-from evals.gate_models import Outcome
+from evals.gate.models import Outcome
+from evals.gate.monitors import check_monitor, monitor_drift_interval, monitor_values
+from evals.gate.policy import load_gate_config
 from evals.harness.agent import AgentBudget, run_agent_session
 from evals.harness.scripted import ScriptedPolicy, tool_call
-from evals.monitors import check_monitor, monitor_drift_interval, monitor_values
 from evals.tasks import load_tasks
 
 PROBE = (

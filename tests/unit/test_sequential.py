@@ -5,9 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from evals.gate import Outcome, SuiteOutcomes, decide_gate
-from evals.gate_config import GateConfig, SuiteGate
-from evals.sequential import betting_confidence_sequence, normal_mixture_confidence_sequence
+from evals.gate.decision import decide_gate
+from evals.gate.models import Outcome, SuiteOutcomes
+from evals.gate.policy import GateConfig, SuiteGate
+from evals.gate.sequential import betting_confidence_sequence, normal_mixture_confidence_sequence
 
 
 def test_the_sequence_covers_the_mean_at_every_look():
@@ -66,7 +67,7 @@ def templated(gain: dict[int, int], templates: int = 30, variants: int = 4, base
 
 
 def gate(cand, prod, **kw):
-    cfg = GateConfig(**{"suites": {"s": SuiteGate(tolerance=0.045)}, "bootstrap_resamples": 1000, **kw})
+    cfg = GateConfig(**{"suites": {"s": SuiteGate(margin=0.045)}, "bootstrap_resamples": 1000, **kw})
     return decide_gate({"s": SuiteOutcomes("s", "v", cand)}, {"s": SuiteOutcomes("s", "v", prod)}, cfg)
 
 
@@ -108,7 +109,7 @@ def test_success_suite_must_be_significantly_better_and_guardrails_non_inferior(
     flat, flat_p = templated({}, templates=40)
     win, win_p = templated(dict.fromkeys(range(40), 1), templates=40)
     cfg = GateConfig(
-        suites={"fresh": SuiteGate(role="success", tolerance=0.045), "held": SuiteGate(tolerance=0.2)},
+        suites={"fresh": SuiteGate(role="success", margin=0.045), "held": SuiteGate(margin=0.2)},
         bootstrap_resamples=1000,
     )
 
@@ -151,7 +152,7 @@ def test_the_sequence_on_the_held_out_suite(b, c, both, decision):
     """docs/gate.md: at the held-out suite's 21 templates, under decide_by = sequential with the
     shipped policy, +3.6 points (seed 17's cycle 2) stops and passes, an equal candidate that churns
     3 and 3 tasks cannot be told from a 4.5-point loss, and a collapse (0 of 19) fails."""
-    from evals.gate_config import load_gate_config
+    from evals.gate.policy import load_gate_config
 
     policy = load_gate_config().gating_only(["functions"]).model_copy(update={"decide_by": "sequential"})
     cand, prod = held_out(b, c, both)

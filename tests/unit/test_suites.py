@@ -6,7 +6,7 @@ import pytest
 
 from app.core.errors import ConfigurationError
 from evals.config import SuiteConfig, list_suites, load_suite
-from evals.gate_config import load_gate_config
+from evals.gate.policy import load_gate_config
 
 
 def test_shipped_suites_load():
@@ -23,7 +23,7 @@ def test_shipped_suites_load():
 def test_shipped_gate_gates_every_shipped_suite():
     gate = load_gate_config()
     assert set(gate.gated_suites()) == {"dataframebench", "functions", "humaneval", "mined"}
-    assert gate.confidence == 0.95 and gate.tolerance == 0.02
+    assert gate.confidence == 0.95 and gate.margin == 0.02
     assert {m.metric for m in gate.monitors} >= {
         "invalid_tool_call_rate",
         "clarifying_question_rate",
@@ -32,7 +32,7 @@ def test_shipped_gate_gates_every_shipped_suite():
         "mean_latency_s",
     }
     assert gate.for_suite("dataframebench").min_pairs == 20
-    assert gate.for_suite("unknown").tolerance == 0.02
+    assert gate.for_suite("unknown").margin == 0.02
 
 
 def test_training_split_and_unknown_keys_are_refused(tmp_path):
@@ -53,6 +53,18 @@ def test_gate_config_refuses_unbounded_monitor(tmp_path):
     p.write_text('[suites.a]\n[[monitors]]\nmetric = "edit_rate"\n')
     with pytest.raises(ConfigurationError, match="abs_tolerance"):
         load_gate_config(p)
+
+
+def test_a_policy_that_still_says_tolerance_is_told_to_rename_it(tmp_path):
+    """``tolerance`` was the margin's name: gate-wide or in a suite, it fails naming ``margin``."""
+    p = tmp_path / "gate.toml"
+    for text in ("tolerance = 0.02\n", "[suites.functions]\ntolerance = 0.045\n"):
+        p.write_text(text)
+        with pytest.raises(ConfigurationError, match="`tolerance` is now `margin`"):
+            load_gate_config(p)
+    p.write_text("margin = 0.03\n[suites.functions]\nmargin = 0.045\n")
+    gate = load_gate_config(p)
+    assert (gate.margin, gate.for_suite("functions").margin, gate.for_suite("other").margin) == (0.03, 0.045, 0.03)
 
 
 def test_fingerprint_tracks_config_and_task_set():

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, Query
+from fastapi import APIRouter, Query, Response
 
 from app.api.deps import SessionDep, ViewerDep
 from app.api.errors import AUTH_RESPONSES, model_response
@@ -25,7 +25,7 @@ def ab_comparisons(
     checkpoint_id: Annotated[
         str | None, Query(max_length=128, pattern=CHECKPOINT_ID_PATTERN, description="only this compared arm")
     ] = None,
-):
+) -> Response:
     """Every stored ``flywheel ab`` result, newest first: pass rate of both arms with the 95 %
     interval of their difference, and every product signal with its intervals."""
     before = None

@@ -6,7 +6,7 @@ import uuid
 from pathlib import Path
 from typing import Annotated
 
-from fastapi import APIRouter, Query
+from fastapi import APIRouter, Query, Response
 from fastapi.responses import FileResponse
 
 from app.api.deps import PrincipalDep, SessionDep, ViewerDep
@@ -30,7 +30,7 @@ def audit(
     action: Annotated[
         str | None, Query(max_length=64, pattern=r"^[a-z_.]+$", description="e.g. checkpoint.promoted")
     ] = None,
-):
+) -> Response:
     """Every change with its actor, newest first. The database refuses UPDATE and DELETE on it."""
     before = None
     if cursor:

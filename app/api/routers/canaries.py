@@ -7,6 +7,7 @@ import uuid
 from typing import Annotated
 
 from fastapi import APIRouter, Path, Response, status
+from sqlalchemy.orm import Session
 
 from app.api.deps import ActorDep, RoleFirstRoute, SessionDep, ViewerDep
 from app.api.errors import AUTH_RESPONSES, CONFLICT, NOT_FOUND, model_response
@@ -16,7 +17,7 @@ from app.models import Canary
 from app.promotion.canary_policy import ready_times
 
 
-def canary_views(session, rows: list[Canary]) -> list[CanaryOut]:
+def canary_views(session: Session, rows: list[Canary]) -> list[CanaryOut]:
     """``rows`` as the API shows them, each with when the canary policy marked it ready."""
     ready = ready_times(session, [r.id for r in rows])
     out = [CanaryOut.model_validate(r) for r in rows]
@@ -30,7 +31,7 @@ CanaryPath = Annotated[uuid.UUID, Path(description="canary id")]
 
 
 @router.get("", response_model=CanaryStatusOut, summary="The active canary and the recent ones")
-def canary_status(session: SessionDep, _: ViewerDep):
+def canary_status(session: SessionDep, _: ViewerDep) -> Response:
     """The active canary (null when none) and the 20 most recent canaries, newest first."""
     active = get_active_canary(session)
     return model_response(

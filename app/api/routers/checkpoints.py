@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, Path, Query
+from fastapi import APIRouter, Path, Query, Response
+from sqlalchemy.orm import Session
 
 from app.api.deps import RejecterDep, RoleFirstRoute, SessionDep, ViewerDep
 from app.api.errors import AUTH_RESPONSES, CONFLICT, NOT_FOUND, model_response
@@ -44,7 +45,7 @@ def gate_summary(gate: GateDecision | None) -> GateSummary | None:
     return out
 
 
-def checkpoint_summaries(session, rows: list[Checkpoint]) -> list[CheckpointSummary]:
+def checkpoint_summaries(session: Session, rows: list[Checkpoint]) -> list[CheckpointSummary]:
     """Summaries of ``rows``, each flagged one with the audited reason of its flag."""
     reasons = erasure_reasons(session, [r.id for r in rows if r.trained_on_erased])
     out = [CheckpointSummary.model_validate(r) for r in rows]
@@ -62,7 +63,7 @@ def list_checkpoints(
     status: Annotated[CheckpointStatus | None, Query(description="only this status")] = None,
     limit: Annotated[int, Query(ge=1, le=200)] = 50,
     cursor: Annotated[str | None, Query(max_length=512, description="next_cursor of the previous page")] = None,
-):
+) -> Response:
     """Checkpoints ordered by creation time, newest first, keyset-paginated."""
     rows, nxt = queries.list_checkpoints(session, limit=limit, status=status, cursor=cursor)
     return model_response(Page[CheckpointSummary](items=checkpoint_summaries(session, rows), next_cursor=nxt))
@@ -112,7 +113,7 @@ def get_checkpoint_evals(checkpoint_id: CheckpointPath, session: SessionDep, _: 
     responses=NOT_FOUND,
     summary="Online product signals: overall, the canary versus production, the lineage",
 )
-def get_checkpoint_online(checkpoint_id: CheckpointPath, session: SessionDep, _: ViewerDep):
+def get_checkpoint_online(checkpoint_id: CheckpointPath, session: SessionDep, _: ViewerDep) -> Response:
     """From finalized sessions served by the checkpoint: edit acceptance, edit persistence,
     dissatisfied follow-ups per session, serving seconds per token, mean reward and sessions, each
     with a 95 % interval clustered by user (delta method, Deng et al. 2018). With a canary: canary

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from fastapi import APIRouter
+from fastapi.responses import JSONResponse
 from sqlalchemy import text
 
 from app.api.errors import error_response
@@ -48,7 +49,7 @@ def _check_broker() -> str | None:
     summary="Readiness",
     responses={503: {"model": ErrorBody, "description": "a dependency is unreachable"}},
 )
-def readyz():
+def readyz() -> Readiness | JSONResponse:
     """``ready`` when the database answers ``SELECT 1`` and has this release's schema (not behind
     its migration head) and the broker answers a metadata request; else 503 with the failing checks
     as reasons."""

@@ -39,7 +39,7 @@ def list_promotions(
     _: ViewerDep,
     limit: Annotated[int, Query(ge=1, le=200)] = 50,
     cursor: Annotated[str | None, Query(max_length=512)] = None,
-):
+) -> Response:
     """Every promotion and rollback, newest first."""
     rows, nxt = queries.list_promotions(session, limit=limit, before=cursor)
     return model_response(Page[PromotionOut](items=[PromotionOut.model_validate(r) for r in rows], next_cursor=nxt))
@@ -101,7 +101,7 @@ def create_rollback(
 
 
 @router.get("/production", response_model=ProductionOut, summary="The production checkpoint and what serves")
-def production(session: SessionDep, _: ViewerDep):
+def production(session: SessionDep, _: ViewerDep) -> Response:
     """The production checkpoint, the change that made it production, and the checkpoint the
     production server reports serving (``serving_in_sync`` when they agree). With a vLLM server the
     answer is the server's own ``/weight_info``; with the in-process engine, the serving watcher's

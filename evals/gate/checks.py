@@ -14,10 +14,10 @@ from typing import Any
 import numpy as np
 
 from app.core.intervals import mcnemar_exact_interval, newcombe_paired_interval, paired_bootstrap_interval
-from evals.gate_config import GateConfig
-from evals.gate_models import Decision, GateReason, Key, MonitorReport, Outcome, SequentialReport, SuiteOutcomes
-from evals.monitors import check_monitor, monitor_drift_interval, monitor_values
-from evals.sequential import betting_confidence_sequence, normal_mixture_confidence_sequence
+from evals.gate.models import Decision, GateReason, Key, MonitorReport, Outcome, SequentialReport, SuiteOutcomes
+from evals.gate.monitors import check_monitor, monitor_drift_interval, monitor_values
+from evals.gate.policy import GateConfig
+from evals.gate.sequential import betting_confidence_sequence, normal_mixture_confidence_sequence
 from evals.tasks.functions import template_of
 
 

@@ -24,7 +24,7 @@ from collections.abc import Iterable, Mapping, Sequence
 
 import numpy as np
 
-from evals.gate_models import Outcome, SamplingReport
+from evals.gate.models import Outcome, SamplingReport
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -67,7 +67,7 @@ def sampling_report(outcomes: Sequence[Outcome], samples_per_task: int | None = 
             ``k`` it supports and is left out of best-of-K.
 
     Returns:
-        A :class:`~evals.gate_models.SamplingReport` (``pass_at_k`` keys "1" and "K"), or None
+        A :class:`~evals.gate.models.SamplingReport` (``pass_at_k`` keys "1" and "K"), or None
         without outcomes.
     """
     counts = task_counts(outcomes)
@@ -101,7 +101,7 @@ def format_pass_at_k(pass_at_k: Mapping[str, float], samples_per_task: int, best
 
 
 def format_sampling(report: SamplingReport | None) -> str:
-    """:func:`format_pass_at_k` of a :class:`~evals.gate_models.SamplingReport` ("-" for None)."""
+    """:func:`format_pass_at_k` of a :class:`~evals.gate.models.SamplingReport` ("-" for None)."""
     if report is None:
         return "-"
     return format_pass_at_k(report.pass_at_k, report.samples_per_task, report.best_of_k)

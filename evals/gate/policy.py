@@ -13,7 +13,7 @@ import tempfile
 import tomllib
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import tomlkit
 from pydantic import Field, model_validator
@@ -22,7 +22,7 @@ from tomlkit.items import Comment, Table, Whitespace
 from app.core.errors import ConfigurationError
 from evals.config import StrictConfig, SuiteConfig
 
-GATE_TOML = Path(__file__).parent / "gate.toml"
+GATE_TOML = Path(__file__).parents[1] / "gate.toml"
 
 MonitorName = Literal[
     "invalid_tool_call_rate",
@@ -38,7 +38,7 @@ MonitorName = Literal[
 class MonitorBound(StrictConfig):
     """A behaviour monitor: how far the candidate may drift from production in the bad direction.
 
-    The allowed drift is ``max(abs_tolerance, rel_tolerance * |production|)`` over the tolerances
+    The allowed drift is ``max(abs_tolerance, rel_tolerance * |production|)`` over the margins
     that are set (an absolute tolerance keeps a relative bound from tripping on a tiny baseline);
     ``limit`` is an absolute bound on the candidate's own value (a ceiling when ``worse`` is
     ``increase``, a floor when ``decrease``). Which drift is compared, the observed one or its
@@ -46,7 +46,7 @@ class MonitorBound(StrictConfig):
     """
 
     metric: MonitorName
-    """Which behaviour statistic (see ``evals.gate.monitor_values``)."""
+    """Which behaviour statistic (see ``evals.gate.monitors.monitor_values``)."""
     worse: Literal["increase", "decrease"] = "increase"
     """The direction that is a regression (e.g. ``decrease`` for the edit rate)."""
     abs_tolerance: float | None = Field(default=None, ge=0)
@@ -63,21 +63,37 @@ class MonitorBound(StrictConfig):
         return self
 
 
+def refuse_tolerance(data: Any) -> Any:
+    """Refuse the margin's former name (before validation), naming the key to rename.
+
+    Raises:
+        ValueError: ``data`` is a mapping with a ``tolerance`` key.
+    """
+    if isinstance(data, Mapping) and "tolerance" in data:
+        raise ValueError(
+            "`tolerance` is now `margin` (the non-inferiority margin, same meaning and units): "
+            "rename the key in the gate policy"
+        )
+    return data
+
+
 class SuiteGate(StrictConfig):
     """Per-suite gate settings; unset fields fall back to the gate-wide defaults."""
 
+    _refuse_tolerance = model_validator(mode="before")(refuse_tolerance)
+
     gated: bool = True
     """Whether this suite decides the gate (ungated suites are reported only)."""
-    tolerance: float | None = Field(default=None, ge=0, le=1)
+    margin: float | None = Field(default=None, ge=0, le=1)
     """Non-inferiority margin (pass-rate points as a fraction, 0.02 = 2 points): the suite fails when
     the lower confidence bound of pass@1(candidate) - pass@1(production) is at or below
-    ``-tolerance``. Not the regression the gate must detect: with standard error ``se`` of the
-    difference, an equal candidate fails with probability about ``Phi(1.645 - tolerance / se)``, so
+    ``-margin``. Not the regression the gate must detect: with standard error ``se`` of the
+    difference, an equal candidate fails with probability about ``Phi(1.645 - margin / se)``, so
     the margin and the suite size are chosen together (docs/gate.md, ``bench/gate_power.py``)."""
     floor: float = Field(default=0.0, ge=0, le=1)
     """Absolute minimum pass rate of the candidate (its passed samples over its paired ones): a
     backstop below the non-inferiority test, derived from production's measured outcomes so that
-    an equal candidate falls below it at most 1 % of the time (:mod:`evals.floors`,
+    an equal candidate falls below it at most 1 % of the time (:mod:`evals.gate.floors`,
     ``flywheel eval floors``)."""
     min_pairs: int | None = Field(default=None, ge=1)
     """Fewest paired (task, sample) outcomes that can support a decision."""
@@ -93,7 +109,7 @@ class SuiteGate(StrictConfig):
     beside each decision is for the plan's k x tasks pairs (docs/gate.md sizes k)."""
     check: Literal["non_inferiority", "deterioration"] = "non_inferiority"
     """Which test a guardrail's interval gets. ``non_inferiority``: it passes when the lower bound
-    clears ``-tolerance`` (the suite is sized for it: docs/gate.md). ``deterioration``: it fails only
+    clears ``-margin`` (the suite is sized for it: docs/gate.md). ``deterioration``: it fails only
     when the whole interval lies below 0 (the candidate is significantly worse), and otherwise its
     floor and monitors decide: the form of a guardrail that cannot be powered (Schultzberg et al.
     2024's deterioration metrics), for a suite where production's pass rate is too low for any
@@ -102,7 +118,7 @@ class SuiteGate(StrictConfig):
     reported for it. Only a guardrail takes it."""
     role: Literal["guardrail", "success"] = "guardrail"
     """How the suite enters the decision (Spotify Confidence's rule, Schultzberg et al. 2024): a
-    ``guardrail`` passes when its lower bound clears ``-tolerance`` (significantly non-inferior); a
+    ``guardrail`` passes when its lower bound clears ``-margin`` (significantly non-inferior); a
     ``success`` suite passes only when its lower bound is above 0 (significantly better). The gate
     passes when every gated guardrail passes and, if any success suite is gated, at least one
     success suite passes."""
@@ -147,6 +163,8 @@ class OnlinePolicy(StrictConfig):
 class GateConfig(StrictConfig):
     """The promotion gate: statistical non-inferiority, floors and behaviour monitors."""
 
+    _refuse_tolerance = model_validator(mode="before")(refuse_tolerance)
+
     method: Literal["newcombe", "bootstrap", "mcnemar"] = "newcombe"
     """Interval for the paired difference. ``newcombe``: Newcombe's (1998) paired score interval,
     which keeps its coverage at small n and at rates near 0 or 1; with several samples per task,
@@ -158,9 +176,9 @@ class GateConfig(StrictConfig):
     two_sided: bool = False
     """False: the lower bound is one-sided at ``confidence`` (a non-inferiority test at level
     1 - confidence); True: the lower end of a two-sided interval (stricter)."""
-    tolerance: float = Field(default=0.02, ge=0, le=1)
-    """Default non-inferiority margin: pass if lower bound of (candidate - production) > -tolerance
-    (see :attr:`SuiteGate.tolerance` for how it relates to suite size and power)."""
+    margin: float = Field(default=0.02, ge=0, le=1)
+    """Default non-inferiority margin: pass if lower bound of (candidate - production) > -margin
+    (see :attr:`SuiteGate.margin` for how it relates to suite size and power)."""
     bootstrap_resamples: int = Field(default=10_000, ge=200, le=1_000_000)
     """Bootstrap replicates (B)."""
     seed: int = 0
@@ -168,7 +186,7 @@ class GateConfig(StrictConfig):
     min_pairs: int = Field(default=1, ge=1)
     """Default fewest paired outcomes per suite."""
     min_power: float = Field(default=0.8, ge=0, le=1)
-    """The design power (:mod:`evals.power`: the probability that an equal candidate clears the
+    """The design power (:mod:`evals.gate.power`: the probability that an equal candidate clears the
     margin, at the observed pairs and production's rate). Reported with each suite and never
     withholds a pass whose interval clears the margin; it decides only what an interval that reaches
     below the margin means: ``fail`` on a suite with this power, ``insufficient_evidence`` below it."""
@@ -179,7 +197,7 @@ class GateConfig(StrictConfig):
     decide_by: Literal["interval", "sequential"] = "interval"
     """Which bounds decide. ``interval``: the fixed-n interval of ``method``, valid when the suite is
     looked at once, complete. ``sequential``: the confidence sequence (``sequence``) over clusters
-    in a seeded random order (:mod:`evals.sequential`), which may decide before the last
+    in a seeded random order (:mod:`evals.gate.sequential`), which may decide before the last
     cluster (``stopped_at_pairs``); both are always reported."""
     early_stop: bool = False
     """Stop a gated suite's candidate run as soon as its confidence sequence decides (its lower bound
@@ -189,7 +207,7 @@ class GateConfig(StrictConfig):
     Needs ``decide_by = "sequential"``: the fixed-n interval read after looks along the way loses its
     level. Off, or with sharded eval runs (``FLYWHEEL_EVAL_SHARDS`` > 1), every run is complete."""
     sequence: Literal["normal_mixture", "betting"] = "normal_mixture"
-    """The confidence sequence (:mod:`evals.sequential`): ``normal_mixture``, asymptotic and tuned to
+    """The confidence sequence (:mod:`evals.gate.sequential`): ``normal_mixture``, asymptotic and tuned to
     the suite's cluster count (usable at tens of clusters); ``betting``, exact at every n and about
     three times as wide at 21 clusters."""
     sequence_burn_in: int = Field(default=10, ge=1)
@@ -229,7 +247,7 @@ class GateConfig(StrictConfig):
     def with_min_pairs(self, min_pairs: int | None) -> "GateConfig":
         """A copy whose every suite needs ``min_pairs`` paired outcomes and has no floor (smoke runs
         on few tasks); None keeps the policy. A floor holds its 1 % refusal of an equal candidate
-        only at the suite size it was derived at (:mod:`evals.floors`): on 4 pairs a 8.5 % floor
+        only at the suite size it was derived at (:mod:`evals.gate.floors`): on 4 pairs a 8.5 % floor
         refuses a candidate that, like production, solves none. The resolved config is stored with
         each decision."""
         if min_pairs is None:
@@ -270,7 +288,7 @@ class GateConfig(StrictConfig):
         s = self.suites.get(name, SuiteGate())
         return s.model_copy(
             update={
-                "tolerance": self.tolerance if s.tolerance is None else s.tolerance,
+                "margin": self.margin if s.margin is None else s.margin,
                 "min_pairs": self.min_pairs if s.min_pairs is None else s.min_pairs,
             }
         )

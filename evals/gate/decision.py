@@ -4,11 +4,11 @@ Invariant: the gate fails closed, decides by its intervals and knows what it can
 gated suite ends ``pass``, ``fail``, ``insufficient_evidence`` or (allowed to be empty and empty)
 ``not_gated``. A suite passes when its results pair one-to-one with production's (same suite
 version, same (task, sample) keys), the lower bound of pass@1(candidate) - pass@1(production)
-clears its threshold (``-tolerance`` for a guardrail, 0 for a success suite), the candidate meets
+clears its threshold (``-margin`` for a guardrail, 0 for a success suite), the candidate meets
 the suite's floor and no behaviour monitor breaches (``GateConfig.monitor_rule``). Missing,
 unpaired or errored results, a breached floor or monitor, and an interval wholly below 0 fail.
 An interval that reaches below the threshold fails on a guardrail with the design power
-(``min_power``, :mod:`evals.power`) and is ``insufficient_evidence`` on one without: power sizes
+(``min_power``, :mod:`evals.gate.power`) and is ``insufficient_evidence`` on one without: power sizes
 suites and is reported beside each decision, and never withholds a pass. A guardrail that cannot
 be sized (``SuiteGate.check = "deterioration"``: production near 0 %, or a suite still growing) fails
 only when its interval lies wholly below 0, and is otherwise decided by its floor and monitors. The
@@ -21,14 +21,14 @@ interval, which keeps its coverage at small n and rates near 0 or 1; where a clu
 ``GateConfig.cluster_by``, or a task's samples) holds several pairs the gate takes the wider of it
 and the cluster bootstrap (:func:`app.core.intervals.paired_bootstrap_interval`). Beside it every
 suite reports the anytime-valid confidence sequence over its clusters (``GateConfig.sequence``:
-normal-mixture or betting, :mod:`evals.sequential`) and where it stopped; ``decide_by = "sequential"`` makes that the
+normal-mixture or betting, :mod:`evals.gate.sequential`) and where it stopped; ``decide_by = "sequential"`` makes that the
 deciding bound. A candidate run that stopped early (``early_stop``) is read as the prefix of its
-clusters in the sequence's order (:func:`evals.gate_checks.stopped_prefix`) and accepted only where
-the sequence, recomputed here, decides within it (``stopped_early``). The parts live in :mod:`evals.gate_checks`, the data models in
-:mod:`evals.gate_models`; the names tests and reports use are re-exported here.
+clusters in the sequence's order (:func:`evals.gate.checks.stopped_prefix`) and accepted only where
+the sequence, recomputed here, decides within it (``stopped_early``). The parts live in :mod:`evals.gate.checks`, the data models in
+:mod:`evals.gate.models`; the names tests and reports use are re-exported here.
 
 Size: over 400 lines: one pure decision, its checks in the order they apply (the statistics live in
-:mod:`evals.gate_checks`, the types in :mod:`evals.gate_models`).
+:mod:`evals.gate.checks`, the types in :mod:`evals.gate.models`).
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ from app.core.intervals import (
     paired_bootstrap_interval,
     wilson_interval,
 )
-from evals.gate_checks import (
+from evals.gate.checks import (
     Pairs,
     Reasons,
     check_monitors,
@@ -53,8 +53,7 @@ from evals.gate_checks import (
     sequential_report,
     stopped_prefix,
 )
-from evals.gate_config import GateConfig, SuiteGate
-from evals.gate_models import (
+from evals.gate.models import (
     Decision,
     GateReason,
     GateResult,
@@ -68,9 +67,10 @@ from evals.gate_models import (
     SuiteOutcomes,
     SuiteReport,
 )
-from evals.monitors import check_monitor, monitor_drift_interval, monitor_values
-from evals.passk import pass_at_k, sampling_report, task_counts
-from evals.power import non_inferiority_power
+from evals.gate.monitors import check_monitor, monitor_drift_interval, monitor_values
+from evals.gate.passk import pass_at_k, sampling_report, task_counts
+from evals.gate.policy import GateConfig, SuiteGate
+from evals.gate.power import non_inferiority_power
 
 __all__ = [
     "Decision",
@@ -108,7 +108,7 @@ def _task_solved(outcomes: Sequence[Outcome]) -> dict[str, bool]:
 
 
 def _paired_sampling(outcomes: Sequence[Outcome]) -> SamplingReport:
-    """pass@k of one side's paired outcomes (:func:`evals.passk.sampling_report`).
+    """pass@k of one side's paired outcomes (:func:`evals.gate.passk.sampling_report`).
 
     Raises:
         ValueError: ``outcomes`` is empty (the gate reports pass@k only once something paired).
@@ -139,7 +139,7 @@ def _empty_report(
 def _check_power(
     name: str, pairs: Pairs, margin: float, config: GateConfig, reasons: Reasons, planned: int | None, k: int
 ) -> float:
-    """The power figure (:mod:`evals.power`), an informational reason: it sizes the suite and says
+    """The power figure (:mod:`evals.gate.power`), an informational reason: it sizes the suite and says
     whether an interval below the margin is a failure, and never withholds a pass. It is the plan's
     power: at its ``planned`` pairs (k samples x tasks; the pairs that ran where the plan is not
     known), at production's observed rate."""
@@ -186,7 +186,7 @@ def _check_difference(
     success suite) read from the bounds ``decide_by`` names. ``diff`` is pass@1(candidate) -
     pass@1(production), the point estimate reported beside the bounds. ``planned_clusters``: the
     plan's clusters when the run stopped early (the sequence's order and tuning come from them)."""
-    name, guardrail, margin = report.suite, sg.role == "guardrail", sg.tolerance or 0.0
+    name, guardrail, margin = report.suite, sg.role == "guardrail", sg.margin or 0.0
     threshold = -margin if guardrail else 0.0
     c_out, p_out, n = pairs.candidate, pairs.production, pairs.n
     b = sum(x.passed and not y.passed for x, y in zip(c_out, p_out))
@@ -367,7 +367,7 @@ def _evaluate_suite(
         sampling,
         config,
     )
-    margin = sg.tolerance or 0.0
+    margin = sg.margin or 0.0
     power = (
         None
         if sg.check == "deterioration"

@@ -1,11 +1,11 @@
 """Stopping a candidate's eval run early: the gate's confidence sequence, updated as results land.
 
 Invariant: the sequence looks at clusters in the order fixed before any outcome is seen
-(:func:`evals.gate_checks.sequence_order` over the plan's clusters), a cluster only once all its
+(:func:`evals.gate.checks.sequence_order` over the plan's clusters), a cluster only once all its
 planned pairs are in on both sides and every cluster before it in that order was looked at. So the
 place this stops is the place :mod:`evals.gate` finds again from the stored outcomes
-(:func:`evals.gate_checks.stopped_prefix`), and a stop keeps the sequence's level: it is valid at
-every look (:mod:`evals.sequential`). Pure: no DB, no IO.
+(:func:`evals.gate.checks.stopped_prefix`), and a stop keeps the sequence's level: it is valid at
+every look (:mod:`evals.gate.sequential`). Pure: no DB, no IO.
 """
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from evals.gate_checks import cluster_of, sequence_order, sequence_verdict
-from evals.gate_config import GateConfig
-from evals.gate_models import Key, SequentialReport
+from evals.gate.checks import cluster_of, sequence_order, sequence_verdict
+from evals.gate.models import Key, SequentialReport
+from evals.gate.policy import GateConfig
 
 if TYPE_CHECKING:
     from evals.tasks.model import Task
@@ -39,7 +39,7 @@ class SequentialStop:
         self.suite = suite
         self.config = config
         self.guardrail = sg.role == "guardrail"
-        self.threshold = -(sg.tolerance or 0.0) if self.guardrail else 0.0
+        self.threshold = -(sg.margin or 0.0) if self.guardrail else 0.0
         self.production = dict(production)
         self.members: dict[str, list[Key]] = defaultdict(list)
         for key in planned:

@@ -12,8 +12,8 @@ from typing import get_args
 import numpy as np
 
 from app.core.intervals import _cluster_percentile_interval
-from evals.gate_config import MonitorBound, MonitorName
-from evals.gate_models import MonitorReport, Outcome
+from evals.gate.models import MonitorReport, Outcome
+from evals.gate.policy import MonitorBound, MonitorName
 
 
 def monitor_values(outcomes: Sequence[Outcome]) -> dict[str, float]:
@@ -100,7 +100,8 @@ def monitor_drift_interval(
         with np.errstate(invalid="ignore", divide="ignore"):
             c_val = np.where(tot[:, 1] > 0, tot[:, 0] / tot[:, 1], 0.0)
             p_val = np.where(tot[:, 3] > 0, tot[:, 2] / tot[:, 3], 0.0)
-        return sign * (c_val - p_val)
+        drifted: np.ndarray = sign * (c_val - p_val)
+        return drifted
 
     return _cluster_percentile_interval(
         sums, drift, confidence=confidence, two_sided=two_sided, resamples=resamples, seed=seed
@@ -110,7 +111,7 @@ def monitor_drift_interval(
 def check_monitor(
     bound: MonitorBound, candidate: float, production: float, interval: tuple[float, float] | None = None
 ) -> MonitorReport:
-    """Apply one monitor bound (see :class:`evals.gate_config.MonitorBound`).
+    """Apply one monitor bound (see :class:`evals.gate.policy.MonitorBound`).
 
     Args:
         candidate, production: the metric's values (:func:`monitor_values`).

@@ -103,7 +103,7 @@ class MonitorReport(BaseModel):
     ``drift`` is the observed change in the bad direction (production - candidate when ``worse`` is
     ``decrease``), in the metric's unit; ``drift_low``/``drift_high`` its confidence interval (None
     under the point rule, or for ``p90_latency_s``); ``rule`` the comparison that decided (see
-    :attr:`evals.gate_config.GateConfig.monitor_rule`)."""
+    :attr:`evals.gate.policy.GateConfig.monitor_rule`)."""
 
     metric: str
     candidate: float
@@ -119,7 +119,7 @@ class MonitorReport(BaseModel):
 
 
 class SamplingReport(BaseModel):
-    """pass@k and best-of-K of one checkpoint on one suite (:func:`evals.passk.sampling_report`).
+    """pass@k and best-of-K of one checkpoint on one suite (:func:`evals.gate.passk.sampling_report`).
 
     ``pass_at_k`` maps ``k`` (as a string, JSON keys) to the unbiased estimate of Chen et al. (2021,
     eq. 1) averaged over tasks, for k in {1, ``samples_per_task``}; ``best_of_k`` is the share of
@@ -134,7 +134,7 @@ class SamplingReport(BaseModel):
 
 
 class SequentialReport(BaseModel):
-    """The anytime-valid view of one suite (:mod:`evals.sequential`): clusters in a seeded random
+    """The anytime-valid view of one suite (:mod:`evals.gate.sequential`): clusters in a seeded random
     order, one look after each, bounds of the mean over clusters of each cluster's mean paired
     difference (one-sided, each at the gate's confidence)."""
 
@@ -185,7 +185,7 @@ class SuiteReport(BaseModel):
     power: float | None = Field(
         default=None,
         description="probability that an equal candidate clears the margin at the plan's pairs "
-        "(planned_pairs, else n_pairs) and production's rate (evals.power); None without pairs",
+        "(planned_pairs, else n_pairs) and production's rate (evals.gate.power); None without pairs",
     )
     margin: float | None = Field(default=None, description="the non-inferiority margin the power is for")
     n_pairs: int
