@@ -288,7 +288,7 @@ def _override(client, headers, checkpoint_id, override_reason, expected="base"):
 
 
 def test_insufficient_evidence_needs_a_release_managers_written_override(client, session, store, base, rm, monkeypatch):
-    from app.promotion import tokens
+    from app.repositories import tokens
 
     cand = seed_checkpoint(session, store, "ckpt-0001", parent_id="base", generation=1)
     gate = seed_gate(session, cand.id, "base", passed=False, reasons=[POWER_REASON], report=INSUFFICIENT)
