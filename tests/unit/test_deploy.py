@@ -108,6 +108,20 @@ def test_vllm_servers_log_the_behaviour_policy_and_start_from_a_checkpoint_that_
         assert services[name]["environment"]["VLLM_SERVER_DEV_MODE"] == "1", name  # weight reload endpoints
 
 
+def test_vllm_servers_get_the_shared_memory_their_engine_allocates_at_start():
+    # Docker's default /dev/shm is 64 MiB; vLLM's CPU engine asks 160 MiB at start and exits without it.
+    services = _compose()["services"]
+    for name in ("vllm", "vllm-eval", "vllm-canary"):
+        svc = services[name]
+        size = str(svc.get("shm_size", "0"))
+        assert svc.get("ipc") == "host" or (size.endswith("gb") and float(size[:-2]) >= 1), name
+
+
+def test_the_flywheel_image_has_the_libraries_vllms_cpu_kernels_link():
+    dockerfile = (COMPOSE.parent / "Dockerfile").read_text()
+    assert "libnuma1" in dockerfile  # vllm._C does not load without libnuma.so.1
+
+
 def test_the_deploy_files_run_vllm_with_the_flags_the_tests_ran():
     from app.core.settings import ServingSettings
     from serving.vllm_command import server_command
