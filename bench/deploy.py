@@ -72,12 +72,14 @@ def trainer_toml(lr: float, steps: int, sessions: int) -> str:
 
 
 def simulate(deploy: Deploy, key: str, sessions: int, seed: int) -> dict:
-    """``flywheel simulate`` through the front, as the product backend; its summary line."""
+    """``flywheel simulate`` through the front, as the product backend; its summary line. It runs in a
+    one-off of the worker's service: the simulated developer grades each session in the sandbox, which
+    only the graders' containers can build."""
     out = deploy.flywheel(
         "simulate", "--sessions", str(sessions), "--group-size", "4", "--source", "functions",
         "--privacy-rate", "0", "--max-turns", "2", "--max-tokens", "256", "--concurrency", "16",
         "--seed", str(seed), "--json",
-        env={"FLYWHEEL_FRONT_URL": "http://front:8100", "FLYWHEEL_FRONT_API_KEY": key},
+        env={"FLYWHEEL_FRONT_URL": "http://front:8100", "FLYWHEEL_FRONT_API_KEY": key}, service="worker",
     )  # fmt: skip
     return json.loads(out.strip().splitlines()[-1])
 

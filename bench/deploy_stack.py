@@ -130,11 +130,13 @@ class Deploy:
             raise RuntimeError(f"{' '.join(args[:3])}: exit {out.returncode}: {(out.stderr or out.stdout)[-2000:]}")
         return out
 
-    def flywheel(self, *args: str, env: dict[str, str] | None = None, timeout_s: float = 1800) -> str:
-        """``flywheel ARGS`` in a one-off container of the API's service (its settings, the
-        deploy's network and volumes): the product backend's and the operator's seat."""
+    def flywheel(
+        self, *args: str, env: dict[str, str] | None = None, timeout_s: float = 1800, service: str = "api"
+    ) -> str:
+        """``flywheel ARGS`` in a one-off container of ``service`` (its settings, the deploy's network
+        and volumes): the API's is the operator's seat; a grader's (``worker``) has the sandbox's grants."""
         extra = [x for k, v in (env or {}).items() for x in ("-e", f"{k}={v}")]
-        return self.run("run", "--rm", "--no-deps", "-T", *extra, "api", *args, timeout_s=timeout_s).stdout
+        return self.run("run", "--rm", "--no-deps", "-T", *extra, service, *args, timeout_s=timeout_s).stdout
 
     def container(self, service: str) -> str:
         """The id of the service's (first) container."""

@@ -114,6 +114,14 @@ def simulate(
             late_signal_delay_s=late_signal_delay,
         ),
     )
+    from evals.harness.sandbox_preflight import sandbox_preflight
+
+    # The simulated developer grades every session's edit in the sandbox: without one each session
+    # would fail at its end, so refuse before sending anything.
+    preflight = sandbox_preflight()
+    if not preflight.ready:
+        typer.echo(f"flywheel simulate grades each session in the sandbox; {preflight.message()}", err=True)
+        raise typer.Exit(3)
     if front is None:
         front = get_settings().serving.engine == "vllm" and checkpoint is None and model_dir is None
     engine: InferenceEngine

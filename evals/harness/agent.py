@@ -139,7 +139,12 @@ def run_agent_session(
         run.end("error", ())
         raise
     result = run.result()
-    run.end(run.reason, tuple(on_end(result)) if on_end else ())
+    try:
+        expected = tuple(on_end(result)) if on_end else ()
+    except BaseException:
+        run.end("error", ())  # a failed hook (e.g. grading) still ends the session: it must not stay open
+        raise
+    run.end(run.reason, expected)
     result.events = run.events
     return result
 

@@ -77,6 +77,23 @@ def test_scripted_reference_passes_and_events_follow_the_contract(tokenizer, tmp
     assert all(e.session_id == "s-1" and e.user_id == "u-1" for e in result.events)
 
 
+def test_a_failing_end_hook_still_ends_the_session(tokenizer, tmp_path):
+    # The simulator's developer grades in its on_end hook; a grader that raises must not leave the
+    # session open (its trajectory would wait out the whole signal window).
+    def broken_grader(result):
+        raise RuntimeError("the sandbox cannot be built here")
+
+    sent = []
+    policy = ScriptedPolicy.submitting(tokenizer, TASK)
+    with pytest.raises(RuntimeError, match="sandbox"):
+        run_agent_session(
+            policy, TASK, tmp_path / "repo", AgentBudget(max_turns=12), SamplingParams(max_tokens=400),
+            emit=sent.append, session_id="s-1", user_id="u-1", on_end=broken_grader,
+        )  # fmt: skip
+    assert sent[-1].type == "session.ended" and sent[-1].payload.reason == "error"
+    assert [e.type for e in sent].count("session.ended") == 1
+
+
 def test_prompt_tokens_are_exactly_the_appended_tokens(tokenizer, tmp_path):
     policy = ScriptedPolicy.submitting(tokenizer, TASK)
     result = run(policy, tmp_path)

@@ -66,3 +66,10 @@ def test_where_bubblewrap_works_the_check_passes(monkeypatch):
     monkeypatch.delenv("FLYWHEEL_SANDBOX_BWRAP", raising=False)
     check = CliRunner().invoke(app, ["eval", "sandbox-check"])
     assert check.exit_code == 0, check.output
+
+
+def test_the_simulator_refuses_to_start_where_its_developer_cannot_grade(no_user_namespaces):
+    # each simulated session ends in a graded run: without the sandbox none could end, so nothing is sent
+    result = CliRunner().invoke(app, ["simulate", "--sessions", "1", "--front-url", "http://127.0.0.1:9"])
+    assert result.exit_code == 3, result.output
+    assert "grades each session in the sandbox" in result.output and "No permissions" in result.output
