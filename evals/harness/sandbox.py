@@ -127,7 +127,7 @@ class SandboxResult:
         truncated: stdout or stderr was cut to ``output_bytes``.
         network_isolated: the command ran in its own (empty) network namespace.
         isolation: ``bwrap`` (the sandbox) or ``none`` (the operator's unisolated opt-out).
-        denials: the first attempts the sandbox refused, ``{"kind": read|write|network|exec, "event",
+        denials: the first attempts the sandbox refused, ``{"kind": read|write|network|exec|signal|ptrace, "event",
             "target"}`` (from the audit hook, :mod:`evals.harness.sandbox_site.sitecustomize`).
         denial_count: how many attempts were refused in all (Python processes only).
         containment: what bounds the run's resources besides the sandbox: ``cgroup-v1`` or
@@ -319,7 +319,10 @@ def run_in_sandbox(cmd: str | list[str], cwd: Path, limits: SandboxLimits | None
     argv = ["/bin/bash", "-c", cmd] if isinstance(cmd, str) else list(cmd)
     isolated = missing is None
     uid = fresh_uid() if as_root and isolated else None
+    cgroup_ok = settings.cgroup and cgroup_host() is not None
     nproc = limits.max_processes if uid is not None else _user_process_count() + limits.max_processes
+    if cgroup_ok:
+        nproc += _NPROC_SLACK  # the pids cgroup refuses first, and counts it (RLIMIT_NPROC is the belt)
     cpu_s = limits.cpu_s or int(limits.timeout_s) + 1
 
     rlimits = {
@@ -436,6 +439,7 @@ def _run_cgroup(settings: SandboxSettings, memory_bytes: int, max_tasks: int) ->
 
 
 _SWEPT: set = set()  # cgroup hosts whose stale run cgroups this process removed
+_NPROC_SLACK = 8
 
 
 @lru_cache(maxsize=4)

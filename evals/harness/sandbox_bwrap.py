@@ -232,6 +232,7 @@ def sandbox_env() -> dict[str, str]:
         "SANDBOX_VISIBLE": ":".join(visible_roots()),
         "SANDBOX_WRITABLE": ":".join([TASK_DIR, "/tmp", HOME_DIR, "/dev", DENIALS_DIR]),
         "PYTHONNOUSERSITE": "1",
+        "SANDBOX_SITE_PACKAGES": ":".join(site_packages_dirs()),
     }
 
 
