@@ -34,16 +34,15 @@ Invariants:
 
 Size: over 400 lines because the run's life (scratch folder, uid, rlimits, bwrap, the wall clock,
 output capture, the sync back and the denials read) is one sequence that must clean up on every
-exit; the bwrap command line, the tree sync and the audit hook live in their own modules.
+exit; the bwrap command line, the allow-listed environment, the cgroup, the wait and the kill,
+the tree sync and the audit hook live in their own modules.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import math
 import os
-import select
 import shutil
 import signal
 import subprocess
@@ -66,6 +65,7 @@ from evals.harness.sandbox_host import (
     is_root,
     load_settings,
 )
+from evals.harness.sandbox_wait import kill_uid, killpg, read_available, sandbox_init, wait_exit, wait_init
 from evals.harness.tree_sync import chown_tree, sync_tree, tree_entries
 
 log = logging.getLogger(__name__)
@@ -215,73 +215,6 @@ def _read_denials(path: Path) -> tuple[list[dict], int]:
     return kept, len(lines)
 
 
-def _live_pids(uid: int) -> list[int]:
-    """Pids of ``uid``'s processes that are not zombies (a killed orphan is a zombie until reaped).
-    One ``stat`` per process of the host (plain ``os`` calls: pathlib tripled the cost of a scan)."""
-    pids = []
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            if os.stat(f"/proc/{name}").st_uid != uid:
-                continue
-            with open(f"/proc/{name}/stat", "rb") as f:
-                state = f.read().rsplit(b")", 1)[1].split()[0]
-        except (OSError, IndexError):
-            continue
-        if state != b"Z":
-            pids.append(int(name))
-    return pids
-
-
-def _sandbox_init(info: bytes, uid: int) -> int | None:
-    """A pidfd on the sandbox's init (``child-pid`` of bwrap's ``--info-fd`` JSON ``info``), or None
-    where it is gone already. The pid is checked to run as ``uid`` after the pidfd is opened (the fresh
-    uid runs nothing else on the host), so a pid the kernel gave to another process never counts."""
-    try:
-        pid = int(json.loads(info)["child-pid"])
-        pidfd = os.pidfd_open(pid)
-    except (AttributeError, ValueError, KeyError, TypeError, OSError):
-        return None
-    try:
-        with open(f"/proc/{pid}/status", "rb") as f:
-            uid_line = next(line for line in f if line.startswith(b"Uid:"))
-        if int(uid_line.split()[1]) == uid:
-            return pidfd
-    except (OSError, StopIteration, ValueError, IndexError):
-        pass
-    os.close(pidfd)
-    return None
-
-
-def _wait_init(init_pidfd: int | None) -> None:
-    """Wait (at most 0.2 s) for the sandbox's init (a pidfd, closed here) to exit. The pid namespace
-    dies with bwrap: once its init has exited the kernel has killed and released every other process
-    in it, but bwrap's outer process exits a moment before that."""
-    if init_pidfd is not None:
-        try:
-            poller = select.poll()
-            poller.register(init_pidfd, select.POLLIN)
-            poller.poll(200)
-        finally:
-            os.close(init_pidfd)
-
-
-def _kill_uid(uid: int, init_pidfd: int | None = None) -> None:
-    """SIGKILL every process of ``uid`` (runs without a cgroup): first wait for the sandbox's init
-    (:func:`_wait_init`; without a pidfd, poll the process table for as long); then this is the belt."""
-    _wait_init(init_pidfd)
-    for _ in range(40):
-        if not _live_pids(uid):
-            return
-        time.sleep(0.005)
-    for _ in range(50):
-        subprocess.run(["kill", "-KILL", "-1"], user=uid, group=uid, extra_groups=[], capture_output=True, timeout=10)
-        time.sleep(0.05)
-        if not _live_pids(uid):
-            return
-
-
 def _unisolated_env(scratch: Path) -> dict[str, str]:
     env = {k: v for k, v in sandbox_env().items() if not k.startswith(("SANDBOX_", "PYTHONPATH"))}
     return {**env, "HOME": str(scratch / "tmp"), "TMPDIR": str(scratch / "tmp"), "MPLCONFIGDIR": str(scratch / "tmp")}
@@ -348,7 +281,7 @@ def run_in_sandbox(cmd: str | list[str], cwd: Path, limits: SandboxLimits | None
             before = tree_entries(cwd)
             shutil.copytree(cwd, task_dir, symlinks=True)
             chown_tree(scratch, uid)
-        info_r, info_w = os.pipe()  # bwrap writes its init's host pid here (for _kill_uid)
+        info_r, info_w = os.pipe()  # bwrap writes its init's host pid here (for kill_uid)
         site = install_site(scratch / "site")
         mounts = _mounts(limits.packages, settings, scratch_mb)
         argv = bwrap_argv(task_dir, scratch / "denials", site, mounts, _which(settings.bwrap), info_fd=info_w) + argv
@@ -370,15 +303,15 @@ def run_in_sandbox(cmd: str | list[str], cwd: Path, limits: SandboxLimits | None
             if info_w is not None:
                 os.close(info_w)
                 info_w = None
-            timed_out = _wait(proc, limits.timeout_s)
-        _killpg(proc.pid)  # stragglers outside the pid namespace (the unisolated opt-out)
-        init = _sandbox_init(_read_available(info_r), uid) if info_r is not None and uid is not None else None
+            timed_out = wait_exit(proc, limits.timeout_s)
+        killpg(proc.pid)  # stragglers outside the pid namespace (the unisolated opt-out)
+        init = sandbox_init(read_available(info_r), uid) if info_r is not None and uid is not None else None
         if cgroup is not None:
             counters = cgroup.counters()
-            _wait_init(init)
+            wait_init(init)
             cgroup.kill()  # what is left of the run (the namespace's processes die with its init)
         elif uid is not None:
-            _kill_uid(uid, init)
+            kill_uid(uid, init)
         duration = time.perf_counter() - started
         stdout, cut_out = _read_capped(out_path, limits.output_bytes)
         stderr, cut_err = _read_capped(err_path, limits.output_bytes)
@@ -469,49 +402,6 @@ def _drop_argv(uid: int | None, rlimits: dict[str, tuple[int, int]]) -> list[str
     return argv + [prlimit, *(f"--{name}={soft}:{hard}" for name, (soft, hard) in rlimits.items()), "--"]
 
 
-def _read_available(fd: int, limit: int = 64 * 1024) -> bytes:
-    """What the pipe ``fd`` holds now (at most ``limit`` bytes), without waiting for more."""
-    os.set_blocking(fd, False)
-    data = b""
-    try:
-        while len(data) < limit and (chunk := os.read(fd, 4096)):
-            data += chunk
-    except BlockingIOError:
-        pass
-    return data
-
-
-def _wait(proc: subprocess.Popen, timeout_s: float) -> bool:
-    """Wait for ``proc`` to exit, killing its process group at ``timeout_s`` (wall clock, seconds).
-
-    A pidfd wakes this thread the moment the process exits (no helper thread to start, no polling
-    sleeps); without ``pidfd_open`` (Linux < 5.3) ``Popen.wait(timeout)`` polls instead.
-
-    Returns:
-        Whether the wall clock fired.
-    """
-    try:
-        pidfd = os.pidfd_open(proc.pid)
-    except (AttributeError, OSError):
-        try:
-            proc.wait(timeout_s)
-            return False
-        except subprocess.TimeoutExpired:
-            _killpg(proc.pid)
-            proc.wait()
-            return True
-    try:
-        poller = select.poll()
-        poller.register(pidfd, select.POLLIN)
-        fired = not poller.poll(max(1, math.ceil(timeout_s * 1000)))  # EINTR: retried with the time left
-    finally:
-        os.close(pidfd)
-    if fired:
-        _killpg(proc.pid)
-    proc.wait()
-    return fired
-
-
 def _isolation_missing(settings: SandboxSettings, as_root: bool) -> str | None:
     """Why the sandbox cannot be built here, or None."""
     if as_root and not interpreter_reachable():
@@ -521,13 +411,6 @@ def _isolation_missing(settings: SandboxSettings, as_root: bool) -> str | None:
             "(ops/install.sh does) to give others search permission on them"
         )
     return bwrap_missing(settings.bwrap, _PROBE_UID if as_root else None)
-
-
-def _killpg(pid: int) -> None:
-    try:
-        os.killpg(pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
 
 
 def _reason(code: int, timed_out: bool, stderr: str, cgroup: dict[str, int]) -> str | None:

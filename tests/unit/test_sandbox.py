@@ -255,7 +255,7 @@ def test_the_audit_hook_ships_compiled(tmp_path):
 
 
 def test_the_init_pid_bwrap_reports_counts_only_while_it_runs_as_the_sandbox_uid():
-    from evals.harness.sandbox import _sandbox_init
+    from evals.harness.sandbox_wait import sandbox_init as _sandbox_init
 
     me = f'{{"child-pid": {os.getpid()}}}'.encode()
     assert _sandbox_init(me, os.getuid() + 1) is None  # a pid of another uid (e.g. reused) never counts
