@@ -101,3 +101,14 @@ def test_a_run_cgroup_writes_its_limits_and_reads_its_counters(tmp_path):
     (d / "pids.events").write_text("max 2\n")
     assert cg.counters() == {"oom_kill": 1, "pids_max": 2}
     assert cg.join_argv()[:2] == ["/bin/sh", "-c"] and cg.join_argv()[-1] == str(d / "cgroup.procs")
+
+
+def test_only_old_empty_run_cgroups_are_swept(tmp_path):
+    old, young, busy = (tmp_path / f"flywheel-sbx-{n}" for n in ("old", "young", "busy"))
+    for d in (old, young, busy):
+        d.mkdir()
+    (busy / "cgroup.procs").write_text("1")  # rmdir refuses a non-empty one (a live run's)
+    for d in (old, busy):
+        os.utime(d, (0, 0))
+    assert sandbox_cgroup.remove_stale(sandbox_cgroup.CgroupHost("cgroup-v1", (tmp_path,))) == 1
+    assert not old.exists() and young.exists() and busy.exists()
