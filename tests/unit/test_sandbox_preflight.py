@@ -66,3 +66,4 @@ def test_where_bubblewrap_works_the_check_passes(monkeypatch):
     monkeypatch.delenv("FLYWHEEL_SANDBOX_BWRAP", raising=False)
     check = CliRunner().invoke(app, ["eval", "sandbox-check"])
     assert check.exit_code == 0, check.output
+    assert "cgroup" in check.output or "rlimits" in check.output  # what bounds each run is said
