@@ -4,6 +4,7 @@ cgroup host's detection and control files (on a fake cgroup tree), and the suite
 from __future__ import annotations
 
 import os
+import sysconfig
 from pathlib import Path
 
 import pytest
@@ -42,8 +43,6 @@ def test_a_removed_build_is_built_again(tmp_path):
 
 
 def test_the_interpreters_site_packages_come_first():
-    import sysconfig
-
     dirs = site_packages_dirs()
     assert dirs[0] == os.path.realpath(sysconfig.get_path("purelib")) and len(set(dirs)) == len(dirs)
 
