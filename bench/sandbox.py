@@ -5,7 +5,8 @@ pandas, a heavier start), each written with its reference solution and hidden te
 folder. Each round runs every task's ``test_command`` twice, in alternating order:
 
 - *ours*: ``evals.harness.sandbox.run_in_sandbox`` (bwrap namespaces; as root a fresh uid and a
-  copy of the folder synced back; the audit hook in every Python process);
+  copy of the folder synced back; the audit hook in every Python process; the source's allow-listed
+  environment; the run's own cgroup where the host delegates one, ``containment`` in the line);
 - *baseline*: the same command as a plain ``subprocess.run`` in the folder (same minimal
   environment, no namespaces, no hook, no copy).
 
@@ -32,6 +33,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's packages, not an installed copy
 
+from evals.config import source_packages
 from evals.harness.sandbox import SandboxLimits, run_in_sandbox
 from evals.harness.sandbox_bwrap import sandbox_env
 from evals.harness.workspace import write_files
@@ -71,7 +73,7 @@ def main() -> None:
     args = ap.parse_args()
     n_tasks, rounds = (4, 3) if args.quick else (args.tasks, args.rounds)
     tasks = load_tasks(args.source, "train", limit=n_tasks, seed=0)
-    limits = SandboxLimits(timeout_s=120)
+    limits = SandboxLimits(timeout_s=120, packages=source_packages(args.source))  # the suites' allow-list
     root = Path(tempfile.mkdtemp(prefix="flywheel-bench-sandbox-"))
     try:
         dirs = []
@@ -80,6 +82,7 @@ def main() -> None:
             d.mkdir()
             write_files(d, {**task.files, **task.reference_files, **task.test_files})
             dirs.append((task.test_command, d))
+        containment = run_in_sandbox("true", root / "task-0", limits).containment  # also builds the environment
         start_ours = [timed_sandbox("true", root / "task-0", limits) for _ in range(10)]
         start_base = [timed_plain("true", root / "task-0") for _ in range(10)]
         ours_rounds, base_rounds = [], []
@@ -114,6 +117,7 @@ def main() -> None:
                     "sandbox_true": round(1000 * statistics.median(start_ours), 1),
                     "plain_true": round(1000 * statistics.median(start_base), 1),
                 },
+                "containment": containment,
                 "source": args.source,
                 "tasks": len(dirs),
                 "rounds": rounds,

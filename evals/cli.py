@@ -357,7 +357,16 @@ def eval_sandbox_check(as_json: bool = JSON) -> None:
 
     result = sandbox_preflight()
     if as_json:
-        typer.echo(json.dumps({"ready": result.ready, "unisolated": result.unisolated, "reason": result.reason}))
+        typer.echo(
+            json.dumps(
+                {
+                    "ready": result.ready,
+                    "unisolated": result.unisolated,
+                    "reason": result.reason,
+                    "containment": result.containment,
+                }
+            )
+        )
     else:
         typer.echo(result.message(), err=not result.ready)
     raise typer.Exit(0 if result.ready else 1)

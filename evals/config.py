@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import tomllib
+from functools import lru_cache
 from pathlib import Path
 from typing import Literal
 
@@ -65,6 +66,15 @@ class GradingConfig(StrictConfig):
     """Address-space limit of the test process (MiB)."""
 
 
+class SandboxConfig(StrictConfig):
+    """What a suite's sandboxed runs (the agent's ``run`` tool, the hidden tests) may import."""
+
+    packages: tuple[str, ...] = ()
+    """Distributions importable besides the standard library, with their requirement closure
+    (``evals.harness.environment.allowed_environment``); empty: the standard library only. A mined
+    task's own environment is added to it. Not installed here: left out (tests importing it fail)."""
+
+
 class SuiteConfig(StrictConfig):
     """One eval suite: where its tasks come from and how each is run."""
 
@@ -93,6 +103,8 @@ class SuiteConfig(StrictConfig):
     """Decoding parameters."""
     grading: GradingConfig = GradingConfig()
     """Hidden-test sandbox limits."""
+    sandbox: SandboxConfig = SandboxConfig()
+    """The sandbox's allow-list (``[sandbox] packages``)."""
 
     @model_validator(mode="after")
     def _no_training_split(self) -> "SuiteConfig":
@@ -168,6 +180,23 @@ def load_suite(name_or_path: str | Path, suites_dir: Path | None = None) -> Suit
         return SuiteConfig.model_validate(data)
     except ValueError as exc:
         raise ConfigurationError(f"invalid suite {path.name}: {exc}") from None
+
+
+@lru_cache(maxsize=16)
+def source_packages(source: str, suites_dir: Path | None = None) -> tuple[str, ...]:
+    """The sandbox allow-list of ``source``'s tasks outside a suite (training sessions, the A/B, a
+    reference check): every package the suites of that source allow (sorted; empty when none; read
+    once per process).
+
+    Raises:
+        ConfigurationError: a suite's TOML is invalid.
+    """
+    names: set[str] = set()
+    for name in list_suites(suites_dir):
+        suite = load_suite(name, suites_dir)
+        if suite.source == source:
+            names.update(suite.sandbox.packages)
+    return tuple(sorted(names))
 
 
 def list_suites(suites_dir: Path | None = None) -> list[str]:

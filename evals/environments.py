@@ -271,7 +271,8 @@ def run_in_environment(
     try:
         resolved = build_environment(work, proposal)
         write_files(work, {**task.files, **overlay, **task.test_files})
-        return run_in_sandbox(command_in_environment(task.test_command), work, limits), resolved
+        command = command_in_environment(task.test_command)
+        return run_in_sandbox(command, work, limits.with_packages(list(resolved))), resolved
     finally:
         shutil.rmtree(work, ignore_errors=True)
 

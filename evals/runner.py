@@ -129,7 +129,9 @@ def _harness_args(suite: SuiteConfig, seed: int):
     sampling = SamplingParams(
         max_tokens=b.max_tokens_per_turn, temperature=suite.sampling.temperature, top_p=suite.sampling.top_p, seed=seed
     )
-    limits = SandboxLimits(timeout_s=suite.grading.timeout_s, memory_mb=suite.grading.memory_mb)
+    limits = SandboxLimits(
+        timeout_s=suite.grading.timeout_s, memory_mb=suite.grading.memory_mb, packages=suite.sandbox.packages
+    )
     return budget, sampling, limits
 
 

@@ -53,6 +53,7 @@ from app.core.errors import ConfigurationError, InfrastructureError
 from app.core.intervals import clustered_ratio_interval, paired_ratio_diff_interval
 from app.core.settings import flywheel_home
 from app.inference.engine import InferenceEngine, SamplingParams
+from evals.config import source_packages
 from evals.harness.agent import AgentBudget, run_agent_session
 from evals.harness.sandbox import SandboxLimits
 from evals.plan import task_hash
@@ -188,7 +189,7 @@ def plan_pairs(config: ABConfig) -> list[tuple[Task, int]]:
 
 def run_session(engine, config: ABConfig, task: Task, sample: int, workdir: Path) -> ArmSession:
     """One session of ``task`` served by ``engine`` and answered by its seeded developer."""
-    limits = SandboxLimits(timeout_s=config.run_timeout_s)
+    limits = SandboxLimits(timeout_s=config.run_timeout_s, packages=source_packages(SOURCE))
     reactions = SimulatorConfig(
         source=SOURCE, developer=config.developer, run_timeout_s=config.run_timeout_s, seed=config.seed
     )

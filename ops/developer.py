@@ -19,6 +19,7 @@ from typing import Protocol
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from evals.config import source_packages
 from evals.harness.agent import grade_result
 from evals.harness.apply import apply_target
 from evals.harness.sandbox import SandboxLimits
@@ -199,7 +200,8 @@ class DeveloperReaction:
         """``on_end`` hook: grade, accept/reject edits now, schedule late signals, return their types."""
         self.passed = False
         if result.edited:
-            graded = grade_result(self.task, self.workdir, SandboxLimits(timeout_s=self.config.run_timeout_s))
+            limits = SandboxLimits(timeout_s=self.config.run_timeout_s, packages=source_packages(self.task.source))
+            graded = grade_result(self.task, self.workdir, limits)
             self.passed = graded.ok
             self.grade_detail = {
                 "exit_code": graded.exit_code,

@@ -47,6 +47,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from app.core.errors import ConfigurationError
 from app.core.telemetry import tracer
 from app.inference.engine import SamplingParams
+from evals.config import source_packages
 from evals.harness.agent import AgentBudget, run_agent_session
 from evals.harness.sandbox import SandboxLimits
 from evals.tasks import load_tasks
@@ -359,7 +360,7 @@ def play_session(
                 user_id=spec.user_id,
                 org_id=config.org_id,
                 privacy_mode=spec.privacy,
-                limits=SandboxLimits(timeout_s=config.run_timeout_s),
+                limits=SandboxLimits(timeout_s=config.run_timeout_s, packages=source_packages(config.source)),
                 on_end=dev,
             )
         except Exception as exc:

@@ -161,7 +161,7 @@ class _Reply:
 class _Session:
     def __init__(self, engine, task, workdir, budget, sampling, emit, limits, envelope) -> None:
         self.engine, self.task, self.workdir, self.budget = engine, task, workdir, budget
-        self.sampling, self.limits = sampling, limits
+        self.sampling, self.limits = sampling, limits.with_packages(task.environment)  # the task's own too
         self.log = SessionEvents(envelope, emit)
         self.chat = ChatML(engine.tokenizer)
         self.segment, self.turn_in_segment, self.turns = 0, 0, 0
@@ -372,7 +372,8 @@ def grade_result(task, workdir: Path, limits: SandboxLimits | None = None) -> Sa
         if task.environment is not None:
             materialize_environment(scratch, task.environment)
             command = command_in_environment(command)
-        return run_in_sandbox(command, scratch, limits or SandboxLimits(timeout_s=60))
+        limits = (limits or SandboxLimits(timeout_s=60)).with_packages(task.environment)
+        return run_in_sandbox(command, scratch, limits)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
 

@@ -6,9 +6,16 @@ Invariants:
   ``/tmp`` are writable; the interpreter and ``/usr`` are read-only; nothing else of the host is
   visible (not the project, task definitions or hidden tests of other runs, ``$FLYWHEEL_HOME``,
   checkpoints, other sessions' folders, ``/root``, other processes); there is no network.
+- Python sees the standard library and the run's allow-list of distributions only
+  (``SandboxLimits.packages``: an environment built once per allow-list,
+  :func:`evals.harness.environment.allowed_environment`, mounted over site-packages).
 - rlimits on CPU time, address space, file size (output included) and open files; a wall-clock
   timeout after which bwrap is killed, and with it (``--die-with-parent``, pid namespace) every
-  process of the run, so nothing outlives it.
+  process of the run, so nothing outlives it. Scratch space (``/tmp`` with ``$HOME``, and
+  ``/dev/shm``) is a tmpfs of ``scratch_mb`` each. Where the host delegates a cgroup
+  (:mod:`evals.harness.sandbox_cgroup`) the whole run is also in its own memory and pids cgroup
+  (``SandboxResult.containment``); a bound that fires is ``killed_reason``, counted in
+  ``flywheel_sandbox_denials_total``.
 - The rlimits and the uid are set by util-linux's ``prlimit`` and ``setpriv`` exec'd before bwrap
   (the harness ``vfork``s; no Python runs in the child).
 - When the harness runs as root, each run gets a fresh unprivileged uid (random, unnamed) so that
@@ -27,28 +34,29 @@ Invariants:
 
 Size: over 400 lines because the run's life (scratch folder, uid, rlimits, bwrap, the wall clock,
 output capture, the sync back and the denials read) is one sequence that must clean up on every
-exit; the bwrap command line, the tree sync and the audit hook live in their own modules.
+exit; the bwrap command line, the allow-listed environment, the cgroup, the wait and the kill,
+the tree sync and the audit hook live in their own modules.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import math
 import os
-import select
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from pathlib import Path
 
 from app.core.metrics import SANDBOX_DENIALS
-from evals.harness.sandbox_bwrap import bwrap_argv, bwrap_missing, install_site, sandbox_env
+from evals.harness.environment import allowed_environment
+from evals.harness.sandbox_bwrap import SandboxMounts, bwrap_argv, bwrap_missing, install_site, sandbox_env
+from evals.harness.sandbox_cgroup import RunCgroup, cgroup_host, remove_stale
 from evals.harness.sandbox_host import (
     SandboxSettings,
     closed_interpreter_dirs,
@@ -57,6 +65,7 @@ from evals.harness.sandbox_host import (
     is_root,
     load_settings,
 )
+from evals.harness.sandbox_wait import kill_uid, killpg, read_available, sandbox_init, wait_exit, wait_init
 from evals.harness.tree_sync import chown_tree, sync_tree, tree_entries
 
 log = logging.getLogger(__name__)
@@ -79,6 +88,10 @@ class SandboxLimits:
         output_bytes: bytes of stdout and of stderr kept in the result (head and tail halves).
         network: ignored by the bubblewrap sandbox, which never has a network (kept so that callers'
             limits stay valid); the unisolated opt-out always has the host's.
+        packages: the distributions Python may import besides the standard library (with their
+            requirement closure; a suite's ``[sandbox] packages``); empty: the standard library only.
+        scratch_mb: size of the scratch tmpfs (MiB); None: ``FLYWHEEL_SANDBOX_SCRATCH_MB`` (512).
+            With a cgroup the run's memory bound is ``memory_mb + scratch_mb`` (tmpfs pages count).
     """
 
     timeout_s: float = 30.0
@@ -89,6 +102,14 @@ class SandboxLimits:
     max_open_files: int = 256
     output_bytes: int = 16_000
     network: bool = False
+    packages: tuple[str, ...] = ()
+    scratch_mb: int | None = None
+
+    def with_packages(self, names: tuple[str, ...] | list[str] | None) -> SandboxLimits:
+        """A copy whose allow-list also holds ``names`` (a task's environment; None adds nothing)."""
+        if not names:
+            return self
+        return replace(self, packages=tuple(sorted({*self.packages, *names})))
 
 
 @dataclass
@@ -99,16 +120,20 @@ class SandboxResult:
         exit_code: the process's exit status; ``-N`` when killed by signal N.
         stdout, stderr: decoded (UTF-8, replacement) and truncated output.
         timed_out: the wall-clock limit fired.
-        killed_reason: None, or ``timeout`` | ``cpu_time`` | ``file_size`` | ``memory`` | ``processes``
-            (a fork refused by the process limit) | ``signal:<N>``.
+        killed_reason: None, or ``timeout`` | ``cpu_time`` | ``file_size`` | ``memory`` (an allocation
+            refused, or the cgroup's OOM kill) | ``scratch`` (a write refused: the scratch tmpfs is
+            full) | ``processes`` (a fork refused by the process limit) | ``signal:<N>``.
         duration_s: wall-clock seconds.
         truncated: stdout or stderr was cut to ``output_bytes``.
         network_isolated: the command ran in its own (empty) network namespace.
         isolation: ``bwrap`` (the sandbox) or ``none`` (the operator's unisolated opt-out).
-        denials: the first attempts the sandbox refused, ``{"kind": read|write|network|exec, "event",
+        denials: the first attempts the sandbox refused, ``{"kind": read|write|network|exec|signal|ptrace, "event",
             "target"}`` (from the audit hook, :mod:`evals.harness.sandbox_site.sitecustomize`).
         denial_count: how many attempts were refused in all (Python processes only).
-        extra: details, e.g. ``uid`` (the sandbox uid when run as root).
+        containment: what bounds the run's resources besides the sandbox: ``cgroup-v1`` or
+            ``cgroup-v2`` (its own memory and pids cgroup, plus the rlimits) or ``rlimits``.
+        extra: details, e.g. ``uid`` (the sandbox uid when run as root), ``cgroup`` (its counters:
+            ``oom_kill``, ``pids_max``).
     """
 
     exit_code: int
@@ -122,6 +147,7 @@ class SandboxResult:
     isolation: str = "bwrap"
     denials: list[dict] = field(default_factory=list)
     denial_count: int = 0
+    containment: str = "rlimits"
     extra: dict = field(default_factory=dict)
 
     @property
@@ -189,68 +215,6 @@ def _read_denials(path: Path) -> tuple[list[dict], int]:
     return kept, len(lines)
 
 
-def _live_pids(uid: int) -> list[int]:
-    """Pids of ``uid``'s processes that are not zombies (a killed orphan is a zombie until reaped).
-    One ``stat`` per process of the host (plain ``os`` calls: pathlib tripled the cost of a scan)."""
-    pids = []
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            if os.stat(f"/proc/{name}").st_uid != uid:
-                continue
-            with open(f"/proc/{name}/stat", "rb") as f:
-                state = f.read().rsplit(b")", 1)[1].split()[0]
-        except (OSError, IndexError):
-            continue
-        if state != b"Z":
-            pids.append(int(name))
-    return pids
-
-
-def _sandbox_init(info: bytes, uid: int) -> int | None:
-    """A pidfd on the sandbox's init (``child-pid`` of bwrap's ``--info-fd`` JSON ``info``), or None
-    where it is gone already. The pid is checked to run as ``uid`` after the pidfd is opened (the fresh
-    uid runs nothing else on the host), so a pid the kernel gave to another process never counts."""
-    try:
-        pid = int(json.loads(info)["child-pid"])
-        pidfd = os.pidfd_open(pid)
-    except (AttributeError, ValueError, KeyError, TypeError, OSError):
-        return None
-    try:
-        with open(f"/proc/{pid}/status", "rb") as f:
-            uid_line = next(line for line in f if line.startswith(b"Uid:"))
-        if int(uid_line.split()[1]) == uid:
-            return pidfd
-    except (OSError, StopIteration, ValueError, IndexError):
-        pass
-    os.close(pidfd)
-    return None
-
-
-def _kill_uid(uid: int, init_pidfd: int | None = None) -> None:
-    """SIGKILL every process of ``uid``. The pid namespace dies with bwrap: once its init
-    (``init_pidfd``) has exited the kernel has killed and released every other process in it, but
-    bwrap's outer process exits a moment before that, so first wait for the init (at most 0.2 s, or
-    poll the process table for that long without a pidfd); then this is the belt."""
-    if init_pidfd is not None:
-        try:
-            poller = select.poll()
-            poller.register(init_pidfd, select.POLLIN)
-            poller.poll(200)
-        finally:
-            os.close(init_pidfd)
-    for _ in range(40):
-        if not _live_pids(uid):
-            return
-        time.sleep(0.005)
-    for _ in range(50):
-        subprocess.run(["kill", "-KILL", "-1"], user=uid, group=uid, extra_groups=[], capture_output=True, timeout=10)
-        time.sleep(0.05)
-        if not _live_pids(uid):
-            return
-
-
 def _unisolated_env(scratch: Path) -> dict[str, str]:
     env = {k: v for k, v in sandbox_env().items() if not k.startswith(("SANDBOX_", "PYTHONPATH"))}
     return {**env, "HOME": str(scratch / "tmp"), "TMPDIR": str(scratch / "tmp"), "MPLCONFIGDIR": str(scratch / "tmp")}
@@ -288,7 +252,10 @@ def run_in_sandbox(cmd: str | list[str], cwd: Path, limits: SandboxLimits | None
     argv = ["/bin/bash", "-c", cmd] if isinstance(cmd, str) else list(cmd)
     isolated = missing is None
     uid = fresh_uid() if as_root and isolated else None
+    cgroup_ok = settings.cgroup and cgroup_host() is not None
     nproc = limits.max_processes if uid is not None else _user_process_count() + limits.max_processes
+    if cgroup_ok:
+        nproc += _NPROC_SLACK  # the pids cgroup refuses first, and counts it (RLIMIT_NPROC is the belt)
     cpu_s = limits.cpu_s or int(limits.timeout_s) + 1
 
     rlimits = {
@@ -300,10 +267,11 @@ def run_in_sandbox(cmd: str | list[str], cwd: Path, limits: SandboxLimits | None
         "core": (0, 0),
     }
 
+    scratch_mb = limits.scratch_mb or settings.scratch_mb
     scratch = Path(tempfile.mkdtemp(prefix="flywheel-sbx-", dir=settings.scratch_root()))
     (scratch / ("denials" if isolated else "tmp")).mkdir()
     out_path, err_path = scratch / "stdout", scratch / "stderr"
-    task_dir, before, info_r, info_w = cwd, None, None, None
+    task_dir, before, info_r, info_w, counters = cwd, None, None, None, {}
     if isolated:
         if uid is not None:
             # The sandbox uid works on a copy of the repository inside its own scratch folder: the
@@ -313,14 +281,16 @@ def run_in_sandbox(cmd: str | list[str], cwd: Path, limits: SandboxLimits | None
             before = tree_entries(cwd)
             shutil.copytree(cwd, task_dir, symlinks=True)
             chown_tree(scratch, uid)
-        info_r, info_w = os.pipe()  # bwrap writes its init's host pid here (for _kill_uid)
+        info_r, info_w = os.pipe()  # bwrap writes its init's host pid here (for kill_uid)
         site = install_site(scratch / "site")
-        argv = bwrap_argv(task_dir, scratch / "denials", site, _which(settings.bwrap), info_fd=info_w) + argv
+        mounts = _mounts(limits.packages, settings, scratch_mb)
+        argv = bwrap_argv(task_dir, scratch / "denials", site, mounts, _which(settings.bwrap), info_fd=info_w) + argv
+    cgroup = _run_cgroup(settings, (limits.memory_mb + scratch_mb) * _MB, limits.max_processes)
     started = time.perf_counter()
     try:
         with open(out_path, "wb") as out, open(err_path, "wb") as err:
             proc = subprocess.Popen(
-                _drop_argv(uid, rlimits) + argv,
+                (cgroup.join_argv() if cgroup is not None else []) + _drop_argv(uid, rlimits) + argv,
                 cwd=cwd if not isolated else "/",
                 stdin=subprocess.DEVNULL,
                 stdout=out,
@@ -333,10 +303,15 @@ def run_in_sandbox(cmd: str | list[str], cwd: Path, limits: SandboxLimits | None
             if info_w is not None:
                 os.close(info_w)
                 info_w = None
-            timed_out = _wait(proc, limits.timeout_s)
-        _killpg(proc.pid)  # stragglers outside the pid namespace (the unisolated opt-out)
-        if uid is not None:
-            _kill_uid(uid, _sandbox_init(_read_available(info_r), uid) if info_r is not None else None)
+            timed_out = wait_exit(proc, limits.timeout_s)
+        killpg(proc.pid)  # stragglers outside the pid namespace (the unisolated opt-out)
+        init = sandbox_init(read_available(info_r), uid) if info_r is not None and uid is not None else None
+        if cgroup is not None:
+            counters = cgroup.counters()
+            wait_init(init)
+            cgroup.kill()  # what is left of the run (the namespace's processes die with its init)
+        elif uid is not None:
+            kill_uid(uid, init)
         duration = time.perf_counter() - started
         stdout, cut_out = _read_capped(out_path, limits.output_bytes)
         stderr, cut_err = _read_capped(err_path, limits.output_bytes)
@@ -345,11 +320,13 @@ def run_in_sandbox(cmd: str | list[str], cwd: Path, limits: SandboxLimits | None
         for fd in (info_r, info_w):
             if fd is not None:
                 os.close(fd)
+        if cgroup is not None:
+            cgroup.close()
         if before is not None and task_dir.is_dir():
             sync_tree(task_dir, cwd, before)
         shutil.rmtree(scratch, ignore_errors=True)
     code = proc.returncode
-    reason = _reason(code, timed_out, stderr)
+    reason = _reason(code, timed_out, stderr, counters)
     if reason is not None:
         SANDBOX_DENIALS.add(1, {"reason": reason})
     return SandboxResult(
@@ -364,8 +341,38 @@ def run_in_sandbox(cmd: str | list[str], cwd: Path, limits: SandboxLimits | None
         isolation="bwrap" if isolated else "none",
         denials=denials,
         denial_count=denial_count,
-        extra={"uid": uid} if uid is not None else {},
+        containment=cgroup.mode if cgroup is not None else "rlimits",
+        extra={**({"uid": uid} if uid is not None else {}), **({"cgroup": counters} if cgroup is not None else {})},
     )
+
+
+def _mounts(packages: tuple[str, ...], settings: SandboxSettings, scratch_mb: int) -> SandboxMounts:
+    """The run's allow-listed environment (built on first use), the empty one, and the scratch size."""
+    root = settings.env_root()
+    return SandboxMounts(
+        site_packages=allowed_environment(packages, root).site_dir,
+        empty_dir=allowed_environment((), root).site_dir,
+        scratch_bytes=scratch_mb * _MB,
+    )
+
+
+def _run_cgroup(settings: SandboxSettings, memory_bytes: int, max_tasks: int) -> RunCgroup | None:
+    """The run's own cgroup where the host delegates one and the operator did not turn it off, else None.
+
+    Raises:
+        OSError: the delegated cgroup refused a new child or its limits (not silently unbounded).
+    """
+    host = cgroup_host() if settings.cgroup else None
+    if host is None:
+        return None
+    if host not in _SWEPT:
+        _SWEPT.add(host)
+        remove_stale(host)
+    return RunCgroup(host, memory_bytes, max_tasks)
+
+
+_SWEPT: set = set()  # cgroup hosts whose stale run cgroups this process removed
+_NPROC_SLACK = 8
 
 
 @lru_cache(maxsize=4)
@@ -395,49 +402,6 @@ def _drop_argv(uid: int | None, rlimits: dict[str, tuple[int, int]]) -> list[str
     return argv + [prlimit, *(f"--{name}={soft}:{hard}" for name, (soft, hard) in rlimits.items()), "--"]
 
 
-def _read_available(fd: int, limit: int = 64 * 1024) -> bytes:
-    """What the pipe ``fd`` holds now (at most ``limit`` bytes), without waiting for more."""
-    os.set_blocking(fd, False)
-    data = b""
-    try:
-        while len(data) < limit and (chunk := os.read(fd, 4096)):
-            data += chunk
-    except BlockingIOError:
-        pass
-    return data
-
-
-def _wait(proc: subprocess.Popen, timeout_s: float) -> bool:
-    """Wait for ``proc`` to exit, killing its process group at ``timeout_s`` (wall clock, seconds).
-
-    A pidfd wakes this thread the moment the process exits (no helper thread to start, no polling
-    sleeps); without ``pidfd_open`` (Linux < 5.3) ``Popen.wait(timeout)`` polls instead.
-
-    Returns:
-        Whether the wall clock fired.
-    """
-    try:
-        pidfd = os.pidfd_open(proc.pid)
-    except (AttributeError, OSError):
-        try:
-            proc.wait(timeout_s)
-            return False
-        except subprocess.TimeoutExpired:
-            _killpg(proc.pid)
-            proc.wait()
-            return True
-    try:
-        poller = select.poll()
-        poller.register(pidfd, select.POLLIN)
-        fired = not poller.poll(max(1, math.ceil(timeout_s * 1000)))  # EINTR: retried with the time left
-    finally:
-        os.close(pidfd)
-    if fired:
-        _killpg(proc.pid)
-    proc.wait()
-    return fired
-
-
 def _isolation_missing(settings: SandboxSettings, as_root: bool) -> str | None:
     """Why the sandbox cannot be built here, or None."""
     if as_root and not interpreter_reachable():
@@ -449,26 +413,22 @@ def _isolation_missing(settings: SandboxSettings, as_root: bool) -> str | None:
     return bwrap_missing(settings.bwrap, _PROBE_UID if as_root else None)
 
 
-def _killpg(pid: int) -> None:
-    try:
-        os.killpg(pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
-def _reason(code: int, timed_out: bool, stderr: str) -> str | None:
+def _reason(code: int, timed_out: bool, stderr: str, cgroup: dict[str, int]) -> str | None:
+    """Which bound ended or cut the run, from its exit, its stderr and its cgroup's counters."""
     if timed_out:
         return "timeout"
     if code in (-signal.SIGXCPU, 128 + signal.SIGXCPU):
         return "cpu_time"
     if code in (-signal.SIGXFSZ, 128 + signal.SIGXFSZ) or (code != 0 and "File too large" in stderr):
         return "file_size"  # Python ignores SIGXFSZ: its write fails with EFBIG instead
-    if code != 0 and ("MemoryError" in stderr or "Cannot allocate memory" in stderr):
+    if cgroup.get("oom_kill", 0) > 0 or (code != 0 and ("MemoryError" in stderr or "Cannot allocate memory" in stderr)):
         return "memory"
+    if code != 0 and "No space left on device" in stderr:
+        return "scratch"  # the scratch tmpfs is full (ENOSPC)
     if code < 0:
         return f"signal:{-code}"
-    if _FORK_REFUSED in stderr or "can't start new thread" in stderr:
-        return "processes"  # RLIMIT_NPROC refused a fork (the run may still exit 0)
+    if cgroup.get("pids_max", 0) > 0 or _FORK_REFUSED in stderr or "can't start new thread" in stderr:
+        return "processes"  # the pids cgroup or RLIMIT_NPROC refused a fork (the run may still exit 0)
     return None
 
 

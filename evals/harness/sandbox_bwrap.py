@@ -6,14 +6,18 @@ allowed (as a fresh uid here), and one flag (``--unshare-all``) gives fresh user
 ipc, uts and cgroup namespaces. nsjail does the same with a config language and is not packaged.
 
 The mount namespace (:func:`bwrap_argv`) holds only:
-- ``/task``: the task's working folder, the one writable place besides a fresh ``/tmp`` and
-  ``/home/sandbox`` (``$HOME``; both tmpfs, gone after the run);
+- ``/task``: the task's working folder, the one writable place besides the scratch space: ``/tmp``
+  (with ``$HOME``, ``/home/sandbox``, a link to ``/tmp/home``) is one tmpfs of ``scratch_bytes``,
+  ``/dev/shm`` another; both gone after the run;
 - read-only: ``/usr`` (with the ``/bin``, ``/lib``, ``/lib64`` links of a merged-/usr system), the
-  interpreter's installation (``sys.base_prefix`` and ``sys.prefix``) with flywheel's own
-  distribution masked (its packages, editable finder and ``.pth``: task definitions and hidden tests
-  never show), a few files of ``/etc`` that programs need (``ld.so.cache``, ``alternatives``,
-  ``localtime``), and ``SITE_DIR`` (the audit hook, ``evals/harness/sandbox_site``);
-- ``/proc`` of the sandbox's own pid namespace, a minimal ``/dev``;
+  interpreter's ``bin/``, ``lib/`` and ``pyvenv.cfg`` (:func:`interpreter_mounts`; not its
+  ``share/``, ``include/`` or other data), with every site-packages folder of it and of the system's
+  Pythons replaced (:func:`site_packages_dirs`): the first by the run's allow-listed environment
+  (:func:`evals.harness.environment.allowed_environment`), the others by an empty folder, so no
+  installed package outside the allow-list shows (no eval data set, no flywheel); a few files of
+  ``/etc`` that programs need (``ld.so.cache``, ``alternatives``, ``localtime``), and ``SITE_DIR``
+  (the audit hook, ``evals/harness/sandbox_site``);
+- ``/proc`` of the sandbox's own pid namespace, a minimal ``/dev`` (read-only but for its devices);
 - ``DENIALS_DIR``: the folder the audit hook writes to (writable; the harness reads it after).
 Nothing else of the host exists inside: not the project, ``$FLYWHEEL_HOME``, checkpoints, other
 sessions' folders, ``/root`` beyond the interpreter's own path, nor other processes.
@@ -21,23 +25,43 @@ sessions' folders, ``/root`` beyond the interpreter's own path, nor other proces
 
 from __future__ import annotations
 
-import importlib.metadata
 import importlib.util
 import os
 import py_compile
 import shutil
+import site
 import subprocess
 import sys
+import sysconfig
 import tempfile
+from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
 TASK_DIR = "/task"
 HOME_DIR = "/home/sandbox"
+HOME_TARGET = "/tmp/home"  # $HOME lives in the scratch tmpfs (one bound for both)
 SITE_DIR = "/opt/flywheel-sandbox"
 DENIALS_DIR = "/run/flywheel-sandbox"
 DENIALS_FILE = f"{DENIALS_DIR}/denials.jsonl"
+
+
+@dataclass(frozen=True)
+class SandboxMounts:
+    """What a run's mounts depend on besides its folders.
+
+    Attributes:
+        site_packages: host folder mounted over the interpreter's site-packages (the allow-list's).
+        empty_dir: an empty host folder mounted over the other site-packages folders.
+        scratch_bytes: size of the ``/tmp`` tmpfs and of the ``/dev/shm`` one (bytes).
+    """
+
+    site_packages: Path
+    empty_dir: Path
+    scratch_bytes: int
+
+
 _ETC_FILES = ("/etc/ld.so.cache", "/etc/alternatives", "/etc/localtime")
 _MERGED_USR_LINKS = {"/bin": "usr/bin", "/sbin": "usr/sbin", "/lib": "usr/lib", "/lib64": "usr/lib64"}
 
@@ -59,23 +83,38 @@ def _interpreter_roots() -> tuple[str, ...]:
 
 
 @lru_cache(maxsize=1)
-def flywheel_entries() -> tuple[tuple[str, bool], ...]:
-    """Paths of flywheel's own installed distribution inside the interpreter's installation (its
-    top-level packages, ``.pth`` files, editable finder, dist-info), as ``(path, is_dir)``, to mask."""
-    try:
-        dist = importlib.metadata.distribution("flywheel")
-    except importlib.metadata.PackageNotFoundError:
-        return ()
-    roots, seen = interpreter_roots(), {}
-    for f in dist.files or ():
-        top = f.parts[0]
-        if top == "..":
-            continue
-        # the shared __pycache__ stays; only flywheel's own compiled files in it are masked
-        path = os.path.realpath(str(dist.locate_file(f if top == "__pycache__" else top)))
-        if any(path.startswith(r + "/") for r in roots) and os.path.lexists(path):
-            seen[path] = os.path.isdir(path)
-    return tuple(sorted(seen.items()))
+def interpreter_mounts() -> tuple[str, ...]:
+    """What of each interpreter root the sandbox binds: ``bin/``, ``lib/`` (the standard library,
+    ``libpython``, the site-packages folders that :func:`site_packages_dirs` replaces) and a venv's
+    ``pyvenv.cfg``, those that exist. A root's other folders (``share/``, ``include/``, ``opt/``: data
+    distributions install there) are not bound."""
+    out = []
+    for root in interpreter_roots():
+        for name in ("bin", "lib", "pyvenv.cfg"):
+            path = os.path.join(root, name)
+            if os.path.exists(path):
+                out.append(path)
+    return tuple(out)
+
+
+@lru_cache(maxsize=1)
+def site_packages_dirs() -> tuple[str, ...]:
+    """Every site-packages (or Debian dist-packages) folder the sandbox would otherwise show: this
+    interpreter's (its ``purelib`` first: the allow-listed environment goes there), its base
+    interpreter's, and the system's Pythons' under ``/usr`` (resolved, existing, deduplicated)."""
+    candidates = [sysconfig.get_path("purelib"), sysconfig.get_path("platlib"), *site.getsitepackages()]
+    for base in (sys.base_prefix, sys.prefix):
+        for key in ("purelib", "platlib"):
+            candidates.append(sysconfig.get_path(key, vars={"base": base, "platbase": base}))
+    for parent in ("/usr/lib", "/usr/local/lib"):
+        for pattern in ("python3*/site-packages", "python3*/dist-packages", "python3/dist-packages"):
+            candidates += [str(p) for p in sorted(Path(parent).glob(pattern))]
+    out: list[str] = []
+    for c in candidates:
+        real = os.path.realpath(c)
+        if os.path.isdir(real) and real not in out:
+            out.append(real)
+    return tuple(out)
 
 
 _SITE_SOURCE = Path(__file__).resolve().parent / "sandbox_site" / "sitecustomize.py"
@@ -120,13 +159,18 @@ def visible_roots() -> list[str]:
         "/dev",
         SITE_DIR,
         DENIALS_DIR,
-        *interpreter_roots(),
+        *interpreter_mounts(),
         *(e for e in _ETC_FILES if os.path.exists(e)),
     ]
 
 
 def bwrap_argv(
-    task_dir: Path, denials_dir: Path, site_dir: Path, bwrap: str = "bwrap", info_fd: int | None = None
+    task_dir: Path,
+    denials_dir: Path,
+    site_dir: Path,
+    env: SandboxMounts,
+    bwrap: str = "bwrap",
+    info_fd: int | None = None,
 ) -> list[str]:
     """The ``bwrap`` arguments (up to the ``--`` before the command) for a run in ``task_dir``.
 
@@ -134,6 +178,7 @@ def bwrap_argv(
         task_dir: host folder bound writable at :data:`TASK_DIR`.
         denials_dir: host folder bound writable at :data:`DENIALS_DIR` (the audit hook's output).
         site_dir: host folder from :func:`install_site`, bound read-only at :data:`SITE_DIR`.
+        env: the allow-listed environment, an empty folder, and the scratch size (:class:`SandboxMounts`).
         bwrap: the bubblewrap executable.
         info_fd: a file descriptor (passed to bwrap) it writes a JSON object to and closes, outside
             the sandbox, with ``child-pid``: the host pid of the sandbox's init.
@@ -146,27 +191,18 @@ def bwrap_argv(
             argv += ["--symlink", target, link]
         elif os.path.isdir(link):
             argv += ["--ro-bind", link, link]
-    for root in interpreter_roots():
-        argv += ["--ro-bind", root, root]
-    for path, is_dir in flywheel_entries():
-        argv += ["--tmpfs", path] if is_dir else ["--ro-bind", "/dev/null", path]
+    for path in interpreter_mounts():
+        argv += ["--ro-bind", path, path]
+    for i, path in enumerate(site_packages_dirs()):
+        argv += ["--ro-bind", str(env.site_packages if i == 0 else env.empty_dir), path]
     for etc in _ETC_FILES:
         if os.path.exists(etc):
             argv += ["--ro-bind", etc, etc]
     argv += ["--ro-bind", str(site_dir), SITE_DIR, "--bind", str(denials_dir), DENIALS_DIR]
-    argv += [
-        "--proc",
-        "/proc",
-        "--dev",
-        "/dev",
-        "--tmpfs",
-        "/tmp",
-        "--tmpfs",
-        HOME_DIR,
-        "--bind",
-        str(task_dir),
-        TASK_DIR,
-    ]
+    size = str(env.scratch_bytes)
+    argv += ["--proc", "/proc", "--dev", "/dev", "--remount-ro", "/dev", "--size", size, "--tmpfs", "/dev/shm"]
+    argv += ["--size", size, "--tmpfs", "/tmp", "--dir", HOME_TARGET, "--symlink", HOME_TARGET, HOME_DIR]
+    argv += ["--bind", str(task_dir), TASK_DIR]
     argv += ["--remount-ro", "/", "--chdir", TASK_DIR, "--"]  # the root's own tmpfs: read-only too
     return argv
 
@@ -195,6 +231,8 @@ def sandbox_env() -> dict[str, str]:
         "SANDBOX_DENIALS": DENIALS_FILE,
         "SANDBOX_VISIBLE": ":".join(visible_roots()),
         "SANDBOX_WRITABLE": ":".join([TASK_DIR, "/tmp", HOME_DIR, "/dev", DENIALS_DIR]),
+        "PYTHONNOUSERSITE": "1",
+        "SANDBOX_SITE_PACKAGES": ":".join(site_packages_dirs()),
     }
 
 
@@ -210,7 +248,7 @@ def bwrap_missing(bwrap: str = "bwrap", uid: int | None = None) -> str | None:
     if exe is None:
         return f"bubblewrap ({bwrap!r}) is not installed: apt-get install bubblewrap (ops/install.sh does)"
     with tempfile.TemporaryDirectory(prefix="flywheel-sbx-probe-") as d:
-        for sub in ("task", "denials"):
+        for sub in ("task", "denials", "empty"):
             os.mkdir(os.path.join(d, sub))
         install_site(Path(d) / "site")
         kwargs: dict[str, Any] = {}
@@ -218,7 +256,9 @@ def bwrap_missing(bwrap: str = "bwrap", uid: int | None = None) -> str | None:
             for dirpath, _, _ in os.walk(d):
                 os.chown(dirpath, uid, uid)
             kwargs = {"user": uid, "group": uid, "extra_groups": []}
-        argv = bwrap_argv(Path(d) / "task", Path(d) / "denials", Path(d) / "site", exe) + [
+        empty = Path(d) / "empty"
+        mounts = SandboxMounts(site_packages=empty, empty_dir=empty, scratch_bytes=16 * 1024 * 1024)
+        argv = bwrap_argv(Path(d) / "task", Path(d) / "denials", Path(d) / "site", mounts, exe) + [
             sys.executable,
             "-c",
             "import encodings",

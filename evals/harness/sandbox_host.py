@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import random
 import shutil
+import stat
 import subprocess
 import sys
 import tempfile
@@ -42,6 +43,43 @@ class SandboxSettings(EnvSettings):
         "where it is a writable folder (tmpfs: creating and removing folders on ext4 cost ~20 ms a run here), "
         "else the system temp folder",
     )
+
+    scratch_mb: int = Field(
+        default=512,
+        ge=1,
+        description="size of a run's scratch space (MiB): /tmp and $HOME share one tmpfs of this size, and /dev/shm "
+        "has its own of the same size; a write past it fails with ENOSPC (killed_reason 'scratch')",
+    )
+    env_dir: Path | None = Field(
+        default=None,
+        description="where the allow-listed Python environments are built (once per allow-list; hard links of the "
+        "installed files where on the interpreter's filesystem); default /var/tmp/flywheel-sandbox-envs-<uid>. "
+        "The sandbox uid must be able to search its ancestors",
+    )
+    cgroup: bool = Field(
+        default=True,
+        description="put each run (every process) in its own memory and pids cgroup where the host delegates one "
+        "(cgroup v1 memory/pids controllers, or a cgroup v2 subtree, writable by this process); off or "
+        "unavailable: rlimits only (SandboxResult.containment says which)",
+    )
+
+    def env_root(self) -> Path:
+        """The folder of the allow-listed environments (see ``env_dir``), made if missing.
+
+        Raises:
+            PermissionError: the default folder exists but is not this user's own folder closed to
+                others' writes (someone else made it in the shared temp folder).
+        """
+        if self.env_dir is not None:
+            return self.env_dir
+        root = Path("/var/tmp" if os.path.isdir("/var/tmp") else tempfile.gettempdir()) / (
+            f"flywheel-sandbox-envs-{os.geteuid()}"
+        )
+        root.mkdir(mode=0o755, exist_ok=True)
+        st = root.lstat()
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o022:
+            raise PermissionError(f"{root} is not this user's own folder closed to others' writes; remove it")
+        return root
 
     def scratch_root(self) -> str:
         """The folder for scratch folders (see ``scratch_dir``)."""

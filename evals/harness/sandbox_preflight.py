@@ -16,6 +16,7 @@ import logging
 from dataclasses import dataclass
 
 from evals.harness.sandbox_bwrap import bwrap_missing
+from evals.harness.sandbox_cgroup import cgroup_host
 from evals.harness.sandbox_host import fresh_uid, interpreter_reachable, is_root, load_settings
 
 log = logging.getLogger("flywheel.sandbox")
@@ -30,19 +31,27 @@ REMEDY = (
 @dataclass(frozen=True)
 class Preflight:
     """The check's answer: ``ready`` when graded runs will be isolated (or unisolated by the
-    operator's choice, ``unisolated``); ``reason`` says what is missing otherwise."""
+    operator's choice, ``unisolated``); ``reason`` says what is missing otherwise; ``containment``
+    what will bound each run's resources (``cgroup-v1``/``cgroup-v2``: its own cgroup; ``rlimits``:
+    per process only, :mod:`evals.harness.sandbox_cgroup`)."""
 
     ready: bool
     reason: str | None = None
     unisolated: bool = False
+    containment: str = "rlimits"
 
     def message(self) -> str:
         """One line for a log or a terminal."""
+        bounds = (
+            f"each run in its own memory and pids cgroup ({self.containment})"
+            if self.containment != "rlimits"
+            else "no delegated cgroup: each run bounded per process (rlimits)"
+        )
         if self.ready:
             return (
                 "the sandbox cannot be built here; grading UNISOLATED (FLYWHEEL_SANDBOX_ALLOW_UNISOLATED)"
                 if self.unisolated
-                else "bubblewrap builds the sandbox here"
+                else f"bubblewrap builds the sandbox here; {bounds}"
             )
         return f"this process cannot grade: {self.reason}. Fix: {REMEDY}"
 
@@ -57,9 +66,11 @@ def sandbox_preflight() -> Preflight:
         )
     else:
         missing = bwrap_missing(settings.bwrap, fresh_uid() if is_root() else None)
+    host = cgroup_host() if settings.cgroup else None
+    containment = host.mode if host is not None else "rlimits"
     if missing is None:
-        return Preflight(True)
+        return Preflight(True, containment=containment)
     if settings.allow_unisolated:
         log.warning("sandbox preflight: %s; FLYWHEEL_SANDBOX_ALLOW_UNISOLATED is set, grading unisolated", missing)
-        return Preflight(True, missing, unisolated=True)
-    return Preflight(False, missing)
+        return Preflight(True, missing, unisolated=True, containment=containment)
+    return Preflight(False, missing, containment=containment)

@@ -73,6 +73,7 @@ def _run_hidden(task: Task, overlay: dict[str, str], limits: SandboxLimits | Non
     work = Path(tempfile.mkdtemp(prefix="flywheel-ref-"))
     try:
         write_files(work, {**task.files, **overlay, **task.test_files})
-        return run_in_sandbox(task.test_command, work, limits or SandboxLimits(timeout_s=60))
+        limits = limits or SandboxLimits(timeout_s=60)  # the standard library only: pass a suite's allow-list
+        return run_in_sandbox(task.test_command, work, limits.with_packages(task.environment))
     finally:
         shutil.rmtree(work, ignore_errors=True)

@@ -243,7 +243,9 @@ def test_a_mined_task_runs_and_is_graded_in_its_verified_environment(session, to
     with_pandas = "import pandas\n\n\ndef double(x):\n    return 2 * x\n"
     graded = grade_result(task, repo("pandas", with_pandas))
     assert not graded.ok and "No module named 'pandas'" in graded.stderr, graded.stderr[-600:]
-    assert grade_result(task.model_copy(update={"environment": None}), repo("host", with_pandas)).ok
+    bare = task.model_copy(update={"environment": None})  # no environment: the standard library only
+    assert "No module named 'pandas'" in grade_result(bare, repo("host", with_pandas)).stderr
+    assert grade_result(bare, repo("allowed", with_pandas), SandboxLimits(packages=("pandas",))).ok
 
     # the agent's own test runs: the session's repository holds the environment, the run tool uses it
     workdir = repo("session", with_pandas)

@@ -66,6 +66,7 @@ def test_where_bubblewrap_works_the_check_passes(monkeypatch):
     monkeypatch.delenv("FLYWHEEL_SANDBOX_BWRAP", raising=False)
     check = CliRunner().invoke(app, ["eval", "sandbox-check"])
     assert check.exit_code == 0, check.output
+    assert "cgroup" in check.output or "rlimits" in check.output  # what bounds each run is said
 
 
 def test_the_simulator_refuses_to_start_where_its_developer_cannot_grade(no_user_namespaces):

@@ -5,7 +5,9 @@ from __future__ import annotations
 import pytest
 
 from app.core.errors import ConfigurationError
+from evals.config import source_packages
 from evals.harness.agent import grade
+from evals.harness.sandbox import SandboxLimits
 from evals.tasks import load_tasks, verify_reference
 from evals.tasks.model import Task
 
@@ -23,8 +25,9 @@ def test_humaneval_all_references_pass_and_stubs_fail():
 def test_dataframebench_sample_references_pass(split, n):
     tasks = load_tasks("dataframebench", split, limit=n, seed=11)
     assert len(tasks) == n and all(t.split == split and t.source == "dataframebench" for t in tasks)
+    limits = SandboxLimits(timeout_s=60, packages=source_packages("dataframebench"))  # the suite's allow-list
     for task in tasks:
-        result = verify_reference(task)
+        result = verify_reference(task, limits)
         assert result.ok, (task.id, result.stderr[-2000:])
         assert "import pandas as pd" in task.files["solution.py"]
 

@@ -10,7 +10,14 @@ What counts as a denial (``sys.addaudithook``, PEP 578):
 - ``write``: an open for writing, or a mkdir/remove/rename/rmdir/chmod/truncate/symlink, of a path under
   none of ``SANDBOX_WRITABLE`` (the task folder, ``/tmp``, ``/dev``: the rest is read-only);
 - ``network``: a ``socket.connect``/``sendto`` to an IP address (the sandbox has no network);
-- ``exec``: starting an absolute executable path that is not visible.
+- ``exec``: starting an absolute executable path that is not visible;
+- ``read`` also: opening a file missing under a site-packages folder (``SANDBOX_SITE_PACKAGES``:
+  an installed package outside the allow-list, e.g. an eval data set, that the code expected);
+- ``read`` also: opening another process's ``/proc/<pid>/environ`` or ``mem`` (the box's ``/proc``
+  shows its own processes only: a probe for the host's);
+- ``signal``: ``os.kill``/``os.killpg`` of a pid or group that does not exist in the box (a host
+  process: the pid namespace hides every one);
+- ``ptrace``: looking up ``ptrace`` or ``process_vm_readv``/``writev`` through ``ctypes``.
 Paths are resolved (``os.path.realpath``) so a symlink out of the folder counts. This is a signal,
 not the guard: code can remove the hook or run a non-Python program, and the mounts refuse either way.
 Each process records at most ``_MAX`` attempts.
@@ -29,14 +36,27 @@ _LOG = os.environ.get("SANDBOX_DENIALS", "")
 _VISIBLE = tuple(p for p in os.environ.get("SANDBOX_VISIBLE", "").split(":") if p)
 _WRITABLE = tuple(p for p in os.environ.get("SANDBOX_WRITABLE", "").split(":") if p)
 _VISIBLE_PREFIXES = tuple(r.rstrip("/") + "/" for r in _VISIBLE)
+_SITE_PREFIXES = tuple(r.rstrip("/") + "/" for r in os.environ.get("SANDBOX_SITE_PACKAGES", "").split(":") if r)
 _WRITABLE_PREFIXES = tuple(r.rstrip("/") + "/" for r in _WRITABLE)
 _MAX = 200
 _WRITE_EVENTS = frozenset(
     {"os.mkdir", "os.remove", "os.rename", "os.rmdir", "os.chmod", "os.truncate", "os.symlink", "os.link"}
 )
 _EXEC_EVENTS = frozenset({"subprocess.Popen", "os.exec", "os.posix_spawn"})
+_PTRACE_SYMBOLS = frozenset({"ptrace", "process_vm_readv", "process_vm_writev"})
 _CHECKED = frozenset(
-    {"open", "os.listdir", "os.scandir", "socket.connect", "socket.sendto", *_WRITE_EVENTS, *_EXEC_EVENTS}
+    {
+        "open",
+        "os.listdir",
+        "os.scandir",
+        "socket.connect",
+        "socket.sendto",
+        "os.kill",
+        "os.killpg",
+        "ctypes.dlsym",
+        *_WRITE_EVENTS,
+        *_EXEC_EVENTS,
+    }
 )
 _state = {"busy": False, "count": 0}
 
@@ -76,10 +96,25 @@ def _record(kind: str, event: str, target: str) -> None:
         f.write(json.dumps({"kind": kind, "event": event, "target": target[:300]}) + "\n")
 
 
+def _other_process_file(path) -> bool:
+    """``/proc/<pid>/environ`` or ``mem`` of a process other than this one."""
+    if not isinstance(path, str) or not path.startswith("/proc/"):
+        return False
+    parts = path.split("/")
+    return (
+        len(parts) == 4 and parts[3] in ("environ", "mem") and parts[2] not in ("self", "thread-self", str(os.getpid()))
+    )
+
+
 def _check(event: str, args: tuple) -> None:
     if event == "open":
         path, mode, flags = (args + (None, None, None))[:3]
+        if _other_process_file(path):
+            _record("read", event, path)
+            return
         if mode in (None, "r", "rb") and not (isinstance(flags, int) and flags & 3) and _plainly_visible(path):
+            if isinstance(path, str) and path.startswith(_SITE_PREFIXES) and not os.path.exists(path):
+                _record("read", event, path)  # a package outside the allow-list
             return  # a read under a mount (``io.open_code`` passes mode "rb"; ``os.open`` flags)
         target = _resolve(path)
         if target is None:
@@ -111,6 +146,13 @@ def _check(event: str, args: tuple) -> None:
         address = args[1] if len(args) > 1 else None
         if isinstance(address, tuple):
             _record("network", event, ":".join(str(a) for a in address[:2]))
+    elif event in ("os.kill", "os.killpg"):
+        target = args[0] if args else None
+        if isinstance(target, int) and target > 0 and not os.path.exists(f"/proc/{target}"):
+            _record("signal", event, str(target))
+    elif event == "ctypes.dlsym":
+        if len(args) > 1 and args[1] in _PTRACE_SYMBOLS:
+            _record("ptrace", event, str(args[1]))
     elif event in _EXEC_EVENTS:
         exe = _resolve(args[0]) if args else None
         if exe is not None and os.path.isabs(os.fsdecode(args[0])) and not _under(exe, _VISIBLE, _VISIBLE_PREFIXES):
