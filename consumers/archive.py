@@ -268,6 +268,15 @@ def archived_sessions(conn: psycopg.Connection, user_id: str, until: datetime) -
     return out
 
 
+def _erased_mask(table: pa.Table, user_id: str, sessions: pa.Array) -> pa.ChunkedArray:
+    """Which rows of ``table`` are ``user_id``'s in one of ``sessions`` (what an erasure removes)."""
+    return pc.and_(pc.equal(table["user_id"], user_id), pc.is_in(table["session_id"], value_set=sessions))
+
+
+def _count(mask: pa.ChunkedArray) -> int:
+    return int(pc.sum(pc.cast(mask, pa.int64())).as_py() or 0)
+
+
 def erase_archived(session: Session, user_id: str, sessions: Iterable[str], *, until: datetime, request_id: str) -> int:
     """Rewrite every archived file holding ``user_id``'s rows of ``sessions`` without them, in the
     caller's transaction (catalog rows locked ``FOR UPDATE``), with an audit entry per file.
@@ -285,12 +294,14 @@ def erase_archived(session: Session, user_id: str, sessions: Iterable[str], *, u
         (until,),
     ).fetchall()
     for name, url in rows:
+        with fsspec.open(url, "rb") as f:  # two columns first: most files hold none of the user's rows
+            keys = pq.read_table(f, columns=["session_id", "user_id"])
+        if not _count(_erased_mask(keys, user_id, wanted)):
+            continue
         with fsspec.open(url, "rb") as f:
             table = pq.read_table(f, schema=SCHEMA)
-        gone = pc.and_(pc.equal(table["user_id"], user_id), pc.is_in(table["session_id"], value_set=wanted))
-        k = pc.sum(pc.cast(gone, pa.int64())).as_py() or 0
-        if not k:
-            continue
+        gone = _erased_mask(table, user_id, wanted)
+        k = _count(gone)
         kept = table.filter(pc.invert(gone))
         tmp = f"{url}.{uuid.uuid4().hex[:8]}.tmp"
         with fsspec.open(tmp, "wb") as f:
