@@ -341,6 +341,8 @@ def main() -> None:
             for layout in layouts if i % 2 == 0 else layouts[::-1]:
                 url, drop = scratch_database(admin, LAYOUTS[layout])
                 drops.append(drop)
+                kind = scalar(url, "SELECT relkind::text FROM pg_class WHERE relname = 'event_log'")
+                assert kind == ("p" if layout == "partitioned" else "r"), f"{layout}: event_log has relkind {kind}"
                 group = f"bench-ingest-{uuid.uuid4().hex[:6]}"
                 os.environ.update(FLYWHEEL_DATABASE_URL=url, FLYWHEEL_KAFKA_CONSUMER_GROUP=group)
                 get_settings.cache_clear()
