@@ -30,10 +30,10 @@ MEASURED: dict[str, Cost] = {
         38.0, "CPU us per event, Postgres", "docs/benchmarks.md, ingest: Postgres ~25-38 us (pg_stat_statements)"
     ),
     "wal_bytes_per_event": Cost(
-        2197.0,
+        2249.0,
         "bytes of WAL per event",
         "bench/ingest.py --quick --layouts partitioned,unpartitioned (pg_current_wal_lsn around each pass, "
-        "embedded server; 2,197 B on both layouts, 2026-12-02; docs/benchmarks.md, ingest)",
+        "embedded server): 2,249 B partitioned, 2,204 B unpartitioned, 2026-12-02; docs/benchmarks.md, ingest",
     ),
     "parquet_bytes_per_event": Cost(
         383.0,
