@@ -43,7 +43,10 @@ and bound is start-up and tail, the gap between bound and target is CPU.
 Flags: ``--quick`` (20k events), ``--events N``, ``--consumers N`` (processes in the group, default
 4), ``--partitions N``, ``--insert-method copy|copy_upsert|unnest``, ``--batch N`` (records per poll
 and transaction), ``--privacy-fraction F`` (share of sessions in privacy mode), ``--passes N``,
-``--compression none|gzip|zstd``. Measured results: ``docs/benchmarks.md``.
+``--compression none|gzip|zstd``, ``--layouts partitioned,unpartitioned`` (ours on each ``event_log``
+layout in the same run, passes alternating; ``layouts`` in the JSON gives each one's median events/s
+and WAL bytes per event, read with ``pg_current_wal_lsn`` around each pass: on a server no one else
+writes to, e.g. the embedded one). Measured results: ``docs/benchmarks.md``.
 
 Size: over 400 lines because the baseline and our consumer (in process, and as a group of processes
 sampled for CPU) are set up and measured side by side in one run, which is what a bench is.
@@ -101,13 +104,17 @@ def scratch_server(tmp: Path):
     return admin, lambda: None
 
 
-def scratch_database(admin: str):
-    """(libpq url, drop) of a fresh database on the server of ``admin``, migrated to head."""
+LAYOUTS = {"partitioned": "head", "unpartitioned": "0022"}
+"""``--layouts``: the revision each ``event_log`` layout is migrated to (0023 partitions it)."""
+
+
+def scratch_database(admin: str, revision: str = "head"):
+    """(libpq url, drop) of a fresh database on the server of ``admin``, migrated to ``revision``."""
     name = f"flywheel_bench_{uuid.uuid4().hex[:8]}"
     with psycopg.connect(admin, autocommit=True) as conn:
         conn.execute(f'CREATE DATABASE "{name}"')
     url = admin.rsplit("/", 1)[0] + f"/{name}"
-    upgrade(url=url)
+    upgrade(url=url, revision=revision)
 
     def drop() -> None:
         reset_engines()
@@ -265,6 +272,12 @@ def main() -> None:
     )
     ap.add_argument("--passes", type=int, default=3, help="timed passes of each side; the medians are compared")
     ap.add_argument(
+        "--layouts",
+        default="partitioned",
+        help="event_log layouts ours runs on, comma-separated (partitioned, unpartitioned: migrated to 0022); "
+        "the first is ours, each gets its own passes, alternating order, and its WAL bytes per event",
+    )
+    ap.add_argument(
         "--compression",
         default=None,
         choices=["none", "gzip", "zstd"],
@@ -272,6 +285,9 @@ def main() -> None:
     )
     args = ap.parse_args()
     n_target = args.events or (20_000 if args.quick else 100_000)
+    layouts = args.layouts.split(",")
+    if not set(layouts) <= set(LAYOUTS):
+        ap.error(f"--layouts: one or more of {', '.join(LAYOUTS)}")
 
     compression = args.compression or default_compression()
 
@@ -319,27 +335,47 @@ def main() -> None:
         # minutes (a shared host) weighs on both alike; each side reports its median pass. Each pass of
         # ours is a new consumer group into a new database (one pass in a few starts a member ~1 s
         # late, see the module docstring).
-        bare, passes = [], []
+        bare, by_layout = [], {layout: [] for layout in layouts}
         for i in range(args.passes):
             bare.append(bare_consume(broker.bootstrap, topic, n, max_records))
-            url, drop = scratch_database(admin)
-            drops.append(drop)
-            group = f"bench-ingest-{uuid.uuid4().hex[:6]}"
-            os.environ.update(FLYWHEEL_DATABASE_URL=url, FLYWHEEL_KAFKA_CONSUMER_GROUP=group)
-            get_settings.cache_clear()
-            reset_engines()
-            if args.consumers == 1:
-                rate, extra = ours_in_process(n)
-            else:
-                rate, extra = ours_processes(n, args.consumers, url, tmp / "consumers.log", group, topic)
-            stored = scalar(url, "SELECT count(*) FROM event_log")
-            distinct = scalar(url, "SELECT count(DISTINCT event_id) FROM event_log")
-            tombstoned = scalar(url, "SELECT coalesce(sum(events_dropped), 0) FROM privacy_tombstone")
-            assert stored == distinct == n - private and tombstoned == private, (
-                f"exactly-once violated: {stored} rows, {distinct} distinct, {tombstoned} tombstoned, {n} sent "
-                f"({private} in privacy mode)"
+            for layout in layouts if i % 2 == 0 else layouts[::-1]:
+                url, drop = scratch_database(admin, LAYOUTS[layout])
+                drops.append(drop)
+                kind = scalar(url, "SELECT relkind::text FROM pg_class WHERE relname = 'event_log'")
+                assert kind == ("p" if layout == "partitioned" else "r"), f"{layout}: event_log has relkind {kind}"
+                group = f"bench-ingest-{uuid.uuid4().hex[:6]}"
+                os.environ.update(FLYWHEEL_DATABASE_URL=url, FLYWHEEL_KAFKA_CONSUMER_GROUP=group)
+                get_settings.cache_clear()
+                reset_engines()
+                wal0 = scalar(url, "SELECT pg_current_wal_lsn()::text")
+                if args.consumers == 1:
+                    rate, extra = ours_in_process(n)
+                else:
+                    rate, extra = ours_processes(n, args.consumers, url, tmp / "consumers.log", group, topic)
+                # the server's WAL over the pass: other databases' writes count too (a shared server)
+                wal = scalar(url, "SELECT pg_wal_lsn_diff(pg_current_wal_lsn(), %s::pg_lsn)", (wal0,))
+                stored = scalar(url, "SELECT count(*) FROM event_log")
+                distinct = scalar(url, "SELECT count(DISTINCT event_id) FROM event_log")
+                tombstoned = scalar(url, "SELECT coalesce(sum(events_dropped), 0) FROM privacy_tombstone")
+                assert stored == distinct == n - private and tombstoned == private, (
+                    f"exactly-once violated ({layout}): {stored} rows, {distinct} distinct, {tombstoned} "
+                    f"tombstoned, {n} sent ({private} in privacy mode)"
+                )
+                extra["wal_bytes_per_event"] = round(float(wal) / max(stored, 1))
+                by_layout[layout].append((rate, len(drops) - 1, url, extra))
+        passes = by_layout[layouts[0]]
+        layout_report = {
+            layout: {
+                "ours": round(sorted(p[0] for p in ps)[len(ps) // 2], 1),
+                "passes": [round(p[0]) for p in ps],
+                "wal_bytes_per_event": sorted(p[3]["wal_bytes_per_event"] for p in ps)[len(ps) // 2],
+            }
+            for layout, ps in by_layout.items()
+        }
+        if len(layouts) > 1:
+            layout_report["ratio_to_" + layouts[1]] = round(
+                layout_report[layouts[0]]["ours"] / layout_report[layouts[1]]["ours"], 3
             )
-            passes.append((rate, i, url, extra))
         pair_ratios = [round(p[0] / b[0], 3) for p, b in zip(passes, bare)]
         baseline, bare_cpu_us = sorted(bare)[len(bare) // 2]  # the median pass: a shared machine is noisy
         ours, median_i, url, extra = sorted(passes, key=lambda p: p[0])[len(passes) // 2]
@@ -397,6 +433,7 @@ def main() -> None:
                     "baseline_cpu_us_per_event": round(bare_cpu_us, 1),
                     "cores": cores,
                     "ratio_cpu_bound": bound,
+                    "layouts": layout_report,
                     **extra,
                 }
             )

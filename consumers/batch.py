@@ -8,7 +8,8 @@ Invariants (exactly-once effect):
   a record of another log than the one the stored offset counts in (``consumer_offset.log_id``).
   The offsets and their log's identity advance in the same transaction as the effects, after
   them, and only if they all succeeded.
-- ``event_log`` appends use ``ON CONFLICT (event_id) DO NOTHING``; only newly stored events are
+- ``event_log`` appends skip stored ids (``ON CONFLICT (event_id, occurred_at) DO NOTHING``, or the
+  lookup within the dedupe window: ``app.repositories.events``); only newly stored events are
   folded into the projections, in ``seq`` order, so a producer's duplicate is a no-op too. A record
   whose ``event_id`` is stored with a different body (``app.repositories.events.BODY_COLUMNS``) is
   not a duplicate but a conflict: the stored event stays, the record is a dead letter
@@ -53,13 +54,14 @@ import uuid
 from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
-from datetime import datetime
+from datetime import datetime, timedelta
 
 import psycopg
 from sqlalchemy.orm import Session
 
 from app.core.locks import AdvisoryLock
 from app.core.retry import TransientError
+from app.core.settings import get_settings
 from app.repositories import trajectories as trepo
 from app.repositories.events import (
     DeadLetterRow,
@@ -327,7 +329,8 @@ def _store_and_project(
                 f"not before this batch's ingestion time {now.isoformat()}"
             )
     rows = [d.row for d in chunk]
-    inserted = {k.int: v for k, v in append_events(session, rows, method).items()}  # type: ignore[arg-type]
+    window = timedelta(seconds=get_settings().events.dedupe_window_s)
+    inserted = {k.int: v for k, v in append_events(session, rows, method, window).items()}  # type: ignore[arg-type]
     stored: list[StoredEvent] = []
     duplicates: list[Decoded] = []
     for d in chunk:

@@ -4,6 +4,10 @@ Invariants:
 
 - ``event_log`` rows are deleted only here, inside the caller's transaction, with
   ``SET LOCAL flywheel.erasure = 'on'`` (the append-only trigger refuses any other DELETE).
+- The archive too: the user's sessions include those of archived days, and every archived Parquet
+  file holding the user's rows of them is rewritten without them in the same transaction, each
+  rewrite audited (``consumers.archive.erase_archived``; ``events_deleted`` counts both). A
+  rewritten file stays rewritten if the transaction then rolls back; the retry finds less to do.
 - Every checkpoint that trained on one of the user's trajectories (``checkpoint_trajectory``, which
   the trainer writes from its manifest and keeps after erasure), and every descendant of one, gets
   ``trained_on_erased = true`` and ``erasure_flagged_at`` with an audited reason (one still
@@ -51,6 +55,7 @@ from sqlalchemy.orm import Session
 from app.core.locks import AdvisoryLock
 from app.lifecycle.erasure import FlagOutcome, flag_subtrees
 from app.repositories.events import fetch_value, raw_connection
+from consumers.archive import archived_sessions, erase_archived
 from consumers.deadletter import PRIVATE_DETAIL
 
 log = logging.getLogger(__name__)
@@ -69,6 +74,8 @@ class ErasureOutcome:
     request_id: str
     user_id: str
     events_deleted: int = 0
+    """rows deleted from ``event_log`` and from archived files (``archived_events_deleted`` of them)"""
+    archived_events_deleted: int = 0
     trajectories_deleted: int = 0
     dead_letters_deleted: int = 0
     eval_tasks_deleted: int = 0
@@ -126,9 +133,12 @@ def erase_user(session: Session, user_id: str, request_id: str, requested_at: da
             "AND coalesce(started_at, last_event_at) <= %s",
             (user_id, requested_at, user_id, requested_at),
         )
-        sessions = [r[0] for r in cur.fetchall()]
+        sessions = sorted({r[0] for r in cur.fetchall()} | archived_sessions(conn, user_id, requested_at))
         events, out.trajectory_ids, out.eval_tasks_deleted = _delete_sessions(cur, sessions, user_id)
-        out.events_deleted = sum(events.values())
+        out.archived_events_deleted = erase_archived(
+            session, user_id, sessions, until=requested_at, request_id=request_id
+        )
+        out.events_deleted = sum(events.values()) + out.archived_events_deleted
         out.trajectories_deleted = len(out.trajectory_ids)
         # Dead letters are raw bytes: those that claim the user (dead_letter.user_id, indexed), and
         # among the unattributed ones (a partial index) any that carries the user id as a JSON string.

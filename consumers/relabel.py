@@ -1,6 +1,7 @@
 """Relabel: recompute reward labels of finalized trajectories under a spec, from ``event_log``.
 
-Invariant: a relabel reads only ``event_log`` (never Kafka) and folds EVERY stored event of each
+Invariant: a relabel reads only ``event_log`` and its archive (never Kafka; archived days through
+``consumers.archive.iter_stored_rows``) and folds EVERY stored event of each
 session, late signals included (the live label ignored signals that arrived after finalization;
 a relabel is where they count). It writes ``reward_label`` rows for one spec in one transaction,
 so readers see the old labels or the new ones, never a mix, and reports how the distribution moved.
@@ -27,7 +28,8 @@ import psycopg
 from app.core.db import session_scope
 from app.core.locks import AdvisoryLock
 from app.repositories import trajectories as trepo
-from app.repositories.events import iter_event_rows, raw_connection
+from app.repositories.events import raw_connection
+from consumers.archive import iter_stored_rows
 from consumers.projection import ProjectionConfig, Projector
 from consumers.replay import stored_event_from_row
 from consumers.rewards.difficulty import TaskHistory, task_histories, trajectory_outcome
@@ -161,7 +163,7 @@ def relabel(spec_id: str, *, baseline: str | None = None, chunk: int = 2000) -> 
 
         where = "session_id IN (SELECT session_id FROM trajectory WHERE status = 'finalized')"
         current: TrajectoryState | None = None
-        for rows in iter_event_rows(conn, where=where, order="session_id, seq"):
+        for rows in iter_stored_rows(conn, order="session", where=where):  # archived days too
             for row in rows:
                 se = stored_event_from_row(row)
                 if se.event.session_id not in finalized:

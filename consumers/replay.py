@@ -1,4 +1,5 @@
-"""Replay: rebuild the trajectory projections from ``event_log`` alone (no Kafka).
+"""Replay: rebuild the trajectory projections from ``event_log`` alone (no Kafka; archived days are
+read from their Parquet files as if stored: ``consumers.archive.iter_stored_rows``).
 
 Invariant: replaying with the settings the live consumer ran with gives the same rows the live
 consumer wrote (every column of ``trajectory``, ``trajectory_segment`` and ``reward_label``),
@@ -26,7 +27,8 @@ from sqlalchemy.orm import Session
 from app.core.db import session_scope
 from app.core.errors import ConflictError, NotFoundError
 from app.core.locks import AdvisoryLock
-from app.repositories.events import EVENT_COLUMNS, fetch_value, iter_event_rows, raw_connection
+from app.repositories.events import EVENT_COLUMNS, fetch_value, raw_connection
+from consumers.archive import iter_stored_rows
 from consumers.batch import project_events
 from consumers.finalize import finalize_due_once
 from consumers.projection import Projector, StoredEvent
@@ -148,7 +150,7 @@ def rebuild(
     ``search_path`` resolves, then run the window sweep. Runs in the caller's transaction."""
     report = report or ReplayReport()
     conn = raw_connection(session)
-    for rows in iter_event_rows(conn, chunk=chunk):
+    for rows in iter_stored_rows(conn, chunk=chunk):  # archived days too
         events = []
         for r in rows:
             try:

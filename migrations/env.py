@@ -10,7 +10,7 @@ from sqlalchemy.schema import SchemaItem
 
 import app.models  # noqa: F401  (registers every table)
 from app.core.db import database_url, normalize_url
-from app.core.migrate import is_celery_object, table_of
+from app.core.migrate import is_unmanaged_object, table_of
 from app.models.base import Base
 
 config = context.config
@@ -23,8 +23,8 @@ def include_object(
     obj: SchemaItem, name: str | None, type_: str, reflected: bool, compare_to: SchemaItem | None
 ) -> bool:
     """During authoring, ``FLYWHEEL_AUTOGEN_TABLES`` limits autogenerate to one area's tables.
-    Tables Celery creates for itself on the same database are never Alembic's."""
-    if is_celery_object(obj, name, type_, reflected, compare_to):
+    Tables Celery creates for itself on the same database, and ``event_log``'s partitions, are never Alembic's."""
+    if is_unmanaged_object(obj, name, type_, reflected, compare_to):
         return False
     if not _only:
         return True

@@ -13,7 +13,7 @@ from app import commands as app_commands
 from app.api import cli as api_cli
 from consumers import cli as consumers_cli
 from evals import cli as evals_cli
-from ops import ab_cli, settings_cli, simulator_cli
+from ops import ab_cli, capacity_cli, settings_cli, simulator_cli
 from ops import commands as ops_commands
 from serving import cli as serving_cli
 from trainer import cli as trainer_cli
@@ -37,6 +37,7 @@ def _register_all() -> None:
         ab_cli,
         api_cli,
         settings_cli,
+        capacity_cli,
     ):
         module.register(app)
 

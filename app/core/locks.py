@@ -28,6 +28,8 @@ class AdvisoryLock:
     """Trainer: one training cycle at a time (session-level try-lock on its own connection)."""
     HOLDOUT: Final[int] = (FLYW << 32) | 6
     """Eval mining and candidate registration: the held-out set against what a candidate trained on."""
+    EVENT_PARTITIONS: Final[int] = (FLYW << 32) | 7
+    """Consumers: one pass creating ``event_log`` partitions or archiving them at a time (try-lock, per transaction)."""
 
 
 PRIVACY_LOCK_SPACE = 0x70727679

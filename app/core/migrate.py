@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import re
 
 from alembic import command
 from alembic.config import Config
@@ -35,6 +36,22 @@ def is_celery_object(
     """Whether a schema object Alembic reflected is one of Celery's own tables or their indexes, which
     no migration manages (the arguments of Alembic's ``include_object`` hook)."""
     return reflected and compare_to is None and (table_of(obj, type_) or "").startswith(CELERY_TABLE_PREFIXES)
+
+
+EVENT_PARTITION_PATTERN = re.compile(r"event_log_(p\d{8}|default)")
+"""``event_log``'s partitions (``consumers.partitions``): made by beat and the archive pass, not by migrations."""
+
+
+def is_unmanaged_object(
+    obj: SchemaItem, name: str | None, type_: str, reflected: bool, compare_to: SchemaItem | None
+) -> bool:
+    """Whether a reflected schema object is none of Alembic's: Celery's tables (:func:`is_celery_object`)
+    or an ``event_log`` partition, or an index of one (the arguments of ``include_object``)."""
+    if is_celery_object(obj, name, type_, reflected, compare_to):
+        return True
+    return (
+        reflected and compare_to is None and EVENT_PARTITION_PATTERN.fullmatch(table_of(obj, type_) or "") is not None
+    )
 
 
 def alembic_config(url: str | None = None) -> Config:

@@ -147,6 +147,42 @@ class StoreSettings(EnvSettings):
         return (self.report_dir or flywheel_home() / "reports").resolve()
 
 
+class EventStoreSettings(EnvSettings):
+    """How ``event_log`` ages: time partitions, the dedupe window, retention and the Parquet archive."""
+
+    model_config = SettingsConfigDict(env_prefix="FLYWHEEL_EVENTS_", extra="ignore")
+    partition_period: Literal["day", "week"] = Field(
+        default="day", description="span of one event_log partition (UTC days; weeks start on Monday)"
+    )
+    partitions_ahead: int = Field(
+        default=3, ge=1, le=366, description="periods beat keeps created past the current one"
+    )
+    partition_interval: float = Field(
+        default=3600.0, gt=0, description="seconds between beat's partition (create ahead) and archive passes"
+    )
+    dedupe_window_s: float = Field(
+        default=3600.0,
+        ge=0,
+        description="an event id re-sent with an occurred_at this many seconds from the stored one's is a "
+        "duplicate (or a conflict); a redelivery, same occurred_at, is always one",
+    )
+    retention_days: int | None = Field(
+        default=30,
+        ge=1,
+        description="days a partition stays in Postgres after its range ends; then archived and dropped "
+        "(empty: kept forever). Trajectories and rewards are not archived with it: they stay",
+    )
+    archive_url: str | None = Field(
+        default=None,
+        description="fsspec URL (a path, file://, s3://, gs://) archived partitions are written under; "
+        "default $FLYWHEEL_HOME/archive",
+    )
+
+    def archive_root(self) -> str:
+        """Where archived partitions go: :attr:`archive_url`, or ``$FLYWHEEL_HOME/archive``."""
+        return self.archive_url or str(flywheel_home() / "archive")
+
+
 class ServingSettings(EnvSettings):
     """Inference engine selection: the server that serves production and the one candidates' evals use."""
 
@@ -267,6 +303,7 @@ class Settings:
         self.celery = CelerySettings.load()
         self.store = StoreSettings.load()
         self.serving = ServingSettings.load()
+        self.events = EventStoreSettings.load()
         self.api = ApiSettings.load()
 
 

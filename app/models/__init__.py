@@ -6,7 +6,7 @@ from app.models.canary import Canary
 from app.models.checkpoints import Checkpoint, CheckpointTrajectory, TrainingCycle
 from app.models.environments import TaskEnvironment
 from app.models.evals import EvalResult, EvalRun, EvalShard, EvalTask, GateDecision
-from app.models.events import ConsumerOffset, DeadLetter, EventLog, Outbox, PrivacyTombstone
+from app.models.events import ConsumerOffset, DeadLetter, EventArchive, EventLog, Outbox, PrivacyTombstone
 from app.models.promotion import ApiToken, AuditLog, Promotion
 from app.models.trajectories import ErasureRequest, RewardLabel, Trajectory, TrajectorySegment
 
@@ -25,6 +25,7 @@ __all__ = [
     "GateDecision",
     "ConsumerOffset",
     "DeadLetter",
+    "EventArchive",
     "EventLog",
     "Outbox",
     "PrivacyTombstone",

@@ -3,6 +3,14 @@ tombstones and the transactional outbox.
 
 ``event_log`` is append-only: a trigger refuses UPDATE; DELETE is allowed only for erasure (the
 erasure path sets ``flywheel.erasure = on`` in its transaction).
+
+``event_log`` is range-partitioned by ``occurred_at`` (migration 0023; one partition a day or a week,
+``FLYWHEEL_EVENTS_PARTITION_PERIOD``, created ahead by beat; a default partition takes what falls
+outside them). Postgres wants the partition key in every unique index, so the keys are ``(seq,
+occurred_at)`` and ``(event_id, occurred_at)``: a redelivered record carries its envelope's
+``occurred_at``, so the second key refuses every redelivery exactly (see
+``app.repositories.events.append_events`` for the bounded window that finds an id re-sent with
+another ``occurred_at``). Partitions past retention move to Parquet (``event_archive`` lists them).
 """
 
 from __future__ import annotations
@@ -24,10 +32,11 @@ class EventLog(Base):
     __tablename__ = "event_log"
 
     seq: Mapped[int] = mapped_column(BigInteger, primary_key=True, autoincrement=True)
-    event_id: Mapped[uuid.UUID] = mapped_column(UUID(as_uuid=True), unique=True, nullable=False)
+    event_id: Mapped[uuid.UUID] = mapped_column(UUID(as_uuid=True), nullable=False)
     type: Mapped[str] = mapped_column(String(64), nullable=False)
     schema_version: Mapped[int] = mapped_column(Integer, nullable=False)
-    occurred_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), nullable=False)
+    occurred_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), primary_key=True)
+    """The partition key (range partitions by day or week)."""
     session_id: Mapped[str] = mapped_column(String(128), nullable=False)
     user_id: Mapped[str] = mapped_column(String(128), nullable=False)
     org_id: Mapped[str] = mapped_column(String(128), nullable=False)
@@ -47,9 +56,35 @@ class EventLog(Base):
     ingested_at: Mapped[datetime] = created_at_column()
 
     __table_args__ = (
+        UniqueConstraint("event_id", "occurred_at"),
         Index("ix_event_log_session_seq", "session_id", "seq"),
         Index("ix_event_log_user_id", "user_id"),
+        {"postgresql_partition_by": "RANGE (occurred_at)"},
     )
+
+
+class EventArchive(Base):
+    """One ``event_log`` partition written to Parquet, verified, then dropped from Postgres."""
+
+    __tablename__ = "event_archive"
+
+    partition_name: Mapped[str] = mapped_column(String(63), primary_key=True)
+    range_start: Mapped[datetime] = mapped_column(DateTime(timezone=True), nullable=False)
+    range_end: Mapped[datetime] = mapped_column(DateTime(timezone=True), nullable=False, comment="exclusive")
+    url: Mapped[str] = mapped_column(Text, nullable=False, comment="the Parquet file (an fsspec URL)")
+    rows: Mapped[int] = mapped_column(BigInteger, nullable=False, comment="rows the file holds now")
+    sha256: Mapped[str] = mapped_column(
+        String(64), nullable=False, comment="consumers.archive.rows_digest of the file's rows (hex)"
+    )
+    archived_at: Mapped[datetime] = created_at_column()
+    rewritten_at: Mapped[datetime | None] = mapped_column(
+        DateTime(timezone=True), comment="when an erasure last rewrote the file without a user's rows"
+    )
+    rows_erased: Mapped[int] = mapped_column(
+        BigInteger, nullable=False, server_default=text("0"), comment="rows erasures removed from the file"
+    )
+
+    __table_args__ = (Index("ix_event_archive_range", "range_start", "range_end"),)
 
 
 class ConsumerOffset(Base):

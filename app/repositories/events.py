@@ -2,9 +2,13 @@
 (flush-free: they run on the session's connection and never commit). Consumer offsets are in
 :mod:`app.repositories.offsets`.
 
-Invariant: ``event_log`` rows are only ever inserted with ``ON CONFLICT (event_id) DO NOTHING``, so a
-redelivered event is a no-op and :func:`append_events` reports which ids were new; the caller folds
-only those into projections.
+Invariant: ``event_log`` rows are only ever inserted with ``ON CONFLICT (event_id, occurred_at) DO
+NOTHING`` or after a lookup of the ids, so a redelivered event (same envelope, same time) is a no-op
+in any partition and :func:`append_events` reports which ids were new; the caller folds only those.
+An id re-sent with another ``occurred_at`` within ``FLYWHEEL_EVENTS_DEDUPE_WINDOW_S`` is found by
+the lookup (a duplicate or a conflict); farther apart it is a second row (``app.models.events``).
+
+Size: over 400 lines because every statement on the event store's tables is here, beside the row types.
 """
 
 from __future__ import annotations
@@ -12,7 +16,7 @@ from __future__ import annotations
 import uuid
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any, Literal, NamedTuple
 
 import psycopg
@@ -88,8 +92,14 @@ _TEMP_DDL = """CREATE TEMP TABLE IF NOT EXISTS _event_batch (
 _COLS = ", ".join(f'"{c}"' for c in EVENT_COLUMNS)
 
 
+_CONFLICT_KEY, DEFAULT_DEDUPE_WINDOW = "(event_id, occurred_at)", timedelta(hours=1)  # the setting's default
+
+
 def append_events(
-    session: Session, rows: Sequence[EventRow], method: Literal["copy", "copy_upsert", "unnest"] = "copy"
+    session: Session,
+    rows: Sequence[EventRow],
+    method: Literal["copy", "copy_upsert", "unnest"] = "copy",
+    dedupe_window: timedelta = DEFAULT_DEDUPE_WINDOW,
 ) -> dict[uuid.UUID, int]:
     """Append rows to ``event_log``; rows whose ``event_id`` is already stored (or repeated in
     ``rows``) are skipped. ``ingested_at`` is the transaction's ``now()``; ``seq`` follows ``rows``.
@@ -98,8 +108,8 @@ def append_events(
     values and COPYs the new rows straight into ``event_log`` (fastest; a concurrent insert of the
     same id between lookup and COPY fails the transaction with a unique violation, and the
     consumer's per-record fallback then uses ``copy_upsert``); ``copy_upsert`` COPYs into a temp
-    table then ``INSERT .. SELECT .. ON CONFLICT (event_id) DO NOTHING``; ``unnest`` does the same
-    from array parameters in one statement.
+    table then ``INSERT .. SELECT .. ON CONFLICT (event_id, occurred_at) DO NOTHING``; ``unnest`` does
+    the same from array parameters in one statement. Only ``copy`` applies ``dedupe_window``.
 
     Returns:
         ``{event_id: seq}`` of the rows actually inserted.
@@ -111,7 +121,7 @@ def append_events(
     conn = raw_connection(session)
     with conn.cursor() as cur:
         if method == "copy":
-            return _append_direct(cur, rows)
+            return _append_direct(cur, rows, dedupe_window)
         if method == "copy_upsert":
             cur.execute(_TEMP_DDL)
             with cur.copy(f"COPY _event_batch (ord, {_COLS}) FROM STDIN") as copy:
@@ -119,7 +129,7 @@ def append_events(
                     copy.write_row((i, *_values(r)))
             cur.execute(
                 f"INSERT INTO event_log ({_COLS}) SELECT {_COLS} FROM _event_batch ORDER BY ord "
-                "ON CONFLICT (event_id) DO NOTHING RETURNING event_id, seq"
+                f"ON CONFLICT {_CONFLICT_KEY} DO NOTHING RETURNING event_id, seq"
             )
             inserted: dict[uuid.UUID, int] = dict(cur.fetchall())
             cur.execute("TRUNCATE _event_batch")  # ON COMMIT DELETE ROWS only helps after commit
@@ -129,7 +139,7 @@ def append_events(
             f"INSERT INTO event_log ({_COLS}) SELECT {_COLS} FROM unnest("
             "%s::uuid[], %s::text[], %s::int[], %s::timestamptz[], %s::text[], %s::text[], %s::text[], "
             "%s::text[]::json[], %s::text[], %s::int[], %s::bigint[], %s::text[], %s::int[], %s::text[]) WITH ORDINALITY "
-            f"AS b({_COLS}, ord) ORDER BY ord ON CONFLICT (event_id) DO NOTHING RETURNING event_id, seq",
+            f"AS b({_COLS}, ord) ORDER BY ord ON CONFLICT {_CONFLICT_KEY} DO NOTHING RETURNING event_id, seq",
             [list(c) for c in cols],
         )
         return dict(cur.fetchall())
@@ -172,8 +182,12 @@ def _reserve_seqs(cur: psycopg.Cursor, n: int) -> list[int]:
     return [v for block, start in blocks for v in range(start, start + block)][:n]
 
 
-def _append_direct(cur: psycopg.Cursor, rows: Sequence[EventRow]) -> dict[uuid.UUID, int]:
-    cur.execute("SELECT event_id FROM event_log WHERE event_id = ANY(%b)", (UuidArray.of([r.event_id for r in rows]),))
+def _append_direct(cur: psycopg.Cursor, rows: Sequence[EventRow], window: timedelta) -> dict[uuid.UUID, int]:
+    times = [r.occurred_at for r in rows]  # bounds: the planner reads only the partitions they span
+    cur.execute(
+        "SELECT event_id FROM event_log WHERE event_id = ANY(%b) AND occurred_at BETWEEN %s AND %s",
+        (UuidArray.of([r.event_id for r in rows]), min(times) - window, max(times) + window),
+    )
     seen = {r[0].int for r in cur.fetchall()}  # int keys: uuid.UUID hashes in Python, ints in C
     new: list[EventRow] = []
     for r in rows:

@@ -34,7 +34,14 @@ from app.worker.schedule import beat_schedule, module_available
 
 DEFAULT_QUEUE = "celery"
 EVALS_QUEUE = "evals"
-TASK_MODULE_CANDIDATES = ("ops.tasks", "trainer.tasks", "evals.automation", "app.outbox.tasks", "app.promotion.tasks")
+TASK_MODULE_CANDIDATES = (
+    "ops.tasks",
+    "trainer.tasks",
+    "evals.automation",
+    "app.outbox.tasks",
+    "app.promotion.tasks",
+    "consumers.tasks",
+)
 
 
 def broker_urls() -> tuple[str, str]:

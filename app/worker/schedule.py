@@ -13,6 +13,7 @@ its periods, so a stopped worker does not come back to a backlog of stale runs.
 | relay-outbox | ``flywheel.outbox.relay`` | ``FLYWHEEL_OUTBOX_INTERVAL`` s, unless ``FLYWHEEL_OUTBOX_BEAT_RELAY=false`` |
 | evaluate-canary | ``flywheel.promotion.evaluate_canary`` | ``FLYWHEEL_CANARY_EVAL_INTERVAL`` s (60) |
 | purge-broker-messages | ``flywheel.ops.purge_broker_messages`` | hourly, SQL broker only |
+| maintain-event-partitions | ``flywheel.events.maintain_partitions`` | ``FLYWHEEL_EVENTS_PARTITION_INTERVAL`` s (1 h) |
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ TASK_MODULES: dict[str, str] = {
     "flywheel.outbox.relay": "app.outbox.tasks",
     "flywheel.promotion.evaluate_canary": "app.promotion.tasks",
     "flywheel.ops.purge_broker_messages": "ops.tasks",
+    "flywheel.events.maintain_partitions": "consumers.tasks",
 }
 
 BROKER_PURGE_INTERVAL_S = 3600.0
@@ -46,11 +48,13 @@ def module_available(name: str) -> bool:
 
 def beat_schedule(settings: Settings | None = None) -> dict[str, dict[str, Any]]:
     """Celery ``beat_schedule``: entry name -> ``{"task", "schedule" (seconds), "options"}``."""
-    c = (settings or get_settings()).celery
+    settings = settings or get_settings()
+    c = settings.celery
     entries = {
         "train": ("flywheel.trainer.run_cycle", c.train_interval),
         "scan-candidates": ("flywheel.evals.scan_candidates", c.eval_scan_interval),
         "evaluate-canary": ("flywheel.promotion.evaluate_canary", c.canary_eval_interval),
+        "maintain-event-partitions": ("flywheel.events.maintain_partitions", settings.events.partition_interval),
     }
     if c.outbox_beat_relay:
         entries["relay-outbox"] = ("flywheel.outbox.relay", c.outbox_interval)
