@@ -98,8 +98,9 @@ def template_of(task_id: str) -> str | None:
 
 
 def template_splits(templates: Sequence[Template], table: Mapping[str, str]) -> dict[str, str]:
-    """Each template's split, ``{key: split}``, read from ``table`` (``{template key: split}``) by key
-    alone: a template's split depends on its own entry only, never on the others or their order.
+    """Each template's split, ``{key: split}`` in ``table``'s order, read from ``table`` (``{template
+    key: split}``) by key alone: a template's split depends on its own entry only, never on the
+    others or on the order templates registered in.
 
     Raises:
         ConfigurationError: a template the table does not list, a listed name no template has, or a
@@ -122,7 +123,7 @@ def template_splits(templates: Sequence[Template], table: Mapping[str, str]) -> 
                 if part
             )
         )
-    return {t.key: table[t.key] for t in templates}
+    return {key: split for key, split in table.items()}
 
 
 @lru_cache(maxsize=1)
@@ -238,10 +239,10 @@ HELD_VARIANTS = {"test": VARIANTS, "report": VARIANTS, "fresh": FRESH_VARIANTS, 
 
 @lru_cache(maxsize=1)
 def _all() -> dict[str, tuple[Task, ...]]:
-    of = splits_of_templates()
+    by_key = {t.key: t for t in [*TEMPLATES, *FRESH_TEMPLATES]}
     splits: dict[str, list[Task]] = {s: [] for s in SPLITS}
-    for t in [*TEMPLATES, *FRESH_TEMPLATES]:
-        split = of[t.key]
+    for key, split in splits_of_templates().items():  # the table's order: the same whatever the imports
+        t = by_key[key]
         if split != "train":
             variants = enumerate(_variants(t, HELD_VARIANTS[split]))
             splits[split] += [_task(t, i, attempt, s, split) for i, (attempt, s) in variants]
@@ -255,7 +256,8 @@ def _all() -> dict[str, tuple[Task, ...]]:
 
 
 def load(split: str) -> list[Task]:
-    """Every task of ``split`` (one of :data:`SPLITS`), in template order.
+    """Every task of ``split`` (one of :data:`SPLITS`), in the order ``evals/functions_splits.toml``
+    lists the templates.
 
     Raises:
         ConfigurationError: any other split.
