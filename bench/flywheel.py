@@ -35,12 +35,14 @@ Prints one JSON line: ``in_distribution`` (``pairs``, ``tasks``, ``samples``, ``
 held-out comparison with base), ``budget_s`` (seconds per phase from the database's timestamps),
 ``multi_segment_sessions`` (trajectories with more than one segment), ``seed``, ``placebo``, ``developer``
 (the training traffic's noise knobs: ``--keeps-wrong-rate``, ``--untested-rate``, ``--signal-loss-rate``),
-``long_session_share``, ``release_policy``, ``wall_s``, ``pass``.
+``placebo_mode`` (``within_group``, ``across_cycle`` or None), ``long_session_share``, ``release_policy``,
+``wall_s``, ``pass``.
 
 ``pass``, default run: in-distribution ``diff >= 0.10`` with ``lower_bound > 0``, edit persistence up and dissatisfied
 follow-ups down each with a 95 % interval excluding 0, held-out ``lower_bound > -margin``, the final checkpoint
 promoted by the gate's pass, the plant failed and its control not failed. ``--quick``: at least 200 in-distribution
-pairs, ``diff > 0``, the plant failed. A ``--placebo`` run (rewards shuffled within each cycle) is a control: it
+pairs, ``diff > 0``, the plant failed. A ``--placebo`` run (rewards shuffled within each task group of each cycle,
+so each group's advantages keep their spread; ``--placebo across_cycle``: across the cycle) is a control: it
 reports, and ``pass`` means the fresh-traffic interval includes 0.
 
 Flags and their defaults: ``--help``; measured results: ``docs/benchmarks.md``; the store's read-outs:
@@ -88,6 +90,7 @@ from ops.simulator_cli import parse_mix
 from trainer.config import load_config
 
 RELEASE_POLICY = "auto_on_pass"
+PLACEBO_MODES = ("within_group", "across_cycle")  # trainer.config.DataConfig.placebo_mode
 
 
 def flywheel(args: list[str], env: dict[str, str]) -> None:
@@ -167,7 +170,15 @@ def main() -> None:  # noqa: PLR0915 - one recipe, read top to bottom
     parser.add_argument("--ab-tasks", type=int, default=None, help="A/B tasks (default: all at the mix's levels)")
     parser.add_argument("--curve-pairs", type=int, default=100, help="A/B pairs behind each curve point")
     parser.add_argument("--seed", type=int, default=0, help="seeds the traffic, training order and the A/B draw")
-    parser.add_argument("--placebo", action="store_true", help="shuffle each cycle's rewards (a control run)")
+    parser.add_argument(
+        "--placebo",
+        nargs="?",
+        const="within_group",
+        default=None,
+        choices=PLACEBO_MODES,
+        help="a control run: shuffle each cycle's rewards within each task group (within_group, the default "
+        "with a bare --placebo) or across the cycle (across_cycle, the placebo before 2026-12-02)",
+    )
     parser.add_argument(
         "--keeps-wrong-rate", type=float, default=0.0, help="share of plausible wrong edits the developer keeps"
     )
@@ -216,7 +227,8 @@ def main() -> None:  # noqa: PLR0915 - one recipe, read top to bottom
         demo += ["--release-policy", RELEASE_POLICY, "--cycle-timeout", "5400"]
         demo += [*(["--eval-tasks", str(args.eval_tasks)] if args.eval_tasks else [])]
         demo += [*(["--trainer-config", args.trainer_config] if args.trainer_config else [])]
-        demo += [*(["--placebo"] if args.placebo else []), "--long-sessions", str(args.long_sessions)]
+        demo += [*(["--placebo", "--placebo-mode", args.placebo] if args.placebo else [])]
+        demo += ["--long-sessions", str(args.long_sessions)]
         demo += developer_args(developer)
         t0 = time.monotonic()
         flywheel(demo, env)
@@ -337,7 +349,8 @@ def main() -> None:  # noqa: PLR0915 - one recipe, read top to bottom
                 "planted_rejected": planted_failed,
                 "release_policy": f"{RELEASE_POLICY}, no override",
                 "seed": args.seed,
-                "placebo": args.placebo,
+                "placebo": args.placebo is not None,
+                "placebo_mode": args.placebo,
                 "developer": developer.model_dump(
                     include={"keeps_wrong_rate", "untested_rate", "signal_loss_rate", "late_signal_rate"}
                 ),

@@ -303,7 +303,10 @@ def demo_cmd(
         "written reason (audited); default: such a candidate is held",
     ),
     placebo: bool = typer.Option(
-        False, "--placebo", help="shuffle each cycle's rewards across its trajectories (a control)"
+        False, "--placebo", help="shuffle each cycle's rewards within each task group (a control)"
+    ),
+    placebo_mode: str = typer.Option(
+        "within_group", help="how --placebo shuffles: within_group (each group keeps its rewards) or across_cycle"
     ),
     keeps_wrong_rate: float = typer.Option(
         0.0, min=0.0, max=1.0, help="the training traffic's developer keeps this share of plausible wrong edits"
@@ -357,6 +360,7 @@ def demo_cmd(
             override_insufficient=override_insufficient,
             cycle_timeout_s=cycle_timeout,
             placebo=placebo,
+            placebo_mode=placebo_mode,
             developer=DeveloperModel(
                 keeps_wrong_rate=keeps_wrong_rate, untested_rate=untested_rate, signal_loss_rate=signal_loss_rate
             ),

@@ -85,7 +85,8 @@ class DemoOptions:
     eval_tasks: int | None = None  # held-out tasks the gate runs (None: the whole suite)
     eval_suites: tuple[str, ...] = ("functions",)
     gate_config: str | None = None  # gate policy TOML (default evals/gate.toml)
-    placebo: bool = False  # each cycle's rewards shuffled across its trajectories (a control run)
+    placebo: bool = False  # each cycle's rewards shuffled (a control run)
+    placebo_mode: str = "within_group"  # trainer.config.DataConfig.placebo_mode: or "across_cycle"
     developer: DeveloperModel = field(default_factory=DeveloperModel)  # the training traffic's developer noise
     eval_max_turns: int = 2
     eval_max_tokens: int = 160
@@ -135,8 +136,8 @@ def trainer_toml(opts: DemoOptions, home: Path) -> Path:
     """The trainer config of the loop's scheduled cycles: ``--trainer-config`` (default
     ``trainer/configs/default.toml``) with the demo's step budget, training on a cycle's traffic
     (``min_new_trajectories``: :func:`min_new_trajectories`), with shuffled rewards under
-    ``--placebo``, and segments up to :data:`LONG_SEGMENT_TOKENS` long where the traffic has long
-    sessions."""
+    ``--placebo`` (``placebo_mode``: within each task group by default), and segments up to
+    :data:`LONG_SEGMENT_TOKENS` long where the traffic has long sessions."""
     path = home / "demo" / "trainer.toml"
     base = Path(opts.trainer_config).resolve() if opts.trainer_config else TRAINER_DEFAULT
     lines = [f"extends = {json.dumps(str(base))}"]
@@ -146,7 +147,7 @@ def trainer_toml(opts: DemoOptions, home: Path) -> Path:
     if opts.long_session_share > 0 and load_config(base).data.max_seq_len < LONG_SEGMENT_TOKENS:
         lines.append(f"max_seq_len = {LONG_SEGMENT_TOKENS}")
     if opts.placebo:
-        lines.append("placebo = true")
+        lines += ["placebo = true", f"placebo_mode = {json.dumps(opts.placebo_mode)}"]
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("\n".join(lines) + "\n")
     return path

@@ -118,3 +118,14 @@ def test_the_demo_keeps_long_segments_in_training_only_when_its_traffic_has_long
         bench.data.min_new_trajectories == 64
         and load_config(trainer_toml(DemoOptions(sessions=3), tmp_path)).data.min_new_trajectories == 1
     )
+
+
+def test_the_demos_placebo_shuffles_within_task_groups_unless_told_otherwise(tmp_path):
+    from ops.demo import DemoOptions, trainer_toml
+    from trainer.config import load_config
+
+    assert not load_config(trainer_toml(DemoOptions(), tmp_path / "real")).data.placebo
+    default = load_config(trainer_toml(DemoOptions(placebo=True), tmp_path / "placebo")).data
+    assert default.placebo and default.placebo_mode == "within_group"
+    old = DemoOptions(placebo=True, placebo_mode="across_cycle")
+    assert load_config(trainer_toml(old, tmp_path / "old")).data.placebo_mode == "across_cycle"
