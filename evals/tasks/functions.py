@@ -24,7 +24,9 @@ split is data: ``evals/functions_splits.toml`` names it, by the template's name
 - ``fresh``: up to :data:`FRESH_VARIANTS` variants of each template listed ``fresh``, kinds of
   request no other split has (fresh traffic for the A/B: no request is a few-token edit of a trained
   one, tests/unit/test_functions_tasks.py);
-- ``report`` and ``fresh_hard``: the templates listed so (none yet).
+- ``report``: every variant of the templates listed ``report``: held out, never trained on and never
+  gated (the bench's held-out figure, ``evals/suites/functions_report.toml``);
+- ``fresh_hard``: the templates listed so (none yet).
 
 Invariant: generation is deterministic (every template is seeded by ``"<template>:<attempt>"``)
 and the three splits are disjoint; ``test_params`` is disjoint from ``train`` in behaviour too.
