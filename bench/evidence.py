@@ -24,9 +24,11 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from app.core.db import session_scope
+from evals.tasks.functions import FRESH_MIN_SKELETON_DISTANCE
 from ops.loop_outcome import paired, succeeded_cycles
 
 REPORT_SUITE = "functions_report"  # the report split's suite: never gated (evals/gate.toml)
+FRESH_BASE_TARGET = (0.15, 0.35)  # base's pass rate on fresh traffic at production difficulty (issue 70)
 
 
 def flywheel(args: list[str], env: dict[str, str]) -> None:
@@ -94,6 +96,21 @@ def held_out_report(session: Session, final: str, candidates: list[str]) -> dict
         "candidates": [
             {"checkpoint": c, **paired(session, "base", c, REPORT_SUITE, by_template=True)} for c in candidates
         ],
+    }
+
+
+def fresh_view(in_distribution: dict) -> dict:
+    """The bench's ``fresh``: the fresh-traffic A/B (``flywheel ab``'s default draw, the ``fresh``
+    split) with base's rate as ``base``, whether it lies in :data:`FRESH_BASE_TARGET` (a base that can
+    move either way), and the split's stated distance from training (``min_skeleton_distance``)."""
+    base = in_distribution.get("base")
+    return {
+        "split": "fresh",
+        **{k: in_distribution.get(k) for k in ("pairs", "tasks", "samples", "base", "final", "diff", "ci")},
+        "lower_bound": in_distribution.get("lower_bound"),
+        "base_target": list(FRESH_BASE_TARGET),
+        "base_in_target": base is not None and FRESH_BASE_TARGET[0] <= base <= FRESH_BASE_TARGET[1],
+        "min_skeleton_distance": FRESH_MIN_SKELETON_DISTANCE,
     }
 
 

@@ -16,7 +16,8 @@ One run, on a fresh embedded stack (its own ``FLYWHEEL_HOME``):
    --same-data-as C1 --invert-reward``), and the same cycle with the right sign; each gated against
    base on the same suite. The plant must fail the gate, its control must not.
 3. Fresh traffic (``flywheel ab base FINAL``, ``ops/ab.py``): requests of kinds no cycle trained on
-   (``functions`` ``fresh``, the A/B's default draw) at the production request mix, each
+   (``functions`` ``fresh``, the A/B's default draw: production difficulty, each at least 3 code-skeleton
+   tokens from every training task) at the production request mix, each
    (task, sample) served once by base and once by the final production checkpoint and answered by
    the same seeded simulated developer; pass rate and product signals with template-clustered 95 %
    intervals of the paired difference. Its sessions never reach the event stream.
@@ -36,7 +37,8 @@ with their actor, eval runs and results, stored A/B comparisons, session timesta
 command's printed output or the demo's state file.
 
 Prints one JSON line: ``in_distribution`` (``pairs``, ``tasks``, ``samples``, ``base``, ``final``, ``diff``,
-``ci``, ``lower_bound``), ``held_out`` (``split`` = report, ``suite``, ``gated`` = false, ``pairs``, ``samples``,
+``ci``, ``lower_bound``; the A/B on the ``fresh`` split), ``fresh`` (the same with ``base`` read as the split's base
+rate, ``base_in_target`` (15-35 %: a base that can move), ``min_skeleton_distance``), ``held_out`` (``split`` = report, ``suite``, ``gated`` = false, ``pairs``, ``samples``,
 ``cluster``, ``base``, ``final``, ``diff``, ``ci``, ``lower_bound``, ``last_candidate`` and ``candidates`` with
 the same figures), ``gate_suite`` (the same comparison on the gated suite), ``one_cycle`` (``arms``: each
 twin against base; ``twins``; ``true_vs_shuffled`` per seed; ``diff``; ``spread`` per arm and ``max``),
@@ -81,6 +83,7 @@ from app.repositories.checkpoints import get_production
 from bench.evidence import (
     REPORT_SUITE,
     flywheel,
+    fresh_view,
     held_out_report,
     one_cycle_arms,
     one_cycle_contrast,
@@ -356,6 +359,7 @@ def main() -> None:  # noqa: PLR0915 - one recipe, read top to bottom
                     "gate pass, the plant failed and its control not"
                 ),
                 "in_distribution": in_distribution,
+                "fresh": fresh_view(in_distribution),
                 "held_out": held_out,
                 "gate_suite": gate_suite,
                 "one_cycle": one_cycle,

@@ -21,15 +21,15 @@ split is data: ``evals/functions_splits.toml`` names it, by the template's name
   ``test_params`` variant's) returns what the variant's reference returns, so a renamed training
   solution fails them (unseen parameterisations, not renamed training tasks). Most are still a
   one- or two-token edit of a trained request;
-- ``fresh``: up to :data:`FRESH_VARIANTS` variants of each template listed ``fresh``, kinds of
-  request no other split has (fresh traffic for the A/B: no request is a few-token edit of a trained
-  one, tests/unit/test_functions_tasks.py);
-- ``report``: every variant of the templates listed ``report``: held out, never trained on and never
-  gated (the bench's held-out figure, ``evals/suites/functions_report.toml``);
-- ``fresh_hard``: the templates listed so (none yet).
+- ``fresh``: every variant of the templates listed ``fresh``: kinds no cycle trains on at the
+  production level mix, each reference at least :data:`FRESH_MIN_SKELETON_DISTANCE` code-skeleton
+  tokens from every training task's (fresh traffic for the A/B at production difficulty);
+- ``fresh_hard``: up to :data:`FRESH_VARIANTS` variants of each template listed ``fresh_hard``
+  (``functions_fresh.py``'s): kinds of request no other split has, which the base model rarely solves
+  (the ``fresh`` split before 2026-12-02; no request is a few-token edit of a trained one).
 
 Invariant: generation is deterministic (every template is seeded by ``"<template>:<attempt>"``)
-and the three splits are disjoint; ``test_params`` is disjoint from ``train`` in behaviour too.
+and the splits are disjoint; ``test_params`` is disjoint from ``train`` in behaviour too.
 """
 
 from __future__ import annotations
@@ -65,6 +65,9 @@ VARIANTS = 6
 TRAIN_VARIANTS = 4
 PARAM_VARIANTS = 4
 FRESH_VARIANTS = 4
+FRESH_MIN_SKELETON_DISTANCE = 3
+"""Code-skeleton tokens (evals/tasks/skeleton.py) every ``fresh`` reference is at least from every
+training task's: more than a renamed trained one (0) or one with an operator swapped (1-2)."""
 TEST_FILE = "test_hidden.py"
 _ATTEMPTS = 40
 
@@ -235,7 +238,7 @@ def _task(t: Template, index: int, attempt: int, s: dict, split: str) -> Task:
     )
 
 
-HELD_VARIANTS = {"test": VARIANTS, "report": VARIANTS, "fresh": FRESH_VARIANTS, "fresh_hard": FRESH_VARIANTS}
+HELD_VARIANTS = {"test": VARIANTS, "report": VARIANTS, "fresh": VARIANTS, "fresh_hard": FRESH_VARIANTS}
 """Variants per template of each split whose templates are never trained on."""
 
 

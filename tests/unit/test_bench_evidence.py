@@ -36,6 +36,14 @@ def test_held_out_comes_from_the_report_split_with_the_last_candidate_beside_pro
     assert evidence.held_out_report(None, "base", [])["last_candidate"]["checkpoint"] == "base"
 
 
+def test_fresh_reports_base_and_whether_it_can_move_either_way():
+    ab = {"pairs": 335, "tasks": 67, "samples": 5, "base": 0.22, "final": 0.27, "diff": 0.05, "ci": [0.0, 0.1]}
+    out = evidence.fresh_view({**ab, "lower_bound": 0.01})
+    assert out["split"] == "fresh" and out["base"] == 0.22 and out["base_in_target"] is True
+    assert out["min_skeleton_distance"] == 3 and out["lower_bound"] == 0.01
+    assert evidence.fresh_view({**ab, "base": 0.05})["base_in_target"] is False
+
+
 def test_the_one_cycle_contrast_reports_each_twin_the_difference_and_the_spread(store):
     arms = {"true": {0: "t0", 1: "t1"}, "shuffled": {0: "s0", 1: "s1"}}
     out = evidence.one_cycle_contrast(None, "c1", arms)

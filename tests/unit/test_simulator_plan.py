@@ -37,17 +37,17 @@ def test_without_long_sessions_the_plan_is_the_one_before_the_setting():
         (5, "FN/change_case/2", "user-001", False, 700026, 0.5593572608495424, 6, 1024),
         (6, "FN/change_case/2", "user-007", False, 700027, 0.8430294956140809, 6, 1024),
         (7, "FN/change_case/2", "user-001", False, 700028, 0.9899070019879793, 6, 1024),
-        (8, "FN/pad_left/0", "user-007", True, 700029, 0.06059657243155614, 6, 1024),
-        (9, "FN/pad_left/0", "user-009", False, 700030, 0.6882469798806764, 6, 1024),
+        (8, "FN/sum_selected/0", "user-007", True, 700029, 0.06059657243155614, 6, 1024),
+        (9, "FN/sum_selected/0", "user-009", False, 700030, 0.6882469798806764, 6, 1024),
     ]
     uniform = SimulatorConfig(sessions=6, group_size=2, tasks=2, source="functions", seed=3)
     assert [r[1:5] for r in _rows(uniform)] == [
-        ("FN/has_affix/3", "user-007", False, 300009),
-        ("FN/has_affix/3", "user-015", False, 300010),
-        ("FN/merge_sorted/3", "user-000", False, 300011),
-        ("FN/merge_sorted/3", "user-007", False, 300012),
-        ("FN/has_affix/3", "user-015", False, 300013),
-        ("FN/has_affix/3", "user-007", False, 300014),
+        ("FN/compare_versions/2", "user-007", False, 300009),
+        ("FN/compare_versions/2", "user-015", False, 300010),
+        ("FN/convert_units/0", "user-000", False, 300011),
+        ("FN/convert_units/0", "user-007", False, 300012),
+        ("FN/compare_versions/2", "user-015", False, 300013),
+        ("FN/compare_versions/2", "user-007", False, 300014),
     ]
     assert _rows(config.model_copy(update={"long_session_share": 0.0})) == _rows(config)
 
