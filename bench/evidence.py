@@ -19,6 +19,7 @@ from __future__ import annotations
 import statistics
 import subprocess
 import sys
+from typing import Any
 
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
@@ -67,7 +68,7 @@ def train_from_base(
     flywheel(args, env)
     with session_scope() as session:
         cycles = succeeded_cycles(session, since)
-    if not cycles:
+    if not cycles or cycles[-1].checkpoint_id is None:
         raise SystemExit("the cycle from base registered no checkpoint")
     return cycles[-1].checkpoint_id
 
@@ -81,7 +82,7 @@ def run_report(env: dict[str, str], checkpoints: list[str], eval_budget: list[st
         flywheel([*args, *(["--samples", str(samples)] if samples else []), "--json"], env)
 
 
-def held_out_report(session: Session, final: str, candidates: list[str]) -> dict:
+def held_out_report(session: Session, final: str, candidates: list[str]) -> dict[str, Any]:
     """The bench's ``held_out``: production (``final``) against base on the report split, with the
     last candidate's comparison beside it (``last_candidate``: what a loop that kept its newest
     checkpoint would have) and each candidate's (``candidates``)."""
@@ -99,7 +100,7 @@ def held_out_report(session: Session, final: str, candidates: list[str]) -> dict
     }
 
 
-def fresh_view(in_distribution: dict) -> dict:
+def fresh_view(in_distribution: dict[str, Any]) -> dict[str, Any]:
     """The bench's ``fresh``: the fresh-traffic A/B (``flywheel ab``'s default draw, the ``fresh``
     split) with base's rate as ``base``, whether it lies in :data:`FRESH_BASE_TARGET` (a base that can
     move either way), and the split's stated distance from training (``min_skeleton_distance``)."""
@@ -132,7 +133,7 @@ def one_cycle_arms(
     return arms
 
 
-def one_cycle_contrast(session: Session, data_of: str, arms: dict[str, dict[int, str]]) -> dict:
+def one_cycle_contrast(session: Session, data_of: str, arms: dict[str, dict[int, str]]) -> dict[str, Any]:
     """The bench's ``one_cycle``: each twin against base on the report split; per seed, true against
     shuffled (paired, template-clustered); ``diff``, the mean over seeds of true minus shuffled; and
     ``spread``, per arm the largest minus the smallest twin's pass rate (points of pass rate, 0-1), and

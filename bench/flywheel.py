@@ -47,7 +47,8 @@ twin against base; ``twins``; ``true_vs_shuffled`` per seed; ``diff``; ``spread`
 held-out comparison with base), ``budget_s`` (seconds per phase from the database's timestamps),
 ``multi_segment_sessions`` (trajectories with more than one segment), ``seed``, ``placebo``, ``developer``
 (the training traffic's noise knobs: ``--keeps-wrong-rate``, ``--untested-rate``, ``--signal-loss-rate``),
-``placebo_mode`` (``within_group``, ``across_cycle`` or None), ``long_session_share``, ``release_policy``,
+``gate_plan`` (the held-out gate's k, pairs, power and ``underpowered``: true under a ``--gate-samples`` below the
+shipped plan's), ``placebo_mode`` (``within_group``, ``across_cycle`` or None), ``long_session_share``, ``release_policy``,
 ``wall_s``, ``pass``.
 
 ``pass``, default run: in-distribution ``diff >= 0.10`` with ``lower_bound > 0``, edit persistence up and dissatisfied
@@ -92,7 +93,7 @@ from bench.evidence import (
 )
 from evals.gate.policy import load_gate_config
 from ops.ab import ABConfig, plan_pairs
-from ops.demo import DEFAULT_DIFFICULTY_MIX, DemoOptions, min_new_trajectories, trainer_toml
+from ops.demo import DEFAULT_DIFFICULTY_MIX, DemoOptions, gate_plan, min_new_trajectories, trainer_toml
 from ops.demo_report import CURVE_SIGNALS, curve_point, render_curve_png
 from ops.developer import DeveloperModel, developer_args
 from ops.loop_outcome import (
@@ -141,9 +142,11 @@ def stop_loop(home: Path) -> list[str]:
     return stopped
 
 
-def gate_against_base(env: dict[str, str], candidate: str, eval_budget: list[str]) -> dict:
-    """``flywheel gate CANDIDATE --production base`` on the held-out suite; the stored decision."""
+def gate_against_base(env: dict[str, str], candidate: str, eval_budget: list[str], policy: Path | None) -> dict:
+    """``flywheel gate CANDIDATE --production base`` on the held-out suite (under the gate policy file
+    ``policy``, else the shipped one); the stored decision."""
     args = ["gate", candidate, "--production", "base", "--suite", SUITE, "--gate-on", SUITE, *eval_budget]
+    args += ["--config", str(policy)] if policy else []
     subprocess.run([sys.executable, "-m", "ops.cli", *args], env=env)  # exit 1 is a failed gate: read the store
     with session_scope() as session:
         return gate_view(session, candidate)
@@ -184,6 +187,12 @@ def main() -> None:  # noqa: PLR0915 - one recipe, read top to bottom
     )
     parser.add_argument(
         "--one-cycle-twins", type=int, default=None, help="trainer seeds per arm of the one-cycle contrast (2; quick 0)"
+    )
+    parser.add_argument(
+        "--gate-samples",
+        type=int,
+        default=None,
+        help="k of the held-out gate (the shipped 8); fewer fits the bench's time, and its JSON says underpowered",
     )
     parser.add_argument("--plot", default=None, help="where to draw the curve PNG (default: HOME/flywheel_curve.png)")
     parser.add_argument("--home", default=None, help="FLYWHEEL_HOME to use (resumes a run; default: a new one)")
@@ -234,6 +243,7 @@ def main() -> None:  # noqa: PLR0915 - one recipe, read top to bottom
         demo += ["--difficulty-mix", mix, "--ab-tasks", "0", "--seed", str(args.seed)]
         demo += ["--release-policy", RELEASE_POLICY, "--cycle-timeout", "5400"]
         demo += [*(["--eval-tasks", str(args.eval_tasks)] if args.eval_tasks else [])]
+        demo += [*(["--gate-samples", str(args.gate_samples)] if args.gate_samples else [])]
         demo += [*(["--trainer-config", args.trainer_config] if args.trainer_config else [])]
         demo += [*(["--placebo", "--placebo-mode", args.placebo] if args.placebo else [])]
         demo += ["--long-sessions", str(args.long_sessions)]
@@ -263,8 +273,9 @@ def main() -> None:  # noqa: PLR0915 - one recipe, read top to bottom
         arms = one_cycle_arms(env, candidates[0], seeds, plant_config, {trainer.seed: control})
         phase["one_cycle_train"] = time.monotonic() - t0
         t0 = time.monotonic()
-        planted_gate = gate_against_base(env, planted, eval_budget)
-        control_gate = gate_against_base(env, control, eval_budget)
+        policy, plan_of_gate = gate_plan(DemoOptions(eval_tasks=args.eval_tasks, gate_samples=args.gate_samples), home)
+        planted_gate = gate_against_base(env, planted, eval_budget, policy)
+        control_gate = gate_against_base(env, control, eval_budget, policy)
         phase["plant_gate"] = time.monotonic() - t0
 
         with session_scope() as session:
@@ -368,6 +379,7 @@ def main() -> None:  # noqa: PLR0915 - one recipe, read top to bottom
                 "gate_decisions": served,
                 "budget_s": {k: round(v) for k, v in sorted({**loop_phases, **phase}.items())},
                 "margin": margin,
+                "gate_plan": plan_of_gate.as_dict(),
                 "final_checkpoint": final,
                 "planted": {
                     "checkpoint": planted,

@@ -42,7 +42,10 @@ from app.core.errors import FlywheelError
 from app.core.migrate import upgrade
 from app.core.net import free_port, served_weight_version
 from app.core.settings import flywheel_home, get_settings
+from evals.gate.plans import PlanPower, plan_power, write_smaller_plan
+from evals.gate.policy import load_gate_config
 from evals.harness.agent import AgentBudget
+from evals.tasks import load_tasks
 from ops import loop_state
 from ops.demo_report import curve_point, write_demo_report
 from ops.developer import DeveloperModel, developer_args
@@ -85,6 +88,7 @@ class DemoOptions:
     eval_tasks: int | None = None  # held-out tasks the gate runs (None: the whole suite)
     eval_suites: tuple[str, ...] = ("functions",)
     gate_config: str | None = None  # gate policy TOML (default evals/gate.toml)
+    gate_samples: int | None = None  # k of the held-out gate (None: the policy's); fewer is underpowered, and says so
     placebo: bool = False  # each cycle's rewards shuffled (a control run)
     placebo_mode: str = "within_group"  # trainer.config.DataConfig.placebo_mode: or "across_cycle"
     developer: DeveloperModel = field(default_factory=DeveloperModel)  # the training traffic's developer noise
@@ -153,6 +157,27 @@ def trainer_toml(opts: DemoOptions, home: Path) -> Path:
     return path
 
 
+GATED_SUITE = "functions"  # the held-out suite whose plan --gate-samples makes smaller
+
+
+def smaller_gate_file(opts: DemoOptions, home: Path) -> Path | None:
+    """With ``--gate-samples K``, the gate policy file of the smaller plan, written under ``home``
+    (:func:`evals.gate.plans.write_smaller_plan`); else None (``--gate-config`` or the shipped one)."""
+    if opts.gate_samples is None:
+        return None
+    config = load_gate_config(Path(opts.gate_config).resolve() if opts.gate_config else None)
+    tasks = opts.eval_tasks or len(load_tasks(GATED_SUITE, "test"))
+    return write_smaller_plan(config, GATED_SUITE, opts.gate_samples, tasks, home / "demo" / "gate.toml")
+
+
+def gate_plan(opts: DemoOptions, home: Path) -> tuple[Path | None, PlanPower]:
+    """The smaller plan's file (:func:`smaller_gate_file`) and the plan the loop's held-out gate runs,
+    with its power: its line says UNDERPOWERED below the design power."""
+    path = smaller_gate_file(opts, home)
+    config = load_gate_config(path or (Path(opts.gate_config).resolve() if opts.gate_config else None))
+    return path, plan_power(config, GATED_SUITE, opts.eval_tasks or len(load_tasks(GATED_SUITE, "test")))
+
+
 def loop_env(opts: DemoOptions, home: Path, api_port: int) -> dict[str, str]:
     """The environment of the demo's ``flywheel up``: the production settings, on a schedule
     compressed from hours to the demo's minutes (see the module docstring)."""
@@ -173,8 +198,9 @@ def loop_env(opts: DemoOptions, home: Path, api_port: int) -> dict[str, str]:
     # would be held out of the very cycles the demo and the bench measure.
     env.setdefault("FLYWHEEL_EVAL_MINE_INTERVAL", "0")
     env["FLYWHEEL_EVAL_GATE_ON"] = json.dumps(list(opts.eval_suites))
-    if opts.gate_config:
-        env["FLYWHEEL_EVAL_GATE_CONFIG"] = str(Path(opts.gate_config).resolve())
+    smaller = smaller_gate_file(opts, home)
+    if smaller is not None or opts.gate_config:
+        env["FLYWHEEL_EVAL_GATE_CONFIG"] = str(smaller or Path(str(opts.gate_config)).resolve())
     env["FLYWHEEL_EVAL_MAX_TURNS"] = str(opts.eval_max_turns)
     env["FLYWHEEL_EVAL_MAX_TOKENS_PER_TURN"] = str(opts.eval_max_tokens)
     if opts.eval_tasks:
@@ -365,6 +391,8 @@ def run_demo(opts: DemoOptions) -> None:
     demo = Demo(opts, DemoState(home), home)
     con = Console()
     started = time.monotonic()
+    _, plan_of_gate = gate_plan(opts, home)
+    con.print(("[bold yellow]" if plan_of_gate.underpowered else "[dim]") + plan_of_gate.line() + "[/]")
     plan: list[tuple[str, str, Callable[..., str], int | None]] = [
         ("stack", "stack", demo.step_stack, None),
         ("model", "model", demo.step_model, None),

@@ -249,8 +249,8 @@ def _all() -> dict[str, tuple[Task, ...]]:
     for key, split in splits_of_templates().items():  # the table's order: the same whatever the imports
         t = by_key[key]
         if split != "train":
-            variants = enumerate(_variants(t, HELD_VARIANTS[split]))
-            splits[split] += [_task(t, i, attempt, s, split) for i, (attempt, s) in variants]
+            held = enumerate(_variants(t, HELD_VARIANTS[split]))
+            splits[split] += [_task(t, i, attempt, s, split) for i, (attempt, s) in held]
             continue
         variants = _variants(t, limit=None)
         for index, (attempt, s) in enumerate(variants[:TRAIN_VARIANTS]):
