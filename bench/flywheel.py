@@ -58,6 +58,9 @@ pairs, ``diff > 0``, the plant failed. A ``--placebo`` run (rewards shuffled wit
 so each group's advantages keep their spread; ``--placebo across_cycle``: across the cycle) is a control: it
 reports, and ``pass`` means the fresh-traffic interval includes 0.
 
+Size: over 400 lines because the recipe (loop, plant, one-cycle twins, report split, A/B, curve, one JSON
+line) reads top to bottom in ``main``; the evidence's helpers live in ``bench/evidence.py``.
+
 Flags and their defaults: ``--help``; measured results: ``docs/benchmarks.md``; the store's read-outs:
 ``ops/loop_outcome.py``.
 """
@@ -93,7 +96,8 @@ from bench.evidence import (
 )
 from evals.gate.policy import load_gate_config
 from ops.ab import ABConfig, plan_pairs
-from ops.demo import DEFAULT_DIFFICULTY_MIX, DemoOptions, gate_plan, min_new_trajectories, trainer_toml
+from ops.demo import DEFAULT_DIFFICULTY_MIX, DemoOptions, min_new_trajectories, trainer_toml
+from ops.demo_gate import gate_plan
 from ops.demo_report import CURVE_SIGNALS, curve_point, render_curve_png
 from ops.developer import DeveloperModel, developer_args
 from ops.loop_outcome import (
@@ -273,7 +277,7 @@ def main() -> None:  # noqa: PLR0915 - one recipe, read top to bottom
         arms = one_cycle_arms(env, candidates[0], seeds, plant_config, {trainer.seed: control})
         phase["one_cycle_train"] = time.monotonic() - t0
         t0 = time.monotonic()
-        policy, plan_of_gate = gate_plan(DemoOptions(eval_tasks=args.eval_tasks, gate_samples=args.gate_samples), home)
+        policy, plan_of_gate = gate_plan(home, None, args.gate_samples, args.eval_tasks)
         planted_gate = gate_against_base(env, planted, eval_budget, policy)
         control_gate = gate_against_base(env, control, eval_budget, policy)
         phase["plant_gate"] = time.monotonic() - t0

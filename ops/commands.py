@@ -365,8 +365,7 @@ def demo_cmd(
             release_policy=release_policy,
             override_insufficient=override_insufficient,
             cycle_timeout_s=cycle_timeout,
-            placebo=placebo,
-            placebo_mode=placebo_mode,
+            placebo=placebo_mode if placebo else None,
             developer=DeveloperModel(
                 keeps_wrong_rate=keeps_wrong_rate, untested_rate=untested_rate, signal_loss_rate=signal_loss_rate
             ),

@@ -4,24 +4,22 @@ plan a demo or a bench may run to fit its time, which says it is underpowered.
 The shipped plan (``evals/gate.toml``) meets the project's sizing rule (``bench/gate_power.py``,
 docs/gate.md): power >= ``min_power`` (0.8) to tell an equal candidate from one a margin worse, on
 the held-out ``functions`` suite k = 8 samples a task at the serving temperature, 896 pairs (power
-0.82 at production's 16.5 %). A smaller plan (fewer samples) is a written-out policy
-(:func:`write_smaller_plan`) whose :class:`PlanPower` line says UNDERPOWERED wherever it is shown,
-so no output of a smaller plan reads like the shipped gate's.
+0.82 at production's 16.5 %). A smaller plan (fewer samples, :func:`smaller_plan`, rendered as a
+policy file by :func:`policy_toml`) has a :class:`PlanPower` whose line says UNDERPOWERED wherever it
+is shown, so no output of a smaller plan reads like the shipped gate's.
 
-Invariant: the smaller plan differs from the policy it comes from in that suite's ``samples`` and
-``min_pairs`` only.
+Invariant: pure, like the rest of the gate (the caller writes the file); the smaller plan differs
+from the policy it comes from in that suite's ``samples`` and ``min_pairs`` only.
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
 import tomlkit
 
 from app.core.errors import ConfigurationError
-from evals.config import load_suite
-from evals.gate.policy import GateConfig, SuiteGate, load_gate_config
+from evals.gate.policy import GateConfig, SuiteGate
 from evals.gate.power import non_inferiority_power
 
 HELD_OUT_BASE_RATE = 0.165
@@ -74,31 +72,38 @@ class PlanPower:
             f"{self.shipped_samples}): a realistic bad update can pass this gate"
         )
 
+    def rich_line(self) -> str:
+        """:meth:`line` in rich markup: bold yellow when underpowered, dim otherwise."""
+        return f"[{'bold yellow' if self.underpowered else 'dim'}]{self.line()}[/]"
+
     def as_dict(self) -> dict[str, object]:
         """The fields and ``underpowered``, for a JSON line."""
         return {**asdict(self), "underpowered": self.underpowered}
 
 
-def suite_samples(config: GateConfig, suite: str) -> int:
-    """k the policy runs ``suite`` at (its ``samples``, else the suite's own ``samples_per_task``)."""
+def suite_samples(config: GateConfig, suite: str, own_samples: int = 1) -> int:
+    """k the policy runs ``suite`` at: its ``samples``, else ``own_samples`` (the suite's own
+    ``samples_per_task``)."""
     k = config.suites.get(suite, SuiteGate()).samples
-    return k if k is not None else load_suite(suite).samples_per_task
+    return k if k is not None else own_samples
 
 
 def plan_power(
     config: GateConfig,
     suite: str,
     tasks: int,
+    shipped: GateConfig,
     *,
+    own_samples: int = 1,
     base_rate: float = HELD_OUT_BASE_RATE,
-    shipped: GateConfig | None = None,
 ) -> PlanPower:
-    """The plan of ``suite`` under ``config`` at ``tasks`` tasks and its power at ``base_rate``.
+    """The plan of ``suite`` under ``config`` at ``tasks`` tasks and its power at ``base_rate``;
+    ``shipped`` is the shipped policy (``evals/gate.toml``), whose k the line names.
 
     Raises:
         ConfigurationError: the suite has no margin (a ``deterioration`` check is not sized).
     """
-    k = suite_samples(config, suite)
+    k = suite_samples(config, suite, own_samples)
     margin = config.for_suite(suite).margin
     if margin is None:
         raise ConfigurationError(f"suite {suite} has no margin to size a plan against (check = deterioration)")
@@ -119,30 +124,20 @@ def plan_power(
         power=power,
         min_power=config.min_power,
         margin=margin,
-        shipped_samples=suite_samples(shipped or load_gate_config(), suite),
+        shipped_samples=suite_samples(shipped, suite, own_samples),
         base_rate=base_rate,
     )
 
 
-def write_smaller_plan(config: GateConfig, suite: str, samples: int, tasks: int, path: Path) -> Path:
-    """Write ``config`` with ``suite`` run at ``samples`` per task (``min_pairs`` = ``tasks * samples``,
-    so a truncated run still cannot pass on fewer pairs than this plan) as a gate policy TOML at
-    ``path`` (``FLYWHEEL_EVAL_GATE_CONFIG``); the file loads back to the same policy.
-
-    Raises:
-        ConfigurationError: the written file does not load back (``load_gate_config``).
-    """
+def smaller_plan(config: GateConfig, suite: str, samples: int, tasks: int) -> GateConfig:
+    """``config`` with ``suite`` run at ``samples`` per task and ``min_pairs`` = ``tasks * samples``
+    (so a truncated run still cannot pass on fewer pairs than this plan); nothing else changes."""
     current = config.suites.get(suite, SuiteGate())
-    smaller = config.model_copy(
-        update={
-            "suites": {
-                **config.suites,
-                suite: current.model_copy(update={"samples": samples, "min_pairs": tasks * samples}),
-            }
-        }
-    )
-    path.parent.mkdir(parents=True, exist_ok=True)
-    header = f"# A smaller plan than the shipped gate's ({suite} at k = {samples}): underpowered by design.\n"
-    path.write_text(header + tomlkit.dumps(smaller.model_dump(mode="json", exclude_none=True)))
-    load_gate_config(path)
-    return path
+    changed = current.model_copy(update={"samples": samples, "min_pairs": tasks * samples})
+    return config.model_copy(update={"suites": {**config.suites, suite: changed}})
+
+
+def policy_toml(config: GateConfig, note: str) -> str:
+    """``config`` as a gate policy TOML (``load_gate_config`` reads it back to the same policy),
+    headed by the comment ``note``."""
+    return f"# {note}\n" + tomlkit.dumps(config.model_dump(mode="json", exclude_none=True))

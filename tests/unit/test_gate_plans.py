@@ -3,19 +3,21 @@
 
 from __future__ import annotations
 
-from evals.gate.plans import plan_power, write_smaller_plan
+from evals.gate.plans import plan_power, policy_toml, smaller_plan
 from evals.gate.policy import load_gate_config
-from ops.demo import DemoOptions, gate_plan, loop_env
+from ops.demo import DemoOptions, loop_env
+from ops.demo_gate import gate_plan
 
 
 def test_the_shipped_plan_is_powered_and_a_smaller_one_says_underpowered(tmp_path):
     shipped = load_gate_config()
-    plan = plan_power(shipped, "functions", 112)
+    plan = plan_power(shipped, "functions", 112, shipped)
     assert (plan.samples, plan.pairs) == (8, 896) and plan.power >= 0.8 and not plan.underpowered
     assert "UNDERPOWERED" not in plan.line()
-    path = write_smaller_plan(shipped, "functions", 1, 112, tmp_path / "gate.toml")
-    smaller = load_gate_config(path)
-    small = plan_power(smaller, "functions", 112)
+    path = tmp_path / "gate.toml"
+    path.write_text(policy_toml(smaller_plan(shipped, "functions", 1, 112), "smaller"))
+    smaller = load_gate_config(path)  # the written policy loads back
+    small = plan_power(smaller, "functions", 112, shipped)
     assert small.underpowered and small.power < 0.3 and small.pairs == 112
     assert "UNDERPOWERED" in small.line() and "k = 8" in small.line() and small.as_dict()["underpowered"] is True
     # the smaller plan differs in that suite's samples and min_pairs only
@@ -29,9 +31,9 @@ def test_the_shipped_plan_is_powered_and_a_smaller_one_says_underpowered(tmp_pat
 
 
 def test_the_demo_runs_the_shipped_plan_unless_told_and_then_its_loop_reads_the_smaller_one(tmp_path):
-    path, plan = gate_plan(DemoOptions(), tmp_path)
+    path, plan = gate_plan(tmp_path, None, None, None)
     assert path is None and not plan.underpowered
     opts = DemoOptions(gate_samples=2, eval_tasks=40)
-    path, plan = gate_plan(opts, tmp_path)
+    path, plan = gate_plan(tmp_path, None, 2, 40)
     assert path == tmp_path / "demo" / "gate.toml" and plan.underpowered and plan.pairs == 80
     assert loop_env(opts, tmp_path, 8000)["FLYWHEEL_EVAL_GATE_CONFIG"] == str(path)

@@ -126,7 +126,7 @@ def test_the_demos_placebo_shuffles_within_task_groups_unless_told_otherwise(tmp
     from trainer.config import load_config
 
     assert not load_config(trainer_toml(DemoOptions(), tmp_path / "real")).data.placebo
-    default = load_config(trainer_toml(DemoOptions(placebo=True), tmp_path / "placebo")).data
+    default = load_config(trainer_toml(DemoOptions(placebo="within_group"), tmp_path / "placebo")).data
     assert default.placebo and default.placebo_mode == "within_group"
-    old = DemoOptions(placebo=True, placebo_mode="across_cycle")
+    old = DemoOptions(placebo="across_cycle")
     assert load_config(trainer_toml(old, tmp_path / "old")).data.placebo_mode == "across_cycle"
