@@ -237,6 +237,7 @@ def main() -> None:  # noqa: PLR0915 - one recipe, read top to bottom
     ab_common = [*budget, "--max-tokens", str(args.max_turns * args.max_tokens_per_turn)]
     ab_common += ["--difficulty-mix", mix, "--samples", str(samples), "--seed", str(args.seed), "--json"]
     eval_budget = ["--max-turns", str(args.max_turns), "--max-tokens", str(args.max_tokens_per_turn)]
+    report_budget = list(eval_budget)  # the report split runs whole: --eval-tasks sizes the gates only
     if args.eval_tasks:
         eval_budget += ["--limit", str(args.eval_tasks), "--min-pairs", str(args.eval_tasks)]
     started = time.monotonic()
@@ -287,7 +288,7 @@ def main() -> None:  # noqa: PLR0915 - one recipe, read top to bottom
             served = served_after_cycles(session, candidates)
         t0 = time.monotonic()  # the report split: no gate reads it
         twins = [c for arm in arms.values() for c in arm.values()]
-        run_report(env, [*candidates, final, planted, control, *twins], eval_budget, args.report_samples)
+        run_report(env, [*candidates, final, planted, control, *twins], report_budget, args.report_samples)
         phase["report"] = time.monotonic() - t0
         t0 = time.monotonic()
         flywheel(["ab", "base", final, "--tasks", str(ab_tasks), "--label", "bench-final", *ab_common], env)
