@@ -112,7 +112,9 @@ def main() -> None:
     print(json.dumps(result))
 
 
-def _result(args: argparse.Namespace, counts: dict[str, list[int]], keys: list[str], started: float) -> dict:
+def _result(
+    args: argparse.Namespace, counts: dict[str, list[int]], keys: list[str], started: float
+) -> dict[str, object]:
     """The JSON of a run so far."""
     n, c = sum(v[0] for v in counts.values()), sum(v[1] for v in counts.values())
     return {
