@@ -16,32 +16,50 @@ One run, on a fresh embedded stack (its own ``FLYWHEEL_HOME``):
    --same-data-as C1 --invert-reward``), and the same cycle with the right sign; each gated against
    base on the same suite. The plant must fail the gate, its control must not.
 3. Fresh traffic (``flywheel ab base FINAL``, ``ops/ab.py``): requests of kinds no cycle trained on
-   (``functions`` ``fresh``, the A/B's default draw) at the production request mix, each
+   (``functions`` ``fresh``, the A/B's default draw: production difficulty, each at least 3 code-skeleton
+   tokens from every training task) at the production request mix, each
    (task, sample) served once by base and once by the final production checkpoint and answered by
    the same seeded simulated developer; pass rate and product signals with template-clustered 95 %
    intervals of the paired difference. Its sessions never reach the event stream.
-4. Held out: base against the final checkpoint on the held-out templates (the gates' eval runs),
-   the paired difference and its one-sided 95 % lower bound (task-clustered bootstrap).
-5. The curve: after each cycle, the checkpoint production serves, on the first tasks of the same draw.
+4. Held out, on outcomes no gate chose by (``bench/evidence.py``): the report split
+   (``functions_report``: held-out templates no cycle trains on and no gate reads), run on base, on
+   every candidate, on the plant and its control and on the final production checkpoint at k samples
+   (4) at the serving temperature; the paired difference against base, its 95 % interval and one-sided
+   lower bound, clustered by template; the last candidate's beside production's. The gate suite's own
+   comparison (the outcomes the gates chose production by) is reported apart, as ``gate_suite``.
+5. The one-cycle contrast: from base on cycle 1's trajectories, true rewards against rewards shuffled
+   within each task group, each arm at ``--one-cycle-twins`` trainer seeds (2; the plant's control is
+   the true arm's twin at the trainer's seed), every twin on the report split.
+6. The curve: after each cycle, the checkpoint production serves, on the first tasks of the same draw.
 
 Every figure is read from the database the loop wrote (training cycles, gate decisions, promotions
 with their actor, eval runs and results, stored A/B comparisons, session timestamps), never from a
 command's printed output or the demo's state file.
 
 Prints one JSON line: ``in_distribution`` (``pairs``, ``tasks``, ``samples``, ``base``, ``final``, ``diff``,
-``ci``, ``lower_bound``), ``held_out`` (``pairs``, ``base``, ``final``, ``diff``, ``ci``, ``lower_bound``),
+``ci``, ``lower_bound``; the A/B on the ``fresh`` split), ``fresh`` (the same with ``base`` read as the split's base
+rate, ``base_in_target`` (15-35 %: a base that can move), ``min_skeleton_distance``), ``held_out`` (``split`` = report, ``suite``, ``gated`` = false, ``pairs``, ``samples``,
+``cluster``, ``base``, ``final``, ``diff``, ``ci``, ``lower_bound``, ``last_candidate`` and ``candidates`` with
+the same figures), ``gate_suite`` (the same comparison on the gated suite), ``one_cycle`` (``arms``: each
+twin against base; ``twins``; ``true_vs_shuffled`` per seed; ``diff``; ``spread`` per arm and ``max``),
 ``signals_ab``, ``curve``, ``gate_decisions`` (per cycle: ``candidate``, ``decision``, ``power``,
 ``stopped_at_pairs``, ``promoted``, ``promoted_by``), ``planted`` and ``planted_control`` (``decision`` and the
 held-out comparison with base), ``budget_s`` (seconds per phase from the database's timestamps),
 ``multi_segment_sessions`` (trajectories with more than one segment), ``seed``, ``placebo``, ``developer``
 (the training traffic's noise knobs: ``--keeps-wrong-rate``, ``--untested-rate``, ``--signal-loss-rate``),
-``long_session_share``, ``release_policy``, ``wall_s``, ``pass``.
+``gate_plan`` (the held-out gate's k, pairs, power and ``underpowered``: true under a ``--gate-samples`` below the
+shipped plan's), ``placebo_mode`` (``within_group``, ``across_cycle`` or None), ``long_session_share``, ``release_policy``,
+``wall_s``, ``pass``.
 
 ``pass``, default run: in-distribution ``diff >= 0.10`` with ``lower_bound > 0``, edit persistence up and dissatisfied
 follow-ups down each with a 95 % interval excluding 0, held-out ``lower_bound > -margin``, the final checkpoint
 promoted by the gate's pass, the plant failed and its control not failed. ``--quick``: at least 200 in-distribution
-pairs, ``diff > 0``, the plant failed. A ``--placebo`` run (rewards shuffled within each cycle) is a control: it
+pairs, ``diff > 0``, the plant failed. A ``--placebo`` run (rewards shuffled within each task group of each cycle,
+so each group's advantages keep their spread; ``--placebo across_cycle``: across the cycle) is a control: it
 reports, and ``pass`` means the fresh-traffic interval includes 0.
+
+Size: over 400 lines because the recipe (loop, plant, one-cycle twins, report split, A/B, curve, one JSON
+line) reads top to bottom in ``main``; the evidence's helpers live in ``bench/evidence.py``.
 
 Flags and their defaults: ``--help``; measured results: ``docs/benchmarks.md``; the store's read-outs:
 ``ops/loop_outcome.py``.
@@ -61,15 +79,25 @@ from collections import defaultdict
 from pathlib import Path
 
 from pydantic import ValidationError
-from sqlalchemy import func, select
 
 from app.core.db import session_scope
 from app.core.pids import stop_pid
 from app.core.settings import get_settings
 from app.repositories.checkpoints import get_production
+from bench.evidence import (
+    REPORT_SUITE,
+    flywheel,
+    fresh_view,
+    held_out_report,
+    one_cycle_arms,
+    one_cycle_contrast,
+    run_report,
+    train_from_base,
+)
 from evals.gate.policy import load_gate_config
 from ops.ab import ABConfig, plan_pairs
 from ops.demo import DEFAULT_DIFFICULTY_MIX, DemoOptions, min_new_trajectories, trainer_toml
+from ops.demo_gate import gate_plan
 from ops.demo_report import CURVE_SIGNALS, curve_point, render_curve_png
 from ops.developer import DeveloperModel, developer_args
 from ops.loop_outcome import (
@@ -88,17 +116,7 @@ from ops.simulator_cli import parse_mix
 from trainer.config import load_config
 
 RELEASE_POLICY = "auto_on_pass"
-
-
-def flywheel(args: list[str], env: dict[str, str]) -> None:
-    """Run ``flywheel ARGS`` in a subprocess, its output passed through.
-
-    Raises:
-        SystemExit: the command failed.
-    """
-    proc = subprocess.run([sys.executable, "-m", "ops.cli", *args], env=env)
-    if proc.returncode != 0:
-        raise SystemExit(f"`flywheel {' '.join(args)}` exited with {proc.returncode}")
+PLACEBO_MODES = ("within_group", "across_cycle")  # trainer.config.DataConfig.placebo_mode
 
 
 def plot_points(curve: list[dict], measured: dict[str, dict]) -> list[dict]:
@@ -117,21 +135,6 @@ def plot_points(curve: list[dict], measured: dict[str, dict]) -> list[dict]:
     return [base, *(curve_point(p["cycle"], measured[p["checkpoint"]]) for p in curve)]
 
 
-def train_from_base(env: dict[str, str], data_of: str, *, invert: bool, trainer_config: str | None) -> str:
-    """One normal cycle from base on ``data_of``'s trajectories (reward sign flipped with ``invert``),
-    at the trainer's defaults. Returns the new checkpoint's id (read from the cycle's row)."""
-    with session_scope() as session:
-        since = session.scalar(select(func.now()))
-    args = ["train", "--once", "--parent", "base", "--same-data-as", data_of, "--min-new", "1", "--no-progress"]
-    args += [*(["--invert-reward"] if invert else []), *(["--config", trainer_config] if trainer_config else [])]
-    flywheel(args, env)
-    with session_scope() as session:
-        cycles = succeeded_cycles(session, since)
-    if not cycles:
-        raise SystemExit("the planted cycle registered no checkpoint")
-    return cycles[-1].checkpoint_id
-
-
 def stop_loop(home: Path) -> list[str]:
     """Stop the supervisor of ``flywheel up -d`` and the loop's processes (by pid); the vLLM servers,
     Postgres and the broker keep running. Returns what was stopped."""
@@ -143,9 +146,11 @@ def stop_loop(home: Path) -> list[str]:
     return stopped
 
 
-def gate_against_base(env: dict[str, str], candidate: str, eval_budget: list[str]) -> dict:
-    """``flywheel gate CANDIDATE --production base`` on the held-out suite; the stored decision."""
+def gate_against_base(env: dict[str, str], candidate: str, eval_budget: list[str], policy: Path | None) -> dict:
+    """``flywheel gate CANDIDATE --production base`` on the held-out suite (under the gate policy file
+    ``policy``, else the shipped one); the stored decision."""
     args = ["gate", candidate, "--production", "base", "--suite", SUITE, "--gate-on", SUITE, *eval_budget]
+    args += ["--config", str(policy)] if policy else []
     subprocess.run([sys.executable, "-m", "ops.cli", *args], env=env)  # exit 1 is a failed gate: read the store
     with session_scope() as session:
         return gate_view(session, candidate)
@@ -167,12 +172,32 @@ def main() -> None:  # noqa: PLR0915 - one recipe, read top to bottom
     parser.add_argument("--ab-tasks", type=int, default=None, help="A/B tasks (default: all at the mix's levels)")
     parser.add_argument("--curve-pairs", type=int, default=100, help="A/B pairs behind each curve point")
     parser.add_argument("--seed", type=int, default=0, help="seeds the traffic, training order and the A/B draw")
-    parser.add_argument("--placebo", action="store_true", help="shuffle each cycle's rewards (a control run)")
+    parser.add_argument(
+        "--placebo",
+        nargs="?",
+        const="within_group",
+        default=None,
+        choices=PLACEBO_MODES,
+        help="a control run: shuffle each cycle's rewards within each task group (within_group, the default "
+        "with a bare --placebo) or across the cycle (across_cycle, the placebo before 2026-12-02)",
+    )
     parser.add_argument(
         "--keeps-wrong-rate", type=float, default=0.0, help="share of plausible wrong edits the developer keeps"
     )
     parser.add_argument("--untested-rate", type=float, default=0.0, help="share of sessions whose tests it never runs")
     parser.add_argument("--signal-loss-rate", type=float, default=0.0, help="share of late signals that never arrive")
+    parser.add_argument(
+        "--report-samples", type=int, default=None, help="k of the report split (its suite's 4; quick 1)"
+    )
+    parser.add_argument(
+        "--one-cycle-twins", type=int, default=None, help="trainer seeds per arm of the one-cycle contrast (2; quick 0)"
+    )
+    parser.add_argument(
+        "--gate-samples",
+        type=int,
+        default=None,
+        help="k of the held-out gate (the shipped 8); fewer fits the bench's time, and its JSON says underpowered",
+    )
     parser.add_argument("--plot", default=None, help="where to draw the curve PNG (default: HOME/flywheel_curve.png)")
     parser.add_argument("--home", default=None, help="FLYWHEEL_HOME to use (resumes a run; default: a new one)")
     parser.add_argument("--keep", action="store_true", help="leave the loop running")
@@ -191,7 +216,14 @@ def main() -> None:  # noqa: PLR0915 - one recipe, read top to bottom
     sessions = args.sessions or (128 if args.quick else 256)
     ab_pairs = args.ab_pairs or (200 if args.quick else 400)
     ab_tasks_flag = args.ab_tasks or (40 if args.quick else None)  # quick: 40 tasks x 5 samples
-    trainer_lr = load_config(Path(args.trainer_config) if args.trainer_config else None).optim.lr
+    if args.one_cycle_twins is None:
+        args.one_cycle_twins = 0 if args.quick else 2
+    if args.one_cycle_twins == 1:
+        parser.error("--one-cycle-twins: at least 2 (a twin per arm shows run-to-run noise), or 0 for none")
+    if args.report_samples is None and args.quick:
+        args.report_samples = 1
+    trainer = load_config(Path(args.trainer_config) if args.trainer_config else None)
+    trainer_lr = trainer.optim.lr
 
     home = Path(args.home or tempfile.mkdtemp(prefix="flywheel-bench-")).resolve()
     env = {**os.environ, "FLYWHEEL_HOME": str(home)}
@@ -205,6 +237,7 @@ def main() -> None:  # noqa: PLR0915 - one recipe, read top to bottom
     ab_common = [*budget, "--max-tokens", str(args.max_turns * args.max_tokens_per_turn)]
     ab_common += ["--difficulty-mix", mix, "--samples", str(samples), "--seed", str(args.seed), "--json"]
     eval_budget = ["--max-turns", str(args.max_turns), "--max-tokens", str(args.max_tokens_per_turn)]
+    report_budget = list(eval_budget)  # the report split runs whole: --eval-tasks sizes the gates only
     if args.eval_tasks:
         eval_budget += ["--limit", str(args.eval_tasks), "--min-pairs", str(args.eval_tasks)]
     started = time.monotonic()
@@ -215,8 +248,10 @@ def main() -> None:  # noqa: PLR0915 - one recipe, read top to bottom
         demo += ["--difficulty-mix", mix, "--ab-tasks", "0", "--seed", str(args.seed)]
         demo += ["--release-policy", RELEASE_POLICY, "--cycle-timeout", "5400"]
         demo += [*(["--eval-tasks", str(args.eval_tasks)] if args.eval_tasks else [])]
+        demo += [*(["--gate-samples", str(args.gate_samples)] if args.gate_samples else [])]
         demo += [*(["--trainer-config", args.trainer_config] if args.trainer_config else [])]
-        demo += [*(["--placebo"] if args.placebo else []), "--long-sessions", str(args.long_sessions)]
+        demo += [*(["--placebo", "--placebo-mode", args.placebo] if args.placebo else [])]
+        demo += ["--long-sessions", str(args.long_sessions)]
         demo += developer_args(developer)
         t0 = time.monotonic()
         flywheel(demo, env)
@@ -237,13 +272,24 @@ def main() -> None:  # noqa: PLR0915 - one recipe, read top to bottom
         control = train_from_base(env, candidates[0], invert=False, trainer_config=plant_config)
         phase["plant_train"] = time.monotonic() - t0
         t0 = time.monotonic()
-        planted_gate = gate_against_base(env, planted, eval_budget)
-        control_gate = gate_against_base(env, control, eval_budget)
+        # one cycle from base on cycle 1's trajectories: true against shuffled rewards, twins by trainer
+        # seed; the plant's control is the true arm's twin at the trainer's own seed
+        seeds = [trainer.seed + i for i in range(args.one_cycle_twins)]
+        arms = one_cycle_arms(env, candidates[0], seeds, plant_config, {trainer.seed: control})
+        phase["one_cycle_train"] = time.monotonic() - t0
+        t0 = time.monotonic()
+        policy, plan_of_gate = gate_plan(home, None, args.gate_samples, args.eval_tasks)
+        planted_gate = gate_against_base(env, planted, eval_budget, policy)
+        control_gate = gate_against_base(env, control, eval_budget, policy)
         phase["plant_gate"] = time.monotonic() - t0
 
         with session_scope() as session:
             final = get_production(session).id
             served = served_after_cycles(session, candidates)
+        t0 = time.monotonic()  # the report split: no gate reads it
+        twins = [c for arm in arms.values() for c in arm.values()]
+        run_report(env, [*candidates, final, planted, control, *twins], report_budget, args.report_samples)
+        phase["report"] = time.monotonic() - t0
         t0 = time.monotonic()
         flywheel(["ab", "base", final, "--tasks", str(ab_tasks), "--label", "bench-final", *ab_common], env)
         phase["ab"] = time.monotonic() - t0
@@ -259,9 +305,13 @@ def main() -> None:  # noqa: PLR0915 - one recipe, read top to bottom
         phase["curve"] = time.monotonic() - t0
         with session_scope() as session:
             in_distribution, signals_ab = ab_metrics(ab_from_store(session, "bench-final"))
-            held_out = paired(session, "base", final, SUITE)
-            planted_held_out = paired(session, "base", planted, SUITE)
-            control_held_out = paired(session, "base", control, SUITE)
+            held_out = held_out_report(session, final, candidates)
+            gate_suite = {"suite": SUITE, **paired(session, "base", final, SUITE, by_template=True)}
+            one_cycle = one_cycle_contrast(session, candidates[0], arms) if args.one_cycle_twins else None
+            planted_held_out = paired(session, "base", planted, SUITE, by_template=True)
+            control_held_out = paired(session, "base", control, SUITE, by_template=True)
+            planted_report = paired(session, "base", planted, REPORT_SUITE, by_template=True)
+            control_report = paired(session, "base", control, REPORT_SUITE, by_template=True)
             loop_phases = loop_budget(session)
             multi_segment = count_multi_segment_sessions(session)
         curve = [
@@ -325,19 +375,36 @@ def main() -> None:  # noqa: PLR0915 - one recipe, read top to bottom
                     "gate pass, the plant failed and its control not"
                 ),
                 "in_distribution": in_distribution,
+                "fresh": fresh_view(in_distribution),
                 "held_out": held_out,
+                "gate_suite": gate_suite,
+                "one_cycle": one_cycle,
                 "signals_ab": signals_ab,
                 "curve": curve,
                 "gate_decisions": served,
                 "budget_s": {k: round(v) for k, v in sorted({**loop_phases, **phase}.items())},
                 "margin": margin,
+                "gate_plan": plan_of_gate.as_dict(),
                 "final_checkpoint": final,
-                "planted": {"checkpoint": planted, "lr": trainer_lr, **planted_gate, **planted_held_out},
-                "planted_control": {"checkpoint": control, "lr": trainer_lr, **control_gate, **control_held_out},
+                "planted": {
+                    "checkpoint": planted,
+                    "lr": trainer_lr,
+                    **planted_gate,
+                    **planted_held_out,
+                    "report": planted_report,
+                },
+                "planted_control": {
+                    "checkpoint": control,
+                    "lr": trainer_lr,
+                    **control_gate,
+                    **control_held_out,
+                    "report": control_report,
+                },
                 "planted_rejected": planted_failed,
                 "release_policy": f"{RELEASE_POLICY}, no override",
                 "seed": args.seed,
-                "placebo": args.placebo,
+                "placebo": args.placebo is not None,
+                "placebo_mode": args.placebo,
                 "developer": developer.model_dump(
                     include={"keeps_wrong_rate", "untested_rate", "signal_loss_rate", "late_signal_rate"}
                 ),

@@ -1,10 +1,11 @@
 """Paired A/B on fresh production traffic: two checkpoints serve the same requests, simulated developers answer.
 
 The requests are fresh traffic at the production request mix: by default the ``fresh`` split of
-``functions`` (:mod:`evals.tasks.functions_fresh`: kinds of request in every family that were neither
-trained on nor held out for the gate, no reference within a few tokens of a trained one), drawn
-with the production mix of difficulty levels (:data:`ops.simulator.PRODUCTION_MIX`,
-:func:`ops.simulator.choose_tasks`). ``split = "test_params"`` is the older draw: training templates
+``functions`` (``evals/functions_splits.toml``: kinds of request no cycle trains on, at production
+difficulty, each reference at least 3 code-skeleton tokens from every trained one), drawn with the
+production mix of difficulty levels (:data:`ops.simulator.PRODUCTION_MIX`,
+:func:`ops.simulator.choose_tasks`). ``split = "fresh_hard"`` draws the kinds base rarely solves (the
+``fresh`` split before 2026-12-02). ``split = "test_params"`` is the older draw: training templates
 with parameters no training cycle used (every task fails each training variant's reference, yet
 most are a one- or two-token edit of a trained request). Each of ``tasks x samples`` (task, sample) pairs is
 served once by each arm through the product harness (:func:`evals.harness.agent.run_agent_session`,
@@ -65,9 +66,10 @@ from ops.developer import DeveloperModel, DeveloperReaction, DeveloperSignals
 from ops.simulator import PRODUCTION_MIX, ModelledLatency, SimulatorConfig, choose_tasks
 
 SOURCE = "functions"
-SPLITS = ("fresh", "test_params")
-"""Splits an A/B may draw: ``fresh`` (new kinds of request, the default) or ``test_params`` (unseen
-parameters of the training templates)."""
+SPLITS = ("fresh", "fresh_hard", "test_params")
+"""Splits an A/B may draw: ``fresh`` (new kinds of request at production difficulty, the default),
+``fresh_hard`` (new kinds base rarely solves) or ``test_params`` (unseen parameters of the training
+templates)."""
 
 Key = tuple[str, int]
 
@@ -77,9 +79,10 @@ class ABConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    split: Literal["fresh", "test_params"] = "fresh"
+    split: Literal["fresh", "fresh_hard", "test_params"] = "fresh"
     """Where the requests come from (:data:`SPLITS`): ``fresh``, kinds of request never trained on
-    nor held out; ``test_params``, the older draw of unseen parameters of the training templates."""
+    nor held out, at production difficulty; ``fresh_hard``, such kinds that base rarely solves;
+    ``test_params``, the older draw of unseen parameters of the training templates."""
     tasks: int | None = Field(default=None, ge=2)
     """Distinct tasks drawn with the mix (None: every task of the split at the mix's levels)."""
     samples: int = Field(default=4, ge=1, le=64)

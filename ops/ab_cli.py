@@ -28,7 +28,8 @@ def ab(
     split: str = typer.Option(
         "fresh",
         "--split",
-        help="fresh: kinds of request never trained on nor held out (default); "
+        help="fresh: kinds of request never trained on nor held out, at production difficulty (default); "
+        "fresh_hard: such kinds that base rarely solves; "
         "test_params: the older draw, unseen parameters of the training templates",
     ),
     tasks: int = typer.Option(
@@ -62,8 +63,8 @@ def ab(
     let seeded simulated developers answer both, and compare pass rate and product signals with
     template-clustered 95 % intervals. Nothing reaches the event stream. The result is written as a
     JSON report and, unless --no-record, as one ``ab_comparison`` row (one transaction)."""
-    if split not in ("fresh", "test_params"):
-        raise typer.BadParameter("fresh or test_params", param_hint="--split")
+    if split not in ("fresh", "fresh_hard", "test_params"):
+        raise typer.BadParameter("fresh, fresh_hard or test_params", param_hint="--split")
     if cluster_by not in ("template", "task"):
         raise typer.BadParameter("template or task", param_hint="--cluster-by")
     from app.core.db import database_url, session_scope

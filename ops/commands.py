@@ -290,6 +290,11 @@ def demo_cmd(
     eval_max_turns: int = typer.Option(2, help="agent turns per eval task"),
     suite: list[str] = typer.Option(None, "--suite", help="suites the gate runs and decides on (default: functions)"),
     gate_config: str = typer.Option(None, help="gate policy TOML of the loop (default evals/gate.toml)"),
+    gate_samples: int = typer.Option(
+        None,
+        min=1,
+        help="k of the held-out gate (default: the policy's, 8): fewer fits a short demo and is reported UNDERPOWERED",
+    ),
     model_dir: str = typer.Option(None, help="register this HF folder as the base model instead of SmolLM2"),
     trace: bool = typer.Option(False, "--trace", help="print OpenTelemetry spans (console exporter)"),
     ab_tasks: int = typer.Option(24, min=0, help="fresh-traffic tasks of each cycle's curve point (0: none)"),
@@ -303,7 +308,10 @@ def demo_cmd(
         "written reason (audited); default: such a candidate is held",
     ),
     placebo: bool = typer.Option(
-        False, "--placebo", help="shuffle each cycle's rewards across its trajectories (a control)"
+        False, "--placebo", help="shuffle each cycle's rewards within each task group (a control)"
+    ),
+    placebo_mode: str = typer.Option(
+        "within_group", help="how --placebo shuffles: within_group (each group keeps its rewards) or across_cycle"
     ),
     keeps_wrong_rate: float = typer.Option(
         0.0, min=0.0, max=1.0, help="the training traffic's developer keeps this share of plausible wrong edits"
@@ -346,6 +354,7 @@ def demo_cmd(
             eval_tasks=eval_tasks,
             eval_suites=tuple(suite or ("functions",)),
             gate_config=gate_config,
+            gate_samples=gate_samples,
             eval_max_turns=eval_max_turns,
             eval_max_tokens=max_tokens_per_turn,
             model_dir=model_dir,
@@ -356,7 +365,7 @@ def demo_cmd(
             release_policy=release_policy,
             override_insufficient=override_insufficient,
             cycle_timeout_s=cycle_timeout,
-            placebo=placebo,
+            placebo=placebo_mode if placebo else None,
             developer=DeveloperModel(
                 keeps_wrong_rate=keeps_wrong_rate, untested_rate=untested_rate, signal_loss_rate=signal_loss_rate
             ),

@@ -6,18 +6,16 @@ and promotes nothing itself. Its steps (each skipped when its effect is recorded
 ``$FLYWHEEL_HOME/demo/state.json``, so an interrupted demo continues where it stopped):
 
 1. ``stack``   embedded Postgres + the Kafka-protocol broker, migrations (``flywheel stack up``)
-2. ``model``   ``--model-dir`` registered as production ``base`` (else ``flywheel up`` materializes
-               SmolLM2-135M-Instruct)
-3. ``up``      ``flywheel up -d`` on a compressed schedule (:func:`loop_env`): a training cycle as
-               soon as a cycle's traffic is finalized, the held-out gate on every candidate, the
-               release policy ``auto_on_pass`` (a candidate the gate passes is promoted, audited as
-               the policy; one it fails or cannot decide is held), the watcher reloading the
-               production vLLM server
-4. per cycle: ``simulate`` (sessions through ``flywheel simulate``, the product backend's path;
-   ``--long-sessions S``: a share S of the task groups long ``functions_long`` sessions),
-   ``decide`` (wait until the loop has trained, gated and released the cycle's candidate, and the
-   production server serves what the database says is production), ``measure`` (the checkpoint
-   now serving against base on fresh traffic, ``flywheel ab``: a point of the curve)
+2. ``model``   ``--model-dir`` registered as production ``base`` (else ``flywheel up`` materializes SmolLM2)
+3. ``up``      ``flywheel up -d`` on a compressed schedule (:func:`loop_env`): a training cycle as soon as a
+               cycle's traffic is finalized, the held-out gate on every candidate (its plan printed first:
+               UNDERPOWERED under ``--gate-samples`` below the shipped k), the release policy ``auto_on_pass``
+               (a candidate the gate passes is promoted, audited as the policy; one it fails or cannot
+               decide is held), the watcher reloading the production vLLM server
+4. per cycle: ``simulate`` (sessions through ``flywheel simulate``, the product backend's path; ``--long-sessions
+   S``: a share S of the task groups long ``functions_long`` sessions), ``decide`` (wait until the loop has
+   trained, gated and released the cycle's candidate, and the production server serves what the database says
+   is production), ``measure`` (the checkpoint now serving against base on fresh traffic: a point of the curve)
 5. ``report``  terminal + HTML + PNG under ``$FLYWHEEL_HOME/reports/demo/`` (``ops.demo_report``)
 """
 
@@ -44,6 +42,7 @@ from app.core.net import free_port, served_weight_version
 from app.core.settings import flywheel_home, get_settings
 from evals.harness.agent import AgentBudget
 from ops import loop_state
+from ops.demo_gate import gate_plan, smaller_gate_file
 from ops.demo_report import curve_point, write_demo_report
 from ops.developer import DeveloperModel, developer_args
 from ops.simulator import PRODUCTION_MIX, SimulatorConfig
@@ -55,10 +54,9 @@ TRAINER_DEFAULT = Path(__file__).resolve().parents[1] / "trainer" / "configs" / 
 # The simulated request mix of the in-reach source by difficulty level (ops.simulator.PRODUCTION_MIX):
 # mostly one-expression requests, the level where group-relative RL has signal.
 DEFAULT_DIFFICULTY_MIX = ",".join(f"{level}:{weight}" for level, weight in PRODUCTION_MIX.items())
-# A cycle starts once every session of the batch left its trajectory, or once none was finalized
-# and no open session sent an event for QUIET_S seconds (trainer.selection.trajectories_waiting):
-# privacy-mode sessions (10 % by default) and sessions the simulator could not serve leave none, so
-# the quiet period usually ends the batch.
+# A cycle starts once every session of the batch left its trajectory, or once none was finalized and no
+# open session sent an event for QUIET_S seconds (trainer.selection.trajectories_waiting): privacy-mode
+# sessions (10 % by default) and sessions the simulator could not serve leave none, so it usually ends a batch.
 QUIET_S = 20.0
 # The trainer's segment length when the traffic has long sessions (``--long-sessions``): a segment
 # holds the context the simulator keeps (3,072 tokens) plus its summary turn (the request, about 50
@@ -85,7 +83,8 @@ class DemoOptions:
     eval_tasks: int | None = None  # held-out tasks the gate runs (None: the whole suite)
     eval_suites: tuple[str, ...] = ("functions",)
     gate_config: str | None = None  # gate policy TOML (default evals/gate.toml)
-    placebo: bool = False  # each cycle's rewards shuffled across its trajectories (a control run)
+    gate_samples: int | None = None  # k of the held-out gate (None: the policy's); fewer is underpowered, and says so
+    placebo: str | None = None  # a control run: rewards shuffled, "within_group" (each task group) or "across_cycle"
     developer: DeveloperModel = field(default_factory=DeveloperModel)  # the training traffic's developer noise
     eval_max_turns: int = 2
     eval_max_tokens: int = 160
@@ -135,8 +134,8 @@ def trainer_toml(opts: DemoOptions, home: Path) -> Path:
     """The trainer config of the loop's scheduled cycles: ``--trainer-config`` (default
     ``trainer/configs/default.toml``) with the demo's step budget, training on a cycle's traffic
     (``min_new_trajectories``: :func:`min_new_trajectories`), with shuffled rewards under
-    ``--placebo``, and segments up to :data:`LONG_SEGMENT_TOKENS` long where the traffic has long
-    sessions."""
+    ``--placebo`` (within each task group by default), and segments up to
+    :data:`LONG_SEGMENT_TOKENS` long where the traffic has long sessions."""
     path = home / "demo" / "trainer.toml"
     base = Path(opts.trainer_config).resolve() if opts.trainer_config else TRAINER_DEFAULT
     lines = [f"extends = {json.dumps(str(base))}"]
@@ -146,7 +145,7 @@ def trainer_toml(opts: DemoOptions, home: Path) -> Path:
     if opts.long_session_share > 0 and load_config(base).data.max_seq_len < LONG_SEGMENT_TOKENS:
         lines.append(f"max_seq_len = {LONG_SEGMENT_TOKENS}")
     if opts.placebo:
-        lines.append("placebo = true")
+        lines += ["placebo = true", f"placebo_mode = {json.dumps(opts.placebo)}"]
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("\n".join(lines) + "\n")
     return path
@@ -172,8 +171,8 @@ def loop_env(opts: DemoOptions, home: Path, api_port: int) -> dict[str, str]:
     # would be held out of the very cycles the demo and the bench measure.
     env.setdefault("FLYWHEEL_EVAL_MINE_INTERVAL", "0")
     env["FLYWHEEL_EVAL_GATE_ON"] = json.dumps(list(opts.eval_suites))
-    if opts.gate_config:
-        env["FLYWHEEL_EVAL_GATE_CONFIG"] = str(Path(opts.gate_config).resolve())
+    if policy := smaller_gate_file(home, opts.gate_config, opts.gate_samples, opts.eval_tasks) or opts.gate_config:
+        env["FLYWHEEL_EVAL_GATE_CONFIG"] = str(Path(policy).resolve())
     env["FLYWHEEL_EVAL_MAX_TURNS"] = str(opts.eval_max_turns)
     env["FLYWHEEL_EVAL_MAX_TOKENS_PER_TURN"] = str(opts.eval_max_tokens)
     if opts.eval_tasks:
@@ -364,6 +363,7 @@ def run_demo(opts: DemoOptions) -> None:
     demo = Demo(opts, DemoState(home), home)
     con = Console()
     started = time.monotonic()
+    con.print(gate_plan(home, opts.gate_config, opts.gate_samples, opts.eval_tasks)[1].rich_line())
     plan: list[tuple[str, str, Callable[..., str], int | None]] = [
         ("stack", "stack", demo.step_stack, None),
         ("model", "model", demo.step_model, None),

@@ -10,6 +10,7 @@ from sqlalchemy.orm import Session
 
 from app.models import ABComparison, EvalResult, EvalRun, EventLog, GateDecision, Promotion, TrainingCycle
 from evals.gate.decision import paired_bootstrap_interval
+from evals.tasks.functions import template_of
 
 SUITE = "functions"  # the held-out suite the bench's gates decide on
 SIGNALS = (  # the product signals the A/B reports beside the pass rate
@@ -73,8 +74,11 @@ def served_after_cycles(session: Session, candidates: list[str]) -> list[dict]:
     return out
 
 
-def paired(session: Session, base: str, final: str, suite: str) -> dict:
-    """Paired held-out comparison of ``final`` against ``base`` on the newest succeeded runs of one plan.
+def paired(session: Session, base: str, final: str, suite: str, *, by_template: bool = False) -> dict:
+    """Paired held-out comparison of ``final`` against ``base`` on the newest succeeded runs of one plan,
+    paired by (task, sample); the bootstrap clusters by task, or with ``by_template`` by the task's
+    template (``evals.tasks.functions.template_of``; as the gate does: the tasks of one template are
+    not independent). ``samples`` is the most samples a task has.
 
     Raises:
         SystemExit: the two were evaluated on different plans, or one was not evaluated.
@@ -96,12 +100,14 @@ def paired(session: Session, base: str, final: str, suite: str) -> dict:
         raise SystemExit(f"base and final were evaluated on different plans ({version_b} vs {version_f})")
     keys = sorted(set(base_res) & set(final_res))
     diffs = [int(final_res[k]) - int(base_res[k]) for k in keys]
-    clusters = [k[0] for k in keys]
+    clusters = [(template_of(k[0]) or k[0]) if by_template else k[0] for k in keys]
     low, _ = paired_bootstrap_interval(clusters, diffs, confidence=0.95, two_sided=False)
     ci = paired_bootstrap_interval(clusters, diffs, confidence=0.95, two_sided=True)
     n = len(keys)
     return {
         "pairs": n,
+        "samples": 1 + max((k[1] for k in keys), default=0),
+        "cluster": "template" if by_template else "task",
         "base": sum(base_res[k] for k in keys) / n,
         "final": sum(final_res[k] for k in keys) / n,
         "diff": sum(diffs) / n,

@@ -37,17 +37,22 @@ from app.models import (
 from evals.gate.models import Outcome
 from evals.gate.passk import sampling_report
 from ops.curves import collect_curves, curves_html, gate_view, render_curves_png
-from ops.report_model import LoopReport, SuiteResult, fmt_diff, fmt_power
+from ops.report_model import LoopReport, SuiteResult, fmt_counts, fmt_diff, fmt_power
 from ops.report_terminal import render_curves_terminal, render_terminal
 
 
 def _reason_text(reason: Any) -> str:
+    """One gate reason as a release manager reads it: ``PASS``, ``FAIL``, ``INSUFFICIENT`` or, for an
+    informational figure that decides nothing (the power check), ``INFO``, then its message."""
     if isinstance(reason, str):
         return reason
     if isinstance(reason, dict):
-        msg = reason.get("message") or reason.get("reason") or json.dumps(reason, default=str)
+        msg = reason.get("message") or reason.get("reason") or fmt_counts({str(k): v for k, v in reason.items()})
         ok = reason.get("ok", reason.get("passed"))
-        mark = "PASS" if ok else "-" if ok is None else "INSUFFICIENT" if reason.get("inconclusive") else "FAIL"
+        if reason.get("informational"):
+            mark = "INFO"
+        else:
+            mark = "PASS" if ok else "-" if ok is None else "INSUFFICIENT" if reason.get("inconclusive") else "FAIL"
         return f"{mark}  {msg}"
     return str(reason)
 
@@ -266,7 +271,7 @@ def render_html(report: LoopReport, png_name: str, path: Path) -> Path:
 </head><body><h1>flywheel loop report</h1><p>generated {e(report.generated_at)}</p>
 <h2>events</h2><p>{report.total_events} stored; {sum(report.dead_letters_by_reason.values())} dead letters;
 {report.privacy_events_dropped} privacy-mode events dropped</p><ul>{events}</ul>
-<h2>trajectories</h2><p>{e(json.dumps(report.trajectories_by_status))}; {report.multi_segment_sessions} with more than one segment; rewards ({e(str(report.reward_spec))}): n={len(report.rewards)}</p>
+<h2>trajectories</h2><p>{e(fmt_counts(report.trajectories_by_status))}; {report.multi_segment_sessions} with more than one segment; rewards ({e(str(report.reward_spec))}): n={len(report.rewards)}</p>
 <h2>training</h2><p>candidate {e(str(report.candidate_id))} from {e(str(report.candidate_parent_id))},
 {report.trajectories_trained} trajectories</p><ul>{metrics}</ul>
 <h2>evals</h2><table><tr><th>suite</th><th>checkpoint</th><th>pass rate</th><th>95% CI</th><th>n</th><th>pass@k, best-of-K</th><th>mean tokens</th></tr>{rows}</table>

@@ -76,6 +76,11 @@ class LoopReport:
         return sum(self.events_by_type.values())
 
 
+def fmt_counts(counts: dict[str, int]) -> str:
+    """``finalized 43, open 2`` (keys sorted), or ``none``: counts read as a sentence, never a dict."""
+    return ", ".join(f"{k} {v}" for k, v in sorted(counts.items())) or "none"
+
+
 def fmt_power(power: float | None) -> str:
     """``0.93``, or ``-`` without pairs."""
     return "-" if power is None else f"{power:.2f}"

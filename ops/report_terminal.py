@@ -16,7 +16,7 @@ from rich.console import Console
 from rich.table import Table
 
 from ops.curves import SIGNALS, signal_moves
-from ops.report_model import LoopReport, fmt_diff, fmt_power
+from ops.report_model import LoopReport, fmt_counts, fmt_diff, fmt_power
 
 if TYPE_CHECKING:
     from ops.curves import CurvePoint
@@ -53,12 +53,13 @@ def render_terminal(report: "LoopReport", console: Console | None = None) -> Non
         + ", ".join(f"{k} {v}" for k, v in sorted(report.events_by_type.items()))
     )
     con.print(
-        f"dead letters: {sum(report.dead_letters_by_reason.values())} {report.dead_letters_by_reason or ''}  "
-        f"privacy-mode events dropped: {report.privacy_events_dropped}"
+        f"dead letters: {sum(report.dead_letters_by_reason.values())}"
+        + (f" ({fmt_counts(report.dead_letters_by_reason)})" if report.dead_letters_by_reason else "")
+        + f"  privacy-mode events dropped: {report.privacy_events_dropped}"
     )
     con.print(
         "trajectories: "
-        + ", ".join(f"{k} {v}" for k, v in sorted(report.trajectories_by_status.items()))
+        + fmt_counts(report.trajectories_by_status)
         + f"; {report.multi_segment_sessions} with more than one segment (self-summarized)"
     )
     if report.rewards:

@@ -271,7 +271,7 @@ def plan_sessions(
     :func:`run_simulation` says.
 
     The groups :func:`long_groups` names play distinct ``functions_long`` train tasks (a seeded
-    subset; reused in turn past its 84), ``max_turns`` raised to :data:`LONG_SESSION_MIN_TURNS` and
+    subset; reused in turn past its 53), ``max_turns`` raised to :data:`LONG_SESSION_MIN_TURNS` and
     ``max_tokens`` to that many turns of ``max_tokens_per_turn`` where lower; every other group
     plays the task of ``config.source`` it plays without long sessions. With ``long_session_share = 0``
     the plan is the one of the simulator before the setting existed (same draws, same order).

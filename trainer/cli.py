@@ -28,7 +28,10 @@ def train(
     placebo: bool = typer.Option(
         False,
         "--placebo",
-        help="shuffle each cycle's rewards across its trajectories (`data.placebo`): the control arm",
+        help="shuffle each cycle's rewards (`data.placebo`, within each task group by default): the control arm",
+    ),
+    placebo_mode: str | None = typer.Option(
+        None, "--placebo-mode", help="override `data.placebo_mode`: within_group (default) or across_cycle"
     ),
     seed: int | None = typer.Option(None, "--seed", help="override `seed`: batch order, schedule, LoRA init, placebo"),
     same_data_as: str | None = typer.Option(
@@ -82,6 +85,7 @@ def train(
             ("data.same_data_as", same_data_as),
             ("invert_reward", invert_reward or None),
             ("data.placebo", placebo or None),
+            ("data.placebo_mode", placebo_mode),
             ("seed", seed),
             ("device", device),
             ("precision", precision),

@@ -57,9 +57,15 @@ class DataConfig(_Config):
     singleton_baseline: Literal["zero", "batch_mean"] = "batch_mean"
     """Baseline of a trajectory alone in its task group: 0 advantage, or reward minus batch mean."""
     placebo: bool = False
-    """The placebo arm: shuffle each cycle's rewards across its trajectories (seeded by ``seed`` and
-    the cycle's trajectory ids) before the advantages are computed, so a gain of the placebo run is
-    not learning from the reward (Shao et al. 2025, "Spurious Rewards"). Recorded in the manifest."""
+    """The placebo arm: shuffle each cycle's rewards (seeded by ``seed`` and the cycle's trajectory
+    ids) before the advantages are computed, so a gain of the placebo run is not learning from the
+    reward (Shao et al. 2025, "Spurious Rewards"). Recorded in the manifest."""
+    placebo_mode: Literal["within_group", "across_cycle"] = "within_group"
+    """How the placebo shuffles: ``within_group`` permutes rewards among each task group's
+    trajectories, so every group keeps its rewards' mean and spread and the placebo's advantages are
+    exactly as large as the real run's (matched in step size); ``across_cycle`` (the placebo before
+    2026-12-02) permutes them across the whole cycle, which mixes groups: the advantages, not scaled
+    by a group's spread, come out 1.2-1.3x larger under the docs' reward model (issue 70)."""
     same_data_as: str | None = None
     """Train on exactly the trajectories checkpoint ``same_data_as`` trained on (already claimed:
     ablations and planted regressions), instead of the new ones."""

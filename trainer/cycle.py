@@ -248,7 +248,7 @@ def _train_and_register(
     if config.invert_reward:
         metrics["invert_reward"] = True
     if config.data.placebo:
-        metrics["placebo"] = True
+        metrics["placebo"], metrics["placebo_mode"] = True, config.data.placebo_mode
     metrics["placement"] = {**trained.placement.describe(), "ranks": dp.world_size if dp is not None else 1}
     assert trained.trained is not None  # train_policy always says which trajectories it trained on
     not_trained = [str(t.id) for i, t in enumerate(data.used) if i not in trained.trained]
@@ -267,7 +267,8 @@ def _train_and_register(
         "placement": metrics["placement"],  # device and resolved precision
         "pi_old": config.pi_old,
         "seed": config.seed,  # every draw of the cycle (trainer.config.TrainerConfig.seed)
-        "placebo": config.data.placebo,  # rewards shuffled across the cycle's trajectories
+        "placebo": config.data.placebo,  # rewards shuffled (trainer.training.placebo_permutation)
+        "placebo_mode": config.data.placebo_mode if config.data.placebo else None,
         "stopped_early": metrics["stopped_early"],  # the update watch's reason, or None
         **section,
     }

@@ -64,19 +64,36 @@ def trim_heap() -> None:
 MAX_SPAN_IDS = 256  # trajectory ids put on the span (the manifest has them all)
 
 
-def placebo_permutation(trajectory_ids: list, seed: int) -> np.ndarray:
+def placebo_permutation(trajectory_ids: list, seed: int, groups: list | None = None) -> np.ndarray:
     """The placebo's permutation of one cycle: ``[G]`` int64 indices, seeded by ``seed`` and the
-    cycle's trajectory ids (sorted), so each cycle draws its own and a rerun the same."""
+    cycle's trajectory ids (sorted), so each cycle draws its own and a rerun the same.
+
+    With ``groups`` (one key per trajectory, e.g. its task id), the permutation stays within each group:
+    a trajectory takes the reward of another of its own group, so each group keeps its multiset of
+    rewards (its mean and spread) and only which of its trajectories holds which reward is random
+    (``data.placebo_mode = "within_group"``). Without, one permutation across the whole cycle
+    (``"across_cycle"``, as before 2026-12-02: the seed depends on the ids, not their order).
+    """
     digest = hashlib.sha256("\n".join(sorted(str(i) for i in trajectory_ids)).encode()).digest()
     rng = np.random.default_rng([seed, int.from_bytes(digest[:8], "little")])
-    return rng.permutation(len(trajectory_ids))
+    if groups is None:
+        return rng.permutation(len(trajectory_ids))
+    members: dict[str, list[int]] = {}
+    for i, key in enumerate(groups):
+        members.setdefault(str(key), []).append(i)
+    out = np.arange(len(trajectory_ids))
+    for key in sorted(members):
+        rows = sorted(members[key], key=lambda i: str(trajectory_ids[i]))
+        out[rows] = np.asarray(rows)[rng.permutation(len(rows))]
+    return out
 
 
 def pack_cycle(trajectories: list, config: TrainerConfig, pad_id: int = 0):
     """Rewards, task groups, advantages and micro-batches of ``trajectories`` (rewards negated with
-    ``invert_reward``; with ``data.placebo`` shuffled across the trajectories by
-    :func:`placebo_permutation` before the advantages, so the cycle trains on rewards that say
-    nothing about its own trajectories: Shao et al. 2025, "Spurious Rewards").
+    ``invert_reward``; with ``data.placebo`` shuffled by :func:`placebo_permutation` before the
+    advantages, within each task group by default (``data.placebo_mode``), so the cycle trains on
+    rewards that say nothing about its own trajectories with its groups' advantages as large as the
+    real run's: Shao et al. 2025, "Spurious Rewards").
 
     Returns:
         ``(rewards [G] fp32, groups [G] int64, advantages [G] fp32, micro-batches)`` for ``G``
@@ -87,7 +104,8 @@ def pack_cycle(trajectories: list, config: TrainerConfig, pad_id: int = 0):
     if config.invert_reward:
         rewards = -rewards
     if config.data.placebo:
-        rewards = rewards[torch.from_numpy(placebo_permutation([t.id for t in trajectories], config.seed))]
+        within = [t.group for t in trajectories] if config.data.placebo_mode == "within_group" else None
+        rewards = rewards[torch.from_numpy(placebo_permutation([t.id for t in trajectories], config.seed, within))]
     advantages = compute_advantages(rewards, groups, singleton_baseline=config.data.singleton_baseline)
     batches = pack_micro_batches(
         trajectories,

@@ -10,54 +10,64 @@ The hidden test calls the entry point on the template's cases and compares with 
 reference returns on them (floats within 1e-6), so a reference passes by construction and the
 stub, which raises ``NotImplementedError``, fails.
 
-Splits (by template, so held-out tasks are ones the trainer never saw in any form):
+Splits (by template, so held-out tasks are ones the trainer never saw in any form). Each template's
+split is data: ``evals/functions_splits.toml`` names it, by the template's name
+(:func:`template_splits`), so registering a template never moves another across:
 
-- ``test``: every variant of the held-out templates (every 4th template of each difficulty level,
-  in registration order, so the levels are mixed alike);
-- ``train``: the first :data:`TRAIN_VARIANTS` variants of the other templates;
+- ``test``: every variant of the templates listed ``test`` (held out for the gate);
+- ``train``: the first :data:`TRAIN_VARIANTS` variants of the templates listed ``train``;
 - ``test_params``: up to :data:`PARAM_VARIANTS` further variants of each training template whose
   behaviour is new: on the variant's hidden cases no training variant's reference (nor an earlier
   ``test_params`` variant's) returns what the variant's reference returns, so a renamed training
   solution fails them (unseen parameterisations, not renamed training tasks). Most are still a
   one- or two-token edit of a trained request;
-- ``fresh``: up to :data:`FRESH_VARIANTS` variants of each template of ``functions_fresh.py``,
-  kinds of request no other split has (fresh traffic for the A/B: no request is a few-token edit
-  of a trained one, tests/unit/test_functions_tasks.py).
+- ``fresh``: every variant of the templates listed ``fresh``: kinds no cycle trains on at the
+  production level mix, each reference at least :data:`FRESH_MIN_SKELETON_DISTANCE` code-skeleton
+  tokens from every training task's (fresh traffic for the A/B at production difficulty);
+- ``fresh_hard``: up to :data:`FRESH_VARIANTS` variants of each template listed ``fresh_hard``
+  (``functions_fresh.py``'s): kinds of request no other split has, which the base model rarely solves
+  (the ``fresh`` split before 2026-12-02; no request is a few-token edit of a trained one).
 
 Invariant: generation is deterministic (every template is seeded by ``"<template>:<attempt>"``)
-and the three splits are disjoint; ``test_params`` is disjoint from ``train`` in behaviour too.
+and the splits are disjoint; ``test_params`` is disjoint from ``train`` in behaviour too.
 """
 
 from __future__ import annotations
 
 import copy
 import random
+import tomllib
+from collections.abc import Mapping, Sequence
 from functools import lru_cache
+from pathlib import Path
 
 from app.core.errors import ConfigurationError
+
+# Each import registers its templates; evals/functions_splits.toml, not the order, names their splits.
+from evals.tasks import (  # noqa: F401
+    functions_basic,
+    functions_dicts,
+    functions_fresh,
+    functions_lists,
+    functions_numbers,
+    functions_parsing,
+    functions_strings,
+)
 from evals.tasks.functions_spec import FRESH_TEMPLATES, TEMPLATES, Template
 from evals.tasks.model import HIDDEN_RUNNER, Task, hidden_runner
 
-# Each import registers its templates; registration order decides the held-out templates, so it stays fixed.
-# isort: off
-from evals.tasks import (
-    functions_basic,  # noqa: F401
-    functions_lists,  # noqa: F401
-    functions_numbers,  # noqa: F401
-    functions_dicts,  # noqa: F401
-    functions_strings,  # noqa: F401
-    functions_parsing,  # noqa: F401
-    functions_fresh,  # noqa: F401  (its own registry: the order above is untouched)
-)
-# isort: on
-
 SOURCE = "functions"
-SPLITS = ("train", "test", "test_params", "fresh")
+TEMPLATE_SPLITS = ("train", "test", "report", "fresh", "fresh_hard")
+"""The values ``evals/functions_splits.toml`` may give a template."""
+SPLITS = ("train", "test", "test_params", "report", "fresh", "fresh_hard")
+SPLITS_FILE = Path(__file__).resolve().parents[1] / "functions_splits.toml"
 VARIANTS = 6
 TRAIN_VARIANTS = 4
 PARAM_VARIANTS = 4
 FRESH_VARIANTS = 4
-HELD_OUT_EVERY = 4
+FRESH_MIN_SKELETON_DISTANCE = 3
+"""Code-skeleton tokens (evals/tasks/skeleton.py) every ``fresh`` reference is at least from every
+training task's: more than a renamed trained one (0) or one with an operator swapped (1-2)."""
 TEST_FILE = "test_hidden.py"
 _ATTEMPTS = 40
 
@@ -92,10 +102,55 @@ def template_of(task_id: str) -> str | None:
     return "/".join(parts[:2]) if len(parts) == 3 and parts[0] == "FN" else None
 
 
+def template_splits(templates: Sequence[Template], table: Mapping[str, str]) -> dict[str, str]:
+    """Each template's split, ``{key: split}`` in ``table``'s order, read from ``table`` (``{template
+    key: split}``) by key alone: a template's split depends on its own entry only, never on the
+    others or on the order templates registered in.
+
+    Raises:
+        ConfigurationError: a template the table does not list, a listed name no template has, or a
+            split outside :data:`TEMPLATE_SPLITS`.
+    """
+    keys = {t.key for t in templates}
+    unlisted = sorted(keys - set(table))
+    unknown = sorted(set(table) - keys)
+    bad = sorted(f"{k} = {v!r}" for k, v in table.items() if v not in TEMPLATE_SPLITS)
+    if unlisted or unknown or bad:
+        raise ConfigurationError(
+            f"{SPLITS_FILE.name}: "
+            + "; ".join(
+                part
+                for part in (
+                    f"templates not listed: {', '.join(unlisted)}" if unlisted else "",
+                    f"listed but not registered: {', '.join(unknown)}" if unknown else "",
+                    f"splits other than {', '.join(TEMPLATE_SPLITS)}: {', '.join(bad)}" if bad else "",
+                )
+                if part
+            )
+        )
+    return {key: split for key, split in table.items()}
+
+
+@lru_cache(maxsize=1)
+def split_table() -> dict[str, str]:
+    """``[templates]`` of ``evals/functions_splits.toml``: ``{template key: split}``."""
+    with SPLITS_FILE.open("rb") as fh:
+        return dict(tomllib.load(fh)["templates"])
+
+
+def splits_of_templates() -> dict[str, str]:
+    """Every registered template's split (:func:`template_splits` over the shipped table)."""
+    return template_splits([*TEMPLATES, *FRESH_TEMPLATES], split_table())
+
+
+def templates_in(split: str) -> frozenset[str]:
+    """Keys of the templates ``evals/functions_splits.toml`` puts in ``split``."""
+    return frozenset(k for k, s in splits_of_templates().items() if s == split)
+
+
 def held_out_templates() -> frozenset[str]:
-    """Keys of the templates whose every task is in the ``test`` split (never trained on)."""
-    ordered = sorted(TEMPLATES, key=lambda t: t.difficulty)  # stable: registration order within a level
-    return frozenset(t.key for i, t in enumerate(ordered, 1) if i % HELD_OUT_EVERY == 0)
+    """Keys of the templates whose every task is in the ``test`` split (held out for the gate)."""
+    return templates_in("test")
 
 
 def _variants(t: Template, limit: int | None = VARIANTS) -> list[tuple[int, dict]]:
@@ -183,28 +238,31 @@ def _task(t: Template, index: int, attempt: int, s: dict, split: str) -> Task:
     )
 
 
+HELD_VARIANTS = {"test": VARIANTS, "report": VARIANTS, "fresh": VARIANTS, "fresh_hard": FRESH_VARIANTS}
+"""Variants per template of each split whose templates are never trained on."""
+
+
 @lru_cache(maxsize=1)
 def _all() -> dict[str, tuple[Task, ...]]:
-    held = held_out_templates()
+    by_key = {t.key: t for t in [*TEMPLATES, *FRESH_TEMPLATES]}
     splits: dict[str, list[Task]] = {s: [] for s in SPLITS}
-    for t in TEMPLATES:
-        if t.key in held:
-            splits["test"] += [_task(t, i, attempt, s, "test") for i, (attempt, s) in enumerate(_variants(t))]
+    for key, split in splits_of_templates().items():  # the table's order: the same whatever the imports
+        t = by_key[key]
+        if split != "train":
+            held = enumerate(_variants(t, HELD_VARIANTS[split]))
+            splits[split] += [_task(t, i, attempt, s, split) for i, (attempt, s) in held]
             continue
         variants = _variants(t, limit=None)
         for index, (attempt, s) in enumerate(variants[:TRAIN_VARIANTS]):
             splits["train"].append(_task(t, index, attempt, s, "train"))
         for index, attempt, s in _param_variants(variants):
             splits["test_params"].append(_task(t, index, attempt, s, "test_params"))
-    for t in FRESH_TEMPLATES:
-        splits["fresh"] += [
-            _task(t, i, attempt, s, "fresh") for i, (attempt, s) in enumerate(_variants(t, FRESH_VARIANTS))
-        ]
     return {k: tuple(v) for k, v in splits.items()}
 
 
 def load(split: str) -> list[Task]:
-    """Every task of ``split`` (``train``, ``test``, ``test_params`` or ``fresh``), in template order.
+    """Every task of ``split`` (one of :data:`SPLITS`), in the order ``evals/functions_splits.toml``
+    lists the templates.
 
     Raises:
         ConfigurationError: any other split.

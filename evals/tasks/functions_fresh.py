@@ -1,8 +1,8 @@
 """``functions`` templates of the ``fresh`` split: new kinds of request in every family, never trained
 on and apart from the held-out ``test`` templates (fresh traffic for the A/B).
 
-They register in :data:`evals.tasks.functions_spec.FRESH_TEMPLATES`, not in ``TEMPLATES``, so the
-registration order that decides the ``train`` / ``test`` / ``test_params`` splits is untouched.
+They register in :data:`evals.tasks.functions_spec.FRESH_TEMPLATES`; ``evals/functions_splits.toml``
+names each one's split.
 Levels follow the production request mix (mostly one-expression requests): eight at level 1,
 three at level 2, one at level 3.
 """

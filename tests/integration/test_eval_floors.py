@@ -62,10 +62,10 @@ def stored(db, home):
     planned = policy.plan_suite(load_suite("functions")).model_dump(mode="json")
     with session_scope() as s:
         add_checkpoint(s, checkpoint_id="base", path="/x/base", status="production")
-        # the gate's plan (greedy, 1 sample): the run the floor must come from
+        # the gate's plan (8 samples at T = 0.7): the run the floor must come from
         kept = seed_run(s, "functions", functions_results(), config={"suite": planned}, age_h=2)
-        # newer, sampled otherwise (8 samples at T = 0.7 in the plan): not the gate's plan
-        other = {**planned, "samples_per_task": 8, "sampling": {**planned["sampling"], "temperature": 0.7}}
+        # newer, sampled otherwise (greedy, 1 sample: the plan before the gate was sized): not the gate's plan
+        other = {**planned, "samples_per_task": 1, "sampling": {**planned["sampling"], "temperature": 0.0}}
         seed_run(s, "functions", {f"FN/tpl{t:02d}/v0": True for t in range(16)}, config={"suite": other}, age_h=1)
         # HumanEval: an older succeeded run and a newer one (no stored plan: the newest is read);
         # a failed run is never read

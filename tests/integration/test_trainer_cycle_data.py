@@ -1,6 +1,6 @@
 """What a training cycle trains on, against real Postgres on a tiny random model: trajectories
 erased or eval tasks mined while it trains, the planted regression (the same data, the reward
-negated), the placebo (rewards shuffled within the cycle) and groups without reward contrast."""
+negated), the placebo (rewards shuffled within each task group) and groups without reward contrast."""
 
 from __future__ import annotations
 
@@ -187,7 +187,9 @@ def test_a_placebo_cycle_trains_on_shuffled_rewards_and_says_so(session, store, 
     assert manifest["placebo"] is True and manifest["seed"] == 7
     entries = manifest["trajectories"]  # the claimed trajectories, in the order they were packed
     assert entries and {t["id"] for t in entries} <= {str(u) for u in used}
-    perm = placebo_permutation([uuid.UUID(t["id"]) for t in entries], 7)
+    # the default placebo permutes within task groups (data.placebo_mode = "within_group")
+    perm = placebo_permutation([uuid.UUID(t["id"]) for t in entries], 7, [t["task_id"] for t in entries])
+    assert all(entries[int(j)]["task_id"] == t["task_id"] for t, j in zip(entries, perm))
     shuffled = [entries[i]["reward"] for i in perm]
 
     def advantages(rewards):

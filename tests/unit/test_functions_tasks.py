@@ -15,7 +15,7 @@ from evals.tasks.functions import held_out_templates
 from evals.tasks.functions_spec import FRESH_TEMPLATES, TEMPLATES
 from evals.tasks.model import Task
 
-SPLITS = ("train", "test", "test_params", "fresh")
+SPLITS = ("train", "test", "test_params", "report", "fresh", "fresh_hard")
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +38,7 @@ def test_counts_families_and_difficulties(splits):
     assert len(TEMPLATES) >= 60 and len({t.key for t in TEMPLATES}) == len(TEMPLATES)
     every = [t for ts in splits.values() for t in ts]
     assert len(every) >= 300 and len({t.id for t in every}) == len(every)
-    assert len(splits["test"]) >= 48 and len(splits["test_params"]) >= 40 and len(splits["train"]) >= 150
+    assert len(splits["test"]) >= 48 and len(splits["test_params"]) >= 30 and len(splits["train"]) >= 150
     for ts in splits.values():
         assert set(Counter(t.metadata["difficulty"] for t in ts)) == {1, 2, 3}
         assert set(Counter(t.metadata["family"] for t in ts)) == {"strings", "parsing", "lists", "numbers", "dicts"}
@@ -51,8 +51,10 @@ def test_splits_are_disjoint_by_template(splits):
     assert templates["test"] == held_out_templates()
     assert not templates["test"] & (templates["train"] | templates["test_params"])
     assert templates["test_params"] <= templates["train"]  # unseen parameters of seen templates
-    assert templates["fresh"] == {t.key for t in FRESH_TEMPLATES}
-    assert not templates["fresh"] & (templates["train"] | templates["test"])
+    assert templates["fresh_hard"] == {t.key for t in FRESH_TEMPLATES}
+    held = [templates[s] for s in ("test", "report", "fresh", "fresh_hard")]
+    assert not set().union(*held) & (templates["train"] | templates["test_params"])
+    assert sum(map(len, held)) == len(set().union(*held))  # pairwise disjoint
     train_fns = {
         (t.metadata["template"], t.metadata["entry_point"], t.request.split(" For example")[0]) for t in splits["train"]
     }
@@ -153,10 +155,11 @@ def _nearest_trained(tasks: list[Task], train: list[Task]) -> tuple[list[int], l
 
 def test_fresh_requests_are_not_few_token_edits_of_trained_ones(splits):
     """Issue 59: most ``test_params`` tasks are a one- or two-token edit of a trained one (median
-    nearest reference 2 code tokens away); every ``fresh`` task's reference is at least 6 code
-    tokens and its request at least 10 word tokens from every trained task's."""
+    nearest reference 2 code tokens away); every ``fresh_hard`` task's reference is at least 6 code
+    tokens and its request at least 10 word tokens from every trained task's (the ``fresh`` split's
+    distance is pinned in code skeletons: tests/unit/test_functions_splits.py)."""
     params_refs, _ = _nearest_trained(splits["test_params"], splits["train"])
     assert min(params_refs) == 1 and statistics.median(params_refs) <= 2
-    refs, reqs = _nearest_trained(splits["fresh"], splits["train"])
+    refs, reqs = _nearest_trained(splits["fresh_hard"], splits["train"])
     assert min(refs) >= 6 and min(reqs) >= 10, (min(refs), min(reqs))
     assert statistics.median(refs) >= 10

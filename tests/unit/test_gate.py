@@ -140,10 +140,12 @@ def test_seed_17_cycle_2_passes_on_its_interval_at_low_power():
     [+0.2, +7.3] on the held-out suite's 112 greedy pairs against its 4.5-point margin, at power
     0.23. The interval clears the margin (it even excludes 0), so the suite and the gate pass;
     power is reported beside the decision."""
+    from evals.gate.plans import smaller_plan
     from evals.gate.policy import load_gate_config
 
     cand, prod = table(b=4, c=0, both=18, neither=90)
-    policy = load_gate_config().gating_only(["functions"])
+    # the plan the bench ran then (k = 1, 112 pairs), smaller than the shipped k = 8
+    policy = smaller_plan(load_gate_config(), "functions", 1, 112).gating_only(["functions"])
     r = decide_gate(
         {"functions": SuiteOutcomes("functions", "v", cand)},
         {"functions": SuiteOutcomes("functions", "v", prod)},

@@ -47,7 +47,7 @@ def chat(long_context_model) -> ChatML:
 
 def test_long_tasks_are_solvable_multi_step_and_shown_whole_in_a_long_first_turn(chat, tmp_path):
     train, test = functions_long.load("train"), functions_long.load("test")
-    assert load_tasks("functions_long", "train") == train and len(train) == 84 and len(test) == 37
+    assert load_tasks("functions_long", "train") == train and len(train) == 53 and len(test) == 37
     held = functions.held_out_templates()
     assert all(set(t.metadata["templates"]) <= held for t in test)
     assert not any(set(t.metadata["templates"]) & held for t in train)
@@ -192,6 +192,8 @@ def test_long_sessions_in_simulated_traffic_summarize_under_the_demos_two_turns(
     for s in summaries:
         state, _ = _fold([e for e in events if e.session_id == s["session_id"]])
         assert state.num_segments > 1  # what the loop report counts as a multi-segment session
-        for seg in _trajectory_data(state, 0.0, group="FNL").segments:
+        # a session whose budget ends right after a summary leaves its last segment empty (no turn ran
+        # in it): seen since the report and fresh splits changed the long tasks' fillers (2026-12-02)
+        for seg in [seg for seg in _trajectory_data(state, 0.0, group="FNL").segments if len(seg.token_ids)]:
             assert len(seg.token_ids) <= LONG_SEGMENT_TOKENS
             assert int(np.argmax(seg.loss_mask)) > default_seq_len  # its first sampled token

@@ -131,7 +131,7 @@ def test_the_placebo_shuffles_rewards_across_trajectories_before_advantages():
         make_trajectory([make_segment([1, 2], [5, 6])], float(i), task_id=f"t{i // 4}") for i in range(16)
     ]  # 4 groups of 4, rewards 0..15
     real_rewards, _, real_adv, _ = pack_cycle(trajs, TrainerConfig.model_validate({"seed": 3}))
-    cfg = TrainerConfig.model_validate({"seed": 3, "data": {"placebo": True}})
+    cfg = TrainerConfig.model_validate({"seed": 3, "data": {"placebo": True, "placebo_mode": "across_cycle"}})
     rewards, groups, adv, _ = pack_cycle(trajs, cfg)
     assert sorted(rewards.tolist()) == real_rewards.tolist() and rewards.tolist() != real_rewards.tolist()
     perm = placebo_permutation([t.id for t in trajs], 3)
@@ -140,9 +140,38 @@ def test_the_placebo_shuffles_rewards_across_trajectories_before_advantages():
     # Within each group the advantages still sum to zero (Dr. GRPO over the shuffled rewards).
     assert all(abs(float(adv[groups == g].sum())) < 1e-5 for g in groups.unique())
     assert pack_cycle(trajs, cfg)[0].tolist() == rewards.tolist()  # seeded: a rerun draws the same
-    other = pack_cycle(trajs, TrainerConfig.model_validate({"seed": 4, "data": {"placebo": True}}))[0]
-    assert other.tolist() != rewards.tolist()
+    other = TrainerConfig.model_validate({"seed": 4, "data": {"placebo": True, "placebo_mode": "across_cycle"}})
+    assert pack_cycle(trajs, other)[0].tolist() != rewards.tolist()
     assert list(placebo_permutation([t.id for t in reversed(trajs)], 3)) == list(perm)  # by ids, not order
+
+
+def test_the_default_placebo_shuffles_within_each_group_and_keeps_its_rewards_and_advantage_sizes():
+    """``data.placebo`` with the default ``placebo_mode = "within_group"``: each task group keeps its
+    multiset of rewards, so its mean and spread and the size of its advantages are the real run's;
+    only which trajectory holds which reward moves (issue 70, item 2)."""
+    from trainer.training import pack_cycle, placebo_permutation
+
+    rewards_of = [0.0, 1.0, 1.0, 0.25, 1.0, 0.0, 0.0, 0.0, 0.5, 0.75, 0.0, 1.0, 3.0]  # 3 groups of 4, 1 alone
+    trajs = [make_trajectory([make_segment([1, 2], [5, 6])], r, task_id=f"t{i // 4}") for i, r in enumerate(rewards_of)]
+    cfg = TrainerConfig.model_validate({"seed": 3, "data": {"placebo": True}})
+    assert cfg.data.placebo_mode == "within_group"
+    real_rewards, _, real_adv, _ = pack_cycle(trajs, TrainerConfig.model_validate({"seed": 3}))
+    moved = False
+    for seed in range(8):
+        cfg = TrainerConfig.model_validate({"seed": seed, "data": {"placebo": True}})
+        rewards, groups, adv, _ = pack_cycle(trajs, cfg)
+        for g in groups.unique():
+            rows = groups == g
+            assert sorted(rewards[rows].tolist()) == sorted(real_rewards[rows].tolist())  # the group's multiset
+            assert sorted(adv[rows].tolist()) == pytest.approx(sorted(real_adv[rows].tolist()))  # same step size
+        assert rewards[-1] == 3.0  # a trajectory alone in its group keeps its reward
+        moved |= rewards.tolist() != real_rewards.tolist()
+    assert moved
+    ids, keys = [t.id for t in trajs], [t.group for t in trajs]
+    perm = placebo_permutation(ids, 3, keys)
+    assert all(keys[int(j)] == keys[i] for i, j in enumerate(perm))  # never across groups
+    back = placebo_permutation(ids[::-1], 3, keys[::-1])  # by ids and groups, not their order
+    assert [ids[::-1][int(j)] for j in back][::-1] == [ids[int(j)] for j in perm]
 
 
 def test_packing_keeps_every_trainable_token_once():

@@ -115,3 +115,28 @@ def test_the_learning_curve_fits_80_columns_with_every_name_whole():
     text = con.export_text()
     _assert_fits(text, [CAND, PROD, PLANTED, *SUITES, "insufficient_evidence", "gate_failed", "production"])
     assert "#3*" in text and "planted regression" in text
+
+
+def test_the_report_reads_as_text_the_power_check_as_info_and_counts_never_as_a_dict():
+    """Issue 70, item 6: the informational power figure is ``INFO``, not ``FAIL``; counts print as
+    ``finalized 43``, never ``{"finalized": 43}``, in the terminal and in the HTML."""
+    from ops.report import _reason_text
+
+    power = {
+        "check": "power",
+        "suite": "functions",
+        "passed": False,
+        "informational": True,
+        "message": "functions: power 0.22 to tell an equal candidate from one 4.5% worse at 112 pairs",
+    }
+    assert _reason_text(power).startswith("INFO  functions: power 0.22")
+    assert _reason_text({**power, "informational": False}).startswith("FAIL")
+    assert _reason_text({"check": "floor", "passed": True, "message": "ok"}) == "PASS  ok"
+    report = _report()
+    report.dead_letters_by_reason = {"schema": 2}
+    report.trajectories_by_status = {"finalized": 43}
+    con = _console()
+    render_terminal(report, con)
+    text = con.export_text()
+    assert "trajectories: finalized 43;" in text and "dead letters: 2 (schema 2)" in text
+    assert "{" not in text

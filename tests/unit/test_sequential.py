@@ -152,9 +152,12 @@ def test_the_sequence_on_the_held_out_suite(b, c, both, decision):
     """docs/gate.md: at the held-out suite's 21 templates, under decide_by = sequential with the
     shipped policy, +3.6 points (seed 17's cycle 2) stops and passes, an equal candidate that churns
     3 and 3 tasks cannot be told from a 4.5-point loss, and a collapse (0 of 19) fails."""
+    from evals.gate.plans import smaller_plan
     from evals.gate.policy import load_gate_config
 
-    policy = load_gate_config().gating_only(["functions"]).model_copy(update={"decide_by": "sequential"})
+    # the held-out suite at k = 1 (112 greedy pairs), smaller than the shipped k = 8
+    policy = smaller_plan(load_gate_config(), "functions", 1, 112).gating_only(["functions"])
+    policy = policy.model_copy(update={"decide_by": "sequential"})
     cand, prod = held_out(b, c, both)
     r = decide_gate(
         {"functions": SuiteOutcomes("functions", "v", cand)},

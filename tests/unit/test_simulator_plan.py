@@ -24,29 +24,30 @@ def _rows(config: SimulatorConfig) -> list[tuple]:
 
 
 def test_without_long_sessions_the_plan_is_the_one_before_the_setting():
-    """Recorded from the simulator before ``long_session_share`` existed (commit 1462a43): the
-    benches' traffic stays comparable."""
+    """Recorded from the simulator before ``long_session_share`` existed (commit 1462a43), the
+    draws unchanged since; the tasks re-recorded when templates left ``train`` for the report and
+    fresh splits (evals/functions_splits.toml, 2026-12-02): the benches' traffic stays comparable."""
     config = SimulatorConfig(sessions=10, group_size=4, source="functions", difficulty_mix=PRODUCTION_MIX, seed=7)
     assert _rows(config) == [
-        (0, "FN/convert_units/1", "user-010", False, 700021, 0.8923591209280145, 6, 1024),
-        (1, "FN/convert_units/1", "user-001", True, 700022, 0.6262302619591787, 6, 1024),
-        (2, "FN/convert_units/1", "user-011", False, 700023, 0.395034627629794, 6, 1024),
-        (3, "FN/convert_units/1", "user-006", True, 700024, 0.32261332922187136, 6, 1024),
-        (4, "FN/average/2", "user-002", False, 700025, 0.6333405709095342, 6, 1024),
-        (5, "FN/average/2", "user-001", False, 700026, 0.5593572608495424, 6, 1024),
-        (6, "FN/average/2", "user-007", False, 700027, 0.8430294956140809, 6, 1024),
-        (7, "FN/average/2", "user-001", False, 700028, 0.9899070019879793, 6, 1024),
-        (8, "FN/join_two/3", "user-007", True, 700029, 0.06059657243155614, 6, 1024),
-        (9, "FN/join_two/3", "user-009", False, 700030, 0.6882469798806764, 6, 1024),
+        (0, "FN/count_substring/0", "user-010", False, 700021, 0.8923591209280145, 6, 1024),
+        (1, "FN/count_substring/0", "user-001", True, 700022, 0.6262302619591787, 6, 1024),
+        (2, "FN/count_substring/0", "user-011", False, 700023, 0.395034627629794, 6, 1024),
+        (3, "FN/count_substring/0", "user-006", True, 700024, 0.32261332922187136, 6, 1024),
+        (4, "FN/change_case/2", "user-002", False, 700025, 0.6333405709095342, 6, 1024),
+        (5, "FN/change_case/2", "user-001", False, 700026, 0.5593572608495424, 6, 1024),
+        (6, "FN/change_case/2", "user-007", False, 700027, 0.8430294956140809, 6, 1024),
+        (7, "FN/change_case/2", "user-001", False, 700028, 0.9899070019879793, 6, 1024),
+        (8, "FN/sum_selected/0", "user-007", True, 700029, 0.06059657243155614, 6, 1024),
+        (9, "FN/sum_selected/0", "user-009", False, 700030, 0.6882469798806764, 6, 1024),
     ]
     uniform = SimulatorConfig(sessions=6, group_size=2, tasks=2, source="functions", seed=3)
     assert [r[1:5] for r in _rows(uniform)] == [
-        ("FN/dedupe/3", "user-007", False, 300009),
-        ("FN/dedupe/3", "user-015", False, 300010),
-        ("FN/key_of_extreme/3", "user-000", False, 300011),
-        ("FN/key_of_extreme/3", "user-007", False, 300012),
-        ("FN/dedupe/3", "user-015", False, 300013),
-        ("FN/dedupe/3", "user-007", False, 300014),
+        ("FN/compare_versions/2", "user-007", False, 300009),
+        ("FN/compare_versions/2", "user-015", False, 300010),
+        ("FN/convert_units/0", "user-000", False, 300011),
+        ("FN/convert_units/0", "user-007", False, 300012),
+        ("FN/compare_versions/2", "user-015", False, 300013),
+        ("FN/compare_versions/2", "user-007", False, 300014),
     ]
     assert _rows(config.model_copy(update={"long_session_share": 0.0})) == _rows(config)
 
@@ -118,3 +119,14 @@ def test_the_demo_keeps_long_segments_in_training_only_when_its_traffic_has_long
         bench.data.min_new_trajectories == 64
         and load_config(trainer_toml(DemoOptions(sessions=3), tmp_path)).data.min_new_trajectories == 1
     )
+
+
+def test_the_demos_placebo_shuffles_within_task_groups_unless_told_otherwise(tmp_path):
+    from ops.demo import DemoOptions, trainer_toml
+    from trainer.config import load_config
+
+    assert not load_config(trainer_toml(DemoOptions(), tmp_path / "real")).data.placebo
+    default = load_config(trainer_toml(DemoOptions(placebo="within_group"), tmp_path / "placebo")).data
+    assert default.placebo and default.placebo_mode == "within_group"
+    old = DemoOptions(placebo="across_cycle")
+    assert load_config(trainer_toml(old, tmp_path / "old")).data.placebo_mode == "across_cycle"
