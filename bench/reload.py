@@ -160,7 +160,7 @@ def main() -> None:
         wait_http(f"{api_url}/healthz")
         token = flywheel(["tokens", "create", "--role", "release_manager", "--name", "bench-reload"], env)
         headers = {"Authorization": f"Bearer {token.strip().splitlines()[-1].strip()}"}
-        gate_env = {**env, "FLYWHEEL_SERVING_ENGINE": "torch"}
+        gate_env = {**env, "FLYWHEEL_SERVING_ENGINE": "reference"}
         gate = ["gate", CANDIDATE, "--suite", "functions", "--gate-on", "functions", "--limit", "2"]
         # exit 1 is the gate's negative answer (insufficient evidence on two tasks): the promotion
         # below overrides it, audited

@@ -14,12 +14,9 @@ Invariants:
   serialised in Postgres, so their outbox ids grow in commit order).
 - Only the newest production change of a poll batch is acted on: after a restart or a lag the
   engine jumps straight to the current production instead of replaying history.
-- The engine moves by the delta chain (``delta.zst`` of each checkpoint between the serving one and
-  the target) when the target descends from what is served and the engine applies deltas itself
-  (the torch engine, ``flywheel serve``); by a full load otherwise (rollbacks, unrelated lineage, a
-  missing or failing delta, vLLM, which can only reload a folder; :mod:`serving.moves` plans it).
-  Every move is logged with its
-  method and counted in the ``flywheel.serving.weight_moves`` metric (attribute ``method``).
+- The engine moves by a full reload of the target's STABLE directory (:mod:`serving.moves`); every
+  move is logged with its method and counted in the ``flywheel.serving.weight_moves`` metric
+  (attribute ``method``: ``full`` or ``noop``).
 - What serves (production, and the canary when one runs) is reported in ``$FLYWHEEL_HOME/serving.json``
   (atomic replace), together with the Kafka positions and the dedupe state, so a restarted watcher
   resumes where it stopped.
@@ -52,14 +49,14 @@ from app.core.metrics import SERVING_RELOAD_DURATION
 from app.core.retry import is_transient
 from app.core.settings import flywheel_home, get_settings
 from app.core.telemetry import extract_context, meter, tracer
-from app.lifecycle.messages import PRODUCTION_CHANGES
+from app.lifecycle.messages import CANARY_CHANGES, PRODUCTION_CHANGES
 from app.lifecycle.serving_state import read_serving_state, write_serving_state
 from app.models import Checkpoint
 from app.repositories.checkpoints import get_production
-from serving.canary import CANARY_CHANGES, CanaryFollower, EngineRouter
+from serving.canary import CanaryFollower, EngineRouter
 from serving.engine import setup_engine
 from serving.lifecycle_topic import LifecycleBatch, LifecycleTopicFollower
-from serving.moves import Engine, Move, plan_move, resolve_dir
+from serving.moves import Engine, Move, plan_move
 from serving.openai_engine import OpenAICompatEngine
 from serving.reconcile import reconcile_served
 from serving.vllm_server import VLLMServer, ensure_server
@@ -68,7 +65,7 @@ log = logging.getLogger("flywheel.watcher")
 _moves = meter("flywheel.serving").create_counter(
     "flywheel.serving.weight_moves",
     unit="{move}",
-    description="production weight changes applied by the serving watcher, by method (delta | full | noop)",
+    description="production weight changes applied by the serving watcher, by method (full | noop)",
 )
 
 SEEN_IDS_KEPT = 512
@@ -162,37 +159,14 @@ class ProductionFollower:
             CheckpointError: the target is not available on this node (the caller retries later).
         """
         started = time.perf_counter()
-        move = plan_move(
-            getattr(self.engine, "checkpoint_id", None),
-            payload,
-            self.store,
-            deltas=getattr(self.engine, "applies_deltas", True),
-        )
-        if move.method == "delta":
-            try:
-                for checkpoint_id, delta, parent in move.steps:
-                    self.engine.apply_delta(checkpoint_id, delta, parent)
-            except CheckpointError as exc:  # a corrupt or mismatched delta: a full load still works
-                log.warning("delta chain to %s failed (%s); loading it fully", move.target_id, exc)
-                move = Move(
-                    target_id=move.target_id,
-                    method="full",
-                    path=resolve_dir(payload.get("path"), move.target_id, self.store),
-                )
-        if move.method == "full":
-            if move.path is None:
-                raise CheckpointError(f"no directory for checkpoint {move.target_id}")
+        move = plan_move(getattr(self.engine, "checkpoint_id", None), payload, self.store)
+        if move.method == "full" and move.path is not None:
             self.engine.load_checkpoint(move.target_id, move.path)
         if isinstance(payload.get("outbox_id"), int):
             self.applied_outbox_id = max(self.applied_outbox_id, payload["outbox_id"])
         self.deduper.add(message_identity(payload))
         self.moves.append(move)
-        how = {
-            "delta": f"by {len(move.steps)} delta(s)",
-            "noop": "already served",
-            "full": "by a full reload"
-            + ("" if getattr(self.engine, "applies_deltas", True) else " (the engine cannot apply deltas)"),
-        }[move.method]
+        how = {"noop": "already served", "full": "by a full reload"}[move.method]
         log.info("serving %s %s, after %s", move.target_id, how, payload.get("type"))
         _moves.add(1, {"method": move.method})
         SERVING_RELOAD_DURATION.record(time.perf_counter() - started, {"method": move.method})

@@ -76,7 +76,7 @@ class _Serving(_Message):
     """The checkpoint's directory."""
     parent_id: str | None = None
     lineage: list[LineageEntry] = Field(default_factory=list)
-    """The checkpoint and its ancestors, child first (for a delta chain)."""
+    """The checkpoint and its ancestors, child first."""
 
 
 class CheckpointCreated(_Message):
@@ -89,8 +89,6 @@ class CheckpointCreated(_Message):
     generation: int | None = None
     reward_spec: str | None = None
     num_trajectories: int | None = None
-    delta: str | None = None
-    """File name of the bf16 delta from the parent, when the trainer wrote one."""
     cycle_id: str | None = None
 
 

@@ -94,7 +94,6 @@ def register_candidate(
         path=path,
         reward_spec=reward_spec,
         num_trajectories=len(trajectories),
-        delta=(manifest.get("delta") or {}).get("file"),
         cycle_id=str(cycle_id),
     )
     details = {"path": path, "status": row.status, "parent_id": parent.id, "cycle_id": str(cycle_id)}

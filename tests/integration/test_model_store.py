@@ -64,7 +64,7 @@ def test_model_init_materializes_smollm2_that_answers_sensibly(db, tmp_path):
     from app.checkpoints.store import CheckpointStore
     from app.inference.engine import SamplingParams
     from app.models import Checkpoint
-    from serving.torch_engine import TorchEngine
+    from serving.reference_engine import ReferenceEngine
 
     store = CheckpointStore(tmp_path / "ckpts")
     path = init_base(store)
@@ -75,7 +75,7 @@ def test_model_init_materializes_smollm2_that_answers_sensibly(db, tmp_path):
     assert {(r.id, r.status) for r in _rows(Checkpoint)} == {("base", "production")}
 
     torch.set_num_threads(2)
-    engine = TorchEngine(path, checkpoint_id="base")
+    engine = ReferenceEngine(path, checkpoint_id="base")
     prompt = engine.tokenizer.apply_chat_template(
         [{"role": "user", "content": "What is the capital of France?"}], add_generation_prompt=True, tokenize=False
     )

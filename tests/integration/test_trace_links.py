@@ -90,7 +90,7 @@ def test_a_promotion_links_back_to_its_training_cycle_and_producers_and_forward_
     _, value, headers = outbox_message(message)
     engine = RecordingEngine("base")
     ProductionFollower(engine, store=store, home=tmp_path).handle_batch([(json.loads(value), headers)])
-    assert engine.calls == [("delta", "good")]
+    assert engine.calls == [("full", "good")]
 
     finished = spans.get_finished_spans()
     (promotion,) = [s for s in finished if s.name == "promotion.promote"]
@@ -109,5 +109,5 @@ def test_a_promotion_links_back_to_its_training_cycle_and_producers_and_forward_
     assert cycle.attributes["flywheel.producer_spans"] == cycle.attributes["flywheel.producer_spans.linked"] == 3
     (reload,) = [s for s in finished if s.name == "serving.reload"]
     assert reload.parent.span_id == promotion.context.span_id and reload.context.trace_id == promotion.context.trace_id
-    assert reload.attributes["flywheel.checkpoint_id"] == "good" and reload.attributes["flywheel.method"] == "delta"
+    assert reload.attributes["flywheel.checkpoint_id"] == "good" and reload.attributes["flywheel.method"] == "full"
     assert session.get(Checkpoint, "good").status == "production"

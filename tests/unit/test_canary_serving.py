@@ -114,7 +114,7 @@ def test_a_canary_that_cannot_be_served_is_logged_and_leaves_everyone_on_product
     monkeypatch.delenv("FLYWHEEL_SERVING_CANARY_URL", raising=False)
     get_settings.cache_clear()
     prod = RecordingEngine("base")
-    canary = CanaryFollower(EngineRouter(prod), store=store)  # the real factory: setup_canary_engine
+    canary = CanaryFollower(EngineRouter(prod), store=store)  # the real factory: setup_engine, role canary
     follower = ProductionFollower(prod, store=store, home=tmp_path, canary=canary)
     try:
         with caplog.at_level("ERROR", logger="flywheel.canary"):
