@@ -74,6 +74,7 @@ from app.lifecycle.online import canary_arms, online_view
 from app.lifecycle.online_stats import OnlinePolicy, compare_arms, policy_reasons
 from app.lifecycle.production import latest_gate_decision
 from app.models import Checkpoint, GateDecision
+from app.models.checkpoints import CheckpointStatus, GateVerdict
 from consumers.finalize import finalize_due
 from consumers.ingest import IngestConsumer, projector_from_settings
 from consumers.settings import get_consumer_settings
@@ -122,13 +123,14 @@ def seed_passed_gate(checkpoint_id: str, production_id: str, min_sessions: int, 
                 candidate_id=checkpoint_id,
                 production_id=production_id,
                 passed=True,
-                decision="pass",
+                decision=GateVerdict.PASS.value,
                 reasons=[],
                 report={"config": config.model_dump(mode="json"), "note": "bench/canary.py: offline gate not run here"},
             )
         )
         row = session.get(Checkpoint, checkpoint_id)
-        row.status, row.decision = "gate_passed", "pass"  # a seeded gate, as the gate would leave it
+        # a seeded gate, as the gate would leave it (bench/canary measures the online policy, not the gate)
+        row.status, row.decision = CheckpointStatus.GATE_PASSED.value, GateVerdict.PASS.value
 
 
 def naive_reasons(canary, policy) -> list[str]:
@@ -311,11 +313,11 @@ def main() -> None:
         get_consumer_settings.cache_clear()
 
         base_path = init_base()
-        register_model(base_path, "same", "candidate", source="copy of base")
+        register_model(base_path, "same", CheckpointStatus.CANDIDATE, source="copy of base")
         register_model(
             write_noisy_copy(converted_base_dir(), tmp / "noisy", args.noise, args.seed),
             "bad",
-            "candidate",
+            CheckpointStatus.CANDIDATE,
             source=f"base + {args.noise} std Gaussian noise",
         )
         shutil.rmtree(tmp / "noisy")

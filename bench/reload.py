@@ -43,6 +43,7 @@ from app.core.migrate import upgrade
 from app.core.net import free_port, served_weight_version
 from app.core.settings import get_settings
 from app.inference.engine import SamplingParams
+from app.models.checkpoints import CheckpointStatus
 from ops.processes import Supervisor, wait_http
 from ops.stack import StackState, serving_settings, stack_down, stack_up
 from serving.openai_engine import OpenAICompatEngine
@@ -137,7 +138,9 @@ def main() -> None:
         base_dir = init_base()
         store = CheckpointStore.from_settings()
         with tempfile.TemporaryDirectory() as tmp:
-            register_model(perturbed_copy(base_dir, Path(tmp) / CANDIDATE), CANDIDATE, "candidate", source="bench")
+            register_model(
+                perturbed_copy(base_dir, Path(tmp) / CANDIDATE), CANDIDATE, CheckpointStatus.CANDIDATE, source="bench"
+            )
 
         state = StackState.load(home)
         settings = serving_settings(state)  # the keys the managed servers require

@@ -58,6 +58,7 @@ from app.core.pids import stop_pid
 from app.core.settings import get_settings
 from app.inference.engine import SamplingParams
 from app.models import Checkpoint
+from app.models.checkpoints import CheckpointStatus
 from app.repositories.checkpoints import add_checkpoint
 from consumers.ingest import IngestConsumer
 from consumers.settings import get_consumer_settings
@@ -216,7 +217,7 @@ def main() -> None:
             raise SystemExit(f"the consumer stored {stats.stored} of {len(events)} events (see its log)")
 
         with session_scope() as s:
-            add_checkpoint(s, checkpoint_id="moe-base", path=str(model_dir), status="production")
+            add_checkpoint(s, checkpoint_id="moe-base", path=str(model_dir), status=CheckpointStatus.PRODUCTION)
         with session_scope() as s:
             route_bytes, completion_tokens = (
                 s.connection()

@@ -31,7 +31,7 @@ from typing import Any
 from app.checkpoints.store import STABLE, CheckpointStore
 from app.core.errors import ConfigurationError, InfrastructureError
 from app.lifecycle.assignment import CANARY, assign_arm
-from app.lifecycle.messages import CANARY_CHANGES
+from app.lifecycle.messages import CanaryStarted, CanaryStopped, LifecycleMessage
 from serving.engine import setup_engine
 
 log = logging.getLogger("flywheel.canary")
@@ -124,18 +124,16 @@ class CanaryFollower:
         self.factory = factory or _canary_engine
         self.applied_outbox_id = 0
 
-    def accept(self, payload: dict[str, Any]) -> bool:
+    def accept(self, message: LifecycleMessage) -> bool:
         """Whether a message is a canary change newer than the last one applied."""
-        if payload.get("type") not in CANARY_CHANGES or not payload.get("canary_id"):
+        if not isinstance(message, CanaryStarted | CanaryStopped):
             return False
-        outbox_id = payload.get("outbox_id")
-        return not (isinstance(outbox_id, int) and outbox_id <= self.applied_outbox_id)
+        return not (message.outbox_id is not None and message.outbox_id <= self.applied_outbox_id)
 
-    def _folder(self, payload: dict[str, Any]) -> Path:
-        path = payload.get("path")
-        if path and (Path(path) / STABLE).exists():
-            return Path(path)
-        return self.store.stable_path(payload["checkpoint_id"])
+    def _folder(self, message: CanaryStarted) -> Path:
+        if message.path and (Path(message.path) / STABLE).exists():
+            return Path(message.path)
+        return self.store.stable_path(message.checkpoint_id)
 
     def _start(self, active: ActiveCanary, folder: Path) -> None:
         """Build the canary engine and route to it; one that cannot be built is logged as an error
@@ -154,34 +152,34 @@ class CanaryFollower:
         self.router.start(active, engine)
         log.info("canary %s: %s serves %.1f%% of users", active.canary_id, active.checkpoint_id, 100 * active.fraction)
 
-    def apply(self, payload: dict[str, Any]) -> ActiveCanary | None:
+    def apply(self, message: CanaryStarted | CanaryStopped) -> ActiveCanary | None:
         """Start (build the canary engine, then route) or stop the message's canary.
 
         Raises:
             CheckpointError: the canary's directory is not available here (the caller retries).
         """
-        if payload["type"] == "canary.started":
-            folder = self._folder(payload)
+        if isinstance(message, CanaryStarted):
+            folder = self._folder(message)
             active = ActiveCanary(
-                canary_id=str(payload["canary_id"]),
-                checkpoint_id=payload["checkpoint_id"],
-                fraction=float(payload["fraction"]),
+                canary_id=message.canary_id,
+                checkpoint_id=message.checkpoint_id,
+                fraction=message.fraction,
                 path=str(folder),
             )
             self._start(active, folder)
-        elif self.router.active is not None and self.router.active.canary_id == str(payload["canary_id"]):
+        elif self.router.active is not None and self.router.active.canary_id == message.canary_id:
             self.router.stop()
-            log.info("canary %s stopped: production serves every user", payload["canary_id"])
-        if isinstance(payload.get("outbox_id"), int):
-            self.applied_outbox_id = max(self.applied_outbox_id, payload["outbox_id"])
+            log.info("canary %s stopped: production serves every user", message.canary_id)
+        if message.outbox_id is not None:
+            self.applied_outbox_id = max(self.applied_outbox_id, message.outbox_id)
         return self.router.active
 
-    def handle(self, payloads: Sequence[dict[str, Any]]) -> ActiveCanary | None:
-        """Apply the newest accepted canary change among ``payloads`` (see module invariants)."""
-        accepted = [p for p in payloads if self.accept(p)]
+    def handle(self, messages: Sequence[LifecycleMessage]) -> ActiveCanary | None:
+        """Apply the newest accepted canary change among ``messages`` (see module invariants)."""
+        accepted = [m for m in messages if isinstance(m, CanaryStarted | CanaryStopped) and self.accept(m)]
         if not accepted:
             return self.router.active
-        return self.apply(max(accepted, key=lambda p: p.get("outbox_id") or 0))
+        return self.apply(max(accepted, key=lambda m: m.outbox_id or 0))
 
     def state(self) -> dict[str, Any]:
         """What ``serving.json`` keeps so a restarted watcher serves the same canary."""

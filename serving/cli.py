@@ -29,9 +29,14 @@ def model_register(
 ) -> None:
     """Copy a HF model folder into the checkpoint store and add its registry row."""
     from app.checkpoints.publish import register_model
+    from app.models.checkpoints import CheckpointStatus
 
+    try:
+        wanted = CheckpointStatus(status)
+    except ValueError:
+        raise typer.BadParameter(f"unknown status {status!r}", param_hint="--status") from None
     cid = checkpoint_id or path.resolve().name
-    final = register_model(path, cid, status, source=str(path.resolve().name))
+    final = register_model(path, cid, wanted, source=str(path.resolve().name))
     typer.echo(json.dumps({"checkpoint_id": cid, "path": str(final)}) if as_json else f"{cid} -> {final}")
 
 

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, Protocol
+from typing import Literal, Protocol
 
 from app.checkpoints.store import STABLE, CheckpointStore
+from app.lifecycle.messages import ProductionChanged
 
 
 class Engine(Protocol):
@@ -43,13 +44,13 @@ def resolve_dir(entry_path: str | None, checkpoint_id: str, store: CheckpointSto
     return store.stable_path(checkpoint_id)
 
 
-def plan_move(serving_id: str | None, payload: dict[str, Any], store: CheckpointStore) -> Move:
+def plan_move(serving_id: str | None, message: ProductionChanged, store: CheckpointStore) -> Move:
     """No move when ``serving_id`` is the message's checkpoint, else a full load of its directory.
 
     Raises:
         CheckpointError: the target directory is missing or not STABLE.
     """
-    target = payload["checkpoint_id"]
+    target = message.checkpoint_id
     if serving_id == target:
         return Move(target_id=target, method="noop")
-    return Move(target_id=target, method="full", path=resolve_dir(payload.get("path"), target, store))
+    return Move(target_id=target, method="full", path=resolve_dir(message.path, target, store))

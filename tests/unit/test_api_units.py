@@ -10,6 +10,7 @@ import pytest
 
 from app.checkpoints.store import CheckpointStore
 from app.core.intervals import newcombe_diff_interval, wilson_interval
+from app.lifecycle.messages import CheckpointRejected, LineageEntry, ProductionChanged
 from app.promotion.queries import InvalidCursorError, decode_cursor, encode_cursor
 from serving.moves import plan_move
 from serving.watcher import Deduper, ProductionFollower
@@ -70,19 +71,19 @@ def chain(tmp_path) -> tuple[CheckpointStore, dict[str, dict]]:
         with store.writer(cid) as d:
             (d / "manifest.json").write_text(json.dumps({"parent_id": parent}))
 
-    def payload(cid: str, outbox_id: int, kind: str = "checkpoint.promoted") -> dict:
+    def payload(cid: str, outbox_id: int, kind: str = "checkpoint.promoted") -> ProductionChanged:
         lineage, cur = [], cid
         while cur:
-            lineage.append({"id": cur, "path": str(store.path(cur))})
+            lineage.append(LineageEntry(id=cur, path=str(store.path(cur))))
             cur = parents[cur]
-        return {
-            "type": kind,
-            "event_id": f"ev-{outbox_id}",
-            "outbox_id": outbox_id,
-            "checkpoint_id": cid,
-            "path": str(store.path(cid)),
-            "lineage": lineage,
-        }
+        return ProductionChanged(
+            type=kind,
+            event_id=f"ev-{outbox_id}",
+            outbox_id=outbox_id,
+            checkpoint_id=cid,
+            path=str(store.path(cid)),
+            lineage=lineage,
+        )
 
     return store, payload
 
@@ -104,14 +105,13 @@ def test_follower_dedupes_and_jumps_to_the_newest_change(chain, tmp_path):
         [
             (payload("c1", 1), None),
             (payload("c2", 2), None),
-            ({"type": "checkpoint.rejected", "checkpoint_id": "s1"}, None),
+            (CheckpointRejected(checkpoint_id="s1", previous_status="candidate"), None),
         ]
     )
     assert move.method == "full" and engine.calls == [("full", "c2")]
     # A re-published copy (same event id) and a stale change (older outbox id) do nothing.
     assert follower.handle_batch([(payload("c1", 1), None), (payload("c2", 2), None)]) is None
-    stale = payload("c1", 1)
-    stale["event_id"] = "ev-other"
+    stale = payload("c1", 1).model_copy(update={"event_id": "ev-other"})
     assert follower.handle_batch([(stale, None)]) is None
     follower.handle_batch([(payload("c1", 3, "checkpoint.rolled_back"), None)])
     assert engine.calls[-1] == ("full", "c1")
