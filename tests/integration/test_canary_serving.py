@@ -23,8 +23,8 @@ def test_simulated_users_are_served_by_their_arm(tiny_model_dir, tmp_path):
     from app.checkpoints.testing import build_tiny_model
     from serving.reference_engine import ReferenceEngine
 
-    prod = ReferenceEngine(tiny_model_dir, checkpoint_id="prod")
-    cand = ReferenceEngine(build_tiny_model(tmp_path / "cand", seed=7), checkpoint_id="cand")
+    prod = ReferenceEngine(tiny_model_dir, checkpoint_id="prod", num_threads=1)
+    cand = ReferenceEngine(build_tiny_model(tmp_path / "cand", seed=7), checkpoint_id="cand", num_threads=1)
     router = EngineRouter(prod)
     router.start(ActiveCanary(canary_id="c-sim", checkpoint_id="cand", fraction=0.5), cand)
     events = []

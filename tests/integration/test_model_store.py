@@ -60,7 +60,6 @@ def test_register_refuses_non_model_folder(db, tmp_path):
 @pytest.mark.slow
 def test_model_init_materializes_smollm2_that_answers_sensibly(db, tmp_path):
     """The real SmolLM2-135M-Instruct: converted once (cached), hardlinked into a fresh store."""
-    import torch
 
     from app.checkpoints.publish import converted_base_dir, init_base
     from app.checkpoints.store import CheckpointStore
@@ -76,8 +75,7 @@ def test_model_init_materializes_smollm2_that_answers_sensibly(db, tmp_path):
     assert os.stat(path / "model.safetensors").st_ino == os.stat(converted_base_dir() / "model.safetensors").st_ino
     assert {(r.id, r.status) for r in _rows(Checkpoint)} == {("base", "production")}
 
-    torch.set_num_threads(2)
-    engine = ReferenceEngine(path, checkpoint_id="base")
+    engine = ReferenceEngine(path, checkpoint_id="base", num_threads=1)
     prompt = engine.tokenizer.apply_chat_template(
         [{"role": "user", "content": "What is the capital of France?"}], add_generation_prompt=True, tokenize=False
     )

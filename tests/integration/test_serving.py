@@ -23,7 +23,7 @@ ADMIN = "adm1n-key"
 def served(tiny_model_dir) -> Iterator[tuple[str, ReferenceEngine]]:
     from serving.testing import serve_in_thread
 
-    engine = ReferenceEngine(tiny_model_dir, checkpoint_id="tiny-a", num_threads=2)
+    engine = ReferenceEngine(tiny_model_dir, checkpoint_id="tiny-a", num_threads=1)
     url, server, thread = serve_in_thread(create_app(engine, api_key="k3y", admin_key=ADMIN))
     try:
         yield url, engine

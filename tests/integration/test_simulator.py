@@ -144,7 +144,7 @@ def test_simulator_runs_the_real_torch_engine(tiny_model_dir):
     """A tiny random model through the whole simulator (no broker): real token ids and log-probs."""
     from serving.reference_engine import ReferenceEngine
 
-    engine = ReferenceEngine(tiny_model_dir, checkpoint_id="tiny")
+    engine = ReferenceEngine(tiny_model_dir, checkpoint_id="tiny", num_threads=1)
     events = []
     summaries = run_simulation(
         SimulatorConfig(

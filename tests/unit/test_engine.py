@@ -14,8 +14,8 @@ PROMPTS = [[1, 5, 6, 7, 8, 9, 10, 11], [1, 100, 200], [1, 3, 4, 5, 6, 7, 8, 9, 1
 
 @pytest.fixture(scope="module")
 def engine(tiny_model_dir) -> ReferenceEngine:
-    torch.set_num_threads(1)  # a tiny model: one thread is fastest on a shared CPU
-    return ReferenceEngine(tiny_model_dir, checkpoint_id="tiny")
+    torch.set_num_threads(1)  # a tiny model: one thread is fastest on a shared CPU (docs/serving.md)
+    return ReferenceEngine(tiny_model_dir, checkpoint_id="tiny", num_threads=1)
 
 
 @pytest.mark.parametrize("temperature,top_p", [(0.0, 1.0), (0.7, 1.0), (1.0, 1.0)])
@@ -82,7 +82,7 @@ def test_setup_engine_fails_loudly_on_unknown_type(tiny_model_dir):
 
 
 def test_moe_reports_routed_experts(tiny_moe_model_dir):
-    eng = ReferenceEngine(tiny_moe_model_dir)
+    eng = ReferenceEngine(tiny_moe_model_dir, num_threads=1)
     gens = eng.generate(PROMPTS[:2], SamplingParams(max_tokens=5, temperature=1.0, seed=0))
     for g in gens:
         experts = torch.tensor(g.routed_experts)
@@ -96,7 +96,7 @@ def test_load_checkpoint_swaps_weights(engine, tmp_path):
     from app.checkpoints.testing import build_tiny_model
 
     other = build_tiny_model(tmp_path / "other", seed=1)
-    eng = ReferenceEngine(engine.model_dir, checkpoint_id="a")
+    eng = ReferenceEngine(engine.model_dir, checkpoint_id="a", num_threads=1)
     before = eng.generate([PROMPTS[0]], SamplingParams(max_tokens=5, temperature=0.0))[0]
     eng.load_checkpoint("b", other)
     after = eng.generate([PROMPTS[0]], SamplingParams(max_tokens=5, temperature=0.0))[0]

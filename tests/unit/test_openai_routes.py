@@ -80,7 +80,7 @@ def _vllm_like_server(gens, routes: list[np.ndarray], prompts: list[list[int]]):
 def test_vllm_routes_come_back_in_the_engines_convention(tiny_moe_model_dir):
     """Two prompts of different lengths in one request: each choice's routes equal what the reference
     engine recorded while sampling the same completion."""
-    engine = ReferenceEngine(tiny_moe_model_dir)
+    engine = ReferenceEngine(tiny_moe_model_dir, num_threads=1)
     prompts = [PROMPT, PROMPT[:9]]
     params = SamplingParams(max_tokens=8, temperature=1.0, seed=3)
     gens = [engine.generate([p], params)[0] for p in prompts]

@@ -31,7 +31,7 @@ def moe_dir(tmp_path_factory):
 def served(moe_dir):
     """(engine, generations) from the reference engine serving bf16-rounded weights."""
     torch.set_num_threads(1)
-    engine = ReferenceEngine(moe_dir)
+    engine = ReferenceEngine(moe_dir, num_threads=1)
     gens = engine.generate(PROMPTS, SamplingParams(max_tokens=24, temperature=1.0, seed=0))
     return engine, gens
 
