@@ -51,6 +51,7 @@ from fastapi import FastAPI
 from app.core.db import reset_engines
 from app.core.migrate import upgrade
 from app.core.net import free_port as fp
+from app.models.checkpoints import CheckpointStatus
 from app.repositories.tokens import TOKEN_PREFIX, hash_token
 from ops.postgres import start_postgres, stop_postgres
 
@@ -98,16 +99,22 @@ def seed(url: str, n: int) -> str:
     """Migrate, insert ``n`` checkpoints (newest in production) and a viewer token; returns the token."""
     upgrade(url=url)
     now = datetime.now(UTC)
-    statuses = ("retired", "gate_failed", "rejected", "gate_passed", "candidate")
+    statuses = (
+        CheckpointStatus.RETIRED,
+        CheckpointStatus.GATE_FAILED,
+        CheckpointStatus.REJECTED,
+        CheckpointStatus.GATE_PASSED,
+        CheckpointStatus.CANDIDATE,
+    )
     rows = []
     for i in range(n):
         cid = f"ckpt-{i:05d}"
-        status = "production" if i == n - 1 else statuses[i % len(statuses)]
+        status = CheckpointStatus.PRODUCTION if i == n - 1 else statuses[i % len(statuses)]
         rows.append(
             (
                 cid,
                 f"ckpt-{i - 1:05d}" if i else None,
-                status,
+                status.value,
                 f"/srv/checkpoints/{cid}",
                 True,
                 i,

@@ -13,15 +13,14 @@ Each candidate gets a passed gate decision whose stored config carries the shipp
 with ``[online] required = true``, ``--min-sessions`` per arm and ``--signals``; the offline evals
 themselves are ``bench/eval.py``'s subject, not this one's. ``--signals`` leaves out
 ``latency_per_token`` by default: here both arms are served by one process on the same two cores,
-each arm batched on its own and its batches running beside the other arm's, so an arm's seconds
-per token follow its batch sizes, the other arm's concurrent work and the machine's load, not
-only its checkpoint (``docs/benchmarks.md`` has what it measured for an identical copy). The
+each arm's engine running beside the other arm's, so an arm's seconds per token follow the other
+arm's concurrent work and the machine's load, not only its checkpoint (``docs/benchmarks.md`` has what it measured for an identical copy). The
 signal is still printed; with separate servers, as in production, it measures the checkpoint and
 belongs in the policy (the shipped ``evals/gate.toml`` keeps it).
 
 Then, for each candidate in turn: ``start_canary`` (``--fraction`` of users, sticky by user hash)
 -> ``run_simulation`` with ``EngineRouter.engine_for`` choosing the production engine or the
-canary engine (a second torch engine built by ``setup_canary_engine`` from the candidate's folder)
+canary engine (a second in-process reference engine built by ``serving.engine.setup_engine`` in the canary role from the candidate's folder)
 per user, every event through the producer SDK to the broker -> the ingest consumer (Kafka ->
 event_log -> trajectories) -> the window sweep finalizes and labels -> ``promote_checkpoint``
 decides in a transaction that is rolled back (production stays ``base`` for the next candidate)
@@ -75,6 +74,7 @@ from app.lifecycle.online import canary_arms, online_view
 from app.lifecycle.online_stats import OnlinePolicy, compare_arms, policy_reasons
 from app.lifecycle.production import latest_gate_decision
 from app.models import Checkpoint, GateDecision
+from app.models.checkpoints import CheckpointStatus, GateVerdict
 from consumers.finalize import finalize_due
 from consumers.ingest import IngestConsumer, projector_from_settings
 from consumers.settings import get_consumer_settings
@@ -82,8 +82,9 @@ from evals.gate.policy import load_gate_config
 from ops.broker import create_topics, start_broker
 from ops.simulator import SimulatorConfig, run_simulation
 from producers.producer import EventProducer
-from serving.canary import ActiveCanary, EngineRouter, setup_canary_engine
-from serving.torch_engine import TorchEngine
+from serving.canary import ActiveCanary, EngineRouter
+from serving.engine import setup_engine
+from serving.reference_engine import ReferenceEngine
 
 SIGNAL_ORDER = ("edit_acceptance", "edit_persistence", "dissatisfied_followup_rate", "latency_per_token", "mean_reward")
 
@@ -122,13 +123,14 @@ def seed_passed_gate(checkpoint_id: str, production_id: str, min_sessions: int, 
                 candidate_id=checkpoint_id,
                 production_id=production_id,
                 passed=True,
-                decision="pass",
+                decision=GateVerdict.PASS.value,
                 reasons=[],
                 report={"config": config.model_dump(mode="json"), "note": "bench/canary.py: offline gate not run here"},
             )
         )
         row = session.get(Checkpoint, checkpoint_id)
-        row.status, row.decision = "gate_passed", "pass"  # a seeded gate, as the gate would leave it
+        # a seeded gate, as the gate would leave it (bench/canary measures the online policy, not the gate)
+        row.status, row.decision = CheckpointStatus.GATE_PASSED.value, GateVerdict.PASS.value
 
 
 def naive_reasons(canary, policy) -> list[str]:
@@ -156,7 +158,7 @@ def run_canary(checkpoint_id: str, prod_engine, config, args) -> dict:
             path=session.get(Checkpoint, checkpoint_id).path,
         )
     router = EngineRouter(prod_engine)
-    router.start(active, setup_canary_engine(checkpoint_id, Path(active.path)))
+    router.start(active, setup_engine(checkpoint_id=checkpoint_id, model_dir=Path(active.path), role="canary"))
     t = time.monotonic()
     with EventProducer() as producer:
         summaries = run_simulation(
@@ -283,7 +285,7 @@ def main() -> None:
         FLYWHEEL_CONSUMER_FINALIZE_INTERVAL_S="1",
     )
     os.environ.setdefault("FLYWHEEL_TELEMETRY_EXPORTER", "none")
-    os.environ["FLYWHEEL_SERVING_ENGINE"] = "torch"
+    os.environ["FLYWHEEL_SERVING_ENGINE"] = "reference"
 
     torch.set_num_threads(args.threads)
 
@@ -311,17 +313,17 @@ def main() -> None:
         get_consumer_settings.cache_clear()
 
         base_path = init_base()
-        register_model(base_path, "same", "candidate", source="copy of base")
+        register_model(base_path, "same", CheckpointStatus.CANDIDATE, source="copy of base")
         register_model(
             write_noisy_copy(converted_base_dir(), tmp / "noisy", args.noise, args.seed),
             "bad",
-            "candidate",
+            CheckpointStatus.CANDIDATE,
             source=f"base + {args.noise} std Gaussian noise",
         )
         shutil.rmtree(tmp / "noisy")
         for cid in ("bad", "same"):
             seed_passed_gate(cid, "base", args.min_sessions, args.signals)
-        prod_engine = TorchEngine(base_path, checkpoint_id="base")
+        prod_engine = ReferenceEngine(base_path, checkpoint_id="base")
         config = SimulatorConfig(
             sessions=sessions,
             group_size=12,

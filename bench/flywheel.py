@@ -83,6 +83,7 @@ from pydantic import ValidationError
 from app.core.db import session_scope
 from app.core.pids import stop_pid
 from app.core.settings import get_settings
+from app.models.checkpoints import GateVerdict
 from app.repositories.checkpoints import get_production
 from bench.evidence import (
     REPORT_SUITE,
@@ -335,9 +336,11 @@ def main() -> None:  # noqa: PLR0915 - one recipe, read top to bottom
     diff, lb = in_distribution["diff"] or 0.0, in_distribution["lower_bound"] or 0.0
     persistence_ci = (signals_ab.get("edit_persistence") or {}).get("ci")
     followup_ci = (signals_ab.get("dissatisfied_followup_rate") or {}).get("ci")
-    planted_failed = planted_gate["decision"] == "fail"
-    control_held = control_gate["decision"] != "fail"
-    final_by_gate = final == "base" or any(p["candidate"] == final and p["decision"] == "pass" for p in served)
+    planted_failed = planted_gate["decision"] == GateVerdict.FAIL
+    control_held = control_gate["decision"] != GateVerdict.FAIL
+    final_by_gate = final == "base" or any(
+        p["candidate"] == final and p["decision"] == GateVerdict.PASS for p in served
+    )
     if args.placebo:
         ok = in_distribution["ci"] is not None and in_distribution["ci"][0] <= 0 <= in_distribution["ci"][1]
     elif args.quick:

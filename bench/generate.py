@@ -1,5 +1,6 @@
 """Generation throughput of the serving engines side by side, at 64 concurrent requests: vLLM in the
-dtype the demo serves in, vLLM fp32, the in-process torch engine, and plain ``model.generate``.
+dtype the demo serves in, vLLM fp32, and plain ``model.generate`` (the home-made torch engine this
+bench also measured until round 5 is gone; its last figures are in ``docs/benchmarks.md``).
 
 Workload: 2N chat requests at concurrency N (``--quick``: N) (a question, one in four after a code
 snippet: 40-110 prompt tokens), greedy, each with its own ``max_tokens`` drawn uniformly
@@ -11,7 +12,6 @@ wall seconds, prefill included.
   server at a time, started before its clock starts), N client threads through
   :class:`serving.openai_engine.OpenAICompatEngine`, each sending its next request when its last one
   completes (N in flight, as sessions do); the server's start time is reported beside it;
-* ``torch``: the same clients through ``TorchEngine.generate`` (continuous batching, fp32);
 * ``plain-static``: the requests as left-padded fp32 ``generate`` calls of N, each decoding up to its
   batch's largest ``max_tokens`` (tokens past a row's own limit or EOS do not count).
 
@@ -20,7 +20,7 @@ bf16 instructions), ``baseline`` = plain static batch fp32, target ratio >= 3. P
 per engine, then ONE summary JSON line with ``"engines": {NAME: tokens_per_s}``.
 
 Flags: ``--quick``, ``--model-dir DIR`` (HF folder; default SmolLM2-135M-Instruct),
-``--concurrency N`` (64), ``--engines a,b`` (subset of vllm-bf16, vllm-fp32, torch, plain-static),
+``--concurrency N`` (64), ``--engines a,b`` (subset of vllm-bf16, vllm-fp32, plain-static),
 ``--threads N`` (torch threads of the in-process sides; 2). Measured results: ``docs/benchmarks.md``.
 """
 
@@ -41,7 +41,6 @@ from app.checkpoints.publish import converted_base_dir
 from app.core.settings import ServingSettings
 from app.inference.engine import SamplingParams
 from serving.openai_engine import OpenAICompatEngine
-from serving.torch_engine import TorchEngine
 from serving.vllm_command import resolve_dtype
 from serving.vllm_server import start_server, stop_server
 
@@ -76,7 +75,7 @@ def build_workload(tok, n: int, lengths: tuple[int, int], seed: int) -> list[tup
     return out
 
 
-ENGINES = ("vllm-bf16", "vllm-fp32", "torch", "plain-static")
+ENGINES = ("vllm-bf16", "vllm-fp32", "plain-static")
 
 
 def run_clients(generate, work: list[tuple[list[int], int]], concurrency: int) -> tuple[int, float]:
@@ -142,8 +141,6 @@ def main() -> None:
         if name.startswith("vllm-"):
             dtype = {"vllm-bf16": "bfloat16", "vllm-fp32": "float32"}[name]
             results[name] = measure_vllm(dtype, model_dir, work, level)
-        elif name == "torch":
-            results[name] = measure_torch(model_dir, work, level)
         else:
             results[name] = measure_plain(model_dir, work, level)
         print(json.dumps({"engine": name, **results[name]}), flush=True)
@@ -172,22 +169,6 @@ def main() -> None:
             }
         )
     )
-
-
-def measure_torch(model_dir: Path, work, concurrency: int) -> dict:
-    """The in-process continuously batched torch engine (fp32), clients as for vLLM."""
-    engine = TorchEngine(model_dir, checkpoint_id="bench", max_seqs=concurrency, max_kv_tokens=concurrency * 512)
-
-    def generate(item):
-        return len(engine.generate([item[0]], SamplingParams(max_tokens=item[1], temperature=0.0))[0].token_ids)
-
-    try:
-        run_clients(generate, work[:2], 2)
-        engine._scheduler.prefix_cache.clear()
-        n, s = run_clients(generate, work, concurrency)
-    finally:
-        engine.close()
-    return {"tokens_per_s": round(n / s, 2), "completion_tokens": n, "seconds": round(s, 2)}
 
 
 def measure_plain(model_dir: Path, work, concurrency: int) -> dict:

@@ -8,8 +8,8 @@ the entry point is written to ``solution.py`` (``evals.harness.apply.extract_cod
 Ours: ``evals.harness.agent.run_agent_session`` with the product's system prompt and formats and
 the ``functions`` suite's budget (``evals/suites/functions.toml``), graded by ``grade`` (hidden
 tests in the sandbox). Sessions run in threads; a lockstep wrapper gathers the turn that every
-live session is waiting on into one batched ``TorchEngine.generate`` call (it does not rely on
-the engine batching concurrent callers itself).
+live session is waiting on into one ``generate`` call of the in-process reference engine
+(``serving.reference_engine``, one prompt at a time: the same turns in the same order either way).
 
 Both sides decode the same tasks with the same engine and sampling (greedy by default; with
 ``--temperature`` > 0, ``--samples`` seeded samples per task, pass@1 = mean over samples). Default:
@@ -49,7 +49,7 @@ from evals.harness.apply import extract_code
 from evals.harness.chat import ChatML
 from evals.harness.workspace import write_files
 from evals.tasks import load_tasks
-from serving.torch_engine import TorchEngine
+from serving.reference_engine import ReferenceEngine
 
 PLAIN_SUFFIX = "Reply with the complete function in one python code block."
 
@@ -192,7 +192,7 @@ def main() -> None:
     )
     samples = max(1, args.samples if args.temperature > 0 else 1)
     sampling = SamplingParams(max_tokens=b.max_tokens_per_turn, temperature=args.temperature, top_p=1.0, seed=args.seed)
-    engine = TorchEngine(model_dir, checkpoint_id="base", max_seqs=64)
+    engine = ReferenceEngine(model_dir, checkpoint_id="base")
     work = Path(tempfile.mkdtemp(prefix="flywheel-bench-harness-"))
     try:
         t0 = time.perf_counter()

@@ -43,6 +43,7 @@ from app.core.migrate import upgrade
 from app.core.net import free_port, served_weight_version
 from app.core.settings import get_settings
 from app.inference.engine import SamplingParams
+from app.models.checkpoints import CheckpointStatus
 from ops.processes import Supervisor, wait_http
 from ops.stack import StackState, serving_settings, stack_down, stack_up
 from serving.openai_engine import OpenAICompatEngine
@@ -137,7 +138,9 @@ def main() -> None:
         base_dir = init_base()
         store = CheckpointStore.from_settings()
         with tempfile.TemporaryDirectory() as tmp:
-            register_model(perturbed_copy(base_dir, Path(tmp) / CANDIDATE), CANDIDATE, "candidate", source="bench")
+            register_model(
+                perturbed_copy(base_dir, Path(tmp) / CANDIDATE), CANDIDATE, CheckpointStatus.CANDIDATE, source="bench"
+            )
 
         state = StackState.load(home)
         settings = serving_settings(state)  # the keys the managed servers require
@@ -160,7 +163,7 @@ def main() -> None:
         wait_http(f"{api_url}/healthz")
         token = flywheel(["tokens", "create", "--role", "release_manager", "--name", "bench-reload"], env)
         headers = {"Authorization": f"Bearer {token.strip().splitlines()[-1].strip()}"}
-        gate_env = {**env, "FLYWHEEL_SERVING_ENGINE": "torch"}
+        gate_env = {**env, "FLYWHEEL_SERVING_ENGINE": "reference"}
         gate = ["gate", CANDIDATE, "--suite", "functions", "--gate-on", "functions", "--limit", "2"]
         # exit 1 is the gate's negative answer (insufficient evidence on two tasks): the promotion
         # below overrides it, audited

@@ -1,7 +1,7 @@
 """MoE router replay: serving/trainer mismatch with and without the recorded routes, one run.
 
 A small Mixtral-style MoE (8 experts, top-2, several layers; random weights from a config,
-``trainer.testing.build_tiny_moe``) serves agent sessions through the torch engine in its serving
+``trainer.testing.build_tiny_moe``) serves agent sessions through the reference engine in its serving
 precision (bf16-rounded weights). Each session is two turns (the second prompt appends a tool
 observation to the first turn's context) and its events go the production way: the producer SDK
 (``producers.EventProducer``) -> a real broker (tansu) -> the consumer group's ingest
@@ -58,6 +58,7 @@ from app.core.pids import stop_pid
 from app.core.settings import get_settings
 from app.inference.engine import SamplingParams
 from app.models import Checkpoint
+from app.models.checkpoints import CheckpointStatus
 from app.repositories.checkpoints import add_checkpoint
 from consumers.ingest import IngestConsumer
 from consumers.settings import get_consumer_settings
@@ -71,7 +72,7 @@ from producers.events.types import (
     SessionStartedEvent,
 )
 from producers.producer import EventProducer
-from serving.torch_engine import TorchEngine
+from serving.reference_engine import ReferenceEngine
 from trainer.batching import pack_micro_batches
 from trainer.config import TrainerConfig
 from trainer.selection import select_cycle_data
@@ -197,7 +198,7 @@ def main() -> None:
         model_dir = build_tiny_moe(
             tmp / "moe", experts=8, top_k=2, num_layers=layers, hidden_size=args.hidden, initializer_range=init_std
         )
-        engine = TorchEngine(model_dir, checkpoint_id="moe-base")  # bf16-rounded weights
+        engine = ReferenceEngine(model_dir, checkpoint_id="moe-base")  # bf16-rounded weights
         t = time.monotonic()
         events = generate_sessions(engine, n_sessions, max_tokens, seed=0)
         generate_s = time.monotonic() - t
@@ -216,7 +217,7 @@ def main() -> None:
             raise SystemExit(f"the consumer stored {stats.stored} of {len(events)} events (see its log)")
 
         with session_scope() as s:
-            add_checkpoint(s, checkpoint_id="moe-base", path=str(model_dir), status="production")
+            add_checkpoint(s, checkpoint_id="moe-base", path=str(model_dir), status=CheckpointStatus.PRODUCTION)
         with session_scope() as s:
             route_bytes, completion_tokens = (
                 s.connection()

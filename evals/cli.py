@@ -38,7 +38,7 @@ eval_app = typer.Typer(
 
 LIMIT = typer.Option(None, "--limit", "-n", min=1, help="seeded subset of N tasks (changes the suite fingerprint)")
 WORKERS = typer.Option(
-    None, "--workers", "-w", min=1, help="concurrent sessions (default: 64 with the torch engine, else 1)"
+    None, "--workers", "-w", min=1, help="concurrent sessions (default: 64 with vLLM or the reference engine, else 1)"
 )
 eval_app.command("floors")(floors_cli.eval_floors)
 

@@ -17,9 +17,11 @@ def setup_envs(
     split: str = typer.Option("test", "--split", help="split of a static source"),
     limit: int | None = typer.Option(None, "--limit", "-n", min=1, help="seeded subset of N tasks"),
     seed: int = typer.Option(0, "--seed", help="seed of the subset"),
-    model_dir: Path | None = typer.Option(None, "--model-dir", help="propose with this HF folder (torch engine)"),
+    model_dir: Path | None = typer.Option(None, "--model-dir", help="propose with this HF folder (reference engine)"),
     checkpoint: str | None = typer.Option(None, "--checkpoint", help="checkpoint id (default: production)"),
-    engine_kind: str | None = typer.Option(None, "--engine", help="torch | vllm (default: FLYWHEEL_SERVING_ENGINE)"),
+    engine_kind: str | None = typer.Option(
+        None, "--engine", help="vllm | reference (default: FLYWHEEL_SERVING_ENGINE)"
+    ),
     max_tokens: int = typer.Option(256, "--max-tokens", min=16, help="completion tokens of one proposal"),
     policy_path: Path | None = typer.Option(
         None, "--policy", exists=True, dir_okay=False, help="allowed list TOML (default evals/environments.toml)"

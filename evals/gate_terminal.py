@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 from rich import box
 from rich.table import Table
 
+from app.models.checkpoints import GateVerdict
 from evals.gate.passk import format_sampling
 
 if TYPE_CHECKING:
@@ -19,7 +20,12 @@ if TYPE_CHECKING:
     from evals.gate.models import PassRate
     from evals.gating import GateOutcome
 
-STYLE = {"pass": "green", "fail": "red", "insufficient_evidence": "yellow", "not_gated": "dim"}
+STYLE = {
+    GateVerdict.PASS: "green",
+    GateVerdict.FAIL: "red",
+    GateVerdict.INSUFFICIENT_EVIDENCE: "yellow",
+    GateVerdict.NOT_GATED: "dim",
+}
 
 
 def _table(title: str, *columns: str, names: tuple[str, ...] = ("suite",)) -> Table:
@@ -101,7 +107,7 @@ def explain(console: "Console", outcome: "GateOutcome") -> None:
         f"gate {verdict} → checkpoint {outcome.candidate_id} is now "
         f"{'gate_passed' if r.passed else 'gate_failed'}; decision {outcome.decision_id}"
     )
-    if r.decision == "insufficient_evidence":
+    if r.decision == GateVerdict.INSUFFICIENT_EVIDENCE:
         console.print(
             "not promotable as it stands: a release manager may promote it with a written "
             "override_reason (POST /v1/promotions; audited)"

@@ -17,15 +17,16 @@ import numpy as np
 
 from app.core.intervals import error_bars
 from app.core.settings import get_settings
+from app.models.checkpoints import GateVerdict
 from evals.gate.models import GateResult, SamplingReport
 from evals.gate.passk import format_sampling
 
 MAX_LISTED = 200
 DECISION_COLORS = {
-    "pass": "tab:green",
-    "fail": "tab:red",
-    "insufficient_evidence": "tab:orange",
-    "not_gated": "tab:gray",
+    GateVerdict.PASS: "tab:green",
+    GateVerdict.FAIL: "tab:red",
+    GateVerdict.INSUFFICIENT_EVIDENCE: "tab:orange",
+    GateVerdict.NOT_GATED: "tab:gray",
 }
 
 

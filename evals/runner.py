@@ -51,6 +51,7 @@ from evals.harness.sandbox import SandboxLimits
 from evals.plan import RunPlan, plan_run, sample_seed
 from serving.engine import setup_engine
 from serving.openai_engine import OpenAICompatEngine
+from serving.reference_engine import ReferenceEngine
 
 if TYPE_CHECKING:
     from app.inference.engine import InferenceEngine
@@ -250,8 +251,8 @@ def run_suite(
         suite: a :class:`SuiteConfig` or a suite name.
         limit: override the suite's task limit (changes the fingerprint).
         workers: concurrent sessions (sandboxes); None: :func:`default_workers` for the engine (64
-            for the continuously batching torch engine, whose sequences decode together while
-            other sessions run their sandboxed tests; 1 otherwise).
+            for a server or the reference engine, so generation overlaps other sessions' sandboxed
+            tests; 1 otherwise).
         engine: an engine already serving the checkpoint (tests pass a scripted one); default
             :func:`serving.engine.setup_engine` for the checkpoint, built only if work remains.
         tasks: explicit tasks instead of the suite's source (tests).
@@ -430,12 +431,12 @@ def execute_samples(
     return errors
 
 
-TORCH_ENGINE_WORKERS = 64
+SESSION_WORKERS = 64
 
 
 def eval_engine(checkpoint_id: str) -> "InferenceEngine":
-    """The engine a candidate's evals run on: its own in-process torch engine, or with vLLM the eval
-    server (``FLYWHEEL_SERVING_EVAL_URL``), never the server that serves production.
+    """The engine a candidate's evals run on: with vLLM the eval server (``FLYWHEEL_SERVING_EVAL_URL``),
+    never the server that serves production; with the reference engine its own in-process one.
 
     Raises:
         ConfigurationError: vLLM without an eval server, or an eval server that is the production one.
@@ -444,10 +445,8 @@ def eval_engine(checkpoint_id: str) -> "InferenceEngine":
 
 
 def default_workers(engine: "InferenceEngine | None" = None) -> int:
-    """Default session concurrency: ``TORCH_ENGINE_WORKERS`` (64) for the in-process torch engine,
-    which decodes all in-flight sessions' sequences together (its ``max_seqs`` bounds a step), and
-    for a vLLM / OpenAI-compatible server, which batches concurrent requests the same way; 1 for
-    any other engine (a scripted engine need not be thread-safe)."""
-    from serving.torch_engine import TorchEngine
-
-    return TORCH_ENGINE_WORKERS if isinstance(engine, TorchEngine | OpenAICompatEngine) else 1
+    """Default session concurrency: ``SESSION_WORKERS`` (64) for a vLLM / OpenAI-compatible server,
+    which batches concurrent requests together, and for the thread-safe reference engine (one prompt
+    at a time, while other sessions run their sandboxed tests); 1 for any other engine (a scripted
+    engine need not be thread-safe)."""
+    return SESSION_WORKERS if isinstance(engine, OpenAICompatEngine | ReferenceEngine) else 1

@@ -32,6 +32,7 @@ from app.core.intervals import error_bars, wilson_interval
 from app.lifecycle.online import load_sessions, signal_summary
 from app.lifecycle.online_stats import SIGNALS as ONLINE
 from app.models import Checkpoint, EvalResult, EvalRun, GateDecision
+from app.models.checkpoints import GateVerdict
 
 SIGNALS = (
     "mean_reward",
@@ -135,13 +136,16 @@ def gate_view(decision: Any) -> dict[str, Any]:
     report = decision.report or {}
     suites = {
         name: {
-            "decision": s.get("decision") or ("pass" if s.get("passed") else "fail"),
+            "decision": s.get("decision") or (GateVerdict.PASS if s.get("passed") else GateVerdict.FAIL),
             "power": s.get("power"),
         }
         for name, s in sorted((report.get("suites") or {}).items())
         if s.get("gated", True)
     }
-    return {"decision": report.get("decision") or ("pass" if decision.passed else "fail"), "suites": suites}
+    return {
+        "decision": report.get("decision") or (GateVerdict.PASS if decision.passed else GateVerdict.FAIL),
+        "suites": suites,
+    }
 
 
 def _latest_gate(session: Session, checkpoint_id: str) -> dict[str, Any]:
@@ -184,7 +188,11 @@ def signal_moves(points: list[CurvePoint]) -> dict[str, tuple[float, float]]:
     return {k: (first[k], last[k]) for k in SIGNALS if k in first and k in last}
 
 
-DECISION_MARK = {"pass": "pass", "fail": "fail", "insufficient_evidence": "insuff."}
+DECISION_MARK: dict[str, str] = {
+    GateVerdict.PASS: "pass",
+    GateVerdict.FAIL: "fail",
+    GateVerdict.INSUFFICIENT_EVIDENCE: "insuff.",
+}
 
 
 def render_curves_png(points: list[CurvePoint], path: Path) -> Path:

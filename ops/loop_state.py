@@ -14,10 +14,11 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from app.models import Checkpoint, EventLog, PrivacyTombstone, TrainingCycle, Trajectory
+from app.models.checkpoints import CheckpointStatus, GateVerdict
 from app.repositories.checkpoints import get_production
 
 # Checkpoint statuses after which nothing more happens to a candidate without a person.
-SETTLED = ("production", "rejected", "retired")
+SETTLED = (CheckpointStatus.PRODUCTION, CheckpointStatus.REJECTED, CheckpointStatus.RETIRED)
 
 
 @dataclass(frozen=True)
@@ -90,7 +91,7 @@ def candidate_state(session: Session, checkpoint_id: str) -> CandidateState:
     row = session.get(Checkpoint, checkpoint_id)
     if row is None:
         raise LookupError(f"no checkpoint {checkpoint_id!r}")
-    settled = row.status in SETTLED or (row.decision is not None and row.decision != "pass")
+    settled = row.status in SETTLED or (row.decision is not None and row.decision != GateVerdict.PASS)
     return CandidateState(checkpoint_id=row.id, status=row.status, decision=row.decision, settled=settled)
 
 

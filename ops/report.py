@@ -34,6 +34,7 @@ from app.models import (
     RewardLabel,
     Trajectory,
 )
+from app.models.checkpoints import CheckpointStatus
 from evals.gate.models import Outcome
 from evals.gate.passk import sampling_report
 from ops.curves import collect_curves, curves_html, gate_view, render_curves_png
@@ -96,7 +97,7 @@ def collect_report(session: Session, candidate_id: str | None = None) -> LoopRep
     rewards = (
         [float(r) for r in session.scalars(select(RewardLabel.reward).where(RewardLabel.spec == spec))] if spec else []
     )
-    production = session.scalar(select(Checkpoint.id).where(Checkpoint.status == "production"))
+    production = session.scalar(select(Checkpoint.id).where(Checkpoint.status == CheckpointStatus.PRODUCTION))
 
     report = LoopReport(
         generated_at=datetime.now(UTC).isoformat(timespec="seconds"),

@@ -15,13 +15,18 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
+from app.models.checkpoints import GateVerdict
 from ops.curves import SIGNALS, signal_moves
 from ops.report_model import LoopReport, fmt_counts, fmt_diff, fmt_power
 
 if TYPE_CHECKING:
     from ops.curves import CurvePoint
 
-DECISION_STYLE = {"pass": "green", "fail": "red", "insufficient_evidence": "yellow"}
+DECISION_STYLE: dict[str, str] = {
+    GateVerdict.PASS: "green",
+    GateVerdict.FAIL: "red",
+    GateVerdict.INSUFFICIENT_EVIDENCE: "yellow",
+}
 SIGNAL_HEADS = {
     "mean_reward": "reward",
     "edit_acceptance": "accept",

@@ -35,7 +35,7 @@ SETTINGS_MODULES = (
     "evals.config",
     "evals.harness.sandbox_host",
     "app.lifecycle.release",
-    "serving.canary",
+    "serving.canary_server",
     "serving.front",
 )
 

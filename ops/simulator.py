@@ -177,10 +177,11 @@ class ModelledLatency:
     """An engine wrapper whose generations report modelled serving latency instead of wall time.
 
     ``latency_s = prefill_tokens * prefill_s_per_token + len(token_ids) * decode_s_per_token``,
-    with the per-token seconds the engine measured on itself unloaded (``TorchEngine`` measures them
-    at load). On a shared CPU the wall time of a batched request mostly measures the other requests
-    and the machine's load; the modelled figure follows only what this policy did (how much it read
-    and wrote). An engine that measures neither (a remote server) keeps its wall-clock latency.
+    with the per-token seconds an engine measured on itself unloaded, where it reports them. On a shared
+    CPU the wall time of a batched request mostly measures the other requests and the machine's load;
+    the modelled figure follows only what this policy did (how much it read and wrote). An engine that
+    reports neither keeps its own latency: a server's wall clock, or the reference engine's, which
+    counts from the start of the request's own completion (one prompt at a time, the wait excluded).
     """
 
     def __init__(self, engine) -> None:

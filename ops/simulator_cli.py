@@ -60,7 +60,7 @@ def simulate(
         None, "--model-dir", help="serve this HF folder instead of the production checkpoint"
     ),
     checkpoint: str = typer.Option(None, "--checkpoint", help="checkpoint id (default: production)"),
-    threads: int = typer.Option(2, "--threads", help="torch CPU threads (torch engine)"),
+    threads: int = typer.Option(2, "--threads", help="torch CPU threads (reference engine)"),
     front: bool = typer.Option(
         None,
         "--front/--no-front",

@@ -1,1 +1,2 @@
-"""Inference: one engine interface, a vLLM HTTP client and an in-process torch engine."""
+"""Serving: vLLM over its HTTP API (the production engine), the in-process reference engine for tests
+and hosts without vLLM, the watcher that follows production, canaries and the serving front."""

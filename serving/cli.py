@@ -29,9 +29,14 @@ def model_register(
 ) -> None:
     """Copy a HF model folder into the checkpoint store and add its registry row."""
     from app.checkpoints.publish import register_model
+    from app.models.checkpoints import CheckpointStatus
 
+    try:
+        wanted = CheckpointStatus(status)
+    except ValueError:
+        raise typer.BadParameter(f"unknown status {status!r}", param_hint="--status") from None
     cid = checkpoint_id or path.resolve().name
-    final = register_model(path, cid, status, source=str(path.resolve().name))
+    final = register_model(path, cid, wanted, source=str(path.resolve().name))
     typer.echo(json.dumps({"checkpoint_id": cid, "path": str(final)}) if as_json else f"{cid} -> {final}")
 
 
@@ -41,20 +46,20 @@ def serve(
     host: str = typer.Option("127.0.0.1", "--host"),
     port: int = typer.Option(8001, "--port"),
     threads: int = typer.Option(2, "--threads", help="torch CPU threads"),
-    max_seqs: int = typer.Option(64, "--max-seqs", help="most sequences decoded together"),
     device: str = typer.Option(None, "--device", help="auto | cpu | cuda (default: FLYWHEEL_SERVING_DEVICE)"),
 ) -> None:
-    """Serve the torch engine over vLLM's OpenAI-compatible HTTP subset (completions + weight reload)."""
+    """Serve the reference engine (transformers, one prompt at a time) over vLLM's OpenAI-compatible
+    HTTP subset (completions + weight reload): for tests and hosts without vLLM."""
     import uvicorn
 
     from app.core.settings import get_settings, secret_value
     from serving.engine import resolve_checkpoint
+    from serving.reference_engine import ReferenceEngine
     from serving.server import create_app
-    from serving.torch_engine import TorchEngine
 
     cid, path = resolve_checkpoint(checkpoint, model_dir)
-    engine = TorchEngine(
-        path, checkpoint_id=cid, num_threads=threads, max_seqs=max_seqs, device=device or get_settings().serving.device
+    engine = ReferenceEngine(
+        path, checkpoint_id=cid, num_threads=threads, device=device or get_settings().serving.device
     )
     serving = get_settings().serving
     app = create_app(engine, api_key=secret_value(serving.api_key), admin_key=secret_value(serving.admin_key))

@@ -1,51 +1,109 @@
-"""Engines by kind and role: the in-process torch engine, or a vLLM / OpenAI-compatible server, for
-the production checkpoint or a named one (the interface is :mod:`app.inference.engine`)."""
+"""The one engine factory: a vLLM (or any OpenAI-compatible) server by role, or the in-process
+reference engine, for the production checkpoint or a named one (the interface is
+:mod:`app.inference.engine`).
+
+Invariants:
+
+- each role has its own server, found by :func:`server_url`: ``production`` (what users are served
+  by; only the serving watcher moves its weights), ``eval`` (candidates' evals, never the production
+  server) and ``canary`` (a canary's checkpoint beside production); the serving front finds its
+  upstreams through the same function;
+- the reference engine (``FLYWHEEL_SERVING_ENGINE=reference``) is this process's own, whatever the role:
+  tests and hosts without vLLM.
+"""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal, overload
 
 from app.checkpoints.store import CheckpointStore
 from app.core.db import session_scope
 from app.core.errors import ConfigurationError
-from app.core.settings import flywheel_home, get_settings, secret_value
+from app.core.settings import Settings, flywheel_home, get_settings, secret_value
 from app.inference.engine import InferenceEngine
 from app.repositories.checkpoints import require_production
+from serving.canary_server import CANARY_ROLE, ManagedCanaryServer, canary_settings
+from serving.openai_engine import OpenAICompatEngine
+from serving.reference_engine import ReferenceEngine
 from serving.vllm_server import VLLMServer, ensure_server, record_checkpoint
 
-ENGINE_TYPES = ("torch", "vllm", "openai")
-ROLES = ("production", "eval")
+ENGINE_TYPES = ("vllm", "openai", "reference")
+ROLES = ("production", "eval", "canary")
+Role = Literal["production", "eval", "canary"]
+_URL_SETTINGS = {
+    "production": "FLYWHEEL_SERVING_URL",
+    "eval": "FLYWHEEL_SERVING_EVAL_URL",
+    "canary": "FLYWHEEL_SERVING_CANARY_URL",
+}
+
+
+def server_url(role: str, settings: Settings | None = None) -> str | None:
+    """The base URL of the role's server: the role's setting, else (production, canary) the managed
+    server this host runs for it (``$FLYWHEEL_HOME/vllm/<role>.json``), else None."""
+    settings = settings or get_settings()
+    configured = {
+        "production": settings.serving.url,
+        "eval": settings.serving.eval_url,
+        "canary": canary_settings().url,
+    }[role]
+    if configured or role == "eval":
+        return configured
+    try:
+        server = VLLMServer.load(flywheel_home(), role)
+    except (OSError, ValueError):  # removed or replaced while read: the watcher is stopping it
+        return None
+    return server.url if server is not None else None
+
+
+@overload
+def setup_engine(
+    settings: Settings | None = None,
+    *,
+    checkpoint_id: str | None = None,
+    model_dir: Path | None = None,
+    engine: str | None = None,
+    url: str | None = None,
+    role: Literal["production", "eval"] = "production",
+) -> InferenceEngine: ...
+
+
+@overload
+def setup_engine(
+    settings: Settings | None = None,
+    *,
+    checkpoint_id: str | None = None,
+    model_dir: Path | None = None,
+    engine: str | None = None,
+    url: str | None = None,
+    role: Literal["canary"],
+) -> InferenceEngine | ManagedCanaryServer: ...
 
 
 def setup_engine(
-    settings=None,
+    settings: Settings | None = None,
     *,
     checkpoint_id: str | None = None,
     model_dir: Path | None = None,
     engine: str | None = None,
     url: str | None = None,
     role: str = "production",
-) -> InferenceEngine:
-    """Build the configured engine (``FLYWHEEL_SERVING_ENGINE``: ``torch`` | ``vllm``).
+) -> InferenceEngine | ManagedCanaryServer:
+    """Build the configured engine (``FLYWHEEL_SERVING_ENGINE``: ``vllm``, the default, | ``reference``).
 
-    ``torch`` loads ``model_dir`` if given, else the checkpoint ``checkpoint_id`` (default: the
-    production checkpoint from the registry) from the checkpoint store, on
-    ``FLYWHEEL_SERVING_DEVICE``; the engine is this process's own, whatever the role. ``vllm``
-    (alias ``openai``) talks to a server (vLLM or ``flywheel serve``) and asks it to load
-    ``model_dir`` / the checkpoint when one is named, else it serves what the server has. Which
-    server depends on ``role``:
-
-    * ``production``: ``url`` / ``FLYWHEEL_SERVING_URL``, the server users are served by (the
-      serving watcher and the simulator use it);
-    * ``eval``: ``url`` / ``FLYWHEEL_SERVING_EVAL_URL``, a server of its own, so loading a candidate
-      never changes the weights production serves.
-
+    ``vllm`` (alias ``openai``) talks to the role's server (``url``, else :func:`server_url`) and asks
+    it to load ``model_dir`` / the checkpoint when one is named, else it serves what the server has.
     A server this host manages (:mod:`serving.vllm_server`) is restarted first if it died, and every
-    reload through the client is recorded in its state, so a later restart serves the same checkpoint.
-    The client sends the inference key, and on the reload routes the role's admin key where this
-    process holds one (``FLYWHEEL_SERVING_ADMIN_KEY``: the watcher; ``FLYWHEEL_SERVING_EVAL_ADMIN_KEY``:
-    the eval runner); a process without it that names a checkpoint the server does not serve gets the
-    server's 403 as an :class:`InfrastructureError`.
+    reload through the client is recorded in its state, so a later restart serves the same
+    checkpoint. The client sends the inference key, and on the reload routes the role's admin key
+    where this process holds one (``FLYWHEEL_SERVING_ADMIN_KEY``: the watcher;
+    ``FLYWHEEL_SERVING_EVAL_ADMIN_KEY``: the eval runner); a process without it that names a
+    checkpoint the server does not serve gets the server's 403 as an :class:`InfrastructureError`.
+    The ``canary`` role without ``FLYWHEEL_SERVING_CANARY_URL`` starts the managed canary server on
+    the checkpoint (:class:`serving.canary_server.ManagedCanaryServer`, warming up in a thread).
+
+    ``reference`` loads ``model_dir`` if given, else the checkpoint ``checkpoint_id`` (default: the
+    production checkpoint from the registry) from the checkpoint store, on ``FLYWHEEL_SERVING_DEVICE``.
 
     Raises:
         ConfigurationError: unknown engine type or role, no URL for the role, an eval URL equal to
@@ -58,18 +116,16 @@ def setup_engine(
         raise ConfigurationError(f"unknown inference engine {kind!r}; expected one of {', '.join(ENGINE_TYPES)}")
     if role not in ROLES:
         raise ConfigurationError(f"unknown engine role {role!r}; expected one of {', '.join(ROLES)}")
-    if kind == "torch":
-        from serving.torch_engine import TorchEngine
-
+    if kind == "reference":
         cid, path = resolve_checkpoint(checkpoint_id, model_dir)
-        return TorchEngine(path, checkpoint_id=cid, device=settings.serving.device)
-    from serving.openai_engine import OpenAICompatEngine
-
-    base_url = url or (settings.serving.eval_url if role == "eval" else settings.serving.url)
+        return ReferenceEngine(path, checkpoint_id=cid, device=settings.serving.device)
+    if role == CANARY_ROLE and url is None and not canary_settings().url:
+        cid, path = resolve_checkpoint(checkpoint_id, model_dir)
+        return ManagedCanaryServer(cid, path, settings=settings.serving, drain_s=canary_settings().drain_s)
+    base_url = url or (settings.serving.url if role == "production" else server_url(role, settings))
     if not base_url:
-        env = "FLYWHEEL_SERVING_EVAL_URL" if role == "eval" else "FLYWHEEL_SERVING_URL"
         raise ConfigurationError(
-            f"engine 'vllm' in role {role} needs {env} (an OpenAI-compatible server"
+            f"engine 'vllm' in role {role} needs {_URL_SETTINGS[role]} (an OpenAI-compatible server"
             + (" that does not serve production)" if role == "eval" else ")")
         )
     if role == "eval" and settings.serving.url and _same_server(base_url, settings.serving.url):

@@ -48,14 +48,13 @@ from starlette.background import BackgroundTask
 from starlette.concurrency import run_in_threadpool
 
 from app.core.errors import ConfigurationError
-from app.core.settings import EnvSettings, flywheel_home, get_settings
+from app.core.settings import EnvSettings, get_settings
 from app.core.telemetry import meter
 from app.lifecycle.assignment import CANARY, PRODUCTION
-from serving.canary import canary_settings
+from serving.engine import server_url
 from serving.front_keys import Caller, FrontKeys, bearer_key
 from serving.front_lifecycle import LifecycleFollower
 from serving.front_routing import UNKNOWN_CHECKPOINT, FrontRouter, Route, UpstreamUnavailable
-from serving.vllm_server import VLLMServer
 
 log = logging.getLogger("flywheel.front")
 access_log = logging.getLogger("flywheel.front.access")
@@ -333,19 +332,6 @@ def create_front(
     return app
 
 
-def managed_canary_url() -> str | None:
-    """The canary server's base URL: ``FLYWHEEL_SERVING_CANARY_URL``, else the managed canary
-    server's (``$FLYWHEEL_HOME/vllm/canary.json``, written by the serving watcher), else None."""
-    configured = canary_settings().url
-    if configured:
-        return configured
-    try:
-        server = VLLMServer.load(flywheel_home(), "canary")
-    except (OSError, ValueError):  # removed or replaced while read: the watcher is stopping it
-        return None
-    return server.url if server is not None else None
-
-
 def build_front(settings: FrontSettings | None = None) -> tuple[FastAPI, LifecycleFollower]:
     """The front app over the configured servers, and its lifecycle follower (started with the app).
 
@@ -354,10 +340,7 @@ def build_front(settings: FrontSettings | None = None) -> tuple[FastAPI, Lifecyc
     """
     settings = settings or FrontSettings.load()
     config = get_settings()
-    production = config.serving.url
-    if not production:
-        served = VLLMServer.load(flywheel_home(), "production")
-        production = served.url if served is not None else None
+    production = server_url("production", config)
     if not production:
         raise ConfigurationError("no production server: set FLYWHEEL_SERVING_URL or run `flywheel stack serve`")
     key = config.serving.api_key
@@ -365,7 +348,7 @@ def build_front(settings: FrontSettings | None = None) -> tuple[FastAPI, Lifecyc
     client = httpx.AsyncClient(timeout=httpx.Timeout(settings.upstream_timeout_s, connect=5.0), limits=limits)
     router = FrontRouter(
         production,
-        managed_canary_url,
+        lambda: server_url("canary"),
         client,
         ttl_s=settings.checkpoint_ttl_s,
         headers={"Authorization": f"Bearer {key.get_secret_value()}"} if key else None,

@@ -19,12 +19,11 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
-from typing import Any
 
 from app.core.db import session_scope
 from app.core.errors import InfrastructureError
 from app.lifecycle.canary import get_active_canary
-from app.lifecycle.messages import CANARY_CHANGES, PRODUCTION_CHANGES
+from app.lifecycle.messages import CanaryStarted, CanaryStopped, LifecycleMessage, ProductionChanged
 from serving.front_routing import Canary, FrontRouter
 from serving.lifecycle_topic import LifecycleBatch, LifecycleTopicFollower
 
@@ -70,37 +69,32 @@ class LifecycleFollower:
             else None
         )
 
-    def apply(self, payloads: Iterable[dict[str, Any]]) -> Canary | None:
-        """Apply a batch of decoded lifecycle messages in ``outbox_id`` order; returns the canary routed to."""
-        for payload in sorted(payloads, key=lambda p: p.get("outbox_id") or 0):
-            kind = payload.get("type")
-            if kind in PRODUCTION_CHANGES:
+    def apply(self, messages: Iterable[LifecycleMessage]) -> Canary | None:
+        """Apply a batch of lifecycle messages in ``outbox_id`` order; returns the canary routed to."""
+        for message in sorted(messages, key=lambda m: m.outbox_id or 0):
+            if isinstance(message, ProductionChanged):
                 self.router.invalidate()
-                log.info("%s %s: re-reading what the servers serve", kind, payload.get("checkpoint_id"))
+                log.info("%s %s: re-reading what the servers serve", message.type, message.checkpoint_id)
                 continue
-            if kind not in CANARY_CHANGES or not payload.get("canary_id"):
+            if not isinstance(message, CanaryStarted | CanaryStopped):
                 continue
-            outbox_id = payload.get("outbox_id")
-            if isinstance(outbox_id, int):
-                if outbox_id <= self.applied_outbox_id:
+            if message.outbox_id is not None:
+                if message.outbox_id <= self.applied_outbox_id:
                     continue
-                self.applied_outbox_id = outbox_id
-            canary_id = str(payload["canary_id"])
-            if kind == "canary.started":
-                try:
-                    canary = Canary(canary_id, str(payload["checkpoint_id"]), float(payload["fraction"]))
-                except (KeyError, TypeError, ValueError):
-                    log.error("ignoring a canary.started without checkpoint_id and fraction: %s", payload)
-                    continue
+                self.applied_outbox_id = message.outbox_id
+            if isinstance(message, CanaryStarted):
+                canary = Canary(message.canary_id, message.checkpoint_id, message.fraction)
                 self.router.set_canary(canary)
-                log.info("canary %s: %s for %.1f%% of users", canary_id, canary.checkpoint_id, 100 * canary.fraction)
-            elif self.router.canary is not None and self.router.canary.canary_id == canary_id:
+                log.info(
+                    "canary %s: %s for %.1f%% of users", canary.canary_id, canary.checkpoint_id, 100 * canary.fraction
+                )
+            elif self.router.canary is not None and self.router.canary.canary_id == message.canary_id:
                 self.router.set_canary(None)
-                log.info("canary %s stopped: production serves every user", canary_id)
+                log.info("canary %s stopped: production serves every user", message.canary_id)
         return self.router.canary
 
     def _apply_batch(self, batch: LifecycleBatch) -> None:
-        self.apply(r.payload for r in batch.records)
+        self.apply(r.message for r in batch.records)
 
     def begin(self) -> Canary | None:
         """Take the starting state: positions at the topic's end, then the database's active canary

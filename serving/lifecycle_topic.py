@@ -35,13 +35,13 @@ import logging
 import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Literal
 
 from kafka import KafkaConsumer, TopicPartition
 
 from app.core.kafka_meta import log_id_of
 from app.core.retry import Backoff
-from app.lifecycle.messages import LifecycleMessageError, parse_lifecycle_message
+from app.lifecycle.messages import LifecycleMessage, LifecycleMessageError, parse_lifecycle_message
 from producers.settings import kafka_security
 
 log = logging.getLogger("flywheel.lifecycle_topic")
@@ -51,10 +51,10 @@ StartAt = Literal["beginning", "end"]
 
 @dataclass(frozen=True)
 class LifecycleRecord:
-    """One lifecycle message as read: the typed message dumped to JSON (``payload``) and the Kafka
-    headers it came with (trace context, ``outbox-id``)."""
+    """One lifecycle message as read: the typed message and the Kafka headers it came with (trace
+    context, ``outbox-id``)."""
 
-    payload: dict[str, Any]
+    message: LifecycleMessage
     headers: list[tuple[str, bytes]] = field(default_factory=list)
 
 
@@ -185,7 +185,7 @@ class LifecycleTopicFollower:
                 except LifecycleMessageError as exc:
                     log.warning("skipping lifecycle message %s:%s: %s", tp.partition, m.offset, exc)
                     continue
-                records.append(LifecycleRecord(message.model_dump(mode="json"), list(m.headers or [])))
+                records.append(LifecycleRecord(message, list(m.headers or [])))
         if not positions:
             self._reread_recreated_logs(consumer)
             return 0

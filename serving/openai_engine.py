@@ -1,4 +1,5 @@
-"""HTTP client engine for an OpenAI-compatible server: vLLM in production, ``flywheel serve`` locally.
+"""HTTP client engine for an OpenAI-compatible server: vLLM, the production engine, or ``flywheel serve``
+(the reference engine) on a host without vLLM.
 
 Generation uses ``POST /v1/completions`` with the prompt as token ids, ``logprobs: 0`` (only the
 sampled token's log-prob), ``return_token_ids: true`` (vLLM >= 0.10.2: ``choices[i].token_ids``)
@@ -36,7 +37,7 @@ MoE routes: a vLLM server started with ``--enable-return-routed-experts`` adds
 each token was routed to at the position it was *input* at, for positions
 ``routed_experts_prompt_start`` (a request field) to the last one forwarded (the final sampled token
 never is). flywheel's :class:`Generation` indexes a completion token by the position whose output
-*sampled* it, one to the left (``serving.torch_engine``): token 0 by the last prompt position,
+*sampled* it, one to the left (``serving.reference_engine``): token 0 by the last prompt position,
 token ``i`` by generated token ``i - 1``. So every request asks for rows from the shortest prompt's
 last position on, and :func:`sampling_routes` takes each choice's ``len(completion)`` rows from its
 own last prompt position. A choice without them (a dense model, the flag off, or vLLM's CPU build,
@@ -48,15 +49,6 @@ that sends the OpenAI ``user`` field (the front routes by it) and takes its ``ch
 the ``x-flywheel-checkpoint`` header of each answer, so a session's ``model.responded`` names the
 checkpoint the front reports served that very request. Against a plain server the header is absent
 and the checkpoint stays the one the server reported at connect.
-
-vLLM cannot apply flywheel's bf16 weight delta itself, so against vLLM ``apply_delta`` reloads the
-full fp32 folder the delta lives in (every trained checkpoint has one) and ``applies_deltas`` is
-False, so the serving watcher plans (and reports) a full reload. ``flywheel serve`` implements the
-same endpoints (and the same request fields) plus ``collective_rpc`` method ``apply_delta``; it says
-so by naming a ``checkpoint_id`` in ``GET /v1/models``, and the client then sends deltas.
-
-Size: over 400 lines because generation, the five-step reload and the MoE routes share one HTTP
-client and its error mapping; each protocol above is one section of it.
 """
 
 from __future__ import annotations
@@ -78,7 +70,7 @@ from transformers import AutoTokenizer
 
 from app.checkpoints.store import check_hf_folder
 from app.checkpoints.tokenizer import smollm2_tokenizer_dir
-from app.core.errors import CheckpointError, InfrastructureError
+from app.core.errors import InfrastructureError
 from app.inference.engine import Generation, InferenceEngine, SamplingParams
 from serving.vllm_server import server_healthy
 
@@ -210,7 +202,6 @@ class OpenAICompatEngine(InferenceEngine):
             or self.model
         )
         self.max_context_tokens = int(info.get("max_model_len") or 8192)
-        self.applies_deltas = info.get("checkpoint_id") is not None  # flywheel serve, not vLLM
         self.tokenizer = self._load_tokenizer(tokenizer_dir or (Path(info["root"]) if info.get("root") else None))
 
     @staticmethod
@@ -372,34 +363,6 @@ class OpenAICompatEngine(InferenceEngine):
             raise InfrastructureError(f"GET /weight_info -> {resp.status_code}: {resp.text[:500]}")
         version = resp.json().get("weight_version")
         return None if version in (None, "", "default") else str(version)
-
-    def apply_delta(self, checkpoint_id: str, delta_path: Path, parent_id: str) -> None:
-        """Apply the delta on the server when it can (``applies_deltas``), else reload the full
-        folder holding ``delta_path`` (vLLM cannot apply flywheel deltas).
-
-        Raises:
-            CheckpointError: the server does not serve ``parent_id`` or the folder has no config.
-        """
-        if self.checkpoint_id != parent_id:
-            raise CheckpointError(
-                f"delta {checkpoint_id} applies to {parent_id}, but the server serves {self.checkpoint_id}"
-            )
-        if self.applies_deltas:
-            self._request(
-                "POST",
-                "/collective_rpc",
-                {
-                    "method": "apply_delta",
-                    "kwargs": {"checkpoint_id": checkpoint_id, "delta_path": str(delta_path), "parent_id": parent_id},
-                },
-                admin=True,
-            )
-            self.checkpoint_id = checkpoint_id
-            return
-        folder = Path(delta_path).parent
-        if not (folder / "config.json").exists():
-            raise CheckpointError(f"{folder} has no full weights to reload")
-        self.load_checkpoint(checkpoint_id, folder)
 
     def close(self) -> None:
         """Close the connection pool (a :meth:`for_user` client leaves its parent's open)."""

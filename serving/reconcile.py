@@ -32,7 +32,7 @@ def reconcile_served(engine: OpenAICompatEngine, store: CheckpointStore) -> bool
     supervision (never fatal).
     """
     want = engine.checkpoint_id
-    if not want or engine.applies_deltas:  # only a vLLM server comes back on its start-up model
+    if not want:
         return False
     try:
         served = engine.served_checkpoint()

@@ -1,15 +1,14 @@
-"""``flywheel serve``: the torch engine behind the OpenAI-compatible HTTP subset vLLM speaks.
+"""``flywheel serve``: the reference engine behind the OpenAI-compatible HTTP subset vLLM speaks, for
+tests and hosts without vLLM.
 
 Endpoints: ``GET /health``, ``GET /v1/models``, ``POST /v1/completions`` (token-id or text prompts,
 ``logprobs``, ``return_token_ids``, ``return_tokens_as_token_ids``, ``stop_token_ids``, ``seed``),
 and the vLLM 0.32 endpoints :mod:`serving.openai_engine` reloads weights with: ``POST /pause``,
 ``POST /collective_rpc`` (methods ``reload_checkpoint`` (flywheel's vLLM worker extension) and
-``reload_weights``, with kwargs ``weights_path``; flywheel adds
-``apply_delta`` with kwargs ``checkpoint_id``, ``delta_path``, ``parent_id``), ``POST
-/reset_prefix_cache`` (empties the engine's prefix cache), ``POST /update_weight_version``,
-``GET /weight_info`` and ``POST /resume``. Requests are handled on FastAPI's thread pool, so concurrent completions
-decode together in the engine's continuous batch. Invariant: a reload waits for the running
-sequences to finish before it swaps weights, so no completion mixes two checkpoints.
+``reload_weights``, with kwargs ``weights_path``), ``POST /reset_prefix_cache``, ``POST
+/update_weight_version``, ``GET /weight_info`` and ``POST /resume``. Requests are handled on
+FastAPI's thread pool and the engine completes one prompt at a time. Invariant: a reload waits for
+the running completion (the engine's lock), so no completion mixes two checkpoints.
 
 Keys as on a managed vLLM server (:func:`serving.vllm_auth.key_check`): with ``api_key`` every route
 but ``/health`` wants a key, the reload routes the ``admin_key`` (the inference key gets 403 there,
@@ -29,7 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from app.core.errors import FlywheelError
 from app.inference.engine import Generation, SamplingParams
-from serving.torch_engine import TorchEngine
+from serving.reference_engine import ReferenceEngine
 from serving.vllm_auth import key_check
 
 
@@ -66,7 +65,7 @@ class RpcRequest(BaseModel):  # type: ignore[no-redef]  # the pydantic plugin's 
     timeout: float | None = None
 
 
-def create_app(engine: TorchEngine, *, api_key: str | None = None, admin_key: str | None = None) -> FastAPI:
+def create_app(engine: ReferenceEngine, *, api_key: str | None = None, admin_key: str | None = None) -> FastAPI:
     """The FastAPI app serving ``engine``; with keys, bearer ``api_key`` on the inference routes and
     ``admin_key`` on the reload routes (401 without a key, 403 with the other role's)."""
     app = FastAPI(title="flywheel serve", version="1")
@@ -134,7 +133,7 @@ def create_app(engine: TorchEngine, *, api_key: str | None = None, admin_key: st
     return app
 
 
-def _token_prompts(engine: TorchEngine, prompt) -> list[list[int]]:
+def _token_prompts(engine: ReferenceEngine, prompt) -> list[list[int]]:
     if isinstance(prompt, str):
         prompt = [prompt]
     if prompt and isinstance(prompt[0], int):
@@ -142,9 +141,9 @@ def _token_prompts(engine: TorchEngine, prompt) -> list[list[int]]:
     return [engine.tokenizer(p, add_special_tokens=False).input_ids if isinstance(p, str) else list(p) for p in prompt]
 
 
-def call_rpc(engine: TorchEngine, req: RpcRequest) -> dict[str, Any]:
-    """The weight moves vLLM's ``/collective_rpc`` takes (``reload_checkpoint`` / ``reload_weights``
-    with ``weights_path``) and ``apply_delta``, flywheel's own.
+def call_rpc(engine: ReferenceEngine, req: RpcRequest) -> dict[str, Any]:
+    """The weight move vLLM's ``/collective_rpc`` takes (``reload_checkpoint`` / ``reload_weights``
+    with ``weights_path``).
 
     Raises:
         HTTPException: 400 for another method or a reload without ``weights_path``.
@@ -154,14 +153,12 @@ def call_rpc(engine: TorchEngine, req: RpcRequest) -> dict[str, Any]:
         if not path:
             raise HTTPException(status_code=400, detail="reload_weights needs kwargs.weights_path")
         engine.load_checkpoint(Path(path).name, Path(path))
-    elif req.method == "apply_delta":
-        engine.apply_delta(req.kwargs["checkpoint_id"], Path(req.kwargs["delta_path"]), req.kwargs["parent_id"])
     else:
         raise HTTPException(status_code=400, detail=f"unsupported method {req.method!r}")
     return {"results": [None]}
 
 
-def complete(engine: TorchEngine, req: CompletionRequest) -> dict[str, Any]:
+def complete(engine: ReferenceEngine, req: CompletionRequest) -> dict[str, Any]:
     """Answer one ``/v1/completions`` request as vLLM's server does: ``n`` completions of each
     prompt, token ids and log-probs when asked, usage counted in tokens.
 
@@ -197,7 +194,7 @@ def complete(engine: TorchEngine, req: CompletionRequest) -> dict[str, Any]:
 
 
 def _choice(
-    engine: TorchEngine, req: CompletionRequest, index: int, g: Generation, prompt: list[int]
+    engine: ReferenceEngine, req: CompletionRequest, index: int, g: Generation, prompt: list[int]
 ) -> dict[str, Any]:
     text = engine.tokenizer.decode(g.token_ids, skip_special_tokens=req.skip_special_tokens)
     choice: dict[str, Any] = {"index": index, "text": text, "finish_reason": g.finish_reason, "logprobs": None}

@@ -14,12 +14,9 @@ Invariants:
   serialised in Postgres, so their outbox ids grow in commit order).
 - Only the newest production change of a poll batch is acted on: after a restart or a lag the
   engine jumps straight to the current production instead of replaying history.
-- The engine moves by the delta chain (``delta.zst`` of each checkpoint between the serving one and
-  the target) when the target descends from what is served and the engine applies deltas itself
-  (the torch engine, ``flywheel serve``); by a full load otherwise (rollbacks, unrelated lineage, a
-  missing or failing delta, vLLM, which can only reload a folder; :mod:`serving.moves` plans it).
-  Every move is logged with its
-  method and counted in the ``flywheel.serving.weight_moves`` metric (attribute ``method``).
+- The engine moves by a full reload of the target's STABLE directory (:mod:`serving.moves`); every
+  move is logged with its method and counted in the ``flywheel.serving.weight_moves`` metric
+  (attribute ``method``: ``full`` or ``noop``).
 - What serves (production, and the canary when one runs) is reported in ``$FLYWHEEL_HOME/serving.json``
   (atomic replace), together with the Kafka positions and the dedupe state, so a restarted watcher
   resumes where it stopped.
@@ -43,7 +40,6 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import Any
 
 from app.checkpoints.store import CheckpointStore
 from app.core.db import session_scope
@@ -52,14 +48,14 @@ from app.core.metrics import SERVING_RELOAD_DURATION
 from app.core.retry import is_transient
 from app.core.settings import flywheel_home, get_settings
 from app.core.telemetry import extract_context, meter, tracer
-from app.lifecycle.messages import PRODUCTION_CHANGES
+from app.lifecycle.messages import CanaryStarted, CanaryStopped, LifecycleMessage, ProductionChanged
 from app.lifecycle.serving_state import read_serving_state, write_serving_state
 from app.models import Checkpoint
 from app.repositories.checkpoints import get_production
-from serving.canary import CANARY_CHANGES, CanaryFollower, EngineRouter
+from serving.canary import CanaryFollower, EngineRouter
 from serving.engine import setup_engine
 from serving.lifecycle_topic import LifecycleBatch, LifecycleTopicFollower
-from serving.moves import Engine, Move, plan_move, resolve_dir
+from serving.moves import Engine, Move, plan_move
 from serving.openai_engine import OpenAICompatEngine
 from serving.reconcile import reconcile_served
 from serving.vllm_server import VLLMServer, ensure_server
@@ -68,20 +64,16 @@ log = logging.getLogger("flywheel.watcher")
 _moves = meter("flywheel.serving").create_counter(
     "flywheel.serving.weight_moves",
     unit="{move}",
-    description="production weight changes applied by the serving watcher, by method (delta | full | noop)",
+    description="production weight changes applied by the serving watcher, by method (full | noop)",
 )
 
 SEEN_IDS_KEPT = 512
 
 
-def message_identity(payload: dict[str, Any], headers: Iterable[tuple[str, bytes]] | None = None) -> str | None:
-    """The stable id of a lifecycle message: its ``event_id`` (else the ``outbox-id`` header)."""
-    if payload.get("event_id"):
-        return str(payload["event_id"])
-    for k, v in headers or ():
-        if k in ("event-id", "outbox-id") and v:
-            return f"{k}:{v.decode()}"
-    return None
+def message_identity(message: LifecycleMessage, headers: Iterable[tuple[str, bytes]] | None = None) -> str:
+    """The stable id of a lifecycle message: its ``event_id`` (fixed by the writer, checked by the
+    parser; the relay's ``outbox-id`` header says the same row)."""
+    return message.event_id
 
 
 class Deduper:
@@ -145,102 +137,76 @@ class ProductionFollower:
         if canary is not None:
             canary.restore(state)
 
-    def accept(self, payload: dict[str, Any], headers: Iterable[tuple[str, bytes]] | None = None) -> bool:
+    def accept(self, message: LifecycleMessage, headers: Iterable[tuple[str, bytes]] | None = None) -> bool:
         """Whether a message is a production change not applied before and newer than the applied one
         (nothing is recorded: a batch whose move fails is accepted again when it is re-read)."""
-        if payload.get("type") not in PRODUCTION_CHANGES or not payload.get("checkpoint_id"):
+        if not isinstance(message, ProductionChanged) or self.deduper.seen(message_identity(message, headers)):
             return False
-        if self.deduper.seen(message_identity(payload, headers)):
-            return False
-        outbox_id = payload.get("outbox_id")
-        return not (isinstance(outbox_id, int) and outbox_id <= self.applied_outbox_id)
+        return not (message.outbox_id is not None and message.outbox_id <= self.applied_outbox_id)
 
-    def apply(self, payload: dict[str, Any]) -> Move:
+    def apply(self, message: ProductionChanged) -> Move:
         """Move the engine to the message's checkpoint and report it.
 
         Raises:
             CheckpointError: the target is not available on this node (the caller retries later).
         """
         started = time.perf_counter()
-        move = plan_move(
-            getattr(self.engine, "checkpoint_id", None),
-            payload,
-            self.store,
-            deltas=getattr(self.engine, "applies_deltas", True),
-        )
-        if move.method == "delta":
-            try:
-                for checkpoint_id, delta, parent in move.steps:
-                    self.engine.apply_delta(checkpoint_id, delta, parent)
-            except CheckpointError as exc:  # a corrupt or mismatched delta: a full load still works
-                log.warning("delta chain to %s failed (%s); loading it fully", move.target_id, exc)
-                move = Move(
-                    target_id=move.target_id,
-                    method="full",
-                    path=resolve_dir(payload.get("path"), move.target_id, self.store),
-                )
-        if move.method == "full":
-            if move.path is None:
-                raise CheckpointError(f"no directory for checkpoint {move.target_id}")
+        move = plan_move(getattr(self.engine, "checkpoint_id", None), message, self.store)
+        if move.method == "full" and move.path is not None:
             self.engine.load_checkpoint(move.target_id, move.path)
-        if isinstance(payload.get("outbox_id"), int):
-            self.applied_outbox_id = max(self.applied_outbox_id, payload["outbox_id"])
-        self.deduper.add(message_identity(payload))
+        if message.outbox_id is not None:
+            self.applied_outbox_id = max(self.applied_outbox_id, message.outbox_id)
+        self.deduper.add(message_identity(message))
         self.moves.append(move)
-        how = {
-            "delta": f"by {len(move.steps)} delta(s)",
-            "noop": "already served",
-            "full": "by a full reload"
-            + ("" if getattr(self.engine, "applies_deltas", True) else " (the engine cannot apply deltas)"),
-        }[move.method]
-        log.info("serving %s %s, after %s", move.target_id, how, payload.get("type"))
+        how = {"noop": "already served", "full": "by a full reload"}[move.method]
+        log.info("serving %s %s, after %s", move.target_id, how, message.type)
         _moves.add(1, {"method": move.method})
         SERVING_RELOAD_DURATION.record(time.perf_counter() - started, {"method": move.method})
-        self.report(last_event=payload, method=move.method)
+        self.report(last_event=message, method=move.method)
         return move
 
     def handle_batch(
-        self, messages: Sequence[tuple[dict[str, Any], Sequence[tuple[str, bytes]] | None]]
+        self, messages: Sequence[tuple[LifecycleMessage, Sequence[tuple[str, bytes]] | None]]
     ) -> Move | None:
         """Apply only the newest accepted production change of a batch (see module docstring), then
         the newest canary change when a canary follower is attached. Returns the production move."""
-        accepted = [(p, h) for p, h in messages if self.accept(p, h)]
+        accepted = [(m, h) for m, h in messages if isinstance(m, ProductionChanged) and self.accept(m, h)]
         move = None
         if accepted:
-            newest, headers = max(accepted, key=lambda m: m[0].get("outbox_id") or 0)
+            newest, headers = max(accepted, key=lambda mh: mh[0].outbox_id or 0)
             # a child of the promotion (or rollback) span whose context the lifecycle message carries
             with tracer("flywheel.serving").start_as_current_span(
                 "serving.reload",
                 context=extract_context(headers),
-                attributes={"flywheel.checkpoint_id": str(newest["checkpoint_id"]), "flywheel.event": newest["type"]},
+                attributes={"flywheel.checkpoint_id": newest.checkpoint_id, "flywheel.event": newest.type},
             ) as span:
                 move = self.apply(newest)
                 span.set_attribute("flywheel.method", move.method)
-            for p, h in accepted:  # superseded changes of the batch count as handled too
-                self.deduper.add(message_identity(p, h))
+            for m, h in accepted:  # superseded changes of the batch count as handled too
+                self.deduper.add(message_identity(m, h))
             self.report(last_event=newest, method=move.method)
         if self.canary is not None:
             changes = [
-                (p, h)
-                for p, h in messages
-                if p.get("type") in CANARY_CHANGES and not self.deduper.seen(message_identity(p, h))
+                (m, h)
+                for m, h in messages
+                if isinstance(m, CanaryStarted | CanaryStopped) and not self.deduper.seen(message_identity(m, h))
             ]
             if changes:
-                self.canary.handle([p for p, _ in changes])
-                for p, h in changes:
-                    self.deduper.add(message_identity(p, h))
+                self.canary.handle([c for c, _ in changes])
+                for c, h in changes:
+                    self.deduper.add(message_identity(c, h))
                 self.report()
         return move
 
-    def report(self, *, last_event: dict[str, Any] | None = None, method: str | None = None) -> None:
+    def report(self, *, last_event: LifecycleMessage | None = None, method: str | None = None) -> None:
         """Write ``serving.json``: what serves, how it got there, and the resume state."""
         previous = read_serving_state(self.home) or {}
         write_serving_state(
             {
                 "checkpoint_id": getattr(self.engine, "checkpoint_id", None),
                 "method": method or previous.get("method"),
-                "event_id": (last_event or {}).get("event_id", previous.get("event_id")),
-                "event_type": (last_event or {}).get("type", previous.get("event_type")),
+                "event_id": last_event.event_id if last_event is not None else previous.get("event_id"),
+                "event_type": last_event.type if last_event is not None else previous.get("event_type"),
                 "applied_outbox_id": self.applied_outbox_id,
                 "seen_event_ids": self.deduper.ids(),
                 "offsets": self.offsets,
@@ -303,7 +269,7 @@ class ServingWatcher:
             log.error("the serving engine is down and could not be restarted: %s", exc)
 
     def _apply_batch(self, batch: LifecycleBatch) -> None:
-        self._last_move = self.follower.handle_batch([(r.payload, r.headers) for r in batch.records])
+        self._last_move = self.follower.handle_batch([(r.message, r.headers) for r in batch.records])
         self.follower.offsets.update({str(p): o for p, o in batch.positions.items()})
         self.follower.report()
 

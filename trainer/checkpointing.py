@@ -1,8 +1,7 @@
 """Loading the policy from a checkpoint directory and writing a trained checkpoint atomically.
 
 Invariant: a trained checkpoint becomes visible only through ``CheckpointStore.writer`` -- every
-file (fp32 master safetensors, config, tokenizer, trainer config, metrics, curves, bf16 delta vs
-the parent, manifest) is written into a staging directory, hashed, renamed into place and marked
+file (fp32 master safetensors, config, tokenizer, trainer config, metrics, curves, manifest) is written into a staging directory, hashed, renamed into place and marked
 STABLE; a process killed at any point leaves only staging debris that ``sweep_staging`` removes.
 """
 
@@ -19,7 +18,6 @@ import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 from transformers.utils import logging as hf_logging
 
-from app.checkpoints.delta import DELTA_FILE, DeltaStats, serving_state_dict, write_delta
 from app.checkpoints.store import MANIFEST, CheckpointStore
 from app.core.errors import CheckpointError
 from trainer.config import TrainerConfig
@@ -66,30 +64,29 @@ def write_checkpoint(
     *,
     model: torch.nn.Module,
     parent_dir: Path,
-    parent_serving: dict[str, torch.Tensor],
     manifest: dict[str, Any],
     config: TrainerConfig,
     metrics: dict[str, Any],
     curves: bool = True,
     optimizer: torch.optim.Optimizer | None = None,
-) -> tuple[Path, DeltaStats]:
-    """Write and publish a trained checkpoint; returns ``(STABLE directory, delta stats)``.
+) -> Path:
+    """Write and publish a trained checkpoint; returns its STABLE directory (serving reloads the
+    whole folder: no weight delta is written, docs/serving.md).
 
     Args:
         store: the checkpoint store.
         checkpoint_id: the new id (see :func:`new_checkpoint_id`).
         model: the trained policy (its fp32 weights become ``model.safetensors``).
         parent_dir: the parent's directory (tokenizer and generation config are copied from it).
-        parent_serving: the parent's bf16 serving weights (``delta.serving_state_dict``).
-        manifest: lineage (parent, data window, trajectories, exclusions); ``delta`` and file
-            hashes are added here and by the store.
+        manifest: lineage (parent, data window, trajectories, exclusions); file hashes are added
+            by the store.
         config: the resolved trainer config (written as ``trainer_config.json``).
         metrics: the cycle's metrics (``metrics.json``); ``history`` entries feed ``curves.png``.
         curves: also write ``curves.png``.
         optimizer: when given, its state is saved as ``optimizer.pt``.
 
     Raises:
-        CheckpointError: ``checkpoint_id`` already exists, or the delta cannot be built.
+        CheckpointError: ``checkpoint_id`` already exists.
     """
     with store.writer(checkpoint_id) as staging:
         model.save_pretrained(staging, safe_serialization=True)  # type: ignore[operator]  # a transformers/peft method (torch: Tensor | Module)
@@ -97,14 +94,6 @@ def write_checkpoint(
             if (Path(parent_dir) / name).is_file():
                 shutil.copy2(Path(parent_dir) / name, staging / name)
         (staging / "trainer_config.json").write_text(config.to_json() + "\n")
-        stats = write_delta(
-            parent_serving,
-            serving_state_dict(model),
-            staging / DELTA_FILE,
-            parent_id=manifest.get("parent_id"),
-            checkpoint_id=checkpoint_id,
-        )
-        metrics = {**metrics, "delta": stats.to_dict()}
         (staging / "metrics.json").write_text(json.dumps(metrics, indent=2, sort_keys=True, default=str) + "\n")
         if curves and metrics.get("history"):
             history = [StepMetrics(**{k: v for k, v in h.items()}) for h in metrics["history"]]
@@ -118,7 +107,6 @@ def write_checkpoint(
             "dtype": "float32",
             "serving_dtype": "bfloat16",
             "trainer_config": "trainer_config.json",
-            "delta": {"file": DELTA_FILE, "parent_id": manifest.get("parent_id"), **stats.to_dict()},
         }
         (staging / MANIFEST).write_text(json.dumps(full, indent=2, sort_keys=True, default=str))
-    return store.stable_path(checkpoint_id), stats
+    return store.stable_path(checkpoint_id)

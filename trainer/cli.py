@@ -140,7 +140,7 @@ def _print_result(result) -> None:
         typer.echo(
             f"  steps {m.get('steps')} ({m.get('epochs')} epoch(s) of {m.get('micro_batches')} micro-batches), "
             f"tokens/s {m.get('tokens_per_s', 0):.0f}, loss {final.get('loss', 0):+.4f}, "
-            f"kl {final.get('kl', 0):.2e}, delta {m.get('delta', {}).get('ratio', 0):.2%} of bf16 weights"
+            f"kl {final.get('kl', 0):.2e}"
         )
     if result.excluded:
         typer.echo("  excluded: " + ", ".join(f"{k}={v}" for k, v in result.excluded.items()))

@@ -231,12 +231,7 @@ def _train_and_register(
     trained = train_policy(config, parent_dir, data.used, progress=progress, dp=dp)
     model, optimizer, history, mismatch = trained.model, trained.optimizer, trained.history, trained.mismatch
     assert model is not None  # run_cycle runs on rank 0, which gets the trained model
-    rewards, advantages, groups, parent_serving = (
-        trained.rewards,
-        trained.advantages,
-        trained.groups,
-        trained.parent_serving,
-    )
+    rewards, advantages, groups = trained.rewards, trained.advantages, trained.groups
     metrics = summarize(
         history,
         data=data_summary(rewards.tolist(), advantages.tolist(), int(groups.max()) + 1),
@@ -274,19 +269,17 @@ def _train_and_register(
     }
     with _tracer.start_as_current_span("trainer.write_checkpoint") as span:
         span.set_attribute("flywheel.checkpoint_id", checkpoint_id)
-        path, stats = write_checkpoint(
+        path = write_checkpoint(
             store,
             checkpoint_id,
             model=model,
             parent_dir=parent_dir,
-            parent_serving=parent_serving,
             manifest=manifest,
             config=config,
             metrics=metrics,
             curves=config.plot_curves,
             optimizer=optimizer if config.save_optimizer else None,
         )
-    metrics["delta"] = stats.to_dict()
     with _tracer.start_as_current_span("trainer.register"), session_scope() as session:
         register_candidate(
             session,

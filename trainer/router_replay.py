@@ -18,7 +18,7 @@ model is untouched.
 
 Routers are the modules :func:`moe_routers` finds (transformers v5's ``MixtralTopKRouter``,
 ``Qwen2MoeTopKRouter``: ``forward(hidden [N, H]) -> (logits [N, E], weights [N, k], ids [N, k])``),
-in ``model.modules()`` order, the order ``serving.torch_engine`` records them in; layer ``l``
+in ``model.modules()`` order, the order ``serving.reference_engine`` records them in; layer ``l``
 of a route is the ``l``-th router. Alignment: the engine records, for each sampled token, the
 experts at the position whose output distribution sampled it, so ``routes[b, t]`` holds the
 recorded experts of token ``t + 1`` (``trainer.batching`` shifts them). Activation checkpointing
@@ -42,7 +42,7 @@ def moe_routers(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The model's top-k MoE routers in layer order (empty for a dense model).
 
     A router is a module whose class name ends in ``Router`` and that has ``top_k`` (the rule
-    ``serving.torch_engine._RouterRecorder`` records by).
+    ``serving.reference_engine`` records by).
     """
     return [m for m in model.modules() if type(m).__name__.endswith("Router") and hasattr(m, "top_k")]
 

@@ -26,6 +26,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen2MoeConfig
 
 from app.checkpoints.testing import build_tiny_model, tiny_config, write_model_folder
 from app.models import RewardLabel, Trajectory, TrajectorySegment
+from app.models.checkpoints import CheckpointStatus
 from app.repositories.checkpoints import add_checkpoint
 from producers.events.packing import pack_floats, pack_ints
 from trainer.data import Segment, TrajectoryData
@@ -239,7 +240,7 @@ def register_checkpoint_dir(
     src: Path,
     checkpoint_id: str = "base",
     *,
-    status: str = "production",
+    status: CheckpointStatus = CheckpointStatus.PRODUCTION,
     generation: int = 0,
     parent_id: str | None = None,
 ) -> Path:

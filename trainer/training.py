@@ -25,7 +25,6 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from app.checkpoints.delta import serving_state_dict
 from app.core.telemetry import tracer
 from trainer.batching import group_ids, pack_micro_batches
 from trainer.checkpointing import load_policy
@@ -165,7 +164,6 @@ class TrainedPolicy:
     rewards: torch.Tensor  # [G] fp32
     advantages: torch.Tensor  # [G] fp32
     groups: torch.Tensor  # [G] int64
-    parent_serving: dict[str, torch.Tensor]  # bf16 parent weights (rank 0 only; empty elsewhere)
     placement: Placement
     micro_batches: int = 0
     trained: set[int] | None = None  # indices of the trajectories an optimizer step ran on (trained_trajectories)
@@ -181,8 +179,7 @@ def train_policy(
 ) -> TrainedPolicy:
     """Load the parent policy on ``config.device`` and run the cycle's optimizer steps on ``trajectories``.
 
-    Every rank of ``dp`` calls this with the same arguments; rank 0 alone keeps the parent's bf16
-    serving weights (for the delta) and draws progress. With a sharded ``dp``
+    Every rank of ``dp`` calls this with the same arguments; rank 0 alone draws progress. With a sharded ``dp``
     (:class:`trainer.sharding.ShardedDataParallel`) the model is sharded before pi_old and the
     optimizer, and the trained weights are gathered back into a whole fp32 model on rank 0 (the
     returned ``model``; None on the other ranks).
@@ -196,7 +193,6 @@ def train_policy(
     with _tracer.start_as_current_span("trainer.load") as span:
         span.set_attributes({"flywheel.parent_dir": str(parent_dir), **placement.describe()})
         model = load_policy(parent_dir)
-        parent_serving = serving_state_dict(model) if main else {}
         torch.manual_seed(config.seed)  # the adapters' random initialisation (peft draws from torch's global RNG)
         adapters = attach_adapters(model, config.lora) if config.lora.rank else None
         if config.gradient_checkpointing:  # recomputed MoE layers keep their replayed routes
@@ -266,7 +262,6 @@ def train_policy(
         rewards=rewards,
         advantages=advantages,
         groups=groups,
-        parent_serving=parent_serving,
         placement=placement,
         micro_batches=len(batches),
         trained=trained_trajectories(batches, config, history),

@@ -13,10 +13,15 @@ from typing import Annotated, Any, Generic, Literal, TypeVar
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
+from app.models.checkpoints import CheckpointStatus, GateVerdict
+
 CHECKPOINT_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:+@-]{0,127}$"
-CheckpointStatus = Literal["candidate", "gate_passed", "gate_failed", "production", "retired", "rejected"]
-GateDecisionValue = Literal["pass", "fail", "insufficient_evidence", "not_gated"]
-CheckpointDecision = Literal["pass", "fail", "insufficient_evidence", "not_gated", "overridden"]
+#: What a gate decides (``overridden`` is a release manager's act, never a gate's).
+GateDecisionValue = Literal[
+    GateVerdict.PASS, GateVerdict.FAIL, GateVerdict.INSUFFICIENT_EVIDENCE, GateVerdict.NOT_GATED
+]
+#: A checkpoint's ``decision`` column: the latest gate's verdict, or ``overridden``.
+CheckpointDecision = GateVerdict
 
 
 def _storable(value: str) -> str:

@@ -1,2 +1,2 @@
-"""Checkpoints: the on-disk store (``store``), the weight-delta format (``delta``), writing and loading
+"""Checkpoints: the on-disk store (``store``), writing and loading
 checkpoint folders (``files``), and the base model and registration of folders (``publish``)."""

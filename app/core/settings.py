@@ -188,10 +188,10 @@ class ServingSettings(EnvSettings):
 
     # hide_input_in_errors: a refused setting never echoes the keys in its error message
     model_config = SettingsConfigDict(env_prefix="FLYWHEEL_SERVING_", extra="ignore", hide_input_in_errors=True)
-    engine: Literal["torch", "vllm"] = Field(
-        default="torch",
-        description="inference backend: vllm (OpenAI-compatible servers at url and eval_url) or the in-process "
-        "torch engine",
+    engine: Literal["vllm", "reference"] = Field(
+        default="vllm",
+        description="inference backend: vllm (OpenAI-compatible servers at url and eval_url), the only production "
+        "engine; reference: the in-process transformers engine, one prompt at a time (tests, hosts without vLLM)",
     )
     url: str | None = Field(
         default=None,
@@ -220,17 +220,8 @@ class ServingSettings(EnvSettings):
         description="admin key of the eval server's weight-reload routes: held by the eval runner (the "
         "workers), which loads each candidate there; never opens production's",
     )
-    max_seqs: int = Field(default=64, ge=1, description="torch engine: most sequences decoded together")
-    max_kv_tokens: int = Field(
-        default=32_768,
-        ge=64,
-        description=(
-            "torch engine: cached key/value entries (tokens) of running sequences plus reusable prefixes; "
-            "x kv_bytes_per_token (46 KiB for SmolLM2-135M) gives bytes"
-        ),
-    )
     device: Literal["auto", "cpu", "cuda"] = Field(
-        default="auto", description="device of the in-process torch engine (cuda when a GPU is visible for auto)"
+        default="auto", description="device of the in-process reference engine (cuda when a GPU is visible for auto)"
     )
     vllm_dtype: Literal["auto", "bfloat16", "float32"] = Field(
         default="auto",

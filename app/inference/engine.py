@@ -1,4 +1,4 @@
-"""The inference engine seam: one interface for vLLM (over HTTP) and the in-process torch engine.
+"""The inference engine seam: one interface for vLLM (over HTTP) and the in-process reference engine.
 
 Invariant: ``Generation.logprobs[i]`` is the natural log-probability of ``Generation.token_ids[i]``
 under the distribution the token was actually sampled from (the behaviour policy):
@@ -79,13 +79,10 @@ class InferenceEngine(ABC):
     Attributes:
         checkpoint_id: the checkpoint whose weights currently serve.
         tokenizer: a transformers tokenizer (chat template available).
-        applies_deltas: whether :meth:`apply_delta` patches the served weights with flywheel's bf16
-            delta (False: it reloads the full checkpoint folder, as vLLM must).
     """
 
     checkpoint_id: str
     tokenizer: Any
-    applies_deltas: bool = True
 
     @abstractmethod
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
@@ -94,15 +91,6 @@ class InferenceEngine(ABC):
     @abstractmethod
     def load_checkpoint(self, checkpoint_id: str, path: Path) -> None:
         """Serve the full HF folder at ``path`` as ``checkpoint_id``."""
-
-    @abstractmethod
-    def apply_delta(self, checkpoint_id: str, delta_path: Path, parent_id: str) -> None:
-        """Serve ``parent + delta`` as ``checkpoint_id``.
-
-        Raises:
-            CheckpointError: the engine does not currently serve ``parent_id``, or the delta does
-                not apply.
-        """
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:

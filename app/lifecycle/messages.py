@@ -24,7 +24,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 from uuid6 import uuid7
 
-from app.models.checkpoints import GateVerdict
+from app.models.checkpoints import CheckpointStatus, GateVerdict
 
 #: Message types after which serving must move to a new production checkpoint.
 PRODUCTION_CHANGES = ("checkpoint.promoted", "checkpoint.rolled_back")
@@ -76,7 +76,7 @@ class _Serving(_Message):
     """The checkpoint's directory."""
     parent_id: str | None = None
     lineage: list[LineageEntry] = Field(default_factory=list)
-    """The checkpoint and its ancestors, child first (for a delta chain)."""
+    """The checkpoint and its ancestors, child first."""
 
 
 class CheckpointCreated(_Message):
@@ -85,12 +85,10 @@ class CheckpointCreated(_Message):
     type: Literal["checkpoint.created"] = "checkpoint.created"
     parent_id: str | None = None
     path: str
-    status: str = "candidate"
+    status: CheckpointStatus = CheckpointStatus.CANDIDATE
     generation: int | None = None
     reward_spec: str | None = None
     num_trajectories: int | None = None
-    delta: str | None = None
-    """File name of the bf16 delta from the parent, when the trainer wrote one."""
     cycle_id: str | None = None
 
 
@@ -123,7 +121,7 @@ class CheckpointRejected(_Message):
     """A release manager took a checkpoint out of the running."""
 
     type: Literal["checkpoint.rejected"] = "checkpoint.rejected"
-    previous_status: str
+    previous_status: CheckpointStatus
 
 
 class ErasureFlagged(_Message):

@@ -102,6 +102,5 @@ def lineage(session: Session, checkpoint_id: str, limit: int = MAX_LINEAGE) -> l
 
 def serving_lineage(session: Session, row: Checkpoint) -> list[LineageEntry]:
     """Where each checkpoint of ``row``'s lineage lives, child first: with the row's path and parent,
-    what the serving watcher needs to move the engine to ``row`` without a database (it applies
-    the delta chain from the checkpoint it serves)."""
+    what a follower needs to find ``row``'s folder without a database."""
     return [LineageEntry(id=c.id, path=c.path) for c in lineage(session, row.id)]

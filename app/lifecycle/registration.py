@@ -64,7 +64,7 @@ def register_candidate(
         session,
         checkpoint_id=checkpoint_id,
         path=path,
-        status=CheckpointStatus.CANDIDATE.value,
+        status=CheckpointStatus.CANDIDATE,
         parent_id=parent.id,
         generation=parent.generation + 1,
         manifest=manifest,
@@ -94,7 +94,6 @@ def register_candidate(
         path=path,
         reward_spec=reward_spec,
         num_trajectories=len(trajectories),
-        delta=(manifest.get("delta") or {}).get("file"),
         cycle_id=str(cycle_id),
     )
     details = {"path": path, "status": row.status, "parent_id": parent.id, "cycle_id": str(cycle_id)}
@@ -180,9 +179,7 @@ def register_model(
         return None
     production = production and get_production(session, for_update=True) is None
     status = CheckpointStatus.PRODUCTION if production else CheckpointStatus.CANDIDATE
-    row = add_checkpoint(
-        session, checkpoint_id=checkpoint_id, path=path, status=status.value, manifest=manifest, stable=True
-    )
+    row = add_checkpoint(session, checkpoint_id=checkpoint_id, path=path, status=status, manifest=manifest, stable=True)
     details = {"path": path, "status": status.value}
     record_audit(session, actor=actor, action=REGISTERED, target=f"checkpoint:{checkpoint_id}", details=details)
     created = CheckpointCreated(checkpoint_id=checkpoint_id, actor=actor, parent_id=None, path=path, status=status)

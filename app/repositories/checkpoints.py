@@ -9,6 +9,7 @@ from sqlalchemy.orm import Session
 
 from app.core.errors import ConfigurationError, NotFoundError
 from app.models import Checkpoint, CheckpointTrajectory
+from app.models.checkpoints import CheckpointStatus
 
 
 def get_checkpoint(session: Session, checkpoint_id: str) -> Checkpoint:
@@ -25,7 +26,7 @@ def get_checkpoint(session: Session, checkpoint_id: str) -> Checkpoint:
 
 def get_production(session: Session, *, for_update: bool = False) -> Checkpoint | None:
     """The current production checkpoint (at most one, enforced by a partial unique index)."""
-    stmt = select(Checkpoint).where(Checkpoint.status == "production")
+    stmt = select(Checkpoint).where(Checkpoint.status == CheckpointStatus.PRODUCTION)
     if for_update:
         stmt = stmt.with_for_update()
     return session.scalars(stmt).one_or_none()
@@ -48,7 +49,7 @@ def add_checkpoint(
     *,
     checkpoint_id: str,
     path: str,
-    status: str = "candidate",
+    status: CheckpointStatus = CheckpointStatus.CANDIDATE,
     parent_id: str | None = None,
     generation: int = 0,
     manifest: dict[str, Any] | None = None,
@@ -61,7 +62,7 @@ def add_checkpoint(
     row = Checkpoint(
         id=checkpoint_id,
         path=path,
-        status=status,
+        status=status.value,
         parent_id=parent_id,
         generation=generation,
         manifest=manifest or {},

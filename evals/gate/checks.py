@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from app.core.intervals import mcnemar_exact_interval, newcombe_paired_interval, paired_bootstrap_interval
+from app.models.checkpoints import GateVerdict
 from evals.gate.models import Decision, GateReason, Key, MonitorReport, Outcome, SequentialReport, SuiteOutcomes
 from evals.gate.monitors import check_monitor, monitor_drift_interval, monitor_values
 from evals.gate.policy import GateConfig
@@ -191,10 +192,10 @@ def interval_verdict(low: float, high: float, threshold: float, *, guardrail: bo
     is worse), or, on a guardrail with the design power, when the lower bound reaches the margin;
     otherwise ``insufficient_evidence``."""
     if low > threshold:
-        return "pass"
+        return GateVerdict.PASS
     if high < 0 or (guardrail and powered):
-        return "fail"
-    return "insufficient_evidence"
+        return GateVerdict.FAIL
+    return GateVerdict.INSUFFICIENT_EVIDENCE
 
 
 def sequence_order(name: str, clusters: set[str], config: GateConfig) -> list[str]:
@@ -230,7 +231,7 @@ def sequence_verdict(
     """
     alpha = (1 - config.confidence) / (2 if config.two_sided else 1)
     if len(means) == 0:
-        return SequentialReport(low=-1.0, high=1.0, clusters=planned, decision="insufficient_evidence")
+        return SequentialReport(low=-1.0, high=1.0, clusters=planned, decision=GateVerdict.INSUFFICIENT_EVIDENCE)
     if config.sequence == "betting":
         cs = betting_confidence_sequence(means, alpha)
     else:
@@ -238,7 +239,7 @@ def sequence_verdict(
     cumulative = np.cumsum(sizes)
     for t, (low, high) in enumerate(zip(cs.low, cs.high)):
         verdict = interval_verdict(float(low), float(high), threshold, guardrail=guardrail, powered=False)
-        if verdict != "insufficient_evidence":
+        if verdict != GateVerdict.INSUFFICIENT_EVIDENCE:
             return SequentialReport(
                 low=float(low),
                 high=float(high),
@@ -248,7 +249,7 @@ def sequence_verdict(
                 decision=verdict,
             )
     return SequentialReport(
-        low=float(cs.low[-1]), high=float(cs.high[-1]), clusters=planned, decision="insufficient_evidence"
+        low=float(cs.low[-1]), high=float(cs.high[-1]), clusters=planned, decision=GateVerdict.INSUFFICIENT_EVIDENCE
     )
 
 

@@ -42,6 +42,7 @@ from app.core.intervals import (
     paired_bootstrap_interval,
     wilson_interval,
 )
+from app.models.checkpoints import GateVerdict
 from evals.gate.checks import (
     Pairs,
     Reasons,
@@ -120,7 +121,12 @@ def _paired_sampling(outcomes: Sequence[Outcome]) -> SamplingReport:
 
 
 def _empty_report(
-    name: str, gated: bool, version: str | None, config: GateConfig, role: str, decision: SuiteDecision = "fail"
+    name: str,
+    gated: bool,
+    version: str | None,
+    config: GateConfig,
+    role: str,
+    decision: SuiteDecision = GateVerdict.FAIL,
 ) -> SuiteReport:
     """A report with no pairs yet: ``decision`` is ``not_gated`` for an empty suite allowed to be empty."""
     return SuiteReport(
@@ -211,20 +217,27 @@ def _check_difference(
         how = config.method + (" or cluster bootstrap, the wider" if len(set(clusters)) < n else "")
     deterioration = sg.check == "deterioration"
     if deterioration:
-        verdict = "fail" if high < 0 else "pass"
+        verdict = GateVerdict.FAIL if high < 0 else GateVerdict.PASS
     kc, kp = sum(o.passed for o in c_out), sum(o.passed for o in p_out)
     side = "two-sided" if config.two_sided else "one-sided"
     stop = "" if seq.stopped_at_pairs is None else f" at {seq.stopped_at_pairs} pairs"
     if planned_clusters is not None:
         stop += f" (the run stopped there: {seq.stopped_at_clusters} of {seq.clusters} clusters)"
-    why = {"pass": "", "fail": "", "insufficient_evidence": "; the bounds cannot decide: insufficient evidence"}
+    why = {
+        GateVerdict.PASS: "",
+        GateVerdict.FAIL: "",
+        GateVerdict.INSUFFICIENT_EVIDENCE: "; the bounds cannot decide: insufficient evidence",
+    }
     bound_said = f"lower bound {'>' if low > threshold else '<='} {threshold:+.1%}"
     if deterioration:
-        why = {v: "; a deterioration check (not sized): floor and monitors decide" for v in ("pass", "fail")}
+        why = {
+            v: "; a deterioration check (not sized): floor and monitors decide"
+            for v in (GateVerdict.PASS, GateVerdict.FAIL)
+        }
         bound_said = f"upper bound {'<' if high < 0 else '>='} 0: {'significantly worse' if high < 0 else 'not worse'}"
     reasons.add(
         "deterioration" if deterioration else "non_inferiority" if guardrail else "superiority",
-        verdict == "pass",
+        verdict == GateVerdict.PASS,
         f"{name}: candidate {kc}/{n} vs production {kp}/{n} ({report.n_tasks} tasks x {report.samples_per_task} "
         f"sample{'s' if report.samples_per_task > 1 else ''}, {len(set(clusters))} clusters), difference {diff:+.1%} "
         f"({config.confidence:.0%} {side} {how} [{low:+.1%}, {high:+.1%}], {bound_said}); "
@@ -246,7 +259,7 @@ def _check_difference(
             "confidence": config.confidence,
             "two_sided": config.two_sided,
         },
-        inconclusive=verdict == "insufficient_evidence",
+        inconclusive=verdict == GateVerdict.INSUFFICIENT_EVIDENCE,
     )
     return report.model_copy(
         update=dict(
@@ -333,7 +346,7 @@ def _evaluate_suite(
     reasons = Reasons(name, gated, [])
     if cand is None and prod is None and sg.allow_empty:
         reasons.add("empty_suite", True, f"{name}: neither side ran the suite (allowed to be empty): not gated")
-        return _empty_report(name, gated, None, config, decision="not_gated", role=sg.role), reasons.items
+        return _empty_report(name, gated, None, config, decision=GateVerdict.NOT_GATED, role=sg.role), reasons.items
     if cand is None or prod is None:
         missing = [who for who, x in (("candidate", cand), ("production", prod)) if x is None]
         reasons.add(
@@ -347,7 +360,9 @@ def _evaluate_suite(
     pairs = pair_outcomes(cand, prod, config, reasons)
     if pairs.empty and sg.allow_empty and not reasons.items:
         reasons.add("empty_suite", True, f"{name}: the suite holds no task on either side (allowed): not gated")
-        return _empty_report(name, gated, cand.suite_version, config, decision="not_gated", role=sg.role), reasons.items
+        return _empty_report(
+            name, gated, cand.suite_version, config, decision=GateVerdict.NOT_GATED, role=sg.role
+        ), reasons.items
     if pairs.n < (sg.min_pairs or 1):
         reasons.add(
             "too_few_pairs",
@@ -386,30 +401,30 @@ def _evaluate_suite(
 def _suite_decision(report: SuiteReport, reasons: list[GateReason]) -> SuiteDecision:
     """``not_gated`` as the report says; ``fail`` when a deciding check failed outright, else
     ``insufficient_evidence`` when one could not decide (or nothing paired), else ``pass``."""
-    if report.decision == "not_gated":
-        return "not_gated"
+    if report.decision == GateVerdict.NOT_GATED:
+        return GateVerdict.NOT_GATED
     deciding = [r for r in reasons if not r.informational]
     if any(not r.passed and not r.inconclusive for r in deciding):
-        return "fail"
+        return GateVerdict.FAIL
     if any(not r.passed for r in deciding) or report.n_pairs == 0:
-        return "insufficient_evidence"
-    return "pass"
+        return GateVerdict.INSUFFICIENT_EVIDENCE
+    return GateVerdict.PASS
 
 
 def _gate_decision(reports: list[SuiteReport]) -> Decision:
     """Spotify Confidence's rule over the gated suites that decided: ``fail`` if none decided or
     one failed; ``pass`` if every guardrail passed and, where success suites decided, one passed;
     else ``insufficient_evidence``."""
-    decided = [s for s in reports if s.decision != "not_gated"]
-    if not decided or any(s.decision == "fail" for s in decided):
-        return "fail"
+    decided = [s for s in reports if s.decision != GateVerdict.NOT_GATED]
+    if not decided or any(s.decision == GateVerdict.FAIL for s in decided):
+        return GateVerdict.FAIL
     guardrails = [s for s in decided if s.role == "guardrail"]
     successes = [s for s in decided if s.role == "success"]
-    if all(s.decision == "pass" for s in guardrails) and (
-        not successes or any(s.decision == "pass" for s in successes)
+    if all(s.decision == GateVerdict.PASS for s in guardrails) and (
+        not successes or any(s.decision == GateVerdict.PASS for s in successes)
     ):
-        return "pass"
-    return "insufficient_evidence"
+        return GateVerdict.PASS
+    return GateVerdict.INSUFFICIENT_EVIDENCE
 
 
 def decide_gate(
@@ -441,10 +456,10 @@ def decide_gate(
     for name in names:
         report, rs = _evaluate_suite(name, name in gated, candidate.get(name), production.get(name), config)
         decision = _suite_decision(report, rs)
-        suites[name] = report.model_copy(update={"passed": decision == "pass", "decision": decision})
+        suites[name] = report.model_copy(update={"passed": decision == GateVerdict.PASS, "decision": decision})
         reasons.extend(rs)
     overall = _gate_decision([suites[s] for s in gated])
-    if gated and all(suites[s].decision == "not_gated" for s in gated):
+    if gated and all(suites[s].decision == GateVerdict.NOT_GATED for s in gated):
         reasons.append(
             GateReason(
                 check="no_gated_suites",
@@ -453,7 +468,7 @@ def decide_gate(
             )
         )
     return GateResult(
-        passed=overall == "pass",
+        passed=overall == GateVerdict.PASS,
         decision=overall,
         reasons=reasons,
         suites=suites,

@@ -12,13 +12,15 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
+from app.models.checkpoints import GateVerdict
+
 Key = tuple[str, int]
-Decision = Literal["pass", "fail", "insufficient_evidence"]
+Decision = Literal[GateVerdict.PASS, GateVerdict.FAIL, GateVerdict.INSUFFICIENT_EVIDENCE]
 """How the gate ends: ``pass``, the intervals clear every gated suite's threshold; ``fail``, a
 check shows a problem (a regression, a breached floor or monitor, missing or broken results) or no
 suite was gated; ``insufficient_evidence``, nothing failed but some interval still reaches below
 its threshold on a suite without the power to call that a failure (or too few pairs)."""
-SuiteDecision = Literal["pass", "fail", "insufficient_evidence", "not_gated"]
+SuiteDecision = Literal[GateVerdict.PASS, GateVerdict.FAIL, GateVerdict.INSUFFICIENT_EVIDENCE, GateVerdict.NOT_GATED]
 """How one suite ends: a :data:`Decision`, or ``not_gated`` for a suite allowed to be empty that
 had nothing to compare (reported, never a pass, and not counted by the gate)."""
 
@@ -157,7 +159,7 @@ class SuiteReport(BaseModel):
     gated: bool
     suite_version: str | None
     passed: bool
-    decision: SuiteDecision = "fail"
+    decision: SuiteDecision = GateVerdict.FAIL
     role: str = Field(default="guardrail", description="guardrail (non-inferiority) or success (superiority)")
     check: str = Field(
         default="non_inferiority",
@@ -208,10 +210,10 @@ class SuiteReport(BaseModel):
 
 class GateResult(BaseModel):
     """The gate's decision with every reason (passing and failing) and per-suite statistics.
-    ``passed`` is ``decision == "pass"``."""
+    ``passed`` is ``decision is GateVerdict.PASS``."""
 
     passed: bool
-    decision: Decision = "fail"
+    decision: Decision = GateVerdict.FAIL
     reasons: list[GateReason]
     suites: dict[str, SuiteReport]
     config: dict[str, Any]

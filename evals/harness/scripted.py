@@ -70,6 +70,3 @@ class ScriptedPolicy(InferenceEngine):
 
     def load_checkpoint(self, checkpoint_id: str, path: Path) -> None:
         self.checkpoint_id = checkpoint_id
-
-    def apply_delta(self, checkpoint_id: str, delta_path: Path, parent_id: str) -> None:
-        self.checkpoint_id = checkpoint_id

@@ -19,17 +19,17 @@ from app.checkpoints.store import CheckpointStore
 from app.checkpoints.testing import build_tiny_model
 from app.core.settings import get_settings
 from app.models import ABComparison
+from serving.reference_engine import ReferenceEngine
 from serving.server import create_app
 from serving.testing import serve_in_thread
-from serving.torch_engine import TorchEngine
 
 pytestmark = pytest.mark.integration
 
 
 @pytest.fixture(scope="module")
 def servers(tiny_model_dir) -> Iterator[dict]:
-    prod = TorchEngine(tiny_model_dir, checkpoint_id="prod-1", num_threads=1, device="cpu")
-    evals = TorchEngine(tiny_model_dir, checkpoint_id="prod-1", num_threads=1, device="cpu")
+    prod = ReferenceEngine(tiny_model_dir, checkpoint_id="prod-1", num_threads=1, device="cpu")
+    evals = ReferenceEngine(tiny_model_dir, checkpoint_id="prod-1", num_threads=1, device="cpu")
     started = [serve_in_thread(create_app(prod)), serve_in_thread(create_app(evals))]
     try:
         yield {"prod_url": started[0][0], "eval_url": started[1][0], "prod": prod, "eval": evals}
@@ -39,7 +39,7 @@ def servers(tiny_model_dir) -> Iterator[dict]:
             thread.join(timeout=10)
 
 
-def _checksum(engine: TorchEngine) -> str:
+def _checksum(engine: ReferenceEngine) -> str:
     h = hashlib.sha256()
     for name, t in sorted(engine.model.state_dict().items()):
         h.update(name.encode())

@@ -1,7 +1,7 @@
 """Fixtures and seeding helpers shared by the promotion API tests (imported by them; no tests here).
 
 Checkpoint rows are inserted directly, each with a real STABLE directory made by
-``CheckpointStore.writer`` (manifest naming its parent, an optional ``delta.zst``), and gate
+``CheckpointStore.writer`` (manifest naming its parent), and gate
 decisions / eval results as the evals area would write them.
 """
 
@@ -27,10 +27,8 @@ PNG_1PX = bytes.fromhex(
 )
 
 
-def write_checkpoint_dir(
-    store: CheckpointStore, checkpoint_id: str, parent_id: str | None, *, delta: bool = True
-) -> Path:
-    """A STABLE checkpoint directory with a manifest (and ``delta.zst`` when it has a parent)."""
+def write_checkpoint_dir(store: CheckpointStore, checkpoint_id: str, parent_id: str | None) -> Path:
+    """A STABLE checkpoint directory with a manifest."""
     with store.writer(checkpoint_id) as staging:
         (staging / "config.json").write_text(json.dumps({"model_type": "llama"}))
         (staging / "manifest.json").write_text(
@@ -43,8 +41,6 @@ def write_checkpoint_dir(
                 }
             )
         )
-        if parent_id and delta:
-            (staging / "delta.zst").write_bytes(b"(fake zstd delta of " + checkpoint_id.encode() + b")")
     return store.stable_path(checkpoint_id)
 
 
@@ -57,13 +53,10 @@ def seed_checkpoint(
     parent_id: str | None = None,
     generation: int = 0,
     stable_dir: bool = True,
-    delta: bool = True,
     created_at: datetime | None = None,
 ) -> Checkpoint:
     """Insert a checkpoint row (and its STABLE directory) and commit."""
-    path = (
-        write_checkpoint_dir(store, checkpoint_id, parent_id, delta=delta) if stable_dir else store.path(checkpoint_id)
-    )
+    path = write_checkpoint_dir(store, checkpoint_id, parent_id) if stable_dir else store.path(checkpoint_id)
     row = Checkpoint(
         id=checkpoint_id,
         parent_id=parent_id,

@@ -1,4 +1,4 @@
-"""A canary served for real: two torch engines (two weight sets) behind the router, the simulator
+"""A canary served for real: two reference engines (two weight sets) behind the router, the simulator
 as live traffic, and the serving watcher following canary start/stop through the broker."""
 
 from __future__ import annotations
@@ -21,10 +21,10 @@ pytestmark = pytest.mark.integration
 
 def test_simulated_users_are_served_by_their_arm(tiny_model_dir, tmp_path):
     from app.checkpoints.testing import build_tiny_model
-    from serving.torch_engine import TorchEngine
+    from serving.reference_engine import ReferenceEngine
 
-    prod = TorchEngine(tiny_model_dir, checkpoint_id="prod")
-    cand = TorchEngine(build_tiny_model(tmp_path / "cand", seed=7), checkpoint_id="cand")
+    prod = ReferenceEngine(tiny_model_dir, checkpoint_id="prod", num_threads=1)
+    cand = ReferenceEngine(build_tiny_model(tmp_path / "cand", seed=7), checkpoint_id="cand", num_threads=1)
     router = EngineRouter(prod)
     router.start(ActiveCanary(canary_id="c-sim", checkpoint_id="cand", fraction=0.5), cand)
     events = []

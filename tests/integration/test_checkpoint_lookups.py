@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from app.core.errors import ConfigurationError
+from app.models.checkpoints import CheckpointStatus
 from app.repositories.checkpoints import add_checkpoint, require_production
 
 pytestmark = pytest.mark.integration
@@ -17,7 +18,7 @@ def test_require_production_names_the_fix_and_finds_production(session):
         require_production(session)
     with pytest.raises(ConfigurationError, match="no production checkpoint: name one with --checkpoint"):
         require_production(session, "name one with --checkpoint")
-    add_checkpoint(session, checkpoint_id="base", path="/x/base", status="production")
+    add_checkpoint(session, checkpoint_id="base", path="/x/base", status=CheckpointStatus.PRODUCTION)
     add_checkpoint(session, checkpoint_id="cand", path="/x/cand", parent_id="base", generation=1)
     session.flush()
     assert require_production(session).id == "base"

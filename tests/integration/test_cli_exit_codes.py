@@ -14,6 +14,7 @@ import pytest
 from app.core.db import reset_engines, session_scope
 from app.core.failures import ExitCode
 from app.core.net import free_port
+from app.models.checkpoints import CheckpointStatus
 from app.repositories.checkpoints import add_checkpoint
 from evals import gating, runner
 from ops.cli import run
@@ -97,7 +98,7 @@ def test_stack_status_json_answers_healthy_with_0_and_down_with_1(db, kafka_boot
 
 def test_refusals_and_unknown_entities_exit_1_and_bad_arguments_2(db, home, capsys):
     with session_scope() as s:
-        add_checkpoint(s, checkpoint_id="base", path="/x/base", status="production")
+        add_checkpoint(s, checkpoint_id="base", path="/x/base", status=CheckpointStatus.PRODUCTION)
         add_checkpoint(s, checkpoint_id="cand", path="/x/cand", parent_id="base", generation=1)
     assert run(["tokens", "revoke", "nobody"]) == ExitCode.NEGATIVE
     assert "no live token" in capsys.readouterr().err
@@ -119,7 +120,7 @@ def test_refusals_and_unknown_entities_exit_1_and_bad_arguments_2(db, home, caps
 
 def test_gate_exits_0_when_it_passes_and_1_when_it_does_not(db, home, monkeypatch, capsys):
     with session_scope() as s:
-        add_checkpoint(s, checkpoint_id="base", path="/x/base", status="production")
+        add_checkpoint(s, checkpoint_id="base", path="/x/base", status=CheckpointStatus.PRODUCTION)
         for cid in ("good", "bad"):
             add_checkpoint(s, checkpoint_id=cid, path=f"/x/{cid}", parent_id="base", generation=1)
     monkeypatch.setattr(runner, "run_sample", Policies())

@@ -14,6 +14,7 @@ import numpy as np
 import psycopg
 import pytest
 
+from app.models.checkpoints import CheckpointStatus
 from consumers.testing import generate_session, kafka_record, produce
 from consumers.trajectory_state import trajectory_id_for
 from producers.events.codec import encode_event
@@ -100,7 +101,7 @@ def test_a_session_missing_events_is_held_then_marked_incomplete_and_never_train
     assert labelled == set(rows)  # labelled like any other: the reason, not a missing label, keeps them out
 
     with session_scope() as s:
-        parent = add_checkpoint(s, checkpoint_id="base", path="/b", status="production")
+        parent = add_checkpoint(s, checkpoint_id="base", path="/b", status=CheckpointStatus.PRODUCTION)
         s.flush()
         data = select_cycle_data(s, DataConfig(max_age_hours=24), parent)
     ids = dict(_q(db, "SELECT id::text, session_id FROM trajectory"))

@@ -10,6 +10,7 @@ import numpy as np
 import psycopg
 import pytest
 
+from app.models.checkpoints import CheckpointStatus
 from consumers.testing import generate_session, kafka_record, produce
 from consumers.trajectory_state import trajectory_id_for
 from producers.events.types import UserErasureRequested, UserErasureRequestedEvent
@@ -75,7 +76,7 @@ def test_erasure_removes_the_users_rows_and_flags_checkpoints(db, topics, kafka_
     from app.repositories.checkpoints import add_checkpoint
 
     with session_scope() as s:  # what the trainer records from its manifests
-        add_checkpoint(s, checkpoint_id="base", path="/b", status="production")
+        add_checkpoint(s, checkpoint_id="base", path="/b", status=CheckpointStatus.PRODUCTION)
         add_checkpoint(s, checkpoint_id="ck-1", path="/c1", parent_id="base", generation=1)
         add_checkpoint(s, checkpoint_id="ck-2", path="/c2", parent_id="base", generation=1)
         s.add_all(

@@ -16,6 +16,7 @@ from sqlalchemy import select
 
 from app.core.db import session_scope
 from app.models import Checkpoint, EvalResult, EvalRun, GateDecision
+from app.models.checkpoints import CheckpointStatus
 from app.repositories.checkpoints import add_checkpoint
 from evals import runner
 from evals.gate.policy import GateConfig, SuiteGate
@@ -81,7 +82,7 @@ class Policies:
 @pytest.fixture
 def checkpoints(db):
     with session_scope() as s:
-        add_checkpoint(s, checkpoint_id="base", path="/x/base", status="production")
+        add_checkpoint(s, checkpoint_id="base", path="/x/base", status=CheckpointStatus.PRODUCTION)
         for cid in ("good", "bad", "close"):
             add_checkpoint(s, checkpoint_id=cid, path=f"/x/{cid}", parent_id="base", generation=1)
 

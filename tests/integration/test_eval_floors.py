@@ -12,6 +12,7 @@ import pytest
 from app.core.db import session_scope
 from app.core.failures import ExitCode
 from app.models import EvalResult, EvalRun
+from app.models.checkpoints import CheckpointStatus
 from app.repositories.checkpoints import add_checkpoint
 from evals.config import load_suite
 from evals.gate.checks import cluster_of
@@ -61,7 +62,7 @@ def stored(db, home):
     policy = load_gate_config()
     planned = policy.plan_suite(load_suite("functions")).model_dump(mode="json")
     with session_scope() as s:
-        add_checkpoint(s, checkpoint_id="base", path="/x/base", status="production")
+        add_checkpoint(s, checkpoint_id="base", path="/x/base", status=CheckpointStatus.PRODUCTION)
         # the gate's plan (8 samples at T = 0.7): the run the floor must come from
         kept = seed_run(s, "functions", functions_results(), config={"suite": planned}, age_h=2)
         # newer, sampled otherwise (greedy, 1 sample: the plan before the gate was sized): not the gate's plan

@@ -17,6 +17,7 @@ from sqlalchemy import select
 from app.core.db import session_scope
 from app.core.errors import ConflictError
 from app.models import AuditLog, Checkpoint, EvalRun, GateDecision, Outbox
+from app.models.checkpoints import CheckpointStatus
 from app.repositories.checkpoints import add_checkpoint
 from evals import automation, runner
 from evals.gate.policy import GateConfig, MonitorBound, SuiteGate
@@ -74,7 +75,7 @@ class Policies:
 @pytest.fixture
 def checkpoints(db):
     with session_scope() as s:
-        add_checkpoint(s, checkpoint_id="base", path="/x/base", status="production")
+        add_checkpoint(s, checkpoint_id="base", path="/x/base", status=CheckpointStatus.PRODUCTION)
         for cid in ("good", "bad"):
             add_checkpoint(s, checkpoint_id=cid, path=f"/x/{cid}", parent_id="base", generation=1)
 

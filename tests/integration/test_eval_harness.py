@@ -174,7 +174,7 @@ def test_a_hostile_hidden_test_is_contained(ckpt, tokenizer, tmp_path, flywheel_
 
 
 def test_flywheel_eval_runs_a_real_model_end_to_end(db, tiny_model_dir):
-    """``flywheel eval CHECKPOINT --suite NAME`` with the torch engine on a tiny random model: it loads
+    """``flywheel eval CHECKPOINT --suite NAME`` with the reference engine on a tiny random model: it loads
     the checkpoint, runs sessions through the harness, grades, stores results and prints intervals."""
     from app.checkpoints.publish import publish_folder
     from ops.cli import app

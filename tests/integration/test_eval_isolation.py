@@ -18,13 +18,13 @@ from app.core.settings import get_settings
 from app.inference.engine import SamplingParams
 from serving.engine import setup_engine
 from serving.openai_engine import OpenAICompatEngine
+from serving.reference_engine import ReferenceEngine
 from serving.server import create_app
-from serving.torch_engine import TorchEngine
 
 PROMPT = [1, 17, 300, 4242, 9, 77, 5]
 
 
-def _serve(engine: TorchEngine) -> tuple[str, object, object]:
+def _serve(engine: ReferenceEngine) -> tuple[str, object, object]:
     from serving.testing import serve_in_thread
 
     return serve_in_thread(create_app(engine))
@@ -33,8 +33,8 @@ def _serve(engine: TorchEngine) -> tuple[str, object, object]:
 @pytest.fixture(scope="module")
 def servers(tiny_model_dir) -> Iterator[dict]:
     """Production and eval servers, both starting on the production checkpoint (as in compose)."""
-    prod = TorchEngine(tiny_model_dir, checkpoint_id="prod-1", num_threads=1, device="cpu")
-    evals = TorchEngine(tiny_model_dir, checkpoint_id="prod-1", num_threads=1, device="cpu")
+    prod = ReferenceEngine(tiny_model_dir, checkpoint_id="prod-1", num_threads=1, device="cpu")
+    evals = ReferenceEngine(tiny_model_dir, checkpoint_id="prod-1", num_threads=1, device="cpu")
     started = [_serve(prod), _serve(evals)]
     try:
         yield {"prod_url": started[0][0], "eval_url": started[1][0], "prod": prod, "eval": evals}
@@ -55,7 +55,7 @@ def vllm_settings(monkeypatch, servers, tmp_path):
     get_settings.cache_clear()
 
 
-def _weights_checksum(engine: TorchEngine) -> str:
+def _weights_checksum(engine: ReferenceEngine) -> str:
     h = hashlib.sha256()
     for name, t in sorted(engine.model.state_dict().items()):
         h.update(name.encode())
@@ -120,13 +120,5 @@ def test_vllm_evals_need_a_server_of_their_own(monkeypatch, servers, vllm_settin
     with pytest.raises(ConfigurationError, match="is the production server"):
         setup_engine(checkpoint_id="cand-1", role="eval")
     with pytest.raises(ConfigurationError, match="unknown engine role"):
-        setup_engine(checkpoint_id="cand-1", role="canary")
+        setup_engine(checkpoint_id="cand-1", role="staging")
     assert servers["prod"].checkpoint_id == "prod-1"
-
-
-def test_flywheel_serve_applies_deltas_itself(servers):
-    client = OpenAICompatEngine(servers["prod_url"])
-    try:
-        assert client.applies_deltas  # flywheel serve names its checkpoint_id and applies deltas
-    finally:
-        client.close()

@@ -266,12 +266,12 @@ def test_beats_refresh_mines_verifies_environments_and_reports_contamination(db,
     from evals.mined_refresh import refresh_mined_suite
     from evals.store import advisory_lock
     from evals.tasks import load_tasks
-    from serving.torch_engine import TorchEngine
+    from serving.reference_engine import ReferenceEngine
 
     task_id = "FN/arithmetic/0"
     with session_scope() as s:
         add_session(s, 1, task_id, source="functions")
-    result = refresh_mined_suite(lambda: TorchEngine(tiny_model_dir), max_tokens=16)
+    result = refresh_mined_suite(lambda: ReferenceEngine(tiny_model_dir, num_threads=1), max_tokens=16)
     assert result["status"] == "done" and result["mined"] == [task_id] and result["contaminated"] == []
     assert result["environments"]["tasks"] == 1
     (task,) = load_tasks("mined", "test")
@@ -280,7 +280,7 @@ def test_beats_refresh_mines_verifies_environments_and_reports_contamination(db,
         add_checkpoint(s, checkpoint_id="late", path="/x/late")
         s.add(CheckpointTrajectory(checkpoint_id="late", trajectory_id=uuid.uuid4(), user_id="u", task_id=task_id))
     with advisory_lock("mined-suite", "refresh"):
-        assert refresh_mined_suite(lambda: TorchEngine(tiny_model_dir)) == {"status": "busy"}
-    again = refresh_mined_suite(lambda: TorchEngine(tiny_model_dir), max_tokens=16)
+        assert refresh_mined_suite(lambda: ReferenceEngine(tiny_model_dir, num_threads=1)) == {"status": "busy"}
+    again = refresh_mined_suite(lambda: ReferenceEngine(tiny_model_dir, num_threads=1), max_tokens=16)
     assert again["mined"] == [] and again["environments"]["cached"] == 1
     assert [(c["checkpoint_id"], c["task_id"]) for c in again["contaminated"]] == [("late", task_id)]

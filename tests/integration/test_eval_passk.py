@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from app.core.db import session_scope
+from app.models.checkpoints import CheckpointStatus
 from app.repositories.checkpoints import add_checkpoint
 from evals import gating, runner
 from evals.config import SuiteConfig
@@ -64,7 +65,7 @@ class Engine:
 
 def test_k_samples_per_task_are_summarized_paired_and_reported(db, monkeypatch):
     with session_scope() as s:
-        add_checkpoint(s, checkpoint_id="base", path="/x/base", status="production")
+        add_checkpoint(s, checkpoint_id="base", path="/x/base", status=CheckpointStatus.PRODUCTION)
         add_checkpoint(s, checkpoint_id="cand", path="/x/cand", parent_id="base", generation=1)
     samples = Samples()
     monkeypatch.setattr(runner, "run_sample", samples)

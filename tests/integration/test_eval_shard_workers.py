@@ -1,5 +1,5 @@
 """A sharded eval run on two real Celery workers (``celery worker --concurrency 1`` subprocesses)
-with a tiny random model on the torch engine, through the real harness and sandbox: both workers
+with a tiny random model on the reference engine, through the real harness and sandbox: both workers
 take shards, the stored results and the summary equal the unsharded run's, and a worker killed
 mid-shard (SIGKILL, no goodbye) has its shard retried so the run completes.
 
@@ -75,7 +75,7 @@ def broker_env(request, monkeypatch) -> dict[str, str]:
 
 @pytest.fixture
 def tiny_checkpoint(db, tiny_model_dir, monkeypatch) -> str:
-    monkeypatch.setenv("FLYWHEEL_SERVING_ENGINE", "torch")
+    monkeypatch.setenv("FLYWHEEL_SERVING_ENGINE", "reference")
     path = publish_folder(tiny_model_dir, "tiny", {"id": "tiny"})
     with session_scope() as s:
         add_checkpoint(s, checkpoint_id="tiny", path=str(path))
@@ -183,7 +183,7 @@ def test_two_workers_share_the_shards_and_a_killed_workers_shard_is_retried(
         FLYWHEEL_DATABASE_URL=db,
         FLYWHEEL_HOME=str(flywheel_home),  # the checkpoint store the tiny model was published to
         FLYWHEEL_TELEMETRY_EXPORTER="none",
-        FLYWHEEL_SERVING_ENGINE="torch",
+        FLYWHEEL_SERVING_ENGINE="reference",
         FLYWHEEL_EVAL_SHARD_HEARTBEAT_S="0.5",
         **broker_env,
     )

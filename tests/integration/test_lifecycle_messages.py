@@ -60,7 +60,7 @@ def test_the_watcher_skips_what_it_cannot_parse_and_follows_the_typed_promotion(
                     break
     finally:
         watcher.stop()
-    assert engine.calls == [("delta", "ckpt-0001")]
+    assert engine.calls == [("full", "ckpt-0001")]
     skipped = [r.getMessage() for r in caplog.records if "skipping lifecycle message" in r.getMessage()]
     assert len(skipped) == 3, skipped
     assert "not JSON" in skipped[0]

@@ -56,9 +56,9 @@ def test_the_follower_reads_every_partition_skips_junk_and_rereads_a_failed_batc
             _poll_until(follower, lambda: False)
         assert follower.positions == {0: 0, 1: 0}
         _poll_until(follower, lambda: {0: 2, 1: 1} == follower.positions)
-        seen = {r.payload["checkpoint_id"] for b in batches for r in b.records}
+        seen = {r.message.checkpoint_id for b in batches for r in b.records}
         assert seen == {"ckpt-a", "ckpt-b"}  # both partitions; the junk record skipped, its offset consumed
-        assert all(r.payload["type"] == "checkpoint.promoted" for b in batches for r in b.records)
+        assert all(r.message.type == "checkpoint.promoted" for b in batches for r in b.records)
     finally:
         follower.stop()
 
@@ -94,7 +94,7 @@ def test_a_log_recreated_past_the_old_position_is_read_from_its_start(tmp_path):
         producer.close()
 
     seen: list[str] = []
-    follower = _follower(bootstrap, topic, lambda b: seen.extend(r.payload["checkpoint_id"] for r in b.records))
+    follower = _follower(bootstrap, topic, lambda b: seen.extend(r.message.checkpoint_id for r in b.records))
     try:
         create_topics(bootstrap, {topic: 1})
         publish("old")

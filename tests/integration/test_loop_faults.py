@@ -73,7 +73,7 @@ LOOP_SERVICES = {"consumer": ["consume"], "api": ["api"], "relay": ["relay"], "w
 def _loop_env(home: Path) -> dict[str, str]:
     """The environment of the module's ``flywheel up``: a compressed schedule (beat checks for
     trajectories every 2 s and scans for ungated candidates every 3 s), cycles of two steps on a
-    tiny model, gates of two tasks on the torch engine, and the ``auto_on_pass`` release policy."""
+    tiny model, gates of two tasks on the reference engine, and the ``auto_on_pass`` release policy."""
     (home / "smoke_gate.toml").write_text(SMOKE_GATE)
     (home / "trainer.toml").write_text(TRAINER_TOML)
     env = _service_env(home)
@@ -90,7 +90,7 @@ def _loop_env(home: Path) -> dict[str, str]:
         FLYWHEEL_EVAL_MAX_TURNS="1",
         FLYWHEEL_EVAL_MAX_TOKENS_PER_TURN="16",
         FLYWHEEL_RELEASE_POLICY="auto_on_pass",
-        FLYWHEEL_SERVING_ENGINE="torch",
+        FLYWHEEL_SERVING_ENGINE="reference",
     )
     return env
 

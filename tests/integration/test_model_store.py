@@ -7,6 +7,8 @@ import os
 import pytest
 from sqlalchemy import select
 
+from app.models.checkpoints import CheckpointStatus
+
 pytestmark = pytest.mark.integration
 
 
@@ -23,7 +25,7 @@ def test_register_first_model_becomes_production_with_audit(db, tiny_model_dir, 
     from app.models import AuditLog, Checkpoint, Outbox, Promotion
 
     store = CheckpointStore(tmp_path / "ckpts")
-    path = register_model(tiny_model_dir, "tiny", "production", store=store)
+    path = register_model(tiny_model_dir, "tiny", CheckpointStatus.PRODUCTION, store=store)
     assert store.is_stable("tiny") and store.verify("tiny") == []
     assert (path / "model.safetensors").stat().st_ino == (tiny_model_dir / "model.safetensors").stat().st_ino
     assert store.manifest("tiny")["kind"] == "registered"
@@ -35,11 +37,11 @@ def test_register_first_model_becomes_production_with_audit(db, tiny_model_dir, 
     assert [o.event_type for o in _rows(Outbox)] == ["checkpoint.created", "checkpoint.promoted"]
 
     # A second "production" registration must not displace production: it becomes a candidate.
-    register_model(tiny_model_dir, "tiny2", "production", store=store)
+    register_model(tiny_model_dir, "tiny2", CheckpointStatus.PRODUCTION, store=store)
     statuses = {r.id: r.status for r in _rows(Checkpoint)}
     assert statuses == {"tiny": "production", "tiny2": "candidate"}
     # Idempotent: registering the same id again changes nothing.
-    register_model(tiny_model_dir, "tiny2", "candidate", store=store)
+    register_model(tiny_model_dir, "tiny2", CheckpointStatus.CANDIDATE, store=store)
     assert len(_rows(Checkpoint)) == 2 and len(_rows(Promotion)) == 1
 
 
@@ -51,20 +53,19 @@ def test_register_refuses_non_model_folder(db, tmp_path):
     (tmp_path / "junk").mkdir()
     with pytest.raises(CheckpointError, match="config.json"):
         register_model(tmp_path / "junk", "junk", store=CheckpointStore(tmp_path / "c"))
-    with pytest.raises(ConfigurationError, match="unknown status"):
-        register_model(tmp_path / "junk", "junk", "shipping", store=CheckpointStore(tmp_path / "c"))
+    with pytest.raises(ConfigurationError, match="cannot be registered"):
+        register_model(tmp_path / "junk", "junk", CheckpointStatus.RETIRED, store=CheckpointStore(tmp_path / "c"))
 
 
 @pytest.mark.slow
 def test_model_init_materializes_smollm2_that_answers_sensibly(db, tmp_path):
     """The real SmolLM2-135M-Instruct: converted once (cached), hardlinked into a fresh store."""
-    import torch
 
     from app.checkpoints.publish import converted_base_dir, init_base
     from app.checkpoints.store import CheckpointStore
     from app.inference.engine import SamplingParams
     from app.models import Checkpoint
-    from serving.torch_engine import TorchEngine
+    from serving.reference_engine import ReferenceEngine
 
     store = CheckpointStore(tmp_path / "ckpts")
     path = init_base(store)
@@ -74,8 +75,7 @@ def test_model_init_materializes_smollm2_that_answers_sensibly(db, tmp_path):
     assert os.stat(path / "model.safetensors").st_ino == os.stat(converted_base_dir() / "model.safetensors").st_ino
     assert {(r.id, r.status) for r in _rows(Checkpoint)} == {("base", "production")}
 
-    torch.set_num_threads(2)
-    engine = TorchEngine(path, checkpoint_id="base")
+    engine = ReferenceEngine(path, checkpoint_id="base", num_threads=1)
     prompt = engine.tokenizer.apply_chat_template(
         [{"role": "user", "content": "What is the capital of France?"}], add_generation_prompt=True, tokenize=False
     )

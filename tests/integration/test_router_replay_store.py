@@ -14,6 +14,7 @@ import psycopg
 import pytest
 import torch
 
+from app.models.checkpoints import CheckpointStatus
 from consumers.testing import kafka_record, produce
 from producers.events.types import (
     ModelResponded,
@@ -125,7 +126,7 @@ def test_routes_survive_the_event_path_replay_and_trainer_loading(db, topics, ka
 
     # the trainer loads them on the tokens they sampled, and packs them one position to the left
     with session_scope() as s:
-        add_checkpoint(s, checkpoint_id="base", path="/nowhere/base", status="production")
+        add_checkpoint(s, checkpoint_id="base", path="/nowhere/base", status=CheckpointStatus.PRODUCTION)
     with session_scope() as s:
         data = select_cycle_data(s, DataConfig(), s.get(Checkpoint, "base"))
     assert len(data.used) == 3, data.excluded

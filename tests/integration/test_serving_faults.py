@@ -21,6 +21,7 @@ import pytest
 from app.core.db import reset_engines
 from app.core.migrate import upgrade
 from app.core.settings import get_settings
+from app.models.checkpoints import CheckpointStatus
 from consumers.testing import scalar, wait_for
 from ops.stack import StackState, stack_down, stack_up
 from tests.integration.loop_support import Loop, _kill, _restarted, _service_env
@@ -91,7 +92,13 @@ def serving_loop(tmp_path_factory, tiny_vllm_model_dir) -> Iterator[ServingLoop]
             with session_scope() as session:
                 base = register_checkpoint_dir(session, store, tiny_vllm_model_dir, "base")
                 candidate = register_checkpoint_dir(
-                    session, store, candidate_src, "cand-1", status="candidate", generation=1, parent_id="base"
+                    session,
+                    store,
+                    candidate_src,
+                    "cand-1",
+                    status=CheckpointStatus.CANDIDATE,
+                    generation=1,
+                    parent_id="base",
                 )
             with session_scope() as session:
                 seed_gate(session, "cand-1", "base", passed=True)

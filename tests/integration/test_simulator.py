@@ -142,9 +142,9 @@ def test_surviving_fraction_counts_added_lines_left():
 
 def test_simulator_runs_the_real_torch_engine(tiny_model_dir):
     """A tiny random model through the whole simulator (no broker): real token ids and log-probs."""
-    from serving.torch_engine import TorchEngine
+    from serving.reference_engine import ReferenceEngine
 
-    engine = TorchEngine(tiny_model_dir, checkpoint_id="tiny")
+    engine = ReferenceEngine(tiny_model_dir, checkpoint_id="tiny", num_threads=1)
     events = []
     summaries = run_simulation(
         SimulatorConfig(

@@ -4,7 +4,6 @@ the events of the trajectories it trained on, and forward to serving's reload sp
 
 from __future__ import annotations
 
-import json
 from datetime import UTC, datetime, timedelta
 
 import numpy as np
@@ -16,6 +15,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from sqlalchemy import select
 
 from app.core.telemetry import inject_headers, span_reference
+from app.lifecycle.messages import parse_lifecycle_message
 from app.models import Checkpoint, Outbox, Trajectory
 from app.outbox.relay import outbox_message
 from app.promotion.service import promote_checkpoint
@@ -89,8 +89,8 @@ def test_a_promotion_links_back_to_its_training_cycle_and_producers_and_forward_
     (message,) = session.scalars(select(Outbox).where(Outbox.event_type == "checkpoint.promoted")).all()
     _, value, headers = outbox_message(message)
     engine = RecordingEngine("base")
-    ProductionFollower(engine, store=store, home=tmp_path).handle_batch([(json.loads(value), headers)])
-    assert engine.calls == [("delta", "good")]
+    ProductionFollower(engine, store=store, home=tmp_path).handle_batch([(parse_lifecycle_message(value), headers)])
+    assert engine.calls == [("full", "good")]
 
     finished = spans.get_finished_spans()
     (promotion,) = [s for s in finished if s.name == "promotion.promote"]
@@ -109,5 +109,5 @@ def test_a_promotion_links_back_to_its_training_cycle_and_producers_and_forward_
     assert cycle.attributes["flywheel.producer_spans"] == cycle.attributes["flywheel.producer_spans.linked"] == 3
     (reload,) = [s for s in finished if s.name == "serving.reload"]
     assert reload.parent.span_id == promotion.context.span_id and reload.context.trace_id == promotion.context.trace_id
-    assert reload.attributes["flywheel.checkpoint_id"] == "good" and reload.attributes["flywheel.method"] == "delta"
+    assert reload.attributes["flywheel.checkpoint_id"] == "good" and reload.attributes["flywheel.method"] == "full"
     assert session.get(Checkpoint, "good").status == "production"

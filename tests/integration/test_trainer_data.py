@@ -8,6 +8,7 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
+from app.models.checkpoints import CheckpointStatus
 from trainer.config import DataConfig
 from trainer.selection import select_cycle_data
 from trainer.testing import insert_trajectory, make_segment
@@ -30,7 +31,7 @@ def lineage(session):
             path=f"/nowhere/{cid}",
             parent_id=parent,
             generation=gen,
-            status="production" if cid == "c3" else "retired",
+            status=CheckpointStatus.PRODUCTION if cid == "c3" else CheckpointStatus.RETIRED,
         )
         parent = cid
     session.commit()

@@ -171,7 +171,6 @@ def test_a_promotion_through_the_api_reloads_the_production_server(
     for cid, src in (("base", models["a"]), ("cand-1", models["b"])):
         for f in src.iterdir():
             shutil.copy2(f, store.stable_path(cid) / f.name)
-    (store.stable_path("cand-1") / "delta.zst").unlink()  # vLLM reloads folders; no delta needed
     seed_gate(session, "cand-1", "base", passed=True)
     before = _fingerprint(prod_url)
     assert before[0] == "base"

@@ -1,5 +1,5 @@
 """Serving follows production end to end: HTTP promotion -> outbox -> relay -> broker -> watcher ->
-engine moved (delta chain or full load) -> serving.json -> GET /v1/production reports it."""
+engine moved (a full load) -> serving.json -> GET /v1/production reports it."""
 
 from __future__ import annotations
 
@@ -56,9 +56,9 @@ def test_serving_follows_promotions_and_rollbacks(
     engine = RecordingEngine("base")
     watcher = ServingWatcher(engine, store=store)
     try:
-        _poll_until_moved(watcher, engine, 2)
-        # Both promotions arrived in one batch: straight to ckpt-0002 along the delta chain.
-        assert engine.calls == [("delta", "ckpt-0001"), ("delta", "ckpt-0002")]
+        _poll_until_moved(watcher, engine, 1)
+        # Both promotions arrived in one batch: straight to ckpt-0002.
+        assert engine.calls == [("full", "ckpt-0002")]
         prod = client.get("/v1/production", headers=rm).json()
         assert prod["checkpoint"]["id"] == prod["serving_checkpoint_id"] == "ckpt-0002" and prod["serving_in_sync"]
 
@@ -68,8 +68,8 @@ def test_serving_follows_promotions_and_rollbacks(
         assert r.status_code == 201
         with OutboxRelay() as relay:
             assert relay.relay_pending() == 1
-        _poll_until_moved(watcher, engine, 3)
-        assert engine.calls[-1] == ("full", "ckpt-0001")  # a rollback goes backwards: full load
+        _poll_until_moved(watcher, engine, 2)
+        assert engine.calls[-1] == ("full", "ckpt-0001")
         assert client.get("/v1/production", headers=rm).json()["serving_checkpoint_id"] == "ckpt-0001"
     finally:
         watcher.stop()
@@ -79,7 +79,7 @@ def test_serving_follows_promotions_and_rollbacks(
     try:
         for _ in range(4):
             again.poll_once(timeout_ms=250)
-        assert len(engine.calls) == 3
+        assert len(engine.calls) == 2
     finally:
         again.stop()
     # A watcher without saved state replays the topic but only acts on the newest change.
@@ -88,7 +88,7 @@ def test_serving_follows_promotions_and_rollbacks(
     other = ServingWatcher(replica, store=store, home=fresh_home)
     try:
         other.run(idle_exit=True)  # `flywheel watch --once`: read to the end of the topic, then return
-        assert replica.calls == [("delta", "ckpt-0001")]  # base -> ckpt-0001 is one delta
+        assert replica.calls == [("full", "ckpt-0001")]  # the newest change: the rollback
     finally:
         other.stop()
 
@@ -111,11 +111,11 @@ def test_serving_rides_out_broker_and_inference_server_outages_and_then_follows_
     class RestartingServer(RecordingEngine):
         failures = 2
 
-        def apply_delta(self, checkpoint_id, delta_path, parent_id) -> None:
+        def load_checkpoint(self, checkpoint_id, path) -> None:
             if self.failures:
                 self.failures -= 1
                 raise InfrastructureError("inference server unreachable at http://127.0.0.1:8000: connection refused")
-            super().apply_delta(checkpoint_id, delta_path, parent_id)
+            super().load_checkpoint(checkpoint_id, path)
 
     topic = "flywheel.lifecycle.outage"
     create_topics(relayed_broker.bootstrap, {topic: 1})
@@ -155,7 +155,7 @@ def test_serving_rides_out_broker_and_inference_server_outages_and_then_follows_
         with OutboxRelay() as relay:
             assert relay.relay_pending() == 1
         wait_for(lambda: engine.calls or errors, 90, what="serving to move")
-        assert engine.calls == [("delta", "ckpt-0001")] and engine.failures == 0 and not errors, errors
+        assert engine.calls == [("full", "ckpt-0001")] and engine.failures == 0 and not errors, errors
         assert thread.is_alive()
     finally:
         watcher.stop()
@@ -201,7 +201,7 @@ def test_serving_follows_a_promotion_published_after_its_broker_restarted_empty(
         _poll_until_moved(watcher, engine, 1)
         for _ in range(4):
             watcher.poll_once(timeout_ms=250)  # read to the end of the old log
-        assert engine.calls == [("delta", "ckpt-0001")]
+        assert engine.calls == [("full", "ckpt-0001")]
 
         stop_pid(broker.pid)
         broker = start_broker(tmp_path / "broker", port)
@@ -213,7 +213,7 @@ def test_serving_follows_a_promotion_published_after_its_broker_restarted_empty(
         with OutboxRelay() as relay:
             assert relay.relay_pending() == 1
         _poll_until_moved(watcher, engine, 2)
-        assert engine.calls == [("delta", "ckpt-0001"), ("delta", "ckpt-0002")]
+        assert engine.calls == [("full", "ckpt-0001"), ("full", "ckpt-0002")]
     finally:
         if watcher is not None:
             watcher.stop()

@@ -1,6 +1,6 @@
-"""The watcher moves a REAL in-process engine (``TorchEngine`` on tiny random Llamas): a promotion
-is applied as the trainer's bf16 ``delta.zst`` and yields the child's serving weights; a rollback
-is a full load that restores the parent's (bf16 serving) weights exactly; the engine then generates."""
+"""The watcher moves a REAL in-process engine (``ReferenceEngine`` on tiny random Llamas): a promotion
+is a full load that yields the child's (bf16 serving) weights, a rollback one that restores the
+parent's exactly; the engine then generates."""
 
 from __future__ import annotations
 
@@ -31,10 +31,6 @@ class Recording:
         self.calls.append(("full", checkpoint_id))
         self.engine.load_checkpoint(checkpoint_id, path)
 
-    def apply_delta(self, checkpoint_id, delta_path, parent_id):
-        self.calls.append(("delta", checkpoint_id))
-        self.engine.apply_delta(checkpoint_id, delta_path, parent_id)
-
 
 def _state(model_dir):
     from safetensors.torch import load_file
@@ -42,15 +38,14 @@ def _state(model_dir):
     return load_file(str(model_dir / "model.safetensors"))
 
 
-def test_watcher_moves_a_torch_engine_by_delta_then_full_load(
+def test_watcher_moves_a_reference_engine_by_full_loads(
     client, session, store, lifecycle_topic, kafka_bootstrap, tiny_model_dir, tmp_path, monkeypatch
 ):
     import torch
 
-    from app.checkpoints.delta import write_delta
     from app.checkpoints.testing import build_tiny_model
     from app.models import Checkpoint
-    from serving.torch_engine import TorchEngine
+    from serving.reference_engine import ReferenceEngine
     from tests.integration.test_api_support import seed_gate
 
     monkeypatch.setenv("FLYWHEEL_HOME", str(tmp_path))
@@ -59,10 +54,6 @@ def test_watcher_moves_a_torch_engine_by_delta_then_full_load(
         with store.writer(cid) as d:
             shutil.copytree(src, d, dirs_exist_ok=True)
             (d / "manifest.json").write_text(json.dumps({"parent_id": parent}))
-            if parent:
-                write_delta(
-                    _state(tiny_model_dir), _state(child_src), d / "delta.zst", parent_id=parent, checkpoint_id=cid
-                )
         session.add(
             Checkpoint(
                 id=cid,
@@ -89,14 +80,14 @@ def test_watcher_moves_a_torch_engine_by_delta_then_full_load(
     with OutboxRelay() as relay:
         relay.relay_pending()
 
-    engine = Recording(TorchEngine(store.stable_path("base"), checkpoint_id="base", num_threads=1))
+    engine = Recording(ReferenceEngine(store.stable_path("base"), checkpoint_id="base", num_threads=1))
     watcher = ServingWatcher(engine, store=store)
     try:
         _poll_until_moved(watcher, engine, 1)
-        assert engine.calls == [("delta", "ckpt-0001")] and engine.checkpoint_id == "ckpt-0001"
+        assert engine.calls == [("full", "ckpt-0001")] and engine.checkpoint_id == "ckpt-0001"
         served = engine.engine.model.state_dict()
         child = _state(child_src)
-        for name, tensor in child.items():  # the delta carries the child's bf16 serving weights
+        for name, tensor in child.items():  # serving weights are bf16 (the engine's choice)
             assert torch.equal(served[name].to(torch.bfloat16), tensor.to(torch.bfloat16)), name
 
         assert (

@@ -10,6 +10,7 @@ import pytest
 
 from app.checkpoints.store import CheckpointStore
 from app.core.intervals import newcombe_diff_interval, wilson_interval
+from app.lifecycle.messages import CheckpointRejected, LineageEntry, ProductionChanged
 from app.promotion.queries import InvalidCursorError, decode_cursor, encode_cursor
 from serving.moves import plan_move
 from serving.watcher import Deduper, ProductionFollower
@@ -49,7 +50,7 @@ def test_cursor_round_trip_and_rejects_foreign_cursors():
 
 
 class RecordingEngine:
-    """The engine interface the watcher drives; refuses a delta whose parent is not what it serves."""
+    """The engine interface the watcher drives: it records each full load."""
 
     def __init__(self, checkpoint_id: str) -> None:
         self.checkpoint_id = checkpoint_id
@@ -60,48 +61,39 @@ class RecordingEngine:
         self.calls.append(("full", checkpoint_id))
         self.checkpoint_id = checkpoint_id
 
-    def apply_delta(self, checkpoint_id: str, delta_path: Path, parent_id: str) -> None:
-        assert parent_id == self.checkpoint_id and delta_path.name == "delta.zst"
-        self.calls.append(("delta", checkpoint_id))
-        self.checkpoint_id = checkpoint_id
-
 
 @pytest.fixture
 def chain(tmp_path) -> tuple[CheckpointStore, dict[str, dict]]:
-    """base <- c1 <- c2 (each with a delta.zst), and a sibling s1 of c1 without one."""
+    """base <- c1 <- c2, and a sibling s1 of c1."""
     store = CheckpointStore(tmp_path / "ckpts")
     parents = {"base": None, "c1": "base", "c2": "c1", "s1": "base"}
     for cid, parent in parents.items():
         with store.writer(cid) as d:
             (d / "manifest.json").write_text(json.dumps({"parent_id": parent}))
-            if parent and cid != "s1":
-                (d / "delta.zst").write_bytes(b"delta")
 
-    def payload(cid: str, outbox_id: int, kind: str = "checkpoint.promoted") -> dict:
+    def payload(cid: str, outbox_id: int, kind: str = "checkpoint.promoted") -> ProductionChanged:
         lineage, cur = [], cid
         while cur:
-            lineage.append({"id": cur, "path": str(store.path(cur))})
+            lineage.append(LineageEntry(id=cur, path=str(store.path(cur))))
             cur = parents[cur]
-        return {
-            "type": kind,
-            "event_id": f"ev-{outbox_id}",
-            "outbox_id": outbox_id,
-            "checkpoint_id": cid,
-            "path": str(store.path(cid)),
-            "lineage": lineage,
-        }
+        return ProductionChanged(
+            type=kind,
+            event_id=f"ev-{outbox_id}",
+            outbox_id=outbox_id,
+            checkpoint_id=cid,
+            path=str(store.path(cid)),
+            lineage=lineage,
+        )
 
     return store, payload
 
 
-def test_plan_move_prefers_the_delta_chain(chain):
+def test_plan_move_loads_the_target_folder_unless_it_serves(chain):
     store, payload = chain
     move = plan_move("base", payload("c2", 1), store)
-    assert move.method == "delta" and [(c, p) for c, _, p in move.steps] == [("c1", "base"), ("c2", "c1")]
+    assert move.method == "full" and move.path == store.stable_path("c2")
     assert plan_move("c2", payload("c2", 1), store).method == "noop"
     assert plan_move("c2", payload("c1", 1), store).method == "full"  # rollback to an ancestor
-    assert plan_move("c1", payload("s1", 1), store).method == "full"  # another branch
-    assert plan_move("base", payload("s1", 1), store).method == "full"  # no delta.zst
     assert plan_move(None, payload("c1", 1), store).method == "full"
 
 
@@ -113,14 +105,13 @@ def test_follower_dedupes_and_jumps_to_the_newest_change(chain, tmp_path):
         [
             (payload("c1", 1), None),
             (payload("c2", 2), None),
-            ({"type": "checkpoint.rejected", "checkpoint_id": "s1"}, None),
+            (CheckpointRejected(checkpoint_id="s1", previous_status="candidate"), None),
         ]
     )
-    assert move.method == "delta" and engine.calls == [("delta", "c1"), ("delta", "c2")]
+    assert move.method == "full" and engine.calls == [("full", "c2")]
     # A re-published copy (same event id) and a stale change (older outbox id) do nothing.
     assert follower.handle_batch([(payload("c1", 1), None), (payload("c2", 2), None)]) is None
-    stale = payload("c1", 1)
-    stale["event_id"] = "ev-other"
+    stale = payload("c1", 1).model_copy(update={"event_id": "ev-other"})
     assert follower.handle_batch([(stale, None)]) is None
     follower.handle_batch([(payload("c1", 3, "checkpoint.rolled_back"), None)])
     assert engine.calls[-1] == ("full", "c1")
@@ -129,22 +120,6 @@ def test_follower_dedupes_and_jumps_to_the_newest_change(chain, tmp_path):
     # A restarted follower remembers what it applied.
     again = ProductionFollower(engine, store=store, home=tmp_path)
     assert again.handle_batch([(payload("c2", 2), None), (payload("c1", 3), None)]) is None
-
-
-def test_follower_falls_back_to_a_full_load_when_a_delta_fails(chain, tmp_path):
-    from app.core.errors import CheckpointError
-
-    store, payload = chain
-
-    class BrokenDeltas(RecordingEngine):
-        def apply_delta(self, checkpoint_id, delta_path, parent_id):
-            raise CheckpointError("delta does not match parent weights")
-
-    engine = BrokenDeltas("base")
-    assert (
-        ProductionFollower(engine, store=store, home=tmp_path).handle_batch([(payload("c2", 1), None)]).method == "full"
-    )
-    assert engine.calls == [("full", "c2")]
 
 
 def test_deduper_is_bounded():
@@ -169,22 +144,12 @@ def test_a_failed_move_is_retried_not_forgotten(chain, tmp_path):
     assert follower.handle_batch([(msg, None)]).method == "full" and engine.checkpoint_id == "c1"
 
 
-def test_follower_reloads_fully_and_says_so_when_the_engine_cannot_apply_deltas(chain, tmp_path, caplog):
-    """vLLM can only reload a folder: the move is planned, reported and logged as a full reload."""
+def test_follower_logs_and_reports_a_full_reload(chain, tmp_path, caplog):
     store, payload = chain
-
-    class ReloadOnly(RecordingEngine):
-        applies_deltas = False
-
-    assert plan_move("base", payload("c2", 1), store, deltas=False).method == "full"
-    engine = ReloadOnly("base")
+    engine = RecordingEngine("base")
     follower = ProductionFollower(engine, store=store, home=tmp_path)
     with caplog.at_level("INFO", logger="flywheel.watcher"):
         move = follower.handle_batch([(payload("c2", 1), None)])
     assert move.method == "full" and engine.calls == [("full", "c2")]
     assert json.loads((tmp_path / "serving.json").read_text())["method"] == "full"
-    assert "full reload (the engine cannot apply deltas)" in caplog.text
-    follower.engine = RecordingEngine("c1")  # an engine that applies deltas moves c1 -> c2 by its delta
-    with caplog.at_level("INFO", logger="flywheel.watcher"):
-        assert follower.handle_batch([(payload("c2", 5), None)]).method == "delta"
-    assert "c2 by 1 delta(s)" in caplog.text
+    assert "serving c2 by a full reload" in caplog.text

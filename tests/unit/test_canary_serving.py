@@ -10,6 +10,7 @@ import pytest
 
 from app.checkpoints.store import CheckpointStore
 from app.lifecycle.assignment import assign_arm
+from app.lifecycle.messages import CanaryStarted, CanaryStopped
 from app.lifecycle.serving_state import read_serving_state
 from serving.canary import ActiveCanary, CanaryFollower, EngineRouter
 from serving.watcher import ProductionFollower
@@ -50,15 +51,18 @@ def store(tmp_path) -> CheckpointStore:
     return store
 
 
-def _msg(kind: str, canary_id: str, cid: str, outbox_id: int, fraction: float = 0.5) -> dict:
-    return {
-        "type": kind,
-        "event_id": f"e-{outbox_id}",
-        "canary_id": canary_id,
-        "checkpoint_id": cid,
-        "fraction": fraction,
-        "outbox_id": outbox_id,
-    }
+def _msg(kind: str, canary_id: str, cid: str, outbox_id: int, fraction: float = 0.5) -> CanaryStarted | CanaryStopped:
+    """A canary change as the lifecycle topic delivers it (parsed, with the relay's ``outbox_id``)."""
+    if kind == "canary.started":
+        return CanaryStarted(
+            event_id=f"e-{outbox_id}",
+            canary_id=canary_id,
+            checkpoint_id=cid,
+            fraction=fraction,
+            production_id="base",
+            outbox_id=outbox_id,
+        )
+    return CanaryStopped(event_id=f"e-{outbox_id}", canary_id=canary_id, checkpoint_id=cid, outbox_id=outbox_id)
 
 
 def test_follower_applies_the_newest_canary_change_once_and_survives_a_restart(store, tmp_path):
@@ -114,7 +118,7 @@ def test_a_canary_that_cannot_be_served_is_logged_and_leaves_everyone_on_product
     monkeypatch.delenv("FLYWHEEL_SERVING_CANARY_URL", raising=False)
     get_settings.cache_clear()
     prod = RecordingEngine("base")
-    canary = CanaryFollower(EngineRouter(prod), store=store)  # the real factory: setup_canary_engine
+    canary = CanaryFollower(EngineRouter(prod), store=store)  # the real factory: setup_engine, role canary
     follower = ProductionFollower(prod, store=store, home=tmp_path, canary=canary)
     try:
         with caplog.at_level("ERROR", logger="flywheel.canary"):

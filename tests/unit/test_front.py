@@ -12,6 +12,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from app.lifecycle.assignment import assign_arm
+from app.lifecycle.messages import CanaryStarted, CanaryStopped, ProductionChanged
 from serving.front import FrontSettings, create_front
 from serving.front_keys import Caller, FrontKeys
 from serving.front_lifecycle import LifecycleFollower
@@ -101,7 +102,9 @@ def test_reported_checkpoints_are_cached_until_a_lifecycle_change():
     assert _routes(router, ["u"])[0].checkpoint_id == "base"
     servers.version[PROD] = "ckpt-2"  # the watcher reloaded production
     assert _routes(router, ["u"])[0].checkpoint_id == "base"  # within the ttl
-    LifecycleFollower(router, bootstrap=None, topic="t").apply([{"type": "checkpoint.promoted", "checkpoint_id": "x"}])
+    LifecycleFollower(router, bootstrap=None, topic="t").apply(
+        [ProductionChanged(type="checkpoint.promoted", checkpoint_id="x")]
+    )
     assert _routes(router, ["u"])[0].checkpoint_id == "ckpt-2"  # re-read from the server, not the message
     servers.down.add(PROD)
     router.invalidate()
@@ -143,15 +146,16 @@ def test_requests_that_find_the_report_stale_share_one_read_that_waits_as_long_a
 def test_canary_messages_apply_in_outbox_order_once_and_stop_only_their_canary():
     router = _router(Servers())
     follower = LifecycleFollower(router, bootstrap=None, topic="t")
-    started = {"type": "canary.started", "canary_id": "c-1", "checkpoint_id": "cand", "fraction": 0.3, "outbox_id": 5}
-    stopped = {"type": "canary.stopped", "canary_id": "c-1", "checkpoint_id": "cand", "outbox_id": 6}
+    started = CanaryStarted(canary_id="c-1", checkpoint_id="cand", fraction=0.3, production_id="base", outbox_id=5)
+    stopped = CanaryStopped(canary_id="c-1", checkpoint_id="cand", outbox_id=6)
     assert follower.apply([stopped, started]) is None  # sorted: started then stopped
     assert follower.apply([started]) is None  # a redelivery of an older change is ignored
     follower = LifecycleFollower(router, bootstrap=None, topic="t")
     assert follower.apply([started]) == Canary("c-1", "cand", 0.3)
-    assert follower.apply([{**stopped, "canary_id": "c-0", "outbox_id": 7}]) == Canary("c-1", "cand", 0.3)
-    assert follower.apply([{**stopped, "outbox_id": 8}]) is None
-    assert follower.apply([{"type": "canary.started", "canary_id": "c-9", "outbox_id": 9}]) is None  # malformed
+    assert follower.apply([stopped.model_copy(update={"canary_id": "c-0", "outbox_id": 7})]) == Canary(
+        "c-1", "cand", 0.3
+    )
+    assert follower.apply([stopped.model_copy(update={"outbox_id": 8})]) is None
 
 
 @pytest.fixture

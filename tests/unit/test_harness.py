@@ -179,9 +179,9 @@ def test_wrong_solution_fails_the_hidden_tests(tokenizer, tmp_path):
 
 
 def test_real_engine_logprobs_in_events_match_the_reconstructed_sequence(tiny_model_dir, tmp_path):
-    from serving.torch_engine import TorchEngine, teacher_forced_logprobs
+    from serving.reference_engine import ReferenceEngine, teacher_forced_logprobs
 
-    engine = TorchEngine(tiny_model_dir, checkpoint_id="tiny")
+    engine = ReferenceEngine(tiny_model_dir, checkpoint_id="tiny", num_threads=1)
     result = run_agent_session(
         engine,
         TASK,

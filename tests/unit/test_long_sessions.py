@@ -25,7 +25,7 @@ from evals.tasks import functions, functions_long, load_tasks, verify_reference,
 from ops.demo import LONG_SEGMENT_TOKENS
 from ops.simulator import LONG_SESSION_MIN_TURNS, PRODUCTION_MIX, SimulatorConfig, run_simulation
 from producers.events.packing import unpack_floats, unpack_ints
-from serving.torch_engine import TorchEngine
+from serving.reference_engine import ReferenceEngine
 from trainer.config import TrainerConfig
 from trainer.data import Segment, TrajectoryData
 from trainer.training import pack_cycle
@@ -106,7 +106,7 @@ def _trajectory_data(state, reward: float, group: str) -> TrajectoryData:
 def test_a_tiny_model_on_a_long_task_self_summarizes_and_every_segment_trains_with_its_reward(
     long_context_model, tmp_path
 ):
-    engine = TorchEngine(long_context_model, checkpoint_id="tiny", serving_dtype=None, device="cpu")
+    engine = ReferenceEngine(long_context_model, checkpoint_id="tiny", serving_dtype=None, device="cpu", num_threads=1)
     task = functions_long.load("train")[0]
     budget = AgentBudget(  # as the simulator builds it from its defaults
         max_turns=SIMULATOR.max_turns,
@@ -167,7 +167,7 @@ def test_long_sessions_in_simulated_traffic_summarize_under_the_demos_two_turns(
     """``long_session_share`` through the real simulator: at the demo's and the bench's budget (2
     turns of 160 tokens) a long group's sessions get the turns to self-summarize, and each segment
     fits the segment length the demo's trainer keeps (the trainer's default keeps none of them)."""
-    engine = TorchEngine(long_context_model, checkpoint_id="tiny", serving_dtype=None, device="cpu")
+    engine = ReferenceEngine(long_context_model, checkpoint_id="tiny", serving_dtype=None, device="cpu", num_threads=1)
     config = SimulatorConfig(
         sessions=1,
         group_size=1,

@@ -1,6 +1,6 @@
 """The OpenAI-compatible client turns vLLM's routed experts (indexed by the position each token was
 input at) into the engine's convention (the position whose output sampled the token): checked against
-the torch engine's own recording of the same completion, answered in vLLM 0.32's response shape
+the reference engine's own recording of the same completion, answered in vLLM 0.32's response shape
 (``choices[i].routed_experts``: base64 ``.npy``, rows from ``routed_experts_prompt_start``)."""
 
 from __future__ import annotations
@@ -17,12 +17,12 @@ import torch
 from app.core.errors import InfrastructureError
 from app.inference.engine import SamplingParams
 from serving.openai_engine import OpenAICompatEngine, sampling_routes
-from serving.torch_engine import TorchEngine
+from serving.reference_engine import ReferenceEngine
 
 PROMPT = [1] + list(range(300, 320))
 
 
-def _per_position_routes(engine: TorchEngine, ids: list[int]) -> np.ndarray:
+def _per_position_routes(engine: ReferenceEngine, ids: list[int]) -> np.ndarray:
     """``[len(ids), layers, top_k]``: the experts each input position was routed to (vLLM's convention)."""
     from trainer.router_replay import moe_routers
 
@@ -78,9 +78,9 @@ def _vllm_like_server(gens, routes: list[np.ndarray], prompts: list[list[int]]):
 
 
 def test_vllm_routes_come_back_in_the_engines_convention(tiny_moe_model_dir):
-    """Two prompts of different lengths in one request: each choice's routes equal what the torch
+    """Two prompts of different lengths in one request: each choice's routes equal what the reference
     engine recorded while sampling the same completion."""
-    engine = TorchEngine(tiny_moe_model_dir)
+    engine = ReferenceEngine(tiny_moe_model_dir, num_threads=1)
     prompts = [PROMPT, PROMPT[:9]]
     params = SamplingParams(max_tokens=8, temperature=1.0, seed=3)
     gens = [engine.generate([p], params)[0] for p in prompts]

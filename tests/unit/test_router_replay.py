@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from app.inference.engine import SamplingParams
-from serving.torch_engine import TorchEngine
+from serving.reference_engine import ReferenceEngine
 from trainer.batching import pack_micro_batches
 from trainer.config import TrainerConfig
 from trainer.router_replay import moe_routers, replay_routes
@@ -29,9 +29,9 @@ def moe_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def served(moe_dir):
-    """(engine, generations) from the torch engine serving bf16-rounded weights."""
+    """(engine, generations) from the reference engine serving bf16-rounded weights."""
     torch.set_num_threads(1)
-    engine = TorchEngine(moe_dir)
+    engine = ReferenceEngine(moe_dir, num_threads=1)
     gens = engine.generate(PROMPTS, SamplingParams(max_tokens=24, temperature=1.0, seed=0))
     return engine, gens
 

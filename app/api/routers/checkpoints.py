@@ -13,7 +13,6 @@ from app.api.online_schemas import OnlineReport
 from app.api.schemas import (
     CHECKPOINT_ID_PATTERN,
     CheckpointDetail,
-    CheckpointStatus,
     CheckpointSummary,
     EvalReport,
     GateSummary,
@@ -25,6 +24,7 @@ from app.lifecycle.erasure import erasure_reasons
 from app.lifecycle.online import online_view
 from app.lifecycle.production import latest_gate_decision, lineage
 from app.models import Checkpoint, GateDecision
+from app.models.checkpoints import CheckpointStatus
 from app.promotion import queries
 from app.promotion.service import reject_checkpoint
 from app.repositories.checkpoints import get_checkpoint
