@@ -20,7 +20,6 @@ eval shard worker SIGKILLed mid-shard (``test_eval_shard_workers.py``).
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import time
@@ -176,6 +175,7 @@ class TestLoopFaults:
         time. Every row ends up marked sent and on the topic in ``outbox.id`` order of first appearance;
         a batch published but not marked before a kill is on the topic twice, which the watcher's dedupe
         (``serving.watcher.Deduper`` on ``event_id``) reduces to once."""
+        from app.lifecycle.messages import parse_lifecycle_message
         from serving.watcher import Deduper, message_identity
 
         url, bootstrap = loop.url, loop.bootstrap
@@ -206,7 +206,7 @@ class TestLoopFaults:
         first_seen = list(dict.fromkeys(ids))
         assert first_seen == sorted(first_seen)  # in outbox order
         dedupe = Deduper(capacity=10_000)
-        once = [m for m in messages if dedupe.first_time(message_identity(json.loads(m.value), m.headers))]
+        once = [m for m in messages if dedupe.first_time(message_identity(parse_lifecycle_message(m.value), m.headers))]
         assert len(once) == len(rows)
         print(f"relay kills mid-publish: {kills_mid_publish}; duplicates on the wire: {len(ids) - len(rows)}")
 

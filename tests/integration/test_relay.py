@@ -10,6 +10,7 @@ import time
 import pytest
 from sqlalchemy import select, text
 
+from app.lifecycle.messages import parse_lifecycle_message
 from app.models import Outbox
 from app.outbox.relay import OutboxRelay, pending_count
 from serving.watcher import Deduper, message_identity
@@ -95,7 +96,7 @@ def test_relay_publishes_each_promotion_once_even_when_restarted_between_publish
     raw = [json.loads(m.value) for m in msgs]
     assert [p["type"] for p in raw] == expected * 2  # at-least-once on the wire: the batch went out twice ...
     dedupe = Deduper()
-    seen = [p for p, m in zip(raw, msgs) if dedupe.first_time(message_identity(p, m.headers))]
+    seen = [p for p, m in zip(raw, msgs) if dedupe.first_time(message_identity(parse_lifecycle_message(p), m.headers))]
     assert [p["type"] for p in seen] == expected  # ... exactly once to a consumer that dedupes
     assert len({p["event_id"] for p in seen}) == 2
 
