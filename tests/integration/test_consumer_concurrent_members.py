@@ -94,8 +94,8 @@ def _race(monkeypatch, b_apply, a_apply) -> None:
     b_stored, a_done = threading.Event(), threading.Event()
     real_append = batch_mod.append_events
 
-    def append_then_pause(session, rows, method="copy"):
-        out = real_append(session, rows, method)
+    def append_then_pause(session, rows, *args, **kwargs):
+        out = real_append(session, rows, *args, **kwargs)
         if threading.current_thread().name == "member-b" and not b_stored.is_set():
             b_stored.set()
             a_done.wait(2.0)  # A gets every chance to overtake B here
