@@ -127,7 +127,7 @@ def test_a_random_tiny_model_falls_back_and_the_cli_reports_it(db, tiny_model_di
             "--model-dir",
             str(tiny_model_dir),
             "--engine",
-            "torch",
+            "reference",
             "--max-tokens",
             "24",
             "--verbose",
@@ -156,7 +156,7 @@ def test_a_random_tiny_model_falls_back_and_the_cli_reports_it(db, tiny_model_di
             "--model-dir",
             str(tiny_model_dir),
             "--engine",
-            "torch",
+            "reference",
         ],
     )
     assert json.loads(again.output.strip().splitlines()[-1])["cached"] == 2
