@@ -6,16 +6,15 @@ loopback server and Postgres see no connection)."""
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import pytest
 
 import evals.tasks
 from evals.harness.sandbox import SandboxLimits, run_in_sandbox
+from tests.fixtures.listener import loopback_listener
 
 pytestmark = pytest.mark.integration
 
@@ -113,35 +112,14 @@ def test_writes_outside_the_folder_are_refused(host, before):
 
 
 def test_loopback_and_postgres_are_unreachable(host):
-    server = socket.socket()
-    server.bind(("127.0.0.1", 0))
-    server.listen()
-    server.settimeout(0.2)
-    accepted: list = []
-    stop = threading.Event()
-
-    def accept():
-        while not stop.is_set():
-            try:
-                accepted.append(server.accept())
-            except TimeoutError:
-                continue
-
-    t = threading.Thread(target=accept)
-    t.start()
-    port = server.getsockname()[1]
-    code = (
-        "import socket\n"
-        f"for port in ({port}, 5432):\n"
-        "    try: socket.create_connection(('127.0.0.1', port), timeout=2); print('LEAK', port)\n"
-        "    except OSError as e: print('refused', port, e.errno)\n"
-    )
-    try:
+    with loopback_listener() as (port, accepted):
+        code = (
+            "import socket\n"
+            f"for port in ({port}, 5432):\n"
+            "    try: socket.create_connection(('127.0.0.1', port), timeout=2); print('LEAK', port)\n"
+            "    except OSError as e: print('refused', port, e.errno)\n"
+        )
         r = run_in_sandbox(py(code), host["box"], LIMITS)
-    finally:
-        stop.set()
-        t.join()
-        server.close()
     assert "LEAK" not in r.stdout and r.stdout.count("refused") == 2 and not accepted
     assert [d["target"] for d in r.denials if d["kind"] == "network"] == [f"127.0.0.1:{port}", "127.0.0.1:5432"]
 

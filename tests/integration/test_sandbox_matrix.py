@@ -8,10 +8,8 @@ from __future__ import annotations
 import importlib.util
 import os
 import signal
-import socket
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -20,6 +18,7 @@ import pytest
 import evals.tasks
 from evals.harness.sandbox import SandboxLimits, run_in_sandbox
 from evals.harness.sandbox_preflight import sandbox_preflight
+from tests.fixtures.listener import loopback_listener
 
 pytestmark = pytest.mark.integration
 
@@ -110,35 +109,14 @@ def test_writes_outside_the_folder_fail(box):
 
 
 def test_no_address_is_reachable(box):
-    server = socket.socket()
-    server.bind(("127.0.0.1", 0))
-    server.listen()
-    server.settimeout(0.2)
-    accepted: list = []
-    stop = threading.Event()
-
-    def accept():
-        while not stop.is_set():
-            try:
-                accepted.append(server.accept())
-            except TimeoutError:
-                continue
-
-    t = threading.Thread(target=accept)
-    t.start()
-    port = server.getsockname()[1]
-    code = (
-        "import socket\n"
-        f"for addr in (('127.0.0.1', {port}), ('192.0.2.1', 80)):\n"  # loopback; TEST-NET-1 (never routed)
-        "    try: socket.create_connection(addr, timeout=2); print('LEAK', addr)\n"
-        "    except OSError: print('refused')\n"
-    )
-    try:
+    with loopback_listener() as (port, accepted):
+        code = (
+            "import socket\n"
+            f"for addr in (('127.0.0.1', {port}), ('192.0.2.1', 80)):\n"  # loopback; TEST-NET-1 (never routed)
+            "    try: socket.create_connection(addr, timeout=2); print('LEAK', addr)\n"
+            "    except OSError: print('refused')\n"
+        )
         r = run_in_sandbox(py(code), box)
-    finally:
-        stop.set()
-        t.join()
-        server.close()
     assert r.stdout.split() == ["refused", "refused"] and not accepted
     assert kinds(r).count("network") == 2
 
