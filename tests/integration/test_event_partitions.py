@@ -21,22 +21,7 @@ ROW = (
 COLS = "seq, event_id, type, occurred_at, session_id, user_id, payload::text, ingested_at"
 
 
-@pytest.fixture
-def fresh_database(pg_admin_url):
-    from app.core.db import reset_engines
-
-    name = f"flywheel_part_{uuid.uuid4().hex[:8]}"
-    with psycopg.connect(pg_admin_url, autocommit=True) as conn:
-        conn.execute(f'CREATE DATABASE "{name}"')
-    try:
-        yield pg_admin_url.rsplit("/", 1)[0] + f"/{name}"
-    finally:
-        reset_engines()
-        with psycopg.connect(pg_admin_url, autocommit=True) as conn:
-            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-
-
-def test_a_populated_event_log_is_partitioned_in_place_and_back(fresh_database):
+def test_a_populated_event_log_is_partitioned_in_place_and_back(empty_database):
     """At 0022 an unpartitioned ``event_log`` holds 3 days of events (seq values from the
     sequence's blocks); the upgrade makes one partition per day it holds plus today and 3 days
     ahead and a default one, keeps every row as it was (seq, ingested_at, payload text), keeps the
@@ -44,7 +29,7 @@ def test_a_populated_event_log_is_partitioned_in_place_and_back(fresh_database):
     from app.core.migrate import downgrade, upgrade
     from consumers.partitions import list_partitions
 
-    url = fresh_database
+    url = empty_database
     upgrade(url=url, revision="0022")
     days = [datetime(2026, 11, d, 12, tzinfo=UTC) for d in (3, 4, 9)]
     with psycopg.connect(url) as conn:
